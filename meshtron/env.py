@@ -1,0 +1,28 @@
+"""Device and backend chosen from the environment, never hard-coded."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def device_type() -> str:
+    """``cuda`` when a GPU is visible (and not disabled by MESHTRON_DEVICE=cpu), else ``cpu``."""
+    forced = os.environ.get("MESHTRON_DEVICE")
+    if forced:
+        return forced
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def backend() -> str:
+    return "nccl" if device_type() == "cuda" else "gloo"
+
+
+def local_device() -> torch.device:
+    """This process's device: ``cuda:LOCAL_RANK`` on GPUs, ``cpu`` otherwise."""
+    if device_type() == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")

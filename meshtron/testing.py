@@ -1,0 +1,157 @@
+"""Run checks on N local ranks from plain pytest (gloo on CPU, NCCL with one GPU per rank).
+
+Launching ranks is the expensive part on a small machine, so one launch runs a whole list of
+check functions in order. Each check runs on every rank; a failing rank reports its traceback and
+the launch is ended at once (the others would block in their next collective), with the report
+naming the check and the rank. Every launch has a wall-clock timeout, so nothing hangs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+_CONTEXT = None
+
+
+class DistributedCheckFailed(AssertionError):
+    """A check failed (or timed out) on at least one rank."""
+
+
+def _context():
+    # A forkserver that has already imported torch turns an 8-rank launch from ~20 s of imports
+    # into a few forks.
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "meshtron"])
+    return _CONTEXT
+
+
+def _rank_main(rank: int, world_size: int, store_path: str, checks, args, results, pg_timeout: float):
+    import torch
+    import torch.distributed as dist
+
+    from meshtron import env
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
+    )
+    torch.set_num_threads(1)
+    current = "process group start-up"
+    try:
+        env.local_device()
+        dist.init_process_group(
+            env.backend(),
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
+        )
+        for check in checks:
+            current = check.__name__
+            check(*args)
+            results.put(("ok", rank, current, None))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report anything, including KeyboardInterrupt
+        results.put(("fail", rank, current, traceback.format_exc()))
+        results.close()
+        results.join_thread()  # flush before the hard exit below drops the feeder thread
+        os._exit(1)
+    results.put(("exit", rank, None, None))
+
+
+def run_checks(
+    checks: Sequence[Callable[..., Any]],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+) -> None:
+    """Run ``checks`` (module-level functions) in order on ``world_size`` ranks; raise on failure.
+
+    ``args`` are passed to every check and must be picklable. Inside a check the default process
+    group is initialised, so ``meshtron.build_mesh`` and ``torch.distributed`` work as under torchrun.
+    """
+    ctx = _context()
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(rank, world_size, store, list(checks), args, results, timeout),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            _collect(procs, results, world_size, timeout, [c.__name__ for c in checks])
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+
+
+def _collect(procs, results, world_size: int, timeout: float, names: list[str]) -> None:
+    deadline = time.monotonic() + timeout
+    exited: set[int] = set()
+    passed: dict[str, int] = {}
+    while len(exited) < world_size:
+        try:
+            kind, rank, check, tb = results.get(timeout=0.2)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in exited]
+            if dead:
+                _raise_failures(results, [], world_size, f"rank {dead[0]} died (exit code "
+                                f"{procs[dead[0]].exitcode}) without a report")
+            if time.monotonic() > deadline:
+                stuck = [r for r in range(world_size) if r not in exited]
+                raise DistributedCheckFailed(
+                    f"timed out after {timeout:.0f}s; ranks still running: {stuck}; checks passed on "
+                    f"all ranks so far: {[n for n in names if passed.get(n) == world_size]}"
+                )
+            continue
+        if kind == "fail":
+            _raise_failures(results, [(rank, check, tb)], world_size, "")
+        if kind == "ok":
+            passed[check] = passed.get(check, 0) + 1
+        else:
+            exited.add(rank)
+
+
+def _raise_failures(results, failures: list, world_size: int, fallback: str) -> None:
+    """Gather the failures that arrive within a second and report them, root cause first.
+
+    When one rank fails, its peers fail next with broken-connection errors; the rank whose error
+    is not a communication error is the one to read.
+    """
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        try:
+            kind, rank, check, tb = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if kind == "fail":
+            failures.append((rank, check, tb))
+    if not failures:
+        raise DistributedCheckFailed(fallback)
+    comm_words = ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "gloo")
+    failures.sort(key=lambda f: (any(w in f[2] for w in comm_words), f[0]))
+    rank, check, tb = failures[0]
+    others = ", ".join(f"rank {r} in '{c}'" for r, c, _ in failures[1:])
+    raise DistributedCheckFailed(
+        f"check '{check}' failed on rank {rank} of {world_size}"
+        + (f" (also failed: {others})" if others else "")
+        + f":\n{tb}"
+    )
