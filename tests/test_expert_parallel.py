@@ -108,14 +108,14 @@ def _block_parity(mesh, seed: int, skew: bool) -> None:
     _assert_grads(_global_grads(ep_block, mesh), {n: p.grad for n, p in ref.named_parameters()})
 
 
-def check_block_parity():
+def check_block_parity(refs: dict):
     for i, layout in enumerate(LAYOUTS):
         mesh = build_mesh(**layout)
         _block_parity(mesh, seed=10 + i, skew=False)
         _block_parity(mesh, seed=20 + i, skew=True)
 
 
-def check_dispatch_bytes():
+def check_dispatch_bytes(refs: dict):
     """Each all-to-all moves tokens x top-k x hidden x element size bytes over the ep group.
 
     Rank by rank: the dispatch sends this rank's T x k copies and the combine sends back the rows
@@ -149,7 +149,7 @@ def check_dispatch_bytes():
     assert totals.tolist() == [4 * local_tokens * 2 * 32 * 4] * 2
 
 
-def check_router_options_under_ep():
+def check_router_options_under_ep(refs: dict):
     """Capacity (per MoE call, on the local tokens), z-loss and aux-free bias with global statistics."""
     mesh = build_mesh(ep=4, dp=2)
     opts = dict(router_z_loss_coef=0.05, moe_aux_free_bias_rate=0.01, moe_capacity_factor=0.5)
@@ -173,7 +173,7 @@ def check_router_options_under_ep():
     assert torch.equal(ep_block.gate.expert_bias, 0.01 * torch.sign(load.mean() - load))
 
 
-def check_meta_init_and_errors():
+def check_meta_init_and_errors(refs: dict):
     mesh = build_mesh(ep=4, dp=2)
     cfg = ModelConfig(**MODEL)
     with torch.device("meta"):
@@ -197,19 +197,32 @@ def check_meta_init_and_errors():
         apply_expert_parallel(dense, mesh)
 
 
-def _hf_reference(seed: int):
+def _references(seed: int) -> dict:
+    """transformers and single-process meshtron results for one batch, computed once in the parent
+    (importing transformers on eight ranks would cost more than the checks themselves)."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     torch.manual_seed(seed)
-    hf_cfg = {k: v for k, v in MODEL.items() if k != "router_aux_loss_coef"}
-    hf = Qwen2MoeForCausalLM(
-        Qwen2MoeConfig(**hf_cfg, router_aux_loss_coef=BLOCK["router_aux_loss_coef"], output_router_logits=True)
-    )
+    hf = Qwen2MoeForCausalLM(Qwen2MoeConfig(**MODEL, output_router_logits=True)).train()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in hf.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if p.ndim == 1 and p.shape[0] == 32 else 0.0))
-    return hf.train()
+    cfg = ModelConfig(**MODEL)
+    state = from_hf(hf.state_dict(), cfg)
+    ids = torch.randint(0, cfg.vocab_size, (8, 9))
+    out = hf(input_ids=ids, labels=ids)
+    out.loss.backward()
+    ref = build_model(cfg).train()
+    ref.load_state_dict(state)
+    ce = token_loss_sum(ref(ids)[:, :-1], ids[:, 1:]) / ids[:, 1:].numel()
+    ce.backward()
+    assert rel_err(ce + cfg.router_aux_loss_coef * aux_loss(ref), out.loss) < 1e-5
+    return dict(
+        state=state, ids=ids, loss=out.loss.detach(), aux=out.aux_loss.detach(),
+        hf_grads=from_hf({n: p.grad for n, p in hf.named_parameters()}, cfg),
+        ref_grads={n: p.grad for n, p in ref.named_parameters()},
+    )
 
 
 def _load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -223,50 +236,34 @@ def _load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
                 p.copy_(full)
 
 
-def check_model_parity_with_transformers():
+def check_model_parity_with_transformers(refs: dict):
     """Whole Qwen2-MoE model (one MoE layer, so transformers' pooled aux loss is the per-layer one)."""
-    coef = BLOCK["router_aux_loss_coef"]
     cfg = ModelConfig(**MODEL)
-    hf = _hf_reference(seed=11)
-    state = from_hf(hf.state_dict(), cfg)
-    ref = build_model(cfg).train()
-    ref.load_state_dict(state)
-    batch, seq = 8, 9
-    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
-    hf_out = hf(input_ids=ids, labels=ids)
-    hf_out.loss.backward()
-    hf_grads = from_hf({n: p.grad for n, p in hf.named_parameters()}, cfg)
-    ref_ce = token_loss_sum(ref(ids)[:, :-1], ids[:, 1:]) / ids[:, 1:].numel()
-    ref_ce.backward()
-    assert rel_err(ref_ce + coef * aux_loss(ref), hf_out.loss) < 1e-5
+    ids = refs["ids"]
     for layout in (dict(ep=4, dp=2), dict(ep=2, dp=2, tp=2), dict(ep=8)):
         mesh = build_mesh(**layout)
         with torch.device("meta"):
             model = build_model(cfg)
         apply_expert_parallel(model, mesh)
         materialize(model, "cpu", seed=0)
-        _load_full_state(model, state)
+        _load_full_state(model, refs["state"])
         model.train()
-        local = ids[_my_rows(mesh, batch)]
+        local = ids[_my_rows(mesh, ids.shape[0])]
         ce = token_loss_sum(model(local)[:, :-1], local[:, 1:]) / ids[:, 1:].numel()
         ce.backward()
         total = ce.detach().clone()
         dist.all_reduce(total, group=dense_data_mesh(mesh).get_group())
-        loss = total + coef * aux_loss(model)
-        assert rel_err(loss, hf_out.loss) < 1e-5, layout
-        assert rel_err(aux_loss(model), hf_out.aux_loss) < 1e-5, layout
+        loss = total + cfg.router_aux_loss_coef * aux_loss(model)
+        assert rel_err(loss, refs["loss"]) < 1e-5, layout
+        assert rel_err(aux_loss(model), refs["aux"]) < 1e-5, layout
         grads = _global_grads(model, mesh)
-        _assert_grads(grads, hf_grads)
-        _assert_grads(grads, {n: p.grad for n, p in ref.named_parameters()})
+        _assert_grads(grads, refs["hf_grads"])
+        _assert_grads(grads, refs["ref_grads"])
 
 
-def test_expert_parallel_block_and_dispatcher_8_ranks():
-    run_checks(
-        [check_block_parity, check_dispatch_bytes, check_router_options_under_ep, check_meta_init_and_errors],
-        8,
-        timeout=240,
-    )
-
-
-def test_expert_parallel_model_matches_transformers_8_ranks():
-    run_checks([check_model_parity_with_transformers], 8, timeout=240)
+def test_expert_parallel_8_ranks():
+    checks = [
+        check_block_parity, check_dispatch_bytes, check_router_options_under_ep, check_meta_init_and_errors,
+        check_model_parity_with_transformers,
+    ]
+    run_checks(checks, 8, _references(seed=11), timeout=300)
