@@ -38,7 +38,11 @@ MODEL = dict(
     moe_intermediate_size=20,  # transformers pads nothing: grouped_mm needs 16-byte rows
     rope_theta=10000.0,
 )
-LAYOUTS = [dict(ep=2, dp=4), dict(ep=4, dp=2), dict(ep=8), dict(ep=2, dp=2, tp=2), dict(ep=4, tp=2)]
+# cp ranks hold different tokens like dp ranks; pp ranks are independent stages (here replicas).
+LAYOUTS = [
+    dict(ep=2, dp=4), dict(ep=4, dp=2), dict(ep=8), dict(ep=2, dp=2, tp=2), dict(ep=4, tp=2),
+    dict(ep=2, cp=2, dp=2), dict(pp=2, ep=4),
+]
 TOKENS = 48  # global tokens of the block checks: 6 per reader with 8 readers
 
 
@@ -51,9 +55,10 @@ def _random_block(seed: int, **overrides) -> MoE:
     return moe
 
 
-def _my_rows(mesh, total: int) -> slice:
-    """The rows of a global batch this rank reads (batch split over dp x ep, shared by tp and cp)."""
-    readers = batch_mesh(mesh)
+def _my_rows(mesh, total: int, holders=batch_mesh) -> slice:
+    """The rows of a global batch this rank reads: sequences split over dp x ep (``batch_mesh``), or
+    tokens over dp x cp x ep (``dense_data_mesh``); tp ranks share theirs."""
+    readers = holders(mesh)
     n = total // readers.size()
     return slice(readers.get_local_rank() * n, (readers.get_local_rank() + 1) * n)
 
@@ -97,7 +102,7 @@ def _block_parity(mesh, seed: int, skew: bool) -> None:
         assert ref.last_tokens_per_expert[2:].sum() == 0 and ref.last_tokens_per_expert[:2].min() > 0
     apply_expert_parallel(ep_block, mesh)
     assert isinstance(ep_block.experts, ExpertParallelExperts)
-    rows = _my_rows(mesh, TOKENS)
+    rows = _my_rows(mesh, TOKENS, dense_data_mesh)
     x_local = x[rows].clone().requires_grad_()
     out = ep_block(x_local)
     (out * g[rows]).sum().backward()
@@ -113,6 +118,31 @@ def check_block_parity(refs: dict):
         mesh = build_mesh(**layout)
         _block_parity(mesh, seed=10 + i, skew=False)
         _block_parity(mesh, seed=20 + i, skew=True)
+
+
+def check_fsdp_composes(refs: dict):
+    """FSDP2 over dp x cp on top of the ep-sharded experts (2-D DTensors (dp_cp, ep)) keeps gradients.
+
+    FSDP averages gradients over its mesh; meshtron's loss is already normalised globally, so the
+    data-parallel module must turn that into a sum (gloo lacks the PREMUL_SUM that
+    set_gradient_divide_factor(1.0) needs; this test multiplies the mesh size back instead).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = build_mesh(ep=4, dp=2)
+    ref = _random_block(4)
+    x, g = torch.randn(TOKENS, 32), torch.randn(TOKENS, 32)
+    block = apply_expert_parallel(copy.deepcopy(ref), mesh)
+    (ref(x) * g).sum().backward()
+    fully_shard(block.experts, mesh=expert_data_mesh(mesh))
+    fully_shard(block, mesh=dense_data_mesh(mesh))
+    rows = _my_rows(mesh, TOKENS, dense_data_mesh)
+    (block(x[rows]) * g[rows]).sum().backward()
+    assert block.experts.gate_proj.device_mesh.mesh_dim_names == ("dp_cp", "ep")
+    for name, p in block.named_parameters():
+        averaged_over = (expert_data_mesh if name.startswith("experts.") else dense_data_mesh)(mesh).size()
+        expected = dict(ref.named_parameters())[name].grad
+        assert rel_err(p.grad.full_tensor() * averaged_over, expected) < 1e-4, name
 
 
 def check_dispatch_bytes(refs: dict):
@@ -156,7 +186,7 @@ def check_router_options_under_ep(refs: dict):
     ref = _random_block(5, **opts)
     x = torch.randn(TOKENS, 32)
     ep_block = apply_expert_parallel(copy.deepcopy(ref), mesh)
-    rows = _my_rows(mesh, TOKENS)
+    rows = _my_rows(mesh, TOKENS, dense_data_mesh)
     out = ep_block(x[rows])
     ref(x)  # global statistics
     global_z, global_counts = ref.last_z_loss, ref.last_tokens_per_expert
@@ -263,7 +293,7 @@ def check_model_parity_with_transformers(refs: dict):
 
 def test_expert_parallel_8_ranks():
     checks = [
-        check_block_parity, check_dispatch_bytes, check_router_options_under_ep, check_meta_init_and_errors,
+        check_block_parity, check_fsdp_composes, check_dispatch_bytes, check_router_options_under_ep, check_meta_init_and_errors,
         check_model_parity_with_transformers,
     ]
     run_checks(checks, 8, _references(seed=11), timeout=300)
