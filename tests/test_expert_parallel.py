@@ -14,6 +14,7 @@ fail otherwise.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from meshtron.hf import from_hf
 from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh, expert_data_mesh
 from meshtron.models import aux_loss, build_model, materialize, token_loss_sum, update_expert_bias
 from meshtron.models.moe import MoE
-from meshtron.parallel.expert import ExpertParallelExperts, apply_expert_parallel
+from meshtron.parallel.expert import ExpertParallelExperts, apply_expert_parallel, token_mesh
 from meshtron.testing import rel_err, run_checks
 
 BLOCK = dict(
@@ -63,7 +64,7 @@ def _my_rows(mesh, total: int, holders=batch_mesh) -> slice:
     return slice(readers.get_local_rank() * n, (readers.get_local_rank() + 1) * n)
 
 
-def _global_grads(model: torch.nn.Module, mesh) -> dict[str, torch.Tensor]:
+def _global_grads(model: torch.nn.Module, mesh, holders=dense_data_mesh) -> dict[str, torch.Tensor]:
     """Full gradients: dense ones summed over the token holders, expert ones over dp x cp, then gathered."""
     out = {}
     for name, p in model.named_parameters():
@@ -74,7 +75,7 @@ def _global_grads(model: torch.nn.Module, mesh) -> dict[str, torch.Tensor]:
             out[name] = DTensor.from_local(local, grad.device_mesh, grad.placements).full_tensor()
         else:
             grad = grad.clone()
-            dist.all_reduce(grad, group=dense_data_mesh(mesh).get_group())
+            dist.all_reduce(grad, group=holders(mesh).get_group())
             out[name] = grad
     return out
 
@@ -86,7 +87,7 @@ def _assert_grads(got: dict, expected: dict, tol: float = 1e-4) -> None:
         assert err < tol, f"{name}: gradient rel err {err:.2e}"
 
 
-def _block_parity(mesh, seed: int, skew: bool) -> None:
+def _block_parity(mesh, seed: int, skew: bool, sequence_parallel: bool = False) -> None:
     ref = _random_block(seed)
     x = torch.randn(TOKENS, 32)
     if skew:  # every token picks experts 0 and 1: all on ep rank 0 (or 0 and 1 with ep = 8)
@@ -100,9 +101,10 @@ def _block_parity(mesh, seed: int, skew: bool) -> None:
     (out_ref * g).sum().backward()
     if skew:
         assert ref.last_tokens_per_expert[2:].sum() == 0 and ref.last_tokens_per_expert[:2].min() > 0
-    apply_expert_parallel(ep_block, mesh)
+    apply_expert_parallel(ep_block, mesh, sequence_parallel=sequence_parallel)
     assert isinstance(ep_block.experts, ExpertParallelExperts)
-    rows = _my_rows(mesh, TOKENS, dense_data_mesh)
+    holders = functools.partial(token_mesh, sequence_parallel=sequence_parallel)
+    rows = _my_rows(mesh, TOKENS, holders)
     x_local = x[rows].clone().requires_grad_()
     out = ep_block(x_local)
     (out * g[rows]).sum().backward()
@@ -110,7 +112,7 @@ def _block_parity(mesh, seed: int, skew: bool) -> None:
     assert rel_err(x_local.grad, x_ref.grad[rows]) < 1e-4
     assert rel_err(ep_block.last_aux_loss, ref.last_aux_loss) < 1e-5
     assert torch.equal(ep_block.last_tokens_per_expert, ref.last_tokens_per_expert)
-    _assert_grads(_global_grads(ep_block, mesh), {n: p.grad for n, p in ref.named_parameters()})
+    _assert_grads(_global_grads(ep_block, mesh, holders), {n: p.grad for n, p in ref.named_parameters()})
 
 
 def check_block_parity(refs: dict):
@@ -118,6 +120,8 @@ def check_block_parity(refs: dict):
         mesh = build_mesh(**layout)
         _block_parity(mesh, seed=10 + i, skew=False)
         _block_parity(mesh, seed=20 + i, skew=True)
+    # Sequence parallelism: tp ranks hold different tokens, nothing is split over tp.
+    _block_parity(build_mesh(ep=4, tp=2), seed=30, skew=False, sequence_parallel=True)
 
 
 def check_fsdp_composes(refs: dict):

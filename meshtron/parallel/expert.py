@@ -31,7 +31,8 @@ Composition with the other dimensions:
   gather's backward keeps this rank's slice (activation gradients are replicated over tp). Experts
   are replicated over tp but see different tokens per tp rank, so their gradients are summed over
   tp in backward (inside this module). With sequence parallelism the tp ranks hold different tokens
-  already; nothing is split and the tp ranks count as token holders for the router statistics.
+  already: nothing is split, the tp ranks count as token holders for the router statistics, and
+  the expert gradients are still summed over tp (the experts are replicated there).
 * context parallelism: cp ranks hold different tokens; dispatch stays inside ep.
 * data parallelism / FSDP: expert gradients (already summed over ep's tokens) still need summing
   over dp x cp (``meshtron.mesh.expert_data_mesh``); the data-parallel module does that.
@@ -151,16 +152,24 @@ def _shard_experts(full: torch.Tensor, ep_mesh: DeviceMesh) -> DTensor:
 class ExpertParallelExperts(nn.Module):
     """Drop-in for :class:`GroupedExperts` holding E/ep experts per rank and dispatching by all-to-all.
 
-    ``tp_mesh``: set when the tokens are replicated over tp (tensor parallelism without sequence
-    parallelism); each tp rank then dispatches 1/tp of them.
+    ``tp_mesh``: the tensor-parallel group, over which the experts are replicated while the tokens
+    they see differ, so their gradients are summed there. ``split_tokens_over_tp``: the tokens are
+    replicated over tp (no sequence parallelism), so each tp rank dispatches only 1/tp of them.
     """
 
-    def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None):
+    def __init__(
+        self,
+        experts: GroupedExperts,
+        ep_mesh: DeviceMesh,
+        tp_mesh: DeviceMesh | None = None,
+        split_tokens_over_tp: bool = True,
+    ):
         super().__init__()
         self.num_experts = experts.num_experts
         self.ep_mesh = ep_mesh
         self.ep_group = ep_mesh.get_group()
         self.tp_group = tp_mesh.get_group() if tp_mesh is not None and tp_mesh.size() > 1 else None
+        self.split_tokens = self.tp_group is not None and split_tokens_over_tp
         for name in _PROJECTIONS:
             full = getattr(experts, name)
             setattr(self, name, nn.Parameter(_shard_experts(full, ep_mesh), requires_grad=full.requires_grad))
@@ -174,7 +183,7 @@ class ExpertParallelExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: SharedWork | None = None
     ) -> torch.Tensor:
-        if self.tp_group is not None:
+        if self.split_tokens:
             x, weights, experts = self._slice_over_tp(x, weights, experts)
         sorted_x, order, counts = permute_tokens(x, experts, self.num_experts)
         send, recv, recv_counts = self._exchange_counts(counts)
@@ -186,7 +195,7 @@ class ExpertParallelExperts(nn.Module):
             work.wait()
         y = self._run_local_experts(received, recv_counts, sum(recv))
         out = unpermute_tokens(_AllToAll.apply(y, send, recv, self.ep_group, None), order, weights)
-        if self.tp_group is not None:
+        if self.split_tokens:
             out = _GatherTokens.apply(out, self.tp_group)
         return out + side if side is not None else out
 
@@ -291,9 +300,8 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     set_global_router_stats(model, mesh, sequence_parallel)
     if ep == 1:
         return model
-    tp_mesh = None if sequence_parallel else mesh["tp"]
     for moe in layers:
-        moe.experts = ExpertParallelExperts(moe.experts, ep_mesh, tp_mesh)
+        moe.experts = ExpertParallelExperts(moe.experts, ep_mesh, mesh["tp"], split_tokens_over_tp=not sequence_parallel)
     return model
 
 
