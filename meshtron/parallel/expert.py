@@ -72,7 +72,9 @@ class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with uneven splits; backward sends the gradients back the same way.
 
     With ``pending`` (a list) the forward is asynchronous: its work handle is appended there and the
-    caller must wait on it before reading the output.
+    caller must wait on it before reading the output. (``torch.distributed.nn.functional.
+    all_to_all_single`` also differentiates uneven splits on gloo, as we checked, but it is
+    deprecated in torch 2.13 and has no asynchronous form to overlap the shared expert with.)
     """
 
     @staticmethod
