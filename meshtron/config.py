@@ -85,6 +85,11 @@ class ParallelConfig:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
     virtual_stages: int = 1
     microbatches: int = 1
+    # How dense params use dp x ep x cp (expert params: dp x cp): "fsdp" shards over all of it,
+    # "hsdp" replicates over dp and shards inside (ep x) cp, "replicate" keeps full copies (DDP-like).
+    data_parallel: str = "fsdp"
+    activation_checkpointing: str = "none"  # none | full (every block) | selective (every ac_every-th block)
+    ac_every: int = 2
 
 
 @dataclass
@@ -251,6 +256,27 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+DATA_PARALLEL_MODES = ("fsdp", "hsdp", "replicate")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+def _validate_data_parallel(p: ParallelConfig, source: str) -> None:
+    _require(
+        p.data_parallel in DATA_PARALLEL_MODES,
+        f"{source}: [parallel] data_parallel must be one of {', '.join(DATA_PARALLEL_MODES)}, "
+        f"got '{p.data_parallel}'." + _closest(p.data_parallel, DATA_PARALLEL_MODES),
+    )
+    _require(
+        p.activation_checkpointing in ACTIVATION_CHECKPOINTING,
+        f"{source}: [parallel] activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
+        f"got '{p.activation_checkpointing}'." + _closest(p.activation_checkpointing, ACTIVATION_CHECKPOINTING),
+    )
+    _require(
+        p.ac_every >= 1,
+        f"{source}: [parallel] ac_every must be >= 1 (checkpoint every N-th block), got {p.ac_every}.",
+    )
+
+
 def validate(cfg: Config, source: str = "<recipe>") -> None:
     """Checks that need no process group: value ranges and choices. Layout checks live in mesh.py."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -291,6 +317,7 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
         p.virtual_stages == 1 or p.schedule == "interleaved",
         f"{source}: [parallel] virtual_stages = {p.virtual_stages} needs schedule = 'interleaved'.",
     )
+    _validate_data_parallel(p, source)
     _require(p.ep == 1 or m.is_moe, f"{source}: [parallel] ep = {p.ep} needs an MoE model (num_experts > 0).")
     dtypes = ("float32", "bfloat16")
     _require(t.dtype in dtypes, f"{source}: [train] dtype must be one of {', '.join(dtypes)}, got '{t.dtype}'.")
