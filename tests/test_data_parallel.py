@@ -1,0 +1,253 @@
+"""Data parallelism (FSDP2 / HSDP / replicate), activation checkpointing and global grad clipping.
+
+Every layout trains 3 AdamW steps with clipping on the same global batches as one process and must
+give the same losses, gradients (gathered), clipped global norms and parameters. ep ranks act as
+extra data parallel ranks for this dense model (as they do for dense layers of an MoE model). A
+small colwise/rowwise TP plan of our own makes the 2-D (data x tp) DTensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from meshtron import env
+from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
+from meshtron.mesh import batch_mesh, build_mesh
+from meshtron.models import build_model, materialize, token_loss_sum
+from meshtron.parallel.checkpointing import apply_activation_checkpointing, checkpointed_layers
+from meshtron.parallel.data import apply_data_parallel, data_meshes
+from meshtron.parallel.grad_norm import clip_grad_norm_
+from meshtron.testing import rel_err, run_checks
+
+CFG = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
+    num_key_value_heads=4, rope_theta=10000.0,
+)
+BATCH, SEQ, STEPS, MAX_NORM = 8, 16, 3, 0.5
+
+
+def _reference(cfg: ModelConfig) -> torch.nn.Module:
+    """Random weights everywhere (norms and biases too), identical on every rank."""
+    model = materialize(build_model(cfg), env.local_device(), seed=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.train()
+
+
+def _tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
+    plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+    plan.update({f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
+    plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, plan)
+
+
+def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32"):
+    """The training path: meta model -> TP -> AC -> data parallel -> materialise -> load ``full``."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    if mesh["tp"].size() > 1:
+        _tensor_parallel(model, mesh["tp"])
+    apply_activation_checkpointing(model, ac, every=2)
+    apply_data_parallel(model, mesh, mode, dtype)
+    materialize(model, env.local_device(), seed=0)
+    assert list(model.state_dict()) == list(full), "parallel wrappers changed the parameter names"
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(full[name], p.device_mesh, p.placements).to_local())
+            else:
+                p.copy_(full[name])
+    return model.train()
+
+
+def _batches():
+    """Global batches with some ignored labels, the same on every rank."""
+    gen = torch.Generator().manual_seed(1234)
+    for _ in range(STEPS):
+        tokens = torch.randint(0, CFG["vocab_size"], (BATCH, SEQ + 1), generator=gen)
+        labels = tokens[:, 1:].clone()
+        labels[torch.rand(labels.shape, generator=gen) < 0.2] = -100
+        yield tokens[:, :-1], labels
+
+
+def _train(model, batch_slice, clip):
+    """STEPS AdamW steps; per step (loss, grads before clipping, norm); the loss is the global mean."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+    history = []
+    for tokens, labels in _batches():
+        count = (labels != -100).sum()
+        rows = batch_slice(tokens.shape[0])
+        loss = token_loss_sum(model(tokens[rows]), labels[rows]) / count
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        norm = clip(model.parameters())
+        opt.step()
+        opt.zero_grad()
+        history.append((loss.detach(), grads, norm.detach()))
+    return history
+
+
+def _run_reference(ref):
+    return _train(ref, lambda b: slice(0, b), lambda ps: torch.nn.utils.clip_grad_norm_(list(ps), MAX_NORM))
+
+
+def _run_parallel(model, mesh):
+    readers = batch_mesh(mesh)
+
+    def rows(batch):
+        share = batch // readers.size()
+        return slice(readers.get_local_rank() * share, (readers.get_local_rank() + 1) * share)
+
+    history = _train(model, rows, lambda ps: clip_grad_norm_(ps, MAX_NORM))
+    for loss, _, _ in history:  # each reader's loss is its share of the global mean
+        dist.all_reduce(loss, group=readers.get_group())
+    return history
+
+
+def _assert_parity(layout, ref, ref_hist, model, hist):
+    for step, ((rl, rg, rn), (pl, pg, pn)) in enumerate(zip(ref_hist, hist)):
+        assert rel_err(pl, rl) < 1e-5, f"{layout} step {step}: loss {pl.item()} vs {rl.item()}"
+        assert rel_err(pn, rn) < 1e-5, f"{layout} step {step}: grad norm {pn.item()} vs {rn.item()}"
+        assert rn > MAX_NORM, "the test must exercise clipping"
+        for name, grad in rg.items():
+            err = rel_err(pg[name], grad)
+            assert err < 1e-4, f"{layout} step {step}: grad of {name} off by {err:.2e}"
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        err = rel_err(p, ref_params[name])
+        assert err < 1e-4, f"{layout}: {name} after {STEPS} steps off by {err:.2e}"
+
+
+def _check_layouts(layouts, tie=False):
+    cfg = ModelConfig(**CFG, tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    ref = _reference(cfg)
+    start = {n: t.clone() for n, t in ref.state_dict().items()}
+    ref_hist = _run_reference(ref)
+    for sizes, mode in layouts:
+        mesh = build_mesh(**sizes)
+        model = _parallel(cfg, start, mesh, mode)
+        _assert_parity(f"{sizes} {mode}", ref, ref_hist, model, _run_parallel(model, mesh))
+
+
+def check_dp2():
+    _check_layouts([(dict(dp=2), "fsdp")])
+
+
+def check_dp4_and_dp_tp():
+    _check_layouts([(dict(dp=4), "fsdp"), (dict(dp=2, tp=2), "fsdp")])
+
+
+def check_dp8_and_modes():
+    _check_layouts([
+        (dict(dp=8), "fsdp"),
+        (dict(dp=2, ep=2, tp=2), "fsdp"),
+        (dict(dp=2, ep=2, tp=2), "hsdp"),
+        (dict(dp=2, ep=2, tp=2), "replicate"),
+    ])
+
+
+def check_tied_dp_tp():
+    _check_layouts([(dict(dp=2, tp=4), "fsdp")], tie=True)
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def check_checkpointing_is_bit_identical():
+    """Recomputation must not change a single bit of the loss or the (local) gradients."""
+    cfg = ModelConfig(**CFG)
+    torch.manual_seed(0)
+    ref = _reference(cfg)
+    mesh = build_mesh(dp=2, ep=2, tp=2)
+    runs = {}
+    for ac in ("none", "full", "selective"):
+        model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", ac)
+        tokens, labels = next(_batches())
+        loss = token_loss_sum(model(tokens), labels)
+        loss.backward()
+        runs[ac] = (loss.detach(), {n: _local(p.grad).clone() for n, p in model.named_parameters()})
+    for ac in ("full", "selective"):
+        assert torch.equal(runs[ac][0], runs["none"][0]), f"{ac} checkpointing changed the loss"
+        for name, grad in runs["none"][1].items():
+            assert torch.equal(runs[ac][1][name], grad), f"{ac} checkpointing changed the gradient of {name}"
+
+
+def check_bf16_smoke():
+    """bf16 compute with fp32 master weights and fp32 reduction stays within 1e-2 of fp32."""
+    cfg = ModelConfig(**CFG)
+    torch.manual_seed(0)
+    ref = _reference(cfg)
+    mesh = build_mesh(dp=4, tp=2)
+    model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", dtype="bfloat16")
+    assert all(_local(p).dtype == torch.float32 for p in model.parameters()), "master weights must stay fp32"
+    tokens, labels = next(_batches())
+    count = (labels != -100).sum()
+    expected = token_loss_sum(ref(tokens), labels) / count
+    hist = _run_parallel(model, mesh)
+    assert rel_err(hist[0][0], expected) < 1e-2, f"bf16 loss {hist[0][0].item()} vs fp32 {expected.item()}"
+    assert all(g.dtype == torch.float32 for g in hist[0][1].values()), "gradients must be reduced to fp32"
+
+
+def check_hsdp_meshes():
+    mesh = build_mesh(dp=2, cp=2, ep=2)
+    dense, expert = data_meshes(mesh, "hsdp")
+    assert dense.mesh_dim_names == ("dp", "cp_ep") and dense.shape == (2, 4)
+    assert expert.mesh_dim_names == ("dp", "cp") and expert.shape == (2, 2)
+    rank = dist.get_rank()
+    # Ranks are laid out (dp, cp, ep): the shard group is this rank's dp slice, the replica group
+    # the ranks 4 apart.
+    assert sorted(dist.get_process_group_ranks(dense.get_group("cp_ep"))) == list(range(rank // 4 * 4, rank // 4 * 4 + 4))
+    assert sorted(dist.get_process_group_ranks(dense.get_group("dp"))) == [rank % 4, rank % 4 + 4]
+
+
+def test_data_parallel_2_ranks():
+    run_checks([check_dp2], 2, timeout=120)
+
+
+def test_data_parallel_4_ranks():
+    run_checks([check_dp4_and_dp_tp], 4, timeout=120)
+
+
+def test_data_parallel_8_ranks():
+    run_checks(
+        [check_dp8_and_modes, check_tied_dp_tp, check_checkpointing_is_bit_identical, check_bf16_smoke,
+         check_hsdp_meshes],
+        8,
+        timeout=240,
+    )
+
+
+def test_selective_checkpointing_picks_every_nth_global_layer():
+    assert checkpointed_layers([0, 1, 2, 3, 4, 5], "selective", 2) == [0, 2, 4]
+    assert checkpointed_layers([3, 4, 5], "selective", 3) == [3]  # a pipeline stage keeps global indices
+    assert checkpointed_layers([3, 4], "full", 2) == [3, 4]
+    assert checkpointed_layers([3, 4], "none", 2) == []
+
+
+def test_checkpointing_keeps_parameter_names():
+    model = build_model(ModelConfig(**CFG))
+    names = list(model.state_dict())
+    assert apply_activation_checkpointing(model, "full") == [0, 1, 2]
+    assert list(model.state_dict()) == names and [n for n, _ in model.named_parameters()] == names
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("data_parallel", "fsdp2", "data_parallel must be one of fsdp, hsdp, replicate, got 'fsdp2'. Did you mean 'fsdp'"),
+        ("activation_checkpointing", "ful", "activation_checkpointing must be one of none, full, selective"),
+        ("ac_every", 0, "ac_every must be >= 1"),
+    ],
+)
+def test_config_errors(key, value, message):
+    cfg = Config(parallel=ParallelConfig(**{key: value}))
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(cfg)
