@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from meshtron import env
 from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
 from meshtron.mesh import batch_mesh, build_mesh
-from meshtron.models import build_model, materialize, token_loss_sum
+from meshtron.models import MoE, build_model, materialize, token_loss_sum
 from meshtron.parallel.checkpointing import apply_activation_checkpointing, checkpointed_layers
 from meshtron.parallel.data import apply_data_parallel, data_meshes
 from meshtron.parallel.grad_norm import clip_grad_norm_
@@ -26,6 +26,12 @@ from meshtron.testing import rel_err, run_checks
 CFG = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
     num_key_value_heads=4, rope_theta=10000.0,
+)
+# Without expert parallelism ep must stay 1 for MoE (experts would see other tokens on each ep rank).
+# The aux loss needs global router statistics, which expert parallelism installs; it is off here.
+MOE = dict(
+    CFG, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+    mlp_only_layers=[1], router_aux_loss_coef=0.0,
 )
 BATCH, SEQ, STEPS, MAX_NORM = 8, 16, 3, 0.5
 
@@ -40,11 +46,13 @@ def _reference(cfg: ModelConfig) -> torch.nn.Module:
 
 
 def _tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
-    plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
-    plan.update({f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
-    plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+    """Megatron-style attention and dense MLP; MoE layers stay replicated over tp."""
+    attention = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+    attention["self_attn.o_proj"] = RowwiseParallel()
+    mlp = {f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")}
+    mlp["mlp.down_proj"] = RowwiseParallel()
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, attention if isinstance(block.mlp, MoE) else {**attention, **mlp})
 
 
 def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32"):
@@ -111,21 +119,23 @@ def _run_parallel(model, mesh):
 
 
 def _assert_parity(layout, ref, ref_hist, model, hist):
-    for step, ((rl, rg, rn), (pl, pg, pn)) in enumerate(zip(ref_hist, hist)):
+    for step, ((rl, _, rn), (pl, _, pn)) in enumerate(zip(ref_hist, hist)):
         assert rel_err(pl, rl) < 1e-5, f"{layout} step {step}: loss {pl.item()} vs {rl.item()}"
         assert rel_err(pn, rn) < 1e-5, f"{layout} step {step}: grad norm {pn.item()} vs {rn.item()}"
         assert rn > MAX_NORM, "the test must exercise clipping"
-        for name, grad in rg.items():
-            err = rel_err(pg[name], grad)
-            assert err < 1e-4, f"{layout} step {step}: grad of {name} off by {err:.2e}"
+    # Gathering every gradient is the slow part on CPU: compare them on the first step; later
+    # steps are covered by the losses, the norms and the final parameters.
+    for name, grad in ref_hist[0][1].items():
+        err = rel_err(hist[0][1][name], grad)
+        assert err < 1e-4, f"{layout}: gradient of {name} off by {err:.2e}"
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         err = rel_err(p, ref_params[name])
         assert err < 1e-4, f"{layout}: {name} after {STEPS} steps off by {err:.2e}"
 
 
-def _check_layouts(layouts, tie=False):
-    cfg = ModelConfig(**CFG, tie_word_embeddings=tie)
+def _check_layouts(layouts, **model):
+    cfg = ModelConfig(**{**CFG, **model})
     torch.manual_seed(0)
     ref = _reference(cfg)
     start = {n: t.clone() for n, t in ref.state_dict().items()}
@@ -154,7 +164,12 @@ def check_dp8_and_modes():
 
 
 def check_tied_dp_tp():
-    _check_layouts([(dict(dp=2, tp=4), "fsdp")], tie=True)
+    _check_layouts([(dict(dp=2, tp=4), "fsdp")], tie_word_embeddings=True)
+
+
+def check_moe():
+    """Experts on the dp x cp mesh next to dense weights on dp x ep x cp (and tp)."""
+    _check_layouts([(dict(dp=4, tp=2), "fsdp"), (dict(dp=8), "hsdp")], **MOE)
 
 
 def _local(t):
@@ -218,8 +233,8 @@ def test_data_parallel_4_ranks():
 
 def test_data_parallel_8_ranks():
     run_checks(
-        [check_dp8_and_modes, check_tied_dp_tp, check_checkpointing_is_bit_identical, check_bf16_smoke,
-         check_hsdp_meshes],
+        [check_dp8_and_modes, check_tied_dp_tp, check_moe, check_checkpointing_is_bit_identical,
+         check_bf16_smoke, check_hsdp_meshes],
         8,
         timeout=240,
     )

@@ -21,8 +21,8 @@ Modes (``[parallel] data_parallel``):
 
 Parameters already sharded by TP (and experts by EP) are DTensors; FSDP2 adds the data dimension
 so they become 2-D DTensors (data mesh x tp / ep). FSDP units: each MoE's ``experts`` (on the
-expert data mesh), each block, and the root (embeddings, final norm and lm_head, which must share
-a unit when tied).
+expert data mesh), each block, the embedding and lm_head (one root unit when tied), and the root
+(final norm).
 
 Gradients are SUMMED over data ranks. The training loop divides each rank's summed token loss by
 the global token count of the step, so every rank's gradient is already its share of one global
@@ -79,6 +79,18 @@ def _wrap(module: nn.Module, data_mesh: DeviceMesh, mode: str, policy: MixedPrec
     return fully_shard(module, mesh=data_mesh, mp_policy=policy)
 
 
+def _untied_vocab_modules(model: nn.Module) -> list[nn.Module]:
+    """Embedding and lm_head as units of their own, unless tied (one parameter needs one unit).
+
+    The root unit stays gathered from forward to the end of backward; keeping the two largest
+    matrices out of it frees them between uses (about 2 GiB of bf16 for Qwen2.5-7B).
+    """
+    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    if embed is not None and head is not None and embed.weight is head.weight:
+        return []
+    return [m for m in (embed, head) if m is not None]
+
+
 def apply_data_parallel(
     model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp", dtype: str = "float32"
 ) -> nn.Module:
@@ -93,6 +105,7 @@ def apply_data_parallel(
     for block in model.layers.values():
         units += [_wrap(moe.experts, expert_mesh, mode, policy) for moe in block.modules() if isinstance(moe, MoE)]
         units.append(_wrap(block, dense_mesh, mode, policy))
+    units += [_wrap(m, dense_mesh, mode, policy) for m in _untied_vocab_modules(model)]
     units.append(_wrap(model, dense_mesh, mode, policy))
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
