@@ -21,18 +21,22 @@ So ``SEND_F(s, i)`` pairs with ``RECV_F(s + 1, i)`` and ``SEND_B(s, i)`` with ``
 
 Matching and deadlock-freedom. Backends match p2p messages between a pair of ranks in posting
 order (NCCL ignores tags), so for every directed pair (src, dst) the sequence of sends on src
-must equal the sequence of receives on dst; :func:`check_matching` verifies it. A batch is
-modelled as *rendezvous*: it completes only once every op in it has met its partner op (sends
-may block until the peer posts the receive, as NCCL's grouped p2p does). A schedule that
-finishes under this model also finishes when sends complete eagerly (gloo), because eager
-sends can only make batches complete earlier. :func:`simulate` runs the model and raises on
+must equal the sequence of receives on dst (``simulate.match_p2p`` verifies it); an executor
+must post a batch's ops in their list order. A batch is modelled as *rendezvous*: it completes
+only once every op in it has met its partner op (a send may wait until the peer posts the
+receive, as NCCL's grouped p2p can). A schedule that finishes under this model also finishes
+when sends complete without waiting for the receiver, because that can only make batches
+complete earlier. :func:`simulate` runs the model and raises on
 deadlock; the tests run every schedule through it.
 
-Batching rule. Each compute step receives its inputs in the batch right before it; its sends
-are posted in the first batch after it. For the plain schedules every batch sits between two
-consecutive compute steps (Megatron's ``send_forward_recv_backward`` and friends). The
-interleaved schedule posts the receives one step ahead, as Megatron does, so that a rank
-never waits for a tensor inside a batch whose other ops its neighbours cannot reach yet.
+Batching rule. A rank's compute steps are grouped into *slots*; the batch between two slots
+holds the sends of the slot before and the receives of the slot after. GPipe and 1F1B use one
+compute step per slot (Megatron's ``send_forward_recv_backward`` and friends). The interleaved
+schedule's steady-state slot is a forward followed by a backward with no p2p in between (as in
+Megatron), so its batches carry up to two sends and two receives. This matters: with a batch
+between that forward and backward, every rank can block in ``{SEND_B to previous, RECV_F from
+previous}`` while its previous rank blocks in the same kind of batch, a cycle around the ring
+of virtual stages (the simulator finds it for pp=2, 4, 8 with v=2).
 """
 
 from __future__ import annotations
