@@ -175,6 +175,8 @@ def test_interleaved_needs_a_multiple_of_pp_microbatches():
         interleaved_1f1b(4, 6, 2)
     with pytest.raises(ValueError, match="pp >= 2"):
         interleaved_1f1b(1, 4, 2)
+    with pytest.raises(ValueError, match="virtual_stages = 2 needs schedule = 'interleaved'"):
+        build_schedule("1f1b", 4, 8, 2)
     with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'"):
         build_schedule("zb", 2, 2)
 

@@ -45,8 +45,6 @@ from dataclasses import dataclass
 
 F, B = "F", "B"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-COMPUTE_KINDS = (F, B)
-P2P_KINDS = (SEND_F, RECV_F, SEND_B, RECV_B)
 
 
 @dataclass(frozen=True)
@@ -87,12 +85,12 @@ def _check_microbatches(name: str, pp: int, m: int) -> None:
         )
 
 
-def _gpipe_slots(pp: int, m: int, rank: int) -> list[list[Action]]:
+def _gpipe_slots(m: int, rank: int) -> list[list[Action]]:
     return [[Action(kind, i, rank)] for kind in (F, B) for i in range(m)]
 
 
 def _one_f_one_b_slots(pp: int, m: int, rank: int) -> list[list[Action]]:
-    warmup = min(pp - rank - 1, m)
+    warmup = pp - rank - 1
     slots = [[Action(F, i, rank)] for i in range(warmup)]
     for i in range(m - warmup):
         slots += [[Action(F, warmup + i, rank)], [Action(B, i, rank)]]
@@ -155,7 +153,7 @@ def _with_p2p(slots: list[list[Action]], pp: int, num_stages: int) -> list[Step]
 def gpipe(pp: int, m: int) -> Schedule:
     """All forwards, then all backwards: ``m`` microbatches of activations live at the peak."""
     _check_microbatches("gpipe", pp, m)
-    return [_with_p2p(_gpipe_slots(pp, m, r), pp, pp) for r in range(pp)]
+    return [_with_p2p(_gpipe_slots(m, r), pp, pp) for r in range(pp)]
 
 
 def one_f_one_b(pp: int, m: int) -> Schedule:
@@ -187,6 +185,8 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
 
 def build_schedule(name: str, pp: int, m: int, v: int = 1) -> Schedule:
     """Schedule by its recipe name (``gpipe`` | ``1f1b`` | ``interleaved``)."""
+    if v != 1 and name != "interleaved":
+        raise ValueError(f"{name}: virtual_stages = {v} needs schedule = 'interleaved'")
     if name == "gpipe":
         return gpipe(pp, m)
     if name == "1f1b":

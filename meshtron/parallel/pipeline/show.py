@@ -34,33 +34,30 @@ def render_timeline(spans: Iterable[Sequence], path: str, title: str = "", pp: i
 
     Each span is ``(rank, kind, mb, start, end)`` with ``kind`` ``"F"`` or ``"B"``, optionally
     followed by the global stage (its virtual stage picks the shade when ``pp`` is given);
-    :class:`~meshtron.parallel.pipeline.simulate.Span` objects work too.
+    :class:`~meshtron.parallel.pipeline.simulate.Span` tuples have this layout.
     """
-    rows = [tuple(s) if isinstance(s, Sequence) else _span_tuple(s) for s in spans]
+    rows = [tuple(s) for s in spans]
     if not rows:
         raise ValueError("render_timeline: no spans to draw")
     ranks = 1 + max(r[0] for r in rows)
-    end = max(r[4] for r in rows)
+    begin, end = min(r[3] for r in rows), max(r[4] for r in rows)
     fig = _figure_class()(figsize=(max(8.0, min(40.0, len(rows) / ranks * 0.5)), 0.6 * ranks + 1.2))
     ax = fig.add_subplot()
     shades = set()
     for rank, kind, mb, start, stop, *stage in rows:
         shade = (stage[0] // pp) % 2 if stage and pp else 0
         shades.add(shade)
-        ax.barh(rank, stop - start, left=start, height=0.8, color=_COLOURS[shade][kind != F], edgecolor="black", linewidth=0.4)
+        colour = _COLOURS[shade][kind != F]
+        ax.barh(rank, stop - start, left=start, height=0.8, color=colour, edgecolor="black", linewidth=0.4)
         ax.text((start + stop) / 2, rank, str(mb), ha="center", va="center", fontsize=7)
     ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
     ax.set_ylim(ranks - 0.5, -0.5)
-    ax.set_xlim(0, end)
+    ax.set_xlim(begin, end)
     ax.set_xlabel("time")
     ax.set_title(title, loc="left")
     ax.legend(handles=_legend(len(shades) > 1), loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=4, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def _span_tuple(span) -> tuple:
-    return (span.rank, span.kind, span.mb, span.start, span.end, span.stage)
 
 
 def _legend(two_shades: bool) -> list:

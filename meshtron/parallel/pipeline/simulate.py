@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from meshtron.parallel.pipeline.schedules import (
     B,
@@ -24,9 +25,8 @@ from meshtron.parallel.pipeline.schedules import (
 )
 
 
-@dataclass(frozen=True)
-class Span:
-    """One compute action on the clock (also the row format of measured timelines)."""
+class Span(NamedTuple):
+    """One compute action on the clock; measured timelines use the same row layout."""
 
     rank: int
     kind: str
