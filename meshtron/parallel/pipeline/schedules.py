@@ -36,7 +36,7 @@ schedule's steady-state slot is a forward followed by a backward with no p2p in 
 Megatron), so its batches carry up to two sends and two receives. This matters: with a batch
 between that forward and backward, every rank can block in ``{SEND_B to previous, RECV_F from
 previous}`` while its previous rank blocks in the same kind of batch, a cycle around the ring
-of virtual stages (the simulator finds it for pp=2, 4, 8 with v=2).
+of virtual stages (the simulator finds it for pp=2, 4, 8 with v=2, and gloo hangs on it).
 """
 
 from __future__ import annotations
