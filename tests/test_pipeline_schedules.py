@@ -248,9 +248,12 @@ def test_show_command_line(tmp_path):
     cmd = [sys.executable, "-m", "meshtron.pipeline.show", "--pp", "2", "--out", str(out)]
     run = subprocess.run(cmd + ["--microbatches", "4"], capture_output=True, text=True, check=True)
     assert "bubble 0.2000" in run.stdout and out.read_bytes()[:8] == PNG_HEADER
-    interleaved = ["--schedule", "interleaved", "--virtual", "2", "--microbatches", "3"]
-    bad = subprocess.run(cmd + interleaved, capture_output=True, text=True)
-    assert bad.returncode != 0 and "not a multiple of pp = 2" in bad.stderr
+
+
+def test_show_rejects_bad_shapes_with_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        show_main(["--pp", "2", "--microbatches", "3", "--schedule", "interleaved", "--virtual", "2"])
+    assert "not a multiple of pp = 2" in capsys.readouterr().err
 
 
 def test_render_measured_timeline(tmp_path):
