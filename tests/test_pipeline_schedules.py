@@ -250,7 +250,7 @@ def test_show_command_line(tmp_path):
     assert "bubble 0.2000" in run.stdout and out.read_bytes()[:8] == PNG_HEADER
 
 
-def test_show_rejects_bad_shapes_with_a_usage_error(tmp_path, capsys):
+def test_show_rejects_bad_shapes_with_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         show_main(["--pp", "2", "--microbatches", "3", "--schedule", "interleaved", "--virtual", "2"])
     assert "not a multiple of pp = 2" in capsys.readouterr().err
