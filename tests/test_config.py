@@ -90,16 +90,13 @@ def test_tied_embeddings_follow_published_configs():
 
 
 def test_unknown_key_names_file_and_closest_key(tmp_path):
-    path = write(tmp_path, "[parallel]\ntensor_parallel = 2\n[model]\nhidden_sise = 64\n", "my_recipe.toml")
-    with pytest.raises(ConfigError) as err:
+    path = write(tmp_path, "[model]\nhidden_sise = 64\n", "my_recipe.toml")
+    with pytest.raises(ConfigError, match=r"my_recipe\.toml: unknown key 'hidden_sise' in \[model\]\. Did you mean 'hidden_size'"):
         load_config(path)
-    message = str(err.value)
-    assert "my_recipe.toml" in message
-    assert "unknown key 'hidden_sise' in [model]" in message or "tensor_parallel" in message
-    with pytest.raises(ConfigError, match=r"my_recipe\.toml.*'hidden_sise'.*Did you mean 'hidden_size'"):
-        load_config(write(tmp_path, "[model]\nhidden_sise = 64\n", "my_recipe.toml"))
-    with pytest.raises(ConfigError, match=r"'microbatch'.*Did you mean 'microbatches'"):
+    with pytest.raises(ConfigError, match=r"'microbatch' in \[parallel\]\. Did you mean 'microbatches'"):
         load_config(write(tmp_path, "[parallel]\nmicrobatch = 4\n"))
+    with pytest.raises(ConfigError, match=r"unknown key 'banana' in \[train\]\. Valid keys: steps, seed"):
+        load_config(write(tmp_path, "[train]\nbanana = 4\n"))
 
 
 def test_unknown_section(tmp_path):
