@@ -1,0 +1,23 @@
+"""Plain PyTorch model definitions (no parallel code)."""
+
+from meshtron.models.moe import MoE, aux_loss, moe_layers
+from meshtron.models.qwen2 import (
+    Transformer,
+    build_model,
+    count_parameters,
+    flops_per_token,
+    materialize,
+    token_loss_sum,
+)
+
+__all__ = [
+    "MoE",
+    "Transformer",
+    "aux_loss",
+    "build_model",
+    "count_parameters",
+    "flops_per_token",
+    "materialize",
+    "moe_layers",
+    "token_loss_sum",
+]
