@@ -308,8 +308,8 @@ def _validate_model(m: ModelConfig, source: str) -> None:
 
 
 def _validate_layout(cfg: Config, source: str) -> None:
-    """Divisibility of the model and batch by the layout; the world size itself is checked by the mesh."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    """Per-key layout checks; fitting the layout to the world size, model and batch is mesh.validate_layout."""
+    p = cfg.parallel
     where = f"{source}: [parallel]"
     for key in ("pp", "dp", "cp", "ep", "tp", "virtual_stages", "microbatches"):
         _require(getattr(p, key) >= 1, f"{where} {key} must be >= 1, got {getattr(p, key)}.")
@@ -323,42 +323,13 @@ def _validate_layout(cfg: Config, source: str) -> None:
         p.virtual_stages == 1 or p.schedule == "interleaved",
         f"{where} virtual_stages = {p.virtual_stages} needs schedule = 'interleaved'.",
     )
-    _require(p.ep == 1 or m.is_moe, f"{where} ep = {p.ep} needs an MoE model (num_experts > 0); use dp instead.")
     _require(
-        not m.is_moe or m.num_experts % p.ep == 0,
-        f"{where} ep = {p.ep} does not divide num_experts = {m.num_experts}; pick an ep that divides it.",
-    )
-    _require(
-        m.num_attention_heads % p.tp == 0,
-        f"{where} tp = {p.tp} does not divide num_attention_heads = {m.num_attention_heads}.",
-    )
-    _require(
-        m.kv_heads % p.tp == 0 or p.tp % m.kv_heads == 0,
-        f"{where} tp = {p.tp} and num_key_value_heads = {m.kv_heads}: one must divide the other "
-        "(KV heads are split, or replicated when tp is larger).",
-    )
-    stages = p.pp * p.virtual_stages
-    _require(
-        m.num_hidden_layers >= stages,
-        f"{where} pp x virtual_stages = {stages} stages but the model has only {m.num_hidden_layers} layers.",
-    )
-    batch_split = p.dp * p.ep * p.microbatches
-    _require(
-        t.global_batch_size % batch_split == 0,
-        f"{source}: [train] global_batch_size = {t.global_batch_size} must be divisible by "
-        f"dp x ep x microbatches = {batch_split}.",
-    )
-    # Context parallelism cuts the sequence into 2 x cp load-balanced chunks; SP splits it over tp.
-    seq_split = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sp else 1)
-    _require(
-        t.seq_len % seq_split == 0,
-        f"{source}: [train] seq_len = {t.seq_len} must be divisible by {seq_split} "
-        "(2 x cp chunks for context parallelism, times tp with sp).",
+        p.ep == 1 or cfg.model.is_moe, f"{where} ep = {p.ep} needs an MoE model (num_experts > 0); use dp instead."
     )
 
 
 def validate(cfg: Config, source: str = "<recipe>") -> None:
-    """Checks that need no process group: value ranges, choices and layout divisibility."""
+    """Checks of single values and choices; ``meshtron.mesh.validate_layout`` fits the layout to the ranks."""
     for name in _SECTION_TYPES:
         _check_numbers(name, getattr(cfg, name), source)
     _validate_model(cfg.model, source)

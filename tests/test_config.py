@@ -23,6 +23,7 @@ from meshtron.config import (
     load_config,
     parse_overrides,
 )
+from meshtron.mesh import validate_layout
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 ALL_RECIPES = sorted(RECIPES.glob("*.toml"))
@@ -61,8 +62,20 @@ def test_every_recipe_loads_and_sets_every_key(path):
 
 @pytest.mark.parametrize("path", ALL_RECIPES, ids=lambda p: p.stem)
 def test_every_recipe_layout_fits_eight_ranks(path):
-    p = load_config(path).parallel
-    assert p.pp * p.dp * p.cp * p.ep * p.tp == 8
+    validate_layout(load_config(path), world_size=8)
+
+
+@pytest.mark.parametrize(
+    "name, overrides, pattern",
+    [
+        ("qwen1p5_moe_a2p7b", ["--parallel.dp=1", "--parallel.ep=8"], r"ep = 8 does not divide \[model\] num_experts = 60"),
+        ("qwen2p5_7b", ["--parallel.dp=1", "--parallel.tp=8"], r"tp = 8 does not divide .*Valid tp up to 8: 1, 2, 4\."),
+        ("debug_dense", ["--parallel.dp=4"], r"world size"),
+    ],
+)
+def test_invalid_layouts_of_real_recipes(name, overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        validate_layout(load_config(RECIPES / f"{name}.toml", overrides), world_size=8)
 
 
 @pytest.mark.parametrize("path", ALL_RECIPES, ids=lambda p: p.stem)
@@ -164,16 +177,11 @@ IMPOSSIBLE = [
     ("debug_moe", "model", "moe_intermediate_size", 0, r"moe_intermediate_size must be > 0"),
     ("debug_moe", "model", "decoder_sparse_step", 0, r"decoder_sparse_step must be >= 1"),
     ("debug_moe", "model", "num_experts", -8, r"num_experts must not be negative"),
-    ("debug_moe", "parallel", "ep", 3, r"ep = 3 does not divide num_experts = 8"),
     ("debug_dense", "parallel", "tp", 0, r"tp must be >= 1, got 0"),
-    ("debug_dense", "parallel", "tp", 3, r"tp = 3 does not divide num_attention_heads = 8"),
     ("debug_dense", "parallel", "schedule", "1F1B", r"schedule must be one of gpipe, 1f1b, interleaved.*Did you mean '1f1b'"),
     ("debug_dense", "parallel", "schedule", "interleave", r"Did you mean 'interleaved'"),
     ("debug_dense", "parallel", "virtual_stages", 2, r"virtual_stages = 2 needs schedule = 'interleaved'"),
     ("debug_dense", "parallel", "ep", 2, r"ep = 2 needs an MoE model"),
-    ("debug_dense", "parallel", "pp", 8, r"8 stages but the model has only 4 layers"),
-    ("debug_dense", "parallel", "microbatches", 3, r"global_batch_size = 16 must be divisible by dp x ep x microbatches = 24"),
-    ("debug_dense", "parallel", "cp", 3, r"seq_len = 64 must be divisible by 6"),
     ("debug_dense", "train", "dtype", "bf16", r"dtype must be one of float32, bfloat16, got 'bf16'.*Did you mean 'bfloat16'"),
     ("debug_dense", "train", "dtype", "float16", r"dtype must be one of float32, bfloat16"),
     ("debug_dense", "train", "steps", 0, r"steps must be >= 1"),
@@ -205,11 +213,13 @@ def test_valid_layout_edits_load():
     ]:
         raw = copy.deepcopy(DEBUG["debug_dense"])
         raw[section].update(values)
-        config_from_dict(raw)
+        validate_layout(config_from_dict(raw), world_size=8)
     raw = copy.deepcopy(DEBUG["debug_moe"])
     raw["model"].update(decoder_sparse_step=2, mlp_only_layers=[0, 2])
     raw["parallel"].update(dp=1, ep=8)
-    m = config_from_dict(raw).model
+    cfg = config_from_dict(raw)
+    validate_layout(cfg, world_size=8)
+    m = cfg.model
     assert [m.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
 
 
@@ -326,5 +336,5 @@ def test_random_overrides_load_or_raise_config_error(name, pairs):
 
 def test_messages_are_one_clear_sentence():
     with pytest.raises(ConfigError) as err:
-        config_from_dict(edited("debug_moe", "parallel", "ep", 3), source="x.toml")
-    assert re.match(r"^x\.toml: \[parallel\] ep = 3 .*\.$", str(err.value))
+        config_from_dict(edited("debug_dense", "parallel", "ep", 3), source="x.toml")
+    assert re.match(r"^x\.toml: \[parallel\] ep = 3 needs an MoE model .*\.$", str(err.value))
