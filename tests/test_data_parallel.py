@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from meshtron import env
+from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
 from meshtron.mesh import batch_mesh, build_mesh
 from meshtron.models import MoE, build_model, materialize, token_loss_sum
@@ -63,14 +64,11 @@ def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32"):
         _tensor_parallel(model, mesh["tp"])
     apply_activation_checkpointing(model, ac, every=2)
     apply_data_parallel(model, mesh, mode, dtype)
-    materialize(model, env.local_device(), seed=0)
+    model.to_empty(device=env.local_device())
+    if cfg.tie_word_embeddings and model.lm_head.weight is not model.embed_tokens.weight:
+        model.tie_weights()
     assert list(model.state_dict()) == list(full), "parallel wrappers changed the parameter names"
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if isinstance(p, DTensor):
-                p.to_local().copy_(distribute_tensor(full[name], p.device_mesh, p.placements).to_local())
-            else:
-                p.copy_(full[name])
+    load_full_state_dict(model, full)
     return model.train()
 
 
