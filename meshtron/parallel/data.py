@@ -44,6 +44,7 @@ from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from meshtron.config import DATA_PARALLEL_MODES
 from meshtron.mesh import dense_data_mesh, expert_data_mesh
@@ -73,10 +74,25 @@ def data_meshes(mesh: DeviceMesh, mode: str) -> tuple[DeviceMesh, DeviceMesh]:
     return DeviceMesh._concatenate([mesh["dp"], shard]), mesh[("dp", "cp")]
 
 
-def _wrap(module: nn.Module, data_mesh: DeviceMesh, mode: str, policy: MixedPrecisionPolicy) -> FSDPModule:
+def _even_shard_dim(shards: int):
+    """FSDP placement: the first dim of the local tensor that ``shards`` divides, else dim 0.
+
+    Experts split by EP are DTensors Shard(0) with E/ep local experts, often fewer than the expert
+    data ranks (e.g. 64 experts, ep = 8, dp x cp = 16). Sharding that dim again would be uneven and
+    strided, which DTensor cannot redistribute; the hidden dims are even in practice.
+    """
+
+    def placement(param: nn.Parameter) -> Shard:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return Shard(next((d for d, size in enumerate(local.shape) if size % shards == 0), 0))
+
+    return placement
+
+
+def _wrap(module: nn.Module, data_mesh: DeviceMesh, mode: str, policy: MixedPrecisionPolicy, placement=None):
     if mode == "replicate":
         return replicate(module, mesh=data_mesh, mp_policy=policy)
-    return fully_shard(module, mesh=data_mesh, mp_policy=policy)
+    return fully_shard(module, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement)
 
 
 def _untied_vocab_modules(model: nn.Module) -> list[nn.Module]:
@@ -101,9 +117,14 @@ def apply_data_parallel(
     """
     dense_mesh, expert_mesh = data_meshes(mesh, mode)
     policy = mixed_precision(dtype)
+    expert_placement = _even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))  # the shard dim (last for HSDP)
     units: list[FSDPModule] = []
     for block in model.layers.values():
-        units += [_wrap(moe.experts, expert_mesh, mode, policy) for moe in block.modules() if isinstance(moe, MoE)]
+        units += [
+            _wrap(moe.experts, expert_mesh, mode, policy, expert_placement)
+            for moe in block.modules()
+            if isinstance(moe, MoE)
+        ]
         units.append(_wrap(block, dense_mesh, mode, policy))
     units += [_wrap(m, dense_mesh, mode, policy) for m in _untied_vocab_modules(model)]
     units.append(_wrap(model, dense_mesh, mode, policy))
