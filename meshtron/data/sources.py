@@ -15,6 +15,7 @@ in memory; tokenizers see each piece separately.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -61,8 +62,11 @@ def _check_suffix(path: Path) -> None:
         )
 
 
-def file_stamp(path: Path) -> tuple[str, int, int]:
-    """(path, size, mtime_ns): what the token cache is keyed on."""
+def file_stamp(path: Path) -> tuple[str, int, int] | str:
+    """What the token cache is keyed on: (path, size, mtime_ns), or for the embedded corpus its
+    content hash, since each node's copy of the package has its own path and mtime."""
+    if path == BUILTIN_PATH:
+        return "builtin-" + hashlib.sha256(path.read_bytes()).hexdigest()
     try:
         st = os.stat(path)
     except OSError as err:
