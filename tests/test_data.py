@@ -156,6 +156,10 @@ def test_packing_concatenation_reproduces_stream(tmp_path, rng):
     assert windows.shape == (n, seq_len + 1) and windows.dtype == torch.int64
     assert windows[:, :-1].reshape(-1).tolist() == stream[: n * seq_len]
     assert windows[:, 1:].reshape(-1).tolist() == stream[1 : n * seq_len + 1]
+    picked = torch.randperm(n)[:5]
+    assert torch.equal(tokens.windows(picked), windows[picked])
+    # the stream is mapped from the cache file, not read into memory
+    assert str(tokens.meta_path.with_suffix(".bin")) in open("/proc/self/maps").read()
 
 
 def test_txt_documents_folders_and_long_pieces(tmp_path, rng, monkeypatch):
