@@ -271,13 +271,24 @@ def test_resume_mid_epoch(tmp_path, rng):
     assert torch.equal(next(other)[0], sampler.batch_for_step(k, 0, 4)[0])
 
 
-def test_resume_refuses_other_data(tmp_path, rng):
+def test_resume_checks_the_data(tmp_path, rng):
     cfg = corpus_cfg(tmp_path, rng, seq_len=8, batch=4)
     prepare_tokens(cfg)
-    state = build_loader(cfg, device="cpu").state_dict()
+    state = build_loader(cfg, device="cpu", start_step=3).state_dict()
+    moved = make_cfg(tmp_path, tmp_path / "moved.jsonl", seq_len=8, batch=4)
+    (tmp_path / "moved.jsonl").write_bytes((tmp_path / "d.jsonl").read_bytes())
+    prepare_tokens(moved)
+    loader = build_loader(moved, device="cpu")
+    loader.load_state_dict(state)  # same tokens at another path: the stream continues
+    assert torch.equal(next(loader)[0], build_sampler(cfg).batch_for_step(3)[0])
     cfg.train.seed += 1
     with pytest.raises(ConfigError, match=r"seed: checkpoint \d+, now \d+"):
         build_loader(cfg, device="cpu").load_state_dict(state)
+    (tmp_path / "other").mkdir()
+    other = corpus_cfg(tmp_path / "other", rng, seq_len=8, batch=4)
+    prepare_tokens(other)
+    with pytest.raises(ConfigError, match="tokens_sha256: checkpoint"):
+        build_loader(other, device="cpu").load_state_dict(state)
 
 
 def test_loader_pins_only_for_cuda(tmp_path, rng):

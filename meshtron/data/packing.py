@@ -4,7 +4,8 @@ The cache is two files in the cache folder, named by a hash of what the tokens d
 source's files with their sizes and mtimes, the text field, the tokenizer and its end-of-document
 id): ``tokens-<key>.bin``, the documents' token ids back to back, each followed by the
 end-of-document id, as uint8 / uint16 / int32 (the narrowest that holds the vocabulary, native
-byte order); and ``tokens-<key>.json``, its description. Both are written under temporary names
+byte order); and ``tokens-<key>.json``, its description, with the stream's SHA-256 that a resumed
+run checks its data against (so a moved or touched dataset still resumes). Both are written under temporary names
 and renamed into place, the JSON last, so a reader never sees half a cache.
 
 Packing: window ``i`` is ``tokens[i * seq_len : i * seq_len + seq_len + 1]``; its first ``seq_len``
@@ -77,6 +78,7 @@ class _TokenWriter:
         self.doc_tokens = 0
         self.num_tokens = 0
         self.num_documents = 0
+        self.digest = hashlib.sha256()
 
     def add(self, text: str, ends_document: bool) -> None:
         self.pending.append((text, ends_document))
@@ -96,7 +98,9 @@ class _TokenWriter:
         self.pending, self.pending_chars = [], 0
 
     def _write(self, ids) -> None:
-        array.array(self.typecode, ids).tofile(self.out)
+        data = array.array(self.typecode, ids).tobytes()
+        self.out.write(data)
+        self.digest.update(data)
         self.num_tokens += len(ids)
 
 
@@ -130,6 +134,7 @@ def prepare_tokens(cfg: Config, cache_dir: str | Path | None = None) -> Path:
             "typecode": writer.typecode,
             "num_tokens": writer.num_tokens,
             "num_documents": writer.num_documents,
+            "sha256": writer.digest.hexdigest(),
         }
         if writer.num_tokens == 0:
             raise DataError(f"[data] source '{plan.source}' holds no text; point it at a non-empty dataset.")
@@ -178,7 +183,7 @@ class PackedTokens:
         # touch, so a rank reads only the windows it samples.
         self.tokens = torch.from_file(str(bin_path), shared=False, size=self.meta["num_tokens"], dtype=dtype)
         self.seq_len = seq_len
-        self.key = self.meta["key"]
+        self.sha256 = self.meta["sha256"]
         self.eos_id = self.meta["eos_id"]
         # Overlapping rows as a strided view: selecting rows copies whole runs, ~20x faster than
         # gathering single tokens.

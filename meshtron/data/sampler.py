@@ -17,7 +17,7 @@ import torch
 
 from meshtron.config import ConfigError
 from meshtron.data.packing import PackedTokens
-from meshtron.env import device_type
+from meshtron.env import local_device
 
 
 def _epoch_seed(seed: int, epoch: int) -> int:
@@ -103,7 +103,7 @@ class DeviceLoader:
         sampler.local_batch_size(batch_world)  # fail on a bad layout before any step
         self.sampler = sampler
         self.batch_rank, self.batch_world = batch_rank, batch_world
-        self.device = torch.device(device if device is not None else device_type())
+        self.device = torch.device(device) if device is not None else local_device()
         self.pin = self.device.type == "cuda"
         self.step = start_step
 
@@ -126,7 +126,7 @@ class DeviceLoader:
             "global_batch_size": s.global_batch_size,
             "seq_len": s.tokens.seq_len,
             "num_windows": s.num_windows,
-            "data_key": s.tokens.key,
+            "tokens_sha256": s.tokens.sha256,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -43,7 +43,8 @@ class HFTokenizer:
             self._tok = Tokenizer.from_file(str(self.file))
         except Exception as err:  # noqa: BLE001 - the Rust side raises bare Exceptions
             raise DataError(f"[data] tokenizer '{self.file}' cannot be loaded: {err}.") from None
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # Largest id + 1, not the token count: added tokens may leave gaps in the ids.
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         self.eos_token = eos_token or _default_eos(self._tok, self.file)
         eos_id = self._tok.token_to_id(self.eos_token)
         if eos_id is None:
