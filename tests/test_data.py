@@ -263,6 +263,7 @@ def test_resume_mid_epoch(tmp_path, rng):
         got = next(resumed)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert got[0].device.type == "cpu" and got[0].dtype == torch.int64
+        assert got[0].is_contiguous() and got[1].is_contiguous()
     sampler = build_sampler(cfg)
     assert torch.equal(batches[5][0], sampler.batch_for_step(5, 1, 2)[0])
     # a different layout can resume the same stream

@@ -80,7 +80,8 @@ class GlobalBatchSampler:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, labels)``, int64 ``[global_batch_size // batch_world, seq_len]`` on the CPU."""
         windows = self.local_windows(step, batch_rank, batch_world)
-        return windows[:, :-1], windows[:, 1:]
+        # Contiguous, so that consumers may .view() them (e.g. labels.view(-1) for the loss).
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
 class DeviceLoader:
@@ -111,12 +112,12 @@ class DeviceLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        windows = self.sampler.local_windows(self.step, self.batch_rank, self.batch_world)
-        if self.pin:
-            windows = windows.pin_memory()
-        windows = windows.to(self.device, non_blocking=True)
+        batch = self.sampler.batch_for_step(self.step, self.batch_rank, self.batch_world)
         self.step += 1
-        return windows[:, :-1], windows[:, 1:]
+        if self.pin:
+            batch = tuple(t.pin_memory() for t in batch)
+        input_ids, labels = (t.to(self.device, non_blocking=True) for t in batch)
+        return input_ids, labels
 
     def state_dict(self) -> dict[str, Any]:
         s = self.sampler
