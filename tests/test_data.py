@@ -374,3 +374,31 @@ def test_error_batch_layout(tmp_path, rng):
         sampler.batch_for_step(0, 2, 2)
     with pytest.raises(ConfigError, match="global_batch_size must be >= 1"):
         GlobalBatchSampler(sampler.tokens, 0, 0)
+
+
+# ---------------------------------------------------------------- the train loop's pattern on 4 ranks
+
+
+def check_ranks_share_one_cache(cfg: Config, steps: int) -> None:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        prepare_tokens(cfg)
+    dist.barrier()
+    loader = build_loader(cfg, rank, world, device="cpu")
+    reference = build_sampler(cfg)
+    for step in range(steps):
+        input_ids, labels = next(loader)
+        gathered = [torch.empty_like(input_ids) for _ in range(world)]
+        dist.all_gather(gathered, input_ids)
+        assert torch.equal(torch.cat(gathered), reference.batch_for_step(step)[0])
+        assert torch.equal(labels, reference.batch_for_step(step, rank, world)[1])
+
+
+def test_ranks_share_one_cache(tmp_path, rng):
+    from meshtron.testing import run_checks
+
+    cfg = corpus_cfg(tmp_path, rng, seq_len=8, batch=8)
+    run_checks([check_ranks_share_one_cache], 4, cfg, 3, timeout=120)
+    assert len(list((tmp_path / "cache").glob("tokens-*.bin"))) == 1
