@@ -17,13 +17,12 @@ from meshtron.data import (
     ByteTokenizer,
     DataError,
     DeviceLoader,
-    GlobalBatchSampler,
     HFTokenizer,
-    build_loader,
-    build_sampler,
+    TokenDataset,
     load_tokenizer,
     open_tokens,
     prepare_tokens,
+    to_device,
 )
 from meshtron.data import packing, sources
 
@@ -63,11 +62,6 @@ def byte_stream(docs) -> list[int]:
 @pytest.fixture
 def rng():
     return random.Random()
-
-
-def prepared(cfg):
-    prepare_tokens(cfg)
-    return build_sampler(cfg)
 
 
 # ---------------------------------------------------------------- corpus and tokenizers
@@ -207,13 +201,13 @@ def corpus_cfg(tmp_path, rng, docs=60, **kw):
 
 
 def test_global_batch_independent_of_layout(tmp_path, rng):
-    sampler = prepared(corpus_cfg(tmp_path, rng, seq_len=8, batch=16))
+    dataset = TokenDataset.open(corpus_cfg(tmp_path, rng, seq_len=8, batch=16))
     for step in (0, 1, rng.randint(2, 500)):
-        ref_x, ref_y = sampler.batch_for_step(step, 0, 1)
+        ref_x, ref_y = dataset.batch_for_step(step, 0, 1)
         assert ref_x.shape == (16, 8)
         assert torch.equal(ref_x[:, 1:], ref_y[:, :-1])
         for world in (2, 4, 8):
-            shares = [sampler.batch_for_step(step, r, world) for r in range(world)]
+            shares = [dataset.batch_for_step(step, r, world) for r in range(world)]
             assert all(x.shape == (16 // world, 8) for x, _ in shares)
             assert torch.equal(torch.cat([x for x, _ in shares]), ref_x)
             assert torch.equal(torch.cat([y for _, y in shares]), ref_y)
@@ -221,11 +215,11 @@ def test_global_batch_independent_of_layout(tmp_path, rng):
 
 def test_seed_determinism(tmp_path, rng):
     cfg = corpus_cfg(tmp_path, rng, seq_len=8, batch=8, seed=rng.randint(0, 10**6))
-    a, b = prepared(cfg), build_sampler(cfg)
+    a, b = TokenDataset.open(cfg), TokenDataset.open(cfg)
     for step in range(5):
         assert torch.equal(a.batch_for_step(step)[0], b.batch_for_step(step)[0])
     cfg.train.seed += 1
-    c = build_sampler(cfg)
+    c = TokenDataset.open(cfg)
     assert not torch.equal(a.window_ids(0), c.window_ids(0))
     assert not torch.equal(a.batch_for_step(0)[0], a.batch_for_step(1)[0])
 
@@ -236,27 +230,26 @@ def test_epoch_wraparound(tmp_path, rng):
     tokens = open_tokens(cfg)
     n = len(tokens)
     batch = next(b for b in range(6, n) if n % b)  # so a batch straddles the epoch boundary
-    sampler = GlobalBatchSampler(tokens, batch, seed=rng.randint(0, 100))
+    dataset = TokenDataset(tokens, batch, seed=rng.randint(0, 100))
     steps = -(-3 * n // batch)
-    flat = torch.cat([sampler.window_ids(s) for s in range(steps)])
+    flat = torch.cat([dataset.window_ids(s) for s in range(steps)])
     epochs = [flat[e * n : (e + 1) * n] for e in range(3)]
     for ids in epochs:
         assert sorted(ids.tolist()) == list(range(n))  # every window once per epoch
     assert not torch.equal(epochs[0], epochs[1]) and not torch.equal(epochs[1], epochs[2])
-    x, y = sampler.batch_for_step(n // batch)  # the straddling step still reads full windows
+    x, y = dataset.batch_for_step(n // batch)  # the straddling step still reads full windows
     assert x.shape == (batch, 8) and torch.equal(x[:, 1:], y[:, :-1])
     windows = tokens.windows(flat[n // batch * batch : (n // batch + 1) * batch])
     assert torch.equal(x, windows[:, :-1])
 
 
 def test_resume_mid_epoch(tmp_path, rng):
-    cfg = corpus_cfg(tmp_path, rng, seq_len=8, batch=4)
-    prepare_tokens(cfg)
-    full = build_loader(cfg, 1, 2, device="cpu")
+    dataset = TokenDataset.open(corpus_cfg(tmp_path, rng, seq_len=8, batch=4))
+    full = DeviceLoader(dataset, 1, 2, device="cpu")
     batches = [next(full) for _ in range(12)]
     k = rng.randint(1, 11)
-    state = build_loader(cfg, 1, 2, device="cpu", start_step=k).state_dict()
-    resumed = build_loader(cfg, 1, 2, device="cpu")
+    state = DeviceLoader(dataset, 1, 2, device="cpu", start_step=k).state_dict()
+    resumed = DeviceLoader(dataset, 1, 2, device="cpu")
     resumed.load_state_dict(state)
     assert resumed.step == k
     for want in batches[k:]:
@@ -264,40 +257,42 @@ def test_resume_mid_epoch(tmp_path, rng):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert got[0].device.type == "cpu" and got[0].dtype == torch.int64
         assert got[0].is_contiguous() and got[1].is_contiguous()
-    sampler = build_sampler(cfg)
-    assert torch.equal(batches[5][0], sampler.batch_for_step(5, 1, 2)[0])
+    assert torch.equal(batches[5][0], dataset.batch_for_step(5, 1, 2)[0])
     # a different layout can resume the same stream
-    other = build_loader(cfg, 0, 4, device="cpu")
+    other = DeviceLoader(dataset, 0, 4, device="cpu")
     other.load_state_dict(state)
-    assert torch.equal(next(other)[0], sampler.batch_for_step(k, 0, 4)[0])
+    assert torch.equal(next(other)[0], dataset.batch_for_step(k, 0, 4)[0])
 
 
 def test_resume_checks_the_data(tmp_path, rng):
     cfg = corpus_cfg(tmp_path, rng, seq_len=8, batch=4)
-    prepare_tokens(cfg)
-    state = build_loader(cfg, device="cpu", start_step=3).state_dict()
+    dataset = TokenDataset.open(cfg)
+    state = dataset.state_dict()
+    assert json.loads(json.dumps(state)) == state  # goes into the checkpoint's JSON marker
     moved = make_cfg(tmp_path, tmp_path / "moved.jsonl", seq_len=8, batch=4)
     (tmp_path / "moved.jsonl").write_bytes((tmp_path / "d.jsonl").read_bytes())
-    prepare_tokens(moved)
-    loader = build_loader(moved, device="cpu")
-    loader.load_state_dict(state)  # same tokens at another path: the stream continues
-    assert torch.equal(next(loader)[0], build_sampler(cfg).batch_for_step(3)[0])
+    loader = DeviceLoader(TokenDataset.open(moved), device="cpu")
+    loader.load_state_dict({**state, "step": 3})  # same tokens at another path: the stream continues
+    assert torch.equal(next(loader)[0], dataset.batch_for_step(3)[0])
     cfg.train.seed += 1
     with pytest.raises(ConfigError, match=r"seed: checkpoint \d+, now \d+"):
-        build_loader(cfg, device="cpu").load_state_dict(state)
+        TokenDataset.open(cfg).load_state_dict(state)
     (tmp_path / "other").mkdir()
     other = corpus_cfg(tmp_path / "other", rng, seq_len=8, batch=4)
-    prepare_tokens(other)
     with pytest.raises(ConfigError, match="tokens_sha256: checkpoint"):
-        build_loader(other, device="cpu").load_state_dict(state)
+        TokenDataset.open(other).load_state_dict(state)
 
 
-def test_loader_pins_only_for_cuda(tmp_path, rng):
-    cfg = corpus_cfg(tmp_path, rng, seq_len=8, batch=4)
-    sampler = prepared(cfg)
-    loader = DeviceLoader(sampler, 0, 1, device="cpu")
-    assert not loader.pin
-    assert loader.device == torch.device("cpu")
+def test_loader_device_defaults_to_local_device(tmp_path, rng):
+    from meshtron.env import local_device
+
+    dataset = TokenDataset.open(corpus_cfg(tmp_path, rng, seq_len=8, batch=4))
+    loader = DeviceLoader(dataset, 1, 2)
+    assert loader.device == local_device()
+    batch = dataset.batch_for_step(0, 1, 2)
+    moved = to_device(batch, loader.device)
+    assert all(m.device == loader.device and torch.equal(m.cpu(), t) for m, t in zip(moved, batch))
+    assert all(torch.equal(m.cpu(), t) for m, t in zip(next(loader), batch))
 
 
 # ---------------------------------------------------------------- errors
@@ -367,33 +362,42 @@ def test_error_seq_len_longer_than_dataset(tmp_path):
 
 
 def test_error_batch_layout(tmp_path, rng):
-    sampler = prepared(corpus_cfg(tmp_path, rng, seq_len=8, batch=6))
+    dataset = TokenDataset.open(corpus_cfg(tmp_path, rng, seq_len=8, batch=6))
     with pytest.raises(ConfigError, match="global_batch_size = 6 is not divisible by the 4"):
-        sampler.batch_for_step(0, 0, 4)
+        dataset.batch_for_step(0, 0, 4)
     with pytest.raises(ValueError, match="batch_rank 2"):
-        sampler.batch_for_step(0, 2, 2)
+        dataset.batch_for_step(0, 2, 2)
     with pytest.raises(ConfigError, match="global_batch_size must be >= 1"):
-        GlobalBatchSampler(sampler.tokens, 0, 0)
+        TokenDataset(dataset.tokens, 0, 0)
 
 
 # ---------------------------------------------------------------- the train loop's pattern on 4 ranks
+
+
+def rank0_first(fn):
+    """What the train loop passes as on_rank0_first."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        result = fn()
+        dist.barrier()
+        return result
+    dist.barrier()
+    return fn()
 
 
 def check_ranks_share_one_cache(cfg: Config, steps: int) -> None:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0:
-        prepare_tokens(cfg)
-    dist.barrier()
-    loader = build_loader(cfg, rank, world, device="cpu")
-    reference = build_sampler(cfg)
+    dataset = TokenDataset.open(cfg, on_rank0_first=rank0_first)
+    loader = DeviceLoader(dataset, rank, world, device="cpu")
     for step in range(steps):
         input_ids, labels = next(loader)
         gathered = [torch.empty_like(input_ids) for _ in range(world)]
         dist.all_gather(gathered, input_ids)
-        assert torch.equal(torch.cat(gathered), reference.batch_for_step(step)[0])
-        assert torch.equal(labels, reference.batch_for_step(step, rank, world)[1])
+        assert torch.equal(torch.cat(gathered), dataset.batch_for_step(step)[0])
+        assert torch.equal(labels, dataset.batch_for_step(step, rank, world)[1])
 
 
 def test_ranks_share_one_cache(tmp_path, rng):

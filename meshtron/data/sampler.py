@@ -1,4 +1,4 @@
-"""Global batches that do not depend on the parallel layout, and a loader that moves them to the device.
+"""Global batches that do not depend on the parallel layout, and moving them to the device.
 
 The sample stream is a pure function of the seed: sample ``g`` (counting from the first step) is
 window ``perm(epoch)[g % n]`` with ``epoch = g // n`` and ``perm(epoch)`` a permutation of the ``n``
@@ -11,12 +11,14 @@ batch in the same order, and resuming at step ``k`` needs nothing but ``k``.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from meshtron.config import ConfigError
-from meshtron.data.packing import PackedTokens
+from meshtron.config import Config, ConfigError
+from meshtron.data.packing import PackedTokens, open_tokens, prepare_tokens
 from meshtron.env import local_device
 
 
@@ -26,7 +28,9 @@ def _epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-class GlobalBatchSampler:
+class TokenDataset:
+    """The packed token windows of one recipe and its seeded, layout-independent global batches."""
+
     def __init__(self, tokens: PackedTokens, global_batch_size: int, seed: int):
         if global_batch_size < 1:
             raise ConfigError(f"[train] global_batch_size must be >= 1, got {global_batch_size}.")
@@ -34,6 +38,26 @@ class GlobalBatchSampler:
         self.global_batch_size = global_batch_size
         self.seed = seed
         self._perms: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def open(
+        cls,
+        cfg: Config,
+        on_rank0_first: Callable[[Callable[[], Any]], Any] | None = None,
+        cache_dir: str | Path | None = None,
+    ) -> TokenDataset:
+        """Tokenize into the cache if needed, then map it.
+
+        ``on_rank0_first(fn)`` runs ``fn`` on rank 0, then (after a barrier) on the other ranks, which
+        then find the cache ready; without it ``fn`` just runs here. Ranks that cannot see rank 0's
+        cache folder build their own copy (concurrent builds are safe).
+        """
+
+        def prepare_and_open() -> TokenDataset:
+            prepare_tokens(cfg, cache_dir)
+            return cls(open_tokens(cfg, cache_dir), cfg.train.global_batch_size, cfg.train.seed)
+
+        return on_rank0_first(prepare_and_open) if on_rank0_first else prepare_and_open()
 
     @property
     def num_windows(self) -> int:
@@ -84,60 +108,68 @@ class GlobalBatchSampler:
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
-class DeviceLoader:
-    """Iterates one rank's batches from ``start_step`` on, already on ``device``.
-
-    On CUDA the batch is read into pinned memory and copied with ``non_blocking=True``, so the
-    copy runs behind the host work that follows. ``step`` is the next step to be served;
-    :meth:`state_dict` records it with what the stream depends on, and :meth:`load_state_dict`
-    refuses a checkpoint taken on other data.
-    """
-
-    def __init__(
-        self,
-        sampler: GlobalBatchSampler,
-        batch_rank: int = 0,
-        batch_world: int = 1,
-        device: torch.device | str | None = None,
-        start_step: int = 0,
-    ):
-        sampler.local_batch_size(batch_world)  # fail on a bad layout before any step
-        self.sampler = sampler
-        self.batch_rank, self.batch_world = batch_rank, batch_world
-        self.device = torch.device(device) if device is not None else local_device()
-        self.pin = self.device.type == "cuda"
-        self.step = start_step
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self.sampler.batch_for_step(self.step, self.batch_rank, self.batch_world)
-        self.step += 1
-        if self.pin:
-            batch = tuple(t.pin_memory() for t in batch)
-        input_ids, labels = (t.to(self.device, non_blocking=True) for t in batch)
-        return input_ids, labels
-
     def state_dict(self) -> dict[str, Any]:
-        s = self.sampler
+        """What the sample stream depends on besides the step (JSON-serialisable)."""
         return {
-            "step": self.step,
-            "seed": s.seed,
-            "global_batch_size": s.global_batch_size,
-            "seq_len": s.tokens.seq_len,
-            "num_windows": s.num_windows,
-            "tokens_sha256": s.tokens.sha256,
+            "seed": self.seed,
+            "global_batch_size": self.global_batch_size,
+            "seq_len": self.tokens.seq_len,
+            "num_windows": self.num_windows,
+            "tokens_sha256": self.tokens.sha256,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        current = self.state_dict()
-        changed = [f"{k}: checkpoint {state.get(k)!r}, now {v!r}" for k, v in current.items()
-                   if k != "step" and state.get(k) != v]
+        """Refuse a checkpoint whose data stream this dataset would not continue."""
+        changed = [f"{k}: checkpoint {state.get(k)!r}, now {v!r}" for k, v in self.state_dict().items()
+                   if state.get(k) != v]
         if changed:
             raise ConfigError(
                 "the data stream differs from the checkpoint's, so resuming would not continue it ("
                 + "; ".join(changed)
                 + "). Restore the recipe's [data], seed, seq_len and global_batch_size, or start fresh."
             )
+
+
+def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Copy CPU tensors to ``device``; on CUDA through pinned memory with ``non_blocking=True``, so
+    the copy runs behind the host work that follows."""
+    if device.type == "cuda":
+        batch = tuple(t.pin_memory() for t in batch)
+    return tuple(t.to(device, non_blocking=True) for t in batch)
+
+
+class DeviceLoader:
+    """Iterates one rank's ``(input_ids, labels)`` from ``start_step`` on, already on ``device``.
+
+    ``step`` is the next step to be served; the state dict is the dataset's plus ``step``.
+    """
+
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        batch_rank: int = 0,
+        batch_world: int = 1,
+        device: torch.device | str | None = None,
+        start_step: int = 0,
+    ):
+        dataset.local_batch_size(batch_world)  # fail on a bad layout before any step
+        self.dataset = dataset
+        self.batch_rank, self.batch_world = batch_rank, batch_world
+        self.device = torch.device(device) if device is not None else local_device()
+        self.step = start_step
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.dataset.batch_for_step(self.step, self.batch_rank, self.batch_world)
+        self.step += 1
+        input_ids, labels = to_device(batch, self.device)
+        return input_ids, labels
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.dataset.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict({k: v for k, v in state.items() if k != "step"})
         self.step = int(state["step"])
