@@ -95,18 +95,13 @@ class TokenDataset:
             )
         return self.global_batch_size // batch_world
 
-    def local_windows(self, step: int, batch_rank: int = 0, batch_world: int = 1) -> torch.Tensor:
-        """int64 ``[global_batch_size // batch_world, seq_len + 1]`` on the CPU."""
-        return self.tokens.windows(self.window_ids(step, batch_rank, batch_world))
-
     def batch_for_step(
         self, step: int, batch_rank: int = 0, batch_world: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, labels)``, int64 ``[global_batch_size // batch_world, seq_len]`` on the CPU."""
-        windows = self.local_windows(step, batch_rank, batch_world)
+        windows = self.tokens.windows(self.window_ids(step, batch_rank, batch_world))
         # Contiguous, so that consumers may .view() them (e.g. labels.view(-1) for the loss).
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
-
 
     def state_dict(self) -> dict[str, Any]:
         """What the sample stream depends on besides the step (JSON-serialisable)."""
