@@ -21,7 +21,7 @@ from meshtron.mesh import batch_mesh, build_mesh
 from meshtron.models import MoE, build_model, materialize, token_loss_sum
 from meshtron.parallel.checkpointing import apply_activation_checkpointing, checkpointed_layers
 from meshtron.parallel.data import apply_data_parallel, data_meshes
-from meshtron.parallel.grad_norm import clip_grad_norm_
+from meshtron.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from meshtron.testing import rel_err, run_checks
 
 CFG = dict(
@@ -209,6 +209,21 @@ def check_bf16_smoke():
     assert all(g.dtype == torch.float32 for g in hist[0][1].values()), "gradients must be reduced to fp32"
 
 
+def check_norm_types():
+    """1-, 2- and inf-norms over dense grads on (dp_ep_cp, tp) and expert grads on dp_cp."""
+    cfg = ModelConfig(**MOE)
+    torch.manual_seed(0)
+    ref = _reference(cfg)
+    model = _parallel(cfg, ref.state_dict(), build_mesh(dp=4, tp=2))
+    tokens, labels = next(_batches())
+    token_loss_sum(ref(tokens), labels).backward()
+    rows = slice(dist.get_rank() // 2 * 2, dist.get_rank() // 2 * 2 + 2)  # dp rank r reads rows 2r, 2r + 1
+    token_loss_sum(model(tokens[rows]), labels[rows]).backward()
+    for p in (1.0, 2.0, float("inf")):
+        expected = torch.nn.utils.get_total_norm([q.grad for q in ref.parameters()], p)
+        assert rel_err(global_grad_norm(model.parameters(), p), expected) < 1e-5, f"{p}-norm"
+
+
 def check_hsdp_meshes():
     mesh = build_mesh(dp=2, cp=2, ep=2)
     dense, expert = data_meshes(mesh, "hsdp")
@@ -232,7 +247,7 @@ def test_data_parallel_4_ranks():
 def test_data_parallel_8_ranks():
     run_checks(
         [check_dp8_and_modes, check_tied_dp_tp, check_moe, check_checkpointing_is_bit_identical,
-         check_bf16_smoke, check_hsdp_meshes],
+         check_bf16_smoke, check_norm_types, check_hsdp_meshes],
         8,
         timeout=240,
     )
@@ -250,6 +265,11 @@ def test_checkpointing_keeps_parameter_names():
     names = list(model.state_dict())
     assert apply_activation_checkpointing(model, "full") == [0, 1, 2]
     assert list(model.state_dict()) == names and [n for n, _ in model.named_parameters()] == names
+
+
+def test_unknown_mode_fails_before_any_collective():
+    with pytest.raises(ValueError, match="data_parallel must be one of fsdp, hsdp, replicate, got 'zero3'"):
+        data_meshes(None, "zero3")
 
 
 @pytest.mark.parametrize(

@@ -54,8 +54,12 @@ def _local_pieces(grads: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Tenso
 
 
 def _power_sum(pieces: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """sum |x|^p (or max |x| for p = inf) over local pieces, in fp32."""
-    norms = torch.stack([torch.linalg.vector_norm(t.float(), norm_type) for t in pieces])
+    """sum |x|^p (or max |x| for p = inf) over local pieces, in fp32.
+
+    Uneven FSDP sharding leaves some ranks empty pieces; they add nothing (and have no inf-norm).
+    """
+    zero = torch.zeros((), device=pieces[0].device)
+    norms = torch.stack([zero] + [torch.linalg.vector_norm(t.float(), norm_type) for t in pieces if t.numel()])
     return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
 
 
