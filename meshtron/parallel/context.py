@@ -249,10 +249,11 @@ def attention_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float
     args = [t.contiguous() for t in (dout.to(q.dtype), q, _expand_kv(k, h), _expand_kv(v, h), out.to(q.dtype))]
     lse = lse.float().contiguous()
     if q.is_cuda:
-        # No dropout and no varlen: the cumulative-length and RNG inputs are not read.
-        empty = torch.empty(0, dtype=torch.int64, device=q.device)
+        # Undefined cumulative lengths select the dense (not varlen) kernel, as the forward
+        # returns them; without dropout the RNG state is never read.
+        rng = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            *args, lse, empty, empty, sq, sk, 0.0, causal, empty, empty, scale=scale
+            *args, lse, None, None, sq, sk, 0.0, causal, rng, rng, scale=scale
         )
     else:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -281,7 +282,7 @@ class RingStats:
         self.score_elements = self.steps = 0
 
 
-class _Ring:
+class RingExchange:
     """Async exchange with the next/previous rank of the cp ring (send to rank+1, receive from rank-1)."""
 
     def __init__(self, group: dist.ProcessGroup):
@@ -318,7 +319,7 @@ def _chunk(t: torch.Tensor, i: int, c: int) -> torch.Tensor:
 class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, balanced: bool, kernel: str, stats: RingStats | None):
-        ring = _Ring(group)
+        ring = RingExchange(group)
         schedule = ring_schedule(ring.rank, ring.size, balanced)
         c = q.shape[2] // len(chunk_ids(ring.rank, ring.size, balanced))
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -346,7 +347,7 @@ class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring = _Ring(ctx.group)
+        ring = RingExchange(ctx.group)
         c, scale = ctx.c, ctx.scale
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
