@@ -232,7 +232,8 @@ def write_markdown(path: Path, args, analytic: list[dict], measured: list[dict])
         "figures vary run to run by more than the transfer time itself and are not a property of the "
         "ring; measure them again on GPUs. With the contiguous layout the wait is mostly load imbalance.",
         "",
-        "| layout | mean wait ms | skew ms | exposed ms | transfer alone ms | hidden | mean compute ms | compute max/min | forward ms (slowest rank) | wait / forward |",
+        "| layout | mean wait ms | skew ms | exposed ms | transfer alone ms | hidden | mean compute ms "
+        "| compute max/min | forward ms (slowest rank) | wait / forward |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in measured:
@@ -261,7 +262,9 @@ def write_plot(path: Path, seq: int, analytic: list[dict]) -> bool:
         ax1.plot(cps, [r["min_tflop"] for r in rows], style, color=color, alpha=0.4, label=f"{layout}: idlest rank")
     balanced = [r for r in analytic if r["layout"] == "balanced"]
     ax2.plot([r["cp"] for r in balanced], [r["saved_mib"] for r in balanced], "o-", label="saved for backward")
-    ax2.plot([r["cp"] for r in balanced], [r["transient_mib"] for r in balanced], "s--", label="transient (ring buffers)")
+    ax2.plot(
+        [r["cp"] for r in balanced], [r["transient_mib"] for r in balanced], "s--", label="transient (ring buffers)"
+    )
     for ax, title, ylabel in (
         (ax1, f"Per-rank attention forward TFLOP (seq {seq})", "TFLOP"),
         (ax2, "Per-rank attention activations, one layer", "MiB"),
@@ -292,7 +295,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     analytic = analytic_rows(args.seq, args.heads, args.kv_heads, args.head_dim)
-    measured = measured_rows(args.measure_seq, args.heads_measure, args.kv_heads_measure, args.head_dim_measure, args.repeats)
+    measured = measured_rows(
+        args.measure_seq, args.heads_measure, args.kv_heads_measure, args.head_dim_measure, args.repeats
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     write_markdown(args.out / "context_parallel.md", args, analytic, measured)
     write_plot(args.out / "context_parallel.png", args.seq, analytic)

@@ -74,6 +74,19 @@ def check_ring_matches_full_attention():
             assert max(errs[1:]) < 1e-4, where
 
 
+def check_ring_bfloat16():
+    """bf16 activations (K/V travel in bf16, accumulators stay fp32) within the bf16 tolerance."""
+    mesh = _cp_mesh(8)
+    seq, gen = 128, torch.Generator().manual_seed(5)
+    q, dout = (torch.randn(1, 4, seq, 32, generator=gen) for _ in range(2))
+    k, v = (torch.randn(1, 2, seq, 32, generator=gen) for _ in range(2))
+    ref = _reference(q, k, v, dout)
+    got = _ring_run(mesh, *(t.bfloat16() for t in (q, k, v, dout)), balanced=True, kernel="math")
+    assert all(g.dtype == torch.bfloat16 for g in got)
+    errs = [_rel(g, r) for g, r in zip(got, ref)]
+    assert max(errs) < 2e-2, errs
+
+
 def check_per_rank_work_is_balanced():
     """Unmasked score elements each rank computes in a real run: balanced vs contiguous layout."""
     cp, h, d, c = 8, 2, 16, 8
@@ -199,6 +212,7 @@ def test_context_parallel_8_ranks():
         [
             check_sharding_round_trips,
             check_ring_matches_full_attention,
+            check_ring_bfloat16,
             check_per_rank_work_is_balanced,
             check_model_loss_and_grads_match,
         ],

@@ -36,11 +36,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "RingAttention",
+    "RingExchange",
     "RingStats",
     "apply_context_parallel",
     "attention_block",
     "attention_block_backward",
     "block_plan",
+    "causal_score_elements",
     "chunk_ids",
     "ring_schedule",
     "sequence_index",
@@ -116,7 +118,9 @@ def unshard_sequence(
 
 def _mesh_cp(mesh: DeviceMesh) -> DeviceMesh:
     if mesh.mesh_dim_names is None or "cp" not in mesh.mesh_dim_names:
-        raise ValueError(f"The mesh has no 'cp' dimension (dims: {mesh.mesh_dim_names}); build it with build_mesh(cp=...).")
+        raise ValueError(
+            f"The mesh has no 'cp' dimension (dims: {mesh.mesh_dim_names}); build it with build_mesh(cp=...)."
+        )
     return mesh["cp"] if mesh.ndim > 1 else mesh
 
 
@@ -410,7 +414,9 @@ class RingAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.ndim != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
-            raise ValueError(f"Expected q [B,H,S,D] and k, v [B,Hkv,S,D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.")
+            raise ValueError(
+                f"Expected q [B,H,S,D] and k, v [B,Hkv,S,D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}."
+            )
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"Query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}.")
         size = dist.get_world_size(self.group)
@@ -423,7 +429,9 @@ class RingAttention(nn.Module):
         return _RingAttentionFn.apply(q, k, v, self.group, self.balanced, self.kernel, self.stats)
 
 
-def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, balanced: bool = True, kernel: str = "auto") -> nn.Module:
+def apply_context_parallel(
+    model: nn.Module, mesh: DeviceMesh, balanced: bool = True, kernel: str = "auto"
+) -> nn.Module:
     """Swap every ``core_attention`` submodule for :class:`RingAttention` over ``mesh['cp']`` (in place).
 
     With cp == 1 the model is returned unchanged. Inputs must then be sharded with
@@ -432,9 +440,9 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh, balanced: bool = 
     cp = _mesh_cp(mesh)
     if cp.size() == 1:
         return model
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, "core_attention", None), nn.Module)]
-    if not targets:
+    parents = [m for m in model.modules() if isinstance(getattr(m, "core_attention", None), nn.Module)]
+    if not parents:
         raise ValueError("apply_context_parallel found no module with a 'core_attention' child to replace.")
-    for _, parent in targets:
+    for parent in parents:
         parent.core_attention = RingAttention(cp, balanced=balanced, kernel=kernel)
     return model
