@@ -155,3 +155,14 @@ def _raise_failures(results, failures: list, world_size: int, fallback: str) -> 
         + (f" (also failed: {others})" if others else "")
         + f":\n{tb}"
     )
+
+
+def rel_err(actual, expected) -> float:
+    """max |actual - expected| / max |expected| (DTensors are gathered first)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    actual = actual.full_tensor() if isinstance(actual, DTensor) else actual
+    expected = expected.full_tensor() if isinstance(expected, DTensor) else expected
+    scale = expected.detach().abs().max().clamp_min(torch.finfo(torch.float32).tiny)
+    return ((actual.detach().float() - expected.detach().float()).abs().max() / scale).item()

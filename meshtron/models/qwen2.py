@@ -1,0 +1,203 @@
+"""Qwen2.5 decoder (dense or Qwen2-MoE) as a plain PyTorch module.
+
+No parallel code lives here. The parallel modules rely on a few structural facts:
+
+* ``layers`` is an ``nn.ModuleDict`` keyed by the global layer index, so a pipeline stage can drop
+  layers and keep the checkpoint names of the rest; ``embed_tokens``, ``norm`` and ``lm_head`` may be
+  ``None`` on stages that do not own them.
+* attention heads are inferred from tensor shapes (``view(B, S, -1, D)``), so tensor parallelism can
+  shard the projections without telling the model;
+* ``self_attn.core_attention`` is the only place that mixes positions, so context parallelism swaps
+  that one submodule;
+* MoE blocks keep routing, expert compute and shared expert in separate submodules, so expert
+  parallelism swaps the expert compute only.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtron.config import ModelConfig
+from meshtron.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rotary
+from meshtron.models.moe import MoE
+
+
+class CausalAttention(nn.Module):
+    """Causal softmax attention over the local sequence. q: [B, H, S, D]; k, v: [B, Hkv, S, D]."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.head_size
+        self.head_dim = d
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, cfg.hidden_size, bias=False)
+        self.core_attention = CausalAttention()
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        bsz, seq = x.shape[:2]
+        q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = self.core_attention(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """Qwen2 causal LM. ``forward(tokens, position_ids)`` returns logits (or hidden states on a
+    pipeline stage without ``lm_head``; such a stage takes hidden states instead of token ids)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.head_size, cfg.rope_theta)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_hidden_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with lm_head when the config ties them.
+
+        Call again after ``to_empty``/``load_state_dict(assign=True)``: both replace parameters
+        module by module and silently untie them.
+        """
+        if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
+        rope = self.rotary(position_ids, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic initialisation: each parameter from its own generator seeded by (seed, name).
+
+        Because a parameter's values depend only on its name, a sharded model initialised slice by
+        slice (``meshtron.checkpoint.load_full_state_dict`` with :class:`InitialWeights`) gets exactly
+        the single-process weights, whatever the layout.
+        """
+        init = InitialWeights(self.config, seed)
+        for name, param in self.named_parameters():
+            param.copy_(init[name].to(param.device))
+
+
+class InitialWeights:
+    """Mapping name -> initial full tensor (normal(0, initializer_range) matrices, ones norms, zero biases).
+
+    Values are generated on access, so a sharded model can be filled one parameter at a time.
+    """
+
+    def __init__(self, cfg: ModelConfig, seed: int):
+        self.cfg, self.seed = cfg, seed
+        with torch.device("meta"):
+            self.shapes = {name: p.shape for name, p in Transformer(cfg).named_parameters(remove_duplicate=False)}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self.cfg.tie_word_embeddings and name == "lm_head.weight":
+            name = "embed_tokens.weight"
+        shape = self.shapes[name]
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        if name.endswith(".bias"):
+            return torch.zeros(shape)
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        return torch.randn(shape, generator=gen) * self.cfg.initializer_range
+
+
+def build_model(cfg: ModelConfig) -> Transformer:
+    """Build the model on the current default device (use ``with torch.device("meta"):`` for big shapes)."""
+    return Transformer(cfg)
+
+
+def materialize(model: Transformer, device: torch.device | str, seed: int = 0) -> Transformer:
+    """Allocate a meta-device (unparallelized) model on ``device``, re-tie embeddings and initialise it."""
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights(seed)
+    return model
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Sum of next-token cross-entropies (labels already shifted); -100 marks ignored positions.
+
+    The caller divides by the global number of counted tokens, so the loss does not depend on how
+    the batch is split over ranks or micro-batches.
+    """
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index, reduction="sum"
+    )
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Parameters counted once each (tied embeddings count once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (6 * active matmul params + causal attention), for MFU reports."""
+    d, h, kv = cfg.head_size, cfg.num_attention_heads, cfg.kv_heads
+    attn_params = cfg.hidden_size * d * (2 * h + 2 * kv)
+    per_layer = []
+    for i in range(cfg.num_hidden_layers):
+        if cfg.is_moe_layer(i):
+            mlp = 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+            mlp += 3 * cfg.hidden_size * cfg.shared_expert_intermediate_size + cfg.hidden_size * cfg.num_experts
+        else:
+            mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+        per_layer.append(attn_params + mlp)
+    matmul_params = sum(per_layer) + cfg.hidden_size * cfg.vocab_size
+    # Causal attention: QK^T and AV, each 2 * S * d per head per token, halved by the mask, x3 for fwd+bwd.
+    attention = 3 * 2 * 2 * h * d * seq_len / 2 * cfg.num_hidden_layers
+    return 6 * matmul_params + attention
+
+
+__all__ = [
+    "Transformer",
+    "InitialWeights",
+    "build_model",
+    "materialize",
+    "token_loss_sum",
+    "count_parameters",
+    "flops_per_token",
+    "RMSNorm",
+    "Attention",
+    "CausalAttention",
+    "MLP",
+    "Block",
+]
