@@ -6,10 +6,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from meshtron import env
+from meshtron.config import ModelConfig
+from meshtron.mesh import build_mesh
+from meshtron.models.qwen2 import build_model, token_loss_sum
 from meshtron.parallel.context import (
     RingAttention,
     RingStats,
@@ -134,76 +136,42 @@ def check_sharding_round_trips():
     assert torch.equal(unshard_sequence(batch["labels"], mesh["cp"]), ids.roll(-1, 1))
 
 
-class _CoreAttention(nn.Module):
-    def forward(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+def check_qwen2_loss_and_grads_match():
+    """Whole model on build_mesh(cp=8) against the single-process model on the same batch.
 
-
-class _Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, kv_heads: int):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
-        self.q = nn.Linear(dim, dim)
-        self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim)
-        self.o = nn.Linear(dim, dim)
-        self.core_attention = _CoreAttention()
-
-    def forward(self, x, pos):
-        b, s, _ = x.shape
-        # A position-dependent rotation so wrong global positions would change the result.
-        angle = pos[..., None].float() * 0.1
-        q = (self.q(x) * torch.cos(angle)).view(b, s, self.heads, -1).transpose(1, 2)
-        k, v = (self.kv(x) * torch.sin(angle + 1)).view(b, s, 2, self.kv_heads, -1).permute(2, 0, 3, 1, 4)
-        return x + self.o(self.core_attention(q, k, v).transpose(1, 2).reshape(b, s, -1))
-
-
-class _ToyModel(nn.Module):
-    """The shape the real model has: ``layers[str(i)].self_attn.core_attention``."""
-
-    def __init__(self, vocab=64, dim=24, heads=4, kv_heads=2, layers=2):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleDict({str(i): nn.Module() for i in range(layers)})
-        for layer in self.layers.values():
-            layer.self_attn = _Attention(dim, heads, kv_heads)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, input_ids, position_ids):
-        x = self.embed(input_ids)
-        for layer in self.layers.values():
-            x = layer.self_attn(x, position_ids)
-        return self.head(x)
-
-
-def check_model_loss_and_grads_match():
-    """The loss contract: local token-loss sum / global token count, gradients summed over cp."""
+    The training-loop contract: local token-loss sum / global token count, gradients summed over cp.
+    """
+    cfg = ModelConfig(
+        vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0,
+    )
+    model = build_model(cfg)
+    model.init_weights(seed=3)
     world = dist.get_world_size()
-    mesh = init_device_mesh(env.device_type(), (1, 1, world, 1, 1), mesh_dim_names=("pp", "dp", "cp", "ep", "tp"))
-    torch.manual_seed(11)
-    model = _ToyModel()
-    ids = torch.randint(0, 64, (2, 4 * world))
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, cfg.vocab_size, (2, 4 * world), generator=gen)
     labels = ids.roll(-1, 1)
     labels[:, -1] = -100
-    labels[0, :5] = -100  # ignored tokens are distributed unevenly over the cp ranks
-    pos = torch.arange(ids.shape[1]).expand_as(ids)
-    ref_loss = F.cross_entropy(model(ids, pos).flatten(0, 1), labels.flatten(), ignore_index=-100)
+    labels[0, :5] = -100  # ignored tokens fall unevenly on the cp ranks
+    ref_loss = token_loss_sum(model(ids), labels) / (labels != -100).sum()
     ref_loss.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
+    mesh = build_mesh(cp=world)
+    cp_group = mesh["cp"].get_group()
     apply_context_parallel(model, mesh)
     assert all(isinstance(layer.self_attn.core_attention, RingAttention) for layer in model.layers.values())
     batch = shard_batch({"input_ids": ids, "labels": labels}, mesh)
-    logits = model(batch["input_ids"], batch["position_ids"])
-    local_sum = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
+    local_sum = token_loss_sum(model(batch["input_ids"], batch["position_ids"]), batch["labels"])
     tokens = (batch["labels"] != -100).sum()
-    dist.all_reduce(tokens, group=mesh["cp"].get_group())
+    dist.all_reduce(tokens, group=cp_group)
     (local_sum / tokens).backward()
     loss = local_sum.detach().clone()
-    dist.all_reduce(loss, group=mesh["cp"].get_group())
+    dist.all_reduce(loss, group=cp_group)
     assert _rel(loss / tokens, ref_loss.detach()) < 1e-5
     for name, p in model.named_parameters():
-        dist.all_reduce(p.grad, group=mesh["cp"].get_group())
+        dist.all_reduce(p.grad, group=cp_group)
         assert _rel(p.grad, ref_grads[name]) < 1e-4, name
 
 
@@ -214,7 +182,7 @@ def test_context_parallel_8_ranks():
             check_ring_matches_full_attention,
             check_ring_bfloat16,
             check_per_rank_work_is_balanced,
-            check_model_loss_and_grads_match,
+            check_qwen2_loss_and_grads_match,
         ],
         8,
         timeout=240,
