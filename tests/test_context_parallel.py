@@ -6,6 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
 from meshtron import env
@@ -17,6 +19,7 @@ from meshtron.parallel.context import (
     RingStats,
     apply_context_parallel,
     causal_score_elements,
+    chunk_ids,
     ring_schedule,
     sequence_index,
     shard_batch,
@@ -206,3 +209,19 @@ def test_schedule_skips_masked_blocks_and_balances():
             src = (rank - step) % cp
             # Earlier rank: all queries see its first chunk; later rank: the late query chunk sees all.
             assert plan == ([(0, 0, False), (1, 0, False)] if src < rank else [(1, 0, False), (1, 1, False)])
+
+
+@given(cp=st.integers(1, 8), chunk=st.integers(1, 4), balanced=st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_layout_and_schedule_cover_the_causal_matrix_once(cp, chunk, balanced):
+    seq = chunk * (2 * cp if balanced else cp)
+    held = [sequence_index(seq, r, cp, balanced) for r in range(cp)]
+    assert torch.equal(torch.cat(held).sort().values, torch.arange(seq))
+    # Every visible (query chunk, key chunk) pair is computed exactly once, on the query's owner.
+    seen = []
+    for rank in range(cp):
+        for step, plan in enumerate(ring_schedule(rank, cp, balanced)):
+            src = (rank - step) % cp
+            seen += [(chunk_ids(rank, cp, balanced)[i], chunk_ids(src, cp, balanced)[j], causal) for i, j, causal in plan]
+    n = 2 * cp if balanced else cp
+    assert sorted(seen) == [(a, b, a == b) for a in range(n) for b in range(a + 1)]
