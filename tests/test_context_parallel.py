@@ -221,7 +221,7 @@ def test_layout_and_schedule_cover_the_causal_matrix_once(cp, chunk, balanced):
     seen = []
     for rank in range(cp):
         for step, plan in enumerate(ring_schedule(rank, cp, balanced)):
-            src = (rank - step) % cp
-            seen += [(chunk_ids(rank, cp, balanced)[i], chunk_ids(src, cp, balanced)[j], causal) for i, j, causal in plan]
+            mine, visiting = chunk_ids(rank, cp, balanced), chunk_ids((rank - step) % cp, cp, balanced)
+            seen += [(mine[i], visiting[j], causal) for i, j, causal in plan]
     n = 2 * cp if balanced else cp
     assert sorted(seen) == [(a, b, a == b) for a in range(n) for b in range(a + 1)]
