@@ -1,11 +1,11 @@
 """Context-parallel attention: per-rank memory and FLOPs vs cp, and how much ring traffic compute hides.
 
-    PYTHONPATH=$PWD python benchmarks/context_parallel.py [--seq 16384] [--measure-seq 2048]
+    PYTHONPATH=$PWD python benchmarks/context_parallel.py [--seq 16384] [--measure-seq 4096]
 
 Part 1 is analytic but taken from the block schedule the ring actually runs
 (:func:`meshtron.parallel.context.ring_schedule`): per-rank attention FLOPs for the load-balanced
 and the contiguous layout, and per-rank attention activation bytes, for cp = 1, 2, 4, 8.
-Part 2 runs ring attention forward on 8 CPU ranks and measures the time each rank waits on the
+Part 2 runs ring attention forward and backward on 8 CPU ranks and measures the time each rank waits on the
 key/value receive against the time the same transfers take alone, i.e. the share of ring traffic
 hidden behind compute. Writes ``benchmarks/results/context_parallel.md`` and a PNG plot.
 """
@@ -88,7 +88,7 @@ def analytic_rows(seq: int, heads: int, kv_heads: int, head_dim: int) -> list[di
 
 
 # ---------------------------------------------------------------------------------------------
-# Measured part: ring attention forward on CPU ranks
+# Measured part: ring attention on CPU ranks
 # ---------------------------------------------------------------------------------------------
 
 
@@ -124,12 +124,19 @@ def _token_transfers():
         RingExchange.start = real
 
 
-def _timed_forward(attn: RingAttention, local) -> tuple[float, float, float]:
+def _timed_pass(attn: RingAttention, local, backward: bool) -> tuple[float, float, float]:
+    """(wait, compute, wall) seconds of this rank's ring forward, or of its backward."""
+    inputs = [t.detach().requires_grad_(backward) for t in local]
     attn.stats.reset()
     dist.barrier()
     t0 = time.perf_counter()
-    with torch.no_grad():
-        attn(*local)
+    out = attn(*inputs)
+    if backward:
+        dout = torch.ones_like(out)
+        attn.stats.reset()
+        dist.barrier()
+        t0 = time.perf_counter()
+        out.backward(dout)
     return attn.stats.wait_s, attn.stats.compute_s, time.perf_counter() - t0
 
 
@@ -144,18 +151,21 @@ def check_measure_overlap(seq: int, heads: int, kv_heads: int, head_dim: int, re
         local = [shard_sequence(t, rank, cp, dim=2, balanced=balanced) for t in (q, k, v)]
         attn = RingAttention(group, balanced=balanced, kernel="math")
         attn.stats = RingStats()
-        samples = []
-        for it in range(repeats + 1):  # the first run warms up
-            wait, compute, total = _timed_forward(attn, local)
-            with _token_transfers():
-                skew, _, _ = _timed_forward(attn, local)
-            transfer = _ring_transfer_alone(torch.stack(local[1:]), group, cp - 1)
-            if it:
-                samples.append([wait, compute, total, transfer, skew])
-        mine = torch.tensor([statistics.median(col) for col in zip(*samples)], dtype=torch.float64)
-        gathered = [torch.empty_like(mine) for _ in range(cp)]
-        dist.all_gather(gathered, mine)
-        results["balanced" if balanced else "contiguous"] = [g.tolist() for g in gathered]
+        kv = torch.stack(local[1:])
+        # The backward sends the key/value blocks (cp - 1 hops) and the fp32 dK/dV accumulators (cp hops).
+        for name, backward, hops in (("forward", False, cp - 1), ("backward", True, 2 * cp - 1)):
+            samples = []
+            for it in range(repeats + 1):  # the first run warms up
+                wait, compute, total = _timed_pass(attn, local, backward)
+                with _token_transfers():
+                    skew, _, _ = _timed_pass(attn, local, backward)
+                transfer = _ring_transfer_alone(kv, group, hops)
+                if it:
+                    samples.append([wait, compute, total, transfer, skew])
+            mine = torch.tensor([statistics.median(col) for col in zip(*samples)], dtype=torch.float64)
+            gathered = [torch.empty_like(mine) for _ in range(cp)]
+            dist.all_gather(gathered, mine)
+            results[f"{'balanced' if balanced else 'contiguous'} {name}"] = [g.tolist() for g in gathered]
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
 
@@ -220,20 +230,23 @@ def write_markdown(path: Path, args, analytic: list[dict], measured: list[dict])
         "",
         f"## Ring transfer hidden behind compute (measured, 8 CPU ranks, seq {args.measure_seq})",
         "",
-        f"Forward only, math kernel, heads {args.heads_measure}, KV heads {args.kv_heads_measure}, head dim "
-        f"{args.head_dim_measure}, fp32, median of {args.repeats} runs per rank. Each of the 7 hops is posted "
-        "(isend/irecv) before the step's blocks are computed and waited on after them. `wait` = time a rank "
+        f"Math kernel, heads {args.heads_measure}, KV heads {args.kv_heads_measure}, head dim "
+        f"{args.head_dim_measure}, fp32, median of {args.repeats} runs per rank. Each key/value hop is posted "
+        "(isend/irecv) before the step's blocks are computed and waited on after them; in the backward each "
+        "dK/dV accumulator hop is posted after its step and waited on after the next step's blocks (the last "
+        "hop, which brings the accumulators home, has nothing left to hide behind). `wait` = time a rank "
         "blocks on the receive after its compute. A control run sends one element per hop instead of the "
         "key/value block: its wait (`skew`) is ranks waiting for a slower neighbour, not transfer. "
-        "`exposed` = wait - skew (per rank, at least 0); `transfer alone` = the 7 real hops with no compute; "
+        "`exposed` = wait - skew (per rank, at least 0); `transfer alone` = the same hops (7 forward, "
+        "7 + 8 backward) with no compute; "
         "hidden = 1 - exposed / transfer alone (means over ranks). "
         f"This host has {os.cpu_count()} cores for the 8 ranks (load average {os.getloadavg()[0]:.1f} when "
         "written), so compute is time-sliced and the waits are dominated by scheduling: these overlap "
         "figures vary run to run by more than the transfer time itself and are not a property of the "
         "ring; measure them again on GPUs. With the contiguous layout the wait is mostly load imbalance.",
         "",
-        "| layout | mean wait ms | skew ms | exposed ms | transfer alone ms | hidden | mean compute ms "
-        "| compute max/min | forward ms (slowest rank) | wait / forward |",
+        "| layout, pass | mean wait ms | skew ms | exposed ms | transfer alone ms | hidden | mean compute ms "
+        "| compute max/min | pass ms (slowest rank) | wait / pass |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in measured:

@@ -274,7 +274,11 @@ def attention_block_backward(dout, q, k, v, out, lse, causal: bool, scale: float
 
 @dataclass
 class RingStats:
-    """Measurements of the last ring forward on this rank (set ``RingAttention.stats`` to record)."""
+    """Ring measurements on this rank, accumulated until :meth:`reset` (set ``RingAttention.stats``).
+
+    The forward and the backward of a call both add their compute and receive-wait times; score
+    elements and steps are counted by the forward.
+    """
 
     compute_s: float = 0.0
     wait_s: float = 0.0
@@ -345,20 +349,21 @@ class _RingAttentionFn(torch.autograd.Function):
                 ring.wait(reqs, stats)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.balanced, ctx.kernel, ctx.c, ctx.scale = group, balanced, kernel, c, scale
+        ctx.group, ctx.balanced, ctx.kernel, ctx.c, ctx.scale, ctx.stats = group, balanced, kernel, c, scale, stats
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring = RingExchange(ctx.group)
-        c, scale = ctx.c, ctx.scale
+        c, scale, stats = ctx.c, ctx.scale, ctx.stats
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv_pending = None
         for step, plan in enumerate(ring_schedule(ring.rank, ring.size, ctx.balanced)):
             kv_pending = ring.start(kv, _KV_TAG) if step + 1 < ring.size else None
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            t0 = time.perf_counter()
             for i, j, causal in plan:
                 dqi, dki, dvi = attention_block_backward(
                     _chunk(dout, i, c), _chunk(q, i, c), _chunk(kv[0], j, c), _chunk(kv[1], j, c),
@@ -367,20 +372,22 @@ class _RingAttentionFn(torch.autograd.Function):
                 _chunk(dq, i, c).add_(dqi)
                 _chunk(dkv[0], j, c).add_(dki)
                 _chunk(dkv[1], j, c).add_(dvi)
+            if stats is not None:
+                stats.compute_s += time.perf_counter() - t0
             if dkv_pending is not None:
                 # The accumulator for this key block arrives from the previous rank, which
                 # computed its share one step earlier.
                 received, reqs, _sent = dkv_pending
-                ring.wait(reqs, None)
+                ring.wait(reqs, stats)
                 dkv.add_(received)
             # After the last step this hop brings each accumulator home to the keys' owner. The
             # sent buffer is kept referenced until its send has completed.
             dkv_pending = (*ring.start(dkv, _DKV_TAG), dkv) if ring.size > 1 else (dkv, [], dkv)
             if kv_pending is not None:
                 kv, reqs = kv_pending
-                ring.wait(reqs, None)
+                ring.wait(reqs, stats)
         dkv, reqs, _sent = dkv_pending
-        ring.wait(reqs, None)
+        ring.wait(reqs, stats)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
