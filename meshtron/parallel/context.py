@@ -277,7 +277,8 @@ class RingStats:
     """Ring measurements on this rank, accumulated until :meth:`reset` (set ``RingAttention.stats``).
 
     The forward and the backward of a call both add their compute and receive-wait times; score
-    elements and steps are counted by the forward.
+    elements and steps are counted by the forward. Times are host wall-clock: exact on CPU, launch
+    times on CUDA (synchronise or use the profiler there).
     """
 
     compute_s: float = 0.0
