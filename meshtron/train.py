@@ -114,7 +114,9 @@ class Trainer:
         lr = lr_at(step, t)
         set_lr(self.optimizer, lr)
         bm = batch_mesh(self.mesh)
-        input_ids, labels = self.dataset.batch_for_step(step, bm.get_local_rank(), bm.size())
+        input_ids, labels = self.dataset.batch_for_step(
+            step, bm.get_local_rank(), bm.size(), self.cfg.parallel.microbatches
+        )
         input_ids, labels = to_device((input_ids, labels), self.device)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.runner.forward_backward(input_ids, labels)

@@ -213,6 +213,19 @@ def test_global_batch_independent_of_layout(tmp_path, rng):
             assert torch.equal(torch.cat([y for _, y in shares]), ref_y)
 
 
+def test_global_microbatches_independent_of_layout(tmp_path, rng):
+    """Micro-batch m of every rank, gathered over ranks, is the same global micro-batch on any layout."""
+    dataset = TokenDataset.open(corpus_cfg(tmp_path, rng, seq_len=8, batch=16))
+    step = rng.randint(0, 100)
+    for micro in (2, 4):
+        reference = dataset.batch_for_step(step, 0, 1, micro)[0].chunk(micro)
+        assert torch.equal(torch.cat(reference), dataset.batch_for_step(step, 0, 1)[0])
+        for world in (2, 4):
+            shares = [dataset.batch_for_step(step, r, world, micro)[0].chunk(micro) for r in range(world)]
+            for m in range(micro):
+                assert torch.equal(torch.cat([share[m] for share in shares]), reference[m])
+
+
 def test_seed_determinism(tmp_path, rng):
     cfg = corpus_cfg(tmp_path, rng, seq_len=8, batch=8, seed=rng.randint(0, 10**6))
     a, b = TokenDataset.open(cfg), TokenDataset.open(cfg)

@@ -71,15 +71,21 @@ class TokenDataset:
             self._perms[epoch] = torch.randperm(self.num_windows, generator=generator)
         return self._perms[epoch]
 
-    def window_ids(self, step: int, batch_rank: int = 0, batch_world: int = 1) -> torch.Tensor:
-        """The windows of one rank's share of step ``step``'s global batch."""
-        local = self.local_batch_size(batch_world)
+    def window_ids(self, step: int, batch_rank: int = 0, batch_world: int = 1, microbatches: int = 1) -> torch.Tensor:
+        """The windows of one rank's share of step ``step``'s global batch.
+
+        The global batch is cut into ``microbatches`` contiguous global micro-batches and the rank
+        takes its contiguous slice of each, so micro-batch m holds the same sequences on every
+        layout (the MoE load-balancing loss is computed per global micro-batch).
+        """
+        local = self.local_batch_size(batch_world * microbatches)
         if not 0 <= batch_rank < batch_world:
             raise ValueError(f"batch_rank {batch_rank} is outside 0..{batch_world - 1}.")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}.")
-        first = step * self.global_batch_size + batch_rank * local
-        samples = torch.arange(first, first + local)
+        micro = self.global_batch_size // microbatches
+        firsts = [step * self.global_batch_size + m * micro + batch_rank * local for m in range(microbatches)]
+        samples = torch.cat([torch.arange(first, first + local) for first in firsts])
         epochs, positions = samples // self.num_windows, samples % self.num_windows
         ids = torch.empty_like(samples)
         for epoch in epochs.unique().tolist():
@@ -87,19 +93,19 @@ class TokenDataset:
             ids[mask] = self._perm(epoch)[positions[mask]]
         return ids
 
-    def local_batch_size(self, batch_world: int) -> int:
-        if self.global_batch_size % batch_world:
+    def local_batch_size(self, parts: int) -> int:
+        if self.global_batch_size % parts:
             raise ConfigError(
                 f"[train] global_batch_size = {self.global_batch_size} is not divisible by the "
-                f"{batch_world} batch ranks (dp x ep); make it a multiple of {batch_world}."
+                f"{parts} parts (dp x ep x microbatches); make it a multiple of {parts}."
             )
-        return self.global_batch_size // batch_world
+        return self.global_batch_size // parts
 
     def batch_for_step(
-        self, step: int, batch_rank: int = 0, batch_world: int = 1
+        self, step: int, batch_rank: int = 0, batch_world: int = 1, microbatches: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, labels)``, int64 ``[global_batch_size // batch_world, seq_len]`` on the CPU."""
-        windows = self.tokens.windows(self.window_ids(step, batch_rank, batch_world))
+        windows = self.tokens.windows(self.window_ids(step, batch_rank, batch_world, microbatches))
         # Contiguous, so that consumers may .view() them (e.g. labels.view(-1) for the loss).
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
