@@ -2,8 +2,9 @@
 
 Every layout trains 3 AdamW steps with clipping on the same global batches as one process and must
 give the same losses, gradients (gathered), clipped global norms and parameters. ep ranks act as
-extra data parallel ranks for this dense model (as they do for dense layers of an MoE model). A
-small colwise/rowwise TP plan of our own makes the 2-D (data x tp) DTensors.
+extra data parallel ranks for this dense model (as they do for dense layers of an MoE model), cp
+ranks run ring attention on sequence chunks. A small colwise/rowwise TP plan of our own makes the
+2-D (data x tp) DTensors.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from meshtron import env
 from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
-from meshtron.mesh import batch_mesh, build_mesh
+from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh
 from meshtron.models import MoE, build_model, materialize, token_loss_sum
 from meshtron.parallel.checkpointing import apply_activation_checkpointing, checkpointed_layers
+from meshtron.parallel.context import apply_context_parallel, shard_batch
 from meshtron.parallel.data import apply_data_parallel, data_meshes
 from meshtron.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from meshtron.testing import rel_err, run_checks
@@ -62,6 +64,7 @@ def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32"):
         model = build_model(cfg)
     if mesh["tp"].size() > 1:
         _tensor_parallel(model, mesh["tp"])
+    apply_context_parallel(model, mesh)
     apply_activation_checkpointing(model, ac, every=2)
     apply_data_parallel(model, mesh, mode, dtype)
     model.to_empty(device=env.local_device())
@@ -82,14 +85,14 @@ def _batches():
         yield tokens[:, :-1], labels
 
 
-def _train(model, batch_slice, clip):
+def _train(model, local_batch, clip):
     """STEPS AdamW steps; per step (loss, grads before clipping, norm); the loss is the global mean."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
     history = []
     for tokens, labels in _batches():
         count = (labels != -100).sum()
-        rows = batch_slice(tokens.shape[0])
-        loss = token_loss_sum(model(tokens[rows]), labels[rows]) / count
+        tokens, labels, positions = local_batch(tokens, labels)
+        loss = token_loss_sum(model(tokens, positions), labels) / count
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         norm = clip(model.parameters())
@@ -100,19 +103,22 @@ def _train(model, batch_slice, clip):
 
 
 def _run_reference(ref):
-    return _train(ref, lambda b: slice(0, b), lambda ps: torch.nn.utils.clip_grad_norm_(list(ps), MAX_NORM))
+    return _train(ref, lambda t, l: (t, l, None), lambda ps: torch.nn.utils.clip_grad_norm_(list(ps), MAX_NORM))
 
 
 def _run_parallel(model, mesh):
     readers = batch_mesh(mesh)
 
-    def rows(batch):
-        share = batch // readers.size()
-        return slice(readers.get_local_rank() * share, (readers.get_local_rank() + 1) * share)
+    def local_batch(tokens, labels):
+        """This rank's rows (split over dp x ep) and sequence chunks (split over cp)."""
+        share = tokens.shape[0] // readers.size()
+        rows = slice(readers.get_local_rank() * share, (readers.get_local_rank() + 1) * share)
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        return shard_batch((tokens[rows], labels[rows], positions[rows]), mesh)
 
-    history = _train(model, rows, lambda ps: clip_grad_norm_(ps, MAX_NORM))
-    for loss, _, _ in history:  # each reader's loss is its share of the global mean
-        dist.all_reduce(loss, group=readers.get_group())
+    history = _train(model, local_batch, lambda ps: clip_grad_norm_(ps, MAX_NORM))
+    for loss, _, _ in history:  # each token holder's loss is its share of the global mean
+        dist.all_reduce(loss, group=dense_data_mesh(mesh).get_group())
     return history
 
 
@@ -163,6 +169,11 @@ def check_dp8_and_modes():
 
 def check_tied_dp_tp():
     _check_layouts([(dict(dp=2, tp=4), "fsdp")], tie_word_embeddings=True)
+
+
+def check_context_parallel():
+    """cp ranks hold other positions: dense weights are sharded and reduced over them too."""
+    _check_layouts([(dict(dp=2, cp=2, tp=2), "fsdp"), (dict(dp=2, cp=2, ep=2), "hsdp")])
 
 
 def check_moe():
@@ -246,7 +257,7 @@ def test_data_parallel_4_ranks():
 
 def test_data_parallel_8_ranks():
     run_checks(
-        [check_dp8_and_modes, check_tied_dp_tp, check_moe, check_checkpointing_is_bit_identical,
+        [check_dp8_and_modes, check_tied_dp_tp, check_context_parallel, check_moe, check_checkpointing_is_bit_identical,
          check_bf16_smoke, check_norm_types, check_hsdp_meshes],
         8,
         timeout=240,
