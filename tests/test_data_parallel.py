@@ -27,7 +27,7 @@ from meshtron.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from meshtron.testing import rel_err, run_checks
 
 CFG = dict(
-    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
     num_key_value_heads=4, rope_theta=10000.0,
 )
 # Without expert parallelism ep must stay 1 for MoE (experts would see other tokens on each ep rank).
@@ -87,7 +87,10 @@ def _batches():
 
 def _train(model, local_batch, clip):
     """STEPS AdamW steps; per step (loss, grads before clipping, norm); the loss is the global mean."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+    # Adam divides by sqrt(v): a gradient element at float32 noise level (~1e-7, where reduction
+    # order decides its sign) would move by a full +-lr. eps = 1e-4 keeps such updates linear in
+    # the gradient, so the parameter check measures the distributed gradients, not that sign.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4, weight_decay=0.1, foreach=False)
     history = []
     for tokens, labels in _batches():
         count = (labels != -100).sum()
@@ -274,7 +277,7 @@ def test_selective_checkpointing_picks_every_nth_global_layer():
 def test_checkpointing_keeps_parameter_names():
     model = build_model(ModelConfig(**CFG))
     names = list(model.state_dict())
-    assert apply_activation_checkpointing(model, "full") == [0, 1, 2]
+    assert apply_activation_checkpointing(model, "full") == [0, 1]
     assert list(model.state_dict()) == names and [n for n, _ in model.named_parameters()] == names
 
 
