@@ -1,0 +1,180 @@
+"""Tensor/sequence parallelism: parity with the unparallelized model, collective counts, errors.
+
+One 8-rank launch covers tp = 2, 4 and 8: a 2-D (dp, tp) mesh gives every dp group its own tp
+sub-mesh, and every dp group runs the same check on the same inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+from meshtron import env
+from meshtron.config import ConfigError, ModelConfig
+from meshtron.models import build_model, materialize, token_loss_sum
+from meshtron.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, parallel_token_loss_sum
+from meshtron.testing import rel_err, run_checks
+
+DENSE = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
+)
+MOE = dict(DENSE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+BATCH, SEQ = 2, 16
+
+
+def _tp_mesh(tp: int):
+    world = dist.get_world_size()
+    return init_device_mesh(env.device_type(), (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
+
+
+def _reference(cfg: ModelConfig, seed: int):
+    """Random weights everywhere (norms and biases too), identical on every rank."""
+    torch.manual_seed(seed)
+    model = materialize(build_model(cfg), env.local_device(), seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.train()
+
+
+def _parallel_copy(ref, tp_mesh, sp: bool, on_meta: bool):
+    """The TP model with the reference weights, built either on meta (the training path) or by copy."""
+    if not on_meta:
+        return apply_tensor_parallel(copy.deepcopy(ref), tp_mesh, sp)
+    with torch.device("meta"):
+        model = build_model(ref.config)
+    apply_tensor_parallel(model, tp_mesh, sp)
+    materialize(model, env.local_device(), seed=0)
+    full = ref.state_dict()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            src = full[name]
+            p.copy_(distribute_tensor(src, p.device_mesh, p.placements) if isinstance(p, DTensor) else src)
+    return model.train()
+
+
+def _batch(cfg: ModelConfig, seed: int):
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
+    labels[0, :3] = -100  # ignored positions must stay ignored on sharded logits
+    return tokens.to(env.local_device()), labels.to(env.local_device())
+
+
+def _step(model, tokens, labels, loss_fn):
+    loss = loss_fn(model(tokens), labels) / (labels != -100).sum()
+    loss.backward()
+    return loss
+
+
+def _assert_parity(kind: str, tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool = False):
+    cfg = ModelConfig(**(MOE if kind == "moe" else DENSE), tie_word_embeddings=tie)
+    ref = _reference(cfg, seed)
+    par = _parallel_copy(ref, _tp_mesh(tp), sp, on_meta)
+    tokens, labels = _batch(cfg, seed)
+    expected = _step(ref, tokens, labels, token_loss_sum)
+    actual = _step(par, tokens, labels, parallel_token_loss_sum)
+    where = f"{kind} tp={tp} sp={sp} tie={tie}"
+    assert rel_err(actual, expected) < 1e-5, f"{where}: loss {actual.item()} vs {expected.item()}"
+    ref_params = dict(ref.named_parameters())
+    assert set(ref_params) == {n for n, _ in par.named_parameters()}
+    for name, p in par.named_parameters():
+        want = ref_params[name].grad
+        assert p.grad is not None and want.abs().max() > 0, f"{where}: {name} got no gradient"
+        err = rel_err(p.grad, want)
+        assert err < 1e-4, f"{where}: {name} gradient rel err {err:.2e}"
+    if tie:
+        assert par.lm_head.weight is par.embed_tokens.weight
+    if kind == "moe":
+        for r, p in zip(ref.modules(), par.modules()):
+            if hasattr(r, "last_aux_loss") and r.last_aux_loss is not None:
+                assert rel_err(p.last_aux_loss, r.last_aux_loss) < 1e-5, f"{where}: aux loss"
+                assert torch.equal(p.last_tokens_per_expert, r.last_tokens_per_expert), f"{where}: expert counts"
+
+
+def check_parity_dense(seed):
+    for tp in (2, 4, 8):
+        for sp in (False, True):
+            _assert_parity("dense", tp, sp, seed + tp, on_meta=tp != 8, tie=(tp == 4 and sp))
+
+
+def check_parity_moe(seed):
+    for tp in (2, 4, 8):
+        for sp in (False, True):
+            _assert_parity("moe", tp, sp, seed + 10 * tp)
+
+
+def _layer_collectives(model, tokens, labels):
+    """{(module, 'forward'|'backward'): Counter(op name)} for one fwd+bwd step under CommDebugMode."""
+    comm = CommDebugMode()
+    with comm:
+        _step(model, tokens, labels, parallel_token_loss_sum)
+    return {
+        (fqn, phase): Counter({str(op).split(".")[-1]: n for op, n in counts[phase].items()})
+        for fqn, counts in comm.comm_module_counts.items()
+        for phase in ("forward", "backward")
+    }
+
+
+def check_collectives_per_layer(seed):
+    """Megatron's count: per layer 2 all-reduces (no SP) or 2 all-gathers + 2 reduce-scatters (SP),
+    each in forward and in backward."""
+    for kv in (2, 8):  # KV heads split over tp=2 and tp=4 (kv=8) ...
+        for sp in (False, True):
+            cfg = ModelConfig(**{**DENSE, "num_key_value_heads": kv})
+            ref = _reference(cfg, seed)
+            model = _parallel_copy(ref, _tp_mesh(2 if kv == 2 else 4), sp, on_meta=True)
+            counts = _layer_collectives(model, *_batch(cfg, seed))
+            want = Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2) if sp else Counter(all_reduce=2)
+            for layer in ("0", "1"):
+                for phase in ("forward", "backward"):
+                    got = counts.get((f"Transformer.layers.{layer}", phase), Counter())
+                    assert got == want, f"kv={kv} sp={sp} layer {layer} {phase}: {dict(got)} != {dict(want)}"
+
+
+def check_loss_never_gathers_logits(seed):
+    cfg = ModelConfig(**DENSE)
+    model = _parallel_copy(_reference(cfg, seed), _tp_mesh(8), sp=True, on_meta=True)
+    tokens, labels = _batch(cfg, seed)
+    logits = model(tokens).detach().requires_grad_()
+    assert isinstance(logits, DTensor) and logits.to_local().shape[-1] == cfg.vocab_size // 8
+    comm = CommDebugMode()
+    with comm:
+        loss = parallel_token_loss_sum(logits, labels)
+        loss.backward()
+    counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    # max, then (sum of exp, target logit) per token: two reductions of [tokens]-sized vectors.
+    assert counts == {"allreduce_": 2}, counts
+    assert logits.grad.placements == logits.placements and logits.grad.to_local().abs().max() > 0
+
+
+def check_heads_error(seed):
+    cfg = ModelConfig(**{**DENSE, "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 8})
+    with torch.device("meta"):
+        model = build_model(cfg)
+    with pytest.raises(ConfigError, match=r"tp = 8 does not divide num_attention_heads = 12.*1, 2, 4"):
+        apply_tensor_parallel(model, _tp_mesh(8))
+
+
+def test_tensor_parallel_8_ranks():
+    seed = random.randrange(1 << 30)
+    checks = [check_heads_error, check_collectives_per_layer, check_loss_never_gathers_logits,
+              check_parity_dense, check_parity_moe]
+    run_checks(checks, 8, seed, timeout=240)
+
+
+def test_error_lists_valid_tp():
+    with pytest.raises(ConfigError, match=r"num_attention_heads = 28\. Valid tp up to 8 for this model: 1, 2, 4\."):
+        check_tensor_parallel(28, 4, 8)
+    with pytest.raises(ConfigError, match=r"num_key_value_heads = 3 do not divide"):
+        check_tensor_parallel(12, 3, 2)
+    check_tensor_parallel(12, 2, 4)  # 2 KV heads each replicated over 2 ranks
