@@ -106,8 +106,17 @@ def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return _derived(mesh, "dp_cp")
 
 
-def _options(ok, limit: int) -> str:
-    return ", ".join(str(v) for v in range(1, limit + 1) if ok(v))
+def _options(ok, limit: int, shown: int = 12) -> str:
+    """The first ``shown`` values in 1..limit that satisfy ``ok`` (bounded: limit may be huge)."""
+    found = []
+    for v in range(1, limit + 1):
+        if ok(v):
+            found.append(str(v))
+            if len(found) == shown:
+                return ", ".join(found) + ", ..."
+        if v > 4096 and found:
+            break
+    return ", ".join(found)
 
 
 def _tp_fits(cfg: Config, tp: int) -> bool:

@@ -182,11 +182,6 @@ class MoE(nn.Module):
         self.last_aux_loss = load_balancing_loss(counts, global_sums, tokens).detach()
         return load_balancing_loss(counts, prob_sums, tokens)
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        for p in (self.gate.weight, self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj):
-            nn.init.normal_(p, std=0.02)
-
 
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
