@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from meshtron import env
+from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import ConfigError, ModelConfig
 from meshtron.models import build_model, materialize, token_loss_sum
 from meshtron.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, parallel_token_loss_sum
@@ -40,7 +41,7 @@ def _reference(cfg: ModelConfig, seed: int):
     """Random weights everywhere (norms and biases too), identical on every rank."""
     torch.manual_seed(seed)
     model = materialize(build_model(cfg), env.local_device(), seed)
-    with torch.no_grad():
+    with torch.no_grad():  # default init has constant norms and zero biases
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return model.train()
@@ -53,12 +54,10 @@ def _parallel_copy(ref, tp_mesh, sp: bool, on_meta: bool):
     with torch.device("meta"):
         model = build_model(ref.config)
     apply_tensor_parallel(model, tp_mesh, sp)
-    materialize(model, env.local_device(), seed=0)
-    full = ref.state_dict()
+    model.to_empty(device=env.local_device())
+    model.tie_weights()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            src = full[name]
-            p.copy_(distribute_tensor(src, p.device_mesh, p.placements) if isinstance(p, DTensor) else src)
+        load_full_state_dict(model, ref.state_dict())
     return model.train()
 
 
