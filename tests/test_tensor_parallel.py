@@ -124,20 +124,38 @@ def _layer_collectives(model, tokens, labels):
     }
 
 
+def _expected_layer_collectives(kind: str, sp: bool, replicated_kv: bool, phase: str) -> Counter:
+    """Megatron's count per dense layer: 2 all-reduces (no SP) or 2 all-gathers + 2 reduce-scatters
+    (SP), in forward and again in backward.
+
+    Replicated KV heads add 4 all-reduces in backward (the replicas' k/v weight and bias gradients).
+    A MoE layer under SP gathers its input once and all-reduces the shared expert's output (it runs
+    on the gathered tokens), so one reduce-scatter becomes an all-reduce.
+    """
+    if not sp:
+        want = Counter(all_reduce=2)
+    elif kind == "moe":
+        want = Counter(all_gather_into_tensor=2, reduce_scatter_tensor=1, all_reduce=1)
+    else:
+        want = Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2)
+    if replicated_kv and phase == "backward":
+        want["all_reduce"] += 4
+    return want
+
+
 def check_collectives_per_layer(seed):
-    """Megatron's count: per layer 2 all-reduces (no SP) or 2 all-gathers + 2 reduce-scatters (SP),
-    each in forward and in backward."""
-    for kv in (2, 8):  # KV heads split over tp=2 and tp=4 (kv=8) ...
+    # (kind, kv heads, tp): KV heads split over tp, or replicated when tp exceeds them.
+    for kind, kv, tp in (("dense", 2, 2), ("dense", 8, 4), ("dense", 2, 4), ("moe", 2, 2)):
         for sp in (False, True):
-            cfg = ModelConfig(**{**DENSE, "num_key_value_heads": kv})
-            ref = _reference(cfg, seed)
-            model = _parallel_copy(ref, _tp_mesh(2 if kv == 2 else 4), sp, on_meta=True)
+            cfg = ModelConfig(**{**(MOE if kind == "moe" else DENSE), "num_key_value_heads": kv})
+            model = _parallel_copy(_reference(cfg, seed), _tp_mesh(tp), sp, on_meta=True)
             counts = _layer_collectives(model, *_batch(cfg, seed))
-            want = Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2) if sp else Counter(all_reduce=2)
             for layer in ("0", "1"):
                 for phase in ("forward", "backward"):
                     got = counts.get((f"Transformer.layers.{layer}", phase), Counter())
-                    assert got == want, f"kv={kv} sp={sp} layer {layer} {phase}: {dict(got)} != {dict(want)}"
+                    want = _expected_layer_collectives(kind, sp, kv < tp, phase)
+                    where = f"{kind} kv={kv} tp={tp} sp={sp} layer {layer} {phase}"
+                    assert got == want, f"{where}: {dict(got)} != {dict(want)}"
 
 
 def check_loss_never_gathers_logits(seed):
