@@ -112,6 +112,36 @@ def check_parity_moe(seed):
             _assert_parity("moe", tp, sp, seed + 10 * tp)
 
 
+def _stage(model, first: bool):
+    """A pipeline stage of ``model``: the embedding and layer 0, or layer 1 and the head."""
+    stage = copy.deepcopy(model)
+    del stage.layers["1" if first else "0"]
+    if first:
+        stage.norm = stage.lm_head = None
+    else:
+        stage.embed_tokens = None
+    return stage
+
+
+def check_pipeline_stages_and_uneven_vocab(seed):
+    """Two stages pass hidden states (sequence-sharded under SP) and still get the full-sequence RoPE;
+    a vocabulary that tp does not divide (250 over 4) still gives the exact loss."""
+    cfg = ModelConfig(**{**DENSE, "vocab_size": 250})
+    ref = _reference(cfg, seed)
+    tokens, labels = _batch(cfg, seed)
+    expected = _step(ref, tokens, labels, token_loss_sum)
+    mesh = _tp_mesh(4)
+    first = apply_tensor_parallel(_stage(ref, first=True), mesh, sp=True)
+    last = apply_tensor_parallel(_stage(ref, first=False), mesh, sp=True)
+    hidden = first(tokens)
+    assert hidden.shape[1] == SEQ // 4  # stages exchange sequence shards under SP
+    actual = _step(last, hidden, labels, parallel_token_loss_sum)
+    assert rel_err(actual, expected) < 1e-5, f"loss {actual.item()} vs {expected.item()}"
+    grads = {**{n: p.grad for n, p in first.named_parameters()}, **{n: p.grad for n, p in last.named_parameters()}}
+    for name, p in ref.named_parameters():
+        assert rel_err(grads[name], p.grad) < 1e-4, f"{name}: gradient rel err {rel_err(grads[name], p.grad):.2e}"
+
+
 def _layer_collectives(model, tokens, labels):
     """{(module, 'forward'|'backward'): Counter(op name)} for one fwd+bwd step under CommDebugMode."""
     comm = CommDebugMode()
@@ -185,6 +215,7 @@ def check_heads_error(seed):
 def test_tensor_parallel_8_ranks():
     seed = random.randrange(1 << 30)
     checks = [check_heads_error, check_collectives_per_layer, check_loss_never_gathers_logits,
+              check_pipeline_stages_and_uneven_vocab,
               check_parity_dense, check_parity_moe]
     run_checks(checks, 8, seed, timeout=240)
 
