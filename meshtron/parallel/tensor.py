@@ -79,11 +79,18 @@ class _SumGradOverMesh(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param: DTensor) -> torch.Tensor:
         ctx.mesh = param.device_mesh
-        return param.to_local().view_as(param.to_local())
+        local = param.to_local()
+        return local.view_as(local)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> DTensor:
         return DTensor.from_local(grad, ctx.mesh, [Partial()]).redistribute(ctx.mesh, [Replicate()])
+
+
+def _replicate_params(module: nn.Module, mesh: DeviceMesh, src_data_rank: int | None) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        dist_param = distribute_tensor(param, mesh, [Replicate()], src_data_rank=src_data_rank)
+        module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
 
 
 def _replicated_head_forward(self: nn.Linear, x: torch.Tensor | DTensor) -> torch.Tensor:
@@ -116,9 +123,8 @@ class ReplicatedKVHeads(ParallelStyle):
             raise TypeError(f"ReplicatedKVHeads expects nn.Linear, got {type(module).__name__}")
         tp = device_mesh.size()
         head = device_mesh.get_local_rank() // (tp // self.kv_heads)
-        for name, param in list(module.named_parameters(recurse=False)):
-            dist_param = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
-            module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+        _replicate_params(module, device_mesh, self.src_data_rank)
+        # The replica weight gradients are summed over tp in backward (one all-reduce per tensor).
         module.tp_mesh = device_mesh
         module.tp_rows = (head * self.head_dim, (head + 1) * self.head_dim)
         module.forward = types.MethodType(_replicated_head_forward, module)
@@ -128,8 +134,9 @@ class ReplicatedKVHeads(ParallelStyle):
 class ReplicateParallel(ParallelStyle):
     """Parameters replicated over tp, computed redundantly on identical inputs (the MoE router).
 
-    Plain tensors in and out; the parameters become Replicate DTensors so every parameter of a
-    tensor-parallel module is a DTensor on the tp mesh.
+    Plain tensors in and out. The parameters become Replicate DTensors, like the norms under SP, so
+    the gradient-norm and checkpoint code see them as tp-replicated rather than as per-rank tensors.
+    Their gradients are already identical on every tp rank (same inputs, same output gradients).
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -145,15 +152,10 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(
             module,
             device_mesh,
-            lambda _name, mod, mesh: self._replicate_params(mod, mesh),
+            lambda _name, mod, mesh: _replicate_params(mod, mesh, self.src_data_rank),
             input_fn=to_dtensor,
             output_fn=to_local,
         )
-
-    def _replicate_params(self, module: nn.Module, mesh: DeviceMesh) -> None:
-        for name, param in list(module.named_parameters(recurse=False)):
-            dist_param = distribute_tensor(param, mesh, [Replicate()], src_data_rank=self.src_data_rank)
-            module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
 
 
 def _seq(sp: bool) -> Placement:
