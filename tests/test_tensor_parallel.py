@@ -7,6 +7,7 @@ sub-mesh, and every dp group runs the same check on the same inputs.
 from __future__ import annotations
 
 import copy
+import math
 import random
 from collections import Counter
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtron import env
 from meshtron.checkpoint import load_full_state_dict
@@ -188,10 +190,35 @@ def check_collectives_per_layer(seed):
                     assert got == want, f"{where}: {dict(got)} != {dict(want)}"
 
 
+class _CollectiveShapes(TorchDispatchMode):
+    """Shapes of every tensor that enters or leaves a collective."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace in ("_c10d_functional", "c10d") and "wait" not in func.__name__:
+            for t in [*args, *(out if isinstance(out, (list, tuple)) else [out])]:
+                if isinstance(t, torch.Tensor):
+                    self.shapes.append((func.__name__, tuple(t.shape)))
+        return out
+
+
 def check_loss_never_gathers_logits(seed):
     cfg = ModelConfig(**DENSE)
     model = _parallel_copy(_reference(cfg, seed), _tp_mesh(8), sp=True, on_meta=True)
     tokens, labels = _batch(cfg, seed)
+    recorder = _CollectiveShapes()
+    with recorder:
+        _step(model, tokens, labels, parallel_token_loss_sum)
+    # DTensor gathers along dim 0 and rearranges after, so compare sizes, not shapes.
+    gathered = [math.prod(shape) for op, shape in recorder.shapes if op.startswith("all_gather")]
+    assert BATCH * SEQ * cfg.hidden_size in gathered, "the SP gathers of hidden states were not seen"
+    largest = max(math.prod(shape) for _, shape in recorder.shapes)
+    assert largest < BATCH * SEQ * cfg.vocab_size, f"a collective moved {largest} elements (full logits or more)"
+
     logits = model(tokens).detach().requires_grad_()
     assert isinstance(logits, DTensor) and logits.to_local().shape[-1] == cfg.vocab_size // 8
     comm = CommDebugMode()
