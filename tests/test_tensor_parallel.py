@@ -241,6 +241,7 @@ def check_heads_error(seed):
 
 def test_tensor_parallel_8_ranks():
     seed = random.randrange(1 << 30)
+    print(f"seed {seed}")  # shown by pytest on failure, to replay the same draw
     checks = [check_heads_error, check_collectives_per_layer, check_loss_never_gathers_logits,
               check_pipeline_stages_and_uneven_vocab,
               check_parity_dense, check_parity_moe]

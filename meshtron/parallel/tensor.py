@@ -18,8 +18,10 @@ sequence parallelism from Korthikanti et al. 2022):
   tokens, so routing, expert outputs and router statistics are identical replicas; the router is a
   replicated DTensor and the shared expert follows the dense MLP plan.
 
-Forward collectives per dense layer: 2 all-reduces (no SP) or 2 all-gathers + 2 reduce-scatters (SP),
-the same again in backward. The tests count them.
+Collectives per dense layer: 2 all-reduces (no SP) or 2 all-gathers + 2 reduce-scatters (SP) in
+forward, the same again in backward, as Megatron. Replicated KV heads add 4 small all-reduces in
+backward (k/v weight and bias gradients); a MoE layer under SP all-reduces its shared expert's output
+where a dense MLP reduce-scatters. The tests count all of these.
 """
 
 from __future__ import annotations
