@@ -181,7 +181,7 @@ def validate_layout(cfg: Config, world_size: int) -> None:
             f"(the batch is split over dp and ep). Use global_batch_size = {_round_up(t.global_batch_size, readers)}."
         )
     local = t.global_batch_size // readers
-    if p.pp > 1 and local % p.microbatches:
+    if local % p.microbatches:
         raise ConfigError(
             f"[parallel] microbatches = {p.microbatches} does not divide the per-rank batch "
             f"global_batch_size / (dp x ep) = {t.global_batch_size} / {readers} = {local}. "

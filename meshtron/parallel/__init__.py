@@ -16,10 +16,12 @@ from meshtron.checkpoint import gather_full_state_dict, load_full_state_dict
 from meshtron.config import Config
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import InitialWeights, moe_layers, token_loss_sum
+from meshtron.parallel.context import apply_context_parallel, shard_batch
 
 
 def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
     """Apply every parallelism except the pipeline split to ``model`` (in place; meta or real)."""
+    apply_context_parallel(model, mesh)
     return model
 
 
@@ -56,6 +58,7 @@ class StepRunner:
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        input_ids, labels, positions = shard_batch((input_ids, labels, positions), self.mesh)
         tokens = self._global_sum((labels != -100).sum().to(torch.float32))
         total = torch.zeros((), device=self.device)
         self._aux = []
