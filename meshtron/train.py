@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 class Trainer:
     def __init__(self, cfg: Config, mesh):
         from meshtron.data import TokenDataset
-        from meshtron.parallel import build_step_runner
+        from meshtron.parallel.runner import build_step_runner
 
         self.cfg, self.mesh = cfg, mesh
         self.rank = dist.get_rank()
