@@ -3,8 +3,8 @@
 Every layout trains 3 AdamW steps with clipping on the same global batches as one process and must
 give the same losses, gradients (gathered), clipped global norms and parameters. ep ranks act as
 extra data parallel ranks for this dense model (as they do for dense layers of an MoE model), cp
-ranks run ring attention on sequence chunks. A small colwise/rowwise TP plan of our own makes the
-2-D (data x tp) DTensors.
+ranks run ring attention on sequence chunks, and the TP plan (vocab-parallel embedding and loss,
+sequence parallelism in one layout) makes the 2-D (data x tp) DTensors.
 """
 
 from __future__ import annotations
@@ -13,22 +13,23 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from meshtron import env
 from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
 from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh
-from meshtron.models import MoE, build_model, materialize, token_loss_sum
+from meshtron.models import build_model, materialize, token_loss_sum
 from meshtron.parallel.checkpointing import apply_activation_checkpointing, checkpointed_layers
 from meshtron.parallel.context import apply_context_parallel, shard_batch
 from meshtron.parallel.data import apply_data_parallel, data_meshes
 from meshtron.parallel.grad_norm import clip_grad_norm_, global_grad_norm
+from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
 from meshtron.testing import rel_err, run_checks
 
+# 2 KV heads: tp = 4 exercises the TP plan's replicated KV heads.
 CFG = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-    num_key_value_heads=4, rope_theta=10000.0,
+    num_key_value_heads=2, rope_theta=10000.0,
 )
 # Without expert parallelism ep must stay 1 for MoE (experts would see other tokens on each ep rank).
 # The aux loss needs global router statistics, which expert parallelism installs; it is off here.
@@ -48,22 +49,12 @@ def _reference(cfg: ModelConfig) -> torch.nn.Module:
     return model.train()
 
 
-def _tensor_parallel(model: torch.nn.Module, tp_mesh) -> None:
-    """Megatron-style attention and dense MLP; MoE layers stay replicated over tp."""
-    attention = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
-    attention["self_attn.o_proj"] = RowwiseParallel()
-    mlp = {f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")}
-    mlp["mlp.down_proj"] = RowwiseParallel()
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, attention if isinstance(block.mlp, MoE) else {**attention, **mlp})
-
-
-def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32"):
-    """The training path: meta model -> TP -> AC -> data parallel -> materialise -> load ``full``."""
+def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32", sp=False):
+    """The training path: meta model -> TP -> CP -> AC -> data parallel -> materialise -> load ``full``."""
     with torch.device("meta"):
         model = build_model(cfg)
     if mesh["tp"].size() > 1:
-        _tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], sp)
     apply_context_parallel(model, mesh)
     apply_activation_checkpointing(model, ac, every=2)
     apply_data_parallel(model, mesh, mode, dtype)
@@ -86,7 +77,10 @@ def _batches():
 
 
 def _train(model, local_batch, clip):
-    """STEPS AdamW steps; per step (loss, grads before clipping, norm); the loss is the global mean."""
+    """STEPS AdamW steps; per step (loss, grads before clipping, norm); the loss is the global mean.
+
+    The loss takes plain or vocab-sharded (TP) logits.
+    """
     # Adam divides by sqrt(v): a gradient element at float32 noise level (~1e-7, where reduction
     # order decides its sign) would move by a full +-lr. eps = 1e-4 keeps such updates linear in
     # the gradient, so the parameter check measures the distributed gradients, not that sign.
@@ -95,7 +89,7 @@ def _train(model, local_batch, clip):
     for tokens, labels in _batches():
         count = (labels != -100).sum()
         tokens, labels, positions = local_batch(tokens, labels)
-        loss = token_loss_sum(model(tokens, positions), labels) / count
+        loss = parallel_token_loss_sum(model(tokens, positions), labels) / count
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         norm = clip(model.parameters())
@@ -142,15 +136,16 @@ def _assert_parity(layout, ref, ref_hist, model, hist):
 
 
 def _check_layouts(layouts, **model):
+    """``layouts``: (mesh sizes, data_parallel mode[, sp]) triples checked against one reference."""
     cfg = ModelConfig(**{**CFG, **model})
     torch.manual_seed(0)
     ref = _reference(cfg)
     start = {n: t.clone() for n, t in ref.state_dict().items()}
     ref_hist = _run_reference(ref)
-    for sizes, mode in layouts:
+    for sizes, mode, *sp in layouts:
         mesh = build_mesh(**sizes)
-        model = _parallel(cfg, start, mesh, mode)
-        _assert_parity(f"{sizes} {mode}", ref, ref_hist, model, _run_parallel(model, mesh))
+        model = _parallel(cfg, start, mesh, mode, sp=bool(sp and sp[0]))
+        _assert_parity(f"{sizes} {mode} sp={sp}", ref, ref_hist, model, _run_parallel(model, mesh))
 
 
 def check_dp2():
@@ -171,7 +166,7 @@ def check_dp8_and_modes():
 
 
 def check_tied_dp_tp():
-    _check_layouts([(dict(dp=2, tp=4), "fsdp")], tie_word_embeddings=True)
+    _check_layouts([(dict(dp=2, tp=4), "fsdp", True)], tie_word_embeddings=True)
 
 
 def check_context_parallel():
@@ -198,7 +193,7 @@ def check_checkpointing_is_bit_identical():
     for ac in ("none", "full", "selective"):
         model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", ac)
         tokens, labels = next(_batches())
-        loss = token_loss_sum(model(tokens), labels)
+        loss = parallel_token_loss_sum(model(tokens), labels)
         loss.backward()
         runs[ac] = (loss.detach(), {n: _local(p.grad).clone() for n, p in model.named_parameters()})
     for ac in ("full", "selective"):
@@ -232,7 +227,7 @@ def check_norm_types():
     tokens, labels = next(_batches())
     token_loss_sum(ref(tokens), labels).backward()
     rows = slice(dist.get_rank() // 2 * 2, dist.get_rank() // 2 * 2 + 2)  # dp rank r reads rows 2r, 2r + 1
-    token_loss_sum(model(tokens[rows]), labels[rows]).backward()
+    parallel_token_loss_sum(model(tokens[rows]), labels[rows]).backward()
     for p in (1.0, 2.0, float("inf")):
         expected = torch.nn.utils.get_total_norm([q.grad for q in ref.parameters()], p)
         assert rel_err(global_grad_norm(model.parameters(), p), expected) < 1e-5, f"{p}-norm"
