@@ -177,6 +177,10 @@ def check_context_parallel():
 def check_moe():
     """Experts on the dp x cp mesh next to dense weights on dp x ep x cp (and tp)."""
     _check_layouts([(dict(dp=4, tp=2), "fsdp"), (dict(dp=8), "hsdp")], **MOE)
+    with torch.device("meta"):
+        model = build_model(ModelConfig(**MOE))
+    with pytest.raises(ValueError, match="expert weight 'gate_proj' is not split over the ep mesh"):
+        apply_data_parallel(model, build_mesh(dp=4, ep=2))
 
 
 def _local(t):

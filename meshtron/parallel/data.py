@@ -107,6 +107,18 @@ def _untied_vocab_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in (embed, head) if m is not None]
 
 
+def _check_experts_split_over_ep(moes: list[MoE], mesh: DeviceMesh) -> None:
+    """With ep > 1, expert gradients are reduced over dp x cp only: the experts must be EP-sharded."""
+    ep = mesh["ep"].size()
+    for moe in moes:
+        for name, param in moe.experts.named_parameters():
+            if ep > 1 and not (isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())):
+                raise ValueError(
+                    f"ep = {ep} but expert weight '{name}' is not split over the ep mesh; its gradient would "
+                    "miss the other ep ranks' tokens. Apply expert parallelism before data parallelism."
+                )
+
+
 def apply_data_parallel(
     model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp", dtype: str = "float32"
 ) -> nn.Module:
@@ -115,8 +127,9 @@ def apply_data_parallel(
     Call last, after TP/EP/CP and activation checkpointing; works on meta-device and materialised
     models. Gradients are summed over data ranks (see the module docstring).
     """
-    dense_mesh, expert_mesh = data_meshes(mesh, mode)
     policy = mixed_precision(dtype)
+    _check_experts_split_over_ep([m for m in model.modules() if isinstance(m, MoE)], mesh)
+    dense_mesh, expert_mesh = data_meshes(mesh, mode)
     expert_placement = _even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))  # the shard dim (last for HSDP)
     units: list[FSDPModule] = []
     for block in model.layers.values():
