@@ -53,6 +53,10 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     router_aux_loss_coef: float = 0.001
+    # Router options beyond the HF keys (0 turns each off); see meshtron/models/moe.py.
+    router_z_loss_coef: float = 0.0  # ST-MoE z-loss weight, mean over MoE layers like the aux loss
+    moe_aux_free_bias_rate: float = 0.0  # DeepSeek-V3 aux-loss-free balancing: bias step per update
+    moe_capacity_factor: float = 0.0  # per-expert capacity = ceil(factor * tokens * top_k / experts)
 
     @property
     def is_moe(self) -> bool:
@@ -333,6 +337,8 @@ def _validate_model(m: ModelConfig, source: str) -> None:
     )
     _require(m.moe_intermediate_size > 0, f"{where} moe_intermediate_size must be > 0 for MoE.")
     _require(m.decoder_sparse_step >= 1, f"{where} decoder_sparse_step must be >= 1, got {m.decoder_sparse_step}.")
+    for key in ("router_aux_loss_coef", "router_z_loss_coef", "moe_aux_free_bias_rate", "moe_capacity_factor"):
+        _require(getattr(m, key) >= 0, f"{where} {key} must be >= 0 (0 turns it off), got {getattr(m, key)}.")
 
 
 def _validate_layout(cfg: Config, source: str) -> None:

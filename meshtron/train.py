@@ -25,7 +25,7 @@ from meshtron.hf import CheckpointError
 from meshtron.data import to_device
 from meshtron.mesh import batch_mesh, build_mesh, validate_layout
 from meshtron.metrics import MetricsLogger, peak_flops_per_device
-from meshtron.models import build_model, flops_per_token
+from meshtron.models import build_model, flops_per_token, moe_layers
 from meshtron.optim import build_optimizer, lr_at, set_lr
 
 
@@ -128,6 +128,8 @@ class Trainer:
         loss = self.runner.forward_backward(input_ids, labels)
         grad_norm = self.runner.clip_grad_norm(t.max_grad_norm)
         self.optimizer.step()
+        for moe in moe_layers(self.runner.module):
+            moe.update_expert_bias()  # aux-loss-free balancing (a no-op unless configured)
         elapsed = time.perf_counter() - start
         tokens = t.global_batch_size * t.seq_len
         record = {

@@ -110,12 +110,13 @@ class Transformer(nn.Module):
         the single-process weights, whatever the layout.
         """
         init = InitialWeights(self.config, seed)
-        for name, param in self.named_parameters():
-            param.copy_(init[name].to(param.device))
+        for name, tensor in self.state_dict(keep_vars=True).items():
+            tensor.copy_(init[name].to(tensor.device))
 
 
 class InitialWeights:
-    """Mapping name -> initial full tensor (normal(0, initializer_range) matrices, ones norms, zero biases).
+    """Mapping name -> initial full tensor: normal(0, initializer_range) matrices, ones for norms,
+    zeros for biases and buffers (the MoE expert bias).
 
     Values are generated on access, so a sharded model can be filled one parameter at a time.
     """
@@ -123,7 +124,9 @@ class InitialWeights:
     def __init__(self, cfg: ModelConfig, seed: int):
         self.cfg, self.seed = cfg, seed
         with torch.device("meta"):
-            self.shapes = {name: p.shape for name, p in Transformer(cfg).named_parameters(remove_duplicate=False)}
+            model = Transformer(cfg)
+        self.shapes = {name: t.shape for name, t in model.state_dict(keep_vars=True).items()}
+        self.buffers = {name for name, _ in model.named_buffers()}
 
     def __contains__(self, name: str) -> bool:
         return name in self.shapes
@@ -134,7 +137,7 @@ class InitialWeights:
         shape = self.shapes[name]
         if name.endswith("norm.weight"):
             return torch.ones(shape)
-        if name.endswith(".bias"):
+        if name.endswith(".bias") or name in self.buffers:
             return torch.zeros(shape)
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
         return torch.randn(shape, generator=gen) * self.cfg.initializer_range

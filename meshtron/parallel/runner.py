@@ -19,6 +19,7 @@ from meshtron.models import InitialWeights, moe_layers
 from meshtron.parallel.checkpointing import apply_activation_checkpointing
 from meshtron.parallel.context import apply_context_parallel, shard_batch
 from meshtron.parallel.data import apply_data_parallel
+from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.grad_norm import clip_grad_norm_
 from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
 
@@ -27,6 +28,8 @@ def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
     """Apply every parallelism except the pipeline split to ``model`` (in place; meta or real)."""
     p = cfg.parallel
     apply_tensor_parallel(model, mesh["tp"], p.sp)
+    # The TP plan gathers a MoE block's tokens even under SP, so tp ranks hold the same tokens there.
+    apply_expert_parallel(model, mesh, sequence_parallel=False)
     apply_context_parallel(model, mesh)
     apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
     apply_data_parallel(model, mesh, p.data_parallel, cfg.train.dtype)
@@ -53,8 +56,9 @@ class StepRunner:
         self.module = parallelize(model, mesh, cfg)
         materialize_sharded(self.module, device, cfg)
         self.data_group = dense_data_mesh(mesh).get_group()
-        for moe in moe_layers(self.module):
-            moe.aux_loss_scale /= cfg.parallel.microbatches  # one aux loss per micro-batch, averaged
+        for moe in moe_layers(self.module):  # one router loss per micro-batch, averaged over them
+            moe.aux_loss_scale /= cfg.parallel.microbatches
+            moe.z_loss_scale /= cfg.parallel.microbatches
         self._aux: list[torch.Tensor] = []
 
     def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -71,13 +75,17 @@ class StepRunner:
         micro = self.cfg.parallel.microbatches
         chunks = zip(input_ids.chunk(micro), labels.chunk(micro), positions.chunk(micro))
         for i, (ids, lab, pos) in enumerate(chunks):
-            # Reduce gradients over the data ranks once per step, on the last micro-batch.
-            self.module.set_requires_gradient_sync(i == micro - 1)
+            self.module.set_requires_gradient_sync(self._sync_gradients(i))
             loss = parallel_token_loss_sum(self.module(ids, pos), lab) / tokens
             loss.backward()
             total += loss.detach()
             self._aux.extend(m.last_aux_loss for m in moe_layers(self.module) if m.last_aux_loss is not None)
         return self._global_sum(total).item()
+
+    def _sync_gradients(self, microbatch: int) -> bool:
+        """Full sharding reduce-scatters every micro-batch, so unsharded gradients never pile up;
+        replication and HSDP keep full gradients anyway and reduce once, on the last micro-batch."""
+        return self.cfg.parallel.data_parallel == "fsdp" or microbatch == self.cfg.parallel.microbatches - 1
 
     def aux_loss(self) -> float | None:
         return torch.stack(self._aux).mean().item() if self._aux else None
