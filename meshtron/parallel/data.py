@@ -110,9 +110,11 @@ def _untied_vocab_modules(model: nn.Module) -> list[nn.Module]:
 def _check_experts_split_over_ep(moes: list[MoE], mesh: DeviceMesh) -> None:
     """With ep > 1, expert gradients are reduced over dp x cp only: the experts must be EP-sharded."""
     ep = mesh["ep"].size()
+    if ep == 1:
+        return
     for moe in moes:
         for name, param in moe.experts.named_parameters():
-            if ep > 1 and not (isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())):
+            if not (isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())):
                 raise ValueError(
                     f"ep = {ep} but expert weight '{name}' is not split over the ep mesh; its gradient would "
                     "miss the other ep ranks' tokens. Apply expert parallelism before data parallelism."
