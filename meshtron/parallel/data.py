@@ -29,8 +29,10 @@ the global token count of the step, so every rank's gradient is already its shar
 loss; FSDP2 would divide by the data-mesh size (an average), so we set its divide factor to 1 and
 force plain SUM collectives (a factor alone becomes NCCL's PREMUL_SUM, which gloo lacks; with SUM
 and factor 1 no scaling kernel runs at all). With HSDP this covers the reduce-scatter and the
-all-reduce. Gradient accumulation over
-micro-batches is the caller's (``set_requires_gradient_sync`` on the root).
+all-reduce. Micro-batches: every backward reduces its gradients, which is exact (sums of sums).
+With ``fsdp`` keep it so (skipping it would hold unsharded gradients); with ``replicate``/``hsdp``
+a caller may save the all-reduces with ``set_requires_gradient_sync(False)`` on the root for all
+but the last micro-batch.
 
 Mixed precision (``[train] dtype``): ``bfloat16`` keeps fp32 master parameters and optimizer state,
 computes in bf16 (parameters all-gathered in bf16) and reduces gradients in fp32; ``float32`` uses
