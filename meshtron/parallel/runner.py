@@ -16,14 +16,20 @@ from meshtron.checkpoint import gather_full_state_dict, load_full_state_dict
 from meshtron.config import Config
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import InitialWeights, moe_layers
+from meshtron.parallel.checkpointing import apply_activation_checkpointing
 from meshtron.parallel.context import apply_context_parallel, shard_batch
+from meshtron.parallel.data import apply_data_parallel
+from meshtron.parallel.grad_norm import clip_grad_norm_
 from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
 
 
 def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
     """Apply every parallelism except the pipeline split to ``model`` (in place; meta or real)."""
-    apply_tensor_parallel(model, mesh["tp"], cfg.parallel.sp)
+    p = cfg.parallel
+    apply_tensor_parallel(model, mesh["tp"], p.sp)
     apply_context_parallel(model, mesh)
+    apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
+    apply_data_parallel(model, mesh, p.data_parallel, cfg.train.dtype)
     return model
 
 
@@ -63,7 +69,10 @@ class StepRunner:
         total = torch.zeros((), device=self.device)
         self._aux = []
         micro = self.cfg.parallel.microbatches
-        for ids, lab, pos in zip(input_ids.chunk(micro), labels.chunk(micro), positions.chunk(micro)):
+        chunks = zip(input_ids.chunk(micro), labels.chunk(micro), positions.chunk(micro))
+        for i, (ids, lab, pos) in enumerate(chunks):
+            # Reduce gradients over the data ranks once per step, on the last micro-batch.
+            self.module.set_requires_gradient_sync(i == micro - 1)
             loss = parallel_token_loss_sum(self.module(ids, pos), lab) / tokens
             loss.backward()
             total += loss.detach()
@@ -74,8 +83,7 @@ class StepRunner:
         return torch.stack(self._aux).mean().item() if self._aux else None
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        return clip_grad_norm_(self.module.parameters(), max_norm).item()
 
     def export_hf(self, folder: str) -> None:
         from meshtron.hf import save_hf
