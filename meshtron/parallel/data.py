@@ -29,8 +29,10 @@ the global token count of the step, so every rank's gradient is already its shar
 loss; FSDP2 would divide by the data-mesh size (an average), so we set its divide factor to 1 and
 force plain SUM collectives (a factor alone becomes NCCL's PREMUL_SUM, which gloo lacks; with SUM
 and factor 1 no scaling kernel runs at all). With HSDP this covers the reduce-scatter and the
-all-reduce. Gradient accumulation over
-micro-batches is the caller's (``set_requires_gradient_sync`` on the root).
+all-reduce. Micro-batches: every backward reduces its gradients, which is exact (sums of sums).
+With ``fsdp`` keep it so (skipping it would hold unsharded gradients); with ``replicate``/``hsdp``
+a caller may save the all-reduces with ``set_requires_gradient_sync(False)`` on the root for all
+but the last micro-batch.
 
 Mixed precision (``[train] dtype``): ``bfloat16`` keeps fp32 master parameters and optimizer state,
 computes in bf16 (parameters all-gathered in bf16) and reduces gradients in fp32; ``float32`` uses
@@ -110,9 +112,11 @@ def _untied_vocab_modules(model: nn.Module) -> list[nn.Module]:
 def _check_experts_split_over_ep(moes: list[MoE], mesh: DeviceMesh) -> None:
     """With ep > 1, expert gradients are reduced over dp x cp only: the experts must be EP-sharded."""
     ep = mesh["ep"].size()
+    if ep == 1:
+        return
     for moe in moes:
         for name, param in moe.experts.named_parameters():
-            if ep > 1 and not (isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())):
+            if not (isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())):
                 raise ValueError(
                     f"ep = {ep} but expert weight '{name}' is not split over the ep mesh; its gradient would "
                     "miss the other ep ranks' tokens. Apply expert parallelism before data parallelism."
