@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -89,6 +90,11 @@ class ParallelConfig:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
     virtual_stages: int = 1
     microbatches: int = 1
+    # How dense params use dp x ep x cp (expert params: dp x cp): "fsdp" shards over all of it,
+    # "hsdp" replicates over dp and shards inside (ep x) cp, "replicate" keeps full copies (DDP-like).
+    data_parallel: str = "fsdp"
+    activation_checkpointing: str = "none"  # none | full (every block) | selective (every ac_every-th block)
+    ac_every: int = 2
 
 
 @dataclass
@@ -113,7 +119,9 @@ class TrainConfig:
 class DataConfig:
     source: str = "builtin"  # "builtin" or a path to a .txt/.jsonl file or folder
     tokenizer: str = "bytes"  # "bytes" or a path to tokenizer.json / a tokenizer folder
-    text_key: str = "text"
+    text_key: str = "text"  # the text field of .jsonl records
+    eos_token: str = ""  # document separator of a file tokenizer; empty: found in the tokenizer
+    cache_dir: str = ""  # token cache; empty: <train.output_dir>/token_cache
 
 
 @dataclass
@@ -143,9 +151,10 @@ _SECTION_TYPES: dict[str, type] = {
 }
 
 
-def _closest(name: str, options: typing.Iterable[str]) -> str:
-    match = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
-    return f" Did you mean '{match[0]}'?" if match else ""
+def _closest(name: Any, options: typing.Iterable[str]) -> str:
+    by_lower = {option.lower(): option for option in options}
+    match = difflib.get_close_matches(str(name).lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" Did you mean '{by_lower[match[0]]}'?" if match else ""
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
@@ -159,6 +168,9 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         raise TypeError(f"unsupported annotation {hint}")  # keep config fields simple
+    if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**63:
+        # TOML integers are 64-bit; larger ones only come from Python callers and break messages.
+        raise ConfigError(f"{where} must fit in a signed 64-bit integer, got a {value.bit_length()}-bit value.")
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is bool and not isinstance(value, bool):
@@ -217,17 +229,22 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
     i = 0
     while i < len(args):
         arg = args[i]
-        if not arg.startswith("--") or "." not in arg:
+        if not arg.startswith("--"):
             raise ConfigError(f"override '{arg}' must look like --section.key value (e.g. --parallel.tp 2).")
         if "=" in arg:
             dotted, text = arg[2:].split("=", 1)
             i += 1
         else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"override '{arg}' has no value; write {arg} VALUE.")
+            # A following flag means this one has no value; negative numbers have one dash only.
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise ConfigError(f"override '{arg}' has no value; write {arg} VALUE or {arg}=VALUE.")
             dotted, text = arg[2:], args[i + 1]
             i += 2
-        section, key = dotted.split(".", 1)
+        section, dot, key = dotted.partition(".")
+        if not (section and dot and key):
+            raise ConfigError(
+                f"override '{arg}' must name a section and a key, like --parallel.tp 2 or --train.steps=10."
+            )
         out.setdefault(section, {})[key] = _parse_override_value(text)
     return out
 
@@ -236,9 +253,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Load a TOML recipe, apply ``--section.key value`` overrides and validate the result."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"recipe '{path}' does not exist; pass --recipe with a path to a .toml file.")
+        raise ConfigError(f"recipe '{path}' is not a file; pass --recipe with a path to a .toml file.")
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text ({err}); a recipe must be a UTF-8 TOML file.") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: malformed TOML: {err}. Fix the syntax at that line.") from None
     for section, keys in parse_overrides(overrides or []).items():
@@ -255,54 +274,116 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(cfg: Config, source: str = "<recipe>") -> None:
-    """Checks that need no process group: value ranges and choices. Layout checks live in mesh.py."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
-        _require(getattr(m, key) > 0, f"{source}: [model] {key} must be positive, got {getattr(m, key)}.")
-    _require(m.num_key_value_heads >= 0, f"{source}: [model] num_key_value_heads must be >= 0.")
+DATA_PARALLEL_MODES = ("fsdp", "hsdp", "replicate")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+def _validate_data_parallel(p: ParallelConfig, source: str) -> None:
+    _require(
+        p.data_parallel in DATA_PARALLEL_MODES,
+        f"{source}: [parallel] data_parallel must be one of {', '.join(DATA_PARALLEL_MODES)}, "
+        f"got '{p.data_parallel}'." + _closest(p.data_parallel, DATA_PARALLEL_MODES),
+    )
+    _require(
+        p.activation_checkpointing in ACTIVATION_CHECKPOINTING,
+        f"{source}: [parallel] activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
+        f"got '{p.activation_checkpointing}'." + _closest(p.activation_checkpointing, ACTIVATION_CHECKPOINTING),
+    )
+    _require(
+        p.ac_every >= 1,
+        f"{source}: [parallel] ac_every must be >= 1 (checkpoint every N-th block), got {p.ac_every}.",
+    )
+
+
+def _check_numbers(section: str, obj: Any, source: str) -> None:
+    """No recipe number may be negative, NaN or infinite (seed is the one signed field)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{source}: [{section}] {f.name} must be a finite number, got {value}.")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0 and f.name != "seed":
+            raise ConfigError(f"{source}: [{section}] {f.name} must not be negative, got {value}.")
+
+
+def _validate_model(m: ModelConfig, source: str) -> None:
+    where = f"{source}: [model]"
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "max_position_embeddings"):
+        _require(getattr(m, key) > 0, f"{where} {key} must be positive, got {getattr(m, key)}.")
+    for key in ("rope_theta", "rms_norm_eps", "initializer_range"):
+        _require(getattr(m, key) > 0, f"{where} {key} must be > 0, got {getattr(m, key)}.")
     _require(
         m.num_attention_heads % m.kv_heads == 0,
-        f"{source}: [model] num_attention_heads ({m.num_attention_heads}) must be a multiple of "
+        f"{where} num_attention_heads ({m.num_attention_heads}) must be a multiple of "
         f"num_key_value_heads ({m.kv_heads}).",
     )
     _require(
         m.head_dim > 0 or m.hidden_size % m.num_attention_heads == 0,
-        f"{source}: [model] hidden_size ({m.hidden_size}) is not divisible by num_attention_heads "
+        f"{where} hidden_size ({m.hidden_size}) is not divisible by num_attention_heads "
         f"({m.num_attention_heads}); set head_dim explicitly.",
     )
-    _require(m.head_size % 2 == 0, f"{source}: [model] head size {m.head_size} must be even for RoPE.")
-    _require(m.hidden_act == "silu", f"{source}: [model] hidden_act must be 'silu', got '{m.hidden_act}'.")
-    if m.is_moe:
-        _require(
-            0 < m.num_experts_per_tok <= m.num_experts,
-            f"{source}: [model] num_experts_per_tok must be in 1..num_experts ({m.num_experts}), "
-            f"got {m.num_experts_per_tok}.",
-        )
-        _require(m.moe_intermediate_size > 0, f"{source}: [model] moe_intermediate_size must be > 0 for MoE.")
-        _require(m.decoder_sparse_step >= 1, f"{source}: [model] decoder_sparse_step must be >= 1.")
-        for key in ("router_aux_loss_coef", "router_z_loss_coef", "moe_aux_free_bias_rate", "moe_capacity_factor"):
-            _require(
-                getattr(m, key) >= 0, f"{source}: [model] {key} must be >= 0 (0 turns it off), got {getattr(m, key)}."
-            )
-    else:
-        _require(m.intermediate_size > 0, f"{source}: [model] intermediate_size must be > 0.")
+    _require(m.head_size % 2 == 0, f"{where} head size {m.head_size} must be even for RoPE.")
+    _require(m.hidden_act == "silu", f"{where} hidden_act must be 'silu', got '{m.hidden_act}'.")
+    bad_layers = [i for i in m.mlp_only_layers if not 0 <= i < m.num_hidden_layers]
+    _require(
+        not bad_layers,
+        f"{where} mlp_only_layers {bad_layers} are not layer indices 0..{m.num_hidden_layers - 1}.",
+    )
+    if not m.is_moe:
+        return
+    _require(
+        0 < m.num_experts_per_tok <= m.num_experts,
+        f"{where} num_experts_per_tok must be in 1..num_experts ({m.num_experts}), got {m.num_experts_per_tok}.",
+    )
+    _require(m.moe_intermediate_size > 0, f"{where} moe_intermediate_size must be > 0 for MoE.")
+    _require(m.decoder_sparse_step >= 1, f"{where} decoder_sparse_step must be >= 1, got {m.decoder_sparse_step}.")
+    for key in ("router_aux_loss_coef", "router_z_loss_coef", "moe_aux_free_bias_rate", "moe_capacity_factor"):
+        _require(getattr(m, key) >= 0, f"{where} {key} must be >= 0 (0 turns it off), got {getattr(m, key)}.")
+
+
+def _validate_layout(cfg: Config, source: str) -> None:
+    """Per-key layout checks; fitting the layout to the world size, model and batch is mesh.validate_layout."""
+    p = cfg.parallel
+    where = f"{source}: [parallel]"
     for key in ("pp", "dp", "cp", "ep", "tp", "virtual_stages", "microbatches"):
-        _require(getattr(p, key) >= 1, f"{source}: [parallel] {key} must be >= 1, got {getattr(p, key)}.")
+        _require(getattr(p, key) >= 1, f"{where} {key} must be >= 1, got {getattr(p, key)}.")
     schedules = ("gpipe", "1f1b", "interleaved")
     _require(
         p.schedule in schedules,
-        f"{source}: [parallel] schedule must be one of {', '.join(schedules)}, got '{p.schedule}'."
+        f"{where} schedule must be one of {', '.join(schedules)}, got '{p.schedule}'."
         + _closest(p.schedule, schedules),
     )
     _require(
         p.virtual_stages == 1 or p.schedule == "interleaved",
-        f"{source}: [parallel] virtual_stages = {p.virtual_stages} needs schedule = 'interleaved'.",
+        f"{where} virtual_stages = {p.virtual_stages} needs schedule = 'interleaved'.",
     )
-    _require(p.ep == 1 or m.is_moe, f"{source}: [parallel] ep = {p.ep} needs an MoE model (num_experts > 0).")
+    _validate_data_parallel(p, source)
+    _require(
+        p.ep == 1 or cfg.model.is_moe, f"{where} ep = {p.ep} needs an MoE model (num_experts > 0); use dp instead."
+    )
+
+
+def validate(cfg: Config, source: str = "<recipe>") -> None:
+    """Checks of single values and choices; ``meshtron.mesh.validate_layout`` fits the layout to the ranks."""
+    for name in _SECTION_TYPES:
+        _check_numbers(name, getattr(cfg, name), source)
+    _validate_model(cfg.model, source)
+    t = cfg.train
     dtypes = ("float32", "bfloat16")
-    _require(t.dtype in dtypes, f"{source}: [train] dtype must be one of {', '.join(dtypes)}, got '{t.dtype}'.")
+    _require(
+        t.dtype in dtypes,
+        f"{source}: [train] dtype must be one of {', '.join(dtypes)}, got '{t.dtype}'." + _closest(t.dtype, dtypes),
+    )
     for key in ("steps", "global_batch_size", "seq_len", "log_every"):
         _require(getattr(t, key) >= 1, f"{source}: [train] {key} must be >= 1, got {getattr(t, key)}.")
     _require(t.lr > 0, f"{source}: [train] lr must be > 0, got {t.lr}.")
-    _require(cfg.checkpoint.every >= 0, f"{source}: [checkpoint] every must be >= 0.")
+    _require(t.min_lr <= t.lr, f"{source}: [train] min_lr ({t.min_lr}) must not exceed lr ({t.lr}).")
+    for key in ("beta1", "beta2"):
+        _require(getattr(t, key) < 1, f"{source}: [train] {key} must be in [0, 1), got {getattr(t, key)}.")
+    _validate_layout(cfg, source)
+    d = cfg.data
+    _require(bool(d.source), f"{source}: [data] source is empty; use 'builtin' or a path to text.")
+    _require(
+        d.tokenizer != "bytes" or cfg.model.vocab_size >= 256,
+        f"{source}: [data] tokenizer 'bytes' needs [model] vocab_size >= 256, got {cfg.model.vocab_size}.",
+    )

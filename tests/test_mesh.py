@@ -150,7 +150,7 @@ MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64)
         (8, _cfg(parallel=dict(pp=2, cp=2, tp=2, schedule="interleaved", virtual_stages=2), train=dict(seq_len=8))),
         (2, _cfg(parallel=dict(tp=2, sp=True), train=dict(seq_len=130))),
         (1, _cfg(parallel=dict(sp=True), train=dict(seq_len=127))),  # sp without tp does nothing
-        (4, _cfg(parallel=dict(dp=4, microbatches=3))),  # microbatches only matter with pp
+        (4, _cfg(parallel=dict(dp=4, microbatches=3), train=dict(global_batch_size=24))),  # accumulation
     ],
 )
 def test_valid_layouts_pass(world, cfg):
@@ -169,9 +169,9 @@ INVALID = [
     (8, _cfg(parallel=dict(dp=8, cp=0)),
      ["[parallel] cp must be an integer >= 1, got 0"]),
     (8, _cfg(QWEN_7B, dict(tp=8)),
-     ["tp = 8 does not divide", "num_attention_heads = 28", "Valid tp up to 8: 1, 2, 4."]),
+     ["tp = 8 does not divide", "num_attention_heads = 28", "Valid tp up to 8 for this model: 1, 2, 4."]),
     (6, _cfg(dict(num_attention_heads=12, num_key_value_heads=4), dict(tp=6)),
-     ["tp = 6 and num_key_value_heads = 4", "Valid tp up to 8: 1, 2, 4."]),
+     ["tp = 6 and num_key_value_heads = 4 do not divide one another", "Valid tp up to 8 for this model: 1, 2, 4."]),
     (8, _cfg(MOE, dict(ep=4, dp=2)),
      ["ep = 4 does not divide", "num_experts = 6", "Valid ep up to 8: 1, 2, 3, 6."]),
     (2, _cfg(parallel=dict(pp=2, schedule="interleaved")),

@@ -57,7 +57,6 @@ def test_z_loss_gradient_and_value_match_the_formula():
 def test_aux_free_bias_steers_choice_not_weights_and_updates_by_sign():
     rate = 0.01
     moe = _block(1, moe_aux_free_bias_rate=rate, norm_topk_prob=True)
-    moe.init_weights()
     assert torch.equal(moe.gate.expert_bias, torch.zeros(6))
     with torch.no_grad():
         moe.gate.weight.normal_(0, 0.3)

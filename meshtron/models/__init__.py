@@ -2,6 +2,7 @@
 
 from meshtron.models.moe import MoE, aux_loss, moe_layers, update_expert_bias
 from meshtron.models.qwen2 import (
+    InitialWeights,
     Transformer,
     build_model,
     count_parameters,
@@ -11,6 +12,7 @@ from meshtron.models.qwen2 import (
 )
 
 __all__ = [
+    "InitialWeights",
     "MoE",
     "Transformer",
     "aux_loss",

@@ -19,9 +19,6 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
-    def init_weights(self) -> None:
-        nn.init.ones_(self.weight)
-
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for given positions; nothing stored, so meta-device models need no fix-up."""

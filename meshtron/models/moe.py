@@ -173,11 +173,6 @@ class GroupedExperts(nn.Module):
         out = unpermute_tokens(y, order, weights)
         return out + shared() if shared is not None else out
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        for p in (self.gate_proj, self.up_proj, self.down_proj):
-            nn.init.normal_(p, std=0.02)
-
 
 class _AttachAuxLoss(torch.autograd.Function):
     """Returns ``out`` unchanged; in backward also sends ``scale`` as the gradient of ``aux``."""
@@ -277,12 +272,6 @@ class MoE(nn.Module):
         load = self.load_since_update.float()
         self.gate.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.bias_rate)
         self.load_since_update = None
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        nn.init.normal_(self.gate.weight, std=0.02)
-        if self.gate.expert_bias is not None:
-            self.gate.expert_bias.zero_()
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

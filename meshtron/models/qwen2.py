@@ -15,6 +15,8 @@ No parallel code lives here. The parallel modules rely on a few structural facts
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,22 +102,45 @@ class Transformer(nn.Module):
         return self.lm_head(h) if self.lm_head is not None else h
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        """Explicit initialisation (normal(0, initializer_range) for matrices, like transformers).
+    def init_weights(self, seed: int = 0) -> None:
+        """Deterministic initialisation: each parameter from its own generator seeded by (seed, name).
 
-        Works on whatever device the parameters live on, so the usual path is: build on the meta
-        device, parallelize, ``to_empty(device=...)``, ``tie_weights()``, then ``init_weights()``.
+        Because a parameter's values depend only on its name, a sharded model initialised slice by
+        slice (``meshtron.checkpoint.load_full_state_dict`` with :class:`InitialWeights`) gets exactly
+        the single-process weights, whatever the layout.
         """
-        if seed is not None:
-            torch.manual_seed(seed)
-        std = self.config.initializer_range
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif hasattr(module, "init_weights") and module is not self:
-                module.init_weights()
+        init = InitialWeights(self.config, seed)
+        for name, tensor in self.state_dict(keep_vars=True).items():
+            tensor.copy_(init[name].to(tensor.device))
+
+
+class InitialWeights:
+    """Mapping name -> initial full tensor: normal(0, initializer_range) matrices, ones for norms,
+    zeros for biases and buffers (the MoE expert bias).
+
+    Values are generated on access, so a sharded model can be filled one parameter at a time.
+    """
+
+    def __init__(self, cfg: ModelConfig, seed: int):
+        self.cfg, self.seed = cfg, seed
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        self.shapes = {name: t.shape for name, t in model.state_dict(keep_vars=True).items()}
+        self.buffers = {name for name, _ in model.named_buffers()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self.cfg.tie_word_embeddings and name == "lm_head.weight":
+            name = "embed_tokens.weight"
+        shape = self.shapes[name]
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        if name.endswith(".bias") or name in self.buffers:
+            return torch.zeros(shape)
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        return torch.randn(shape, generator=gen) * self.cfg.initializer_range
 
 
 def build_model(cfg: ModelConfig) -> Transformer:
@@ -123,8 +148,8 @@ def build_model(cfg: ModelConfig) -> Transformer:
     return Transformer(cfg)
 
 
-def materialize(model: Transformer, device: torch.device | str, seed: int | None = None) -> Transformer:
-    """Allocate a meta-device model on ``device``, re-tie embeddings and initialise it."""
+def materialize(model: Transformer, device: torch.device | str, seed: int = 0) -> Transformer:
+    """Allocate a meta-device (unparallelized) model on ``device``, re-tie embeddings and initialise it."""
     model.to_empty(device=device)
     model.tie_weights()
     model.init_weights(seed)
@@ -167,6 +192,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 __all__ = [
     "Transformer",
+    "InitialWeights",
     "build_model",
     "materialize",
     "token_loss_sum",

@@ -1,0 +1,1 @@
+"""One module per parallelism (tensor, expert, context, data, pipeline); runner.py composes them."""

@@ -236,19 +236,6 @@ class ExpertParallelExperts(nn.Module):
         w = getattr(self, name).to_local()
         return _SumGrad.apply(w, self.tp_group) if self.tp_group is not None else w
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """normal(0, 0.02) with a stream per ep rank, identical on the replicas of the same experts.
-
-        (DTensor's own random ops give every rank the same stream on CPU, which would make the
-        experts of different ep ranks copies of each other.)
-        """
-        seed = int(torch.randint(2**62, ()).item())  # same on all ranks: they share the global seed
-        local = self.gate_proj.to_local()
-        gen = torch.Generator(device=local.device).manual_seed(seed + self.ep_mesh.get_local_rank())
-        for name in _PROJECTIONS:
-            getattr(self, name).to_local().normal_(0.0, 0.02, generator=gen)
-
 
 def _sum_over(group) -> StatsReducer:
     def reduce(stats: torch.Tensor) -> torch.Tensor:
@@ -287,8 +274,8 @@ def _check_divisible(num_experts: int, ep: int) -> None:
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
     """Split every MoE's routed experts over ``mesh['ep']`` and make router statistics global.
 
-    Works on a meta-device model (materialise afterwards; ``init_weights`` draws distinct experts per
-    ep rank) and on a materialised one (each rank keeps its block of the full weights, which must be
+    Works on a meta-device model (materialise afterwards with ``materialize_sharded``, which fills each rank's
+    experts from the full deterministic initial weights) and on a materialised one (each rank keeps its block of the full weights, which must be
     identical on all ranks). ``sequence_parallel``: whether tensor parallelism splits the MoE's
     tokens over tp (then they are not split again here). Returns ``model``.
     """

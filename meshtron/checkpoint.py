@@ -1,0 +1,181 @@
+"""Distributed checkpoints (DCP) written atomically, resumable on any parallel layout.
+
+A checkpoint is a folder ``step-NNNNNNNN`` holding the DCP shards of the model and optimizer, one
+``rank-R.pt`` per rank with its RNG state, and ``meshtron.json`` (step, config, train state) written
+last by rank 0 as the completeness marker. Everything is first written to ``.step-NNNNNNNN.tmp`` and
+renamed only after every rank has finished, so a crash mid-save never touches the previous checkpoint
+and a folder without the marker is never loaded. DCP stores each tensor by its global name and
+shape, so a checkpoint saved on one layout loads on another (resharding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from meshtron.config import Config, ModelConfig
+
+MARKER = "meshtron.json"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint exists but cannot be used for this run (other model shape, incomplete files)."""
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """Newest ``step-*`` folder that has its completeness marker; temp or partial folders are ignored."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    complete = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MARKER).is_file()]
+    return max(complete, key=lambda p: p.name, default=None)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cfg: Config,
+    train_state: dict[str, Any],
+    keep: int = 0,
+) -> Path:
+    """Save on every rank (collective). ``train_state`` must be JSON-serialisable (scheduler, data)."""
+    final = step_dir(root, step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
+        tmp.mkdir(parents=True)
+    _barrier()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=str(tmp))
+    torch.save(_rng_state(), tmp / f"rank-{_rank()}.pt")
+    _barrier()
+    if _rank() == 0:
+        marker = {"step": step, "config": dataclasses.asdict(cfg), "train_state": train_state}
+        (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _prune(Path(root), keep)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    if keep <= 0:
+        return
+    complete = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MARKER).is_file())
+    for old in complete[:-keep]:
+        shutil.rmtree(old)
+
+
+def read_marker(path: str | Path) -> dict[str, Any]:
+    marker = Path(path) / MARKER
+    if not marker.is_file():
+        raise CheckpointMismatch(f"{path} has no {MARKER}: it is incomplete (a save was interrupted); use an older step.")
+    return json.loads(marker.read_text())
+
+
+def check_model_shape(saved: dict[str, Any], model_cfg: ModelConfig, path: str | Path) -> None:
+    """Raise before any tensor is read when the checkpoint was written for another model shape."""
+    ours = dataclasses.asdict(model_cfg)
+    theirs = saved["config"]["model"]
+    differing = [k for k in ours if k in theirs and ours[k] != theirs[k] and k != "router_aux_loss_coef"]
+    if differing:
+        details = ", ".join(f"{k}: checkpoint {theirs[k]!r} vs recipe {ours[k]!r}" for k in differing[:4])
+        raise CheckpointMismatch(
+            f"{path} was saved for a different model ({details}). Point checkpoint.dir elsewhere or fix [model]."
+        )
+
+
+def load_checkpoint(
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Config
+) -> dict[str, Any]:
+    """Load into an already parallelized model/optimizer (any layout); returns the saved marker."""
+    saved = read_marker(path)
+    check_model_shape(saved, cfg.model, path)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+    rng = Path(path) / f"rank-{_rank()}.pt"
+    if rng.is_file():  # absent when resuming on more ranks than saved: those ranks keep their seed
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return saved
+
+
+@torch.no_grad()
+def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Copy full (unsharded) tensors into a possibly sharded model without any communication.
+
+    Each rank holds the full tensors and keeps only its own slice (``src_data_rank=None``), so this
+    is exact and cannot hang. Only the keys this rank's model has (its pipeline stage) are needed.
+    """
+    own = model.state_dict()
+    missing = [k for k in own if k not in full]
+    if strict and missing:
+        raise KeyError(f"state dict lacks {missing[:3]} ({len(missing)} keys missing)")
+    for name, param in own.items():
+        if name not in full:
+            continue
+        src = full[name]
+        if tuple(src.shape) != tuple(param.shape):
+            raise CheckpointMismatch(f"{name}: source shape {tuple(src.shape)} != model shape {tuple(param.shape)}")
+        if isinstance(param, DTensor):
+            local = distribute_tensor(src.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(local.to_local())
+        else:
+            param.copy_(src)
+
+
+def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full tensors of this rank's parameters on CPU (collective over each parameter's mesh)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)

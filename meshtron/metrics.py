@@ -1,0 +1,68 @@
+"""Step metrics: a compact console line with progress, and ``metrics.jsonl`` (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshtron import env
+
+
+def peak_flops_per_device(dtype: str) -> float | None:
+    """Dense matmul peak used for MFU: measured once on this device (None on CPU, where MFU is not meaningful)."""
+    if env.device_type() != "cuda":
+        return None
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch_dtype)
+    b = torch.randn(n, n, device="cuda", dtype=torch_dtype)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str | Path, total_steps: int, enabled: bool, append: bool = False):
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.path = Path(output_dir) / "metrics.jsonl"
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not append:
+                self.path.write_text("")
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(self._line(record), flush=True)
+
+    def _line(self, r: dict[str, Any]) -> str:
+        width = 20
+        done = int(width * r["step"] / self.total_steps)
+        bar = "#" * done + "." * (width - done)
+        parts = [
+            f"[{bar}] step {r['step']}/{self.total_steps}",
+            f"loss {r['loss']:.4f}",
+            f"gnorm {r['grad_norm']:.3f}",
+            f"lr {r['lr']:.2e}",
+            f"{r['tokens_per_sec']:.0f} tok/s",
+            f"{r['step_time']:.2f}s",
+        ]
+        if r.get("aux_loss") is not None:
+            parts.append(f"aux {r['aux_loss']:.4f}")
+        if r.get("mfu") is not None:
+            parts.append(f"mfu {100 * r['mfu']:.1f}%")
+        if r.get("memory_gib") is not None:
+            parts.append(f"mem {r['memory_gib']:.1f}GiB")
+        return " | ".join(parts)

@@ -1,0 +1,58 @@
+"""Split a decoder's layers over pipeline stages (and virtual stages for interleaving).
+
+The model is cut into ``pp * virtual`` consecutive *chunks* (global stage indices). Chunk ``c``
+runs on pp-rank ``c % pp`` as that rank's virtual stage ``c // pp`` (Megatron's interleaved
+assignment), so with ``virtual = 1`` chunk ``c`` is simply rank ``c``.
+
+Balancing rule: every chunk gets ``L // n`` layers and the ``L % n`` left-over layers go to
+the interior chunks ``1 .. n-2`` first, then to chunk 0. The first chunk also runs the token
+embedding and the last one the final norm, the LM head and the loss (a vocabulary-sized
+matmul that costs about as much as a decoder layer or more), so the ends are the ones that
+get the fewer layers; the last chunk is the heavier end, so it never takes an extra layer.
+"""
+
+from __future__ import annotations
+
+
+def chunk_rank(chunk: int, pp: int) -> int:
+    """pp-rank that runs model chunk (global stage) ``chunk``."""
+    return chunk % pp
+
+
+def chunk_virtual_stage(chunk: int, pp: int) -> int:
+    """Index of model chunk ``chunk`` among the virtual stages of its rank."""
+    return chunk // pp
+
+
+def chunk_sizes(num_layers: int, num_chunks: int) -> list[int]:
+    """Layers per chunk for ``num_layers`` layers over ``num_chunks`` chunks (rule in the module doc)."""
+    if num_chunks < 1:
+        raise ValueError(f"number of pipeline chunks must be >= 1, got {num_chunks}")
+    if num_layers < num_chunks:
+        raise ValueError(
+            f"num_hidden_layers = {num_layers} is fewer than pp * virtual_stages = {num_chunks} "
+            "pipeline chunks; every chunk needs at least one layer: lower pp or virtual_stages, "
+            "or use a deeper model."
+        )
+    sizes = [num_layers // num_chunks] * num_chunks
+    receivers = list(range(1, num_chunks - 1)) + [0]
+    for chunk in receivers[: num_layers % num_chunks]:
+        sizes[chunk] += 1
+    return sizes
+
+
+def chunk_layer_ranges(num_layers: int, pp: int, virtual: int = 1) -> list[range]:
+    """Layer indices of every model chunk, in model order (length ``pp * virtual``)."""
+    if pp < 1 or virtual < 1:
+        raise ValueError(f"pp and virtual_stages must be >= 1, got pp={pp}, virtual_stages={virtual}")
+    ranges, start = [], 0
+    for size in chunk_sizes(num_layers, pp * virtual):
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def split_layers(num_layers: int, pp: int, virtual: int = 1) -> list[list[range]]:
+    """``result[rank][virtual_stage]`` is the range of layer indices that virtual stage runs."""
+    chunks = chunk_layer_ranges(num_layers, pp, virtual)
+    return [[chunks[rank + s * pp] for s in range(virtual)] for rank in range(pp)]

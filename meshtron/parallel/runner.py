@@ -1,0 +1,106 @@
+"""Composition of the parallelisms, in the order the design needs, and the per-step runner.
+
+Order on a meta-device model: pipeline split -> tensor/sequence (tp) -> expert (ep) -> context (cp)
+-> activation checkpointing -> data (FSDP over dp x ep x cp). Then parameters are allocated and
+filled slice by slice from the deterministic initial weights (or a checkpoint), so no rank ever
+holds more than one full parameter at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtron.checkpoint import gather_full_state_dict, load_full_state_dict
+from meshtron.config import Config
+from meshtron.mesh import dense_data_mesh
+from meshtron.models import InitialWeights, moe_layers
+from meshtron.parallel.checkpointing import apply_activation_checkpointing
+from meshtron.parallel.context import apply_context_parallel, shard_batch
+from meshtron.parallel.data import apply_data_parallel
+from meshtron.parallel.expert import apply_expert_parallel
+from meshtron.parallel.grad_norm import clip_grad_norm_
+from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
+
+
+def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
+    """Apply every parallelism except the pipeline split to ``model`` (in place; meta or real)."""
+    p = cfg.parallel
+    apply_tensor_parallel(model, mesh["tp"], p.sp)
+    # The TP plan gathers a MoE block's tokens even under SP, so tp ranks hold the same tokens there.
+    apply_expert_parallel(model, mesh, sequence_parallel=False)
+    apply_context_parallel(model, mesh)
+    apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
+    apply_data_parallel(model, mesh, p.data_parallel, cfg.train.dtype)
+    return model
+
+
+def materialize_sharded(model: nn.Module, device: torch.device, cfg: Config) -> None:
+    """Allocate a parallelized meta-device model and fill it with the layout-independent initial weights."""
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty replaces tied parameters one module at a time
+    load_full_state_dict(model, InitialWeights(cfg.model, cfg.train.seed))
+
+
+class StepRunner:
+    """Forward and backward of one global-batch step on this rank (no pipeline: pp == 1).
+
+    The local batch is split into ``parallel.microbatches`` micro-batches whose gradients accumulate;
+    each micro-batch's loss is divided by the global token count of the whole step, so the summed
+    gradient is that of the global mean loss.
+    """
+
+    def __init__(self, model: nn.Module, mesh, cfg: Config, device: torch.device):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.module = parallelize(model, mesh, cfg)
+        materialize_sharded(self.module, device, cfg)
+        self.data_group = dense_data_mesh(mesh).get_group()
+        for moe in moe_layers(self.module):  # one router loss per micro-batch, averaged over them
+            moe.aux_loss_scale /= cfg.parallel.microbatches
+            moe.z_loss_scale /= cfg.parallel.microbatches
+        self._aux: list[torch.Tensor] = []
+
+    def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks that hold different tokens (dp x ep x cp); tp ranks hold copies."""
+        dist.all_reduce(value, group=self.data_group)
+        return value
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        input_ids, labels, positions = shard_batch((input_ids, labels, positions), self.mesh)
+        tokens = self._global_sum((labels != -100).sum().to(torch.float32))
+        total = torch.zeros((), device=self.device)
+        self._aux = []
+        micro = self.cfg.parallel.microbatches
+        chunks = zip(input_ids.chunk(micro), labels.chunk(micro), positions.chunk(micro))
+        for i, (ids, lab, pos) in enumerate(chunks):
+            self.module.set_requires_gradient_sync(self._sync_gradients(i))
+            loss = parallel_token_loss_sum(self.module(ids, pos), lab) / tokens
+            loss.backward()
+            total += loss.detach()
+            self._aux.extend(m.last_aux_loss for m in moe_layers(self.module) if m.last_aux_loss is not None)
+        return self._global_sum(total).item()
+
+    def _sync_gradients(self, microbatch: int) -> bool:
+        """Full sharding reduce-scatters every micro-batch, so unsharded gradients never pile up;
+        replication and HSDP keep full gradients anyway and reduce once, on the last micro-batch."""
+        return self.cfg.parallel.data_parallel == "fsdp" or microbatch == self.cfg.parallel.microbatches - 1
+
+    def aux_loss(self) -> float | None:
+        return torch.stack(self._aux).mean().item() if self._aux else None
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return clip_grad_norm_(self.module.parameters(), max_norm).item()
+
+    def export_hf(self, folder: str) -> None:
+        from meshtron.hf import save_hf
+
+        state = gather_full_state_dict(self.module)
+        if dist.get_rank() == 0:
+            save_hf(state, self.cfg.model, folder)
+        dist.barrier()
+
+
+def build_step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> StepRunner:
+    return StepRunner(model, mesh, cfg, device)

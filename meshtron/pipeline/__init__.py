@@ -1,0 +1,1 @@
+"""Command-line entry points for pipeline parallelism (the library is ``meshtron.parallel.pipeline``)."""

@@ -1,0 +1,263 @@
+"""Pipeline stage split, schedules, simulator and visualizer (pure: no processes)."""
+
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshtron.parallel.pipeline import (
+    B,
+    F,
+    P2P,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    DeadlockError,
+    analytic_bubble,
+    build_schedule,
+    chunk_layer_ranges,
+    gpipe,
+    interleaved_1f1b,
+    match_p2p,
+    one_f_one_b,
+    peak_in_flight,
+    simulate,
+    split_layers,
+)
+from meshtron.parallel.pipeline.schedules import _interleaved_slots, _with_p2p
+from meshtron.parallel.pipeline.show import main as show_main
+from meshtron.parallel.pipeline.show import render_timeline
+
+PNG_HEADER = b"\x89PNG\r\n\x1a\n"
+
+CASES = [(name, pp, m, 1) for name in ("gpipe", "1f1b") for pp in (2, 4, 8) for m in (pp, 2 * pp, 3 * pp + 1)]
+CASES += [("interleaved", pp, m, v) for v in (2, 3) for pp in (2, 4, 8) for m in (pp, 2 * pp, 3 * pp)]
+CASES += [("gpipe", 1, 3, 1), ("1f1b", 1, 3, 1)]
+
+
+def _ids(case):
+    return "{}-pp{}-m{}-v{}".format(*case)
+
+
+def _computes(rank_steps):
+    return [s for s in rank_steps if isinstance(s, Action)]
+
+
+def _ops(rank_steps):
+    return [op for s in rank_steps if isinstance(s, P2P) for op in s.ops]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_every_stage_runs_each_microbatch_once_forward_before_backward(case):
+    name, pp, m, v = case
+    steps = build_schedule(name, pp, m, v)
+    seen = defaultdict(list)
+    for rank, rank_steps in enumerate(steps):
+        for i, a in enumerate(_computes(rank_steps)):
+            assert a.stage % pp == rank, f"stage {a.stage} scheduled on rank {rank}"
+            seen[(a.stage, a.mb)].append((a.kind, i))
+    assert set(seen) == {(s, i) for s in range(pp * v) for i in range(m)}
+    for key, runs in seen.items():
+        assert [kind for kind, _ in runs] == [F, B], key
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_tensors_are_received_before_use_and_sent_after_production(case):
+    name, pp, m, v = case
+    last = pp * v - 1
+    for rank, rank_steps in enumerate(build_schedule(name, pp, m, v)):
+        done, received = set(), set()
+        for step in rank_steps:
+            if isinstance(step, P2P):
+                for op in step.ops:
+                    if op.kind in (SEND_F, SEND_B):
+                        produced = F if op.kind == SEND_F else B
+                        assert (produced, op.stage, op.mb) in done, f"rank {rank}: {op} before its compute"
+                        neighbour = op.stage + 1 if op.kind == SEND_F else op.stage - 1
+                    else:
+                        received.add((op.kind, op.stage, op.mb))
+                        neighbour = op.stage - 1 if op.kind == RECV_F else op.stage + 1
+                    assert op.peer == neighbour % pp, f"rank {rank}: {op} has the wrong peer"
+                continue
+            if step.kind == F and step.stage > 0:
+                assert (RECV_F, step.stage, step.mb) in received, f"rank {rank}: {step} before its input"
+            if step.kind == B and step.stage < last:
+                assert (RECV_B, step.stage, step.mb) in received, f"rank {rank}: {step} before its grad"
+            done.add((step.kind, step.stage, step.mb))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_sends_match_receives_in_posting_order(case):
+    name, pp, m, v = case
+    steps = build_schedule(name, pp, m, v)
+    sent, got = defaultdict(list), defaultdict(list)
+    for rank, rank_steps in enumerate(steps):
+        for op in _ops(rank_steps):
+            if op.kind == SEND_F:
+                sent[(rank, op.peer)].append((RECV_F, op.stage + 1, op.mb))
+            elif op.kind == SEND_B:
+                sent[(rank, op.peer)].append((RECV_B, op.stage - 1, op.mb))
+            else:
+                got[(op.peer, rank)].append((op.kind, op.stage, op.mb))
+    assert sent.keys() == got.keys()
+    for channel in sent:
+        assert sent[channel] == got[channel], f"ranks {channel} pair different tensors"
+    # every stage boundary carries one activation and one gradient per microbatch
+    assert sum(len(x) for x in sent.values()) == 2 * m * (pp * v - 1)
+    match_p2p(steps)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_simulation_respects_dependencies_and_hits_analytic_bubble(case):
+    name, pp, m, v = case
+    result = simulate(build_schedule(name, pp, m, v), f_cost=1, b_cost=2)
+    span = {(s.kind, s.stage, s.mb): s for line in result.timelines for s in line}
+    last = pp * v - 1
+    for i in range(m):
+        for s in range(last):
+            assert span[(F, s + 1, i)].start >= span[(F, s, i)].end
+            assert span[(B, s, i)].start >= span[(B, s + 1, i)].end
+        assert span[(B, last, i)].start >= span[(F, last, i)].end
+    assert result.makespan == (v * m + pp - 1) * 3
+    assert result.bubble == pytest.approx(analytic_bubble(pp, m, v), abs=1e-12)
+    assert result.bubble == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-12)
+
+
+def test_interleaved_bubble_is_megatrons_ratio_in_fraction_form():
+    pp, m, v = 4, 8, 2
+    bubble = simulate(interleaved_1f1b(pp, m, v)).bubble
+    assert bubble / (1 - bubble) == pytest.approx((pp - 1) / (v * m))  # Megatron: bubble time / ideal time
+    assert bubble < simulate(one_f_one_b(pp, m)).bubble
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_one_f_one_b_keeps_at_most_pp_microbatches_in_flight(pp):
+    m = 3 * pp + 1
+    peaks_1f1b = [peak_in_flight(s) for s in one_f_one_b(pp, m)]
+    peaks_gpipe = [peak_in_flight(s) for s in gpipe(pp, m)]
+    assert peaks_1f1b == [pp - r for r in range(pp)]
+    assert max(peaks_1f1b) <= pp
+    assert peaks_gpipe == [m] * pp
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    pp=st.integers(2, 6),
+    v=st.integers(1, 4),
+    groups=st.integers(1, 4),
+    f=st.integers(1, 3),
+    b=st.integers(1, 4),
+    p2p=st.sampled_from([0, 0.5]),
+)
+def test_random_shapes_never_deadlock(pp, v, groups, f, b, p2p):
+    m = groups * pp
+    for name, vv in (("interleaved", v), ("1f1b", 1), ("gpipe", 1)):
+        result = simulate(build_schedule(name, pp, m, vv), f, b, p2p)
+        busy = vv * m * (f + b)
+        assert result.makespan >= busy
+        if p2p == 0:
+            assert result.makespan == (vv * m + pp - 1) * (f + b)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
+def test_fewer_microbatches_than_stages_is_an_error(name):
+    with pytest.raises(ValueError, match=r"microbatches = 3 is fewer than pp = 4.*microbatches >= 4"):
+        build_schedule(name, 4, 3, 2 if name == "interleaved" else 1)
+
+
+def test_interleaved_needs_a_multiple_of_pp_microbatches():
+    with pytest.raises(ValueError, match=r"microbatches = 6 is not a multiple of pp = 4.*4 or 8"):
+        interleaved_1f1b(4, 6, 2)
+    with pytest.raises(ValueError, match="pp >= 2"):
+        interleaved_1f1b(1, 4, 2)
+    with pytest.raises(ValueError, match="virtual_stages = 2 needs schedule = 'interleaved'"):
+        build_schedule("1f1b", 4, 8, 2)
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'"):
+        build_schedule("zb", 2, 2)
+
+
+def test_simulator_reports_deadlock_with_stuck_steps():
+    # rank 0 waits for a gradient before sending the activation that would produce it
+    steps = [
+        [P2P((Action(RECV_B, 0, 0, 1),)), Action(F, 0, 0), P2P((Action(SEND_F, 0, 0, 1),)), Action(B, 0, 0)],
+        [P2P((Action(RECV_F, 0, 1, 0),)), Action(F, 0, 1), Action(B, 0, 1), P2P((Action(SEND_B, 0, 1, 0),))],
+    ]
+    with pytest.raises(DeadlockError, match=r"RECV_B\(s0,mb0\)@1.*RECV_F\(s1,mb0\)@0"):
+        simulate(steps)
+
+
+def test_interleaved_needs_forward_backward_slots_to_avoid_a_ring_deadlock():
+    pp, m, v = 4, 8, 2
+    per_action = [
+        _with_p2p([[a] for slot in _interleaved_slots(pp, m, v, r) for a in slot], pp, pp * v) for r in range(pp)
+    ]
+    with pytest.raises(DeadlockError):
+        simulate(per_action)
+    simulate(interleaved_1f1b(pp, m, v))
+
+
+def test_out_of_order_pairing_is_rejected():
+    steps = [
+        [Action(F, 0, 0), Action(F, 1, 0), P2P((Action(SEND_F, 0, 0, 1), Action(SEND_F, 1, 0, 1)))],
+        [P2P((Action(RECV_F, 1, 1, 0), Action(RECV_F, 0, 1, 0))), Action(F, 1, 1), Action(F, 0, 1)],
+    ]
+    with pytest.raises(ValueError, match="posting order differs"):
+        match_p2p(steps)
+
+
+def test_split_balances_layers_and_spares_the_ends():
+    assert [len(r) for r in chunk_layer_ranges(10, 4)] == [2, 3, 3, 2]
+    assert [len(r) for r in chunk_layer_ranges(11, 4)] == [3, 3, 3, 2]
+    assert [len(r) for r in chunk_layer_ranges(8, 4)] == [2, 2, 2, 2]
+    assert [len(r) for r in chunk_layer_ranges(3, 2)] == [2, 1]
+    for layers, pp, v in [(24, 4, 2), (13, 4, 3), (7, 7, 1), (28, 8, 1)]:
+        ranges = chunk_layer_ranges(layers, pp, v)
+        assert [i for r in ranges for i in r] == list(range(layers))
+        sizes = [len(r) for r in ranges]
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+        assert sizes[-1] == min(sizes)
+
+
+def test_split_assigns_chunks_round_robin_for_interleaving():
+    assert split_layers(8, 2, 2) == [[range(0, 2), range(4, 6)], [range(2, 4), range(6, 8)]]
+    by_rank = split_layers(13, 4, 3)
+    ranges = chunk_layer_ranges(13, 4, 3)
+    assert all(by_rank[c % 4][c // 4] == ranges[c] for c in range(12))
+
+
+def test_split_rejects_more_stages_than_layers():
+    with pytest.raises(ValueError, match=r"num_hidden_layers = 6 is fewer than pp \* virtual_stages = 8"):
+        split_layers(6, 4, 2)
+
+
+def test_show_writes_png_and_prints_bubble(tmp_path, capsys):
+    out = tmp_path / "timeline.png"
+    show_main(["--pp", "4", "--microbatches", "8", "--schedule", "interleaved", "--virtual", "2", "--out", str(out)])
+    assert out.read_bytes()[:8] == PNG_HEADER
+    printed = capsys.readouterr().out
+    assert "bubble 0.1579 (simulated), 0.1579 (analytic" in printed
+
+
+def test_show_command_line(tmp_path):
+    out = tmp_path / "t.png"
+    cmd = [sys.executable, "-m", "meshtron.pipeline.show", "--pp", "2", "--out", str(out)]
+    run = subprocess.run(cmd + ["--microbatches", "4"], capture_output=True, text=True, check=True)
+    assert "bubble 0.2000" in run.stdout and out.read_bytes()[:8] == PNG_HEADER
+
+
+def test_show_rejects_bad_shapes_with_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        show_main(["--pp", "2", "--microbatches", "3", "--schedule", "interleaved", "--virtual", "2"])
+    assert "not a multiple of pp = 2" in capsys.readouterr().err
+
+
+def test_render_measured_timeline(tmp_path):
+    measured = [(0, "F", 0, 0.0, 1.1), (1, "F", 0, 1.2, 2.0), (1, "B", 0, 2.0, 4.1), (0, "B", 0, 4.3, 6.0)]
+    out = tmp_path / "measured.png"
+    render_timeline(measured, str(out), title="measured")
+    assert out.read_bytes()[:8] == PNG_HEADER
