@@ -19,13 +19,15 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
+from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import ConfigError, ModelConfig
 from meshtron.hf import from_hf
 from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh, expert_data_mesh
-from meshtron.models import aux_loss, build_model, materialize, token_loss_sum, update_expert_bias
+from meshtron.models import aux_loss, build_model, token_loss_sum, update_expert_bias
 from meshtron.models.moe import MoE
+from meshtron.models.qwen2 import InitialWeights
 from meshtron.parallel.expert import ExpertParallelExperts, apply_expert_parallel, token_mesh
 from meshtron.testing import rel_err, run_checks
 
@@ -213,16 +215,14 @@ def check_meta_init_and_errors(refs: dict):
     with torch.device("meta"):
         model = build_model(cfg)
     apply_expert_parallel(model, mesh)
-    materialize(model, "cpu", seed=7)
+    model.to_empty(device="cpu")
+    init = InitialWeights(cfg, seed=7)
+    load_full_state_dict(model, init)
     w = model.layers["1"].mlp.experts.gate_proj
     assert isinstance(w, DTensor) and w.shape == (8, 32, 20) and w.to_local().shape == (2, 32, 20)
-    blocks = [torch.empty_like(w.to_local()) for _ in range(dist.get_world_size())]
-    dist.all_gather(blocks, w.to_local().contiguous())
-    coords = [(r // 4, r % 4) for r in range(8)]  # (dp, ep) of each rank
-    for a, (dp_a, ep_a) in enumerate(coords):
-        for b, (dp_b, ep_b) in enumerate(coords):
-            assert torch.equal(blocks[a], blocks[b]) == (ep_a == ep_b), (a, b)
-    assert 0.015 < w.to_local().std() < 0.025
+    ep_rank = mesh["ep"].get_local_rank()
+    assert torch.equal(w.to_local(), init["layers.1.mlp.experts.gate_proj"][2 * ep_rank : 2 * ep_rank + 2])
+    assert torch.equal(w.full_tensor(), init["layers.1.mlp.experts.gate_proj"])
     bad = build_model(ModelConfig(**{**MODEL, "num_experts": 6}))
     with pytest.raises(ConfigError, match="ep = 4 does not divide .* num_experts = 6; valid ep values: 1, 2, 3, 6"):
         apply_expert_parallel(bad, mesh)
@@ -259,17 +259,6 @@ def _references(seed: int) -> dict:
     )
 
 
-def _load_full_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            full = state[name]
-            if isinstance(p, DTensor):
-                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-                p.to_local().copy_(full)
-            else:
-                p.copy_(full)
-
-
 def check_model_parity_with_transformers(refs: dict):
     """Whole Qwen2-MoE model (one MoE layer, so transformers' pooled aux loss is the per-layer one)."""
     cfg = ModelConfig(**MODEL)
@@ -279,8 +268,8 @@ def check_model_parity_with_transformers(refs: dict):
         with torch.device("meta"):
             model = build_model(cfg)
         apply_expert_parallel(model, mesh)
-        materialize(model, "cpu", seed=0)
-        _load_full_state(model, refs["state"])
+        model.to_empty(device="cpu")
+        load_full_state_dict(model, refs["state"])
         model.train()
         local = ids[_my_rows(mesh, ids.shape[0])]
         ce = token_loss_sum(model(local)[:, :-1], local[:, 1:]) / ids[:, 1:].numel()

@@ -106,8 +106,8 @@ def test_capacity_drops_late_copies_and_their_gradients():
 
 
 def test_router_options_are_validated():
-    base = {"model": {**BLOCK}}
+    base = {"model": {**BLOCK, "vocab_size": 256}}  # the default byte tokenizer needs 256 ids
     for key in ("router_z_loss_coef", "moe_aux_free_bias_rate", "moe_capacity_factor"):
         with pytest.raises(ConfigError, match=key):
-            config_from_dict({"model": {**BLOCK, key: -0.5}})
+            config_from_dict({"model": {**base["model"], key: -0.5}})
     assert config_from_dict({"model": {**base["model"], "moe_capacity_factor": 1.25}}).model.moe_capacity_factor == 1.25
