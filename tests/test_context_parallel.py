@@ -178,6 +178,44 @@ def check_qwen2_loss_and_grads_match():
         assert _rel(p.grad, ref_grads[name]) < 1e-4, name
 
 
+def check_composed_layouts_match_single_process():
+    """The runner's composition (TP/SP + CP + FSDP) on cp 2, 4 and cp x tp 2x2, 4x2, dense and MoE:
+    loss and every gathered gradient equal the single-process model on the same global batch."""
+    from meshtron.config import Config, ParallelConfig, TrainConfig
+    from meshtron.mesh import batch_mesh
+    from meshtron.parallel.runner import StepRunner
+
+    dense = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0)
+    moe = ModelConfig(**{**dense.__dict__, "num_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 24, "shared_expert_intermediate_size": 32,
+                         "router_aux_loss_coef": 0.1})
+    layouts = [dict(cp=2, dp=4), dict(cp=4, dp=2), dict(cp=2, tp=2, dp=2, sp=True), dict(cp=4, tp=2)]
+    gen = torch.Generator().manual_seed(5)
+    for model_cfg in (dense, moe):
+        ids = torch.randint(0, model_cfg.vocab_size, (4, 16), generator=gen)
+        labels = ids.roll(-1, 1)
+        labels[:, -1] = -100
+        reference = build_model(model_cfg)
+        reference.init_weights(seed=1)
+        ref_loss = token_loss_sum(reference(ids), labels) / (labels != -100).sum()
+        ref_loss.backward()
+        for layout in layouts:
+            cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout), train=TrainConfig(seed=1, seq_len=16))
+            mesh = build_mesh(**{k: v for k, v in layout.items() if k != "sp"})
+            with torch.device("meta"):
+                model = build_model(model_cfg)
+            runner = StepRunner(model, mesh, cfg, torch.device("cpu"))
+            share = batch_mesh(mesh)
+            rows = ids.shape[0] // share.size()
+            start = share.get_local_rank() * rows
+            loss = runner.forward_backward(ids[start:start + rows], labels[start:start + rows])
+            assert abs(loss - ref_loss.item()) / ref_loss.item() < 1e-5, (layout, loss, ref_loss.item())
+            ref_params = dict(reference.named_parameters())
+            for name, p in runner.module.named_parameters():
+                assert _rel(p.grad.full_tensor(), ref_params[name].grad) < 1e-4, (layout, name)
+
+
 def test_context_parallel_8_ranks():
     run_checks(
         [
@@ -186,6 +224,7 @@ def test_context_parallel_8_ranks():
             check_ring_bfloat16,
             check_per_rank_work_is_balanced,
             check_qwen2_loss_and_grads_match,
+            check_composed_layouts_match_single_process,
         ],
         8,
         timeout=240,
