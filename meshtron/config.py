@@ -113,6 +113,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     log_every: int = 1
     output_dir: str = "runs/default"
+    # A collective that waits longer than this fails instead of hanging (a dead or stuck peer).
+    collective_timeout_s: float = 600.0
+    on_nonfinite: str = "stop"  # NaN/Inf loss or gradient norm: "stop" the run or "skip" the step
 
 
 @dataclass
@@ -276,6 +279,7 @@ def _require(ok: bool, message: str) -> None:
 
 DATA_PARALLEL_MODES = ("fsdp", "hsdp", "replicate")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+NONFINITE_POLICIES = ("stop", "skip")
 
 
 def _validate_data_parallel(p: ParallelConfig, source: str) -> None:
@@ -377,6 +381,15 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
     for key in ("steps", "global_batch_size", "seq_len", "log_every"):
         _require(getattr(t, key) >= 1, f"{source}: [train] {key} must be >= 1, got {getattr(t, key)}.")
     _require(t.lr > 0, f"{source}: [train] lr must be > 0, got {t.lr}.")
+    _require(
+        t.collective_timeout_s > 0,
+        f"{source}: [train] collective_timeout_s must be > 0 seconds, got {t.collective_timeout_s}.",
+    )
+    _require(
+        t.on_nonfinite in NONFINITE_POLICIES,
+        f"{source}: [train] on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got '{t.on_nonfinite}'."
+        + _closest(t.on_nonfinite, NONFINITE_POLICIES),
+    )
     _require(t.min_lr <= t.lr, f"{source}: [train] min_lr ({t.min_lr}) must not exceed lr ({t.lr}).")
     for key in ("beta1", "beta2"):
         _require(getattr(t, key) < 1, f"{source}: [train] {key} must be in [0, 1), got {getattr(t, key)}.")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -59,28 +60,40 @@ def _world_size_before_init() -> int:
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
-def _init_default_group() -> None:
+def init_default_group(timeout: timedelta | None = None) -> None:
+    """The default process group (torchrun's env, or one local rank without it); ``timeout`` bounds
+    every collective's wait (None: torch's default)."""
+    if dist.is_initialized():
+        return
     device = env.local_device()
     # Binding the accelerator lets DeviceMesh split NCCL communicators instead of creating each one.
     device_id = device if device.index is not None else None
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(env.backend(), device_id=device_id)
+        dist.init_process_group(env.backend(), device_id=device_id, timeout=timeout)
     else:  # a plain `python script.py`: one rank, no rendezvous needed
-        dist.init_process_group(env.backend(), store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+        dist.init_process_group(
+            env.backend(), store=dist.HashStore(), rank=0, world_size=1, device_id=device_id, timeout=timeout
+        )
 
 
 def build_mesh(
-    pp: int = 1, dp: int = 1, cp: int = 1, ep: int = 1, tp: int = 1, device_type: str | None = None
+    pp: int = 1,
+    dp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    tp: int = 1,
+    device_type: str | None = None,
+    timeout: timedelta | None = None,
 ) -> DeviceMesh:
     """The (pp, dp, cp, ep, tp) DeviceMesh with ``dp_ep``, ``dp_ep_cp`` and ``dp_cp`` flattened.
 
-    Initialises the default process group when needed (so it works straight under torchrun).
+    Initialises the default process group when needed (so it works straight under torchrun), with
+    ``timeout`` for every collective (None: torch's default); a collective waiting longer raises.
     Sizes are checked against the world size before any process group or collective is touched.
     """
     sizes = dict(pp=pp, dp=dp, cp=cp, ep=ep, tp=tp)
     _check_sizes(sizes, _world_size_before_init(), "build_mesh: ")
-    if not dist.is_initialized():
-        _init_default_group()
+    init_default_group(timeout)
     mesh = init_device_mesh(device_type or env.device_type(), tuple(sizes.values()), mesh_dim_names=DIMS)
     for name, dims in DERIVED.items():
         mesh[dims]._flatten(name)

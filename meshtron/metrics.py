@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -31,14 +32,23 @@ def peak_flops_per_device(dtype: str) -> float | None:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str | Path, total_steps: int, enabled: bool, append: bool = False):
+    def __init__(self, output_dir: str | Path, total_steps: int, enabled: bool, resume_step: int = 0):
+        """``resume_step``: keep the records up to that step. A run resumed after a crash repeats the
+        steps since its checkpoint, whose old records are dropped so each step appears once."""
         self.enabled = enabled
         self.total_steps = total_steps
         self.path = Path(output_dir) / "metrics.jsonl"
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if not append:
-                self.path.write_text("")
+            kept = self._records_through(resume_step) if resume_step > 0 else []
+            self.path.write_text("".join(line + "\n" for line in kept))
+
+    def _records_through(self, step: int) -> list[str]:
+        if not self.path.is_file():
+            return []
+        lines = [line for line in self.path.read_text().splitlines() if line.strip()]
+        # A record cut short by the crash fails to parse and is dropped with the repeated steps.
+        return [line for line in lines if _step_of(line) <= step]
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -66,3 +76,10 @@ class MetricsLogger:
         if r.get("memory_gib") is not None:
             parts.append(f"mem {r['memory_gib']:.1f}GiB")
         return " | ".join(parts)
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf

@@ -10,20 +10,34 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import json
+import math
 import os
 import sys
 import time
+import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from meshtron import env
-from meshtron.checkpoint import CheckpointMismatch, latest_checkpoint, load_checkpoint, load_full_state_dict, save_checkpoint
-from meshtron.config import Config, ConfigError, load_config
+from meshtron.checkpoint import (
+    CheckpointMismatch,
+    check_model_shape,
+    latest_checkpoint,
+    load_checkpoint,
+    load_full_state_dict,
+    read_marker,
+    save_checkpoint,
+)
+from meshtron.config import Config, ConfigError, config_to_dict, load_config
 from meshtron.hf import CheckpointError
 from meshtron.data import to_device
-from meshtron.mesh import batch_mesh, build_mesh, validate_layout
+from meshtron.mesh import batch_mesh, build_mesh, init_default_group, validate_layout
 from meshtron.metrics import MetricsLogger, peak_flops_per_device
 from meshtron.models import build_model, flops_per_token, moe_layers
 from meshtron.optim import build_optimizer, lr_at, set_lr
@@ -40,27 +54,138 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+# Bad input: reported as one message (no traceback) with exit code 2.
+USER_ERRORS = (ConfigError, CheckpointError, CheckpointMismatch)
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm became NaN/Inf and ``[train] on_nonfinite = "stop"``."""
+
+
 def main(argv: list[str] | None = None) -> int:
     recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(recipe, overrides)
         validate_layout(cfg, _world_size())
-    except ConfigError as err:
-        print(f"meshtron: {err}", file=sys.stderr)
-        return 2
-    p = cfg.parallel
-    mesh = build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp)
-    try:
-        Trainer(cfg, mesh).fit()
-    except (ConfigError, CheckpointError, CheckpointMismatch) as err:
-        # Bad input found after start-up (data, checkpoints): every rank raises it; say it once.
-        if dist.get_rank() == 0:
+        preflight(cfg)
+    except USER_ERRORS as err:
+        # Every rank reads the same files and reaches the same verdict: one copy of the message is enough.
+        if os.environ.get("RANK", "0") == "0":
             print(f"meshtron: {err}", file=sys.stderr)
         return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    p = cfg.parallel
+    timeout = timedelta(seconds=cfg.train.collective_timeout_s)
+    init_default_group(timeout)
+    try:
+        check_same_config(cfg)  # before the mesh: ranks with other layouts would build other meshes
+        mesh = build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, timeout=timeout)
+        _write_pid_file(cfg)
+        Trainer(cfg, mesh).fit()
+    except Exception as err:  # noqa: BLE001 - every failure ends the job with one report
+        code = _report_failure(err)
+        if dist.get_world_size() > 1:
+            # Peers may wait in a collective for this rank: exit at once (no process-group teardown,
+            # which could itself wait) so the launcher stops them instead of the collective timeout.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        dist.destroy_process_group()
+        return code
+    dist.destroy_process_group()
     return 0
+
+
+def _on_every_rank(err: Exception) -> Exception:
+    """Mark an error that every rank raises identically, so only rank 0 reports it."""
+    err.on_every_rank = True
+    return err
+
+
+def _report_failure(err: Exception) -> int:
+    """Print the failure once for the job; returns the exit code (2: bad input, 1: anything else)."""
+    rank = dist.get_rank()
+    who = f"rank {rank}: " if dist.get_world_size() > 1 else ""
+    if getattr(err, "on_every_rank", False):
+        if rank == 0:
+            print(f"meshtron: {err}", file=sys.stderr)
+    elif isinstance(err, dist.DistError):
+        # A peer died or a collective timed out: the rank that failed first reports the cause.
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"meshtron: {who}stopped, a collective failed ({first_line})", file=sys.stderr)
+    elif isinstance(err, USER_ERRORS):
+        print(f"meshtron: {who}{err}", file=sys.stderr)
+    else:
+        print(f"meshtron: {who}failed with {type(err).__name__}: {err}", file=sys.stderr)
+        traceback.print_exc()
+    return 2 if isinstance(err, USER_ERRORS) else 1
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir or Path(cfg.train.output_dir) / "checkpoints")
+
+
+def preflight(cfg: Config) -> None:
+    """Checks of the input files, run by every rank before any process group exists (nothing can hang).
+
+    Raises :class:`ConfigError` / :class:`CheckpointError` / :class:`CheckpointMismatch` naming the
+    file and the fix. Reading the data itself (e.g. an empty dataset) is checked later, on rank 0 first.
+    """
+    from meshtron.data import check_vocab, load_tokenizer, source_files
+
+    source_files(cfg.data.source)
+    check_vocab(load_tokenizer(cfg.data.tokenizer, cfg.data.eos_token), cfg.data.tokenizer, cfg.model.vocab_size)
+    latest = latest_checkpoint(checkpoint_root(cfg)) if cfg.checkpoint.resume else None
+    if latest is not None:
+        check_model_shape(read_marker(latest), cfg.model, latest)
+    elif cfg.checkpoint.init_from_hf:
+        from meshtron.hf import check_hf_files, read_hf_config
+
+        folder = cfg.checkpoint.init_from_hf
+        _check_hf_matches(read_hf_config(folder), cfg, folder)
+        check_hf_files(folder)
+
+
+def config_digest(cfg: Config) -> str:
+    return hashlib.sha256(json.dumps(config_to_dict(cfg), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def check_same_config(cfg: Config) -> None:
+    """All ranks must train the same recipe; compared once at start-up by a hash of the config."""
+    digests: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, config_digest(cfg))
+    ranks: dict[str, list[int]] = {}
+    for rank, digest in enumerate(digests):
+        ranks.setdefault(digest, []).append(rank)
+    if len(ranks) > 1:
+        groups = "; ".join(f"ranks {r} have config {d}" for d, r in ranks.items())
+        raise _on_every_rank(ConfigError(
+            f"the ranks were launched with different configs ({groups}). Give every rank the same "
+            "recipe file contents and the same --section.key overrides."
+        ))
+
+
+def _write_pid_file(cfg: Config) -> None:
+    """``<output_dir>/pids/rank-R.pid``: lets an operator (or a test) find and signal one rank's process."""
+    folder = Path(cfg.train.output_dir) / "pids"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"rank-{dist.get_rank()}.pid").write_text(f"{os.getpid()}\n")
+
+
+# Failure injection for tests: "raise:RANK:STEP" or "hang:RANK:STEP" acts on that rank before that step.
+FAULT_ENV = "MESHTRON_FAULT"
+
+
+def _inject_fault(rank: int, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    kind, fault_rank, fault_step = spec.split(":")
+    if int(fault_rank) != rank or int(fault_step) != step:
+        return
+    if kind == "raise":
+        raise RuntimeError(f"{FAULT_ENV} injected a failure on rank {rank} before step {step}")
+    if kind == "hang":
+        time.sleep(10**6)
 
 
 class Trainer:
@@ -78,21 +203,18 @@ class Trainer:
         self.runner = build_step_runner(model, mesh, cfg, self.device)
         self.optimizer = build_optimizer(self.runner.module, cfg.train)
         self.start_step = self._restore()
-        self.logger = MetricsLogger(cfg.train.output_dir, cfg.train.steps, self.rank == 0, append=self.start_step > 0)
+        self.logger = MetricsLogger(cfg.train.output_dir, cfg.train.steps, self.rank == 0, self.start_step)
         self.peak_flops = peak_flops_per_device(cfg.train.dtype)
-
-    def _checkpoint_root(self) -> Path:
-        return Path(self.cfg.checkpoint.dir or Path(self.cfg.train.output_dir) / "checkpoints")
 
     def _restore(self) -> int:
         """Initial weights: latest checkpoint (resume), else an HF folder, else seeded random init."""
         ckpt = self.cfg.checkpoint
-        latest = latest_checkpoint(self._checkpoint_root()) if ckpt.resume else None
+        latest = latest_checkpoint(checkpoint_root(self.cfg)) if ckpt.resume else None
         if latest is not None:
             saved = load_checkpoint(latest, self.runner.module, self.optimizer, self.cfg)
             self.dataset.load_state_dict(saved["train_state"]["data"])
             if self.rank == 0:
-                print(f"meshtron: resumed from {latest}", flush=True)
+                print(f"meshtron: resumed from {latest} (step {saved['step']})", flush=True)
             return saved["step"]
         if ckpt.init_from_hf:
             from meshtron.hf import load_hf_state_dict, read_hf_config
@@ -105,11 +227,12 @@ class Trainer:
     def fit(self) -> None:
         t = self.cfg.train
         for step in range(self.start_step, t.steps):
+            _inject_fault(self.rank, step + 1)
             record = self.train_step(step)
             if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
                 self.logger.log(record)
             if self.cfg.checkpoint.every and (step + 1) % self.cfg.checkpoint.every == 0:
-                save_checkpoint(self._checkpoint_root(), step + 1, self.runner.module, self.optimizer, self.cfg,
+                save_checkpoint(checkpoint_root(self.cfg), step + 1, self.runner.module, self.optimizer, self.cfg,
                                 {"data": self.dataset.state_dict()})
         if self.cfg.checkpoint.export_hf:
             self.runner.export_hf(self.cfg.checkpoint.export_hf)
@@ -127,7 +250,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.runner.forward_backward(input_ids, labels)
         grad_norm = self.runner.clip_grad_norm(t.max_grad_norm)
-        self.optimizer.step()
+        # loss and grad_norm are global values, so every rank takes the same branch.
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if not finite:
+            self._on_nonfinite(step, loss, grad_norm)
+        else:
+            self.optimizer.step()
         for moe in moe_layers(self.runner.module):
             moe.update_expert_bias()  # aux-loss-free balancing (a no-op unless configured)
         elapsed = time.perf_counter() - start
@@ -141,12 +269,47 @@ class Trainer:
             "step_time": elapsed,
             "aux_loss": self.runner.aux_loss(),
         }
+        if not finite:
+            record["skipped"] = True
         if self.peak_flops:
             record["mfu"] = flops_per_token(self.cfg.model, t.seq_len) * tokens / elapsed / (
                 self.peak_flops * dist.get_world_size()
             )
             record["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return record
+
+    def _on_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
+        """Stop with the step and the first offending parameter named, or skip the update."""
+        where = _first_nonfinite_grad(self.runner.module)
+        what = f"step {step + 1}: loss {loss}, gradient norm {grad_norm}; " + (
+            f"first non-finite gradient: {where}" if where else "every gradient is finite (the loss is not)"
+        )
+        if self.cfg.train.on_nonfinite == "stop":
+            raise _on_every_rank(NonFiniteError(
+                f"{what}. Lower [train] lr, check the data, or set [train] on_nonfinite = \"skip\" to skip such steps."
+            ))
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.rank == 0:
+            print(f"meshtron: skipped the update of {what}", file=sys.stderr, flush=True)
+
+
+def _first_nonfinite_grad(module: torch.nn.Module) -> str | None:
+    """Name of the first parameter (lowest rank first, then module order) whose gradient has a NaN/Inf.
+
+    Each rank checks its own shards; the answer is gathered so all ranks name the same parameter.
+    """
+    local = None
+    for name, param in module.named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        grad = grad.to_local() if isinstance(grad, DTensor) else grad
+        if not torch.isfinite(grad).all():
+            local = name
+            break
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, local)
+    return next((name for name in found if name is not None), None)
 
 
 def _rank0_first(fn):
@@ -160,14 +323,14 @@ def _rank0_first(fn):
         try:
             result = fn()
         except Exception as err:  # noqa: BLE001 - re-raised on every rank below
-            outcome = [err]
+            outcome = [_on_every_rank(err)]
             dist.broadcast_object_list(outcome, src=0)
             raise
         dist.broadcast_object_list(outcome, src=0)
         return result
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
-        raise outcome[0]
+        raise _on_every_rank(outcome[0])
     return fn()
 
 

@@ -1,10 +1,11 @@
 """HuggingFace interop: state-dict conversion and safetensors folders."""
 
 from meshtron.hf.convert import from_hf, hf_config_dict, model_config_from_hf, to_hf
-from meshtron.hf.io import CheckpointError, load_hf_model, load_hf_state_dict, read_hf_config, save_hf, weight_map
+from meshtron.hf.io import CheckpointError, check_hf_files, load_hf_model, load_hf_state_dict, read_hf_config, save_hf, weight_map
 
 __all__ = [
     "CheckpointError",
+    "check_hf_files",
     "from_hf",
     "hf_config_dict",
     "load_hf_model",

@@ -57,6 +57,13 @@ def weight_map(folder: str | Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
+def check_hf_files(folder: str | Path) -> None:
+    """Open every safetensors header of an HF folder: a missing or truncated file fails here, cheaply."""
+    for path in sorted(set(weight_map(folder).values())):
+        with _open(path):
+            pass
+
+
 def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt")

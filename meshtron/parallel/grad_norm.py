@@ -97,10 +97,12 @@ def clip_grad_norm_(
     """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient max_norm / (norm + 1e-6), capped
-    at 1), applied to the local shards.
+    at 1), applied to the local shards. A non-finite norm leaves the gradients untouched.
     """
     params = list(params)
     total = global_grad_norm(params, norm_type, pp_mesh)
+    if not torch.isfinite(total):
+        return total  # unscaled, so the caller can still tell which gradient is NaN/Inf
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:

@@ -1,0 +1,365 @@
+"""Reliability: bit-exact resume, crash recovery under torchrun, no hangs, numerics guard, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshtron.config import ConfigError, load_config
+from meshtron.testing import run_checks
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "debug_dense.toml"
+SINGLE = {"pp": 1, "dp": 1, "cp": 1, "ep": 1, "tp": 1}
+
+
+def _args(out: Path, layout: dict, extra: list[str] = ()) -> list[str]:
+    args = ["--train.output_dir", str(out), "--data.cache_dir", str(out.parent / "token_cache")]
+    for key, value in {**SINGLE, **layout}.items():
+        args += [f"--parallel.{key}", str(value)]
+    return args + list(extra)
+
+
+def _trainer(out: Path, layout: dict, extra: list[str] = ()):
+    from meshtron.mesh import build_mesh, validate_layout
+    from meshtron.train import Trainer
+
+    cfg = load_config(RECIPE, _args(out, layout, extra))
+    validate_layout(cfg, dist.get_world_size())
+    p = cfg.parallel
+    return Trainer(cfg, build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp))
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["loss"] for r in _records(out)]
+
+
+# ---------------------------------------------------------------- in-process checks on dp2 x tp2
+
+DP2_TP2 = {"dp": 2, "tp": 2, "microbatches": 2}
+
+
+def exact_resume(root: str) -> None:
+    """Resume from step 3 of a 6-step run, next to an interrupted later save: steps 4-6 bit-identical."""
+    root = Path(root)
+    _trainer(root / "full", DP2_TP2, ["--train.steps", "6", "--checkpoint.every", "3"]).fit()
+    full_ckpt, resumed_ckpt = root / "full" / "checkpoints", root / "resumed_ckpt"
+    if dist.get_rank() == 0:
+        shutil.copytree(full_ckpt / "step-00000003", resumed_ckpt / "step-00000003")
+        # A crash during the step-6 save: shards written, marker missing; and a leftover temp folder.
+        shutil.copytree(full_ckpt / "step-00000006", resumed_ckpt / "step-00000006",
+                        ignore=shutil.ignore_patterns("meshtron.json"))
+        shutil.copytree(full_ckpt / "step-00000006", resumed_ckpt / ".step-00000009.tmp")
+    dist.barrier()
+    trainer = _trainer(root / "resumed", DP2_TP2, ["--train.steps", "6", "--checkpoint.resume", "true",
+                                                   "--checkpoint.dir", str(resumed_ckpt)])
+    assert trainer.start_step == 3
+    trainer.fit()
+
+
+def different_configs_are_named(root: str) -> None:
+    from meshtron.train import check_same_config
+
+    rank = dist.get_rank()
+    same = load_config(RECIPE, _args(Path(root) / "x", DP2_TP2))
+    check_same_config(same)
+    lr = "0.003" if rank % 2 == 0 else "0.002"
+    differing = load_config(RECIPE, _args(Path(root) / "x", DP2_TP2, ["--train.lr", lr]))
+    with pytest.raises(ConfigError) as err:
+        check_same_config(differing)
+    message = str(err.value)
+    assert "ranks [0, 2]" in message and "ranks [1, 3]" in message and "same" in message
+    assert err.value.on_every_rank
+
+
+BAD_PARAM = "layers.2.mlp.up_proj.weight"
+
+
+def _poison_gradient(trainer, at_step: int) -> None:
+    """Rank 1 finds a NaN in one local gradient shard at ``at_step`` (1-based)."""
+    original, calls = trainer.runner.forward_backward, [0]
+
+    def forward_backward(*args):
+        loss = original(*args)
+        calls[0] += 1
+        if calls[0] == at_step and dist.get_rank() == 1:
+            grad = dict(trainer.runner.module.named_parameters())[BAD_PARAM].grad
+            grad.to_local().view(-1)[0] = float("nan")
+        return loss
+
+    trainer.runner.forward_backward = forward_backward
+
+
+def nonfinite_stops_with_the_parameter(root: str) -> None:
+    from meshtron.train import NonFiniteError
+
+    trainer = _trainer(Path(root) / "nan_stop", DP2_TP2, ["--train.steps", "3"])
+    _poison_gradient(trainer, at_step=2)
+    with pytest.raises(NonFiniteError) as err:
+        trainer.fit()
+    assert "step 2:" in str(err.value) and f"first non-finite gradient: {BAD_PARAM}" in str(err.value)
+
+
+def nonfinite_skips_the_update(root: str) -> None:
+    out = Path(root) / "nan_skip"
+    trainer = _trainer(out, DP2_TP2, ["--train.steps", "3", "--train.on_nonfinite", '"skip"'])
+    _poison_gradient(trainer, at_step=2)
+    before = {}
+
+    def snapshot_after_step_one(record):
+        if record["step"] == 1:
+            before.update({n: p.to_local().clone() for n, p in trainer.runner.module.named_parameters()})
+        if record["step"] == 2:  # the skipped step left every parameter as it was
+            for name, param in trainer.runner.module.named_parameters():
+                assert torch.equal(param.to_local(), before[name]), name
+        log(record)
+
+    log, trainer.logger.log = trainer.logger.log, snapshot_after_step_one
+    trainer.fit()
+    if dist.get_rank() == 0:
+        records = _records(out)
+        assert [r.get("skipped", False) for r in records] == [False, True, False]
+        assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reliability")
+    run_checks([exact_resume, different_configs_are_named, nonfinite_stops_with_the_parameter,
+                nonfinite_skips_the_update], 4, str(root), timeout=600)
+    return root
+
+
+def test_resume_is_bit_exact_next_to_an_interrupted_save(runs):
+    full, resumed = _losses(runs / "full"), _losses(runs / "resumed")
+    assert len(full) == 6 and len(resumed) == 3
+    assert resumed == full[3:]  # float equality: model, optimizer, schedule, data position, RNG restored
+    full_norms = [r["grad_norm"] for r in _records(runs / "full")]
+    assert [r["grad_norm"] for r in _records(runs / "resumed")] == full_norms[3:]
+
+
+def test_checkpoint_without_marker_is_never_loaded(tmp_path):
+    from meshtron.checkpoint import CheckpointMismatch, latest_checkpoint, read_marker
+
+    (tmp_path / "step-00000004").mkdir()
+    (tmp_path / "step-00000004" / "meshtron.json").write_text(json.dumps({"step": 4}))
+    (tmp_path / "step-00000008").mkdir()  # interrupted: shards but no marker
+    (tmp_path / ".step-00000012.tmp").mkdir()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000004"
+    with pytest.raises(CheckpointMismatch, match="incomplete"):
+        read_marker(tmp_path / "step-00000008")
+
+
+# ---------------------------------------------------------------- torchrun: crash, failure, hang
+
+def _torchrun(out: Path, nproc: int, extra: list[str], torchrun_args: list[str] = (), fault: str = ""):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("MESHTRON_FAULT", None)
+    if fault:
+        env["MESHTRON_FAULT"] = fault
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           *torchrun_args, "-m", "meshtron.train", "--recipe", str(RECIPE), *_args(out, {"dp": nproc}, extra)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the job ended before {path} appeared: {proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.01)
+
+
+def test_killed_rank_restarts_from_the_latest_checkpoint(tmp_path):
+    steps = ["--train.steps", "30", "--checkpoint.every", "4"]
+    reference = _torchrun(tmp_path / "uninterrupted", 2, steps)
+    crashed_out = tmp_path / "crashed"
+    crashed = _torchrun(crashed_out, 2, steps + ["--checkpoint.resume", "true"], ["--max-restarts", "1"])
+    _wait_for(crashed_out / "checkpoints" / "step-00000008" / "meshtron.json", crashed)
+    victim = int((crashed_out / "pids" / "rank-1.pid").read_text())
+    os.kill(victim, signal.SIGKILL)
+    logged_before_kill = len(_records(crashed_out))
+    out, err = crashed.communicate(timeout=300)
+    assert crashed.returncode == 0, err[-3000:]
+    assert "meshtron: resumed from" in out
+    resumed_at = int(out.split("meshtron: resumed from")[1].split("(step ")[1].split(")")[0])
+    assert resumed_at >= 8
+    steps_lost = max(logged_before_kill - resumed_at, 0)
+    print(f"killed rank 1 (pid {victim}) after step {logged_before_kill}; resumed at {resumed_at}; "
+          f"steps lost {steps_lost}")
+    _, ref_err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, ref_err[-3000:]
+    assert [r["step"] for r in _records(crashed_out)] == list(range(1, 31))
+    assert _losses(crashed_out) == _losses(tmp_path / "uninterrupted")
+
+
+def test_a_failing_or_stuck_rank_ends_the_job(tmp_path):
+    common = ["--train.steps", "20"]
+    started = time.monotonic()
+    failing = _torchrun(tmp_path / "raise", 2, common + ["--train.collective_timeout_s", "300"],
+                        fault="raise:1:3")
+    stuck = _torchrun(tmp_path / "hang", 2, common + ["--train.collective_timeout_s", "8"], fault="hang:1:3")
+    _, err = failing.communicate(timeout=240)
+    assert failing.returncode != 0
+    assert err.count("meshtron: rank 1: failed with RuntimeError: MESHTRON_FAULT injected") == 1, err[-3000:]
+    assert "meshtron: rank 0:" not in err or "collective failed" in err
+    _, err = stuck.communicate(timeout=240)
+    assert stuck.returncode != 0
+    assert "meshtron: rank 0: stopped, a collective failed" in err, err[-3000:]
+    # Both end long before the 300 s timeout of the first job and within a few timeouts of the second.
+    assert time.monotonic() - started < 120
+
+
+# ---------------------------------------------------------------- bad input through the CLI
+
+def _write_hf(folder: Path, hidden_size: int | None = None, truncate: bool = False, weights: bool = True):
+    from safetensors.torch import save_file
+
+    from meshtron.hf import hf_config_dict
+
+    model = load_config(RECIPE).model
+    config = hf_config_dict(model)
+    if hidden_size:
+        config["hidden_size"] = hidden_size
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    if weights:
+        path = folder / "model.safetensors"
+        save_file({"model.norm.weight": torch.randn(4096)}, str(path))
+        if truncate:
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _write_checkpoint_of_other_shape(root: Path) -> Path:
+    from dataclasses import asdict
+
+    cfg = load_config(RECIPE, ["--model.hidden_size", "32"])
+    folder = root / "step-00000002"
+    folder.mkdir(parents=True)
+    (folder / "meshtron.json").write_text(json.dumps({"step": 2, "config": asdict(cfg), "train_state": {}}))
+    return folder
+
+
+def _big_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<|endoftext|>": 0, **{f"t{i}": i for i in range(1, 300)}}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(path))
+
+
+def test_bad_inputs_fail_once_with_exit_2_and_write_nothing(tmp_path, monkeypatch, capsys):
+    from meshtron.train import main
+
+    malformed = tmp_path / "malformed.toml"
+    malformed.write_text(RECIPE.read_text().replace("steps = 10", "steps = = 10"))
+    _write_hf(tmp_path / "hf_no_weights", weights=False)
+    _write_hf(tmp_path / "hf_truncated", truncate=True)
+    _write_hf(tmp_path / "hf_other", hidden_size=32)
+    ckpt = _write_checkpoint_of_other_shape(tmp_path / "ckpt")
+    ckpt_before = (ckpt / "meshtron.json").read_bytes()
+    (tmp_path / "empty.txt").write_text("")
+    _big_tokenizer(tmp_path / "tokenizer.json")
+    cases = {
+        "malformed TOML": (["--recipe", str(malformed)], "line"),
+        "unknown key": (["--train.stpes", "3"], "Did you mean 'steps'"),
+        "wrong type": (["--train.steps", '"ten"'], "[train] steps must be an integer"),
+        "impossible sizes": (["--parallel.tp", "3"], "world size is 1"),
+        "unknown choice": (["--train.on_nonfinite", '"skp"'], "Did you mean 'skip'"),
+        "missing safetensors": (["--checkpoint.init_from_hf", str(tmp_path / "hf_no_weights")],
+                                "neither model.safetensors"),
+        "truncated safetensors": (["--checkpoint.init_from_hf", str(tmp_path / "hf_truncated")],
+                                  "unreadable or truncated"),
+        "HF config mismatch": (["--checkpoint.init_from_hf", str(tmp_path / "hf_other")],
+                               "hidden_size: config.json 32 vs recipe 64"),
+        "checkpoint of another shape": (["--checkpoint.resume", "true", "--checkpoint.dir", str(ckpt.parent)],
+                                        "saved for a different model"),
+        "missing dataset": (["--data.source", str(tmp_path / "nope.txt")], "does not exist"),
+        "empty dataset": (["--data.source", str(tmp_path / "empty.txt")], "holds no text"),
+        "tokenizer too large": (["--data.tokenizer", str(tmp_path / "tokenizer.json")],
+                                "has 300 tokens but [model] vocab_size is 256"),
+    }
+    for name in ("WORLD_SIZE", "RANK", "MESHTRON_FAULT"):
+        monkeypatch.delenv(name, raising=False)
+    # Every case through main() in this process (what `python -m meshtron.train` runs); two also as
+    # real commands, for the exit status.
+    for name, (args, expected) in cases.items():
+        out = tmp_path / "out" / name.replace(" ", "_")
+        code = main(_cli_args(args, out))
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2, f"{name}: exit {code}\n{err[-2000:]}"
+        assert len(lines) == 1 and lines[0].startswith("meshtron: "), f"{name}: {err[-2000:]}"
+        assert expected in lines[0], f"{name}: {lines[0]}"
+        assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists(), name
+    assert (ckpt / "meshtron.json").read_bytes() == ckpt_before
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
+    env["PYTHONPATH"] = str(ROOT)
+    for name in ("malformed TOML", "empty dataset"):
+        args, expected = cases[name]
+        cmd = [sys.executable, "-m", "meshtron.train", *_cli_args(args, tmp_path / "cli" / name.replace(" ", "_"))]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and done.stderr.count("meshtron: ") == 1, done.stderr[-2000:]
+        assert expected in done.stderr and "Traceback" not in done.stderr
+
+
+def _cli_args(args: list[str], out: Path) -> list[str]:
+    recipe = [] if args[0] == "--recipe" else ["--recipe", str(RECIPE)]
+    return [*recipe, "--parallel.dp", "1", "--train.steps", "2", "--train.output_dir", str(out), *args]
+
+
+# ---------------------------------------------------------------- random recipe edits
+
+def test_random_recipe_edits_fail_only_with_config_error(tmp_path_factory):
+    import dataclasses
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from meshtron.config import Config
+    from meshtron.mesh import validate_layout
+
+    keys = [(section.name, f.name) for section in dataclasses.fields(Config)
+            for f in dataclasses.fields(section.default_factory())]
+    key = st.one_of(st.sampled_from(keys), st.tuples(st.sampled_from(["train", "parallel", "modle"]),
+                                                     st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=8)))
+    value = st.one_of(
+        st.integers(-3, 70), st.integers(-(2**70), 2**70), st.booleans(),
+        st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(['"fsdp"', '"interleaved"', '"x"', "[1, 2]",
+                                                                         '"skip"', "{a = 1}", "= =", ""]),
+    )
+    recipe_text = RECIPE.read_text()
+    folder = tmp_path_factory.mktemp("edits")
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(edits=st.lists(st.tuples(key, value), max_size=4), world=st.integers(1, 16), in_file=st.booleans())
+    def check(edits, world, in_file):
+        path, overrides = folder / "recipe.toml", []
+        text = recipe_text
+        for (section, name), raw in edits:
+            shown = raw if isinstance(raw, str) else json.dumps(raw) if not isinstance(raw, float) else repr(raw)
+            shown = {"True": "true", "False": "false", "nan": "nan", "inf": "inf", "-inf": "-inf"}.get(shown, shown)
+            if in_file:
+                text += f"\n[{section}]\n{name} = {shown}\n"  # may repeat a table: malformed TOML
+            else:
+                overrides += [f"--{section}.{name}", shown]
+        path.write_text(text)
+        try:
+            validate_layout(load_config(path, overrides), world)
+        except ConfigError:
+            pass
+
+    check()
