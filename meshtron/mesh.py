@@ -69,7 +69,13 @@ def init_default_group(timeout: timedelta | None = None) -> None:
     # Binding the accelerator lets DeviceMesh split NCCL communicators instead of creating each one.
     device_id = device if device.index is not None else None
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(env.backend(), device_id=device_id, timeout=timeout)
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout or timedelta(minutes=10)))
+        # torchrun keeps its store across restarts (--max-restarts), where a restarted rank could read
+        # the address a dead peer published; a per-attempt prefix keeps the attempts apart.
+        store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(
+            env.backend(), store=store, rank=rank, world_size=world_size, device_id=device_id, timeout=timeout
+        )
     else:  # a plain `python script.py`: one rank, no rendezvous needed
         dist.init_process_group(
             env.backend(), store=dist.HashStore(), rank=0, world_size=1, device_id=device_id, timeout=timeout

@@ -108,7 +108,7 @@ def _report_failure(err: Exception) -> int:
     if getattr(err, "on_every_rank", False):
         if rank == 0:
             print(f"meshtron: {err}", file=sys.stderr)
-    elif isinstance(err, dist.DistError):
+    elif _is_collective_failure(err):
         # A peer died or a collective timed out: the rank that failed first reports the cause.
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(f"meshtron: {who}stopped, a collective failed ({first_line})", file=sys.stderr)
@@ -118,6 +118,11 @@ def _report_failure(err: Exception) -> int:
         print(f"meshtron: {who}failed with {type(err).__name__}: {err}", file=sys.stderr)
         traceback.print_exc()
     return 2 if isinstance(err, USER_ERRORS) else 1
+
+
+def _is_collective_failure(err: Exception) -> bool:
+    # Gloo reports a lost peer or a timed-out wait as a plain RuntimeError naming its source file.
+    return isinstance(err, dist.DistError) or (type(err) is RuntimeError and "gloo" in str(err))
 
 
 def checkpoint_root(cfg: Config) -> Path:

@@ -54,20 +54,20 @@ DP2_TP2 = {"dp": 2, "tp": 2, "microbatches": 2}
 
 
 def exact_resume(root: str) -> None:
-    """Resume from step 3 of a 6-step run, next to an interrupted later save: steps 4-6 bit-identical."""
+    """Resume from step 2 of a 4-step run, next to an interrupted later save: steps 3-4 bit-identical."""
     root = Path(root)
-    _trainer(root / "full", DP2_TP2, ["--train.steps", "6", "--checkpoint.every", "3"]).fit()
+    _trainer(root / "full", DP2_TP2, ["--train.steps", "4", "--checkpoint.every", "2"]).fit()
     full_ckpt, resumed_ckpt = root / "full" / "checkpoints", root / "resumed_ckpt"
     if dist.get_rank() == 0:
-        shutil.copytree(full_ckpt / "step-00000003", resumed_ckpt / "step-00000003")
-        # A crash during the step-6 save: shards written, marker missing; and a leftover temp folder.
-        shutil.copytree(full_ckpt / "step-00000006", resumed_ckpt / "step-00000006",
+        shutil.copytree(full_ckpt / "step-00000002", resumed_ckpt / "step-00000002")
+        # A crash during the step-4 save: shards written, marker missing; and a leftover temp folder.
+        shutil.copytree(full_ckpt / "step-00000004", resumed_ckpt / "step-00000004",
                         ignore=shutil.ignore_patterns("meshtron.json"))
-        shutil.copytree(full_ckpt / "step-00000006", resumed_ckpt / ".step-00000009.tmp")
+        shutil.copytree(full_ckpt / "step-00000004", resumed_ckpt / ".step-00000006.tmp")
     dist.barrier()
-    trainer = _trainer(root / "resumed", DP2_TP2, ["--train.steps", "6", "--checkpoint.resume", "true",
+    trainer = _trainer(root / "resumed", DP2_TP2, ["--train.steps", "4", "--checkpoint.resume", "true",
                                                    "--checkpoint.dir", str(resumed_ckpt)])
-    assert trainer.start_step == 3
+    assert trainer.start_step == 2
     trainer.fit()
 
 
@@ -107,7 +107,7 @@ def _poison_gradient(trainer, at_step: int) -> None:
 def nonfinite_stops_with_the_parameter(root: str) -> None:
     from meshtron.train import NonFiniteError
 
-    trainer = _trainer(Path(root) / "nan_stop", DP2_TP2, ["--train.steps", "3"])
+    trainer = _trainer(Path(root) / "nan_stop", DP2_TP2, ["--train.steps", "2"])
     _poison_gradient(trainer, at_step=2)
     with pytest.raises(NonFiniteError) as err:
         trainer.fit()
@@ -146,10 +146,10 @@ def runs(tmp_path_factory):
 
 def test_resume_is_bit_exact_next_to_an_interrupted_save(runs):
     full, resumed = _losses(runs / "full"), _losses(runs / "resumed")
-    assert len(full) == 6 and len(resumed) == 3
-    assert resumed == full[3:]  # float equality: model, optimizer, schedule, data position, RNG restored
+    assert len(full) == 4 and len(resumed) == 2
+    assert resumed == full[2:]  # float equality: model, optimizer, schedule, data position, RNG restored
     full_norms = [r["grad_norm"] for r in _records(runs / "full")]
-    assert [r["grad_norm"] for r in _records(runs / "resumed")] == full_norms[3:]
+    assert [r["grad_norm"] for r in _records(runs / "resumed")] == full_norms[2:]
 
 
 def test_checkpoint_without_marker_is_never_loaded(tmp_path):
@@ -173,7 +173,18 @@ def _torchrun(out: Path, nproc: int, extra: list[str], torchrun_args: list[str] 
         env["MESHTRON_FAULT"] = fault
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            *torchrun_args, "-m", "meshtron.train", "--recipe", str(RECIPE), *_args(out, {"dp": nproc}, extra)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
+    """Wait for a launch; on timeout end its whole process group (launcher and workers) and fail."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the launch hung for {timeout} s:\n{err[-3000:]}")
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -185,25 +196,25 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
 
 
 def test_killed_rank_restarts_from_the_latest_checkpoint(tmp_path):
-    steps = ["--train.steps", "30", "--checkpoint.every", "4"]
+    steps = ["--train.steps", "12", "--checkpoint.every", "4"]
     reference = _torchrun(tmp_path / "uninterrupted", 2, steps)
     crashed_out = tmp_path / "crashed"
     crashed = _torchrun(crashed_out, 2, steps + ["--checkpoint.resume", "true"], ["--max-restarts", "1"])
-    _wait_for(crashed_out / "checkpoints" / "step-00000008" / "meshtron.json", crashed)
+    _wait_for(crashed_out / "checkpoints" / "step-00000004" / "meshtron.json", crashed)
     victim = int((crashed_out / "pids" / "rank-1.pid").read_text())
     os.kill(victim, signal.SIGKILL)
     logged_before_kill = len(_records(crashed_out))
-    out, err = crashed.communicate(timeout=300)
+    out, err = _finish(crashed)
     assert crashed.returncode == 0, err[-3000:]
     assert "meshtron: resumed from" in out
     resumed_at = int(out.split("meshtron: resumed from")[1].split("(step ")[1].split(")")[0])
-    assert resumed_at >= 8
+    assert resumed_at >= 4
     steps_lost = max(logged_before_kill - resumed_at, 0)
     print(f"killed rank 1 (pid {victim}) after step {logged_before_kill}; resumed at {resumed_at}; "
           f"steps lost {steps_lost}")
-    _, ref_err = reference.communicate(timeout=300)
+    _, ref_err = _finish(reference)
     assert reference.returncode == 0, ref_err[-3000:]
-    assert [r["step"] for r in _records(crashed_out)] == list(range(1, 31))
+    assert [r["step"] for r in _records(crashed_out)] == list(range(1, 13))
     assert _losses(crashed_out) == _losses(tmp_path / "uninterrupted")
 
 
@@ -213,11 +224,11 @@ def test_a_failing_or_stuck_rank_ends_the_job(tmp_path):
     failing = _torchrun(tmp_path / "raise", 2, common + ["--train.collective_timeout_s", "300"],
                         fault="raise:1:3")
     stuck = _torchrun(tmp_path / "hang", 2, common + ["--train.collective_timeout_s", "8"], fault="hang:1:3")
-    _, err = failing.communicate(timeout=240)
+    _, err = _finish(failing)
     assert failing.returncode != 0
     assert err.count("meshtron: rank 1: failed with RuntimeError: MESHTRON_FAULT injected") == 1, err[-3000:]
     assert "meshtron: rank 0:" not in err or "collective failed" in err
-    _, err = stuck.communicate(timeout=240)
+    _, err = _finish(stuck)
     assert stuck.returncode != 0
     assert "meshtron: rank 0: stopped, a collective failed" in err, err[-3000:]
     # Both end long before the 300 s timeout of the first job and within a few timeouts of the second.
