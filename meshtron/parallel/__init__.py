@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshtron.checkpoint import gather_full_state_dict, load_full_state_dict
 from meshtron.config import Config
@@ -32,6 +33,71 @@ def materialize_sharded(model: nn.Module, device: torch.device, cfg: Config) -> 
     load_full_state_dict(model, InitialWeights(cfg.model, cfg.train.seed))
 
 
+# Summed token loss of one micro-batch's logits; the loss of tensor parallelism's sharded logits
+# replaces it when tp > 1. Both runners use this one name.
+loss_sum = token_loss_sum
+
+
+def split_microbatches(input_ids: torch.Tensor, labels: torch.Tensor, micro: int):
+    """[(ids, labels, position_ids)] per micro-batch, split along the batch dimension."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return list(zip(input_ids.chunk(micro), labels.chunk(micro), positions.chunk(micro)))
+
+
+def global_token_count(labels: torch.Tensor, data_group) -> torch.Tensor:
+    """Counted tokens of the whole step over the ranks that hold different tokens (dp x ep x cp)."""
+    tokens = (labels != -100).sum().to(torch.float32)
+    dist.all_reduce(tokens, group=data_group)
+    return tokens
+
+
+def average_aux_over_microbatches(module: nn.Module, micro: int) -> None:
+    for moe in moe_layers(module):
+        moe.aux_loss_scale /= micro  # one aux loss per micro-batch, averaged
+
+
+def clip_grad_norm(module: nn.Module, max_norm: float, pp_group=None) -> float:
+    """Clip to the global gradient norm; ``pp_group`` adds the other pipeline stages' parameters."""
+    params = [p for p in module.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if pp_group is not None:
+        squared = norm.pow(2)
+        dist.all_reduce(squared, group=pp_group)
+        norm = squared.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm.item()
+
+
+def _full_cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Full tensors of this rank's parameters on CPU, on every rank (collective over each DTensor's mesh).
+
+    ``gather_full_state_dict`` keeps the result on global rank 0 only, which lacks the other stages.
+    """
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in module.state_dict().items()
+    }
+
+
+def export_hf(module: nn.Module, cfg: Config, folder: str, pp_group=None) -> None:
+    """Write the full model as an HF folder from rank 0 (collective; ``pp_group`` gathers the stages)."""
+    from meshtron.hf import save_hf
+
+    if pp_group is None:
+        state = gather_full_state_dict(module)
+    else:
+        state = _full_cpu_state(module)
+        if 0 in dist.get_process_group_ranks(pp_group):
+            # Only the pipeline that contains rank 0 ships its stages there; the others hold copies.
+            stages = [None] * dist.get_world_size(pp_group) if dist.get_rank() == 0 else None
+            dist.gather_object(state, stages, dst=0, group=pp_group)
+            state = {k: v for stage in stages for k, v in stage.items()} if stages else state
+    if dist.get_rank() == 0:
+        save_hf(state, cfg.model, folder)
+    dist.barrier()
+
+
 class StepRunner:
     """Forward and backward of one global-batch step on this rank (no pipeline: pp == 1).
 
@@ -45,43 +111,35 @@ class StepRunner:
         self.module = parallelize(model, mesh, cfg)
         materialize_sharded(self.module, device, cfg)
         self.data_group = dense_data_mesh(mesh).get_group()
-        for moe in moe_layers(self.module):
-            moe.aux_loss_scale /= cfg.parallel.microbatches  # one aux loss per micro-batch, averaged
+        average_aux_over_microbatches(self.module, cfg.parallel.microbatches)
         self._aux: list[torch.Tensor] = []
 
-    def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks that hold different tokens (dp x ep x cp); tp ranks hold copies."""
-        dist.all_reduce(value, group=self.data_group)
-        return value
-
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        tokens = self._global_sum((labels != -100).sum().to(torch.float32))
+        tokens = global_token_count(labels, self.data_group)
         total = torch.zeros((), device=self.device)
         self._aux = []
-        micro = self.cfg.parallel.microbatches
-        for ids, lab, pos in zip(input_ids.chunk(micro), labels.chunk(micro), positions.chunk(micro)):
-            loss = token_loss_sum(self.module(ids, pos), lab) / tokens
+        for ids, lab, pos in split_microbatches(input_ids, labels, self.cfg.parallel.microbatches):
+            loss = loss_sum(self.module(ids, pos), lab) / tokens
             loss.backward()
             total += loss.detach()
             self._aux.extend(m.last_aux_loss for m in moe_layers(self.module) if m.last_aux_loss is not None)
-        return self._global_sum(total).item()
+        dist.all_reduce(total, group=self.data_group)
+        return total.item()
 
     def aux_loss(self) -> float | None:
         return torch.stack(self._aux).mean().item() if self._aux else None
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        return clip_grad_norm(self.module, max_norm)
 
     def export_hf(self, folder: str) -> None:
-        from meshtron.hf import save_hf
-
-        state = gather_full_state_dict(self.module)
-        if dist.get_rank() == 0:
-            save_hf(state, self.cfg.model, folder)
-        dist.barrier()
+        export_hf(self.module, self.cfg, folder)
 
 
-def build_step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> StepRunner:
+def build_step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device):
+    """The runner for this layout: pipelined when ``parallel.pp > 1``."""
+    if cfg.parallel.pp > 1:
+        from meshtron.parallel.pipeline.runner import PipelineRunner
+
+        return PipelineRunner(model, mesh, cfg, device)
     return StepRunner(model, mesh, cfg, device)

@@ -1,0 +1,101 @@
+"""Pipelined step runner: ``StepRunner``'s interface for ``parallel.pp > 1``.
+
+Every pp-rank prunes the meta-device model to its own chunks, hands the stage model to
+``meshtron.parallel.parallelize`` (tp, ep, cp, FSDP compose inside a stage exactly as without
+a pipeline), materialises only that, and runs its schedule with :class:`PipelineExecutor`.
+
+Numerics equal the non-pipelined runner on the same global batch: the same micro-batch split,
+every micro-batch's summed token loss divided by the global token count of the step (so gradients
+accumulated over micro-batches and summed over data ranks are those of the global mean loss), and
+MoE aux losses attached to the gradients inside each stage with the same per-micro-batch scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtron.config import Config
+from meshtron.mesh import dense_data_mesh
+from meshtron.models import moe_layers
+from meshtron.parallel import (
+    average_aux_over_microbatches,
+    clip_grad_norm,
+    export_hf,
+    global_token_count,
+    loss_sum,
+    materialize_sharded,
+    parallelize,
+    split_microbatches,
+)
+from meshtron.parallel.pipeline.executor import PipelineExecutor
+from meshtron.parallel.pipeline.schedules import build_schedule
+from meshtron.parallel.pipeline.stage import build_chunks, check_pipeline, prune_to_stage
+
+
+def boundary_tensor(cfg: Config, micro_batch: int, local_seq: int) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) of the hidden states between stages for ``local_seq`` tokens per sample on this rank.
+
+    With sequence parallelism the residual stream between blocks is split over tp as well.
+    """
+    p = cfg.parallel
+    seq = local_seq // p.tp if p.sp and p.tp > 1 else local_seq
+    return (micro_batch, seq, cfg.model.hidden_size), getattr(torch, cfg.train.dtype)
+
+
+class PipelineRunner:
+    """Forward and backward of one global-batch step on this pp-rank's pipeline stage(s)."""
+
+    def __init__(self, model: nn.Module, mesh, cfg: Config, device: torch.device):
+        check_pipeline(cfg)  # before any collective
+        p = cfg.parallel
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        pp_mesh = mesh["pp"]
+        self.pp_group = pp_mesh.get_group()
+        self.num_stages = p.pp * p.virtual_stages
+        stages = prune_to_stage(model, pp_mesh.get_local_rank(), p.pp, p.virtual_stages)
+        self.module = parallelize(model, mesh, cfg)
+        materialize_sharded(self.module, device, cfg)
+        self.chunks = build_chunks(self.module, stages, self.num_stages)
+        self.data_group = dense_data_mesh(mesh).get_group()
+        average_aux_over_microbatches(self.module, p.microbatches)
+        self._moe = {s: [m for mod in c.modules() for m in moe_layers(mod)] for s, c in self.chunks.items()}
+        steps = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)[pp_mesh.get_local_rank()]
+        self.executor = PipelineExecutor(
+            steps, self.num_stages, self.pp_group, {s: c.modules() for s, c in self.chunks.items()}
+        )
+        self._aux: float | None = None
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        micro = split_microbatches(input_ids, labels, self.cfg.parallel.microbatches)
+        tokens = global_token_count(labels, self.data_group)
+        aux: list[torch.Tensor] = []
+
+        def forward(stage: int, x: torch.Tensor, mb: int) -> torch.Tensor:
+            out = self.chunks[stage](x, micro[mb][2])
+            aux.extend(m.last_aux_loss for m in self._moe[stage] if m.last_aux_loss is not None)
+            return out
+
+        def loss(logits: torch.Tensor, mb: int) -> torch.Tensor:
+            return loss_sum(logits, micro[mb][1]) / tokens
+
+        ids = [mb[0] for mb in micro]
+        boundary = boundary_tensor(self.cfg, ids[0].shape[0], ids[0].shape[1])
+        total = self.executor.run(forward, ids, loss, boundary)
+        dist.all_reduce(total, group=self.data_group)  # zero except on the last stage
+        aux_sum = torch.stack(aux).sum() if aux else torch.zeros((), device=self.device)
+        stats = torch.stack([total, aux_sum, torch.tensor(float(len(aux)), device=self.device)])
+        dist.all_reduce(stats, group=self.pp_group)
+        self._aux = (stats[1] / stats[2]).item() if stats[2] else None
+        return stats[0].item()
+
+    def aux_loss(self) -> float | None:
+        """Mean of the last step's aux losses over every MoE layer of every stage and micro-batch."""
+        return self._aux
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return clip_grad_norm(self.module, max_norm, self.pp_group)
+
+    def export_hf(self, folder: str) -> None:
+        export_hf(self.module, self.cfg, folder, self.pp_group)

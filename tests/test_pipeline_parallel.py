@@ -1,0 +1,216 @@
+"""Pipelined training step on 8 CPU ranks equals the single-process step (loss, gradients, aux, norm).
+
+Every layout fills the 8 ranks with pp x dp; without a data-parallel module the dp replicas'
+gradients are summed here by hand (plain replication). The single-process reference runs the
+same micro-batches (each dp shard's micro-batches in turn) because the MoE aux loss is defined
+per micro-batch.
+"""
+
+import tempfile
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from meshtron.checkpoint import load_full_state_dict
+from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from meshtron.hf import from_hf
+from meshtron.mesh import build_mesh, dense_data_mesh
+from meshtron.models import aux_loss, build_model, token_loss_sum
+from meshtron.parallel import average_aux_over_microbatches, build_step_runner, split_microbatches
+from meshtron.parallel.pipeline import peak_in_flight
+from meshtron.parallel.pipeline.runner import PipelineRunner
+from meshtron.testing import rel_err, run_checks
+
+DENSE = dict(
+    vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=8,
+    num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+)
+MOE = dict(
+    DENSE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    shared_expert_intermediate_size=24, mlp_only_layers=[2], router_aux_loss_coef=0.1,
+)
+SEQ, MB_SIZE = 6, 2
+
+
+def _config(model: dict, pp: int, dp: int, schedule: str, m: int, v: int = 1) -> Config:
+    return Config(
+        model=ModelConfig(**model),
+        parallel=ParallelConfig(pp=pp, dp=dp, schedule=schedule, virtual_stages=v, microbatches=m),
+        train=TrainConfig(global_batch_size=dp * m * MB_SIZE, seq_len=SEQ, seed=3),
+    )
+
+
+def _random_model(cfg: Config) -> torch.nn.Module:
+    """The full model with random values everywhere (norm weights and biases too)."""
+    model = build_model(cfg.model)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
+    return model.train()
+
+
+def _batch(cfg: Config):
+    gen = torch.Generator().manual_seed(cfg.parallel.pp * 100 + cfg.parallel.microbatches)
+    ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, SEQ), generator=gen)
+    labels = torch.randint(0, cfg.model.vocab_size, ids.shape, generator=gen)
+    labels[torch.rand(ids.shape, generator=gen) < 0.2] = -100
+    return ids, labels
+
+
+def _reference(cfg: Config, ids, labels, dp_rank: int):
+    """Single process: every dp shard's micro-batches in turn; aux mean over this dp shard's."""
+    model = _random_model(cfg)
+    average_aux_over_microbatches(model, cfg.parallel.microbatches)
+    tokens = (labels != -100).sum()
+    total, aux = 0.0, []
+    for shard, (ids_s, lab_s) in enumerate(zip(ids.chunk(cfg.parallel.dp), labels.chunk(cfg.parallel.dp))):
+        for i, lab, pos in split_microbatches(ids_s, lab_s, cfg.parallel.microbatches):
+            loss = token_loss_sum(model(i, pos), lab) / tokens
+            loss.backward()
+            total += loss.item()
+            if shard == dp_rank and cfg.model.num_experts:
+                aux.append(aux_loss(model))
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    return model, total, (torch.stack(aux).mean().item() if aux else None), norm.item()
+
+
+class SavedTensorTracker:
+    """Counts tensors autograd saved for backward, tagged with the (stage, micro-batch) that saved them."""
+
+    class _Saved:
+        def __init__(self, tensor, tag):
+            self.tensor, self.tag = tensor, tag
+
+    def __init__(self):
+        self.live, self.tag, self.checked = weakref.WeakSet(), None, 0
+
+    def pack(self, tensor):
+        saved = self._Saved(tensor, self.tag)
+        self.live.add(saved)
+        return saved
+
+    @staticmethod
+    def unpack(saved):
+        return saved.tensor
+
+    def count(self, tag) -> int:
+        return sum(1 for s in self.live if s.tag == tag)
+
+    def install(self, executor):
+        forward, backward = executor._forward, executor._backward
+
+        def tagged_forward(a, *args):
+            self.tag = (a.stage, a.mb)
+            out = forward(a, *args)
+            assert self.count(self.tag) > 0, f"{a}: nothing saved for backward"
+            return out
+
+        def checked_backward(index, a):
+            backward(index, a)
+            assert self.count((a.stage, a.mb)) == 0, f"{a}: activations still alive after its backward"
+            self.checked += 1
+
+        executor._forward, executor._backward = tagged_forward, checked_backward
+
+
+LAYOUTS = [
+    # (model, pp, dp, schedule, microbatches, virtual)
+    (DENSE, 8, 1, "1f1b", 9, 1),
+    (MOE, 4, 2, "1f1b", 5, 1),
+    (DENSE, 2, 4, "1f1b", 3, 1),
+    (MOE, 2, 4, "interleaved", 4, 2),
+    (DENSE, 4, 2, "interleaved", 4, 2),
+    (MOE, 2, 4, "gpipe", 2, 1),
+]
+
+
+def check_pipeline_matches_single_process(_folder):
+    for layout in LAYOUTS:
+        cfg = _config(*layout)
+        p = cfg.parallel
+        mesh = build_mesh(pp=p.pp, dp=p.dp)
+        runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+        assert isinstance(runner, PipelineRunner)
+        assert len(runner.module.layers) < cfg.model.num_hidden_layers, "a stage holds the whole model"
+        ids, labels = _batch(cfg)
+        dp_rank = mesh["dp"].get_local_rank()
+        ref, ref_loss, ref_aux, ref_norm = _reference(cfg, ids, labels, dp_rank)
+        load_full_state_dict(runner.module, _random_model(cfg).state_dict())
+        tracker = SavedTensorTracker()
+        tracker.install(runner.executor)
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+            loss = runner.forward_backward(ids.chunk(p.dp)[dp_rank], labels.chunk(p.dp)[dp_rank])
+        assert tracker.checked == p.microbatches * p.virtual_stages and len(tracker.live) == 0
+        assert runner.executor.peak_live == peak_in_flight(runner.executor.steps)
+        assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5, (layout, loss, ref_loss)
+        if ref_aux is not None:
+            assert abs(runner.aux_loss() - ref_aux) / ref_aux < 1e-5, (layout, runner.aux_loss(), ref_aux)
+        _check_grads(runner.module, ref, dense_data_mesh(mesh).get_group(), layout)
+        norm = runner.clip_grad_norm(1e9)
+        assert abs(norm - ref_norm) / ref_norm < 1e-5, (layout, norm, ref_norm)
+
+
+def _check_grads(stage, ref, data_group, layout):
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    names = [n for n, _ in stage.named_parameters()]
+    assert names and all(n in ref_grads for n in names)
+    for name, param in stage.named_parameters():
+        assert param.grad is not None, f"{layout}: {name} has no gradient"
+        dist.all_reduce(param.grad, group=data_group)  # what data parallelism will do
+        assert ref_grads[name].abs().max() > 0
+        err = rel_err(param.grad, ref_grads[name])
+        assert err < 1e-4, f"{layout}: {name} gradient rel err {err:.2e}"
+
+
+def check_clipping_and_export_cover_all_stages(folder):
+    cfg = _config(DENSE, 4, 2, "1f1b", 4)
+    mesh = build_mesh(pp=4, dp=2)
+    runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+    load_full_state_dict(runner.module, _random_model(cfg).state_dict())
+    ids, labels = _batch(cfg)
+    runner.forward_backward(ids[: len(ids) // 2], labels[: len(labels) // 2])
+    norm = runner.clip_grad_norm(0.5)
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in runner.module.parameters()])) ** 2
+    dist.all_reduce(clipped, group=runner.pp_group)
+    assert norm > 0.5 and abs(clipped.sqrt().item() - 0.5) < 1e-5, (norm, clipped.sqrt().item())
+    runner.export_hf(folder)
+    if dist.get_rank() == 0:
+        exported = from_hf(load_file(f"{folder}/model.safetensors"), cfg.model)
+        expected = _random_model(cfg).state_dict()
+        assert exported.keys() == expected.keys(), sorted(exported.keys() ^ expected.keys())[:6]
+        for name, value in expected.items():
+            assert torch.equal(exported[name], value), name
+
+
+def test_pipeline_matches_single_process_on_8_ranks():
+    with tempfile.TemporaryDirectory() as tmp:
+        run_checks(
+            [check_pipeline_matches_single_process, check_clipping_and_export_cover_all_stages],
+            8,
+            f"{tmp}/hf",
+            timeout=240,
+        )
+
+
+def _meta_model(cfg):
+    with torch.device("meta"):
+        return build_model(cfg.model)
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (_config(DENSE, 4, 2, "1f1b", 3), "microbatches = 3 is fewer than pp = 4"),
+        (_config(DENSE, 4, 2, "interleaved", 6, 2), "not a multiple of pp = 4"),
+        (_config(DENSE, 8, 1, "interleaved", 8, 2), "num_hidden_layers = 8 is fewer than"),
+        (_config({**DENSE, "tie_word_embeddings": True}, 2, 4, "1f1b", 2), "tie_word_embeddings"),
+    ],
+)
+def test_invalid_pipeline_layouts_fail_before_any_collective(cfg, message):
+    # No process group exists here: reaching a collective would raise something else.
+    with pytest.raises(ConfigError, match=message):
+        PipelineRunner(_meta_model(cfg), None, cfg, torch.device("cpu"))
