@@ -232,6 +232,11 @@ def _rank_main(args):
             (Path(args.out) / f"pipeline_{part}.json").write_text(json.dumps(result))
 
 
+def _ratio(a: float, b: float, digits: int) -> str:
+    """a / b, or n/a for the zero-cost stages that measure pure overhead."""
+    return f"{a / b:.{digits}f}" if b else "n/a"
+
+
 def _span_stats(spans) -> tuple[float, float, float]:
     """Mean forward and backward duration and median gap between a rank's consecutive actions, in ms."""
     f = [r[4] - r[3] for r in spans if r[1] == "F"]
@@ -266,8 +271,8 @@ def report(args) -> str:
             f"| {kind} | {ours['virtual']} | {ours['step_s'] * 1e3:.1f} | {theirs['step_s'] * 1e3:.1f} "
             f"| {ours['step_s'] / theirs['step_s']:.3f} | {min(ours['steps_s']) * 1e3:.1f} "
             f"| {min(theirs['steps_s']) * 1e3:.1f} | {ours['analytic_step_s'] * 1e3:.1f} "
-            f"| {ours['step_s'] / ours['analytic_step_s']:.3f} | {ours['bubble']:.3f} | {theirs['bubble']:.3f} "
-            f"| {ours['analytic_bubble']:.3f} | {ours['bubble'] / ours['analytic_bubble']:.2f} |"
+            f"| {_ratio(ours['step_s'], ours['analytic_step_s'], 3)} | {ours['bubble']:.3f} | {theirs['bubble']:.3f} "
+            f"| {ours['analytic_bubble']:.3f} | {_ratio(ours['bubble'], ours['analytic_bubble'], 2)} |"
         )
         for who in ("ours", "torch"):
             entry = sleep[f"{who}/{kind}"]
