@@ -19,7 +19,7 @@ from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, Tr
 from meshtron.hf import from_hf
 from meshtron.mesh import build_mesh, dense_data_mesh
 from meshtron.models import aux_loss, build_model, token_loss_sum
-from meshtron.parallel import average_aux_over_microbatches, build_step_runner, split_microbatches
+from meshtron.parallel import average_aux_over_microbatches, build_step_runner, parallelize, split_microbatches
 from meshtron.parallel.pipeline import peak_in_flight
 from meshtron.parallel.pipeline.runner import PipelineRunner
 from meshtron.testing import rel_err, run_checks
@@ -166,6 +166,53 @@ def _check_grads(stage, ref, data_group, layout):
         assert err < 1e-4, f"{layout}: {name} gradient rel err {err:.2e}"
 
 
+def _fully_shard_stage(model, mesh, cfg):
+    """What data parallelism does to a stage: FSDP units per block and end module, gradients summed."""
+    from torch.distributed.fsdp import fully_shard
+
+    units = list(model.layers.values()) + [m for m in (model.embed_tokens, model.norm, model.lm_head) if m is not None]
+    for unit in units:
+        fully_shard(unit, mesh=dense_data_mesh(mesh))
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    return model
+
+
+def check_fsdp_reduces_gradients_once_per_step(_folder):
+    import meshtron.parallel.pipeline.runner as runner_module
+
+    reduce_scatters = []
+    original = dist.reduce_scatter_single
+
+    def counting(*args, **kwargs):
+        reduce_scatters.append(1)
+        return original(*args, **kwargs)
+
+    runner_module.parallelize, dist.reduce_scatter_single = _fully_shard_stage, counting
+    try:
+        for layout in [(DENSE, 2, 4, "1f1b", 3, 1), (MOE, 2, 4, "interleaved", 4, 2)]:
+            cfg = _config(*layout)
+            mesh = build_mesh(pp=cfg.parallel.pp, dp=cfg.parallel.dp)
+            runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+            units = len(runner.module.layers) + sum(m is not None for m in (runner.module.embed_tokens, runner.module.norm, runner.module.lm_head))
+            ids, labels = _batch(cfg)
+            dp_rank = mesh["dp"].get_local_rank()
+            ref, ref_loss, _, ref_norm = _reference(cfg, ids, labels, dp_rank)
+            load_full_state_dict(runner.module, _random_model(cfg).state_dict())
+            reduce_scatters.clear()
+            loss = runner.forward_backward(ids.chunk(4)[dp_rank], labels.chunk(4)[dp_rank])
+            assert len(reduce_scatters) == units, (layout, len(reduce_scatters), units)
+            assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5, (layout, loss, ref_loss)
+            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+            for name, param in runner.module.named_parameters():
+                err = rel_err(param.grad, ref_grads[name])
+                assert err < 1e-4, f"{layout}: {name} gradient rel err {err:.2e}"
+            norm = runner.clip_grad_norm(1e9)
+            assert abs(norm - ref_norm) / ref_norm < 1e-5, (layout, norm, ref_norm)
+    finally:
+        runner_module.parallelize, dist.reduce_scatter_single = parallelize, original
+
+
 def check_clipping_and_export_cover_all_stages(folder):
     cfg = _config(DENSE, 4, 2, "1f1b", 4)
     mesh = build_mesh(pp=4, dp=2)
@@ -189,7 +236,11 @@ def check_clipping_and_export_cover_all_stages(folder):
 def test_pipeline_matches_single_process_on_8_ranks():
     with tempfile.TemporaryDirectory() as tmp:
         run_checks(
-            [check_pipeline_matches_single_process, check_clipping_and_export_cover_all_stages],
+            [
+                check_pipeline_matches_single_process,
+                check_fsdp_reduces_gradients_once_per_step,
+                check_clipping_and_export_cover_all_stages,
+            ],
             8,
             f"{tmp}/hf",
             timeout=240,
