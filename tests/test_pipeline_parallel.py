@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.hf import from_hf
-from meshtron.mesh import build_mesh, dense_data_mesh
+from meshtron.mesh import build_mesh, dense_data_mesh, validate_layout
 from meshtron.models import aux_loss, build_model, token_loss_sum
 from meshtron.parallel import average_aux_over_microbatches, build_step_runner, parallelize, split_microbatches
 from meshtron.parallel.pipeline import peak_in_flight
@@ -263,5 +263,7 @@ def _meta_model(cfg):
 )
 def test_invalid_pipeline_layouts_fail_before_any_collective(cfg, message):
     # No process group exists here: reaching a collective would raise something else.
+    with pytest.raises(ConfigError, match=message):
+        validate_layout(cfg, cfg.parallel.pp * cfg.parallel.dp)
     with pytest.raises(ConfigError, match=message):
         PipelineRunner(_meta_model(cfg), None, cfg, torch.device("cpu"))

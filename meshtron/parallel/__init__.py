@@ -56,17 +56,29 @@ def average_aux_over_microbatches(module: nn.Module, micro: int) -> None:
         moe.aux_loss_scale /= micro  # one aux loss per micro-batch, averaged
 
 
+def _by_layout(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters grouped by gradient layout (plain, or DTensor mesh + placements): foreach kernels
+    cannot mix them. Parameter order is the same on every rank, so the groups' collectives line up."""
+    groups: dict = {}
+    for p in params:
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
 def clip_grad_norm(module: nn.Module, max_norm: float, pp_group=None) -> float:
     """Clip to the global gradient norm; ``pp_group`` adds the other pipeline stages' parameters."""
-    params = [p for p in module.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    groups = _by_layout([p for p in module.parameters() if p.grad is not None])
+    squares = []
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).pow(2))
+    squared = torch.stack(squares).sum()
     if pp_group is not None:
-        squared = norm.pow(2)
         dist.all_reduce(squared, group=pp_group)
-        norm = squared.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    norm = squared.sqrt()
+    for group in groups:
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm.item()
 
 
