@@ -73,7 +73,6 @@ class PipelineExecutor:
             if isinstance(step, Action) and step.kind == B:
                 last_b[step.stage] = i
         self._last_backward = set(last_b.values())
-        self._final_backward = max(last_b.values())
         self._fsdp = {s: _fsdp_modules(mods) for s, mods in (chunk_modules or {}).items()}
         self.record = False
         self.spans: list[Span] = []
@@ -151,7 +150,7 @@ class PipelineExecutor:
     def _backward(self, index: int, a: Action) -> None:
         key = (a.stage, a.mb)
         if index in self._last_backward:
-            self._set_grad_sync({a.stage: self._fsdp.get(a.stage, [])}, True, final=index == self._final_backward)
+            self._set_grad_sync({a.stage: self._fsdp.get(a.stage, [])}, True)
         out = self._outputs.pop(key)
         grad = None if a.stage == self.num_stages - 1 else self._inbox.pop((RECV_B, *key))
         self._timed(a, lambda: torch.autograd.backward(out, grad))
@@ -178,12 +177,15 @@ class PipelineExecutor:
             work.wait()
         self._inbox.update(received)
 
-    def _set_grad_sync(self, fsdp: Mapping[int, list[nn.Module]], on: bool, final: bool = False) -> None:
+    def _set_grad_sync(self, fsdp: Mapping[int, list[nn.Module]], on: bool) -> None:
+        # A chunk's last backward is its modules' last of the step: FSDP then reduce-scatters the
+        # accumulated gradients, reshards, and (is_last_backward) waits for the reductions. When
+        # chunks share an FSDP root, later chunks' backwards finalise again: redundant, not wrong.
         for mods in fsdp.values():
             for mod in mods:
                 mod.set_requires_gradient_sync(on, recurse=False)
                 mod.set_reshard_after_backward(on, recurse=False)
-                mod.set_is_last_backward(final if on else False)
+                mod.set_is_last_backward(on)
 
 
 def _check_boundary(tensor: torch.Tensor | None, shape, dtype, op: Action) -> None:
