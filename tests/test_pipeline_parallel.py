@@ -20,7 +20,7 @@ from meshtron.hf import from_hf
 from meshtron.mesh import build_mesh, dense_data_mesh, validate_layout
 from meshtron.models import aux_loss, build_model, token_loss_sum
 from meshtron.parallel import average_aux_over_microbatches, build_step_runner, parallelize, split_microbatches
-from meshtron.parallel.pipeline import peak_in_flight
+from meshtron.parallel.pipeline import peak_in_flight, prune_to_stage
 from meshtron.parallel.pipeline.runner import PipelineRunner
 from meshtron.testing import rel_err, run_checks
 
@@ -35,10 +35,10 @@ MOE = dict(
 SEQ, MB_SIZE = 6, 2
 
 
-def _config(model: dict, pp: int, dp: int, schedule: str, m: int, v: int = 1) -> Config:
+def _config(model: dict, pp: int, dp: int, schedule: str, m: int, v: int = 1, tp: int = 1) -> Config:
     return Config(
         model=ModelConfig(**model),
-        parallel=ParallelConfig(pp=pp, dp=dp, schedule=schedule, virtual_stages=v, microbatches=m),
+        parallel=ParallelConfig(pp=pp, dp=dp, tp=tp, schedule=schedule, virtual_stages=v, microbatches=m),
         train=TrainConfig(global_batch_size=dp * m * MB_SIZE, seq_len=SEQ, seed=3),
     )
 
@@ -118,13 +118,15 @@ class SavedTensorTracker:
 
 
 LAYOUTS = [
-    # (model, pp, dp, schedule, microbatches, virtual)
+    # (model, pp, dp, schedule, microbatches, virtual[, tp])
     (DENSE, 8, 1, "1f1b", 9, 1),
     (MOE, 4, 2, "1f1b", 5, 1),
     (DENSE, 2, 4, "1f1b", 3, 1),
     (MOE, 2, 4, "interleaved", 4, 2),
     (DENSE, 4, 2, "interleaved", 4, 2),
     (MOE, 2, 4, "gpipe", 2, 1),
+    # tp ranks hold copies until tensor parallelism is composed in: the loss must not count them twice
+    (DENSE, 2, 2, "1f1b", 2, 1, 2),
 ]
 
 
@@ -132,7 +134,7 @@ def check_pipeline_matches_single_process(_folder):
     for layout in LAYOUTS:
         cfg = _config(*layout)
         p = cfg.parallel
-        mesh = build_mesh(pp=p.pp, dp=p.dp)
+        mesh = build_mesh(pp=p.pp, dp=p.dp, tp=p.tp)
         runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
         assert isinstance(runner, PipelineRunner)
         assert len(runner.module.layers) < cfg.model.num_hidden_layers, "a stage holds the whole model"
@@ -154,13 +156,22 @@ def check_pipeline_matches_single_process(_folder):
         assert abs(norm - ref_norm) / ref_norm < 1e-5, (layout, norm, ref_norm)
 
 
+def _reduced_by_data_parallelism(grad) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(grad, DTensor) and bool({"dp", "dp_ep", "dp_ep_cp"} & set(grad.device_mesh.mesh_dim_names))
+
+
 def _check_grads(stage, ref, data_group, layout):
+    from torch.distributed.tensor import DTensor
+
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
     names = [n for n, _ in stage.named_parameters()]
     assert names and all(n in ref_grads for n in names)
     for name, param in stage.named_parameters():
         assert param.grad is not None, f"{layout}: {name} has no gradient"
-        dist.all_reduce(param.grad, group=data_group)  # what data parallelism will do
+        if not _reduced_by_data_parallelism(param.grad):  # plain replicas: sum them as data parallelism will
+            dist.all_reduce(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad, group=data_group)
         assert ref_grads[name].abs().max() > 0
         err = rel_err(param.grad, ref_grads[name])
         assert err < 1e-4, f"{layout}: {name} gradient rel err {err:.2e}"
@@ -245,6 +256,22 @@ def test_pipeline_matches_single_process_on_8_ranks():
             f"{tmp}/hf",
             timeout=240,
         )
+
+
+def test_a_7b_stage_is_pruned_on_the_meta_device():
+    cfg = _config(dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4), 4, 1, "interleaved", 8, 2)
+    full = sum(p.numel() for p in _meta_model(cfg).parameters())
+    owned = []
+    for rank in range(4):
+        stage = _meta_model(cfg)
+        chunks = prune_to_stage(stage, rank, 4, 2)
+        assert sorted(chunks) == [rank, rank + 4]
+        assert all(p.is_meta for p in stage.parameters())
+        assert [int(k) for k in stage.layers] == [i for r in chunks.values() for i in r]
+        assert (stage.embed_tokens is not None) == (rank == 0) and (stage.lm_head is not None) == (rank == 3)
+        owned.append(sum(p.numel() for p in stage.parameters()))
+    assert sum(owned) == full and max(owned) < full / 3, [n / full for n in owned]
 
 
 def _meta_model(cfg):
