@@ -172,7 +172,7 @@ def real_benchmark(args) -> dict:
     from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from meshtron.mesh import build_mesh
     from meshtron.models import build_model, token_loss_sum
-    from meshtron.parallel import build_step_runner
+    from meshtron.parallel.runner import build_step_runner
 
     pp, m, rank = args.pp, args.real_microbatches, dist.get_rank()
     model_cfg = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=8,

@@ -110,7 +110,9 @@ class TrainConfig:
 class DataConfig:
     source: str = "builtin"  # "builtin" or a path to a .txt/.jsonl file or folder
     tokenizer: str = "bytes"  # "bytes" or a path to tokenizer.json / a tokenizer folder
-    text_key: str = "text"
+    text_key: str = "text"  # the text field of .jsonl records
+    eos_token: str = ""  # document separator of a file tokenizer; empty: found in the tokenizer
+    cache_dir: str = ""  # token cache; empty: <train.output_dir>/token_cache
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshtron import env
+from meshtron.parallel.tensor import check_tensor_parallel
 from meshtron.config import Config, ConfigError
 
 DIMS = ("pp", "dp", "cp", "ep", "tp")
@@ -119,12 +120,6 @@ def _options(ok, limit: int, shown: int = 12) -> str:
     return ", ".join(found)
 
 
-def _tp_fits(cfg: Config, tp: int) -> bool:
-    # KV heads are either split over tp or, when there are fewer of them than tp ranks, replicated.
-    heads, kv = cfg.model.num_attention_heads, cfg.model.kv_heads
-    return heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
-
-
 def validate_layout(cfg: Config, world_size: int) -> None:
     """Check that the parallel layout fits the world size, the model and the batch; no process group needed.
 
@@ -135,17 +130,7 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _check_sizes(dict(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp), world_size, "[parallel] ")
     limit = max(_SUGGEST_UP_TO, world_size)
-    if m.num_attention_heads % p.tp:
-        raise ConfigError(
-            f"[parallel] tp = {p.tp} does not divide [model] num_attention_heads = {m.num_attention_heads}. "
-            f"Valid tp up to {limit}: {_options(lambda v: _tp_fits(cfg, v), limit)}."
-        )
-    if not _tp_fits(cfg, p.tp):
-        raise ConfigError(
-            f"[parallel] tp = {p.tp} and num_key_value_heads = {m.kv_heads}: one must divide the other "
-            f"(KV heads are split over tp, or replicated when tp is a multiple of them). "
-            f"Valid tp up to {limit}: {_options(lambda v: _tp_fits(cfg, v), limit)}."
-        )
+    check_tensor_parallel(m.num_attention_heads, m.kv_heads, p.tp)
     if m.is_moe and m.num_experts % p.ep:
         raise ConfigError(
             f"[parallel] ep = {p.ep} does not divide [model] num_experts = {m.num_experts}. "
@@ -181,7 +166,7 @@ def validate_layout(cfg: Config, world_size: int) -> None:
             f"(the batch is split over dp and ep). Use global_batch_size = {_round_up(t.global_batch_size, readers)}."
         )
     local = t.global_batch_size // readers
-    if p.pp > 1 and local % p.microbatches:
+    if local % p.microbatches:
         raise ConfigError(
             f"[parallel] microbatches = {p.microbatches} does not divide the per-rank batch "
             f"global_batch_size / (dp x ep) = {t.global_batch_size} / {readers} = {local}. "

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from meshtron import env
 from meshtron.checkpoint import latest_checkpoint, load_checkpoint, load_full_state_dict, save_checkpoint
 from meshtron.config import Config, ConfigError, load_config
+from meshtron.data import to_device
 from meshtron.mesh import batch_mesh, build_mesh, validate_layout
 from meshtron.metrics import MetricsLogger, peak_flops_per_device
 from meshtron.models import build_model, flops_per_token
@@ -59,13 +60,13 @@ def main(argv: list[str] | None = None) -> int:
 class Trainer:
     def __init__(self, cfg: Config, mesh):
         from meshtron.data import TokenDataset
-        from meshtron.parallel import build_step_runner
+        from meshtron.parallel.runner import build_step_runner
 
         self.cfg, self.mesh = cfg, mesh
         self.rank = dist.get_rank()
         self.device = env.local_device()
         torch.manual_seed(cfg.train.seed)
-        self.dataset = TokenDataset.open(cfg, vocab_size=cfg.model.vocab_size, on_rank0_first=_rank0_first)
+        self.dataset = TokenDataset.open(cfg, on_rank0_first=_rank0_first)
         with torch.device("meta"):
             model = build_model(cfg.model)
         self.runner = build_step_runner(model, mesh, cfg, self.device)
@@ -83,6 +84,7 @@ class Trainer:
         latest = latest_checkpoint(self._checkpoint_root()) if ckpt.resume else None
         if latest is not None:
             saved = load_checkpoint(latest, self.runner.module, self.optimizer, self.cfg)
+            self.dataset.load_state_dict(saved["train_state"]["data"])
             if self.rank == 0:
                 print(f"meshtron: resumed from {latest}", flush=True)
             return saved["step"]
@@ -112,8 +114,10 @@ class Trainer:
         lr = lr_at(step, t)
         set_lr(self.optimizer, lr)
         bm = batch_mesh(self.mesh)
-        input_ids, labels = self.dataset.batch_for_step(step, bm.get_local_rank(), bm.size())
-        input_ids, labels = input_ids.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        input_ids, labels = self.dataset.batch_for_step(
+            step, bm.get_local_rank(), bm.size(), self.cfg.parallel.microbatches
+        )
+        input_ids, labels = to_device((input_ids, labels), self.device)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.runner.forward_backward(input_ids, labels)
         grad_norm = self.runner.clip_grad_norm(t.max_grad_norm)

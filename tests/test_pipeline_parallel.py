@@ -19,7 +19,7 @@ from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, Tr
 from meshtron.hf import from_hf
 from meshtron.mesh import build_mesh, dense_data_mesh, validate_layout
 from meshtron.models import aux_loss, build_model, token_loss_sum
-from meshtron.parallel import average_aux_over_microbatches, build_step_runner, parallelize, split_microbatches
+from meshtron.parallel.runner import average_aux_over_microbatches, build_step_runner, parallelize
 from meshtron.parallel.pipeline import peak_in_flight, prune_to_stage
 from meshtron.parallel.pipeline.runner import PipelineRunner
 from meshtron.testing import rel_err, run_checks
@@ -68,8 +68,8 @@ def _reference(cfg: Config, ids, labels, dp_rank: int):
     tokens = (labels != -100).sum()
     total, aux = 0.0, []
     for shard, (ids_s, lab_s) in enumerate(zip(ids.chunk(cfg.parallel.dp), labels.chunk(cfg.parallel.dp))):
-        for i, lab, pos in split_microbatches(ids_s, lab_s, cfg.parallel.microbatches):
-            loss = token_loss_sum(model(i, pos), lab) / tokens
+        for i, lab in zip(ids_s.chunk(cfg.parallel.microbatches), lab_s.chunk(cfg.parallel.microbatches)):
+            loss = token_loss_sum(model(i), lab) / tokens
             loss.backward()
             total += loss.item()
             if shard == dp_rank and cfg.model.num_experts:

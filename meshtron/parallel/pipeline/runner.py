@@ -1,7 +1,7 @@
 """Pipelined step runner: ``StepRunner``'s interface for ``parallel.pp > 1``.
 
 Every pp-rank prunes the meta-device model to its own chunks, hands the stage model to
-``meshtron.parallel.parallelize`` (tp, ep, cp, FSDP compose inside a stage exactly as without
+``meshtron.parallel.runner.parallelize`` (tp, ep, cp, FSDP compose inside a stage exactly as without
 a pipeline), materialises only that, and runs its schedule with :class:`PipelineExecutor`.
 
 Numerics equal the non-pipelined runner on the same global batch: the same micro-batch split,
@@ -19,16 +19,16 @@ from torch import nn
 from meshtron.config import Config
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import moe_layers
-from meshtron.parallel import (
+from meshtron.parallel.runner import (
     average_aux_over_microbatches,
     clip_grad_norm,
     export_hf,
     global_token_count,
-    loss_sum,
     materialize_sharded,
     parallelize,
     split_microbatches,
 )
+from meshtron.parallel.tensor import parallel_token_loss_sum
 from meshtron.parallel.pipeline.executor import PipelineExecutor
 from meshtron.parallel.pipeline.schedules import build_schedule
 from meshtron.parallel.pipeline.stage import build_chunks, check_pipeline, prune_to_stage
@@ -68,8 +68,8 @@ class PipelineRunner:
         self._aux: float | None = None
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        micro = split_microbatches(input_ids, labels, self.cfg.parallel.microbatches)
-        tokens = global_token_count(labels, self.data_group)
+        micro = split_microbatches(input_ids, labels, self.mesh, self.cfg.parallel.microbatches)
+        tokens = global_token_count(micro, self.data_group)
         aux: list[torch.Tensor] = []
 
         def forward(stage: int, x: torch.Tensor, mb: int) -> torch.Tensor:
@@ -78,7 +78,7 @@ class PipelineRunner:
             return out
 
         def loss(logits: torch.Tensor, mb: int) -> torch.Tensor:
-            return loss_sum(logits, micro[mb][1]) / tokens
+            return parallel_token_loss_sum(logits, micro[mb][1]) / tokens
 
         ids = [mb[0] for mb in micro]
         boundary = boundary_tensor(self.cfg, ids[0].shape[0], ids[0].shape[1])

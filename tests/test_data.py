@@ -1,0 +1,421 @@
+"""Data pipeline: corpus, tokenizers, packing cache, layout-independent sampling, resume, errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from meshtron.config import Config, ConfigError
+from meshtron.data import (
+    BUILTIN_PATH,
+    DOC_SEPARATOR,
+    ByteTokenizer,
+    DataError,
+    DeviceLoader,
+    HFTokenizer,
+    TokenDataset,
+    load_tokenizer,
+    open_tokens,
+    prepare_tokens,
+    to_device,
+)
+from meshtron.data import packing, sources
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def random_docs(rng: random.Random, count: int, max_words: int = 40) -> list[str]:
+    docs = []
+    for _ in range(count):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(1, max_words))]
+        docs.append(" ".join(words) + rng.choice(["", "\n", ". Ünïcødé ✓\n"]))
+    return docs
+
+
+def make_cfg(tmp_path, source, seq_len=16, batch=8, seed=0, tokenizer="bytes", vocab=256) -> Config:
+    cfg = Config()
+    cfg.data.source = str(source)
+    cfg.data.tokenizer = str(tokenizer)
+    cfg.data.cache_dir = str(tmp_path / "cache")
+    cfg.model.vocab_size = vocab
+    cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.seed = seq_len, batch, seed
+    return cfg
+
+
+def write_jsonl(path, docs, key="text"):
+    path.write_text("".join(json.dumps({key: d, "id": i}) + "\n" for i, d in enumerate(docs)))
+    return path
+
+
+def byte_stream(docs) -> list[int]:
+    out = []
+    for doc in docs:
+        out += list(doc.encode()) + [0]
+    return out
+
+
+@pytest.fixture
+def rng():
+    return random.Random()
+
+
+# ---------------------------------------------------------------- corpus and tokenizers
+
+
+def test_builtin_corpus_is_large_and_split_into_documents(tmp_path):
+    text = gzip.decompress(BUILTIN_PATH.read_bytes()).decode("utf-8")
+    assert len(text.encode()) > 1_000_000
+    docs = text.split(DOC_SEPARATOR)
+    assert len(docs) > 300 and all(d.strip() for d in docs)
+    assert "\0" not in text
+    cfg = make_cfg(tmp_path, "builtin", seq_len=128)
+    meta = json.loads(prepare_tokens(cfg).read_text())
+    assert meta["num_documents"] == len(docs)
+    tokens = open_tokens(cfg)
+    assert meta["num_tokens"] == len(text.encode()) - (len(docs) - 1) + len(docs)
+    stream = bytes(tokens.tokens[:4096].tolist())
+    assert stream == (docs[0].encode() + b"\0" + docs[1].encode() + b"\0" + docs[2].encode())[:4096]
+
+
+def test_byte_tokenizer_round_trip(rng):
+    tok = ByteTokenizer()
+    texts = random_docs(rng, 20) + ["", "naïve 日本語 🚀\ttab\r\n"]
+    for text, ids in zip(texts, tok.encode_batch(texts)):
+        assert tok.decode(ids) == text
+        assert all(0 < i < 256 for i in ids)
+    assert tok.encode_batch(["a\0b"]) == [b"ab"]  # NUL is the separator, never text
+    assert load_tokenizer("bytes").eos_id == 0
+
+
+def train_hf_tokenizer(path, docs, eos="<|endoftext|>", folder_config=None):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(docs, trainers.WordLevelTrainer(special_tokens=["[UNK]", eos]))
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    if folder_config:
+        (path / "tokenizer_config.json").write_text(json.dumps(folder_config))
+    return tok
+
+
+def test_hf_tokenizer_from_file_and_folder(tmp_path, rng):
+    docs = random_docs(rng, 30)
+    ref = train_hf_tokenizer(tmp_path / "tok", docs)
+    from_file = HFTokenizer(tmp_path / "tok" / "tokenizer.json")
+    from_folder = load_tokenizer(str(tmp_path / "tok"))
+    assert from_file.eos_id == from_folder.eos_id == ref.token_to_id("<|endoftext|>")
+    assert from_file.vocab_size == ref.get_vocab_size() > len(WORDS) + 2
+    ids = from_file.encode_batch(docs)
+    assert ids == [ref.encode(d, add_special_tokens=False).ids for d in docs]
+    assert from_file.decode(ids[0]).split() == ref.decode(ids[0]).split()
+
+    train_hf_tokenizer(tmp_path / "cfgtok", docs, eos="</doc>", folder_config={"eos_token": {"content": "</doc>"}})
+    assert load_tokenizer(str(tmp_path / "cfgtok")).eos_token == "</doc>"
+    assert load_tokenizer(str(tmp_path / "tok"), eos_token="[UNK]").eos_id == ref.token_to_id("[UNK]")
+
+
+def test_hf_tokenizer_packs_exactly(tmp_path, rng):
+    docs = random_docs(rng, 40)
+    ref = train_hf_tokenizer(tmp_path / "tok", docs)
+    eos = ref.token_to_id("<|endoftext|>")
+    cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "d.jsonl", docs), seq_len=8, tokenizer=tmp_path / "tok", vocab=32)
+    prepare_tokens(cfg)
+    tokens = open_tokens(cfg)
+    assert tokens.tokens.dtype == torch.uint8
+    expected = [t for d in docs for t in ref.encode(d, add_special_tokens=False).ids + [eos]]
+    assert tokens.tokens.tolist() == expected
+
+
+# ---------------------------------------------------------------- packing and sources
+
+
+def test_packing_concatenation_reproduces_stream(tmp_path, rng):
+    docs = random_docs(rng, 50)
+    seq_len = rng.randint(5, 23)
+    cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "d.jsonl", docs), seq_len=seq_len)
+    prepare_tokens(cfg)
+    tokens = open_tokens(cfg)
+    stream = byte_stream(docs)
+    assert tokens.tokens.tolist() == stream
+    n = len(tokens)
+    assert n == (len(stream) - 1) // seq_len
+    windows = tokens.windows(torch.arange(n))
+    assert windows.shape == (n, seq_len + 1) and windows.dtype == torch.int64
+    assert windows[:, :-1].reshape(-1).tolist() == stream[: n * seq_len]
+    assert windows[:, 1:].reshape(-1).tolist() == stream[1 : n * seq_len + 1]
+    picked = torch.randperm(n)[:5]
+    assert torch.equal(tokens.windows(picked), windows[picked])
+    # the stream is mapped from the cache file, not read into memory
+    assert str(tokens.meta_path.with_suffix(".bin")) in open("/proc/self/maps").read()
+
+
+def test_txt_documents_folders_and_long_pieces(tmp_path, rng, monkeypatch):
+    docs = random_docs(rng, 12)
+    root = tmp_path / "corpus"
+    (root / "b").mkdir(parents=True)
+    (root / "b" / "2.txt").write_text(DOC_SEPARATOR.join(docs[4:8]))
+    (root / "a.txt").write_text(DOC_SEPARATOR.join(docs[:4]) + DOC_SEPARATOR)  # trailing separator
+    write_jsonl(root / "b" / "1.jsonl", docs[8:] + [""])  # empty document: no separator
+    with gzip.open(root / "c.txt.gz", "wt") as f:
+        f.write(docs[0])
+    (root / "ignored.md").write_text("not data")
+    monkeypatch.setattr(sources, "_PIECE_CHARS", 7)  # stream long documents in pieces
+    monkeypatch.setattr(packing, "_ENCODE_CHARS", 11)
+    cfg = make_cfg(tmp_path, root, seq_len=4)
+    meta = json.loads(prepare_tokens(cfg).read_text())
+    # sorted recursive order: a.txt, b/1.jsonl, b/2.txt, c.txt.gz
+    assert open_tokens(cfg).tokens.tolist() == byte_stream(docs[:4] + docs[8:] + docs[4:8] + docs[:1])
+    assert meta["num_documents"] == 13 and meta["files"] == 4
+
+
+def test_cache_is_reused_and_invalidated(tmp_path, rng):
+    path = write_jsonl(tmp_path / "d.jsonl", random_docs(rng, 10))
+    cfg = make_cfg(tmp_path, path, seq_len=4)
+    first = prepare_tokens(cfg)
+    stamp = first.stat().st_mtime_ns
+    assert prepare_tokens(cfg) == first and first.stat().st_mtime_ns == stamp
+    new_docs = random_docs(rng, 11)
+    write_jsonl(path, new_docs)
+    os.utime(path, ns=(stamp + 10**9, stamp + 10**9))
+    second = prepare_tokens(cfg)
+    assert second != first
+    assert open_tokens(cfg).tokens.tolist() == byte_stream(new_docs)
+    cfg.data.text_key = "other"
+    with pytest.raises(DataError, match="no token cache"):
+        open_tokens(cfg)
+    assert not list((tmp_path / "cache").glob(".*"))  # no temporary files left behind
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def corpus_cfg(tmp_path, rng, docs=60, **kw):
+    return make_cfg(tmp_path, write_jsonl(tmp_path / "d.jsonl", random_docs(rng, docs)), **kw)
+
+
+def test_global_batch_independent_of_layout(tmp_path, rng):
+    dataset = TokenDataset.open(corpus_cfg(tmp_path, rng, seq_len=8, batch=16))
+    for step in (0, 1, rng.randint(2, 500)):
+        ref_x, ref_y = dataset.batch_for_step(step, 0, 1)
+        assert ref_x.shape == (16, 8)
+        assert torch.equal(ref_x[:, 1:], ref_y[:, :-1])
+        for world in (2, 4, 8):
+            shares = [dataset.batch_for_step(step, r, world) for r in range(world)]
+            assert all(x.shape == (16 // world, 8) for x, _ in shares)
+            assert torch.equal(torch.cat([x for x, _ in shares]), ref_x)
+            assert torch.equal(torch.cat([y for _, y in shares]), ref_y)
+
+
+def test_global_microbatches_independent_of_layout(tmp_path, rng):
+    """Micro-batch m of every rank, gathered over ranks, is the same global micro-batch on any layout."""
+    dataset = TokenDataset.open(corpus_cfg(tmp_path, rng, seq_len=8, batch=16))
+    step = rng.randint(0, 100)
+    for micro in (2, 4):
+        reference = dataset.batch_for_step(step, 0, 1, micro)[0].chunk(micro)
+        assert torch.equal(torch.cat(reference), dataset.batch_for_step(step, 0, 1)[0])
+        for world in (2, 4):
+            shares = [dataset.batch_for_step(step, r, world, micro)[0].chunk(micro) for r in range(world)]
+            for m in range(micro):
+                assert torch.equal(torch.cat([share[m] for share in shares]), reference[m])
+
+
+def test_seed_determinism(tmp_path, rng):
+    cfg = corpus_cfg(tmp_path, rng, seq_len=8, batch=8, seed=rng.randint(0, 10**6))
+    a, b = TokenDataset.open(cfg), TokenDataset.open(cfg)
+    for step in range(5):
+        assert torch.equal(a.batch_for_step(step)[0], b.batch_for_step(step)[0])
+    cfg.train.seed += 1
+    c = TokenDataset.open(cfg)
+    assert not torch.equal(a.window_ids(0), c.window_ids(0))
+    assert not torch.equal(a.batch_for_step(0)[0], a.batch_for_step(1)[0])
+
+
+def test_epoch_wraparound(tmp_path, rng):
+    cfg = corpus_cfg(tmp_path, rng, docs=8, seq_len=8)
+    prepare_tokens(cfg)
+    tokens = open_tokens(cfg)
+    n = len(tokens)
+    batch = next(b for b in range(6, n) if n % b)  # so a batch straddles the epoch boundary
+    dataset = TokenDataset(tokens, batch, seed=rng.randint(0, 100))
+    steps = -(-3 * n // batch)
+    flat = torch.cat([dataset.window_ids(s) for s in range(steps)])
+    epochs = [flat[e * n : (e + 1) * n] for e in range(3)]
+    for ids in epochs:
+        assert sorted(ids.tolist()) == list(range(n))  # every window once per epoch
+    assert not torch.equal(epochs[0], epochs[1]) and not torch.equal(epochs[1], epochs[2])
+    x, y = dataset.batch_for_step(n // batch)  # the straddling step still reads full windows
+    assert x.shape == (batch, 8) and torch.equal(x[:, 1:], y[:, :-1])
+    windows = tokens.windows(flat[n // batch * batch : (n // batch + 1) * batch])
+    assert torch.equal(x, windows[:, :-1])
+
+
+def test_resume_mid_epoch(tmp_path, rng):
+    dataset = TokenDataset.open(corpus_cfg(tmp_path, rng, seq_len=8, batch=4))
+    full = DeviceLoader(dataset, 1, 2, device="cpu")
+    batches = [next(full) for _ in range(12)]
+    k = rng.randint(1, 11)
+    state = DeviceLoader(dataset, 1, 2, device="cpu", start_step=k).state_dict()
+    resumed = DeviceLoader(dataset, 1, 2, device="cpu")
+    resumed.load_state_dict(state)
+    assert resumed.step == k
+    for want in batches[k:]:
+        got = next(resumed)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert got[0].device.type == "cpu" and got[0].dtype == torch.int64
+        assert got[0].is_contiguous() and got[1].is_contiguous()
+    assert torch.equal(batches[5][0], dataset.batch_for_step(5, 1, 2)[0])
+    # a different layout can resume the same stream
+    other = DeviceLoader(dataset, 0, 4, device="cpu")
+    other.load_state_dict(state)
+    assert torch.equal(next(other)[0], dataset.batch_for_step(k, 0, 4)[0])
+
+
+def test_resume_checks_the_data(tmp_path, rng):
+    cfg = corpus_cfg(tmp_path, rng, seq_len=8, batch=4)
+    dataset = TokenDataset.open(cfg)
+    state = dataset.state_dict()
+    assert json.loads(json.dumps(state)) == state  # goes into the checkpoint's JSON marker
+    moved = make_cfg(tmp_path, tmp_path / "moved.jsonl", seq_len=8, batch=4)
+    (tmp_path / "moved.jsonl").write_bytes((tmp_path / "d.jsonl").read_bytes())
+    loader = DeviceLoader(TokenDataset.open(moved), device="cpu")
+    loader.load_state_dict({**state, "step": 3})  # same tokens at another path: the stream continues
+    assert torch.equal(next(loader)[0], dataset.batch_for_step(3)[0])
+    cfg.train.seed += 1
+    with pytest.raises(ConfigError, match=r"seed: checkpoint \d+, now \d+"):
+        TokenDataset.open(cfg).load_state_dict(state)
+    (tmp_path / "other").mkdir()
+    other = corpus_cfg(tmp_path / "other", rng, seq_len=8, batch=4)
+    with pytest.raises(ConfigError, match="tokens_sha256: checkpoint"):
+        TokenDataset.open(other).load_state_dict(state)
+
+
+def test_loader_device_defaults_to_local_device(tmp_path, rng):
+    from meshtron.env import local_device
+
+    dataset = TokenDataset.open(corpus_cfg(tmp_path, rng, seq_len=8, batch=4))
+    loader = DeviceLoader(dataset, 1, 2)
+    assert loader.device == local_device()
+    batch = dataset.batch_for_step(0, 1, 2)
+    moved = to_device(batch, loader.device)
+    assert all(m.device == loader.device and torch.equal(m.cpu(), t) for m, t in zip(moved, batch))
+    assert all(torch.equal(m.cpu(), t) for m, t in zip(next(loader), batch))
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_error_missing_path(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        prepare_tokens(make_cfg(tmp_path, tmp_path / "nope.jsonl"))
+
+
+def test_error_empty_file_and_folder(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(DataError, match=r"empty\.txt' holds no text"):
+        prepare_tokens(make_cfg(tmp_path, tmp_path / "empty.txt"))
+    write_jsonl(tmp_path / "blank.jsonl", ["", ""])
+    with pytest.raises(DataError, match="holds no text"):
+        prepare_tokens(make_cfg(tmp_path, tmp_path / "blank.jsonl"))
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "x.csv").write_text("a,b")
+    with pytest.raises(DataError, match="holds no .txt"):
+        prepare_tokens(make_cfg(tmp_path, tmp_path / "folder"))
+    with pytest.raises(DataError, match="neither of"):
+        prepare_tokens(make_cfg(tmp_path, tmp_path / "folder" / "x.csv"))
+    assert not list((tmp_path / "cache").glob("*"))
+
+
+def test_error_unreadable_files(tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "good.txt").write_text("hello")
+    (folder / "gone.txt").symlink_to(tmp_path / "missing-target")
+    with pytest.raises(DataError, match=r"gone\.txt' cannot be read"):
+        prepare_tokens(make_cfg(tmp_path, folder))
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1\.txt' is not UTF-8"):
+        prepare_tokens(make_cfg(tmp_path, tmp_path / "latin1.txt"))
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": \n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: not valid JSON"):
+        prepare_tokens(make_cfg(tmp_path, tmp_path / "bad.jsonl"))
+    write_jsonl(tmp_path / "key.jsonl", ["x"], key="content")
+    with pytest.raises(DataError, match=r"key\.jsonl:1: no field 'text' \(found: content, id\)"):
+        prepare_tokens(make_cfg(tmp_path, tmp_path / "key.jsonl"))
+
+
+def test_error_vocab_too_large(tmp_path, rng):
+    docs = random_docs(rng, 5)
+    size = train_hf_tokenizer(tmp_path / "tok", docs).get_vocab_size()
+    cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "d.jsonl", docs), tokenizer=tmp_path / "tok", vocab=size - 1)
+    with pytest.raises(DataError, match=rf"has {size} tokens but \[model\] vocab_size is {size - 1}; raise"):
+        prepare_tokens(cfg)
+    cfg = make_cfg(tmp_path, "builtin", vocab=200)
+    with pytest.raises(DataError, match=r"'bytes' has 256 tokens but \[model\] vocab_size is 200"):
+        open_tokens(cfg)
+    with pytest.raises(DataError, match="no tokenizer.json"):
+        load_tokenizer(str(tmp_path))
+    with pytest.raises(DataError, match="eos_token"):
+        load_tokenizer(str(tmp_path / "tok"), eos_token="<nope>")
+
+
+def test_error_seq_len_longer_than_dataset(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", ["0123456789"])  # 11 tokens with the separator
+    prepare_tokens(make_cfg(tmp_path, path, seq_len=10))
+    with pytest.raises(DataError, match=r"has 11 tokens but \[train\] seq_len = 11 needs at least 12"):
+        prepare_tokens(make_cfg(tmp_path, path, seq_len=11))
+    with pytest.raises(DataError, match="seq_len = 11"):
+        open_tokens(make_cfg(tmp_path, path, seq_len=11))
+
+
+def test_error_batch_layout(tmp_path, rng):
+    dataset = TokenDataset.open(corpus_cfg(tmp_path, rng, seq_len=8, batch=6))
+    with pytest.raises(ConfigError, match="global_batch_size = 6 is not divisible by the 4"):
+        dataset.batch_for_step(0, 0, 4)
+    with pytest.raises(ValueError, match="batch_rank 2"):
+        dataset.batch_for_step(0, 2, 2)
+    with pytest.raises(ConfigError, match="global_batch_size must be >= 1"):
+        TokenDataset(dataset.tokens, 0, 0)
+
+
+# ---------------------------------------------------------------- the train loop's pattern on 4 ranks
+
+
+def rank0_first(fn):
+    """What the train loop passes as on_rank0_first."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        result = fn()
+        dist.barrier()
+        return result
+    dist.barrier()
+    return fn()
+
+
+def check_ranks_share_one_cache(cfg: Config, steps: int) -> None:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dataset = TokenDataset.open(cfg, on_rank0_first=rank0_first)
+    loader = DeviceLoader(dataset, rank, world, device="cpu")
+    for step in range(steps):
+        input_ids, labels = next(loader)
+        gathered = [torch.empty_like(input_ids) for _ in range(world)]
+        dist.all_gather(gathered, input_ids)
+        assert torch.equal(torch.cat(gathered), dataset.batch_for_step(step)[0])
+        assert torch.equal(labels, dataset.batch_for_step(step, rank, world)[1])
+
+
+def test_ranks_share_one_cache(tmp_path, rng):
+    from meshtron.testing import run_checks
+
+    cfg = corpus_cfg(tmp_path, rng, seq_len=8, batch=8)
+    run_checks([check_ranks_share_one_cache], 4, cfg, 3, timeout=120)
+    assert len(list((tmp_path / "cache").glob("tokens-*.bin"))) == 1

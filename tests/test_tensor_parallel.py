@@ -1,0 +1,256 @@
+"""Tensor/sequence parallelism: parity with the unparallelized model, collective counts, errors.
+
+One 8-rank launch covers tp = 2, 4 and 8: a 2-D (dp, tp) mesh gives every dp group its own tp
+sub-mesh, and every dp group runs the same check on the same inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshtron import env
+from meshtron.checkpoint import load_full_state_dict
+from meshtron.config import ConfigError, ModelConfig
+from meshtron.models import build_model, materialize, token_loss_sum
+from meshtron.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, parallel_token_loss_sum
+from meshtron.testing import rel_err, run_checks
+
+DENSE = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
+)
+MOE = dict(DENSE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+BATCH, SEQ = 2, 16
+
+
+def _tp_mesh(tp: int):
+    world = dist.get_world_size()
+    return init_device_mesh(env.device_type(), (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
+
+
+def _reference(cfg: ModelConfig, seed: int):
+    """Random weights everywhere (norms and biases too), identical on every rank."""
+    torch.manual_seed(seed)
+    model = materialize(build_model(cfg), env.local_device(), seed)
+    with torch.no_grad():  # default init has constant norms and zero biases
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.train()
+
+
+def _parallel_copy(ref, tp_mesh, sp: bool, on_meta: bool):
+    """The TP model with the reference weights, built either on meta (the training path) or by copy."""
+    if not on_meta:
+        return apply_tensor_parallel(copy.deepcopy(ref), tp_mesh, sp)
+    with torch.device("meta"):
+        model = build_model(ref.config)
+    apply_tensor_parallel(model, tp_mesh, sp)
+    model.to_empty(device=env.local_device())
+    model.tie_weights()
+    with torch.no_grad():
+        load_full_state_dict(model, ref.state_dict())
+    return model.train()
+
+
+def _batch(cfg: ModelConfig, seed: int):
+    gen = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
+    labels = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
+    labels[0, :3] = -100  # ignored positions must stay ignored on sharded logits
+    return tokens.to(env.local_device()), labels.to(env.local_device())
+
+
+def _step(model, tokens, labels, loss_fn):
+    loss = loss_fn(model(tokens), labels) / (labels != -100).sum()
+    loss.backward()
+    return loss
+
+
+def _assert_parity(kind: str, tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool = False):
+    cfg = ModelConfig(**(MOE if kind == "moe" else DENSE), tie_word_embeddings=tie)
+    ref = _reference(cfg, seed)
+    par = _parallel_copy(ref, _tp_mesh(tp), sp, on_meta)
+    tokens, labels = _batch(cfg, seed)
+    expected = _step(ref, tokens, labels, token_loss_sum)
+    actual = _step(par, tokens, labels, parallel_token_loss_sum)
+    where = f"{kind} tp={tp} sp={sp} tie={tie}"
+    assert rel_err(actual, expected) < 1e-5, f"{where}: loss {actual.item()} vs {expected.item()}"
+    ref_params = dict(ref.named_parameters())
+    assert set(ref_params) == {n for n, _ in par.named_parameters()}
+    for name, p in par.named_parameters():
+        want = ref_params[name].grad
+        assert p.grad is not None and want.abs().max() > 0, f"{where}: {name} got no gradient"
+        err = rel_err(p.grad, want)
+        assert err < 1e-4, f"{where}: {name} gradient rel err {err:.2e}"
+    if tie:
+        assert par.lm_head.weight is par.embed_tokens.weight
+    if kind == "moe":
+        for r, p in zip(ref.modules(), par.modules()):
+            if hasattr(r, "last_aux_loss") and r.last_aux_loss is not None:
+                assert rel_err(p.last_aux_loss, r.last_aux_loss) < 1e-5, f"{where}: aux loss"
+                assert torch.equal(p.last_tokens_per_expert, r.last_tokens_per_expert), f"{where}: expert counts"
+
+
+def check_parity_dense(seed):
+    for tp in (2, 4, 8):
+        for sp in (False, True):
+            _assert_parity("dense", tp, sp, seed + tp, on_meta=tp != 8, tie=(tp == 4 and sp))
+
+
+def check_parity_moe(seed):
+    for tp in (2, 4, 8):
+        for sp in (False, True):
+            _assert_parity("moe", tp, sp, seed + 10 * tp)
+
+
+def _stage(model, first: bool):
+    """A pipeline stage of ``model``: the embedding and layer 0, or layer 1 and the head."""
+    stage = copy.deepcopy(model)
+    del stage.layers["1" if first else "0"]
+    if first:
+        stage.norm = stage.lm_head = None
+    else:
+        stage.embed_tokens = None
+    return stage
+
+
+def check_pipeline_stages_and_uneven_vocab(seed):
+    """Two stages pass hidden states (sequence-sharded under SP) and still get the full-sequence RoPE;
+    a vocabulary that tp does not divide (250 over 4) still gives the exact loss."""
+    cfg = ModelConfig(**{**DENSE, "vocab_size": 250})
+    ref = _reference(cfg, seed)
+    tokens, labels = _batch(cfg, seed)
+    expected = _step(ref, tokens, labels, token_loss_sum)
+    mesh = _tp_mesh(4)
+    first = apply_tensor_parallel(_stage(ref, first=True), mesh, sp=True)
+    last = apply_tensor_parallel(_stage(ref, first=False), mesh, sp=True)
+    hidden = first(tokens)
+    assert hidden.shape[1] == SEQ // 4  # stages exchange sequence shards under SP
+    actual = _step(last, hidden, labels, parallel_token_loss_sum)
+    assert rel_err(actual, expected) < 1e-5, f"loss {actual.item()} vs {expected.item()}"
+    grads = {**{n: p.grad for n, p in first.named_parameters()}, **{n: p.grad for n, p in last.named_parameters()}}
+    for name, p in ref.named_parameters():
+        assert rel_err(grads[name], p.grad) < 1e-4, f"{name}: gradient rel err {rel_err(grads[name], p.grad):.2e}"
+
+
+def _layer_collectives(model, tokens, labels):
+    """{(module, 'forward'|'backward'): Counter(op name)} for one fwd+bwd step under CommDebugMode."""
+    comm = CommDebugMode()
+    with comm:
+        _step(model, tokens, labels, parallel_token_loss_sum)
+    return {
+        (fqn, phase): Counter({str(op).split(".")[-1]: n for op, n in counts[phase].items()})
+        for fqn, counts in comm.comm_module_counts.items()
+        for phase in ("forward", "backward")
+    }
+
+
+def _expected_layer_collectives(kind: str, sp: bool, replicated_kv: bool, phase: str) -> Counter:
+    """Megatron's count per dense layer: 2 all-reduces (no SP) or 2 all-gathers + 2 reduce-scatters
+    (SP), in forward and again in backward.
+
+    Replicated KV heads add 4 all-reduces in backward (the replicas' k/v weight and bias gradients).
+    A MoE layer under SP gathers its input once and all-reduces the shared expert's output (it runs
+    on the gathered tokens), so one reduce-scatter becomes an all-reduce.
+    """
+    if not sp:
+        want = Counter(all_reduce=2)
+    elif kind == "moe":
+        want = Counter(all_gather_into_tensor=2, reduce_scatter_tensor=1, all_reduce=1)
+    else:
+        want = Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2)
+    if replicated_kv and phase == "backward":
+        want["all_reduce"] += 4
+    return want
+
+
+def check_collectives_per_layer(seed):
+    # (kind, kv heads, tp): KV heads split over tp, or replicated when tp exceeds them.
+    for kind, kv, tp in (("dense", 2, 2), ("dense", 8, 4), ("dense", 2, 4), ("moe", 2, 2)):
+        for sp in (False, True):
+            cfg = ModelConfig(**{**(MOE if kind == "moe" else DENSE), "num_key_value_heads": kv})
+            model = _parallel_copy(_reference(cfg, seed), _tp_mesh(tp), sp, on_meta=True)
+            counts = _layer_collectives(model, *_batch(cfg, seed))
+            for layer in ("0", "1"):
+                for phase in ("forward", "backward"):
+                    got = counts.get((f"Transformer.layers.{layer}", phase), Counter())
+                    want = _expected_layer_collectives(kind, sp, kv < tp, phase)
+                    where = f"{kind} kv={kv} tp={tp} sp={sp} layer {layer} {phase}"
+                    assert got == want, f"{where}: {dict(got)} != {dict(want)}"
+
+
+class _CollectiveShapes(TorchDispatchMode):
+    """Shapes of every tensor that enters or leaves a collective."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace in ("_c10d_functional", "c10d") and "wait" not in func.__name__:
+            for t in [*args, *(out if isinstance(out, (list, tuple)) else [out])]:
+                if isinstance(t, torch.Tensor):
+                    self.shapes.append((func.__name__, tuple(t.shape)))
+        return out
+
+
+def check_loss_never_gathers_logits(seed):
+    cfg = ModelConfig(**DENSE)
+    model = _parallel_copy(_reference(cfg, seed), _tp_mesh(8), sp=True, on_meta=True)
+    tokens, labels = _batch(cfg, seed)
+    recorder = _CollectiveShapes()
+    with recorder:
+        _step(model, tokens, labels, parallel_token_loss_sum)
+    # DTensor gathers along dim 0 and rearranges after, so compare sizes, not shapes.
+    gathered = [math.prod(shape) for op, shape in recorder.shapes if op.startswith("all_gather")]
+    assert BATCH * SEQ * cfg.hidden_size in gathered, "the SP gathers of hidden states were not seen"
+    largest = max(math.prod(shape) for _, shape in recorder.shapes)
+    assert largest < BATCH * SEQ * cfg.vocab_size, f"a collective moved {largest} elements (full logits or more)"
+
+    logits = model(tokens).detach().requires_grad_()
+    assert isinstance(logits, DTensor) and logits.to_local().shape[-1] == cfg.vocab_size // 8
+    comm = CommDebugMode()
+    with comm:
+        loss = parallel_token_loss_sum(logits, labels)
+        loss.backward()
+    counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    # max, then (sum of exp, target logit) per token: two reductions of [tokens]-sized vectors.
+    assert counts == {"allreduce_": 2}, counts
+    assert logits.grad.placements == logits.placements and logits.grad.to_local().abs().max() > 0
+
+
+def check_heads_error(seed):
+    cfg = ModelConfig(**{**DENSE, "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 8})
+    with torch.device("meta"):
+        model = build_model(cfg)
+    with pytest.raises(ConfigError, match=r"tp = 8 does not divide num_attention_heads = 12.*1, 2, 4"):
+        apply_tensor_parallel(model, _tp_mesh(8))
+
+
+def test_tensor_parallel_8_ranks():
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")  # shown by pytest on failure, to replay the same draw
+    checks = [check_heads_error, check_collectives_per_layer, check_loss_never_gathers_logits,
+              check_pipeline_stages_and_uneven_vocab,
+              check_parity_dense, check_parity_moe]
+    run_checks(checks, 8, seed, timeout=240)
+
+
+def test_error_lists_valid_tp():
+    with pytest.raises(ConfigError, match=r"num_attention_heads = 28\. Valid tp up to 8 for this model: 1, 2, 4\."):
+        check_tensor_parallel(28, 4, 8)
+    with pytest.raises(ConfigError, match=r"num_key_value_heads = 3 do not divide"):
+        check_tensor_parallel(12, 3, 2)
+    check_tensor_parallel(12, 2, 4)  # 2 KV heads each replicated over 2 ranks
