@@ -34,6 +34,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from meshtron.config import Config, ModelConfig
 
 MARKER = "meshtron.json"
+# Optimizer state and param-group hyperparameters keyed by parameter name: pipeline stages hold
+# different parameters, and DCP would otherwise merge every rank's positional param-group lists
+# into one (a stage would load another stage's groups and lose its hyperparameters).
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -93,7 +97,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
         tmp.mkdir(parents=True)
     _barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM)}
     dcp.save(state, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rank-{_rank()}.pt")
     _barrier()
@@ -141,10 +145,10 @@ def load_checkpoint(
     """Load into an already parallelized model/optimizer (any layout); returns the saved marker."""
     saved = read_marker(path)
     check_model_shape(saved, cfg.model, path)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM)}
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=_OPTIM)
     rng = Path(path) / f"rank-{_rank()}.pt"
     if rng.is_file():  # absent when resuming on more ranks than saved: those ranks keep their seed
         _set_rng_state(torch.load(rng, weights_only=False))
