@@ -32,13 +32,13 @@ MOE = dict(
     DENSE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
     shared_expert_intermediate_size=24, mlp_only_layers=[2], router_aux_loss_coef=0.1,
 )
-SEQ, MB_SIZE = 6, 2
+SEQ, MB_SIZE = 8, 2
 
 
-def _config(model: dict, pp: int, dp: int, schedule: str, m: int, v: int = 1, tp: int = 1) -> Config:
+def _config(model: dict, pp: int, dp: int, schedule: str, m: int, v: int = 1, tp: int = 1, cp: int = 1) -> Config:
     return Config(
         model=ModelConfig(**model),
-        parallel=ParallelConfig(pp=pp, dp=dp, tp=tp, schedule=schedule, virtual_stages=v, microbatches=m),
+        parallel=ParallelConfig(pp=pp, dp=dp, tp=tp, cp=cp, schedule=schedule, virtual_stages=v, microbatches=m),
         train=TrainConfig(global_batch_size=dp * m * MB_SIZE, seq_len=SEQ, seed=3),
     )
 
@@ -118,15 +118,15 @@ class SavedTensorTracker:
 
 
 LAYOUTS = [
-    # (model, pp, dp, schedule, microbatches, virtual[, tp])
+    # (model, pp, dp, schedule, microbatches, virtual[, tp[, cp]])
     (DENSE, 8, 1, "1f1b", 9, 1),
     (MOE, 4, 2, "1f1b", 5, 1),
     (DENSE, 2, 4, "1f1b", 3, 1),
     (MOE, 2, 4, "interleaved", 4, 2),
     (DENSE, 4, 2, "interleaved", 4, 2),
     (MOE, 2, 4, "gpipe", 2, 1),
-    # tp ranks hold copies until tensor parallelism is composed in: the loss must not count them twice
-    (DENSE, 2, 2, "1f1b", 2, 1, 2),
+    (DENSE, 2, 2, "1f1b", 2, 1, 2),  # tp shards inside stages; its ranks must not count the loss twice
+    (DENSE, 2, 1, "interleaved", 2, 2, 2, 2),  # cp x tp inside interleaved stages
 ]
 
 
@@ -134,7 +134,7 @@ def check_pipeline_matches_single_process(_folder):
     for layout in LAYOUTS:
         cfg = _config(*layout)
         p = cfg.parallel
-        mesh = build_mesh(pp=p.pp, dp=p.dp, tp=p.tp)
+        mesh = build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
         runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
         assert isinstance(runner, PipelineRunner)
         assert len(runner.module.layers) < cfg.model.num_hidden_layers, "a stage holds the whole model"
