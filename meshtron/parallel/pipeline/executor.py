@@ -110,7 +110,9 @@ class PipelineExecutor:
                 if isinstance(step, P2P):
                     self._exchange(step, boundary, first_inputs[0].device)
                 elif step.kind == F:
-                    total += self._forward(step, forward, first_inputs, loss)
+                    value = self._forward(step, forward, first_inputs, loss)
+                    if value is not None:
+                        total += value
                 else:
                     self._backward(i, step)
         finally:
@@ -123,14 +125,15 @@ class PipelineExecutor:
     def _timed(self, action: Action, fn: Callable[[], torch.Tensor | None]):
         if not self.record:
             return fn()
+        _sync()
         start = time.perf_counter()
         out = fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _sync()
         self.spans.append(Span(self.rank, action.kind, action.mb, start, time.perf_counter(), action.stage))
         return out
 
-    def _forward(self, a: Action, forward: ForwardFn, first_inputs, loss: LossFn) -> torch.Tensor:
+    def _forward(self, a: Action, forward: ForwardFn, first_inputs, loss: LossFn) -> torch.Tensor | None:
+        """Runs F; returns the detached loss on the last stage."""
         key, last = (a.stage, a.mb), a.stage == self.num_stages - 1
         x = first_inputs[a.mb] if a.stage == 0 else self._inbox.pop((RECV_F, *key)).requires_grad_()
 
@@ -145,7 +148,7 @@ class PipelineExecutor:
             self._inputs[key] = x
         self._outputs[key] = out
         self.peak_live = max(self.peak_live, self.live())
-        return out.detach() if last else torch.zeros((), device=out.device)
+        return out.detach() if last else None
 
     def _backward(self, index: int, a: Action) -> None:
         key = (a.stage, a.mb)
@@ -186,6 +189,12 @@ class PipelineExecutor:
                 mod.set_requires_gradient_sync(on, recurse=False)
                 mod.set_reshard_after_backward(on, recurse=False)
                 mod.set_is_last_backward(on)
+
+
+def _sync() -> None:
+    """Wait for queued kernels so recorded spans time the work, not its launch."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _check_boundary(tensor: torch.Tensor | None, shape, dtype, op: Action) -> None:
