@@ -304,7 +304,8 @@ def report(args) -> str:
             f"## Real compute: meshtron Transformer (8 layers, hidden 256, seq 128), pp = {args.pp}, "
             f"m = {args.real_microbatches}, float32 on CPU",
             "",
-            f"Median (and min) of {args.real_repeats} steps; load average {real['load_average']:.1f} at the end of the run.",
+            f"Median (and min) of {args.real_repeats} steps; load average {real['load_average']:.1f} "
+            "at the end of the run.",
             "",
             "| schedule | v | ours step (ms) | torch step (ms) | ours / torch | ours min | torch min | ours bubble "
             "| analytic bubble |",

@@ -205,7 +205,8 @@ def check_fsdp_reduces_gradients_once_per_step(_folder):
             cfg = _config(*layout)
             mesh = build_mesh(pp=cfg.parallel.pp, dp=cfg.parallel.dp)
             runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
-            units = len(runner.module.layers) + sum(m is not None for m in (runner.module.embed_tokens, runner.module.norm, runner.module.lm_head))
+            stage = runner.module
+            units = len(stage.layers) + sum(m is not None for m in (stage.embed_tokens, stage.norm, stage.lm_head))
             ids, labels = _batch(cfg)
             dp_rank = mesh["dp"].get_local_rank()
             ref, ref_loss, _, ref_norm = _reference(cfg, ids, labels, dp_rank)
