@@ -163,13 +163,14 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], 
     is exact and cannot hang. Only the keys this rank's model has (its pipeline stage) are needed.
     """
     own = model.state_dict()
-    missing = [k for k in own if k not in full]
+    sources = {k: _source_name(model, full, k) for k in own}
+    missing = [k for k, src in sources.items() if src is None]
     if strict and missing:
         raise KeyError(f"state dict lacks {missing[:3]} ({len(missing)} keys missing)")
     for name, param in own.items():
-        if name not in full:
+        if sources[name] is None:
             continue
-        src = full[name]
+        src = full[sources[name]]
         if tuple(src.shape) != tuple(param.shape):
             raise CheckpointMismatch(f"{name}: source shape {tuple(src.shape)} != model shape {tuple(param.shape)}")
         if isinstance(param, DTensor):
@@ -177,6 +178,17 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], 
             param.to_local().copy_(local.to_local())
         else:
             param.copy_(src)
+
+
+def _source_name(model: torch.nn.Module, full, name: str) -> str | None:
+    """Key of ``full`` that fills ``name``: itself, or the embedding for a tied LM head that sits on
+    another pipeline stage than the embedding (HF folders store the shared weight once)."""
+    if name in full:
+        return name
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if tied and name == "lm_head.weight" and "embed_tokens.weight" in full:
+        return "embed_tokens.weight"
+    return None
 
 
 def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -65,11 +65,16 @@ def _by_layout(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     return list(groups.values())
 
 
-def clip_grad_norm(module: nn.Module, max_norm: float, pp_group=None) -> float:
-    """Clip to the global gradient norm; ``pp_group`` adds the other pipeline stages' parameters."""
-    groups = _by_layout([p for p in module.parameters() if p.grad is not None])
+def clip_grad_norm(module: nn.Module, max_norm: float, pp_group=None, copy: nn.Parameter | None = None) -> float:
+    """Clip to the global gradient norm; ``pp_group`` adds the other pipeline stages' parameters.
+
+    ``copy`` (a second copy of a parameter another stage holds, e.g. a tied LM head) is clipped but
+    not counted twice.
+    """
+    params = [p for p in module.parameters() if p.grad is not None]
+    groups = _by_layout(params)
     squares = []
-    for group in groups:
+    for group in _by_layout([p for p in params if p is not copy]):
         norm = torch.nn.utils.get_total_norm([p.grad for p in group])
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).pow(2))
     squared = torch.stack(squares).sum()

@@ -8,6 +8,11 @@ Numerics equal the non-pipelined runner on the same global batch: the same micro
 every micro-batch's summed token loss divided by the global token count of the step (so gradients
 accumulated over micro-batches and summed over data ranks are those of the global mean loss), and
 MoE aux losses attached to the gradients inside each stage with the same per-micro-batch scale.
+
+Tied embeddings: the first stage's embedding and the last stage's LM head are two copies of the
+shared weight, equal at initialisation; after each backward both get the sum of their gradients
+(one all-reduce between the two ranks), so every optimizer step keeps them equal. The gradient
+norm counts the weight once.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshtron.config import Config
 from meshtron.mesh import dense_data_mesh
@@ -44,6 +50,17 @@ def boundary_tensor(cfg: Config, micro_batch: int, local_seq: int) -> tuple[tupl
     return (micro_batch, seq, cfg.model.hidden_size), getattr(torch, cfg.train.dtype)
 
 
+def _first_last_group(mesh):
+    """Group of the first and last pp-rank of this rank's pipeline (None on the ranks between).
+
+    Every rank creates every pipeline's pair (a collective requirement of group creation).
+    """
+    pp = mesh["pp"].size()
+    pipelines = mesh.mesh.movedim(0, -1).reshape(-1, pp)  # global ranks, one row per pipeline
+    group, _ = dist.new_subgroups_by_enumeration([[int(r[0]), int(r[-1])] for r in pipelines])
+    return group
+
+
 class PipelineRunner:
     """Forward and backward of one global-batch step on this pp-rank's pipeline stage(s)."""
 
@@ -66,6 +83,10 @@ class PipelineRunner:
             steps, self.num_stages, self.pp_group, {s: c.modules() for s, c in self.chunks.items()}
         )
         self._aux: float | None = None
+        self._tied, self._tie_group = None, None
+        if cfg.model.tie_word_embeddings:
+            self._tie_group = _first_last_group(mesh)
+            self._tied = (self.module.embed_tokens or self.module.lm_head).weight if self._tie_group else None
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         micro = split_microbatches(input_ids, labels, self.mesh, self.cfg.parallel.microbatches)
@@ -83,6 +104,8 @@ class PipelineRunner:
         ids = [mb[0] for mb in micro]
         boundary = boundary_tensor(self.cfg, ids[0].shape[0], ids[0].shape[1])
         total = self.executor.run(forward, ids, loss, boundary)
+        if self._tied is not None:
+            self._sum_tied_grads()
         dist.all_reduce(total, group=self.data_group)  # zero except on the last stage
         aux_sum = torch.stack(aux).sum() if aux else torch.zeros((), device=self.device)
         stats = torch.stack([total, aux_sum, torch.tensor(float(len(aux)), device=self.device)])
@@ -90,12 +113,19 @@ class PipelineRunner:
         self._aux = (stats[1] / stats[2]).item() if stats[2] else None
         return stats[0].item()
 
+    def _sum_tied_grads(self) -> None:
+        """The embedding (first stage) and LM head (last stage) are copies of one tied weight: each
+        gets the sum of both gradients, so identical optimizer updates keep the copies equal."""
+        grad = self._tied.grad
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self._tie_group)
+
     def aux_loss(self) -> float | None:
         """Mean of the last step's aux losses over every MoE layer of every stage and micro-batch."""
         return self._aux
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_grad_norm(self.module, max_norm, self.pp_group)
+        copy = self._tied if self.module.lm_head is not None else None  # counted on the first stage
+        return clip_grad_norm(self.module, max_norm, self.pp_group, copy)
 
     def export_hf(self, folder: str) -> None:
         export_hf(self.module, self.cfg, folder, self.pp_group)

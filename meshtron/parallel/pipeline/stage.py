@@ -21,14 +21,6 @@ from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
 def check_pipeline(cfg: Config) -> None:
     """Raise :class:`ConfigError` for a pipeline layout that cannot run (no process group needed)."""
     p = cfg.parallel
-    if p.pp > 1 and cfg.model.tie_word_embeddings:
-        # The embedding lives on the first stage and the LM head on the last: sharing one weight
-        # would need a gradient all-reduce between them and a second copy kept in sync.
-        raise ConfigError(
-            f"[model] tie_word_embeddings = true is not supported with [parallel] pp = {p.pp}: the embedding "
-            "and the LM head live on different pipeline stages. Use pp = 1 (tp/dp/fsdp instead) or a model "
-            "with untied embeddings."
-        )
     try:
         build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
         chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
@@ -40,7 +32,8 @@ class StageChunk:
     """Runs model chunk ``stage`` (a consecutive layer range) of a pruned stage model.
 
     The first chunk embeds token ids, the last applies the final norm and the LM head; the others
-    take and return hidden states ``[B, S, H]``.
+    take and return hidden states ``[B, S, H]``. With tied embeddings the first and last stages hold
+    separate copies of the shared weight (the runner keeps them equal).
     """
 
     def __init__(self, model: nn.Module, stage: int, layers: range, num_stages: int):
