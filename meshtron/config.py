@@ -53,6 +53,10 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     router_aux_loss_coef: float = 0.001
+    # Router options beyond the HF keys (0 turns each off); see meshtron/models/moe.py.
+    router_z_loss_coef: float = 0.0  # ST-MoE z-loss weight, mean over MoE layers like the aux loss
+    moe_aux_free_bias_rate: float = 0.0  # DeepSeek-V3 aux-loss-free balancing: bias step per update
+    moe_capacity_factor: float = 0.0  # per-expert capacity = ceil(factor * tokens * top_k / experts)
 
     @property
     def is_moe(self) -> bool:
@@ -86,6 +90,11 @@ class ParallelConfig:
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
     virtual_stages: int = 1
     microbatches: int = 1
+    # How dense params use dp x ep x cp (expert params: dp x cp): "fsdp" shards over all of it,
+    # "hsdp" replicates over dp and shards inside (ep x) cp, "replicate" keeps full copies (DDP-like).
+    data_parallel: str = "fsdp"
+    activation_checkpointing: str = "none"  # none | full (every block) | selective (every ac_every-th block)
+    ac_every: int = 2
 
 
 @dataclass
@@ -265,6 +274,27 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+DATA_PARALLEL_MODES = ("fsdp", "hsdp", "replicate")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+def _validate_data_parallel(p: ParallelConfig, source: str) -> None:
+    _require(
+        p.data_parallel in DATA_PARALLEL_MODES,
+        f"{source}: [parallel] data_parallel must be one of {', '.join(DATA_PARALLEL_MODES)}, "
+        f"got '{p.data_parallel}'." + _closest(p.data_parallel, DATA_PARALLEL_MODES),
+    )
+    _require(
+        p.activation_checkpointing in ACTIVATION_CHECKPOINTING,
+        f"{source}: [parallel] activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
+        f"got '{p.activation_checkpointing}'." + _closest(p.activation_checkpointing, ACTIVATION_CHECKPOINTING),
+    )
+    _require(
+        p.ac_every >= 1,
+        f"{source}: [parallel] ac_every must be >= 1 (checkpoint every N-th block), got {p.ac_every}.",
+    )
+
+
 def _check_numbers(section: str, obj: Any, source: str) -> None:
     """No recipe number may be negative, NaN or infinite (seed is the one signed field)."""
     for f in dataclasses.fields(obj):
@@ -307,6 +337,8 @@ def _validate_model(m: ModelConfig, source: str) -> None:
     )
     _require(m.moe_intermediate_size > 0, f"{where} moe_intermediate_size must be > 0 for MoE.")
     _require(m.decoder_sparse_step >= 1, f"{where} decoder_sparse_step must be >= 1, got {m.decoder_sparse_step}.")
+    for key in ("router_aux_loss_coef", "router_z_loss_coef", "moe_aux_free_bias_rate", "moe_capacity_factor"):
+        _require(getattr(m, key) >= 0, f"{where} {key} must be >= 0 (0 turns it off), got {getattr(m, key)}.")
 
 
 def _validate_layout(cfg: Config, source: str) -> None:
@@ -325,6 +357,7 @@ def _validate_layout(cfg: Config, source: str) -> None:
         p.virtual_stages == 1 or p.schedule == "interleaved",
         f"{where} virtual_stages = {p.virtual_stages} needs schedule = 'interleaved'.",
     )
+    _validate_data_parallel(p, source)
     _require(
         p.ep == 1 or cfg.model.is_moe, f"{where} ep = {p.ep} needs an MoE model (num_experts > 0); use dp instead."
     )

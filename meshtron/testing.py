@@ -31,7 +31,7 @@ def _context():
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "meshtron"])
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "meshtron"])
     return _CONTEXT
 
 

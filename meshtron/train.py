@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 
 from meshtron import env
-from meshtron.checkpoint import latest_checkpoint, load_checkpoint, load_full_state_dict, save_checkpoint
+from meshtron.checkpoint import CheckpointMismatch, latest_checkpoint, load_checkpoint, load_full_state_dict, save_checkpoint
 from meshtron.config import Config, ConfigError, load_config
+from meshtron.hf import CheckpointError
 from meshtron.data import to_device
 from meshtron.mesh import batch_mesh, build_mesh, validate_layout
 from meshtron.metrics import MetricsLogger, peak_flops_per_device
-from meshtron.models import build_model, flops_per_token
+from meshtron.models import build_model, flops_per_token, moe_layers
 from meshtron.optim import build_optimizer, lr_at, set_lr
 
 
@@ -51,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     mesh = build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp)
     try:
         Trainer(cfg, mesh).fit()
+    except (ConfigError, CheckpointError, CheckpointMismatch) as err:
+        # Bad input found after start-up (data, checkpoints): every rank raises it; say it once.
+        if dist.get_rank() == 0:
+            print(f"meshtron: {err}", file=sys.stderr)
+        return 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -122,6 +128,8 @@ class Trainer:
         loss = self.runner.forward_backward(input_ids, labels)
         grad_norm = self.runner.clip_grad_norm(t.max_grad_norm)
         self.optimizer.step()
+        for moe in moe_layers(self.runner.module):
+            moe.update_expert_bias()  # aux-loss-free balancing (a no-op unless configured)
         elapsed = time.perf_counter() - start
         tokens = t.global_batch_size * t.seq_len
         record = {
@@ -142,12 +150,24 @@ class Trainer:
 
 
 def _rank0_first(fn):
-    """Run ``fn`` on rank 0 first (e.g. build a token cache), then on the others."""
+    """Run ``fn`` on rank 0 first (e.g. build a token cache), then on the others.
+
+    Rank 0's outcome is broadcast, so when it fails every rank raises the same error instead of
+    waiting for a barrier that never comes.
+    """
+    outcome = [None]
     if dist.get_rank() == 0:
-        result = fn()
-        dist.barrier()
+        try:
+            result = fn()
+        except Exception as err:  # noqa: BLE001 - re-raised on every rank below
+            outcome = [err]
+            dist.broadcast_object_list(outcome, src=0)
+            raise
+        dist.broadcast_object_list(outcome, src=0)
         return result
-    dist.barrier()
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise outcome[0]
     return fn()
 
 

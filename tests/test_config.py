@@ -69,7 +69,7 @@ def test_every_recipe_layout_fits_eight_ranks(path):
     "name, overrides, pattern",
     [
         ("qwen1p5_moe_a2p7b", ["--parallel.dp=1", "--parallel.ep=8"], r"ep = 8 does not divide \[model\] num_experts = 60"),
-        ("qwen2p5_7b", ["--parallel.dp=1", "--parallel.tp=8"], r"tp = 8 does not divide .*Valid tp up to 8: 1, 2, 4\."),
+        ("qwen2p5_7b", ["--parallel.dp=1", "--parallel.tp=8"], r"tp = 8 does not divide .*Valid tp up to 8 for this model: 1, 2, 4\."),
         ("debug_dense", ["--parallel.dp=4"], r"world size"),
     ],
 )

@@ -1,9 +1,8 @@
 """Pipelined training step on 8 CPU ranks equals the single-process step (loss, gradients, aux, norm).
 
-Every layout fills the 8 ranks with pp x dp; without a data-parallel module the dp replicas'
-gradients are summed here by hand (plain replication). The single-process reference runs the
-same micro-batches (each dp shard's micro-batches in turn) because the MoE aux loss is defined
-per micro-batch.
+Every layout fills the 8 ranks with pp x dp (x cp x tp); main's parallelize shards the stages with
+FSDP over the data ranks. The single-process reference runs the same micro-batches (micro-batch i
+= every dp shard's i-th) because the MoE aux loss is defined per micro-batch.
 """
 
 import tempfile
@@ -19,7 +18,8 @@ from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, Tr
 from meshtron.hf import from_hf
 from meshtron.mesh import build_mesh, dense_data_mesh, validate_layout
 from meshtron.models import aux_loss, build_model, token_loss_sum
-from meshtron.parallel.runner import average_aux_over_microbatches, build_step_runner, parallelize
+from meshtron.parallel.runner import average_router_losses_over_microbatches, build_step_runner
+from meshtron.parallel.grad_norm import global_grad_norm
 from meshtron.parallel.pipeline import peak_in_flight, prune_to_stage
 from meshtron.parallel.pipeline.runner import PipelineRunner
 from meshtron.testing import rel_err, run_checks
@@ -62,19 +62,23 @@ def _batch(cfg: Config):
     return ids, labels
 
 
-def _reference(cfg: Config, ids, labels, dp_rank: int):
-    """Single process: every dp shard's micro-batches in turn; aux mean over this dp shard's."""
+def _reference(cfg: Config, ids, labels):
+    """Single process on the same micro-batches: micro-batch i is every dp shard's i-th one (router
+    statistics are global over the data ranks, so that is the batch each aux loss sees)."""
     model = _random_model(cfg)
-    average_aux_over_microbatches(model, cfg.parallel.microbatches)
+    m = cfg.parallel.microbatches
+    average_router_losses_over_microbatches(model, m)
     tokens = (labels != -100).sum()
     total, aux = 0.0, []
-    for shard, (ids_s, lab_s) in enumerate(zip(ids.chunk(cfg.parallel.dp), labels.chunk(cfg.parallel.dp))):
-        for i, lab in zip(ids_s.chunk(cfg.parallel.microbatches), lab_s.chunk(cfg.parallel.microbatches)):
-            loss = token_loss_sum(model(i), lab) / tokens
-            loss.backward()
-            total += loss.item()
-            if shard == dp_rank and cfg.model.num_experts:
-                aux.append(aux_loss(model))
+    shards = [(i.chunk(m), lab.chunk(m)) for i, lab in zip(ids.chunk(cfg.parallel.dp), labels.chunk(cfg.parallel.dp))]
+    for mb in range(m):
+        i = torch.cat([shard[0][mb] for shard in shards])
+        lab = torch.cat([shard[1][mb] for shard in shards])
+        loss = token_loss_sum(model(i), lab) / tokens
+        loss.backward()
+        total += loss.item()
+        if cfg.model.num_experts:
+            aux.append(aux_loss(model))
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
     return model, total, (torch.stack(aux).mean().item() if aux else None), norm.item()
 
@@ -142,7 +146,7 @@ def check_pipeline_matches_single_process(_folder):
         assert len(runner.module.layers) < cfg.model.num_hidden_layers, "a stage holds the whole model"
         ids, labels = _batch(cfg)
         dp_rank = mesh["dp"].get_local_rank()
-        ref, ref_loss, ref_aux, ref_norm = _reference(cfg, ids, labels, dp_rank)
+        ref, ref_loss, ref_aux, ref_norm = _reference(cfg, ids, labels)
         load_full_state_dict(runner.module, _random_model(cfg).state_dict())
         tracker = SavedTensorTracker()
         tracker.install(runner.executor)
@@ -161,7 +165,7 @@ def check_pipeline_matches_single_process(_folder):
 def _reduced_by_data_parallelism(grad) -> bool:
     from torch.distributed.tensor import DTensor
 
-    return isinstance(grad, DTensor) and bool({"dp", "dp_ep", "dp_ep_cp"} & set(grad.device_mesh.mesh_dim_names))
+    return isinstance(grad, DTensor) and bool({"dp", "dp_ep", "dp_ep_cp", "dp_cp"} & set(grad.device_mesh.mesh_dim_names))
 
 
 def _check_grads(stage, ref, data_group, layout):
@@ -179,21 +183,17 @@ def _check_grads(stage, ref, data_group, layout):
         assert err < 1e-4, f"{layout}: {name} gradient rel err {err:.2e}"
 
 
-def _fully_shard_stage(model, mesh, cfg):
-    """What data parallelism does to a stage: FSDP units per block and end module, gradients summed."""
-    from torch.distributed.fsdp import fully_shard
+def _units_with_parameters(model) -> int:
+    """FSDP2 units that own parameters (not only nested units'): each reduce-scatters its own group."""
+    from torch.distributed.fsdp import FSDPModule
 
-    units = list(model.layers.values()) + [m for m in (model.embed_tokens, model.norm, model.lm_head) if m is not None]
-    for unit in units:
-        fully_shard(unit, mesh=dense_data_mesh(mesh))
-        unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-    return model
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    nested = {u: {id(p) for v in u.modules() if v is not u and isinstance(v, FSDPModule) for p in v.parameters()}
+              for u in units}
+    return sum(any(id(p) not in nested[u] for p in u.parameters()) for u in units)
 
 
 def check_fsdp_reduces_gradients_once_per_step(_folder):
-    import meshtron.parallel.pipeline.runner as runner_module
-
     reduce_scatters = []
     original = dist.reduce_scatter_single
 
@@ -201,20 +201,20 @@ def check_fsdp_reduces_gradients_once_per_step(_folder):
         reduce_scatters.append(1)
         return original(*args, **kwargs)
 
-    runner_module.parallelize, dist.reduce_scatter_single = _fully_shard_stage, counting
+    dist.reduce_scatter_single = counting
     try:
         for layout in [(TIED, 2, 4, "1f1b", 3, 1), (MOE, 2, 4, "interleaved", 4, 2)]:
             cfg = _config(*layout)
+            assert cfg.parallel.data_parallel == "fsdp"
             mesh = build_mesh(pp=cfg.parallel.pp, dp=cfg.parallel.dp)
             runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
-            stage = runner.module
-            units = len(stage.layers) + sum(m is not None for m in (stage.embed_tokens, stage.norm, stage.lm_head))
             ids, labels = _batch(cfg)
             dp_rank = mesh["dp"].get_local_rank()
-            ref, ref_loss, _, ref_norm = _reference(cfg, ids, labels, dp_rank)
+            ref, ref_loss, _, ref_norm = _reference(cfg, ids, labels)
             load_full_state_dict(runner.module, _random_model(cfg).state_dict())
             reduce_scatters.clear()
             loss = runner.forward_backward(ids.chunk(4)[dp_rank], labels.chunk(4)[dp_rank])
+            units = _units_with_parameters(runner.module)
             assert len(reduce_scatters) == units, (layout, len(reduce_scatters), units)
             assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5, (layout, loss, ref_loss)
             ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
@@ -224,7 +224,7 @@ def check_fsdp_reduces_gradients_once_per_step(_folder):
             norm = runner.clip_grad_norm(1e9)
             assert abs(norm - ref_norm) / ref_norm < 1e-5, (layout, norm, ref_norm)
     finally:
-        runner_module.parallelize, dist.reduce_scatter_single = parallelize, original
+        dist.reduce_scatter_single = original
 
 
 def check_clipping_and_export_cover_all_stages(folder):
@@ -235,9 +235,8 @@ def check_clipping_and_export_cover_all_stages(folder):
     ids, labels = _batch(cfg)
     runner.forward_backward(ids[: len(ids) // 2], labels[: len(labels) // 2])
     norm = runner.clip_grad_norm(0.5)
-    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in runner.module.parameters()])) ** 2
-    dist.all_reduce(clipped, group=runner.pp_group)
-    assert norm > 0.5 and abs(clipped.sqrt().item() - 0.5) < 1e-5, (norm, clipped.sqrt().item())
+    clipped = global_grad_norm(runner.module.parameters(), pp_mesh=mesh["pp"]).item()
+    assert norm > 0.5 and abs(clipped - 0.5) < 1e-5, (norm, clipped)
     runner.export_hf(folder)
     if dist.get_rank() == 0:
         exported = from_hf(load_file(f"{folder}/model.safetensors"), cfg.model)

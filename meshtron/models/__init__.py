@@ -1,6 +1,6 @@
 """Plain PyTorch model definitions (no parallel code)."""
 
-from meshtron.models.moe import MoE, aux_loss, moe_layers
+from meshtron.models.moe import MoE, aux_loss, moe_layers, update_expert_bias
 from meshtron.models.qwen2 import (
     InitialWeights,
     Transformer,
@@ -22,4 +22,5 @@ __all__ = [
     "materialize",
     "moe_layers",
     "token_loss_sum",
+    "update_expert_bias",
 ]

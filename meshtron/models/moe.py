@@ -7,11 +7,26 @@ transformers pools f and P over all layers before multiplying; we keep Switch's 
 average it over MoE layers. That equals transformers for one MoE layer and, unlike pooling, lets a
 pipeline stage own its layers' losses. The aux loss enters training through its gradient
 (:class:`_AttachAuxLoss`), so neither the model output nor a pipeline schedule has to carry it.
+
+Optional router features (all off by default, so the model matches transformers):
+
+* ``router_z_loss_coef``: ST-MoE's z-loss, mean over tokens of logsumexp(logits)^2, weighted and
+  averaged over MoE layers like the aux loss (attached the same way).
+* ``moe_aux_free_bias_rate``: DeepSeek-V3's auxiliary-loss-free balancing. A per-expert bias is
+  added to the router probabilities for the top-k choice only (the combine weights stay unbiased);
+  after each optimizer step the train loop calls :func:`update_expert_bias`, which moves each bias by
+  ``rate * sign(mean load - load)`` using the step's (global) token counts.
+* ``moe_capacity_factor``: each expert takes at most ``ceil(factor * tokens * top_k / experts)``
+  copies of this call's tokens, first come first served in token order; the others are dropped:
+  their combine weight becomes zero (so they add nothing and send no router gradient). Dropped
+  copies are still computed, so capacity bounds an expert's influence, not its compute.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +35,15 @@ from torch import nn
 from meshtron.config import ModelConfig
 from meshtron.models.layers import MLP
 
-# (counts[E], prob_sums[E], tokens[]) -> the same summed over every rank that holds other tokens.
-StatsReducer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# A float64 vector of per-rank statistics -> its sum over every rank that holds other tokens.
+StatsReducer = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Routing(NamedTuple):
+    probs: torch.Tensor  # [T, E] fp32
+    weights: torch.Tensor  # [T, k] combine weights in the input dtype
+    experts: torch.Tensor  # [T, k] chosen expert ids
+    logits: torch.Tensor  # [T, E] fp32
 
 
 class Router(nn.Module):
@@ -30,14 +52,21 @@ class Router(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        # Persistent so checkpoints resume the balancing; only present when the feature is on.
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts) if cfg.moe_aux_free_bias_rate else None)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [T, H] -> (probs [T, E] fp32, top-k weights [T, k] in x's dtype, top-k expert ids [T, k])."""
-        probs = F.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x: [T, H] -> :class:`Routing`; the bias (if any) steers the choice, never the weights."""
+        logits = F.linear(x, self.weight).float()
+        probs = F.softmax(logits, dim=-1)
+        if self.expert_bias is None:
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            experts = torch.topk(probs.detach() + self.expert_bias, self.top_k, dim=-1).indices
+            weights = probs.gather(1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return probs, weights.to(x.dtype), experts
+        return Routing(probs, weights.to(x.dtype), experts, logits)
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -79,23 +108,48 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up
     return grouped_matmul(h, down, counts)
 
 
+def count_ids(ids: torch.Tensor, groups: int) -> torch.Tensor:
+    """How often each of ``groups`` ids occurs (bincount without its device-to-host sync on GPUs)."""
+    return torch.zeros(groups, dtype=torch.long, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+
+
+def sort_by_group(ids: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable order that sorts 1-D ``ids`` into ``groups`` buckets, and the bucket sizes."""
+    return torch.argsort(ids, stable=True), count_ids(ids, groups)
+
+
+def unsort(y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``y = x[order]`` along dim 0."""
+    return torch.empty_like(y).index_copy(0, order, y)
+
+
 def permute_tokens(x: torch.Tensor, experts: torch.Tensor, num_experts: int):
     """Copy each token once per chosen expert and sort the copies by expert.
 
     Returns (sorted copies [T*k, H], order [T*k] mapping sorted position -> flat (token, slot),
     counts [E]).
     """
-    flat = experts.flatten()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    order, counts = sort_by_group(experts.flatten(), num_experts)
     return x[order // experts.shape[1]], order, counts
 
 
 def unpermute_tokens(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`permute_tokens`, combining each token's k expert outputs with its weights."""
     tokens, k = weights.shape
-    unsorted = torch.empty_like(y).index_copy(0, order, y)
-    return (unsorted.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+    return (unsort(y, order).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+def capacity_mask(experts: torch.Tensor, num_experts: int, factor: float) -> torch.Tensor:
+    """[T, k] bool: which token copies fit in their expert's capacity, first come first served."""
+    tokens, k = experts.shape
+    capacity = math.ceil(factor * tokens * k / num_experts)
+    order, counts = sort_by_group(experts.flatten(), num_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[experts.flatten()[order]]
+    return unsort(rank_in_expert < capacity, order).view(tokens, k)
+
+
+SharedWork = Callable[[], torch.Tensor]
 
 
 class GroupedExperts(nn.Module):
@@ -109,10 +163,15 @@ class GroupedExperts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(e, h, i))
         self.down_proj = nn.Parameter(torch.empty(e, i, h))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: SharedWork | None = None
+    ) -> torch.Tensor:
+        """Weighted sum of each token's experts, plus ``shared()`` (work that does not depend on the
+        routed experts; an expert-parallel replacement runs it while tokens are in flight)."""
         sorted_x, order, counts = permute_tokens(x, experts, self.num_experts)
         y = grouped_swiglu(sorted_x, counts, self.gate_proj, self.up_proj, self.down_proj)
-        return unpermute_tokens(y, order, weights)
+        out = unpermute_tokens(y, order, weights)
+        return out + shared() if shared is not None else out
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -145,46 +204,88 @@ class MoE(nn.Module):
             MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size) if cfg.shared_expert_intermediate_size else None
         )
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if self.shared_expert else None
-        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-        # Gradient weight of this layer's aux loss; training divides it by the micro-batch count.
-        self.aux_loss_scale = cfg.router_aux_loss_coef / max(moe_layers, 1)
+        moe_layers = max(sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)), 1)
+        # Gradient weights of this layer's aux and z losses; training divides them by the micro-batch count.
+        self.aux_loss_scale = cfg.router_aux_loss_coef / moe_layers
+        self.z_loss_scale = cfg.router_z_loss_coef / moe_layers
+        self.capacity_factor = cfg.moe_capacity_factor
+        self.bias_rate = cfg.moe_aux_free_bias_rate
         # Set by data/expert parallelism so f and P cover the global batch, not this rank's slice.
         self.stats_reducer: StatsReducer | None = None
         self.last_aux_loss: torch.Tensor | None = None
+        self.last_z_loss: torch.Tensor | None = None
         self.last_tokens_per_expert: torch.Tensor | None = None
+        self.last_dropped_fraction: torch.Tensor | None = None
+        # Global token counts since the last update_expert_bias (training forwards only).
+        self.load_since_update: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        probs, weights, experts = self.gate(flat)
-        out = self.experts(flat, weights, experts)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        aux = self._aux_loss(probs, experts)
-        if self.training and torch.is_grad_enabled() and self.aux_loss_scale:
-            out = _AttachAuxLoss.apply(out, aux, self.aux_loss_scale)
+        route = self.gate(flat)
+        weights = route.weights
+        if self.capacity_factor:
+            keep = capacity_mask(route.experts, self.num_experts, self.capacity_factor)
+            self.last_dropped_fraction = 1.0 - keep.float().mean().detach()
+            weights = weights * keep.to(weights.dtype)
+        shared = (lambda: self._shared(flat)) if self.shared_expert is not None else None
+        out = self.experts(flat, weights, route.experts, shared)
+        reg = self._router_losses(route)
+        if self.training and torch.is_grad_enabled() and (self.aux_loss_scale or self.z_loss_scale):
+            out = _AttachAuxLoss.apply(out, reg, 1.0)
         return out.view(shape)
 
-    def _aux_loss(self, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Aux loss whose gradient is exact for this rank's tokens once gradients are summed over ranks.
+    def _shared(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
 
-        With a reducer, f (counts) and P are global; only the local probabilities carry gradient, and
-        d loss / d local probs is the same as for the global loss.
+    def _router_losses(self, route: Routing) -> torch.Tensor:
+        """Weighted aux + z loss whose gradient is exact for this rank's tokens once gradients are
+        summed over ranks; also records the global statistics for logging.
+
+        With a reducer, f (counts), P and the token count are global; only the local probabilities
+        and logits carry gradient, and d loss / d local probs is the same as for the global loss
+        (the z-loss is a sum over tokens divided by the global count, so the same holds).
         """
-        counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
-        prob_sums = probs.sum(dim=0)
-        tokens = torch.tensor(float(probs.shape[0]), device=probs.device)
-        if self.stats_reducer is not None:
-            counts, global_sums, tokens = self.stats_reducer(counts, prob_sums.detach(), tokens)
-        else:
-            global_sums = prob_sums.detach()
-        self.last_tokens_per_expert = counts.detach()
-        self.last_aux_loss = load_balancing_loss(counts, global_sums, tokens).detach()
-        return load_balancing_loss(counts, prob_sums, tokens)
+        e = self.num_experts
+        counts = count_ids(route.experts.flatten(), e)
+        prob_sums = route.probs.sum(dim=0)
+        z_sum = torch.logsumexp(route.logits, dim=-1).square().sum() if self.z_loss_scale else prob_sums.new_zeros(())
+        local = torch.cat([counts.double(), prob_sums.detach().double(), z_sum.detach().double().view(1),
+                           prob_sums.new_full((1,), route.probs.shape[0], dtype=torch.float64)])
+        total = self.stats_reducer(local) if self.stats_reducer is not None else local
+        g_counts, g_sums, g_z, tokens = total[:e].float(), total[e : 2 * e].float(), total[2 * e], total[2 * e + 1]
+        tokens = tokens.float()
+        self.last_tokens_per_expert = total[:e].long()
+        self.last_aux_loss = load_balancing_loss(g_counts, g_sums, tokens)
+        self.last_z_loss = (g_z.float() / tokens) if self.z_loss_scale else None
+        if self.bias_rate and self.training:
+            load = self.load_since_update
+            self.load_since_update = self.last_tokens_per_expert if load is None else load + self.last_tokens_per_expert
+        aux = load_balancing_loss(g_counts, prob_sums, tokens)
+        return self.aux_loss_scale * aux + self.z_loss_scale * z_sum / tokens
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """DeepSeek-V3 bias step: under-loaded experts become more likely to be chosen, over-loaded less."""
+        if self.gate.expert_bias is None or self.load_since_update is None:
+            return
+        load = self.load_since_update.float()
+        self.gate.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.bias_rate)
+        self.load_since_update = None
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def update_expert_bias(model: nn.Module) -> None:
+    """Call after each optimizer step when ``moe_aux_free_bias_rate`` > 0 (no-op otherwise).
+
+    Every rank must see the same (global) counts to keep the biases identical: expert and data
+    parallelism install a global ``stats_reducer``.
+    """
+    for m in moe_layers(model):
+        m.update_expert_bias()
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor | None:

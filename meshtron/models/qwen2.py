@@ -90,16 +90,22 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, layers: range | None = None
+    ) -> torch.Tensor:
+        """``layers`` runs only that range of global layer indices (a pipeline chunk): the embedding
+        applies when it starts at layer 0, the final norm and LM head when it ends at the last layer."""
+        first = layers is None or layers.start == 0
+        last = layers is None or layers.stop == self.config.num_hidden_layers
+        h = self.embed_tokens(tokens) if self.embed_tokens is not None and first else tokens
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
         rope = self.rotary(position_ids, h.dtype)
-        for layer in self.layers.values():
-            h = layer(h, rope)
-        if self.norm is not None:
+        for key in self.layers if layers is None else map(str, layers):
+            h = self.layers[key](h, rope)
+        if self.norm is not None and last:
             h = self.norm(h)
-        return self.lm_head(h) if self.lm_head is not None else h
+        return self.lm_head(h) if self.lm_head is not None and last else h
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -110,12 +116,13 @@ class Transformer(nn.Module):
         the single-process weights, whatever the layout.
         """
         init = InitialWeights(self.config, seed)
-        for name, param in self.named_parameters():
-            param.copy_(init[name].to(param.device))
+        for name, tensor in self.state_dict(keep_vars=True).items():
+            tensor.copy_(init[name].to(tensor.device))
 
 
 class InitialWeights:
-    """Mapping name -> initial full tensor (normal(0, initializer_range) matrices, ones norms, zero biases).
+    """Mapping name -> initial full tensor: normal(0, initializer_range) matrices, ones for norms,
+    zeros for biases and buffers (the MoE expert bias).
 
     Values are generated on access, so a sharded model can be filled one parameter at a time.
     """
@@ -123,7 +130,9 @@ class InitialWeights:
     def __init__(self, cfg: ModelConfig, seed: int):
         self.cfg, self.seed = cfg, seed
         with torch.device("meta"):
-            self.shapes = {name: p.shape for name, p in Transformer(cfg).named_parameters(remove_duplicate=False)}
+            model = Transformer(cfg)
+        self.shapes = {name: t.shape for name, t in model.state_dict(keep_vars=True).items()}
+        self.buffers = {name for name, _ in model.named_buffers()}
 
     def __contains__(self, name: str) -> bool:
         return name in self.shapes
@@ -134,7 +143,7 @@ class InitialWeights:
         shape = self.shapes[name]
         if name.endswith("norm.weight"):
             return torch.ones(shape)
-        if name.endswith(".bias"):
+        if name.endswith(".bias") or name in self.buffers:
             return torch.zeros(shape)
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
         return torch.randn(shape, generator=gen) * self.cfg.initializer_range

@@ -17,14 +17,23 @@ from meshtron.checkpoint import gather_full_state_dict, load_full_state_dict
 from meshtron.config import Config
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import InitialWeights, moe_layers
+from meshtron.parallel.checkpointing import apply_activation_checkpointing
 from meshtron.parallel.context import apply_context_parallel, shard_batch
+from meshtron.parallel.data import apply_data_parallel
+from meshtron.parallel.expert import apply_expert_parallel
+from meshtron.parallel.grad_norm import clip_grad_norm_
 from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
 
 
 def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
     """Apply every parallelism except the pipeline split to ``model`` (in place; meta or real)."""
-    apply_tensor_parallel(model, mesh["tp"], cfg.parallel.sp)
+    p = cfg.parallel
+    apply_tensor_parallel(model, mesh["tp"], p.sp)
+    # The TP plan gathers a MoE block's tokens even under SP, so tp ranks hold the same tokens there.
+    apply_expert_parallel(model, mesh, sequence_parallel=False)
     apply_context_parallel(model, mesh)
+    apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
+    apply_data_parallel(model, mesh, p.data_parallel, cfg.train.dtype)
     return model
 
 
@@ -50,40 +59,10 @@ def global_token_count(micro: list, data_group) -> torch.Tensor:
     return tokens
 
 
-def average_aux_over_microbatches(module: nn.Module, micro: int) -> None:
-    for moe in moe_layers(module):
-        moe.aux_loss_scale /= micro  # one aux loss per micro-batch, averaged
-
-
-def _by_layout(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """Parameters grouped by gradient layout (plain, or DTensor mesh + placements): foreach kernels
-    cannot mix them. Parameter order is the same on every rank, so the groups' collectives line up."""
-    groups: dict = {}
-    for p in params:
-        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-        groups.setdefault(key, []).append(p)
-    return list(groups.values())
-
-
-def clip_grad_norm(module: nn.Module, max_norm: float, pp_group=None, copy: nn.Parameter | None = None) -> float:
-    """Clip to the global gradient norm; ``pp_group`` adds the other pipeline stages' parameters.
-
-    ``copy`` (a second copy of a parameter another stage holds, e.g. a tied LM head) is clipped but
-    not counted twice.
-    """
-    params = [p for p in module.parameters() if p.grad is not None]
-    groups = _by_layout(params)
-    squares = []
-    for group in _by_layout([p for p in params if p is not copy]):
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).pow(2))
-    squared = torch.stack(squares).sum()
-    if pp_group is not None:
-        dist.all_reduce(squared, group=pp_group)
-    norm = squared.sqrt()
-    for group in groups:
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
-    return norm.item()
+def average_router_losses_over_microbatches(module: nn.Module, micro: int) -> None:
+    for moe in moe_layers(module):  # one router loss per micro-batch, averaged over them
+        moe.aux_loss_scale /= micro
+        moe.z_loss_scale /= micro
 
 
 def _full_cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -127,27 +106,40 @@ class StepRunner:
         self.module = parallelize(model, mesh, cfg)
         materialize_sharded(self.module, device, cfg)
         self.data_group = dense_data_mesh(mesh).get_group()
-        average_aux_over_microbatches(self.module, cfg.parallel.microbatches)
+        average_router_losses_over_microbatches(self.module, cfg.parallel.microbatches)
         self._aux: list[torch.Tensor] = []
 
+    def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks that hold different tokens (dp x ep x cp); tp ranks hold copies."""
+        dist.all_reduce(value, group=self.data_group)
+        return value
+
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        micro = split_microbatches(input_ids, labels, self.mesh, self.cfg.parallel.microbatches)
-        tokens = global_token_count(micro, self.data_group)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        input_ids, labels, positions = shard_batch((input_ids, labels, positions), self.mesh)
+        tokens = self._global_sum((labels != -100).sum().to(torch.float32))
         total = torch.zeros((), device=self.device)
         self._aux = []
-        for ids, lab, pos in micro:
+        micro = self.cfg.parallel.microbatches
+        chunks = zip(input_ids.chunk(micro), labels.chunk(micro), positions.chunk(micro))
+        for i, (ids, lab, pos) in enumerate(chunks):
+            self.module.set_requires_gradient_sync(self._sync_gradients(i))
             loss = parallel_token_loss_sum(self.module(ids, pos), lab) / tokens
             loss.backward()
             total += loss.detach()
             self._aux.extend(m.last_aux_loss for m in moe_layers(self.module) if m.last_aux_loss is not None)
-        dist.all_reduce(total, group=self.data_group)
-        return total.item()
+        return self._global_sum(total).item()
+
+    def _sync_gradients(self, microbatch: int) -> bool:
+        """Full sharding reduce-scatters every micro-batch, so unsharded gradients never pile up;
+        replication and HSDP keep full gradients anyway and reduce once, on the last micro-batch."""
+        return self.cfg.parallel.data_parallel == "fsdp" or microbatch == self.cfg.parallel.microbatches - 1
 
     def aux_loss(self) -> float | None:
         return torch.stack(self._aux).mean().item() if self._aux else None
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_grad_norm(self.module, max_norm)
+        return clip_grad_norm_(self.module.parameters(), max_norm).item()
 
     def export_hf(self, folder: str) -> None:
         export_hf(self.module, self.cfg, folder)

@@ -149,7 +149,8 @@ class ReplicateParallel(ParallelStyle):
         def to_local(_module, outputs, _mesh):
             if isinstance(outputs, DTensor):
                 return outputs.to_local()
-            return type(outputs)(o.to_local() if isinstance(o, DTensor) else o for o in outputs)
+            local = [o.to_local() if isinstance(o, DTensor) else o for o in outputs]
+            return type(outputs)(*local) if hasattr(outputs, "_fields") else type(outputs)(local)  # namedtuples
 
         return distribute_module(
             module,

@@ -24,7 +24,7 @@ happen once per step, not once per micro-batch.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,18 +39,12 @@ ForwardFn = Callable[[int, torch.Tensor, int], torch.Tensor]
 LossFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
-def _fsdp_modules(modules: Iterable[nn.Module]) -> list[nn.Module]:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [sub for mod in modules for sub in mod.modules() if isinstance(sub, FSDPModule)]
-
-
 class PipelineExecutor:
     """Executes ``steps`` (one rank's schedule) over ``num_stages`` chunks.
 
     ``group`` is the pp process group (``mesh["pp"].get_group()``); schedule peers are pp-group
-    ranks and are mapped to global ranks once. ``chunk_modules`` maps each local stage to the
-    modules its parameters live in (for FSDP's per-step gradient sync).
+    ranks and are mapped to global ranks once. ``chunk_units`` maps each local stage to the FSDP2
+    units (``FSDPModule``) holding its parameters, for the once-per-step gradient sync.
     """
 
     def __init__(
@@ -58,7 +52,7 @@ class PipelineExecutor:
         steps: Sequence[Step],
         num_stages: int,
         group,
-        chunk_modules: Mapping[int, Sequence[nn.Module]] | None = None,
+        chunk_units: Mapping[int, Sequence[nn.Module]] | None = None,
     ):
         self.steps, self.num_stages, self.group = list(steps), num_stages, group
         self.rank = dist.get_rank(group)
@@ -73,7 +67,7 @@ class PipelineExecutor:
             if isinstance(step, Action) and step.kind == B:
                 last_b[step.stage] = i
         self._last_backward = set(last_b.values())
-        self._fsdp = {s: _fsdp_modules(mods) for s, mods in (chunk_modules or {}).items()}
+        self._fsdp = {s: list(units) for s, units in (chunk_units or {}).items()}
         self.record = False
         self.spans: list[Span] = []
         self.peak_live = 0

@@ -25,9 +25,9 @@ from torch.distributed.tensor import DTensor
 from meshtron.config import Config
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import moe_layers
+from meshtron.parallel.grad_norm import global_grad_norm
 from meshtron.parallel.runner import (
-    average_aux_over_microbatches,
-    clip_grad_norm,
+    average_router_losses_over_microbatches,
     export_hf,
     global_token_count,
     materialize_sharded,
@@ -48,6 +48,16 @@ def boundary_tensor(cfg: Config, micro_batch: int, local_seq: int) -> tuple[tupl
     p = cfg.parallel
     seq = local_seq // p.tp if p.sp and p.tp > 1 else local_seq
     return (micro_batch, seq, cfg.model.hidden_size), getattr(torch, cfg.train.dtype)
+
+
+def _fsdp_units(chunk) -> list[nn.Module]:
+    """FSDP2 units holding a chunk's parameters; the stage root's own (the final norm) go with the last."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [sub for mod in chunk.modules() for sub in mod.modules() if isinstance(sub, FSDPModule)]
+    if chunk.is_last and isinstance(chunk.model, FSDPModule):
+        units.append(chunk.model)
+    return units
 
 
 def _first_last_group(mesh):
@@ -76,12 +86,11 @@ class PipelineRunner:
         materialize_sharded(self.module, device, cfg)
         self.chunks = build_chunks(self.module, stages, self.num_stages)
         self.data_group = dense_data_mesh(mesh).get_group()
-        average_aux_over_microbatches(self.module, p.microbatches)
+        average_router_losses_over_microbatches(self.module, p.microbatches)
         self._moe = {s: [m for mod in c.modules() for m in moe_layers(mod)] for s, c in self.chunks.items()}
         steps = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)[pp_mesh.get_local_rank()]
-        self.executor = PipelineExecutor(
-            steps, self.num_stages, self.pp_group, {s: c.modules() for s, c in self.chunks.items()}
-        )
+        units = {s: _fsdp_units(c) for s, c in self.chunks.items()}
+        self.executor = PipelineExecutor(steps, self.num_stages, self.pp_group, units)
         self._aux: float | None = None
         self._tied, self._tie_group = None, None
         if cfg.model.tie_word_embeddings:
@@ -123,9 +132,16 @@ class PipelineRunner:
         """Mean of the last step's aux losses over every MoE layer of every stage and micro-batch."""
         return self._aux
 
+    @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
-        copy = self._tied if self.module.lm_head is not None else None  # counted on the first stage
-        return clip_grad_norm(self.module, max_norm, self.pp_group, copy)
+        """Clip to the norm over all stages; a tied LM head copy is clipped but counted once (first stage)."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        copy = self._tied if self.module.lm_head is not None else None
+        total = global_grad_norm([p for p in params if p is not copy], pp_mesh=self.mesh["pp"])
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule
+        for p in params:
+            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
+        return total.item()
 
     def export_hf(self, folder: str) -> None:
         export_hf(self.module, self.cfg, folder, self.pp_group)

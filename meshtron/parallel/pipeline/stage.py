@@ -5,7 +5,7 @@ A pp-rank keeps ONE ``Transformer`` whose ``layers`` hold the layers of all its 
 token embedding only where chunk 0 runs and the final norm and LM head only where the last chunk
 runs. Pruning happens on the meta device before anything is allocated, so a rank never holds more
 than its share of a large model. A :class:`StageChunk` is a view that runs one chunk's layer range
-of that model; it owns no parameters.
+of that model (``Transformer.forward(..., layers=range)``); it owns no parameters.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class StageChunk:
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
 
     def modules(self) -> list[nn.Module]:
-        """The modules whose parameters this chunk uses (for per-chunk gradient-sync control)."""
+        """The modules whose parameters this chunk uses (for per-chunk gradient-sync control); the stage
+        model's own parameters (e.g. the final norm) belong to the last chunk."""
         mods = [self.model.layers[str(i)] for i in self.layers]
         if self.is_first:
             mods.insert(0, self.model.embed_tokens)
@@ -50,12 +51,8 @@ class StageChunk:
         return mods
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        h = m.embed_tokens(x) if self.is_first else x
-        rope = m.rotary(position_ids, h.dtype)
-        for i in self.layers:
-            h = m.layers[str(i)](h, rope)
-        return m.lm_head(m.norm(h)) if self.is_last else h
+        # Through the stage model's own call, so hooks on it (FSDP's root unit, TP's) run per chunk.
+        return self.model(x, position_ids, layers=self.layers)
 
 
 def prune_to_stage(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> dict[int, range]:

@@ -1,0 +1,45 @@
+"""Activation checkpointing of transformer blocks (a memory/compute trade, not a mesh dimension).
+
+We use PyTorch's composable ``checkpoint`` (non-reentrant, installed as forward hooks) rather than
+``checkpoint_wrapper``: it adds no ``_checkpoint_wrapped_module`` level, so parameter names, state
+dicts and checkpoints are the same with and without it. Apply it before FSDP (composable
+checkpoint and ``fully_shard`` on the same block is the combination PyTorch tests), after TP/EP/CP.
+
+Recomputation replays the block's forward in backward with the same RNG state, so a checkpointed
+run gives bit-identical losses and gradients to a plain one on the same layout.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed._composable import checkpoint
+
+from meshtron.config import ACTIVATION_CHECKPOINTING
+
+
+def checkpointed_layers(layer_ids: list[int], mode: str, every: int) -> list[int]:
+    """Which global layer indices to checkpoint.
+
+    ``full``: all of them; ``selective``: layers whose global index is a multiple of ``every``
+    (0, N, 2N, ...), so the choice does not change when a pipeline stage holds only some layers.
+    """
+    if mode not in ACTIVATION_CHECKPOINTING:
+        raise ValueError(
+            f"activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got '{mode}'."
+        )
+    if every < 1:
+        raise ValueError(f"ac_every must be >= 1, got {every}.")
+    if mode == "none":
+        return []
+    if mode == "full":
+        return list(layer_ids)
+    return [i for i in layer_ids if i % every == 0]
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str = "none", every: int = 2) -> list[int]:
+    """Checkpoint the blocks in ``model.layers`` chosen by ``mode``; returns their global indices."""
+    layers = model.layers
+    chosen = checkpointed_layers([int(key) for key in layers], mode, every)
+    for index in chosen:
+        checkpoint(layers[str(index)])
+    return chosen

@@ -1,0 +1,151 @@
+"""Data parallelism over the data meshes: FSDP2, HSDP or replication, with mixed precision.
+
+Which ranks hold copies (or shards) of a parameter, and reduce its gradient:
+
+- dense parameters: dp x ep x cp (``dp_ep_cp``): ep ranks see other tokens for dense layers and
+  cp ranks other positions, so all of them contribute gradient to every dense weight;
+- expert parameters (each MoE's ``experts`` module): dp x cp (``dp_cp``): expert parallelism
+  already splits them over ep, and each ep rank owns different experts.
+
+Modes (``[parallel] data_parallel``):
+
+- ``fsdp``: parameters, gradients and optimizer state sharded over the whole data mesh
+  (ZeRO-3); parameters all-gathered per block in forward and backward, gradients reduce-scattered;
+- ``hsdp``: replicate over ``dp`` and shard inside each dp slice, i.e. dense parameters sharded
+  over ep x cp (flattened ``cp_ep``) and experts over cp; gradients reduce-scattered inside the
+  slice then all-reduced over dp. Sharding stays inside the ep x cp ranks (usually one node)
+  while the slower dp links carry one all-reduce. With ep = cp = 1 the shard group has one rank
+  and HSDP is plain replication over dp;
+- ``replicate``: full copies everywhere, gradients all-reduced (DDP-like). Built on PyTorch's
+  FSDP2-based ``replicate`` so it composes with TP DTensors and runs on gloo and NCCL alike.
+
+Parameters already sharded by TP (and experts by EP) are DTensors; FSDP2 adds the data dimension
+so they become 2-D DTensors (data mesh x tp / ep). FSDP units: each MoE's ``experts`` (on the
+expert data mesh), each block, the embedding and lm_head (one root unit when tied), and the root
+(final norm).
+
+Gradients are SUMMED over data ranks. The training loop divides each rank's summed token loss by
+the global token count of the step, so every rank's gradient is already its share of one global
+loss; FSDP2 would divide by the data-mesh size (an average), so we set its divide factor to 1 and
+force plain SUM collectives (a factor alone becomes NCCL's PREMUL_SUM, which gloo lacks; with SUM
+and factor 1 no scaling kernel runs at all). With HSDP this covers the reduce-scatter and the
+all-reduce. Micro-batches: every backward reduces its gradients, which is exact (sums of sums).
+With ``fsdp`` keep it so (skipping it would hold unsharded gradients); with ``replicate``/``hsdp``
+a caller may save the all-reduces with ``set_requires_gradient_sync(False)`` on the root for all
+but the last micro-batch.
+
+Mixed precision (``[train] dtype``): ``bfloat16`` keeps fp32 master parameters and optimizer state,
+computes in bf16 (parameters all-gathered in bf16) and reduces gradients in fp32; ``float32`` uses
+no policy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from meshtron.config import DATA_PARALLEL_MODES
+from meshtron.mesh import dense_data_mesh, expert_data_mesh
+from meshtron.models.moe import MoE
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction for ``bfloat16``; no casting for ``float32``."""
+    if dtype not in _DTYPES:
+        raise ValueError(f"[train] dtype must be one of {', '.join(_DTYPES)}, got '{dtype}'.")
+    if dtype == "float32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[dtype], reduce_dtype=torch.float32)
+
+
+def data_meshes(mesh: DeviceMesh, mode: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """(dense mesh, expert mesh) for ``mode``: 1-D for fsdp/replicate, (replicate, shard) for hsdp."""
+    if mode not in DATA_PARALLEL_MODES:
+        raise ValueError(f"[parallel] data_parallel must be one of {', '.join(DATA_PARALLEL_MODES)}, got '{mode}'.")
+    if mode != "hsdp":
+        return dense_data_mesh(mesh), expert_data_mesh(mesh)
+    # Joining dp with the flattened (cp, ep) mesh; slicing a flattened dim out of the root mesh
+    # is deprecated. DeviceMesh flattens dims in mesh order (pp, dp, cp, ep, tp), hence "cp_ep".
+    shard = mesh[("cp", "ep")]._flatten("cp_ep")
+    return DeviceMesh._concatenate([mesh["dp"], shard]), mesh[("dp", "cp")]
+
+
+def _even_shard_dim(shards: int):
+    """FSDP placement: the first dim of the local tensor that ``shards`` divides, else dim 0.
+
+    Experts split by EP are DTensors Shard(0) with E/ep local experts, often fewer than the expert
+    data ranks (e.g. 64 experts, ep = 8, dp x cp = 16). Sharding that dim again would be uneven and
+    strided, which DTensor cannot redistribute; the hidden dims are even in practice.
+    """
+
+    def placement(param: nn.Parameter) -> Shard:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        return Shard(next((d for d, size in enumerate(local.shape) if size % shards == 0), 0))
+
+    return placement
+
+
+def _wrap(module: nn.Module, data_mesh: DeviceMesh, mode: str, policy: MixedPrecisionPolicy, placement=None):
+    if mode == "replicate":
+        return replicate(module, mesh=data_mesh, mp_policy=policy)
+    return fully_shard(module, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement)
+
+
+def _untied_vocab_modules(model: nn.Module) -> list[nn.Module]:
+    """Embedding and lm_head as units of their own, unless tied (one parameter needs one unit).
+
+    The root unit stays gathered from forward to the end of backward; keeping the two largest
+    matrices out of it frees them between uses (about 2 GiB of bf16 for Qwen2.5-7B).
+    """
+    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    if embed is not None and head is not None and embed.weight is head.weight:
+        return []
+    return [m for m in (embed, head) if m is not None]
+
+
+def _check_experts_split_over_ep(moes: list[MoE], mesh: DeviceMesh) -> None:
+    """With ep > 1, expert gradients are reduced over dp x cp only: the experts must be EP-sharded."""
+    ep = mesh["ep"].size()
+    if ep == 1:
+        return
+    for moe in moes:
+        for name, param in moe.experts.named_parameters():
+            if not (isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())):
+                raise ValueError(
+                    f"ep = {ep} but expert weight '{name}' is not split over the ep mesh; its gradient would "
+                    "miss the other ep ranks' tokens. Apply expert parallelism before data parallelism."
+                )
+
+
+def apply_data_parallel(
+    model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp", dtype: str = "float32"
+) -> nn.Module:
+    """Shard or replicate ``model`` (a full model or a pipeline stage) over the data meshes, in place.
+
+    Call last, after TP/EP/CP and activation checkpointing; works on meta-device and materialised
+    models. Gradients are summed over data ranks (see the module docstring).
+    """
+    policy = mixed_precision(dtype)
+    _check_experts_split_over_ep([m for m in model.modules() if isinstance(m, MoE)], mesh)
+    dense_mesh, expert_mesh = data_meshes(mesh, mode)
+    expert_placement = _even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))  # the shard dim (last for HSDP)
+    units: list[FSDPModule] = []
+    for block in model.layers.values():
+        units += [
+            _wrap(moe.experts, expert_mesh, mode, policy, expert_placement)
+            for moe in block.modules()
+            if isinstance(moe, MoE)
+        ]
+        units.append(_wrap(block, dense_mesh, mode, policy))
+    units += [_wrap(m, dense_mesh, mode, policy) for m in _untied_vocab_modules(model)]
+    units.append(_wrap(model, dense_mesh, mode, policy))
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    return model

@@ -1,0 +1,297 @@
+"""Expert parallelism (EP): routed experts split over the ``ep`` mesh dimension, tokens moved by all-to-all.
+
+Layout. Each MoE's routed expert weights ``[E, in, out]`` become DTensors with ``Shard(0)`` on the
+ep mesh: rank r of the ep group holds experts ``r * E/ep ... (r + 1) * E/ep - 1`` as one local
+``[E/ep, in, out]`` block, while checkpoints and FSDP still see one logical ``[E, in, out]`` tensor.
+Router, shared expert and everything dense stay as they are (replicated over ep, which acts as extra
+data parallelism for them).
+
+Dispatch, per MoE call (``ExpertParallelExperts.forward``), after the router chose k experts per token:
+
+1. copy every token once per chosen expert and sort the copies by expert (``permute_tokens``); since
+   experts are laid out rank-major, this also groups them by destination rank;
+2. exchange the per-expert counts (one tiny all-to-all), then read the split sizes on the host:
+   the only device-to-host sync of the layer;
+3. all-to-all the token copies with uneven splits; they arrive grouped by source rank, then by
+   local expert, so a stable sort regroups them by local expert;
+4. one ``grouped_mm`` per projection over all received tokens (``grouped_swiglu``);
+5. undo the regrouping, all-to-all back along the reversed splits, and combine each token's k
+   outputs with its routing weights (``unpermute_tokens``).
+
+Both all-to-alls are autograd functions whose backward is the reverse all-to-all, so gradients of
+tokens and of the local experts are exact: an expert's gradient on rank r already sums the tokens
+of the whole ep group. The shared expert (``shared`` callback from the MoE) runs on the local
+tokens while the dispatch all-to-all is in flight.
+
+Composition with the other dimensions:
+
+* tensor parallelism without sequence parallelism: every rank of a TP group holds the same tokens.
+  Each tp rank dispatches only its 1/tp slice of them (so every token travels once) and the outputs
+  are all-gathered over tp afterwards. The slice's backward all-gathers the input gradients; the
+  gather's backward keeps this rank's slice (activation gradients are replicated over tp). Experts
+  are replicated over tp but see different tokens per tp rank, so their gradients are summed over
+  tp in backward (inside this module). With sequence parallelism the tp ranks hold different tokens
+  already: nothing is split, the tp ranks count as token holders for the router statistics, and
+  the expert gradients are still summed over tp (the experts are replicated there).
+* context parallelism: cp ranks hold different tokens; dispatch stays inside ep.
+* data parallelism / FSDP: expert gradients (already summed over ep's tokens) still need summing
+  over dp x cp (``meshtron.mesh.expert_data_mesh``); the data-parallel module does that.
+* pipeline parallelism: apply after the stage split; each stage converts the MoE layers it owns.
+
+Router statistics (the aux loss's f and P, token counts, the z-loss and the aux-free bias load)
+must cover the global batch: :func:`set_global_router_stats` installs an all-reduce over every mesh
+dimension that holds different tokens (dp, cp, ep, plus tp under sequence parallelism).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from meshtron.config import ConfigError
+from meshtron.mesh import dense_data_mesh
+from meshtron.models.moe import (
+    GroupedExperts,
+    SharedWork,
+    StatsReducer,
+    grouped_swiglu,
+    moe_layers,
+    permute_tokens,
+    sort_by_group,
+    unpermute_tokens,
+    unsort,
+)
+
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; backward sends the gradients back the same way.
+
+    With ``pending`` (a list) the forward is asynchronous: its work handle is appended there and the
+    caller must wait on it before reading the output. (``torch.distributed.nn.functional.
+    all_to_all_single`` also differentiates uneven splits on gloo, as we checked, but it is
+    deprecated in torch 2.13 and has no asynchronous form to overlap the shared expert with.)
+    """
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, pending: list | None):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        work = dist.all_to_all_single(
+            out, x.contiguous(), out_splits, in_splits, group=group, async_op=pending is not None
+        )
+        if pending is not None:
+            pending.append(work)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None, None
+
+
+class _SliceTokens(torch.autograd.Function):
+    """This tp rank's slice of tokens replicated over tp; backward all-gathers the slices' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        return x.view(size, -1, *x.shape[1:])[rank].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_rows(grad, ctx.group), None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """All-gather token slices over tp; backward keeps this rank's slice of the replicated gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_rows(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.reshape(size, -1, *grad.shape[1:])[rank].clone(), None
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity whose backward sums the gradient over ``group`` (weights replicated there, tokens not)."""
+
+    @staticmethod
+    def forward(ctx, w, group):
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    dist.all_gather_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _shard_experts(full: torch.Tensor, ep_mesh: DeviceMesh) -> DTensor:
+    """This rank's ``Shard(0)`` block of ``full`` as a DTensor, without communication (meta works too)."""
+    local = full.detach().chunk(ep_mesh.size())[ep_mesh.get_local_rank()].clone()
+    return DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+
+
+class ExpertParallelExperts(nn.Module):
+    """Drop-in for :class:`GroupedExperts` holding E/ep experts per rank and dispatching by all-to-all.
+
+    ``tp_mesh``: the tensor-parallel group, over which the experts are replicated while the tokens
+    they see differ, so their gradients are summed there. ``split_tokens_over_tp``: the tokens are
+    replicated over tp (no sequence parallelism), so each tp rank dispatches only 1/tp of them.
+    """
+
+    def __init__(
+        self,
+        experts: GroupedExperts,
+        ep_mesh: DeviceMesh,
+        tp_mesh: DeviceMesh | None = None,
+        split_tokens_over_tp: bool = True,
+    ):
+        super().__init__()
+        self.num_experts = experts.num_experts
+        self.ep_mesh = ep_mesh
+        self.ep_group = ep_mesh.get_group()
+        self.tp_group = tp_mesh.get_group() if tp_mesh is not None and tp_mesh.size() > 1 else None
+        self.split_tokens = self.tp_group is not None and split_tokens_over_tp
+        for name in _PROJECTIONS:
+            full = getattr(experts, name)
+            setattr(self, name, nn.Parameter(_shard_experts(full, ep_mesh), requires_grad=full.requires_grad))
+        # Bytes of token rows this rank put into the dispatch all-to-all in the last forward.
+        self.last_dispatch_bytes = 0
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.ep_mesh.size()
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: SharedWork | None = None
+    ) -> torch.Tensor:
+        if self.split_tokens:
+            x, weights, experts = self._slice_over_tp(x, weights, experts)
+        sorted_x, order, counts = permute_tokens(x, experts, self.num_experts)
+        send, recv, recv_counts = self._exchange_counts(counts)
+        pending: list = []
+        received = _AllToAll.apply(sorted_x, recv, send, self.ep_group, pending)
+        self.last_dispatch_bytes = sorted_x.numel() * sorted_x.element_size()
+        side = shared() if shared is not None else None  # overlaps the dispatch in flight
+        for work in pending:
+            work.wait()
+        y = self._run_local_experts(received, recv_counts, sum(recv))
+        out = unpermute_tokens(_AllToAll.apply(y, send, recv, self.ep_group, None), order, weights)
+        if self.split_tokens:
+            out = _GatherTokens.apply(out, self.tp_group)
+        return out + side if side is not None else out
+
+    def _slice_over_tp(self, x, weights, experts):
+        size, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
+        if x.shape[0] % size:
+            raise ValueError(
+                f"expert parallelism with tp = {size} splits each TP group's {x.shape[0]} replicated tokens "
+                f"over tp, which needs the token count (batch x sequence per rank) to be a multiple of tp."
+            )
+        chunk = x.shape[0] // size
+        return (
+            _SliceTokens.apply(x, self.tp_group),
+            _SliceTokens.apply(weights, self.tp_group),
+            experts[rank * chunk : (rank + 1) * chunk],
+        )
+
+    def _exchange_counts(self, counts: torch.Tensor):
+        """Split sizes per peer for both directions (host ints) and received counts [ep, local]."""
+        ep = self.ep_mesh.size()
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.ep_group)
+        recv_counts = recv_counts.view(ep, self.local_experts)
+        send, recv = torch.stack([counts.view(ep, -1).sum(1), recv_counts.sum(1)]).tolist()  # the one sync
+        return send, recv, recv_counts
+
+    def _run_local_experts(self, received: torch.Tensor, recv_counts: torch.Tensor, rows: int) -> torch.Tensor:
+        """Regroup rows (by source rank, then local expert) by local expert, run them, restore the order."""
+        local = torch.arange(self.local_experts, device=received.device).repeat(recv_counts.shape[0])
+        expert_of_row = torch.repeat_interleave(local, recv_counts.flatten(), output_size=rows)
+        regroup, local_counts = sort_by_group(expert_of_row, self.local_experts)
+        weights = [self._local_weight(name) for name in _PROJECTIONS]
+        return unsort(grouped_swiglu(received[regroup], local_counts, *weights), regroup)
+
+    def _local_weight(self, name: str) -> torch.Tensor:
+        w = getattr(self, name).to_local()
+        return _SumGrad.apply(w, self.tp_group) if self.tp_group is not None else w
+
+
+def _sum_over(group) -> StatsReducer:
+    def reduce(stats: torch.Tensor) -> torch.Tensor:
+        stats = stats.clone()
+        dist.all_reduce(stats, group=group)
+        return stats
+
+    return reduce
+
+
+def token_mesh(mesh: DeviceMesh, sequence_parallel: bool = False) -> DeviceMesh:
+    """The ranks holding different tokens of one step: dp x cp x ep, and tp when it splits the sequence."""
+    if sequence_parallel and mesh["tp"].size() > 1:
+        return mesh[("dp", "cp", "ep", "tp")]._flatten("dp_cp_ep_tp")
+    return dense_data_mesh(mesh)
+
+
+def set_global_router_stats(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """Make every MoE's router statistics global (see ``MoE._router_losses``): one small all-reduce
+    per MoE call over :func:`token_mesh`. A no-op when a single rank holds all tokens."""
+    tokens = token_mesh(mesh, sequence_parallel)
+    reducer = _sum_over(tokens.get_group()) if tokens.size() > 1 else None
+    for moe in moe_layers(model):
+        moe.stats_reducer = reducer
+
+
+def _check_divisible(num_experts: int, ep: int) -> None:
+    if num_experts % ep:
+        valid = [v for v in range(1, num_experts + 1) if num_experts % v == 0]
+        raise ConfigError(
+            f"[parallel] ep = {ep} does not divide [model] num_experts = {num_experts}; "
+            f"valid ep values: {', '.join(map(str, valid))}."
+        )
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
+    """Split every MoE's routed experts over ``mesh['ep']`` and make router statistics global.
+
+    Works on a meta-device model (materialise afterwards with ``materialize_sharded``, which fills each rank's
+    experts from the full deterministic initial weights) and on a materialised one (each rank keeps its block of the full weights, which must be
+    identical on all ranks). ``sequence_parallel``: whether tensor parallelism splits the MoE's
+    tokens over tp (then they are not split again here). Returns ``model``.
+    """
+    layers = moe_layers(model)
+    ep_mesh = mesh["ep"]
+    ep = ep_mesh.size()
+    if ep > 1 and not layers:
+        raise ConfigError(f"[parallel] ep = {ep} needs an MoE model (num_experts > 0); this model has no MoE layer.")
+    for moe in layers:
+        _check_divisible(moe.num_experts, ep)
+    set_global_router_stats(model, mesh, sequence_parallel)
+    if ep == 1:
+        return model
+    for moe in layers:
+        moe.experts = ExpertParallelExperts(moe.experts, ep_mesh, mesh["tp"], split_tokens_over_tp=not sequence_parallel)
+    return model
+
+
+__all__ = ["ExpertParallelExperts", "apply_expert_parallel", "set_global_router_stats", "token_mesh"]

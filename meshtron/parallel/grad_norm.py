@@ -1,0 +1,109 @@
+"""Global gradient norm and clipping over gradients that live on different meshes.
+
+After TP, EP and FSDP, gradients are DTensors on several meshes at once: dense ones on
+(dp_ep_cp, tp), experts on (dp_cp, ep), norms only on the data mesh, and with pipeline parallelism
+each stage holds other parameters. ``torch.nn.utils.clip_grad_norm_`` stacks per-tensor norms,
+which DTensor refuses across meshes, so we compute the norm ourselves:
+
+1. group gradients by (mesh, the mesh dims they are sharded over);
+2. per group, add up |g|^p of the local shards and sum that over the sharded mesh dims only
+   (replicated dims hold copies, which must not be counted twice);
+3. add the groups, then sum over pipeline stages.
+
+Every rank ends with the norm of the full model's gradient, equal to the single-process norm.
+Collectives per call: one small all-reduce per (group, sharded dim), plus one over pp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from meshtron import env
+
+_GroupKey = tuple[DeviceMesh | None, tuple[int, ...]]
+
+
+def _sharded_dims(grad: DTensor) -> tuple[int, ...]:
+    dims = []
+    for dim, placement in enumerate(grad.placements):
+        if isinstance(placement, Partial):
+            raise ValueError(
+                f"a gradient is a Partial DTensor on {grad.device_mesh}; reduce it (e.g. redistribute to "
+                "Replicate) before taking the norm: partial sums cannot be squared locally."
+            )
+        if not isinstance(placement, Replicate):
+            dims.append(dim)  # Shard or _StridedShard: the ranks hold disjoint pieces
+    return tuple(dims)
+
+
+def _local_pieces(grads: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Tensor]]:
+    groups: dict[_GroupKey, list[torch.Tensor]] = {}
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            key = (grad.device_mesh, _sharded_dims(grad))
+            grad = grad.to_local()
+        else:
+            key = (None, ())
+        groups.setdefault(key, []).append(grad)
+    return groups
+
+
+def _power_sum(pieces: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """sum |x|^p (or max |x| for p = inf) over local pieces, in fp32.
+
+    Uneven FSDP sharding leaves some ranks empty pieces; they add nothing (and have no inf-norm).
+    """
+    zero = torch.zeros((), device=pieces[0].device)
+    norms = torch.stack([zero] + [torch.linalg.vector_norm(t.float(), norm_type) for t in pieces if t.numel()])
+    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+
+
+def global_grad_norm(
+    params, norm_type: float = 2.0, pp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
+    """The p-norm of all gradients of ``params`` over every mesh dimension (same value on all ranks).
+
+    ``pp_mesh``: the pipeline dimension (``mesh["pp"]``) when stages hold different parameters.
+    Every rank of a data/model-parallel group must pass the same parameter structure (true for
+    ranks of one stage), so they issue the same collectives in the same order.
+    """
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}.")
+    is_max = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else env.local_device()
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    for (mesh, dims), pieces in _local_pieces(grads).items():
+        part = _power_sum(pieces, norm_type)
+        for dim in dims:
+            dist.all_reduce(part, op=op, group=mesh.get_group(dim))
+        total = torch.maximum(total, part) if is_max else total + part
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        dist.all_reduce(total, op=op, group=pp_mesh.get_group())
+    return total if is_max else total.pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    params, max_norm: float, norm_type: float = 2.0, pp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
+    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before.
+
+    Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient max_norm / (norm + 1e-6), capped
+    at 1), applied to the local shards.
+    """
+    params = list(params)
+    total = global_grad_norm(params, norm_type, pp_mesh)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            grad.mul_(coef.to(grad.device, grad.dtype))
+    return total

@@ -1,0 +1,299 @@
+"""Data parallelism (FSDP2 / HSDP / replicate), activation checkpointing and global grad clipping.
+
+Every layout trains 3 AdamW steps with clipping on the same global batches as one process and must
+give the same losses, gradients (gathered), clipped global norms and parameters. ep ranks act as
+extra data parallel ranks for this dense model (as they do for dense layers of an MoE model), cp
+ranks run ring attention on sequence chunks, and the TP plan (vocab-parallel embedding and loss,
+sequence parallelism in one layout) makes the 2-D (data x tp) DTensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from meshtron import env
+from meshtron.checkpoint import load_full_state_dict
+from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
+from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh
+from meshtron.models import build_model, materialize, token_loss_sum
+from meshtron.parallel.checkpointing import apply_activation_checkpointing, checkpointed_layers
+from meshtron.parallel.context import apply_context_parallel, shard_batch
+from meshtron.parallel.data import apply_data_parallel, data_meshes
+from meshtron.parallel.grad_norm import clip_grad_norm_, global_grad_norm
+from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
+from meshtron.testing import rel_err, run_checks
+
+# 2 KV heads: tp = 4 exercises the TP plan's replicated KV heads.
+CFG = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+    num_key_value_heads=2, rope_theta=10000.0,
+)
+# Without expert parallelism ep must stay 1 for MoE (experts would see other tokens on each ep rank).
+# The aux loss needs global router statistics, which expert parallelism installs; it is off here.
+MOE = dict(
+    CFG, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+    mlp_only_layers=[1], router_aux_loss_coef=0.0,
+)
+BATCH, SEQ, STEPS, MAX_NORM = 8, 16, 3, 0.5
+
+
+def _reference(cfg: ModelConfig) -> torch.nn.Module:
+    """Random weights everywhere (norms and biases too), identical on every rank."""
+    model = materialize(build_model(cfg), env.local_device(), seed=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.train()
+
+
+def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32", sp=False):
+    """The training path: meta model -> TP -> CP -> AC -> data parallel -> materialise -> load ``full``."""
+    with torch.device("meta"):
+        model = build_model(cfg)
+    if mesh["tp"].size() > 1:
+        apply_tensor_parallel(model, mesh["tp"], sp)
+    apply_context_parallel(model, mesh)
+    apply_activation_checkpointing(model, ac, every=2)
+    apply_data_parallel(model, mesh, mode, dtype)
+    model.to_empty(device=env.local_device())
+    if cfg.tie_word_embeddings and model.lm_head.weight is not model.embed_tokens.weight:
+        model.tie_weights()
+    assert list(model.state_dict()) == list(full), "parallel wrappers changed the parameter names"
+    load_full_state_dict(model, full)
+    return model.train()
+
+
+def _batches():
+    """Global batches with some ignored labels, the same on every rank."""
+    gen = torch.Generator().manual_seed(1234)
+    for _ in range(STEPS):
+        tokens = torch.randint(0, CFG["vocab_size"], (BATCH, SEQ + 1), generator=gen)
+        labels = tokens[:, 1:].clone()
+        labels[torch.rand(labels.shape, generator=gen) < 0.2] = -100
+        yield tokens[:, :-1], labels
+
+
+def _train(model, local_batch, clip):
+    """STEPS AdamW steps; per step (loss, grads before clipping, norm); the loss is the global mean.
+
+    The loss takes plain or vocab-sharded (TP) logits.
+    """
+    # Adam divides by sqrt(v): a gradient element at float32 noise level (~1e-7, where reduction
+    # order decides its sign) would move by a full +-lr. eps = 1e-4 keeps such updates linear in
+    # the gradient, so the parameter check measures the distributed gradients, not that sign.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4, weight_decay=0.1, foreach=False)
+    history = []
+    for tokens, labels in _batches():
+        count = (labels != -100).sum()
+        tokens, labels, positions = local_batch(tokens, labels)
+        loss = parallel_token_loss_sum(model(tokens, positions), labels) / count
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        norm = clip(model.parameters())
+        opt.step()
+        opt.zero_grad()
+        history.append((loss.detach(), grads, norm.detach()))
+    return history
+
+
+def _run_reference(ref):
+    return _train(ref, lambda t, l: (t, l, None), lambda ps: torch.nn.utils.clip_grad_norm_(list(ps), MAX_NORM))
+
+
+def _run_parallel(model, mesh):
+    readers = batch_mesh(mesh)
+
+    def local_batch(tokens, labels):
+        """This rank's rows (split over dp x ep) and sequence chunks (split over cp)."""
+        share = tokens.shape[0] // readers.size()
+        rows = slice(readers.get_local_rank() * share, (readers.get_local_rank() + 1) * share)
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        return shard_batch((tokens[rows], labels[rows], positions[rows]), mesh)
+
+    history = _train(model, local_batch, lambda ps: clip_grad_norm_(ps, MAX_NORM))
+    for loss, _, _ in history:  # each token holder's loss is its share of the global mean
+        dist.all_reduce(loss, group=dense_data_mesh(mesh).get_group())
+    return history
+
+
+def _assert_parity(layout, ref, ref_hist, model, hist):
+    for step, ((rl, _, rn), (pl, _, pn)) in enumerate(zip(ref_hist, hist)):
+        assert rel_err(pl, rl) < 1e-5, f"{layout} step {step}: loss {pl.item()} vs {rl.item()}"
+        assert rel_err(pn, rn) < 1e-5, f"{layout} step {step}: grad norm {pn.item()} vs {rn.item()}"
+        assert rn > MAX_NORM, "the test must exercise clipping"
+    # Gathering every gradient is the slow part on CPU: compare them on the first step; later
+    # steps are covered by the losses, the norms and the final parameters.
+    for name, grad in ref_hist[0][1].items():
+        err = rel_err(hist[0][1][name], grad)
+        assert err < 1e-4, f"{layout}: gradient of {name} off by {err:.2e}"
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        err = rel_err(p, ref_params[name])
+        assert err < 1e-4, f"{layout}: {name} after {STEPS} steps off by {err:.2e}"
+
+
+def _check_layouts(layouts, **model):
+    """``layouts``: (mesh sizes, data_parallel mode[, sp]) triples checked against one reference."""
+    cfg = ModelConfig(**{**CFG, **model})
+    torch.manual_seed(0)
+    ref = _reference(cfg)
+    start = {n: t.clone() for n, t in ref.state_dict().items()}
+    ref_hist = _run_reference(ref)
+    for sizes, mode, *sp in layouts:
+        mesh = build_mesh(**sizes)
+        model = _parallel(cfg, start, mesh, mode, sp=bool(sp and sp[0]))
+        _assert_parity(f"{sizes} {mode} sp={sp}", ref, ref_hist, model, _run_parallel(model, mesh))
+
+
+def check_dp2():
+    _check_layouts([(dict(dp=2), "fsdp")])
+
+
+def check_dp4_and_dp_tp():
+    _check_layouts([(dict(dp=4), "fsdp"), (dict(dp=2, tp=2), "fsdp")])
+
+
+def check_dp8_and_modes():
+    _check_layouts([
+        (dict(dp=8), "fsdp"),
+        (dict(dp=2, ep=2, tp=2), "fsdp"),
+        (dict(dp=2, ep=2, tp=2), "hsdp"),
+        (dict(dp=2, ep=2, tp=2), "replicate"),
+    ])
+
+
+def check_tied_dp_tp():
+    _check_layouts([(dict(dp=2, tp=4), "fsdp", True)], tie_word_embeddings=True)
+
+
+def check_context_parallel():
+    """cp ranks hold other positions: dense weights are sharded and reduced over them too."""
+    _check_layouts([(dict(dp=2, cp=2, tp=2), "fsdp"), (dict(dp=2, cp=2, ep=2), "hsdp")])
+
+
+def check_moe():
+    """Experts on the dp x cp mesh next to dense weights on dp x ep x cp (and tp)."""
+    _check_layouts([(dict(dp=4, tp=2), "fsdp"), (dict(dp=8), "hsdp")], **MOE)
+    with torch.device("meta"):
+        model = build_model(ModelConfig(**MOE))
+    with pytest.raises(ValueError, match="expert weight 'gate_proj' is not split over the ep mesh"):
+        apply_data_parallel(model, build_mesh(dp=4, ep=2))
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def check_checkpointing_is_bit_identical():
+    """Recomputation must not change a single bit of the loss or the (local) gradients."""
+    cfg = ModelConfig(**CFG)
+    torch.manual_seed(0)
+    ref = _reference(cfg)
+    mesh = build_mesh(dp=2, ep=2, tp=2)
+    runs = {}
+    for ac in ("none", "full", "selective"):
+        model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", ac)
+        tokens, labels = next(_batches())
+        loss = parallel_token_loss_sum(model(tokens), labels)
+        loss.backward()
+        runs[ac] = (loss.detach(), {n: _local(p.grad).clone() for n, p in model.named_parameters()})
+    for ac in ("full", "selective"):
+        assert torch.equal(runs[ac][0], runs["none"][0]), f"{ac} checkpointing changed the loss"
+        for name, grad in runs["none"][1].items():
+            assert torch.equal(runs[ac][1][name], grad), f"{ac} checkpointing changed the gradient of {name}"
+
+
+def check_bf16_smoke():
+    """bf16 compute with fp32 master weights and fp32 reduction stays within 1e-2 of fp32."""
+    cfg = ModelConfig(**CFG)
+    torch.manual_seed(0)
+    ref = _reference(cfg)
+    mesh = build_mesh(dp=4, tp=2)
+    model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", dtype="bfloat16")
+    assert all(_local(p).dtype == torch.float32 for p in model.parameters()), "master weights must stay fp32"
+    tokens, labels = next(_batches())
+    count = (labels != -100).sum()
+    expected = token_loss_sum(ref(tokens), labels) / count
+    hist = _run_parallel(model, mesh)
+    assert rel_err(hist[0][0], expected) < 1e-2, f"bf16 loss {hist[0][0].item()} vs fp32 {expected.item()}"
+    assert all(g.dtype == torch.float32 for g in hist[0][1].values()), "gradients must be reduced to fp32"
+
+
+def check_norm_types():
+    """1-, 2- and inf-norms over dense grads on (dp_ep_cp, tp) and expert grads on dp_cp."""
+    cfg = ModelConfig(**MOE)
+    torch.manual_seed(0)
+    ref = _reference(cfg)
+    model = _parallel(cfg, ref.state_dict(), build_mesh(dp=4, tp=2))
+    tokens, labels = next(_batches())
+    token_loss_sum(ref(tokens), labels).backward()
+    rows = slice(dist.get_rank() // 2 * 2, dist.get_rank() // 2 * 2 + 2)  # dp rank r reads rows 2r, 2r + 1
+    parallel_token_loss_sum(model(tokens[rows]), labels[rows]).backward()
+    for p in (1.0, 2.0, float("inf")):
+        expected = torch.nn.utils.get_total_norm([q.grad for q in ref.parameters()], p)
+        assert rel_err(global_grad_norm(model.parameters(), p), expected) < 1e-5, f"{p}-norm"
+
+
+def check_hsdp_meshes():
+    mesh = build_mesh(dp=2, cp=2, ep=2)
+    dense, expert = data_meshes(mesh, "hsdp")
+    assert dense.mesh_dim_names == ("dp", "cp_ep") and dense.shape == (2, 4)
+    assert expert.mesh_dim_names == ("dp", "cp") and expert.shape == (2, 2)
+    rank = dist.get_rank()
+    # Ranks are laid out (dp, cp, ep): the shard group is this rank's dp slice, the replica group
+    # the ranks 4 apart.
+    assert sorted(dist.get_process_group_ranks(dense.get_group("cp_ep"))) == list(range(rank // 4 * 4, rank // 4 * 4 + 4))
+    assert sorted(dist.get_process_group_ranks(dense.get_group("dp"))) == [rank % 4, rank % 4 + 4]
+
+
+def test_data_parallel_2_ranks():
+    run_checks([check_dp2], 2, timeout=120)
+
+
+def test_data_parallel_4_ranks():
+    run_checks([check_dp4_and_dp_tp], 4, timeout=120)
+
+
+def test_data_parallel_8_ranks():
+    run_checks(
+        [check_dp8_and_modes, check_tied_dp_tp, check_context_parallel, check_moe, check_checkpointing_is_bit_identical,
+         check_bf16_smoke, check_norm_types, check_hsdp_meshes],
+        8,
+        timeout=240,
+    )
+
+
+def test_selective_checkpointing_picks_every_nth_global_layer():
+    assert checkpointed_layers([0, 1, 2, 3, 4, 5], "selective", 2) == [0, 2, 4]
+    assert checkpointed_layers([3, 4, 5], "selective", 3) == [3]  # a pipeline stage keeps global indices
+    assert checkpointed_layers([3, 4], "full", 2) == [3, 4]
+    assert checkpointed_layers([3, 4], "none", 2) == []
+
+
+def test_checkpointing_keeps_parameter_names():
+    model = build_model(ModelConfig(**CFG))
+    names = list(model.state_dict())
+    assert apply_activation_checkpointing(model, "full") == [0, 1]
+    assert list(model.state_dict()) == names and [n for n, _ in model.named_parameters()] == names
+
+
+def test_unknown_mode_fails_before_any_collective():
+    with pytest.raises(ValueError, match="data_parallel must be one of fsdp, hsdp, replicate, got 'zero3'"):
+        data_meshes(None, "zero3")
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("data_parallel", "fsdp2", "data_parallel must be one of fsdp, hsdp, replicate, got 'fsdp2'. Did you mean 'fsdp'"),
+        ("activation_checkpointing", "ful", "activation_checkpointing must be one of none, full, selective"),
+        ("ac_every", 0, "ac_every must be >= 1"),
+    ],
+)
+def test_config_errors(key, value, message):
+    cfg = Config(parallel=ParallelConfig(**{key: value}))
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(cfg)

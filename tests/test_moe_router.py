@@ -1,0 +1,113 @@
+"""Single-process tests of the optional router features in meshtron/models/moe.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshtron.config import ConfigError, ModelConfig, config_from_dict
+from meshtron.models.moe import MoE, capacity_mask, update_expert_bias
+from meshtron.testing import rel_err
+
+BLOCK = dict(
+    vocab_size=32, hidden_size=24, num_hidden_layers=1, num_attention_heads=2, num_experts=6,
+    num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=16,
+)
+
+
+def _block(seed: int, **overrides) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(ModelConfig(**{**BLOCK, **overrides})).train()
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    return moe
+
+
+def _expert_loop(moe: MoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Reference: every (token, slot) pair through its expert one by one."""
+    e = moe.experts
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for s in range(experts.shape[1]):
+            i = experts[t, s]
+            h = F.silu(x[t] @ e.gate_proj[i]) * (x[t] @ e.up_proj[i])
+            out[t] = out[t] + weights[t, s] * (h @ e.down_proj[i])
+    return out
+
+
+def test_z_loss_gradient_and_value_match_the_formula():
+    coef = 0.3
+    moe = _block(0, router_aux_loss_coef=0.0, router_z_loss_coef=coef)
+    x = torch.randn(2, 7, 24)
+    moe(x).sum().mul(0).backward()  # only the attached z-loss gradient reaches the router
+    got = moe.gate.weight.grad.clone()
+    moe.zero_grad()
+    logits = x.reshape(-1, 24) @ moe.gate.weight.t()
+    z = torch.logsumexp(logits, -1).square().mean()
+    (coef * z).backward()
+    assert got.abs().max() > 0
+    assert rel_err(got, moe.gate.weight.grad) < 1e-5
+    assert rel_err(moe.last_z_loss, z) < 1e-6
+
+
+def test_aux_free_bias_steers_choice_not_weights_and_updates_by_sign():
+    rate = 0.01
+    moe = _block(1, moe_aux_free_bias_rate=rate, norm_topk_prob=True)
+    assert torch.equal(moe.gate.expert_bias, torch.zeros(6))
+    with torch.no_grad():
+        moe.gate.weight.normal_(0, 0.3)
+    x = torch.randn(40, 24)
+    moe.gate.expert_bias[3] = 10.0  # expert 3 wins every top-k choice
+    route = moe.gate(x)
+    assert (route.experts == 3).any(dim=1).all()
+    chosen = route.probs.gather(1, route.experts)
+    assert rel_err(route.weights, chosen / chosen.sum(-1, keepdim=True)) < 1e-6
+    moe.gate.expert_bias.zero_()
+    moe(x)
+    load_a = moe.last_tokens_per_expert.clone()
+    moe(x[:17])
+    load = (load_a + moe.last_tokens_per_expert).float()
+    assert load.max() > load.min()
+    update_expert_bias(moe)
+    assert torch.equal(moe.gate.expert_bias, rate * torch.sign(load.mean() - load))
+    assert moe.load_since_update is None
+    assert "gate.expert_bias" in moe.state_dict()
+
+
+def test_capacity_drops_late_copies_and_their_gradients():
+    factor = 0.5
+    moe = _block(2, moe_capacity_factor=factor, shared_expert_intermediate_size=0, router_aux_loss_coef=0.0)
+    x = torch.randn(30, 24, requires_grad=True)
+    route = moe.gate(x)
+    keep = capacity_mask(route.experts, 6, factor)
+    capacity = math.ceil(factor * 30 * 2 / 6)
+    seen = [0] * 6
+    for t in range(30):  # first come first served in (token, slot) order
+        for s in range(2):
+            e = route.experts[t, s].item()
+            assert keep[t, s].item() == (seen[e] < capacity)
+            seen[e] += 1
+    assert 0 < keep.sum() < keep.numel()
+    out = moe(x)
+    ref = _expert_loop(moe, x, route.weights * keep, route.experts)
+    assert rel_err(out, ref) < 1e-5
+    assert rel_err(moe.last_dropped_fraction, 1 - keep.float().mean()) < 1e-6
+    # Dropped copies give the router no gradient: perturbing their weights changes nothing.
+    g = torch.randn_like(out)
+    out.backward(g)
+    got = moe.gate.weight.grad.clone()
+    moe.zero_grad()
+    ref.backward(g)
+    assert rel_err(got, moe.gate.weight.grad) < 1e-5
+
+
+def test_router_options_are_validated():
+    base = {"model": {**BLOCK}}
+    for key in ("router_z_loss_coef", "moe_aux_free_bias_rate", "moe_capacity_factor"):
+        with pytest.raises(ConfigError, match=key):
+            config_from_dict({"model": {**BLOCK, key: -0.5}})
+    assert config_from_dict({"model": {**base["model"], "moe_capacity_factor": 1.25}}).model.moe_capacity_factor == 1.25
