@@ -9,6 +9,11 @@ every micro-batch's summed token loss divided by the global token count of the s
 accumulated over micro-batches and summed over data ranks are those of the global mean loss), and
 MoE aux losses attached to the gradients inside each stage with the same per-micro-batch scale.
 
+FSDP: every chunk's units skip gradient reduction and stay unsharded until that chunk's last
+backward of the step (see ``executor.py``), whatever ``data_parallel`` mode: reducing after every
+micro-batch would put m reductions per step on every stage, inside the pipeline's steady state. The cost
+is the unsharded gradients of the rank's own layers (1/pp of the model) held through the step.
+
 Tied embeddings: the first stage's embedding and the last stage's LM head are two copies of the
 shared weight, equal at initialisation; after each backward both get the sum of their gradients
 (one all-reduce between the two ranks), so every optimizer step keeps them equal. The gradient
