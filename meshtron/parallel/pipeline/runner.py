@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from meshtron.config import Config
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import moe_layers
-from meshtron.parallel.grad_norm import global_grad_norm
+from meshtron.parallel.grad_norm import global_grad_norm, scale_grads_
 from meshtron.parallel.runner import (
     average_router_losses_over_microbatches,
     export_hf,
@@ -143,9 +143,7 @@ class PipelineRunner:
         params = [p for p in self.module.parameters() if p.grad is not None]
         copy = self._tied if self.module.lm_head is not None else None
         total = global_grad_norm([p for p in params if p is not copy], pp_mesh=self.mesh["pp"])
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule
-        for p in params:
-            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
+        scale_grads_(params, max_norm, total)
         return total.item()
 
     def export_hf(self, folder: str) -> None:
