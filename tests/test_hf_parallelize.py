@@ -28,6 +28,10 @@ MODELS = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2, attention_bias=True)),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(num_key_value_heads=2)),
+    # Layer 0 sparse (fused experts + shared expert), layer 1 dense.
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                         mlp_only_layers=[1])),
 }
 # (model, dp, tp, sp, data_parallel, ac)
 CASES = [
@@ -37,6 +41,8 @@ CASES = [
     ("qwen2", 4, 2, True, "fsdp", "none"),
     ("mistral", 2, 4, False, "fsdp", "none"),
     ("mistral", 4, 2, True, "fsdp", "none"),
+    ("qwen2_moe", 2, 4, False, "fsdp", "none"),
+    ("qwen2_moe", 4, 2, True, "fsdp", "none"),
 ]
 PER_RANK, SEQ = 2, 16
 
@@ -166,8 +172,8 @@ def check_errors(folders: dict[str, str], out: str) -> None:
     model.config.base_model_tp_plan = None
     with pytest.raises(ConfigError, match="base_model_tp_plan"):
         parallelize_hf_model(model, mesh)
-    model.config.base_model_tp_plan = {"layers.*.mlp.experts.gate_up_proj": "packed_colwise"}
-    with pytest.raises(ConfigError, match="packed_colwise"):
+    model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "local_packed_rowwise"}
+    with pytest.raises(ConfigError, match="local_packed_rowwise"):
         parallelize_hf_model(model, mesh)
     assert AutoModelForCausalLM is not None
 

@@ -16,9 +16,10 @@ the same table transformers' ``tp_plan="auto"`` uses) and turns each style into 
   each attention module's ``num_key_value_groups`` set to its local ratio;
 * activation checkpointing of decoder layers and FSDP2 / replicate over the dense data mesh.
 
-MoE models with fused 3-D experts (Qwen2-MoE: ``experts.gate_up_proj`` [E, 2I, H]) are not supported
-yet: their plan styles (``packed_colwise``, ``moe_tp_experts``) raise, and expert parallelism through
-meshtron's all-to-all is not wired for HF modules.
+MoE models with fused 3-D experts (Qwen2-MoE: ``experts.gate_up_proj`` [E, 2I, H]): the experts, router
+and shared expert run replicated on every tp rank (identical inputs, so identical outputs and
+gradients; a warning says so), FSDP-sharded over dp like everything else. Expert parallelism through
+meshtron's all-to-all is not wired for HF modules yet.
 
 :func:`load_hf_checkpoint` builds a model on the meta device, parallelizes it and reads from the
 safetensors files only the slice of every tensor that this rank holds.
@@ -26,7 +27,9 @@ safetensors files only the slice of every tensor that this rank holds.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,6 +43,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -53,6 +57,9 @@ from meshtron.mesh import dense_data_mesh
 from meshtron.parallel.checkpointing import checkpointed_layers
 from meshtron.parallel.data import _wrap, data_meshes, mixed_precision
 from meshtron.parallel.tensor import ReplicatedKVHeads, check_tensor_parallel, parallel_token_loss_sum
+
+
+_STYLES = ("colwise", "rowwise")
 
 
 def _seq(sp: bool) -> Placement:
@@ -94,27 +101,58 @@ def _style(style: str, name: str, kv_heads: int, head_dim: int, tp: int, sp: boo
         return ColwiseParallel()
     if style == "rowwise":
         return RowwiseParallel(output_layouts=_seq(sp))
-    raise ConfigError(
-        f"parallelize_hf_model: tp plan style '{style}' (for '{name}') is not supported; supported: colwise, "
-        "rowwise. Fused MoE experts (packed_colwise, moe_tp_experts) are not wired yet: use tp = 1 for this model."
-    )
+    raise AssertionError(f"unchecked tp plan style '{style}' for '{name}'")  # _base_plan validates styles
 
 
-def _layer_plan(base_plan: dict[str, str], index: int, kv_heads: int, head_dim: int, tp: int, sp: bool):
-    """Plan entries of decoder layer ``index``, relative to the layer, plus our input/norm styles."""
+def _exists(layer: nn.Module, rel: str) -> bool:
+    try:
+        layer.get_submodule(rel)
+    except AttributeError:
+        return False
+    return True
+
+
+def _layer_plan(base_plan: dict[str, str], layer: nn.Module, index: int, kv_heads: int, head_dim: int, tp: int,
+                sp: bool) -> dict[str, ParallelStyle]:
+    """Plan entries of decoder layer ``index``, relative to the layer, plus our input/norm styles.
+
+    Entries naming a module this layer lacks are skipped (a MoE model's dense layers have no experts,
+    its sparse ones no ``mlp.gate_proj``). Fused experts stay replicated over tp (see the module doc).
+    """
     plan: dict[str, ParallelStyle] = {}
     for pattern, style in base_plan.items():
         parts = pattern.split(".")
         if parts[:2] != ["layers", "*"]:
             raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' is outside 'layers.*'; not supported.")
         rel = ".".join(parts[2:])
+        if "experts" in parts:
+            continue
+        if not _exists(layer, rel):
+            continue
         plan[rel] = _style(style, f"layers.{index}.{rel}", kv_heads, head_dim, tp, sp)
         if style == "colwise":
             plan[rel.rsplit(".", 1)[0]] = _HiddenStatesInput(sp)
     if sp:
         plan["input_layernorm"] = SequenceParallel()
         plan["post_attention_layernorm"] = SequenceParallel()
+        if _exists(layer, "mlp.experts"):
+            # Routing needs every token: the replicated MoE block runs on the gathered sequence and
+            # each rank keeps its slice of the (identical) output.
+            plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
+            )
     return plan
+
+
+def _warn_replicated_experts(model: nn.Module, tp: int) -> None:
+    if any(name.endswith("mlp.experts") for name, _ in model.named_modules()):
+        warnings.warn(
+            f"parallelize_hf_model: the fused MoE experts, router and shared expert of {type(model).__name__} run "
+            f"replicated on each of the tp = {tp} ranks (correct, but not split); expert parallelism through "
+            "meshtron's all-to-all is not wired for HF models yet.",
+            stacklevel=3,
+        )
 
 
 def _base_plan(model: nn.Module) -> dict[str, str]:
@@ -124,6 +162,13 @@ def _base_plan(model: nn.Module) -> dict[str, str]:
             f"parallelize_hf_model: {type(model).__name__}'s config has no base_model_tp_plan, so the split of its "
             "layers is unknown. Use a model whose transformers config defines one (Llama, Qwen2, Mistral, ...) "
             "or set config.base_model_tp_plan (e.g. {'layers.*.self_attn.q_proj': 'colwise', ...})."
+        )
+    unknown = {p: s for p, s in plan.items() if s not in _STYLES and "experts" not in p.split(".")}
+    if unknown:
+        pattern, style = next(iter(unknown.items()))
+        raise ConfigError(
+            f"parallelize_hf_model: tp plan style '{style}' (for '{pattern}') is not supported; supported: "
+            f"{', '.join(_STYLES)} (fused MoE experts, whatever their style, run replicated over tp)."
         )
     return plan
 
@@ -150,7 +195,8 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
     kv_heads, head_dim = _check_shape(model, tp)
     base, inner = _base_plan(model), model.model
     tied = model.lm_head.weight is inner.embed_tokens.weight
-    plans = [_layer_plan(base, i, kv_heads, head_dim, tp, sp) for i in range(len(inner.layers))]  # raises first
+    plans = [_layer_plan(base, layer, i, kv_heads, head_dim, tp, sp) for i, layer in enumerate(inner.layers)]
+    _warn_replicated_experts(model, tp)
     # Embedding output replicated: HF computes positions and the causal mask from its length.
     parallelize_module(inner.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     for layer, plan in zip(inner.layers, plans):
@@ -269,6 +315,57 @@ def _local_slice(param: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
+class _SliceReader:
+    """Reads index ranges of checkpoint tensors through ``safe_open(...).get_slice`` (each file opened once).
+
+    Fused MoE expert parameters (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I])
+    are assembled from the per-expert ``experts.{e}.{gate,up,down}_proj.weight`` tensors that
+    ``save_pretrained`` writes, reading only the requested experts, rows and columns.
+    """
+
+    def __init__(self, folder: str | Path, stack: contextlib.ExitStack):
+        self.folder, self.files, self.stack = folder, weight_map(folder), stack
+        self.handles: dict[Path, object] = {}
+        self.bytes_read = 0
+
+    def _raw(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        path = self.files[name]
+        if path not in self.handles:
+            self.handles[path] = self.stack.enter_context(_open(path))
+        handle = self.handles[path]
+        part = handle.get_slice(name)[index] if index else handle.get_tensor(name)
+        self.bytes_read += part.numel() * part.element_size()
+        return part
+
+    def has(self, name: str) -> bool:
+        return name in self.files or (self._fused(name) is not None and f"{self._fused(name)[0]}0.down_proj.weight" in self.files)
+
+    @staticmethod
+    def _fused(name: str) -> tuple[str, str] | None:
+        for suffix in ("experts.gate_up_proj", "experts.down_proj"):
+            if name.endswith(suffix):
+                return name[: -len(suffix)] + "experts.", suffix.split(".")[1]
+        return None
+
+    def read(self, name: str, index: tuple[slice, ...], shape: torch.Size) -> torch.Tensor:
+        if name in self.files:
+            return self._raw(name, index)
+        prefix, kind = self._fused(name)
+        experts, rows, cols = index
+        if kind == "down_proj":
+            parts = [self._raw(f"{prefix}{e}.down_proj.weight", (rows, cols)) for e in range(experts.start, experts.stop)]
+            return torch.stack(parts)
+        inter = shape[1] // 2  # rows [0, I) are gate_proj's, [I, 2I) up_proj's
+
+        def expert(e: int) -> torch.Tensor:
+            gate = slice(min(rows.start, inter), min(rows.stop, inter))
+            up = slice(max(rows.start, inter) - inter, max(rows.stop, inter) - inter)
+            return torch.cat([self._raw(f"{prefix}{e}.gate_proj.weight", (gate, cols)),
+                              self._raw(f"{prefix}{e}.up_proj.weight", (up, cols))])
+
+        return torch.stack([expert(e) for e in range(experts.start, experts.stop)])
+
+
 @torch.no_grad()
 def load_sharded_weights(model: nn.Module, folder: str | Path) -> int:
     """Fill ``model``'s (sharded) parameters from an HF safetensors folder, reading only local slices.
@@ -276,29 +373,21 @@ def load_sharded_weights(model: nn.Module, folder: str | Path) -> int:
     Returns the number of tensor bytes read on this rank. A tied lm_head is filled through the
     embedding. No communication.
     """
-    files = weight_map(folder)
     wanted = dict(model.named_parameters())  # duplicates (tied weights) listed once
     wanted.update((n, b) for n, b in model.named_buffers() if n in model.state_dict())
-    missing = [n for n in wanted if n not in files]
-    if missing:
-        raise ConfigError(f"{folder} lacks {missing[:3]} ({len(missing)} tensors): not a checkpoint of this model.")
-    by_file: dict[Path, list[str]] = {}
-    for name in wanted:
-        by_file.setdefault(files[name], []).append(name)
-    read = 0
-    for path, names in by_file.items():
-        with _open(path) as f:
-            for name in names:
-                param = wanted[name]
-                local = param.to_local() if isinstance(param, DTensor) else param
-                index = _local_slice(param)
-                part = f.get_slice(name)[index] if local.ndim else f.get_tensor(name)
-                if tuple(part.shape) != tuple(local.shape):
-                    raise ConfigError(f"{path}: {name} slice {tuple(part.shape)} does not fit the local shard "
-                                      f"{tuple(local.shape)}; the checkpoint has another shape than the model.")
-                local.copy_(part)
-                read += part.numel() * part.element_size()
-    return read
+    with contextlib.ExitStack() as stack:
+        reader = _SliceReader(folder, stack)
+        missing = [n for n in wanted if not reader.has(n)]
+        if missing:
+            raise ConfigError(f"{folder} lacks {missing[:3]} ({len(missing)} tensors): not a checkpoint of this model.")
+        for name, param in wanted.items():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            part = reader.read(name, _local_slice(param), param.shape)
+            if tuple(part.shape) != tuple(local.shape):
+                raise ConfigError(f"{folder}: {name} slice {tuple(part.shape)} does not fit the local shard "
+                                  f"{tuple(local.shape)}; the checkpoint has another shape than the model.")
+            local.copy_(part)
+        return reader.bytes_read
 
 
 def _reset_rotary(model: nn.Module) -> None:
