@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron import env
-from meshtron.checkpoint import CheckpointMismatch, latest_checkpoint, load_checkpoint, load_full_state_dict, save_checkpoint
+from meshtron.checkpoint import CheckpointMismatch, latest_checkpoint, load_checkpoint, save_checkpoint
 from meshtron.config import Config, ConfigError, load_config
 from meshtron.hf import CheckpointError
 from meshtron.data import to_device
@@ -95,11 +95,12 @@ class Trainer:
                 print(f"meshtron: resumed from {latest}", flush=True)
             return saved["step"]
         if ckpt.init_from_hf:
-            from meshtron.hf import load_hf_state_dict, read_hf_config
+            from meshtron.hf import load_native_sharded, read_hf_config
 
             hf_cfg = read_hf_config(ckpt.init_from_hf)
             _check_hf_matches(hf_cfg, self.cfg, ckpt.init_from_hf)
-            load_full_state_dict(self.runner.module, load_hf_state_dict(ckpt.init_from_hf, hf_cfg), strict=False)
+            # Each rank reads only its slices of the safetensors files, never the whole model.
+            load_native_sharded(self.runner.module, ckpt.init_from_hf, hf_cfg.tie_word_embeddings)
         return 0
 
     def fit(self) -> None:

@@ -164,6 +164,62 @@ def check_bytes_read_per_rank(folders: dict[str, str], out: str) -> None:
         (Path(out) / "bytes.json").write_text(json.dumps({"total": total, "per_rank": reads}))
 
 
+NATIVE = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=20,
+    shared_expert_intermediate_size=48, mlp_only_layers=[0], tie_word_embeddings=True, rope_theta=10000.0,
+)
+
+
+def _save_native(root: Path) -> dict[str, str]:
+    """A meshtron Qwen2-MoE in both HF expert layouts: per-expert (save_pretrained's) and fused."""
+    from meshtron.config import ModelConfig
+    from meshtron.hf import hf_config_dict, save_hf, to_hf
+    from meshtron.hf.io import write_safetensors_folder
+    from meshtron.models import build_model, materialize
+
+    cfg = ModelConfig(**NATIVE)
+    state = materialize(build_model(cfg), "cpu", seed=3).state_dict()
+    save_hf(state, cfg, root / "native_published", max_shard_bytes=60_000)
+    write_safetensors_folder(to_hf(state, cfg, "fused"), hf_config_dict(cfg), root / "native_fused", 60_000)
+    return {"published": str(root / "native_published"), "fused": str(root / "native_fused")}
+
+
+def check_native_sliced_loading(folders: dict[str, str], out: str) -> None:
+    """meshtron's own model (tp x ep x FSDP, tied embeddings, stacked experts): the sliced loader
+    equals the full-state-dict path bit for bit, from either expert layout, reading a fraction."""
+    from meshtron.checkpoint import load_full_state_dict
+    from meshtron.config import ModelConfig
+    from meshtron.hf import load_hf_state_dict, load_native_sharded
+    from meshtron.models import build_model
+    from meshtron.parallel.data import apply_data_parallel
+    from meshtron.parallel.expert import apply_expert_parallel
+    from meshtron.parallel.tensor import apply_tensor_parallel
+
+    cfg = ModelConfig(**NATIVE)
+    mesh = build_mesh(dp=2, ep=2, tp=2)
+
+    def sharded_model():
+        with torch.device("meta"):
+            model = build_model(cfg)
+        apply_tensor_parallel(model, mesh["tp"])
+        apply_expert_parallel(model, mesh)
+        apply_data_parallel(model, mesh)
+        model.to_empty(device="cpu")
+        model.tie_weights()
+        return model
+
+    for layout in ("published", "fused"):
+        sliced, full = sharded_model(), sharded_model()
+        read = load_native_sharded(sliced, folders[f"native_{layout}"], tied=True)
+        load_full_state_dict(full, load_hf_state_dict(folders[f"native_{layout}"], cfg), strict=False)
+        expected = dict(full.named_parameters())
+        for name, p in sliced.named_parameters():
+            assert torch.equal(p.to_local(), expected[name].to_local()), f"{layout}: {name} differs"
+        total = sum(p.numel() * p.element_size() for p in expected.values())
+        assert read < 0.5 * total, f"{layout}: read {read} of {total} bytes"
+
+
 def check_errors(folders: dict[str, str], out: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -180,7 +236,8 @@ def check_errors(folders: dict[str, str], out: str) -> None:
 
 def test_hf_parallelize_8_ranks(tmp_path):
     folders = _save_models(tmp_path)
-    checks = [check_parity_and_training, check_from_pretrained_then_parallelize, check_bytes_read_per_rank, check_errors]
+    folders.update({f"native_{k}": v for k, v in _save_native(tmp_path).items()})
+    checks = [check_native_sliced_loading, check_parity_and_training, check_from_pretrained_then_parallelize, check_bytes_read_per_rank, check_errors]
     run_checks(checks, 8, folders, str(tmp_path), timeout=240)
     report = json.loads((tmp_path / "bytes.json").read_text())
     print(f"bytes read per rank: {report['per_rank']} of {report['total']}")

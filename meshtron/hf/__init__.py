@@ -1,6 +1,7 @@
 """HuggingFace interop: state-dict conversion and safetensors folders."""
 
 from meshtron.hf.convert import from_hf, hf_config_dict, model_config_from_hf, to_hf
+from meshtron.hf.slices import load_native_sharded, load_sharded_weights
 from meshtron.hf.io import CheckpointError, load_hf_model, load_hf_state_dict, read_hf_config, save_hf, weight_map
 
 __all__ = [
@@ -9,6 +10,8 @@ __all__ = [
     "hf_config_dict",
     "load_hf_model",
     "load_hf_state_dict",
+    "load_native_sharded",
+    "load_sharded_weights",
     "model_config_from_hf",
     "read_hf_config",
     "save_hf",

@@ -27,7 +27,6 @@ safetensors files only the slice of every tensor that this rank holds.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import warnings
 from pathlib import Path
@@ -38,7 +37,6 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -52,7 +50,8 @@ from torch.distributed.tensor.parallel import (
 from meshtron import env
 from meshtron.checkpoint import gather_full_state_dict
 from meshtron.config import ConfigError
-from meshtron.hf.io import _open, weight_map, write_safetensors_folder
+from meshtron.hf.io import write_safetensors_folder
+from meshtron.hf.slices import load_sharded_weights
 from meshtron.mesh import dense_data_mesh
 from meshtron.parallel.checkpointing import checkpointed_layers
 from meshtron.parallel.data import _wrap, data_meshes, mixed_precision
@@ -307,89 +306,6 @@ def parallelize_hf_model(
     return model
 
 
-def _local_slice(param: torch.Tensor) -> tuple[slice, ...]:
-    """The global index range this rank holds (torch.chunk semantics over every sharded mesh dim)."""
-    if not isinstance(param, DTensor):
-        return tuple(slice(0, size) for size in param.shape)
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
-
-
-class _SliceReader:
-    """Reads index ranges of checkpoint tensors through ``safe_open(...).get_slice`` (each file opened once).
-
-    Fused MoE expert parameters (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I])
-    are assembled from the per-expert ``experts.{e}.{gate,up,down}_proj.weight`` tensors that
-    ``save_pretrained`` writes, reading only the requested experts, rows and columns.
-    """
-
-    def __init__(self, folder: str | Path, stack: contextlib.ExitStack):
-        self.folder, self.files, self.stack = folder, weight_map(folder), stack
-        self.handles: dict[Path, object] = {}
-        self.bytes_read = 0
-
-    def _raw(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-        path = self.files[name]
-        if path not in self.handles:
-            self.handles[path] = self.stack.enter_context(_open(path))
-        handle = self.handles[path]
-        part = handle.get_slice(name)[index] if index else handle.get_tensor(name)
-        self.bytes_read += part.numel() * part.element_size()
-        return part
-
-    def has(self, name: str) -> bool:
-        return name in self.files or (self._fused(name) is not None and f"{self._fused(name)[0]}0.down_proj.weight" in self.files)
-
-    @staticmethod
-    def _fused(name: str) -> tuple[str, str] | None:
-        for suffix in ("experts.gate_up_proj", "experts.down_proj"):
-            if name.endswith(suffix):
-                return name[: -len(suffix)] + "experts.", suffix.split(".")[1]
-        return None
-
-    def read(self, name: str, index: tuple[slice, ...], shape: torch.Size) -> torch.Tensor:
-        if name in self.files:
-            return self._raw(name, index)
-        prefix, kind = self._fused(name)
-        experts, rows, cols = index
-        if kind == "down_proj":
-            parts = [self._raw(f"{prefix}{e}.down_proj.weight", (rows, cols)) for e in range(experts.start, experts.stop)]
-            return torch.stack(parts)
-        inter = shape[1] // 2  # rows [0, I) are gate_proj's, [I, 2I) up_proj's
-
-        def expert(e: int) -> torch.Tensor:
-            gate = slice(min(rows.start, inter), min(rows.stop, inter))
-            up = slice(max(rows.start, inter) - inter, max(rows.stop, inter) - inter)
-            return torch.cat([self._raw(f"{prefix}{e}.gate_proj.weight", (gate, cols)),
-                              self._raw(f"{prefix}{e}.up_proj.weight", (up, cols))])
-
-        return torch.stack([expert(e) for e in range(experts.start, experts.stop)])
-
-
-@torch.no_grad()
-def load_sharded_weights(model: nn.Module, folder: str | Path) -> int:
-    """Fill ``model``'s (sharded) parameters from an HF safetensors folder, reading only local slices.
-
-    Returns the number of tensor bytes read on this rank. A tied lm_head is filled through the
-    embedding. No communication.
-    """
-    wanted = dict(model.named_parameters())  # duplicates (tied weights) listed once
-    wanted.update((n, b) for n, b in model.named_buffers() if n in model.state_dict())
-    with contextlib.ExitStack() as stack:
-        reader = _SliceReader(folder, stack)
-        missing = [n for n in wanted if not reader.has(n)]
-        if missing:
-            raise ConfigError(f"{folder} lacks {missing[:3]} ({len(missing)} tensors): not a checkpoint of this model.")
-        for name, param in wanted.items():
-            local = param.to_local() if isinstance(param, DTensor) else param
-            part = reader.read(name, _local_slice(param), param.shape)
-            if tuple(part.shape) != tuple(local.shape):
-                raise ConfigError(f"{folder}: {name} slice {tuple(part.shape)} does not fit the local shard "
-                                  f"{tuple(local.shape)}; the checkpoint has another shape than the model.")
-            local.copy_(part)
-        return reader.bytes_read
-
-
 def _reset_rotary(model: nn.Module) -> None:
     """Non-persistent buffers (RoPE frequencies) are not in checkpoints: rebuild them after to_empty."""
     for module in model.modules():
@@ -430,4 +346,4 @@ def save_hf_checkpoint(model: nn.Module, folder: str | Path, max_shard_bytes: in
     dist.barrier()
 
 
-__all__ = ["load_hf_checkpoint", "load_sharded_weights", "parallelize_hf_model", "save_hf_checkpoint"]
+__all__ = ["load_hf_checkpoint", "parallelize_hf_model", "save_hf_checkpoint"]
