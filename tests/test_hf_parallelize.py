@@ -38,7 +38,6 @@ CASES = [
     ("llama", 4, 2, False, "fsdp", "none"),
     ("llama", 2, 4, True, "fsdp", "full"),  # KV heads replicated (2 heads, tp 4)
     ("qwen2", 2, 4, False, "replicate", "none"),
-    ("qwen2", 4, 2, True, "fsdp", "none"),
     ("mistral", 2, 4, False, "fsdp", "none"),
     ("mistral", 4, 2, True, "fsdp", "none"),
     ("qwen2_moe", 2, 4, False, "fsdp", "none"),
