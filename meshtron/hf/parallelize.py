@@ -227,16 +227,17 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
-def _loss_function(data_mesh: DeviceMesh | None):
+def _loss_function(data_mesh: DeviceMesh):
     """HF's causal-LM loss (shifted labels, mean over non-ignored tokens) on vocab-sharded logits,
-    averaged over the tokens of all data ranks."""
+    averaged over the tokens of all data ranks. ``num_items_in_batch``, when given (gradient
+    accumulation), is the global token count of the whole step and replaces the counted one."""
 
     def loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **_):
         if shift_labels is None:
             shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         total = parallel_token_loss_sum(logits, shift_labels, ignore_index)
         count = (shift_labels != ignore_index).sum().to(total.dtype)
-        if data_mesh is not None and data_mesh.size() > 1:
+        if data_mesh.size() > 1:
             group = data_mesh.get_group()
             total = _SumOverRanks.apply(total, group)
             if num_items_in_batch is None:
@@ -280,8 +281,10 @@ def parallelize_hf_model(
     tp shards the layers by the model's ``base_model_tp_plan`` (plus vocab-parallel embedding/lm_head
     and optional SP); the batch is split over the dense data mesh (dp x ep x cp), where parameters are
     FSDP-sharded (``data_parallel="fsdp"``), replicated or HSDP-sharded. ``ac`` is ``none``, ``full`` or
-    ``selective`` (every ``ac_every``-th layer); ``dtype="bfloat16"`` computes in bf16 with fp32 master
-    weights. Works on meta-device models (then :func:`load_sharded_weights`). Each data rank passes its
+    ``selective`` (every ``ac_every``-th layer); ``dtype="bfloat16"`` makes the data-parallel wrapper
+    compute in bf16 with fp32 master weights (only when the data mesh has more than one rank). Works
+    on meta-device models (then ``to_empty`` and :func:`meshtron.hf.load_sharded_weights`, as
+    :func:`load_hf_checkpoint` does). Each data rank passes its
     own part of the batch; ``.loss`` is the global mean and ``.logits`` a vocab-sharded DTensor.
     Only tp and the data meshes are used: pp, cp and ep must be 1.
     """
