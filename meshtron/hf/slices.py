@@ -12,7 +12,6 @@ both read checkpoints with per-expert (``save_pretrained``) or fused expert tens
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
@@ -41,16 +40,30 @@ class _SliceReader:
     ``save_pretrained`` writes, reading only the requested experts, rows and columns.
     """
 
-    def __init__(self, folder: str | Path, stack: contextlib.ExitStack):
-        self.folder, self.files, self.stack = folder, weight_map(folder), stack
-        self.handles: dict[Path, object] = {}
+    def __init__(self, folder: str | Path):
+        self.folder, self.files = folder, weight_map(folder)
+        self.path: Path | None = None
+        self.handle = None
         self.bytes_read = 0
 
     def _handle(self, name: str):
+        # One file mapped at a time: pages a column slice touches count in RSS while mapped.
         path = self.files[name]  # KeyError: not in the checkpoint
-        if path not in self.handles:
-            self.handles[path] = self.stack.enter_context(_open(path))
-        return self.handles[path]
+        if path != self.path:
+            self.close()
+            self.handle, self.path = _open(path).__enter__(), path
+        return self.handle
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.__exit__(None, None, None)
+            self.handle, self.path = None, None
+
+    def file_of(self, name: str) -> str:
+        """Sort key that visits the tensors file by file (fused experts: by their first expert's file)."""
+        fused = self._fused(name)
+        key = name if name in self.files or fused is None else f"{fused[0]}0.down_proj.weight"
+        return str(self.files.get(key, ""))
 
     def shape(self, name: str) -> list[int]:
         return self._handle(name).get_slice(name).get_shape()
@@ -107,14 +120,17 @@ def load_sharded_weights(model: nn.Module, folder: str | Path) -> int:
     """
     wanted = dict(model.named_parameters())  # duplicates (tied weights) listed once
     wanted.update((n, b) for n, b in model.named_buffers() if n in model.state_dict())
-    with contextlib.ExitStack() as stack:
-        reader = _SliceReader(folder, stack)
-        missing = [n for n in wanted if not reader.has(n)]
-        if missing:
-            raise ConfigError(f"{folder} lacks {missing[:3]} ({len(missing)} tensors): not a checkpoint of this model.")
-        for name, param in wanted.items():
+    reader = _SliceReader(folder)
+    missing = [n for n in wanted if not reader.has(n)]
+    if missing:
+        raise ConfigError(f"{folder} lacks {missing[:3]} ({len(missing)} tensors): not a checkpoint of this model.")
+    try:
+        for name in sorted(wanted, key=reader.file_of):
+            param = wanted[name]
             _copy_local(param, reader.read(name, _local_slice(param), param.shape), name, folder)
-        return reader.bytes_read
+    finally:
+        reader.close()
+    return reader.bytes_read
 
 
 _NATIVE_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -148,8 +164,8 @@ def load_native_sharded(model: nn.Module, folder: str | Path, tied: bool) -> int
     """
     wanted = dict(model.named_parameters())
     buffers = {n: b for n, b in model.named_buffers() if n in model.state_dict()}
-    with contextlib.ExitStack() as stack:
-        reader = _SliceReader(folder, stack)
+    reader = _SliceReader(folder)
+    try:
         for name, tensor in {**wanted, **buffers}.items():
             try:
                 part = _read_native(reader, name, _local_slice(tensor), tied)
@@ -158,4 +174,6 @@ def load_native_sharded(model: nn.Module, folder: str | Path, tied: bool) -> int
                     continue
                 raise ConfigError(f"{folder} has no tensor for parameter '{name}': not a checkpoint of this model.") from None
             _copy_local(tensor, part, name, folder)
-        return reader.bytes_read
+    finally:
+        reader.close()
+    return reader.bytes_read
