@@ -34,6 +34,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from meshtron.config import Config, ModelConfig
 
 MARKER = "meshtron.json"
+# Optimizer state and param-group hyperparameters keyed by parameter name: pipeline stages hold
+# different parameters, and DCP would otherwise merge every rank's positional param-group lists
+# into one (a stage would load another stage's groups and lose its hyperparameters).
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -93,7 +97,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
         tmp.mkdir(parents=True)
     _barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM)}
     dcp.save(state, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rank-{_rank()}.pt")
     _barrier()
@@ -141,10 +145,10 @@ def load_checkpoint(
     """Load into an already parallelized model/optimizer (any layout); returns the saved marker."""
     saved = read_marker(path)
     check_model_shape(saved, cfg.model, path)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM)}
     dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
+    set_optimizer_state_dict(model, optimizer, state["optim"], options=_OPTIM)
     rng = Path(path) / f"rank-{_rank()}.pt"
     if rng.is_file():  # absent when resuming on more ranks than saved: those ranks keep their seed
         _set_rng_state(torch.load(rng, weights_only=False))
@@ -159,13 +163,14 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], 
     is exact and cannot hang. Only the keys this rank's model has (its pipeline stage) are needed.
     """
     own = model.state_dict()
-    missing = [k for k in own if k not in full]
+    sources = {k: _source_name(model, full, k) for k in own}
+    missing = [k for k, src in sources.items() if src is None]
     if strict and missing:
         raise KeyError(f"state dict lacks {missing[:3]} ({len(missing)} keys missing)")
     for name, param in own.items():
-        if name not in full:
+        if sources[name] is None:
             continue
-        src = full[name]
+        src = full[sources[name]]
         if tuple(src.shape) != tuple(param.shape):
             raise CheckpointMismatch(f"{name}: source shape {tuple(src.shape)} != model shape {tuple(param.shape)}")
         if isinstance(param, DTensor):
@@ -173,6 +178,17 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], 
             param.to_local().copy_(local.to_local())
         else:
             param.copy_(src)
+
+
+def _source_name(model: torch.nn.Module, full, name: str) -> str | None:
+    """Key of ``full`` that fills ``name``: itself, or the embedding for a tied LM head that sits on
+    another pipeline stage than the embedding (HF folders store the shared weight once)."""
+    if name in full:
+        return name
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    if tied and name == "lm_head.weight" and "embed_tokens.weight" in full:
+        return "embed_tokens.weight"
+    return None
 
 
 def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -125,7 +125,7 @@ def validate_layout(cfg: Config, world_size: int) -> None:
 
     Raises :class:`ConfigError` naming the values and a fix. ``sp`` with ``tp = 1`` is allowed and
     does nothing (there is no tp group to split the sequence over). Schedule-specific checks of
-    microbatches against stages belong to the pipeline module.
+    microbatches against stages come from the pipeline module (``check_pipeline``).
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
     _check_sizes(dict(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp), world_size, "[parallel] ")
@@ -172,6 +172,10 @@ def validate_layout(cfg: Config, world_size: int) -> None:
             f"global_batch_size / (dp x ep) = {t.global_batch_size} / {readers} = {local}. "
             f"Valid microbatches: {_options(lambda v: local % v == 0, local)}."
         )
+    if p.pp > 1:
+        from meshtron.parallel.pipeline.stage import check_pipeline  # the schedule's own rules
+
+        check_pipeline(cfg)
 
 
 def _round_up(value: int, multiple: int) -> int:

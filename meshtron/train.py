@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(recipe, overrides)
         validate_layout(cfg, _world_size())
     except ConfigError as err:
-        print(f"meshtron: {err}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank finds it; say it once
+            print(f"meshtron: {err}", file=sys.stderr)
         return 2
     p = cfg.parallel
     mesh = build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp)

@@ -147,7 +147,7 @@ MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64)
         (8, _cfg(QWEN_7B, dict(tp=4, dp=2, sp=True), dict(seq_len=64))),
         (8, _cfg(dict(num_attention_heads=16, num_key_value_heads=2), dict(tp=8))),  # KV heads replicated
         (8, _cfg(MOE, dict(pp=2, dp=2, ep=2, microbatches=2), dict(global_batch_size=8))),
-        (8, _cfg(parallel=dict(pp=2, cp=2, tp=2, schedule="interleaved", virtual_stages=2), train=dict(seq_len=8))),
+        (8, _cfg(parallel=dict(pp=2, cp=2, tp=2, schedule="interleaved", virtual_stages=2, microbatches=2), train=dict(seq_len=8))),
         (2, _cfg(parallel=dict(tp=2, sp=True), train=dict(seq_len=130))),
         (1, _cfg(parallel=dict(sp=True), train=dict(seq_len=127))),  # sp without tp does nothing
         (4, _cfg(parallel=dict(dp=4, microbatches=3), train=dict(global_batch_size=24))),  # accumulation

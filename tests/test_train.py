@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,8 +61,6 @@ def single_rank_references(root: str) -> None:
     root = Path(root)
     for recipe in LAYOUTS:
         _train(f"debug_{recipe}", root / recipe / "single", SINGLE)
-    # Reference for resume: the uninterrupted run that also writes checkpoints.
-    _train("debug_dense", root / "resume" / "full", SINGLE, ["--checkpoint.every", "5"])
 
 
 def eight_rank_layouts(root: str) -> None:
@@ -72,14 +71,19 @@ def eight_rank_layouts(root: str) -> None:
 
 
 def eight_rank_resume(root: str) -> None:
-    """Stop after step 5 (checkpoint), resume in a fresh trainer on the same layout, finish."""
-    out = Path(root) / "resume" / "split"
+    """Resume from the step-5 checkpoint of an uninterrupted 10-step run (same schedule), in a fresh
+    trainer on the same layout and, resharded, on tp8; both finish steps 6-10."""
+    root = Path(root)
     layout = LAYOUTS["dense"]["pp2_dp2_tp2_1f1b"]
-    _train("debug_dense", out, layout, ["--checkpoint.every", "5", "--train.steps", "5"])
-    # Resharding: the same step-5 checkpoint resumed on tp8 (it saves nothing, so step 5 stays latest).
-    _train("debug_dense", Path(root) / "resume" / "reshard", dict(tp=8),
-           ["--checkpoint.resume", "true", "--checkpoint.dir", str(out / "checkpoints")])
-    _train("debug_dense", out, layout, ["--checkpoint.resume", "true"])
+    saved = root / "resume" / "checkpoints"
+    _train("debug_dense", root / "resume" / "uninterrupted", layout,
+           ["--checkpoint.every", "5", "--checkpoint.dir", str(saved)])
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(saved / "step-00000010")  # as if the run had stopped after step 5
+    torch.distributed.barrier()
+    for name, resumed_layout in (("split", layout), ("reshard", dict(tp=8))):
+        _train("debug_dense", root / "resume" / name, resumed_layout,
+               ["--checkpoint.resume", "true", "--checkpoint.dir", str(saved)])
 
 
 def eight_rank_hf_round_trip(root: str) -> None:
@@ -118,15 +122,14 @@ def test_loss_curve_is_layout_invariant(runs, recipe, layout):
 
 
 def test_resume_reproduces_the_uninterrupted_run(runs):
-    full = _losses(runs / "resume" / "full")
-    split = _losses(runs / "resume" / "split")
-    assert len(split) == STEPS  # steps 1-5, then 6-10 appended by the resumed run
-    for step, (a, b) in enumerate(zip(split, full), start=1):
-        assert abs(a - b) / abs(b) < 1e-4, f"step {step}: resumed {a} vs uninterrupted {b}"
-    resharded = _losses(runs / "resume" / "reshard")
-    assert len(resharded) == STEPS - 5
-    for step, (a, b) in enumerate(zip(resharded, full[5:]), start=6):
-        assert abs(a - b) / abs(b) < 1e-4, f"step {step}: resumed on tp8 {a} vs uninterrupted {b}"
+    full = _losses(runs / "resume" / "uninterrupted")
+    assert len(full) == STEPS
+    for name in ("split", "reshard"):  # same layout, then resharded onto tp8
+        resumed = _losses(runs / "resume" / name)
+        assert len(resumed) == STEPS - 5
+        for step, (a, b) in enumerate(zip(resumed, full[5:]), start=6):
+            assert abs(a - b) / abs(b) < 1e-4, f"step {step}: {name} resume {a} vs uninterrupted {b}"
+    assert _losses(runs / "resume" / "split") == full[5:], "same-layout resume must be bit-exact"
 
 
 def test_hf_init_and_export_keep_transformers_logits(runs):
@@ -152,6 +155,8 @@ def test_cli_trains_and_rejects_bad_recipes(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec"} <= set(records[0])
-    bad = subprocess.run(cmd + ["--parallel.tp", "3"], env=env, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(cmd + ["--parallel.tpp", "2"], env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0
-    assert "tp" in bad.stderr and "Traceback" not in bad.stderr
+    ours = [line for line in bad.stderr.splitlines() if line.startswith("meshtron: ")]
+    assert len(ours) == 1 and "unknown key 'tpp'" in ours[0] and "Did you mean 'tp'" in ours[0], bad.stderr[-2000:]
+    assert "[rank0]:" not in bad.stderr and "[rank1]:" not in bad.stderr  # no worker traceback

@@ -90,16 +90,22 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, layers: range | None = None
+    ) -> torch.Tensor:
+        """``layers`` runs only that range of global layer indices (a pipeline chunk): the embedding
+        applies when it starts at layer 0, the final norm and LM head when it ends at the last layer."""
+        first = layers is None or layers.start == 0
+        last = layers is None or layers.stop == self.config.num_hidden_layers
+        h = self.embed_tokens(tokens) if self.embed_tokens is not None and first else tokens
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
         rope = self.rotary(position_ids, h.dtype)
-        for layer in self.layers.values():
-            h = layer(h, rope)
-        if self.norm is not None:
+        for key in self.layers if layers is None else map(str, layers):
+            h = self.layers[key](h, rope)
+        if self.norm is not None and last:
             h = self.norm(h)
-        return self.lm_head(h) if self.lm_head is not None else h
+        return self.lm_head(h) if self.lm_head is not None and last else h
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

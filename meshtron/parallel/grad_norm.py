@@ -91,19 +91,25 @@ def global_grad_norm(
 
 
 @torch.no_grad()
-def clip_grad_norm_(
-    params, max_norm: float, norm_type: float = 2.0, pp_mesh: DeviceMesh | None = None
-) -> torch.Tensor:
-    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before.
+def scale_grads_(params, max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients in place so that a global norm of ``total_norm`` becomes at most ``max_norm``.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient max_norm / (norm + 1e-6), capped
     at 1), applied to the local shards.
     """
-    params = list(params)
-    total = global_grad_norm(params, norm_type, pp_mesh)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             grad.mul_(coef.to(grad.device, grad.dtype))
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    params, max_norm: float, norm_type: float = 2.0, pp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
+    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before."""
+    params = list(params)
+    total = global_grad_norm(params, norm_type, pp_mesh)
+    scale_grads_(params, max_norm, total)
     return total

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshtron.checkpoint import gather_full_state_dict, load_full_state_dict
 from meshtron.config import Config
@@ -43,6 +44,55 @@ def materialize_sharded(model: nn.Module, device: torch.device, cfg: Config) -> 
     load_full_state_dict(model, InitialWeights(cfg.model, cfg.train.seed))
 
 
+def split_microbatches(input_ids: torch.Tensor, labels: torch.Tensor, mesh, micro: int):
+    """[(ids, labels, position_ids)] per micro-batch: this rank's cp slice of the sequence (with its
+    global positions), split along the batch dimension."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    input_ids, labels, positions = shard_batch((input_ids, labels, positions), mesh)
+    return list(zip(input_ids.chunk(micro), labels.chunk(micro), positions.chunk(micro)))
+
+
+def global_token_count(micro: list, data_group) -> torch.Tensor:
+    """Counted tokens of the whole step over the ranks that hold different tokens (dp x ep x cp)."""
+    tokens = sum((lab != -100).sum() for _, lab, _ in micro).to(torch.float32)
+    dist.all_reduce(tokens, group=data_group)
+    return tokens
+
+
+def average_router_losses_over_microbatches(module: nn.Module, micro: int) -> None:
+    for moe in moe_layers(module):  # one router loss per micro-batch, averaged over them
+        moe.aux_loss_scale /= micro
+        moe.z_loss_scale /= micro
+
+
+def _full_cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Full tensors of this rank's parameters on CPU, on every rank (collective over each DTensor's mesh).
+
+    ``gather_full_state_dict`` keeps the result on global rank 0 only, which lacks the other stages.
+    """
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in module.state_dict().items()
+    }
+
+
+def export_hf(module: nn.Module, cfg: Config, folder: str, pp_group=None) -> None:
+    """Write the full model as an HF folder from rank 0 (collective; ``pp_group`` gathers the stages)."""
+    from meshtron.hf import save_hf
+
+    if pp_group is None:
+        state = gather_full_state_dict(module)
+    else:
+        state = _full_cpu_state(module)
+        if 0 in dist.get_process_group_ranks(pp_group):
+            # Only the pipeline that contains rank 0 ships its stages there; the others hold copies.
+            stages = [None] * dist.get_world_size(pp_group) if dist.get_rank() == 0 else None
+            dist.gather_object(state, stages, dst=0, group=pp_group)
+            state = {k: v for stage in stages for k, v in stage.items()} if stages else state
+    if dist.get_rank() == 0:
+        save_hf(state, cfg.model, folder)
+    dist.barrier()
+
+
 class StepRunner:
     """Forward and backward of one global-batch step on this rank (no pipeline: pp == 1).
 
@@ -56,9 +106,7 @@ class StepRunner:
         self.module = parallelize(model, mesh, cfg)
         materialize_sharded(self.module, device, cfg)
         self.data_group = dense_data_mesh(mesh).get_group()
-        for moe in moe_layers(self.module):  # one router loss per micro-batch, averaged over them
-            moe.aux_loss_scale /= cfg.parallel.microbatches
-            moe.z_loss_scale /= cfg.parallel.microbatches
+        average_router_losses_over_microbatches(self.module, cfg.parallel.microbatches)
         self._aux: list[torch.Tensor] = []
 
     def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -94,13 +142,13 @@ class StepRunner:
         return clip_grad_norm_(self.module.parameters(), max_norm).item()
 
     def export_hf(self, folder: str) -> None:
-        from meshtron.hf import save_hf
-
-        state = gather_full_state_dict(self.module)
-        if dist.get_rank() == 0:
-            save_hf(state, self.cfg.model, folder)
-        dist.barrier()
+        export_hf(self.module, self.cfg, folder)
 
 
-def build_step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> StepRunner:
+def build_step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device):
+    """The runner for this layout: pipelined when ``parallel.pp > 1``."""
+    if cfg.parallel.pp > 1:
+        from meshtron.parallel.pipeline.runner import PipelineRunner
+
+        return PipelineRunner(model, mesh, cfg, device)
     return StepRunner(model, mesh, cfg, device)

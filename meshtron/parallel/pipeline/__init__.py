@@ -1,8 +1,12 @@
-"""Hand-written pipeline parallelism: stage split, schedules as data, a clock simulator.
+"""Hand-written pipeline parallelism: stage split, schedules as data, a clock simulator, the executor.
+
+The step runner for ``pp > 1`` is ``meshtron.parallel.pipeline.runner.PipelineRunner`` (built by
+``meshtron.parallel.runner.build_step_runner``; not imported here, it depends on that module).
 
 ``torch.distributed.pipelining`` is a peer to measure against, not a dependency.
 """
 
+from meshtron.parallel.pipeline.executor import PipelineExecutor
 from meshtron.parallel.pipeline.schedules import (
     B,
     F,
@@ -29,6 +33,7 @@ from meshtron.parallel.pipeline.simulate import (
     simulate,
 )
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank, chunk_virtual_stage, split_layers
+from meshtron.parallel.pipeline.stage import StageChunk, build_chunks, check_pipeline, prune_to_stage
 
 __all__ = [
     "B",
@@ -40,12 +45,16 @@ __all__ = [
     "SEND_F",
     "Action",
     "DeadlockError",
+    "PipelineExecutor",
     "Schedule",
     "SimResult",
     "Span",
+    "StageChunk",
     "Step",
     "analytic_bubble",
+    "build_chunks",
     "build_schedule",
+    "check_pipeline",
     "chunk_layer_ranges",
     "chunk_rank",
     "chunk_virtual_stage",
@@ -54,6 +63,7 @@ __all__ = [
     "match_p2p",
     "one_f_one_b",
     "peak_in_flight",
+    "prune_to_stage",
     "simulate",
     "split_layers",
 ]

@@ -1,0 +1,349 @@
+"""Our pipeline executor against ``torch.distributed.pipelining`` on the same stages, in one run.
+
+``python benchmarks/pipeline_schedules.py`` (CPU, gloo; PYTHONPATH=. from the repo root) runs on
+``--pp`` local ranks:
+
+* sleep stages: every chunk's forward sleeps ``f`` and its backward ``b`` (a custom autograd
+  Function; sleeping uses no CPU), so the step time measures the schedule and the executor, not
+  the arithmetic. Ours (1F1B, interleaved) and torch's ``Schedule1F1B`` /
+  ``ScheduleInterleaved1F1B`` take turns step by step on the very same stage modules, so load on
+  the machine hits all of them alike;
+* real compute: a small meshtron Transformer, our ``PipelineRunner`` against torch's schedules
+  wrapping the runner's own chunks (same parameters, same micro-batches, same loss).
+
+Writes ``pipeline_{sleep,real}.json``, ``pipeline_table.md`` and timeline PNGs (``show.render_timeline``) to ``--out``.
+Step time is the slowest rank's wall time between a barrier and the end of its step; the median
+over ``--repeats`` steps after one warm-up is reported. The measured bubble is
+``1 - busy / (pp * step time)`` with busy the time spent inside the stages' forward and backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtron.parallel.pipeline.simulate import analytic_bubble
+
+SLEEP_ACTIVATION = (1, 16, 64)  # [micro-batch, sequence, hidden] sent between sleep stages
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, stage):
+        ctx.stage = stage
+        start = time.perf_counter()
+        time.sleep(stage.f)
+        stage.spans.append(("F", start, time.perf_counter()))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        stage = ctx.stage
+        start = time.perf_counter()
+        time.sleep(stage.b)
+        stage.spans.append(("B", start, time.perf_counter()))
+        return grad.clone(), None
+
+
+class SleepStage(nn.Module):
+    """One chunk: forward sleeps ``f`` seconds, backward ``b``; records its compute spans."""
+
+    def __init__(self, f: float, b: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(()))
+        self.f, self.b, self.spans = f, b, []
+
+    def forward(self, x):
+        return _Sleep.apply(x * self.weight, self)
+
+
+def _spans(stages: dict[int, SleepStage], rank: int) -> list[tuple]:
+    """(rank, kind, mb, start, end, stage); each chunk runs its micro-batches in order per kind."""
+    rows = []
+    for s, mod in stages.items():
+        seen = {"F": 0, "B": 0}
+        for kind, start, end in mod.spans:
+            rows.append((rank, kind, seen[kind], start, end, s))
+            seen[kind] += 1
+    return rows
+
+
+def _timed(step) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    took = torch.tensor(time.perf_counter() - start)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return took.item()
+
+
+def _torch_schedule(kind: str, modules: dict[int, nn.Module], m: int, num_stages: int, loss_fn):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    stages = [PipelineStage(mod, s, num_stages, torch.device("cpu")) for s, mod in sorted(modules.items())]
+    # Gradients are already scaled by our losses; torch must not divide them by m again.
+    if kind == "1f1b":
+        return Schedule1F1B(stages[0], m, loss_fn=loss_fn, scale_grads=False)
+    return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn, scale_grads=False)
+
+
+def _torch_step(schedule, modules, num_stages, batch, target):
+    args = (batch,) if 0 in modules else ()
+    if num_stages - 1 in modules:
+        return lambda: schedule.step(*args, target=target, losses=[])
+    return lambda: schedule.step(*args)
+
+
+def sleep_benchmark(args) -> dict:
+    from meshtron.parallel.pipeline import build_schedule
+    from meshtron.parallel.pipeline.executor import PipelineExecutor
+
+    pp, m, rank = args.pp, args.microbatches, dist.get_rank()
+    group = dist.group.WORLD
+    variants = {}
+    for kind, v in (("1f1b", 1), ("interleaved", args.virtual)):
+        n = pp * v
+        stages = {s: SleepStage(args.f_ms / 1e3 / v, args.b_ms / 1e3 / v) for s in range(rank, n, pp)}
+        batch = torch.randn(m * SLEEP_ACTIVATION[0], *SLEEP_ACTIVATION[1:])
+        inputs = list(batch.chunk(m))
+        executor = PipelineExecutor(build_schedule(kind, pp, m, v)[rank], n, group)
+
+        def ours(stages=stages, executor=executor, inputs=inputs):
+            executor.run(lambda s, x, mb: stages[s](x), inputs, lambda out, mb: out.mean(),
+                         (SLEEP_ACTIVATION, torch.float32))
+
+        schedule = _torch_schedule(kind, stages, m, n, lambda out, target: out.mean())
+        variants[("ours", kind)] = (stages, ours, v)
+        variants[("torch", kind)] = (stages, _torch_step(schedule, stages, n, batch, batch), v)
+    times = {key: [] for key in variants}
+    busy = {key: [] for key in variants}
+    spans = {}
+    for rep in range(args.repeats + 1):
+        for key, (stages, step, v) in variants.items():
+            for mod in stages.values():
+                mod.spans = []
+            took = _timed(step)
+            rows = _spans(stages, rank)
+            work = torch.tensor(sum(r[4] - r[3] for r in rows))
+            dist.all_reduce(work)
+            if rep:  # the first round warms up (torch infers shapes, gloo connects)
+                times[key].append(took)
+                busy[key].append(work.item())
+            spans[key] = rows
+    gathered = [None] * pp if rank == 0 else None
+    dist.gather_object(spans, gathered, dst=0)
+    result = {}
+    for key, (_, _, v) in variants.items():
+        step = statistics.median(times[key])
+        analytic = (v * m + pp - 1) * (args.f_ms + args.b_ms) / v / 1e3
+        result["/".join(key)] = {
+            "step_s": step,
+            "steps_s": times[key],
+            "analytic_step_s": analytic,
+            "bubble": 1 - statistics.median(busy[key]) / (pp * step),
+            "analytic_bubble": analytic_bubble(pp, m, v),
+            "virtual": v,
+            "spans": [row for per_rank in gathered for row in per_rank[key]] if rank == 0 else None,
+        }
+    return result
+
+
+class _ChunkModule(nn.Module):
+    """nn.Module face of one of our StageChunks (torch's PipelineStage needs a module)."""
+
+    def __init__(self, chunk, positions):
+        super().__init__()
+        self.model, self.chunk, self.positions = chunk.model, chunk, positions
+
+    def forward(self, x):
+        return self.chunk(x, self.positions[: x.shape[0]])
+
+
+def real_benchmark(args) -> dict:
+    from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from meshtron.mesh import build_mesh
+    from meshtron.models import build_model, token_loss_sum
+    from meshtron.parallel.runner import build_step_runner
+
+    pp, m, rank = args.pp, args.real_microbatches, dist.get_rank()
+    model_cfg = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                            num_attention_heads=8, num_key_value_heads=2)
+    seq, mb = 128, 1
+    mesh = build_mesh(pp=pp)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model_cfg.vocab_size, (m * mb, seq), generator=gen)
+    labels = torch.randint(0, model_cfg.vocab_size, (m * mb, seq), generator=gen)
+    positions = torch.arange(seq).expand(mb, -1)
+    variants = {}
+    for kind, v in (("1f1b", 1), ("interleaved", args.virtual)):
+        cfg = Config(model=model_cfg, parallel=ParallelConfig(pp=pp, schedule=kind, virtual_stages=v, microbatches=m),
+                     train=TrainConfig(global_batch_size=m * mb, seq_len=seq))
+        with torch.device("meta"):
+            meta = build_model(model_cfg)
+        runner = build_step_runner(meta, mesh, cfg, torch.device("cpu"))
+        runner.executor.record = True
+        modules = {s: _ChunkModule(c, positions) for s, c in runner.chunks.items()}
+        tokens = (labels != -100).sum()
+        schedule = _torch_schedule(kind, modules, m, pp * v, lambda out, lab: token_loss_sum(out, lab) / tokens)
+        variants[("ours", kind)] = (lambda runner=runner: runner.forward_backward(ids, labels), runner, v)
+        variants[("torch", kind)] = (_torch_step(schedule, modules, pp * v, ids, labels), None, v)
+    times = {key: [] for key in variants}
+    busy = {key: [] for key in variants}
+    for rep in range(args.real_repeats + 1):
+        for key, (step, runner, v) in variants.items():
+            took = _timed(step)
+            if runner is not None:
+                work = torch.tensor(sum(s.end - s.start for s in runner.executor.spans))
+                dist.all_reduce(work)
+            if rep:
+                times[key].append(took)
+                if runner is not None:
+                    busy[key].append(work.item())
+    result = {}
+    for key, (_, runner, v) in variants.items():
+        step = statistics.median(times[key])
+        result["/".join(key)] = {
+            "step_s": step,
+            "steps_s": times[key],
+            "bubble": 1 - statistics.median(busy[key]) / (pp * step) if busy[key] else None,
+            "analytic_bubble": analytic_bubble(pp, m, v),
+            "virtual": v,
+        }
+    return result
+
+
+def _rank_main(args):
+    torch.manual_seed(0)
+    for part in args.parts:
+        result = sleep_benchmark(args) if part == "sleep" else real_benchmark(args)
+        if dist.get_rank() == 0:
+            result["setting"] = {k: v for k, v in vars(args).items() if k != "parts"}
+            result["load_average"] = os.getloadavg()[0]
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"pipeline_{part}.json").write_text(json.dumps(result))
+
+
+def _ratio(a: float, b: float, digits: int) -> str:
+    """a / b, or n/a for the zero-cost stages that measure pure overhead."""
+    return f"{a / b:.{digits}f}" if b else "n/a"
+
+
+def _span_stats(spans) -> tuple[float, float, float]:
+    """Mean forward and backward duration and median gap between a rank's consecutive actions, in ms."""
+    f = [r[4] - r[3] for r in spans if r[1] == "F"]
+    b = [r[4] - r[3] for r in spans if r[1] == "B"]
+    gaps = []
+    for rank in {r[0] for r in spans}:
+        rows = sorted((r for r in spans if r[0] == rank), key=lambda r: r[3])
+        gaps += [nxt[3] - cur[4] for cur, nxt in zip(rows, rows[1:])]
+    return statistics.mean(f) * 1e3, statistics.mean(b) * 1e3, statistics.median(gaps) * 1e3
+
+
+def report(args) -> str:
+    from meshtron.parallel.pipeline.show import render_timeline
+
+    out = Path(args.out)
+    sleep = json.loads((out / "pipeline_sleep.json").read_text())
+    args = argparse.Namespace(**sleep["setting"])
+    lines = [
+        f"## Sleep stages: pp = {args.pp}, m = {args.microbatches}, per rank forward {args.f_ms:g} ms, "
+        f"backward {args.b_ms:g} ms (per chunk divided by v)",
+        "",
+        f"Median (and min) of {args.repeats} steps per variant; load average {sleep['load_average']:.1f} "
+        f"on {os.cpu_count()} CPUs at the end of the run.",
+        "",
+        "| schedule | v | ours step (ms) | torch step (ms) | ours / torch | ours min | torch min | analytic (ms) "
+        "| ours / analytic | ours bubble | torch bubble | analytic bubble | ours / analytic bubble |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for kind in ("1f1b", "interleaved"):
+        ours, theirs = sleep[f"ours/{kind}"], sleep[f"torch/{kind}"]
+        lines.append(
+            f"| {kind} | {ours['virtual']} | {ours['step_s'] * 1e3:.1f} | {theirs['step_s'] * 1e3:.1f} "
+            f"| {ours['step_s'] / theirs['step_s']:.3f} | {min(ours['steps_s']) * 1e3:.1f} "
+            f"| {min(theirs['steps_s']) * 1e3:.1f} | {ours['analytic_step_s'] * 1e3:.1f} "
+            f"| {_ratio(ours['step_s'], ours['analytic_step_s'], 3)} | {ours['bubble']:.3f} | {theirs['bubble']:.3f} "
+            f"| {ours['analytic_bubble']:.3f} | {_ratio(ours['bubble'], ours['analytic_bubble'], 2)} |"
+        )
+        for who in ("ours", "torch"):
+            entry = sleep[f"{who}/{kind}"]
+            start = min(r[3] for r in entry["spans"])
+            spans = [(r[0], r[1], r[2], (r[3] - start) * 1e3, (r[4] - start) * 1e3, r[5]) for r in entry["spans"]]
+            title = f"{who} {kind}: pp={args.pp}, m={args.microbatches}, v={entry['virtual']}, time in ms"
+            render_timeline(spans, str(out / f"pipeline_{who}_{kind}.png"), title, pp=args.pp)
+    lines += [
+        "",
+        "Where the time beyond the analytic figure goes (last measured step): mean sleep of a forward and a "
+        "backward chunk (nominal f/v, b/v) and the median idle gap between consecutive actions on a rank "
+        "(p2p plus executor and autograd overhead).",
+        "",
+        "| variant | mean F (ms) | mean B (ms) | median gap (ms) |",
+        "|---|---|---|---|",
+    ]
+    for key, entry in sleep.items():
+        if "/" in key:
+            lines.append(f"| {key} | " + " | ".join(f"{x:.3f}" for x in _span_stats(entry["spans"])) + " |")
+    lines += ["", "Steps (ms) per variant, in run order:", ""]
+    for key, entry in sleep.items():
+        if "/" in key:
+            lines.append(f"- {key}: " + ", ".join(f"{t * 1e3:.1f}" for t in entry["steps_s"]))
+    if (out / "pipeline_real.json").is_file():
+        real = json.loads((out / "pipeline_real.json").read_text())
+        args = argparse.Namespace(**real["setting"])
+        lines += [
+            "",
+            f"## Real compute: meshtron Transformer (8 layers, hidden 256, seq 128), pp = {args.pp}, "
+            f"m = {args.real_microbatches}, float32 on CPU",
+            "",
+            f"Median (and min) of {args.real_repeats} steps; load average {real['load_average']:.1f} "
+            "at the end of the run.",
+            "",
+            "| schedule | v | ours step (ms) | torch step (ms) | ours / torch | ours min | torch min | ours bubble "
+            "| analytic bubble |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for kind in ("1f1b", "interleaved"):
+            ours, theirs = real[f"ours/{kind}"], real[f"torch/{kind}"]
+            lines.append(
+                f"| {kind} | {ours['virtual']} | {ours['step_s'] * 1e3:.1f} | {theirs['step_s'] * 1e3:.1f} "
+                f"| {ours['step_s'] / theirs['step_s']:.3f} | {min(ours['steps_s']) * 1e3:.1f} "
+                f"| {min(theirs['steps_s']) * 1e3:.1f} | {ours['bubble']:.3f} | {ours['analytic_bubble']:.3f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument("--virtual", type=int, default=2)
+    parser.add_argument("--f-ms", type=float, default=20.0, help="forward time of one rank's share of the model")
+    parser.add_argument("--b-ms", type=float, default=40.0, help="backward time of one rank's share")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--parts", default="sleep,real", help="comma list of sleep, real; empty: report only")
+    parser.add_argument("--real-microbatches", type=int, default=8)
+    parser.add_argument("--real-repeats", type=int, default=9)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    args.parts = [p for p in args.parts.split(",") if p]
+    if args.parts:
+        from meshtron.testing import run_checks
+
+        run_checks([_rank_main], args.pp, args, timeout=1800)
+    text = report(args)
+    (Path(args.out) / "pipeline_table.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    main()

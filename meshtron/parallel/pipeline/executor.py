@@ -1,0 +1,208 @@
+"""Run one pp-rank's schedule (``schedules.py``): compute actions and batched p2p.
+
+Every :class:`~meshtron.parallel.pipeline.schedules.P2P` step becomes one ``batch_isend_irecv``
+over the pp process group, its ops posted in list order (the order the schedule's matching relies
+on) and all waited for before the next step.
+
+Boundary tensors. Every activation crossing a stage boundary, and its gradient, has the same
+shape and dtype: ``[micro-batch, local sequence, hidden]`` in the compute dtype. The receiver
+therefore allocates its buffer from that one known shape instead of exchanging shapes: no extra
+messages or synchronisation, nothing to cache or invalidate when the sequence length changes
+between runs. A sender checks what it sends against it, so a mismatch is a clear error on the
+sending rank rather than corrupted data on the receiver.
+
+Memory. A stage keeps, per micro-batch in flight, the input it received (for its gradient) and
+its output (the autograd graph of the chunk); both are dropped as soon as that micro-batch's
+backward has run, and sent tensors as soon as their batch completes.
+
+Gradient accumulation and FSDP. Backward calls accumulate into ``.grad`` over micro-batches, as
+in the non-pipelined runner. FSDP2 modules of a chunk skip gradient reduction and keep their
+parameters unsharded until that chunk's last backward of the run, so reduce-scatter and reshard
+happen once per step, not once per micro-batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtron.parallel.pipeline.schedules import B, F, P2P, RECV_B, RECV_F, SEND_B, SEND_F, Action, Step
+from meshtron.parallel.pipeline.simulate import Span
+
+# forward(stage, x, mb) -> output: x is the stage's input (token ids or hidden states).
+ForwardFn = Callable[[int, torch.Tensor, int], torch.Tensor]
+# loss(output of the last stage, mb) -> scalar whose backward starts the pipeline's backward.
+LossFn = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+class PipelineExecutor:
+    """Executes ``steps`` (one rank's schedule) over ``num_stages`` chunks.
+
+    ``group`` is the pp process group (``mesh["pp"].get_group()``); schedule peers are pp-group
+    ranks and are mapped to global ranks once. ``chunk_units`` maps each local stage to the FSDP2
+    units (``FSDPModule``) holding its parameters, for the once-per-step gradient sync.
+    """
+
+    def __init__(
+        self,
+        steps: Sequence[Step],
+        num_stages: int,
+        group,
+        chunk_units: Mapping[int, Sequence[nn.Module]] | None = None,
+    ):
+        self.steps, self.num_stages, self.group = list(steps), num_stages, group
+        self.rank = dist.get_rank(group)
+        self.peers = {
+            op.peer: dist.get_global_rank(group, op.peer)
+            for step in self.steps
+            if isinstance(step, P2P)
+            for op in step.ops
+        }
+        last_b = {}
+        for i, step in enumerate(self.steps):
+            if isinstance(step, Action) and step.kind == B:
+                last_b[step.stage] = i
+        self._last_backward = set(last_b.values())
+        self._fsdp = {s: list(units) for s, units in (chunk_units or {}).items()}
+        self.record = False
+        self.spans: list[Span] = []
+        self.peak_live = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._inbox: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def live(self) -> int:
+        """Micro-batch activations this rank holds now (stage outputs kept for their backward)."""
+        return len(self._outputs)
+
+    def run(
+        self,
+        forward: ForwardFn,
+        first_inputs: Sequence[torch.Tensor],
+        loss: LossFn,
+        boundary: tuple[tuple[int, ...], torch.dtype],
+    ) -> torch.Tensor:
+        """Run every step; returns the sum of this rank's last-stage losses (0 elsewhere), detached.
+
+        ``first_inputs[mb]`` feeds stage 0; ``boundary`` is the (shape, dtype) of every tensor
+        crossing a stage boundary (see the module doc).
+        """
+        self._reset()
+        self.spans, self.peak_live = [], 0
+        self._set_grad_sync(self._fsdp, False)
+        total = torch.zeros((), device=first_inputs[0].device)
+        try:
+            for i, step in enumerate(self.steps):
+                if isinstance(step, P2P):
+                    self._exchange(step, boundary, first_inputs[0].device)
+                elif step.kind == F:
+                    value = self._forward(step, forward, first_inputs, loss)
+                    if value is not None:
+                        total += value
+                else:
+                    self._backward(i, step)
+        finally:
+            leftovers = self.live() + len(self._inbox) + len(self._outbox)
+            self._reset()
+        if leftovers:
+            raise RuntimeError(f"pipeline rank {self.rank}: {leftovers} tensors left over after the schedule")
+        return total
+
+    def _timed(self, action: Action, fn: Callable[[], torch.Tensor | None]):
+        if not self.record:
+            return fn()
+        _sync()
+        start = time.perf_counter()
+        out = fn()
+        _sync()
+        self.spans.append(Span(self.rank, action.kind, action.mb, start, time.perf_counter(), action.stage))
+        return out
+
+    def _forward(self, a: Action, forward: ForwardFn, first_inputs, loss: LossFn) -> torch.Tensor | None:
+        """Runs F; returns the detached loss on the last stage."""
+        key, last = (a.stage, a.mb), a.stage == self.num_stages - 1
+        x = first_inputs[a.mb] if a.stage == 0 else self._inbox.pop((RECV_F, *key)).requires_grad_()
+
+        def compute() -> torch.Tensor:
+            out = forward(a.stage, x, a.mb)
+            return loss(out, a.mb) if last else out
+
+        out = self._timed(a, compute)
+        if not last:
+            self._outbox[(SEND_F, *key)] = out.detach()
+        if a.stage > 0:
+            self._inputs[key] = x
+        self._outputs[key] = out
+        self.peak_live = max(self.peak_live, self.live())
+        return out.detach() if last else None
+
+    def _backward(self, index: int, a: Action) -> None:
+        key = (a.stage, a.mb)
+        if index in self._last_backward:
+            self._set_grad_sync({a.stage: self._fsdp.get(a.stage, [])}, True)
+        out = self._outputs.pop(key)
+        grad = None if a.stage == self.num_stages - 1 else self._inbox.pop((RECV_B, *key))
+        self._timed(a, lambda: torch.autograd.backward(out, grad))
+        del out, grad
+        if a.stage > 0:
+            x = self._inputs.pop(key)
+            self._outbox[(SEND_B, *key)] = x.grad
+            del x
+
+    def _exchange(self, step: P2P, boundary, device: torch.device) -> None:
+        shape, dtype = boundary
+        ops, received = [], []
+        for op in step.ops:
+            key = (op.kind, op.stage, op.mb)
+            if op.kind in (SEND_F, SEND_B):
+                tensor = self._outbox.pop(key)
+                _check_boundary(tensor, shape, dtype, op)
+                ops.append(dist.P2POp(dist.isend, tensor, self.peers[op.peer], self.group))
+            else:
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                ops.append(dist.P2POp(dist.irecv, tensor, self.peers[op.peer], self.group))
+                received.append((key, tensor))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        self._inbox.update(received)
+
+    def _set_grad_sync(self, fsdp: Mapping[int, list[nn.Module]], on: bool) -> None:
+        # A chunk's last backward is its modules' last of the step: FSDP then reduce-scatters the
+        # accumulated gradients, reshards, and (is_last_backward) waits for the reductions. When
+        # chunks share an FSDP root, later chunks' backwards finalise again: redundant, not wrong.
+        for mods in fsdp.values():
+            for mod in mods:
+                mod.set_requires_gradient_sync(on, recurse=False)
+                mod.set_reshard_after_backward(on, recurse=False)
+                mod.set_is_last_backward(on)
+
+
+def _sync() -> None:
+    """Wait for queued kernels so recorded spans time the work, not its launch."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _check_boundary(tensor: torch.Tensor | None, shape, dtype, op: Action) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if tensor is None:
+        raise RuntimeError(f"{op}: the stage input has no gradient (does the chunk's output depend on it?)")
+    if isinstance(tensor, DTensor):
+        raise TypeError(
+            f"{op}: stage boundary tensors must be plain tensors, got a DTensor with {tensor.placements}; "
+            "make the parallel plan return local tensors at the block outputs"
+        )
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+        raise RuntimeError(
+            f"{op}: sending {tuple(tensor.shape)} {tensor.dtype}, but receivers expect {tuple(shape)} {dtype} "
+            "([micro-batch, local sequence, hidden] in the compute dtype)"
+        )

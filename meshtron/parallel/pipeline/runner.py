@@ -1,0 +1,150 @@
+"""Pipelined step runner: ``StepRunner``'s interface for ``parallel.pp > 1``.
+
+Every pp-rank prunes the meta-device model to its own chunks, hands the stage model to
+``meshtron.parallel.runner.parallelize`` (tp, ep, cp, FSDP compose inside a stage exactly as without
+a pipeline), materialises only that, and runs its schedule with :class:`PipelineExecutor`.
+
+Numerics equal the non-pipelined runner on the same global batch: the same micro-batch split,
+every micro-batch's summed token loss divided by the global token count of the step (so gradients
+accumulated over micro-batches and summed over data ranks are those of the global mean loss), and
+MoE aux losses attached to the gradients inside each stage with the same per-micro-batch scale.
+
+FSDP: every chunk's units skip gradient reduction and stay unsharded until that chunk's last
+backward of the step (see ``executor.py``), whatever ``data_parallel`` mode: reducing after every
+micro-batch would put m reductions per step on every stage, inside the pipeline's steady state. The cost
+is the unsharded gradients of the rank's own layers (1/pp of the model) held through the step.
+
+Tied embeddings: the first stage's embedding and the last stage's LM head are two copies of the
+shared weight, equal at initialisation; after each backward both get the sum of their gradients
+(one all-reduce between the two ranks), so every optimizer step keeps them equal. The gradient
+norm counts the weight once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshtron.config import Config
+from meshtron.mesh import dense_data_mesh
+from meshtron.models import moe_layers
+from meshtron.parallel.grad_norm import global_grad_norm, scale_grads_
+from meshtron.parallel.runner import (
+    average_router_losses_over_microbatches,
+    export_hf,
+    global_token_count,
+    materialize_sharded,
+    parallelize,
+    split_microbatches,
+)
+from meshtron.parallel.tensor import parallel_token_loss_sum
+from meshtron.parallel.pipeline.executor import PipelineExecutor
+from meshtron.parallel.pipeline.schedules import build_schedule
+from meshtron.parallel.pipeline.stage import build_chunks, check_pipeline, prune_to_stage
+
+
+def boundary_tensor(cfg: Config, micro_batch: int, local_seq: int) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) of the hidden states between stages for ``local_seq`` tokens per sample on this rank.
+
+    With sequence parallelism the residual stream between blocks is split over tp as well.
+    """
+    p = cfg.parallel
+    seq = local_seq // p.tp if p.sp and p.tp > 1 else local_seq
+    return (micro_batch, seq, cfg.model.hidden_size), getattr(torch, cfg.train.dtype)
+
+
+def _fsdp_units(chunk) -> list[nn.Module]:
+    """FSDP2 units holding a chunk's parameters; the stage root's own (the final norm) go with the last."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [sub for mod in chunk.modules() for sub in mod.modules() if isinstance(sub, FSDPModule)]
+    if chunk.is_last and isinstance(chunk.model, FSDPModule):
+        units.append(chunk.model)
+    return units
+
+
+def _first_last_group(mesh):
+    """Group of the first and last pp-rank of this rank's pipeline (None on the ranks between).
+
+    Every rank creates every pipeline's pair (a collective requirement of group creation).
+    """
+    pp = mesh["pp"].size()
+    pipelines = mesh.mesh.movedim(0, -1).reshape(-1, pp)  # global ranks, one row per pipeline
+    group, _ = dist.new_subgroups_by_enumeration([[int(r[0]), int(r[-1])] for r in pipelines])
+    return group
+
+
+class PipelineRunner:
+    """Forward and backward of one global-batch step on this pp-rank's pipeline stage(s)."""
+
+    def __init__(self, model: nn.Module, mesh, cfg: Config, device: torch.device):
+        check_pipeline(cfg)  # before any collective
+        p = cfg.parallel
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        pp_mesh = mesh["pp"]
+        self.pp_group = pp_mesh.get_group()
+        self.num_stages = p.pp * p.virtual_stages
+        stages = prune_to_stage(model, pp_mesh.get_local_rank(), p.pp, p.virtual_stages)
+        self.module = parallelize(model, mesh, cfg)
+        materialize_sharded(self.module, device, cfg)
+        self.chunks = build_chunks(self.module, stages, self.num_stages)
+        self.data_group = dense_data_mesh(mesh).get_group()
+        average_router_losses_over_microbatches(self.module, p.microbatches)
+        self._moe = {s: [m for mod in c.modules() for m in moe_layers(mod)] for s, c in self.chunks.items()}
+        steps = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)[pp_mesh.get_local_rank()]
+        units = {s: _fsdp_units(c) for s, c in self.chunks.items()}
+        self.executor = PipelineExecutor(steps, self.num_stages, self.pp_group, units)
+        self._aux: float | None = None
+        self._tied, self._tie_group = None, None
+        if cfg.model.tie_word_embeddings:
+            self._tie_group = _first_last_group(mesh)
+            self._tied = (self.module.embed_tokens or self.module.lm_head).weight if self._tie_group else None
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        micro = split_microbatches(input_ids, labels, self.mesh, self.cfg.parallel.microbatches)
+        tokens = global_token_count(micro, self.data_group)
+        aux: list[torch.Tensor] = []
+
+        def forward(stage: int, x: torch.Tensor, mb: int) -> torch.Tensor:
+            out = self.chunks[stage](x, micro[mb][2])
+            aux.extend(m.last_aux_loss for m in self._moe[stage] if m.last_aux_loss is not None)
+            return out
+
+        def loss(logits: torch.Tensor, mb: int) -> torch.Tensor:
+            return parallel_token_loss_sum(logits, micro[mb][1]) / tokens
+
+        ids = [mb[0] for mb in micro]
+        boundary = boundary_tensor(self.cfg, ids[0].shape[0], ids[0].shape[1])
+        total = self.executor.run(forward, ids, loss, boundary)
+        if self._tied is not None:
+            self._sum_tied_grads()
+        dist.all_reduce(total, group=self.data_group)  # zero except on the last stage
+        aux_sum = torch.stack(aux).sum() if aux else torch.zeros((), device=self.device)
+        stats = torch.stack([total, aux_sum, torch.tensor(float(len(aux)), device=self.device)])
+        dist.all_reduce(stats, group=self.pp_group)
+        self._aux = (stats[1] / stats[2]).item() if stats[2] else None
+        return stats[0].item()
+
+    def _sum_tied_grads(self) -> None:
+        """The embedding (first stage) and LM head (last stage) are copies of one tied weight: each
+        gets the sum of both gradients, so identical optimizer updates keep the copies equal."""
+        grad = self._tied.grad
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self._tie_group)
+
+    def aux_loss(self) -> float | None:
+        """Mean of the last step's aux losses over every MoE layer of every stage and micro-batch."""
+        return self._aux
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip to the norm over all stages; a tied LM head copy is clipped but counted once (first stage)."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        copy = self._tied if self.module.lm_head is not None else None
+        total = global_grad_norm([p for p in params if p is not copy], pp_mesh=self.mesh["pp"])
+        scale_grads_(params, max_norm, total)
+        return total.item()
+
+    def export_hf(self, folder: str) -> None:
+        export_hf(self.module, self.cfg, folder, self.pp_group)

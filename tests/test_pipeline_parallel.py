@@ -1,0 +1,308 @@
+"""Pipelined training step on 8 CPU ranks equals the single-process step (loss, gradients, aux, norm).
+
+Every layout fills the 8 ranks with pp x dp (x cp x tp); main's parallelize shards the stages with
+FSDP over the data ranks. The single-process reference runs the same micro-batches (micro-batch i
+= every dp shard's i-th) because the MoE aux loss is defined per micro-batch.
+"""
+
+import tempfile
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from meshtron.checkpoint import load_full_state_dict
+from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from meshtron.hf import from_hf
+from meshtron.mesh import build_mesh, dense_data_mesh, validate_layout
+from meshtron.models import aux_loss, build_model, token_loss_sum
+from meshtron.parallel.runner import average_router_losses_over_microbatches, build_step_runner
+from meshtron.parallel.grad_norm import global_grad_norm
+from meshtron.parallel.pipeline import peak_in_flight, prune_to_stage
+from meshtron.parallel.pipeline.runner import PipelineRunner
+from meshtron.testing import rel_err, run_checks
+
+DENSE = dict(
+    vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=8,
+    num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+)
+MOE = dict(
+    DENSE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    shared_expert_intermediate_size=24, mlp_only_layers=[2], router_aux_loss_coef=0.1,
+)
+TIED = dict(DENSE, tie_word_embeddings=True)
+SEQ, MB_SIZE = 8, 2
+
+
+def _config(model: dict, pp: int, dp: int, schedule: str, m: int, v: int = 1, tp: int = 1, cp: int = 1) -> Config:
+    return Config(
+        model=ModelConfig(**model),
+        parallel=ParallelConfig(pp=pp, dp=dp, tp=tp, cp=cp, schedule=schedule, virtual_stages=v, microbatches=m),
+        train=TrainConfig(global_batch_size=dp * m * MB_SIZE, seq_len=SEQ, seed=3),
+    )
+
+
+def _random_model(cfg: Config) -> torch.nn.Module:
+    """The full model with random values everywhere (norm weights and biases too)."""
+    model = build_model(cfg.model)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
+    return model.train()
+
+
+def _batch(cfg: Config):
+    gen = torch.Generator().manual_seed(cfg.parallel.pp * 100 + cfg.parallel.microbatches)
+    ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, SEQ), generator=gen)
+    labels = torch.randint(0, cfg.model.vocab_size, ids.shape, generator=gen)
+    labels[torch.rand(ids.shape, generator=gen) < 0.2] = -100
+    return ids, labels
+
+
+def _reference(cfg: Config, ids, labels):
+    """Single process on the same micro-batches: micro-batch i is every dp shard's i-th one (router
+    statistics are global over the data ranks, so that is the batch each aux loss sees)."""
+    model = _random_model(cfg)
+    m = cfg.parallel.microbatches
+    average_router_losses_over_microbatches(model, m)
+    tokens = (labels != -100).sum()
+    total, aux = 0.0, []
+    shards = [(i.chunk(m), lab.chunk(m)) for i, lab in zip(ids.chunk(cfg.parallel.dp), labels.chunk(cfg.parallel.dp))]
+    for mb in range(m):
+        i = torch.cat([shard[0][mb] for shard in shards])
+        lab = torch.cat([shard[1][mb] for shard in shards])
+        loss = token_loss_sum(model(i), lab) / tokens
+        loss.backward()
+        total += loss.item()
+        if cfg.model.num_experts:
+            aux.append(aux_loss(model))
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    return model, total, (torch.stack(aux).mean().item() if aux else None), norm.item()
+
+
+class SavedTensorTracker:
+    """Counts tensors autograd saved for backward, tagged with the (stage, micro-batch) that saved them."""
+
+    class _Saved:
+        def __init__(self, tensor, tag):
+            self.tensor, self.tag = tensor, tag
+
+    def __init__(self):
+        self.live, self.tag, self.checked = weakref.WeakSet(), None, 0
+
+    def pack(self, tensor):
+        saved = self._Saved(tensor, self.tag)
+        self.live.add(saved)
+        return saved
+
+    @staticmethod
+    def unpack(saved):
+        return saved.tensor
+
+    def count(self, tag) -> int:
+        return sum(1 for s in self.live if s.tag == tag)
+
+    def install(self, executor):
+        forward, backward = executor._forward, executor._backward
+
+        def tagged_forward(a, *args):
+            self.tag = (a.stage, a.mb)
+            out = forward(a, *args)
+            assert self.count(self.tag) > 0, f"{a}: nothing saved for backward"
+            return out
+
+        def checked_backward(index, a):
+            backward(index, a)
+            assert self.count((a.stage, a.mb)) == 0, f"{a}: activations still alive after its backward"
+            self.checked += 1
+
+        executor._forward, executor._backward = tagged_forward, checked_backward
+
+
+LAYOUTS = [
+    # (model, pp, dp, schedule, microbatches, virtual[, tp[, cp]])
+    (DENSE, 8, 1, "1f1b", 9, 1),
+    (MOE, 4, 2, "1f1b", 5, 1),
+    (DENSE, 2, 4, "1f1b", 3, 1),
+    (MOE, 2, 4, "interleaved", 4, 2),
+    (DENSE, 4, 2, "interleaved", 4, 2),
+    (MOE, 2, 4, "gpipe", 2, 1),
+    (DENSE, 2, 2, "1f1b", 2, 1, 2),  # tp shards inside stages; its ranks must not count the loss twice
+    (DENSE, 2, 1, "interleaved", 2, 2, 2, 2),  # cp x tp inside interleaved stages
+    (TIED, 4, 2, "1f1b", 4, 1, 1),  # embedding on rank 0, its tied LM head copy on rank 3
+]
+
+
+def check_pipeline_matches_single_process(_folder):
+    for layout in LAYOUTS:
+        cfg = _config(*layout)
+        p = cfg.parallel
+        mesh = build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
+        runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+        assert isinstance(runner, PipelineRunner)
+        assert len(runner.module.layers) < cfg.model.num_hidden_layers, "a stage holds the whole model"
+        ids, labels = _batch(cfg)
+        dp_rank = mesh["dp"].get_local_rank()
+        ref, ref_loss, ref_aux, ref_norm = _reference(cfg, ids, labels)
+        load_full_state_dict(runner.module, _random_model(cfg).state_dict())
+        tracker = SavedTensorTracker()
+        tracker.install(runner.executor)
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+            loss = runner.forward_backward(ids.chunk(p.dp)[dp_rank], labels.chunk(p.dp)[dp_rank])
+        assert tracker.checked == p.microbatches * p.virtual_stages and len(tracker.live) == 0
+        assert runner.executor.peak_live == peak_in_flight(runner.executor.steps)
+        assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5, (layout, loss, ref_loss)
+        if ref_aux is not None:
+            assert abs(runner.aux_loss() - ref_aux) / ref_aux < 1e-5, (layout, runner.aux_loss(), ref_aux)
+        _check_grads(runner.module, ref, dense_data_mesh(mesh).get_group(), layout)
+        norm = runner.clip_grad_norm(1e9)
+        assert abs(norm - ref_norm) / ref_norm < 1e-5, (layout, norm, ref_norm)
+
+
+def _reduced_by_data_parallelism(grad) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(grad, DTensor) and bool({"dp", "dp_ep", "dp_ep_cp", "dp_cp"} & set(grad.device_mesh.mesh_dim_names))
+
+
+def _check_grads(stage, ref, data_group, layout):
+    from torch.distributed.tensor import DTensor
+
+    ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}  # tied: both names
+    names = [n for n, _ in stage.named_parameters()]
+    assert names and all(n in ref_grads for n in names)
+    for name, param in stage.named_parameters():
+        assert param.grad is not None, f"{layout}: {name} has no gradient"
+        if not _reduced_by_data_parallelism(param.grad):  # plain replicas: sum them as data parallelism will
+            dist.all_reduce(param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad, group=data_group)
+        assert ref_grads[name].abs().max() > 0
+        err = rel_err(param.grad, ref_grads[name])
+        assert err < 1e-4, f"{layout}: {name} gradient rel err {err:.2e}"
+
+
+def _units_with_parameters(model) -> int:
+    """FSDP2 units that own parameters (not only nested units'): each reduce-scatters its own group."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    nested = {u: {id(p) for v in u.modules() if v is not u and isinstance(v, FSDPModule) for p in v.parameters()}
+              for u in units}
+    return sum(any(id(p) not in nested[u] for p in u.parameters()) for u in units)
+
+
+def check_fsdp_reduces_gradients_once_per_step(_folder):
+    reduce_scatters = []
+    original = dist.reduce_scatter_single
+
+    def counting(*args, **kwargs):
+        reduce_scatters.append(1)
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_single = counting
+    try:
+        for layout in [(TIED, 2, 4, "1f1b", 3, 1), (MOE, 2, 4, "interleaved", 4, 2)]:
+            cfg = _config(*layout)
+            assert cfg.parallel.data_parallel == "fsdp"
+            mesh = build_mesh(pp=cfg.parallel.pp, dp=cfg.parallel.dp)
+            runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+            ids, labels = _batch(cfg)
+            dp_rank = mesh["dp"].get_local_rank()
+            ref, ref_loss, _, ref_norm = _reference(cfg, ids, labels)
+            load_full_state_dict(runner.module, _random_model(cfg).state_dict())
+            reduce_scatters.clear()
+            loss = runner.forward_backward(ids.chunk(4)[dp_rank], labels.chunk(4)[dp_rank])
+            units = _units_with_parameters(runner.module)
+            assert len(reduce_scatters) == units, (layout, len(reduce_scatters), units)
+            assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5, (layout, loss, ref_loss)
+            ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+            for name, param in runner.module.named_parameters():
+                err = rel_err(param.grad, ref_grads[name])
+                assert err < 1e-4, f"{layout}: {name} gradient rel err {err:.2e}"
+            norm = runner.clip_grad_norm(1e9)
+            assert abs(norm - ref_norm) / ref_norm < 1e-5, (layout, norm, ref_norm)
+    finally:
+        dist.reduce_scatter_single = original
+
+
+def check_clipping_and_export_cover_all_stages(folder):
+    cfg = _config(DENSE, 4, 2, "1f1b", 4)
+    mesh = build_mesh(pp=4, dp=2)
+    runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+    load_full_state_dict(runner.module, _random_model(cfg).state_dict())
+    ids, labels = _batch(cfg)
+    runner.forward_backward(ids[: len(ids) // 2], labels[: len(labels) // 2])
+    norm = runner.clip_grad_norm(0.5)
+    clipped = global_grad_norm(runner.module.parameters(), pp_mesh=mesh["pp"]).item()
+    assert norm > 0.5 and abs(clipped - 0.5) < 1e-5, (norm, clipped)
+    runner.export_hf(folder)
+    if dist.get_rank() == 0:
+        exported = from_hf(load_file(f"{folder}/model.safetensors"), cfg.model)
+        expected = _random_model(cfg).state_dict()
+        assert exported.keys() == expected.keys(), sorted(exported.keys() ^ expected.keys())[:6]
+        for name, value in expected.items():
+            assert torch.equal(exported[name], value), name
+
+
+def test_pipeline_matches_single_process_on_8_ranks():
+    with tempfile.TemporaryDirectory() as tmp:
+        run_checks(
+            [
+                check_pipeline_matches_single_process,
+                check_fsdp_reduces_gradients_once_per_step,
+                check_clipping_and_export_cover_all_stages,
+            ],
+            8,
+            f"{tmp}/hf",
+            timeout=240,
+        )
+
+
+def test_a_7b_stage_is_pruned_on_the_meta_device():
+    cfg = _config(dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4), 4, 1, "interleaved", 8, 2)
+    full = sum(p.numel() for p in _meta_model(cfg).parameters())
+    owned = []
+    for rank in range(4):
+        stage = _meta_model(cfg)
+        chunks = prune_to_stage(stage, rank, 4, 2)
+        assert sorted(chunks) == [rank, rank + 4]
+        assert all(p.is_meta for p in stage.parameters())
+        assert [int(k) for k in stage.layers] == [i for r in chunks.values() for i in r]
+        assert (stage.embed_tokens is not None) == (rank == 0) and (stage.lm_head is not None) == (rank == 3)
+        owned.append(sum(p.numel() for p in stage.parameters()))
+    assert sum(owned) == full and max(owned) < full / 3, [n / full for n in owned]
+
+
+def test_tied_lm_head_stage_loads_the_embedding_from_an_hf_state():
+    cfg = _config(TIED, 2, 1, "1f1b", 2)
+    last = _meta_model(cfg)
+    prune_to_stage(last, 1, 2)
+    last.to_empty(device="cpu")
+    full = _random_model(cfg).state_dict()
+    hf_like = {k: v for k, v in full.items() if k != "lm_head.weight"}  # HF folders store it once
+    load_full_state_dict(last, hf_like, strict=True)
+    assert torch.equal(last.lm_head.weight, full["embed_tokens.weight"])
+
+
+def _meta_model(cfg):
+    with torch.device("meta"):
+        return build_model(cfg.model)
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (_config(DENSE, 4, 2, "1f1b", 3), "microbatches = 3 is fewer than pp = 4"),
+        (_config(DENSE, 4, 2, "interleaved", 6, 2), "not a multiple of pp = 4"),
+        (_config(DENSE, 8, 1, "interleaved", 8, 2), "num_hidden_layers = 8 is fewer than"),
+    ],
+)
+def test_invalid_pipeline_layouts_fail_before_any_collective(cfg, message):
+    # No process group exists here: reaching a collective would raise something else.
+    with pytest.raises(ConfigError, match=message):
+        validate_layout(cfg, cfg.parallel.pp * cfg.parallel.dp)
+    with pytest.raises(ConfigError, match=message):
+        PipelineRunner(_meta_model(cfg), None, cfg, torch.device("cpu"))
