@@ -2,6 +2,15 @@
 
 from meshtron.config import Config, ConfigError, load_config
 from meshtron.mesh import build_mesh
+from meshtron.hf.parallelize import load_hf_checkpoint, parallelize_hf_model, save_hf_checkpoint
 
-__all__ = ["Config", "ConfigError", "build_mesh", "load_config"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "build_mesh",
+    "load_config",
+    "load_hf_checkpoint",
+    "parallelize_hf_model",
+    "save_hf_checkpoint",
+]
 __version__ = "0.1.0"

@@ -222,11 +222,12 @@ class Trainer:
                 print(f"meshtron: resumed from {latest} (step {saved['step']})", flush=True)
             return saved["step"]
         if ckpt.init_from_hf:
-            from meshtron.hf import load_hf_state_dict, read_hf_config
+            from meshtron.hf import load_native_sharded, read_hf_config
 
             hf_cfg = read_hf_config(ckpt.init_from_hf)
             _check_hf_matches(hf_cfg, self.cfg, ckpt.init_from_hf)
-            load_full_state_dict(self.runner.module, load_hf_state_dict(ckpt.init_from_hf, hf_cfg), strict=False)
+            # Each rank reads only its slices of the safetensors files, never the whole model.
+            load_native_sharded(self.runner.module, ckpt.init_from_hf, hf_cfg.tie_word_embeddings)
         return 0
 
     def fit(self) -> None:

@@ -119,7 +119,14 @@ def _check_keys(folder, expected: set[str], found: set[str]) -> None:
 
 
 def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, folder: str | Path, max_shard_bytes: int = 2 << 30) -> None:
-    """Write an HF folder that ``from_pretrained`` loads; sharded with an index above ``max_shard_bytes``.
+    """Write an HF folder that ``from_pretrained`` loads; sharded with an index above ``max_shard_bytes``."""
+    write_safetensors_folder(to_hf(state, cfg), hf_config_dict(cfg), folder, max_shard_bytes)
+
+
+def write_safetensors_folder(
+    tensors: dict[str, torch.Tensor], config: dict, folder: str | Path, max_shard_bytes: int = 2 << 30
+) -> None:
+    """config.json + safetensors (HF names), sharded with an index above ``max_shard_bytes``.
 
     Written into a temporary folder beside the target and renamed, so an interrupted export never
     leaves a half-written folder under the final name.
@@ -128,7 +135,7 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, folder: str | Path
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        tensors = {k: v.detach().contiguous().cpu() for k, v in to_hf(state, cfg).items()}
+        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
         shards = _shard(tensors, max_shard_bytes)
         if len(shards) == 1:
             save_file(shards[0], str(tmp / SINGLE_NAME), metadata={"format": "pt"})
@@ -139,7 +146,7 @@ def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, folder: str | Path
                 save_file(shard, str(tmp / name), metadata={"format": "pt"})
                 index["weight_map"].update(dict.fromkeys(shard, name))
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2))
-        (tmp / "config.json").write_text(json.dumps(hf_config_dict(cfg), indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         old = folder.with_name(f".{folder.name}.replaced") if folder.exists() else None
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
