@@ -30,7 +30,6 @@ from meshtron.checkpoint import (
     check_model_shape,
     latest_checkpoint,
     load_checkpoint,
-    load_full_state_dict,
     read_marker,
     save_checkpoint,
 )
