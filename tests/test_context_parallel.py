@@ -26,16 +26,11 @@ from meshtron.parallel.context import (
     shard_sequence,
     unshard_sequence,
 )
-from meshtron.testing import run_checks
+from meshtron.testing import rel_err, run_checks
 
 # (cp, batch, heads, kv heads, head dim, chunk length): GQA with 2 and 4 query heads per kv head,
 # head dims that are not multiples of 8.
 CASES = [(2, 2, 4, 2, 24, 8), (4, 1, 4, 1, 40, 6), (8, 2, 4, 2, 20, 5)]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert b.abs().max() > 0, "reference is all zeros"
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 def _cp_mesh(cp: int):
@@ -71,7 +66,7 @@ def check_ring_matches_full_attention():
         ref = _reference(q, k, v, dout)
         for balanced, kernel in [(True, "math"), (True, "aten"), (False, "math")]:
             got = _ring_run(mesh, q, k, v, dout, balanced, kernel)
-            errs = [_rel(g, r) for g, r in zip(got, ref)]
+            errs = [rel_err(g, r) for g, r in zip(got, ref)]
             where = f"cp={cp} H={h} Hkv={hkv} D={d} balanced={balanced} kernel={kernel}: errs={errs}"
             if dist.get_rank() == 0:
                 print(where)
@@ -88,7 +83,7 @@ def check_ring_bfloat16():
     ref = _reference(q, k, v, dout)
     got = _ring_run(mesh, *(t.bfloat16() for t in (q, k, v, dout)), balanced=True, kernel="math")
     assert all(g.dtype == torch.bfloat16 for g in got)
-    errs = [_rel(g, r) for g, r in zip(got, ref)]
+    errs = [rel_err(g, r) for g, r in zip(got, ref)]
     assert max(errs) < 2e-2, errs
 
 
@@ -172,10 +167,10 @@ def check_qwen2_loss_and_grads_match():
     (local_sum / tokens).backward()
     loss = local_sum.detach().clone()
     dist.all_reduce(loss, group=cp_group)
-    assert _rel(loss / tokens, ref_loss.detach()) < 1e-5
+    assert rel_err(loss / tokens, ref_loss.detach()) < 1e-5
     for name, p in model.named_parameters():
         dist.all_reduce(p.grad, group=cp_group)
-        assert _rel(p.grad, ref_grads[name]) < 1e-4, name
+        assert rel_err(p.grad, ref_grads[name]) < 1e-4, name
 
 
 def check_composed_layouts_match_single_process():
@@ -213,7 +208,7 @@ def check_composed_layouts_match_single_process():
             assert abs(loss - ref_loss.item()) / ref_loss.item() < 1e-5, (layout, loss, ref_loss.item())
             ref_params = dict(reference.named_parameters())
             for name, p in runner.module.named_parameters():
-                assert _rel(p.grad.full_tensor(), ref_params[name].grad) < 1e-4, (layout, name)
+                assert rel_err(p.grad.full_tensor(), ref_params[name].grad) < 1e-4, (layout, name)
 
 
 def test_context_parallel_8_ranks():

@@ -175,18 +175,18 @@ class GroupedExperts(nn.Module):
 
 
 class _AttachAuxLoss(torch.autograd.Function):
-    """Returns ``out`` unchanged; in backward also sends ``scale`` as the gradient of ``aux``."""
+    """Returns ``out`` unchanged; in backward also sends gradient 1 to ``aux`` (already weighted), so
+    the router loss is minimised by the same backward pass as the main loss."""
 
     @staticmethod
-    def forward(ctx, out, aux, scale: float):
-        ctx.scale = scale
+    def forward(ctx, out, aux):
         ctx.save_for_backward(aux)
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
         (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, ctx.scale), None
+        return grad, torch.ones_like(aux)
 
 
 def load_balancing_loss(counts: torch.Tensor, prob_sums: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -232,7 +232,7 @@ class MoE(nn.Module):
         out = self.experts(flat, weights, route.experts, shared)
         reg = self._router_losses(route)
         if self.training and torch.is_grad_enabled() and (self.aux_loss_scale or self.z_loss_scale):
-            out = _AttachAuxLoss.apply(out, reg, 1.0)
+            out = _AttachAuxLoss.apply(out, reg)
         return out.view(shape)
 
     def _shared(self, flat: torch.Tensor) -> torch.Tensor:

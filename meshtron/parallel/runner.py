@@ -109,26 +109,19 @@ class StepRunner:
         average_router_losses_over_microbatches(self.module, cfg.parallel.microbatches)
         self._aux: list[torch.Tensor] = []
 
-    def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks that hold different tokens (dp x ep x cp); tp ranks hold copies."""
-        dist.all_reduce(value, group=self.data_group)
-        return value
-
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        input_ids, labels, positions = shard_batch((input_ids, labels, positions), self.mesh)
-        tokens = self._global_sum((labels != -100).sum().to(torch.float32))
+        micro = split_microbatches(input_ids, labels, self.mesh, self.cfg.parallel.microbatches)
+        tokens = global_token_count(micro, self.data_group)
         total = torch.zeros((), device=self.device)
         self._aux = []
-        micro = self.cfg.parallel.microbatches
-        chunks = zip(input_ids.chunk(micro), labels.chunk(micro), positions.chunk(micro))
-        for i, (ids, lab, pos) in enumerate(chunks):
+        for i, (ids, lab, pos) in enumerate(micro):
             self.module.set_requires_gradient_sync(self._sync_gradients(i))
             loss = parallel_token_loss_sum(self.module(ids, pos), lab) / tokens
             loss.backward()
             total += loss.detach()
             self._aux.extend(m.last_aux_loss for m in moe_layers(self.module) if m.last_aux_loss is not None)
-        return self._global_sum(total).item()
+        dist.all_reduce(total, group=self.data_group)
+        return total.item()
 
     def _sync_gradients(self, microbatch: int) -> bool:
         """Full sharding reduce-scatters every micro-batch, so unsharded gradients never pile up;
