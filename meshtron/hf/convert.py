@@ -25,7 +25,7 @@ _EXPERT_KEY = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_pr
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _hf_name(name: str) -> str:
+def hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else f"model.{name}"
 
 
@@ -46,16 +46,16 @@ def to_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, layout: str = "pu
         if prefix.endswith("mlp.experts") and proj in _PROJECTIONS:
             stacked.setdefault(prefix, {})[proj] = tensor
         else:
-            out[_hf_name(name)] = tensor
+            out[hf_name(name)] = tensor
     for prefix, w in stacked.items():
         if layout == "published":
             for proj, tensor in w.items():
                 for e in range(tensor.shape[0]):
-                    out[_hf_name(f"{prefix}.{e}.{proj}.weight")] = tensor[e].t().contiguous()
+                    out[hf_name(f"{prefix}.{e}.{proj}.weight")] = tensor[e].t().contiguous()
         else:
             gate_up = torch.cat([w["gate_proj"], w["up_proj"]], dim=2)
-            out[_hf_name(f"{prefix}.gate_up_proj")] = gate_up.transpose(1, 2).contiguous()
-            out[_hf_name(f"{prefix}.down_proj")] = w["down_proj"].transpose(1, 2).contiguous()
+            out[hf_name(f"{prefix}.gate_up_proj")] = gate_up.transpose(1, 2).contiguous()
+            out[hf_name(f"{prefix}.down_proj")] = w["down_proj"].transpose(1, 2).contiguous()
     return out
 
 

@@ -53,18 +53,18 @@ def weight_map(folder: str | Path) -> dict[str, Path]:
     single = folder / SINGLE_NAME
     if not single.is_file():
         raise CheckpointError(f"{folder} has neither {SINGLE_NAME} nor {INDEX_NAME}: not a safetensors HF folder.")
-    with _open(single) as f:
+    with open_safetensors(single) as f:
         return {name: single for name in f.keys()}
 
 
 def check_hf_files(folder: str | Path) -> None:
     """Open every safetensors header of an HF folder: a missing or truncated file fails here, cheaply."""
     for path in sorted(set(weight_map(folder).values())):
-        with _open(path):
+        with open_safetensors(path):
             pass
 
 
-def _open(path: Path):
+def open_safetensors(path: Path):
     try:
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError) as err:
@@ -78,7 +78,7 @@ def read_tensors(files: dict[str, Path], names: Iterable[str]) -> dict[str, torc
         by_file.setdefault(files[name], []).append(name)
     out = {}
     for path, wanted in by_file.items():
-        with _open(path) as f:
+        with open_safetensors(path) as f:
             for name in wanted:
                 try:
                     out[name] = f.get_tensor(name)

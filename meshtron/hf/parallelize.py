@@ -54,7 +54,7 @@ from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.slices import load_sharded_weights
 from meshtron.mesh import dense_data_mesh
 from meshtron.parallel.checkpointing import checkpointed_layers
-from meshtron.parallel.data import _wrap, data_meshes, mixed_precision
+from meshtron.parallel.data import data_meshes, mixed_precision, wrap_data_parallel
 from meshtron.parallel.tensor import ReplicatedKVHeads, check_tensor_parallel, parallel_token_loss_sum
 
 
@@ -258,13 +258,12 @@ def _apply_dp(model: nn.Module, mesh: DeviceMesh, mode: str, dtype: str) -> None
     policy = mixed_precision(dtype)
     dense_mesh, _ = data_meshes(mesh, mode)
     inner = model.model
-    units = [_wrap(layer, dense_mesh, mode, policy) for layer in inner.layers]
+    for layer in inner.layers:
+        wrap_data_parallel(layer, dense_mesh, mode, policy)
     if model.lm_head.weight is not inner.embed_tokens.weight:  # one parameter needs one unit
-        units += [_wrap(m, dense_mesh, mode, policy) for m in (inner.embed_tokens, model.lm_head)]
-    units.append(_wrap(model, dense_mesh, mode, policy))
-    for unit in units:  # each rank's loss is its share of the global loss: sum, do not average
-        unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)
+        for m in (inner.embed_tokens, model.lm_head):
+            wrap_data_parallel(m, dense_mesh, mode, policy)
+    wrap_data_parallel(model, dense_mesh, mode, policy)
 
 
 def parallelize_hf_model(

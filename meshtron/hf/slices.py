@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshtron.config import ConfigError
-from meshtron.hf.convert import _hf_name
-from meshtron.hf.io import _open, weight_map
+from meshtron.hf.convert import hf_name
+from meshtron.hf.io import open_safetensors, weight_map
 
 
 def _local_slice(param: torch.Tensor) -> tuple[slice, ...]:
@@ -51,7 +51,7 @@ class _SliceReader:
         path = self.files[name]  # KeyError: not in the checkpoint
         if path != self.path:
             self.close()
-            self.handle, self.path = _open(path).__enter__(), path
+            self.handle, self.path = open_safetensors(path).__enter__(), path
         return self.handle
 
     def close(self) -> None:
@@ -142,9 +142,9 @@ def _read_native(reader: _SliceReader, name: str, index: tuple[slice, ...], tied
         name = "embed_tokens.weight"  # HF folders of tied models store only the embedding
     prefix, _, proj = name.rpartition(".")
     if not (prefix.endswith("mlp.experts") and proj in _NATIVE_EXPERT_PROJECTIONS):
-        return reader.read(_hf_name(name), index, None)
+        return reader.read(hf_name(name), index, None)
     experts, rows, cols = index  # rows: the projection's input features, cols: its outputs
-    hf_prefix = _hf_name(prefix)
+    hf_prefix = hf_name(prefix)
     if f"{hf_prefix}.0.{proj}.weight" in reader.files:  # per-expert [out, in]
         return torch.stack([reader.raw(f"{hf_prefix}.{e}.{proj}.weight", (cols, rows)).t()
                             for e in range(experts.start, experts.stop)])

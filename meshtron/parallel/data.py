@@ -91,10 +91,18 @@ def _even_shard_dim(shards: int):
     return placement
 
 
-def _wrap(module: nn.Module, data_mesh: DeviceMesh, mode: str, policy: MixedPrecisionPolicy, placement=None):
+def wrap_data_parallel(
+    module: nn.Module, data_mesh: DeviceMesh, mode: str, policy: MixedPrecisionPolicy, placement=None
+) -> FSDPModule:
+    """One FSDP2 (or replicate) unit whose gradients are summed over ``data_mesh``, not averaged:
+    each rank's loss is already its share of the global loss."""
     if mode == "replicate":
-        return replicate(module, mesh=data_mesh, mp_policy=policy)
-    return fully_shard(module, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement)
+        unit = replicate(module, mesh=data_mesh, mp_policy=policy)
+    else:
+        unit = fully_shard(module, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement)
+    unit.set_gradient_divide_factor(1.0)
+    unit.set_force_sum_reduction_for_comms(True)  # a factor alone becomes PREMUL_SUM, which gloo lacks
+    return unit
 
 
 def _untied_vocab_modules(model: nn.Module) -> list[nn.Module]:
@@ -135,17 +143,11 @@ def apply_data_parallel(
     _check_experts_split_over_ep([m for m in model.modules() if isinstance(m, MoE)], mesh)
     dense_mesh, expert_mesh = data_meshes(mesh, mode)
     expert_placement = _even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))  # the shard dim (last for HSDP)
-    units: list[FSDPModule] = []
     for block in model.layers.values():
-        units += [
-            _wrap(moe.experts, expert_mesh, mode, policy, expert_placement)
-            for moe in block.modules()
-            if isinstance(moe, MoE)
-        ]
-        units.append(_wrap(block, dense_mesh, mode, policy))
-    units += [_wrap(m, dense_mesh, mode, policy) for m in _untied_vocab_modules(model)]
-    units.append(_wrap(model, dense_mesh, mode, policy))
-    for unit in units:
-        unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)
+        for moe in (m for m in block.modules() if isinstance(m, MoE)):
+            wrap_data_parallel(moe.experts, expert_mesh, mode, policy, expert_placement)
+        wrap_data_parallel(block, dense_mesh, mode, policy)
+    for module in _untied_vocab_modules(model):
+        wrap_data_parallel(module, dense_mesh, mode, policy)
+    wrap_data_parallel(model, dense_mesh, mode, policy)
     return model
