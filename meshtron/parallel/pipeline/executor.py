@@ -2,7 +2,14 @@
 
 Every :class:`~meshtron.parallel.pipeline.schedules.P2P` step becomes one ``batch_isend_irecv``
 over the pp process group, its ops posted in list order (the order the schedule's matching relies
-on) and all waited for before the next step.
+on). Nothing waits at the post: a received tensor is waited for only when the compute action that
+consumes it starts, and a send only once it has completed (checked without blocking at every later
+batch; whatever is left is waited for at the end of the run). So transfers overlap the compute
+between their post and their use, and a rank never stalls on a message it does not need yet (the
+batched ``{send F, send B, recv F, recv B}`` of an interleaved slot no longer holds up the next
+forward until the gradient it needs only after that forward has arrived). Waiting less than the
+schedule's rendezvous model can only make ops complete earlier, so the simulator's
+deadlock-freedom still holds.
 
 Boundary tensors. Every activation crossing a stage boundary, and its gradient, has the same
 shape and dtype: ``[micro-batch, local sequence, hidden]`` in the compute dtype. The receiver
@@ -29,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshtron.parallel.pipeline.schedules import B, F, P2P, RECV_B, RECV_F, SEND_B, SEND_F, Action, Step
 from meshtron.parallel.pipeline.simulate import Span
@@ -77,7 +85,10 @@ class PipelineExecutor:
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}
-        self._inbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        # Posted receives: key -> (buffer, the works to wait for before reading it).
+        self._inbox: dict[tuple[str, int, int], tuple[torch.Tensor, list]] = {}
+        # Posted sends not known to be complete: (work, tensor kept alive until then).
+        self._sending: list[tuple[object, torch.Tensor]] = []
 
     def live(self) -> int:
         """Micro-batch activations this rank holds now (stage outputs kept for their backward)."""
@@ -109,6 +120,8 @@ class PipelineExecutor:
                         total += value
                 else:
                     self._backward(i, step)
+            for work, _ in self._sending:
+                work.wait()
         finally:
             leftovers = self.live() + len(self._inbox) + len(self._outbox)
             self._reset()
@@ -129,7 +142,7 @@ class PipelineExecutor:
     def _forward(self, a: Action, forward: ForwardFn, first_inputs, loss: LossFn) -> torch.Tensor | None:
         """Runs F; returns the detached loss on the last stage."""
         key, last = (a.stage, a.mb), a.stage == self.num_stages - 1
-        x = first_inputs[a.mb] if a.stage == 0 else self._inbox.pop((RECV_F, *key)).requires_grad_()
+        x = first_inputs[a.mb] if a.stage == 0 else self._received((RECV_F, *key)).requires_grad_()
 
         def compute() -> torch.Tensor:
             out = forward(a.stage, x, a.mb)
@@ -149,7 +162,7 @@ class PipelineExecutor:
         if index in self._last_backward:
             self._set_grad_sync({a.stage: self._fsdp.get(a.stage, [])}, True)
         out = self._outputs.pop(key)
-        grad = None if a.stage == self.num_stages - 1 else self._inbox.pop((RECV_B, *key))
+        grad = None if a.stage == self.num_stages - 1 else self._received((RECV_B, *key))
         self._timed(a, lambda: torch.autograd.backward(out, grad))
         del out, grad
         if a.stage > 0:
@@ -157,22 +170,35 @@ class PipelineExecutor:
             self._outbox[(SEND_B, *key)] = x.grad
             del x
 
+    def _received(self, key: tuple[str, int, int]) -> torch.Tensor:
+        tensor, works = self._inbox.pop(key)
+        for work in works:
+            work.wait()
+        return tensor
+
     def _exchange(self, step: P2P, boundary, device: torch.device) -> None:
+        """Posts the batch; receives are waited for by their consumer, sends by later batches."""
         shape, dtype = boundary
-        ops, received = [], []
+        ops, posted = [], []
         for op in step.ops:
             key = (op.kind, op.stage, op.mb)
-            if op.kind in (SEND_F, SEND_B):
+            kind = dist.isend if op.kind in (SEND_F, SEND_B) else dist.irecv
+            if kind is dist.isend:
                 tensor = self._outbox.pop(key)
                 _check_boundary(tensor, shape, dtype, op)
-                ops.append(dist.P2POp(dist.isend, tensor, self.peers[op.peer], self.group))
             else:
                 tensor = torch.empty(shape, dtype=dtype, device=device)
-                ops.append(dist.P2POp(dist.irecv, tensor, self.peers[op.peer], self.group))
-                received.append((key, tensor))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        self._inbox.update(received)
+            ops.append(dist.P2POp(kind, tensor, self.peers[op.peer], self.group))
+            posted.append((kind, key, tensor))
+        works = dist.batch_isend_irecv(ops)
+        # Backends without coalescing return one work per op; NCCL one work for the whole batch.
+        per_op = [[w] for w in works] if len(works) == len(ops) else [list(works)] * len(ops)
+        self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
+        for (kind, key, tensor), op_works in zip(posted, per_op):
+            if kind is dist.isend:
+                self._sending += [(w, tensor) for w in op_works]
+            else:
+                self._inbox[key] = (tensor, op_works)
 
     def _set_grad_sync(self, fsdp: Mapping[int, list[nn.Module]], on: bool) -> None:
         # A chunk's last backward is its modules' last of the step: FSDP then reduce-scatters the
@@ -192,8 +218,6 @@ def _sync() -> None:
 
 
 def _check_boundary(tensor: torch.Tensor | None, shape, dtype, op: Action) -> None:
-    from torch.distributed.tensor import DTensor
-
     if tensor is None:
         raise RuntimeError(f"{op}: the stage input has no gradient (does the chunk's output depend on it?)")
     if isinstance(tensor, DTensor):
