@@ -103,6 +103,28 @@ def _torch_step(schedule, modules, num_stages, batch, target):
     return lambda: schedule.step(*args)
 
 
+def _local_replay(steps, stages, inputs):
+    """The rank's compute actions back to back, no p2p: what the actions alone cost on this machine.
+
+    Its excess over the nominal ``v m (f + b) / v`` divided by the ``2 v m`` actions is the
+    per-action floor (waking from the sleep, Python, autograd) that no executor can avoid here.
+    """
+    from meshtron.parallel.pipeline.schedules import F, Action
+
+    def step():
+        outputs = {}
+        for a in steps:
+            if not isinstance(a, Action):
+                continue
+            if a.kind == F:
+                outputs[a.stage, a.mb] = stages[a.stage](inputs[a.mb].clone().requires_grad_())
+            else:
+                out = outputs.pop((a.stage, a.mb))
+                torch.autograd.backward(out, torch.ones_like(out))
+
+    return step
+
+
 def sleep_benchmark(args) -> dict:
     from meshtron.parallel.pipeline import build_schedule
     from meshtron.parallel.pipeline.executor import PipelineExecutor
@@ -122,6 +144,7 @@ def sleep_benchmark(args) -> dict:
                          (SLEEP_ACTIVATION, torch.float32))
 
         schedule = _torch_schedule(kind, stages, m, n, lambda out, target: out.mean())
+        variants[("floor", kind)] = (stages, _local_replay(executor.steps, stages, inputs), v)
         variants[("ours", kind)] = (stages, ours, v)
         variants[("torch", kind)] = (stages, _torch_step(schedule, stages, n, batch, batch), v)
     times = {key: [] for key in variants}
@@ -280,6 +303,27 @@ def report(args) -> str:
             spans = [(r[0], r[1], r[2], (r[3] - start) * 1e3, (r[4] - start) * 1e3, r[5]) for r in entry["spans"]]
             title = f"{who} {kind}: pp={args.pp}, m={args.microbatches}, v={entry['virtual']}, time in ms"
             render_timeline(spans, str(out / f"pipeline_{who}_{kind}.png"), title, pp=args.pp)
+    lines += [
+        "",
+        "Per-action floor of this machine: each rank replays its own compute actions back to back with no "
+        "p2p (`floor`). Its excess over the nominal compute, per action, times the 2 (v m + pp - 1) actions "
+        "on the critical path, added to the analytic step, is the best step any executor can reach here.",
+        "",
+        "| schedule | floor replay (ms) | nominal compute (ms) | floor per action (ms) | critical-path actions "
+        "| analytic + floor (ms) | ours / that | torch / that |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for kind in ("1f1b", "interleaved"):
+        floor, ours, theirs = (sleep[f"{who}/{kind}"] for who in ("floor", "ours", "torch"))
+        v, m = floor["virtual"], args.microbatches
+        nominal = m * (args.f_ms + args.b_ms)
+        per_action = (floor["step_s"] * 1e3 - nominal) / (2 * v * m)
+        critical = 2 * (v * m + args.pp - 1)
+        best = ours["analytic_step_s"] * 1e3 + critical * per_action
+        lines.append(
+            f"| {kind} | {floor['step_s'] * 1e3:.1f} | {nominal:.1f} | {per_action:.3f} | {critical} | {best:.1f} "
+            f"| {ours['step_s'] * 1e3 / best:.3f} | {theirs['step_s'] * 1e3 / best:.3f} |"
+        )
     lines += [
         "",
         "Where the time beyond the analytic figure goes (last measured step): mean sleep of a forward and a "
