@@ -74,10 +74,11 @@ def _check_layout(name: str, experts: nn.Module) -> None:
         )
 
 
-def hf_expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, nn.Module]:
     """Full name -> experts module, for the modules the config's ``base_model_ep_plan`` marks
-    ``ep_dispatch_experts`` (under ``model.model``). A model that has fused 3-D expert weights
-    but no such plan raises :class:`ConfigError`."""
+    ``ep_dispatch_experts``, checked (no communication) to be in the layout :class:`FusedExpertParallel`
+    computes and divisible over ``ep``. A model with stacked 3-D expert weights outside such a plan
+    raises :class:`ConfigError`."""
     plan = getattr(model.config, "base_model_ep_plan", None) or {}
     unknown = {k: s for k, s in plan.items() if s not in _EP_STYLES}
     if unknown:
@@ -94,20 +95,20 @@ def hf_expert_modules(model: nn.Module) -> dict[str, nn.Module]:
             "config has no base_model_ep_plan entry ('ep_dispatch_experts') for it, so how to dispatch its "
             "tokens is unknown. Use ep = 1 and tp = 1, or a model whose config defines base_model_ep_plan."
         )
+    for name, experts in found.items():
+        _check_layout(name, experts)
+        check_expert_divisible(experts.num_experts, ep)
     return found
 
 
-def apply_hf_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[FusedExpertParallel]:
-    """Replace the model's fused experts (:func:`hf_expert_modules`) by :class:`FusedExpertParallel` over
-    ``mesh['ep']`` and ``mesh['tp']``, in place (meta or materialised; on a materialised model every
-    rank must hold the same full weights). Returns the new modules."""
-    ep_mesh, tp_mesh = mesh["ep"], mesh["tp"]
+def apply_hf_expert_parallel(model: nn.Module, mesh: DeviceMesh, modules: dict[str, nn.Module]) -> list[FusedExpertParallel]:
+    """Replace ``modules`` (from :func:`hf_expert_modules`) by :class:`FusedExpertParallel` over ``mesh['ep']``
+    and ``mesh['tp']``, in place (meta or materialised; on a materialised model every rank must hold the
+    same full weights). Returns the new modules."""
     replaced = []
-    for name, experts in hf_expert_modules(model).items():
-        _check_layout(name, experts)
-        check_expert_divisible(experts.num_experts, ep_mesh.size())
+    for name, experts in modules.items():
         parent, _, attr = name.rpartition(".")
-        new = FusedExpertParallel(experts, ep_mesh, tp_mesh)
+        new = FusedExpertParallel(experts, mesh["ep"], mesh["tp"])
         setattr(model.get_submodule(parent), attr, new)
         replaced.append(new)
     return replaced

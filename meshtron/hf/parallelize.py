@@ -377,8 +377,8 @@ def parallelize_hf_model(
             f"got {type(model).__name__}."
         )
     ep, tp_mesh = mesh["ep"].size(), mesh["tp"]
-    split_experts = ep > 1 or tp_mesh.size() > 1
-    if ep > 1 and not hf_expert_modules(model):
+    expert_modules = hf_expert_modules(model, ep) if ep > 1 or tp_mesh.size() > 1 else {}
+    if ep > 1 and not expert_modules:
         raise ConfigError(f"parallelize_hf_model: ep = {ep} needs a MoE model with fused experts; "
                           f"{type(model).__name__} has none. Use ep = 1.")
     # Checkpointing first: its hook must see layer 0's full input, before SP's slicing hook, so the
@@ -386,7 +386,7 @@ def parallelize_hf_model(
     _apply_ac(model, ac, ac_every)
     if tp_mesh.size() > 1:
         _apply_tp(model, tp_mesh, sp)
-    experts = apply_hf_expert_parallel(model, mesh) if split_experts else []
+    experts = apply_hf_expert_parallel(model, mesh, expert_modules)
     data_mesh = dense_data_mesh(mesh)
     model.loss_function = _loss_function(data_mesh)
     if data_mesh.size() > 1:
