@@ -1,22 +1,29 @@
-"""parallelize_hf_model / load_hf_checkpoint: transformers causal LMs sharded over (dp, tp) match the
-unparallelized model (loss, gradients, three AdamW steps), sharded loading reads only each rank's
-slices and is bit-identical to a full load, and a sharded model saves back to a folder HF reads.
+"""parallelize_hf_model / load_hf_checkpoint: transformers causal LMs sharded over (dp, ep, tp) match the
+unparallelized model (loss, MoE aux loss, gradients, three AdamW steps), sharded loading reads only
+each rank's slices and is bit-identical to a full load, and a sharded model saves back to a folder HF
+reads with the same weights and logits.
 
-One 8-rank launch: (dp, tp) = (4, 2) and (2, 4) meshes, FSDP over dp.
+One 8-rank launch: dense models at (dp, tp) = (4, 2) and (2, 4); Qwen2-MoE at those and with its
+experts split by meshtron's all-to-all at (dp, ep) = (2, 4) and (dp, ep, tp) = (2, 2, 2), with and
+without SP; FSDP (or replicate / HSDP) over the data meshes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.debug import CommDebugMode
 
 from meshtron import build_mesh, load_hf_checkpoint, parallelize_hf_model, save_hf_checkpoint
 from meshtron.config import ConfigError
+from meshtron.hf.experts import FusedExpertParallel
+from meshtron.mesh import batch_mesh
 from meshtron.testing import rel_err, run_checks
 
 SMALL = dict(
@@ -29,19 +36,23 @@ MODELS = {
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(num_key_value_heads=2)),
     # Layer 0 sparse (fused experts + shared expert), layer 1 dense.
+    # The aux loss is returned and weighted enough to matter in the loss comparisons.
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                         mlp_only_layers=[1])),
+                                         mlp_only_layers=[1], output_router_logits=True, router_aux_loss_coef=0.1)),
 }
-# (model, dp, tp, sp, data_parallel, ac)
+# (model, mesh sizes, sp, data_parallel, ac)
 CASES = [
-    ("llama", 4, 2, False, "fsdp", "none"),
-    ("llama", 2, 4, True, "fsdp", "full"),  # KV heads replicated (2 heads, tp 4)
-    ("qwen2", 2, 4, False, "replicate", "none"),
-    ("mistral", 2, 4, False, "fsdp", "none"),
-    ("mistral", 4, 2, True, "fsdp", "none"),
-    ("qwen2_moe", 2, 4, False, "fsdp", "none"),
-    ("qwen2_moe", 4, 2, True, "fsdp", "none"),
+    ("llama", dict(dp=4, tp=2), False, "fsdp", "none"),
+    ("llama", dict(dp=2, tp=4), True, "fsdp", "full"),  # KV heads replicated (2 heads, tp 4)
+    ("qwen2", dict(dp=2, tp=4), False, "replicate", "none"),
+    ("mistral", dict(dp=2, tp=4), False, "fsdp", "none"),
+    ("mistral", dict(dp=4, tp=2), True, "fsdp", "none"),
+    ("qwen2_moe", dict(dp=2, tp=4), False, "fsdp", "none"),  # experts whole, tokens split over tp
+    ("qwen2_moe", dict(dp=4, tp=2), True, "fsdp", "none"),
+    ("qwen2_moe", dict(dp=2, ep=4), False, "fsdp", "none"),  # one expert per ep rank
+    ("qwen2_moe", dict(dp=2, ep=2, tp=2), False, "fsdp", "none"),
+    ("qwen2_moe", dict(dp=2, ep=2, tp=2), True, "hsdp", "full"),
 ]
 PER_RANK, SEQ = 2, 16
 
@@ -69,18 +80,23 @@ def _reference(folder: str):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
 
 
-def _batch(dp: int, seed: int):
-    """The global batch (identical on all ranks) with a different number of ignored labels per row."""
+def _batch(readers: int, seed: int):
+    """The global batch (identical on all ranks): ids, labels with a different number of ignored labels
+    per row, and an attention mask with 0 to 2 padded positions at the end of each row."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, SMALL["vocab_size"], (dp * PER_RANK, SEQ), generator=gen)
+    ids = torch.randint(0, SMALL["vocab_size"], (readers * PER_RANK, SEQ), generator=gen)
     labels = ids.clone()
+    mask = torch.ones_like(ids)
     for row in range(labels.shape[0]):
         labels[row, : row % 5] = -100
-    return ids, labels
+        labels[row, SEQ - row % 3 :] = -100
+        mask[row, SEQ - row % 3 :] = 0
+    return ids, labels, mask
 
 
 def _local(t: torch.Tensor, mesh) -> torch.Tensor:
-    r = mesh["dp"].get_local_rank()
+    """This rank's rows: the batch is split over dp x ep."""
+    r = batch_mesh(mesh).get_local_rank()
     return t[r * PER_RANK : (r + 1) * PER_RANK]
 
 
@@ -95,75 +111,128 @@ def _check_grads(model, ref, where: str) -> None:
         assert err < 1e-4, f"{where}: grad {name} rel err {err:.2e}"
 
 
+def _check_experts(model, mesh, ac: str, comms: dict, where: str) -> dict:
+    """The sparse layer's experts run through meshtron's dispatch: split Shard(0) over ep, each token copy
+    sent once (this rank's 1/tp of the tokens, k copies each), and per step one count exchange plus
+    two all-to-alls in forward (again when checkpointing recomputes it) and two in backward."""
+    (experts,) = [m for m in model.modules() if isinstance(m, FusedExpertParallel)]  # layer 0 is sparse
+    ep, tp = mesh["ep"].size(), mesh["tp"].size()
+    all_to_alls = comms.get(torch.ops.c10d.alltoall_base_, 0)
+    if ep == 1:
+        assert all_to_alls == 0 and experts.last_dispatch_bytes == 0, where
+        return {}
+    for p in experts.parameters():
+        assert dict(zip(p.device_mesh.mesh_dim_names, p.placements))["ep"] == Shard(0), where
+    expected = PER_RANK * SEQ // tp * MODELS["qwen2_moe"][1]["num_experts_per_tok"] * SMALL["hidden_size"] * 4
+    assert experts.last_dispatch_bytes == expected, f"{where}: {experts.last_dispatch_bytes} bytes dispatched"
+    assert all_to_alls == (8 if ac == "full" else 5), f"{where}: {all_to_alls} all-to-alls"
+    return {"dispatch_bytes_per_rank": expected, "all_to_alls_per_step": all_to_alls}
+
+
+def _check_saved(model, folder: Path, ids: torch.Tensor, mask: torch.Tensor, mesh, where: str) -> None:
+    """transformers reads the saved folder back with the same weights and the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    back = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    saved = dict(back.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(_full(p).detach(), saved[name].detach()), f"{where}: saved {name} differs"
+    logits = _full(model(input_ids=_local(ids, mesh), attention_mask=_local(mask, mesh)).logits)
+    expected = _local(back(input_ids=ids, attention_mask=mask).logits, mesh)
+    assert rel_err(logits, expected) < 1e-5, f"{where}: logits of the saved model differ"
+
+
 def check_parity_and_training(folders: dict[str, str], out: str) -> None:
-    for index, (arch, dp, tp, sp, mode, ac) in enumerate(CASES):
-        where = f"{arch} dp={dp} tp={tp} sp={sp} {mode} ac={ac}"
-        mesh = build_mesh(dp=dp, tp=tp)
+    """Per case: sliced loading == full load bit for bit, then three AdamW steps on fresh batches with
+    loss (and MoE aux loss) within 1e-5 at every step, step-0 gradients within 1e-4, and the final
+    weights and their updates within 1e-4.
+
+    Adam's eps is 1e-3 here, not the usual 1e-8: Adam divides each gradient element by its own
+    magnitude, so an element's update moves by up to lr x (its gradient's error) / eps, and the
+    float32 rounding differences of a gradient are about 1e-6 of the tensor's largest element (0.1-0.2
+    for the embedding). We measured, over these cases, the largest weight / update errors at eps 1e-5:
+    1.6e-4 / 1.1e-3 (mistral embedding), at 1e-4: 1.1e-4 / 8.1e-4 (one embedding element with gradient
+    3.7e-5 off by 4.4e-7), at 1e-3: 2.2e-6 / 1.7e-5. With eps 1e-3 a quarter to half of the gradient
+    elements fall below eps; the others still take Adam's normalised, sign-like steps.
+    """
+    figures = {}
+    for index, (arch, sizes, sp, mode, ac) in enumerate(CASES):
+        where = f"{arch} {sizes} sp={sp} {mode} ac={ac}"
+        mesh = build_mesh(**sizes)
+        readers = batch_mesh(mesh).size()
         ref = _reference(folders[arch])
         model, _ = load_hf_checkpoint(folders[arch], mesh, sp=sp, data_parallel=mode, ac=ac)
         ref_params = dict(ref.named_parameters())
         for name, p in model.named_parameters():  # sharded streaming load == full load, bit for bit
             assert torch.equal(_full(p), ref_params[name].detach()), f"{where}: loaded {name} differs"
-        # k_proj's bias has a mathematically zero gradient (softmax ignores a per-query constant); a
-        # larger eps keeps Adam from normalising its rounding noise into full-size steps.
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5, foreach=False)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-5, foreach=False)
+        initial = {name: p.detach().clone() for name, p in ref_params.items()}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-3, foreach=False)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3, foreach=False)
         for step in range(3):
-            ids, labels = _batch(dp, seed=100 * index + step)
-            ref_loss = ref(input_ids=ids, labels=labels).loss
-            out_ = model(input_ids=_local(ids, mesh), labels=_local(labels, mesh))
-            assert isinstance(out_.logits, DTensor) and out_.logits.placements[-1].is_shard(), where
-            err = rel_err(out_.loss, ref_loss)
-            assert err < 1e-5, f"{where} step {step}: loss {out_.loss.item()} vs {ref_loss.item()} ({err:.2e})"
-            ref_loss.backward()
-            out_.loss.backward()
+            ids, labels, mask = _batch(readers, seed=100 * index + step)
+            ref_out = ref(input_ids=ids, labels=labels, attention_mask=mask)
+            moe = getattr(ref_out, "aux_loss", None) is not None
+            with CommDebugMode() if moe and step == 0 else contextlib.nullcontext() as comms:  # the mode slows every op
+                out_ = model(input_ids=_local(ids, mesh), labels=_local(labels, mesh), attention_mask=_local(mask, mesh))
+                out_.loss.backward()
+            if mesh["tp"].size() > 1:
+                assert isinstance(out_.logits, DTensor) and out_.logits.placements[-1].is_shard(), where
+            if moe:
+                err = rel_err(out_.aux_loss, ref_out.aux_loss)
+                assert err < 1e-5, f"{where} step {step}: aux loss {out_.aux_loss.item()} vs {ref_out.aux_loss.item()}"
+            if moe and step == 0:
+                figures[where] = _check_experts(model, mesh, ac, comms.get_comm_counts(), where)
+            err = rel_err(out_.loss, ref_out.loss)
+            assert err < 1e-5, f"{where} step {step}: loss {out_.loss.item()} vs {ref_out.loss.item()} ({err:.2e})"
+            ref_out.loss.backward()
             if step == 0:  # later steps are covered by the losses and the final weights
                 _check_grads(model, ref, where)
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
-        # Adam divides each gradient by its own magnitude, so for elements with gradients near eps the
-        # 1e-4-level rounding differences of the gradients grow by up to lr / (4 eps) in the update;
-        # the losses of steps 1 and 2 (computed from the updated weights) are held to 1e-5 above.
         for name, p in model.named_parameters():
-            err = rel_err(_full(p), ref_params[name])
-            assert err < 1e-3, f"{where}: after 3 AdamW steps {name} rel err {err:.2e}"
-        if index == 1:  # save the trained sharded model; HF reads it back with the same weights
-            save_hf_checkpoint(model, Path(out) / "saved", max_shard_bytes=30_000)
-            from transformers import AutoModelForCausalLM
-
-            back = AutoModelForCausalLM.from_pretrained(Path(out) / "saved", dtype=torch.float32)
-            saved = dict(back.named_parameters())
-            for name, p in model.named_parameters():
-                assert torch.equal(_full(p).detach(), saved[name].detach()), f"saved {name} differs"
+            weights, update = _full(p).detach(), ref_params[name].detach()
+            err = max(rel_err(weights, update), rel_err(weights - initial[name], update - initial[name]))
+            assert err < 1e-4, f"{where}: after 3 AdamW steps {name} (weights or update) rel err {err:.2e}"
+        if index in (1, 8):  # save the trained sharded model; HF reads it back
+            save_hf_checkpoint(model, Path(out) / f"saved_{arch}", max_shard_bytes=30_000)
+            _check_saved(model, Path(out) / f"saved_{arch}", ids, mask, mesh, where)
+    if dist.get_rank() == 0:
+        (Path(out) / "expert_comms.json").write_text(json.dumps({k: v for k, v in figures.items() if v}))
 
 
 def check_from_pretrained_then_parallelize(folders: dict[str, str], out: str) -> None:
-    """The other entry path: a materialised HF model parallelized in place gives the same loss."""
-    mesh = build_mesh(dp=2, tp=4)
-    ref = _reference(folders["qwen2"])
-    model = parallelize_hf_model(_reference(folders["qwen2"]), mesh, sp=True)
-    ids, labels = _batch(2, seed=7)
-    loss = model(input_ids=_local(ids, mesh), labels=_local(labels, mesh)).loss
-    ref_loss = ref(input_ids=ids, labels=labels).loss
-    assert rel_err(loss, ref_loss) < 1e-5
-    loss.backward()
-    ref_loss.backward()
-    _check_grads(model, ref, "from_pretrained + parallelize")
+    """The other entry path: a materialised HF model parallelized in place gives the same loss and
+    gradients. The MoE case has 2 x 15 tokens per rank, which tp = 4 does not divide (the expert
+    dispatch pads its tp split)."""
+    for arch, sizes, sp, seq in [("qwen2", dict(dp=2, tp=4), True, SEQ), ("qwen2_moe", dict(ep=2, tp=4), False, 15)]:
+        mesh = build_mesh(**sizes)
+        ref = _reference(folders[arch])
+        model = parallelize_hf_model(_reference(folders[arch]), mesh, sp=sp)
+        ids, labels, _ = (t[:, :seq] for t in _batch(batch_mesh(mesh).size(), seed=7))
+        loss = model(input_ids=_local(ids, mesh), labels=_local(labels, mesh)).loss
+        ref_loss = ref(input_ids=ids, labels=labels).loss
+        assert rel_err(loss, ref_loss) < 1e-5, arch
+        loss.backward()
+        ref_loss.backward()
+        _check_grads(model, ref, f"{arch} from_pretrained + parallelize")
 
 
 def check_bytes_read_per_rank(folders: dict[str, str], out: str) -> None:
-    """With every KV head split (qwen2: 4 KV heads, tp 4) each rank reads about 1/8 of the bytes."""
-    mesh = build_mesh(dp=2, tp=4)
-    _, read = load_hf_checkpoint(folders["qwen2"], mesh)
-    index = json.loads((Path(folders["qwen2"]) / "model.safetensors.index.json").read_text())
-    total = index["metadata"]["total_size"]
-    reads = [None] * dist.get_world_size()
-    dist.all_gather_object(reads, read)
-    assert sum(reads) >= total  # everything was read by someone
-    assert max(reads) < 1.1 * total / 8, f"per-rank bytes read {reads} of {total}"
+    """Each rank reads about 1/8 of the bytes: qwen2 with every KV head split (4 KV heads, tp 4) and FSDP
+    over dp 2; Qwen2-MoE with its experts split over ep 4 and everything FSDP-sharded over dp x ep."""
+    report = {}
+    for arch, sizes in [("qwen2", dict(dp=2, tp=4)), ("qwen2_moe", dict(dp=2, ep=4))]:
+        _, read = load_hf_checkpoint(folders[arch], build_mesh(**sizes))
+        index = json.loads((Path(folders[arch]) / "model.safetensors.index.json").read_text())
+        total = index["metadata"]["total_size"]
+        reads = [None] * dist.get_world_size()
+        dist.all_gather_object(reads, read)
+        assert sum(reads) >= total  # everything was read by someone
+        assert max(reads) < 1.1 * total / 8, f"{arch}: per-rank bytes read {reads} of {total}"
+        report[arch] = {"total": total, "per_rank": reads}
     if dist.get_rank() == 0:
-        (Path(out) / "bytes.json").write_text(json.dumps({"total": total, "per_rank": reads}))
+        (Path(out) / "bytes.json").write_text(json.dumps(report))
 
 
 NATIVE = dict(
@@ -233,6 +302,12 @@ def check_errors(folders: dict[str, str], out: str) -> None:
     model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "local_packed_rowwise"}
     with pytest.raises(ConfigError, match="local_packed_rowwise"):
         parallelize_hf_model(model, mesh)
+    with pytest.raises(ConfigError, match="ep = 2 needs a MoE model"):
+        parallelize_hf_model(_reference(folders["llama"]), build_mesh(dp=2, ep=2, tp=2))
+    moe = _reference(folders["qwen2_moe"])
+    moe.config.base_model_ep_plan = None
+    with pytest.raises(ConfigError, match="no base_model_ep_plan entry"):
+        parallelize_hf_model(moe, build_mesh(dp=4, ep=2))
     assert AutoModelForCausalLM is not None
 
 
@@ -241,5 +316,6 @@ def test_hf_parallelize_8_ranks(tmp_path):
     folders.update({f"native_{k}": v for k, v in _save_native(tmp_path).items()})
     checks = [check_native_sliced_loading, check_parity_and_training, check_from_pretrained_then_parallelize, check_bytes_read_per_rank, check_errors]
     run_checks(checks, 8, folders, str(tmp_path), timeout=240)
-    report = json.loads((tmp_path / "bytes.json").read_text())
-    print(f"bytes read per rank: {report['per_rank']} of {report['total']}")
+    for arch, report in json.loads((tmp_path / "bytes.json").read_text()).items():
+        print(f"{arch}: bytes read per rank: {report['per_rank']} of {report['total']}")
+    print(f"expert all-to-alls: {(tmp_path / 'expert_comms.json').read_text()}")

@@ -14,12 +14,26 @@ the same table transformers' ``tp_plan="auto"`` uses) and turns each style into 
 * ``sp=True``: norms and the residual stream are split along the sequence (Megatron SP);
 * KV heads replicated when tp is a multiple of ``num_key_value_heads`` (``ReplicatedKVHeads``), with
   each attention module's ``num_key_value_groups`` set to its local ratio;
-* activation checkpointing of decoder layers and FSDP2 / replicate over the dense data mesh.
+* activation checkpointing of decoder layers (training forwards then run without a KV cache) and
+  FSDP2 / replicate / HSDP over the data meshes.
 
-MoE models with fused 3-D experts (Qwen2-MoE: ``experts.gate_up_proj`` [E, 2I, H]): the experts, router
-and shared expert run replicated on every tp rank (identical inputs, so identical outputs and
-gradients; a warning says so), FSDP-sharded over dp like everything else. Expert parallelism through
-meshtron's all-to-all is not wired for HF modules yet.
+MoE models with fused experts (Qwen2-MoE and the others whose config has ``base_model_ep_plan``:
+``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]), whenever ep > 1 or tp > 1:
+
+* the experts are split ``Shard(0)`` over ep and fed by meshtron's all-to-all dispatch with grouped_mm
+  (:mod:`meshtron.hf.experts`); each tp rank dispatches 1/tp of the tokens, so no expert work is
+  repeated over tp even at ep = 1. Parameter names and logical shapes stay transformers', so
+  ``state_dict``, :func:`load_hf_checkpoint` (each rank reads its experts only) and
+  :func:`save_hf_checkpoint` work unchanged. Expert gradients are summed over the ep group's tokens by
+  the dispatch and over dp by their own FSDP unit on the expert data mesh;
+* the shared expert is split over tp like a dense MLP (colwise gate/up, rowwise down, output
+  all-reduced); the router (E x H) and the shared-expert gate (1 x H) run replicated over tp on
+  identical tokens, so their gradients agree without communication;
+* the batch is split over dp x ep (ep ranks are data parallel for everything but the experts);
+* with ``output_router_logits``, ``aux_loss`` is the load-balancing loss of the global batch (router
+  statistics summed over dp x ep) and ``loss`` includes ``router_aux_loss_coef`` x that, exactly as
+  the unparallelized model on the concatenated batch; its gradient is each rank's share, so summed
+  gradients are exact. transformers alone would add each rank's local aux loss.
 
 :func:`load_hf_checkpoint` builds a model on the meta device, parallelizes it and reads from the
 safetensors files only the slice of every tensor that this rank holds.
@@ -28,7 +42,6 @@ safetensors files only the slice of every tensor that this rank holds.
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import torch
@@ -50,11 +63,13 @@ from torch.distributed.tensor.parallel import (
 from meshtron import env
 from meshtron.checkpoint import gather_full_state_dict
 from meshtron.config import ConfigError
+from meshtron.hf.experts import apply_hf_expert_parallel, hf_expert_modules
 from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.slices import load_sharded_weights
 from meshtron.mesh import dense_data_mesh
+from meshtron.models.moe import load_balancing_loss
 from meshtron.parallel.checkpointing import checkpointed_layers
-from meshtron.parallel.data import data_meshes, mixed_precision, wrap_data_parallel
+from meshtron.parallel.data import data_meshes, even_shard_dim, mixed_precision, wrap_data_parallel
 from meshtron.parallel.tensor import ReplicatedKVHeads, check_tensor_parallel, parallel_token_loss_sum
 
 
@@ -116,7 +131,7 @@ def _layer_plan(base_plan: dict[str, str], layer: nn.Module, index: int, kv_head
     """Plan entries of decoder layer ``index``, relative to the layer, plus our input/norm styles.
 
     Entries naming a module this layer lacks are skipped (a MoE model's dense layers have no experts,
-    its sparse ones no ``mlp.gate_proj``). Fused experts stay replicated over tp (see the module doc).
+    its sparse ones no ``mlp.gate_proj``). Fused experts are left to :mod:`meshtron.hf.experts`.
     """
     plan: dict[str, ParallelStyle] = {}
     for pattern, style in base_plan.items():
@@ -131,6 +146,8 @@ def _layer_plan(base_plan: dict[str, str], layer: nn.Module, index: int, kv_head
         plan[rel] = _style(style, f"layers.{index}.{rel}", kv_heads, head_dim, tp, sp)
         if style == "colwise":
             plan[rel.rsplit(".", 1)[0]] = _HiddenStatesInput(sp)
+    if _exists(layer, "mlp.experts") and _exists(layer, "mlp.shared_expert.down_proj"):
+        plan.update(_shared_expert_plan("mlp.shared_expert"))
     if sp:
         plan["input_layernorm"] = SequenceParallel()
         plan["post_attention_layernorm"] = SequenceParallel()
@@ -144,14 +161,15 @@ def _layer_plan(base_plan: dict[str, str], layer: nn.Module, index: int, kv_head
     return plan
 
 
-def _warn_replicated_experts(model: nn.Module, tp: int) -> None:
-    if any(name.endswith("mlp.experts") for name, _ in model.named_modules()):
-        warnings.warn(
-            f"parallelize_hf_model: the fused MoE experts, router and shared expert of {type(model).__name__} run "
-            f"replicated on each of the tp = {tp} ranks (correct, but not split); expert parallelism through "
-            "meshtron's all-to-all is not wired for HF models yet.",
-            stacklevel=3,
-        )
+def _shared_expert_plan(prefix: str) -> dict[str, ParallelStyle]:
+    """A MoE's shared expert (SwiGLU MLP, absent from transformers' plans) split like a dense MLP; the MoE
+    block holds every token of the tp group (gathered under SP), so its output is all-reduced."""
+    return {
+        prefix: _HiddenStatesInput(sp=False),
+        f"{prefix}.gate_proj": ColwiseParallel(),
+        f"{prefix}.up_proj": ColwiseParallel(),
+        f"{prefix}.down_proj": RowwiseParallel(output_layouts=Replicate()),
+    }
 
 
 def _base_plan(model: nn.Module) -> dict[str, str]:
@@ -167,7 +185,7 @@ def _base_plan(model: nn.Module) -> dict[str, str]:
         pattern, style = next(iter(unknown.items()))
         raise ConfigError(
             f"parallelize_hf_model: tp plan style '{style}' (for '{pattern}') is not supported; supported: "
-            f"{', '.join(_STYLES)} (fused MoE experts, whatever their style, run replicated over tp)."
+            f"{', '.join(_STYLES)} (fused MoE experts, whatever their style, follow base_model_ep_plan)."
         )
     return plan
 
@@ -195,7 +213,6 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
     base, inner = _base_plan(model), model.model
     tied = model.lm_head.weight is inner.embed_tokens.weight
     plans = [_layer_plan(base, layer, i, kv_heads, head_dim, tp, sp) for i, layer in enumerate(inner.layers)]
-    _warn_replicated_experts(model, tp)
     # Embedding output replicated: HF computes positions and the causal mask from its length.
     parallelize_module(inner.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     for layer, plan in zip(inner.layers, plans):
@@ -249,14 +266,77 @@ def _loss_function(data_mesh: DeviceMesh):
     return loss
 
 
-def _apply_ac(layers, mode: str, every: int) -> None:
+def _aux_loss_share(router_logits: tuple[torch.Tensor, ...], top_k: int, mask: torch.Tensor | None, group) -> torch.Tensor:
+    """This rank's term of transformers' load-balancing loss over the global batch.
+
+    transformers pools all layers: f_e = top-k assignments of e / routed rows and P_e = summed router
+    probabilities of e / routed rows (rows weighted by the attention mask), loss = E * sum_e f_e P_e.
+    Counts and rows are summed over ``group``; the local probabilities carry the gradient, so the
+    terms add up over ranks to the global loss, and so do their gradients.
+    """
+    experts = router_logits[0].shape[-1]
+    counts = router_logits[0].new_zeros(experts, dtype=torch.float32)
+    prob_sums = torch.zeros_like(counts)
+    rows = torch.zeros_like(counts[:1])
+    for logits in router_logits:
+        probs = torch.softmax(logits.float(), dim=-1)
+        weight = probs.new_ones(probs.shape[0]) if mask is None else mask.reshape(-1).to(probs)
+        chosen = torch.topk(probs, top_k, dim=-1).indices
+        counts = counts.index_add(0, chosen.flatten(), weight.repeat_interleave(top_k))
+        prob_sums = prob_sums + (probs * weight[:, None]).sum(dim=0)
+        rows = rows + weight.sum()
+    totals = torch.cat([counts, rows])
+    dist.all_reduce(totals, group=group)
+    return load_balancing_loss(totals[:experts], prob_sums, totals[experts])
+
+
+def _global_aux_loss(data_mesh: DeviceMesh):
+    """Forward hook making ``aux_loss`` (``output_router_logits=True``) the global batch's, on every rank,
+    and ``loss`` = global token loss + ``router_aux_loss_coef`` x global aux loss, as unparallelized.
+
+    transformers computes both from this rank's router logits only; the hook swaps its aux term for
+    the global one (value summed over the data ranks, gradient this rank's share: gradients summed
+    over data ranks are then exact).
+    """
+    group = data_mesh.get_group()
+
+    def hook(model, args, kwargs, out):
+        if getattr(out, "aux_loss", None) is None or not isinstance(out.router_logits, tuple):
+            return None
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        aux = _SumOverRanks.apply(_aux_loss_share(out.router_logits, model.num_experts_per_tok, mask, group), group)
+        if out.loss is not None:
+            out.loss = out.loss + model.router_aux_loss_coef * (aux - out.aux_loss)
+        out.aux_loss = aux
+        return out
+
+    return hook
+
+
+def _no_cache_in_training(model, args, kwargs):
+    """A KV cache would take the recomputed keys a second time (the recomputation's attention then sees
+    2 x S keys); like transformers' own checkpointing, training forwards run without one."""
+    if model.training:
+        return args, {**kwargs, "use_cache": False, "past_key_values": None}
+    return None
+
+
+def _apply_ac(model: nn.Module, mode: str, every: int) -> None:
+    layers = model.model.layers
     for index in checkpointed_layers(list(range(len(layers))), mode, every):
         checkpoint(layers[index])
+    if mode != "none":
+        model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
 
 
-def _apply_dp(model: nn.Module, mesh: DeviceMesh, mode: str, dtype: str) -> None:
+def _apply_dp(model: nn.Module, mesh: DeviceMesh, mode: str, dtype: str, experts: list[nn.Module]) -> None:
+    """FSDP / replicate units: ``experts`` (split over ep) on the expert data mesh, every layer, the
+    untied embedding and lm_head, and the root, on the dense data mesh."""
     policy = mixed_precision(dtype)
-    dense_mesh, _ = data_meshes(mesh, mode)
+    dense_mesh, expert_mesh = data_meshes(mesh, mode)
+    placement = even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))
+    for module in experts:
+        wrap_data_parallel(module, expert_mesh, mode, policy, placement)
     inner = model.model
     for layer in inner.layers:
         wrap_data_parallel(layer, dense_mesh, mode, policy)
@@ -277,17 +357,18 @@ def parallelize_hf_model(
 ) -> nn.Module:
     """Parallelize a transformers decoder-only ``*ForCausalLM`` in place over ``mesh`` (from ``build_mesh``).
 
-    tp shards the layers by the model's ``base_model_tp_plan`` (plus vocab-parallel embedding/lm_head
-    and optional SP); the batch is split over the dense data mesh (dp x ep x cp), where parameters are
-    FSDP-sharded (``data_parallel="fsdp"``), replicated or HSDP-sharded. ``ac`` is ``none``, ``full`` or
-    ``selective`` (every ``ac_every``-th layer); ``dtype="bfloat16"`` makes the data-parallel wrapper
-    compute in bf16 with fp32 master weights (only when the data mesh has more than one rank). Works
-    on meta-device models (then ``to_empty`` and :func:`meshtron.hf.load_sharded_weights`, as
-    :func:`load_hf_checkpoint` does). Each data rank passes its
-    own part of the batch; ``.loss`` is the global mean and ``.logits`` a vocab-sharded DTensor.
-    Only tp and the data meshes are used: pp, cp and ep must be 1.
+    tp shards the layers by the model's ``base_model_tp_plan`` (plus vocab-parallel embedding/lm_head,
+    the MoE shared expert and optional SP); MoE experts are split over ep by ``base_model_ep_plan`` and
+    fed by all-to-all (:mod:`meshtron.hf.experts`); the batch is split over dp x ep, where dense
+    parameters are FSDP-sharded (``data_parallel="fsdp"``), replicated or HSDP-sharded, and experts
+    over dp. ``ac`` is ``none``, ``full`` or ``selective`` (every ``ac_every``-th layer);
+    ``dtype="bfloat16"`` makes the data-parallel wrapper compute in bf16 with fp32 master weights (only
+    when the data mesh has more than one rank). Works on meta-device models (then ``to_empty`` and
+    :func:`meshtron.hf.load_sharded_weights`, as :func:`load_hf_checkpoint` does). Each rank of dp x ep
+    passes its own part of the batch; ``.loss`` (and ``.aux_loss``) are the global batch's and
+    ``.logits`` a vocab-sharded DTensor. pp and cp must be 1.
     """
-    for dim in ("pp", "cp", "ep"):
+    for dim in ("pp", "cp"):
         if mesh[dim].size() > 1:
             raise ConfigError(f"parallelize_hf_model: {dim} = {mesh[dim].size()} is not supported for HF models; use 1.")
     if not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model, "lm_head"):
@@ -295,16 +376,22 @@ def parallelize_hf_model(
             f"parallelize_hf_model expects a decoder-only *ForCausalLM (model.model.layers, model.lm_head); "
             f"got {type(model).__name__}."
         )
+    ep, tp_mesh = mesh["ep"].size(), mesh["tp"]
+    expert_modules = hf_expert_modules(model, ep) if ep > 1 or tp_mesh.size() > 1 else {}
+    if ep > 1 and not expert_modules:
+        raise ConfigError(f"parallelize_hf_model: ep = {ep} needs a MoE model with fused experts; "
+                          f"{type(model).__name__} has none. Use ep = 1.")
     # Checkpointing first: its hook must see layer 0's full input, before SP's slicing hook, so the
     # recomputation slices it again rather than slicing the slice.
-    _apply_ac(model.model.layers, ac, ac_every)
-    tp_mesh = mesh["tp"]
+    _apply_ac(model, ac, ac_every)
     if tp_mesh.size() > 1:
         _apply_tp(model, tp_mesh, sp)
+    experts = apply_hf_expert_parallel(model, mesh, expert_modules)
     data_mesh = dense_data_mesh(mesh)
     model.loss_function = _loss_function(data_mesh)
     if data_mesh.size() > 1:
-        _apply_dp(model, mesh, data_parallel, dtype)
+        model.register_forward_hook(_global_aux_loss(data_mesh), with_kwargs=True)
+        _apply_dp(model, mesh, data_parallel, dtype, experts)
     return model
 
 

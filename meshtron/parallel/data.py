@@ -76,7 +76,7 @@ def data_meshes(mesh: DeviceMesh, mode: str) -> tuple[DeviceMesh, DeviceMesh]:
     return DeviceMesh._concatenate([mesh["dp"], shard]), mesh[("dp", "cp")]
 
 
-def _even_shard_dim(shards: int):
+def even_shard_dim(shards: int):
     """FSDP placement: the first dim of the local tensor that ``shards`` divides, else dim 0.
 
     Experts split by EP are DTensors Shard(0) with E/ep local experts, often fewer than the expert
@@ -142,7 +142,7 @@ def apply_data_parallel(
     policy = mixed_precision(dtype)
     _check_experts_split_over_ep([m for m in model.modules() if isinstance(m, MoE)], mesh)
     dense_mesh, expert_mesh = data_meshes(mesh, mode)
-    expert_placement = _even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))  # the shard dim (last for HSDP)
+    expert_placement = even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))  # the shard dim (last for HSDP)
     for block in model.layers.values():
         for moe in (m for m in block.modules() if isinstance(m, MoE)):
             wrap_data_parallel(moe.experts, expert_mesh, mode, policy, expert_placement)

@@ -6,7 +6,8 @@ ep mesh: rank r of the ep group holds experts ``r * E/ep ... (r + 1) * E/ep - 1`
 Router, shared expert and everything dense stay as they are (replicated over ep, which acts as extra
 data parallelism for them).
 
-Dispatch, per MoE call (``ExpertParallelExperts.forward``), after the router chose k experts per token:
+Dispatch, per MoE call (``ExpertDispatch.dispatch``, shared by meshtron's :class:`ExpertParallelExperts` and
+the transformers experts of :mod:`meshtron.hf.moe`), after the router chose k experts per token:
 
 1. copy every token once per chosen expert and sort the copies by expert (``permute_tokens``); since
    experts are laid out rank-major, this also groups them by destination rank;
@@ -26,9 +27,9 @@ tokens while the dispatch all-to-all is in flight.
 Composition with the other dimensions:
 
 * tensor parallelism without sequence parallelism: every rank of a TP group holds the same tokens.
-  Each tp rank dispatches only its 1/tp slice of them (so every token travels once) and the outputs
-  are all-gathered over tp afterwards. The slice's backward all-gathers the input gradients; the
-  gather's backward keeps this rank's slice (activation gradients are replicated over tp). Experts
+  Each tp rank dispatches only its 1/tp slice of them (so every token travels once; a token count tp
+  does not divide is padded with zero-weight rows) and the outputs are all-gathered over tp
+  afterwards. The slice's backward all-gathers the input gradients; the gather's backward keeps this rank's slice (activation gradients are replicated over tp). Experts
   are replicated over tp but see different tokens per tp rank, so their gradients are summed over
   tp in backward (inside this module). With sequence parallelism the tp ranks hold different tokens
   already: nothing is split, the tp ranks count as token holders for the router statistics, and
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -145,36 +147,31 @@ def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _shard_experts(full: torch.Tensor, ep_mesh: DeviceMesh) -> DTensor:
+def shard_experts(full: torch.Tensor, ep_mesh: DeviceMesh) -> DTensor:
     """This rank's ``Shard(0)`` block of ``full`` as a DTensor, without communication (meta works too)."""
     local = full.detach().chunk(ep_mesh.size())[ep_mesh.get_local_rank()].clone()
     return DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
 
 
-class ExpertParallelExperts(nn.Module):
-    """Drop-in for :class:`GroupedExperts` holding E/ep experts per rank and dispatching by all-to-all.
+class ExpertDispatch(nn.Module):
+    """The all-to-all token dispatch of the module docstring, for any module that holds a rank's
+    experts; subclasses own the weights and hand them to :meth:`local_weights`.
 
     ``tp_mesh``: the tensor-parallel group, over which the experts are replicated while the tokens
     they see differ, so their gradients are summed there. ``split_tokens_over_tp``: the tokens are
     replicated over tp (no sequence parallelism), so each tp rank dispatches only 1/tp of them.
+    With ``ep_mesh`` of one rank nothing is exchanged: the experts run on the local (tp-split) tokens.
     """
 
     def __init__(
-        self,
-        experts: GroupedExperts,
-        ep_mesh: DeviceMesh,
-        tp_mesh: DeviceMesh | None = None,
-        split_tokens_over_tp: bool = True,
+        self, num_experts: int, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None, split_tokens_over_tp: bool = True
     ):
         super().__init__()
-        self.num_experts = experts.num_experts
+        self.num_experts = num_experts
         self.ep_mesh = ep_mesh
         self.ep_group = ep_mesh.get_group()
         self.tp_group = tp_mesh.get_group() if tp_mesh is not None and tp_mesh.size() > 1 else None
         self.split_tokens = self.tp_group is not None and split_tokens_over_tp
-        for name in _PROJECTIONS:
-            full = getattr(experts, name)
-            setattr(self, name, nn.Parameter(_shard_experts(full, ep_mesh), requires_grad=full.requires_grad))
         # Bytes of token rows this rank put into the dispatch all-to-all in the last forward.
         self.last_dispatch_bytes = 0
 
@@ -182,32 +179,49 @@ class ExpertParallelExperts(nn.Module):
     def local_experts(self) -> int:
         return self.num_experts // self.ep_mesh.size()
 
-    def forward(
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gate, up ``[E/ep, H, I]`` and down ``[E/ep, I, H]`` of this rank's experts (via :meth:`local`)."""
+        raise NotImplementedError
+
+    def local(self, param: torch.Tensor) -> torch.Tensor:
+        """A weight's local block (plain tensors pass through), its gradient summed over tp."""
+        w = param.to_local() if isinstance(param, DTensor) else param
+        return _SumGrad.apply(w, self.tp_group) if self.tp_group is not None else w
+
+    def dispatch(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: SharedWork | None = None
     ) -> torch.Tensor:
+        """x [T, H], routing ``weights`` / chosen ``experts`` [T, k] -> weighted expert outputs (+ ``shared()``)."""
+        tokens = x.shape[0]
         if self.split_tokens:
             x, weights, experts = self._slice_over_tp(x, weights, experts)
         sorted_x, order, counts = permute_tokens(x, experts, self.num_experts)
-        send, recv, recv_counts = self._exchange_counts(counts)
-        pending: list = []
-        received = _AllToAll.apply(sorted_x, recv, send, self.ep_group, pending)
-        self.last_dispatch_bytes = sorted_x.numel() * sorted_x.element_size()
-        side = shared() if shared is not None else None  # overlaps the dispatch in flight
-        for work in pending:
-            work.wait()
-        y = self._run_local_experts(received, recv_counts, sum(recv))
-        out = unpermute_tokens(_AllToAll.apply(y, send, recv, self.ep_group, None), order, weights)
+        if self.ep_mesh.size() == 1:
+            side = shared() if shared is not None else None
+            y = grouped_swiglu(sorted_x, counts, *self.local_weights())
+        else:
+            send, recv, recv_counts = self._exchange_counts(counts)
+            pending: list = []
+            received = _AllToAll.apply(sorted_x, recv, send, self.ep_group, pending)
+            self.last_dispatch_bytes = sorted_x.numel() * sorted_x.element_size()
+            side = shared() if shared is not None else None  # overlaps the dispatch in flight
+            for work in pending:
+                work.wait()
+            y = self._run_local_experts(received, recv_counts, sum(recv))
+            y = _AllToAll.apply(y, send, recv, self.ep_group, None)
+        out = unpermute_tokens(y, order, weights)
         if self.split_tokens:
-            out = _GatherTokens.apply(out, self.tp_group)
+            out = _GatherTokens.apply(out, self.tp_group)[:tokens]
         return out + side if side is not None else out
 
     def _slice_over_tp(self, x, weights, experts):
+        """This tp rank's share of the replicated tokens; a token count that tp does not divide is
+        padded with rows of routing weight 0 (they add nothing and get no gradient)."""
         size, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
-        if x.shape[0] % size:
-            raise ValueError(
-                f"expert parallelism with tp = {size} splits each TP group's {x.shape[0]} replicated tokens "
-                f"over tp, which needs the token count (batch x sequence per rank) to be a multiple of tp."
-            )
+        pad = -x.shape[0] % size
+        if pad:
+            x, weights = F.pad(x, (0, 0, 0, pad)), F.pad(weights, (0, 0, 0, pad))
+            experts = F.pad(experts, (0, 0, 0, pad))
         chunk = x.shape[0] // size
         return (
             _SliceTokens.apply(x, self.tp_group),
@@ -229,12 +243,32 @@ class ExpertParallelExperts(nn.Module):
         local = torch.arange(self.local_experts, device=received.device).repeat(recv_counts.shape[0])
         expert_of_row = torch.repeat_interleave(local, recv_counts.flatten(), output_size=rows)
         regroup, local_counts = sort_by_group(expert_of_row, self.local_experts)
-        weights = [self._local_weight(name) for name in _PROJECTIONS]
-        return unsort(grouped_swiglu(received[regroup], local_counts, *weights), regroup)
+        return unsort(grouped_swiglu(received[regroup], local_counts, *self.local_weights()), regroup)
 
-    def _local_weight(self, name: str) -> torch.Tensor:
-        w = getattr(self, name).to_local()
-        return _SumGrad.apply(w, self.tp_group) if self.tp_group is not None else w
+
+class ExpertParallelExperts(ExpertDispatch):
+    """Drop-in for :class:`GroupedExperts` holding E/ep experts per rank and dispatching by all-to-all
+    (arguments as :class:`ExpertDispatch`)."""
+
+    def __init__(
+        self,
+        experts: GroupedExperts,
+        ep_mesh: DeviceMesh,
+        tp_mesh: DeviceMesh | None = None,
+        split_tokens_over_tp: bool = True,
+    ):
+        super().__init__(experts.num_experts, ep_mesh, tp_mesh, split_tokens_over_tp)
+        for name in _PROJECTIONS:
+            full = getattr(experts, name)
+            setattr(self, name, nn.Parameter(shard_experts(full, ep_mesh), requires_grad=full.requires_grad))
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(self.local(getattr(self, name)) for name in _PROJECTIONS)
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: SharedWork | None = None
+    ) -> torch.Tensor:
+        return self.dispatch(x, weights, experts, shared)
 
 
 def _sum_over(group) -> StatsReducer:
@@ -262,7 +296,7 @@ def set_global_router_stats(model: nn.Module, mesh: DeviceMesh, sequence_paralle
         moe.stats_reducer = reducer
 
 
-def _check_divisible(num_experts: int, ep: int) -> None:
+def check_expert_divisible(num_experts: int, ep: int) -> None:
     if num_experts % ep:
         valid = [v for v in range(1, num_experts + 1) if num_experts % v == 0]
         raise ConfigError(
@@ -285,7 +319,7 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     if ep > 1 and not layers:
         raise ConfigError(f"[parallel] ep = {ep} needs an MoE model (num_experts > 0); this model has no MoE layer.")
     for moe in layers:
-        _check_divisible(moe.num_experts, ep)
+        check_expert_divisible(moe.num_experts, ep)
     set_global_router_stats(model, mesh, sequence_parallel)
     if ep == 1:
         return model
@@ -294,4 +328,12 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     return model
 
 
-__all__ = ["ExpertParallelExperts", "apply_expert_parallel", "set_global_router_stats", "token_mesh"]
+__all__ = [
+    "ExpertDispatch",
+    "ExpertParallelExperts",
+    "apply_expert_parallel",
+    "check_expert_divisible",
+    "set_global_router_stats",
+    "shard_experts",
+    "token_mesh",
+]
