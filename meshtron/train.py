@@ -252,7 +252,7 @@ class Trainer:
             step, self.batch_mesh.get_local_rank(), self.batch_mesh.size(), self.cfg.parallel.microbatches
         )
         input_ids, labels = to_device((input_ids, labels), self.device)
-        loss, grad_norm = self.run_step(input_ids, labels)
+        loss, grad_norm = training_step(self.runner, self.optimizer, input_ids, labels, t.max_grad_norm)
         # The step's one device-to-host read, after the whole step is queued: the host never waits
         # inside it, and the step time below includes the device finishing the step.
         loss, grad_norm, aux = read_scalars(loss, grad_norm, self.runner.aux_loss())
@@ -280,23 +280,6 @@ class Trainer:
             record["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return record
 
-    def run_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward, backward, clipping and the optimizer update, queued without any host sync
-        (``tests/test_syncs.py`` counts them); returns the global loss and gradient norm as device scalars.
-
-        The non-finite guard runs on the device: fused AdamW skips the whole update (and its step
-        count) when ``found_inf`` is set, so a NaN/Inf step leaves parameters and optimizer state as
-        they were without the host looking at the loss first.
-        """
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = _device_scalar(self.runner.forward_backward(input_ids, labels), self.device)
-        grad_norm = _device_scalar(self.runner.clip_grad_norm(self.cfg.train.max_grad_norm), self.device)
-        self.optimizer.found_inf = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
-        self.optimizer.step()
-        for moe in moe_layers(self.runner.module):
-            moe.update_expert_bias()  # aux-loss-free balancing (a no-op unless configured)
-        return loss, grad_norm
-
     def _on_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
         """Stop with the step and the first offending parameter named, or skip the update."""
         where = _first_nonfinite_grad(self.runner.module)
@@ -310,6 +293,27 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)  # the update itself was skipped on the device
         if self.rank == 0:
             print(f"meshtron: skipped the update of {what}", file=sys.stderr, flush=True)
+
+
+def training_step(
+    runner, optimizer: torch.optim.Optimizer, input_ids: torch.Tensor, labels: torch.Tensor, max_grad_norm: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward, backward, clipping and the optimizer update, queued without any host sync
+    (``tests/test_syncs.py`` counts them); returns the global loss and gradient norm as device scalars.
+
+    The non-finite guard runs on the device: fused AdamW skips the whole update (and its step
+    count) when ``found_inf`` is set, so a NaN/Inf step leaves parameters and optimizer state as
+    they were without the host looking at the loss first.
+    """
+    device = input_ids.device
+    optimizer.zero_grad(set_to_none=True)
+    loss = _device_scalar(runner.forward_backward(input_ids, labels), device)
+    grad_norm = _device_scalar(runner.clip_grad_norm(max_grad_norm), device)
+    optimizer.found_inf = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
+    optimizer.step()
+    for moe in moe_layers(runner.module):
+        moe.update_expert_bias()  # aux-loss-free balancing (a no-op unless configured)
+    return loss, grad_norm
 
 
 def _device_scalar(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 What is allowed, exactly:
 
-* ``Trainer.run_step`` (forward, backward, clipping, optimizer update) of a dense model: none;
+* ``meshtron.train.training_step`` (forward, backward, clipping, optimizer update) of a dense model: none;
 * with expert parallelism: one per MoE layer and micro-batch, the dispatch's split sizes (the
   backward reuses them and adds none);
 * ``Trainer.train_step`` adds one read after the step is queued (loss, grad norm, aux loss in one
@@ -61,12 +61,14 @@ def _trainer(recipe: str, root: str, layout: dict):
 
 
 def _counted_step(trainer, step: int) -> tuple[HostSyncCounter, HostSyncCounter]:
-    """Syncs of ``run_step`` alone, then of a whole ``train_step`` (after one warm-up step)."""
+    """Syncs of ``training_step`` alone, then of a whole ``Trainer.train_step`` (after a warm-up step)."""
+    from meshtron.train import training_step
+
     ids, labels = trainer.dataset.batch_for_step(
         step, trainer.batch_mesh.get_local_rank(), trainer.batch_mesh.size(), trainer.cfg.parallel.microbatches
     )
     with HostSyncCounter() as inner:
-        trainer.run_step(ids, labels)
+        training_step(trainer.runner, trainer.optimizer, ids, labels, trainer.cfg.train.max_grad_norm)
     with HostSyncCounter() as whole:
         record = trainer.train_step(step + 1)
     assert record["loss"] > 0 and record["grad_norm"] > 0
