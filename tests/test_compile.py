@@ -34,7 +34,7 @@ def _batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _train_plain(model, batches) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """Loss and gradients of every step, updating with the training optimizer in between."""
-    optimizer = build_optimizer(model, TrainConfig(lr=1e-2))
+    optimizer = build_optimizer(model, TrainConfig())
     out = []
     for ids, labels in batches:
         optimizer.zero_grad(set_to_none=True)
@@ -60,7 +60,7 @@ def test_compiled_blocks_match_eager_over_two_steps():
 
 def _runner_steps(compile_blocks: bool, seed: int) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     cfg = Config(model=CFG, parallel=ParallelConfig(dp=2, tp=2, sp=True, compile=compile_blocks),
-                 train=TrainConfig(seed=seed, lr=1e-2, seq_len=SEQ, global_batch_size=BATCH))
+                 train=TrainConfig(seed=seed, seq_len=SEQ, global_batch_size=BATCH))
     mesh = build_mesh(dp=2, tp=2)
     with torch.device("meta"):
         model = build_model(CFG)

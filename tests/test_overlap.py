@@ -13,6 +13,7 @@ it, and to wait for it only after. These tests record that order (it is the same
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -38,10 +39,9 @@ class _AllGathers(TorchDispatchMode):
     def __init__(self, units: dict[str, torch.nn.Module], events: list):
         super().__init__()
         self.events = events
+        # FSDP copies from each parameter's local shard: its storage names the unit.
         self.unit_of = {p.to_local().untyped_storage().data_ptr(): name
-                        for name, unit in units.items() for p in unit.parameters(recurse=False)}
-        for name, unit in units.items():  # a block's parameters live in its submodules
-            self.unit_of.update({p.to_local().untyped_storage().data_ptr(): name for p in unit.parameters()})
+                        for name, unit in units.items() for p in unit.parameters()}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket is torch.ops.fsdp.all_gather_copy_in:
@@ -103,12 +103,12 @@ def fsdp_prefetches_the_next_block(seed: int) -> None:
 
 @contextlib.contextmanager
 def _patched(obj, name: str, wrapper):
-    original = getattr(obj, name)
-    setattr(obj, name, wrapper(original))
+    raw = inspect.getattr_static(obj, name)  # e.g. a staticmethod, restored as it was
+    setattr(obj, name, wrapper(getattr(obj, name)))
     try:
         yield
     finally:
-        setattr(obj, name, original)
+        setattr(obj, name, raw)
 
 
 def _recording(events: list, label: str):
