@@ -1,7 +1,8 @@
 """``[parallel] compile = true``: each block's forward compiled (inductor), same numbers as eager.
 
-Compile cost dominates on a small CPU machine (inductor builds C++ kernels), so both tests use one
-tiny dense model and two optimizer steps; every block shares one compiled graph.
+Compile cost dominates on a small CPU machine (inductor builds C++ kernels), so the tests use tiny
+models and two optimizer steps; every block of one kind shares one compiled graph. Four ranks check
+dp2 x tp2 with SP (dense) and dp2 x ep2 (MoE with aux loss) against eager.
 """
 
 from __future__ import annotations
@@ -58,18 +59,25 @@ def test_compiled_blocks_match_eager_over_two_steps():
             assert rel_err(grad, ref_grads[name]) < 1e-4, name
 
 
-def _runner_steps(compile_blocks: bool, seed: int) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    cfg = Config(model=CFG, parallel=ParallelConfig(dp=2, tp=2, sp=True, compile=compile_blocks),
+MOE = ModelConfig(
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+    num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48, rope_theta=10000.0, router_aux_loss_coef=0.01,
+)
+
+
+def _runner_steps(model_cfg: ModelConfig, layout: dict, compile_blocks: bool, seed: int):
+    cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout, compile=compile_blocks),
                  train=TrainConfig(seed=seed, seq_len=SEQ, global_batch_size=BATCH))
-    mesh = build_mesh(dp=2, tp=2)
+    mesh = build_mesh(**{k: v for k, v in layout.items() if k != "sp"})
     with torch.device("meta"):
-        model = build_model(CFG)
+        model = build_model(model_cfg)
     runner = StepRunner(model, mesh, cfg, torch.device("cpu"))
     optimizer = build_optimizer(runner.module, cfg.train)
     share = batch_mesh(mesh)
+    rows = slice(share.get_local_rank() * BATCH // share.size(), (share.get_local_rank() + 1) * BATCH // share.size())
     out = []
     for ids, labels in _batches(seed):
-        rows = slice(share.get_local_rank() * BATCH // 2, (share.get_local_rank() + 1) * BATCH // 2)
         optimizer.zero_grad(set_to_none=True)
         loss = runner.forward_backward(ids[rows], labels[rows])
         out.append((loss, {n: p.grad.full_tensor() for n, p in runner.module.named_parameters()}))
@@ -77,17 +85,26 @@ def _runner_steps(compile_blocks: bool, seed: int) -> list[tuple[torch.Tensor, d
     return out
 
 
-def compiled_dp_tp_matches_eager(seed: int) -> None:
+def _compiled_matches_eager(model_cfg: ModelConfig, layout: dict, seed: int) -> None:
     # aot_eager: dynamo + AOTAutograd trace the DTensor/FSDP block exactly as for inductor (where the
     # composition can break); inductor's code generation is checked by the single-process test, and
     # generating C++ kernels for each rank's graph would take minutes on a 2-core machine.
     runner_module.apply_compile = functools.partial(apply_compile, backend="aot_eager")
-    compiled, eager = _runner_steps(True, seed), _runner_steps(False, seed)
+    compiled, eager = _runner_steps(model_cfg, layout, True, seed), _runner_steps(model_cfg, layout, False, seed)
     for (loss, grads), (ref_loss, ref_grads) in zip(compiled, eager):
         assert rel_err(loss, ref_loss) < 1e-5, (loss, ref_loss)
         for name, grad in grads.items():
             assert rel_err(grad, ref_grads[name]) < 1e-4, name
 
 
-def test_compiled_dp2_tp2_sp_matches_eager():
-    run_checks([compiled_dp_tp_matches_eager], 4, int(torch.randint(0, 2**31, ())), timeout=600)
+def compiled_dp_tp_matches_eager(seed: int) -> None:
+    _compiled_matches_eager(CFG, {"dp": 2, "tp": 2, "sp": True}, seed)
+
+
+def compiled_moe_dp_ep_matches_eager(seed: int) -> None:
+    _compiled_matches_eager(MOE, {"dp": 2, "ep": 2}, seed)
+
+
+def test_compiled_blocks_on_four_ranks_match_eager():
+    run_checks([compiled_dp_tp_matches_eager, compiled_moe_dp_ep_matches_eager], 4,
+               int(torch.randint(0, 2**31, ())), timeout=600)
