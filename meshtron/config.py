@@ -95,6 +95,9 @@ class ParallelConfig:
     data_parallel: str = "fsdp"
     activation_checkpointing: str = "none"  # none | full (every block) | selective (every ac_every-th block)
     ac_every: int = 2
+    compile: bool = False  # torch.compile each transformer block (after TP/EP/CP/AC, before FSDP)
+    # FSDP: blocks whose parameters are all-gathered ahead of use (next in forward, previous in backward).
+    fsdp_prefetch: int = 1
 
 
 @dataclass

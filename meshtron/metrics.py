@@ -17,18 +17,26 @@ def peak_flops_per_device(dtype: str) -> float | None:
     """Dense matmul peak used for MFU: measured once on this device (None on CPU, where MFU is not meaningful)."""
     if env.device_type() != "cuda":
         return None
-    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch_dtype)
-    b = torch.randn(n, n, device="cuda", dtype=torch_dtype)
+    return matmul_flops(torch.device("cuda"), torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 8192, reps: int = 20) -> float:
+    """Measured FLOP/s of an ``n x n`` matmul on ``device`` (the achievable dense peak for MFU)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
-    torch.cuda.synchronize()
-    start, reps = time.perf_counter(), 20
+    _synchronize(device)
+    start = time.perf_counter()
     for _ in range(reps):
         a @ b
-    torch.cuda.synchronize()
+    _synchronize(device)
     return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class MetricsLogger:

@@ -19,17 +19,20 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW without weight decay on norms and biases (1-D parameters), fused on GPUs."""
+    """AdamW without weight decay on norms and biases (1-D parameters), fused on every device.
+
+    The fused kernel keeps its step counts on the device (the unfused ones read them on the host
+    for every parameter) and honours ``optimizer.found_inf``: the training step sets it to skip a
+    non-finite update without a host sync.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    on_gpu = bool(params) and params[0].device.type == "cuda"
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr_at(0, cfg),
         betas=(cfg.beta1, cfg.beta2),
-        fused=on_gpu or None,
-        foreach=None if on_gpu else False,
+        fused=True,
     )
 
 

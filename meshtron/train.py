@@ -198,6 +198,7 @@ class Trainer:
         from meshtron.parallel.runner import build_step_runner
 
         self.cfg, self.mesh = cfg, mesh
+        self.batch_mesh = batch_mesh(mesh)
         self.rank = dist.get_rank()
         self.device = env.local_device()
         torch.manual_seed(cfg.train.seed)
@@ -247,22 +248,18 @@ class Trainer:
         start = time.perf_counter()
         lr = lr_at(step, t)
         set_lr(self.optimizer, lr)
-        bm = batch_mesh(self.mesh)
         input_ids, labels = self.dataset.batch_for_step(
-            step, bm.get_local_rank(), bm.size(), self.cfg.parallel.microbatches
+            step, self.batch_mesh.get_local_rank(), self.batch_mesh.size(), self.cfg.parallel.microbatches
         )
         input_ids, labels = to_device((input_ids, labels), self.device)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.runner.forward_backward(input_ids, labels)
-        grad_norm = self.runner.clip_grad_norm(t.max_grad_norm)
+        loss, grad_norm = training_step(self.runner, self.optimizer, input_ids, labels, t.max_grad_norm)
+        # The step's one device-to-host read, after the whole step is queued: the host never waits
+        # inside it, and the step time below includes the device finishing the step.
+        loss, grad_norm, aux = read_scalars(loss, grad_norm, self.runner.aux_loss())
         # loss and grad_norm are global values, so every rank takes the same branch.
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite:
             self._on_nonfinite(step, loss, grad_norm)
-        else:
-            self.optimizer.step()
-        for moe in moe_layers(self.runner.module):
-            moe.update_expert_bias()  # aux-loss-free balancing (a no-op unless configured)
         elapsed = time.perf_counter() - start
         tokens = t.global_batch_size * t.seq_len
         record = {
@@ -272,7 +269,7 @@ class Trainer:
             "lr": lr,
             "tokens_per_sec": tokens / elapsed,
             "step_time": elapsed,
-            "aux_loss": self.runner.aux_loss(),
+            "aux_loss": aux,
         }
         if not finite:
             record["skipped"] = True
@@ -293,9 +290,42 @@ class Trainer:
             raise _on_every_rank(NonFiniteError(
                 f"{what}. Lower [train] lr, check the data, or set [train] on_nonfinite = \"skip\" to skip such steps."
             ))
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)  # the update itself was skipped on the device
         if self.rank == 0:
             print(f"meshtron: skipped the update of {what}", file=sys.stderr, flush=True)
+
+
+def training_step(
+    runner, optimizer: torch.optim.Optimizer, input_ids: torch.Tensor, labels: torch.Tensor, max_grad_norm: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward, backward, clipping and the optimizer update, queued without any host sync
+    (``tests/test_syncs.py`` counts them); returns the global loss and gradient norm as device scalars.
+
+    The non-finite guard runs on the device: fused AdamW skips the whole update (and its step
+    count) when ``found_inf`` is set, so a NaN/Inf step leaves parameters and optimizer state as
+    they were without the host looking at the loss first.
+    """
+    device = input_ids.device
+    optimizer.zero_grad(set_to_none=True)
+    loss = _device_scalar(runner.forward_backward(input_ids, labels), device)
+    grad_norm = _device_scalar(runner.clip_grad_norm(max_grad_norm), device)
+    optimizer.found_inf = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
+    optimizer.step()
+    for moe in moe_layers(runner.module):
+        moe.update_expert_bias()  # aux-loss-free balancing (a no-op unless configured)
+    return loss, grad_norm
+
+
+def _device_scalar(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """The pipeline runner still returns host floats (it reads them itself); the rest stays on the device."""
+    return value if isinstance(value, torch.Tensor) else torch.tensor(value, device=device)
+
+
+def read_scalars(*values: torch.Tensor | float | None) -> list[float | None]:
+    """Device scalars as floats with one device-to-host copy (floats and ``None`` pass through)."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.float().reshape(()) for t in tensors]).tolist() if tensors else [])
+    return [next(read) if isinstance(v, torch.Tensor) else v for v in values]
 
 
 def _first_nonfinite_grad(module: torch.nn.Module) -> str | None:

@@ -80,15 +80,16 @@ def _check_seq_len(seq_len: int, cp_size: int, balanced: bool) -> int:
     return seq_len // n
 
 
-def sequence_index(seq_len: int, cp_rank: int, cp_size: int, balanced: bool = True) -> torch.Tensor:
+def sequence_index(seq_len: int, cp_rank: int, cp_size: int, balanced: bool = True, device=None) -> torch.Tensor:
     """Global positions (in local order) of the tokens that ``cp_rank`` holds: the index map."""
     c = _check_seq_len(seq_len, cp_size, balanced)
-    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunk_ids(cp_rank, cp_size, balanced)])
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_ids(cp_rank, cp_size, balanced)])
 
 
 def shard_sequence(t: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1, balanced: bool = True) -> torch.Tensor:
-    """This rank's part of ``t`` along ``dim`` (contiguous copy)."""
-    index = sequence_index(t.shape[dim], cp_rank, cp_size, balanced).to(t.device)
+    """This rank's part of ``t`` along ``dim`` (contiguous copy). The index is built on ``t``'s
+    device: copying it there would be a blocking host-to-device copy inside the training step."""
+    index = sequence_index(t.shape[dim], cp_rank, cp_size, balanced, t.device)
     return t.index_select(dim, index)
 
 

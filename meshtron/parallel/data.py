@@ -34,6 +34,16 @@ With ``fsdp`` keep it so (skipping it would hold unsharded gradients); with ``re
 a caller may save the all-reduces with ``set_requires_gradient_sync(False)`` on the root for all
 but the last micro-batch.
 
+Prefetch (``[parallel] fsdp_prefetch``, default 1): each block explicitly all-gathers the next
+block (and its experts) when its own forward starts, and the previous one when its backward starts;
+the embedding hands over to the first block and the last block to the LM head. Without it FSDP2
+issues a block's all-gather only when that block's forward begins, which overlaps compute only as
+far as the host runs ahead of the device; a host sync inside a block (expert parallelism reads its
+split sizes) stops that, so the next all-gather would wait for it. The chain follows consecutive
+layer indices only, so a pipeline stage with several model chunks never gathers another chunk's
+block early. 0 leaves FSDP2's own (implicit) prefetching; larger values gather further ahead at the
+cost of that many more unsharded blocks in memory. ``replicate`` gathers nothing and ignores it.
+
 Mixed precision (``[train] dtype``): ``bfloat16`` keeps fp32 master parameters and optimizer state,
 computes in bf16 (parameters all-gathered in bf16) and reduces gradients in fp32; ``float32`` uses
 no policy.
@@ -131,13 +141,50 @@ def _check_experts_split_over_ep(moes: list[MoE], mesh: DeviceMesh) -> None:
                 )
 
 
+def _execution_order(model: nn.Module) -> list[list[FSDPModule]]:
+    """FSDP units in forward order, one entry per step of the chain: [embedding], each block with its
+    experts' units, [LM head]. A new run starts wherever the layer index does not follow on."""
+    runs: list[list[list[FSDPModule]]] = []
+    separate = {id(m) for m in _untied_vocab_modules(model)}  # tied ones live in the root unit
+    embed = model.embed_tokens if id(model.embed_tokens) in separate else None
+    head = model.lm_head if id(model.lm_head) in separate else None
+    last_layer = model.config.num_hidden_layers - 1
+    previous = None
+    for key, block in sorted(model.layers.items(), key=lambda item: int(item[0])):
+        index = int(key)
+        if previous is None or index != previous + 1:
+            runs.append([[embed]] if index == 0 and embed is not None else [])
+        runs[-1].append([block, *(m.experts for m in block.modules() if isinstance(m, MoE))])
+        if index == last_layer and head is not None:
+            runs[-1].append([head])
+        previous = index
+    return runs
+
+
+def set_prefetch(model: nn.Module, depth: int) -> None:
+    """Explicit forward/backward prefetch of the next/previous ``depth`` blocks (module docstring)."""
+    if depth < 0:
+        raise ValueError(f"[parallel] fsdp_prefetch must be >= 0 (blocks gathered ahead), got {depth}.")
+    if depth == 0:
+        return
+    for run in _execution_order(model):
+        for i, units in enumerate(run):
+            ahead = [u for step in run[i + 1 : i + 1 + depth] for u in step]
+            behind = [u for step in reversed(run[max(i - depth, 0) : i]) for u in step]
+            if ahead:
+                units[0].set_modules_to_forward_prefetch(ahead)
+            if behind:
+                units[0].set_modules_to_backward_prefetch(behind)
+
+
 def apply_data_parallel(
-    model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp", dtype: str = "float32"
+    model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp", dtype: str = "float32", prefetch: int = 1
 ) -> nn.Module:
     """Shard or replicate ``model`` (a full model or a pipeline stage) over the data meshes, in place.
 
-    Call last, after TP/EP/CP and activation checkpointing; works on meta-device and materialised
-    models. Gradients are summed over data ranks (see the module docstring).
+    Call last, after TP/EP/CP, activation checkpointing and compilation; works on meta-device and
+    materialised models. Gradients are summed over data ranks (see the module docstring).
+    ``prefetch``: blocks all-gathered ahead of use (see the module docstring).
     """
     policy = mixed_precision(dtype)
     _check_experts_split_over_ep([m for m in model.modules() if isinstance(m, MoE)], mesh)
@@ -150,4 +197,6 @@ def apply_data_parallel(
     for module in _untied_vocab_modules(model):
         wrap_data_parallel(module, dense_mesh, mode, policy)
     wrap_data_parallel(model, dense_mesh, mode, policy)
+    if mode != "replicate":
+        set_prefetch(model, prefetch)
     return model

@@ -95,11 +95,12 @@ def scale_grads_(params, max_norm: float, total_norm: torch.Tensor) -> None:
     """Scale gradients in place so that a global norm of ``total_norm`` becomes at most ``max_norm``.
 
     Same rule as ``torch.nn.utils.clip_grad_norm_`` (coefficient max_norm / (norm + 1e-6), capped
-    at 1), applied to the local shards. A non-finite norm leaves the gradients untouched.
+    at 1), applied to the local shards. A non-finite norm leaves the gradients untouched (scaled by
+    exactly 1), so the caller can still tell which gradient is NaN/Inf; deciding that on the device
+    keeps clipping free of host syncs.
     """
-    if not torch.isfinite(total_norm):
-        return  # unscaled, so the caller can still tell which gradient is NaN/Inf
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
     for p in params:
         if p.grad is not None:
             grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

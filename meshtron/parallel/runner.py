@@ -18,6 +18,7 @@ from meshtron.config import Config
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import InitialWeights, moe_layers
 from meshtron.parallel.checkpointing import apply_activation_checkpointing
+from meshtron.parallel.compile import apply_compile
 from meshtron.parallel.context import apply_context_parallel, shard_batch
 from meshtron.parallel.data import apply_data_parallel
 from meshtron.parallel.expert import apply_expert_parallel
@@ -33,7 +34,9 @@ def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
     apply_expert_parallel(model, mesh, sequence_parallel=False)
     apply_context_parallel(model, mesh)
     apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
-    apply_data_parallel(model, mesh, p.data_parallel, cfg.train.dtype)
+    if p.compile:
+        apply_compile(model)
+    apply_data_parallel(model, mesh, p.data_parallel, cfg.train.dtype, p.fsdp_prefetch)
     return model
 
 
@@ -106,11 +109,13 @@ class StepRunner:
         self.module = parallelize(model, mesh, cfg)
         materialize_sharded(self.module, device, cfg)
         self.data_group = dense_data_mesh(mesh).get_group()
+        self.cp_mesh = mesh["cp"]  # sliced once: slicing a DeviceMesh is host work on its rank tensor
         average_router_losses_over_microbatches(self.module, cfg.parallel.microbatches)
         self._aux: list[torch.Tensor] = []
 
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        micro = split_microbatches(input_ids, labels, self.mesh, self.cfg.parallel.microbatches)
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The step's global loss as a device scalar (reading it is the caller's one host sync)."""
+        micro = split_microbatches(input_ids, labels, self.cp_mesh, self.cfg.parallel.microbatches)
         tokens = global_token_count(micro, self.data_group)
         total = torch.zeros((), device=self.device)
         self._aux = []
@@ -121,18 +126,19 @@ class StepRunner:
             total += loss.detach()
             self._aux.extend(m.last_aux_loss for m in moe_layers(self.module) if m.last_aux_loss is not None)
         dist.all_reduce(total, group=self.data_group)
-        return total.item()
+        return total
 
     def _sync_gradients(self, microbatch: int) -> bool:
         """Full sharding reduce-scatters every micro-batch, so unsharded gradients never pile up;
         replication and HSDP keep full gradients anyway and reduce once, on the last micro-batch."""
         return self.cfg.parallel.data_parallel == "fsdp" or microbatch == self.cfg.parallel.microbatches - 1
 
-    def aux_loss(self) -> float | None:
-        return torch.stack(self._aux).mean().item() if self._aux else None
+    def aux_loss(self) -> torch.Tensor | None:
+        return torch.stack(self._aux).mean() if self._aux else None
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        return clip_grad_norm_(self.module.parameters(), max_norm).item()
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip in place; returns the global norm before clipping as a device scalar."""
+        return clip_grad_norm_(self.module.parameters(), max_norm)
 
     def export_hf(self, folder: str) -> None:
         export_hf(self.module, self.cfg, folder)

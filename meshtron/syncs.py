@@ -1,0 +1,166 @@
+"""Count host syncs of a piece of work on any device, the CPU included.
+
+A GPU step is fast when the host queues kernels ahead of the device and never waits for it. The
+host waits when it
+
+* reads a value: ``.item()``, ``float(t)``, ``bool(t)`` / ``if t:`` (all ``aten._local_scalar_dense``),
+  ``torch.equal``, ``.tolist()``, ``.numpy()``;
+* runs an op whose output *size* depends on the data, which the host needs to allocate the result:
+  ``nonzero``, ``masked_select``, boolean-mask indexing, ``unique``, ``bincount``, and
+  ``repeat_interleave`` without ``output_size``;
+* copies between host and device: any copy to the host, and blocking copies to the device
+  (a copy from pageable host memory waits for the stream).
+
+``torch.cuda.set_sync_debug_mode("error")`` catches these on CUDA only. :class:`HostSyncCounter`
+records them from the dispatcher wherever the code runs, so CPU tests can assert that a training
+step has none (or exactly the ones it needs). On a CPU run every tensor is a host tensor, so a copy
+only counts when source and destination devices differ, which they never do there: host/device
+copies are left to the CUDA check (``benchmarks/mfu.py`` runs the step under it). Reads of tensors
+that live on the host on every device (e.g. CPU-side counters) count too; keep them out of the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from dataclasses import dataclass
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+_READS = {aten._local_scalar_dense, aten.equal}
+_DATA_DEPENDENT = {aten.nonzero, aten.masked_select, aten._unique2, aten.unique_dim, aten.unique_consecutive,
+                   aten.bincount}
+_MASK_INDEXED = {aten.index, aten.index_put, aten.index_put_}
+_HOST_READS = {torch.Tensor.tolist, torch.Tensor.numpy}  # no dispatched op on a CPU tensor
+
+
+@dataclass(frozen=True)
+class Sync:
+    op: str  # the op or method that waits for the device
+    where: str  # the innermost caller outside torch ("file:line in function")
+
+
+def _is_mask(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
+
+
+def _masked_fill(packet, args) -> bool:
+    """``t[mask] = scalar``: with one mask and a one-element host value (Python scalars stay on the
+    host for CUDA tensors) ATen runs ``masked_fill_``, which needs no sizes from the device."""
+    if packet is aten.index:
+        return False
+    indices, value = [t for t in args[1] if t is not None], args[2]
+    accumulate = len(args) > 3 and args[3]
+    return len(indices) == 1 and value.numel() == 1 and value.device.type == "cpu" and not accumulate
+
+
+def _device_of(t) -> torch.device | None:
+    return t.device if isinstance(t, torch.Tensor) else None
+
+
+def _waits(func, args, kwargs) -> bool:
+    packet = func.overloadpacket
+    if packet in _READS or packet in _DATA_DEPENDENT:
+        return True
+    if packet is aten.repeat_interleave:
+        return func is not aten.repeat_interleave.self_int and kwargs.get("output_size") is None
+    if packet in _MASK_INDEXED:
+        return any(_is_mask(t) for t in (args[1] or ())) and not _masked_fill(packet, args)
+    if packet is aten._to_copy:
+        return _copy_waits(_device_of(args[0]), kwargs.get("device"), kwargs.get("non_blocking", False))
+    if packet is aten.copy_:
+        return _copy_waits(_device_of(args[1]), _device_of(args[0]), kwargs.get("non_blocking", False))
+    return False
+
+
+def _copy_waits(source, target, non_blocking: bool) -> bool:
+    if source is None or target is None or torch.device(target) == source:
+        return False
+    return torch.device(target).type == "cpu" or not non_blocking
+
+
+def _caller() -> str:
+    """The innermost frame outside torch and this module: where the sync was asked for."""
+    for frame in reversed(traceback.extract_stack()):
+        if "/torch/" not in frame.filename and frame.filename != __file__:
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return "?"
+
+
+class _DispatchRecorder(TorchDispatchMode):
+    def __init__(self, counter: HostSyncCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _waits(func, args, kwargs):
+            self.counter._record(str(func.overloadpacket.__name__))
+        return func(*args, **kwargs)
+
+
+class _MethodRecorder(TorchFunctionMode):
+    """``tolist``/``numpy`` read a CPU tensor's memory directly, without any op the dispatcher sees."""
+
+    def __init__(self, counter: HostSyncCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _HOST_READS:
+            return func(*args, **kwargs)
+        self.counter._record(func.__name__)
+        with self.counter._muted():  # on a GPU the same read also copies to the host: count it once
+            return func(*args, **kwargs)
+
+
+class HostSyncCounter:
+    """Context manager recording every host sync (see the module docstring) issued inside it.
+
+    ``syncs``: the :class:`Sync` records in order; ``count``: how many. Works with DTensor, FSDP2
+    and autograd (the backward's ops are recorded when ``backward()`` runs inside the block).
+    """
+
+    def __init__(self):
+        self.syncs: list[Sync] = []
+        self._mute = 0
+        self._modes = (_MethodRecorder(self), _DispatchRecorder(self))
+
+    @property
+    def count(self) -> int:
+        return len(self.syncs)
+
+    def by_op(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for sync in self.syncs:
+            counts[sync.op] = counts.get(sync.op, 0) + 1
+        return counts
+
+    def _record(self, op: str) -> None:
+        if not self._mute:
+            self.syncs.append(Sync(op, _caller()))
+
+    @contextlib.contextmanager
+    def _muted(self):
+        self._mute += 1
+        try:
+            yield
+        finally:
+            self._mute -= 1
+
+    def __enter__(self) -> HostSyncCounter:
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+    def __str__(self) -> str:
+        return f"{self.count} host syncs" + "".join(f"\n  {s.op} at {s.where}" for s in self.syncs)

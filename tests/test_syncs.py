@@ -1,0 +1,101 @@
+"""Host syncs of a training step, counted on CPU ranks (``meshtron.syncs.HostSyncCounter``).
+
+What is allowed, exactly:
+
+* ``meshtron.train.training_step`` (forward, backward, clipping, optimizer update) of a dense model: none;
+* with expert parallelism: one per MoE layer and micro-batch, the dispatch's split sizes (the
+  backward reuses them and adds none);
+* ``Trainer.train_step`` adds one read after the step is queued (loss, grad norm, aux loss in one
+  copy), besides the data pipeline, which works on host tensors before they are copied to the device.
+
+On CUDA, ``benchmarks/mfu.py`` runs the step under ``torch.cuda.set_sync_debug_mode("error")``,
+which also catches host/device copies (every tensor is a host tensor on CPU).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from meshtron.config import load_config
+from meshtron.syncs import HostSyncCounter
+from meshtron.testing import run_checks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_counter_sees_every_kind_of_sync():
+    x = torch.randn(16)
+    with HostSyncCounter() as pure:
+        y = torch.where(x > 0, x * 2, x.exp()).cumsum(0)
+        y[y < 0] = 0.0  # one mask and a host scalar: masked_fill, no sizes needed
+        torch.repeat_interleave(torch.arange(3), torch.tensor([1, 2, 3]), output_size=6)
+    assert pure.count == 0, pure
+    with HostSyncCounter() as syncs:
+        y.sum().item()
+        bool(y[0] > 0)
+        float(y.max())
+        (y > 0).nonzero()
+        y[y > 0]
+        y.tolist()
+        torch.repeat_interleave(torch.arange(3), torch.tensor([1, 2, 3]))
+        torch.unique(y)
+    assert syncs.by_op() == {
+        "_local_scalar_dense": 3, "nonzero": 1, "index": 1, "tolist": 1, "repeat_interleave": 1, "_unique2": 1,
+    }, syncs
+    assert all(s.where.startswith(__file__) for s in syncs.syncs), syncs
+
+
+def _trainer(recipe: str, root: str, layout: dict):
+    from meshtron.mesh import build_mesh
+    from meshtron.train import Trainer
+
+    args = ["--train.output_dir", f"{root}/{recipe}", "--data.cache_dir", f"{root}/token_cache",
+            "--parallel.microbatches", "2"]
+    for key, value in layout.items():
+        args += [f"--parallel.{key}", str(value).lower()]
+    cfg = load_config(ROOT / "recipes" / f"{recipe}.toml", args)
+    p = cfg.parallel
+    return Trainer(cfg, build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp))
+
+
+def _counted_step(trainer, step: int) -> tuple[HostSyncCounter, HostSyncCounter]:
+    """Syncs of ``training_step`` alone, then of a whole ``Trainer.train_step`` (after a warm-up step)."""
+    from meshtron.train import training_step
+
+    ids, labels = trainer.dataset.batch_for_step(
+        step, trainer.batch_mesh.get_local_rank(), trainer.batch_mesh.size(), trainer.cfg.parallel.microbatches
+    )
+    with HostSyncCounter() as inner:
+        training_step(trainer.runner, trainer.optimizer, ids, labels, trainer.cfg.train.max_grad_norm)
+    with HostSyncCounter() as whole:
+        record = trainer.train_step(step + 1)
+    assert record["loss"] > 0 and record["grad_norm"] > 0
+    return inner, whole
+
+
+def _outside_data(syncs: HostSyncCounter) -> list[str]:
+    return [s.where for s in syncs.syncs if "/meshtron/data/" not in s.where]
+
+
+def dense_step_has_no_sync(root: str) -> None:
+    trainer = _trainer("debug_dense", root, {"dp": 2, "ep": 1, "tp": 2, "sp": True})
+    trainer.train_step(0)
+    inner, whole = _counted_step(trainer, 1)
+    assert inner.count == 0, inner
+    (read,) = _outside_data(whole)
+    assert "read_scalars" in read, whole
+
+
+def moe_step_syncs_once_per_moe_layer(root: str) -> None:
+    trainer = _trainer("debug_moe", root, {"dp": 2, "ep": 2, "tp": 1, "sp": False})
+    trainer.train_step(0)
+    inner, _ = _counted_step(trainer, 1)
+    moe_layers = sum(trainer.cfg.model.is_moe_layer(i) for i in range(trainer.cfg.model.num_hidden_layers))
+    assert moe_layers > 0 and inner.count == moe_layers * trainer.cfg.parallel.microbatches, inner
+    assert all("_exchange_counts" in s.where for s in inner.syncs), inner
+
+
+def test_training_step_syncs(tmp_path):
+    run_checks([dense_step_has_no_sync, moe_step_syncs_once_per_moe_layer], 4, str(tmp_path), timeout=300)
