@@ -305,20 +305,14 @@ def training_step(
     count) when ``found_inf`` is set, so a NaN/Inf step leaves parameters and optimizer state as
     they were without the host looking at the loss first.
     """
-    device = input_ids.device
     optimizer.zero_grad(set_to_none=True)
-    loss = _device_scalar(runner.forward_backward(input_ids, labels), device)
-    grad_norm = _device_scalar(runner.clip_grad_norm(max_grad_norm), device)
+    loss = runner.forward_backward(input_ids, labels)
+    grad_norm = runner.clip_grad_norm(max_grad_norm)
     optimizer.found_inf = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
     optimizer.step()
     for moe in moe_layers(runner.module):
         moe.update_expert_bias()  # aux-loss-free balancing (a no-op unless configured)
     return loss, grad_norm
-
-
-def _device_scalar(value: torch.Tensor | float, device: torch.device) -> torch.Tensor:
-    """The pipeline runner still returns host floats (it reads them itself); the rest stays on the device."""
-    return value if isinstance(value, torch.Tensor) else torch.tensor(value, device=device)
 
 
 def read_scalars(*values: torch.Tensor | float | None) -> list[float | None]:

@@ -2,7 +2,8 @@
 
 What is allowed, exactly:
 
-* ``meshtron.train.training_step`` (forward, backward, clipping, optimizer update) of a dense model: none;
+* ``meshtron.train.training_step`` (forward, backward, clipping, optimizer update) of a dense model: none,
+  pipelined or not;
 * with expert parallelism: one per MoE layer and micro-batch, the dispatch's split sizes (the
   backward reuses them and adds none);
 * ``Trainer.train_step`` adds one read after the step is queued (loss, grad norm, aux loss in one
@@ -88,6 +89,17 @@ def dense_step_has_no_sync(root: str) -> None:
     assert "read_scalars" in read, whole
 
 
+def pipelined_step_has_no_sync(root: str) -> None:
+    for layout in ({"pp": 2, "dp": 2, "ep": 1, "tp": 1, "schedule": "1f1b"},
+                   {"pp": 2, "dp": 1, "ep": 1, "tp": 2, "sp": True, "schedule": "interleaved", "virtual_stages": 2}):
+        trainer = _trainer("debug_dense", root, layout)
+        trainer.train_step(0)
+        inner, whole = _counted_step(trainer, 1)
+        assert inner.count == 0, (layout, inner.by_op(), [s.where for s in inner.syncs])
+        (read,) = _outside_data(whole)
+        assert "read_scalars" in read, (layout, whole)
+
+
 def moe_step_syncs_once_per_moe_layer(root: str) -> None:
     trainer = _trainer("debug_moe", root, {"dp": 2, "ep": 2, "tp": 1, "sp": False})
     trainer.train_step(0)
@@ -98,4 +110,4 @@ def moe_step_syncs_once_per_moe_layer(root: str) -> None:
 
 
 def test_training_step_syncs(tmp_path):
-    run_checks([dense_step_has_no_sync, moe_step_syncs_once_per_moe_layer], 4, str(tmp_path), timeout=300)
+    run_checks([dense_step_has_no_sync, pipelined_step_has_no_sync, moe_step_syncs_once_per_moe_layer], 4, str(tmp_path), timeout=300)

@@ -83,7 +83,9 @@ class PipelineRunner:
         check_pipeline(cfg)  # before any collective
         p = cfg.parallel
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        pp_mesh = mesh["pp"]
+        self.cp_mesh = mesh["cp"]  # sliced once: slicing a DeviceMesh is host work on its rank tensor
+        self._has_moe = any(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_hidden_layers))
+        self.pp_mesh = pp_mesh = mesh["pp"]
         self.pp_group = pp_mesh.get_group()
         self.num_stages = p.pp * p.virtual_stages
         stages = prune_to_stage(model, pp_mesh.get_local_rank(), p.pp, p.virtual_stages)
@@ -96,14 +98,15 @@ class PipelineRunner:
         steps = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)[pp_mesh.get_local_rank()]
         units = {s: _fsdp_units(c) for s, c in self.chunks.items()}
         self.executor = PipelineExecutor(steps, self.num_stages, self.pp_group, units)
-        self._aux: float | None = None
+        self._aux: torch.Tensor | None = None
         self._tied, self._tie_group = None, None
         if cfg.model.tie_word_embeddings:
             self._tie_group = _first_last_group(mesh)
             self._tied = (self.module.embed_tokens or self.module.lm_head).weight if self._tie_group else None
 
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        micro = split_microbatches(input_ids, labels, self.mesh, self.cfg.parallel.microbatches)
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The step's global loss as a device scalar on every rank (reading it is the caller's host sync)."""
+        micro = split_microbatches(input_ids, labels, self.cp_mesh, self.cfg.parallel.microbatches)
         tokens = global_token_count(micro, self.data_group)
         aux: list[torch.Tensor] = []
 
@@ -122,10 +125,12 @@ class PipelineRunner:
             self._sum_tied_grads()
         dist.all_reduce(total, group=self.data_group)  # zero except on the last stage
         aux_sum = torch.stack(aux).sum() if aux else torch.zeros((), device=self.device)
-        stats = torch.stack([total, aux_sum, torch.tensor(float(len(aux)), device=self.device)])
+        count = torch.full((), float(len(aux)), device=self.device)  # a fill, not a host-to-device copy
+        stats = torch.stack([total, aux_sum, count])
         dist.all_reduce(stats, group=self.pp_group)
-        self._aux = (stats[1] / stats[2]).item() if stats[2] else None
-        return stats[0].item()
+        # Every MoE layer yields one aux loss per micro-batch, so the count is never 0 for a MoE model.
+        self._aux = stats[1] / stats[2] if self._has_moe else None
+        return stats[0]
 
     def _sum_tied_grads(self) -> None:
         """The embedding (first stage) and LM head (last stage) are copies of one tied weight: each
@@ -133,18 +138,18 @@ class PipelineRunner:
         grad = self._tied.grad
         dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self._tie_group)
 
-    def aux_loss(self) -> float | None:
+    def aux_loss(self) -> torch.Tensor | None:
         """Mean of the last step's aux losses over every MoE layer of every stage and micro-batch."""
         return self._aux
 
     @torch.no_grad()
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip to the norm over all stages; a tied LM head copy is clipped but counted once (first stage)."""
         params = [p for p in self.module.parameters() if p.grad is not None]
         copy = self._tied if self.module.lm_head is not None else None
-        total = global_grad_norm([p for p in params if p is not copy], pp_mesh=self.mesh["pp"])
+        total = global_grad_norm([p for p in params if p is not copy], pp_mesh=self.pp_mesh)
         scale_grads_(params, max_norm, total)
-        return total.item()
+        return total
 
     def export_hf(self, folder: str) -> None:
         export_hf(self.module, self.cfg, folder, self.pp_group)
