@@ -1,19 +1,22 @@
 """Sharded HF loading vs from_pretrained-then-parallelize (per-rank peak memory), and step time of a
-parallelized transformers Qwen2 vs meshtron's native model of the same shape.
+parallelized transformers Qwen2 (dense) and Qwen2-MoE vs meshtron's native model of the same shape.
 
 Memory: a ~370 MB fp32 Llama folder (sharded safetensors) loaded on 4 ranks as dp = 2 x tp = 2 with
 FSDP. Each rank resets its peak RSS (``/proc/self/clear_refs``) before loading and reports
 ``VmHWM`` minus the RSS before loading, plus the tensor bytes it read from the files.
 
-Step time: forward + backward + AdamW of one rank-local batch, dp = 2 x tp = 2, CPU gloo ranks
-(fastest of the timed steps, the two models interleaved step by step, slowest rank). CPU timings on a shared machine: compare the two rows
-with each other, not with GPU figures.
+Step time: forward + backward + AdamW of one rank-local batch on CPU gloo ranks (fastest of the timed
+steps, the two models interleaved step by step, slowest rank): the dense pair on dp = 2 x tp = 2, the
+MoE pair on dp = 2 x ep = 2 (experts split over ep, fed by all-to-all). CPU timings: compare the two
+rows of one table with each other, not with GPU figures.
 
-    python benchmarks/hf_parallelize.py   # writes benchmarks/results/hf_parallelize.md
+    python benchmarks/hf_parallelize.py                # all parts; writes benchmarks/results/hf_parallelize.md
+    python benchmarks/hf_parallelize.py --parts moe    # only some parts; the file keeps the other sections
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -32,16 +35,36 @@ STEP = dict(  # shared by the HF Qwen2 and the native meshtron model
     vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
     num_key_value_heads=4, tie_word_embeddings=False,
 )
+MOE = dict(  # Qwen2-MoE shape shared by transformers and the native model; every layer sparse
+    STEP, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=512,
+)
 RANKS, DP, TP = 4, 2, 2
+# Per step-time part: mesh, transformers architecture prefix, model shape, transformers-only config.
+STEP_CASES = {
+    "step": dict(mesh=dict(dp=DP, tp=TP), arch="Qwen2", shape=STEP, hf={}),
+    # Router logits on, so the transformers loss includes the load-balancing term as the native one does.
+    "moe": dict(mesh=dict(dp=2, ep=2), arch="Qwen2Moe", shape=MOE, hf=dict(output_router_logits=True)),
+}
 BATCH, SEQ, WARMUP, STEPS = 2, 256, 2, 6
-NOTES = """Notes. Each load runs in a fresh 4-rank launch. The sharded loader reads exactly one quarter of
+MEMORY_NOTES = """Notes. Each load runs in a fresh 4-rank launch. The sharded loader reads exactly one quarter of
 the tensor bytes per rank; its RSS peak is higher than that because safetensors reads through
 `mmap` (the file pages a column slice touches count in RSS while the file is mapped; the loader maps
 one file at a time) and each slice is copied once into its parameter. The from_pretrained path
 holds the whole model on every rank, and tp-rank 0 of each group (ranks 0 and 2) also holds the
-scatter buffers of `distribute_tensor`. Step times are CPU gloo timings on a heavily shared 2-core
-machine (load average 15-50 during our runs; repeated runs moved each figure by up to 3x); only
-the interleaved pair of one run is comparable, and GPU timings were not taken."""
+scatter buffers of `distribute_tensor`."""
+STEP_NOTES = {
+    "step": """Notes. CPU gloo timings on a heavily shared 2-core machine (load average 15-50 during our
+runs; repeated runs moved each figure by up to 3x); only the interleaved pair of one run is
+comparable, and GPU timings were not taken.""",
+    "moe": """Notes. Layout: each rank reads its own batch (dp x ep = 4 data ranks), holds 4 of the 8 experts
+of every layer (ep = 2; expert gradients reduced over dp) and its FSDP share of the dense weights
+(over dp x ep). Per MoE layer, EP's all-to-all sends each token's hidden state (256 fp32) to the
+rank holding each of its 2 chosen experts and back, and the same volume of gradients in backward;
+with balanced routing about half of the 1024 routed rows per rank cross to the other ep rank. Both models use the same
+dispatch (meshtron's all-to-all with grouped matmuls), so equal step times are expected; this single
+run's 4 ms gap (0.4 %) is not a measured difference. CPU gloo timings on the otherwise idle
+2-core machine (4 ranks on 2 cores); only the interleaved pair of one run is comparable, and GPU timings were not taken.""",
+}
 
 
 def _rss_kib(field: str) -> int:
@@ -103,27 +126,31 @@ def memory_full(folder: str, out: str) -> None:
     _measure_load(_full_then_parallelize, folder, out, "full")
 
 
-def _hf_model(mesh):
+def _hf_model(mesh, arch: str, shape: dict, hf: dict):
+    """transformers' ``{arch}ForCausalLM`` of ``shape`` (plus the transformers-only keys ``hf``), parallelized."""
     import transformers
 
     from meshtron import parallelize_hf_model
 
     torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**STEP, max_position_embeddings=SEQ))
-    return parallelize_hf_model(model, mesh)
+    config = getattr(transformers, f"{arch}Config")(**shape, **hf, max_position_embeddings=SEQ)
+    return parallelize_hf_model(getattr(transformers, f"{arch}ForCausalLM")(config), mesh)
 
 
-def _native_model(mesh):
+def _native_model(mesh, shape: dict):
+    """meshtron's model of ``shape``, parallelized in the training runner's order (tp, ep, dp)."""
     from meshtron.config import ModelConfig
     from meshtron.models import InitialWeights, build_model
     from meshtron.checkpoint import load_full_state_dict
     from meshtron.parallel.data import apply_data_parallel
+    from meshtron.parallel.expert import apply_expert_parallel
     from meshtron.parallel.tensor import apply_tensor_parallel
 
-    cfg = ModelConfig(**STEP)
+    cfg = ModelConfig(**shape)
     with torch.device("meta"):
         model = build_model(cfg)
     apply_tensor_parallel(model, mesh["tp"])
+    apply_expert_parallel(model, mesh)
     apply_data_parallel(model, mesh)
     model.to_empty(device="cpu")
     model.tie_weights()
@@ -145,16 +172,18 @@ def _time_alternating(steps: dict) -> dict[str, float]:
     return {name: max(_gather(min(t))) for name, t in times.items()}
 
 
-def measure_step_time(folder: str, out: str) -> None:
+def _measure_step_time(part: str, out: str) -> None:
     from meshtron import build_mesh
+    from meshtron.mesh import batch_mesh, dense_data_mesh
     from meshtron.parallel.tensor import parallel_token_loss_sum
 
-    mesh = build_mesh(dp=DP, tp=TP)
-    group = mesh["dp"].get_group()
-    gen = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
-    ids = torch.randint(0, STEP["vocab_size"], (BATCH, SEQ), generator=gen)
+    case = STEP_CASES[part]
+    mesh = build_mesh(**case["mesh"])
+    group = dense_data_mesh(mesh).get_group()  # the ranks holding different tokens (dp x ep here)
+    gen = torch.Generator().manual_seed(batch_mesh(mesh).get_local_rank())
+    ids = torch.randint(0, case["shape"]["vocab_size"], (BATCH, SEQ), generator=gen)
 
-    hf = _hf_model(mesh)
+    hf = _hf_model(mesh, case["arch"], case["shape"], case["hf"])
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4)
 
     def hf_step():
@@ -162,7 +191,7 @@ def measure_step_time(folder: str, out: str) -> None:
         hf_opt.step()
         hf_opt.zero_grad()
 
-    native = _native_model(mesh)
+    native = _native_model(mesh, case["shape"])
     native_opt = torch.optim.AdamW(native.parameters(), lr=1e-4)
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
 
@@ -173,9 +202,18 @@ def measure_step_time(folder: str, out: str) -> None:
         native_opt.step()
         native_opt.zero_grad()
 
-    rows = _time_alternating({"transformers Qwen2 + parallelize_hf_model": hf_step, "meshtron native Qwen2": native_step})
+    arch = case["arch"]
+    rows = _time_alternating({f"transformers {arch} + parallelize_hf_model": hf_step, f"meshtron native {arch}": native_step})
     if dist.get_rank() == 0:
-        Path(out, "steps.json").write_text(json.dumps(rows))
+        Path(out, f"{part}.json").write_text(json.dumps(rows))
+
+
+def step_dense(folder: str, out: str) -> None:
+    _measure_step_time("step", out)
+
+
+def step_moe(folder: str, out: str) -> None:
+    _measure_step_time("moe", out)
 
 
 def _write_folder(folder: Path) -> int:
@@ -187,47 +225,82 @@ def _write_folder(folder: Path) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def main() -> None:
-    from meshtron.testing import run_checks
+PARTS = ("memory", "step", "moe")
 
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "llama"
-        total = _write_folder(folder)
-        # Separate launches: fresh processes, so one load's freed memory cannot hide the other's peak.
-        run_checks([memory_sharded, measure_step_time], RANKS, str(folder), tmp, timeout=900)
-        run_checks([memory_full], RANKS, str(folder), tmp, timeout=900)
-        memory = [(s, b, f, fb) for (s, b), (f, fb) in zip(*(json.loads(Path(tmp, f"{n}.json").read_text())
-                                                           for n in ("sharded", "full")))]
-        steps = json.loads(Path(tmp, "steps.json").read_text())
+
+def _memory_section(tmp: str, total: int) -> list[str]:
+    memory = [(s, b, f, fb) for (s, b), (f, fb) in zip(*(json.loads(Path(tmp, f"{n}.json").read_text())
+                                                       for n in ("sharded", "full")))]
     lines = [
-        "# HF models: sharded loading and step time",
-        "",
-        f"Measured with `python benchmarks/hf_parallelize.py` on {RANKS} CPU gloo ranks (dp = {DP} x tp = {TP}, "
-        f"FSDP), torch {torch.__version__}, on a shared 2-core machine.",
-        "",
         f"## Per-rank peak memory while loading a {total / 2**20:.0f} MiB fp32 Llama "
         f"({BIG['num_hidden_layers']} layers, hidden {BIG['hidden_size']}, vocab {BIG['vocab_size']})",
         "",
-        "Peak RSS increase during the load (VmHWM after minus RSS before), and tensor bytes read from the files.",
+        f"dp = {DP} x tp = {TP}, FSDP. Peak RSS increase during the load (VmHWM after minus RSS before), and tensor "
+        "bytes read from the files.",
         "",
         "| rank | load_hf_checkpoint: peak (MiB) | bytes read (MiB) | from_pretrained + parallelize: peak (MiB) | "
         "bytes read (MiB) |",
         "|---|---|---|---|---|",
     ]
     lines += [f"| {r} | {s:.0f} | {b / 2**20:.0f} | {f:.0f} | {fb / 2**20:.0f} |" for r, (s, b, f, fb) in enumerate(memory)]
-    lines += [
+    return lines + ["", f"One rank's share of the weights is {total / RANKS / 2**20:.0f} MiB.", "", MEMORY_NOTES]
+
+
+def _step_section(tmp: str, part: str) -> list[str]:
+    case = STEP_CASES[part]
+    steps = json.loads(Path(tmp, f"{part}.json").read_text())
+    layout = " x ".join(f"{dim} = {size}" for dim, size in case["mesh"].items())
+    title = "MoE step time" if part == "moe" else "Step time"
+    lines = [
+        f"## {title} (forward + backward + AdamW), {layout}, batch {BATCH} x {SEQ} tokens per data rank",
         "",
-        f"One rank's share of the weights is {total / RANKS / 2**20:.0f} MiB.",
-        "",
-        f"## Step time (forward + backward + AdamW), batch {BATCH} x {SEQ} tokens per data rank",
-        "",
-        f"Model: {json.dumps(STEP)}. Fastest of {STEPS} steps after {WARMUP} warm-up (the two models' steps interleaved), slowest rank.",
+        f"Model: {json.dumps(case['shape'])}. Fastest of {STEPS} steps after {WARMUP} warm-up (the two models' steps "
+        "interleaved), slowest rank.",
         "",
         "| model | step time (ms) |",
         "|---|---|",
     ]
     lines += [f"| {name} | {seconds * 1e3:.0f} |" for name, seconds in steps.items()]
-    lines += ["", NOTES]
+    return lines + ["", STEP_NOTES[part]]
+
+
+def _previous_sections() -> dict[str, str]:
+    """The committed file's sections by part, so a run of some parts keeps the others' figures."""
+    titles = {"memory": "## Per-rank peak memory", "step": "## Step time", "moe": "## MoE step time"}
+    text = RESULT.read_text() if RESULT.exists() else ""
+    blocks = ["## " + b for b in text.split("\n## ")[1:]]
+    return {part: b.rstrip("\n") for b in blocks for part, title in titles.items() if b.startswith(title)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from meshtron.testing import run_checks
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
+    parts = parser.parse_args(argv).parts.split(",")
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    sections = _previous_sections()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "llama"
+        total = _write_folder(folder) if "memory" in parts else 0
+        checks = {"memory": memory_sharded, "step": step_dense, "moe": step_moe}
+        # Separate launches: fresh processes, so one load's freed memory cannot hide the other's peak.
+        run_checks([checks[p] for p in PARTS if p in parts], RANKS, str(folder), tmp, timeout=900)
+        if "memory" in parts:
+            run_checks([memory_full], RANKS, str(folder), tmp, timeout=900)
+            sections["memory"] = "\n".join(_memory_section(tmp, total))
+        sections.update({p: "\n".join(_step_section(tmp, p)) for p in ("step", "moe") if p in parts})
+    lines = [
+        "# HF models: sharded loading and step time",
+        "",
+        f"Measured with `python benchmarks/hf_parallelize.py` on {RANKS} CPU gloo ranks, torch {torch.__version__}, "
+        "on a 2-core machine (each section names its mesh).",
+    ]
+    for part in PARTS:
+        if part in sections:
+            lines += ["", sections[part]]
     RESULT.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
