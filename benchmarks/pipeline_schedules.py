@@ -260,6 +260,15 @@ def _ratio(a: float, b: float, digits: int) -> str:
     return f"{a / b:.{digits}f}" if b else "n/a"
 
 
+def _step_cells(kind: str, ours: dict, theirs: dict) -> str:
+    """Table cells shared by both parts: schedule, v, median steps, their ratio, min steps (ms)."""
+    return (
+        f"| {kind} | {ours['virtual']} | {ours['step_s'] * 1e3:.1f} | {theirs['step_s'] * 1e3:.1f} "
+        f"| {ours['step_s'] / theirs['step_s']:.3f} | {min(ours['steps_s']) * 1e3:.1f} "
+        f"| {min(theirs['steps_s']) * 1e3:.1f}"
+    )
+
+
 def _span_stats(spans) -> tuple[float, float, float]:
     """Mean forward and backward duration and median gap between a rank's consecutive actions, in ms."""
     f = [r[4] - r[3] for r in spans if r[1] == "F"]
@@ -291,9 +300,7 @@ def report(args) -> str:
     for kind in ("1f1b", "interleaved"):
         ours, theirs = sleep[f"ours/{kind}"], sleep[f"torch/{kind}"]
         lines.append(
-            f"| {kind} | {ours['virtual']} | {ours['step_s'] * 1e3:.1f} | {theirs['step_s'] * 1e3:.1f} "
-            f"| {ours['step_s'] / theirs['step_s']:.3f} | {min(ours['steps_s']) * 1e3:.1f} "
-            f"| {min(theirs['steps_s']) * 1e3:.1f} | {ours['analytic_step_s'] * 1e3:.1f} "
+            _step_cells(kind, ours, theirs) + f" | {ours['analytic_step_s'] * 1e3:.1f} "
             f"| {_ratio(ours['step_s'], ours['analytic_step_s'], 3)} | {ours['bubble']:.3f} | {theirs['bubble']:.3f} "
             f"| {ours['analytic_bubble']:.3f} | {_ratio(ours['bubble'], ours['analytic_bubble'], 2)} |"
         )
@@ -357,11 +364,7 @@ def report(args) -> str:
         ]
         for kind in ("1f1b", "interleaved"):
             ours, theirs = real[f"ours/{kind}"], real[f"torch/{kind}"]
-            lines.append(
-                f"| {kind} | {ours['virtual']} | {ours['step_s'] * 1e3:.1f} | {theirs['step_s'] * 1e3:.1f} "
-                f"| {ours['step_s'] / theirs['step_s']:.3f} | {min(ours['steps_s']) * 1e3:.1f} "
-                f"| {min(theirs['steps_s']) * 1e3:.1f} | {ours['bubble']:.3f} | {ours['analytic_bubble']:.3f} |"
-            )
+            lines.append(_step_cells(kind, ours, theirs) + f" | {ours['bubble']:.3f} | {ours['analytic_bubble']:.3f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -32,7 +32,7 @@ from meshtron.parallel.pipeline.simulate import (
     match_p2p,
     simulate,
 )
-from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank, chunk_virtual_stage, split_layers
+from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank, split_layers
 from meshtron.parallel.pipeline.stage import StageChunk, build_chunks, check_pipeline, prune_to_stage
 
 __all__ = [
@@ -57,7 +57,6 @@ __all__ = [
     "check_pipeline",
     "chunk_layer_ranges",
     "chunk_rank",
-    "chunk_virtual_stage",
     "gpipe",
     "interleaved_1f1b",
     "match_p2p",

@@ -19,11 +19,6 @@ def chunk_rank(chunk: int, pp: int) -> int:
     return chunk % pp
 
 
-def chunk_virtual_stage(chunk: int, pp: int) -> int:
-    """Index of model chunk ``chunk`` among the virtual stages of its rank."""
-    return chunk // pp
-
-
 def chunk_sizes(num_layers: int, num_chunks: int) -> list[int]:
     """Layers per chunk for ``num_layers`` layers over ``num_chunks`` chunks (rule in the module doc)."""
     if num_chunks < 1:
