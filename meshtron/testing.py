@@ -184,3 +184,19 @@ def rel_err(actual, expected) -> float:
     scale = expected.detach().abs().max()
     assert scale > 0, "reference is all zeros"
     return ((actual.detach().float() - expected.detach().float()).abs().max() / scale).item()
+
+
+def random_moe(config: dict, seed: int, **overrides):
+    """A training-mode MoE block of ``ModelConfig(**config, **overrides)`` with N(0, 0.3) weights
+    drawn under ``seed``: large enough that the router spreads tokens over the experts."""
+    import torch
+
+    from meshtron.config import ModelConfig
+    from meshtron.models.moe import MoE
+
+    torch.manual_seed(seed)
+    moe = MoE(ModelConfig(**{**config, **overrides})).train()
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    return moe

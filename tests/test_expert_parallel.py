@@ -26,10 +26,9 @@ from meshtron.config import ConfigError, ModelConfig
 from meshtron.hf import from_hf
 from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh, expert_data_mesh
 from meshtron.models import aux_loss, build_model, token_loss_sum, update_expert_bias
-from meshtron.models.moe import MoE
 from meshtron.models.qwen2 import InitialWeights
 from meshtron.parallel.expert import ExpertParallelExperts, apply_expert_parallel, token_mesh
-from meshtron.testing import rel_err, run_checks
+from meshtron.testing import random_moe, rel_err, run_checks
 
 BLOCK = dict(
     vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_experts=8,
@@ -47,15 +46,6 @@ LAYOUTS = [
     dict(ep=2, cp=2, dp=2), dict(pp=2, ep=4),
 ]
 TOKENS = 48  # global tokens of the block checks: 6 per reader with 8 readers
-
-
-def _random_block(seed: int, **overrides) -> MoE:
-    torch.manual_seed(seed)
-    moe = MoE(ModelConfig(**{**BLOCK, **overrides})).train()
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0, 0.3)
-    return moe
 
 
 def _my_rows(mesh, total: int, holders=batch_mesh) -> slice:
@@ -90,7 +80,7 @@ def _assert_grads(got: dict, expected: dict, tol: float = 1e-4) -> None:
 
 
 def _block_parity(mesh, seed: int, skew: bool, sequence_parallel: bool = False) -> None:
-    ref = _random_block(seed)
+    ref = random_moe(BLOCK, seed)
     x = torch.randn(TOKENS, 32)
     if skew:  # every token picks experts 0 and 1: all on ep rank 0 (or 0 and 1 with ep = 8)
         x[:, 0] = 4.0
@@ -136,7 +126,7 @@ def check_fsdp_composes(refs: dict):
     from torch.distributed.fsdp import fully_shard
 
     mesh = build_mesh(ep=4, dp=2)
-    ref = _random_block(4)
+    ref = random_moe(BLOCK, 4)
     x, g = torch.randn(TOKENS, 32), torch.randn(TOKENS, 32)
     block = apply_expert_parallel(copy.deepcopy(ref), mesh)
     (ref(x) * g).sum().backward()
@@ -158,7 +148,7 @@ def check_dispatch_bytes(refs: dict):
     it received; both sum to the group's tokens x k rows.
     """
     mesh = build_mesh(ep=4, dp=2)
-    block = _random_block(3)
+    block = random_moe(BLOCK, 3)
     apply_expert_parallel(block, mesh)
     sent: list[tuple[int, bool]] = []
     original = dist.all_to_all_single
@@ -189,7 +179,7 @@ def check_router_options_under_ep(refs: dict):
     """Capacity (per MoE call, on the local tokens), z-loss and aux-free bias with global statistics."""
     mesh = build_mesh(ep=4, dp=2)
     opts = dict(router_z_loss_coef=0.05, moe_aux_free_bias_rate=0.01, moe_capacity_factor=0.5)
-    ref = _random_block(5, **opts)
+    ref = random_moe(BLOCK, 5, **opts)
     x = torch.randn(TOKENS, 32)
     ep_block = apply_expert_parallel(copy.deepcopy(ref), mesh)
     rows = _my_rows(mesh, TOKENS, dense_data_mesh)

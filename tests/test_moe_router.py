@@ -8,23 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtron.config import ConfigError, ModelConfig, config_from_dict
+from meshtron.config import ConfigError, config_from_dict
 from meshtron.models.moe import MoE, capacity_mask, update_expert_bias
-from meshtron.testing import rel_err
+from meshtron.testing import random_moe, rel_err
 
 BLOCK = dict(
     vocab_size=32, hidden_size=24, num_hidden_layers=1, num_attention_heads=2, num_experts=6,
     num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=16,
 )
-
-
-def _block(seed: int, **overrides) -> MoE:
-    torch.manual_seed(seed)
-    moe = MoE(ModelConfig(**{**BLOCK, **overrides})).train()
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0, 0.3)
-    return moe
 
 
 def _expert_loop(moe: MoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -41,7 +32,7 @@ def _expert_loop(moe: MoE, x: torch.Tensor, weights: torch.Tensor, experts: torc
 
 def test_z_loss_gradient_and_value_match_the_formula():
     coef = 0.3
-    moe = _block(0, router_aux_loss_coef=0.0, router_z_loss_coef=coef)
+    moe = random_moe(BLOCK, 0, router_aux_loss_coef=0.0, router_z_loss_coef=coef)
     x = torch.randn(2, 7, 24)
     moe(x).sum().mul(0).backward()  # only the attached z-loss gradient reaches the router
     got = moe.gate.weight.grad.clone()
@@ -56,7 +47,7 @@ def test_z_loss_gradient_and_value_match_the_formula():
 
 def test_aux_free_bias_steers_choice_not_weights_and_updates_by_sign():
     rate = 0.01
-    moe = _block(1, moe_aux_free_bias_rate=rate, norm_topk_prob=True)
+    moe = random_moe(BLOCK, 1, moe_aux_free_bias_rate=rate, norm_topk_prob=True)
     assert torch.equal(moe.gate.expert_bias, torch.zeros(6))
     with torch.no_grad():
         moe.gate.weight.normal_(0, 0.3)
@@ -80,7 +71,7 @@ def test_aux_free_bias_steers_choice_not_weights_and_updates_by_sign():
 
 def test_capacity_drops_late_copies_and_their_gradients():
     factor = 0.5
-    moe = _block(2, moe_capacity_factor=factor, shared_expert_intermediate_size=0, router_aux_loss_coef=0.0)
+    moe = random_moe(BLOCK, 2, moe_capacity_factor=factor, shared_expert_intermediate_size=0, router_aux_loss_coef=0.0)
     x = torch.randn(30, 24, requires_grad=True)
     route = moe.gate(x)
     keep = capacity_mask(route.experts, 6, factor)

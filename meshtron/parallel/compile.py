@@ -34,14 +34,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtron.models.moe import MoE
+from meshtron.models.moe import moe_layers
 from meshtron.models.qwen2 import CausalAttention
 
 
 def _single_graph(block: nn.Module) -> bool:
     """Dense attention and MLP only: no communication the compiler cannot trace."""
     attention = getattr(getattr(block, "self_attn", None), "core_attention", None)
-    return isinstance(attention, CausalAttention) and not any(isinstance(m, MoE) for m in block.modules())
+    return isinstance(attention, CausalAttention) and not moe_layers(block)
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> list[int]:
@@ -51,7 +51,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[int]:
     on CPUs. Call before :func:`meshtron.parallel.data.apply_data_parallel`.
     """
     for block in model.layers.values():
-        for moe in (m for m in block.modules() if isinstance(m, MoE)):
+        for moe in moe_layers(block):
             moe.forward = torch.compiler.disable(moe.forward)  # see the module docstring
         block.forward = _compiled_forward(block, backend)
     return [int(key) for key in model.layers]

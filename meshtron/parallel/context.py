@@ -328,8 +328,7 @@ def _chunk(t: torch.Tensor, i: int, c: int) -> torch.Tensor:
 
 class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, balanced: bool, kernel: str, stats: RingStats | None):
-        ring = RingExchange(group)
+    def forward(ctx, q, k, v, ring: RingExchange, balanced: bool, kernel: str, stats: RingStats | None):
         schedule = ring_schedule(ring.rank, ring.size, balanced)
         c = q.shape[2] // len(chunk_ids(ring.rank, ring.size, balanced))
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -351,14 +350,13 @@ class _RingAttentionFn(torch.autograd.Function):
                 ring.wait(reqs, stats)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.balanced, ctx.kernel, ctx.c, ctx.scale, ctx.stats = group, balanced, kernel, c, scale, stats
+        ctx.ring, ctx.balanced, ctx.kernel, ctx.c, ctx.scale, ctx.stats = ring, balanced, kernel, c, scale, stats
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring = RingExchange(ctx.group)
-        c, scale, stats = ctx.c, ctx.scale, ctx.stats
+        ring, c, scale, stats = ctx.ring, ctx.c, ctx.scale, ctx.stats
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv_pending = None
@@ -416,7 +414,8 @@ class RingAttention(nn.Module):
     def __init__(self, cp: DeviceMesh | dist.ProcessGroup, balanced: bool = True, kernel: str = "auto"):
         super().__init__()
         _kernel_name(torch.empty(0), kernel)  # validate early
-        self.group = _cp_group(cp)
+        # Ranks and peers looked up once, not in every forward and backward.
+        self.ring = RingExchange(_cp_group(cp))
         self.balanced = balanced
         self.kernel = kernel
         self.stats: RingStats | None = None
@@ -428,14 +427,14 @@ class RingAttention(nn.Module):
             )
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"Query heads {q.shape[1]} must be a multiple of key/value heads {k.shape[1]}.")
-        size = dist.get_world_size(self.group)
+        size = self.ring.size
         n_local = len(chunk_ids(0, size, self.balanced))
         if q.shape[2] % n_local:
             raise ValueError(
                 f"Local sequence length {q.shape[2]} is not a multiple of the {n_local} chunks per cp rank; "
                 f"shard the batch with shard_batch/shard_sequence (global seq_len a multiple of {n_local * size})."
             )
-        return _RingAttentionFn.apply(q, k, v, self.group, self.balanced, self.kernel, self.stats)
+        return _RingAttentionFn.apply(q, k, v, self.ring, self.balanced, self.kernel, self.stats)
 
 
 def apply_context_parallel(

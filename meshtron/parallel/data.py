@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from meshtron.config import DATA_PARALLEL_MODES
 from meshtron.mesh import dense_data_mesh, expert_data_mesh
-from meshtron.models.moe import MoE
+from meshtron.models.moe import MoE, moe_layers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -154,7 +154,7 @@ def _execution_order(model: nn.Module) -> list[list[FSDPModule]]:
         index = int(key)
         if previous is None or index != previous + 1:
             runs.append([[embed]] if index == 0 and embed is not None else [])
-        runs[-1].append([block, *(m.experts for m in block.modules() if isinstance(m, MoE))])
+        runs[-1].append([block, *(m.experts for m in moe_layers(block))])
         if index == last_layer and head is not None:
             runs[-1].append([head])
         previous = index
@@ -187,11 +187,11 @@ def apply_data_parallel(
     ``prefetch``: blocks all-gathered ahead of use (see the module docstring).
     """
     policy = mixed_precision(dtype)
-    _check_experts_split_over_ep([m for m in model.modules() if isinstance(m, MoE)], mesh)
+    _check_experts_split_over_ep(moe_layers(model), mesh)
     dense_mesh, expert_mesh = data_meshes(mesh, mode)
     expert_placement = even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))  # the shard dim (last for HSDP)
     for block in model.layers.values():
-        for moe in (m for m in block.modules() if isinstance(m, MoE)):
+        for moe in moe_layers(block):
             wrap_data_parallel(moe.experts, expert_mesh, mode, policy, expert_placement)
         wrap_data_parallel(block, dense_mesh, mode, policy)
     for module in _untied_vocab_modules(model):

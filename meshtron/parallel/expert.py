@@ -323,8 +323,9 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     set_global_router_stats(model, mesh, sequence_parallel)
     if ep == 1:
         return model
+    tp_mesh = mesh["tp"]
     for moe in layers:
-        moe.experts = ExpertParallelExperts(moe.experts, ep_mesh, mesh["tp"], split_tokens_over_tp=not sequence_parallel)
+        moe.experts = ExpertParallelExperts(moe.experts, ep_mesh, tp_mesh, split_tokens_over_tp=not sequence_parallel)
     return model
 
 

@@ -110,6 +110,7 @@ class StepRunner:
         materialize_sharded(self.module, device, cfg)
         self.data_group = dense_data_mesh(mesh).get_group()
         self.cp_mesh = mesh["cp"]  # sliced once: slicing a DeviceMesh is host work on its rank tensor
+        self.moes = moe_layers(self.module)  # found once: a module-tree walk per micro-batch is host work
         average_router_losses_over_microbatches(self.module, cfg.parallel.microbatches)
         self._aux: list[torch.Tensor] = []
 
@@ -124,7 +125,7 @@ class StepRunner:
             loss = parallel_token_loss_sum(self.module(ids, pos), lab) / tokens
             loss.backward()
             total += loss.detach()
-            self._aux.extend(m.last_aux_loss for m in moe_layers(self.module) if m.last_aux_loss is not None)
+            self._aux.extend(m.last_aux_loss for m in self.moes if m.last_aux_loss is not None)
         dist.all_reduce(total, group=self.data_group)
         return total
 

@@ -161,8 +161,8 @@ class ReplicateParallel(ParallelStyle):
         )
 
 
-def _seq(sp: bool) -> Placement:
-    """Layout of the residual stream between blocks: sequence-sharded under SP, else replicated."""
+def residual_layout(sp: bool) -> Placement:
+    """Layout of the residual stream between blocks over tp: sequence-sharded under SP, else replicated."""
     return Shard(1) if sp else Replicate()
 
 
@@ -170,11 +170,11 @@ def _mlp_plan(prefix: str, sp: bool) -> dict[str, ParallelStyle]:
     return {
         # One replicated DTensor feeds gate and up, so their input gradients are reduced once.
         prefix: PrepareModuleInput(
-            input_layouts=(_seq(sp),), desired_input_layouts=(Replicate(),), use_local_output=False
+            input_layouts=(residual_layout(sp),), desired_input_layouts=(Replicate(),), use_local_output=False
         ),
         f"{prefix}.gate_proj": ColwiseParallel(),
         f"{prefix}.up_proj": ColwiseParallel(),
-        f"{prefix}.down_proj": RowwiseParallel(output_layouts=_seq(sp)),
+        f"{prefix}.down_proj": RowwiseParallel(output_layouts=residual_layout(sp)),
     }
 
 
@@ -202,12 +202,12 @@ def _block_plan(block: nn.Module, kv_heads: int, head_dim: int, tp: int, sp: boo
     kv_style = ColwiseParallel() if kv_heads % tp == 0 else ReplicatedKVHeads(kv_heads, head_dim)
     plan: dict[str, ParallelStyle] = {
         "self_attn": PrepareModuleInput(
-            input_layouts=(_seq(sp), None), desired_input_layouts=(Replicate(), None), use_local_output=False
+            input_layouts=(residual_layout(sp), None), desired_input_layouts=(Replicate(), None), use_local_output=False
         ),
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": kv_style,
         "self_attn.v_proj": kv_style,
-        "self_attn.o_proj": RowwiseParallel(output_layouts=_seq(sp)),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=residual_layout(sp)),
     }
     if sp:
         plan["input_layernorm"] = SequenceParallel()
@@ -256,7 +256,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool = Fals
         return model
     if model.embed_tokens is not None:
         parallelize_module(
-            model.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=_seq(sp))
+            model.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=residual_layout(sp))
         )
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _block_plan(block, cfg.kv_heads, cfg.head_size, tp, sp))
@@ -266,7 +266,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool = Fals
         parallelize_module(
             model.lm_head,
             tp_mesh,
-            ColwiseParallel(input_layouts=_seq(sp), output_layouts=Shard(-1), use_local_output=False),
+            ColwiseParallel(input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False),
         )
     # Both now hold a Shard(0) copy of the shared weight; make them one Parameter again.
     model.tie_weights()
@@ -338,6 +338,7 @@ __all__ = [
     "apply_tensor_parallel",
     "check_tensor_parallel",
     "parallel_token_loss_sum",
+    "residual_layout",
     "tp_fits",
     "ReplicatedKVHeads",
     "ReplicateParallel",
