@@ -33,7 +33,7 @@ from meshtron.checkpoint import (
     read_marker,
     save_checkpoint,
 )
-from meshtron.config import Config, ConfigError, config_to_dict, load_config
+from meshtron.config import Config, ConfigError, config_to_dict, load_config, model_differences
 from meshtron.hf import CheckpointError
 from meshtron.data import to_device
 from meshtron.mesh import batch_mesh, build_mesh, init_default_group, validate_layout
@@ -364,11 +364,9 @@ def _rank0_first(fn):
 
 
 def _check_hf_matches(hf_cfg, cfg: Config, folder: str) -> None:
-    ours, theirs = dataclasses.asdict(cfg.model), dataclasses.asdict(hf_cfg)
-    shape_keys = [k for k in ours if k not in ("router_aux_loss_coef", "initializer_range", "max_position_embeddings")]
-    differing = [k for k in shape_keys if ours[k] != theirs[k]]
-    if differing:
-        details = ", ".join(f"{k}: config.json {theirs[k]!r} vs recipe {ours[k]!r}" for k in differing[:4])
+    details = model_differences(cfg.model, dataclasses.asdict(hf_cfg), "config.json",
+                                ignore=("router_aux_loss_coef", "initializer_range", "max_position_embeddings"))
+    if details:
         raise ConfigError(f"checkpoint.init_from_hf = '{folder}' does not match [model] ({details}).")
 
 
