@@ -72,12 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"meshtron: {err}", file=sys.stderr)
         return 2
-    p = cfg.parallel
     timeout = timedelta(seconds=cfg.train.collective_timeout_s)
     init_default_group(timeout)
     try:
         check_same_config(cfg)  # before the mesh: ranks with other layouts would build other meshes
-        mesh = build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, timeout=timeout)
+        mesh = recipe_mesh(cfg, timeout)
         _write_pid_file(cfg)
         Trainer(cfg, mesh).fit()
     except Exception as err:  # noqa: BLE001 - every failure ends the job with one report
@@ -92,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         return code
     dist.destroy_process_group()
     return 0
+
+
+def recipe_mesh(cfg: Config, timeout: timedelta | None = None):
+    """The DeviceMesh of the recipe's ``[parallel]`` sizes (collective: every rank calls it)."""
+    p = cfg.parallel
+    return build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, timeout=timeout)
 
 
 def _on_every_rank(err: Exception) -> Exception:

@@ -44,13 +44,12 @@ def _overrides(out: Path, layout: dict, extra: list[str] = ()) -> list[str]:
 
 def _train(recipe: str, out: Path, layout: dict, extra: list[str] = ()) -> None:
     """Build mesh and trainer inside an already launched rank (what ``main`` does after parsing)."""
-    from meshtron.mesh import build_mesh, validate_layout
-    from meshtron.train import Trainer
+    from meshtron.mesh import validate_layout
+    from meshtron.train import Trainer, recipe_mesh
 
     cfg = load_config(ROOT / "recipes" / f"{recipe}.toml", _overrides(out, layout, extra))
     validate_layout(cfg, torch.distributed.get_world_size())
-    p = cfg.parallel
-    Trainer(cfg, build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp)).fit()
+    Trainer(cfg, recipe_mesh(cfg)).fit()
 
 
 def _losses(out: Path) -> list[float]:
