@@ -138,23 +138,15 @@ def _hf_model(mesh, arch: str, shape: dict, hf: dict):
 
 
 def _native_model(mesh, shape: dict):
-    """meshtron's model of ``shape``, parallelized in the training runner's order (tp, ep, dp)."""
-    from meshtron.config import ModelConfig
-    from meshtron.models import InitialWeights, build_model
-    from meshtron.checkpoint import load_full_state_dict
-    from meshtron.parallel.data import apply_data_parallel
-    from meshtron.parallel.expert import apply_expert_parallel
-    from meshtron.parallel.tensor import apply_tensor_parallel
+    """meshtron's model of ``shape``, parallelized and filled as the training runner does."""
+    from meshtron.config import Config, ModelConfig
+    from meshtron.models import build_model
+    from meshtron.parallel.runner import materialize_sharded, parallelize
 
-    cfg = ModelConfig(**shape)
+    cfg = Config(model=ModelConfig(**shape))
     with torch.device("meta"):
-        model = build_model(cfg)
-    apply_tensor_parallel(model, mesh["tp"])
-    apply_expert_parallel(model, mesh)
-    apply_data_parallel(model, mesh)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    load_full_state_dict(model, InitialWeights(cfg, 0))
+        model = build_model(cfg.model)
+    materialize_sharded(parallelize(model, mesh, cfg), torch.device("cpu"), cfg)
     return model
 
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from meshtron import env
 from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig, load_config
 from meshtron.mesh import build_mesh
-from meshtron.metrics import matmul_flops
+from meshtron.metrics import matmul_flops, synchronize
 from meshtron.models import build_model, flops_per_token
 from meshtron.optim import build_optimizer
 from meshtron.parallel.runner import StepRunner
@@ -89,11 +89,6 @@ def no_host_syncs(device: torch.device, enabled: bool):
     return mode()
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _reset_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -109,13 +104,13 @@ def timed(step, steps: int, warmup: int, device: torch.device, sync_check: bool)
     """Seconds per step over ``steps`` after ``warmup``; the step's outputs are read only afterwards."""
     for _ in range(warmup):
         step()
-    _synchronize(device)
+    synchronize(device)
     outputs = []
     start = time.perf_counter()
     with no_host_syncs(device, sync_check):
         for _ in range(steps):
             outputs.append(step())
-        _synchronize(device)
+        synchronize(device)
     return (time.perf_counter() - start) / steps, outputs
 
 

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from meshtron.config import Config, ModelConfig
+from meshtron.config import Config, ModelConfig, model_differences
 
 MARKER = "meshtron.json"
 # Optimizer state and param-group hyperparameters keyed by parameter name: pipeline stages hold
@@ -129,11 +129,8 @@ def read_marker(path: str | Path) -> dict[str, Any]:
 
 def check_model_shape(saved: dict[str, Any], model_cfg: ModelConfig, path: str | Path) -> None:
     """Raise before any tensor is read when the checkpoint was written for another model shape."""
-    ours = dataclasses.asdict(model_cfg)
-    theirs = saved["config"]["model"]
-    differing = [k for k in ours if k in theirs and ours[k] != theirs[k] and k != "router_aux_loss_coef"]
-    if differing:
-        details = ", ".join(f"{k}: checkpoint {theirs[k]!r} vs recipe {ours[k]!r}" for k in differing[:4])
+    details = model_differences(model_cfg, saved["config"]["model"], "checkpoint", ignore=("router_aux_loss_coef",))
+    if details:
         raise CheckpointMismatch(
             f"{path} was saved for a different model ({details}). Point checkpoint.dir elsewhere or fix [model]."
         )

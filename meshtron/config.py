@@ -79,6 +79,15 @@ class ModelConfig:
         )
 
 
+def model_differences(ours: ModelConfig, theirs: dict[str, Any], source: str, ignore: tuple[str, ...]) -> str:
+    """The first [model] keys whose values differ from ``theirs`` (a saved or published config, named
+    ``source`` in the text), as "key: source X vs recipe Y, ..."; empty when they agree. Keys
+    ``theirs`` lacks (configs saved before the key existed) and keys in ``ignore`` are not compared."""
+    mine = dataclasses.asdict(ours)
+    differing = [k for k in mine if k in theirs and k not in ignore and mine[k] != theirs[k]]
+    return ", ".join(f"{k}: {source} {theirs[k]!r} vs recipe {mine[k]!r}" for k in differing[:4])
+
+
 @dataclass
 class ParallelConfig:
     pp: int = 1

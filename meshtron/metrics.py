@@ -26,15 +26,16 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 8192, reps: 
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(reps):
         a @ b
-    _synchronize(device)
+    synchronize(device)
     return 2 * n**3 * reps / (time.perf_counter() - start)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a no-op on the CPU, where it has already run)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -33,7 +33,7 @@ from meshtron.checkpoint import (
     read_marker,
     save_checkpoint,
 )
-from meshtron.config import Config, ConfigError, config_to_dict, load_config
+from meshtron.config import Config, ConfigError, config_to_dict, load_config, model_differences
 from meshtron.hf import CheckpointError
 from meshtron.data import to_device
 from meshtron.mesh import batch_mesh, build_mesh, init_default_group, validate_layout
@@ -72,12 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"meshtron: {err}", file=sys.stderr)
         return 2
-    p = cfg.parallel
     timeout = timedelta(seconds=cfg.train.collective_timeout_s)
     init_default_group(timeout)
     try:
         check_same_config(cfg)  # before the mesh: ranks with other layouts would build other meshes
-        mesh = build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, timeout=timeout)
+        mesh = recipe_mesh(cfg, timeout)
         _write_pid_file(cfg)
         Trainer(cfg, mesh).fit()
     except Exception as err:  # noqa: BLE001 - every failure ends the job with one report
@@ -92,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         return code
     dist.destroy_process_group()
     return 0
+
+
+def recipe_mesh(cfg: Config, timeout: timedelta | None = None):
+    """The DeviceMesh of the recipe's ``[parallel]`` sizes (collective: every rank calls it)."""
+    p = cfg.parallel
+    return build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, timeout=timeout)
 
 
 def _on_every_rank(err: Exception) -> Exception:
@@ -364,11 +369,9 @@ def _rank0_first(fn):
 
 
 def _check_hf_matches(hf_cfg, cfg: Config, folder: str) -> None:
-    ours, theirs = dataclasses.asdict(cfg.model), dataclasses.asdict(hf_cfg)
-    shape_keys = [k for k in ours if k not in ("router_aux_loss_coef", "initializer_range", "max_position_embeddings")]
-    differing = [k for k in shape_keys if ours[k] != theirs[k]]
-    if differing:
-        details = ", ".join(f"{k}: config.json {theirs[k]!r} vs recipe {ours[k]!r}" for k in differing[:4])
+    details = model_differences(cfg.model, dataclasses.asdict(hf_cfg), "config.json",
+                                ignore=("router_aux_loss_coef", "initializer_range", "max_position_embeddings"))
+    if details:
         raise ConfigError(f"checkpoint.init_from_hf = '{folder}' does not match [model] ({details}).")
 
 

@@ -260,22 +260,19 @@ def check_native_sliced_loading(folders: dict[str, str], out: str) -> None:
     """meshtron's own model (tp x ep x FSDP, tied embeddings, stacked experts): the sliced loader
     equals the full-state-dict path bit for bit, from either expert layout, reading a fraction."""
     from meshtron.checkpoint import load_full_state_dict
-    from meshtron.config import ModelConfig
+    from meshtron.config import Config, ModelConfig
     from meshtron.hf import load_hf_state_dict, load_native_sharded
     from meshtron.models import build_model
-    from meshtron.parallel.data import apply_data_parallel
-    from meshtron.parallel.expert import apply_expert_parallel
-    from meshtron.parallel.tensor import apply_tensor_parallel
+    from meshtron.parallel.runner import parallelize
 
-    cfg = ModelConfig(**NATIVE)
+    cfg = Config(model=ModelConfig(**NATIVE))
     mesh = build_mesh(dp=2, ep=2, tp=2)
 
     def sharded_model():
+        """The training runner's layout, allocated but not filled (every value must come from the loader)."""
         with torch.device("meta"):
-            model = build_model(cfg)
-        apply_tensor_parallel(model, mesh["tp"])
-        apply_expert_parallel(model, mesh)
-        apply_data_parallel(model, mesh)
+            model = build_model(cfg.model)
+        parallelize(model, mesh, cfg)
         model.to_empty(device="cpu")
         model.tie_weights()
         return model
@@ -283,7 +280,7 @@ def check_native_sliced_loading(folders: dict[str, str], out: str) -> None:
     for layout in ("published", "fused"):
         sliced, full = sharded_model(), sharded_model()
         read = load_native_sharded(sliced, folders[f"native_{layout}"], tied=True)
-        load_full_state_dict(full, load_hf_state_dict(folders[f"native_{layout}"], cfg), strict=False)
+        load_full_state_dict(full, load_hf_state_dict(folders[f"native_{layout}"], cfg.model), strict=False)
         expected = dict(full.named_parameters())
         for name, p in sliced.named_parameters():
             assert torch.equal(p.to_local(), expected[name].to_local()), f"{layout}: {name} differs"

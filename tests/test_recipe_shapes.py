@@ -57,35 +57,12 @@ def expected_count(m: ModelConfig) -> int:
 
 
 def hf_config(m: ModelConfig):
-    """A transformers config built from the recipe's [model] section (HF key names map one to one)."""
+    """The transformers config meshtron writes for the recipe's [model] section (HF key names map one to one)."""
     from transformers import Qwen2Config, Qwen2MoeConfig
 
-    common = dict(
-        vocab_size=m.vocab_size,
-        hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size,
-        num_hidden_layers=m.num_hidden_layers,
-        num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.kv_heads,
-        max_position_embeddings=m.max_position_embeddings,
-        rope_theta=m.rope_theta,
-        rms_norm_eps=m.rms_norm_eps,
-        tie_word_embeddings=m.tie_word_embeddings,
-        hidden_act=m.hidden_act,
-    )
-    if not m.is_moe:
-        return Qwen2Config(**common)
-    return Qwen2MoeConfig(
-        **common,
-        num_experts=m.num_experts,
-        num_experts_per_tok=m.num_experts_per_tok,
-        moe_intermediate_size=m.moe_intermediate_size,
-        shared_expert_intermediate_size=m.shared_expert_intermediate_size,
-        norm_topk_prob=m.norm_topk_prob,
-        decoder_sparse_step=m.decoder_sparse_step,
-        mlp_only_layers=list(m.mlp_only_layers),
-        router_aux_loss_coef=m.router_aux_loss_coef,
-    )
+    from meshtron.hf import hf_config_dict
+
+    return (Qwen2MoeConfig if m.is_moe else Qwen2Config).from_dict(hf_config_dict(m))
 
 
 def count(model: torch.nn.Module) -> int:

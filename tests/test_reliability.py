@@ -31,13 +31,12 @@ def _args(out: Path, layout: dict, extra: list[str] = ()) -> list[str]:
 
 
 def _trainer(out: Path, layout: dict, extra: list[str] = ()):
-    from meshtron.mesh import build_mesh, validate_layout
-    from meshtron.train import Trainer
+    from meshtron.mesh import validate_layout
+    from meshtron.train import Trainer, recipe_mesh
 
     cfg = load_config(RECIPE, _args(out, layout, extra))
     validate_layout(cfg, dist.get_world_size())
-    p = cfg.parallel
-    return Trainer(cfg, build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp))
+    return Trainer(cfg, recipe_mesh(cfg))
 
 
 def _records(out: Path) -> list[dict]:

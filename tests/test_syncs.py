@@ -49,16 +49,14 @@ def test_counter_sees_every_kind_of_sync():
 
 
 def _trainer(recipe: str, root: str, layout: dict):
-    from meshtron.mesh import build_mesh
-    from meshtron.train import Trainer
+    from meshtron.train import Trainer, recipe_mesh
 
     args = ["--train.output_dir", f"{root}/{recipe}", "--data.cache_dir", f"{root}/token_cache",
             "--parallel.microbatches", "2"]
     for key, value in layout.items():
         args += [f"--parallel.{key}", str(value).lower()]
     cfg = load_config(ROOT / "recipes" / f"{recipe}.toml", args)
-    p = cfg.parallel
-    return Trainer(cfg, build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp))
+    return Trainer(cfg, recipe_mesh(cfg))
 
 
 def _counted_step(trainer, step: int) -> tuple[HostSyncCounter, HostSyncCounter]:

@@ -44,13 +44,12 @@ def _overrides(out: Path, layout: dict, extra: list[str] = ()) -> list[str]:
 
 def _train(recipe: str, out: Path, layout: dict, extra: list[str] = ()) -> None:
     """Build mesh and trainer inside an already launched rank (what ``main`` does after parsing)."""
-    from meshtron.mesh import build_mesh, validate_layout
-    from meshtron.train import Trainer
+    from meshtron.mesh import validate_layout
+    from meshtron.train import Trainer, recipe_mesh
 
     cfg = load_config(ROOT / "recipes" / f"{recipe}.toml", _overrides(out, layout, extra))
     validate_layout(cfg, torch.distributed.get_world_size())
-    p = cfg.parallel
-    Trainer(cfg, build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp)).fit()
+    Trainer(cfg, recipe_mesh(cfg)).fit()
 
 
 def _losses(out: Path) -> list[float]:
@@ -99,12 +98,12 @@ def eight_rank_hf_round_trip(root: str) -> None:
 def runs(tmp_path_factory):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from meshtron.hf import hf_config_dict
+
     root = tmp_path_factory.mktemp("train")
     cfg = load_config(ROOT / "recipes" / "debug_dense.toml").model
     torch.manual_seed(0)
-    hf = Qwen2ForCausalLM(Qwen2Config(**{k: getattr(cfg, k) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "rope_theta", "rms_norm_eps", "max_position_embeddings")}))
+    hf = Qwen2ForCausalLM(Qwen2Config.from_dict(hf_config_dict(cfg)))
     hf.save_pretrained(root / "hf" / "source")
     run_checks([single_rank_references], 1, str(root), timeout=600)
     run_checks([eight_rank_layouts, eight_rank_resume, eight_rank_hf_round_trip], 8, str(root), timeout=1200)

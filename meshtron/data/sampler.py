@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from meshtron.config import Config, ConfigError
-from meshtron.data.packing import PackedTokens, open_tokens, prepare_tokens
+from meshtron.data.packing import PackedTokens, prepare_tokens
 from meshtron.env import local_device
 
 
@@ -54,8 +54,9 @@ class TokenDataset:
         """
 
         def prepare_and_open() -> TokenDataset:
-            prepare_tokens(cfg, cache_dir)
-            return cls(open_tokens(cfg, cache_dir), cfg.train.global_batch_size, cfg.train.seed)
+            # prepare_tokens' path, not open_tokens: that would load the tokenizer and stat the files again.
+            tokens = PackedTokens(prepare_tokens(cfg, cache_dir), cfg.train.seq_len)
+            return cls(tokens, cfg.train.global_batch_size, cfg.train.seed)
 
         return on_rank0_first(prepare_and_open) if on_rank0_first else prepare_and_open()
 
