@@ -38,7 +38,7 @@ from meshtron.hf import CheckpointError
 from meshtron.data import to_device
 from meshtron.mesh import batch_mesh, build_mesh, init_default_group, validate_layout
 from meshtron.metrics import MetricsLogger, peak_flops_per_device
-from meshtron.models import build_model, flops_per_token, moe_layers
+from meshtron.models import build_model, flops_per_token
 from meshtron.optim import build_optimizer, lr_at, set_lr
 
 
@@ -315,7 +315,7 @@ def training_step(
     grad_norm = runner.clip_grad_norm(max_grad_norm)
     optimizer.found_inf = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
     optimizer.step()
-    for moe in moe_layers(runner.module):
+    for moe in runner.moes:
         moe.update_expert_bias()  # aux-loss-free balancing (a no-op unless configured)
     return loss, grad_norm
 

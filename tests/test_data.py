@@ -275,6 +275,12 @@ def test_resume_mid_epoch(tmp_path, rng):
     other = DeviceLoader(dataset, 0, 4, device="cpu")
     other.load_state_dict(state)
     assert torch.equal(next(other)[0], dataset.batch_for_step(k, 0, 4)[0])
+    # with micro-batches it serves what the trainer takes (each rank's slice of every micro-batch)
+    split = DeviceLoader(dataset, 1, 2, device="cpu", start_step=k, microbatches=2)
+    want = dataset.batch_for_step(k, 1, 2, 2)
+    assert not torch.equal(want[0], batches[k][0])
+    got = next(split)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_resume_checks_the_data(tmp_path, rng):

@@ -141,7 +141,8 @@ def to_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[to
 
 
 class DeviceLoader:
-    """Iterates one rank's ``(input_ids, labels)`` from ``start_step`` on, already on ``device``.
+    """Iterates one rank's ``(input_ids, labels)`` from ``start_step`` on, already on ``device``: the
+    batches the trainer takes for the same ``microbatches`` (see ``TokenDataset.batch_for_step``).
 
     ``step`` is the next step to be served; the state dict is the dataset's plus ``step``.
     """
@@ -153,10 +154,11 @@ class DeviceLoader:
         batch_world: int = 1,
         device: torch.device | str | None = None,
         start_step: int = 0,
+        microbatches: int = 1,
     ):
         dataset.local_batch_size(batch_world)  # fail on a bad layout before any step
         self.dataset = dataset
-        self.batch_rank, self.batch_world = batch_rank, batch_world
+        self.batch_rank, self.batch_world, self.microbatches = batch_rank, batch_world, microbatches
         self.device = torch.device(device) if device is not None else local_device()
         self.step = start_step
 
@@ -164,7 +166,7 @@ class DeviceLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self.dataset.batch_for_step(self.step, self.batch_rank, self.batch_world)
+        batch = self.dataset.batch_for_step(self.step, self.batch_rank, self.batch_world, self.microbatches)
         self.step += 1
         input_ids, labels = to_device(batch, self.device)
         return input_ids, labels

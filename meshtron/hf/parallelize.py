@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -70,14 +70,10 @@ from meshtron.mesh import dense_data_mesh
 from meshtron.models.moe import load_balancing_loss
 from meshtron.parallel.checkpointing import checkpointed_layers
 from meshtron.parallel.data import data_meshes, even_shard_dim, mixed_precision, wrap_data_parallel
-from meshtron.parallel.tensor import ReplicatedKVHeads, check_tensor_parallel, parallel_token_loss_sum
+from meshtron.parallel.tensor import ReplicatedKVHeads, check_tensor_parallel, parallel_token_loss_sum, residual_layout
 
 
 _STYLES = ("colwise", "rowwise")
-
-
-def _seq(sp: bool) -> Placement:
-    return Shard(1) if sp else Replicate()
 
 
 class _HiddenStatesInput(ParallelStyle):
@@ -94,7 +90,7 @@ class _HiddenStatesInput(ParallelStyle):
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         def to_replicated(x):
             if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, mesh, [_seq(self.sp)], run_check=False)
+                x = DTensor.from_local(x, mesh, [residual_layout(self.sp)], run_check=False)
             return x.redistribute(mesh, [Replicate()])
 
         def hook(_module, args, kwargs):
@@ -114,7 +110,7 @@ def _style(style: str, name: str, kv_heads: int, head_dim: int, tp: int, sp: boo
     if style == "colwise":
         return ColwiseParallel()
     if style == "rowwise":
-        return RowwiseParallel(output_layouts=_seq(sp))
+        return RowwiseParallel(output_layouts=residual_layout(sp))
     raise AssertionError(f"unchecked tp plan style '{style}' for '{name}'")  # _base_plan validates styles
 
 
@@ -224,7 +220,7 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
             input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
         parallelize_module(inner.norm, tp_mesh, SequenceParallel())
     parallelize_module(
-        model.lm_head, tp_mesh, ColwiseParallel(input_layouts=_seq(sp), output_layouts=Shard(-1), use_local_output=False)
+        model.lm_head, tp_mesh, ColwiseParallel(input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False)
     )
     if tied:  # both now hold a Shard(0) copy of the shared weight; make them one Parameter again
         model.lm_head.weight = inner.embed_tokens.weight

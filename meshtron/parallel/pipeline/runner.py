@@ -95,6 +95,7 @@ class PipelineRunner:
         self.data_group = dense_data_mesh(mesh).get_group()
         average_router_losses_over_microbatches(self.module, p.microbatches)
         self._moe = {s: [m for mod in c.modules() for m in moe_layers(mod)] for s, c in self.chunks.items()}
+        self.moes = [m for layers in self._moe.values() for m in layers]
         steps = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)[pp_mesh.get_local_rank()]
         units = {s: _fsdp_units(c) for s, c in self.chunks.items()}
         self.executor = PipelineExecutor(steps, self.num_stages, self.pp_group, units)
