@@ -128,6 +128,8 @@ class TrainConfig:
     # A collective that waits longer than this fails instead of hanging (a dead or stuck peer).
     collective_timeout_s: float = 600.0
     on_nonfinite: str = "stop"  # NaN/Inf loss or gradient norm: "stop" the run or "skip" the step
+    # Tokens per chunk of the fused lm_head + cross-entropy: its extra memory is ~chunk x vocab / tp floats.
+    loss_chunk_tokens: int = 1024
 
 
 @dataclass
@@ -390,7 +392,7 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
         t.dtype in dtypes,
         f"{source}: [train] dtype must be one of {', '.join(dtypes)}, got '{t.dtype}'." + _closest(t.dtype, dtypes),
     )
-    for key in ("steps", "global_batch_size", "seq_len", "log_every"):
+    for key in ("steps", "global_batch_size", "seq_len", "log_every", "loss_chunk_tokens"):
         _require(getattr(t, key) >= 1, f"{source}: [train] {key} must be >= 1, got {getattr(t, key)}.")
     _require(t.lr > 0, f"{source}: [train] lr must be > 0, got {t.lr}.")
     _require(

@@ -23,6 +23,7 @@ from torch import nn
 
 from meshtron.config import ModelConfig
 from meshtron.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rotary
+from meshtron.models.loss import DEFAULT_CHUNK_TOKENS, linear_cross_entropy_sum
 from meshtron.models.moe import MoE
 
 
@@ -67,9 +68,25 @@ class Block(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class LMHead(nn.Linear):
+    """Output projection. ``forward(h)`` gives logits; ``forward(h, labels)`` gives the summed token
+    cross-entropy computed ``chunk_tokens`` tokens at a time, so training never holds the logits of a
+    whole micro-batch (:func:`meshtron.models.loss.linear_cross_entropy_sum`)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+        super().__init__(hidden_size, vocab_size, bias=False)
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)
+        return linear_cross_entropy_sum(h, self.weight, labels, self.chunk_tokens)
+
+
 class Transformer(nn.Module):
-    """Qwen2 causal LM. ``forward(tokens, position_ids)`` returns logits (or hidden states on a
-    pipeline stage without ``lm_head``; such a stage takes hidden states instead of token ids)."""
+    """Qwen2 causal LM. ``forward(tokens, position_ids)`` returns logits, ``forward(tokens,
+    position_ids, labels=labels)`` the summed token loss without materialising the logits (training);
+    a pipeline stage without ``lm_head`` returns hidden states and takes them instead of token ids."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -78,7 +95,7 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_size, cfg.rope_theta)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head: LMHead | None = LMHead(cfg.hidden_size, cfg.vocab_size)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -91,10 +108,15 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
-        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, layers: range | None = None
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        layers: range | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``layers`` runs only that range of global layer indices (a pipeline chunk): the embedding
-        applies when it starts at layer 0, the final norm and LM head when it ends at the last layer."""
+        applies when it starts at layer 0, the final norm and LM head when it ends at the last layer.
+        ``labels`` (next-token ids, -100 ignored): return the summed token loss instead of logits."""
         first = layers is None or layers.start == 0
         last = layers is None or layers.stop == self.config.num_hidden_layers
         h = self.embed_tokens(tokens) if self.embed_tokens is not None and first else tokens
@@ -105,7 +127,9 @@ class Transformer(nn.Module):
             h = self.layers[key](h, rope)
         if self.norm is not None and last:
             h = self.norm(h)
-        return self.lm_head(h) if self.lm_head is not None and last else h
+        if self.lm_head is None or not last:
+            return h
+        return self.lm_head(h, labels)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -209,4 +233,5 @@ __all__ = [
     "CausalAttention",
     "MLP",
     "Block",
+    "LMHead",
 ]

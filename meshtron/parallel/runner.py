@@ -23,12 +23,14 @@ from meshtron.parallel.context import apply_context_parallel, shard_batch
 from meshtron.parallel.data import apply_data_parallel
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.grad_norm import clip_grad_norm_
-from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
+from meshtron.parallel.tensor import apply_tensor_parallel
 
 
 def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
     """Apply every parallelism except the pipeline split to ``model`` (in place; meta or real)."""
     p = cfg.parallel
+    if model.lm_head is not None:
+        model.lm_head.chunk_tokens = cfg.train.loss_chunk_tokens
     apply_tensor_parallel(model, mesh["tp"], p.sp)
     # The TP plan gathers a MoE block's tokens even under SP, so tp ranks hold the same tokens there.
     apply_expert_parallel(model, mesh, sequence_parallel=False)
@@ -122,7 +124,7 @@ class StepRunner:
         self._aux = []
         for i, (ids, lab, pos) in enumerate(micro):
             self.module.set_requires_gradient_sync(self._sync_gradients(i))
-            loss = parallel_token_loss_sum(self.module(ids, pos), lab) / tokens
+            loss = self.module(ids, pos, labels=lab) / tokens
             loss.backward()
             total += loss.detach()
             self._aux.extend(m.last_aux_loss for m in self.moes if m.last_aux_loss is not None)

@@ -9,8 +9,10 @@ sequence parallelism from Korthikanti et al. 2022):
 * KV heads: split over tp when ``kv_heads % tp == 0``. When tp is a multiple of them (Qwen2.5-1.5B/3B
   have 2 KV heads), k_proj/v_proj stay replicated and each rank computes only the KV head its query
   heads read (:class:`ReplicatedKVHeads`); the replicas' weight gradients are summed over tp.
-* embedding rowwise over the vocabulary, lm_head colwise; logits stay vocab-sharded and
-  :func:`parallel_token_loss_sum` computes the loss from the shards (full logits are never gathered).
+* embedding rowwise over the vocabulary, lm_head colwise (:class:`VocabParallelHead`); in training
+  the head and the loss are fused and chunked over tokens (no rank holds a micro-batch's logits);
+  for inference logits stay vocab-sharded and :func:`parallel_token_loss_sum` computes the loss from
+  the shards (full logits are never gathered).
   Tied embeddings share one ``Shard(0)`` parameter.
 * ``sp=True``: norms and the residual stream are split along the sequence; the all-reduce after
   o_proj/down_proj becomes a reduce-scatter and the one before q/k/v (gate/up) an all-gather.
@@ -47,7 +49,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshtron.config import ConfigError
 from meshtron.models.moe import MoE
-from meshtron.models.qwen2 import token_loss_sum
+from meshtron.models.loss import cross_entropy_sum, linear_cross_entropy_sum
 
 # Error messages list valid tp values up to one 8-GPU node (or tp itself when larger).
 _SUGGEST_UP_TO = 8
@@ -263,11 +265,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool = Fals
     if model.norm is not None and sp:
         parallelize_module(model.norm, tp_mesh, SequenceParallel())
     if model.lm_head is not None:
-        parallelize_module(
-            model.lm_head,
-            tp_mesh,
-            ColwiseParallel(input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False),
-        )
+        parallelize_module(model.lm_head, tp_mesh, VocabParallelHead(residual_layout(sp)))
     # Both now hold a Shard(0) copy of the shared weight; make them one Parameter again.
     model.tie_weights()
     if sp:
@@ -275,63 +273,88 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool = Fals
     return model
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of vocab-sharded logits: two small all-reduces of per-token values.
+def _shard_start(size: int, mesh: DeviceMesh) -> int:
+    """First index of this rank's ``Shard`` of a dim of ``size`` (torch.chunk layout, as DTensor uses)."""
+    chunk = math.ceil(size / mesh.size())
+    return min(mesh.get_local_rank() * chunk, size)
 
-    logits: [N, V_local] (this rank's vocabulary columns ``[start, start + V_local)``), labels: [N].
+
+def _vocab_reducer(mesh: DeviceMesh):
+    """Per-token max / sum over the vocabulary shards: the loss's only communication."""
+    ops = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
+    group = mesh.get_group()
+
+    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+        dist.all_reduce(tensor, op=ops[op], group=group)
+        return tensor
+
+    return reduce
+
+
+def _vocab_parallel_head_forward(self: nn.Linear, h: DTensor, labels: torch.Tensor | None = None):
+    if labels is None:
+        return F.linear(h, self.weight)  # vocab-sharded logits, Shard(-1)
+    # This rank's hidden-state gradient covers only its vocabulary columns: a partial sum, reduced
+    # (or reduce-scattered under SP) once by DTensor in backward.
+    local = h.to_local(grad_placements=[Partial()])
+    weight = self.weight.to_local()
+    start = _shard_start(self.weight.shape[0], self.weight.device_mesh)
+    return linear_cross_entropy_sum(local, weight, labels, self.chunk_tokens, start, self.vocab_reduce)
+
+
+class VocabParallelHead(ParallelStyle):
+    """The LM head split over the vocabulary (weight ``Shard(0)``, as ``ColwiseParallel``).
+
+    ``head(h)`` returns vocab-sharded logits (a ``Shard(-1)`` DTensor); ``head(h, labels)`` the summed
+    token loss from the fused, chunked lm_head + cross-entropy (``meshtron.models.loss``): each rank
+    computes its vocabulary columns chunk by chunk and all-reduces two per-token values per chunk, so
+    no rank ever holds a whole micro-batch's logits. The input (the residual stream, sequence-sharded
+    under SP) is gathered once.
     """
 
-    @staticmethod
-    def forward(ctx, logits, labels, start: int, group, ignore_index: int):
-        with torch.no_grad():
-            row_max = logits.max(dim=-1).values
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-            exp = (logits - row_max.unsqueeze(-1)).exp_()
-            local = labels - start
-            mine = (local >= 0) & (local < logits.shape[-1])
-            index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
-            target = (logits.gather(-1, index).squeeze(-1) - row_max) * mine
-            sums = torch.stack([exp.sum(dim=-1), target])
-            dist.all_reduce(sums, group=group)
-            counted = labels != ignore_index
-            loss = ((sums[0].log() - sums[1]) * counted).sum()
-            exp.div_(sums[0].unsqueeze(-1))  # softmax, kept for backward
-        ctx.save_for_backward(exp, index, mine & counted, counted)
-        return loss
+    def __init__(self, input_layout: Placement):
+        super().__init__()
+        self.input_layout = input_layout
 
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, index, mine, counted = ctx.saved_tensors
-        grad_logits = softmax * counted.unsqueeze(-1)
-        grad_logits.scatter_add_(-1, index, -mine.to(softmax.dtype).unsqueeze(-1))
-        return grad_logits * grad, None, None, None, None
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not hasattr(module, "chunk_tokens"):
+            raise TypeError(f"VocabParallelHead expects meshtron's LMHead, got {type(module).__name__}")
 
+        def shard_rows(_name, mod, mesh):
+            for name, param in list(mod.named_parameters(recurse=False)):
+                dist_param = distribute_tensor(param, mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+                mod.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
 
-def _vocab_shard(logits: DTensor) -> tuple[int, DeviceMesh] | None:
-    """(start column, mesh) when ``logits`` is split only along its last dim on a 1-D mesh."""
-    (placement,) = logits.placements if logits.device_mesh.ndim == 1 else (None,)
-    if not (isinstance(placement, Shard) and placement.dim in (-1, logits.ndim - 1)):
-        return None
-    mesh = logits.device_mesh
-    chunk = math.ceil(logits.shape[-1] / mesh.size())  # torch.chunk layout, as DTensor uses
-    return min(mesh.get_local_rank() * chunk, logits.shape[-1]), mesh
+        def gather_input(_mod, inputs, mesh):
+            h, *rest = inputs
+            if not isinstance(h, DTensor):
+                h = DTensor.from_local(h, mesh, [self.input_layout], run_check=False)
+            return (h.redistribute(mesh, [Replicate()]), *rest)
+
+        distribute_module(module, device_mesh, shard_rows, input_fn=gather_input)
+        module.vocab_reduce = _vocab_reducer(device_mesh)
+        module.forward = types.MethodType(_vocab_parallel_head_forward, module)
+        return module
 
 
 def parallel_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """:func:`meshtron.models.token_loss_sum` for plain or vocab-sharded (``Shard(-1)`` DTensor) logits.
+    """Summed token cross-entropy of plain or vocab-sharded (``Shard(-1)`` DTensor) logits.
 
     With sharded logits only per-token maxima, exp-sums and target logits are all-reduced over tp;
-    the result is a plain scalar, identical on every tp rank. Backward needs no communication.
+    the result is a plain scalar, identical on every tp rank. Backward needs no communication. The
+    computation goes chunk by chunk of tokens (:func:`meshtron.models.loss.cross_entropy_sum`), so no
+    fp32 copy of the logits is made. Training uses the fused head instead and never has logits.
     """
     if not isinstance(logits, DTensor):
-        return token_loss_sum(logits, labels, ignore_index)
-    shard = _vocab_shard(logits)
-    if shard is None:
+        return cross_entropy_sum(logits, labels, ignore_index=ignore_index)
+    (placement,) = logits.placements if logits.device_mesh.ndim == 1 else (None,)
+    if not (isinstance(placement, Shard) and placement.dim in (-1, logits.ndim - 1)):
         raise ValueError(f"parallel_token_loss_sum expects logits sharded on the vocab dim, got {logits.placements}")
-    start, mesh = shard
-    local = logits.to_local().flatten(0, -2).float()
-    labels = labels.flatten().to(local.device)
-    return _VocabParallelCrossEntropy.apply(local, labels, start, mesh.get_group(), ignore_index)
+    mesh = logits.device_mesh
+    local = logits.to_local()
+    start = _shard_start(logits.shape[-1], mesh)
+    return cross_entropy_sum(local, labels.to(local.device), vocab_start=start, reduce=_vocab_reducer(mesh),
+                             ignore_index=ignore_index)
 
 
 __all__ = [
@@ -342,4 +365,5 @@ __all__ = [
     "tp_fits",
     "ReplicatedKVHeads",
     "ReplicateParallel",
+    "VocabParallelHead",
 ]

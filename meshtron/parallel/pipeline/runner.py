@@ -39,7 +39,6 @@ from meshtron.parallel.runner import (
     parallelize,
     split_microbatches,
 )
-from meshtron.parallel.tensor import parallel_token_loss_sum
 from meshtron.parallel.pipeline.executor import PipelineExecutor
 from meshtron.parallel.pipeline.schedules import build_schedule
 from meshtron.parallel.pipeline.stage import build_chunks, check_pipeline, prune_to_stage
@@ -112,12 +111,14 @@ class PipelineRunner:
         aux: list[torch.Tensor] = []
 
         def forward(stage: int, x: torch.Tensor, mb: int) -> torch.Tensor:
-            out = self.chunks[stage](x, micro[mb][2])
+            # The last chunk returns the micro-batch's summed token loss (fused head + loss).
+            chunk = self.chunks[stage]
+            out = chunk(x, micro[mb][2], micro[mb][1] if chunk.is_last else None)
             aux.extend(m.last_aux_loss for m in self._moe[stage] if m.last_aux_loss is not None)
             return out
 
-        def loss(logits: torch.Tensor, mb: int) -> torch.Tensor:
-            return parallel_token_loss_sum(logits, micro[mb][1]) / tokens
+        def loss(loss_sum: torch.Tensor, mb: int) -> torch.Tensor:
+            return loss_sum / tokens
 
         ids = [mb[0] for mb in micro]
         boundary = boundary_tensor(self.cfg, ids[0].shape[0], ids[0].shape[1])

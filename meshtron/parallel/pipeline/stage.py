@@ -50,9 +50,10 @@ class StageChunk:
             mods += [self.model.norm, self.model.lm_head]
         return mods
 
-    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states, or on the last chunk with ``labels`` the summed token loss."""
         # Through the stage model's own call, so hooks on it (FSDP's root unit, TP's) run per chunk.
-        return self.model(x, position_ids, layers=self.layers)
+        return self.model(x, position_ids, layers=self.layers, labels=labels)
 
 
 def prune_to_stage(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> dict[int, range]:

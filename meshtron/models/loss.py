@@ -1,0 +1,171 @@
+"""Token cross-entropy that never holds a whole micro-batch's logits in fp32.
+
+Two entry points share one per-chunk computation:
+
+* :func:`linear_cross_entropy_sum` (training): the LM head and the loss fused. Logits are computed
+  ``chunk`` tokens at a time; each chunk's loss and its gradients with respect to the hidden states
+  and the head weight are computed at once and the chunk's logits are dropped. Backward only scales
+  the stored gradients by the incoming scalar. Extra memory: O(chunk x V) for the chunk's logits plus
+  the two gradients (the size of the hidden states and of the weight) — never tokens x V. Matmul work
+  equals the unfused path's (one forward, two gradient products per chunk).
+* :func:`cross_entropy_sum` (inference and tests, given logits): the loss chunk by chunk, saving one
+  fp32 log-sum-exp per token; backward rebuilds each chunk's softmax from the saved logits.
+
+Vocabulary-parallel use: ``weight`` / ``logits`` may hold only columns ``[vocab_start, vocab_start +
+V_local)`` of the vocabulary. Per-token maxima and sums must then cover every shard: the caller
+passes ``reduce(tensor, op)`` (op ``"max"`` or ``"sum"``, in place over the shards); the default does
+nothing (one shard holds the whole vocabulary). The model stays free of communication: tensor
+parallelism provides the reducer.
+
+Numerics: logits are computed in the input dtype (bf16 on GPUs) and upcast per chunk; max,
+log-sum-exp, loss and the weight gradient accumulate in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# reduce(tensor, op) -> tensor: in-place max ("max") or sum ("sum") over the vocabulary shards.
+VocabReducer = Callable[[torch.Tensor, str], torch.Tensor]
+
+DEFAULT_CHUNK_TOKENS = 1024
+
+
+def _no_reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    return tensor
+
+
+class _Targets:
+    """Where each label's logit lives in this shard: column index, and whether the shard owns it."""
+
+    def __init__(self, labels: torch.Tensor, vocab_start: int, vocab_local: int, ignore_index: int):
+        local = labels - vocab_start
+        self.mine = (local >= 0) & (local < vocab_local)
+        self.index = local.clamp(0, vocab_local - 1).unsqueeze(-1)
+        self.counted = labels != ignore_index
+
+
+def _log_sum_exp(logits: torch.Tensor, t: _Targets, reduce: VocabReducer) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-sum-exp over the full vocabulary, target logit) per token of fp32 ``logits`` [n, V_local].
+
+    Two reductions over the shards: the row maxima, then the exp-sums with the target logits.
+    """
+    row_max = reduce(logits.max(dim=-1).values, "max")
+    target = (logits.gather(-1, t.index).squeeze(-1) - row_max) * t.mine
+    exp_sum = (logits - row_max.unsqueeze(-1)).exp_().sum(dim=-1)
+    sums = reduce(torch.stack([exp_sum, target]), "sum")
+    return sums[0].log() + row_max, sums[1] + row_max
+
+
+def _loss_sum(lse: torch.Tensor, target: torch.Tensor, t: _Targets) -> torch.Tensor:
+    return ((lse - target) * t.counted).sum()
+
+
+def _logit_grad_(logits: torch.Tensor, lse: torch.Tensor, t: _Targets) -> torch.Tensor:
+    """d(summed loss)/d logits, in place of fp32 ``logits``: softmax minus the one-hot target,
+    zero for ignored tokens."""
+    probs = logits.sub_(lse.unsqueeze(-1)).exp_().mul_(t.counted.unsqueeze(-1))
+    return probs.scatter_add_(-1, t.index, -(t.mine & t.counted).to(probs.dtype).unsqueeze(-1))
+
+
+def _chunks(n: int, chunk: int):
+    if chunk < 1:
+        raise ValueError(f"[train] loss_chunk_tokens must be >= 1, got {chunk}.")
+    return (slice(s, min(s + chunk, n)) for s in range(0, n, chunk))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk, vocab_start, reduce, ignore_index):
+        want_h, want_w = ctx.needs_input_grad[:2]
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for rows in _chunks(hidden.shape[0], chunk):
+            h = hidden[rows]
+            logits = (h @ weight.t()).float()
+            t = _Targets(labels[rows], vocab_start, weight.shape[0], ignore_index)
+            lse, target = _log_sum_exp(logits, t, reduce)
+            total += _loss_sum(lse, target, t)
+            if want_h or want_w:
+                g = _logit_grad_(logits, lse, t).to(hidden.dtype)
+                if want_h:
+                    torch.matmul(g, weight, out=grad_h[rows])
+                if want_w:
+                    grad_w.add_(g.t() @ h)  # fp32 accumulation over chunks
+            del logits
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_h, grad_w = ctx.saved_tensors
+        grad_h = grad_h * grad.to(grad_h.dtype) if grad_h is not None else None
+        grad_w = (grad_w * grad).to(ctx.weight_dtype) if grad_w is not None else None
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int = DEFAULT_CHUNK_TOKENS,
+    vocab_start: int = 0,
+    reduce: VocabReducer = _no_reduce,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Summed cross-entropy of ``hidden @ weight.T`` against ``labels`` without materialising the logits.
+
+    hidden: [..., H]; weight: [V_local, H] (vocabulary rows ``vocab_start ...``); labels: [...] with
+    ``ignore_index`` for tokens that do not count. Returns an fp32 scalar (see the module docstring).
+    """
+    return _LinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk, vocab_start, reduce, ignore_index
+    )
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, chunk, vocab_start, reduce, ignore_index):
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for rows in _chunks(logits.shape[0], chunk):
+            t = _Targets(labels[rows], vocab_start, logits.shape[-1], ignore_index)
+            lse[rows], target = _log_sum_exp(logits[rows].float(), t, reduce)
+            total += _loss_sum(lse[rows], target, t)
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.args = chunk, vocab_start, ignore_index
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, labels, lse = ctx.saved_tensors
+        chunk, vocab_start, ignore_index = ctx.args
+        grad_logits = torch.empty_like(logits)
+        for rows in _chunks(logits.shape[0], chunk):
+            t = _Targets(labels[rows], vocab_start, logits.shape[-1], ignore_index)
+            chunk_logits = logits[rows].to(torch.float32, copy=True)  # the saved logits stay intact
+            grad_logits[rows] = _logit_grad_(chunk_logits, lse[rows], t).mul_(grad)
+        return grad_logits, None, None, None, None, None
+
+
+def cross_entropy_sum(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int = DEFAULT_CHUNK_TOKENS,
+    vocab_start: int = 0,
+    reduce: VocabReducer = _no_reduce,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Summed cross-entropy of (possibly vocabulary-sharded) ``logits`` [..., V_local] against ``labels``.
+
+    Temporaries are one chunk of fp32 logits; the saved state is one fp32 value per token.
+    """
+    return _CrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), chunk, vocab_start, reduce,
+                               ignore_index)
+
+
+__all__ = ["DEFAULT_CHUNK_TOKENS", "VocabReducer", "cross_entropy_sum", "linear_cross_entropy_sum"]
