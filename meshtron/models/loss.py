@@ -11,6 +11,9 @@ Two entry points share one per-chunk computation:
 * :func:`cross_entropy_sum` (inference and tests, given logits): the loss chunk by chunk, saving one
   fp32 log-sum-exp per token; backward rebuilds each chunk's softmax from the saved logits.
 
+Each chunk works in one fp32 buffer of chunk x V_local values: the logits become their exponentials,
+then the softmax, then the logit gradient, in place.
+
 Vocabulary-parallel use: ``weight`` / ``logits`` may hold only columns ``[vocab_start, vocab_start +
 V_local)`` of the vocabulary. Per-token maxima and sums must then cover every shard: the caller
 passes ``reduce(tensor, op)`` (op ``"max"`` or ``"sum"``, in place over the shards); the default does
@@ -47,26 +50,26 @@ class _Targets:
         self.counted = labels != ignore_index
 
 
-def _log_sum_exp(logits: torch.Tensor, t: _Targets, reduce: VocabReducer) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-sum-exp over the full vocabulary, target logit) per token of fp32 ``logits`` [n, V_local].
+def _exp_and_log_sum_exp_(logits: torch.Tensor, t: _Targets, reduce: VocabReducer):
+    """Per token of fp32 ``logits`` [n, V_local], which become exp(logits - row max) in place (one
+    chunk-sized buffer, no second one): (log-sum-exp over the full vocabulary, target logit, exp-sum).
 
     Two reductions over the shards: the row maxima, then the exp-sums with the target logits.
     """
     row_max = reduce(logits.max(dim=-1).values, "max")
     target = (logits.gather(-1, t.index).squeeze(-1) - row_max) * t.mine
-    exp_sum = (logits - row_max.unsqueeze(-1)).exp_().sum(dim=-1)
+    exp_sum = logits.sub_(row_max.unsqueeze(-1)).exp_().sum(dim=-1)
     sums = reduce(torch.stack([exp_sum, target]), "sum")
-    return sums[0].log() + row_max, sums[1] + row_max
+    return sums[0].log() + row_max, sums[1] + row_max, sums[0]
 
 
 def _loss_sum(lse: torch.Tensor, target: torch.Tensor, t: _Targets) -> torch.Tensor:
     return ((lse - target) * t.counted).sum()
 
 
-def _logit_grad_(logits: torch.Tensor, lse: torch.Tensor, t: _Targets) -> torch.Tensor:
-    """d(summed loss)/d logits, in place of fp32 ``logits``: softmax minus the one-hot target,
-    zero for ignored tokens."""
-    probs = logits.sub_(lse.unsqueeze(-1)).exp_().mul_(t.counted.unsqueeze(-1))
+def _minus_target_(probs: torch.Tensor, t: _Targets) -> torch.Tensor:
+    """d(summed loss)/d logits from the softmax, in place: minus the one-hot target, zero for ignored tokens."""
+    probs.mul_(t.counted.unsqueeze(-1))
     return probs.scatter_add_(-1, t.index, -(t.mine & t.counted).to(probs.dtype).unsqueeze(-1))
 
 
@@ -87,10 +90,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h = hidden[rows]
             logits = (h @ weight.t()).float()
             t = _Targets(labels[rows], vocab_start, weight.shape[0], ignore_index)
-            lse, target = _log_sum_exp(logits, t, reduce)
+            lse, target, exp_sum = _exp_and_log_sum_exp_(logits, t, reduce)
             total += _loss_sum(lse, target, t)
             if want_h or want_w:
-                g = _logit_grad_(logits, lse, t).to(hidden.dtype)
+                g = _minus_target_(logits.div_(exp_sum.unsqueeze(-1)), t).to(hidden.dtype)
                 if want_h:
                     torch.matmul(g, weight, out=grad_h[rows])
                 if want_w:
@@ -134,7 +137,8 @@ class _CrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         for rows in _chunks(logits.shape[0], chunk):
             t = _Targets(labels[rows], vocab_start, logits.shape[-1], ignore_index)
-            lse[rows], target = _log_sum_exp(logits[rows].float(), t, reduce)
+            chunk_logits = logits[rows].to(torch.float32, copy=True)  # the caller's logits stay intact
+            lse[rows], target, _ = _exp_and_log_sum_exp_(chunk_logits, t, reduce)
             total += _loss_sum(lse[rows], target, t)
         ctx.save_for_backward(logits, labels, lse)
         ctx.args = chunk, vocab_start, ignore_index
@@ -147,8 +151,8 @@ class _CrossEntropy(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for rows in _chunks(logits.shape[0], chunk):
             t = _Targets(labels[rows], vocab_start, logits.shape[-1], ignore_index)
-            chunk_logits = logits[rows].to(torch.float32, copy=True)  # the saved logits stay intact
-            grad_logits[rows] = _logit_grad_(chunk_logits, lse[rows], t).mul_(grad)
+            probs = logits[rows].to(torch.float32, copy=True).sub_(lse[rows].unsqueeze(-1)).exp_()
+            grad_logits[rows] = _minus_target_(probs, t).mul_(grad)
         return grad_logits, None, None, None, None, None
 
 
