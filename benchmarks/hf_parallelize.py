@@ -141,7 +141,7 @@ def _native_model(mesh, shape: dict):
     """meshtron's model of ``shape``, parallelized and filled as the training runner does."""
     from meshtron.config import Config, ModelConfig
     from meshtron.models import build_model
-    from meshtron.parallel.runner import materialize_sharded, parallelize
+    from meshtron.parallel.compose import materialize_sharded, parallelize
 
     cfg = Config(model=ModelConfig(**shape))
     with torch.device("meta"):

@@ -34,9 +34,10 @@ from meshtron.checkpoint import (
     save_checkpoint,
 )
 from meshtron.config import Config, ConfigError, config_to_dict, load_config, model_differences
-from meshtron.hf import CheckpointError
+from meshtron.hf import CheckpointError, save_hf
 from meshtron.data import to_device
-from meshtron.mesh import batch_mesh, build_mesh, init_default_group, validate_layout
+from meshtron.mesh import batch_mesh, build_mesh, init_default_group
+from meshtron.parallel.layout import validate_layout
 from meshtron.metrics import MetricsLogger, peak_flops_per_device
 from meshtron.models import build_model, flops_per_token
 from meshtron.optim import build_optimizer, lr_at, set_lr
@@ -246,7 +247,7 @@ class Trainer:
                 save_checkpoint(checkpoint_root(self.cfg), step + 1, self.runner.module, self.optimizer, self.cfg,
                                 {"data": self.dataset.state_dict()})
         if self.cfg.checkpoint.export_hf:
-            self.runner.export_hf(self.cfg.checkpoint.export_hf)
+            export_hf(self.runner, self.cfg, self.cfg.checkpoint.export_hf)
 
     def train_step(self, step: int) -> dict:
         t = self.cfg.train
@@ -298,6 +299,14 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)  # the update itself was skipped on the device
         if self.rank == 0:
             print(f"meshtron: skipped the update of {what}", file=sys.stderr, flush=True)
+
+
+def export_hf(runner, cfg: Config, folder: str) -> None:
+    """Write the trained model as a transformers folder from rank 0 (collective: every rank calls it)."""
+    state = runner.full_state_dict()
+    if dist.get_rank() == 0:
+        save_hf(state, cfg.model, folder)
+    dist.barrier()
 
 
 def training_step(

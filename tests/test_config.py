@@ -23,7 +23,7 @@ from meshtron.config import (
     load_config,
     parse_overrides,
 )
-from meshtron.mesh import validate_layout
+from meshtron.parallel.layout import validate_layout
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 ALL_RECIPES = sorted(RECIPES.glob("*.toml"))

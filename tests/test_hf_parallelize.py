@@ -263,7 +263,7 @@ def check_native_sliced_loading(folders: dict[str, str], out: str) -> None:
     from meshtron.config import Config, ModelConfig
     from meshtron.hf import load_hf_state_dict, load_native_sharded
     from meshtron.models import build_model
-    from meshtron.parallel.runner import parallelize
+    from meshtron.parallel.compose import parallelize
 
     cfg = Config(model=ModelConfig(**NATIVE))
     mesh = build_mesh(dp=2, ep=2, tp=2)

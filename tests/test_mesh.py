@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from meshtron import env
 from meshtron.config import Config, ConfigError
-from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh, expert_data_mesh, validate_layout
+from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh, expert_data_mesh
+from meshtron.parallel.layout import validate_layout
 from meshtron.testing import run_checks
 
 ORDER = ("pp", "dp", "cp", "ep", "tp")

@@ -16,13 +16,16 @@ from safetensors.torch import load_file
 from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.hf import from_hf
-from meshtron.mesh import build_mesh, dense_data_mesh, validate_layout
+from meshtron.mesh import build_mesh, dense_data_mesh
 from meshtron.models import aux_loss, build_model, token_loss_sum
-from meshtron.parallel.runner import average_router_losses_over_microbatches, build_step_runner
+from meshtron.parallel.layout import validate_layout
+from meshtron.parallel.runner import build_step_runner
+from meshtron.parallel.step import average_router_losses_over_microbatches
 from meshtron.parallel.grad_norm import global_grad_norm
 from meshtron.parallel.pipeline import peak_in_flight, prune_to_stage
 from meshtron.parallel.pipeline.runner import PipelineRunner
 from meshtron.testing import rel_err, run_checks
+from meshtron.train import export_hf
 
 DENSE = dict(
     vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=8,
@@ -237,7 +240,7 @@ def check_clipping_and_export_cover_all_stages(folder):
     norm = runner.clip_grad_norm(0.5)
     clipped = global_grad_norm(runner.module.parameters(), pp_mesh=mesh["pp"]).item()
     assert norm > 0.5 and abs(clipped - 0.5) < 1e-5, (norm, clipped)
-    runner.export_hf(folder)
+    export_hf(runner, cfg, folder)
     if dist.get_rank() == 0:
         exported = from_hf(load_file(f"{folder}/model.safetensors"), cfg.model)
         expected = _random_model(cfg).state_dict()

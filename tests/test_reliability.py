@@ -31,7 +31,7 @@ def _args(out: Path, layout: dict, extra: list[str] = ()) -> list[str]:
 
 
 def _trainer(out: Path, layout: dict, extra: list[str] = ()):
-    from meshtron.mesh import validate_layout
+    from meshtron.parallel.layout import validate_layout
     from meshtron.train import Trainer, recipe_mesh
 
     cfg = load_config(RECIPE, _args(out, layout, extra))
@@ -340,7 +340,7 @@ def test_random_recipe_edits_fail_only_with_config_error(tmp_path_factory):
     from hypothesis import strategies as st
 
     from meshtron.config import Config
-    from meshtron.mesh import validate_layout
+    from meshtron.parallel.layout import validate_layout
 
     keys = [(section.name, f.name) for section in dataclasses.fields(Config)
             for f in dataclasses.fields(section.default_factory())]

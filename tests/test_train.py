@@ -44,7 +44,7 @@ def _overrides(out: Path, layout: dict, extra: list[str] = ()) -> list[str]:
 
 def _train(recipe: str, out: Path, layout: dict, extra: list[str] = ()) -> None:
     """Build mesh and trainer inside an already launched rank (what ``main`` does after parsing)."""
-    from meshtron.mesh import validate_layout
+    from meshtron.parallel.layout import validate_layout
     from meshtron.train import Trainer, recipe_mesh
 
     cfg = load_config(ROOT / "recipes" / f"{recipe}.toml", _overrides(out, layout, extra))

@@ -1,101 +1,24 @@
-"""Composition of the parallelisms, in the order the design needs, and the per-step runner.
-
-Order on a meta-device model: pipeline split -> tensor/sequence (tp) -> expert (ep) -> context (cp)
--> activation checkpointing -> data (FSDP over dp x ep x cp). Then parameters are allocated and
-filled slice by slice from the deterministic initial weights (or a checkpoint), so no rank ever
-holds more than one full parameter at a time.
-"""
+"""The step runner without a pipeline, and the choice of runner for a layout."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from meshtron.checkpoint import gather_full_state_dict, load_full_state_dict
 from meshtron.config import Config
 from meshtron.mesh import dense_data_mesh
-from meshtron.models import InitialWeights, moe_layers
-from meshtron.parallel.checkpointing import apply_activation_checkpointing
-from meshtron.parallel.compile import apply_compile
-from meshtron.parallel.context import apply_context_parallel, shard_batch
-from meshtron.parallel.data import apply_data_parallel
-from meshtron.parallel.expert import apply_expert_parallel
+from meshtron.models import moe_layers
+from meshtron.parallel.compose import materialize_sharded, parallelize
 from meshtron.parallel.grad_norm import clip_grad_norm_
-from meshtron.parallel.tensor import apply_tensor_parallel
-
-
-def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
-    """Apply every parallelism except the pipeline split to ``model`` (in place; meta or real)."""
-    p = cfg.parallel
-    if model.lm_head is not None:
-        model.lm_head.chunk_tokens = cfg.train.loss_chunk_tokens
-    apply_tensor_parallel(model, mesh["tp"], p.sp)
-    # The TP plan gathers a MoE block's tokens even under SP, so tp ranks hold the same tokens there.
-    apply_expert_parallel(model, mesh, sequence_parallel=False)
-    apply_context_parallel(model, mesh)
-    apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
-    if p.compile:
-        apply_compile(model)
-    apply_data_parallel(model, mesh, p.data_parallel, cfg.train.dtype, p.fsdp_prefetch)
-    return model
-
-
-def materialize_sharded(model: nn.Module, device: torch.device, cfg: Config) -> None:
-    """Allocate a parallelized meta-device model and fill it with the layout-independent initial weights."""
-    model.to_empty(device=device)
-    model.tie_weights()  # to_empty replaces tied parameters one module at a time
-    load_full_state_dict(model, InitialWeights(cfg.model, cfg.train.seed))
-
-
-def split_microbatches(input_ids: torch.Tensor, labels: torch.Tensor, mesh, micro: int):
-    """[(ids, labels, position_ids)] per micro-batch: this rank's cp slice of the sequence (with its
-    global positions), split along the batch dimension."""
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    input_ids, labels, positions = shard_batch((input_ids, labels, positions), mesh)
-    return list(zip(input_ids.chunk(micro), labels.chunk(micro), positions.chunk(micro)))
-
-
-def global_token_count(micro: list, data_group) -> torch.Tensor:
-    """Counted tokens of the whole step over the ranks that hold different tokens (dp x ep x cp)."""
-    tokens = sum((lab != -100).sum() for _, lab, _ in micro).to(torch.float32)
-    dist.all_reduce(tokens, group=data_group)
-    return tokens
-
-
-def average_router_losses_over_microbatches(module: nn.Module, micro: int) -> None:
-    for moe in moe_layers(module):  # one router loss per micro-batch, averaged over them
-        moe.aux_loss_scale /= micro
-        moe.z_loss_scale /= micro
-
-
-def _full_cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Full tensors of this rank's parameters on CPU, on every rank (collective over each DTensor's mesh).
-
-    ``gather_full_state_dict`` keeps the result on global rank 0 only, which lacks the other stages.
-    """
-    return {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in module.state_dict().items()
-    }
-
-
-def export_hf(module: nn.Module, cfg: Config, folder: str, pp_group=None) -> None:
-    """Write the full model as an HF folder from rank 0 (collective; ``pp_group`` gathers the stages)."""
-    from meshtron.hf import save_hf
-
-    if pp_group is None:
-        state = gather_full_state_dict(module)
-    else:
-        state = _full_cpu_state(module)
-        if 0 in dist.get_process_group_ranks(pp_group):
-            # Only the pipeline that contains rank 0 ships its stages there; the others hold copies.
-            stages = [None] * dist.get_world_size(pp_group) if dist.get_rank() == 0 else None
-            dist.gather_object(state, stages, dst=0, group=pp_group)
-            state = {k: v for stage in stages for k, v in stage.items()} if stages else state
-    if dist.get_rank() == 0:
-        save_hf(state, cfg.model, folder)
-    dist.barrier()
+from meshtron.parallel.pipeline.runner import PipelineRunner
+from meshtron.parallel.step import (
+    Runner,
+    average_router_losses_over_microbatches,
+    full_state_dict,
+    global_token_count,
+    split_microbatches,
+)
 
 
 class StepRunner:
@@ -143,14 +66,12 @@ class StepRunner:
         """Clip in place; returns the global norm before clipping as a device scalar."""
         return clip_grad_norm_(self.module.parameters(), max_norm)
 
-    def export_hf(self, folder: str) -> None:
-        export_hf(self.module, self.cfg, folder)
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return full_state_dict(self.module)
 
 
-def build_step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device):
+def build_step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> Runner:
     """The runner for this layout: pipelined when ``parallel.pp > 1``."""
     if cfg.parallel.pp > 1:
-        from meshtron.parallel.pipeline.runner import PipelineRunner
-
         return PipelineRunner(model, mesh, cfg, device)
     return StepRunner(model, mesh, cfg, device)

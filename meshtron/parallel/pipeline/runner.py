@@ -1,7 +1,7 @@
 """Pipelined step runner: ``StepRunner``'s interface for ``parallel.pp > 1``.
 
 Every pp-rank prunes the meta-device model to its own chunks, hands the stage model to
-``meshtron.parallel.runner.parallelize`` (tp, ep, cp, FSDP compose inside a stage exactly as without
+``meshtron.parallel.compose.parallelize`` (tp, ep, cp, FSDP compose inside a stage exactly as without
 a pipeline), materialises only that, and runs its schedule with :class:`PipelineExecutor`.
 
 Numerics equal the non-pipelined runner on the same global batch: the same micro-batch split,
@@ -31,12 +31,11 @@ from meshtron.config import Config
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import moe_layers
 from meshtron.parallel.grad_norm import global_grad_norm, scale_grads_
-from meshtron.parallel.runner import (
+from meshtron.parallel.compose import materialize_sharded, parallelize
+from meshtron.parallel.step import (
     average_router_losses_over_microbatches,
-    export_hf,
+    full_state_dict,
     global_token_count,
-    materialize_sharded,
-    parallelize,
     split_microbatches,
 )
 from meshtron.parallel.pipeline.executor import PipelineExecutor
@@ -153,5 +152,5 @@ class PipelineRunner:
         scale_grads_(params, max_norm, total)
         return total
 
-    def export_hf(self, folder: str) -> None:
-        export_hf(self.module, self.cfg, folder, self.pp_group)
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return full_state_dict(self.module, self.pp_group)

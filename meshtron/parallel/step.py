@@ -1,0 +1,87 @@
+"""The step-runner interface the trainer drives, and what both runners share.
+
+A runner owns one rank's parallelized model and runs forward and backward of a whole global-batch
+step: :class:`meshtron.parallel.runner.StepRunner` without a pipeline, :class:`meshtron.parallel.
+pipeline.runner.PipelineRunner` with one. Both split the rank's batch into the same micro-batches,
+divide every micro-batch's summed token loss by the global token count of the step (so the loss
+and gradients are the same on every layout), and scale the MoE router losses the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshtron.checkpoint import gather_full_state_dict
+from meshtron.models import moe_layers
+from meshtron.models.moe import MoE
+from meshtron.parallel.context import shard_batch
+
+
+class Runner(Protocol):
+    """What the trainer needs of a runner, on every layout."""
+
+    module: nn.Module  # this rank's parallelized model (a pipeline rank: its stages); the optimizer's
+    moes: list[MoE]  # the MoE layers this rank runs, found once (for expert-bias updates)
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Gradients of one global-batch step accumulated into ``.grad``; the global loss as a device
+        scalar on every rank (reading it is the caller's one host sync)."""
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The last step's MoE load-balancing loss (mean over layers and micro-batches), or None."""
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip every gradient of the model in place; the global norm before clipping (device scalar)."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's full CPU tensors on global rank 0, None elsewhere (collective)."""
+
+
+def split_microbatches(input_ids: torch.Tensor, labels: torch.Tensor, mesh, micro: int):
+    """[(ids, labels, position_ids)] per micro-batch: this rank's cp slice of the sequence (with its
+    global positions), split along the batch dimension."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    input_ids, labels, positions = shard_batch((input_ids, labels, positions), mesh)
+    return list(zip(input_ids.chunk(micro), labels.chunk(micro), positions.chunk(micro)))
+
+
+def global_token_count(micro: list, data_group) -> torch.Tensor:
+    """Counted tokens of the whole step over the ranks that hold different tokens (dp x ep x cp)."""
+    tokens = sum((lab != -100).sum() for _, lab, _ in micro).to(torch.float32)
+    dist.all_reduce(tokens, group=data_group)
+    return tokens
+
+
+def average_router_losses_over_microbatches(module: nn.Module, micro: int) -> None:
+    for moe in moe_layers(module):  # one router loss per micro-batch, averaged over them
+        moe.aux_loss_scale /= micro
+        moe.z_loss_scale /= micro
+
+
+def _full_cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Full tensors of this rank's parameters on CPU, on every rank (collective over each DTensor's mesh).
+
+    ``gather_full_state_dict`` keeps the result on global rank 0 only, which lacks the other stages.
+    """
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in module.state_dict().items()
+    }
+
+
+def full_state_dict(module: nn.Module, pp_group=None) -> dict[str, torch.Tensor] | None:
+    """The whole model as full CPU tensors on global rank 0, None elsewhere (collective over every
+    DTensor's mesh; ``pp_group`` gathers the stages of rank 0's pipeline)."""
+    if pp_group is None:
+        state = gather_full_state_dict(module)  # collective; only rank 0 gets the tensors
+        return state if dist.get_rank() == 0 else None
+    state = _full_cpu_state(module)
+    if 0 not in dist.get_process_group_ranks(pp_group):
+        return None  # the other pipelines hold copies
+    stages = [None] * dist.get_world_size(pp_group) if dist.get_rank() == 0 else None
+    dist.gather_object(state, stages, dst=0, group=pp_group)
+    return {k: v for stage in stages for k, v in stage.items()} if stages else None
