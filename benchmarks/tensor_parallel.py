@@ -6,9 +6,11 @@ without sequence parallelism, one forward + backward of one layer measures
 * bytes each rank sends per step over the tp group, from every collective the layer issues
   (ring algorithm: all-reduce 2(t-1)/t x size, all-gather and reduce-scatter (t-1)/t x size), against
   Megatron's analytic figure: 4 all-reduces of b*s*h without SP, 4 all-gathers + 4 reduce-scatters
-  of b*s*h with SP (Korthikanti et al. 2022, which shows the two volumes are equal);
+  of b*s*h with SP (Korthikanti et al. 2022, which shows the two volumes are equal; with SP backward
+  also re-gathers the q/k/v and gate/up inputs, 2 more all-gathers, as Megatron-LM does);
 * activation bytes saved for backward per rank (``saved_tensors_hooks``; unique storages,
-  parameters and the shared RoPE tables excluded).
+  parameters and the shared RoPE tables excluded), with SP next to the figures measured before
+  q/k/v and gate/up kept only the sequence shard of their input (``SAVED_BEFORE_SP``).
 
 Run: ``PYTHONPATH=. python benchmarks/tensor_parallel.py`` (writes benchmarks/results/tensor_parallel.{md,json,png}).
 """
@@ -43,6 +45,9 @@ CFG = dict(
     num_key_value_heads=8, head_dim=48, rope_theta=10000.0,
 )
 RESULTS = Path(__file__).parent / "results"
+# Saved bytes per rank with SP when q/k/v and gate/up saved their all-gathered (full-sequence) input:
+# this script with tensor.py of commit 560a5f4; tp -> bytes (tp 1 has no SP).
+SAVED_BEFORE_SP = {1: 15484928, 2: 8528896, 4: 5050880, 8: 3311872}
 
 _funcol = torch.ops._c10d_functional
 # op -> (bytes of the full tensor the collective covers, wire factor per rank for group size t)
@@ -113,7 +118,8 @@ def _measure(tp: int, sp: bool) -> dict:
     grad = torch.randn(BATCH, SEQ, cfg.hidden_size, generator=gen).to(device)
     if sp:  # the residual stream between layers holds this rank's sequence chunk
         rank = dist.get_rank() % tp
-        x, grad = x.chunk(tp, dim=1)[rank], grad.chunk(tp, dim=1)[rank]
+        # Copies: a view would make the whole unsplit input count as saved (the norm saves its input).
+        x, grad = x.chunk(tp, dim=1)[rank].clone(), grad.chunk(tp, dim=1)[rank].clone()
     x.requires_grad_()
     positions = torch.arange(SEQ, device=device).expand(BATCH, -1)
     rope = model.rotary(positions, x.dtype)
@@ -171,10 +177,30 @@ def _markdown(rows: list[dict]) -> str:
         )
     lines += [
         "",
+        "With SP a rank sends 1.25x Megatron's analytic figure: backward re-gathers the inputs of q/k/v "
+        "and gate/up (2 all-gathers more), which forward keeps only as sequence shards, as Megatron-LM does.",
+        "",
+        "## Saved activations per rank with SP, before and after saving sequence shards",
+        "",
+        "Before: q/k/v and gate/up saved their all-gathered, full-sequence input (tensor.py of commit "
+        "560a5f4, measured with this script). After: they save the sequence shard and re-gather it in "
+        "backward. The table committed at 560a5f4 read 8.51 / 5.38 / 3.81 MiB (0.26x at tp 8) because the "
+        "layer's input was a view of the unsplit tensor, whose whole storage counted as saved.",
+        "",
+        "| tp | before (MiB) | before vs tp = 1 | after (MiB) | after vs tp = 1 | ideal 1/tp |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in [rows[0]] + [r for r in rows if r["sp"]]:
+        before = SAVED_BEFORE_SP[r["tp"]]
+        lines.append(
+            f"| {r['tp']} | {before / mib:.2f} | {before / base:.2f} | {r['saved_bytes'] / mib:.2f} "
+            f"| {r['saved_bytes'] / base:.2f} | {1 / r['tp']:.3f} |"
+        )
+    lines += [
+        "",
         "Saved activations count each storage once (parameters and the RoPE tables shared by all layers "
-        "excluded). SP shards the norms' and residual's saved tensors by tp; the inputs of q/k/v and "
-        "gate/up are saved after the all-gather (full sequence, as DTensor's linear keeps them), where "
-        "Megatron re-gathers them in backward instead.",
+        "excluded). Without SP the norms' inputs and the q/k/v and gate/up inputs stay full-sequence "
+        "on every rank; with SP every saved tensor is split over tp, by heads or along the sequence.",
         "",
     ]
     return "\n".join(lines)
@@ -194,6 +220,8 @@ def _plot(rows: list[dict], path: Path) -> None:
         left.plot([r["tp"] for r in sel], [r["wire_bytes"] / mib for r in sel], marker=marker, label=f"measured, {label}")
         sel_act = [rows[0]] + sel
         right.plot([r["tp"] for r in sel_act], [r["saved_bytes"] / mib for r in sel_act], marker=marker, label=label)
+    right.plot(list(SAVED_BEFORE_SP), [b / mib for b in SAVED_BEFORE_SP.values()], ":", marker="s",
+               label="SP, before (gathered inputs saved)")
     analytic = [r for r in rows if r["tp"] > 1 and not r["sp"]]
     left.plot([r["tp"] for r in analytic], [r["analytic_bytes"] / mib for r in analytic], "k--", label="Megatron analytic")
     left.set(xlabel="tp", ylabel="MiB sent per rank per layer step", title="Communication", xticks=list(TPS))

@@ -23,6 +23,7 @@ from meshtron import env
 from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import ConfigError, ModelConfig
 from meshtron.models import build_model, materialize, token_loss_sum
+from meshtron.parallel.checkpointing import apply_activation_checkpointing
 from meshtron.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, parallel_token_loss_sum
 from meshtron.testing import rel_err, run_checks
 
@@ -77,14 +78,17 @@ def _step(model, tokens, labels, loss_fn):
     return loss
 
 
-def _assert_parity(kind: str, tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool = False):
+def _assert_parity(kind: str, tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool = False,
+                   ac: bool = False):
     cfg = ModelConfig(**(MOE if kind == "moe" else DENSE), tie_word_embeddings=tie)
     ref = _reference(cfg, seed)
     par = _parallel_copy(ref, _tp_mesh(tp), sp, on_meta)
+    if ac:  # recomputation replays the SP gathers; the sequence shards saved must still match
+        apply_activation_checkpointing(par, "full")
     tokens, labels = _batch(cfg, seed)
     expected = _step(ref, tokens, labels, token_loss_sum)
     actual = _step(par, tokens, labels, parallel_token_loss_sum)
-    where = f"{kind} tp={tp} sp={sp} tie={tie}"
+    where = f"{kind} tp={tp} sp={sp} tie={tie} ac={ac}"
     assert rel_err(actual, expected) < 1e-5, f"{where}: loss {actual.item()} vs {expected.item()}"
     ref_params = dict(ref.named_parameters())
     assert set(ref_params) == {n for n, _ in par.named_parameters()}
@@ -105,7 +109,7 @@ def _assert_parity(kind: str, tp: int, sp: bool, seed: int, on_meta: bool = True
 def check_parity_dense(seed):
     for tp in (2, 4, 8):
         for sp in (False, True):
-            _assert_parity("dense", tp, sp, seed + tp, on_meta=tp != 8, tie=(tp == 4 and sp))
+            _assert_parity("dense", tp, sp, seed + tp, on_meta=tp != 8, tie=(tp == 4 and sp), ac=(tp == 2 and sp))
 
 
 def check_parity_moe(seed):
@@ -158,11 +162,13 @@ def _layer_collectives(model, tokens, labels):
 
 def _expected_layer_collectives(kind: str, sp: bool, replicated_kv: bool, phase: str) -> Counter:
     """Megatron's count per dense layer: 2 all-reduces (no SP) or 2 all-gathers + 2 reduce-scatters
-    (SP), in forward and again in backward.
+    (SP), in forward and again in backward; under SP backward also re-gathers the q/k/v and gate/up
+    inputs, which forward saved sequence-sharded (2 more all-gathers).
 
     Replicated KV heads add 4 all-reduces in backward (the replicas' k/v weight and bias gradients).
     A MoE layer under SP gathers its input once and all-reduces the shared expert's output (it runs
-    on the gathered tokens), so one reduce-scatter becomes an all-reduce.
+    on the gathered tokens), so one reduce-scatter becomes an all-reduce; only its attention input
+    is re-gathered.
     """
     if not sp:
         want = Counter(all_reduce=2)
@@ -170,6 +176,8 @@ def _expected_layer_collectives(kind: str, sp: bool, replicated_kv: bool, phase:
         want = Counter(all_gather_into_tensor=2, reduce_scatter_tensor=1, all_reduce=1)
     else:
         want = Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2)
+    if sp and phase == "backward":
+        want["all_gather_into_tensor"] += 1 if kind == "moe" else 2
     if replicated_kv and phase == "backward":
         want["all_reduce"] += 4
     return want
@@ -188,6 +196,45 @@ def check_collectives_per_layer(seed):
                     want = _expected_layer_collectives(kind, sp, kv < tp, phase)
                     where = f"{kind} kv={kv} tp={tp} sp={sp} layer {layer} {phase}"
                     assert got == want, f"{where}: {dict(got)} != {dict(want)}"
+
+
+def _saved_activation_bytes(block, x, rope, exclude: set[int]) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward of ``block``."""
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, rope)
+    return sum(saved.values())
+
+
+def _storages(tensors) -> set[int]:
+    return {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for t in tensors}
+
+
+def check_sp_saves_activations_over_tp(seed):
+    """With SP every tensor a dense block saves for backward is split over tp (KV heads included
+    here), the q/k/v and gate/up inputs as sequence shards: per rank ~1/tp of the unsplit block."""
+    cfg = ModelConfig(**{**DENSE, "num_key_value_heads": 8})
+    ref = _reference(cfg, seed)
+    seq = 64  # long enough that per-token tensors dominate
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(BATCH, seq, cfg.hidden_size, generator=gen).to(env.local_device()).requires_grad_()
+    rope = ref.rotary(torch.arange(seq, device=x.device).expand(BATCH, -1), x.dtype)
+    unsplit = _saved_activation_bytes(ref.layers["0"], x, rope, _storages([*ref.parameters(), *rope]))
+    for tp in (2, 4, 8):
+        mesh = _tp_mesh(tp)
+        par = _parallel_copy(ref, mesh, sp=True, on_meta=True)
+        shard = x.detach().chunk(tp, dim=1)[mesh.get_local_rank()].clone().requires_grad_()
+        per_rank = _saved_activation_bytes(par.layers["0"], shard, rope, _storages([*par.parameters(), *rope]))
+        ratio = per_rank * tp / unsplit
+        assert abs(ratio - 1) < 0.1, f"tp={tp}: {per_rank} bytes saved per rank, {ratio:.3f} x unsplit / tp"
 
 
 class _CollectiveShapes(TorchDispatchMode):
@@ -242,7 +289,8 @@ def check_heads_error(seed):
 def test_tensor_parallel_8_ranks():
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")  # shown by pytest on failure, to replay the same draw
-    checks = [check_heads_error, check_collectives_per_layer, check_loss_never_gathers_logits,
+    checks = [check_heads_error, check_collectives_per_layer, check_sp_saves_activations_over_tp,
+              check_loss_never_gathers_logits,
               check_pipeline_stages_and_uneven_vocab,
               check_parity_dense, check_parity_moe]
     run_checks(checks, 8, seed, timeout=240)

@@ -16,14 +16,18 @@ sequence parallelism from Korthikanti et al. 2022):
   Tied embeddings share one ``Shard(0)`` parameter.
 * ``sp=True``: norms and the residual stream are split along the sequence; the all-reduce after
   o_proj/down_proj becomes a reduce-scatter and the one before q/k/v (gate/up) an all-gather.
+  As in Megatron, q/k/v (gate/up) keep only the sequence shard of their input for backward and
+  gather it again there (:class:`SequenceParallelColwise`), so every activation a dense block saves
+  is split over tp.
 * MoE: routed experts are left to expert parallelism. Every tp rank runs them on the same (gathered)
   tokens, so routing, expert outputs and router statistics are identical replicas; the router is a
   replicated DTensor and the shared expert follows the dense MLP plan.
 
 Collectives per dense layer: 2 all-reduces (no SP) or 2 all-gathers + 2 reduce-scatters (SP) in
-forward, the same again in backward, as Megatron. Replicated KV heads add 4 small all-reduces in
-backward (k/v weight and bias gradients); a MoE layer under SP all-reduces its shared expert's output
-where a dense MLP reduce-scatters. The tests count all of these.
+forward, the same again in backward, as Megatron; under SP backward adds the 2 all-gathers that
+re-gather the q/k/v and gate/up inputs (a MoE layer: 1, for attention). Replicated KV heads add 4
+small all-reduces in backward (k/v weight and bias gradients); a MoE layer under SP all-reduces its
+shared expert's output where a dense MLP reduce-scatters. The tests count all of these.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import types
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -91,10 +96,20 @@ class _SumGradOverMesh(torch.autograd.Function):
         return DTensor.from_local(grad, ctx.mesh, [Partial()]).redistribute(ctx.mesh, [Replicate()])
 
 
-def _replicate_params(module: nn.Module, mesh: DeviceMesh, src_data_rank: int | None) -> None:
+def _distribute_params(module: nn.Module, mesh: DeviceMesh, placement: Placement, src_data_rank: int | None) -> None:
     for name, param in list(module.named_parameters(recurse=False)):
-        dist_param = distribute_tensor(param, mesh, [Replicate()], src_data_rank=src_data_rank)
+        dist_param = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
         module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+
+
+def _local_linear(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's output rows of a column-split linear (weight, bias), differentiable into the DTensor
+    parameters: a ``Shard(0)`` split, or the rows of the KV head a :class:`ReplicatedKVHeads` rank computes."""
+    if hasattr(linear, "tp_rows"):
+        rows = slice(*linear.tp_rows)
+        weight = _SumGradOverMesh.apply(linear.weight)[rows]
+        return weight, _SumGradOverMesh.apply(linear.bias)[rows] if linear.bias is not None else None
+    return linear.weight.to_local(), linear.bias.to_local() if linear.bias is not None else None
 
 
 def _replicated_head_forward(self: nn.Linear, x: torch.Tensor | DTensor) -> torch.Tensor:
@@ -103,10 +118,7 @@ def _replicated_head_forward(self: nn.Linear, x: torch.Tensor | DTensor) -> torc
     # This rank's input gradient covers only its heads; labelling it partial lets DTensor sum it
     # with the other projections' partial gradients before the single reduction.
     x = x.to_local(grad_placements=[Partial()])
-    rows = slice(*self.tp_rows)
-    weight = _SumGradOverMesh.apply(self.weight)[rows]
-    bias = _SumGradOverMesh.apply(self.bias)[rows] if self.bias is not None else None
-    return F.linear(x, weight, bias)
+    return F.linear(x, *_local_linear(self))
 
 
 class ReplicatedKVHeads(ParallelStyle):
@@ -122,15 +134,19 @@ class ReplicatedKVHeads(ParallelStyle):
         self.kv_heads = kv_heads
         self.head_dim = head_dim
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def split_weights(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        """Replicate the parameters and record which rows (KV head) this rank computes."""
         if not isinstance(module, nn.Linear):
             raise TypeError(f"ReplicatedKVHeads expects nn.Linear, got {type(module).__name__}")
         tp = device_mesh.size()
         head = device_mesh.get_local_rank() // (tp // self.kv_heads)
-        _replicate_params(module, device_mesh, self.src_data_rank)
+        _distribute_params(module, device_mesh, Replicate(), self.src_data_rank)
         # The replica weight gradients are summed over tp in backward (one all-reduce per tensor).
         module.tp_mesh = device_mesh
         module.tp_rows = (head * self.head_dim, (head + 1) * self.head_dim)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.split_weights(module, device_mesh)
         module.forward = types.MethodType(_replicated_head_forward, module)
         return module
 
@@ -157,10 +173,118 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(
             module,
             device_mesh,
-            lambda _name, mod, mesh: _replicate_params(mod, mesh, self.src_data_rank),
+            lambda _name, mod, mesh: _distribute_params(mod, mesh, Replicate(), self.src_data_rank),
             input_fn=to_dtensor,
             output_fn=to_local,
         )
+
+
+def _start_sequence_gather(shard: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """All-gather [B, S/tp, H] shards over tp, returned in flight (funcol waits on first use).
+
+    Gathering along dim 0 needs no copy before the collective; :func:`_in_sequence_order` puts the
+    rank blocks back along the sequence once the data is needed.
+    """
+    return funcol.all_gather_single(shard.contiguous(), 0, mesh)
+
+
+def _in_sequence_order(gathered: torch.Tensor, tp: int) -> torch.Tensor:
+    """[tp * B, S/tp, H] rank blocks -> [B, S, H]."""
+    blocks = gathered.view(tp, -1, *gathered.shape[1:])
+    return blocks.transpose(0, 1).flatten(1, 2)
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+class _SequenceParallelLinears(torch.autograd.Function):
+    """Column-parallel projections of one sequence-sharded input, packed along the last dim.
+
+    Forward all-gathers the [B, S/tp, H] shard into [B, S, H] and computes every projection from it;
+    only the shard is saved. Backward re-gathers it (in flight while the input gradient is computed),
+    reduce-scatters the summed input gradient of all projections (in flight while the weight
+    gradients are computed), as Megatron-LM's sequence-parallel linear layers do.
+    """
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, mesh: DeviceMesh, count: int, *weights_and_biases: torch.Tensor | None):
+        weights, biases = weights_and_biases[:count], weights_and_biases[count:]
+        ctx.mesh = mesh
+        ctx.widths = [w.shape[0] for w in weights]
+        ctx.has_bias = biases[0] is not None
+        ctx.save_for_backward(shard, *weights)
+        full = _in_sequence_order(_start_sequence_gather(shard, mesh), mesh.size())
+        bias = torch.cat(biases) if ctx.has_bias else None
+        return F.linear(full, torch.cat(weights), bias)
+
+    @staticmethod
+    def backward(ctx, grad_packed: torch.Tensor):
+        shard, *weights = ctx.saved_tensors
+        gathering = _start_sequence_gather(shard, ctx.mesh)
+        grad_full = grad_packed @ torch.cat(weights)  # this rank's columns only: a partial sum over tp
+        grad_shard = funcol.reduce_scatter_single(grad_full, "sum", 1, ctx.mesh)
+        rows = grad_packed.flatten(0, -2)
+        full = _in_sequence_order(_waited(gathering), ctx.mesh.size())
+        grad_weights = (rows.t() @ full.flatten(0, -2)).split(ctx.widths)
+        grad_biases = rows.sum(0).split(ctx.widths) if ctx.has_bias else (None,) * len(weights)
+        return _waited(grad_shard), None, None, *grad_weights, *grad_biases
+
+
+def _packed_columns_forward(self: nn.Linear, packed: torch.Tensor) -> torch.Tensor:
+    # A copy, not a view: a view saved for backward (attention saves v) would keep every
+    # projection's output alive.
+    return packed[..., slice(*self.tp_columns)].clone()
+
+
+class SequenceParallelColwise(ParallelStyle):
+    """The column-parallel projections that read one module's sequence-sharded input under SP
+    (attention's q/k/v, the MLP's gate/up), applied to that module, as Megatron-LM's SP linears.
+
+    ``projections`` maps each child linear to how its weight is split: ``ColwiseParallel()`` (rows
+    ``Shard(0)``) or :class:`ReplicatedKVHeads`; parameter names and placements are those of the
+    styles without SP. The module's ``Shard(1)`` input is gathered once for all projections and only
+    the shard is kept for backward, so the saved activations shrink by tp (the gathered input would
+    cost a full [B, S, H] per module). The module then receives the projections' outputs packed
+    along the last dim in place of its input, and each projection returns a copy of its columns: the
+    module may use its input only as the projections' input and for its leading (batch, sequence)
+    sizes, as meshtron's attention and MLP do.
+    """
+
+    def __init__(self, projections: dict[str, ColwiseParallel | ReplicatedKVHeads]):
+        super().__init__()
+        self.projections = projections
+
+    def _split_weights(self, linear: nn.Module, style: ParallelStyle, mesh: DeviceMesh) -> None:
+        if isinstance(style, ReplicatedKVHeads):
+            style.src_data_rank = self.src_data_rank
+            style.split_weights(linear, mesh)
+        elif isinstance(style, ColwiseParallel):
+            _distribute_params(linear, mesh, Shard(0), self.src_data_rank)
+        else:
+            raise TypeError(f"SequenceParallelColwise splits weights like ColwiseParallel or ReplicatedKVHeads, "
+                            f"got {type(style).__name__}")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        linears = [module.get_submodule(name) for name in self.projections]
+        if len({linear.bias is None for linear in linears}) > 1:
+            raise ValueError(f"SequenceParallelColwise needs biases on all or none of {list(self.projections)}")
+        start = 0
+        for linear, style in zip(linears, self.projections.values()):
+            self._split_weights(linear, style, device_mesh)
+            width = _local_linear(linear)[0].shape[0]
+            linear.tp_columns = (start, start + width)
+            linear.forward = types.MethodType(_packed_columns_forward, linear)
+            start += width
+
+        def project(_module, args):
+            shard = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+            weights, biases = zip(*(_local_linear(linear) for linear in linears))
+            packed = _SequenceParallelLinears.apply(shard, device_mesh, len(linears), *weights, *biases)
+            return (packed, *args[1:])
+
+        module.register_forward_pre_hook(project)
+        return module
 
 
 def residual_layout(sp: bool) -> Placement:
@@ -168,14 +292,26 @@ def residual_layout(sp: bool) -> Placement:
     return Shard(1) if sp else Replicate()
 
 
-def _mlp_plan(prefix: str, sp: bool) -> dict[str, ParallelStyle]:
+def _colwise_group_plan(prefix: str, projections: dict[str, ParallelStyle], sp: bool,
+                        inputs: int) -> dict[str, ParallelStyle]:
+    """Column-parallel projections reading the first of the ``inputs`` inputs of module ``prefix``.
+
+    Without SP one replicated DTensor feeds them all, so their input gradients add up as partial
+    sums and are reduced once; under SP :class:`SequenceParallelColwise` does the same from the shard.
+    """
+    if sp:
+        return {prefix: SequenceParallelColwise(projections)}
+    layouts = (Replicate(),) + (None,) * (inputs - 1)
     return {
-        # One replicated DTensor feeds gate and up, so their input gradients are reduced once.
-        prefix: PrepareModuleInput(
-            input_layouts=(residual_layout(sp),), desired_input_layouts=(Replicate(),), use_local_output=False
-        ),
-        f"{prefix}.gate_proj": ColwiseParallel(),
-        f"{prefix}.up_proj": ColwiseParallel(),
+        prefix: PrepareModuleInput(input_layouts=layouts, desired_input_layouts=layouts, use_local_output=False),
+        **{f"{prefix}.{name}": style for name, style in projections.items()},
+    }
+
+
+def _mlp_plan(prefix: str, sp: bool) -> dict[str, ParallelStyle]:
+    projections = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel()}
+    return {
+        **_colwise_group_plan(prefix, projections, sp, inputs=1),
         f"{prefix}.down_proj": RowwiseParallel(output_layouts=residual_layout(sp)),
     }
 
@@ -202,15 +338,9 @@ def _moe_plan(prefix: str, moe: MoE, sp: bool) -> dict[str, ParallelStyle]:
 
 def _block_plan(block: nn.Module, kv_heads: int, head_dim: int, tp: int, sp: bool) -> dict[str, ParallelStyle]:
     kv_style = ColwiseParallel() if kv_heads % tp == 0 else ReplicatedKVHeads(kv_heads, head_dim)
-    plan: dict[str, ParallelStyle] = {
-        "self_attn": PrepareModuleInput(
-            input_layouts=(residual_layout(sp), None), desired_input_layouts=(Replicate(), None), use_local_output=False
-        ),
-        "self_attn.q_proj": ColwiseParallel(),
-        "self_attn.k_proj": kv_style,
-        "self_attn.v_proj": kv_style,
-        "self_attn.o_proj": RowwiseParallel(output_layouts=residual_layout(sp)),
-    }
+    projections = {"q_proj": ColwiseParallel(), "k_proj": kv_style, "v_proj": kv_style}
+    plan = _colwise_group_plan("self_attn", projections, sp, inputs=2)  # (hidden states, rope)
+    plan["self_attn.o_proj"] = RowwiseParallel(output_layouts=residual_layout(sp))
     if sp:
         plan["input_layernorm"] = SequenceParallel()
         plan["post_attention_layernorm"] = SequenceParallel()
@@ -365,5 +495,6 @@ __all__ = [
     "tp_fits",
     "ReplicatedKVHeads",
     "ReplicateParallel",
+    "SequenceParallelColwise",
     "VocabParallelHead",
 ]
