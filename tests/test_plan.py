@@ -224,3 +224,28 @@ def test_torchrun_ranks_refuse_alike_and_report_once(tmp_path):
     assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
     _refusal_line(proc.stderr)
     assert not (tmp_path / "pids").exists()  # no rank got as far as the process group
+
+
+@pytest.mark.parametrize("recipe", ["debug_dense", "debug_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layer_activations_match_what_autograd_saves(recipe, dtype):
+    """The per-layer activation figure within 5 % of the storages autograd saves for one block."""
+    import torch
+
+    from meshtron.models.layers import RotaryEmbedding
+    from meshtron.models.qwen2 import Block
+    from meshtron.plan.measure import saved_tensor_bytes
+    from meshtron.plan.memory import layer_activation_bytes
+
+    cfg = load_config(RECIPES / f"{recipe}.toml", ["--model.hidden_size=256", "--model.num_attention_heads=4",
+                                                   "--model.intermediate_size=512", f"--train.dtype={dtype}"])
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    block = Block(cfg.model, 0).to(dt)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    batch, seq = 2, 128
+    x = torch.randn(batch, seq, 256, dtype=dt, requires_grad=True)
+    rope = RotaryEmbedding(cfg.model.head_size, 1e4)(torch.arange(seq).expand(batch, -1), dt)
+    measured = saved_tensor_bytes(lambda: block(x, rope), exclude=block.parameters())
+    assert layer_activation_bytes(cfg, 0) * batch * seq == pytest.approx(measured, rel=0.05)

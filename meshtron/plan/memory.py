@@ -281,8 +281,9 @@ def layer_activation_bytes(cfg: Config, layer: int) -> float:
     Mirrors what autograd keeps in ``models/qwen2.py``: each RMSNorm its fp32 input and its
     compute-dtype normalized value (4 + c per element); the q/k/v and gate/up inputs (sequence-split
     with SP); attention's rotated q, k, v, output and the o_proj input copy plus an fp32 log-sum-exp
-    per head; SwiGLU's gate, silu(gate), up and product. MoE layers: router probabilities, per routed
-    copy the expert input, output and the four SwiGLU tensors (tokens split over tp), the shared expert.
+    per head; SwiGLU's gate, silu(gate), up and product. MoE layers: router probabilities and choices,
+    per routed copy the expert input, output (twice) and the four SwiGLU tensors (tokens split over tp),
+    the shared expert. ``tests/test_plan.py`` compares it with the tensors autograd saves for a block.
     """
     m, p = cfg.model, cfg.parallel
     c, h, tp, sp = compute_bytes(cfg), m.hidden_size, p.tp, _sp_split(cfg)
@@ -292,9 +293,13 @@ def layer_activation_bytes(cfg: Config, layer: int) -> float:
     attention = c * h / sp + c * m.head_size * (3 * heads + 2 * kv) + FP32 * heads
     if not m.is_moe_layer(layer):
         return norms + attention + c * h / sp + 4 * c * m.intermediate_size / tp
-    routed = m.num_experts_per_tok * c * (2 * h + 4 * m.moe_intermediate_size) / tp
-    shared = 4 * c * m.shared_expert_intermediate_size / tp + 2 * c if m.shared_expert_intermediate_size else 0
-    return norms + attention + c * h + 2 * FP32 * m.num_experts + routed + shared
+    k = m.num_experts_per_tok
+    # Per routed copy: the expert input, the down projection's output and its unpermuted copy, SwiGLU.
+    routed = k * c * (3 * h + 4 * m.moe_intermediate_size) / tp
+    # The shared expert: SwiGLU, its output (scaled by the sigmoid gate) and the gate.
+    shared = c * (4 * m.shared_expert_intermediate_size / tp + h + 1) if m.shared_expert_intermediate_size else 0
+    router = FP32 * m.num_experts + 2 * 8 * k  # fp32 probabilities, int64 choices and their sort order
+    return norms + attention + c * h + router + routed + shared
 
 
 def microbatch_tokens(cfg: Config) -> int:
