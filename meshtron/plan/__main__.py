@@ -75,7 +75,7 @@ def ranking_text(plans: list[Plan]) -> list[str]:
 
 def report(recipe: str, cfg: Config, gpus: int, hw: Hardware, as_json: bool) -> str:
     own = recipe_plan(cfg, gpus, hw)
-    ranked = rank_layouts(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=1)), gpus, hw)
+    ranked = rank_layouts(cfg, gpus, hw)
     if as_json:
         return json.dumps({
             "recipe": recipe,

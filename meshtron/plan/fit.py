@@ -3,7 +3,9 @@ is allocated or any collective runs.
 
 Available memory per rank: on CUDA the device's total memory (identical GPUs give every rank the same
 verdict); on CPU the host's available RAM (``MemAvailable``, read after this process imported torch,
-so the libraries are already accounted for) divided by the ranks on this host.
+so the libraries are already accounted for) divided by the ranks on this host. Every rank decides
+on its own, before any process group exists, and rank 0 prints the refusal; on CPU the ranks read
+``MemAvailable`` moments apart, so a prediction within a few MiB of the limit could split the verdict.
 """
 
 from __future__ import annotations

@@ -96,8 +96,7 @@ def _variants(cfg: Config, shape: dict[str, int], world_size: int) -> list[Confi
         if shape["pp"] > 1 and micro < shape["pp"]:
             continue
         parallel = dataclasses.replace(
-            cfg.parallel, **shape, sp=shape["tp"] > 1, microbatches=micro,
-            schedule="1f1b" if shape["pp"] > 1 else cfg.parallel.schedule, virtual_stages=1,
+            cfg.parallel, **shape, sp=shape["tp"] > 1, microbatches=micro, schedule="1f1b", virtual_stages=1,
         )
         variant = dataclasses.replace(cfg, parallel=parallel)
         try:
