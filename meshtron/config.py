@@ -91,7 +91,7 @@ def model_differences(ours: ModelConfig, theirs: dict[str, Any], source: str, ig
 @dataclass
 class ParallelConfig:
     pp: int = 1
-    dp: int = 1
+    dp: int = 1  # 0: the world size divided by pp x cp x ep x tp (infer_dp)
     cp: int = 1
     ep: int = 1
     tp: int = 1
@@ -130,6 +130,8 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # NaN/Inf loss or gradient norm: "stop" the run or "skip" the step
     # Tokens per chunk of the fused lm_head + cross-entropy: its extra memory is ~chunk x vocab / tp floats.
     loss_chunk_tokens: int = 1024
+    # Before allocating, compare meshtron.plan's per-rank prediction with the device: error | warn | off.
+    memory_check: str = "error"
 
 
 @dataclass
@@ -294,6 +296,7 @@ def _require(ok: bool, message: str) -> None:
 DATA_PARALLEL_MODES = ("fsdp", "hsdp", "replicate")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 NONFINITE_POLICIES = ("stop", "skip")
+MEMORY_CHECKS = ("error", "warn", "off")
 
 
 def _validate_data_parallel(p: ParallelConfig, source: str) -> None:
@@ -363,7 +366,7 @@ def _validate_layout(cfg: Config, source: str) -> None:
     """Per-key layout checks; fitting the layout to the world size, model and batch is mesh.validate_layout."""
     p = cfg.parallel
     where = f"{source}: [parallel]"
-    for key in ("pp", "dp", "cp", "ep", "tp", "virtual_stages", "microbatches"):
+    for key in ("pp", "cp", "ep", "tp", "virtual_stages", "microbatches"):
         _require(getattr(p, key) >= 1, f"{where} {key} must be >= 1, got {getattr(p, key)}.")
     schedules = ("gpipe", "1f1b", "interleaved")
     _require(
@@ -379,6 +382,23 @@ def _validate_layout(cfg: Config, source: str) -> None:
     _require(
         p.ep == 1 or cfg.model.is_moe, f"{where} ep = {p.ep} needs an MoE model (num_experts > 0); use dp instead."
     )
+
+
+def infer_dp(cfg: Config, world_size: int) -> Config:
+    """``[parallel] dp = 0`` becomes the world size divided by pp x cp x ep x tp (as Megatron infers
+    its data-parallel size); any other dp is returned unchanged. Raises :class:`ConfigError` when the
+    division is not exact."""
+    p = cfg.parallel
+    if p.dp != 0:
+        return cfg
+    others = p.pp * p.cp * p.ep * p.tp
+    _require(
+        world_size % others == 0,
+        f"[parallel] dp = 0 infers dp as the world size / (pp x cp x ep x tp), but the world size {world_size} is "
+        f"not a multiple of pp x cp x ep x tp = {p.pp} x {p.cp} x {p.ep} x {p.tp} = {others}. Launch a multiple "
+        f"of {others} ranks, or set [parallel] dp explicitly.",
+    )
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=world_size // others))
 
 
 def validate(cfg: Config, source: str = "<recipe>") -> None:
@@ -403,6 +423,11 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
         t.on_nonfinite in NONFINITE_POLICIES,
         f"{source}: [train] on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got '{t.on_nonfinite}'."
         + _closest(t.on_nonfinite, NONFINITE_POLICIES),
+    )
+    _require(
+        t.memory_check in MEMORY_CHECKS,
+        f"{source}: [train] memory_check must be one of {', '.join(MEMORY_CHECKS)}, got '{t.memory_check}'."
+        + _closest(t.memory_check, MEMORY_CHECKS),
     )
     _require(t.min_lr <= t.lr, f"{source}: [train] min_lr ({t.min_lr}) must not exceed lr ({t.lr}).")
     for key in ("beta1", "beta2"):

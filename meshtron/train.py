@@ -33,7 +33,7 @@ from meshtron.checkpoint import (
     read_marker,
     save_checkpoint,
 )
-from meshtron.config import Config, ConfigError, config_to_dict, load_config, model_differences
+from meshtron.config import Config, ConfigError, config_to_dict, infer_dp, load_config, model_differences
 from meshtron.hf import CheckpointError, save_hf
 from meshtron.data import to_device
 from meshtron.mesh import batch_mesh, build_mesh, init_default_group
@@ -41,6 +41,7 @@ from meshtron.parallel.layout import validate_layout
 from meshtron.metrics import MetricsLogger, peak_flops_per_device
 from meshtron.models import build_model, flops_per_token
 from meshtron.optim import build_optimizer, lr_at, set_lr
+from meshtron.plan.fit import check_memory
 
 
 def parse_args(argv: list[str]) -> tuple[str, list[str]]:
@@ -65,9 +66,10 @@ class NonFiniteError(RuntimeError):
 def main(argv: list[str] | None = None) -> int:
     recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = load_config(recipe, overrides)
+        cfg = infer_dp(load_config(recipe, overrides), _world_size())
         validate_layout(cfg, _world_size())
         preflight(cfg)
+        check_memory(cfg, _world_size(), env.device_type())  # before any allocation or collective
     except USER_ERRORS as err:
         # Every rank reads the same files and reaches the same verdict: one copy of the message is enough.
         if os.environ.get("RANK", "0") == "0":

@@ -20,6 +20,7 @@ from meshtron.config import (
     ParallelConfig,
     TrainConfig,
     config_from_dict,
+    infer_dp,
     load_config,
     parse_overrides,
 )
@@ -62,7 +63,7 @@ def test_every_recipe_loads_and_sets_every_key(path):
 
 @pytest.mark.parametrize("path", ALL_RECIPES, ids=lambda p: p.stem)
 def test_every_recipe_layout_fits_eight_ranks(path):
-    validate_layout(load_config(path), world_size=8)
+    validate_layout(infer_dp(load_config(path), 8), world_size=8)
 
 
 @pytest.mark.parametrize(
@@ -92,9 +93,9 @@ def test_debug_recipes_match_the_brief():
         m = cfg.model
         assert (m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.kv_heads) == (64, 4, 8, 2)
         assert (m.head_size, m.vocab_size, cfg.train.seq_len, cfg.train.dtype) == (8, 256, 64, "float32")
-    assert not dense.model.is_moe and dense.parallel.dp == 8
+    assert not dense.model.is_moe and dense.parallel.dp == 0 and infer_dp(dense, 8).parallel.dp == 8
     assert (moe.model.num_experts, moe.model.num_experts_per_tok, moe.model.norm_topk_prob) == (8, 2, False)
-    assert (moe.parallel.dp, moe.parallel.ep) == (2, 4)
+    assert (moe.parallel.dp, moe.parallel.ep, infer_dp(moe, 8).parallel.dp) == (0, 4, 2)
 
 
 def test_tied_embeddings_follow_published_configs():

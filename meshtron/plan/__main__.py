@@ -1,0 +1,111 @@
+"""``python -m meshtron.plan --recipe R --gpus N [--gpus-per-node 8] [--gpu-memory 80] [--json] [--section.key value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from meshtron.config import Config, ConfigError, infer_dp, load_config
+from meshtron.plan.memory import GIB
+from meshtron.parallel.layout import validate_layout
+from meshtron.plan.search import Plan, evaluate, rank_layouts
+from meshtron.plan.speed import Hardware
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="python -m meshtron.plan", description=__doc__)
+    parser.add_argument("--recipe", required=True, help="TOML recipe (see recipes/)")
+    parser.add_argument("--gpus", type=int, required=True, help="devices in the job")
+    parser.add_argument("--gpus-per-node", type=int, default=Hardware.gpus_per_node)
+    parser.add_argument("--gpu-memory", type=float, default=Hardware.memory_gib, help="GiB per device")
+    parser.add_argument("--mfu", type=float, default=Hardware.mfu, help="assumed model FLOPs utilization")
+    parser.add_argument("--peak-tflops", type=float, default=Hardware.peak_tflops, help="per device, dense")
+    parser.add_argument("--intra-gbps", type=float, default=Hardware.intra_gbps, help="GB/s inside a node")
+    parser.add_argument("--inter-gbps", type=float, default=Hardware.inter_gbps, help="GB/s between nodes")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    return parser.parse_known_args(argv)
+
+
+def hardware(args: argparse.Namespace) -> Hardware:
+    return Hardware(args.gpus_per_node, args.gpu_memory, args.peak_tflops, args.mfu, args.intra_gbps, args.inter_gbps)
+
+
+def recipe_plan(cfg: Config, gpus: int, hw: Hardware) -> Plan | str:
+    """The recipe's own layout on ``gpus`` devices, or why it cannot run there."""
+    try:
+        cfg = infer_dp(cfg, gpus)
+        validate_layout(cfg, gpus)
+    except ConfigError as err:
+        return str(err)
+    return evaluate(cfg, hw)
+
+
+def _layout_text(plan: Plan) -> str:
+    p = plan.cfg.parallel
+    sizes = " x ".join(f"{k} {getattr(p, k)}" for k in ("pp", "dp", "cp", "ep", "tp") if getattr(p, k) > 1) or "1 rank"
+    extras = [p.data_parallel, f"ac {p.activation_checkpointing}", f"mb {p.microbatches}"]
+    if p.sp and p.tp > 1:
+        extras.insert(0, "SP")
+    if p.pp > 1:
+        extras.append(p.schedule)
+    return f"{sizes} ({', '.join(extras)})"
+
+
+def breakdown_text(plan: Plan, hw: Hardware) -> list[str]:
+    gib = plan.memory.gib()
+    lines = [f"  {term:<16}{value:9.2f}{'  <- largest' if term == plan.memory.dominant else ''}"
+             for term, value in gib.items()]
+    verdict = "fits" if plan.fits else "does NOT fit"
+    lines.append(f"  {'total':<16}{plan.memory.total / GIB:9.2f}  {verdict} in {hw.memory_gib:g} GiB "
+                 f"(busiest pipeline rank {plan.memory.pp_rank})")
+    t = plan.time
+    lines.append(f"  step {t.seconds:.2f} s, {t.tokens_per_second:,.0f} tokens/s (compute {t.compute:.2f} s, "
+                 f"exposed communication {t.exposed_comm:.2f} s, pipeline bubble {t.bubble:.0%})")
+    return lines
+
+
+def ranking_text(plans: list[Plan]) -> list[str]:
+    rows = [f"  {'#':>3}  {'layout':<52}{'GiB':>8}  {'fits':<5}{'step s':>8}{'tokens/s':>12}"]
+    for i, plan in enumerate(plans, 1):
+        rows.append(f"  {i:>3}  {_layout_text(plan):<52}{plan.memory.total / GIB:8.1f}  "
+                    f"{'yes' if plan.fits else 'no':<5}{plan.time.seconds:8.2f}{plan.time.tokens_per_second:12,.0f}")
+    return rows
+
+
+def report(recipe: str, cfg: Config, gpus: int, hw: Hardware, as_json: bool) -> str:
+    own = recipe_plan(cfg, gpus, hw)
+    ranked = rank_layouts(cfg, gpus, hw)
+    if as_json:
+        return json.dumps({
+            "recipe": recipe,
+            "hardware": dataclasses.asdict(hw) | {"gpus": gpus},
+            "recipe_layout": own.to_json() if isinstance(own, Plan) else {"error": own},
+            "layouts": [plan.to_json() for plan in ranked],
+        }, indent=1)
+    head = f"{recipe} on {gpus} x {hw.memory_gib:g} GiB ({hw.gpus_per_node} per node), MFU {hw.mfu:g} assumed"
+    lines = [head, ""]
+    if isinstance(own, Plan):
+        lines += [f"recipe layout: {_layout_text(own)}, per-rank memory (GiB):"] + breakdown_text(own, hw)
+    else:
+        lines.append(f"recipe layout cannot run on {gpus} devices: {own}")
+    lines += ["", f"layouts for {gpus} devices, fitting ones first, by predicted tokens/s:"] + ranking_text(ranked)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.gpus < 1 or args.gpus_per_node < 1 or args.gpu_memory <= 0:
+            raise ConfigError("--gpus and --gpus-per-node must be >= 1 and --gpu-memory > 0.")
+        cfg = load_config(args.recipe, overrides)
+        print(report(args.recipe, cfg, args.gpus, hardware(args), args.json))
+    except ConfigError as err:
+        print(f"meshtron: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Pre-flight memory check of ``meshtron.train``: refuse a layout predicted not to fit, before anything
+is allocated or any collective runs.
+
+Available memory per rank: on CUDA the device's total memory (identical GPUs give every rank the same
+verdict); on CPU the host's available RAM (``MemAvailable``, read after this process imported torch,
+so the libraries are already accounted for) divided by the ranks on this host. Every rank decides
+on its own, before any process group exists, and rank 0 prints the refusal; on CPU the ranks read
+``MemAvailable`` moments apart, so a prediction within a few MiB of the limit could split the verdict.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from meshtron.config import Config, ConfigError
+from meshtron.plan.memory import GIB, Assumptions, predict_memory
+from meshtron.plan.search import fitting_layout, rank_layouts
+from meshtron.plan.speed import Hardware
+
+# CPU ranks have no CUDA context or communicator buffers: only the allocator slack remains.
+CPU_ASSUMPTIONS = Assumptions(reserved_gib=0.0)
+
+
+def host_available_bytes() -> int:
+    """``MemAvailable`` from /proc/meminfo (free pages where the kernel does not report it)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def local_ranks() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+
+
+def available_per_rank(device_type: str) -> tuple[float, str]:
+    """(bytes one rank may use, how that was measured)."""
+    if device_type == "cuda":
+        import torch
+
+        index = int(os.environ.get("LOCAL_RANK", "0"))
+        total = torch.cuda.get_device_properties(index).total_memory
+        return total, f"total memory of cuda:{index}"
+    ranks = local_ranks()
+    host = host_available_bytes()
+    return host / ranks, f"{host / GIB:.1f} GiB of available host RAM shared by {ranks} local ranks"
+
+
+def _suggestion(cfg: Config, world_size: int, available: float, device_type: str) -> str:
+    """A concrete layout that fits, from the planner, or what to change when none does."""
+    hw = Hardware(gpus_per_node=min(local_ranks(), world_size), memory_gib=available / GIB)
+    assumptions = CPU_ASSUMPTIONS if device_type == "cpu" else Assumptions()
+    plan = fitting_layout(cfg, world_size, hw, assumptions)
+    if plan is not None:
+        return (f"A layout predicted to fit ({plan.memory.total / GIB:.1f} GiB per rank, `python -m meshtron.plan` "
+                f"ranks them all): {plan.overrides()}.")
+    smallest = min(rank_layouts(cfg, world_size, hw, assumptions), key=lambda p: p.memory.total, default=None)
+    least = f" (the smallest needs {smallest.memory.total / GIB:.1f} GiB per rank)" if smallest else ""
+    return (f"No layout of {world_size} ranks fits{least}: use more or larger devices, or lower [train] "
+            "seq_len / global_batch_size.")
+
+
+def check_memory(cfg: Config, world_size: int, device_type: str) -> None:
+    """Raise :class:`ConfigError` (``memory_check = "error"``) or print a warning (``"warn"``, rank 0)
+    when the planner's per-rank prediction exceeds the available memory."""
+    mode = cfg.train.memory_check
+    if mode == "off":
+        return
+    assumptions = CPU_ASSUMPTIONS if device_type == "cpu" else Assumptions()
+    predicted = predict_memory(cfg, assumptions)
+    available, source = available_per_rank(device_type)
+    if predicted.total <= available:
+        return
+    dominant = predicted.dominant
+    message = (
+        f"this layout needs a predicted {predicted.total / GIB:.1f} GiB per rank (largest term: {dominant} "
+        f"{predicted.terms[dominant] / GIB:.1f} GiB) but {available / GIB:.1f} GiB is available ({source}). "
+        f"{_suggestion(cfg, world_size, available, device_type)} To start anyway set [train] memory_check = "
+        "\"warn\" or \"off\"."
+    )
+    if mode == "error":
+        raise ConfigError(message)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"meshtron: warning: {message}", file=sys.stderr, flush=True)

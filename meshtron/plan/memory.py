@@ -1,0 +1,402 @@
+"""Per-rank memory model: bytes by named term, as pure functions of a :class:`Config` and its layout.
+
+No process group, no tensors: every figure comes from the model shapes and the rules the parallel
+modules follow (see each term's function for the code it mirrors).
+
+State (exact: ``tests/test_plan.py`` checks it against the DTensor local shards of a parallelized
+meta-device model):
+
+- ``params``: fp32 master parameters. tp splits q/k/v/gate/up by rows, o/down by columns, the
+  embedding and LM head by vocabulary rows (KV heads fewer than tp stay whole); ep splits routed
+  experts by expert; then FSDP shards dim 0 of the local tensor over the data mesh (experts: the
+  first dim the shard count divides) with ``torch.chunk`` sizes, HSDP only over ep x cp (experts:
+  cp), replicate not at all;
+- ``grads``: the same elements, fp32;
+- ``optimizer``: AdamW's two fp32 moments plus one fp32 step count per parameter tensor.
+
+Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 in fp32):
+
+- ``gathered``: unsharded compute copies. With pp = 1 FSDP holds the unit in use, ``fsdp_prefetch``
+  blocks gathered ahead, the root unit (final norm, tied embedding) and one all-gather output buffer;
+  with pp > 1 every unit of the stage stays gathered for the whole step (issue 15);
+- ``unsharded_grads``: the unit being reduced (pp = 1, fsdp); the whole stage's gradients in fp32
+  when they accumulate unreduced (pp > 1, or hsdp/replicate with several micro-batches);
+- ``reduce_scatter``: the fp32 input buffer of the largest unit's gradient reduction;
+- ``activations``: saved tensors per layer and token (:func:`layer_activation_bytes`) times the layers
+  a rank holds, the tokens of one micro-batch and the micro-batches in flight (pp schedules'
+  ``peak_in_flight``); activation checkpointing keeps only block inputs; plus one layer's working set
+  in backward (recomputed activations and their gradients);
+- ``loss``: the fused chunked LM head + cross-entropy: per in-flight micro-batch the hidden-state
+  gradient [tokens, H] and the fp32 weight-gradient accumulator [V/tp, H]; one chunk's fp32 logits,
+  an fp32 temporary and a compute-dtype copy [chunk, V/tp];
+- ``ep_dispatch``: the routed token copies being sent and received by one MoE layer's all-to-all;
+- ``other``: CUDA context, communicator buffers and allocator fragmentation (:class:`Assumptions`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from meshtron.config import Config, ModelConfig
+from meshtron.parallel.pipeline.schedules import build_schedule, peak_in_flight
+from meshtron.parallel.pipeline.split import split_layers
+
+GIB = 2**30
+FP32 = 4
+
+TERMS = (
+    "params",
+    "grads",
+    "optimizer",
+    "gathered",
+    "unsharded_grads",
+    "reduce_scatter",
+    "activations",
+    "loss",
+    "ep_dispatch",
+    "other",
+)
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """What the model cannot derive from shapes. The defaults are estimates, not measurements on GPUs:
+    about a GiB for the CUDA context, NCCL and cuBLAS workspaces, and 5 % caching-allocator slack."""
+
+    reserved_gib: float = 1.0
+    fragmentation: float = 0.05
+
+
+class Coords(NamedTuple):
+    """A rank's index along each mesh dimension (the planner reports the busiest: index 0 of each)."""
+
+    pp: int = 0
+    dp: int = 0
+    cp: int = 0
+    ep: int = 0
+    tp: int = 0
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter tensor of the model: its full shape and how tp / ep split it."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None = None  # dim split over tp (None: whole on every tp rank)
+    expert: bool = False  # routed experts: dim 0 split over ep, data mesh dp x cp
+    unit: str = "root"  # FSDP unit: "block.<i>", "experts.<i>", "embed", "head" or "root"
+
+
+@dataclass
+class Breakdown:
+    """Per-rank bytes by term (:data:`TERMS`) for the busiest pipeline rank."""
+
+    terms: dict[str, float] = field(default_factory=dict)
+    pp_rank: int = 0
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def dominant(self) -> str:
+        return max(self.terms, key=self.terms.get)
+
+    def gib(self) -> dict[str, float]:
+        return {k: v / GIB for k, v in self.terms.items()}
+
+
+def _memo_by_key(fn):
+    """Cache ``fn(key, *args)`` by ``key`` alone: configs are unhashable dataclasses, and the planner
+    evaluates hundreds of layouts of one model, so inventories are built once per key."""
+    cache: dict = {}
+
+    @functools.wraps(fn)
+    def cached(key, *args):
+        if key not in cache:
+            cache[key] = fn(key, *args)
+        return cache[key]
+
+    return cached
+
+
+def chunk_size(n: int, parts: int, index: int) -> int:
+    """Elements of ``torch.chunk``'s piece ``index`` when ``n`` is cut into ``parts`` (DTensor Shard, FSDP2)."""
+    step = -(-n // parts)
+    return max(0, min(step, n - index * step))
+
+
+def _kv_split(m: ModelConfig, tp: int) -> bool:
+    """KV heads are split over tp when tp divides them; otherwise each tp rank keeps them whole."""
+    return m.kv_heads % tp == 0
+
+
+def _layer_params(m: ModelConfig, layer: int, tp: int) -> list[Param]:
+    h, d = m.hidden_size, m.head_size
+    kv_dim = 0 if _kv_split(m, tp) else None
+    unit = f"block.{layer}"
+    p = f"layers.{layer}."
+    out = [Param(p + "input_layernorm.weight", (h,), unit=unit)]
+    for proj, rows, split in (("q", m.num_attention_heads * d, 0), ("k", m.kv_heads * d, kv_dim), ("v", m.kv_heads * d, kv_dim)):
+        out.append(Param(f"{p}self_attn.{proj}_proj.weight", (rows, h), split, unit=unit))
+        if m.attention_bias:
+            out.append(Param(f"{p}self_attn.{proj}_proj.bias", (rows,), split, unit=unit))
+    out.append(Param(p + "self_attn.o_proj.weight", (h, m.num_attention_heads * d), 1, unit=unit))
+    out.append(Param(p + "post_attention_layernorm.weight", (h,), unit=unit))
+    if not m.is_moe_layer(layer):
+        return out + _mlp_params(p + "mlp.", h, m.intermediate_size, unit)
+    e, i = m.num_experts, m.moe_intermediate_size
+    out.append(Param(p + "mlp.gate.weight", (e, h), unit=unit))
+    experts = f"experts.{layer}"
+    for name, shape in (("gate_proj", (e, h, i)), ("up_proj", (e, h, i)), ("down_proj", (e, i, h))):
+        out.append(Param(f"{p}mlp.experts.{name}", shape, expert=True, unit=experts))
+    if m.shared_expert_intermediate_size:
+        out += _mlp_params(p + "mlp.shared_expert.", h, m.shared_expert_intermediate_size, unit)
+        out.append(Param(p + "mlp.shared_expert_gate.weight", (1, h), unit=unit))
+    return out
+
+
+def _mlp_params(prefix: str, h: int, inner: int, unit: str) -> list[Param]:
+    return [
+        Param(prefix + "gate_proj.weight", (inner, h), 0, unit=unit),
+        Param(prefix + "up_proj.weight", (inner, h), 0, unit=unit),
+        Param(prefix + "down_proj.weight", (h, inner), 1, unit=unit),
+    ]
+
+
+def stage_params(cfg: Config, pp_rank: int) -> tuple[Param, ...]:
+    """Parameters pipeline rank ``pp_rank`` holds (all of them when pp = 1), as ``prune_to_stage`` keeps.
+
+    Tied embeddings: one parameter in the root unit with pp = 1; with pp > 1 the first stage's
+    embedding and the last stage's LM head are separate copies, each an FSDP unit of its own.
+    """
+    p = cfg.parallel
+    return _stage_params((repr(cfg.model), p.tp, p.pp, p.virtual_stages, pp_rank), cfg.model)
+
+
+@_memo_by_key
+def _stage_params(key: tuple, m: ModelConfig) -> tuple[Param, ...]:
+    _, tp, pp, virtual, pp_rank = key
+    vocab = (m.vocab_size, m.hidden_size)
+    layers = [i for r in split_layers(m.num_hidden_layers, pp, virtual)[pp_rank] for i in r]
+    tied_root = m.tie_word_embeddings and pp == 1
+    out = []
+    if pp_rank == 0:
+        out.append(Param("embed_tokens.weight", vocab, 0, unit="root" if tied_root else "embed"))
+    for layer in layers:
+        out += _layer_params(m, layer, tp)
+    if pp_rank == pp - 1:
+        out.append(Param("norm.weight", (m.hidden_size,)))
+        if not tied_root:
+            out.append(Param("lm_head.weight", vocab, 0, unit="head"))
+    return tuple(out)
+
+
+def data_shards(cfg: Config, coords: Coords, expert: bool) -> tuple[int, int]:
+    """(shard count, this rank's shard index) of the data-parallel sharding (``parallel/data.py``)."""
+    p, c = cfg.parallel, coords
+    if p.data_parallel == "replicate":
+        return 1, 0
+    if p.data_parallel == "hsdp":  # replicate over dp, shard over cp x ep (experts: cp)
+        return (p.cp, c.cp) if expert else (p.cp * p.ep, c.cp * p.ep + c.ep)
+    if expert:  # dp x cp, flattened in mesh order
+        return p.dp * p.cp, c.dp * p.cp + c.cp
+    return p.dp * p.cp * p.ep, (c.dp * p.cp + c.cp) * p.ep + c.ep
+
+
+def model_parallel_shape(param: Param, cfg: Config, coords: Coords) -> list[int]:
+    """The tensor this rank holds after tp and ep, before data-parallel sharding."""
+    p = cfg.parallel
+    shape = list(param.shape)
+    if param.tp_dim is not None:
+        shape[param.tp_dim] = chunk_size(shape[param.tp_dim], p.tp, coords.tp)
+    if param.expert:
+        shape[0] = chunk_size(shape[0], p.ep, coords.ep)
+    return shape
+
+
+def local_numel(param: Param, cfg: Config, coords: Coords) -> int:
+    """Elements of ``param``'s DTensor local shard on the rank at ``coords``."""
+    shape = model_parallel_shape(param, cfg, coords)
+    shards, index = data_shards(cfg, coords, param.expert)
+    # Experts shard the first dim the shard count divides (data.even_shard_dim); the rest dim 0.
+    dim = next((d for d, n in enumerate(shape) if n % shards == 0), 0) if param.expert else 0
+    shape[dim] = chunk_size(shape[dim], shards, index)
+    return math.prod(shape)
+
+
+def state_bytes(cfg: Config, coords: Coords = Coords()) -> dict[str, int]:
+    """Exact fp32 ``params``, ``grads`` and AdamW ``optimizer`` bytes of the rank at ``coords``."""
+    elements, tensors = _local_elements((_layout_key(cfg), coords), cfg)
+    return {
+        "params": FP32 * elements,
+        "grads": FP32 * elements,
+        "optimizer": 2 * FP32 * elements + FP32 * tensors,
+    }
+
+
+def _layout_key(cfg: Config) -> tuple:
+    """What the parameter figures depend on (the planner caches them by it)."""
+    p = cfg.parallel
+    return repr(cfg.model), p.pp, p.dp, p.cp, p.ep, p.tp, p.virtual_stages, p.data_parallel
+
+
+@_memo_by_key
+def _local_elements(key: tuple, cfg: Config) -> tuple[int, int]:
+    coords = key[1]
+    params = stage_params(cfg, coords.pp)
+    return sum(local_numel(q, cfg, coords) for q in params), len(params)
+
+
+def unit_elements(cfg: Config, pp_rank: int) -> dict[str, int]:
+    """Unsharded elements (after tp / ep) of each FSDP unit on ``pp_rank``."""
+    return dict(_unit_elements((_layout_key(cfg), pp_rank), cfg))
+
+
+@_memo_by_key
+def _unit_elements(key: tuple, cfg: Config) -> tuple[tuple[str, int], ...]:
+    pp_rank = key[1]
+    units: dict[str, int] = {}
+    for param in stage_params(cfg, pp_rank):
+        units[param.unit] = units.get(param.unit, 0) + math.prod(model_parallel_shape(param, cfg, Coords()))
+    return tuple(units.items())
+
+
+def compute_bytes(cfg: Config) -> int:
+    return 2 if cfg.train.dtype == "bfloat16" else 4
+
+
+def _sp_split(cfg: Config) -> int:
+    p = cfg.parallel
+    return p.tp if p.sp and p.tp > 1 else 1
+
+
+def layer_activation_bytes(cfg: Config, layer: int) -> float:
+    """Bytes saved for backward per token of one decoder layer (no checkpointing).
+
+    Mirrors what autograd keeps in ``models/qwen2.py``: each RMSNorm its fp32 input and its
+    compute-dtype normalized value (4 + c per element); the q/k/v and gate/up inputs (sequence-split
+    with SP); attention's rotated q, k, v, output and the o_proj input copy plus an fp32 log-sum-exp
+    per head; SwiGLU's gate, silu(gate), up and product. MoE layers: router probabilities and choices,
+    per routed copy the expert input, output (twice) and the four SwiGLU tensors (tokens split over tp),
+    the shared expert. ``tests/test_plan.py`` compares it with the tensors autograd saves for a block.
+    """
+    m, p = cfg.model, cfg.parallel
+    c, h, tp, sp = compute_bytes(cfg), m.hidden_size, p.tp, _sp_split(cfg)
+    heads = m.num_attention_heads / tp
+    kv = m.kv_heads / tp if _kv_split(m, tp) else 1
+    norms = 2 * (4 + c) * h / sp
+    attention = c * h / sp + c * m.head_size * (3 * heads + 2 * kv) + FP32 * heads
+    if not m.is_moe_layer(layer):
+        return norms + attention + c * h / sp + 4 * c * m.intermediate_size / tp
+    k = m.num_experts_per_tok
+    # Per routed copy: the expert input, the down projection's output and its unpermuted copy, SwiGLU.
+    routed = k * c * (3 * h + 4 * m.moe_intermediate_size) / tp
+    # The shared expert: SwiGLU, its output (scaled by the sigmoid gate) and the gate.
+    shared = c * (4 * m.shared_expert_intermediate_size / tp + h + 1) if m.shared_expert_intermediate_size else 0
+    router = FP32 * m.num_experts + 2 * 8 * k  # fp32 probabilities, int64 choices and their sort order
+    return norms + attention + c * h + router + routed + shared
+
+
+def microbatch_tokens(cfg: Config) -> int:
+    """Tokens of one micro-batch on one rank: its dp x ep share of the batch and cp share of the sequence."""
+    p, t = cfg.parallel, cfg.train
+    return t.global_batch_size // (p.dp * p.ep) // p.microbatches * t.seq_len // p.cp
+
+
+def in_flight(cfg: Config, pp_rank: int) -> int:
+    """Micro-batches whose activations a rank holds at once (each one model chunk with virtual stages)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return 1
+    return _peaks(p.schedule, p.pp, p.microbatches, p.virtual_stages)[pp_rank]
+
+
+@functools.lru_cache(maxsize=256)
+def _peaks(schedule: str, pp: int, microbatches: int, virtual: int) -> tuple[int, ...]:
+    return tuple(peak_in_flight(steps) for steps in build_schedule(schedule, pp, microbatches, virtual))
+
+
+def _checkpointed(cfg: Config, layer: int) -> bool:
+    p = cfg.parallel
+    return p.activation_checkpointing == "full" or (
+        p.activation_checkpointing == "selective" and layer % p.ac_every == 0
+    )
+
+
+def activation_bytes(cfg: Config, pp_rank: int) -> float:
+    """Saved activations of the in-flight micro-batches plus one layer's backward working set."""
+    p = cfg.parallel
+    tokens, c, h, sp = microbatch_tokens(cfg), compute_bytes(cfg), cfg.model.hidden_size, _sp_split(cfg)
+    layers = [i for r in split_layers(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)[pp_rank] for i in r]
+    full = {i: layer_activation_bytes(cfg, i) for i in layers}
+    kept = sum(c * h / sp if _checkpointed(cfg, i) else full[i] for i in layers)
+    per_chunk = kept / p.virtual_stages
+    if pp_rank == p.pp - 1:
+        per_chunk += (4 + c) * h / sp  # final norm
+    if p.pp > 1:
+        per_chunk += c * h / sp  # the stage input received from the previous stage
+    # Backward of one layer: its (recomputed) saved tensors and gradients of about the same size.
+    working = 2 * max(full.values())
+    return tokens * (in_flight(cfg, pp_rank) * per_chunk + working)
+
+
+def loss_bytes(cfg: Config, pp_rank: int) -> float:
+    """The fused, chunked LM head + cross-entropy (``models/loss.py``) on the last stage."""
+    p, m = cfg.parallel, cfg.model
+    if pp_rank != p.pp - 1:
+        return 0
+    c, tokens = compute_bytes(cfg), microbatch_tokens(cfg)
+    vocab = m.vocab_size / p.tp
+    held = tokens * m.hidden_size * c + vocab * m.hidden_size * FP32
+    chunk = min(cfg.train.loss_chunk_tokens, tokens) * vocab * (FP32 + FP32 + c)
+    return in_flight(cfg, pp_rank) * held + chunk
+
+
+def ep_dispatch_bytes(cfg: Config) -> float:
+    """One MoE layer's routed token copies being sent and received (tokens split over tp)."""
+    m, p = cfg.model, cfg.parallel
+    if not m.is_moe or p.ep == 1:
+        return 0
+    rows = microbatch_tokens(cfg) * m.num_experts_per_tok / p.tp
+    return 2 * rows * m.hidden_size * compute_bytes(cfg)
+
+
+def data_parallel_bytes(cfg: Config, pp_rank: int) -> dict[str, float]:
+    """``gathered``, ``unsharded_grads`` and ``reduce_scatter`` (module docstring)."""
+    p = cfg.parallel
+    c = compute_bytes(cfg)
+    units = unit_elements(cfg, pp_rank)
+    blocks = [n for u, n in units.items() if u.startswith(("block.", "experts."))]
+    largest = max(units.values())
+    root = units.get("root", 0)
+    accumulate = p.pp > 1 or (p.data_parallel != "fsdp" and p.microbatches > 1)
+    if p.pp > 1:
+        gathered = c * (sum(units.values()) + largest)
+    else:
+        ahead = p.fsdp_prefetch * max(blocks, default=0) if p.data_parallel != "replicate" else 0
+        gathered = c * (largest + ahead + root + largest)
+    unsharded = FP32 * sum(units.values()) if accumulate else c * largest
+    return {"gathered": gathered, "unsharded_grads": unsharded, "reduce_scatter": FP32 * largest}
+
+
+def rank_breakdown(cfg: Config, coords: Coords, assumptions: Assumptions = Assumptions()) -> Breakdown:
+    """Every term for the rank at ``coords``."""
+    terms: dict[str, float] = dict(state_bytes(cfg, coords))
+    terms.update(data_parallel_bytes(cfg, coords.pp))
+    terms["activations"] = activation_bytes(cfg, coords.pp)
+    terms["loss"] = loss_bytes(cfg, coords.pp)
+    terms["ep_dispatch"] = ep_dispatch_bytes(cfg)
+    terms["other"] = assumptions.reserved_gib * GIB + assumptions.fragmentation * sum(terms.values())
+    return Breakdown({k: terms[k] for k in TERMS}, coords.pp)
+
+
+def predict_memory(cfg: Config, assumptions: Assumptions = Assumptions()) -> Breakdown:
+    """The busiest rank's breakdown: the pipeline rank with the largest total (data and tp index 0,
+    which ``torch.chunk`` gives the largest shards)."""
+    ranks = (rank_breakdown(cfg, Coords(pp=r), assumptions) for r in range(cfg.parallel.pp))
+    return max(ranks, key=lambda b: b.total)

@@ -1,0 +1,129 @@
+"""Layouts for N devices ranked by predicted throughput, with the memory check that marks which fit.
+
+A candidate keeps the recipe's model, batch, dtype and data-parallel mode and chooses
+pp x dp x cp x ep x tp = N (tp inside one node, SP whenever tp > 1, 1F1B when pp > 1), then the
+micro-batch count and activation-checkpointing mode that fit with the best predicted throughput
+(the lowest-memory choice when none fits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from meshtron.config import Config, ConfigError
+from meshtron.parallel.layout import validate_layout
+from meshtron.plan.memory import GIB, Assumptions, Breakdown, predict_memory
+from meshtron.plan.speed import Hardware, StepTime, predict_step_time
+
+AC_MODES = ("none", "selective", "full")
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    memory: Breakdown
+    time: StepTime
+    fits: bool
+
+    def layout(self) -> dict:
+        p = self.cfg.parallel
+        keys = ("pp", "dp", "cp", "ep", "tp", "sp", "schedule", "microbatches", "activation_checkpointing",
+                "data_parallel")
+        return {k: getattr(p, k) for k in keys}
+
+    def overrides(self) -> str:
+        """The ``--parallel.key value`` flags that select this layout."""
+        return " ".join(f"--parallel.{k} {str(v).lower()}" for k, v in self.layout().items())
+
+    def to_json(self) -> dict:
+        return {
+            "layout": self.layout(),
+            "memory_gib": {k: round(v, 3) for k, v in self.memory.gib().items()},
+            "total_gib": round(self.memory.total / GIB, 3),
+            "dominant": self.memory.dominant,
+            "busiest_pp_rank": self.memory.pp_rank,
+            "fits": self.fits,
+            "step_seconds": self.time.seconds,
+            "tokens_per_second": self.time.tokens_per_second,
+            "compute_seconds": self.time.compute,
+            "exposed_comm_seconds": self.time.exposed_comm,
+            "bubble": self.time.bubble,
+            "comm_bytes_per_rank": self.time.comm_bytes,
+        }
+
+
+def evaluate(cfg: Config, hw: Hardware, assumptions: Assumptions = Assumptions()) -> Plan:
+    memory = predict_memory(cfg, assumptions)
+    return Plan(cfg, memory, predict_step_time(cfg, hw), memory.total <= hw.memory_gib * GIB)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def mesh_shapes(cfg: Config, world_size: int, gpus_per_node: int) -> list[dict[str, int]]:
+    """Every pp x dp x cp x ep x tp = ``world_size`` with tp inside a node and ep only for MoE models."""
+    m = cfg.model
+    shapes = []
+    for tp in _divisors(world_size):
+        if tp > gpus_per_node:
+            continue
+        for pp in _divisors(world_size // tp):
+            if pp > m.num_hidden_layers:
+                continue
+            for cp in _divisors(world_size // (tp * pp)):
+                for ep in _divisors(world_size // (tp * pp * cp)) if m.is_moe else [1]:
+                    dp = world_size // (tp * pp * cp * ep)
+                    shapes.append(dict(pp=pp, dp=dp, cp=cp, ep=ep, tp=tp))
+    return shapes
+
+
+def _variants(cfg: Config, shape: dict[str, int], world_size: int) -> list[Config]:
+    """The shape with each valid micro-batch count and checkpointing mode."""
+    t = cfg.train
+    readers = shape["dp"] * shape["ep"]
+    if t.global_batch_size % readers:
+        return []
+    out = []
+    for micro in _divisors(t.global_batch_size // readers):
+        if shape["pp"] > 1 and micro < shape["pp"]:
+            continue
+        parallel = dataclasses.replace(
+            cfg.parallel, **shape, sp=shape["tp"] > 1, microbatches=micro, schedule="1f1b", virtual_stages=1,
+        )
+        variant = dataclasses.replace(cfg, parallel=parallel)
+        try:
+            validate_layout(variant, world_size)  # checkpointing does not change validity: once per count
+        except ConfigError:
+            continue
+        for ac in AC_MODES:
+            out.append(dataclasses.replace(variant, parallel=dataclasses.replace(parallel, activation_checkpointing=ac)))
+    return out
+
+
+def best_variant(
+    cfg: Config, shape: dict[str, int], world_size: int, hw: Hardware, assumptions: Assumptions = Assumptions()
+) -> Plan | None:
+    """The fitting variant with the best throughput, else the smallest; None when the shape is invalid."""
+    plans = [evaluate(variant, hw, assumptions) for variant in _variants(cfg, shape, world_size)]
+    fitting = [p for p in plans if p.fits]
+    if fitting:
+        return max(fitting, key=lambda p: p.time.tokens_per_second)
+    return min(plans, key=lambda p: p.memory.total, default=None)
+
+
+def rank_layouts(cfg: Config, world_size: int, hw: Hardware, assumptions: Assumptions = Assumptions()) -> list[Plan]:
+    """Valid layouts for ``world_size`` devices, fitting ones first, each group by predicted throughput."""
+    shapes = mesh_shapes(cfg, world_size, hw.gpus_per_node)
+    plans = [best_variant(cfg, shape, world_size, hw, assumptions) for shape in shapes]
+    plans = [p for p in plans if p is not None]
+    return sorted(plans, key=lambda p: (not p.fits, -p.time.tokens_per_second))
+
+
+def fitting_layout(
+    cfg: Config, world_size: int, hw: Hardware, assumptions: Assumptions = Assumptions()
+) -> Plan | None:
+    """The fastest layout predicted to fit, or None."""
+    ranked = rank_layouts(cfg, world_size, hw, assumptions)
+    return ranked[0] if ranked and ranked[0].fits else None
