@@ -89,7 +89,7 @@ def step_part(tree: Path, tokens: int) -> dict:
     seq = 4096
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "meshtron.train",
-               "--recipe", str(ROOT / "recipes" / "debug_dense.toml"), "--parallel.dp", "1",
+               "--recipe", str(tree / "recipes" / "debug_dense.toml"), "--parallel.dp", "1",
                "--model.vocab_size", "151936", "--model.max_position_embeddings", str(seq),
                "--train.seq_len", str(seq), "--train.global_batch_size", str(tokens // seq),
                "--train.steps", "2", "--train.output_dir", out]
@@ -102,7 +102,8 @@ def step_part(tree: Path, tokens: int) -> dict:
         code = os.waitstatus_to_exitcode(status)
         metrics = Path(out, "metrics.jsonl")
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-        tail = log.read_text().strip().splitlines()[-1:] if code else []
+        errors = [line for line in log.read_text().splitlines() if "Error" in line or line.startswith("meshtron:")]
+        tail = errors[-1:] if code else []
     return {"tree": str(tree), "tokens": tokens, "returncode": code, "peak_rss_bytes": usage.ru_maxrss * 1024,
             "losses": [r["loss"] for r in records], "step_times": [r["step_time"] for r in records], "error": tail}
 
