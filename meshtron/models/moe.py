@@ -228,15 +228,16 @@ class MoE(nn.Module):
             keep = capacity_mask(route.experts, self.num_experts, self.capacity_factor)
             self.last_dropped_fraction = 1.0 - keep.float().mean().detach()
             weights = weights * keep.to(weights.dtype)
-        shared = (lambda: self._shared(flat)) if self.shared_expert is not None else None
+        # The shared expert sees the input's own [B, S, H] shape, so tensor parallelism can treat it as a dense MLP.
+        shared = (lambda: self._shared(x).reshape(flat.shape)) if self.shared_expert is not None else None
         out = self.experts(flat, weights, route.experts, shared)
         reg = self._router_losses(route)
         if self.training and torch.is_grad_enabled() and (self.aux_loss_scale or self.z_loss_scale):
             out = _AttachAuxLoss.apply(out, reg)
         return out.view(shape)
 
-    def _shared(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def _router_losses(self, route: Routing) -> torch.Tensor:
         """Weighted aux + z loss whose gradient is exact for this rank's tokens once gradients are

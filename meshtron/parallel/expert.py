@@ -174,6 +174,14 @@ class ExpertDispatch(nn.Module):
         self.split_tokens = self.tp_group is not None and split_tokens_over_tp
         # Bytes of token rows this rank put into the dispatch all-to-all in the last forward.
         self.last_dispatch_bytes = 0
+        # Token copies this rank's experts computed in the last forward.
+        self.last_rows = 0
+
+    def own(self, full: torch.Tensor) -> torch.Tensor:
+        """A full ``[E, ...]`` expert weight as this module holds it: split over ep, or kept as is at ep = 1."""
+        if self.ep_mesh.size() == 1:
+            return full
+        return nn.Parameter(shard_experts(full, self.ep_mesh), requires_grad=full.requires_grad)
 
     @property
     def local_experts(self) -> int:
@@ -198,6 +206,7 @@ class ExpertDispatch(nn.Module):
         sorted_x, order, counts = permute_tokens(x, experts, self.num_experts)
         if self.ep_mesh.size() == 1:
             side = shared() if shared is not None else None
+            self.last_rows = sorted_x.shape[0]
             y = grouped_swiglu(sorted_x, counts, *self.local_weights())
         else:
             send, recv, recv_counts = self._exchange_counts(counts)
@@ -207,7 +216,8 @@ class ExpertDispatch(nn.Module):
             side = shared() if shared is not None else None  # overlaps the dispatch in flight
             for work in pending:
                 work.wait()
-            y = self._run_local_experts(received, recv_counts, sum(recv))
+            self.last_rows = sum(recv)
+            y = self._run_local_experts(received, recv_counts, self.last_rows)
             y = _AllToAll.apply(y, send, recv, self.ep_group, None)
         out = unpermute_tokens(y, order, weights)
         if self.split_tokens:
@@ -259,8 +269,7 @@ class ExpertParallelExperts(ExpertDispatch):
     ):
         super().__init__(experts.num_experts, ep_mesh, tp_mesh, split_tokens_over_tp)
         for name in _PROJECTIONS:
-            full = getattr(experts, name)
-            setattr(self, name, nn.Parameter(shard_experts(full, ep_mesh), requires_grad=full.requires_grad))
+            setattr(self, name, self.own(getattr(experts, name)))
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(self.local(getattr(self, name)) for name in _PROJECTIONS)
@@ -310,8 +319,10 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
 
     Works on a meta-device model (materialise afterwards with ``materialize_sharded``, which fills each rank's
     experts from the full deterministic initial weights) and on a materialised one (each rank keeps its block of the full weights, which must be
-    identical on all ranks). ``sequence_parallel``: whether tensor parallelism splits the MoE's
-    tokens over tp (then they are not split again here). Returns ``model``.
+    identical on all ranks). With tp > 1 the experts are wrapped even at ep = 1 (weights then stay
+    plain tensors), so the tp ranks split the experts' tokens instead of all computing all of them.
+    ``sequence_parallel``: whether tensor parallelism splits the MoE's tokens over tp (then they are
+    not split again here). Returns ``model``.
     """
     layers = moe_layers(model)
     ep_mesh = mesh["ep"]
@@ -321,9 +332,9 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     for moe in layers:
         check_expert_divisible(moe.num_experts, ep)
     set_global_router_stats(model, mesh, sequence_parallel)
-    if ep == 1:
-        return model
     tp_mesh = mesh["tp"]
+    if ep == 1 and tp_mesh.size() == 1:
+        return model
     for moe in layers:
         moe.experts = ExpertParallelExperts(moe.experts, ep_mesh, tp_mesh, split_tokens_over_tp=not sequence_parallel)
     return model

@@ -30,8 +30,8 @@ def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
     """Apply every parallelism except the pipeline split to ``model`` (in place; meta or real)."""
     p = cfg.parallel
     apply_tensor_parallel(model, mesh["tp"], p.sp)
-    # The TP plan gathers a MoE block's tokens even under SP, so tp ranks hold the same tokens there.
-    apply_expert_parallel(model, mesh, sequence_parallel=False)
+    # Under SP the MoE blocks keep their sequence shards, so tp ranks hold different tokens there.
+    apply_expert_parallel(model, mesh, sequence_parallel=p.sp)
     apply_context_parallel(model, mesh)
     apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
     if p.compile:
