@@ -56,7 +56,7 @@ class ModelConfig:
     # Router options beyond the HF keys (0 turns each off); see meshtron/models/moe.py.
     router_z_loss_coef: float = 0.0  # ST-MoE z-loss weight, mean over MoE layers like the aux loss
     moe_aux_free_bias_rate: float = 0.0  # DeepSeek-V3 aux-loss-free balancing: bias step per update
-    moe_capacity_factor: float = 0.0  # per-expert capacity = ceil(factor * tokens * top_k / experts)
+    moe_capacity_factor: float = 0.0  # capacity = ceil(factor * global micro-batch tokens * top_k / experts)
 
     @property
     def is_moe(self) -> bool:

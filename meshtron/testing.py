@@ -200,3 +200,26 @@ def random_moe(config: dict, seed: int, **overrides):
         for p in moe.parameters():
             p.normal_(0, 0.3)
     return moe
+
+
+# c10d and functional (DTensor) spellings of the same collective, counted under one name.
+_COLLECTIVE_NAMES = {
+    "_allgather_base_": "all_gather", "all_gather_into_tensor": "all_gather", "allgather_": "all_gather",
+    "allreduce_": "all_reduce", "all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
+}
+
+
+def module_collectives(comm, fqn: str) -> dict[str, dict[str, int]]:
+    """{'forward' | 'backward': {collective: count}} that a ``CommDebugMode`` saw inside module ``fqn``."""
+    from collections import Counter
+
+    counts = comm.comm_module_counts.get(fqn, {})
+    out = {}
+    for phase in ("forward", "backward"):
+        tally: Counter = Counter()
+        for op, n in counts.get(phase, {}).items():
+            name = str(op).split(".")[-2 if str(op).endswith(".default") else -1]
+            tally[_COLLECTIVE_NAMES.get(name, name)] += n
+        out[phase] = dict(tally)
+    return out

@@ -326,8 +326,8 @@ def training_step(
     grad_norm = runner.clip_grad_norm(max_grad_norm)
     optimizer.found_inf = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
     optimizer.step()
-    for moe in runner.moes:
-        moe.update_expert_bias()  # aux-loss-free balancing (a no-op unless configured)
+    for moe in runner.moes:  # aux-loss-free balancing (a no-op unless configured), skipped with the update
+        moe.update_expert_bias(skip=optimizer.found_inf)
     return loss, grad_norm
 
 

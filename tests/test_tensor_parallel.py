@@ -31,7 +31,6 @@ DENSE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
     num_key_value_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
 )
-MOE = dict(DENSE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 BATCH, SEQ = 2, 16
 
 
@@ -78,9 +77,8 @@ def _step(model, tokens, labels, loss_fn):
     return loss
 
 
-def _assert_parity(kind: str, tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool = False,
-                   ac: bool = False):
-    cfg = ModelConfig(**(MOE if kind == "moe" else DENSE), tie_word_embeddings=tie)
+def _assert_parity(tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool = False, ac: bool = False):
+    cfg = ModelConfig(**DENSE, tie_word_embeddings=tie)
     ref = _reference(cfg, seed)
     par = _parallel_copy(ref, _tp_mesh(tp), sp, on_meta)
     if ac:  # recomputation replays the SP gathers; the sequence shards saved must still match
@@ -88,7 +86,7 @@ def _assert_parity(kind: str, tp: int, sp: bool, seed: int, on_meta: bool = True
     tokens, labels = _batch(cfg, seed)
     expected = _step(ref, tokens, labels, token_loss_sum)
     actual = _step(par, tokens, labels, parallel_token_loss_sum)
-    where = f"{kind} tp={tp} sp={sp} tie={tie} ac={ac}"
+    where = f"tp={tp} sp={sp} tie={tie} ac={ac}"
     assert rel_err(actual, expected) < 1e-5, f"{where}: loss {actual.item()} vs {expected.item()}"
     ref_params = dict(ref.named_parameters())
     assert set(ref_params) == {n for n, _ in par.named_parameters()}
@@ -99,23 +97,12 @@ def _assert_parity(kind: str, tp: int, sp: bool, seed: int, on_meta: bool = True
         assert err < 1e-4, f"{where}: {name} gradient rel err {err:.2e}"
     if tie:
         assert par.lm_head.weight is par.embed_tokens.weight
-    if kind == "moe":
-        for r, p in zip(ref.modules(), par.modules()):
-            if hasattr(r, "last_aux_loss") and r.last_aux_loss is not None:
-                assert rel_err(p.last_aux_loss, r.last_aux_loss) < 1e-5, f"{where}: aux loss"
-                assert torch.equal(p.last_tokens_per_expert, r.last_tokens_per_expert), f"{where}: expert counts"
 
 
 def check_parity_dense(seed):
     for tp in (2, 4, 8):
         for sp in (False, True):
-            _assert_parity("dense", tp, sp, seed + tp, on_meta=tp != 8, tie=(tp == 4 and sp), ac=(tp == 2 and sp))
-
-
-def check_parity_moe(seed):
-    for tp in (2, 4, 8):
-        for sp in (False, True):
-            _assert_parity("moe", tp, sp, seed + 10 * tp)
+            _assert_parity(tp, sp, seed + tp, on_meta=tp != 8, tie=(tp == 4 and sp), ac=(tp == 2 and sp))
 
 
 def _stage(model, first: bool):
@@ -160,41 +147,38 @@ def _layer_collectives(model, tokens, labels):
     }
 
 
-def _expected_layer_collectives(kind: str, sp: bool, replicated_kv: bool, phase: str) -> Counter:
+def _expected_layer_collectives(sp: bool, replicated_kv: bool, phase: str) -> Counter:
     """Megatron's count per dense layer: 2 all-reduces (no SP) or 2 all-gathers + 2 reduce-scatters
     (SP), in forward and again in backward; under SP backward also re-gathers the q/k/v and gate/up
     inputs, which forward saved sequence-sharded (2 more all-gathers).
 
     Replicated KV heads add 4 all-reduces in backward (the replicas' k/v weight and bias gradients).
-    A MoE layer under SP gathers its input once and all-reduces the shared expert's output (it runs
-    on the gathered tokens), so one reduce-scatter becomes an all-reduce; only its attention input
-    is re-gathered.
+    MoE layers need expert parallelism too (it splits their tokens over tp); their counts are
+    checked in tests/test_expert_parallel.py.
     """
     if not sp:
         want = Counter(all_reduce=2)
-    elif kind == "moe":
-        want = Counter(all_gather_into_tensor=2, reduce_scatter_tensor=1, all_reduce=1)
     else:
         want = Counter(all_gather_into_tensor=2, reduce_scatter_tensor=2)
     if sp and phase == "backward":
-        want["all_gather_into_tensor"] += 1 if kind == "moe" else 2
+        want["all_gather_into_tensor"] += 2
     if replicated_kv and phase == "backward":
         want["all_reduce"] += 4
     return want
 
 
 def check_collectives_per_layer(seed):
-    # (kind, kv heads, tp): KV heads split over tp, or replicated when tp exceeds them.
-    for kind, kv, tp in (("dense", 2, 2), ("dense", 8, 4), ("dense", 2, 4), ("moe", 2, 2)):
+    # (kv heads, tp): KV heads split over tp, or replicated when tp exceeds them.
+    for kv, tp in ((2, 2), (8, 4), (2, 4)):
         for sp in (False, True):
-            cfg = ModelConfig(**{**(MOE if kind == "moe" else DENSE), "num_key_value_heads": kv})
+            cfg = ModelConfig(**{**DENSE, "num_key_value_heads": kv})
             model = _parallel_copy(_reference(cfg, seed), _tp_mesh(tp), sp, on_meta=True)
             counts = _layer_collectives(model, *_batch(cfg, seed))
             for layer in ("0", "1"):
                 for phase in ("forward", "backward"):
                     got = counts.get((f"Transformer.layers.{layer}", phase), Counter())
-                    want = _expected_layer_collectives(kind, sp, kv < tp, phase)
-                    where = f"{kind} kv={kv} tp={tp} sp={sp} layer {layer} {phase}"
+                    want = _expected_layer_collectives(sp, kv < tp, phase)
+                    where = f"kv={kv} tp={tp} sp={sp} layer {layer} {phase}"
                     assert got == want, f"{where}: {dict(got)} != {dict(want)}"
 
 
@@ -292,7 +276,7 @@ def test_tensor_parallel_8_ranks():
     checks = [check_heads_error, check_collectives_per_layer, check_sp_saves_activations_over_tp,
               check_loss_never_gathers_logits,
               check_pipeline_stages_and_uneven_vocab,
-              check_parity_dense, check_parity_moe]
+              check_parity_dense]
     run_checks(checks, 8, seed, timeout=240)
 
 

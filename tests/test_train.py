@@ -28,7 +28,8 @@ LAYOUTS = {
         "pp2v2_cp2_tp2": dict(pp=2, cp=2, tp=2, schedule='"interleaved"', virtual_stages=2),
     },
     "moe": {
-        "dp2_ep2_tp2": dict(dp=2, ep=2, tp=2),
+        "dp2_ep2_tp2_sp": dict(dp=2, ep=2, tp=2, sp="true"),
+        "dp2_tp4": dict(dp=2, tp=4),
         "pp2_cp2_ep2": dict(pp=2, cp=2, ep=2),
     },
 }

@@ -10,6 +10,10 @@ prefix. The exception is the routed experts: meshtron stores each projection sta
   ``mlp.experts.down_proj`` ``[E, H, I]``.
 
 All conversions are transposes, concatenations and splits, so round trips are bit-exact.
+
+transformers' Qwen2-MoE router has no expert bias, so ``moe_aux_free_bias_rate``'s router bias
+cannot be exported: :func:`to_hf` drops an all-zero bias (it changes no routing) and refuses a
+trained one, which would make transformers route tokens differently.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ from collections.abc import Mapping
 
 import torch
 
-from meshtron.config import ModelConfig
+from meshtron.config import ConfigError, ModelConfig
 
 _EXPERT_KEY = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_EXPERT_BIAS = "mlp.gate.expert_bias"
 
 
 def hf_name(name: str) -> str:
@@ -42,6 +47,9 @@ def to_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, layout: str = "pu
     for name, tensor in state.items():
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue  # transformers re-ties lm_head to the embedding on load
+        if name.endswith(_EXPERT_BIAS):
+            _check_bias_exportable(name, tensor, cfg)
+            continue
         prefix, _, proj = name.rpartition(".")
         if prefix.endswith("mlp.experts") and proj in _PROJECTIONS:
             stacked.setdefault(prefix, {})[proj] = tensor
@@ -57,6 +65,16 @@ def to_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig, layout: str = "pu
             out[hf_name(f"{prefix}.gate_up_proj")] = gate_up.transpose(1, 2).contiguous()
             out[hf_name(f"{prefix}.down_proj")] = w["down_proj"].transpose(1, 2).contiguous()
     return out
+
+
+def _check_bias_exportable(name: str, bias: torch.Tensor, cfg: ModelConfig) -> None:
+    if bias.abs().max() > 0:
+        raise ConfigError(
+            f"HF export: '{name}' is a trained router bias ([model] moe_aux_free_bias_rate = "
+            f"{cfg.moe_aux_free_bias_rate}), but transformers' Qwen2-MoE router has no expert bias, so the "
+            "exported model would route tokens differently. Keep the meshtron checkpoint ([checkpoint]) for "
+            "this model, or train with [model] moe_aux_free_bias_rate = 0 to export it to HF."
+        )
 
 
 def from_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.config import ConfigError
-from meshtron.parallel.expert import ExpertDispatch, check_expert_divisible, shard_experts
+from meshtron.parallel.expert import ExpertDispatch, check_expert_divisible
 
 _FUSED = ("gate_up_proj", "down_proj")
 # Attributes transformers' ``use_experts_implementation`` sets, with the values grouped_swiglu computes:
@@ -43,10 +43,7 @@ class FusedExpertParallel(ExpertDispatch):
     def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh):
         super().__init__(experts.num_experts, ep_mesh, tp_mesh, split_tokens_over_tp=True)
         for name in _FUSED:
-            full = getattr(experts, name)
-            if ep_mesh.size() > 1:
-                full = nn.Parameter(shard_experts(full, ep_mesh), requires_grad=full.requires_grad)
-            setattr(self, name, full)
+            setattr(self, name, self.own(getattr(experts, name)))
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         gate, up = self.local(self.gate_up_proj).transpose(1, 2).chunk(2, dim=2)

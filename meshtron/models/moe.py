@@ -17,13 +17,17 @@ Optional router features (all off by default, so the model matches transformers)
   after each optimizer step the train loop calls :func:`update_expert_bias`, which moves each bias by
   ``rate * sign(mean load - load)`` using the step's (global) token counts.
 * ``moe_capacity_factor``: each expert takes at most ``ceil(factor * tokens * top_k / experts)``
-  copies of this call's tokens, first come first served in token order; the others are dropped:
-  their combine weight becomes zero (so they add nothing and send no router gradient). Dropped
-  copies are still computed, so capacity bounds an expert's influence, not its compute.
+  copies of the micro-batch's tokens, first come first served in token order ((sample, position),
+  then slot); the others are dropped: their combine weight becomes zero (so they add nothing and
+  send no router gradient). Dropped copies are still computed, so capacity bounds an expert's
+  influence, not its compute. Under parallelism ``tokens`` and the order are those of the global
+  micro-batch (a ``capacity_ranker`` installed by expert parallelism supplies them), so the same
+  copies are dropped on every layout; the global micro-batch depends on the micro-batch count.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -37,6 +41,9 @@ from meshtron.models.layers import MLP
 
 # A float64 vector of per-rank statistics -> its sum over every rank that holds other tokens.
 StatsReducer = Callable[[torch.Tensor], torch.Tensor]
+# Chosen experts [B, S, k] of this rank's tokens -> (for each copy, how many copies of the same expert
+# other ranks hold earlier in the batch's token order [B, S, k]; the batch's token count, 0-d).
+CapacityRanker = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class Routing(NamedTuple):
@@ -139,17 +146,43 @@ def unpermute_tokens(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor
     return (unsort(y, order).view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
 
-def capacity_mask(experts: torch.Tensor, num_experts: int, factor: float) -> torch.Tensor:
-    """[T, k] bool: which token copies fit in their expert's capacity, first come first served."""
-    tokens, k = experts.shape
-    capacity = math.ceil(factor * tokens * k / num_experts)
-    order, counts = sort_by_group(experts.flatten(), num_experts)
+def capacity_mask(
+    experts: torch.Tensor, num_experts: int, factor: float, ranker: CapacityRanker | None = None
+) -> torch.Tensor:
+    """Chosen experts [..., k] (tokens in order, e.g. [B, S, k]) -> bool mask of the copies that fit
+    in their expert's capacity, first come first served in token order, then slot order. With a
+    ``ranker`` the tokens are this rank's part of a larger batch: capacity counts that batch's
+    tokens and the copies that come before ours in it."""
+    k = experts.shape[-1]
+    flat = experts.flatten()
+    order, counts = sort_by_group(flat, num_experts)
     starts = torch.cumsum(counts, 0) - counts
-    rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[experts.flatten()[order]]
-    return unsort(rank_in_expert < capacity, order).view(tokens, k)
+    rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[flat[order]]
+    rank_in_expert = unsort(rank_in_expert, order).view(experts.shape)
+    if ranker is None:
+        return rank_in_expert < math.ceil(factor * (flat.numel() // k) * k / num_experts)
+    earlier, total = ranker(experts)
+    # On the device, so the global token count costs no host sync (same rounding as above).
+    return rank_in_expert + earlier < torch.ceil(total.double() * factor * k / num_experts)
 
 
 SharedWork = Callable[[], torch.Tensor]
+
+
+class _Replay:
+    active = False
+
+
+@contextlib.contextmanager
+def replaying():
+    """Marks forwards that replay earlier ones (activation checkpointing's recomputation in backward):
+    MoE layers compute as usual but record no statistics, so the load behind the aux-free bias and
+    the ``last_*`` values count each training forward once."""
+    outer, _Replay.active = _Replay.active, True
+    try:
+        yield
+    finally:
+        _Replay.active = outer
 
 
 class GroupedExperts(nn.Module):
@@ -205,13 +238,17 @@ class MoE(nn.Module):
         )
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if self.shared_expert else None
         moe_layers = max(sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)), 1)
-        # Gradient weights of this layer's aux and z losses; training divides them by the micro-batch count.
+        # Gradient weights of this layer's aux and z losses, per micro-batch of ``microbatches`` (set
+        # by the runner: a step's router loss is the mean over its micro-batches).
         self.aux_loss_scale = cfg.router_aux_loss_coef / moe_layers
         self.z_loss_scale = cfg.router_z_loss_coef / moe_layers
+        self.microbatches = 1
         self.capacity_factor = cfg.moe_capacity_factor
         self.bias_rate = cfg.moe_aux_free_bias_rate
         # Set by data/expert parallelism so f and P cover the global batch, not this rank's slice.
         self.stats_reducer: StatsReducer | None = None
+        # Set by expert parallelism so capacity covers the global micro-batch, not this rank's slice.
+        self.capacity_ranker: CapacityRanker | None = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
         self.last_tokens_per_expert: torch.Tensor | None = None
@@ -225,18 +262,22 @@ class MoE(nn.Module):
         route = self.gate(flat)
         weights = route.weights
         if self.capacity_factor:
-            keep = capacity_mask(route.experts, self.num_experts, self.capacity_factor)
-            self.last_dropped_fraction = 1.0 - keep.float().mean().detach()
+            rows = shape[:-1] if len(shape) > 2 else (1, shape[0])  # [T, H] input: one row of tokens
+            experts = route.experts.view(*rows, -1)
+            keep = capacity_mask(experts, self.num_experts, self.capacity_factor, self.capacity_ranker).view_as(weights)
+            if not _Replay.active:
+                self.last_dropped_fraction = 1.0 - keep.float().mean().detach()
             weights = weights * keep.to(weights.dtype)
-        shared = (lambda: self._shared(flat)) if self.shared_expert is not None else None
+        # The shared expert sees the input's own [B, S, H] shape, so tensor parallelism can treat it as a dense MLP.
+        shared = (lambda: self._shared(x).reshape(flat.shape)) if self.shared_expert is not None else None
         out = self.experts(flat, weights, route.experts, shared)
         reg = self._router_losses(route)
         if self.training and torch.is_grad_enabled() and (self.aux_loss_scale or self.z_loss_scale):
             out = _AttachAuxLoss.apply(out, reg)
         return out.view(shape)
 
-    def _shared(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def _router_losses(self, route: Routing) -> torch.Tensor:
         """Weighted aux + z loss whose gradient is exact for this rank's tokens once gradients are
@@ -255,22 +296,32 @@ class MoE(nn.Module):
         total = self.stats_reducer(local) if self.stats_reducer is not None else local
         g_counts, g_sums, g_z, tokens = total[:e].float(), total[e : 2 * e].float(), total[2 * e], total[2 * e + 1]
         tokens = tokens.float()
-        self.last_tokens_per_expert = total[:e].long()
-        self.last_aux_loss = load_balancing_loss(g_counts, g_sums, tokens)
-        self.last_z_loss = (g_z.float() / tokens) if self.z_loss_scale else None
+        if not _Replay.active:
+            self._record(total[:e].long(), load_balancing_loss(g_counts, g_sums, tokens),
+                         (g_z.float() / tokens) if self.z_loss_scale else None)
+        aux = load_balancing_loss(g_counts, prob_sums, tokens)
+        return (self.aux_loss_scale * aux + self.z_loss_scale * z_sum / tokens) / self.microbatches
+
+    def _record(self, tokens_per_expert: torch.Tensor, aux_loss: torch.Tensor, z_loss: torch.Tensor | None) -> None:
+        self.last_tokens_per_expert, self.last_aux_loss, self.last_z_loss = tokens_per_expert, aux_loss, z_loss
         if self.bias_rate and self.training:
             load = self.load_since_update
-            self.load_since_update = self.last_tokens_per_expert if load is None else load + self.last_tokens_per_expert
-        aux = load_balancing_loss(g_counts, prob_sums, tokens)
-        return self.aux_loss_scale * aux + self.z_loss_scale * z_sum / tokens
+            self.load_since_update = tokens_per_expert if load is None else load + tokens_per_expert
 
     @torch.no_grad()
-    def update_expert_bias(self) -> None:
-        """DeepSeek-V3 bias step: under-loaded experts become more likely to be chosen, over-loaded less."""
+    def update_expert_bias(self, skip: torch.Tensor | None = None) -> None:
+        """DeepSeek-V3 bias step: under-loaded experts become more likely to be chosen, over-loaded less.
+
+        ``skip``: a device flag (non-zero: the optimizer skipped this step), read on the device so a
+        skipped step leaves the bias as it was without a host sync; its load is discarded either way.
+        """
         if self.gate.expert_bias is None or self.load_since_update is None:
             return
         load = self.load_since_update.float()
-        self.gate.expert_bias.add_(torch.sign(load.mean() - load), alpha=self.bias_rate)
+        step = torch.sign(load.mean() - load) * self.bias_rate
+        if skip is not None:
+            step = torch.where(skip.bool(), torch.zeros_like(step), step)
+        self.gate.expert_bias.add_(step)
         self.load_since_update = None
 
 
@@ -278,14 +329,15 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def update_expert_bias(model: nn.Module) -> None:
-    """Call after each optimizer step when ``moe_aux_free_bias_rate`` > 0 (no-op otherwise).
+def update_expert_bias(model: nn.Module, skip: torch.Tensor | None = None) -> None:
+    """Call after each optimizer step when ``moe_aux_free_bias_rate`` > 0 (no-op otherwise); ``skip``
+    as in :meth:`MoE.update_expert_bias`.
 
     Every rank must see the same (global) counts to keep the biases identical: expert and data
     parallelism install a global ``stats_reducer``.
     """
     for m in moe_layers(model):
-        m.update_expert_bias()
+        m.update_expert_bias(skip)
 
 
 def aux_loss(model: nn.Module) -> torch.Tensor | None:

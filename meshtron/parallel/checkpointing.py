@@ -11,10 +11,13 @@ run gives bit-identical losses and gradients to a plain one on the same layout.
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 from torch.distributed._composable import checkpoint
 
 from meshtron.config import ACTIVATION_CHECKPOINTING
+from meshtron.models.moe import replaying
 
 
 def checkpointed_layers(layer_ids: list[int], mode: str, every: int) -> list[int]:
@@ -41,5 +44,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "none", every: 
     layers = model.layers
     chosen = checkpointed_layers([int(key) for key in layers], mode, every)
     for index in chosen:
-        checkpoint(layers[str(index)])
+        # The recomputation must not count MoE router statistics a second time.
+        checkpoint(layers[str(index)], context_fn=lambda: (contextlib.nullcontext(), replaying()))
     return chosen

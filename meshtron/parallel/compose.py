@@ -28,8 +28,8 @@ def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
     if model.lm_head is not None:
         model.lm_head.chunk_tokens = cfg.train.loss_chunk_tokens
     apply_tensor_parallel(model, mesh["tp"], p.sp)
-    # The TP plan gathers a MoE block's tokens even under SP, so tp ranks hold the same tokens there.
-    apply_expert_parallel(model, mesh, sequence_parallel=False)
+    # Under SP the MoE blocks keep their sequence shards, so tp ranks hold different tokens there.
+    apply_expert_parallel(model, mesh, sequence_parallel=p.sp)
     apply_context_parallel(model, mesh)
     apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
     if p.compile:

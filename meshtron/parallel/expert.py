@@ -29,11 +29,13 @@ Composition with the other dimensions:
 * tensor parallelism without sequence parallelism: every rank of a TP group holds the same tokens.
   Each tp rank dispatches only its 1/tp slice of them (so every token travels once; a token count tp
   does not divide is padded with zero-weight rows) and the outputs are all-gathered over tp
-  afterwards. The slice's backward all-gathers the input gradients; the gather's backward keeps this rank's slice (activation gradients are replicated over tp). Experts
+  afterwards. This holds at ep = 1 too (the experts are then wrapped with plain weights), so no tp
+  rank repeats another's expert work. The slice's backward all-gathers the input gradients; the gather's backward keeps this rank's slice (activation gradients are replicated over tp). Experts
   are replicated over tp but see different tokens per tp rank, so their gradients are summed over
   tp in backward (inside this module). With sequence parallelism the tp ranks hold different tokens
-  already: nothing is split, the tp ranks count as token holders for the router statistics, and
-  the expert gradients are still summed over tp (the experts are replicated there).
+  already (the TP plan leaves each MoE block its sequence shard): nothing is split, the tp ranks
+  count as token holders for the router statistics and capacity, and the expert gradients are still
+  summed over tp (the experts are replicated there).
 * context parallelism: cp ranks hold different tokens; dispatch stays inside ep.
 * data parallelism / FSDP: expert gradients (already summed over ep's tokens) still need summing
   over dp x cp (``meshtron.mesh.expert_data_mesh``); the data-parallel module does that.
@@ -41,7 +43,9 @@ Composition with the other dimensions:
 
 Router statistics (the aux loss's f and P, token counts, the z-loss and the aux-free bias load)
 must cover the global batch: :func:`set_global_router_stats` installs an all-reduce over every mesh
-dimension that holds different tokens (dp, cp, ep, plus tp under sequence parallelism).
+dimension that holds different tokens (dp, cp, ep, plus tp under sequence parallelism). Likewise
+``moe_capacity_factor`` counts the global micro-batch's tokens in their global order
+(:class:`GlobalCapacityRanker`, installed by :func:`set_global_capacity`).
 """
 
 from __future__ import annotations
@@ -54,11 +58,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from meshtron.config import ConfigError
-from meshtron.mesh import dense_data_mesh
+from meshtron.mesh import batch_mesh, dense_data_mesh
 from meshtron.models.moe import (
     GroupedExperts,
     SharedWork,
     StatsReducer,
+    count_ids,
     grouped_swiglu,
     moe_layers,
     permute_tokens,
@@ -66,6 +71,7 @@ from meshtron.models.moe import (
     unpermute_tokens,
     unsort,
 )
+from meshtron.parallel.context import sequence_index
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -174,6 +180,14 @@ class ExpertDispatch(nn.Module):
         self.split_tokens = self.tp_group is not None and split_tokens_over_tp
         # Bytes of token rows this rank put into the dispatch all-to-all in the last forward.
         self.last_dispatch_bytes = 0
+        # Token copies this rank's experts computed in the last forward.
+        self.last_rows = 0
+
+    def own(self, full: torch.Tensor) -> torch.Tensor:
+        """A full ``[E, ...]`` expert weight as this module holds it: split over ep, or kept as is at ep = 1."""
+        if self.ep_mesh.size() == 1:
+            return full
+        return nn.Parameter(shard_experts(full, self.ep_mesh), requires_grad=full.requires_grad)
 
     @property
     def local_experts(self) -> int:
@@ -198,6 +212,7 @@ class ExpertDispatch(nn.Module):
         sorted_x, order, counts = permute_tokens(x, experts, self.num_experts)
         if self.ep_mesh.size() == 1:
             side = shared() if shared is not None else None
+            self.last_rows = sorted_x.shape[0]
             y = grouped_swiglu(sorted_x, counts, *self.local_weights())
         else:
             send, recv, recv_counts = self._exchange_counts(counts)
@@ -207,7 +222,8 @@ class ExpertDispatch(nn.Module):
             side = shared() if shared is not None else None  # overlaps the dispatch in flight
             for work in pending:
                 work.wait()
-            y = self._run_local_experts(received, recv_counts, sum(recv))
+            self.last_rows = sum(recv)
+            y = self._run_local_experts(received, recv_counts, self.last_rows)
             y = _AllToAll.apply(y, send, recv, self.ep_group, None)
         out = unpermute_tokens(y, order, weights)
         if self.split_tokens:
@@ -259,8 +275,7 @@ class ExpertParallelExperts(ExpertDispatch):
     ):
         super().__init__(experts.num_experts, ep_mesh, tp_mesh, split_tokens_over_tp)
         for name in _PROJECTIONS:
-            full = getattr(experts, name)
-            setattr(self, name, nn.Parameter(shard_experts(full, ep_mesh), requires_grad=full.requires_grad))
+            setattr(self, name, self.own(getattr(experts, name)))
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(self.local(getattr(self, name)) for name in _PROJECTIONS)
@@ -296,6 +311,69 @@ def set_global_router_stats(model: nn.Module, mesh: DeviceMesh, sequence_paralle
         moe.stats_reducer = reducer
 
 
+class GlobalCapacityRanker:
+    """A MoE's :data:`~meshtron.models.moe.CapacityRanker` on a mesh: capacity and first-come order
+    over the global micro-batch.
+
+    Token order is (sample in the global micro-batch, position in the global sequence). A rank's
+    tokens are its dp x ep rows (samples ``rank * B`` to ``rank * B + B - 1``), of each row the cp
+    chunks ``i`` and ``2cp-1-i`` (``meshtron.parallel.context``) and, under SP, this tp rank's slice
+    of those: per row at most two runs of consecutive positions, already in order. Each rank
+    all-gathers, per run, its first token's key, its length and its copies per expert (``[2B, 2 + E]``
+    integers) over the token holders; the copies of an expert that come before one of ours are our
+    earlier ones (counted by the model) plus those of the other ranks' runs that start before ours.
+    One small all-gather per MoE call, no host sync.
+    """
+
+    def __init__(self, mesh: DeviceMesh, sequence_parallel: bool, num_experts: int):
+        self.num_experts = num_experts
+        holders = token_mesh(mesh, sequence_parallel)
+        self.group, self.holder_rank, self.holders = holders.get_group(), holders.get_local_rank(), holders.size()
+        self.batch_rank = batch_mesh(mesh).get_local_rank()
+        self.cp_rank, self.cp = mesh["cp"].get_local_rank(), mesh["cp"].size()
+        split_tp = sequence_parallel and mesh["tp"].size() > 1
+        self.tp_rank, self.tp = (mesh["tp"].get_local_rank(), mesh["tp"].size()) if split_tp else (0, 1)
+
+    def keys(self, rows: int, seq: int, device) -> torch.Tensor:
+        """[rows, seq] global order keys of this rank's tokens (``seq``: the positions it holds per row)."""
+        full = seq * self.tp * self.cp
+        mine = slice(self.tp_rank * seq, (self.tp_rank + 1) * seq)
+        if self.cp > 1:
+            positions = sequence_index(full, self.cp_rank, self.cp, device=device)[mine]
+        else:
+            positions = torch.arange(full, device=device)[mine]
+        samples = self.batch_rank * rows + torch.arange(rows, device=device)
+        return samples[:, None] * full + positions[None, :]
+
+    def __call__(self, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, seq, k = experts.shape
+        e, runs = self.num_experts, 2 * rows
+        keys = self.keys(rows, seq, experts.device).flatten()
+        starts_run = torch.ones_like(keys, dtype=torch.bool)
+        starts_run[1:] = keys[1:] != keys[:-1] + 1
+        run = torch.cumsum(starts_run, 0) - 1
+        run_key = keys.new_full((runs,), torch.iinfo(torch.long).max).scatter_reduce(0, run, keys, "amin")
+        run_len = count_ids(run, runs)
+        copies = (run[:, None] * e + experts.view(-1, k)).flatten()
+        table = torch.cat([run_key[:, None], run_len[:, None], count_ids(copies, runs * e).view(runs, e)], dim=1)
+        every = _all_gather_rows(table, self.group)
+        other = torch.arange(self.holders, device=keys.device).repeat_interleave(runs) != self.holder_rank
+        before = (every[None, :, 0] < run_key[:, None]) & other[None, :]
+        # float64 matmul: exact for any count below 2**53, and integer matmuls do not exist on every device.
+        earlier_per_run = (before.double() @ every[:, 2:].double()).long()
+        earlier = earlier_per_run[run[:, None], experts.view(-1, k)]
+        return earlier.view(rows, seq, k), every[:, 1].sum()
+
+
+def set_global_capacity(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """Give every MoE with ``moe_capacity_factor`` a :class:`GlobalCapacityRanker` (none when one rank
+    holds all tokens), so the same token copies are dropped on every layout."""
+    spread = token_mesh(mesh, sequence_parallel).size() > 1
+    for moe in moe_layers(model):
+        ranked = spread and moe.capacity_factor
+        moe.capacity_ranker = GlobalCapacityRanker(mesh, sequence_parallel, moe.num_experts) if ranked else None
+
+
 def check_expert_divisible(num_experts: int, ep: int) -> None:
     if num_experts % ep:
         valid = [v for v in range(1, num_experts + 1) if num_experts % v == 0]
@@ -310,8 +388,10 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
 
     Works on a meta-device model (materialise afterwards with ``materialize_sharded``, which fills each rank's
     experts from the full deterministic initial weights) and on a materialised one (each rank keeps its block of the full weights, which must be
-    identical on all ranks). ``sequence_parallel``: whether tensor parallelism splits the MoE's
-    tokens over tp (then they are not split again here). Returns ``model``.
+    identical on all ranks). With tp > 1 the experts are wrapped even at ep = 1 (weights then stay
+    plain tensors), so the tp ranks split the experts' tokens instead of all computing all of them.
+    ``sequence_parallel``: whether tensor parallelism splits the MoE's tokens over tp (then they are
+    not split again here). Returns ``model``.
     """
     layers = moe_layers(model)
     ep_mesh = mesh["ep"]
@@ -321,9 +401,10 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     for moe in layers:
         check_expert_divisible(moe.num_experts, ep)
     set_global_router_stats(model, mesh, sequence_parallel)
-    if ep == 1:
-        return model
+    set_global_capacity(model, mesh, sequence_parallel)
     tp_mesh = mesh["tp"]
+    if ep == 1 and tp_mesh.size() == 1:
+        return model
     for moe in layers:
         moe.experts = ExpertParallelExperts(moe.experts, ep_mesh, tp_mesh, split_tokens_over_tp=not sequence_parallel)
     return model
@@ -332,8 +413,10 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
 __all__ = [
     "ExpertDispatch",
     "ExpertParallelExperts",
+    "GlobalCapacityRanker",
     "apply_expert_parallel",
     "check_expert_divisible",
+    "set_global_capacity",
     "set_global_router_stats",
     "shard_experts",
     "token_mesh",

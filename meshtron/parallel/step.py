@@ -58,9 +58,10 @@ def global_token_count(micro: list, data_group) -> torch.Tensor:
 
 
 def average_router_losses_over_microbatches(module: nn.Module, micro: int) -> None:
-    for moe in moe_layers(module):  # one router loss per micro-batch, averaged over them
-        moe.aux_loss_scale /= micro
-        moe.z_loss_scale /= micro
+    """One router loss per micro-batch, averaged over them (idempotent: a second runner on the same
+    model sets the same count)."""
+    for moe in moe_layers(module):
+        moe.microbatches = micro
 
 
 def _full_cpu_state(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -19,15 +19,16 @@ sequence parallelism from Korthikanti et al. 2022):
   As in Megatron, q/k/v (gate/up) keep only the sequence shard of their input for backward and
   gather it again there (:class:`SequenceParallelColwise`), so every activation a dense block saves
   is split over tp.
-* MoE: routed experts are left to expert parallelism. Every tp rank runs them on the same (gathered)
-  tokens, so routing, expert outputs and router statistics are identical replicas; the router is a
-  replicated DTensor and the shared expert follows the dense MLP plan.
+* MoE: the block routes the tokens its rank holds (under SP its sequence shard, never gathered);
+  the router is replicated and the shared expert follows the dense MLP plan. The routed experts and
+  the router statistics are left to :func:`meshtron.parallel.expert.apply_expert_parallel` (apply
+  it after this plan, also at ep = 1), which splits the experts' tokens over tp.
 
 Collectives per dense layer: 2 all-reduces (no SP) or 2 all-gathers + 2 reduce-scatters (SP) in
 forward, the same again in backward, as Megatron; under SP backward adds the 2 all-gathers that
-re-gather the q/k/v and gate/up inputs (a MoE layer: 1, for attention). Replicated KV heads add 4
-small all-reduces in backward (k/v weight and bias gradients); a MoE layer under SP all-reduces its
-shared expert's output where a dense MLP reduce-scatters. The tests count all of these.
+re-gather the q/k/v and gate/up inputs. Replicated KV heads add 4 small all-reduces in backward
+(k/v weight and bias gradients). The tests count all of these; the MoE layer's counts (shared
+expert, router, expert dispatch) are in ``benchmarks/results/moe_tp.md``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -78,22 +78,22 @@ def check_tensor_parallel(heads: int, kv_heads: int, tp: int) -> None:
     raise ConfigError(f"[parallel] {problem}. Valid tp up to {limit} for this model: {valid}.")
 
 
-class _SumGradOverMesh(torch.autograd.Function):
-    """Local view of a replicated DTensor whose gradient is summed over the mesh in backward.
+class _LocalView(torch.autograd.Function):
+    """Local view of a replicated DTensor parameter; backward labels this rank's gradient ``grad_placement``.
 
-    Each rank's gradient is its partial contribution (it used only part of the weight); the sum is
-    the true gradient, stored as a Replicate DTensor like the parameter.
+    ``Partial()``: each rank used only part of the weight or saw other tokens, so the gradients are
+    summed over the mesh. ``Replicate()``: every rank computed the same gradient (no communication).
     """
 
     @staticmethod
-    def forward(ctx, param: DTensor) -> torch.Tensor:
-        ctx.mesh = param.device_mesh
+    def forward(ctx, param: DTensor, grad_placement: Placement) -> torch.Tensor:
+        ctx.mesh, ctx.grad_placement = param.device_mesh, grad_placement
         local = param.to_local()
         return local.view_as(local)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> DTensor:
-        return DTensor.from_local(grad, ctx.mesh, [Partial()]).redistribute(ctx.mesh, [Replicate()])
+    def backward(ctx, grad: torch.Tensor):
+        return DTensor.from_local(grad, ctx.mesh, [ctx.grad_placement]).redistribute(ctx.mesh, [Replicate()]), None
 
 
 def _distribute_params(module: nn.Module, mesh: DeviceMesh, placement: Placement, src_data_rank: int | None) -> None:
@@ -107,8 +107,8 @@ def _local_linear(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]
     parameters: a ``Shard(0)`` split, or the rows of the KV head a :class:`ReplicatedKVHeads` rank computes."""
     if hasattr(linear, "tp_rows"):
         rows = slice(*linear.tp_rows)
-        weight = _SumGradOverMesh.apply(linear.weight)[rows]
-        return weight, _SumGradOverMesh.apply(linear.bias)[rows] if linear.bias is not None else None
+        weight = _LocalView.apply(linear.weight, Partial())[rows]
+        return weight, _LocalView.apply(linear.bias, Partial())[rows] if linear.bias is not None else None
     return linear.weight.to_local(), linear.bias.to_local() if linear.bias is not None else None
 
 
@@ -152,31 +152,38 @@ class ReplicatedKVHeads(ParallelStyle):
 
 
 class ReplicateParallel(ParallelStyle):
-    """Parameters replicated over tp, computed redundantly on identical inputs (the MoE router).
+    """Parameters replicated over tp, run on plain local tensors (the MoE router and shared-expert gate).
 
-    Plain tensors in and out. The parameters become Replicate DTensors, like the norms under SP, so
-    the gradient-norm and checkpoint code see them as tp-replicated rather than as per-rank tensors.
-    Their gradients are already identical on every tp rank (same inputs, same output gradients).
+    The parameters become Replicate DTensors, like the norms under SP, so the gradient-norm and
+    checkpoint code see them as tp-replicated rather than as per-rank tensors. The forward computes
+    with their local views (DTensor math would refuse the router's plain ``expert_bias`` buffer).
+    ``tokens_differ``: the tp ranks feed different tokens (sequence parallelism), so the gradients
+    are summed over tp; otherwise they are identical already.
     """
 
+    def __init__(self, tokens_differ: bool = False):
+        super().__init__()
+        self.grad_placement = Partial() if tokens_differ else Replicate()
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def to_dtensor(_module, inputs, mesh):
-            return tuple(DTensor.from_local(t, mesh, [Replicate()]) if isinstance(t, torch.Tensor) else t
-                         for t in inputs)
+        _distribute_params(module, device_mesh, Replicate(), self.src_data_rank)
+        module.forward = _forward_on_local_params(module, self.grad_placement)
+        return module
 
-        def to_local(_module, outputs, _mesh):
-            if isinstance(outputs, DTensor):
-                return outputs.to_local()
-            local = [o.to_local() if isinstance(o, DTensor) else o for o in outputs]
-            return type(outputs)(*local) if hasattr(outputs, "_fields") else type(outputs)(local)  # namedtuples
 
-        return distribute_module(
-            module,
-            device_mesh,
-            lambda _name, mod, mesh: _distribute_params(mod, mesh, Replicate(), self.src_data_rank),
-            input_fn=to_dtensor,
-            output_fn=to_local,
-        )
+def _forward_on_local_params(module: nn.Module, grad_placement: Placement):
+    run = type(module).forward
+
+    def forward(*args, **kwargs):
+        # Swapped only for this call: FSDP may install other parameter objects between calls.
+        held = dict(module._parameters)
+        module._parameters.update({n: _LocalView.apply(p, grad_placement) for n, p in held.items() if p is not None})
+        try:
+            return run(module, *args, **kwargs)
+        finally:
+            module._parameters.update(held)
+
+    return forward
 
 
 def _start_sequence_gather(shard: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -317,22 +324,18 @@ def _mlp_plan(prefix: str, sp: bool) -> dict[str, ParallelStyle]:
 
 
 def _moe_plan(prefix: str, moe: MoE, sp: bool) -> dict[str, ParallelStyle]:
-    plan: dict[str, ParallelStyle] = {f"{prefix}.gate": ReplicateParallel()}
+    """The MoE block works on the tokens this tp rank holds: its sequence shard under SP (routed
+    without gathering; the router statistics are made global by expert parallelism), else all of
+    them (expert parallelism then dispatches 1/tp of them per rank). The shared expert is a dense
+    MLP with the dense plan: under SP one all-gather in, one reduce-scatter out."""
+    plan: dict[str, ParallelStyle] = {f"{prefix}.gate": ReplicateParallel(tokens_differ=sp)}
     if sp:
-        # Routing needs every token: gather the sequence, run the (replicated) MoE on all of it and
-        # keep this rank's slice of the output (no communication: every rank holds the full output).
-        plan[prefix] = PrepareModuleInputOutput(
-            input_layouts=(Shard(1),),
-            desired_input_layouts=(Replicate(),),
-            input_kwarg_layouts=None,
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(Shard(1),),
-            use_local_input=True,
+        plan[prefix] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
         )
     if moe.shared_expert is not None:
-        # Inside the MoE every rank holds all tokens, so the shared expert runs without SP.
-        plan.update(_mlp_plan(f"{prefix}.shared_expert", sp=False))
-        plan[f"{prefix}.shared_expert_gate"] = ReplicateParallel()
+        plan.update(_mlp_plan(f"{prefix}.shared_expert", sp))
+        plan[f"{prefix}.shared_expert_gate"] = ReplicateParallel(tokens_differ=sp)
     return plan
 
 
