@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshtron.checkpoint import gather_full_state_dict, load_full_state_dict
+from meshtron.checkpoint import fill_local_slices, gather_full_state_dict
 from meshtron.config import Config
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import InitialWeights, moe_layers
@@ -41,10 +41,11 @@ def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
 
 
 def materialize_sharded(model: nn.Module, device: torch.device, cfg: Config) -> None:
-    """Allocate a parallelized meta-device model and fill it with the layout-independent initial weights."""
+    """Allocate a parallelized meta-device model and fill it with the layout-independent initial
+    weights, each rank computing only its own slices on ``device``."""
     model.to_empty(device=device)
     model.tie_weights()  # to_empty replaces tied parameters one module at a time
-    load_full_state_dict(model, InitialWeights(cfg.model, cfg.train.seed))
+    fill_local_slices(model, InitialWeights(cfg.model, cfg.train.seed))
 
 
 def split_microbatches(input_ids: torch.Tensor, labels: torch.Tensor, mesh, micro: int):
