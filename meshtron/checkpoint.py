@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshtron.config import Config, ModelConfig, model_differences
 
@@ -175,6 +176,24 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor], 
             param.to_local().copy_(local.to_local())
         else:
             param.copy_(src)
+
+
+@torch.no_grad()
+def fill_local_slices(model: torch.nn.Module, init) -> None:
+    """Fill every parameter and buffer of a possibly sharded model with ``init.fill_(name, block,
+    offsets)`` (e.g. :class:`meshtron.models.InitialWeights`), without any communication.
+
+    Each rank passes only its own shard of a DTensor (with the shard's offsets in the global tensor,
+    as DCP computes them for any placements, uneven or nested), so it computes only its slices, on
+    the device they live on, and never allocates a full tensor.
+    """
+    for name, tensor in model.state_dict().items():
+        offsets = (0,) * tensor.ndim
+        if isinstance(tensor, DTensor):
+            shape, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+            tensor = tensor.to_local()
+            assert tuple(tensor.shape) == tuple(shape), (name, tuple(tensor.shape), shape)
+        init.fill_(name, tensor, offsets)
 
 
 def _source_name(model: torch.nn.Module, full, name: str) -> str | None:

@@ -14,7 +14,8 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -223,3 +224,35 @@ def module_collectives(comm, fqn: str) -> dict[str, dict[str, int]]:
             tally[_COLLECTIVE_NAMES.get(name, name)] += n
         out[phase] = dict(tally)
     return out
+
+
+@contextmanager
+def count_calls(owner: Any, name: str, skip_group=None) -> Iterator[list]:
+    """Counts calls of ``owner.name`` (e.g. ``torch.distributed``, ``"all_gather_single"``) while
+    active, except those on process group ``skip_group``: yields a list that gets one entry per
+    call. Callers that look the function up on ``owner`` at call time (as FSDP2 does for its
+    collectives) are counted."""
+    calls: list = []
+    original = getattr(owner, name)
+
+    def counting(*args, **kwargs):
+        if skip_group is None or kwargs.get("group") is not skip_group:
+            calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counting)
+    try:
+        yield calls
+    finally:
+        setattr(owner, name, original)
+
+
+def units_with_parameters(model) -> int:
+    """FSDP2 units that own parameters of their own (not only nested units'): the units that gather
+    and reduce a parameter group."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    nested = {u: {id(p) for v in u.modules() if v is not u and isinstance(v, FSDPModule) for p in v.parameters()}
+              for u in units}
+    return sum(any(id(p) not in nested[u] for p in u.parameters()) for u in units)

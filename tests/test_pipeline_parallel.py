@@ -24,7 +24,7 @@ from meshtron.parallel.step import average_router_losses_over_microbatches
 from meshtron.parallel.grad_norm import global_grad_norm
 from meshtron.parallel.pipeline import peak_in_flight, prune_to_stage
 from meshtron.parallel.pipeline.runner import PipelineRunner
-from meshtron.testing import rel_err, run_checks
+from meshtron.testing import count_calls, rel_err, run_checks, units_with_parameters
 from meshtron.train import export_hf
 
 DENSE = dict(
@@ -186,48 +186,43 @@ def _check_grads(stage, ref, data_group, layout):
         assert err < 1e-4, f"{layout}: {name} gradient rel err {err:.2e}"
 
 
-def _units_with_parameters(model) -> int:
-    """FSDP2 units that own parameters (not only nested units'): each reduce-scatters its own group."""
-    from torch.distributed.fsdp import FSDPModule
+FSDP_LAYOUTS = [
+    # (layout as in LAYOUTS, data_parallel): every schedule, tp and cp inside stages, tied embeddings
+    ((DENSE, 2, 2, "1f1b", 4, 1, 2), "fsdp"),
+    ((DENSE, 2, 2, "gpipe", 4, 1, 2), "fsdp"),
+    ((MOE, 2, 2, "interleaved", 4, 2, 2), "fsdp"),
+    ((TIED, 2, 2, "1f1b", 4, 1, 2), "fsdp"),
+    ((TIED, 2, 2, "interleaved", 4, 2, 1, 2), "hsdp"),  # sharded over cp, replicated over dp
+]
 
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    nested = {u: {id(p) for v in u.modules() if v is not u and isinstance(v, FSDPModule) for p in v.parameters()}
-              for u in units}
-    return sum(any(id(p) not in nested[u] for p in u.parameters()) for u in units)
 
-
-def check_fsdp_reduces_gradients_once_per_step(_folder):
-    reduce_scatters = []
-    original = dist.reduce_scatter_single
-
-    def counting(*args, **kwargs):
-        reduce_scatters.append(1)
-        return original(*args, **kwargs)
-
-    dist.reduce_scatter_single = counting
-    try:
-        for layout in [(TIED, 2, 4, "1f1b", 3, 1), (MOE, 2, 4, "interleaved", 4, 2)]:
-            cfg = _config(*layout)
-            assert cfg.parallel.data_parallel == "fsdp"
-            mesh = build_mesh(pp=cfg.parallel.pp, dp=cfg.parallel.dp)
-            runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
-            ids, labels = _batch(cfg)
-            dp_rank = mesh["dp"].get_local_rank()
-            ref, ref_loss, _, ref_norm = _reference(cfg, ids, labels)
-            load_full_state_dict(runner.module, _random_model(cfg).state_dict())
-            reduce_scatters.clear()
-            loss = runner.forward_backward(ids.chunk(4)[dp_rank], labels.chunk(4)[dp_rank])
-            units = _units_with_parameters(runner.module)
-            assert len(reduce_scatters) == units, (layout, len(reduce_scatters), units)
-            assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5, (layout, loss, ref_loss)
-            ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
-            for name, param in runner.module.named_parameters():
-                err = rel_err(param.grad, ref_grads[name])
-                assert err < 1e-4, f"{layout}: {name} gradient rel err {err:.2e}"
-            norm = runner.clip_grad_norm(1e9)
-            assert abs(norm - ref_norm) / ref_norm < 1e-5, (layout, norm, ref_norm)
-    finally:
-        dist.reduce_scatter_single = original
+def check_fsdp_gathers_and_reduces_once_per_step(_folder):
+    """Each FSDP unit is all-gathered once and reduce-scattered once per step, not per micro-batch,
+    and the step still equals the single-process one."""
+    for layout, mode in FSDP_LAYOUTS:
+        cfg = _config(*layout)
+        cfg.parallel.data_parallel = mode
+        p = cfg.parallel
+        mesh = build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
+        runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+        ids, labels = _batch(cfg)
+        ref, ref_loss, _, ref_norm = _reference(cfg, ids, labels)
+        dp_rank = mesh["dp"].get_local_rank()
+        ids, labels = ids.chunk(p.dp)[dp_rank], labels.chunk(p.dp)[dp_rank]
+        load_full_state_dict(runner.module, _random_model(cfg).state_dict())
+        units = units_with_parameters(runner.module)
+        tp_group = mesh["tp"].get_group()
+        for step in range(2):  # the first step also initialises FSDP lazily
+            runner.module.zero_grad(set_to_none=True)
+            # FSDP's collectives only (MoE under tp gathers tokens over tp with the same call).
+            with (count_calls(dist, "all_gather_single", skip_group=tp_group) as gathers,
+                  count_calls(dist, "reduce_scatter_single", skip_group=tp_group) as reduces):
+                loss = runner.forward_backward(ids, labels)
+            assert len(gathers) == len(reduces) == units, (layout, mode, step, len(gathers), len(reduces), units)
+        assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5, (layout, loss, ref_loss)
+        _check_grads(runner.module, ref, dense_data_mesh(mesh).get_group(), layout)
+        norm = runner.clip_grad_norm(1e9)
+        assert abs(norm - ref_norm) / ref_norm < 1e-5, (layout, norm, ref_norm)
 
 
 def check_clipping_and_export_cover_all_stages(folder):
@@ -254,7 +249,7 @@ def test_pipeline_matches_single_process_on_8_ranks():
         run_checks(
             [
                 check_pipeline_matches_single_process,
-                check_fsdp_reduces_gradients_once_per_step,
+                check_fsdp_gathers_and_reduces_once_per_step,
                 check_clipping_and_export_cover_all_stages,
             ],
             8,

@@ -15,13 +15,14 @@ No parallel code lives here. The parallel modules rely on a few structural facts
 
 from __future__ import annotations
 
-import zlib
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config import ModelConfig
+from meshtron.models.counter_rng import normal_slice_, tensor_key
 from meshtron.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rotary
 from meshtron.models.loss import DEFAULT_CHUNK_TOKENS, linear_cross_entropy_sum
 from meshtron.models.moe import MoE
@@ -133,22 +134,24 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Deterministic initialisation: each parameter from its own generator seeded by (seed, name).
+        """Deterministic initialisation: every element a function of (seed, parameter name, its index).
 
-        Because a parameter's values depend only on its name, a sharded model initialised slice by
-        slice (``meshtron.checkpoint.load_full_state_dict`` with :class:`InitialWeights`) gets exactly
-        the single-process weights, whatever the layout.
+        Because a value depends only on its name and position, a sharded model whose ranks fill just
+        their own slices (:meth:`InitialWeights.fill_`) gets exactly the single-process weights,
+        whatever the layout.
         """
         init = InitialWeights(self.config, seed)
         for name, tensor in self.state_dict(keep_vars=True).items():
-            tensor.copy_(init[name].to(tensor.device))
+            init.fill_(name, tensor, (0,) * tensor.ndim)
 
 
 class InitialWeights:
-    """Mapping name -> initial full tensor: normal(0, initializer_range) matrices, ones for norms,
-    zeros for biases and buffers (the MoE expert bias).
+    """The initial weights by name: normal(0, initializer_range) matrices, ones for norms, zeros for
+    biases and buffers (the MoE expert bias).
 
-    Values are generated on access, so a sharded model can be filled one parameter at a time.
+    Nothing is stored: :meth:`fill_` computes any block of a tensor on the block's own device
+    (``counter_rng``), so a sharded model is filled slice by slice without any rank holding a full
+    tensor; ``init[name]`` gives a full tensor on the CPU (for ``load_full_state_dict``).
     """
 
     def __init__(self, cfg: ModelConfig, seed: int):
@@ -162,15 +165,19 @@ class InitialWeights:
         return name in self.shapes
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        return self.fill_(name, torch.empty(shape), (0,) * len(shape))
+
+    def fill_(self, name: str, out: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
+        """Fill ``out`` with the block of parameter (or buffer) ``name`` that starts at ``offsets``."""
         if self.cfg.tie_word_embeddings and name == "lm_head.weight":
             name = "embed_tokens.weight"
         shape = self.shapes[name]
         if name.endswith("norm.weight"):
-            return torch.ones(shape)
+            return out.fill_(1.0)
         if name.endswith(".bias") or name in self.buffers:
-            return torch.zeros(shape)
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-        return torch.randn(shape, generator=gen) * self.cfg.initializer_range
+            return out.zero_()
+        return normal_slice_(out, tensor_key(self.seed, name), shape, offsets, self.cfg.initializer_range)
 
 
 def build_model(cfg: ModelConfig) -> Transformer:

@@ -2,8 +2,8 @@
 
 Order on a meta-device model: pipeline split (by the pipeline runner) -> tensor/sequence (tp) ->
 expert (ep) -> context (cp) -> activation checkpointing -> compile -> data (FSDP over dp x ep x cp).
-Then parameters are allocated and filled slice by slice from the deterministic initial weights (or
-a checkpoint), so no rank ever holds more than one full parameter at a time.
+Then parameters are allocated and each rank computes only its own slices of the deterministic
+initial weights (or loads them from a checkpoint).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtron.checkpoint import load_full_state_dict
+from meshtron.checkpoint import fill_local_slices
 from meshtron.config import Config
 from meshtron.models import InitialWeights
 from meshtron.parallel.checkpointing import apply_activation_checkpointing
@@ -39,7 +39,8 @@ def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
 
 
 def materialize_sharded(model: nn.Module, device: torch.device, cfg: Config) -> None:
-    """Allocate a parallelized meta-device model and fill it with the layout-independent initial weights."""
+    """Allocate a parallelized meta-device model and fill it with the layout-independent initial
+    weights, each rank computing only its own slices on ``device``."""
     model.to_empty(device=device)
     model.tie_weights()  # to_empty replaces tied parameters one module at a time
-    load_full_state_dict(model, InitialWeights(cfg.model, cfg.train.seed))
+    fill_local_slices(model, InitialWeights(cfg.model, cfg.train.seed))

@@ -386,8 +386,8 @@ def check_expert_divisible(num_experts: int, ep: int) -> None:
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
     """Split every MoE's routed experts over ``mesh['ep']`` and make router statistics global.
 
-    Works on a meta-device model (materialise afterwards with ``materialize_sharded``, which fills each rank's
-    experts from the full deterministic initial weights) and on a materialised one (each rank keeps its block of the full weights, which must be
+    Works on a meta-device model (materialise afterwards with ``materialize_sharded``, which computes each rank's
+    experts from the deterministic initial weights) and on a materialised one (each rank keeps its block of the full weights, which must be
     identical on all ranks). With tp > 1 the experts are wrapped even at ep = 1 (weights then stay
     plain tensors), so the tp ranks split the experts' tokens instead of all computing all of them.
     ``sequence_parallel``: whether tensor parallelism splits the MoE's tokens over tp (then they are

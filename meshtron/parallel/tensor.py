@@ -377,8 +377,8 @@ def _default_positions_hook(tp: int):
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool = False) -> nn.Module:
     """Shard ``model`` (a meshtron ``Transformer`` or a pipeline stage of one) over ``tp_mesh``.
 
-    Works on meta-device models (then ``to_empty``, ``tie_weights`` and fill with
-    ``meshtron.checkpoint.load_full_state_dict``, as ``materialize_sharded`` does) and on materialised
+    Works on meta-device models (then ``to_empty``, ``tie_weights`` and fill, e.g. with
+    ``meshtron.checkpoint.fill_local_slices`` as ``materialize_sharded`` does) and on materialised
     ones (the full weights are split; the first tp rank's copy wins). The model's logits come out as a vocab-sharded DTensor
     (``Shard(-1)``); compute the loss with :func:`parallel_token_loss_sum`.
     """

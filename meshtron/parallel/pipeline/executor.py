@@ -23,9 +23,17 @@ its output (the autograd graph of the chunk); both are dropped as soon as that m
 backward has run, and sent tensors as soon as their batch completes.
 
 Gradient accumulation and FSDP. Backward calls accumulate into ``.grad`` over micro-batches, as
-in the non-pipelined runner. FSDP2 modules of a chunk skip gradient reduction and keep their
-parameters unsharded until that chunk's last backward of the run, so reduce-scatter and reshard
-happen once per step, not once per micro-batch.
+in the non-pipelined runner. Every FSDP2 unit of a chunk is held unsharded through the step: its
+first forward all-gathers it, and it is neither resharded after forward or backward nor
+reduced until the chunk's last backward of the run (a unit shared by several chunks, the stage
+root, until the last of theirs), which then reduce-scatters the accumulated gradients and frees
+the gathered parameters. So each unit is gathered once and reduced once per step, not once per
+micro-batch: with FSDP's default reshard-after-forward, the 1F1B steady state would gather the
+stage again for every backward and every forward after it. The cost is the rank's unsharded
+parameters (its 1/pp of the model, in the compute dtype) held from the first forward to the last
+backward, next to the unsharded gradients that the once-per-step reduction holds anyway;
+``benchmarks/results/pipeline_fsdp.md`` counts the gathers and gives the figures for Qwen2.5-7B.
+Outside a run (e.g. an evaluation forward) the units reshard after forward again.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
 from torch.distributed.tensor import DTensor
 
 from meshtron.parallel.pipeline.schedules import B, F, P2P, RECV_B, RECV_F, SEND_B, SEND_F, Action, Step
@@ -52,7 +61,7 @@ class PipelineExecutor:
 
     ``group`` is the pp process group (``mesh["pp"].get_group()``); schedule peers are pp-group
     ranks and are mapped to global ranks once. ``chunk_units`` maps each local stage to the FSDP2
-    units (``FSDPModule``) holding its parameters, for the once-per-step gradient sync.
+    units (``FSDPModule``) whose parameters it uses, held unsharded through the step (module doc).
     """
 
     def __init__(
@@ -70,12 +79,7 @@ class PipelineExecutor:
             if isinstance(step, P2P)
             for op in step.ops
         }
-        last_b = {}
-        for i, step in enumerate(self.steps):
-            if isinstance(step, Action) and step.kind == B:
-                last_b[step.stage] = i
-        self._last_backward = set(last_b.values())
-        self._fsdp = {s: list(units) for s, units in (chunk_units or {}).items()}
+        self._units, self._release = _release_points(self.steps, chunk_units or {})
         self.record = False
         self.spans: list[Span] = []
         self.peak_live = 0
@@ -108,7 +112,8 @@ class PipelineExecutor:
         """
         self._reset()
         self.spans, self.peak_live = [], 0
-        self._set_grad_sync(self._fsdp, False)
+        for unit in self._units:
+            _hold_unsharded(unit, True)
         total = torch.zeros((), device=first_inputs[0].device)
         try:
             for i, step in enumerate(self.steps):
@@ -159,8 +164,8 @@ class PipelineExecutor:
 
     def _backward(self, index: int, a: Action) -> None:
         key = (a.stage, a.mb)
-        if index in self._last_backward:
-            self._set_grad_sync({a.stage: self._fsdp.get(a.stage, [])}, True)
+        for unit in self._release.get(index, ()):
+            _hold_unsharded(unit, False)
         out = self._outputs.pop(key)
         grad = None if a.stage == self.num_stages - 1 else self._received((RECV_B, *key))
         self._timed(a, lambda: torch.autograd.backward(out, grad))
@@ -200,15 +205,34 @@ class PipelineExecutor:
             else:
                 self._inbox[key] = (tensor, op_works)
 
-    def _set_grad_sync(self, fsdp: Mapping[int, list[nn.Module]], on: bool) -> None:
-        # A chunk's last backward is its modules' last of the step: FSDP then reduce-scatters the
-        # accumulated gradients, reshards, and (is_last_backward) waits for the reductions. When
-        # chunks share an FSDP root, later chunks' backwards finalise again: redundant, not wrong.
-        for mods in fsdp.values():
-            for mod in mods:
-                mod.set_requires_gradient_sync(on, recurse=False)
-                mod.set_reshard_after_backward(on, recurse=False)
-                mod.set_is_last_backward(on)
+
+def _release_points(steps: Sequence[Step], chunk_units: Mapping[int, Sequence[nn.Module]]):
+    """(every unit once, {step index: units to release before that backward}).
+
+    A unit is released at the last backward of the last chunk using it: its gradients are complete
+    only then (the stage root's hooks run with every chunk, so it waits for the rank's last backward).
+    """
+    last_backward = {step.stage: i for i, step in enumerate(steps) if isinstance(step, Action) and step.kind == B}
+    units, release_at = {}, {}
+    for stage, chunk in chunk_units.items():
+        for unit in chunk:
+            units[id(unit)] = unit
+            release_at[id(unit)] = max(release_at.get(id(unit), -1), last_backward[stage])
+    release: dict[int, list[nn.Module]] = {}
+    for key, index in release_at.items():
+        release.setdefault(index, []).append(units[key])
+    return list(units.values()), release
+
+
+def _hold_unsharded(unit: nn.Module, hold: bool) -> None:
+    """Hold ``unit`` gathered with its gradients unreduced (``hold``), or let its next backward
+    reduce-scatter, reshard and finish the step's reductions (``is_last_backward`` is shared by
+    all units of the root; setting it early only waits for reductions sooner)."""
+    unit.set_requires_gradient_sync(not hold, recurse=False)
+    unit.set_reshard_after_backward(not hold, recurse=False)
+    if not isinstance(unit, ReplicateModule):  # replicas are never sharded: nothing to gather or free
+        unit.set_reshard_after_forward(not hold, recurse=False)
+    unit.set_is_last_backward(not hold)
 
 
 def _sync() -> None:

@@ -9,10 +9,12 @@ every micro-batch's summed token loss divided by the global token count of the s
 accumulated over micro-batches and summed over data ranks are those of the global mean loss), and
 MoE aux losses attached to the gradients inside each stage with the same per-micro-batch scale.
 
-FSDP: every chunk's units skip gradient reduction and stay unsharded until that chunk's last
-backward of the step (see ``executor.py``), whatever ``data_parallel`` mode: reducing after every
-micro-batch would put m reductions per step on every stage, inside the pipeline's steady state. The cost
-is the unsharded gradients of the rank's own layers (1/pp of the model) held through the step.
+FSDP: every chunk's units are all-gathered once per step by their first forward and stay
+unsharded, with their gradients unreduced, until that chunk's last backward of the step (see
+``executor.py``), whatever ``data_parallel`` mode: otherwise every micro-batch would gather the
+stage's parameters again and reduce its gradients, m times per step inside the pipeline's steady
+state. The cost is the unsharded parameters and gradients of the rank's own layers (1/pp of the
+model) held through the step (``benchmarks/results/pipeline_fsdp.md``).
 
 Tied embeddings: the first stage's embedding and the last stage's LM head are two copies of the
 shared weight, equal at initialisation; after each backward both get the sum of their gradients
@@ -54,11 +56,12 @@ def boundary_tensor(cfg: Config, micro_batch: int, local_seq: int) -> tuple[tupl
 
 
 def _fsdp_units(chunk) -> list[nn.Module]:
-    """FSDP2 units holding a chunk's parameters; the stage root's own (the final norm) go with the last."""
+    """FSDP2 units whose parameters a chunk uses: its modules' units and the stage root, whose hooks
+    run with every chunk (it holds the final norm, and a tied embedding / LM head)."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [sub for mod in chunk.modules() for sub in mod.modules() if isinstance(sub, FSDPModule)]
-    if chunk.is_last and isinstance(chunk.model, FSDPModule):
+    if isinstance(chunk.model, FSDPModule):
         units.append(chunk.model)
     return units
 
