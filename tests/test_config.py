@@ -62,8 +62,13 @@ def test_every_recipe_loads_and_sets_every_key(path):
 
 
 @pytest.mark.parametrize("path", ALL_RECIPES, ids=lambda p: p.stem)
-def test_every_recipe_layout_fits_eight_ranks(path):
-    validate_layout(infer_dp(load_config(path), 8), world_size=8)
+def test_every_recipe_layout_is_valid_on_its_declared_hardware(path):
+    """world = nodes x devices per node from the header's '# Hardware:' line (tests/test_plan.py checks
+    that the layout also fits that hardware's memory)."""
+    from meshtron.plan.recipes import recipe_hardware
+
+    world = recipe_hardware(path).world_size
+    validate_layout(infer_dp(load_config(path), world), world_size=world)
 
 
 @pytest.mark.parametrize(

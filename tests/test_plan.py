@@ -167,6 +167,35 @@ def test_cli_bad_input_exits_2(capsys):
     assert capsys.readouterr().err.startswith("meshtron: --gpus")
 
 
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.toml")), ids=lambda p: p.stem)
+def test_every_recipe_fits_its_declared_hardware_with_headroom(path):
+    """Each recipe's '# Hardware: N nodes x G GPUs x M GB' line: its own layout on N x G devices is valid
+    and the planner's busiest rank needs at most 90 % of M; multi-node recipes show the multi-node launch."""
+    from meshtron.parallel.layout import validate_layout
+    from meshtron.plan.recipes import recipe_hardware
+
+    hw = recipe_hardware(path)
+    cfg = infer_dp(load_config(path), hw.world_size)
+    validate_layout(cfg, hw.world_size)
+    predicted = predict_memory(cfg, hw.assumptions()).total
+    assert predicted <= 0.9 * hw.memory_gib * GIB, (path.stem, predicted / GIB)
+    header = path.read_text().split("[model]")[0]
+    if hw.nodes == 1:
+        assert f"torchrun --nproc_per_node {hw.per_node} -m meshtron.train --recipe recipes/{path.name}" in header
+    else:
+        assert (f"torchrun --nnodes {hw.nodes} --nproc_per_node {hw.per_node} --rdzv_backend c10d "
+                f"--rdzv_endpoint HOST:PORT -m meshtron.train --recipe recipes/{path.name}") in header
+
+
+def test_recipe_hardware_line_is_required(tmp_path):
+    from meshtron.plan.recipes import recipe_hardware
+
+    bare = tmp_path / "bare.toml"
+    bare.write_text("# no hardware here\n\n[model]\n")
+    with pytest.raises(ConfigError, match="# Hardware: 1 node x 8 GPUs x 80 GB"):
+        recipe_hardware(bare)
+
+
 def test_72b_does_not_fit_one_node_but_fits_four():
     cfg = load_config(RECIPES / "qwen2p5_72b.toml")
     assert not any(p.fits for p in rank_layouts(cfg, 8, Hardware()))

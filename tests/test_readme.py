@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from meshtron.config import _SECTION_TYPES, infer_dp, load_config
+from meshtron.plan import predict_memory
+from meshtron.plan.recipes import recipe_hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -56,13 +58,25 @@ def test_recipe_table_matches_the_recipes():
 
     rows = table_after("## Recipes")
     assert sorted(unquote(r[0]) for r in rows) == sorted(p.name for p in (ROOT / "recipes").glob("*.toml"))
-    for name, _, params, layout in rows:
-        cfg = load_config(ROOT / "recipes" / unquote(name))
+    for name, _, params, hardware, layout, gib in rows:
+        path = ROOT / "recipes" / unquote(name)
+        cfg = load_config(path)
         stem = unquote(name)[: -len(".toml")]
         assert int(params.replace(",", "")) == PUBLISHED.get(stem, expected_count(cfg.model)), name
-        p = infer_dp(cfg, 8).parallel  # the table's layouts are for 8 GPUs
+        hw = recipe_hardware(path)
+        kind = "CPU ranks" if hw.device == "cpu" else "GPUs"
+        assert hardware.startswith(f"{hw.nodes} node{'s' if hw.nodes > 1 else ''} x {hw.per_node} {kind}"), name
+        if hw.device == "cuda":
+            assert hardware.endswith(f" x {hw.memory_gib:g} GB"), name
+        cfg = infer_dp(cfg, hw.world_size)
+        p = cfg.parallel
         actual = {k: getattr(p, k) for k in ("pp", "dp", "cp", "ep", "tp") if getattr(p, k) > 1}
         assert _layout(layout) == {**actual, "sp": p.sp}, name
+        micro = re.search(r"(\d+) micro-batches", layout)
+        assert p.microbatches == (int(micro.group(1)) if micro else 1), name
+        assert ("full AC" in layout) == (p.activation_checkpointing == "full"), name
+        predicted = predict_memory(cfg, hw.assumptions()).total / 2**30
+        assert float(gib) == pytest.approx(predicted, abs=0.051 if predicted > 1 else 0.0006), name
 
 
 def test_quickstart_has_the_two_commands():
