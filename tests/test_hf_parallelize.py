@@ -3,7 +3,8 @@ unparallelized model (loss, MoE aux loss, gradients, three AdamW steps), sharded
 each rank's slices and is bit-identical to a full load, and a sharded model saves back to a folder HF
 reads with the same weights and logits.
 
-One 8-rank launch: dense models at (dp, tp) = (4, 2) and (2, 4); Qwen2-MoE at those and with its
+One 8-rank launch: dense models (Llama, Qwen2, Mistral, Qwen3 with its per-head q/k norms) at
+(dp, tp) = (4, 2) and (2, 4), Phi3's fused projections (gathered-output styles) at (2, 4) + SP; Qwen2-MoE at those and with its
 experts split by meshtron's all-to-all at (dp, ep) = (2, 4) and (dp, ep, tp) = (2, 2, 2), with and
 without SP; FSDP (or replicate / HSDP) over the data meshes.
 """
@@ -37,6 +38,8 @@ MODELS = {
     "mistral": ("MistralConfig", dict(num_key_value_heads=2)),
     # Per-head q_norm / k_norm ('replicated_with_grad_allreduce'); 2 KV heads: replicated at tp = 4.
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=2)),
+    # Fused qkv_proj / gate_up_proj: 'colwise_gather_output' then 'rowwise_split_input'.
+    "phi3": ("Phi3Config", dict(num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Layer 0 sparse (fused experts + shared expert), layer 1 dense.
     # The aux loss is returned and weighted enough to matter in the loss comparisons.
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
@@ -208,8 +211,10 @@ def check_parity_and_training(folders: dict[str, str], out: str) -> None:
 def check_from_pretrained_then_parallelize(folders: dict[str, str], out: str) -> None:
     """The other entry path: a materialised HF model parallelized in place gives the same loss and
     gradients. The MoE case has 2 x 15 tokens per rank, which tp = 4 does not divide (the expert
-    dispatch pads its tp split)."""
-    for arch, sizes, sp, seq in [("qwen2", dict(dp=2, tp=4), True, SEQ), ("qwen2_moe", dict(ep=2, tp=4), False, 15)]:
+    dispatch pads its tp split). Phi3's fused projections take the gathered-output styles."""
+    cases = [("qwen2", dict(dp=2, tp=4), True, SEQ), ("qwen2_moe", dict(ep=2, tp=4), False, 15),
+             ("phi3", dict(dp=2, tp=4), True, SEQ)]
+    for arch, sizes, sp, seq in cases:
         mesh = build_mesh(**sizes)
         ref = _reference(folders[arch])
         model = parallelize_hf_model(_reference(folders[arch]), mesh, sp=sp)
