@@ -3,7 +3,8 @@ unparallelized model (loss, MoE aux loss, gradients, three AdamW steps), sharded
 each rank's slices and is bit-identical to a full load, and a sharded model saves back to a folder HF
 reads with the same weights and logits.
 
-One 8-rank launch: dense models at (dp, tp) = (4, 2) and (2, 4); Qwen2-MoE at those and with its
+One 8-rank launch: dense models (Llama, Qwen2, Mistral, Qwen3 with its per-head q/k norms) at
+(dp, tp) = (4, 2) and (2, 4), Phi3's fused projections (gathered-output styles) at (2, 4) + SP; Qwen2-MoE at those and with its
 experts split by meshtron's all-to-all at (dp, ep) = (2, 4) and (dp, ep, tp) = (2, 2, 2), with and
 without SP; FSDP (or replicate / HSDP) over the data meshes.
 """
@@ -35,6 +36,10 @@ MODELS = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2, attention_bias=True)),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(num_key_value_heads=2)),
+    # Per-head q_norm / k_norm ('replicated_with_grad_allreduce'); 2 KV heads: replicated at tp = 4.
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2)),
+    # Fused qkv_proj / gate_up_proj: 'colwise_gather_output' then 'rowwise_split_input'.
+    "phi3": ("Phi3Config", dict(num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # Layer 0 sparse (fused experts + shared expert), layer 1 dense.
     # The aux loss is returned and weighted enough to matter in the loss comparisons.
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
@@ -48,6 +53,8 @@ CASES = [
     ("qwen2", dict(dp=2, tp=4), False, "replicate", "none"),
     ("mistral", dict(dp=2, tp=4), False, "fsdp", "none"),
     ("mistral", dict(dp=4, tp=2), True, "fsdp", "none"),
+    ("qwen3", dict(dp=2, tp=4), False, "fsdp", "none"),
+    ("qwen3", dict(dp=4, tp=2), True, "fsdp", "none"),
     ("qwen2_moe", dict(dp=2, tp=4), False, "fsdp", "none"),  # experts whole, tokens split over tp
     ("qwen2_moe", dict(dp=4, tp=2), True, "fsdp", "none"),
     ("qwen2_moe", dict(dp=2, ep=4), False, "fsdp", "none"),  # one expert per ep rank
@@ -194,7 +201,7 @@ def check_parity_and_training(folders: dict[str, str], out: str) -> None:
             weights, update = _full(p).detach(), ref_params[name].detach()
             err = max(rel_err(weights, update), rel_err(weights - initial[name], update - initial[name]))
             assert err < 1e-4, f"{where}: after 3 AdamW steps {name} (weights or update) rel err {err:.2e}"
-        if index in (1, 8):  # save the trained sharded model; HF reads it back
+        if index in (1, 10):  # save the trained sharded model; HF reads it back
             save_hf_checkpoint(model, Path(out) / f"saved_{arch}", max_shard_bytes=30_000)
             _check_saved(model, Path(out) / f"saved_{arch}", ids, mask, mesh, where)
     if dist.get_rank() == 0:
@@ -204,8 +211,10 @@ def check_parity_and_training(folders: dict[str, str], out: str) -> None:
 def check_from_pretrained_then_parallelize(folders: dict[str, str], out: str) -> None:
     """The other entry path: a materialised HF model parallelized in place gives the same loss and
     gradients. The MoE case has 2 x 15 tokens per rank, which tp = 4 does not divide (the expert
-    dispatch pads its tp split)."""
-    for arch, sizes, sp, seq in [("qwen2", dict(dp=2, tp=4), True, SEQ), ("qwen2_moe", dict(ep=2, tp=4), False, 15)]:
+    dispatch pads its tp split). Phi3's fused projections take the gathered-output styles."""
+    cases = [("qwen2", dict(dp=2, tp=4), True, SEQ), ("qwen2_moe", dict(ep=2, tp=4), False, 15),
+             ("phi3", dict(dp=2, tp=4), True, SEQ)]
+    for arch, sizes, sp, seq in cases:
         mesh = build_mesh(**sizes)
         ref = _reference(folders[arch])
         model = parallelize_hf_model(_reference(folders[arch]), mesh, sp=sp)
@@ -295,7 +304,10 @@ def check_errors(folders: dict[str, str], out: str) -> None:
     with pytest.raises(ConfigError, match="base_model_tp_plan"):
         parallelize_hf_model(model, mesh)
     model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "local_packed_rowwise"}
-    with pytest.raises(ConfigError, match="local_packed_rowwise"):
+    with pytest.raises(ConfigError, match=r"unknown tp plan style 'local_packed_rowwise' \(for module 'layers.<i>.mlp.gate_proj'"):
+        parallelize_hf_model(model, mesh)
+    model.config.base_model_tp_plan = {"layers.*.self_attn.o_proj": "rowwise", "layers.*.self_attn.q_proj.weight": "colwise"}
+    with pytest.raises(ConfigError, match="names a parameter"):
         parallelize_hf_model(model, mesh)
     with pytest.raises(ConfigError, match="ep = 2 needs a MoE model"):
         parallelize_hf_model(_reference(folders["llama"]), build_mesh(dp=2, ep=2, tp=2))
@@ -303,6 +315,30 @@ def check_errors(folders: dict[str, str], out: str) -> None:
     moe.config.base_model_ep_plan = None
     with pytest.raises(ConfigError, match="no base_model_ep_plan entry"):
         parallelize_hf_model(moe, build_mesh(dp=4, ep=2))
+
+
+def test_tp_plan_styles():
+    """Every tp-plan style transformers registers is translated or refused by name; an unknown one is a
+    ConfigError naming the style and the module."""
+    from types import SimpleNamespace
+
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    from meshtron.hf.parallelize import _REFUSED, _STYLES, _base_plan
+
+    def model(plan):
+        return SimpleNamespace(config=SimpleNamespace(base_model_tp_plan=plan))
+
+    assert set(ALL_PARALLEL_STYLES) <= set(_STYLES) | set(_REFUSED), set(ALL_PARALLEL_STYLES) - set(_STYLES) - set(_REFUSED)
+    plan = {f"layers.*.m{i}": style for i, style in enumerate(_STYLES)}
+    assert _base_plan(model(plan)) == plan
+    for style in _REFUSED:
+        with pytest.raises(ConfigError, match=f"tp plan style '{style}' \\(for module 'layers.<i>.mlp.x'\\) is not supported"):
+            _base_plan(model({"layers.*.mlp.x": style}))
+    with pytest.raises(ConfigError, match=r"unknown tp plan style 'colwise_future' \(for module 'layers.<i>.self_attn.qkv'"):
+        _base_plan(model({"layers.*.self_attn.qkv": "colwise_future"}))
+    # Fused experts follow base_model_ep_plan, whatever their tp style.
+    assert _base_plan(model({"layers.*.mlp.experts.gate_up_proj": "moe_tp_experts"}))
 
 
 def test_hf_parallelize_8_ranks(tmp_path):

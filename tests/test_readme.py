@@ -92,3 +92,12 @@ def test_quickstart_has_the_two_commands():
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "torch==2.13.0" in ci and "-e '.[test]'" in ci and "pytest" in ci
+
+
+def test_hf_tp_style_table_lists_every_style():
+    """The tp-plan style table names exactly the styles meshtron translates or refuses by name."""
+    from meshtron.hf.parallelize import _REFUSED, _STYLES
+
+    rows = table_after("The tp-plan styles of transformers")
+    named = [unquote(s.strip()) for row in rows for s in row[0].split(",")]
+    assert sorted(named) == sorted([*_STYLES, *_REFUSED])

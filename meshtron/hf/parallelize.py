@@ -70,10 +70,44 @@ from meshtron.mesh import dense_data_mesh
 from meshtron.models.moe import load_balancing_loss
 from meshtron.parallel.checkpointing import checkpointed_layers
 from meshtron.parallel.data import data_meshes, even_shard_dim, mixed_precision, wrap_data_parallel
-from meshtron.parallel.tensor import ReplicatedKVHeads, check_tensor_parallel, parallel_token_loss_sum, residual_layout
+from meshtron.parallel.tensor import (
+    ReplicatedKVHeads,
+    ReplicateParallel,
+    check_tensor_parallel,
+    parallel_token_loss_sum,
+    residual_layout,
+)
 
 
-_STYLES = ("colwise", "rowwise")
+# transformers' tp-plan styles (``transformers.distributed.tensor_parallel.ALL_PARALLEL_STYLES``, 5.23) by
+# what they become here. Output features split over tp (the attention then runs on its local heads):
+_COLWISE = ("colwise",)
+# Output features split, then all-gathered (the module's consumer needs every feature: a fused qkv or
+# gate_up sliced or chunked afterwards, a norm over all heads). packed_colwise's per-part split
+# (_StridedShard) then needs no permutation: a plain Shard(0) weight gathered gives the same output.
+_COLWISE_GATHERED = ("colwise_gather_output", "colwise_rep", "packed_colwise")
+# Input features split, output partial then all-reduced (reduce-scattered under SP) into the residual.
+_ROWWISE = ("rowwise",)
+# Same, but the input arrives replicated (after a gathered colwise) and each rank takes its slice.
+_ROWWISE_REPLICATED_INPUT = ("rowwise_split_input", "rowwise_rep", "packed_rowwise")
+# Replicated parameters on a tp-split activation (Qwen3's per-head q_norm / k_norm): gradients summed.
+_REPLICATED_PARTIAL_GRAD = ("replicated_with_grad_allreduce",)
+# Parameters replicated and not split: the module stays as it is (identical on every tp rank).
+_REPLICATE = ("replicate",)
+# Norms on the sequence-split residual: SequenceParallel under SP, unchanged otherwise.
+_SEQUENCE = ("sequence_parallel",)
+_STYLES = (*_COLWISE, *_COLWISE_GATHERED, *_ROWWISE, *_ROWWISE_REPLICATED_INPUT, *_REPLICATED_PARTIAL_GRAD,
+           *_REPLICATE, *_SEQUENCE)
+# Styles transformers defines that meshtron does not translate (outside fused experts): why.
+_REFUSED = {
+    "embedding_rowwise": "embeddings inside decoder layers are not split; meshtron splits only the input embedding",
+    "embedding_colwise": "embeddings inside decoder layers are not split; meshtron splits only the input embedding",
+    "mla_kv_a_proj": "MLA attention (DeepSeek-V2 style) is not supported yet",
+    "all_reduce": "partial module outputs outside fused experts are not supported yet",
+    "moe_tp_experts": "per-expert tp outside a fused 'experts' module is not supported",
+    "moe_identity_expert": "identity (zero-compute) experts are not supported yet",
+    "local_params": "bare parameters split by their own plan entry (attention sinks) are not supported yet",
+}
 
 
 class _HiddenStatesInput(ParallelStyle):
@@ -102,21 +136,39 @@ class _HiddenStatesInput(ParallelStyle):
         return module
 
 
-def _style(style: str, name: str, kv_heads: int, head_dim: int, tp: int, sp: bool) -> ParallelStyle:
-    """One entry of transformers' plan as a training ParallelStyle."""
+def _style(style: str, name: str, kv_heads: int, head_dim: int, tp: int, sp: bool) -> ParallelStyle | None:
+    """One entry of transformers' plan as a training ParallelStyle (None: the module stays unchanged)."""
     kv_proj = name.endswith(("k_proj", "v_proj"))
-    if style == "colwise" and kv_proj and kv_heads % tp:
+    if style in _COLWISE and kv_proj and kv_heads % tp:
         return ReplicatedKVHeads(kv_heads, head_dim)
-    if style == "colwise":
+    if style in _COLWISE:
         return ColwiseParallel()
-    if style == "rowwise":
+    if style in _COLWISE_GATHERED:
+        return ColwiseParallel(output_layouts=Replicate())
+    if style in _ROWWISE:
         return RowwiseParallel(output_layouts=residual_layout(sp))
+    if style in _ROWWISE_REPLICATED_INPUT:
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=residual_layout(sp))
+    if style in _REPLICATED_PARTIAL_GRAD:
+        return ReplicateParallel(tokens_differ=True)
+    if style in _SEQUENCE:
+        return SequenceParallel() if sp else None
+    if style in _REPLICATE:
+        return None
     raise AssertionError(f"unchecked tp plan style '{style}' for '{name}'")  # _base_plan validates styles
 
 
 def _exists(layer: nn.Module, rel: str) -> bool:
     try:
         layer.get_submodule(rel)
+    except AttributeError:
+        return False
+    return True
+
+
+def _is_parameter(layer: nn.Module, rel: str) -> bool:
+    try:
+        layer.get_parameter(rel)
     except AttributeError:
         return False
     return True
@@ -138,9 +190,15 @@ def _layer_plan(base_plan: dict[str, str], layer: nn.Module, index: int, kv_head
         if "experts" in parts:
             continue
         if not _exists(layer, rel):
+            if _is_parameter(layer, rel):
+                raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' ('{style}') names a parameter, "
+                                  "not a module; per-parameter plan entries are not supported.")
             continue
-        plan[rel] = _style(style, f"layers.{index}.{rel}", kv_heads, head_dim, tp, sp)
-        if style == "colwise":
+        translated = _style(style, f"layers.{index}.{rel}", kv_heads, head_dim, tp, sp)
+        if translated is None:
+            continue
+        plan[rel] = translated
+        if style in _COLWISE + _COLWISE_GATHERED:
             plan[rel.rsplit(".", 1)[0]] = _HiddenStatesInput(sp)
     if _exists(layer, "mlp.experts") and _exists(layer, "mlp.shared_expert.down_proj"):
         plan.update(_shared_expert_plan("mlp.shared_expert"))
@@ -176,12 +234,18 @@ def _base_plan(model: nn.Module) -> dict[str, str]:
             "layers is unknown. Use a model whose transformers config defines one (Llama, Qwen2, Mistral, ...) "
             "or set config.base_model_tp_plan (e.g. {'layers.*.self_attn.q_proj': 'colwise', ...})."
         )
-    unknown = {p: s for p, s in plan.items() if s not in _STYLES and "experts" not in p.split(".")}
-    if unknown:
-        pattern, style = next(iter(unknown.items()))
+    for pattern, style in plan.items():
+        if "experts" in pattern.split(".") or style in _STYLES:
+            continue
+        module = pattern.replace(".*.", ".<i>.")
+        if style in _REFUSED:
+            raise ConfigError(
+                f"parallelize_hf_model: tp plan style '{style}' (for module '{module}') is not supported: "
+                f"{_REFUSED[style]}."
+            )
         raise ConfigError(
-            f"parallelize_hf_model: tp plan style '{style}' (for '{pattern}') is not supported; supported: "
-            f"{', '.join(_STYLES)} (fused MoE experts, whatever their style, follow base_model_ep_plan)."
+            f"parallelize_hf_model: unknown tp plan style '{style}' (for module '{module}', plan entry '{pattern}'); "
+            f"supported: {', '.join(_STYLES)} (fused MoE experts, whatever their style, follow base_model_ep_plan)."
         )
     return plan
 
@@ -196,8 +260,11 @@ def _check_shape(model: nn.Module, tp: int) -> tuple[int, int]:
     return kv_heads, head_dim
 
 
-def _set_local_head_groups(layers, heads: int, kv_heads: int, tp: int) -> None:
-    """HF attention repeats KV heads ``num_key_value_groups`` times: make that the local ratio."""
+def _set_local_head_groups(layers, base: dict[str, str], heads: int, kv_heads: int, tp: int) -> None:
+    """HF attention repeats KV heads ``num_key_value_groups`` times: make that the local ratio when the
+    heads are split (``colwise`` q/k/v); gathered projections keep every head on every rank."""
+    if base.get("layers.*.self_attn.k_proj") not in _COLWISE:
+        return
     local_kv = max(kv_heads // tp, 1)
     for layer in layers:
         layer.self_attn.num_key_value_groups = heads // tp // local_kv
@@ -213,7 +280,7 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
     parallelize_module(inner.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     for layer, plan in zip(inner.layers, plans):
         parallelize_module(layer, tp_mesh, plan)
-    _set_local_head_groups(inner.layers, model.config.num_attention_heads, kv_heads, tp)
+    _set_local_head_groups(inner.layers, base, model.config.num_attention_heads, kv_heads, tp)
     if sp:
         # Keep this rank's part of the sequence (a slice; its backward all-gathers the gradient).
         parallelize_module(inner.layers[0], tp_mesh, PrepareModuleInput(
