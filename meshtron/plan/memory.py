@@ -16,12 +16,14 @@ meta-device model):
 
 Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 in fp32):
 
-- ``gathered``: unsharded compute copies. With pp = 1 FSDP holds the unit in use, ``fsdp_prefetch``
-  blocks gathered ahead, the root unit (final norm, tied embedding) and one all-gather output buffer;
-  with pp > 1 every unit of the stage stays gathered for the whole step (issue 15);
+- ``gathered``: unsharded compute copies. With pp = 1 FSDP holds in backward the unit in use,
+  ``fsdp_prefetch`` blocks gathered ahead (their all-gather outputs) and the root unit (final norm,
+  tied embedding), at the end of the forward the root and LM-head units; with pp > 1 every unit of
+  the stage stays gathered for the whole step (issue 15);
 - ``unsharded_grads``: the unit being reduced (pp = 1, fsdp); the whole stage's gradients in fp32
   when they accumulate unreduced (pp > 1, or hsdp/replicate with several micro-batches);
-- ``reduce_scatter``: the fp32 input buffer of the largest unit's gradient reduction;
+- ``reduce_scatter``: the fp32 input buffer of the largest unit's gradient reduction (in backward; with
+  pp > 1 only beyond the activations the other micro-batches have freed by the chunk's last backward);
 - ``activations``: saved tensors per layer and token (:func:`layer_activation_bytes`) times the layers
   a rank holds, the tokens of one micro-batch and the micro-batches in flight (pp schedules'
   ``peak_in_flight``); activation checkpointing keeps only block inputs. In backward add one layer's
@@ -353,11 +355,16 @@ def saved_activation_bytes(cfg: Config, pp_rank: int) -> float:
     layers = _stage_layers(cfg, pp_rank)
     kept = sum(c * h / sp if _checkpointed(cfg, i) else layer_activation_bytes(cfg, i) for i in layers)
     per_chunk = kept / p.virtual_stages
-    if pp_rank == p.pp - 1:
-        per_chunk += (4 + c) * h / sp  # final norm
+    per_chunk += final_norm_bytes(cfg, pp_rank) / tokens
     if p.pp > 1:
         per_chunk += c * h / sp  # the stage input received from the previous stage
     return tokens * in_flight(cfg, pp_rank) * per_chunk
+
+
+def final_norm_bytes(cfg: Config, pp_rank: int) -> float:
+    """The final norm's saved tensors for one micro-batch (last stage): fp32 input and normalized value."""
+    c, h = compute_bytes(cfg), cfg.model.hidden_size
+    return microbatch_tokens(cfg) * (4 + c) * h / _sp_split(cfg) if pp_rank == cfg.parallel.pp - 1 else 0
 
 
 def layer_gradient_bytes(cfg: Config, layer: int) -> float:
@@ -448,13 +455,15 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
     largest = max(units.values())
     root = units.get("root", 0)
     accumulate = p.pp > 1 or (p.data_parallel != "fsdp" and p.microbatches > 1)
-    if p.pp > 1:
-        gathered = c * (sum(units.values()) + largest)
+    if p.pp > 1:  # gathered once by the first forward, each unit's all-gather output copied out and freed
+        gathered = c * sum(units.values())
     elif phase == "forward":
         gathered = c * (root + units.get("head", 0))
     else:
+        # The unit in use, the blocks prefetched ahead (their all-gather outputs: a unit's output is
+        # copied into its parameters and freed before the next prefetch is issued) and the root unit.
         ahead = p.fsdp_prefetch * max(blocks, default=0) if p.data_parallel != "replicate" else 0
-        gathered = c * (largest + ahead + root + largest)
+        gathered = c * (largest + ahead + root)
     unsharded = FP32 * sum(units.values()) if accumulate else c * largest
     if phase == "forward":
         backward_first = p.microbatches > 1 and not (p.pp > 1 and p.schedule == "gpipe")
@@ -473,9 +482,16 @@ def phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[str, float]:
         terms["activations"] = saved_activation_bytes(cfg, coords.pp)
         terms["loss"] = loss_bytes(cfg, coords.pp)
     else:
-        terms["activations"] = activation_bytes(cfg, coords.pp)
+        # The micro-batch in backward has freed its final norm's saved tensors before its layers' backward.
+        norm = final_norm_bytes(cfg, coords.pp)
+        terms["activations"] = activation_bytes(cfg, coords.pp) - norm
         # The micro-batch in backward has consumed its loss's saved gradients; the others still hold theirs.
         held = loss_held_bytes(cfg, coords.pp)
+        if cfg.parallel.pp > 1:
+            # Pipeline stages reduce their gradients in each chunk's last backward of the step, when one
+            # micro-batch is left in flight: the buffer counts only beyond the others' freed activations.
+            others = saved_activation_bytes(cfg, coords.pp) * (1 - 1 / in_flight(cfg, coords.pp))
+            terms["reduce_scatter"] = max(0.0, terms["reduce_scatter"] - others)
         terms["loss"] = held - held / in_flight(cfg, coords.pp)
     terms["ep_dispatch"] = ep_dispatch_bytes(cfg)
     return terms
