@@ -59,7 +59,7 @@ def breakdown_text(plan: Plan, hw: Hardware) -> list[str]:
              for term, value in gib.items()]
     verdict = "fits" if plan.fits else "does NOT fit"
     lines.append(f"  {'total':<16}{plan.memory.total / GIB:9.2f}  {verdict} in {hw.memory_gib:g} GiB "
-                 f"(busiest pipeline rank {plan.memory.pp_rank})")
+                 f"(busiest pipeline rank {plan.memory.pp_rank}, peak in {plan.memory.phase})")
     t = plan.time
     lines.append(f"  step {t.seconds:.2f} s, {t.tokens_per_second:,.0f} tokens/s (compute {t.compute:.2f} s, "
                  f"exposed communication {t.exposed_comm:.2f} s, pipeline bubble {t.bubble:.0%})")

@@ -16,21 +16,33 @@ meta-device model):
 
 Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 in fp32):
 
-- ``gathered``: unsharded compute copies. With pp = 1 FSDP holds the unit in use, ``fsdp_prefetch``
-  blocks gathered ahead, the root unit (final norm, tied embedding) and one all-gather output buffer;
-  with pp > 1 every unit of the stage stays gathered for the whole step (issue 15);
+- ``gathered``: unsharded compute copies. With pp = 1 FSDP holds in backward the unit in use,
+  ``fsdp_prefetch`` blocks gathered ahead (their all-gather outputs) and the root unit (final norm,
+  tied embedding), at the end of the forward the root and LM-head units; with pp > 1 every unit of
+  the stage stays gathered for the whole step (issue 15);
 - ``unsharded_grads``: the unit being reduced (pp = 1, fsdp); the whole stage's gradients in fp32
   when they accumulate unreduced (pp > 1, or hsdp/replicate with several micro-batches);
-- ``reduce_scatter``: the fp32 input buffer of the largest unit's gradient reduction;
+- ``reduce_scatter``: the fp32 input buffer of the largest unit's gradient reduction (in backward; with
+  pp > 1 only beyond the activations the other micro-batches have freed by the chunk's last backward);
 - ``activations``: saved tensors per layer and token (:func:`layer_activation_bytes`) times the layers
   a rank holds, the tokens of one micro-batch and the micro-batches in flight (pp schedules'
-  ``peak_in_flight``); activation checkpointing keeps only block inputs; plus one layer's working set
-  in backward (recomputed activations and their gradients);
+  ``peak_in_flight``); activation checkpointing keeps only block inputs. In backward add one layer's
+  working set (:func:`backward_working_bytes`: its gradient temporaries and, checkpointed, its
+  recomputed saved tensors, less the saved tensors of the layers after it, already freed);
 - ``loss``: the fused chunked LM head + cross-entropy: per in-flight micro-batch the hidden-state
-  gradient [tokens, H] and the fp32 weight-gradient accumulator [V/tp, H]; one chunk's fp32 logits,
-  an fp32 temporary and a compute-dtype copy [chunk, V/tp];
+  gradient [tokens, H] and the fp32 weight-gradient accumulator [V/tp, H] it saves for backward; at the
+  end of the forward also one chunk's fp32 logits (plus its compute-dtype copy in bf16) [chunk, V/tp]
+  and a [V/tp, H] product;
 - ``ep_dispatch``: the routed token copies being sent and received by one MoE layer's all-to-all;
 - ``other``: CUDA context, communicator buffers and allocator fragmentation (:class:`Assumptions`).
+
+The peak (:func:`rank_breakdown`) is the larger of two moments, as torch's ``MemTracker`` finds them on
+8 CPU ranks (``benchmarks/plan_whole_step.py``): the end of the forward (all saved activations and the
+loss's chunk buffers; with pp = 1 only the root and LM-head units gathered, no gradient reduction, and
+unsharded gradients only when earlier micro-batches left them accumulating) and the backward of one
+layer (saved activations plus that layer's working set, the micro-batch's own loss tensors consumed,
+the gathered / unsharded-gradient / reduce-scatter buffers). ``grads`` is counted at both (exact at
+the backward peak; at the end of a single micro-batch's forward the gradients do not exist yet).
 """
 
 from __future__ import annotations
@@ -59,6 +71,7 @@ TERMS = (
     "ep_dispatch",
     "other",
 )
+PHASES = ("forward", "backward")
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,7 @@ class Breakdown:
 
     terms: dict[str, float] = field(default_factory=dict)
     pp_rank: int = 0
+    phase: str = "backward"  # where the peak is: "forward" (end of forward, the loss) or "backward"
 
     @property
     def total(self) -> float:
@@ -328,33 +342,96 @@ def _checkpointed(cfg: Config, layer: int) -> bool:
     )
 
 
-def activation_bytes(cfg: Config, pp_rank: int) -> float:
-    """Saved activations of the in-flight micro-batches plus one layer's backward working set."""
+def _stage_layers(cfg: Config, pp_rank: int) -> list[int]:
+    p = cfg.parallel
+    return [i for r in split_layers(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)[pp_rank] for i in r]
+
+
+def saved_activation_bytes(cfg: Config, pp_rank: int) -> float:
+    """Tensors the in-flight micro-batches keep for backward: every layer's saved tensors (checkpointed
+    layers: their input only), the final norm's on the last stage, the stage input with pp > 1."""
     p = cfg.parallel
     tokens, c, h, sp = microbatch_tokens(cfg), compute_bytes(cfg), cfg.model.hidden_size, _sp_split(cfg)
-    layers = [i for r in split_layers(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)[pp_rank] for i in r]
-    full = {i: layer_activation_bytes(cfg, i) for i in layers}
-    kept = sum(c * h / sp if _checkpointed(cfg, i) else full[i] for i in layers)
+    layers = _stage_layers(cfg, pp_rank)
+    kept = sum(c * h / sp if _checkpointed(cfg, i) else layer_activation_bytes(cfg, i) for i in layers)
     per_chunk = kept / p.virtual_stages
-    if pp_rank == p.pp - 1:
-        per_chunk += (4 + c) * h / sp  # final norm
+    per_chunk += final_norm_bytes(cfg, pp_rank) / tokens
     if p.pp > 1:
         per_chunk += c * h / sp  # the stage input received from the previous stage
-    # Backward of one layer: its (recomputed) saved tensors and gradients of about the same size.
-    working = 2 * max(full.values())
-    return tokens * (in_flight(cfg, pp_rank) * per_chunk + working)
+    return tokens * in_flight(cfg, pp_rank) * per_chunk
 
 
-def loss_bytes(cfg: Config, pp_rank: int) -> float:
-    """The fused, chunked LM head + cross-entropy (``models/loss.py``) on the last stage."""
+def final_norm_bytes(cfg: Config, pp_rank: int) -> float:
+    """The final norm's saved tensors for one micro-batch (last stage): fp32 input and normalized value."""
+    c, h = compute_bytes(cfg), cfg.model.hidden_size
+    return microbatch_tokens(cfg) * (4 + c) * h / _sp_split(cfg) if pp_rank == cfg.parallel.pp - 1 else 0
+
+
+def layer_gradient_bytes(cfg: Config, layer: int) -> float:
+    """Per token, the gradients one layer's backward holds at once next to its saved tensors: the
+    hidden-state gradient coming in and going out, and the widest op's two input gradients (SwiGLU's
+    gate and up: [I/tp] each; MoE: per routed copy, plus the shared expert's)."""
+    m, p = cfg.model, cfg.parallel
+    c, h, sp, tp = compute_bytes(cfg), m.hidden_size, _sp_split(cfg), p.tp
+    hidden = 2 * c * h / sp
+    if not m.is_moe_layer(layer):
+        return hidden + 2 * c * m.intermediate_size / tp
+    routed = m.num_experts_per_tok * c * (h + 2 * m.moe_intermediate_size) / tp
+    shared = 2 * c * m.shared_expert_intermediate_size / tp
+    return hidden + routed + shared
+
+
+def backward_working_bytes(cfg: Config, pp_rank: int) -> float:
+    """The largest rise over the saved activations while one layer runs backward (last layer first):
+    its gradient temporaries and, if checkpointed, its recomputed saved tensors, less the saved tensors
+    of the layers after it, already freed. Without checkpointing that is the last layer's gradients;
+    with it, about one recomputed layer (MemTracker's temporaries at the peak are one block's saved
+    tensors, ``benchmarks/results/plan_validation.md``)."""
+    p = cfg.parallel
+    c, h, sp = compute_bytes(cfg), cfg.model.hidden_size, _sp_split(cfg)
+    chunks = [list(r) for r in split_layers(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)[pp_rank]]
+    rise = 0.0
+    for chunk in chunks:
+        freed = 0.0
+        for i in reversed(chunk):
+            ckpt = _checkpointed(cfg, i)
+            full = layer_activation_bytes(cfg, i)
+            rise = max(rise, (full if ckpt else 0) + layer_gradient_bytes(cfg, i) - freed)
+            freed += c * h / sp if ckpt else full
+    return microbatch_tokens(cfg) * max(rise, 0.0)
+
+
+def activation_bytes(cfg: Config, pp_rank: int) -> float:
+    """Activations at the backward peak: the in-flight micro-batches' saved tensors plus one layer's
+    backward working set (:func:`backward_working_bytes`)."""
+    return saved_activation_bytes(cfg, pp_rank) + backward_working_bytes(cfg, pp_rank)
+
+
+def loss_held_bytes(cfg: Config, pp_rank: int) -> float:
+    """What the fused loss (``models/loss.py``) saves for backward per in-flight micro-batch on the last
+    stage: the hidden-state gradient [tokens, H] and the fp32 weight-gradient accumulator [V/tp, H]."""
     p, m = cfg.parallel, cfg.model
     if pp_rank != p.pp - 1:
         return 0
-    c, tokens = compute_bytes(cfg), microbatch_tokens(cfg)
-    vocab = m.vocab_size / p.tp
-    held = tokens * m.hidden_size * c + vocab * m.hidden_size * FP32
-    chunk = min(cfg.train.loss_chunk_tokens, tokens) * vocab * (FP32 + FP32 + c)
-    return in_flight(cfg, pp_rank) * held + chunk
+    held = microbatch_tokens(cfg) * m.hidden_size * compute_bytes(cfg) + m.vocab_size / p.tp * m.hidden_size * FP32
+    return in_flight(cfg, pp_rank) * held
+
+
+def loss_chunk_bytes(cfg: Config, pp_rank: int) -> float:
+    """The fused loss's working buffers while it runs (forward only: backward just scales the saved
+    gradients): one chunk's fp32 logits [chunk, V/tp], which become the logit gradient in place, plus
+    its compute-dtype copy when that is not fp32, and the chunk's [V/tp, H] weight-gradient product."""
+    p, m = cfg.parallel, cfg.model
+    if pp_rank != p.pp - 1:
+        return 0
+    c, vocab = compute_bytes(cfg), m.vocab_size / p.tp
+    chunk = min(cfg.train.loss_chunk_tokens, microbatch_tokens(cfg)) * vocab * (FP32 + (c if c != FP32 else 0))
+    return chunk + vocab * m.hidden_size * c
+
+
+def loss_bytes(cfg: Config, pp_rank: int) -> float:
+    """The fused, chunked LM head + cross-entropy on the last stage at its peak (end of forward)."""
+    return loss_held_bytes(cfg, pp_rank) + loss_chunk_bytes(cfg, pp_rank)
 
 
 def ep_dispatch_bytes(cfg: Config) -> float:
@@ -366,8 +443,11 @@ def ep_dispatch_bytes(cfg: Config) -> float:
     return 2 * rows * m.hidden_size * compute_bytes(cfg)
 
 
-def data_parallel_bytes(cfg: Config, pp_rank: int) -> dict[str, float]:
-    """``gathered``, ``unsharded_grads`` and ``reduce_scatter`` (module docstring)."""
+def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> dict[str, float]:
+    """``gathered``, ``unsharded_grads`` and ``reduce_scatter`` (module docstring) in backward, or at the
+    end of the forward (``phase="forward"``): with pp = 1 only the root and LM-head units are gathered
+    then (blocks reshard after their forward), no gradient is being reduced, and unsharded gradients
+    exist only when earlier micro-batches' backward left them accumulating (not with GPipe)."""
     p = cfg.parallel
     c = compute_bytes(cfg)
     units = unit_elements(cfg, pp_rank)
@@ -375,24 +455,55 @@ def data_parallel_bytes(cfg: Config, pp_rank: int) -> dict[str, float]:
     largest = max(units.values())
     root = units.get("root", 0)
     accumulate = p.pp > 1 or (p.data_parallel != "fsdp" and p.microbatches > 1)
-    if p.pp > 1:
-        gathered = c * (sum(units.values()) + largest)
+    if p.pp > 1:  # gathered once by the first forward, each unit's all-gather output copied out and freed
+        gathered = c * sum(units.values())
+    elif phase == "forward":
+        gathered = c * (root + units.get("head", 0))
     else:
+        # The unit in use, the blocks prefetched ahead (their all-gather outputs: a unit's output is
+        # copied into its parameters and freed before the next prefetch is issued) and the root unit.
         ahead = p.fsdp_prefetch * max(blocks, default=0) if p.data_parallel != "replicate" else 0
-        gathered = c * (largest + ahead + root + largest)
+        gathered = c * (largest + ahead + root)
     unsharded = FP32 * sum(units.values()) if accumulate else c * largest
+    if phase == "forward":
+        backward_first = p.microbatches > 1 and not (p.pp > 1 and p.schedule == "gpipe")
+        unsharded = FP32 * sum(units.values()) if accumulate and backward_first else 0
+        return {"gathered": gathered, "unsharded_grads": unsharded, "reduce_scatter": 0}
     return {"gathered": gathered, "unsharded_grads": unsharded, "reduce_scatter": FP32 * largest}
 
 
-def rank_breakdown(cfg: Config, coords: Coords, assumptions: Assumptions = Assumptions()) -> Breakdown:
-    """Every term for the rank at ``coords``."""
-    terms: dict[str, float] = dict(state_bytes(cfg, coords))
-    terms.update(data_parallel_bytes(cfg, coords.pp))
-    terms["activations"] = activation_bytes(cfg, coords.pp)
-    terms["loss"] = loss_bytes(cfg, coords.pp)
+def phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[str, float]:
+    """Every term but ``other`` live at the peak of ``phase``: ``"forward"`` (end of the forward, the
+    fused loss running: all saved activations, the loss's chunk buffers) or ``"backward"`` (the first
+    layer's backward: saved activations, one layer's working set, gradient reduction buffers)."""
+    terms: dict[str, float] = dict(state_bytes(cfg, coords))  # grads counted in both: safe, and exact later
+    terms.update(data_parallel_bytes(cfg, coords.pp, phase))
+    if phase == "forward":
+        terms["activations"] = saved_activation_bytes(cfg, coords.pp)
+        terms["loss"] = loss_bytes(cfg, coords.pp)
+    else:
+        # The micro-batch in backward has freed its final norm's saved tensors before its layers' backward.
+        norm = final_norm_bytes(cfg, coords.pp)
+        terms["activations"] = activation_bytes(cfg, coords.pp) - norm
+        # The micro-batch in backward has consumed its loss's saved gradients; the others still hold theirs.
+        held = loss_held_bytes(cfg, coords.pp)
+        if cfg.parallel.pp > 1:
+            # Pipeline stages reduce their gradients in each chunk's last backward of the step, when one
+            # micro-batch is left in flight: the buffer counts only beyond the others' freed activations.
+            others = saved_activation_bytes(cfg, coords.pp) * (1 - 1 / in_flight(cfg, coords.pp))
+            terms["reduce_scatter"] = max(0.0, terms["reduce_scatter"] - others)
+        terms["loss"] = held - held / in_flight(cfg, coords.pp)
     terms["ep_dispatch"] = ep_dispatch_bytes(cfg)
+    return terms
+
+
+def rank_breakdown(cfg: Config, coords: Coords, assumptions: Assumptions = Assumptions()) -> Breakdown:
+    """Every term for the rank at ``coords``, at the larger of its forward and backward peaks."""
+    phases = {phase: phase_terms(cfg, coords, phase) for phase in PHASES}
+    phase = max(PHASES, key=lambda k: sum(phases[k].values()))
+    terms = phases[phase]
     terms["other"] = assumptions.reserved_gib * GIB + assumptions.fragmentation * sum(terms.values())
-    return Breakdown({k: terms[k] for k in TERMS}, coords.pp)
+    return Breakdown({k: terms[k] for k in TERMS}, coords.pp, phase)
 
 
 def predict_memory(cfg: Config, assumptions: Assumptions = Assumptions()) -> Breakdown:

@@ -43,6 +43,7 @@ class Plan:
             "total_gib": round(self.memory.total / GIB, 3),
             "dominant": self.memory.dominant,
             "busiest_pp_rank": self.memory.pp_rank,
+            "peak_phase": self.memory.phase,
             "fits": self.fits,
             "step_seconds": self.time.seconds,
             "tokens_per_second": self.time.tokens_per_second,
