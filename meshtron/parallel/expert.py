@@ -333,9 +333,19 @@ class GlobalCapacityRanker:
         self.cp_rank, self.cp = mesh["cp"].get_local_rank(), mesh["cp"].size()
         split_tp = sequence_parallel and mesh["tp"].size() > 1
         self.tp_rank, self.tp = (mesh["tp"].get_local_rank(), mesh["tp"].size()) if split_tp else (0, 1)
+        self._keys: dict[tuple[int, int, str], torch.Tensor] = {}
 
     def keys(self, rows: int, seq: int, device) -> torch.Tensor:
-        """[rows, seq] global order keys of this rank's tokens (``seq``: the positions it holds per row)."""
+        """[rows, seq] global order keys of this rank's tokens (``seq``: the positions it holds per row).
+
+        Built once per micro-batch shape: every MoE layer of every micro-batch reuses them.
+        """
+        shape = (rows, seq, str(device))
+        if shape not in self._keys:
+            self._keys[shape] = self._build_keys(rows, seq, device)
+        return self._keys[shape]
+
+    def _build_keys(self, rows: int, seq: int, device) -> torch.Tensor:
         full = seq * self.tp * self.cp
         mine = slice(self.tp_rank * seq, (self.tp_rank + 1) * seq)
         if self.cp > 1:
@@ -369,9 +379,11 @@ def set_global_capacity(model: nn.Module, mesh: DeviceMesh, sequence_parallel: b
     """Give every MoE with ``moe_capacity_factor`` a :class:`GlobalCapacityRanker` (none when one rank
     holds all tokens), so the same token copies are dropped on every layout."""
     spread = token_mesh(mesh, sequence_parallel).size() > 1
+    rankers: dict[int, GlobalCapacityRanker] = {}  # one per expert count: the layers share its cached keys
     for moe in moe_layers(model):
-        ranked = spread and moe.capacity_factor
-        moe.capacity_ranker = GlobalCapacityRanker(mesh, sequence_parallel, moe.num_experts) if ranked else None
+        if spread and moe.capacity_factor and moe.num_experts not in rankers:
+            rankers[moe.num_experts] = GlobalCapacityRanker(mesh, sequence_parallel, moe.num_experts)
+        moe.capacity_ranker = rankers.get(moe.num_experts) if spread and moe.capacity_factor else None
 
 
 def check_expert_divisible(num_experts: int, ep: int) -> None:
