@@ -22,6 +22,7 @@ from meshtron.data import (
     load_tokenizer,
     open_tokens,
     prepare_tokens,
+    source_files,
     to_device,
 )
 from meshtron.data import packing, sources
@@ -50,6 +51,35 @@ def make_cfg(tmp_path, source, seq_len=16, batch=8, seed=0, tokenizer="bytes", v
 def write_jsonl(path, docs, key="text"):
     path.write_text("".join(json.dumps({key: d, "id": i}) + "\n" for i, d in enumerate(docs)))
     return path
+
+
+def write_parquet(path, docs, key="text", row_group_size=None):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({key: docs, "id": list(range(len(docs)))}), path, row_group_size=row_group_size)
+    return path
+
+
+def write_saved_dataset(folder, shards, key="text"):
+    """The layout ``datasets.Dataset.save_to_disk`` writes: Arrow IPC stream shards listed in state.json."""
+    import pyarrow as pa
+
+    folder.mkdir(parents=True)
+    names = [f"data-{i:05d}-of-{len(shards):05d}.arrow" for i in range(len(shards))]
+    for name, docs in zip(names, shards):
+        table = pa.table({key: docs})
+        with pa.ipc.new_stream(str(folder / name), table.schema) as writer:
+            writer.write_table(table, max_chunksize=3)
+    (folder / "state.json").write_text(json.dumps({
+        "_data_files": [{"filename": n} for n in names], "_fingerprint": "0", "_format_columns": None,
+        "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None,
+    }))
+    (folder / "dataset_info.json").write_text(json.dumps({
+        "citation": "", "description": "", "homepage": "", "license": "",
+        "features": {key: {"dtype": "string", "_type": "Value"}},
+    }))
+    return folder
 
 
 def byte_stream(docs) -> list[int]:
@@ -173,6 +203,73 @@ def test_txt_documents_folders_and_long_pieces(tmp_path, rng, monkeypatch):
     # sorted recursive order: a.txt, b/1.jsonl, b/2.txt, c.txt.gz
     assert open_tokens(cfg).tokens.tolist() == byte_stream(docs[:4] + docs[8:] + docs[4:8] + docs[:1])
     assert meta["num_documents"] == 13 and meta["files"] == 4
+
+
+def test_parquet_files_and_folders(tmp_path, rng):
+    docs = random_docs(rng, 30)
+    single = write_parquet(tmp_path / "one.parquet", docs, key="content", row_group_size=4)
+    cfg = make_cfg(tmp_path, single, seq_len=8)
+    cfg.data.text_key = "content"
+    assert open_tokens(prepare_cfg(cfg)).tokens.tolist() == byte_stream(docs)
+
+    folder = tmp_path / "shards"
+    (folder / "sub").mkdir(parents=True)
+    write_parquet(folder / "b.parquet", docs[10:20])
+    write_parquet(folder / "sub" / "c.parquet", docs[20:] + [None, ""])  # null and empty rows are dropped
+    write_parquet(folder / "a.parquet", docs[:10])
+    assert open_tokens(prepare_cfg(make_cfg(tmp_path, folder, seq_len=8))).tokens.tolist() == byte_stream(docs)
+
+
+def test_saved_dataset_folders(tmp_path, rng):
+    """``Dataset.save_to_disk`` folders read in state.json's shard order; a DatasetDict reads its train split."""
+    import pyarrow as pa
+
+    docs = random_docs(rng, 25)
+    saved = write_saved_dataset(tmp_path / "saved", [docs[:12], docs[12:]])
+    assert open_tokens(prepare_cfg(make_cfg(tmp_path, saved, seq_len=8))).tokens.tolist() == byte_stream(docs)
+
+    root = tmp_path / "dict"
+    write_saved_dataset(root / "train", [docs[5:]])
+    write_saved_dataset(root / "test", [docs[:5]])
+    (root / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    assert open_tokens(prepare_cfg(make_cfg(tmp_path, root, seq_len=8))).tokens.tolist() == byte_stream(docs[5:])
+    assert open_tokens(prepare_cfg(make_cfg(tmp_path, root / "test", seq_len=4))).tokens.tolist() == byte_stream(
+        docs[:5]
+    )
+
+    table = pa.table({"text": docs})  # an .arrow file in the IPC *file* format, as pyarrow's own tools write
+    with pa.ipc.new_file(str(tmp_path / "file.arrow"), table.schema) as writer:
+        writer.write_table(table)
+    assert open_tokens(prepare_cfg(make_cfg(tmp_path, tmp_path / "file.arrow"))).tokens.tolist() == byte_stream(docs)
+
+
+def test_table_source_errors(tmp_path, rng):
+    docs = random_docs(rng, 5)
+    cfg = make_cfg(tmp_path, write_parquet(tmp_path / "a.parquet", docs, key="content"))
+    with pytest.raises(DataError, match=r"a\.parquet: no field 'text' \(found: content, id\)"):
+        prepare_tokens(cfg)
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match=r"bad\.parquet' cannot be read as parquet"):
+        prepare_tokens(make_cfg(tmp_path, tmp_path / "bad.parquet"))
+    root = tmp_path / "dict"
+    write_saved_dataset(root / "test", [docs])
+    (root / "dataset_dict.json").write_text(json.dumps({"splits": ["test"]}))
+    with pytest.raises(DataError, match=r"without a 'train' split \(splits: test\); point the source at"):
+        source_files(str(root))
+    (root / "test" / "data-00000-of-00001.arrow").unlink()
+    with pytest.raises(DataError, match="data files are missing"):
+        source_files(str(root / "test"))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    with pytest.raises(DataError, match=r"ints\.parquet:row 0: field 'text' is int, not text"):
+        prepare_tokens(make_cfg(tmp_path, tmp_path / "ints.parquet"))
+
+
+def prepare_cfg(cfg: Config) -> Config:
+    prepare_tokens(cfg)
+    return cfg
 
 
 def test_cache_is_reused_and_invalidated(tmp_path, rng):
