@@ -136,7 +136,8 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "builtin"  # "builtin" or a path to a .txt/.jsonl file or folder
+    source: str = "builtin"  # "builtin" or a path to a .txt/.jsonl/.parquet file or folder, or a save_to_disk folder
+    sources: list[dict] = field(default_factory=list)  # a mixture: [{path, weight[, text_key]}, ...]
     tokenizer: str = "bytes"  # "bytes" or a path to tokenizer.json / a tokenizer folder
     text_key: str = "text"  # the text field of .jsonl records
     eos_token: str = ""  # document separator of a file tokenizer; empty: found in the tokenizer
@@ -401,6 +402,30 @@ def infer_dp(cfg: Config, world_size: int) -> Config:
     return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=world_size // others))
 
 
+MIXTURE_KEYS = ("path", "weight", "text_key")
+
+
+def _validate_mixture(d: DataConfig, source: str) -> None:
+    """``[data] sources``: tables of a non-empty path, a positive weight and an optional text_key."""
+    _require(
+        not d.sources or d.source == "builtin",
+        f"{source}: [data] source = '{d.source}' and [data] sources are both set; put every source in sources.",
+    )
+    for i, entry in enumerate(d.sources):
+        where = f"{source}: [data] sources[{i}]"
+        for key in entry:
+            _require(key in MIXTURE_KEYS, f"{where} has unknown key '{key}'; valid keys: "
+                     f"{', '.join(MIXTURE_KEYS)}." + _closest(key, MIXTURE_KEYS))
+        _require(isinstance(entry.get("path"), str) and entry["path"] != "",
+                 f"{where} needs a path (a string), e.g. {{path = \"data/web\", weight = 0.7}}.")
+        weight = entry.get("weight")
+        _require(
+            isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight) and weight > 0,
+            f"{where} weight must be a positive number, got {weight!r}.",
+        )
+        _require(isinstance(entry.get("text_key", ""), str), f"{where} text_key must be a string.")
+
+
 def validate(cfg: Config, source: str = "<recipe>") -> None:
     """Checks of single values and choices; ``meshtron.mesh.validate_layout`` fits the layout to the ranks."""
     for name in _SECTION_TYPES:
@@ -435,6 +460,7 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
     _validate_layout(cfg, source)
     d = cfg.data
     _require(bool(d.source), f"{source}: [data] source is empty; use 'builtin' or a path to text.")
+    _validate_mixture(d, source)
     _require(
         d.tokenizer != "bytes" or cfg.model.vocab_size >= 256,
         f"{source}: [data] tokenizer 'bytes' needs [model] vocab_size >= 256, got {cfg.model.vocab_size}.",

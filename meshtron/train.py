@@ -142,9 +142,10 @@ def preflight(cfg: Config) -> None:
     Raises :class:`ConfigError` / :class:`CheckpointError` / :class:`CheckpointMismatch` naming the
     file and the fix. Reading the data itself (e.g. an empty dataset) is checked later, on rank 0 first.
     """
-    from meshtron.data import check_vocab, load_tokenizer, source_files
+    from meshtron.data import check_vocab, data_sources, load_tokenizer, source_files
 
-    source_files(cfg.data.source)
+    for spec in data_sources(cfg.data):
+        source_files(spec.path)
     check_vocab(load_tokenizer(cfg.data.tokenizer, cfg.data.eos_token), cfg.data.tokenizer, cfg.model.vocab_size)
     latest = latest_checkpoint(checkpoint_root(cfg)) if cfg.checkpoint.resume else None
     if latest is not None:

@@ -20,6 +20,7 @@ from meshtron.data import (
     HFTokenizer,
     TokenDataset,
     load_tokenizer,
+    mixture_assign,
     open_tokens,
     prepare_tokens,
     source_files,
@@ -330,7 +331,7 @@ def test_seed_determinism(tmp_path, rng):
         assert torch.equal(a.batch_for_step(step)[0], b.batch_for_step(step)[0])
     cfg.train.seed += 1
     c = TokenDataset.open(cfg)
-    assert not torch.equal(a.window_ids(0), c.window_ids(0))
+    assert not torch.equal(a.window_ids(0)[1], c.window_ids(0)[1])
     assert not torch.equal(a.batch_for_step(0)[0], a.batch_for_step(1)[0])
 
 
@@ -340,9 +341,9 @@ def test_epoch_wraparound(tmp_path, rng):
     tokens = open_tokens(cfg)
     n = len(tokens)
     batch = next(b for b in range(6, n) if n % b)  # so a batch straddles the epoch boundary
-    dataset = TokenDataset(tokens, batch, seed=rng.randint(0, 100))
+    dataset = TokenDataset([tokens], batch, seed=rng.randint(0, 100))
     steps = -(-3 * n // batch)
-    flat = torch.cat([dataset.window_ids(s) for s in range(steps)])
+    flat = torch.cat([dataset.window_ids(s)[1] for s in range(steps)])
     epochs = [flat[e * n : (e + 1) * n] for e in range(3)]
     for ids in epochs:
         assert sorted(ids.tolist()) == list(range(n))  # every window once per epoch
@@ -351,6 +352,89 @@ def test_epoch_wraparound(tmp_path, rng):
     assert x.shape == (batch, 8) and torch.equal(x[:, 1:], y[:, :-1])
     windows = tokens.windows(flat[n // batch * batch : (n // batch + 1) * batch])
     assert torch.equal(x, windows[:, :-1])
+
+
+# ---------------------------------------------------------------- mixtures
+
+
+def test_mixture_assign_spreads_each_source_evenly(rng):
+    weights = [rng.uniform(0.1, 5) for _ in range(rng.randint(2, 5))]
+    n = 20000
+    sources, index = mixture_assign(torch.arange(n), weights)
+    for s, w in enumerate(weights):
+        mine = sources == s
+        # Within a source, the samples are its 0th, 1st, 2nd ... in stream order.
+        assert torch.equal(index[mine], torch.arange(int(mine.sum())))
+        share = w / sum(weights)
+        for prefix in (1, 7, 100, rng.randint(1, n), n):
+            assert abs(int(mine[:prefix].sum()) - prefix * share) <= len(weights), (s, prefix)
+    start = rng.randint(0, n - 100)  # any slice is computed from its own indices alone
+    part = mixture_assign(torch.arange(start, start + 100), weights)
+    assert torch.equal(part[0], sources[start : start + 100]) and torch.equal(part[1], index[start : start + 100])
+
+
+def mixture_cfg(tmp_path, rng, weights, seq_len=8, batch=16):
+    """Three sources of three kinds; every byte of source s is the letter 'abc'[s], so a window shows its source."""
+    docs = [["".join("abc"[s] * rng.randint(5, 40)) for _ in range(rng.randint(20, 60))] for s in range(3)]
+    (tmp_path / "a.txt").write_text(DOC_SEPARATOR.join(docs[0]))
+    write_jsonl(tmp_path / "b.jsonl", docs[1], key="body")
+    write_parquet(tmp_path / "c.parquet", docs[2])
+    cfg = make_cfg(tmp_path, "builtin", seq_len=seq_len, batch=batch)
+    cfg.data.sources = [
+        {"path": str(tmp_path / "a.txt"), "weight": weights[0]},
+        {"path": str(tmp_path / "b.jsonl"), "weight": weights[1], "text_key": "body"},
+        {"path": str(tmp_path / "c.parquet"), "weight": weights[2]},
+    ]
+    return cfg
+
+
+def window_sources(x: torch.Tensor) -> list[int]:
+    """The source of each window (its most common non-separator byte)."""
+    return [int(torch.mode(row[row != 0]).values) - ord("a") for row in x]
+
+
+def test_mixture_weights_layouts_and_resume(tmp_path, rng):
+    weights = [0.6, 0.3, 0.1]
+    cfg = mixture_cfg(tmp_path, rng, weights)
+    dataset = TokenDataset.open(cfg)
+    steps = 60
+    x = torch.cat([dataset.batch_for_step(step)[0] for step in range(steps)])
+    found = window_sources(x)
+    for s, w in enumerate(weights):
+        assert abs(found.count(s) - w * len(found)) <= 3, (s, found.count(s))
+    step = rng.randint(0, 1000)
+    for world, micro in ((2, 1), (4, 2)):
+        shares = [dataset.batch_for_step(step, r, world, micro)[0].chunk(micro) for r in range(world)]
+        gathered = torch.cat([torch.cat([share[m] for share in shares]) for m in range(micro)])
+        assert torch.equal(gathered, dataset.batch_for_step(step)[0])
+
+    k = rng.randint(1, 20)
+    state = DeviceLoader(dataset, 0, 2, device="cpu", start_step=k).state_dict()
+    resumed = DeviceLoader(TokenDataset.open(cfg), 0, 2, device="cpu")
+    resumed.load_state_dict(state)
+    for step in range(k, k + 3):
+        assert torch.equal(next(resumed)[0], dataset.batch_for_step(step, 0, 2)[0])
+    cfg.data.sources[0]["weight"] = 0.5
+    with pytest.raises(ConfigError, match=r"weights: checkpoint \[0.6, 0.3, 0.1\], now \[0.5, 0.3, 0.1\]"):
+        TokenDataset.open(cfg).load_state_dict(state)
+
+
+@pytest.mark.parametrize("entry,message", [
+    ('{path = "x", weight = 0}', r"sources\[0\] weight must be a positive number, got 0"),
+    ('{path = "x"}', r"sources\[0\] weight must be a positive number, got None"),
+    ('{weight = 1}', r"sources\[0\] needs a path"),
+    ('{path = "x", weight = 1, wieght = 2}', r"unknown key 'wieght'; valid keys: path, weight, text_key. Did you mean 'weight'"),
+])
+def test_mixture_config_errors(tmp_path, entry, message):
+    from meshtron.config import load_config
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f"[data]\nsources = [{entry}]\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(recipe)
+    recipe.write_text('[data]\nsource = "a.txt"\nsources = [{path = "b", weight = 1}]\n')
+    with pytest.raises(ConfigError, match="source = 'a.txt' and \\[data\\] sources are both set"):
+        load_config(recipe)
 
 
 def test_resume_mid_epoch(tmp_path, rng):

@@ -15,12 +15,12 @@ the cp ranks of one batch rank get the same batch and slice the sequence themsel
 from __future__ import annotations
 
 from meshtron.data.packing import PackedTokens, default_cache_dir, open_tokens, prepare_tokens
-from meshtron.data.sampler import DeviceLoader, TokenDataset, to_device
-from meshtron.data.sources import BUILTIN_PATH, DOC_SEPARATOR, DataError, source_files
+from meshtron.data.sampler import DeviceLoader, TokenDataset, mixture_assign, to_device
+from meshtron.data.sources import BUILTIN_PATH, DOC_SEPARATOR, DataError, SourceSpec, data_sources, source_files
 from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer, check_vocab, load_tokenizer
 
 __all__ = [
     "BUILTIN_PATH", "DOC_SEPARATOR", "ByteTokenizer", "DataError", "DeviceLoader", "HFTokenizer",
-    "PackedTokens", "TokenDataset", "check_vocab", "default_cache_dir", "load_tokenizer", "open_tokens",
-    "prepare_tokens", "source_files", "to_device",
+    "PackedTokens", "SourceSpec", "TokenDataset", "check_vocab", "data_sources", "default_cache_dir",
+    "load_tokenizer", "mixture_assign", "open_tokens", "prepare_tokens", "source_files", "to_device",
 ]

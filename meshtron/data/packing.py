@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from meshtron.config import Config
-from meshtron.data.sources import DataError, file_stamp, iter_pieces, source_files
+from meshtron.data.sources import DataError, SourceSpec, data_sources, file_stamp, iter_pieces, source_files
 from meshtron.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 
 FORMAT = 1
@@ -49,22 +49,30 @@ def _dtype(typecode: str) -> torch.dtype:
 class _Plan:
     """Everything known before reading any text: cheap enough for every rank to compute."""
 
-    def __init__(self, cfg: Config, cache_dir: str | Path | None):
+    def __init__(self, cfg: Config, cache_dir: str | Path | None, source: SourceSpec | None):
         data = cfg.data
-        self.files = source_files(data.source)
+        source = source or _only_source(cfg)
+        self.files = source_files(source.path)
         self.tokenizer: Tokenizer = load_tokenizer(data.tokenizer, data.eos_token)
         check_vocab(self.tokenizer, data.tokenizer, cfg.model.vocab_size)
-        self.source, self.text_key = data.source, data.text_key
+        self.source, self.text_key = source.path, source.text_key
         identity = {
             "format": FORMAT,
             "files": [file_stamp(f) for f in self.files],
-            "text_key": data.text_key,
+            "text_key": source.text_key,
             "tokenizer": self.tokenizer.fingerprint,
         }
         self.key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]
         folder = Path(cache_dir) if cache_dir is not None else default_cache_dir(cfg)
         self.bin = folder / f"tokens-{self.key}.bin"
         self.meta = folder / f"tokens-{self.key}.json"
+
+
+def _only_source(cfg: Config) -> SourceSpec:
+    specs = data_sources(cfg.data)
+    if len(specs) > 1:
+        raise ValueError("the recipe has a [data] sources mixture: pass the source to tokenize.")
+    return specs[0]
 
 
 class _TokenWriter:
@@ -104,13 +112,14 @@ class _TokenWriter:
         self.num_tokens += len(ids)
 
 
-def prepare_tokens(cfg: Config, cache_dir: str | Path | None = None) -> Path:
-    """Tokenize ``cfg.data`` into the cache unless it is already there; returns the JSON's path.
+def prepare_tokens(cfg: Config, cache_dir: str | Path | None = None, source: SourceSpec | None = None) -> Path:
+    """Tokenize ``source`` (default: the recipe's one source) with ``cfg.data``'s tokenizer into the
+    cache unless it is already there; returns the JSON's path.
 
     Run on one rank (rank 0, or each node's local rank 0 without a shared file system) while the
     others wait at a barrier; concurrent runs are safe, each renames complete files into place.
     """
-    plan = _Plan(cfg, cache_dir)
+    plan = _Plan(cfg, cache_dir, source)
     if plan.meta.is_file():
         _check_length(_read_meta(plan.meta), plan.source, cfg.train.seq_len)
         return plan.meta
@@ -198,9 +207,9 @@ class PackedTokens:
         return self._rows.index_select(0, ids).to(torch.int64)
 
 
-def open_tokens(cfg: Config, cache_dir: str | Path | None = None) -> PackedTokens:
-    """Open the cache :func:`prepare_tokens` wrote for ``cfg`` (on every rank, after the barrier)."""
-    plan = _Plan(cfg, cache_dir)
+def open_tokens(cfg: Config, cache_dir: str | Path | None = None, source: SourceSpec | None = None) -> PackedTokens:
+    """Open the cache :func:`prepare_tokens` wrote for ``source`` (on every rank, after the barrier)."""
+    plan = _Plan(cfg, cache_dir, source)
     if not plan.meta.is_file():
         raise DataError(
             f"no token cache for [data] source '{plan.source}' at '{plan.meta}'; run prepare_tokens "

@@ -2,7 +2,8 @@
 
 The sample stream is a pure function of the seed: sample ``g`` (counting from the first step) is
 window ``perm(epoch)[g % n]`` with ``epoch = g // n`` and ``perm(epoch)`` a permutation of the ``n``
-windows drawn from ``(seed, epoch)``. Step ``k``'s global batch is samples
+windows drawn from ``(seed, epoch)`` (with a mixture, ``g`` first picks its source and its index
+``i`` among that source's samples, see :func:`mixture_assign`, and ``i`` takes ``g``'s place). Step ``k``'s global batch is samples
 ``k * global_batch_size .. (k + 1) * global_batch_size - 1``, and batch rank ``r`` of ``w`` (the
 dp x ep position) takes the ``r``-th contiguous slice of it. So every layout sees the same global
 batch in the same order, and resuming at step ``k`` needs nothing but ``k``.
@@ -11,7 +12,7 @@ batch in the same order, and resuming at step ``k`` needs nothing but ``k``.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,25 +20,59 @@ import torch
 
 from meshtron.config import Config, ConfigError
 from meshtron.data.packing import PackedTokens, prepare_tokens
+from meshtron.data.sources import SourceSpec, data_sources
 from meshtron.env import local_device
 
 
-def _epoch_seed(seed: int, epoch: int) -> int:
-    # Hashing keeps (seed, epoch) pairs apart that any linear mix would make collide.
-    digest = hashlib.sha256(f"meshtron-data/{seed}/{epoch}".encode()).digest()
+def _epoch_seed(seed: int, source: int, epoch: int) -> int:
+    # Hashing keeps (seed, source, epoch) triples apart that any linear mix would make collide.
+    digest = hashlib.sha256(f"meshtron-data/{seed}/{source}/{epoch}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-class TokenDataset:
-    """The packed token windows of one recipe and its seeded, layout-independent global batches."""
+def mixture_assign(samples: torch.Tensor, weights: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which source each global sample index draws from, and its index within that source's samples.
 
-    def __init__(self, tokens: PackedTokens, global_batch_size: int, seed: int):
+    A closed form, so any sample is found from its index alone: source 0 takes the share
+    ``q = w_0 / sum(w)`` of the samples, evenly spread (the first ``t`` samples hold
+    ``floor(t * q + 1/2)`` of them); the samples it leaves, renumbered, are split the same way
+    between source 1 and the rest, and so on. Every prefix of the stream holds each source's share
+    to within one sample per source.
+    """
+    source = torch.full_like(samples, len(weights) - 1)
+    index = samples.clone()  # position among the samples still unassigned at this stage
+    pending = torch.ones_like(samples, dtype=torch.bool)
+    for s in range(len(weights) - 1):
+        q = weights[s] / sum(weights[s:])
+        t = index[pending].double()
+        taken_before = torch.floor(t * q + 0.5).long()
+        takes = torch.floor((t + 1) * q + 0.5).long() > taken_before
+        where = pending.nonzero().squeeze(1)
+        source[where[takes]] = s
+        index[where] = torch.where(takes, taken_before, index[where] - taken_before)
+        pending[where[takes]] = False
+    return source, index
+
+
+class TokenDataset:
+    """The packed token windows of one recipe's sources and their seeded, layout-independent global batches.
+
+    With several sources (a mixture), sample ``g`` comes from source :func:`mixture_assign` gives it,
+    as that source's sample ``i``; each source walks its own seeded permutations of its windows.
+    """
+
+    def __init__(
+        self, tokens: Sequence[PackedTokens], global_batch_size: int, seed: int, weights: Sequence[float] = ()
+    ):
         if global_batch_size < 1:
             raise ConfigError(f"[train] global_batch_size must be >= 1, got {global_batch_size}.")
-        self.tokens = tokens
+        self.tokens = list(tokens)
+        self.weights = [float(w) for w in weights] or [1.0] * len(self.tokens)
+        if len(self.weights) != len(self.tokens):
+            raise ValueError(f"{len(self.tokens)} sources but {len(self.weights)} weights.")
         self.global_batch_size = global_batch_size
         self.seed = seed
-        self._perms: dict[int, torch.Tensor] = {}
+        self._perms: dict[tuple[int, int], torch.Tensor] = {}
 
     @classmethod
     def open(
@@ -45,35 +80,42 @@ class TokenDataset:
         cfg: Config,
         on_rank0_first: Callable[[Callable[[], Any]], Any] | None = None,
         cache_dir: str | Path | None = None,
+        sources: Sequence[SourceSpec] | None = None,
     ) -> TokenDataset:
-        """Tokenize into the cache if needed, then map it.
+        """Tokenize ``sources`` (default: the recipe's ``[data] source`` or ``sources``) into the
+        cache if needed, then map them.
 
         ``on_rank0_first(fn)`` runs ``fn`` on rank 0, then (after a barrier) on the other ranks, which
         then find the cache ready; without it ``fn`` just runs here. Ranks that cannot see rank 0's
         cache folder build their own copy (concurrent builds are safe).
         """
+        specs = list(sources) if sources is not None else data_sources(cfg.data)
 
         def prepare_and_open() -> TokenDataset:
             # prepare_tokens' path, not open_tokens: that would load the tokenizer and stat the files again.
-            tokens = PackedTokens(prepare_tokens(cfg, cache_dir), cfg.train.seq_len)
-            return cls(tokens, cfg.train.global_batch_size, cfg.train.seed)
+            tokens = [PackedTokens(prepare_tokens(cfg, cache_dir, spec), cfg.train.seq_len) for spec in specs]
+            return cls(tokens, cfg.train.global_batch_size, cfg.train.seed, [spec.weight for spec in specs])
 
         return on_rank0_first(prepare_and_open) if on_rank0_first else prepare_and_open()
 
     @property
-    def num_windows(self) -> int:
-        return len(self.tokens)
+    def num_windows(self) -> list[int]:
+        """Windows of each source."""
+        return [len(tokens) for tokens in self.tokens]
 
-    def _perm(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._perms:
-            generator = torch.Generator().manual_seed(_epoch_seed(self.seed, epoch))
-            # A step touches at most a few consecutive epochs; older ones are never needed again.
-            self._perms = {e: p for e, p in self._perms.items() if e > epoch - 2}
-            self._perms[epoch] = torch.randperm(self.num_windows, generator=generator)
-        return self._perms[epoch]
+    def _perm(self, source: int, epoch: int) -> torch.Tensor:
+        if (source, epoch) not in self._perms:
+            generator = torch.Generator().manual_seed(_epoch_seed(self.seed, source, epoch))
+            # A step touches at most a few consecutive epochs of a source; older ones are never needed again.
+            self._perms = {(s, e): p for (s, e), p in self._perms.items() if s != source or e > epoch - 2}
+            self._perms[source, epoch] = torch.randperm(len(self.tokens[source]), generator=generator)
+        return self._perms[source, epoch]
 
-    def window_ids(self, step: int, batch_rank: int = 0, batch_world: int = 1, microbatches: int = 1) -> torch.Tensor:
-        """The windows of one rank's share of step ``step``'s global batch.
+    def window_ids(
+        self, step: int, batch_rank: int = 0, batch_world: int = 1, microbatches: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sources, windows)``: the source and window of each sample of one rank's share of step
+        ``step``'s global batch.
 
         The global batch is cut into ``microbatches`` contiguous global micro-batches and the rank
         takes its contiguous slice of each, so micro-batch m holds the same sequences on every
@@ -86,13 +128,20 @@ class TokenDataset:
             raise ValueError(f"step must be >= 0, got {step}.")
         micro = self.global_batch_size // microbatches
         firsts = [step * self.global_batch_size + m * micro + batch_rank * local for m in range(microbatches)]
-        samples = torch.cat([torch.arange(first, first + local) for first in firsts])
-        epochs, positions = samples // self.num_windows, samples % self.num_windows
+        sources, samples = mixture_assign(
+            torch.cat([torch.arange(first, first + local) for first in firsts]), self.weights
+        )
         ids = torch.empty_like(samples)
-        for epoch in epochs.unique().tolist():
-            mask = epochs == epoch
-            ids[mask] = self._perm(epoch)[positions[mask]]
-        return ids
+        for source in sources.unique().tolist():
+            in_source = sources == source
+            n = len(self.tokens[source])
+            epochs, positions = samples[in_source] // n, samples[in_source] % n
+            picked = torch.empty_like(positions)
+            for epoch in epochs.unique().tolist():
+                mask = epochs == epoch
+                picked[mask] = self._perm(source, epoch)[positions[mask]]
+            ids[in_source] = picked
+        return sources, ids
 
     def local_batch_size(self, parts: int) -> int:
         if self.global_batch_size % parts:
@@ -106,7 +155,10 @@ class TokenDataset:
         self, step: int, batch_rank: int = 0, batch_world: int = 1, microbatches: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, labels)``, int64 ``[global_batch_size // batch_world, seq_len]`` on the CPU."""
-        windows = self.tokens.windows(self.window_ids(step, batch_rank, batch_world, microbatches))
+        sources, ids = self.window_ids(step, batch_rank, batch_world, microbatches)
+        windows = torch.empty(len(ids), self.tokens[0].seq_len + 1, dtype=torch.int64)
+        for source in sources.unique().tolist():
+            windows[sources == source] = self.tokens[source].windows(ids[sources == source])
         # Contiguous, so that consumers may .view() them (e.g. labels.view(-1) for the loss).
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
@@ -115,9 +167,10 @@ class TokenDataset:
         return {
             "seed": self.seed,
             "global_batch_size": self.global_batch_size,
-            "seq_len": self.tokens.seq_len,
+            "seq_len": self.tokens[0].seq_len,
             "num_windows": self.num_windows,
-            "tokens_sha256": self.tokens.sha256,
+            "tokens_sha256": [tokens.sha256 for tokens in self.tokens],
+            "weights": self.weights,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

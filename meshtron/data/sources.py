@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from meshtron.config import ConfigError
@@ -40,6 +41,23 @@ _PIECE_CHARS = 1 << 20
 
 class DataError(ConfigError):
     """The data source or tokenizer cannot be used; the message names the path and the fix."""
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One source: a ``[data] source`` path or one entry of ``[data] sources``."""
+
+    path: str
+    weight: float = 1.0
+    text_key: str = "text"
+
+
+def data_sources(data) -> list[SourceSpec]:
+    """The sources of a ``[data]`` section: its ``sources`` mixture, else its one ``source``.
+    (Entries were checked by ``config.validate``; ``text_key`` defaults to ``[data] text_key``.)"""
+    if not data.sources:
+        return [SourceSpec(data.source, 1.0, data.text_key)]
+    return [SourceSpec(e["path"], float(e["weight"]), e.get("text_key", data.text_key)) for e in data.sources]
 
 
 def source_files(source: str) -> list[Path]:
