@@ -211,7 +211,8 @@ class Trainer:
         self.rank = dist.get_rank()
         self.device = env.local_device()
         torch.manual_seed(cfg.train.seed)
-        self.dataset = TokenDataset.open(cfg, on_rank0_first=_rank0_first)
+        # No collective until every rank has the data: a long tokenization cannot hit the collective timeout.
+        self.dataset = TokenDataset.open(cfg, progress=sys.stdout)  # only the building process prints
         with torch.device("meta"):
             model = build_model(cfg.model)
         self.runner = build_step_runner(model, mesh, cfg, self.device)
@@ -356,28 +357,6 @@ def _first_nonfinite_grad(module: torch.nn.Module) -> str | None:
     found: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(found, local)
     return next((name for name in found if name is not None), None)
-
-
-def _rank0_first(fn):
-    """Run ``fn`` on rank 0 first (e.g. build a token cache), then on the others.
-
-    Rank 0's outcome is broadcast, so when it fails every rank raises the same error instead of
-    waiting for a barrier that never comes.
-    """
-    outcome = [None]
-    if dist.get_rank() == 0:
-        try:
-            result = fn()
-        except Exception as err:  # noqa: BLE001 - re-raised on every rank below
-            outcome = [_on_every_rank(err)]
-            dist.broadcast_object_list(outcome, src=0)
-            raise
-        dist.broadcast_object_list(outcome, src=0)
-        return result
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
-        raise _on_every_rank(outcome[0])
-    return fn()
 
 
 def _check_hf_matches(hf_cfg, cfg: Config, folder: str) -> None:

@@ -19,6 +19,7 @@ from meshtron.data import (
     DeviceLoader,
     HFTokenizer,
     TokenDataset,
+    data_sources,
     load_tokenizer,
     mixture_assign,
     open_tokens,
@@ -516,7 +517,8 @@ def test_error_empty_file_and_folder(tmp_path):
         prepare_tokens(make_cfg(tmp_path, tmp_path / "folder"))
     with pytest.raises(DataError, match="neither of"):
         prepare_tokens(make_cfg(tmp_path, tmp_path / "folder" / "x.csv"))
-    assert not list((tmp_path / "cache").glob("*"))
+    # No cache and no temporary file left: only the locks and the errors waiting processes read.
+    assert {f.suffix for f in (tmp_path / "cache").glob("*")} <= {".lock", ".error"}
 
 
 def test_error_unreadable_files(tmp_path):
@@ -571,26 +573,110 @@ def test_error_batch_layout(tmp_path, rng):
         TokenDataset(dataset.tokens, 0, 0)
 
 
+# ---------------------------------------------------------------- building the cache: lock, workers, CLI
+
+
+def build_in_thread(cfg):
+    import threading
+
+    outcome = {}
+
+    def run():
+        try:
+            outcome["meta"] = prepare_tokens(cfg)
+        except DataError as err:
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def hold_lock(cfg):
+    import fcntl
+
+    plan = packing._Plan(cfg, None, None)
+    plan.bin.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(plan.lock, "a")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return plan, lock
+
+
+def test_waiters_poll_the_lock_and_share_the_builders_outcome(tmp_path, rng, monkeypatch):
+    """While another process holds the cache's lock, prepare_tokens waits (no collective) and then
+    takes the finished cache, or raises the builder's error without building again."""
+    import time
+
+    monkeypatch.setattr(packing, "POLL_S", 0.02)
+    cfg = corpus_cfg(tmp_path, rng, seq_len=8)
+    plan, lock = hold_lock(cfg)
+    thread, outcome = build_in_thread(cfg)
+    time.sleep(0.3)
+    assert thread.is_alive() and not plan.meta.exists()
+    lock.close()  # the "other builder" gave up without a cache: the waiter builds it itself
+    thread.join(30)
+    assert outcome == {"meta": plan.meta} and plan.meta.is_file()
+
+    empty = make_cfg(tmp_path, tmp_path / "empty.txt")
+    (tmp_path / "empty.txt").write_text("")
+    plan, lock = hold_lock(empty)
+    thread, outcome = build_in_thread(empty)
+    time.sleep(0.3)
+    plan.error.write_text("the builder's message")
+    lock.close()
+    thread.join(30)
+    assert str(outcome["error"]) == "the builder's message"
+    with pytest.raises(DataError, match="holds no text"):  # a stale error file: this build decides afresh
+        prepare_tokens(empty)
+    assert "holds no text" in plan.error.read_text()
+
+
+def test_parallel_workers_write_the_serial_cache(tmp_path, rng, monkeypatch):
+    """2 worker processes, with many small chunks whose results must be put back in order, write
+    the cache a 1-process build writes (same key, same token stream)."""
+    monkeypatch.setattr(packing, "_ENCODE_CHARS", 200)
+    cfg = corpus_cfg(tmp_path, rng, docs=300)
+    serial = json.loads(prepare_tokens(cfg).read_text())
+    parallel = json.loads(prepare_tokens(cfg, tmp_path / "parallel", workers=2).read_text())
+    assert parallel["build"]["workers"] == 2 and serial["build"]["workers"] == 1
+    assert serial["key"] == parallel["key"] and serial["sha256"] == parallel["sha256"]
+    assert serial["num_tokens"] == parallel["num_tokens"] and serial["num_documents"] == parallel["num_documents"]
+
+
+def test_prepare_cli_builds_every_source_of_a_mixture(tmp_path, rng):
+    """``python -m meshtron.data.prepare`` builds each source's cache, the one the trainer then maps."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cfg = mixture_cfg(tmp_path, rng, [1.0, 2.0, 1.0])
+    recipe = tmp_path / "r.toml"
+    tables = ", ".join("{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in e.items()) + "}" for e in cfg.data.sources)
+    recipe.write_text(f"[data]\nsources = [{tables}]\ncache_dir = {json.dumps(cfg.data.cache_dir)}\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-m", "meshtron.data.prepare", "--recipe", str(recipe), "--workers", "1",
+                           "--train.seq_len", "8"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines()]
+    specs = data_sources(cfg.data)
+    assert [r["source"] for r in reports] == [spec.path for spec in specs]
+    assert done.stderr.count("tokens/s, 1 worker(s)") == 3 and "100%" in done.stderr
+    for spec, report in zip(specs, reports):
+        meta = json.loads(prepare_tokens(cfg, source=spec).read_text())  # found, not rebuilt
+        assert meta["key"] == report["cache"] and meta["num_tokens"] == report["tokens"] > 0
+    bad = subprocess.run([sys.executable, "-m", "meshtron.data.prepare", "--recipe", str(recipe), "--workers", "0"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip() == "meshtron: --workers must be >= 1, got 0."
+
+
 # ---------------------------------------------------------------- the train loop's pattern on 4 ranks
-
-
-def rank0_first(fn):
-    """What the train loop passes as on_rank0_first."""
-    import torch.distributed as dist
-
-    if dist.get_rank() == 0:
-        result = fn()
-        dist.barrier()
-        return result
-    dist.barrier()
-    return fn()
 
 
 def check_ranks_share_one_cache(cfg: Config, steps: int) -> None:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    dataset = TokenDataset.open(cfg, on_rank0_first=rank0_first)
+    dataset = TokenDataset.open(cfg)  # every rank at once: one builds, the others poll the file lock
     loader = DeviceLoader(dataset, rank, world, device="cpu")
     for step in range(steps):
         input_ids, labels = next(loader)

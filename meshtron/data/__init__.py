@@ -2,7 +2,7 @@
 
 The train loop's use::
 
-    dataset = TokenDataset.open(cfg, on_rank0_first=run_on_rank0_then_others)  # tokenizes once
+    dataset = TokenDataset.open(cfg)  # every rank; one process per cache folder tokenizes, under a file lock
     input_ids, labels = dataset.batch_for_step(step, batch_rank, batch_world)  # CPU, int64
     input_ids, labels = to_device((input_ids, labels), device)  # pinned + non_blocking on CUDA
 

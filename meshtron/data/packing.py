@@ -6,7 +6,8 @@ id): ``tokens-<key>.bin``, the documents' token ids back to back, each followed 
 end-of-document id, as uint8 / uint16 / int32 (the narrowest that holds the vocabulary, native
 byte order); and ``tokens-<key>.json``, its description, with the stream's SHA-256 that a resumed
 run checks its data against (so a moved or touched dataset still resumes). Both are written under temporary names
-and renamed into place, the JSON last, so a reader never sees half a cache.
+and renamed into place, the JSON last, so a reader never sees half a cache. ``tokens-<key>.lock`` is
+the file lock the builder holds (``flock``: released when the builder exits, even when it dies).
 
 Packing: window ``i`` is ``tokens[i * seq_len : i * seq_len + seq_len + 1]``; its first ``seq_len``
 tokens are the inputs and its last ``seq_len`` the labels. Windows overlap by one token, so every
@@ -16,11 +17,17 @@ token is a label exactly once and the windows' inputs, concatenated, are the tok
 from __future__ import annotations
 
 import array
+import collections
+import fcntl
 import hashlib
 import json
+import multiprocessing
 import os
+import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -32,6 +39,7 @@ FORMAT = 1
 # (largest vocabulary, array typecode, torch dtype); array's "i" is 4 bytes on every platform torch runs on.
 _DTYPES = ((1 << 8, "B", torch.uint8), (1 << 16, "H", torch.uint16), (1 << 31, "i", torch.int32))
 _ENCODE_CHARS = 4 << 20  # characters handed to the tokenizer per batch
+POLL_S = 1.0  # how often a process waiting for another's build looks for the finished cache
 
 
 def default_cache_dir(cfg: Config) -> Path:
@@ -66,6 +74,9 @@ class _Plan:
         folder = Path(cache_dir) if cache_dir is not None else default_cache_dir(cfg)
         self.bin = folder / f"tokens-{self.key}.bin"
         self.meta = folder / f"tokens-{self.key}.json"
+        self.lock = folder / f"tokens-{self.key}.lock"
+        self.error = folder / f"tokens-{self.key}.error"
+        self.tokenizer_spec = (data.tokenizer, data.eos_token)
 
 
 def _only_source(cfg: Config) -> SourceSpec:
@@ -76,62 +87,170 @@ def _only_source(cfg: Config) -> SourceSpec:
 
 
 class _TokenWriter:
-    """Streams pieces of documents through the tokenizer into the flat file."""
+    """Writes encoded pieces of documents into the flat file, an end-of-document id after each document."""
 
-    def __init__(self, out, tokenizer: Tokenizer):
-        self.out, self.tokenizer = out, tokenizer
-        self.typecode = _typecode(tokenizer.vocab_size)
-        self.pending: list[tuple[str, bool]] = []
-        self.pending_chars = 0
+    def __init__(self, out, eos_id: int, typecode: str):
+        self.out = out
+        self.eos = array.array(typecode, [eos_id]).tobytes()
         self.doc_tokens = 0
         self.num_tokens = 0
         self.num_documents = 0
         self.digest = hashlib.sha256()
 
-    def add(self, text: str, ends_document: bool) -> None:
-        self.pending.append((text, ends_document))
-        self.pending_chars += len(text)
-        if self.pending_chars >= _ENCODE_CHARS:
-            self.flush()
-
-    def flush(self) -> None:
-        encoded = self.tokenizer.encode_batch([text for text, _ in self.pending])
-        for ids, (_, ends_document) in zip(encoded, self.pending):
-            self._write(ids)
-            self.doc_tokens += len(ids)
+    def write(self, encoded: list[bytes], ends: list[bool]) -> None:
+        for data, ends_document in zip(encoded, ends):
+            self._write(data)
+            self.doc_tokens += len(data) // len(self.eos)
             if ends_document and self.doc_tokens:  # an empty document gets no separator
-                self._write([self.tokenizer.eos_id])
+                self._write(self.eos)
                 self.num_documents += 1
                 self.doc_tokens = 0
-        self.pending, self.pending_chars = [], 0
 
-    def _write(self, ids) -> None:
-        data = array.array(self.typecode, ids).tobytes()
+    def _write(self, data: bytes) -> None:
         self.out.write(data)
         self.digest.update(data)
-        self.num_tokens += len(ids)
+        self.num_tokens += len(data) // len(self.eos)
 
 
-def prepare_tokens(cfg: Config, cache_dir: str | Path | None = None, source: SourceSpec | None = None) -> Path:
+def _chunks(plan: _Plan) -> Iterator[tuple[list[str], list[bool], int]]:
+    """``(texts, ends_document, files_done)``: the source's pieces in batches of about
+    ``_ENCODE_CHARS`` characters, each with the number of files read completely before it."""
+    texts: list[str] = []
+    ends: list[bool] = []
+    chars = 0
+    for number, path in enumerate(plan.files):
+        for text, ends_document in iter_pieces(path, plan.text_key):
+            texts.append(text)
+            ends.append(ends_document)
+            chars += len(text)
+            if chars >= _ENCODE_CHARS:
+                yield texts, ends, number
+                texts, ends, chars = [], [], 0
+    yield texts, ends, len(plan.files)
+
+
+def _encode(tokenizer: Tokenizer, typecode: str, texts: list[str]) -> list[bytes]:
+    return [array.array(typecode, ids).tobytes() for ids in tokenizer.encode_batch(texts)]
+
+
+_worker: tuple[Tokenizer, str] | None = None
+
+
+def _start_worker(spec: str, eos_token: str, typecode: str) -> None:
+    global _worker
+    # One thread per worker: the processes are the parallelism (tokenizers' thread pool would oversubscribe).
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    _worker = (load_tokenizer(spec, eos_token), typecode)
+
+
+def _encode_in_worker(texts: list[str]) -> list[bytes]:
+    tokenizer, typecode = _worker
+    return _encode(tokenizer, typecode, texts)
+
+
+def _encoded(plan: _Plan, typecode: str, workers: int) -> Iterator[tuple[list[bytes], list[bool], int]]:
+    """The chunks of :func:`_chunks`, encoded in order; by ``workers`` processes when more than one.
+
+    This process reads the files; at most two chunks per worker are in flight, so memory stays
+    bounded however large the source is.
+    """
+    if workers <= 1:
+        for texts, ends, done in _chunks(plan):
+            yield _encode(plan.tokenizer, typecode, texts), ends, done
+        return
+    # spawn: the caller may hold threads (torch, tokenizers) that fork would copy in a broken state.
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers, _start_worker, (*plan.tokenizer_spec, typecode)) as pool:
+        pending: collections.deque = collections.deque()
+        for texts, ends, done in _chunks(plan):
+            pending.append((pool.apply_async(_encode_in_worker, (texts,)), ends, done))
+            if len(pending) >= 2 * workers:
+                result, ends, done = pending.popleft()
+                yield result.get(), ends, done
+        while pending:
+            result, ends, done = pending.popleft()
+            yield result.get(), ends, done
+
+
+class _Progress:
+    """A progress line (bar by bytes of files read, tokens, tokens/s) to ``stream``; ``None``: silent."""
+
+    def __init__(self, stream: TextIO | None, plan: _Plan, workers: int):
+        self.stream, self.source, self.workers = stream, plan.source, workers
+        self.sizes = [path.stat().st_size for path in plan.files]
+        self.tty = stream is not None and stream.isatty()
+        self.start = self.last = time.perf_counter()
+
+    def update(self, tokens: int, files_done: int, final: bool = False) -> float:
+        """Print the line when due (every second on a terminal, every 10 s in a log); returns tokens/s."""
+        now = time.perf_counter()
+        rate = tokens / max(now - self.start, 1e-9)
+        if self.stream is None or not (final or now - self.last >= (1 if self.tty else 10)):
+            return rate
+        self.last = now
+        share = sum(self.sizes[:files_done]) / max(sum(self.sizes), 1)
+        bar = "#" * int(share * 20)
+        self.stream.write(
+            f"{chr(13) if self.tty else ''}meshtron: tokenizing '{self.source}' [{bar:<20}] {share:4.0%}, files "
+            f"{files_done}/{len(self.sizes)}, {tokens / 1e6:.2f}M tokens, {rate / 1e6:.3f}M tokens/s, "
+            f"{self.workers} worker(s){chr(10) if final or not self.tty else ''}"
+        )
+        self.stream.flush()
+        return rate
+
+
+def prepare_tokens(
+    cfg: Config,
+    cache_dir: str | Path | None = None,
+    source: SourceSpec | None = None,
+    workers: int = 1,
+    progress: TextIO | None = None,
+) -> Path:
     """Tokenize ``source`` (default: the recipe's one source) with ``cfg.data``'s tokenizer into the
     cache unless it is already there; returns the JSON's path.
 
-    Run on one rank (rank 0, or each node's local rank 0 without a shared file system) while the
-    others wait at a barrier; concurrent runs are safe, each renames complete files into place.
+    Every rank may call this at once: the first process to take the cache's file lock builds it
+    (with ``workers`` processes, writing a progress line to ``progress``) while the others poll for
+    the finished cache, outside any collective, so no collective timeout runs while tokenizing. Each
+    folder that the ranks do not share gets its own build. A build that fails on bad data leaves
+    its message in ``tokens-<key>.error`` and the waiting processes raise it too.
     """
     plan = _Plan(cfg, cache_dir, source)
-    if plan.meta.is_file():
-        _check_length(_read_meta(plan.meta), plan.source, cfg.train.seq_len)
-        return plan.meta
     plan.bin.parent.mkdir(parents=True, exist_ok=True)
+    waited = False
+    while not plan.meta.is_file():
+        with open(plan.lock, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                waited = True
+                time.sleep(POLL_S)
+                continue
+            if plan.meta.is_file():  # built between the check and the lock
+                break
+            if waited and plan.error.is_file():
+                raise DataError(plan.error.read_text())
+            plan.error.unlink(missing_ok=True)  # left by an earlier run; this build decides afresh
+            try:
+                _build(cfg, plan, workers, progress)
+            except DataError as err:
+                _write_atomic(plan.error, str(err))
+                raise
+    _check_length(_read_meta(plan.meta), plan.source, cfg.train.seq_len)
+    return plan.meta
+
+
+def _build(cfg: Config, plan: _Plan, workers: int, stream: TextIO | None) -> None:
+    typecode = _typecode(plan.tokenizer.vocab_size)
+    progress = _Progress(stream, plan, workers)
     tmp = plan.bin.with_name(f".{plan.bin.name}.{uuid.uuid4().hex}")
     try:
         with open(tmp, "wb") as out:
-            writer = _TokenWriter(out, plan.tokenizer)
-            for path in plan.files:
-                for text, ends_document in iter_pieces(path, plan.text_key):
-                    writer.add(text, ends_document)
-            writer.flush()
+            writer = _TokenWriter(out, plan.tokenizer.eos_id, typecode)
+            for encoded, ends, files_done in _encoded(plan, typecode, workers):
+                writer.write(encoded, ends)
+                progress.update(writer.num_tokens, files_done)
+        rate = progress.update(writer.num_tokens, len(plan.files), final=True)
         meta = {
             "format": FORMAT,
             "key": plan.key,
@@ -140,10 +259,12 @@ def prepare_tokens(cfg: Config, cache_dir: str | Path | None = None, source: Sou
             "tokenizer": plan.tokenizer.fingerprint,
             "vocab_size": plan.tokenizer.vocab_size,
             "eos_id": plan.tokenizer.eos_id,
-            "typecode": writer.typecode,
+            "typecode": typecode,
             "num_tokens": writer.num_tokens,
             "num_documents": writer.num_documents,
             "sha256": writer.digest.hexdigest(),
+            "build": {"workers": workers, "seconds": round(time.perf_counter() - progress.start, 3),
+                      "tokens_per_s": round(rate)},
         }
         if writer.num_tokens == 0:
             raise DataError(f"[data] source '{plan.source}' holds no text; point it at a non-empty dataset.")
@@ -152,7 +273,6 @@ def prepare_tokens(cfg: Config, cache_dir: str | Path | None = None, source: Sou
     finally:
         tmp.unlink(missing_ok=True)
     _write_atomic(plan.meta, json.dumps(meta, indent=1))
-    return plan.meta
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -213,6 +333,6 @@ def open_tokens(cfg: Config, cache_dir: str | Path | None = None, source: Source
     if not plan.meta.is_file():
         raise DataError(
             f"no token cache for [data] source '{plan.source}' at '{plan.meta}'; run prepare_tokens "
-            "first (rank 0, before a barrier). A node that cannot see rank 0's files needs its own."
+            "or python -m meshtron.data.prepare first."
         )
     return PackedTokens(plan.meta, cfg.train.seq_len)

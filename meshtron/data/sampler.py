@@ -12,9 +12,9 @@ batch in the same order, and resuming at step ``k`` needs nothing but ``k``.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -78,25 +78,22 @@ class TokenDataset:
     def open(
         cls,
         cfg: Config,
-        on_rank0_first: Callable[[Callable[[], Any]], Any] | None = None,
         cache_dir: str | Path | None = None,
         sources: Sequence[SourceSpec] | None = None,
+        progress: TextIO | None = None,
     ) -> TokenDataset:
-        """Tokenize ``sources`` (default: the recipe's ``[data] source`` or ``sources``) into the
-        cache if needed, then map them.
+        """Map the token caches of ``sources`` (default: the recipe's ``[data] source`` or
+        ``sources``), building a missing one first.
 
-        ``on_rank0_first(fn)`` runs ``fn`` on rank 0, then (after a barrier) on the other ranks, which
-        then find the cache ready; without it ``fn`` just runs here. Ranks that cannot see rank 0's
-        cache folder build their own copy (concurrent builds are safe).
+        Every rank may call this at once: one process per cache folder builds (writing a progress
+        line to ``progress``) while the others poll the file system for the result, outside any
+        collective (see :func:`prepare_tokens`).
         """
         specs = list(sources) if sources is not None else data_sources(cfg.data)
-
-        def prepare_and_open() -> TokenDataset:
-            # prepare_tokens' path, not open_tokens: that would load the tokenizer and stat the files again.
-            tokens = [PackedTokens(prepare_tokens(cfg, cache_dir, spec), cfg.train.seq_len) for spec in specs]
-            return cls(tokens, cfg.train.global_batch_size, cfg.train.seed, [spec.weight for spec in specs])
-
-        return on_rank0_first(prepare_and_open) if on_rank0_first else prepare_and_open()
+        tokens = [
+            PackedTokens(prepare_tokens(cfg, cache_dir, spec, progress=progress), cfg.train.seq_len) for spec in specs
+        ]
+        return cls(tokens, cfg.train.global_batch_size, cfg.train.seed, [spec.weight for spec in specs])
 
     @property
     def num_windows(self) -> list[int]:
