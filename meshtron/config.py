@@ -142,6 +142,10 @@ class DataConfig:
     text_key: str = "text"  # the text field of .jsonl records
     eos_token: str = ""  # document separator of a file tokenizer; empty: found in the tokenizer
     cache_dir: str = ""  # token cache; empty: <train.output_dir>/token_cache
+    format: str = "text"  # "text" (pretraining), "prompt_response" or "chat" (SFT: only responses are labels)
+    prompt_key: str = "prompt"  # format = "prompt_response": the prompt's field
+    response_key: str = "response"  # format = "prompt_response": the response's field
+    messages_key: str = "messages"  # format = "chat": the field holding [{role, content}, ...]
 
 
 @dataclass
@@ -403,6 +407,7 @@ def infer_dp(cfg: Config, world_size: int) -> Config:
 
 
 MIXTURE_KEYS = ("path", "weight", "text_key")
+DATA_FORMATS = ("text", "prompt_response", "chat")
 
 
 def _validate_mixture(d: DataConfig, source: str) -> None:
@@ -461,6 +466,11 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
     d = cfg.data
     _require(bool(d.source), f"{source}: [data] source is empty; use 'builtin' or a path to text.")
     _validate_mixture(d, source)
+    _require(
+        d.format in DATA_FORMATS,
+        f"{source}: [data] format must be one of {', '.join(DATA_FORMATS)}, got '{d.format}'."
+        + _closest(d.format, DATA_FORMATS),
+    )
     _require(
         d.tokenizer != "bytes" or cfg.model.vocab_size >= 256,
         f"{source}: [data] tokenizer 'bytes' needs [model] vocab_size >= 256, got {cfg.model.vocab_size}.",

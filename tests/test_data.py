@@ -633,9 +633,12 @@ def test_waiters_poll_the_lock_and_share_the_builders_outcome(tmp_path, rng, mon
 
 def test_parallel_workers_write_the_serial_cache(tmp_path, rng, monkeypatch):
     """2 worker processes, with many small chunks whose results must be put back in order, write
-    the cache a 1-process build writes (same key, same token stream)."""
+    the cache a 1-process build writes (same key, same token stream). (The byte tokenizer always
+    encodes in-process: shipping text to a worker costs more than encoding it.)"""
     monkeypatch.setattr(packing, "_ENCODE_CHARS", 200)
-    cfg = corpus_cfg(tmp_path, rng, docs=300)
+    docs = random_docs(rng, 300)
+    train_hf_tokenizer(tmp_path / "tok", docs)
+    cfg = make_cfg(tmp_path, write_jsonl(tmp_path / "d.jsonl", docs), tokenizer=tmp_path / "tok", vocab=64)
     serial = json.loads(prepare_tokens(cfg).read_text())
     parallel = json.loads(prepare_tokens(cfg, tmp_path / "parallel", workers=2).read_text())
     assert parallel["build"]["workers"] == 2 and serial["build"]["workers"] == 1
@@ -692,3 +695,210 @@ def test_ranks_share_one_cache(tmp_path, rng):
     cfg = corpus_cfg(tmp_path, rng, seq_len=8, batch=8)
     run_checks([check_ranks_share_one_cache], 4, cfg, 3, timeout=120)
     assert len(list((tmp_path / "cache").glob("tokens-*.bin"))) == 1
+
+
+# ---------------------------------------------------------------- SFT
+
+
+def sft_examples(rng, count):
+    return [(" ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 12))) + "?",
+             " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12))) + ".") for _ in range(count)]
+
+
+def test_prompt_response_labels_only_responses(tmp_path, rng):
+    """Byte tokens: prompt, response, separator; the mask (and so the labels) covers response + separator."""
+    examples = sft_examples(rng, 40)
+    expected_tokens, expected_mask = [], []
+    for prompt, response in examples:
+        expected_tokens += list(prompt.encode()) + list(response.encode()) + [0]
+        expected_mask += [0] * len(prompt.encode()) + [1] * (len(response.encode()) + 1)
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps({"q": p, "a": r}) + "\n" for p, r in examples))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"q": [p for p, _ in examples], "a": [r for _, r in examples]}), tmp_path / "sft.parquet")
+    for name in ("sft.jsonl", "sft.parquet"):
+        cfg = make_cfg(tmp_path, tmp_path / name, seq_len=16, batch=8)
+        cfg.data.format, cfg.data.prompt_key, cfg.data.response_key = "prompt_response", "q", "a"
+        dataset = TokenDataset.open(cfg)
+        tokens = dataset.tokens[0]
+        assert tokens.tokens.tolist() == expected_tokens and tokens.mask.tolist() == expected_mask
+        for step in range(3):
+            _, ids = dataset.window_ids(step)
+            x, y = dataset.batch_for_step(step)
+            for row, window in enumerate(ids.tolist()):
+                start = window * 16 + 1
+                want = [t if m else -100 for t, m in zip(expected_tokens[start:start + 16], expected_mask[start:start + 16])]
+                assert y[row].tolist() == want
+                assert x[row].tolist() == expected_tokens[start - 1 : start + 15]
+    cfg.data.format = "text"  # the same file as plain text is another cache, with every label counted
+    with pytest.raises(DataError, match="no field 'text'"):
+        prepare_tokens(cfg)
+    cfg.data.format = "prompt_response"
+    (tmp_path / "x.txt").write_text("plain")
+    with pytest.raises(DataError, match="format = 'prompt_response' reads records; .*x.txt' is plain text"):
+        prepare_tokens(_sft_cfg(tmp_path, tmp_path / "x.txt"))
+
+
+def _sft_cfg(tmp_path, source, fmt="prompt_response", **kw):
+    cfg = make_cfg(tmp_path, source, **kw)
+    cfg.data.format = fmt
+    return cfg
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_chat_template_counts_only_assistant_turns(tmp_path, rng):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(random_docs(rng, 50), trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    conversations = []
+    for prompt, response in sft_examples(rng, 30):
+        turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": prompt},
+                 {"role": "assistant", "content": response}]
+        if rng.random() < 0.5:
+            turns += [{"role": "user", "content": "more"}, {"role": "assistant", "content": response[::-1]}]
+        conversations.append(turns)
+    write_jsonl(tmp_path / "chat.jsonl", conversations, key="conv")
+    cfg = _sft_cfg(tmp_path, tmp_path / "chat.jsonl", "chat", seq_len=16, tokenizer=folder, vocab=400)
+    cfg.data.messages_key, cfg.data.eos_token = "conv", "<|endoftext|>"
+    tokens = open_tokens(prepare_cfg(cfg))
+    ids, mask = tokens.tokens.tolist(), tokens.mask.tolist()
+    eos = tok.token_to_id("<|endoftext|>")
+    # The counted tokens of each conversation decode to its assistant turns, each with its end-of-turn
+    # marker, then the separator; everything else decodes to the rest of the rendered conversation.
+    counted = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
+    want = "".join("".join(m["content"] + "<|im_end|>\n" for m in c if m["role"] == "assistant") + "<|endoftext|>"
+                   for c in conversations)
+    assert counted == want
+    assert tok.decode([t for t, m in zip(ids, mask) if not m], skip_special_tokens=False).count("<|im_start|>assistant\n") \
+        == sum(m["role"] == "assistant" for c in conversations for m in c)
+    assert ids.count(eos) == len(conversations)
+
+    (folder / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(DataError, match="needs a chat template, but .* has neither chat_template.jinja"):
+        prepare_tokens(cfg)
+    (folder / "chat_template.jinja").write_text("{{ messages | length }}{% if add_generation_prompt %}!{% endif %}")
+    with pytest.raises(DataError, match="does not render this conversation as an extension of its prefixes"):
+        prepare_tokens(cfg)
+    with pytest.raises(DataError, match="the byte tokenizer has none"):
+        prepare_tokens(_sft_cfg(tmp_path, tmp_path / "chat.jsonl", "chat"))
+    write_jsonl(tmp_path / "bad.jsonl", [[{"role": "user"}]], key="conv")
+    cfg.data.source = str(tmp_path / "bad.jsonl")
+    (folder / "chat_template.jinja").write_text(CHATML)
+    with pytest.raises(DataError, match=r"bad\.jsonl:1: field 'conv' must be a non-empty list of \{role, content\}"):
+        prepare_tokens(cfg)
+
+
+# ---------------------------------------------------------------- SFT and every source kind on 4 ranks
+
+SFT_LAYOUTS = [dict(dp=4), dict(pp=2, dp=2, microbatches=2), dict(cp=2, dp=2), dict(tp=2, dp=2, microbatches=2)]
+
+
+def _recipe(root: str, out: str, extra: list[str], layout: dict):
+    from pathlib import Path
+
+    from meshtron.config import load_config
+
+    args = ["--train.output_dir", out, "--data.cache_dir", f"{root}/cache", "--train.steps", "2"] + extra
+    for key, value in {**dict(pp=1, dp=1, cp=1, tp=1, microbatches=1), **layout}.items():
+        args += [f"--parallel.{key}", str(value)]
+    return load_config(Path(__file__).resolve().parents[1] / "recipes" / "debug_dense.toml", args)
+
+
+def check_sft_loss_counts_only_responses(root: str) -> None:
+    """The runner's loss on an SFT batch equals the hand-computed mean cross-entropy over response
+    tokens of the unparallelized model, on dp, pp x dp, cp x dp and tp x dp; some ranks' shares hold
+    no counted token at all, which the global token count must get right."""
+    import torch.distributed as dist
+
+    from meshtron.checkpoint import load_full_state_dict
+    from meshtron.mesh import batch_mesh
+    from meshtron.models import build_model
+    from meshtron.parallel.runner import build_step_runner
+    from meshtron.train import recipe_mesh
+
+    empty_shares = 0
+    for layout in SFT_LAYOUTS:
+        cfg = _recipe(root, f"{root}/unused", ["--data.source", f"{root}/sft.parquet", "--data.format",
+                                               '"prompt_response"', "--train.seq_len", "16"], layout)
+        dataset = TokenDataset.open(cfg)
+        x, y = dataset.batch_for_step(1)
+        reference = build_model(cfg.model)
+        reference.init_weights(seed=5)
+        logp = torch.log_softmax(reference(x).double(), dim=-1)
+        counted = y != -100
+        assert 0 < counted.sum() < counted.numel() / 2
+        hand = -logp[counted, y[counted]].sum() / counted.sum()
+
+        mesh = recipe_mesh(cfg)
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        runner = build_step_runner(model, mesh, cfg, torch.device("cpu"))
+        load_full_state_dict(runner.module, reference.state_dict())
+        share = batch_mesh(mesh)
+        xs, ys = dataset.batch_for_step(1, share.get_local_rank(), share.size(), cfg.parallel.microbatches)
+        empty_shares += int((ys != -100).sum() == 0)
+        loss = runner.forward_backward(xs, ys)
+        assert abs(loss.item() - hand.item()) / hand.item() < 1e-5, (layout, loss.item(), hand.item())
+    totals = [0] * dist.get_world_size()
+    dist.all_gather_object(totals, empty_shares)
+    assert sum(totals) > 0, "no rank's share was all prompt: the data does not test the -100 count"
+
+
+def check_every_source_kind_trains(root: str) -> None:
+    """A 2-step run on tp2 x dp2 from a mixture of every source kind, and an SFT run from a
+    save_to_disk folder: finite losses in metrics.jsonl, one cache per source."""
+    from meshtron.parallel.layout import validate_layout
+    from meshtron.train import Trainer, recipe_mesh
+
+    kinds = ["a.txt", "b.jsonl", "c.parquet", "saved", "shards"]
+    sources = "[" + ", ".join(f'{{path = "{root}/{k}", weight = {i + 1}}}' for i, k in enumerate(kinds)) + "]"
+    runs = {
+        "mixture": ["--data.source", '"builtin"', "--data.sources", sources],
+        "sft": ["--data.source", f"{root}/sft_saved", "--data.format", '"prompt_response"', "--train.seq_len", "16"],
+    }
+    for name, extra in runs.items():
+        cfg = _recipe(root, f"{root}/{name}", extra, dict(tp=2, dp=2))
+        validate_layout(cfg, torch.distributed.get_world_size())
+        Trainer(cfg, recipe_mesh(cfg)).fit()
+        if torch.distributed.get_rank() == 0:
+            losses = [json.loads(line)["loss"] for line in open(f"{root}/{name}/metrics.jsonl")]
+            assert len(losses) == 2 and all(0 < loss < 10 for loss in losses), (name, losses)
+
+
+def test_sft_loss_and_every_source_kind_on_4_ranks(tmp_path, rng):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from meshtron.testing import run_checks
+
+    docs = random_docs(rng, 200)
+    (tmp_path / "a.txt").write_text(DOC_SEPARATOR.join(docs[:40]))
+    write_jsonl(tmp_path / "b.jsonl", docs[40:80])
+    write_parquet(tmp_path / "c.parquet", docs[80:120])
+    write_saved_dataset(tmp_path / "saved", [docs[120:140], docs[140:160]])
+    (tmp_path / "shards").mkdir()
+    write_parquet(tmp_path / "shards" / "0.parquet", docs[160:180])
+    write_parquet(tmp_path / "shards" / "1.parquet", docs[180:])
+    # Long prompts, short answers: many 16-token windows hold no response token at all.
+    examples = [(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30))), rng.choice(WORDS)) for _ in range(80)]
+    table = {"prompt": [p for p, _ in examples], "response": [r for _, r in examples]}
+    pq.write_table(pa.table(table), tmp_path / "sft.parquet")
+    write_saved_dataset(tmp_path / "sft_saved", [table["prompt"]], key="prompt")
+    saved = tmp_path / "sft_saved" / "data-00000-of-00001.arrow"
+    with pa.ipc.new_stream(str(saved), pa.table(table).schema) as writer:  # both columns
+        writer.write_table(pa.table(table))
+    run_checks([check_sft_loss_counts_only_responses, check_every_source_kind_trains], 4, str(tmp_path), timeout=900)
+    assert len(list((tmp_path / "cache").glob("tokens-*.bin"))) == 5 + 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -33,7 +34,8 @@ import torch
 
 from meshtron.config import Config
 from meshtron.data.sources import DataError, SourceSpec, data_sources, file_stamp, iter_pieces, source_files
-from meshtron.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
+from meshtron.data.sft import CHAT, PROMPT_RESPONSE, ChatTemplate, example_pieces
+from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, check_vocab, load_tokenizer
 
 FORMAT = 1
 # (largest vocabulary, array typecode, torch dtype); array's "i" is 4 bytes on every platform torch runs on.
@@ -64,19 +66,41 @@ class _Plan:
         self.tokenizer: Tokenizer = load_tokenizer(data.tokenizer, data.eos_token)
         check_vocab(self.tokenizer, data.tokenizer, cfg.model.vocab_size)
         self.source, self.text_key = source.path, source.text_key
+        self.data, self.masked = data, data.format != "text"
+        self.template = _chat_template(self.tokenizer) if data.format == CHAT else None
         identity = {
             "format": FORMAT,
             "files": [file_stamp(f) for f in self.files],
             "text_key": source.text_key,
             "tokenizer": self.tokenizer.fingerprint,
+            "examples": _example_identity(data, self.template),
         }
         self.key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]
         folder = Path(cache_dir) if cache_dir is not None else default_cache_dir(cfg)
         self.bin = folder / f"tokens-{self.key}.bin"
         self.meta = folder / f"tokens-{self.key}.json"
+        self.mask = folder / f"tokens-{self.key}.mask"
         self.lock = folder / f"tokens-{self.key}.lock"
         self.error = folder / f"tokens-{self.key}.error"
         self.tokenizer_spec = (data.tokenizer, data.eos_token)
+
+    def pieces(self, path: Path) -> Iterator[tuple[str, bool, bool]]:
+        """``(text, ends_document, counted)``: with plain text every token counts as a label."""
+        if not self.masked:
+            return ((text, ends, True) for text, ends in iter_pieces(path, self.text_key))
+        return example_pieces(path, self.data, self.template)
+
+
+def _chat_template(tokenizer: Tokenizer) -> ChatTemplate:
+    if not isinstance(tokenizer, HFTokenizer):
+        raise DataError("[data] format = 'chat' needs a tokenizer.json with a chat template; the byte tokenizer has none.")
+    return ChatTemplate(tokenizer.file)
+
+
+def _example_identity(data, template: ChatTemplate | None) -> list:
+    """What SFT tokens and masks depend on besides the files and the tokenizer."""
+    keys = {"text": [], PROMPT_RESPONSE: [data.prompt_key, data.response_key], CHAT: [data.messages_key]}
+    return [data.format, *keys[data.format], template.fingerprint if template else ""]
 
 
 def _only_source(cfg: Config) -> SourceSpec:
@@ -89,44 +113,51 @@ def _only_source(cfg: Config) -> SourceSpec:
 class _TokenWriter:
     """Writes encoded pieces of documents into the flat file, an end-of-document id after each document."""
 
-    def __init__(self, out, eos_id: int, typecode: str):
-        self.out = out
+    def __init__(self, out, mask_out, eos_id: int, typecode: str):
+        self.out, self.mask_out = out, mask_out
         self.eos = array.array(typecode, [eos_id]).tobytes()
         self.doc_tokens = 0
         self.num_tokens = 0
         self.num_documents = 0
         self.digest = hashlib.sha256()
 
-    def write(self, encoded: list[bytes], ends: list[bool]) -> None:
-        for data, ends_document in zip(encoded, ends):
-            self._write(data)
+    def write(self, encoded: list[bytes], ends: list[bool], counted: list[bool]) -> None:
+        for data, ends_document, counts in zip(encoded, ends, counted):
+            self._write(data, counts)
             self.doc_tokens += len(data) // len(self.eos)
             if ends_document and self.doc_tokens:  # an empty document gets no separator
-                self._write(self.eos)
+                self._write(self.eos, counts)  # the end of a response is part of it
                 self.num_documents += 1
                 self.doc_tokens = 0
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes, counts: bool) -> None:
+        tokens = len(data) // len(self.eos)
         self.out.write(data)
         self.digest.update(data)
-        self.num_tokens += len(data) // len(self.eos)
+        if self.mask_out is not None:
+            mask = bytes([counts]) * tokens
+            self.mask_out.write(mask)
+            self.digest.update(mask)
+        self.num_tokens += tokens
 
 
-def _chunks(plan: _Plan) -> Iterator[tuple[list[str], list[bool], int]]:
-    """``(texts, ends_document, files_done)``: the source's pieces in batches of about
+def _chunks(plan: _Plan) -> Iterator[tuple[list[str], list[bool], list[bool], int]]:
+    """``(texts, ends_document, counted, files_done)``: the source's pieces in batches of about
     ``_ENCODE_CHARS`` characters, each with the number of files read completely before it."""
     texts: list[str] = []
     ends: list[bool] = []
+    counted: list[bool] = []
     chars = 0
     for number, path in enumerate(plan.files):
-        for text, ends_document in iter_pieces(path, plan.text_key):
+        for text, ends_document, counts in plan.pieces(path):
             texts.append(text)
             ends.append(ends_document)
+            counted.append(counts)
             chars += len(text)
             if chars >= _ENCODE_CHARS:
-                yield texts, ends, number
-                texts, ends, chars = [], [], 0
-    yield texts, ends, len(plan.files)
+                yield texts, ends, counted, number
+                texts, ends, counted, chars = [], [], [], 0
+    yield texts, ends, counted, len(plan.files)
 
 
 def _encode(tokenizer: Tokenizer, typecode: str, texts: list[str]) -> list[bytes]:
@@ -148,28 +179,29 @@ def _encode_in_worker(texts: list[str]) -> list[bytes]:
     return _encode(tokenizer, typecode, texts)
 
 
-def _encoded(plan: _Plan, typecode: str, workers: int) -> Iterator[tuple[list[bytes], list[bool], int]]:
+def _encoded(plan: _Plan, typecode: str, workers: int) -> Iterator[tuple[list[bytes], list[bool], list[bool], int]]:
     """The chunks of :func:`_chunks`, encoded in order; by ``workers`` processes when more than one.
 
     This process reads the files; at most two chunks per worker are in flight, so memory stays
     bounded however large the source is.
     """
-    if workers <= 1:
-        for texts, ends, done in _chunks(plan):
-            yield _encode(plan.tokenizer, typecode, texts), ends, done
+    if workers <= 1 or isinstance(plan.tokenizer, ByteTokenizer):  # bytes: encoding costs less than shipping text
+        for texts, *rest in _chunks(plan):
+            yield _encode(plan.tokenizer, typecode, texts), *rest
         return
-    # spawn: the caller may hold threads (torch, tokenizers) that fork would copy in a broken state.
-    context = multiprocessing.get_context("spawn")
+    # fork: a spawned worker would import torch and transformers (meshtron's package imports) before
+    # its first chunk, tens of seconds on a busy host; the workers touch neither torch nor threads.
+    context = multiprocessing.get_context("fork")
     with context.Pool(workers, _start_worker, (*plan.tokenizer_spec, typecode)) as pool:
         pending: collections.deque = collections.deque()
-        for texts, ends, done in _chunks(plan):
-            pending.append((pool.apply_async(_encode_in_worker, (texts,)), ends, done))
+        for texts, *rest in _chunks(plan):
+            pending.append((pool.apply_async(_encode_in_worker, (texts,)), rest))
             if len(pending) >= 2 * workers:
-                result, ends, done = pending.popleft()
-                yield result.get(), ends, done
+                result, rest = pending.popleft()
+                yield result.get(), *rest
         while pending:
-            result, ends, done = pending.popleft()
-            yield result.get(), ends, done
+            result, rest = pending.popleft()
+            yield result.get(), *rest
 
 
 class _Progress:
@@ -244,11 +276,12 @@ def _build(cfg: Config, plan: _Plan, workers: int, stream: TextIO | None) -> Non
     typecode = _typecode(plan.tokenizer.vocab_size)
     progress = _Progress(stream, plan, workers)
     tmp = plan.bin.with_name(f".{plan.bin.name}.{uuid.uuid4().hex}")
+    tmp_mask = plan.mask.with_name(f".{plan.mask.name}.{uuid.uuid4().hex}")
     try:
-        with open(tmp, "wb") as out:
-            writer = _TokenWriter(out, plan.tokenizer.eos_id, typecode)
-            for encoded, ends, files_done in _encoded(plan, typecode, workers):
-                writer.write(encoded, ends)
+        with open(tmp, "wb") as out, (open(tmp_mask, "wb") if plan.masked else contextlib.nullcontext()) as mask_out:
+            writer = _TokenWriter(out, mask_out, plan.tokenizer.eos_id, typecode)
+            for encoded, ends, counted, files_done in _encoded(plan, typecode, workers):
+                writer.write(encoded, ends, counted)
                 progress.update(writer.num_tokens, files_done)
         rate = progress.update(writer.num_tokens, len(plan.files), final=True)
         meta = {
@@ -262,16 +295,20 @@ def _build(cfg: Config, plan: _Plan, workers: int, stream: TextIO | None) -> Non
             "typecode": typecode,
             "num_tokens": writer.num_tokens,
             "num_documents": writer.num_documents,
+            "masked": plan.masked,
             "sha256": writer.digest.hexdigest(),
-            "build": {"workers": workers, "seconds": round(time.perf_counter() - progress.start, 3),
+            "build": {"workers": 1 if isinstance(plan.tokenizer, ByteTokenizer) else workers, "seconds": round(time.perf_counter() - progress.start, 3),
                       "tokens_per_s": round(rate)},
         }
         if writer.num_tokens == 0:
             raise DataError(f"[data] source '{plan.source}' holds no text; point it at a non-empty dataset.")
         _check_length(meta, plan.source, cfg.train.seq_len)
+        if plan.masked:
+            os.replace(tmp_mask, plan.mask)
         os.replace(tmp, plan.bin)
     finally:
         tmp.unlink(missing_ok=True)
+        tmp_mask.unlink(missing_ok=True)
     _write_atomic(plan.meta, json.dumps(meta, indent=1))
 
 
@@ -297,26 +334,32 @@ def _check_length(meta: dict, source: str, seq_len: int) -> None:
 
 
 class PackedTokens:
-    """The cached token stream, memory-mapped read-only, cut into windows of ``seq_len + 1``."""
+    """The cached token stream, memory-mapped read-only, cut into windows of ``seq_len + 1``; with SFT
+    data also the per-token mask of which tokens count as labels."""
 
     def __init__(self, meta_path: str | Path, seq_len: int):
         self.meta_path = Path(meta_path)
         self.meta = _read_meta(self.meta_path)
         _check_length(self.meta, self.meta["source"], seq_len)
-        bin_path = self.meta_path.with_suffix(".bin")
-        dtype = _dtype(self.meta["typecode"])
-        expected = self.meta["num_tokens"] * dtype.itemsize
-        if not bin_path.is_file() or bin_path.stat().st_size != expected:
-            raise DataError(f"token cache '{bin_path}' is missing or not {expected} bytes; delete {self.meta_path}.")
-        # shared=False maps the file privately from a read-only descriptor: pages are read on first
-        # touch, so a rank reads only the windows it samples.
-        self.tokens = torch.from_file(str(bin_path), shared=False, size=self.meta["num_tokens"], dtype=dtype)
         self.seq_len = seq_len
-        self.sha256 = self.meta["sha256"]
-        self.eos_id = self.meta["eos_id"]
-        # Overlapping rows as a strided view: selecting rows copies whole runs, ~20x faster than
+        self.tokens = self._map(".bin", _dtype(self.meta["typecode"]))
+        self.mask = self._map(".mask", torch.bool) if self.meta.get("masked") else None
+        # Overlapping rows as strided views: selecting rows copies whole runs, ~20x faster than
         # gathering single tokens.
         self._rows = self.tokens.as_strided((len(self), seq_len + 1), (seq_len, 1))
+        self._mask_rows = None if self.mask is None else self.mask.as_strided(self._rows.shape, self._rows.stride())
+        self.sha256 = self.meta["sha256"]
+        self.eos_id = self.meta["eos_id"]
+
+    def _map(self, suffix: str, dtype: torch.dtype) -> torch.Tensor:
+        """One of the cache's files, mapped."""
+        path = self.meta_path.with_suffix(suffix)
+        expected = self.meta["num_tokens"] * dtype.itemsize
+        if not path.is_file() or path.stat().st_size != expected:
+            raise DataError(f"token cache '{path}' is missing or not {expected} bytes; delete {self.meta_path}.")
+        # shared=False maps the file privately from a read-only descriptor: pages are read on first
+        # touch, so a rank reads only the windows it samples.
+        return torch.from_file(str(path), shared=False, size=self.meta["num_tokens"], dtype=dtype)
 
     def __len__(self) -> int:
         """Number of windows."""
@@ -325,6 +368,10 @@ class PackedTokens:
     def windows(self, ids: torch.Tensor) -> torch.Tensor:
         """Windows ``ids`` as an int64 tensor ``[len(ids), seq_len + 1]``."""
         return self._rows.index_select(0, ids).to(torch.int64)
+
+    def counted(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Which tokens of windows ``ids`` count as labels (bool, same shape); None: all of them."""
+        return None if self._mask_rows is None else self._mask_rows.index_select(0, ids)
 
 
 def open_tokens(cfg: Config, cache_dir: str | Path | None = None, source: SourceSpec | None = None) -> PackedTokens:

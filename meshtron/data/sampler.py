@@ -24,6 +24,9 @@ from meshtron.data.sources import SourceSpec, data_sources
 from meshtron.env import local_device
 
 
+IGNORE_INDEX = -100  # the label of a token the loss does not count
+
+
 def _epoch_seed(seed: int, source: int, epoch: int) -> int:
     # Hashing keeps (seed, source, epoch) triples apart that any linear mix would make collide.
     digest = hashlib.sha256(f"meshtron-data/{seed}/{source}/{epoch}".encode()).digest()
@@ -151,13 +154,20 @@ class TokenDataset:
     def batch_for_step(
         self, step: int, batch_rank: int = 0, batch_world: int = 1, microbatches: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(input_ids, labels)``, int64 ``[global_batch_size // batch_world, seq_len]`` on the CPU."""
+        """``(input_ids, labels)``, int64 ``[global_batch_size // batch_world, seq_len]`` on the CPU;
+        labels that do not count (SFT prompts) are ``IGNORE_INDEX``."""
         sources, ids = self.window_ids(step, batch_rank, batch_world, microbatches)
         windows = torch.empty(len(ids), self.tokens[0].seq_len + 1, dtype=torch.int64)
+        counted = torch.ones(windows.shape, dtype=torch.bool)
         for source in sources.unique().tolist():
-            windows[sources == source] = self.tokens[source].windows(ids[sources == source])
+            rows = sources == source
+            windows[rows] = self.tokens[source].windows(ids[rows])
+            source_counted = self.tokens[source].counted(ids[rows])
+            if source_counted is not None:
+                counted[rows] = source_counted
+        labels = windows[:, 1:].masked_fill(~counted[:, 1:], IGNORE_INDEX).contiguous()
         # Contiguous, so that consumers may .view() them (e.g. labels.view(-1) for the loss).
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        return windows[:, :-1].contiguous(), labels
 
     def state_dict(self) -> dict[str, Any]:
         """What the sample stream depends on besides the step (JSON-serialisable)."""
