@@ -140,7 +140,8 @@ def preflight(cfg: Config) -> None:
     """Checks of the input files, run by every rank before any process group exists (nothing can hang).
 
     Raises :class:`ConfigError` / :class:`CheckpointError` / :class:`CheckpointMismatch` naming the
-    file and the fix. Reading the data itself (e.g. an empty dataset) is checked later, on rank 0 first.
+    file and the fix. Reading the data itself (e.g. an empty dataset) is checked later, while the token
+    cache is built (by one process per cache folder, the others polling its lock).
     """
     from meshtron.data import check_vocab, data_sources, load_tokenizer, source_files
 
