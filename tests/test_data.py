@@ -415,6 +415,9 @@ def test_mixture_weights_layouts_and_resume(tmp_path, rng):
     resumed.load_state_dict(state)
     for step in range(k, k + 3):
         assert torch.equal(next(resumed)[0], dataset.batch_for_step(step, 0, 2)[0])
+    # One source on its own (what an eval set is built from): every window comes from it.
+    only_b = TokenDataset.open(cfg, sources=[data_sources(cfg.data)[1]])
+    assert set(window_sources(only_b.batch_for_step(rng.randint(0, 50))[0])) == {1}
     cfg.data.sources[0]["weight"] = 0.5
     with pytest.raises(ConfigError, match=r"weights: checkpoint \[0.6, 0.3, 0.1\], now \[0.5, 0.3, 0.1\]"):
         TokenDataset.open(cfg).load_state_dict(state)
@@ -878,7 +881,10 @@ def check_every_source_kind_trains(root: str) -> None:
             assert len(losses) == 2 and all(0 < loss < 10 for loss in losses), (name, losses)
 
 
-def test_sft_loss_and_every_source_kind_on_4_ranks(tmp_path, rng):
+def test_sft_loss_and_every_source_kind_on_4_ranks(tmp_path):
+    # A fixed draw: step 1's global batch holds 8 response labels of 256, and 3 of the 4 dp4 shares
+    # and 1 of the 2 pp2 x dp2 shares hold none (an unseeded draw sometimes had no response label at all).
+    rng = random.Random(12)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
