@@ -353,3 +353,41 @@ def test_hf_parallelize_8_ranks(tmp_path):
     for arch, report in json.loads((tmp_path / "bytes.json").read_text()).items():
         print(f"{arch}: bytes read per rank: {report['per_rank']} of {report['total']}")
     print(f"expert all-to-alls: {(tmp_path / 'expert_comms.json').read_text()}")
+
+
+# family config class, extra config -> (decoder, blocks, embed, head, final norm, rotary) paths
+DISCOVERY = {
+    "GPT2Config": (dict(n_embd=64, n_layer=2, n_head=8, vocab_size=128),
+                   ("transformer", "transformer.h", "transformer.wte", "lm_head", "transformer.ln_f", None)),
+    "GPTNeoXConfig": (dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8),
+                      ("gpt_neox", "gpt_neox.layers", "gpt_neox.embed_in", "lm_head", "gpt_neox.final_layer_norm",
+                       "gpt_neox.rotary_emb")),
+    "OPTConfig": (dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, ffn_dim=96,
+                       word_embed_proj_dim=64),
+                  ("model.decoder", "model.decoder.layers", "model.decoder.embed_tokens", "lm_head",
+                   "model.decoder.final_layer_norm", None)),
+    "BloomConfig": (dict(vocab_size=128, hidden_size=64, n_layer=2, n_head=8),  # plus an embedding norm
+                    ("transformer", "transformer.h", "transformer.word_embeddings", "lm_head", "transformer.ln_f", None)),
+    "Qwen2Config": (dict(SMALL, num_key_value_heads=4),
+                    ("model", "model.layers", "model.embed_tokens", "lm_head", "model.norm", "model.rotary_emb")),
+}
+
+
+def test_hf_parts_discovery():
+    """hf_parts finds each family's decoder, blocks, embeddings, head, final norm and rotary embedding
+    by the model's API (meta device, no weights); a model without them is a ConfigError naming the part."""
+    import transformers
+
+    from meshtron.hf.discover import hf_parts
+
+    for cls, (extra, expected) in DISCOVERY.items():
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**extra))
+        parts = hf_parts(model)
+        found = (parts.decoder_path, parts.blocks_path, parts.embed_path, parts.head_path, parts.norm_path, parts.rotary_path)
+        assert found == expected, cls
+        assert parts.blocks is model.get_submodule(parts.blocks_path) and len(parts.blocks) == 2, cls
+        assert parts.plan_blocks == expected[1].rsplit(".", 1)[1], cls
+        model._no_split_modules = ["SomethingElse"]
+        with pytest.raises(ConfigError, match=f"cannot find the decoder blocks of {type(model).__name__}: 0 nn.ModuleLists"):
+            hf_parts(model)

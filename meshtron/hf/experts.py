@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.config import ConfigError
+from meshtron.hf.discover import hf_parts
 from meshtron.parallel.expert import ExpertDispatch, check_expert_divisible
 
 _FUSED = ("gate_up_proj", "down_proj")
@@ -82,7 +83,8 @@ def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, nn.Module]:
         key, style = next(iter(unknown.items()))
         raise ConfigError(f"parallelize_hf_model: ep plan style '{style}' (for '{key}') is not supported; "
                           f"supported: {', '.join(_EP_STYLES)}.")
-    patterns = [_pattern(f"model.{k}") for k, s in plan.items() if s == "ep_dispatch_experts"]
+    decoder = hf_parts(model).decoder_path  # ep-plan patterns are relative to the decoder
+    patterns = [_pattern(f"{decoder}.{k}") for k, s in plan.items() if s == "ep_dispatch_experts"]
     found = {n: m for n, m in model.named_modules() if any(p.match(n) for p in patterns)}
     stacked = [n for n, m in model.named_modules()
                if n not in found and any(p.dim() == 3 for p in m.parameters(recurse=False))]

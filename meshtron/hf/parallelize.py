@@ -63,6 +63,7 @@ from torch.distributed.tensor.parallel import (
 from meshtron import env
 from meshtron.checkpoint import gather_full_state_dict
 from meshtron.config import ConfigError
+from meshtron.hf.discover import HFParts, hf_parts
 from meshtron.hf.experts import apply_hf_expert_parallel, hf_expert_modules
 from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.slices import load_sharded_weights
@@ -174,8 +175,8 @@ def _is_parameter(layer: nn.Module, rel: str) -> bool:
     return True
 
 
-def _layer_plan(base_plan: dict[str, str], layer: nn.Module, index: int, kv_heads: int, head_dim: int, tp: int,
-                sp: bool) -> dict[str, ParallelStyle]:
+def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index: int, kv_heads: int, head_dim: int,
+                tp: int, sp: bool) -> dict[str, ParallelStyle]:
     """Plan entries of decoder layer ``index``, relative to the layer, plus our input/norm styles.
 
     Entries naming a module this layer lacks are skipped (a MoE model's dense layers have no experts,
@@ -184,8 +185,8 @@ def _layer_plan(base_plan: dict[str, str], layer: nn.Module, index: int, kv_head
     plan: dict[str, ParallelStyle] = {}
     for pattern, style in base_plan.items():
         parts = pattern.split(".")
-        if parts[:2] != ["layers", "*"]:
-            raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' is outside 'layers.*'; not supported.")
+        if parts[:2] != [blocks, "*"]:
+            raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' is outside '{blocks}.*'; not supported.")
         rel = ".".join(parts[2:])
         if "experts" in parts:
             continue
@@ -194,7 +195,7 @@ def _layer_plan(base_plan: dict[str, str], layer: nn.Module, index: int, kv_head
                 raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' ('{style}') names a parameter, "
                                   "not a module; per-parameter plan entries are not supported.")
             continue
-        translated = _style(style, f"layers.{index}.{rel}", kv_heads, head_dim, tp, sp)
+        translated = _style(style, f"{blocks}.{index}.{rel}", kv_heads, head_dim, tp, sp)
         if translated is None:
             continue
         plan[rel] = translated
@@ -260,37 +261,37 @@ def _check_shape(model: nn.Module, tp: int) -> tuple[int, int]:
     return kv_heads, head_dim
 
 
-def _set_local_head_groups(layers, base: dict[str, str], heads: int, kv_heads: int, tp: int) -> None:
+def _set_local_head_groups(parts: HFParts, base: dict[str, str], heads: int, kv_heads: int, tp: int) -> None:
     """HF attention repeats KV heads ``num_key_value_groups`` times: make that the local ratio when the
     heads are split (``colwise`` q/k/v); gathered projections keep every head on every rank."""
-    if base.get("layers.*.self_attn.k_proj") not in _COLWISE:
+    if base.get(f"{parts.plan_blocks}.*.self_attn.k_proj") not in _COLWISE:
         return
     local_kv = max(kv_heads // tp, 1)
-    for layer in layers:
+    for layer in parts.blocks:
         layer.self_attn.num_key_value_groups = heads // tp // local_kv
 
 
-def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
+def _apply_tp(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, sp: bool) -> None:
     tp = tp_mesh.size()
     kv_heads, head_dim = _check_shape(model, tp)
-    base, inner = _base_plan(model), model.model
-    tied = model.lm_head.weight is inner.embed_tokens.weight
-    plans = [_layer_plan(base, layer, i, kv_heads, head_dim, tp, sp) for i, layer in enumerate(inner.layers)]
+    base, tied = _base_plan(model), parts.tied
+    plans = [_layer_plan(base, parts.plan_blocks, layer, i, kv_heads, head_dim, tp, sp)
+             for i, layer in enumerate(parts.blocks)]
     # Embedding output replicated: HF computes positions and the causal mask from its length.
-    parallelize_module(inner.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
-    for layer, plan in zip(inner.layers, plans):
+    parallelize_module(parts.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    for layer, plan in zip(parts.blocks, plans):
         parallelize_module(layer, tp_mesh, plan)
-    _set_local_head_groups(inner.layers, base, model.config.num_attention_heads, kv_heads, tp)
+    _set_local_head_groups(parts, base, model.config.num_attention_heads, kv_heads, tp)
     if sp:
         # Keep this rank's part of the sequence (a slice; its backward all-gathers the gradient).
-        parallelize_module(inner.layers[0], tp_mesh, PrepareModuleInput(
+        parallelize_module(parts.blocks[0], tp_mesh, PrepareModuleInput(
             input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
-        parallelize_module(inner.norm, tp_mesh, SequenceParallel())
+        parallelize_module(parts.norm, tp_mesh, SequenceParallel())
     parallelize_module(
-        model.lm_head, tp_mesh, ColwiseParallel(input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False)
+        parts.head, tp_mesh, ColwiseParallel(input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False)
     )
     if tied:  # both now hold a Shard(0) copy of the shared weight; make them one Parameter again
-        model.lm_head.weight = inner.embed_tokens.weight
+        parts.head.weight = parts.embed.weight
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -384,15 +385,15 @@ def _no_cache_in_training(model, args, kwargs):
     return None
 
 
-def _apply_ac(model: nn.Module, mode: str, every: int) -> None:
-    layers = model.model.layers
+def _apply_ac(model: nn.Module, layers: nn.ModuleList, mode: str, every: int) -> None:
     for index in checkpointed_layers(list(range(len(layers))), mode, every):
         checkpoint(layers[index])
     if mode != "none":
         model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
 
 
-def _apply_dp(model: nn.Module, mesh: DeviceMesh, mode: str, dtype: str, experts: list[nn.Module]) -> None:
+def _apply_dp(model: nn.Module, parts: HFParts, mesh: DeviceMesh, mode: str, dtype: str,
+              experts: list[nn.Module]) -> None:
     """FSDP / replicate units: ``experts`` (split over ep) on the expert data mesh, every layer, the
     untied embedding and lm_head, and the root, on the dense data mesh."""
     policy = mixed_precision(dtype)
@@ -400,11 +401,10 @@ def _apply_dp(model: nn.Module, mesh: DeviceMesh, mode: str, dtype: str, experts
     placement = even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))
     for module in experts:
         wrap_data_parallel(module, expert_mesh, mode, policy, placement)
-    inner = model.model
-    for layer in inner.layers:
+    for layer in parts.blocks:
         wrap_data_parallel(layer, dense_mesh, mode, policy)
-    if model.lm_head.weight is not inner.embed_tokens.weight:  # one parameter needs one unit
-        for m in (inner.embed_tokens, model.lm_head):
+    if not parts.tied:  # one parameter needs one unit
+        for m in (parts.embed, parts.head):
             wrap_data_parallel(m, dense_mesh, mode, policy)
     wrap_data_parallel(model, dense_mesh, mode, policy)
 
@@ -434,11 +434,7 @@ def parallelize_hf_model(
     for dim in ("pp", "cp"):
         if mesh[dim].size() > 1:
             raise ConfigError(f"parallelize_hf_model: {dim} = {mesh[dim].size()} is not supported for HF models; use 1.")
-    if not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model, "lm_head"):
-        raise ConfigError(
-            f"parallelize_hf_model expects a decoder-only *ForCausalLM (model.model.layers, model.lm_head); "
-            f"got {type(model).__name__}."
-        )
+    parts = hf_parts(model)
     ep, tp_mesh = mesh["ep"].size(), mesh["tp"]
     expert_modules = hf_expert_modules(model, ep) if ep > 1 or tp_mesh.size() > 1 else {}
     if ep > 1 and not expert_modules:
@@ -446,15 +442,15 @@ def parallelize_hf_model(
                           f"{type(model).__name__} has none. Use ep = 1.")
     # Checkpointing first: its hook must see layer 0's full input, before SP's slicing hook, so the
     # recomputation slices it again rather than slicing the slice.
-    _apply_ac(model, ac, ac_every)
+    _apply_ac(model, parts.blocks, ac, ac_every)
     if tp_mesh.size() > 1:
-        _apply_tp(model, tp_mesh, sp)
+        _apply_tp(model, parts, tp_mesh, sp)
     experts = apply_hf_expert_parallel(model, mesh, expert_modules)
     data_mesh = dense_data_mesh(mesh)
     model.loss_function = _loss_function(data_mesh)
     if data_mesh.size() > 1:
         model.register_forward_hook(_global_aux_loss(data_mesh), with_kwargs=True)
-        _apply_dp(model, mesh, data_parallel, dtype, experts)
+        _apply_dp(model, parts, mesh, data_parallel, dtype, experts)
     return model
 
 
@@ -479,10 +475,11 @@ def load_hf_checkpoint(folder: str | Path, mesh: DeviceMesh, **options) -> tuple
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     parallelize_hf_model(model, mesh, **options)
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    parts = hf_parts(model)
+    tied = parts.tied
     model.to_empty(device=env.local_device())
     if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        parts.head.weight = parts.embed.weight
     with torch.no_grad():
         _reset_rotary(model)
     return model, load_sharded_weights(model, folder)
@@ -491,8 +488,9 @@ def load_hf_checkpoint(folder: str | Path, mesh: DeviceMesh, **options) -> tuple
 def save_hf_checkpoint(model: nn.Module, folder: str | Path, max_shard_bytes: int = 2 << 30) -> None:
     """Gather the full weights (collective) and let rank 0 write an HF folder ``from_pretrained`` reads."""
     full = gather_full_state_dict(model)
-    if model.lm_head.weight is model.model.embed_tokens.weight:
-        full.pop("lm_head.weight", None)
+    parts = hf_parts(model)
+    if parts.tied:
+        full.pop(f"{parts.head_path}.weight", None)
     if dist.get_rank() == 0:
         write_safetensors_folder(full, json.loads(model.config.to_json_string()), folder, max_shard_bytes)
     dist.barrier()
