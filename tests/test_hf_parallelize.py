@@ -297,12 +297,35 @@ def check_native_sliced_loading(folders: dict[str, str], out: str) -> None:
         assert read < 0.5 * total, f"{layout}: read {read} of {total} bytes"
 
 
+def _check_unsplit_warning(mesh) -> None:
+    """OPT (no plan) keeps its MLP projections directly in the block: the inferred plan splits its
+    attention, leaves fc1 / fc2 whole with one warning saying so, and refuses SP."""
+    import warnings
+
+    import transformers
+
+    def opt():
+        cfg = transformers.OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                                     ffn_dim=96, word_embed_proj_dim=64)
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = parallelize_hf_model(opt(), mesh)
+    (warning,) = [w for w in caught if "parallelize_hf_model" in str(w.message)]
+    assert str(warning.message) == (
+        "parallelize_hf_model: OPTForCausalLM has no base_model_tp_plan; the inferred plan leaves these parts "
+        "unsplit over tp (FSDP still shards them): MLP: no single submodule named like ('mlp', 'feed_forward', "
+        "'ffn') holds its projections (projections directly in the block: ['fc1', 'fc2'])."), warning.message
+    attention = model.model.decoder.layers[0].self_attn
+    assert isinstance(attention.q_proj.weight, DTensor) and not isinstance(model.model.decoder.layers[0].fc1.weight, DTensor)
+    with pytest.raises(ConfigError, match=r"sp = true needs every attention and MLP split over tp, but OPTForCausalLM .* Use sp = false"):
+        parallelize_hf_model(opt(), mesh, sp=True)
+
+
 def check_errors(folders: dict[str, str], out: str) -> None:
     mesh = build_mesh(dp=2, tp=4)
     model = _reference(folders["llama"])
-    model.config.base_model_tp_plan = None
-    with pytest.raises(ConfigError, match="base_model_tp_plan"):
-        parallelize_hf_model(model, mesh)
     model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "local_packed_rowwise"}
     with pytest.raises(ConfigError, match=r"unknown tp plan style 'local_packed_rowwise' \(for module 'layers.<i>.mlp.gate_proj'"):
         parallelize_hf_model(model, mesh)
@@ -311,6 +334,7 @@ def check_errors(folders: dict[str, str], out: str) -> None:
         parallelize_hf_model(model, mesh)
     with pytest.raises(ConfigError, match="ep = 2 needs a MoE model"):
         parallelize_hf_model(_reference(folders["llama"]), build_mesh(dp=2, ep=2, tp=2))
+    _check_unsplit_warning(build_mesh(tp=8))
     moe = _reference(folders["qwen2_moe"])
     moe.config.base_model_ep_plan = None
     with pytest.raises(ConfigError, match="no base_model_ep_plan entry"):
@@ -349,7 +373,7 @@ def test_hf_parallelize_8_ranks(tmp_path):
     folders = _save_models(tmp_path)
     folders.update({f"native_{k}": v for k, v in _save_native(tmp_path).items()})
     checks = [check_native_sliced_loading, check_parity_and_training, check_from_pretrained_then_parallelize, check_bytes_read_per_rank, check_errors]
-    run_checks(checks, 8, folders, str(tmp_path), timeout=240)
+    run_checks(checks, 8, folders, str(tmp_path), timeout=900)
     for arch, report in json.loads((tmp_path / "bytes.json").read_text()).items():
         print(f"{arch}: bytes read per rank: {report['per_rank']} of {report['total']}")
     print(f"expert all-to-alls: {(tmp_path / 'expert_comms.json').read_text()}")
