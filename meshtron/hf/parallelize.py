@@ -1,8 +1,10 @@
 """Parallelize a HuggingFace ``*ForCausalLM`` over a meshtron mesh, and stream its weights in sharded.
 
-:func:`parallelize_hf_model` reads the model's own tensor-parallel plan (``config.base_model_tp_plan``,
-the same table transformers' ``tp_plan="auto"`` uses) and turns each style into a DTensor
-``ParallelStyle``; what transformers' inference-oriented plan lacks for training is added here:
+:func:`parallelize_hf_model` finds the model's parts by its own API (:mod:`meshtron.hf.discover`), reads
+its tensor-parallel plan (``config.base_model_tp_plan``, the same table transformers' ``tp_plan="auto"``
+uses; inferred from the module types when the config has none, :mod:`meshtron.hf.infer`) and turns each
+style into a DTensor ``ParallelStyle``; what transformers' inference-oriented plan lacks for training
+is added here:
 
 * vocab-parallel embedding and lm_head: the logits stay ``Shard(-1)`` and the model's
   ``loss_function`` is replaced by the vocab-parallel cross-entropy of :mod:`meshtron.parallel.tensor`,
@@ -463,7 +465,7 @@ def parallelize_hf_model(
 ) -> nn.Module:
     """Parallelize a transformers decoder-only ``*ForCausalLM`` in place over ``mesh`` (from ``build_mesh``).
 
-    tp shards the layers by the model's ``base_model_tp_plan`` (plus vocab-parallel embedding/lm_head,
+    tp shards the layers by the model's ``base_model_tp_plan``, or one inferred from its module types (plus vocab-parallel embedding/lm_head,
     the MoE shared expert and optional SP); MoE experts are split over ep by ``base_model_ep_plan`` and
     fed by all-to-all (:mod:`meshtron.hf.experts`); the batch is split over dp x ep, where dense
     parameters are FSDP-sharded (``data_parallel="fsdp"``), replicated or HSDP-sharded, and experts
