@@ -486,3 +486,32 @@ def test_hf_parts_discovery():
         model._no_split_modules = ["SomethingElse"]
         with pytest.raises(ConfigError, match=f"cannot find the decoder blocks of {type(model).__name__}: 0 nn.ModuleLists"):
             hf_parts(model)
+
+
+def test_inferred_tp_plans():
+    """Plans inferred from module types (meta device, no ranks), in transformers' style names; a part tp
+    cannot divide stays whole with one warning naming it and why."""
+    import transformers
+
+    from meshtron.hf.discover import hf_parts
+    from meshtron.hf.infer import infer_tp_plan
+
+    def plan(name, tp=4, **change):
+        cls, cfg, _ = FAMILIES[name]
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**cfg, **change}))
+        return infer_tp_plan(model, hf_parts(model), tp, kv_heads=4, sp=False)
+
+    assert plan("gpt2") == {"h.*.attn.c_attn": "colwise_gather_output", "h.*.attn.c_proj": "rowwise_split_input",
+                            "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"}
+    assert plan("falcon") == {"h.*.self_attention.query_key_value": "colwise_gather_output",
+                              "h.*.self_attention.dense": "rowwise_split_input",
+                              "h.*.mlp.dense_h_to_4h": "colwise", "h.*.mlp.dense_4h_to_h": "rowwise"}
+    assert plan("stablelm")["layers.*.self_attn.q_proj"] == "colwise_gather_output"  # reshapes by num_heads
+    assert plan("gpt_oss") == {f"layers.*.self_attn.{p}": "colwise_gather_output" for p in ("q_proj", "k_proj", "v_proj")} | {
+        "layers.*.self_attn.o_proj": "rowwise_split_input"}  # sinks: per-head parameters; experts elsewhere
+    with pytest.warns(UserWarning, match=r"^parallelize_hf_model: GPT2LMHeadModel has no base_model_tp_plan; the inferred "
+                      r"plan leaves these parts unsplit over tp \(FSDP still shards them\): MLP 'h.\*.mlp' \(GPT2MLP\): "
+                      r"tp = 2 does not divide the features of 'c_fc' \(64, 95\).$"):
+        found = plan("gpt2", tp=2, n_inner=95)
+    assert "h.*.mlp.c_fc" not in found
