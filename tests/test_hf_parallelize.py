@@ -6,7 +6,9 @@ reads with the same weights and logits.
 One 8-rank launch: dense models (Llama, Qwen2, Mistral, Qwen3 with its per-head q/k norms) at
 (dp, tp) = (4, 2) and (2, 4), Phi3's fused projections (gathered-output styles) at (2, 4) + SP; Qwen2-MoE at those and with its
 experts split by meshtron's all-to-all at (dp, ep) = (2, 4) and (dp, ep, tp) = (2, 2, 2), with and
-without SP; FSDP (or replicate / HSDP) over the data meshes.
+without SP; FSDP (or replicate / HSDP) over the data meshes. In the same launch, eleven more families
+(FAMILIES: with plans, without plans as GPT-2's Conv1D, fused qkv, ALiBi, Mixtral's and gpt-oss's
+experts) at dp2 x tp4 and dp4 x tp2 + SP (Mixtral over ep), and OPT's unsplit MLP warning.
 """
 
 from __future__ import annotations
