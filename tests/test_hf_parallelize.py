@@ -6,7 +6,9 @@ reads with the same weights and logits.
 One 8-rank launch: dense models (Llama, Qwen2, Mistral, Qwen3 with its per-head q/k norms) at
 (dp, tp) = (4, 2) and (2, 4), Phi3's fused projections (gathered-output styles) at (2, 4) + SP; Qwen2-MoE at those and with its
 experts split by meshtron's all-to-all at (dp, ep) = (2, 4) and (dp, ep, tp) = (2, 2, 2), with and
-without SP; FSDP (or replicate / HSDP) over the data meshes.
+without SP; FSDP (or replicate / HSDP) over the data meshes. In the same launch, eleven more families
+(FAMILIES: with plans, without plans as GPT-2's Conv1D, fused qkv, ALiBi, Mixtral's and gpt-oss's
+experts) at dp2 x tp4 and dp4 x tp2 + SP (Mixtral over ep), and OPT's unsplit MLP warning.
 """
 
 from __future__ import annotations
@@ -227,6 +229,76 @@ def check_from_pretrained_then_parallelize(folders: dict[str, str], out: str) ->
         _check_grads(model, ref, f"{arch} from_pretrained + parallelize")
 
 
+TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8)
+# More families, built in each rank from a config (no folder): name -> (config class, config, what it covers).
+FAMILIES = {
+    "gemma2": ("Gemma2Config", dict(TINY, num_key_value_heads=4, head_dim=8, intermediate_size=96, sliding_window=8),
+               "attention and final-logit softcapping, sliding window 8 < sequence 16, four norms per block"),
+    "olmo2": ("Olmo2Config", dict(TINY, num_key_value_heads=4, intermediate_size=96),
+              "plan with colwise_gather_output q/k/v (q/k norms over all heads), post-norms only"),
+    "cohere": ("CohereConfig", dict(TINY, num_key_value_heads=4, intermediate_size=96), "parallel attention + MLP"),
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=8, vocab_size=128, n_positions=64, resid_pdrop=0.0,
+                                embd_pdrop=0.0, attn_pdrop=0.0),
+             "no plan; Conv1D ([in, out] weights), fused c_attn gathered, learned positions replicated"),
+    "gpt_neox": ("GPTNeoXConfig", dict(TINY, intermediate_size=96), "plan: fused per-head query_key_value colwise"),
+    "falcon": ("FalconConfig", dict(TINY), "no plan; multi-query fused query_key_value gathered, parallel attention"),
+    "bloom": ("BloomConfig", dict(vocab_size=128, hidden_size=64, n_layer=2, n_head=8), "no plan; ALiBi, fused qkv"),
+    "gptj": ("GPTJConfig", dict(vocab_size=128, n_embd=64, n_layer=2, n_head=8, rotary_dim=4, n_positions=64),
+             "no plan; separate q/k/v reshaped by the full head count (gathered)"),
+    "stablelm": ("StableLmConfig", dict(TINY, num_key_value_heads=4, intermediate_size=96),
+                 "no plan; LayerNorm with bias, separate q/k/v (gathered: reshapes by num_heads)"),
+    "mixtral": ("MixtralConfig", dict(TINY, num_key_value_heads=4, intermediate_size=32, num_local_experts=4,
+                                      num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1),
+                "MoE, fused experts dispatched by meshtron (ep plan), global aux loss"),
+    "gpt_oss": ("GptOssConfig", dict(TINY, num_key_value_heads=4, head_dim=8, intermediate_size=32, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=8),
+                "no tp plan; attention sinks (gathered), interleaved biased clamped experts whole over tp"),
+}
+DENSE_LAYOUTS = [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), True)]
+FAMILY_LAYOUTS = {"mixtral": [(dict(dp=2, ep=4), False), (dict(dp=2, ep=2, tp=2), True)]}
+
+
+def _family_model(name: str):
+    import transformers
+
+    cls, cfg, _ = FAMILIES[name]
+    torch.manual_seed(len(name))
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**cfg), dtype=torch.float32)
+    with torch.no_grad():  # default init has constant norms and zero biases
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.train()
+
+
+def check_families(folders: dict[str, str], out: str) -> None:
+    """Each family of FAMILIES parallelized in place (FSDP over dp, tp by its plan or the inferred one,
+    SP in the second layout; Mixtral over ep): loss (and aux loss) within 1e-5 and gradients within
+    1e-4 of the unparallelized transformers model on the global batch (padded rows, ignored labels).
+    gpt-oss's experts cannot go through meshtron's dispatch: ep > 1 is refused, naming the layout."""
+    import warnings
+
+    for index, name in enumerate(FAMILIES):
+        for sizes, sp in FAMILY_LAYOUTS.get(name, DENSE_LAYOUTS):
+            where = f"{name} {sizes} sp={sp}"
+            mesh = build_mesh(**sizes)
+            ref = _family_model(name)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # gpt-oss's whole experts; checked in check_errors
+                model = parallelize_hf_model(_family_model(name), mesh, sp=sp)
+            ids, labels, mask = _batch(batch_mesh(mesh).size(), seed=index)
+            out_ = model(input_ids=_local(ids, mesh), labels=_local(labels, mesh), attention_mask=_local(mask, mesh))
+            ref_out = ref(input_ids=ids, labels=labels, attention_mask=mask)
+            for key in ("loss", "aux_loss"):
+                if getattr(ref_out, key, None) is not None:
+                    err = rel_err(getattr(out_, key), getattr(ref_out, key))
+                    assert err < 1e-5, f"{where}: {key} rel err {err:.2e}"
+            out_.loss.backward()
+            ref_out.loss.backward()
+            _check_grads(model, ref, where)
+    with pytest.raises(ConfigError, match=r"ep = 2: experts 'model.layers.0.mlp.experts' \(GptOssExperts\) are not in the layout"):
+        parallelize_hf_model(_family_model("gpt_oss"), build_mesh(dp=4, ep=2))
+
+
 def check_bytes_read_per_rank(folders: dict[str, str], out: str) -> None:
     """Each rank reads about 1/8 of the bytes: qwen2 with every KV head split (4 KV heads, tp 4) and FSDP
     over dp 2; Qwen2-MoE with its experts split over ep 4 and everything FSDP-sharded over dp x ep."""
@@ -297,12 +369,35 @@ def check_native_sliced_loading(folders: dict[str, str], out: str) -> None:
         assert read < 0.5 * total, f"{layout}: read {read} of {total} bytes"
 
 
+def _check_unsplit_warning(mesh) -> None:
+    """OPT (no plan) keeps its MLP projections directly in the block: the inferred plan splits its
+    attention, leaves fc1 / fc2 whole with one warning saying so, and refuses SP."""
+    import warnings
+
+    import transformers
+
+    def opt():
+        cfg = transformers.OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                                     ffn_dim=96, word_embed_proj_dim=64)
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = parallelize_hf_model(opt(), mesh)
+    (warning,) = [w for w in caught if "parallelize_hf_model" in str(w.message)]
+    assert str(warning.message) == (
+        "parallelize_hf_model: OPTForCausalLM has no base_model_tp_plan; the inferred plan leaves these parts "
+        "unsplit over tp (FSDP still shards them): MLP: no single submodule named like ('mlp', 'feed_forward', "
+        "'ffn') holds its projections (projections directly in the block: ['fc1', 'fc2'])."), warning.message
+    attention = model.model.decoder.layers[0].self_attn
+    assert isinstance(attention.q_proj.weight, DTensor) and not isinstance(model.model.decoder.layers[0].fc1.weight, DTensor)
+    with pytest.raises(ConfigError, match=r"sp = true needs every attention and MLP split over tp, but OPTForCausalLM .* Use sp = false"):
+        parallelize_hf_model(opt(), mesh, sp=True)
+
+
 def check_errors(folders: dict[str, str], out: str) -> None:
     mesh = build_mesh(dp=2, tp=4)
     model = _reference(folders["llama"])
-    model.config.base_model_tp_plan = None
-    with pytest.raises(ConfigError, match="base_model_tp_plan"):
-        parallelize_hf_model(model, mesh)
     model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "local_packed_rowwise"}
     with pytest.raises(ConfigError, match=r"unknown tp plan style 'local_packed_rowwise' \(for module 'layers.<i>.mlp.gate_proj'"):
         parallelize_hf_model(model, mesh)
@@ -311,6 +406,7 @@ def check_errors(folders: dict[str, str], out: str) -> None:
         parallelize_hf_model(model, mesh)
     with pytest.raises(ConfigError, match="ep = 2 needs a MoE model"):
         parallelize_hf_model(_reference(folders["llama"]), build_mesh(dp=2, ep=2, tp=2))
+    _check_unsplit_warning(build_mesh(tp=8))
     moe = _reference(folders["qwen2_moe"])
     moe.config.base_model_ep_plan = None
     with pytest.raises(ConfigError, match="no base_model_ep_plan entry"):
@@ -348,8 +444,76 @@ def test_tp_plan_styles():
 def test_hf_parallelize_8_ranks(tmp_path):
     folders = _save_models(tmp_path)
     folders.update({f"native_{k}": v for k, v in _save_native(tmp_path).items()})
-    checks = [check_native_sliced_loading, check_parity_and_training, check_from_pretrained_then_parallelize, check_bytes_read_per_rank, check_errors]
-    run_checks(checks, 8, folders, str(tmp_path), timeout=240)
+    checks = [check_native_sliced_loading, check_families, check_parity_and_training,
+              check_from_pretrained_then_parallelize, check_bytes_read_per_rank, check_errors]
+    run_checks(checks, 8, folders, str(tmp_path), timeout=900)
     for arch, report in json.loads((tmp_path / "bytes.json").read_text()).items():
         print(f"{arch}: bytes read per rank: {report['per_rank']} of {report['total']}")
     print(f"expert all-to-alls: {(tmp_path / 'expert_comms.json').read_text()}")
+
+
+# family config class, extra config -> (decoder, blocks, embed, head, final norm, rotary) paths
+DISCOVERY = {
+    "GPT2Config": (dict(n_embd=64, n_layer=2, n_head=8, vocab_size=128),
+                   ("transformer", "transformer.h", "transformer.wte", "lm_head", "transformer.ln_f", None)),
+    "GPTNeoXConfig": (dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8),
+                      ("gpt_neox", "gpt_neox.layers", "gpt_neox.embed_in", "lm_head", "gpt_neox.final_layer_norm",
+                       "gpt_neox.rotary_emb")),
+    "OPTConfig": (dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, ffn_dim=96,
+                       word_embed_proj_dim=64),
+                  ("model.decoder", "model.decoder.layers", "model.decoder.embed_tokens", "lm_head",
+                   "model.decoder.final_layer_norm", None)),
+    "BloomConfig": (dict(vocab_size=128, hidden_size=64, n_layer=2, n_head=8),  # plus an embedding norm
+                    ("transformer", "transformer.h", "transformer.word_embeddings", "lm_head", "transformer.ln_f", None)),
+    "Qwen2Config": (dict(SMALL, num_key_value_heads=4),
+                    ("model", "model.layers", "model.embed_tokens", "lm_head", "model.norm", "model.rotary_emb")),
+}
+
+
+def test_hf_parts_discovery():
+    """hf_parts finds each family's decoder, blocks, embeddings, head, final norm and rotary embedding
+    by the model's API (meta device, no weights); a model without them is a ConfigError naming the part."""
+    import transformers
+
+    from meshtron.hf.discover import hf_parts
+
+    for cls, (extra, expected) in DISCOVERY.items():
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**extra))
+        parts = hf_parts(model)
+        found = (parts.decoder_path, parts.blocks_path, parts.embed_path, parts.head_path, parts.norm_path, parts.rotary_path)
+        assert found == expected, cls
+        assert parts.blocks is model.get_submodule(parts.blocks_path) and len(parts.blocks) == 2, cls
+        assert parts.plan_blocks == expected[1].rsplit(".", 1)[1], cls
+        model._no_split_modules = ["SomethingElse"]
+        with pytest.raises(ConfigError, match=f"cannot find the decoder blocks of {type(model).__name__}: 0 nn.ModuleLists"):
+            hf_parts(model)
+
+
+def test_inferred_tp_plans():
+    """Plans inferred from module types (meta device, no ranks), in transformers' style names; a part tp
+    cannot divide stays whole with one warning naming it and why."""
+    import transformers
+
+    from meshtron.hf.discover import hf_parts
+    from meshtron.hf.infer import infer_tp_plan
+
+    def plan(name, tp=4, **change):
+        cls, cfg, _ = FAMILIES[name]
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**cfg, **change}))
+        return infer_tp_plan(model, hf_parts(model), tp, kv_heads=4, sp=False)
+
+    assert plan("gpt2") == {"h.*.attn.c_attn": "colwise_gather_output", "h.*.attn.c_proj": "rowwise_split_input",
+                            "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"}
+    assert plan("falcon") == {"h.*.self_attention.query_key_value": "colwise_gather_output",
+                              "h.*.self_attention.dense": "rowwise_split_input",
+                              "h.*.mlp.dense_h_to_4h": "colwise", "h.*.mlp.dense_4h_to_h": "rowwise"}
+    assert plan("stablelm")["layers.*.self_attn.q_proj"] == "colwise_gather_output"  # reshapes by num_heads
+    assert plan("gpt_oss") == {f"layers.*.self_attn.{p}": "colwise_gather_output" for p in ("q_proj", "k_proj", "v_proj")} | {
+        "layers.*.self_attn.o_proj": "rowwise_split_input"}  # sinks: per-head parameters; experts elsewhere
+    with pytest.warns(UserWarning, match=r"^parallelize_hf_model: GPT2LMHeadModel has no base_model_tp_plan; the inferred "
+                      r"plan leaves these parts unsplit over tp \(FSDP still shards them\): MLP 'h.\*.mlp' \(GPT2MLP\): "
+                      r"tp = 2 does not divide the features of 'c_fc' \(64, 95\).$"):
+        found = plan("gpt2", tp=2, n_inner=95)
+    assert "h.*.mlp.c_fc" not in found

@@ -21,12 +21,14 @@ summing over the expert data mesh (dp x cp), which the data-parallel wrapping do
 from __future__ import annotations
 
 import re
+import warnings
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.config import ConfigError
+from meshtron.hf.discover import hf_parts
 from meshtron.parallel.expert import ExpertDispatch, check_expert_divisible
 
 _FUSED = ("gate_up_proj", "down_proj")
@@ -57,24 +59,25 @@ def _pattern(plan_key: str) -> re.Pattern:
     return re.compile(re.escape(plan_key).replace(r"\*", r"\d+") + "$")
 
 
-def _check_layout(name: str, experts: nn.Module) -> None:
+def _layout_mismatch(name: str, experts: nn.Module) -> str | None:
+    """Why ``experts`` are not in the layout :class:`FusedExpertParallel` computes, or None."""
     wrong = {k: getattr(experts, k, "missing") for k, v in _LAYOUT.items() if getattr(experts, k, "missing") != v}
     act = getattr(getattr(experts, "config", None), "hidden_act", None)
     shapes = [tuple(getattr(experts, n).shape) if isinstance(getattr(experts, n, None), torch.Tensor) else None
               for n in _FUSED]
     if wrong or act not in ("silu", "swish") or any(s is None or len(s) != 3 for s in shapes):
-        raise ConfigError(
-            f"parallelize_hf_model: experts '{name}' ({type(experts).__name__}) are not in the layout meshtron's "
-            f"expert parallelism computes (found {wrong or ''} hidden_act={act!r}, {dict(zip(_FUSED, shapes))}); "
-            "supported: SiLU-gated experts with gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I], "
-            "no biases. Use ep = 1 and tp = 1 to keep transformers' own experts."
-        )
+        return (f"experts '{name}' ({type(experts).__name__}) are not in the layout meshtron's expert parallelism "
+                f"computes (found {wrong or ''} hidden_act={act!r}, {dict(zip(_FUSED, shapes))}); supported: SiLU-gated "
+                "experts with gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I], no biases")
+    return None
 
 
 def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, nn.Module]:
     """Full name -> experts module, for the modules the config's ``base_model_ep_plan`` marks
     ``ep_dispatch_experts``, checked (no communication) to be in the layout :class:`FusedExpertParallel`
-    computes and divisible over ``ep``. A model with stacked 3-D expert weights outside such a plan
+    computes and divisible over ``ep``. Experts in another layout (gpt-oss: interleaved gate/up
+    ``[E, H, 2I]`` with biases and a clamped activation) are refused at ep > 1; at ep = 1 they are left
+    out with a warning and run as transformers' own module, whole and identical on every tp rank. A model with stacked 3-D expert weights outside such a plan
     raises :class:`ConfigError`."""
     plan = getattr(model.config, "base_model_ep_plan", None) or {}
     unknown = {k: s for k, s in plan.items() if s not in _EP_STYLES}
@@ -82,7 +85,8 @@ def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, nn.Module]:
         key, style = next(iter(unknown.items()))
         raise ConfigError(f"parallelize_hf_model: ep plan style '{style}' (for '{key}') is not supported; "
                           f"supported: {', '.join(_EP_STYLES)}.")
-    patterns = [_pattern(f"model.{k}") for k, s in plan.items() if s == "ep_dispatch_experts"]
+    decoder = hf_parts(model).decoder_path  # ep-plan patterns are relative to the decoder
+    patterns = [_pattern(f"{decoder}.{k}") for k, s in plan.items() if s == "ep_dispatch_experts"]
     found = {n: m for n, m in model.named_modules() if any(p.match(n) for p in patterns)}
     stacked = [n for n, m in model.named_modules()
                if n not in found and any(p.dim() == 3 for p in m.parameters(recurse=False))]
@@ -92,10 +96,16 @@ def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, nn.Module]:
             "config has no base_model_ep_plan entry ('ep_dispatch_experts') for it, so how to dispatch its "
             "tokens is unknown. Use ep = 1 and tp = 1, or a model whose config defines base_model_ep_plan."
         )
+    mismatches = {name: why for name, experts in found.items() if (why := _layout_mismatch(name, experts))}
+    if mismatches and ep > 1:
+        raise ConfigError(f"parallelize_hf_model: ep = {ep}: {next(iter(mismatches.values()))}. Use ep = 1 (those "
+                          "experts then run whole, replicated over tp).")
+    if mismatches:
+        warnings.warn(f"parallelize_hf_model: {len(mismatches)} experts modules stay whole on every tp rank (FSDP "
+                      f"still shards them): {next(iter(mismatches.values()))}.", stacklevel=3)
     for name, experts in found.items():
-        _check_layout(name, experts)
         check_expert_divisible(experts.num_experts, ep)
-    return found
+    return {name: experts for name, experts in found.items() if name not in mismatches}
 
 
 def apply_hf_expert_parallel(model: nn.Module, mesh: DeviceMesh, modules: dict[str, nn.Module]) -> list[FusedExpertParallel]:

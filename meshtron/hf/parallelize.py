@@ -1,8 +1,10 @@
 """Parallelize a HuggingFace ``*ForCausalLM`` over a meshtron mesh, and stream its weights in sharded.
 
-:func:`parallelize_hf_model` reads the model's own tensor-parallel plan (``config.base_model_tp_plan``,
-the same table transformers' ``tp_plan="auto"`` uses) and turns each style into a DTensor
-``ParallelStyle``; what transformers' inference-oriented plan lacks for training is added here:
+:func:`parallelize_hf_model` finds the model's parts by its own API (:mod:`meshtron.hf.discover`), reads
+its tensor-parallel plan (``config.base_model_tp_plan``, the same table transformers' ``tp_plan="auto"``
+uses; inferred from the module types when the config has none, :mod:`meshtron.hf.infer`) and turns each
+style into a DTensor ``ParallelStyle``; what transformers' inference-oriented plan lacks for training
+is added here:
 
 * vocab-parallel embedding and lm_head: the logits stay ``Shard(-1)`` and the model's
   ``loss_function`` is replaced by the vocab-parallel cross-entropy of :mod:`meshtron.parallel.tensor`,
@@ -49,12 +51,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -63,7 +63,9 @@ from torch.distributed.tensor.parallel import (
 from meshtron import env
 from meshtron.checkpoint import gather_full_state_dict
 from meshtron.config import ConfigError
+from meshtron.hf.discover import HFParts, hf_parts, is_norm
 from meshtron.hf.experts import apply_hf_expert_parallel, hf_expert_modules
+from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_plan, is_transposed
 from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.slices import load_sharded_weights
 from meshtron.mesh import dense_data_mesh
@@ -111,44 +113,67 @@ _REFUSED = {
 
 
 class _HiddenStatesInput(ParallelStyle):
-    """The block input (positional or ``hidden_states=``) as one replicated DTensor.
+    """The module's hidden-states input (first positional or ``hidden_states=``) redistributed.
 
-    q, k and v (gate and up) then read the same DTensor, so their input gradients are summed as
-    partials and reduced once; under SP this is the all-gather of the sequence.
+    Default: the residual stream as one replicated DTensor: q, k and v (gate and up) then read the
+    same DTensor, so their input gradients are summed as partials and reduced once; under SP this is
+    the all-gather of the sequence. ``(Replicate(), Shard(1), local=True)``: keep this rank's part of
+    the sequence (a slice; its backward all-gathers the gradient), whatever other arguments follow.
     """
 
-    def __init__(self, sp: bool):
+    def __init__(self, sp: bool, layout: Placement | None = None, desired: Placement = Replicate(), local: bool = False):
         super().__init__()
-        self.sp = sp
+        self.layout, self.desired, self.local = layout or residual_layout(sp), desired, local
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        def to_replicated(x):
+        def redistribute(x):
             if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, mesh, [residual_layout(self.sp)], run_check=False)
-            return x.redistribute(mesh, [Replicate()])
+                x = DTensor.from_local(x, mesh, [self.layout], run_check=False)
+            x = x.redistribute(mesh, [self.desired])
+            return x.to_local() if self.local else x
 
         def hook(_module, args, kwargs):
             if args:
-                return (to_replicated(args[0]), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": to_replicated(kwargs["hidden_states"])}
+                return (redistribute(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": redistribute(kwargs["hidden_states"])}
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
 
 
-def _style(style: str, name: str, kv_heads: int, head_dim: int, tp: int, sp: bool) -> ParallelStyle | None:
+class _GatheredSequence(ParallelStyle):
+    """Under SP, run the module on the whole sequence (all-gathered) and keep this rank's slice of its
+    (identical) output; a tuple output (gpt-oss's MoE returns its router scores too) has its first
+    element sliced."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        parallelize_module(module, mesh, _HiddenStatesInput(True, Shard(1), Replicate(), local=True))
+
+        def slice_sequence(x):
+            return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
+        def hook(_module, _args, out):
+            return (slice_sequence(out[0]), *out[1:]) if isinstance(out, tuple) else slice_sequence(out)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+def _style(style: str, name: str, module: nn.Module, kv_heads: int, head_dim: int, tp: int,
+           sp: bool) -> ParallelStyle | None:
     """One entry of transformers' plan as a training ParallelStyle (None: the module stays unchanged)."""
     kv_proj = name.endswith(("k_proj", "v_proj"))
+    colwise, rowwise = (TransposedColwise, TransposedRowwise) if is_transposed(module) else (ColwiseParallel, RowwiseParallel)
     if style in _COLWISE and kv_proj and kv_heads % tp:
         return ReplicatedKVHeads(kv_heads, head_dim)
     if style in _COLWISE:
-        return ColwiseParallel()
+        return colwise()
     if style in _COLWISE_GATHERED:
-        return ColwiseParallel(output_layouts=Replicate())
+        return colwise(output_layouts=Replicate())
     if style in _ROWWISE:
-        return RowwiseParallel(output_layouts=residual_layout(sp))
+        return rowwise(output_layouts=residual_layout(sp))
     if style in _ROWWISE_REPLICATED_INPUT:
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=residual_layout(sp))
+        return rowwise(input_layouts=Replicate(), output_layouts=residual_layout(sp))
     if style in _REPLICATED_PARTIAL_GRAD:
         return ReplicateParallel(tokens_differ=True)
     if style in _SEQUENCE:
@@ -174,8 +199,8 @@ def _is_parameter(layer: nn.Module, rel: str) -> bool:
     return True
 
 
-def _layer_plan(base_plan: dict[str, str], layer: nn.Module, index: int, kv_heads: int, head_dim: int, tp: int,
-                sp: bool) -> dict[str, ParallelStyle]:
+def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index: int, kv_heads: int, head_dim: int,
+                tp: int, sp: bool) -> dict[str, ParallelStyle]:
     """Plan entries of decoder layer ``index``, relative to the layer, plus our input/norm styles.
 
     Entries naming a module this layer lacks are skipped (a MoE model's dense layers have no experts,
@@ -184,8 +209,8 @@ def _layer_plan(base_plan: dict[str, str], layer: nn.Module, index: int, kv_head
     plan: dict[str, ParallelStyle] = {}
     for pattern, style in base_plan.items():
         parts = pattern.split(".")
-        if parts[:2] != ["layers", "*"]:
-            raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' is outside 'layers.*'; not supported.")
+        if parts[:2] != [blocks, "*"]:
+            raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' is outside '{blocks}.*'; not supported.")
         rel = ".".join(parts[2:])
         if "experts" in parts:
             continue
@@ -194,7 +219,7 @@ def _layer_plan(base_plan: dict[str, str], layer: nn.Module, index: int, kv_head
                 raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' ('{style}') names a parameter, "
                                   "not a module; per-parameter plan entries are not supported.")
             continue
-        translated = _style(style, f"layers.{index}.{rel}", kv_heads, head_dim, tp, sp)
+        translated = _style(style, f"{blocks}.{index}.{rel}", layer.get_submodule(rel), kv_heads, head_dim, tp, sp)
         if translated is None:
             continue
         plan[rel] = translated
@@ -203,15 +228,14 @@ def _layer_plan(base_plan: dict[str, str], layer: nn.Module, index: int, kv_head
     if _exists(layer, "mlp.experts") and _exists(layer, "mlp.shared_expert.down_proj"):
         plan.update(_shared_expert_plan("mlp.shared_expert"))
     if sp:
-        plan["input_layernorm"] = SequenceParallel()
-        plan["post_attention_layernorm"] = SequenceParallel()
+        # The block's own norms act on the (sequence-split) residual stream or on a rowwise output that
+        # is then added to it (Gemma2's post-norms), so they hand back plain local tensors.
+        plan.update({name: SequenceParallel(use_local_output=True) for name, child in layer.named_children()
+                     if is_norm(child)})
         if _exists(layer, "mlp.experts"):
             # Routing needs every token: the replicated MoE block runs on the gathered sequence and
             # each rank keeps its slice of the (identical) output.
-            plan["mlp"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
-            )
+            plan["mlp"] = _GatheredSequence()
     return plan
 
 
@@ -227,13 +251,8 @@ def _shared_expert_plan(prefix: str) -> dict[str, ParallelStyle]:
 
 
 def _base_plan(model: nn.Module) -> dict[str, str]:
-    plan = getattr(model.config, "base_model_tp_plan", None)
-    if not plan:
-        raise ConfigError(
-            f"parallelize_hf_model: {type(model).__name__}'s config has no base_model_tp_plan, so the split of its "
-            "layers is unknown. Use a model whose transformers config defines one (Llama, Qwen2, Mistral, ...) "
-            "or set config.base_model_tp_plan (e.g. {'layers.*.self_attn.q_proj': 'colwise', ...})."
-        )
+    """The config's ``base_model_tp_plan``, every style checked to be translatable."""
+    plan = model.config.base_model_tp_plan
     for pattern, style in plan.items():
         if "experts" in pattern.split(".") or style in _STYLES:
             continue
@@ -250,47 +269,74 @@ def _base_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
+def _kv_heads(cfg) -> int:
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
+def _tp_plan(model: nn.Module, parts: HFParts, tp: int, sp: bool) -> dict[str, str]:
+    """The config's plan (its heads must split over tp), else one inferred from the module types."""
+    if not getattr(model.config, "base_model_tp_plan", None):
+        return infer_tp_plan(model, parts, tp, _kv_heads(model.config), sp)
+    check_tensor_parallel(model.config.num_attention_heads, _kv_heads(model.config), tp)
+    return _base_plan(model)
+
+
 def _check_shape(model: nn.Module, tp: int) -> tuple[int, int]:
     cfg = model.config
-    heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    check_tensor_parallel(heads, kv_heads, tp)
+    heads, kv_heads = cfg.num_attention_heads, _kv_heads(cfg)
     if cfg.vocab_size % tp:
         raise ConfigError(f"parallelize_hf_model: tp = {tp} does not divide vocab_size = {cfg.vocab_size}; pad the vocabulary.")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return kv_heads, head_dim
 
 
-def _set_local_head_groups(layers, base: dict[str, str], heads: int, kv_heads: int, tp: int) -> None:
+def _set_local_head_groups(parts: HFParts, base: dict[str, str], heads: int, kv_heads: int, tp: int) -> None:
     """HF attention repeats KV heads ``num_key_value_groups`` times: make that the local ratio when the
     heads are split (``colwise`` q/k/v); gathered projections keep every head on every rank."""
-    if base.get("layers.*.self_attn.k_proj") not in _COLWISE:
-        return
     local_kv = max(kv_heads // tp, 1)
-    for layer in layers:
-        layer.self_attn.num_key_value_groups = heads // tp // local_kv
+    for pattern, style in base.items():
+        attention, _, proj = pattern.split(".", 2)[2].rpartition(".")
+        if proj != "k_proj" or style not in _COLWISE:
+            continue
+        for layer in parts.blocks:
+            if _exists(layer, attention):
+                layer.get_submodule(attention).num_key_value_groups = heads // tp // local_kv
 
 
-def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
+def _own_rowwise_outputs(parts: HFParts, plan: dict[str, str]) -> None:
+    """Older modelling code adds into a projection's output in place (Falcon's ``mlp_output +=
+    attention_output``), but a rowwise output is DTensor's ``to_local`` view, which autograd forbids
+    modifying in place: for inferred plans those modules return a copy."""
+    for pattern, style in plan.items():
+        rel = pattern.split(".", 2)[2]
+        if style not in _ROWWISE + _ROWWISE_REPLICATED_INPUT:
+            continue
+        for layer in parts.blocks:
+            if _exists(layer, rel):
+                layer.get_submodule(rel).register_forward_hook(lambda _module, _args, out: out.clone())
+
+
+def _apply_tp(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, sp: bool) -> None:
     tp = tp_mesh.size()
     kv_heads, head_dim = _check_shape(model, tp)
-    base, inner = _base_plan(model), model.model
-    tied = model.lm_head.weight is inner.embed_tokens.weight
-    plans = [_layer_plan(base, layer, i, kv_heads, head_dim, tp, sp) for i, layer in enumerate(inner.layers)]
+    base, tied = _tp_plan(model, parts, tp, sp), parts.tied
+    plans = [_layer_plan(base, parts.plan_blocks, layer, i, kv_heads, head_dim, tp, sp)
+             for i, layer in enumerate(parts.blocks)]
     # Embedding output replicated: HF computes positions and the causal mask from its length.
-    parallelize_module(inner.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
-    for layer, plan in zip(inner.layers, plans):
+    parallelize_module(parts.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    for layer, plan in zip(parts.blocks, plans):
         parallelize_module(layer, tp_mesh, plan)
-    _set_local_head_groups(inner.layers, base, model.config.num_attention_heads, kv_heads, tp)
+    _set_local_head_groups(parts, base, model.config.num_attention_heads, kv_heads, tp)
+    if not getattr(model.config, "base_model_tp_plan", None):
+        _own_rowwise_outputs(parts, base)
     if sp:
-        # Keep this rank's part of the sequence (a slice; its backward all-gathers the gradient).
-        parallelize_module(inner.layers[0], tp_mesh, PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
-        parallelize_module(inner.norm, tp_mesh, SequenceParallel())
+        parallelize_module(parts.blocks[0], tp_mesh, _HiddenStatesInput(sp, Replicate(), Shard(1), local=True))
+        parallelize_module(parts.norm, tp_mesh, SequenceParallel())
     parallelize_module(
-        model.lm_head, tp_mesh, ColwiseParallel(input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False)
+        parts.head, tp_mesh, ColwiseParallel(input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False)
     )
     if tied:  # both now hold a Shard(0) copy of the shared weight; make them one Parameter again
-        model.lm_head.weight = inner.embed_tokens.weight
+        parts.head.weight = parts.embed.weight
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -384,15 +430,15 @@ def _no_cache_in_training(model, args, kwargs):
     return None
 
 
-def _apply_ac(model: nn.Module, mode: str, every: int) -> None:
-    layers = model.model.layers
+def _apply_ac(model: nn.Module, layers: nn.ModuleList, mode: str, every: int) -> None:
     for index in checkpointed_layers(list(range(len(layers))), mode, every):
         checkpoint(layers[index])
     if mode != "none":
         model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
 
 
-def _apply_dp(model: nn.Module, mesh: DeviceMesh, mode: str, dtype: str, experts: list[nn.Module]) -> None:
+def _apply_dp(model: nn.Module, parts: HFParts, mesh: DeviceMesh, mode: str, dtype: str,
+              experts: list[nn.Module]) -> None:
     """FSDP / replicate units: ``experts`` (split over ep) on the expert data mesh, every layer, the
     untied embedding and lm_head, and the root, on the dense data mesh."""
     policy = mixed_precision(dtype)
@@ -400,11 +446,10 @@ def _apply_dp(model: nn.Module, mesh: DeviceMesh, mode: str, dtype: str, experts
     placement = even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))
     for module in experts:
         wrap_data_parallel(module, expert_mesh, mode, policy, placement)
-    inner = model.model
-    for layer in inner.layers:
+    for layer in parts.blocks:
         wrap_data_parallel(layer, dense_mesh, mode, policy)
-    if model.lm_head.weight is not inner.embed_tokens.weight:  # one parameter needs one unit
-        for m in (inner.embed_tokens, model.lm_head):
+    if not parts.tied:  # one parameter needs one unit
+        for m in (parts.embed, parts.head):
             wrap_data_parallel(m, dense_mesh, mode, policy)
     wrap_data_parallel(model, dense_mesh, mode, policy)
 
@@ -420,7 +465,7 @@ def parallelize_hf_model(
 ) -> nn.Module:
     """Parallelize a transformers decoder-only ``*ForCausalLM`` in place over ``mesh`` (from ``build_mesh``).
 
-    tp shards the layers by the model's ``base_model_tp_plan`` (plus vocab-parallel embedding/lm_head,
+    tp shards the layers by the model's ``base_model_tp_plan``, or one inferred from its module types (plus vocab-parallel embedding/lm_head,
     the MoE shared expert and optional SP); MoE experts are split over ep by ``base_model_ep_plan`` and
     fed by all-to-all (:mod:`meshtron.hf.experts`); the batch is split over dp x ep, where dense
     parameters are FSDP-sharded (``data_parallel="fsdp"``), replicated or HSDP-sharded, and experts
@@ -434,11 +479,7 @@ def parallelize_hf_model(
     for dim in ("pp", "cp"):
         if mesh[dim].size() > 1:
             raise ConfigError(f"parallelize_hf_model: {dim} = {mesh[dim].size()} is not supported for HF models; use 1.")
-    if not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model, "lm_head"):
-        raise ConfigError(
-            f"parallelize_hf_model expects a decoder-only *ForCausalLM (model.model.layers, model.lm_head); "
-            f"got {type(model).__name__}."
-        )
+    parts = hf_parts(model)
     ep, tp_mesh = mesh["ep"].size(), mesh["tp"]
     expert_modules = hf_expert_modules(model, ep) if ep > 1 or tp_mesh.size() > 1 else {}
     if ep > 1 and not expert_modules:
@@ -446,15 +487,15 @@ def parallelize_hf_model(
                           f"{type(model).__name__} has none. Use ep = 1.")
     # Checkpointing first: its hook must see layer 0's full input, before SP's slicing hook, so the
     # recomputation slices it again rather than slicing the slice.
-    _apply_ac(model, ac, ac_every)
+    _apply_ac(model, parts.blocks, ac, ac_every)
     if tp_mesh.size() > 1:
-        _apply_tp(model, tp_mesh, sp)
+        _apply_tp(model, parts, tp_mesh, sp)
     experts = apply_hf_expert_parallel(model, mesh, expert_modules)
     data_mesh = dense_data_mesh(mesh)
     model.loss_function = _loss_function(data_mesh)
     if data_mesh.size() > 1:
         model.register_forward_hook(_global_aux_loss(data_mesh), with_kwargs=True)
-        _apply_dp(model, mesh, data_parallel, dtype, experts)
+        _apply_dp(model, parts, mesh, data_parallel, dtype, experts)
     return model
 
 
@@ -479,10 +520,11 @@ def load_hf_checkpoint(folder: str | Path, mesh: DeviceMesh, **options) -> tuple
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     parallelize_hf_model(model, mesh, **options)
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    parts = hf_parts(model)
+    tied = parts.tied
     model.to_empty(device=env.local_device())
     if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        parts.head.weight = parts.embed.weight
     with torch.no_grad():
         _reset_rotary(model)
     return model, load_sharded_weights(model, folder)
@@ -491,8 +533,9 @@ def load_hf_checkpoint(folder: str | Path, mesh: DeviceMesh, **options) -> tuple
 def save_hf_checkpoint(model: nn.Module, folder: str | Path, max_shard_bytes: int = 2 << 30) -> None:
     """Gather the full weights (collective) and let rank 0 write an HF folder ``from_pretrained`` reads."""
     full = gather_full_state_dict(model)
-    if model.lm_head.weight is model.model.embed_tokens.weight:
-        full.pop("lm_head.weight", None)
+    parts = hf_parts(model)
+    if parts.tied:
+        full.pop(f"{parts.head_path}.weight", None)
     if dist.get_rank() == 0:
         write_safetensors_folder(full, json.loads(model.config.to_json_string()), folder, max_shard_bytes)
     dist.barrier()

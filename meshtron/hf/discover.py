@@ -1,0 +1,138 @@
+"""Where a transformers causal LM keeps its parts, read from the model's own structure.
+
+transformers names the same parts differently per family (``model.layers`` / ``transformer.h`` /
+``gpt_neox.layers`` / ``model.decoder.layers``; ``lm_head`` / ``embed_out``; ``norm`` / ``ln_f`` /
+``final_layer_norm``). :func:`hf_parts` finds them through the model's API instead of assuming one
+family's names:
+
+* decoder: ``model.get_decoder()`` (the base model holding embeddings, blocks and final norm);
+* blocks: the ``nn.ModuleList`` in the decoder whose elements are of a class in ``_no_split_modules``
+  (transformers' own "one decoder block" marker);
+* embed / head: ``get_input_embeddings()`` / ``get_output_embeddings()``;
+* norm: the decoder's one direct child norm that is not an embedding norm (Bloom normalises its
+  embeddings with a second one);
+* rotary: the decoder-level module owning ``inv_freq`` (None for learned or ALiBi positions).
+
+Every path is the module's full name in ``model.named_modules()``; tp-plan patterns
+(``layers.*.self_attn.q_proj``) are relative to the decoder, so :attr:`HFParts.plan_blocks` is the
+blocks' path inside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from meshtron.config import ConfigError
+
+
+@dataclass(frozen=True)
+class HFParts:
+    decoder: nn.Module
+    decoder_path: str
+    blocks: nn.ModuleList
+    blocks_path: str
+    embed: nn.Module
+    embed_path: str
+    head: nn.Module
+    head_path: str
+    norm: nn.Module
+    norm_path: str
+    rotary: nn.Module | None
+    rotary_path: str | None
+
+    @property
+    def plan_blocks(self) -> str:
+        """The blocks' path relative to the decoder: the first part of tp-plan patterns (``layers``)."""
+        return _relative(self.blocks_path, self.decoder_path)
+
+    @property
+    def tied(self) -> bool:
+        return self.head.weight is self.embed.weight
+
+
+def is_norm(module: nn.Module) -> bool:
+    """LayerNorm, RMSNorm and the families' own norm classes (``Gemma2RMSNorm``, ``CohereLayerNorm``, ...)."""
+    return isinstance(module, nn.LayerNorm) or "Norm" in type(module).__name__
+
+
+def _relative(path: str, prefix: str) -> str:
+    return path[len(prefix) + 1:] if prefix else path
+
+
+def _missing(model: nn.Module, what: str, why: str) -> ConfigError:
+    return ConfigError(f"parallelize_hf_model: cannot find the {what} of {type(model).__name__}: {why}. "
+                       "meshtron supports decoder-only transformers *ForCausalLM models.")
+
+
+def _path_of(model: nn.Module, module: nn.Module | None, what: str) -> str:
+    for name, candidate in model.named_modules():
+        if candidate is module:
+            return name
+    raise _missing(model, what, f"{what} is not a submodule of the model" if module is not None else f"no {what}")
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if get is not None else None
+    if decoder is None or decoder is model:
+        raise _missing(model, "decoder", "get_decoder() returns no separate base model")
+    return decoder
+
+
+def _is_block(module: nn.Module, block_classes: set[str]) -> bool:
+    # by the class or a base: FSDP's wrapping subclasses it (FSDPLlamaDecoderLayer)
+    return any(cls.__name__ in block_classes for cls in type(module).__mro__)
+
+
+def _blocks(model: nn.Module, decoder: nn.Module) -> tuple[str, nn.ModuleList]:
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    found = [(name, m) for name, m in decoder.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) and all(_is_block(b, block_classes) for b in m)]
+    if len(found) != 1:
+        raise _missing(model, "decoder blocks", f"{len(found)} nn.ModuleLists of {sorted(block_classes) or 'no'} "
+                       "_no_split_modules classes in its decoder (need exactly one)")
+    return found[0]
+
+
+def _final_norm(model: nn.Module, decoder: nn.Module) -> tuple[str, nn.Module]:
+    norms = [(name, m) for name, m in decoder.named_children() if is_norm(m) and "emb" not in name]
+    if len(norms) != 1:
+        raise _missing(model, "final norm", f"{len(norms)} norm modules directly in its decoder "
+                       f"({', '.join(n for n, _ in norms) or 'none'}); need exactly one")
+    return norms[0]
+
+
+def _rotary(decoder: nn.Module, blocks: nn.ModuleList) -> tuple[str, nn.Module] | None:
+    in_blocks = {id(m) for m in blocks.modules()}
+    owners = [(name, m) for name, m in decoder.named_modules() if hasattr(m, "inv_freq") and id(m) not in in_blocks]
+    return owners[0] if owners else None
+
+
+def hf_parts(model: nn.Module) -> HFParts:
+    """The decoder, blocks, embeddings, output head, final norm and rotary embedding of ``model``
+    (meta or materialised); a :class:`ConfigError` names the part that cannot be found."""
+    decoder = _decoder(model)
+    decoder_path = _path_of(model, decoder, "decoder")
+    blocks_rel, blocks = _blocks(model, decoder)
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        raise _missing(model, "output head", f"get_output_embeddings() returns {type(head).__name__}, not an nn.Linear")
+    norm_rel, norm = _final_norm(model, decoder)
+    rotary = _rotary(decoder, blocks)
+
+    def full(rel: str) -> str:
+        return f"{decoder_path}.{rel}" if decoder_path else rel
+
+    return HFParts(
+        decoder=decoder, decoder_path=decoder_path, blocks=blocks, blocks_path=full(blocks_rel),
+        embed=embed, embed_path=_path_of(model, embed, "input embeddings"),
+        head=head, head_path=_path_of(model, head, "output head"),
+        norm=norm, norm_path=full(norm_rel),
+        rotary=rotary[1] if rotary else None, rotary_path=full(rotary[0]) if rotary else None,
+    )
+
+
+__all__ = ["HFParts", "hf_parts", "is_norm"]

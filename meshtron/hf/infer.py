@@ -1,0 +1,195 @@
+"""A tp plan for transformers models whose config has none (GPT-2, Falcon, Bloom, GPT-J, OPT, StableLM, ...).
+
+:func:`infer_tp_plan` reads the module types of the first decoder block and writes the plan in
+transformers' own vocabulary (``colwise``, ``rowwise``, ``colwise_gather_output``,
+``rowwise_split_input``), so it goes through the same translation as a config's plan:
+
+* attention with separate q / k / v projections in transformers' current form (the module keeps
+  ``num_key_value_groups`` but no head count, and reshapes by ``head_dim``, so it runs on whatever
+  heads it gets):
+  q, k, v ``colwise`` (split by heads), output projection ``rowwise``;
+* any other attention (fused qkv as GPT-2's ``c_attn``, GPT-NeoX-like and Falcon's
+  ``query_key_value`` with their per-family head layouts, or a module reshaping by its full
+  ``num_heads``, or one owning per-head parameters such as attention sinks): input projections
+  ``colwise_gather_output`` (weights split, output gathered, so every layout stays right) and the
+  output projection ``rowwise_split_input``;
+* MLP in its own submodule: projections reading the hidden size ``colwise``, the one writing it
+  ``rowwise``; a single fused gate/up (twice the down projection's input) gathered instead;
+* norms, learned position embeddings (GPT-2's ``wpe``) and everything else stay replicated (norms
+  that are direct children of a block are sequence-parallel under SP).
+
+A part that cannot be split this way (no recognisable projections, sizes tp does not divide,
+projections directly in the block) stays whole, so FSDP alone shards it, and one warning names each
+such module and why.
+
+GPT-2's ``Conv1D`` stores its weight ``[in, out]``: :class:`TransposedColwise` /
+:class:`TransposedRowwise` split it along the other dimension.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from meshtron.config import ConfigError
+from meshtron.hf.discover import HFParts
+
+_ATTENTION_NAMES = ("attn", "attention")
+_MLP_NAMES = ("mlp", "feed_forward", "ffn")
+_OUTPUT_NAMES = ("o_proj", "out_proj", "dense", "c_proj", "wo")
+_SEPARATE_QKV = ({"q_proj", "k_proj", "v_proj"}, {"query", "key", "value"})
+# An attention module keeping one of these reshapes by the model's full head count (StableLM's
+# ``view(bsz, q_len, self.num_heads, ...)``): its heads cannot be split without editing it.
+_FULL_HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head")
+
+
+def is_transposed(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2 family): a linear layer whose weight is stored ``[in, out]``."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, Conv1D)
+
+
+def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str, list], src_data_rank) -> None:
+    for name, placement in placements.items():
+        param = getattr(module, name, None)
+        if param is not None:
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(param, mesh, placement, src_data_rank=src_data_rank), requires_grad=param.requires_grad))
+
+
+class TransposedColwise(ColwiseParallel):
+    """ColwiseParallel for a ``[in, out]`` weight: the output features are its dim 1 (bias: dim 0)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(_name, mod, mesh):
+            if mod is module:
+                _distribute_params(mod, mesh, {"weight": [Shard(1)], "bias": [Shard(0)]}, self.src_data_rank)
+
+        return distribute_module(
+            module, device_mesh, partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class TransposedRowwise(RowwiseParallel):
+    """RowwiseParallel for a ``[in, out]`` weight: the input features are its dim 0 (bias replicated)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(_name, mod, mesh):
+            if mod is module:
+                _distribute_params(mod, mesh, {"weight": [Shard(0)], "bias": [Replicate()]}, self.src_data_rank)
+
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh, partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+def _features(module: nn.Module) -> tuple[int, int] | None:
+    """(input, output) features of a linear-like module; None for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if is_transposed(module):
+        return tuple(module.weight.shape)
+    return None
+
+
+def _projections(module: nn.Module) -> dict[str, tuple[int, int]]:
+    return {name: f for name, m in module.named_modules() if name and (f := _features(m)) is not None}
+
+
+def _child(block: nn.Module, names: tuple[str, ...]) -> tuple[str, nn.Module] | None:
+    found = [(n, m) for n, m in block.named_children() if any(k in n for k in names) and _projections(m)]
+    return found[0] if len(found) == 1 else None
+
+
+def _divides(tp: int, projections: dict[str, tuple[int, int]], split_dim: dict[str, int]) -> str | None:
+    """The first projection whose split dimension tp does not divide, or None."""
+    return next((n for n, d in split_dim.items() if projections[n][d] % tp), None)
+
+
+def _attention_plan(name: str, attn: nn.Module, hidden: int, heads: int, kv_heads: int,
+                    tp: int) -> tuple[dict[str, str], str | None]:
+    projections = _projections(attn)
+    outputs = [n for n in projections if n.rsplit(".", 1)[-1] in _OUTPUT_NAMES]
+    inputs = [n for n in projections if n not in outputs and projections[n][0] == hidden]
+    if len(outputs) != 1 or not inputs or len(inputs) + 1 != len(projections):
+        return {}, f"projections {sorted(projections)} are not input projections plus one output projection"
+    (out,) = outputs
+    if heads % tp:
+        return {}, f"tp = {tp} does not divide its {heads} heads"
+    split = {**{n: 1 for n in inputs}, out: 0}
+    bad = _divides(tp, projections, split)
+    if bad:
+        return {}, f"tp = {tp} does not divide the features of '{bad}' {projections[bad]}"
+    by_heads = ({n.rsplit(".", 1)[-1] for n in inputs} in _SEPARATE_QKV and hasattr(attn, "num_key_value_groups")
+                and not any(hasattr(attn, a) for a in _FULL_HEAD_COUNTS)
+                and not any(True for _ in attn.parameters(recurse=False)) and (kv_heads % tp == 0 or tp % kv_heads == 0))
+    col, row = ("colwise", "rowwise") if by_heads else ("colwise_gather_output", "rowwise_split_input")
+    return {**{f"{name}.{n}": col for n in inputs}, f"{name}.{out}": row}, None
+
+
+def _mlp_plan(name: str, mlp: nn.Module, hidden: int, tp: int) -> tuple[dict[str, str], str | None]:
+    projections = _projections(mlp)
+    outputs = [n for n, (i, o) in projections.items() if o == hidden and i != hidden]
+    inputs = [n for n, (i, _) in projections.items() if i == hidden]
+    if len(outputs) != 1 or not inputs or len(inputs) + 1 != len(projections):
+        return {}, f"projections {sorted(projections)} are not up/gate projections from the hidden size plus one down projection"
+    (down,) = outputs
+    width = projections[down][0]
+    bad = _divides(tp, projections, {**{n: 1 for n in inputs}, down: 0})
+    if bad:
+        return {}, f"tp = {tp} does not divide the features of '{bad}' {projections[bad]}"
+    if all(projections[n][1] == width for n in inputs):
+        return {**{f"{name}.{n}": "colwise" for n in inputs}, f"{name}.{down}": "rowwise"}, None
+    if len(inputs) == 1 and projections[inputs[0]][1] == 2 * width:  # fused gate_up, chunked after
+        return {f"{name}.{inputs[0]}": "colwise_gather_output", f"{name}.{down}": "rowwise_split_input"}, None
+    return {}, f"its up projections' widths {[projections[n][1] for n in inputs]} do not match down's input {width}"
+
+
+def infer_tp_plan(model: nn.Module, parts: HFParts, tp: int, kv_heads: int, sp: bool) -> dict[str, str]:
+    """A ``base_model_tp_plan`` for ``model`` from the module types of its first block (relative to the
+    decoder, as transformers writes plans); warns once, naming every part left unsplit and why. Under
+    SP an unsplit part would see only its rank's tokens: a :class:`ConfigError` instead."""
+    cfg = model.config
+    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+    block = parts.blocks[0]
+    prefix = f"{parts.plan_blocks}.*"
+    plan, unsplit = {}, []
+    moe = any(name.rsplit(".", 1)[-1] == "experts" for name, _ in block.named_modules())
+    for kind, names in (("attention", _ATTENTION_NAMES), ("MLP", _MLP_NAMES)):
+        if kind == "MLP" and moe:
+            continue  # routed experts: meshtron.hf.experts; the router stays replicated
+        child = _child(block, names)
+        if child is None:
+            loose = sorted(n for n in _projections(block) if "." not in n)
+            unsplit.append(f"{kind}: no single submodule named like {names} holds its projections"
+                           + (f" (projections directly in the block: {loose})" if loose else ""))
+            continue
+        name, module = child
+        part, why = (_attention_plan(name, module, hidden, heads, kv_heads, tp) if kind == "attention"
+                     else _mlp_plan(name, module, hidden, tp))
+        plan.update({f"{prefix}.{k}": v for k, v in part.items()})
+        if why:
+            unsplit.append(f"{kind} '{prefix}.{name}' ({type(module).__name__}): {why}")
+    if unsplit and sp:
+        raise ConfigError(f"parallelize_hf_model: sp = true needs every attention and MLP split over tp, but "
+                          f"{type(model).__name__} (no base_model_tp_plan) has parts the inferred plan cannot split: "
+                          f"{'; '.join(unsplit)}. Use sp = false.")
+    if unsplit:
+        warnings.warn(
+            f"parallelize_hf_model: {type(model).__name__} has no base_model_tp_plan; the inferred plan leaves "
+            f"these parts unsplit over tp (FSDP still shards them): {'; '.join(unsplit)}.", stacklevel=4)
+    return plan
+
+
+__all__ = ["TransposedColwise", "TransposedRowwise", "infer_tp_plan", "is_transposed"]
