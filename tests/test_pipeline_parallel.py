@@ -109,7 +109,7 @@ class SavedTensorTracker:
         return sum(1 for s in self.live if s.tag == tag)
 
     def install(self, executor):
-        forward, backward = executor._forward, executor._backward
+        forward, backward, weight = executor._forward, executor._backward, executor._weight
 
         def tagged_forward(a, *args):
             self.tag = (a.stage, a.mb)
@@ -119,10 +119,18 @@ class SavedTensorTracker:
 
         def checked_backward(index, a):
             backward(index, a)
-            assert self.count((a.stage, a.mb)) == 0, f"{a}: activations still alive after its backward"
+            if (a.stage, a.mb) in executor._split:  # a split backward keeps them for its W
+                assert self.count((a.stage, a.mb)) > 0, f"{a}: activations freed before its W"
+            else:
+                assert self.count((a.stage, a.mb)) == 0, f"{a}: activations still alive after its backward"
+                self.checked += 1
+
+        def checked_weight(index, a):
+            weight(index, a)
+            assert self.count((a.stage, a.mb)) == 0, f"{a}: activations still alive after its W"
             self.checked += 1
 
-        executor._forward, executor._backward = tagged_forward, checked_backward
+        executor._forward, executor._backward, executor._weight = tagged_forward, checked_backward, checked_weight
 
 
 LAYOUTS = [
@@ -139,8 +147,23 @@ LAYOUTS = [
 ]
 
 
-def check_pipeline_matches_single_process(_folder):
-    for layout in LAYOUTS:
+# The zero-bubble schedules, each with pp x dp (FSDP inside stages) and pp x tp, dense and MoE.
+ZERO_BUBBLE_LAYOUTS = [
+    (DENSE, 4, 2, "zb1p", 4, 1),
+    (MOE, 4, 1, "zb1p", 5, 1, 2),
+    (DENSE, 4, 1, "zbv", 8, 2, 2),
+    (MOE, 4, 2, "zbv", 8, 2),
+    (MOE, 4, 1, "dualpipev", 8, 2, 2),
+    (DENSE, 2, 4, "dualpipev", 4, 2),
+]
+
+
+def check_zero_bubble_schedules_match_single_process(_folder):
+    check_pipeline_matches_single_process(_folder, ZERO_BUBBLE_LAYOUTS)
+
+
+def check_pipeline_matches_single_process(_folder, layouts=LAYOUTS):
+    for layout in layouts:
         cfg = _config(*layout)
         p = cfg.parallel
         mesh = build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
@@ -249,6 +272,7 @@ def test_pipeline_matches_single_process_on_8_ranks():
         run_checks(
             [
                 check_pipeline_matches_single_process,
+                check_zero_bubble_schedules_match_single_process,
                 check_fsdp_gathers_and_reduces_once_per_step,
                 check_clipping_and_export_cover_all_stages,
             ],
