@@ -278,7 +278,7 @@ def test_pipeline_matches_single_process_on_8_ranks():
             ],
             8,
             f"{tmp}/hf",
-            timeout=240,
+            timeout=420,
         )
 
 

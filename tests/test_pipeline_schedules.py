@@ -356,3 +356,16 @@ def test_v_shape_places_stages_down_and_back_up():
 def test_zero_bubble_constraints_are_clear_errors(args, message):
     with pytest.raises(ValueError, match=message):
         build_schedule(*args)
+
+
+def test_show_draws_zero_bubble_schedules_with_weight_passes(tmp_path, capsys):
+    out = tmp_path / "zbv.png"
+    show_main(["--pp", "4", "--microbatches", "16", "--schedule", "zbv", "--w", "1", "--out", str(out)])
+    assert out.read_bytes()[:8] == PNG_HEADER
+    printed = capsys.readouterr().out
+    assert "zbv pp=4 microbatches=16 virtual=2 f=1.0 b=1.0 w=1.0" in printed
+    assert "bubble 0.0303 (simulated), 0.0303 (analytic for f = b = w)" in printed
+    assert "peak in-flight microbatches per rank [8, 8, 8, 8]" in printed
+    with pytest.raises(SystemExit):
+        show_main(["--pp", "4", "--microbatches", "6", "--schedule", "dualpipev"])
+    assert "microbatches >= 8" in capsys.readouterr().err

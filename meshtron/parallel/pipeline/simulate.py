@@ -207,3 +207,15 @@ def analytic_bubble(pp: int, m: int, v: int = 1) -> float:
     ``(pp - 1) / (v * m)``; the two are related by ``x / (1 + x)``.
     """
     return (pp - 1) / (v * m + pp - 1)
+
+
+def unit_cost_bubble(schedule: str, pp: int, m: int) -> float:
+    """Idle fraction of the zero-bubble schedules for unit chunk costs ``F = B = W``.
+
+    Qi et al. give bubble time over ideal time: ZB-H1 ``(pp-1)/(3m)`` (a third of 1F1B's); ZB-V
+    ``0`` up to its fill, which is one chunk slot per rank, ``(pp-1)/(6m)`` with two chunks;
+    DualPipeV's paired slots run whole backwards, so its fill is two chunk slots,
+    ``2(pp-1)/(6m)``. The idle fraction is ``x / (1 + x)`` of that ratio ``x``.
+    """
+    ratio = {"zb1p": (pp - 1) / (3 * m), "zbv": (pp - 1) / (6 * m), "dualpipev": 2 * (pp - 1) / (6 * m)}[schedule]
+    return ratio / (1 + ratio)
