@@ -24,16 +24,18 @@ backward has run, and sent tensors as soon as their batch completes.
 
 Split backward (``B`` then ``W``, zero-bubble schedules). ``B`` runs autograd from the stage
 output with ``inputs=`` the stage input only and ``retain_graph``: it produces the gradient the
-previous stage waits for and leaves ``.grad`` of the weights untouched. ``W`` runs the retained
-graph again from the stored output gradient, accumulating the weight gradients, and frees the
-graph, the saved activations and that gradient at once. So a micro-batch's activations live from
-its ``F`` to its ``W`` (``schedules.peak_in_flight`` counts exactly that), plus one boundary-sized
-output gradient per pending ``W``: the deferred work's memory is bounded by the schedule's peak.
-The price of this simple split is compute: ``W`` traverses the chunk's whole backward graph again
-(input-gradient matmuls and the tp / ep collectives of backward included), so it costs about a
-whole backward instead of the weight half; a split that captures the weight-gradient edges of
-the graph in ``B`` (as ``torch.distributed.pipelining`` does) would avoid it. Hooks that run in
-backward (FSDP's, the MoE aux-loss gradients) see both passes; only ``W`` touches weights.
+previous stage waits for and leaves the weights' ``.grad`` untouched. Before it, every graph node
+on the path from the output to the input that also has an edge off that path (into a weight's
+gradient: a linear, a norm, a router) gets a pre-hook that records the gradient it receives. ``W``
+restarts autograd at those nodes with the recorded gradients and asks only for the weights below
+them, accumulating into ``.grad``; it re-runs no input-gradient work. The first stage has no input
+gradient, so its ``B`` is empty and its ``W`` the whole backward. Memory: a micro-batch's saved
+activations live from its ``F`` to its ``W`` (``schedules.peak_in_flight`` counts exactly that)
+plus the recorded gradients (at most one per weight-consuming node, activation-sized); dropping
+the output and the records at ``W`` frees them all. FSDP2 accumulates and reduce-scatters in hooks
+of the backward traversal, so in a stage with FSDP units ``W`` runs the whole backward again from
+the stored output gradient instead (its cost is then a whole backward's, input-gradient matmuls
+included; the captured path is not wired to FSDP's hooks yet).
 
 Gradient accumulation and FSDP. Backward calls accumulate into ``.grad`` over micro-batches, as
 in the non-pipelined runner. Every FSDP2 unit of a chunk is held unsharded through the step: its
@@ -58,6 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+from torch.autograd.graph import GradientEdge
 from torch.distributed.tensor import DTensor
 
 from meshtron.parallel.pipeline.schedules import (
@@ -121,8 +124,8 @@ class PipelineExecutor:
     def _reset(self) -> None:
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
-        # Output gradients a split backward's W still needs, and tensors handed to a stage on this rank.
-        self._out_grads: dict[tuple[int, int], torch.Tensor | None] = {}
+        # What a split backward's W still needs, and tensors handed to a stage on this rank.
+        self._deferred: dict[tuple[int, int], _Deferred] = {}
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}
         self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}
         # Posted receives: key -> (buffer, the works to wait for before reading it).
@@ -202,8 +205,7 @@ class PipelineExecutor:
 
     def _backward(self, index: int, a: Action) -> None:
         """The full backward, or of a split one (a ``W`` follows) only the gradient w.r.t. the stage
-        input: what the previous stage waits for. It keeps the graph, the saved activations and the
-        output gradient for the ``W``."""
+        input: what the previous stage waits for (module doc)."""
         key, split = (a.stage, a.mb), (a.stage, a.mb) in self._split
         if not split:
             self._release_units(index)
@@ -211,30 +213,26 @@ class PipelineExecutor:
         grad = None if a.stage == self.num_stages - 1 else self._input((RECV_B, *key), a.stage + 1)
         if not split:
             self._timed(a, lambda: torch.autograd.backward(out, grad))
-        elif a.stage > 0:
-            x = self._inputs[key]
-            self._timed(a, lambda: torch.autograd.backward(out, grad, inputs=[x], retain_graph=True))
-        if split:
-            self._out_grads[key] = grad
+        else:
+            x = self._inputs.get(key)
+            capture = not self._units  # FSDP2 accumulates and reduces in hooks of the whole backward
+            self._deferred[key] = self._timed(a, lambda: _backward_input(out, grad, x, capture))
         del out, grad
         if a.stage > 0:
-            x = self._inputs[key] if split else self._inputs.pop(key)
+            x = self._inputs.pop(key)
             self._output((SEND_B, *key), a.stage - 1, x.grad)
-            x.grad = None  # sent (or handed over): the W must not accumulate into the buffer
+            x.grad = None  # sent or handed over: a whole-backward W must not accumulate into it
             del x
 
     def _weight(self, index: int, a: Action) -> None:
         """Weight gradients of a split backward, accumulated into ``.grad``; frees the micro-batch's
-        graph and saved activations. It runs the chunk's backward again from the stored output
-        gradient, so its cost is a whole backward's (see the module doc), and drops the input
-        gradient it recomputes."""
+        graph and saved activations."""
         key = (a.stage, a.mb)
+        releasing = bool(self._release.get(index))
         self._release_units(index)
-        out, grad = self._outputs.pop(key), self._out_grads.pop(key)
-        self._timed(a, lambda: torch.autograd.backward(out, grad))
-        del out, grad
-        if a.stage > 0:
-            self._inputs.pop(key).grad = None
+        out, deferred = self._outputs.pop(key), self._deferred.pop(key)
+        self._timed(a, lambda: deferred.run(out, whole=releasing))
+        del out, deferred
 
     def _release_units(self, index: int) -> None:
         for unit in self._release.get(index, ()):
@@ -313,6 +311,96 @@ def _release_points(steps: Sequence[Step], chunk_units: Mapping[int, Sequence[nn
     for key, index in release_at.items():
         release.setdefault(index, []).append(units[key])
     return list(units.values()), release
+
+
+class _Deferred:
+    """A split backward's pending weight work: the graph nodes on the path from the stage output
+    to its input that also feed weights, the output gradients they received in ``B``, and the
+    weights each one leads to."""
+
+    def __init__(self, grad: torch.Tensor | None, nodes: list[tuple[object, tuple, list]] | None):
+        self.grad, self.nodes = grad, nodes
+
+    def run(self, out: torch.Tensor, whole: bool) -> None:
+        """Accumulate the weight gradients from the captured node gradients. ``whole`` (or when the
+        capture does not apply: the first stage, a weight reached from two nodes) runs the backward
+        from the output again instead, so the hooks in it (FSDP's reduce-scatter) fire as usual."""
+        if whole or self.nodes is None:
+            torch.autograd.backward(out, self.grad)  # also recomputes the input gradient, which nobody reads
+            return
+        for node, grads, leaves in self.nodes:
+            edges = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
+            if not edges or not leaves:
+                continue
+            weights = torch.autograd.grad(
+                [e for e, _ in edges], [GradientEdge(leaf, 0) for leaf in leaves], [g for _, g in edges],
+                allow_unused=True,
+            )
+            for leaf, dw in zip(leaves, weights):
+                if dw is not None:
+                    param = leaf.variable
+                    param.grad = dw if param.grad is None else param.grad + dw
+
+
+def _backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None, capture: bool) -> _Deferred:
+    """``B``: the gradient w.r.t. ``x`` into ``x.grad``, keeping the graph, and what ``W`` needs.
+
+    With ``capture``, every node on a path from ``out`` to ``x`` with an edge off that path (into a
+    weight's gradient) gets a pre-hook that records the gradient it receives; ``W`` restarts from
+    there. Without, ``W`` runs the whole backward again.
+    """
+    if x is None:  # the first stage: no input gradient to compute, W runs the whole backward
+        return _Deferred(grad, None)
+    if not capture:
+        torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
+        return _Deferred(grad, None)
+    target = x.view_as(x).grad_fn.next_functions[0][0]  # x's gradient accumulator
+    on_path = _nodes_reaching(out.grad_fn, target)
+    branching = [n for n in on_path if any(c is not None and c not in on_path for c, _ in n.next_functions)]
+    captured: dict[object, tuple] = {}
+    handles = [n.register_prehook(lambda g, n=n: captured.__setitem__(n, g)) for n in branching]
+    try:
+        torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    nodes = [(n, captured[n], _weight_leaves(n, on_path)) for n in branching if n in captured]
+    leaves = [leaf for _, _, found in nodes for leaf in found]
+    if len(set(leaves)) < len(leaves):  # a weight fed from two nodes: per-node passes would miss the sum's order
+        return _Deferred(grad, None)
+    return _Deferred(grad, nodes)
+
+
+def _nodes_reaching(root, target) -> set:
+    """Autograd nodes from which ``target`` is reachable (``root``'s graph, iterative DFS)."""
+    reaches: dict[object, bool] = {}
+    stack = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if node in reaches:
+            continue
+        children = [c for c, _ in node.next_functions if c is not None]
+        if expanded:
+            reaches[node] = node is target or any(reaches.get(c, False) for c in children)
+        else:
+            stack.append((node, True))
+            stack += [(c, False) for c in children if c not in reaches]
+    return {n for n, r in reaches.items() if r}
+
+
+def _weight_leaves(node, on_path: set) -> list:
+    """Gradient accumulators of the weights below ``node``'s edges that leave ``on_path``."""
+    leaves, seen = [], set()
+    stack = [c for c, _ in node.next_functions if c is not None and c not in on_path]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if hasattr(n, "variable"):
+            leaves.append(n)
+        stack += [c for c, _ in n.next_functions if c is not None and c not in on_path]
+    return leaves
 
 
 def _hold_unsharded(unit: nn.Module, hold: bool) -> None:
