@@ -41,21 +41,22 @@ from meshtron.parallel.pipeline.simulate import analytic_bubble
 SLEEP_ACTIVATION = (1, 16, 64)  # [micro-batch, sequence, hidden] sent between sleep stages
 
 
+def _sleep(stage, kind: str, seconds: float) -> None:
+    start = time.perf_counter()
+    time.sleep(seconds)
+    stage.spans.append((kind, start, time.perf_counter()))
+
+
 class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, stage):
         ctx.stage = stage
-        start = time.perf_counter()
-        time.sleep(stage.f)
-        stage.spans.append(("F", start, time.perf_counter()))
+        _sleep(stage, "F", stage.f)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        stage = ctx.stage
-        start = time.perf_counter()
-        time.sleep(stage.b)
-        stage.spans.append(("B", start, time.perf_counter()))
+        _sleep(ctx.stage, "B", ctx.stage.b)
         return grad.clone(), None
 
 
@@ -69,10 +70,7 @@ class _SleepWeight(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        stage = ctx.stage
-        start = time.perf_counter()
-        time.sleep(stage.w)
-        stage.spans.append(("W", start, time.perf_counter()))
+        _sleep(ctx.stage, "W", ctx.stage.w)
         return grad.clone(), None
 
 
@@ -269,8 +267,7 @@ def zero_bubble_benchmark(args) -> dict:
             for mod in stages.values():
                 mod.spans = []
             took = _timed(step)
-            # ours: the executor's action spans (its W re-runs the input path, see executor.py);
-            # torch: the sleeps themselves, as its actions do not time them apart
+            # ours: the executor's action spans; torch: the sleeps themselves (its actions are not timed)
             rows = [tuple(sp) for sp in executor.spans] if executor else _spans(stages, rank)
             work = torch.tensor(sum(r[4] - r[3] for r in rows))
             dist.all_reduce(work)
@@ -300,9 +297,17 @@ def zero_bubble_benchmark(args) -> dict:
     return result
 
 
-def zero_bubble_report(out: Path) -> str:
+def _render(entry: dict, path: Path, name: str, args) -> None:
+    """Timeline PNG of one variant's last measured step, in ms from its first action."""
     from meshtron.parallel.pipeline.show import render_timeline
 
+    start = min(r[3] for r in entry["spans"])
+    spans = [(r[0], r[1], r[2], (r[3] - start) * 1e3, (r[4] - start) * 1e3, r[5]) for r in entry["spans"]]
+    title = f"{name}: pp={args.pp}, m={args.microbatches}, v={entry['virtual']}, time in ms"
+    render_timeline(spans, str(path), title, pp=args.pp)
+
+
+def zero_bubble_report(out: Path) -> str:
     zb = json.loads((out / "pipeline_zb.json").read_text())
     args = argparse.Namespace(**zb["setting"])
     lines = [
@@ -312,7 +317,7 @@ def zero_bubble_report(out: Path) -> str:
         f"Median (and min) of {args.repeats} steps per variant, ours and torch's taking turns; load average "
         f"{zb['load_average']:.1f} on {os.cpu_count()} CPUs at the end of the run. Analytic: our schedule "
         "simulated with these costs. Bubble: 1 - busy / (pp * step), busy = ours: time inside our F/B/W "
-        "actions (our W re-runs the input-gradient path, so it sleeps b + w); torch: time inside the sleeps. "
+        "actions (their Python and autograd overhead included); torch: time inside the sleeps. "
         "Peak: micro-batch activations (chunks) held at once per rank, ours measured by the executor and "
         "predicted by `peak_in_flight`.",
         "",
@@ -332,11 +337,7 @@ def zero_bubble_report(out: Path) -> str:
             f"| {ours['measured_peak']} | {ours['predicted_peak']} |"
         )
         for who in ("ours", "torch"):
-            entry = zb[f"{who}/{kind}"]
-            start = min(r[3] for r in entry["spans"])
-            spans = [(r[0], r[1], r[2], (r[3] - start) * 1e3, (r[4] - start) * 1e3, r[5]) for r in entry["spans"]]
-            title = f"CPU sleep stages, {who} {kind}: pp={args.pp}, m={args.microbatches}, v={entry['virtual']}, ms"
-            render_timeline(spans, str(out / f"pipeline_zb_{who}_{kind}.png"), title, pp=args.pp)
+            _render(zb[f"{who}/{kind}"], out / f"pipeline_zb_{who}_{kind}.png", f"CPU sleep stages, {who} {kind}", args)
     lines += ["", "Steps (ms) per variant, in run order:", ""]
     for key, entry in zb.items():
         if "/" in key:
@@ -446,8 +447,6 @@ def _span_stats(spans) -> tuple[float, float, float]:
 
 
 def report(args) -> str:
-    from meshtron.parallel.pipeline.show import render_timeline
-
     out = Path(args.out)
     sleep = json.loads((out / "pipeline_sleep.json").read_text())
     args = argparse.Namespace(**sleep["setting"])
@@ -470,11 +469,7 @@ def report(args) -> str:
             f"| {ours['analytic_bubble']:.3f} | {_ratio(ours['bubble'], ours['analytic_bubble'], 2)} |"
         )
         for who in ("ours", "torch"):
-            entry = sleep[f"{who}/{kind}"]
-            start = min(r[3] for r in entry["spans"])
-            spans = [(r[0], r[1], r[2], (r[3] - start) * 1e3, (r[4] - start) * 1e3, r[5]) for r in entry["spans"]]
-            title = f"{who} {kind}: pp={args.pp}, m={args.microbatches}, v={entry['virtual']}, time in ms"
-            render_timeline(spans, str(out / f"pipeline_{who}_{kind}.png"), title, pp=args.pp)
+            _render(sleep[f"{who}/{kind}"], out / f"pipeline_{who}_{kind}.png", f"{who} {kind}", args)
     lines += [
         "",
         "Per-action floor of this machine: each rank replays its own compute actions back to back with no "
