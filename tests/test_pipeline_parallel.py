@@ -322,6 +322,8 @@ def _meta_model(cfg):
         (_config(DENSE, 4, 2, "1f1b", 3), "microbatches = 3 is fewer than pp = 4"),
         (_config(DENSE, 4, 2, "interleaved", 6, 2), "not a multiple of pp = 4"),
         (_config(DENSE, 8, 1, "interleaved", 8, 2), "num_hidden_layers = 8 is fewer than"),
+        (_config(DENSE, 4, 2, "zbv", 6, 2), r"zbv: microbatches = 6 is fewer than 2 \* pp = 8"),
+        (_config(DENSE, 4, 2, "dualpipev", 6, 2), r"dualpipev: microbatches = 6 is fewer than the 8 stages"),
     ],
 )
 def test_invalid_pipeline_layouts_fail_before_any_collective(cfg, message):
