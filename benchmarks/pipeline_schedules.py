@@ -9,7 +9,12 @@
   ``ScheduleInterleaved1F1B`` take turns step by step on the very same stage modules, so load on
   the machine hits all of them alike;
 * real compute: a small meshtron Transformer, our ``PipelineRunner`` against torch's schedules
-  wrapping the runner's own chunks (same parameters, same micro-batches, same loss).
+  wrapping the runner's own chunks (same parameters, same micro-batches, same loss);
+* zero-bubble (``--parts zb``): sleep stages whose backward has an input-gradient path sleeping
+  ``b`` and a weight path sleeping ``w``; ours (``zb1p``, ``zbv``, ``dualpipev``) against torch's
+  ``ScheduleInterleavedZeroBubble`` (one stage per rank: ZB1P), ``ScheduleZBVZeroBubble`` and
+  ``ScheduleDualPipeV``, taking turns step by step. Writes ``pipeline_zb.json``,
+  ``pipeline_zb.md`` and ``pipeline_zb_{ours,torch}_{schedule}.png``.
 
 Writes ``pipeline_{sleep,real}.json``, ``pipeline_table.md`` and timeline PNGs (``show.render_timeline``) to ``--out``.
 Step time is the slowest rank's wall time between a barrier and the end of its step; the median
@@ -36,22 +41,50 @@ from meshtron.parallel.pipeline.simulate import analytic_bubble
 SLEEP_ACTIVATION = (1, 16, 64)  # [micro-batch, sequence, hidden] sent between sleep stages
 
 
+def _sleep(stage, kind: str, seconds: float) -> None:
+    start = time.perf_counter()
+    time.sleep(seconds)
+    stage.spans.append((kind, start, time.perf_counter()))
+
+
 class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, stage):
         ctx.stage = stage
-        start = time.perf_counter()
-        time.sleep(stage.f)
-        stage.spans.append(("F", start, time.perf_counter()))
+        _sleep(stage, "F", stage.f)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        stage = ctx.stage
-        start = time.perf_counter()
-        time.sleep(stage.b)
-        stage.spans.append(("B", start, time.perf_counter()))
+        _sleep(ctx.stage, "B", ctx.stage.b)
         return grad.clone(), None
+
+
+class _SleepWeight(torch.autograd.Function):
+    """Identity on the weight whose backward sleeps ``w``: the weight-gradient path of a sleep stage."""
+
+    @staticmethod
+    def forward(ctx, weight, stage):
+        ctx.stage = stage
+        return weight.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _sleep(ctx.stage, "W", ctx.stage.w)
+        return grad.clone(), None
+
+
+class SplitSleepStage(nn.Module):
+    """A chunk with a splittable backward: the gradient w.r.t. the input sleeps ``b`` (in ``_Sleep``),
+    the weight's gradient ``w`` (in ``_SleepWeight``), forward ``f``."""
+
+    def __init__(self, f: float, b: float, w: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(()))
+        self.f, self.b, self.w, self.spans = f, b, w, []
+
+    def forward(self, x):
+        return _Sleep.apply(x, self) * _SleepWeight.apply(self.weight, self)
 
 
 class SleepStage(nn.Module):
@@ -70,7 +103,7 @@ def _spans(stages: dict[int, SleepStage], rank: int) -> list[tuple]:
     """(rank, kind, mb, start, end, stage); each chunk runs its micro-batches in order per kind."""
     rows = []
     for s, mod in stages.items():
-        seen = {"F": 0, "B": 0}
+        seen = {"F": 0, "B": 0, "W": 0}
         for kind, start, end in mod.spans:
             rows.append((rank, kind, seen[kind], start, end, s))
             seen[kind] += 1
@@ -180,6 +213,138 @@ def sleep_benchmark(args) -> dict:
     return result
 
 
+ZERO_BUBBLE = ("zb1p", "zbv", "dualpipev")
+
+
+def _torch_zero_bubble(kind: str, modules: dict[int, nn.Module], m: int, num_stages: int, loss_fn):
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        ScheduleDualPipeV,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
+    stages = [PipelineStage(mod, s, num_stages, torch.device("cpu")) for s, mod in sorted(modules.items())]
+    cls = {"zb1p": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[kind]
+    return cls(stages, m, loss_fn=loss_fn, scale_grads=False)
+
+
+def zero_bubble_benchmark(args) -> dict:
+    """Ours and torch's zero-bubble schedules on the same split sleep stages, steps taking turns."""
+    from meshtron.parallel.pipeline import build_schedule, peak_in_flight, simulate
+    from meshtron.parallel.pipeline.executor import PipelineExecutor
+    from meshtron.parallel.pipeline.split import chunk_rank
+
+    pp, m, rank = args.pp, args.microbatches, dist.get_rank()
+    group = dist.group.WORLD
+    grads = dist.new_group(list(range(pp)))  # gradients on their own communicator (executor doc)
+    variants, predicted = {}, {}
+    for kind in ZERO_BUBBLE:
+        v = 1 if kind == "zb1p" else 2
+        n, v_shape = pp * v, kind != "zb1p"
+        costs = [c / 1e3 / v for c in (args.f_ms, args.b_ms, args.w_ms)]
+        stages = {s: SplitSleepStage(*costs) for s in range(n) if chunk_rank(s, pp, v_shape) == rank}
+        batch = torch.randn(m * SLEEP_ACTIVATION[0], *SLEEP_ACTIVATION[1:])
+        inputs = list(batch.chunk(m))
+        schedule = build_schedule(kind, pp, m, v)
+        executor = PipelineExecutor(schedule[rank], n, group, grad_group=grads)
+        executor.record = True
+
+        def ours(stages=stages, executor=executor, inputs=inputs):
+            executor.run(lambda s, x, mb: stages[s](x), inputs, lambda out, mb: out.mean(),
+                         (SLEEP_ACTIVATION, torch.float32))
+
+        sim = simulate(schedule, *(c * 1e3 for c in costs[:2]), 0, w_cost=costs[2] * 1e3, rendezvous=False)
+        predicted[kind] = (sim.makespan / 1e3, sim.bubble, [peak_in_flight(steps) for steps in schedule], v)
+        variants[("ours", kind)] = (stages, ours, executor)
+        theirs = _torch_zero_bubble(kind, stages, m, n, lambda out, target: out.mean())
+        variants[("torch", kind)] = (stages, _torch_step(theirs, stages, n, batch, batch), None)
+    times = {key: [] for key in variants}
+    busy = {key: [] for key in variants}
+    spans, peaks = {}, {}
+    for rep in range(args.repeats + 1):
+        for key, (stages, step, executor) in variants.items():
+            for mod in stages.values():
+                mod.spans = []
+            took = _timed(step)
+            # ours: the executor's action spans; torch: the sleeps themselves (its actions are not timed)
+            rows = [tuple(sp) for sp in executor.spans] if executor else _spans(stages, rank)
+            work = torch.tensor(sum(r[4] - r[3] for r in rows))
+            dist.all_reduce(work)
+            if rep:
+                times[key].append(took)
+                busy[key].append(work.item())
+            spans[key] = rows
+            if executor:
+                peaks[key] = executor.peak_live
+    gathered = [None] * pp if rank == 0 else None
+    dist.gather_object((spans, peaks), gathered, dst=0)
+    result = {}
+    for key in variants:
+        step = statistics.median(times[key])
+        makespan, bubble, peak, v = predicted[key[1]]
+        result["/".join(key)] = {
+            "step_s": step,
+            "steps_s": times[key],
+            "analytic_step_s": makespan,
+            "bubble": 1 - statistics.median(busy[key]) / (pp * step),
+            "analytic_bubble": bubble,
+            "predicted_peak": peak,
+            "measured_peak": [g[1].get(key) for g in gathered] if rank == 0 else None,
+            "virtual": v,
+            "spans": [row for g in gathered for row in g[0][key]] if rank == 0 else None,
+        }
+    return result
+
+
+def _render(entry: dict, path: Path, name: str, args) -> None:
+    """Timeline PNG of one variant's last measured step, in ms from its first action."""
+    from meshtron.parallel.pipeline.show import render_timeline
+
+    start = min(r[3] for r in entry["spans"])
+    spans = [(r[0], r[1], r[2], (r[3] - start) * 1e3, (r[4] - start) * 1e3, r[5]) for r in entry["spans"]]
+    title = f"{name}: pp={args.pp}, m={args.microbatches}, v={entry['virtual']}, time in ms"
+    render_timeline(spans, str(path), title, pp=args.pp)
+
+
+def zero_bubble_report(out: Path) -> str:
+    zb = json.loads((out / "pipeline_zb.json").read_text())
+    args = argparse.Namespace(**zb["setting"])
+    lines = [
+        f"## Zero-bubble schedules, sleep stages (CPU, gloo): pp = {args.pp}, m = {args.microbatches}, per rank "
+        f"F {args.f_ms:g} ms, B {args.b_ms:g} ms, W {args.w_ms:g} ms (per chunk divided by v)",
+        "",
+        f"Median (and min) of {args.repeats} steps per variant, ours and torch's taking turns; load average "
+        f"{zb['load_average']:.1f} on {os.cpu_count()} CPUs at the end of the run. Analytic: our schedule "
+        "simulated with these costs. Bubble: 1 - busy / (pp * step), busy = ours: time inside our F/B/W "
+        "actions (their Python and autograd overhead included); torch: time inside the sleeps. "
+        "Peak: micro-batch activations (chunks) held at once per rank, ours measured by the executor and "
+        "predicted by `peak_in_flight`.",
+        "",
+        "| schedule | torch counterpart | v | ours step (ms) | torch step (ms) | ours / torch | ours min | torch min "
+        "| analytic (ms) | ours / analytic | ours bubble | torch bubble | analytic bubble | ours peak (measured) "
+        "| ours peak (predicted) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    counterpart = {"zb1p": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
+    for kind in ZERO_BUBBLE:
+        ours, theirs = zb[f"ours/{kind}"], zb[f"torch/{kind}"]
+        lines.append(
+            _step_cells(kind, ours, theirs).replace(f"| {kind} |", f"| {kind} | {counterpart[kind]} |", 1)
+            + f" | {ours['analytic_step_s'] * 1e3:.1f} | {_ratio(ours['step_s'], ours['analytic_step_s'], 3)} "
+            f"| {ours['bubble']:.3f} | {theirs['bubble']:.3f} | {ours['analytic_bubble']:.3f} "
+            f"| {ours['measured_peak']} | {ours['predicted_peak']} |"
+        )
+        for who in ("ours", "torch"):
+            _render(zb[f"{who}/{kind}"], out / f"pipeline_zb_{who}_{kind}.png", f"CPU sleep stages, {who} {kind}", args)
+    lines += ["", "Steps (ms) per variant, in run order:", ""]
+    for key, entry in zb.items():
+        if "/" in key:
+            lines.append(f"- {key}: " + ", ".join(f"{t * 1e3:.1f}" for t in entry["steps_s"]))
+    return "\n".join(lines) + "\n"
+
+
 class _ChunkModule(nn.Module):
     """nn.Module face of one of our StageChunks (torch's PipelineStage needs a module)."""
 
@@ -247,7 +412,8 @@ def real_benchmark(args) -> dict:
 def _rank_main(args):
     torch.manual_seed(0)
     for part in args.parts:
-        result = sleep_benchmark(args) if part == "sleep" else real_benchmark(args)
+        run = {"sleep": sleep_benchmark, "real": real_benchmark, "zb": zero_bubble_benchmark}[part]
+        result = run(args)
         if dist.get_rank() == 0:
             result["setting"] = {k: v for k, v in vars(args).items() if k != "parts"}
             result["load_average"] = os.getloadavg()[0]
@@ -281,8 +447,6 @@ def _span_stats(spans) -> tuple[float, float, float]:
 
 
 def report(args) -> str:
-    from meshtron.parallel.pipeline.show import render_timeline
-
     out = Path(args.out)
     sleep = json.loads((out / "pipeline_sleep.json").read_text())
     args = argparse.Namespace(**sleep["setting"])
@@ -305,11 +469,7 @@ def report(args) -> str:
             f"| {ours['analytic_bubble']:.3f} | {_ratio(ours['bubble'], ours['analytic_bubble'], 2)} |"
         )
         for who in ("ours", "torch"):
-            entry = sleep[f"{who}/{kind}"]
-            start = min(r[3] for r in entry["spans"])
-            spans = [(r[0], r[1], r[2], (r[3] - start) * 1e3, (r[4] - start) * 1e3, r[5]) for r in entry["spans"]]
-            title = f"{who} {kind}: pp={args.pp}, m={args.microbatches}, v={entry['virtual']}, time in ms"
-            render_timeline(spans, str(out / f"pipeline_{who}_{kind}.png"), title, pp=args.pp)
+            _render(sleep[f"{who}/{kind}"], out / f"pipeline_{who}_{kind}.png", f"{who} {kind}", args)
     lines += [
         "",
         "Per-action floor of this machine: each rank replays its own compute actions back to back with no "
@@ -375,8 +535,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--virtual", type=int, default=2)
     parser.add_argument("--f-ms", type=float, default=20.0, help="forward time of one rank's share of the model")
     parser.add_argument("--b-ms", type=float, default=40.0, help="backward time of one rank's share")
+    parser.add_argument("--w-ms", type=float, default=20.0,
+                        help="zb part: weight-gradient time of one rank's share (--b-ms is then the input-gradient "
+                             "part; the zero-bubble run in the results used --b-ms 20)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--parts", default="sleep,real", help="comma list of sleep, real; empty: report only")
+    parser.add_argument("--parts", default="sleep,real", help="comma list of sleep, real, zb; empty: report only")
     parser.add_argument("--real-microbatches", type=int, default=8)
     parser.add_argument("--real-repeats", type=int, default=9)
     parser.add_argument("--out", default="benchmarks/results")
@@ -386,9 +549,15 @@ def main(argv: list[str] | None = None) -> None:
         from meshtron.testing import run_checks
 
         run_checks([_rank_main], args.pp, args, timeout=1800)
-    text = report(args)
-    (Path(args.out) / "pipeline_table.md").write_text(text)
-    print(text)
+    out = Path(args.out)
+    if "zb" in args.parts or (not args.parts and (out / "pipeline_zb.json").is_file()):
+        text = zero_bubble_report(out)
+        (out / "pipeline_zb.md").write_text(text)
+        print(text)
+    if set(args.parts) - {"zb"} or not args.parts:
+        text = report(args)
+        (out / "pipeline_table.md").write_text(text)
+        print(text)
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ class ParallelConfig:
     ep: int = 1
     tp: int = 1
     sp: bool = False
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb1p | zbv | dualpipev
     virtual_stages: int = 1
     microbatches: int = 1
     # How dense params use dp x ep x cp (expert params: dp x cp): "fsdp" shards over all of it,
@@ -373,15 +373,20 @@ def _validate_layout(cfg: Config, source: str) -> None:
     where = f"{source}: [parallel]"
     for key in ("pp", "cp", "ep", "tp", "virtual_stages", "microbatches"):
         _require(getattr(p, key) >= 1, f"{where} {key} must be >= 1, got {getattr(p, key)}.")
-    schedules = ("gpipe", "1f1b", "interleaved")
+    schedules = ("gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
     _require(
         p.schedule in schedules,
         f"{where} schedule must be one of {', '.join(schedules)}, got '{p.schedule}'."
         + _closest(p.schedule, schedules),
     )
     _require(
-        p.virtual_stages == 1 or p.schedule == "interleaved",
-        f"{where} virtual_stages = {p.virtual_stages} needs schedule = 'interleaved'.",
+        p.virtual_stages == 1 or p.schedule in ("interleaved", "zbv", "dualpipev"),
+        f"{where} virtual_stages = {p.virtual_stages} needs schedule = 'interleaved', 'zbv' or 'dualpipev'.",
+    )
+    _require(
+        p.virtual_stages == 2 or p.schedule not in ("zbv", "dualpipev"),
+        f"{where} schedule = '{p.schedule}' needs virtual_stages = 2 (rank r runs stages r and 2 pp - 1 - r), "
+        f"got {p.virtual_stages}.",
     )
     _validate_data_parallel(p, source)
     _require(

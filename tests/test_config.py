@@ -187,6 +187,8 @@ IMPOSSIBLE = [
     ("debug_dense", "parallel", "schedule", "1F1B", r"schedule must be one of gpipe, 1f1b, interleaved.*Did you mean '1f1b'"),
     ("debug_dense", "parallel", "schedule", "interleave", r"Did you mean 'interleaved'"),
     ("debug_dense", "parallel", "virtual_stages", 2, r"virtual_stages = 2 needs schedule = 'interleaved'"),
+    ("debug_dense", "parallel", "schedule", "zbv", r"schedule = 'zbv' needs virtual_stages = 2 .*got 1"),
+    ("debug_dense", "parallel", "schedule", "dualpipe", r"Did you mean 'dualpipev'"),
     ("debug_dense", "parallel", "ep", 2, r"ep = 2 needs an MoE model"),
     ("debug_dense", "train", "dtype", "bf16", r"dtype must be one of float32, bfloat16, got 'bf16'.*Did you mean 'bfloat16'"),
     ("debug_dense", "train", "dtype", "float16", r"dtype must be one of float32, bfloat16"),

@@ -97,7 +97,9 @@ class SavedTensorTracker:
         self.live, self.tag, self.checked = weakref.WeakSet(), None, 0
 
     def pack(self, tensor):
-        saved = self._Saved(tensor, self.tag)
+        # The data, not the graph: a saved output would otherwise hold its own grad_fn, a cycle that
+        # only running that node's backward breaks (a split backward's W does not run every node).
+        saved = self._Saved(tensor.detach(), self.tag)
         self.live.add(saved)
         return saved
 
@@ -109,7 +111,7 @@ class SavedTensorTracker:
         return sum(1 for s in self.live if s.tag == tag)
 
     def install(self, executor):
-        forward, backward = executor._forward, executor._backward
+        forward, backward, weight = executor._forward, executor._backward, executor._weight
 
         def tagged_forward(a, *args):
             self.tag = (a.stage, a.mb)
@@ -119,10 +121,18 @@ class SavedTensorTracker:
 
         def checked_backward(index, a):
             backward(index, a)
-            assert self.count((a.stage, a.mb)) == 0, f"{a}: activations still alive after its backward"
+            if (a.stage, a.mb) in executor._split:  # a split backward keeps them for its W
+                assert self.count((a.stage, a.mb)) > 0, f"{a}: activations freed before its W"
+            else:
+                assert self.count((a.stage, a.mb)) == 0, f"{a}: activations still alive after its backward"
+                self.checked += 1
+
+        def checked_weight(index, a):
+            weight(index, a)
+            assert self.count((a.stage, a.mb)) == 0, f"{a}: activations still alive after its W"
             self.checked += 1
 
-        executor._forward, executor._backward = tagged_forward, checked_backward
+        executor._forward, executor._backward, executor._weight = tagged_forward, checked_backward, checked_weight
 
 
 LAYOUTS = [
@@ -139,8 +149,23 @@ LAYOUTS = [
 ]
 
 
-def check_pipeline_matches_single_process(_folder):
-    for layout in LAYOUTS:
+# The zero-bubble schedules, each with pp x dp (FSDP inside stages) and pp x tp, dense and MoE.
+ZERO_BUBBLE_LAYOUTS = [
+    (DENSE, 4, 2, "zb1p", 4, 1),
+    (MOE, 4, 1, "zb1p", 5, 1, 2),
+    (DENSE, 4, 1, "zbv", 8, 2, 2),
+    (MOE, 4, 2, "zbv", 8, 2),
+    (MOE, 4, 1, "dualpipev", 8, 2, 2),
+    (DENSE, 2, 4, "dualpipev", 4, 2),
+]
+
+
+def check_zero_bubble_schedules_match_single_process(_folder):
+    check_pipeline_matches_single_process(_folder, ZERO_BUBBLE_LAYOUTS)
+
+
+def check_pipeline_matches_single_process(_folder, layouts=LAYOUTS):
+    for layout in layouts:
         cfg = _config(*layout)
         p = cfg.parallel
         mesh = build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
@@ -249,12 +274,13 @@ def test_pipeline_matches_single_process_on_8_ranks():
         run_checks(
             [
                 check_pipeline_matches_single_process,
+                check_zero_bubble_schedules_match_single_process,
                 check_fsdp_gathers_and_reduces_once_per_step,
                 check_clipping_and_export_cover_all_stages,
             ],
             8,
             f"{tmp}/hf",
-            timeout=240,
+            timeout=420,
         )
 
 
@@ -296,6 +322,8 @@ def _meta_model(cfg):
         (_config(DENSE, 4, 2, "1f1b", 3), "microbatches = 3 is fewer than pp = 4"),
         (_config(DENSE, 4, 2, "interleaved", 6, 2), "not a multiple of pp = 4"),
         (_config(DENSE, 8, 1, "interleaved", 8, 2), "num_hidden_layers = 8 is fewer than"),
+        (_config(DENSE, 4, 2, "zbv", 6, 2), r"zbv: microbatches = 6 is fewer than 2 \* pp = 8"),
+        (_config(DENSE, 4, 2, "dualpipev", 6, 2), r"dualpipev: microbatches = 6 is fewer than the 8 stages"),
     ],
 )
 def test_invalid_pipeline_layouts_fail_before_any_collective(cfg, message):
@@ -304,3 +332,39 @@ def test_invalid_pipeline_layouts_fail_before_any_collective(cfg, message):
         validate_layout(cfg, cfg.parallel.pp * cfg.parallel.dp)
     with pytest.raises(ConfigError, match=message):
         PipelineRunner(_meta_model(cfg), None, cfg, torch.device("cpu"))
+
+
+def test_split_backward_gives_the_whole_backwards_gradients_and_frees_at_w():
+    """B (input gradient, node gradients recorded) then W (weights only) on a MoE chunk equals one
+    whole backward, and W leaves nothing saved behind."""
+    from meshtron.parallel.pipeline.executor import _backward_input
+
+    cfg = _config(MOE, 2, 1, "zbv", 4, 2)
+    model = _random_model(cfg)
+    ids, _ = _batch(cfg)
+    positions = torch.arange(SEQ).expand(ids.shape[0], -1)
+    hidden = model(ids, positions, layers=range(0, 2)).detach()
+    grad = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
+
+    def run(split):
+        model.zero_grad(set_to_none=True)
+        tracker = SavedTensorTracker()
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+            x = hidden.clone().requires_grad_()
+            out = model(x, positions, layers=range(2, 4))
+        if not split:
+            out.backward(grad)
+            return x.grad, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, tracker
+        deferred = _backward_input(out, grad, x, capture=True)
+        assert deferred.nodes and all(p.grad is None for p in model.parameters()), "B touched a weight"
+        x_grad = x.grad
+        deferred.run(out, whole=False)
+        del out, deferred
+        return x_grad, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, tracker
+
+    x_ref, ref, _ = run(False)
+    x_grad, grads, tracker = run(True)
+    assert rel_err(x_grad, x_ref) < 1e-6 and grads.keys() == ref.keys() and ref
+    for name, g in ref.items():
+        assert rel_err(grads[name], g) < 1e-5, name
+    assert len(tracker.live) == 0

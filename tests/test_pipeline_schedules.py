@@ -16,6 +16,7 @@ from meshtron.parallel.pipeline import (
     RECV_F,
     SEND_B,
     SEND_F,
+    W,
     Action,
     DeadlockError,
     analytic_bubble,
@@ -261,3 +262,110 @@ def test_render_measured_timeline(tmp_path):
     out = tmp_path / "measured.png"
     render_timeline(measured, str(out), title="measured")
     assert out.read_bytes()[:8] == PNG_HEADER
+
+
+ZB_CASES = [(name, pp, m) for name in ("zb1p", "zbv", "dualpipev") for pp in (2, 4, 8) for m in (2 * pp, 3 * pp + 1)]
+
+
+def _zb_ids(case):
+    return "{}-pp{}-m{}".format(*case)
+
+
+def _zb_schedule(name, pp, m):
+    return build_schedule(name, pp, m, 1 if name == "zb1p" else 2)
+
+
+@pytest.mark.parametrize("case", ZB_CASES, ids=_zb_ids)
+def test_zero_bubble_schedules_run_every_pass_once_in_data_flow_order(case):
+    name, pp, m = case
+    steps = _zb_schedule(name, pp, m)
+    chunks = 1 if name == "zb1p" else 2
+    result = simulate(steps, 1, 1, 0, w_cost=1, rendezvous=False)  # raises on deadlock or local disorder
+    span = {(s.kind, s.stage, s.mb): s for line in result.timelines for s in line}
+    last = pp * chunks - 1
+    for i in range(m):
+        for s in range(last):
+            assert span[(F, s + 1, i)].start >= span[(F, s, i)].end
+            assert span[(B, s, i)].start >= span[(B, s + 1, i)].end
+        for s in range(last + 1):
+            if (W, s, i) in span:
+                assert span[(W, s, i)].start >= span[(B, s, i)].end
+    assert len(span) == len([x for line in result.timelines for x in line])  # nothing twice
+    assert {(k, s, i) for k, s, i in span if k != W} == {(k, s, i) for k in (F, B) for s in range(last + 1) for i in range(m)}
+    split = {(s, i) for k, s, i in span if k == W}
+    assert split == {(s, i) for s in range(last + 1) for i in range(m)} or name == "dualpipev"
+    match_p2p(steps)
+    if name == "zb1p":  # one communicator for both directions would do too, as for 1F1B
+        match_p2p(steps, one_channel=True)
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+@pytest.mark.parametrize("m_per_pp", [2, 3, 4])
+def test_zero_bubble_bubbles_match_the_papers_unit_cost_figures(pp, m_per_pp):
+    """Qi et al., for F = B = W (bubble time over ideal time): 1F1B (p-1)/m, ZB-H1 (p-1)/(3m); ZB-V
+    rounds its fill to 0: exactly one chunk slot per rank, (p-1)/(6m) with two chunks of unit costs."""
+    m = m_per_pp * pp
+
+    def ratio(name, v):
+        result = simulate(build_schedule(name, pp, m, v), 1, 1, 0, w_cost=1, rendezvous=False)
+        return result.bubble / (1 - result.bubble)
+
+    assert ratio("1f1b", 1) == pytest.approx((pp - 1) / m)
+    assert ratio("zb1p", 1) == pytest.approx((pp - 1) / (3 * m))
+    assert ratio("zbv", 2) == pytest.approx((pp - 1) / (6 * m))
+    # DualPipeV runs its paired slots' backwards whole: two chunk slots of fill per rank
+    assert ratio("dualpipev", 2) == pytest.approx(2 * (pp - 1) / (6 * m))
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_zero_bubble_memory_is_one_f_one_bs_peak(pp):
+    m = 3 * pp
+    # ZB-H1: pp micro-batches on every rank, the peak 1F1B has on its first rank
+    assert [peak_in_flight(s) for s in build_schedule("zb1p", pp, m)] == [pp] * pp
+    # ZB-V: 2 pp chunk activations, each half a rank's layers: again pp micro-batches' worth
+    assert [peak_in_flight(s) for s in build_schedule("zbv", pp, m, 2)] == [2 * pp] * pp
+    # DualPipeV keeps one chunk more than ZB-V (DeepSeek-V3: pp + 1 micro-batches' worth)
+    assert [peak_in_flight(s) for s in build_schedule("dualpipev", pp, m, 2)] == [2 * pp + 1] * pp
+
+
+def test_zb1p_passes_the_strict_rendezvous_model_too():
+    for pp in (2, 4, 8):
+        assert simulate(build_schedule("zb1p", pp, 2 * pp), 1, 1, 0, w_cost=1).bubble == pytest.approx(
+            simulate(build_schedule("zb1p", pp, 2 * pp), 1, 1, 0, w_cost=1, rendezvous=False).bubble
+        )
+
+
+def test_v_shape_places_stages_down_and_back_up():
+    assert split_layers(8, 2, 2, v_shape=True) == [[range(0, 2), range(6, 8)], [range(2, 4), range(4, 6)]]
+    steps = build_schedule("zbv", 2, 4, 2)
+    # the turn of the V (stages 1 and 2 on rank 1) hands over locally: no p2p between them
+    assert not [op for op in _ops(steps[1]) if op.stage in (1, 2) and op.kind in (SEND_F, RECV_B) and op.stage == 1]
+    assert {op.peer for r in range(2) for op in _ops(steps[r])} == {0, 1}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("zbv", 4, 8, 1), r"zbv: needs virtual_stages = 2 .*set \[parallel\] virtual_stages = 2"),
+        (("zbv", 4, 7, 2), r"zbv: microbatches = 7 is fewer than 2 \* pp = 8.*microbatches >= 8"),
+        (("dualpipev", 2, 3, 2), r"dualpipev: microbatches = 3 is fewer than the 4 stages.*microbatches >= 4"),
+        (("zb1p", 4, 3, 1), r"microbatches = 3 is fewer than pp = 4"),
+        (("zb1p", 4, 8, 2), r"virtual_stages = 2 needs schedule = 'interleaved', 'zbv' or 'dualpipev'"),
+    ],
+)
+def test_zero_bubble_constraints_are_clear_errors(args, message):
+    with pytest.raises(ValueError, match=message):
+        build_schedule(*args)
+
+
+def test_show_draws_zero_bubble_schedules_with_weight_passes(tmp_path, capsys):
+    out = tmp_path / "zbv.png"
+    show_main(["--pp", "4", "--microbatches", "16", "--schedule", "zbv", "--w", "1", "--out", str(out)])
+    assert out.read_bytes()[:8] == PNG_HEADER
+    printed = capsys.readouterr().out
+    assert "zbv pp=4 microbatches=16 virtual=2 f=1.0 b=1.0 w=1.0" in printed
+    assert "bubble 0.0303 (simulated), 0.0303 (analytic for f = b = w)" in printed
+    assert "peak in-flight microbatches per rank [8, 8, 8, 8]" in printed
+    with pytest.raises(SystemExit):
+        show_main(["--pp", "4", "--microbatches", "6", "--schedule", "dualpipev"])
+    assert "microbatches >= 8" in capsys.readouterr().err

@@ -22,10 +22,25 @@ Memory. A stage keeps, per micro-batch in flight, the input it received (for its
 its output (the autograd graph of the chunk); both are dropped as soon as that micro-batch's
 backward has run, and sent tensors as soon as their batch completes.
 
+Split backward (``B`` then ``W``, zero-bubble schedules). ``B`` runs autograd from the stage
+output with ``inputs=`` the stage input only and ``retain_graph``: it produces the gradient the
+previous stage waits for and leaves the weights' ``.grad`` untouched. Before it, every graph node
+on the path from the output to the input that also has an edge off that path (into a weight's
+gradient: a linear, a norm, a router) gets a pre-hook that records the gradient it receives. ``W``
+restarts autograd at those nodes with the recorded gradients and asks only for the weights below
+them, accumulating into ``.grad``; it re-runs no input-gradient work. The first stage has no input
+gradient, so its ``B`` is empty and its ``W`` the whole backward. Memory: a micro-batch's saved
+activations live from its ``F`` to its ``W`` (``schedules.peak_in_flight`` counts exactly that)
+plus the recorded gradients (at most one per weight-consuming node, activation-sized); dropping
+the output and the records at ``W`` frees them all. FSDP2 accumulates and reduce-scatters in hooks
+of the backward traversal, so in a stage with FSDP units ``W`` runs the whole backward again from
+the stored output gradient instead (its cost is then a whole backward's, input-gradient matmuls
+included; the captured path is not wired to FSDP's hooks yet).
+
 Gradient accumulation and FSDP. Backward calls accumulate into ``.grad`` over micro-batches, as
 in the non-pipelined runner. Every FSDP2 unit of a chunk is held unsharded through the step: its
 first forward all-gathers it, and it is neither resharded after forward or backward nor
-reduced until the chunk's last backward of the run (a unit shared by several chunks, the stage
+reduced until the chunk's last backward of the run (its last ``W`` if split; a unit shared by several chunks, the stage
 root, until the last of theirs), which then reduce-scatters the accumulated gradients and frees
 the gathered parameters. So each unit is gathered once and reduced once per step, not once per
 micro-batch: with FSDP's default reshard-after-forward, the 1F1B steady state would gather the
@@ -45,9 +60,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+from torch.autograd.graph import GradientEdge
 from torch.distributed.tensor import DTensor
 
-from meshtron.parallel.pipeline.schedules import B, F, P2P, RECV_B, RECV_F, SEND_B, SEND_F, Action, Step
+from meshtron.parallel.pipeline.schedules import (
+    B,
+    F,
+    P2P,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    W,
+    Action,
+    Step,
+    split_backwards,
+)
 from meshtron.parallel.pipeline.simulate import Span
 
 # forward(stage, x, mb) -> output: x is the stage's input (token ids or hidden states).
@@ -60,8 +88,12 @@ class PipelineExecutor:
     """Executes ``steps`` (one rank's schedule) over ``num_stages`` chunks.
 
     ``group`` is the pp process group (``mesh["pp"].get_group()``); schedule peers are pp-group
-    ranks and are mapped to global ranks once. ``chunk_units`` maps each local stage to the FSDP2
-    units (``FSDPModule``) whose parameters it uses, held unsharded through the step (module doc).
+    ranks and are mapped to global ranks once. ``grad_group`` (same ranks, another communicator)
+    carries the gradients, so activations and gradients between two ranks are two streams, each
+    matched in its own posting order (``simulate.match_p2p``); the V-shaped schedules need that,
+    the others also run with one group for both (the default). ``chunk_units`` maps each local
+    stage to the FSDP2 units (``FSDPModule``) whose parameters it uses, held unsharded through the
+    step (module doc).
     """
 
     def __init__(
@@ -70,9 +102,13 @@ class PipelineExecutor:
         num_stages: int,
         group,
         chunk_units: Mapping[int, Sequence[nn.Module]] | None = None,
+        grad_group=None,
     ):
         self.steps, self.num_stages, self.group = list(steps), num_stages, group
+        self.grad_group = group if grad_group is None else grad_group
         self.rank = dist.get_rank(group)
+        self._local_stages = {step.stage for step in self.steps if isinstance(step, Action)}
+        self._split = split_backwards(self.steps)
         self.peers = {
             op.peer: dist.get_global_rank(group, op.peer)
             for step in self.steps
@@ -88,6 +124,9 @@ class PipelineExecutor:
     def _reset(self) -> None:
         self._inputs: dict[tuple[int, int], torch.Tensor] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        # What a split backward's W still needs, and tensors handed to a stage on this rank.
+        self._deferred: dict[tuple[int, int], _Deferred] = {}
+        self._local: dict[tuple[str, int, int], torch.Tensor] = {}
         self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}
         # Posted receives: key -> (buffer, the works to wait for before reading it).
         self._inbox: dict[tuple[str, int, int], tuple[torch.Tensor, list]] = {}
@@ -123,12 +162,14 @@ class PipelineExecutor:
                     value = self._forward(step, forward, first_inputs, loss)
                     if value is not None:
                         total += value
-                else:
+                elif step.kind == B:
                     self._backward(i, step)
+                else:
+                    self._weight(i, step)
             for work, _ in self._sending:
                 work.wait()
         finally:
-            leftovers = self.live() + len(self._inbox) + len(self._outbox)
+            leftovers = self.live() + len(self._inbox) + len(self._outbox) + len(self._local)
             self._reset()
         if leftovers:
             raise RuntimeError(f"pipeline rank {self.rank}: {leftovers} tensors left over after the schedule")
@@ -147,7 +188,7 @@ class PipelineExecutor:
     def _forward(self, a: Action, forward: ForwardFn, first_inputs, loss: LossFn) -> torch.Tensor | None:
         """Runs F; returns the detached loss on the last stage."""
         key, last = (a.stage, a.mb), a.stage == self.num_stages - 1
-        x = first_inputs[a.mb] if a.stage == 0 else self._received((RECV_F, *key)).requires_grad_()
+        x = first_inputs[a.mb] if a.stage == 0 else self._input((RECV_F, *key), a.stage - 1).requires_grad_()
 
         def compute() -> torch.Tensor:
             out = forward(a.stage, x, a.mb)
@@ -155,7 +196,7 @@ class PipelineExecutor:
 
         out = self._timed(a, compute)
         if not last:
-            self._outbox[(SEND_F, *key)] = out.detach()
+            self._output((SEND_F, *key), a.stage + 1, out.detach())
         if a.stage > 0:
             self._inputs[key] = x
         self._outputs[key] = out
@@ -163,17 +204,55 @@ class PipelineExecutor:
         return out.detach() if last else None
 
     def _backward(self, index: int, a: Action) -> None:
-        key = (a.stage, a.mb)
-        for unit in self._release.get(index, ()):
-            _hold_unsharded(unit, False)
-        out = self._outputs.pop(key)
-        grad = None if a.stage == self.num_stages - 1 else self._received((RECV_B, *key))
-        self._timed(a, lambda: torch.autograd.backward(out, grad))
+        """The full backward, or of a split one (a ``W`` follows) only the gradient w.r.t. the stage
+        input: what the previous stage waits for (module doc)."""
+        key, split = (a.stage, a.mb), (a.stage, a.mb) in self._split
+        if not split:
+            self._release_units(index)
+        out = self._outputs[key] if split else self._outputs.pop(key)
+        grad = None if a.stage == self.num_stages - 1 else self._input((RECV_B, *key), a.stage + 1)
+        if not split:
+            self._timed(a, lambda: torch.autograd.backward(out, grad))
+        else:
+            x = self._inputs.get(key)
+            capture = not self._units  # FSDP2 accumulates and reduces in hooks of the whole backward
+            self._deferred[key] = self._timed(a, lambda: _backward_input(out, grad, x, capture))
         del out, grad
         if a.stage > 0:
             x = self._inputs.pop(key)
-            self._outbox[(SEND_B, *key)] = x.grad
+            self._output((SEND_B, *key), a.stage - 1, x.grad)
+            x.grad = None  # sent or handed over: a whole-backward W must not accumulate into it
             del x
+
+    def _weight(self, index: int, a: Action) -> None:
+        """Weight gradients of a split backward, accumulated into ``.grad``; frees the micro-batch's
+        graph and saved activations."""
+        key = (a.stage, a.mb)
+        releasing = bool(self._release.get(index))
+        self._release_units(index)
+        out, deferred = self._outputs.pop(key), self._deferred.pop(key)
+        self._timed(a, lambda: deferred.run(out, whole=releasing))
+        del out, deferred
+
+    def _release_units(self, index: int) -> None:
+        for unit in self._release.get(index, ()):
+            _hold_unsharded(unit, False)
+
+    def _input(self, key: tuple[str, int, int], source_stage: int) -> torch.Tensor:
+        """A stage's input activation or output gradient: handed over by a stage on this rank (the
+        turn of a V) or received."""
+        if source_stage in self._local_stages:
+            return self._local.pop(key)
+        return self._received(key)
+
+    def _output(self, key: tuple[str, int, int], target_stage: int, tensor: torch.Tensor | None) -> None:
+        """Queue ``tensor`` for its send, or hand it to the target stage when that runs here."""
+        if target_stage in self._local_stages:
+            if tensor is None:
+                raise RuntimeError(f"stage {key[1]}: the stage input has no gradient (does the chunk's output depend on it?)")
+            self._local[(RECV_F if key[0] == SEND_F else RECV_B, target_stage, key[2])] = tensor
+        else:
+            self._outbox[key] = tensor
 
     def _received(self, key: tuple[str, int, int]) -> torch.Tensor:
         tensor, works = self._inbox.pop(key)
@@ -182,9 +261,10 @@ class PipelineExecutor:
         return tensor
 
     def _exchange(self, step: P2P, boundary, device: torch.device) -> None:
-        """Posts the batch; receives are waited for by their consumer, sends by later batches."""
+        """Posts the batch (activations on ``group``, gradients on ``grad_group``: one batch per
+        communicator); receives are waited for by their consumer, sends by later batches."""
         shape, dtype = boundary
-        ops, posted = [], []
+        batches: dict[int, tuple[list, list]] = {}
         for op in step.ops:
             key = (op.kind, op.stage, op.mb)
             kind = dist.isend if op.kind in (SEND_F, SEND_B) else dist.irecv
@@ -193,35 +273,134 @@ class PipelineExecutor:
                 _check_boundary(tensor, shape, dtype, op)
             else:
                 tensor = torch.empty(shape, dtype=dtype, device=device)
-            ops.append(dist.P2POp(kind, tensor, self.peers[op.peer], self.group))
+            group = self.group if op.kind in (SEND_F, RECV_F) else self.grad_group
+            ops, posted = batches.setdefault(id(group), ([], []))
+            ops.append(dist.P2POp(kind, tensor, self.peers[op.peer], group))
             posted.append((kind, key, tensor))
-        works = dist.batch_isend_irecv(ops)
-        # Backends without coalescing return one work per op; NCCL one work for the whole batch.
-        per_op = [[w] for w in works] if len(works) == len(ops) else [list(works)] * len(ops)
         self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
-        for (kind, key, tensor), op_works in zip(posted, per_op):
-            if kind is dist.isend:
-                self._sending += [(w, tensor) for w in op_works]
-            else:
-                self._inbox[key] = (tensor, op_works)
+        for ops, posted in batches.values():
+            works = dist.batch_isend_irecv(ops)
+            # Backends without coalescing return one work per op; NCCL one work for the whole batch.
+            per_op = [[w] for w in works] if len(works) == len(ops) else [list(works)] * len(ops)
+            for (kind, key, tensor), op_works in zip(posted, per_op):
+                if kind is dist.isend:
+                    self._sending += [(w, tensor) for w in op_works]
+                else:
+                    self._inbox[key] = (tensor, op_works)
 
 
 def _release_points(steps: Sequence[Step], chunk_units: Mapping[int, Sequence[nn.Module]]):
-    """(every unit once, {step index: units to release before that backward}).
+    """(every unit once, {step index: units to release before that step}).
 
-    A unit is released at the last backward of the last chunk using it: its gradients are complete
-    only then (the stage root's hooks run with every chunk, so it waits for the rank's last backward).
+    A unit is released at the last weight-gradient pass (a ``W`` or an unsplit ``B``) of the last
+    chunk using it: its gradients are complete only then (the stage root's hooks run with every
+    chunk, so it waits for the rank's last one).
     """
-    last_backward = {step.stage: i for i, step in enumerate(steps) if isinstance(step, Action) and step.kind == B}
+    split = split_backwards(steps)
+    last_weights = {
+        step.stage: i
+        for i, step in enumerate(steps)
+        if isinstance(step, Action) and (step.kind == W or (step.kind == B and (step.stage, step.mb) not in split))
+    }
     units, release_at = {}, {}
     for stage, chunk in chunk_units.items():
         for unit in chunk:
             units[id(unit)] = unit
-            release_at[id(unit)] = max(release_at.get(id(unit), -1), last_backward[stage])
+            release_at[id(unit)] = max(release_at.get(id(unit), -1), last_weights[stage])
     release: dict[int, list[nn.Module]] = {}
     for key, index in release_at.items():
         release.setdefault(index, []).append(units[key])
     return list(units.values()), release
+
+
+class _Deferred:
+    """A split backward's pending weight work: the graph nodes on the path from the stage output
+    to its input that also feed weights, the output gradients they received in ``B``, and the
+    weights each one leads to."""
+
+    def __init__(self, grad: torch.Tensor | None, nodes: list[tuple[object, tuple, list]] | None):
+        self.grad, self.nodes = grad, nodes
+
+    def run(self, out: torch.Tensor, whole: bool) -> None:
+        """Accumulate the weight gradients from the captured node gradients. ``whole`` (or when the
+        capture does not apply: the first stage, a weight reached from two nodes) runs the backward
+        from the output again instead, so the hooks in it (FSDP's reduce-scatter) fire as usual."""
+        if whole or self.nodes is None:
+            torch.autograd.backward(out, self.grad)  # also recomputes the input gradient, which nobody reads
+            return
+        for node, grads, leaves in self.nodes:
+            edges = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
+            if not edges or not leaves:
+                continue
+            weights = torch.autograd.grad(
+                [e for e, _ in edges], [GradientEdge(leaf, 0) for leaf in leaves], [g for _, g in edges],
+                allow_unused=True,
+            )
+            for leaf, dw in zip(leaves, weights):
+                if dw is not None:
+                    param = leaf.variable
+                    param.grad = dw if param.grad is None else param.grad + dw
+
+
+def _backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None, capture: bool) -> _Deferred:
+    """``B``: the gradient w.r.t. ``x`` into ``x.grad``, keeping the graph, and what ``W`` needs.
+
+    With ``capture``, every node on a path from ``out`` to ``x`` with an edge off that path (into a
+    weight's gradient) gets a pre-hook that records the gradient it receives; ``W`` restarts from
+    there. Without, ``W`` runs the whole backward again.
+    """
+    if x is None:  # the first stage: no input gradient to compute, W runs the whole backward
+        return _Deferred(grad, None)
+    if not capture:
+        torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
+        return _Deferred(grad, None)
+    target = x.view_as(x).grad_fn.next_functions[0][0]  # x's gradient accumulator
+    on_path = _nodes_reaching(out.grad_fn, target)
+    branching = [n for n in on_path if any(c is not None and c not in on_path for c, _ in n.next_functions)]
+    captured: dict[object, tuple] = {}
+    handles = [n.register_prehook(lambda g, n=n: captured.__setitem__(n, g)) for n in branching]
+    try:
+        torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    nodes = [(n, captured[n], _weight_leaves(n, on_path)) for n in branching if n in captured]
+    leaves = [leaf for _, _, found in nodes for leaf in found]
+    if len(set(leaves)) < len(leaves):  # a weight fed from two nodes: per-node passes would miss the sum's order
+        return _Deferred(grad, None)
+    return _Deferred(grad, nodes)
+
+
+def _nodes_reaching(root, target) -> set:
+    """Autograd nodes from which ``target`` is reachable (``root``'s graph, iterative DFS)."""
+    reaches: dict[object, bool] = {}
+    stack = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if node in reaches:
+            continue
+        children = [c for c, _ in node.next_functions if c is not None]
+        if expanded:
+            reaches[node] = node is target or any(reaches.get(c, False) for c in children)
+        else:
+            stack.append((node, True))
+            stack += [(c, False) for c in children if c not in reaches]
+    return {n for n, r in reaches.items() if r}
+
+
+def _weight_leaves(node, on_path: set) -> list:
+    """Gradient accumulators of the weights below ``node``'s edges that leave ``on_path``."""
+    leaves, seen = [], set()
+    stack = [c for c, _ in node.next_functions if c is not None and c not in on_path]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if hasattr(n, "variable"):
+            leaves.append(n)
+        stack += [c for c, _ in n.next_functions if c is not None and c not in on_path]
+    return leaves
 
 
 def _hold_unsharded(unit: nn.Module, hold: bool) -> None:

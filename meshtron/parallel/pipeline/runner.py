@@ -41,7 +41,7 @@ from meshtron.parallel.step import (
     split_microbatches,
 )
 from meshtron.parallel.pipeline.executor import PipelineExecutor
-from meshtron.parallel.pipeline.schedules import build_schedule
+from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule
 from meshtron.parallel.pipeline.stage import build_chunks, check_pipeline, prune_to_stage
 
 
@@ -66,14 +66,28 @@ def _fsdp_units(chunk) -> list[nn.Module]:
     return units
 
 
+def _pipelines(mesh) -> list[list[int]]:
+    """Global ranks of every pipeline of the mesh, one row each, in stage order."""
+    pp = mesh["pp"].size()
+    return [[int(r) for r in row] for row in mesh.mesh.movedim(0, -1).reshape(-1, pp)]
+
+
+def _gradient_group(mesh):
+    """A second communicator over this rank's pipeline for the gradients, which the V-shaped
+    schedules need (``executor.py``).
+
+    Every rank creates every pipeline's group (a collective requirement of group creation).
+    """
+    group, _ = dist.new_subgroups_by_enumeration(_pipelines(mesh))
+    return group
+
+
 def _first_last_group(mesh):
     """Group of the first and last pp-rank of this rank's pipeline (None on the ranks between).
 
     Every rank creates every pipeline's pair (a collective requirement of group creation).
     """
-    pp = mesh["pp"].size()
-    pipelines = mesh.mesh.movedim(0, -1).reshape(-1, pp)  # global ranks, one row per pipeline
-    group, _ = dist.new_subgroups_by_enumeration([[int(r[0]), int(r[-1])] for r in pipelines])
+    group, _ = dist.new_subgroups_by_enumeration([[row[0], row[-1]] for row in _pipelines(mesh)])
     return group
 
 
@@ -89,7 +103,8 @@ class PipelineRunner:
         self.pp_mesh = pp_mesh = mesh["pp"]
         self.pp_group = pp_mesh.get_group()
         self.num_stages = p.pp * p.virtual_stages
-        stages = prune_to_stage(model, pp_mesh.get_local_rank(), p.pp, p.virtual_stages)
+        v_shape = p.schedule in V_SHAPED
+        stages = prune_to_stage(model, pp_mesh.get_local_rank(), p.pp, p.virtual_stages, v_shape)
         self.module = parallelize(model, mesh, cfg)
         materialize_sharded(self.module, device, cfg)
         self.chunks = build_chunks(self.module, stages, self.num_stages)
@@ -99,10 +114,11 @@ class PipelineRunner:
         self.moes = [m for layers in self._moe.values() for m in layers]
         steps = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)[pp_mesh.get_local_rank()]
         units = {s: _fsdp_units(c) for s, c in self.chunks.items()}
-        self.executor = PipelineExecutor(steps, self.num_stages, self.pp_group, units)
+        grads = _gradient_group(mesh) if v_shape else None
+        self.executor = PipelineExecutor(steps, self.num_stages, self.pp_group, units, grads)
         self._aux: torch.Tensor | None = None
         self._tied, self._tie_group = None, None
-        if cfg.model.tie_word_embeddings:
+        if cfg.model.tie_word_embeddings and not v_shape:  # a V holds both ends on rank 0: one weight
             self._tie_group = _first_last_group(mesh)
             self._tied = (self.module.embed_tokens or self.module.lm_head).weight if self._tie_group else None
 

@@ -4,11 +4,20 @@ Vocabulary. The model is cut into ``pp * v`` chunks (global *stages*, see ``spli
 ``s`` runs on pp-rank ``s % pp``. A schedule is ``list[list[Step]]``: for every pp-rank the steps
 it executes in order. A step is either
 
-* an :class:`Action` of kind ``F`` (forward of ``stage`` on microbatch ``mb``) or ``B`` (its
-  backward), or
+* an :class:`Action` of kind ``F`` (forward of ``stage`` on microbatch ``mb``), ``B`` (its
+  backward) or ``W`` (its weight gradients), or
 * a :class:`P2P` batch: point-to-point ops (``Action`` of kind ``SEND_F``, ``RECV_F``, ``SEND_B``,
   ``RECV_B``) that the executor posts together in one ``batch_isend_irecv`` and waits for
   before the next step.
+
+Split backward (zero-bubble schedules). When a schedule holds a ``W`` for ``(stage, mb)``, that
+micro-batch's ``B`` computes only the gradient w.r.t. the stage input (the one the previous stage
+waits for) and ``W`` the weight gradients later; a ``B`` without a ``W`` is the full backward.
+``W`` needs no communication, so it fills time a rank would otherwise wait.
+
+Placement. Stage ``s`` runs on ``chunk_rank(s, pp, v_shape)`` (``split.py``): round robin, or for
+``zbv`` / ``dualpipev`` down the ranks and back up. Neighbouring stages on the same rank (the
+turn of the V) hand tensors over locally, without p2p ops.
 
 Tensor roles (``peer`` is the other side's rank in pp-group coordinates):
 
@@ -41,9 +50,12 @@ of virtual stages (the simulator finds it for pp=2, 4, 8 with v=2, and gloo hang
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
-F, B = "F", "B"
+from meshtron.parallel.pipeline.split import chunk_rank
+
+F, B, W = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 
 
@@ -113,23 +125,27 @@ def _interleaved_slots(pp: int, m: int, v: int, rank: int) -> list[list[Action]]
     return slots + [[nth(k, B)] for k in range(total - warmup, total)]
 
 
-def _recvs_before(a: Action, pp: int, num_stages: int) -> list[Action]:
-    if a.kind == F and a.stage > 0:
-        return [Action(RECV_F, a.mb, a.stage, (a.stage - 1) % pp)]
-    if a.kind == B and a.stage < num_stages - 1:
-        return [Action(RECV_B, a.mb, a.stage, (a.stage + 1) % pp)]
-    return []
+def _peer_ops(a: Action, pp: int, num_stages: int, v_shape: bool, sending: bool) -> list[Action]:
+    """The p2p op that brings ``a`` its input (``sending`` False) or carries its output away.
+
+    Stages on the same rank (the turn of a V) exchange nothing: the executor hands over locally.
+    """
+    if a.kind == W:
+        return []
+    forward = a.kind == F
+    other = a.stage + (1 if forward == sending else -1)
+    if not 0 <= other < num_stages:
+        return []
+    peer, own = chunk_rank(other, pp, v_shape), chunk_rank(a.stage, pp, v_shape)
+    if peer == own:
+        return []
+    kind = {(True, True): SEND_F, (True, False): RECV_F, (False, True): SEND_B, (False, False): RECV_B}[
+        (forward, sending)
+    ]
+    return [Action(kind, a.mb, a.stage, peer)]
 
 
-def _sends_after(a: Action, pp: int, num_stages: int) -> list[Action]:
-    if a.kind == F and a.stage < num_stages - 1:
-        return [Action(SEND_F, a.mb, a.stage, (a.stage + 1) % pp)]
-    if a.kind == B and a.stage > 0:
-        return [Action(SEND_B, a.mb, a.stage, (a.stage - 1) % pp)]
-    return []
-
-
-def _with_p2p(slots: list[list[Action]], pp: int, num_stages: int) -> list[Step]:
+def _with_p2p(slots: list[list[Action]], pp: int, num_stages: int, v_shape: bool = False) -> list[Step]:
     """Interleave one rank's compute ``slots`` with p2p batches.
 
     The batch between two slots holds the sends of the slot before and the receives of the
@@ -138,13 +154,13 @@ def _with_p2p(slots: list[list[Action]], pp: int, num_stages: int) -> list[Step]
     steps: list[Step] = []
     before: list[Action] = []
     for slot in slots:
-        ops = [op for a in before for op in _sends_after(a, pp, num_stages)]
-        ops += [op for a in slot for op in _recvs_before(a, pp, num_stages)]
+        ops = [op for a in before for op in _peer_ops(a, pp, num_stages, v_shape, True)]
+        ops += [op for a in slot for op in _peer_ops(a, pp, num_stages, v_shape, False)]
         if ops:
             steps.append(P2P(tuple(ops)))
         steps += slot
         before = slot
-    tail = [op for a in before for op in _sends_after(a, pp, num_stages)]
+    tail = [op for a in before for op in _peer_ops(a, pp, num_stages, v_shape, True)]
     if tail:
         steps.append(P2P(tuple(tail)))
     return steps
@@ -183,27 +199,178 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
     return [_with_p2p(_interleaved_slots(pp, m, v, r), pp, pp * v) for r in range(pp)]
 
 
+def _zb1p_slots(pp: int, m: int, rank: int) -> list[list[Action]]:
+    """1F1B's order of F and B with every backward split; rank ``r`` runs the ``W`` of a
+    micro-batch ``r`` backwards later, so the late ranks hurry the gradients back to the early
+    ones and the deferred ``W`` fill the drain."""
+    slots, deferred = [], deque()
+    for slot in _one_f_one_b_slots(pp, m, rank):
+        slots.append(slot)
+        if slot[0].kind == B:
+            deferred.append(Action(W, slot[0].mb, rank))
+            if len(deferred) > rank:
+                slots.append([deferred.popleft()])
+    return slots + [[w] for w in deferred]
+
+
+class _Counter:
+    """Next micro-batch per (kind, stage), for the schedules written as action patterns."""
+
+    def __init__(self) -> None:
+        self.next: dict[tuple[str, int], int] = {}
+
+    def __call__(self, kind: str, stage: int) -> Action:
+        mb = self.next.get((kind, stage), 0)
+        self.next[(kind, stage)] = mb + 1
+        return Action(kind, mb, stage)
+
+    def count(self, kind: str, stage: int) -> int:
+        return self.next.get((kind, stage), 0)
+
+
+def _zbv_slots(pp: int, m: int, rank: int) -> list[list[Action]]:
+    """ZB-V (Qi et al., section 6): rank ``r`` runs stage ``r`` (down) and ``2 pp - 1 - r`` (up).
+
+    Warm-up fills both chunks (more of the first on the early ranks, which wait longest for
+    gradients), the steady state repeats ``F B W`` on each chunk, and the cool-down runs the
+    input gradients first and the deferred ``W`` last.
+    """
+    down, up, nxt = rank, 2 * pp - 1 - rank, _Counter()
+    slots = [[nxt(F, down)] for _ in range(2 * (pp - rank) - 1)]
+    for _ in range(rank):
+        slots += [[nxt(F, up)], [nxt(F, down)]]
+    for _ in range(pp - rank):
+        slots += [[nxt(F, up)], [nxt(B, up)], [nxt(W, up)]]
+    while nxt.count(F, up) < nxt.count(F, down) or nxt.count(F, down) < m:
+        if nxt.count(F, down) < m:
+            slots.append([nxt(F, down)])
+        slots += [[nxt(B, down)], [nxt(W, down)], [nxt(F, up)], [nxt(B, up)], [nxt(W, up)]]
+    for _ in range(rank):
+        slots += [[nxt(B, down)], [nxt(B, up)]]
+    for _ in range(pp - rank):
+        slots += [[nxt(B, down)], [nxt(W, down)]]
+    for stage in (up, down):
+        slots += [[nxt(W, stage)] for _ in range(nxt.count(B, stage) - nxt.count(W, stage))]
+    return slots
+
+
+def _dualpipev_slots(pp: int, m: int, rank: int) -> list[list[Action]]:
+    """DualPipeV (DeepSeek-V3's DualPipe folded onto ``pp`` ranks, V placement as ``zbv``).
+
+    Its steady state pairs the forward of one chunk with the full backward of the other in one
+    slot (one micro-batch going down, an older one coming back up), so on hardware with separate
+    streams an MoE layer's all-to-all of one hides behind the other's compute. The fill and drain
+    split backwards and put the deferred ``W`` where the rank would wait.
+    """
+    down, up, nxt = rank, 2 * pp - 1 - rank, _Counter()
+    deferred: deque[Action] = deque()
+
+    def split_b(stage: int) -> list[Action]:
+        b = nxt(B, stage)
+        deferred.append(Action(W, b.mb, stage))
+        return [b]
+
+    def full_b(stage: int) -> Action:
+        return nxt(B, stage)  # no W follows: the backward is whole
+
+    def pending_w() -> list[list[Action]]:
+        return [[deferred.popleft()]] if deferred else []
+
+    slots = [[nxt(F, down)] for _ in range(2 * (pp - rank - 1))]
+    for _ in range(rank + 1):
+        slots += [[nxt(F, down)], [nxt(F, up)]]
+    for _ in range(pp - rank - 1):
+        slots += [split_b(up)] + pending_w() + [[nxt(F, up)]]
+    for i in range(m - 2 * pp + rank + 1):
+        if i == 0 and rank == pp - 1:  # the V's tip: its first backward follows at once, unpaired
+            slots += [[nxt(F, down)], [full_b(up)]]
+        else:
+            slots.append([nxt(F, down), full_b(up)])
+        slots.append([nxt(F, up), full_b(down)])
+    for _ in range(pp - rank - 1):
+        slots += [[full_b(up)], [nxt(F, up), full_b(down)]]
+    split = False
+    for i in range(rank + 1):
+        for stage, parity in ((up, 1), (down, 0)):
+            split = split or (i == (rank + 1) // 2 and rank % 2 == parity)
+            slots.append(split_b(stage) if split else [full_b(stage)])
+    for _ in range(pp - rank - 1):
+        slots += pending_w() + [split_b(down) if split else [full_b(down)]]
+    return slots + [[w] for w in deferred]
+
+
+def _check_v_shape(name: str, pp: int, m: int, v: int, min_m: int, why: str) -> None:
+    if v != 2:
+        raise ValueError(
+            f"{name}: needs virtual_stages = 2 (rank r runs stages r and 2 pp - 1 - r), got {v}: "
+            "set [parallel] virtual_stages = 2"
+        )
+    if m < min_m:
+        raise ValueError(f"{name}: microbatches = {m} is fewer than {why}: set [parallel] microbatches >= {min_m}")
+
+
+def zb1p(pp: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al., ICLR 2024): 1F1B with split backwards; at most ``pp`` micro-batches in
+    flight on any rank (1F1B's peak) and, for ``F = B = W``, a third of 1F1B's bubble."""
+    _check_microbatches("zb1p", pp, m)
+    return [_with_p2p(_zb1p_slots(pp, m, r), pp, pp) for r in range(pp)]
+
+
+def zbv(pp: int, m: int, v: int = 2) -> Schedule:
+    """ZB-V: two chunks per rank in a V; 1F1B's activation memory and, for ``F = B = W`` and
+    ``m >= 2 pp``, no bubble beyond the fill of one chunk. Needs ``m >= 2 pp``."""
+    _check_v_shape("zbv", pp, m, v, 2 * pp, f"2 * pp = {2 * pp} (zbv's warm-up fills both chunks of every rank)")
+    return [_with_p2p(_zbv_slots(pp, m, r), pp, 2 * pp, v_shape=True) for r in range(pp)]
+
+
+def dualpipev(pp: int, m: int, v: int = 2) -> Schedule:
+    """DualPipeV: V placement, forward and backward of two micro-batches paired in one slot.
+    Needs ``m >= 2 pp`` (as many micro-batches as stages)."""
+    why = f"the {2 * pp} stages (dualpipev needs a micro-batch per stage)"
+    _check_v_shape("dualpipev", pp, m, v, 2 * pp, why)
+    return [_with_p2p(_dualpipev_slots(pp, m, r), pp, 2 * pp, v_shape=True) for r in range(pp)]
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")
+VIRTUAL = ("interleaved",) + V_SHAPED
+
+
 def build_schedule(name: str, pp: int, m: int, v: int = 1) -> Schedule:
-    """Schedule by its recipe name (``gpipe`` | ``1f1b`` | ``interleaved``)."""
-    if v != 1 and name != "interleaved":
-        raise ValueError(f"{name}: virtual_stages = {v} needs schedule = 'interleaved'")
+    """Schedule by its recipe name (one of ``SCHEDULES``)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule '{name}': use {', '.join(SCHEDULES)}")
+    if v != 1 and name not in VIRTUAL:
+        raise ValueError(f"{name}: virtual_stages = {v} needs schedule = 'interleaved', 'zbv' or 'dualpipev'")
     if name == "gpipe":
         return gpipe(pp, m)
     if name == "1f1b":
         return one_f_one_b(pp, m)
-    if name == "interleaved":
-        return interleaved_1f1b(pp, m, v)
-    raise ValueError(f"unknown pipeline schedule '{name}': use gpipe, 1f1b or interleaved")
+    if name == "zb1p":
+        return zb1p(pp, m)
+    if name == "zbv":
+        return zbv(pp, m, v)
+    if name == "dualpipev":
+        return dualpipev(pp, m, v)
+    return interleaved_1f1b(pp, m, v)
+
+
+def split_backwards(steps: list[Step]) -> set[tuple[int, int]]:
+    """(stage, mb) whose backward is split: the ``B`` computes input gradients only."""
+    return {(s.stage, s.mb) for s in steps if isinstance(s, Action) and s.kind == W}
 
 
 def peak_in_flight(steps: list[Step]) -> int:
     """Most forwards whose backward has not run yet on one rank: the activations it must keep.
 
+    A split backward keeps them until its ``W`` (the weight gradients need the layer inputs).
+
     With virtual stages each counts one chunk's activations (a ``1/v`` share of the rank's layers).
     """
-    live = peak = 0
+    split, live, peak = split_backwards(steps), 0, 0
     for step in steps:
         if isinstance(step, Action):
-            live += 1 if step.kind == F else -1
+            frees = step.kind == W or (step.kind == B and (step.stage, step.mb) not in split)
+            live += 1 if step.kind == F else -1 if frees else 0
             peak = max(peak, live)
     return peak

@@ -1,9 +1,10 @@
 """Gantt charts of pipeline schedules, simulated or measured.
 
 ``python -m meshtron.pipeline.show --pp 4 --microbatches 8 --schedule interleaved --virtual 2``
-simulates the schedule, writes a PNG (rows = ranks, x = time, forwards and backwards in two
-colours labelled with their microbatch, idle time blank) and prints the bubble fraction next
-to the analytic one. :func:`render_timeline` draws timelines measured in a real run.
+simulates the schedule, writes a PNG (rows = ranks, x = time, forwards, backwards and weight
+gradients (``W``, zero-bubble schedules) in three colours labelled with their microbatch, idle
+time blank) and prints the bubble fraction next to the analytic one and the peak in-flight
+micro-batches per rank. :func:`render_timeline` draws timelines measured in a real run.
 matplotlib is optional (``pip install meshtron[plot]``) and imported only when drawing.
 """
 
@@ -12,11 +13,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable, Sequence
 
-from meshtron.parallel.pipeline.schedules import F, build_schedule, peak_in_flight
-from meshtron.parallel.pipeline.simulate import analytic_bubble, simulate
+from meshtron.parallel.pipeline.schedules import B, F, SCHEDULES, VIRTUAL, W, build_schedule, peak_in_flight
+from meshtron.parallel.pipeline.simulate import analytic_bubble, simulate, unit_cost_bubble
 
-# (forward, backward) colours for even and odd virtual stages, so chunks are told apart.
-_COLOURS = (("#4c72b0", "#dd8452"), ("#8fb0dd", "#f0b98f"))
+# Colours of each pass for even and odd virtual stages, so chunks are told apart.
+_COLOURS = {F: ("#4c72b0", "#8fb0dd"), B: ("#dd8452", "#f0b98f"), W: ("#55a868", "#9fd3ad")}
+_NAMES = {F: "forward", B: "backward", W: "weight gradients"}
 
 
 def _figure_class():
@@ -32,7 +34,7 @@ def _figure_class():
 def render_timeline(spans: Iterable[Sequence], path: str, title: str = "", pp: int | None = None) -> None:
     """Write a PNG Gantt chart of compute spans to ``path``.
 
-    Each span is ``(rank, kind, mb, start, end)`` with ``kind`` ``"F"`` or ``"B"``, optionally
+    Each span is ``(rank, kind, mb, start, end)`` with ``kind`` ``"F"``, ``"B"`` or ``"W"``, optionally
     followed by the global stage (its virtual stage picks the shade when ``pp`` is given);
     :class:`~meshtron.parallel.pipeline.simulate.Span` tuples have this layout.
     """
@@ -43,11 +45,12 @@ def render_timeline(spans: Iterable[Sequence], path: str, title: str = "", pp: i
     begin, end = min(r[3] for r in rows), max(r[4] for r in rows)
     fig = _figure_class()(figsize=(max(8.0, min(40.0, len(rows) / ranks * 0.5)), 0.6 * ranks + 1.2))
     ax = fig.add_subplot()
-    shades = set()
+    shades, kinds = set(), set()
     for rank, kind, mb, start, stop, *stage in rows:
         shade = (stage[0] // pp) % 2 if stage and pp else 0
         shades.add(shade)
-        colour = _COLOURS[shade][kind != F]
+        kinds.add(kind)
+        colour = _COLOURS[kind][shade]
         ax.barh(rank, stop - start, left=start, height=0.8, color=colour, edgecolor="black", linewidth=0.4)
         ax.text((start + stop) / 2, rank, str(mb), ha="center", va="center", fontsize=7)
     ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
@@ -55,30 +58,37 @@ def render_timeline(spans: Iterable[Sequence], path: str, title: str = "", pp: i
     ax.set_xlim(begin, end)
     ax.set_xlabel("time")
     ax.set_title(title, loc="left")
-    ax.legend(handles=_legend(len(shades) > 1), loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=4, fontsize=7)
+    ax.legend(handles=_legend(kinds, len(shades) > 1), loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=6, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def _legend(two_shades: bool) -> list:
+def _legend(kinds: set[str], two_shades: bool) -> list:
     from matplotlib.patches import Patch
 
-    names = ("forward", "backward")
-    handles = [Patch(color=_COLOURS[0][i], label=names[i]) for i in range(2)]
+    shown = [k for k in (F, B, W) if k in kinds]
+    handles = [Patch(color=_COLOURS[k][0], label=_NAMES[k]) for k in shown]
     if two_shades:
-        handles += [Patch(color=_COLOURS[1][i], label=f"{names[i]}, odd virtual stage") for i in range(2)]
+        handles += [Patch(color=_COLOURS[k][1], label=f"{_NAMES[k]}, 2nd chunk") for k in shown]
     return handles
 
 
-def summary(schedule: str, pp: int, m: int, v: int = 1, f: float = 1, b: float = 2, p2p: float = 0):
-    """Simulate one schedule; returns (result, text line for humans)."""
+def summary(schedule: str, pp: int, m: int, v: int = 1, f: float = 1, b: float = 2, p2p: float = 0, w: float = 0):
+    """Simulate one schedule under the executor's model; returns (result, text line for humans).
+
+    ``b`` is the input-gradient part of a backward and ``w`` its weight part (a whole backward
+    costs ``b + w``).
+    """
     steps = build_schedule(schedule, pp, m, v)
-    result = simulate(steps, f, b, p2p)
+    result = simulate(steps, f, b, p2p, w_cost=w, rendezvous=False)
     peaks = [peak_in_flight(rank_steps) for rank_steps in steps]
+    if schedule in ("gpipe", "1f1b", "interleaved"):
+        analytic = f"{analytic_bubble(pp, m, v):.4f} (analytic (pp-1)/(v*m+pp-1))"
+    else:
+        analytic = f"{unit_cost_bubble(schedule, pp, m):.4f} (analytic for f = b = w)"
     text = (
-        f"{schedule} pp={pp} microbatches={m} virtual={v} f={f} b={b} p2p={p2p}: "
-        f"bubble {result.bubble:.4f} (simulated), {analytic_bubble(pp, m, v):.4f} "
-        f"(analytic (pp-1)/(v*m+pp-1)); makespan {result.makespan:g}; "
+        f"{schedule} pp={pp} microbatches={m} virtual={v} f={f} b={b} w={w} p2p={p2p}: "
+        f"bubble {result.bubble:.4f} (simulated), {analytic}; makespan {result.makespan:g}; "
         f"peak in-flight microbatches per rank {peaks}"
     )
     return result, text
@@ -88,17 +98,22 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m meshtron.pipeline.show", description=__doc__.split("\n")[0])
     parser.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
     parser.add_argument("--microbatches", type=int, required=True)
-    parser.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b")
-    parser.add_argument("--virtual", type=int, default=1, help="virtual stages per rank (interleaved)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--virtual", type=int, help="virtual stages per rank (interleaved; zbv and dualpipev: 2)")
     parser.add_argument("--out", default="timeline.png", help="PNG path")
     parser.add_argument("--f", type=float, default=1.0, help="forward cost of one chunk")
-    parser.add_argument("--b", type=float, default=2.0, help="backward cost of one chunk")
+    parser.add_argument("--b", type=float, help="backward cost of one chunk (input-gradient part when --w > 0)")
+    parser.add_argument("--w", type=float, default=0.0, help="weight-gradient cost of one chunk (zero-bubble: 1)")
     parser.add_argument("--p2p", type=float, default=0.0, help="cost of one p2p batch")
     args = parser.parse_args(argv)
-    if args.virtual != 1 and args.schedule != "interleaved":
-        parser.error(f"--virtual {args.virtual} needs --schedule interleaved")
+    if args.virtual is None:
+        args.virtual = 2 if args.schedule in ("zbv", "dualpipev") else 1
+    if args.b is None:
+        args.b = 1.0 if args.w else 2.0
+    if args.virtual != 1 and args.schedule not in VIRTUAL:
+        parser.error(f"--virtual {args.virtual} needs --schedule interleaved, zbv or dualpipev")
     try:
-        result, text = summary(args.schedule, args.pp, args.microbatches, args.virtual, args.f, args.b, args.p2p)
+        result, text = summary(args.schedule, args.pp, args.microbatches, args.virtual, args.f, args.b, args.p2p, args.w)
     except ValueError as err:
         parser.error(str(err))
     title = f"{args.schedule}: pp={args.pp}, m={args.microbatches}, v={args.virtual}, bubble {result.bubble:.1%}"

@@ -1,9 +1,13 @@
 """Execute schedules on a model clock: timelines, makespan, bubble fraction, deadlock detection.
 
-Model: a rank runs its steps in order. ``F`` and ``B`` take ``f_cost`` and ``b_cost``. A
-:class:`P2P` batch is posted when the rank reaches it and completes ``p2p_cost`` after the
-last of its ops' partner ops was posted (rendezvous: sends wait for the receive as well,
-the strictest behaviour of NCCL and gloo, see ``schedules.py``).
+Model: a rank runs its steps in order. ``F``, ``B`` and ``W`` take ``f_cost``, ``b_cost`` and
+``w_cost`` (a backward that is not split costs ``b_cost + w_cost``). A :class:`P2P` batch is
+posted when the rank reaches it and completes ``p2p_cost`` after the last of its ops' partner
+ops was posted (rendezvous: sends wait for the receive as well, the strictest behaviour of NCCL
+and gloo, see ``schedules.py``). The next ``F``, ``B`` or batch waits for that completion; a
+``W`` does not (it needs nothing from the batch), so weight gradients fill the wait, as in the
+executor. Without ``W`` steps this is the rendezvous model step for step: deadlock-freedom of
+a schedule is that of its ``F``/``B`` skeleton.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import NamedTuple
 from meshtron.parallel.pipeline.schedules import (
     B,
     F,
+    W,
     RECV_B,
     RECV_F,
     SEND_B,
@@ -22,6 +27,7 @@ from meshtron.parallel.pipeline.schedules import (
     Action,
     P2P,
     Schedule,
+    split_backwards,
 )
 
 
@@ -57,31 +63,35 @@ def _partner_kind(op: Action) -> tuple[str, int]:
     }[op.kind]
 
 
-def match_p2p(schedules: Schedule) -> dict[tuple[int, int, int], tuple[int, int, int]]:
-    """Pair every p2p op with its partner by posting order per directed rank pair.
+def match_p2p(schedules: Schedule, one_channel: bool = False) -> dict[tuple[int, int, int], tuple[int, int, int]]:
+    """Pair every p2p op with its partner by posting order per directed rank pair and stream.
 
-    Ops are addressed as ``(rank, step index, op index)``. Raises ``ValueError`` when the n-th
-    send from one rank to another is not the counterpart of the n-th receive there, or when
-    counts differ: such a schedule would pair the wrong tensors or hang.
+    The executor sends activations and gradients over two communicators, so each directed rank
+    pair carries two independently ordered streams; ``one_channel`` checks the stricter order
+    of a single communicator for both (all schedules but the V-shaped ones meet it). Ops are
+    addressed as ``(rank, step index, op index)``. Raises ``ValueError`` when the n-th send from
+    one rank to another is not the counterpart of the n-th receive there, or when counts differ:
+    such a schedule would pair the wrong tensors or hang.
     """
     sends, recvs = defaultdict(list), defaultdict(list)
     for rank, steps in enumerate(schedules):
         for i, step in enumerate(steps):
             if isinstance(step, P2P):
                 for j, op in enumerate(step.ops):
+                    stream = () if one_channel else (op.kind in (SEND_F, RECV_F),)
                     if op.kind in (SEND_F, SEND_B):
-                        sends[(rank, op.peer)].append((rank, i, j))
+                        sends[(rank, op.peer, *stream)].append((rank, i, j))
                     else:
-                        recvs[(op.peer, rank)].append((rank, i, j))
+                        recvs[(op.peer, rank, *stream)].append((rank, i, j))
     partner = {}
     for channel in sends.keys() | recvs.keys():
         out, inn = sends[channel], recvs[channel]
         if len(out) != len(inn):
-            raise ValueError(f"ranks {channel}: {len(out)} sends but {len(inn)} receives")
+            raise ValueError(f"ranks {channel[:2]}: {len(out)} sends but {len(inn)} receives")
         for s, r in zip(out, inn):
             send, recv = _op(schedules, s), _op(schedules, r)
             if _partner_kind(send) != (recv.kind, recv.stage) or send.mb != recv.mb:
-                raise ValueError(f"ranks {channel}: {send} is matched with {recv} (posting order differs)")
+                raise ValueError(f"ranks {channel[:2]}: {send} is matched with {recv} (posting order differs)")
             partner[s], partner[r] = r, s
     return partner
 
@@ -91,39 +101,101 @@ def _op(schedules: Schedule, address: tuple[int, int, int]) -> Action:
     return schedules[rank][i].ops[j]
 
 
-def simulate(schedules: Schedule, f_cost: float = 1, b_cost: float = 2, p2p_cost: float = 0) -> SimResult:
-    """Run all ranks' steps under the rendezvous model; raise :class:`DeadlockError` if stuck."""
+def simulate(
+    schedules: Schedule,
+    f_cost: float = 1,
+    b_cost: float = 2,
+    p2p_cost: float = 0,
+    w_cost: float = 0,
+    rendezvous: bool = True,
+) -> SimResult:
+    """Run all ranks' steps; raise :class:`DeadlockError` if stuck.
+
+    ``b_cost`` is a backward's input-gradient part and ``w_cost`` its weight-gradient part: a
+    split backward's ``B`` and ``W`` cost those, a whole backward their sum (``w_cost = 0``: the
+    whole backward costs ``b_cost``). ``rendezvous`` picks the model (module doc): batches that
+    complete only when all their partners are posted, or the executor's (sends never wait, a
+    receive is waited for by the action that consumes it).
+    """
     partner = match_p2p(schedules)
     pp = len(schedules)
-    cost = {F: f_cost, B: b_cost}
+    split = [split_backwards(steps) for steps in schedules]
     clock, pos = [0.0] * pp, [0] * pp
+    pending: list[list[tuple[int, int, int]]] = [[] for _ in range(pp)]
+    inbox: list[dict[tuple[int, int], tuple[int, int, int]]] = [{} for _ in range(pp)]
+    done: list[set[tuple[str, int, int]]] = [set() for _ in range(pp)]
     posted: dict[tuple[int, int, int], float] = {}
     timelines: list[list[Span]] = [[] for _ in range(pp)]
+
+    def arrived(rank: int, ops: list[tuple[int, int, int]]) -> bool:
+        """Advance the rank's clock to when ``ops`` met their partners; False if some have not yet."""
+        if any(partner[op] not in posted for op in ops):
+            return False
+        clock[rank] = max([clock[rank]] + [posted[partner[op]] + p2p_cost for op in ops])
+        return True
+
+    def ready(rank: int, step) -> bool:
+        if rendezvous:  # the last batch completes before the next F, B or batch (a W needs none of it)
+            if (isinstance(step, P2P) or step.kind != W) and not arrived(rank, pending[rank]):
+                return False
+            pending[rank] = [] if isinstance(step, P2P) or step.kind != W else pending[rank]
+            return True
+        if isinstance(step, P2P) or (step.kind, step.stage, step.mb) not in inbox[rank]:
+            return True
+        if not arrived(rank, [inbox[rank][(step.kind, step.stage, step.mb)]]):
+            return False
+        del inbox[rank][(step.kind, step.stage, step.mb)]
+        return True
+
     progress = True
     while progress:
         progress = False
         for rank, steps in enumerate(schedules):
             while pos[rank] < len(steps):
                 i, step = pos[rank], steps[pos[rank]]
+                if not ready(rank, step):
+                    break
                 if isinstance(step, Action):
-                    end = clock[rank] + cost[step.kind]
+                    _check_local_order(step, done[rank], split[rank])
+                    cost = {F: f_cost, W: w_cost}.get(step.kind, b_cost)
+                    if step.kind == B and (step.stage, step.mb) not in split[rank]:
+                        cost += w_cost
+                    end = clock[rank] + cost
                     timelines[rank].append(Span(rank, step.kind, step.mb, clock[rank], end, step.stage))
+                    done[rank].add((step.kind, step.stage, step.mb))
                     clock[rank] = end
                 else:
-                    ops = [(rank, i, j) for j in range(len(step.ops))]
-                    for op in ops:
-                        posted.setdefault(op, clock[rank])
-                    if any(partner[op] not in posted for op in ops):
-                        break
-                    clock[rank] = max([clock[rank]] + [posted[partner[op]] for op in ops]) + p2p_cost
+                    pending[rank] = [(rank, i, j) for j in range(len(step.ops))]
+                    for j, op in enumerate(step.ops):
+                        posted[(rank, i, j)] = clock[rank]
+                        if op.kind in (RECV_F, RECV_B):
+                            inbox[rank][(F if op.kind == RECV_F else B, op.stage, op.mb)] = (rank, i, j)
                 pos[rank] += 1
                 progress = True
+            if rendezvous and pos[rank] == len(steps) and pending[rank] and arrived(rank, pending[rank]):
+                pending[rank], progress = [], True
+    # A blocked rank waits on its last batch (rendezvous) or on the step it cannot start.
     stuck = {r: str(schedules[r][pos[r]]) for r in range(pp) if pos[r] < len(schedules[r])}
+    if rendezvous:
+        stuck = {r: str(schedules[r][pending[r][0][1]]) for r in range(pp) if pending[r]}
     if stuck:
         raise DeadlockError("pipeline schedule deadlocks; stuck steps per rank: " + repr(stuck))
     makespan = max(clock)
     busy = sum(s.end - s.start for line in timelines for s in line)
     return SimResult(timelines, makespan, 1 - busy / (pp * makespan) if makespan else 0.0)
+
+
+def _check_local_order(a: Action, done: set[tuple[str, int, int]], split: set[tuple[int, int]]) -> None:
+    """A rank's own order must respect the data flow through its stages (the turn of a V runs two
+    neighbouring stages on one rank, with no p2p op to wait on)."""
+    needs = {F: [], B: [(F, a.stage, a.mb)], W: [(B, a.stage, a.mb)]}[a.kind]
+    if a.kind == F and (F, a.stage - 1, a.mb) not in done and any(k == F and s == a.stage - 1 for k, s, _ in done):
+        needs.append((F, a.stage - 1, a.mb))
+    if a.kind == B and any(k == F and s == a.stage + 1 for k, s, _ in done):
+        needs.append((B, a.stage + 1, a.mb))
+    missing = [n for n in needs if n not in done]
+    if missing:
+        raise ValueError(f"{a} runs before {missing[0][0]}(s{missing[0][1]},mb{missing[0][2]}) on the same rank")
 
 
 def analytic_bubble(pp: int, m: int, v: int = 1) -> float:
@@ -135,3 +207,15 @@ def analytic_bubble(pp: int, m: int, v: int = 1) -> float:
     ``(pp - 1) / (v * m)``; the two are related by ``x / (1 + x)``.
     """
     return (pp - 1) / (v * m + pp - 1)
+
+
+def unit_cost_bubble(schedule: str, pp: int, m: int) -> float:
+    """Idle fraction of the zero-bubble schedules for unit chunk costs ``F = B = W``.
+
+    Qi et al. give bubble time over ideal time: ZB-H1 ``(pp-1)/(3m)`` (a third of 1F1B's); ZB-V
+    ``0`` up to its fill, which is one chunk slot per rank, ``(pp-1)/(6m)`` with two chunks;
+    DualPipeV's paired slots run whole backwards, so its fill is two chunk slots,
+    ``2(pp-1)/(6m)``. The idle fraction is ``x / (1 + x)`` of that ratio ``x``.
+    """
+    ratio = {"zb1p": (pp - 1) / (3 * m), "zbv": (pp - 1) / (6 * m), "dualpipev": 2 * (pp - 1) / (6 * m)}[schedule]
+    return ratio / (1 + ratio)

@@ -2,7 +2,8 @@
 
 The model is cut into ``pp * virtual`` consecutive *chunks* (global stage indices). Chunk ``c``
 runs on pp-rank ``c % pp`` as that rank's virtual stage ``c // pp`` (Megatron's interleaved
-assignment), so with ``virtual = 1`` chunk ``c`` is simply rank ``c``.
+assignment), so with ``virtual = 1`` chunk ``c`` is simply rank ``c``. The V-shaped schedules
+(``zbv``, ``dualpipev``) place two chunks per rank down and back up instead (``chunk_rank``).
 
 Balancing rule: every chunk gets ``L // n`` layers and the ``L % n`` left-over layers go to
 the interior chunks ``1 .. n-2`` first, then to chunk 0. The first chunk also runs the token
@@ -14,8 +15,14 @@ get the fewer layers; the last chunk is the heavier end, so it never takes an ex
 from __future__ import annotations
 
 
-def chunk_rank(chunk: int, pp: int) -> int:
-    """pp-rank that runs model chunk (global stage) ``chunk``."""
+def chunk_rank(chunk: int, pp: int, v_shape: bool = False) -> int:
+    """pp-rank that runs model chunk (global stage) ``chunk``.
+
+    ``v_shape`` (ZBV, DualPipeV; two chunks per rank): the model goes down the ranks and back up,
+    so rank ``r`` runs chunks ``r`` and ``2 pp - 1 - r`` and rank 0 holds both ends.
+    """
+    if v_shape and chunk >= pp:
+        return 2 * pp - 1 - chunk
     return chunk % pp
 
 
@@ -47,7 +54,10 @@ def chunk_layer_ranges(num_layers: int, pp: int, virtual: int = 1) -> list[range
     return ranges
 
 
-def split_layers(num_layers: int, pp: int, virtual: int = 1) -> list[list[range]]:
+def split_layers(num_layers: int, pp: int, virtual: int = 1, v_shape: bool = False) -> list[list[range]]:
     """``result[rank][virtual_stage]`` is the range of layer indices that virtual stage runs."""
     chunks = chunk_layer_ranges(num_layers, pp, virtual)
-    return [[chunks[rank + s * pp] for s in range(virtual)] for rank in range(pp)]
+    by_rank: list[list[range]] = [[] for _ in range(pp)]
+    for chunk, layers in enumerate(chunks):
+        by_rank[chunk_rank(chunk, pp, v_shape)].append(layers)
+    return by_rank

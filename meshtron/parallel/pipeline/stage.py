@@ -56,13 +56,14 @@ class StageChunk:
         return self.model(x, position_ids, layers=self.layers, labels=labels)
 
 
-def prune_to_stage(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> dict[int, range]:
-    """Drop from ``model`` (in place) everything pp-rank ``pp_rank`` does not run.
+def prune_to_stage(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1, v_shape: bool = False) -> dict[int, range]:
+    """Drop from ``model`` (in place) everything pp-rank ``pp_rank`` does not run (``v_shape``: the
+    placement of ``zbv`` / ``dualpipev``, see ``split.chunk_rank``).
 
-    Returns ``{global stage: layer range}`` for this rank's chunks, in virtual-stage order.
+    Returns ``{global stage: layer range}`` for this rank's chunks, in model order.
     """
     ranges = chunk_layer_ranges(len(model.layers), pp, virtual)
-    mine = {s: r for s, r in enumerate(ranges) if chunk_rank(s, pp) == pp_rank}
+    mine = {s: r for s, r in enumerate(ranges) if chunk_rank(s, pp, v_shape) == pp_rank}
     keep = {str(i) for r in mine.values() for i in r}
     for name in [n for n in model.layers if n not in keep]:
         del model.layers[name]
