@@ -82,38 +82,44 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(
-    root: str | Path,
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    cfg: Config,
-    train_state: dict[str, Any],
-    keep: int = 0,
-) -> Path:
-    """Save on every rank (collective). ``train_state`` must be JSON-serialisable (scheduler, data)."""
-    final = step_dir(root, step)
-    tmp = final.with_name(f".{final.name}.tmp")
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
-        tmp.mkdir(parents=True)
-    _barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM)}
-    dcp.save(state, checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / f"rank-{_rank()}.pt")
-    _barrier()
-    if _rank() == 0:
-        marker = {"step": step, "config": dataclasses.asdict(cfg), "train_state": train_state}
-        (tmp / MARKER).write_text(json.dumps(marker, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _prune(Path(root), keep)
-    _barrier()
-    return final
+class CheckpointWriter:
+    """Writes the checkpoints of one run into ``root`` and keeps the newest ``keep`` complete ones
+    (0: all). Every method is collective: every rank calls it at the same point of the run."""
+
+    def __init__(self, root: str | Path, keep: int = 0):
+        self.root, self.keep = Path(root), keep
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Config,
+             train_state: dict[str, Any]) -> None:
+        """Checkpoint ``step``; ``train_state`` must be JSON-serialisable (scheduler, data)."""
+        final = step_dir(self.root, step)
+        tmp = final.with_name(f".{final.name}.tmp")
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
+            tmp.mkdir(parents=True)
+        _barrier()
+        state = {"model": get_model_state_dict(model),
+                 "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM)}
+        dcp.save(state, checkpoint_id=str(tmp))
+        torch.save(_rng_state(), tmp / f"rank-{_rank()}.pt")
+        self._commit(tmp, final, {"step": step, "config": dataclasses.asdict(cfg), "train_state": train_state})
+
+    def _commit(self, tmp: Path, final: Path, marker: dict[str, Any]) -> None:
+        """Once every rank has written its files: the marker, the rename, then the pruning, so no
+        moment exists without a complete checkpoint, and the new one is never pruned (keep >= 1)."""
+        _barrier()
+        if _rank() == 0:
+            (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _prune(self.root, self.keep)
+        _barrier()
 
 
 def _prune(root: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints (temp and unmarked folders are left:
+    one may be a save in progress)."""
     if keep <= 0:
         return
     complete = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MARKER).is_file())

@@ -146,7 +146,8 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     dir: str = ""  # empty: <train.output_dir>/checkpoints
-    every: int = 0  # 0 disables periodic checkpoints
+    every: int = 0  # 0 disables checkpoints; otherwise every N steps and the final step
+    keep: int = 0  # the newest N complete checkpoints are kept; 0 keeps all
     resume: bool = False
     init_from_hf: str = ""
     export_hf: str = ""

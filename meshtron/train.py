@@ -27,11 +27,11 @@ from torch.distributed.tensor import DTensor
 from meshtron import env
 from meshtron.checkpoint import (
     CheckpointMismatch,
+    CheckpointWriter,
     check_model_shape,
     latest_checkpoint,
     load_checkpoint,
     read_marker,
-    save_checkpoint,
 )
 from meshtron.config import Config, ConfigError, config_to_dict, infer_dp, load_config, model_differences
 from meshtron.hf import CheckpointError, save_hf
@@ -218,6 +218,7 @@ class Trainer:
         self.start_step = self._restore()
         self.logger = MetricsLogger(cfg.train.output_dir, cfg.train.steps, self.rank == 0, self.start_step)
         self.peak_flops = peak_flops_per_device(cfg.train.dtype)
+        self.checkpoints = CheckpointWriter(checkpoint_root(cfg), cfg.checkpoint.keep)
 
     def _restore(self) -> int:
         """Initial weights: latest checkpoint (resume), else an HF folder, else seeded random init."""
@@ -245,11 +246,16 @@ class Trainer:
             record = self.train_step(step)
             if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
                 self.logger.log(record)
-            if self.cfg.checkpoint.every and (step + 1) % self.cfg.checkpoint.every == 0:
-                save_checkpoint(checkpoint_root(self.cfg), step + 1, self.runner.module, self.optimizer, self.cfg,
-                                {"data": self.dataset.state_dict()})
+            if self._checkpoint_due(step + 1):
+                self.checkpoints.save(step + 1, self.runner.module, self.optimizer, self.cfg,
+                                      {"data": self.dataset.state_dict()})
         if self.cfg.checkpoint.export_hf:
             export_hf(self.runner, self.cfg, self.cfg.checkpoint.export_hf)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """Every ``every`` steps, and the final step whenever checkpointing is on."""
+        every = self.cfg.checkpoint.every
+        return bool(every) and (step % every == 0 or step == self.cfg.train.steps)
 
     def train_step(self, step: int) -> dict:
         t = self.cfg.train

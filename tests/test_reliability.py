@@ -70,6 +70,14 @@ def exact_resume(root: str) -> None:
     trainer.fit()
 
 
+def keep_and_final_save(root: str) -> None:
+    """every = 2 over 5 steps saves steps 2, 4 and the final 5; keep = 2 leaves the newest two."""
+    out = Path(root) / "keep"
+    _trainer(out, DP2_TP2, ["--train.steps", "5", "--checkpoint.every", "2", "--checkpoint.keep", "2"]).fit()
+    folders = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert folders == ["step-00000004", "step-00000005"], folders
+
+
 def different_configs_are_named(root: str) -> None:
     from meshtron.train import check_same_config
 
@@ -138,7 +146,7 @@ def nonfinite_skips_the_update(root: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("reliability")
-    run_checks([exact_resume, different_configs_are_named, nonfinite_stops_with_the_parameter,
+    run_checks([exact_resume, keep_and_final_save, different_configs_are_named, nonfinite_stops_with_the_parameter,
                 nonfinite_skips_the_update], 4, str(root), timeout=600)
     return root
 
