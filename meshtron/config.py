@@ -132,6 +132,9 @@ class TrainConfig:
     loss_chunk_tokens: int = 1024
     # Before allocating, compare meshtron.plan's per-rank prediction with the device: error | warn | off.
     memory_check: str = "error"
+    # Evaluation on [data] eval_source: every N steps (0: only after the final step), eval_steps global batches.
+    eval_every: int = 0
+    eval_steps: int = 10
 
 
 @dataclass
@@ -141,6 +144,7 @@ class DataConfig:
     text_key: str = "text"  # the text field of .jsonl records
     eos_token: str = ""  # document separator of a file tokenizer; empty: found in the tokenizer
     cache_dir: str = ""  # token cache; empty: <train.output_dir>/token_cache
+    eval_source: str = ""  # held-out data for evaluation, any kind ``source`` accepts; empty: no evaluation
 
 
 @dataclass
@@ -413,7 +417,7 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
         t.dtype in dtypes,
         f"{source}: [train] dtype must be one of {', '.join(dtypes)}, got '{t.dtype}'." + _closest(t.dtype, dtypes),
     )
-    for key in ("steps", "global_batch_size", "seq_len", "log_every", "loss_chunk_tokens"):
+    for key in ("steps", "global_batch_size", "seq_len", "log_every", "loss_chunk_tokens", "eval_steps"):
         _require(getattr(t, key) >= 1, f"{source}: [train] {key} must be >= 1, got {getattr(t, key)}.")
     _require(t.lr > 0, f"{source}: [train] lr must be > 0, got {t.lr}.")
     _require(
@@ -436,6 +440,11 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
     _validate_layout(cfg, source)
     d = cfg.data
     _require(bool(d.source), f"{source}: [data] source is empty; use 'builtin' or a path to text.")
+    _require(
+        not t.eval_every or bool(d.eval_source),
+        f"{source}: [train] eval_every = {t.eval_every} needs [data] eval_source (held-out data, e.g. a .txt or "
+        ".jsonl file); set it, or set eval_every = 0.",
+    )
     _require(
         d.tokenizer != "bytes" or cfg.model.vocab_size >= 256,
         f"{source}: [data] tokenizer 'bytes' needs [model] vocab_size >= 256, got {cfg.model.vocab_size}.",

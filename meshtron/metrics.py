@@ -78,6 +78,8 @@ class MetricsLogger:
             f"{r['tokens_per_sec']:.0f} tok/s",
             f"{r['step_time']:.2f}s",
         ]
+        if r.get("eval_loss") is not None:
+            parts.append(f"eval {r['eval_loss']:.4f} (ppl {r['eval_ppl']:.2f})")
         if r.get("aux_loss") is not None:
             parts.append(f"aux {r['aux_loss']:.4f}")
         if r.get("mfu") is not None:

@@ -145,6 +145,8 @@ def preflight(cfg: Config) -> None:
     from meshtron.data import check_vocab, load_tokenizer, source_files
 
     source_files(cfg.data.source)
+    if cfg.data.eval_source:
+        source_files(cfg.data.eval_source)
     check_vocab(load_tokenizer(cfg.data.tokenizer, cfg.data.eos_token), cfg.data.tokenizer, cfg.model.vocab_size)
     latest = latest_checkpoint(checkpoint_root(cfg)) if cfg.checkpoint.resume else None
     if latest is not None:
@@ -211,6 +213,8 @@ class Trainer:
         self.device = env.local_device()
         torch.manual_seed(cfg.train.seed)
         self.dataset = TokenDataset.open(cfg, on_rank0_first=_rank0_first)
+        self.eval_dataset = TokenDataset.open(eval_config(cfg), on_rank0_first=_rank0_first) if (
+            cfg.data.eval_source) else None
         with torch.device("meta"):
             model = build_model(cfg.model)
         self.runner = build_step_runner(model, mesh, cfg, self.device)
@@ -244,13 +248,33 @@ class Trainer:
         for step in range(self.start_step, t.steps):
             _inject_fault(self.rank, step + 1)
             record = self.train_step(step)
-            if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
+            if self._eval_due(step + 1):
+                record.update(self.evaluate())
+            if (step + 1) % t.log_every == 0 or step + 1 == t.steps or "eval_loss" in record:
                 self.logger.log(record)
             if self._checkpoint_due(step + 1):
                 self.checkpoints.save(step + 1, self.runner.module, self.optimizer, self.cfg,
                                       {"data": self.dataset.state_dict()})
         if self.cfg.checkpoint.export_hf:
             export_hf(self.runner, self.cfg, self.cfg.checkpoint.export_hf)
+
+    def _eval_due(self, step: int) -> bool:
+        """Every ``eval_every`` steps and after the final step, when there is held-out data."""
+        every = self.cfg.train.eval_every
+        return self.eval_dataset is not None and ((every and step % every == 0) or step == self.cfg.train.steps)
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean token loss over the first ``eval_steps`` global batches of the held-out data (the same
+        batches every time, on every layout) and its perplexity."""
+        total, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        for index in range(self.cfg.train.eval_steps):
+            batch = self.eval_dataset.batch_for_step(
+                index, self.batch_mesh.get_local_rank(), self.batch_mesh.size(), self.cfg.parallel.microbatches
+            )
+            loss_sum, count = self.runner.evaluate(*to_device(batch, self.device))
+            total, tokens = total + loss_sum, tokens + count
+        (loss,) = read_scalars(total / tokens)
+        return {"eval_loss": loss, "eval_ppl": math.exp(loss) if loss < 700 else math.inf}
 
     def _checkpoint_due(self, step: int) -> bool:
         """Every ``every`` steps, and the final step whenever checkpointing is on."""
@@ -307,6 +331,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)  # the update itself was skipped on the device
         if self.rank == 0:
             print(f"meshtron: skipped the update of {what}", file=sys.stderr, flush=True)
+
+
+def eval_config(cfg: Config) -> Config:
+    """The recipe with the held-out data as its source: tokenized into its own cache the same way."""
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source=cfg.data.eval_source))
 
 
 def export_hf(runner, cfg: Config, folder: str) -> None:

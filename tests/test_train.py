@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -17,8 +18,10 @@ from meshtron.testing import rel_err, run_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
+EVAL_EVERY = 5
 # Same micro-batch split everywhere: the MoE aux loss is per global micro-batch.
-COMMON = ["--train.steps", str(STEPS), "--parallel.microbatches", "2", "--train.log_every", "1"]
+COMMON = ["--train.steps", str(STEPS), "--parallel.microbatches", "2", "--train.log_every", "1",
+          "--train.eval_every", str(EVAL_EVERY), "--train.eval_steps", "2"]
 
 LAYOUTS = {
     "dense": {
@@ -37,7 +40,9 @@ SINGLE = dict(pp=1, dp=1, cp=1, ep=1, tp=1)
 
 
 def _overrides(out: Path, layout: dict, extra: list[str] = ()) -> list[str]:
-    args = list(COMMON) + ["--train.output_dir", str(out), "--data.cache_dir", str(out.parent / "token_cache")]
+    """Every run lies two folders below the fixture's root, which holds the held-out text."""
+    args = list(COMMON) + ["--train.output_dir", str(out), "--data.cache_dir", str(out.parent / "token_cache"),
+                           "--data.eval_source", str(out.parent.parent / "heldout.txt")]
     for key, value in {**SINGLE, **layout}.items():
         args += [f"--parallel.{key}", str(value)]
     return args + list(extra)
@@ -53,8 +58,16 @@ def _train(recipe: str, out: Path, layout: dict, extra: list[str] = ()) -> None:
     Trainer(cfg, recipe_mesh(cfg)).fit()
 
 
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in _records(out)]
+
+
+def _eval_losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["eval_loss"] for r in _records(out) if "eval_loss" in r}
 
 
 def single_rank_references(root: str) -> None:
@@ -68,6 +81,23 @@ def eight_rank_layouts(root: str) -> None:
     for recipe, layouts in LAYOUTS.items():
         for name, layout in layouts.items():
             _train(f"debug_{recipe}", root / recipe / name, layout)
+
+
+def eight_rank_eval_before_training(root: str) -> None:
+    """Evaluated on the training data itself before any update, the first eval batch is the first
+    training batch: the forward-only pass (pipelined, interleaved) gives the first step's loss."""
+    from meshtron.parallel.layout import validate_layout
+    from meshtron.train import Trainer, recipe_mesh
+
+    out = Path(root) / "eval_first" / "run"
+    cfg = load_config(ROOT / "recipes" / "debug_moe.toml", _overrides(out, LAYOUTS["dense"]["pp2v2_cp2_tp2"], [
+        "--data.eval_source", "builtin", "--train.eval_steps", "1", "--train.steps", "1", "--train.eval_every", "0"]))
+    validate_layout(cfg, torch.distributed.get_world_size())
+    trainer = Trainer(cfg, recipe_mesh(cfg))
+    before = trainer.evaluate()["eval_loss"]
+    trainer.fit()
+    if torch.distributed.get_rank() == 0:
+        (out / "eval_before.json").write_text(json.dumps(before))
 
 
 def eight_rank_resume(root: str) -> None:
@@ -106,8 +136,10 @@ def runs(tmp_path_factory):
     torch.manual_seed(0)
     hf = Qwen2ForCausalLM(Qwen2Config.from_dict(hf_config_dict(cfg)))
     hf.save_pretrained(root / "hf" / "source")
+    (root / "heldout.txt").write_text((ROOT / "README.md").read_text())  # text the models never train on
     run_checks([single_rank_references], 1, str(root), timeout=600)
-    run_checks([eight_rank_layouts, eight_rank_resume, eight_rank_hf_round_trip], 8, str(root), timeout=1200)
+    run_checks([eight_rank_layouts, eight_rank_eval_before_training, eight_rank_resume, eight_rank_hf_round_trip],
+               8, str(root), timeout=1200)
     return root
 
 
@@ -119,6 +151,27 @@ def test_loss_curve_is_layout_invariant(runs, recipe, layout):
     for step, (a, b) in enumerate(zip(losses, reference), start=1):
         assert abs(a - b) / abs(b) < 1e-4, f"step {step}: {layout} loss {a} vs single-rank {b}"
     assert reference[-1] < reference[0] - 0.1, "the debug recipe should learn in 10 steps"
+
+
+@pytest.mark.parametrize("recipe,layout", [(r, n) for r, ls in LAYOUTS.items() for n in ls])
+def test_eval_loss_is_layout_invariant(runs, recipe, layout):
+    reference = _eval_losses(runs / recipe / "single")
+    losses = _eval_losses(runs / recipe / layout)
+    assert sorted(reference) == sorted(losses) == [EVAL_EVERY, STEPS]
+    for step in reference:
+        a, b = losses[step], reference[step]
+        assert abs(a - b) / b < 1e-5, f"step {step}: {layout} eval loss {a} vs single-rank {b}"
+    records = {r["step"]: r for r in _records(runs / recipe / layout)}
+    assert abs(records[STEPS]["eval_ppl"] - math.exp(losses[STEPS])) < 1e-9 * records[STEPS]["eval_ppl"]
+    assert losses[STEPS] < losses[EVAL_EVERY], "held-out loss should fall while the model learns"
+
+
+def test_eval_of_the_training_batch_before_any_update_is_its_training_loss(runs):
+    out = runs / "eval_first" / "run"
+    before = json.loads((out / "eval_before.json").read_text())
+    (first,) = _records(out)
+    assert abs(before - first["loss"]) < 1e-6 * first["loss"], (before, first["loss"])
+    assert first["eval_loss"] < before  # the logged evaluation ran after the update, on the same batch
 
 
 def test_resume_reproduces_the_uninterrupted_run(runs):
