@@ -135,6 +135,8 @@ class TrainConfig:
     # Evaluation on [data] eval_source: every N steps (0: only after the final step), eval_steps global batches.
     eval_every: int = 0
     eval_steps: int = 10
+    tensorboard: bool = False  # event files under <output_dir>/tensorboard (needs the tensorboard package)
+    profile_steps: list[int] = field(default_factory=list)  # [first, last]: torch.profiler trace of those steps
 
 
 @dataclass
@@ -433,6 +435,11 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
         t.memory_check in MEMORY_CHECKS,
         f"{source}: [train] memory_check must be one of {', '.join(MEMORY_CHECKS)}, got '{t.memory_check}'."
         + _closest(t.memory_check, MEMORY_CHECKS),
+    )
+    _require(
+        not t.profile_steps or (len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1] <= t.steps),
+        f"{source}: [train] profile_steps must be [first, last] with 1 <= first <= last <= steps ({t.steps}), "
+        f"got {t.profile_steps}; use [] for no profile.",
     )
     _require(t.min_lr <= t.lr, f"{source}: [train] min_lr ({t.min_lr}) must not exceed lr ({t.lr}).")
     for key in ("beta1", "beta2"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -38,8 +39,9 @@ from meshtron.hf import CheckpointError, save_hf
 from meshtron.data import to_device
 from meshtron.mesh import batch_mesh, build_mesh, init_default_group
 from meshtron.parallel.layout import validate_layout
-from meshtron.metrics import MetricsLogger, peak_flops_per_device
+from meshtron.metrics import MetricsLogger, StepProfiler, peak_flops_per_device
 from meshtron.models import build_model, flops_per_token
+from meshtron.models.moe import MoE
 from meshtron.optim import build_optimizer, lr_at, set_lr
 from meshtron.plan.fit import check_memory
 
@@ -144,6 +146,9 @@ def preflight(cfg: Config) -> None:
     """
     from meshtron.data import check_vocab, load_tokenizer, source_files
 
+    if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("[train] tensorboard = true needs the tensorboard package: pip install tensorboard "
+                          "(or meshtron[tensorboard]), or set tensorboard = false.")
     source_files(cfg.data.source)
     if cfg.data.eval_source:
         source_files(cfg.data.eval_source)
@@ -220,7 +225,9 @@ class Trainer:
         self.runner = build_step_runner(model, mesh, cfg, self.device)
         self.optimizer = build_optimizer(self.runner.module, cfg.train)
         self.start_step = self._restore()
-        self.logger = MetricsLogger(cfg.train.output_dir, cfg.train.steps, self.rank == 0, self.start_step)
+        self.logger = MetricsLogger(cfg.train.output_dir, cfg.train.steps, self.rank == 0, self.start_step,
+                                    cfg.train.tensorboard)
+        self.profiler = StepProfiler(cfg.train.profile_steps, cfg.train.output_dir, self.rank)
         self.peak_flops = peak_flops_per_device(cfg.train.dtype)
         self.checkpoints = CheckpointWriter(checkpoint_root(cfg), cfg.checkpoint.keep)
 
@@ -247,16 +254,20 @@ class Trainer:
         t = self.cfg.train
         for step in range(self.start_step, t.steps):
             _inject_fault(self.rank, step + 1)
-            record = self.train_step(step)
-            if self._eval_due(step + 1):
-                record.update(self.evaluate())
+            with self.profiler.step(step + 1):
+                record = self.train_step(step)
+                if self._eval_due(step + 1):
+                    record.update(self.evaluate())
             if (step + 1) % t.log_every == 0 or step + 1 == t.steps or "eval_loss" in record:
+                if t.tensorboard and self.runner.moes:
+                    record.update(self._moe_stats())
                 self.logger.log(record)
             if self._checkpoint_due(step + 1):
                 self.checkpoints.save(step + 1, self.runner.module, self.optimizer, self.cfg,
                                       {"data": self.dataset.state_dict()})
         if self.cfg.checkpoint.export_hf:
             export_hf(self.runner, self.cfg, self.cfg.checkpoint.export_hf)
+        self.logger.close()
 
     def _eval_due(self, step: int) -> bool:
         """Every ``eval_every`` steps and after the final step, when there is held-out data."""
@@ -275,6 +286,25 @@ class Trainer:
             total, tokens = total + loss_sum, tokens + count
         (loss,) = read_scalars(total / tokens)
         return {"eval_loss": loss, "eval_ppl": math.exp(loss) if loss < 700 else math.inf}
+
+    def _moe_stats(self) -> dict[str, dict]:
+        """Every MoE layer's share of routed tokens per expert and dropped fraction in the step's last
+        micro-batch (global counts), gathered on rank 0 from the pipeline stages holding the layers
+        (collective: every rank calls it)."""
+        local = {}
+        for name, moe in self.runner.module.named_modules():
+            if isinstance(moe, MoE) and moe.last_tokens_per_expert is not None:
+                counts = moe.last_tokens_per_expert.float()
+                dropped = moe.last_dropped_fraction
+                local[name] = ((counts / counts.sum()).tolist(), None if dropped is None else float(dropped))
+        gathered = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(local, gathered, dst=0)
+        if self.rank != 0:
+            return {}
+        layers = {name: stats for part in gathered for name, stats in part.items()}
+        order = sorted(layers, key=_layer_order)
+        return {"moe_load": {n: layers[n][0] for n in order},
+                "moe_dropped": {n: layers[n][1] for n in order if layers[n][1] is not None}}
 
     def _checkpoint_due(self, step: int) -> bool:
         """Every ``every`` steps, and the final step whenever checkpointing is on."""
@@ -331,6 +361,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)  # the update itself was skipped on the device
         if self.rank == 0:
             print(f"meshtron: skipped the update of {what}", file=sys.stderr, flush=True)
+
+
+def _layer_order(name: str) -> tuple:
+    """Sort key of module names by their numbers ("layers.10.mlp" after "layers.9.mlp")."""
+    return tuple(int(part) if part.isdigit() else -1 for part in name.split("."))
 
 
 def eval_config(cfg: Config) -> Config:
