@@ -154,6 +154,7 @@ class CheckpointConfig:
     dir: str = ""  # empty: <train.output_dir>/checkpoints
     every: int = 0  # 0 disables checkpoints; otherwise every N steps and the final step
     keep: int = 0  # the newest N complete checkpoints are kept; 0 keeps all
+    async_save: bool = False  # write in the background (DCP async save) while training continues
     resume: bool = False
     init_from_hf: str = ""
     export_hf: str = ""

@@ -229,7 +229,7 @@ class Trainer:
                                     cfg.train.tensorboard)
         self.profiler = StepProfiler(cfg.train.profile_steps, cfg.train.output_dir, self.rank)
         self.peak_flops = peak_flops_per_device(cfg.train.dtype)
-        self.checkpoints = CheckpointWriter(checkpoint_root(cfg), cfg.checkpoint.keep)
+        self.checkpoints = CheckpointWriter(checkpoint_root(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save)
 
     def _restore(self) -> int:
         """Initial weights: latest checkpoint (resume), else an HF folder, else seeded random init."""
@@ -265,6 +265,7 @@ class Trainer:
             if self._checkpoint_due(step + 1):
                 self.checkpoints.save(step + 1, self.runner.module, self.optimizer, self.cfg,
                                       {"data": self.dataset.state_dict()})
+        self.checkpoints.wait()
         if self.cfg.checkpoint.export_hf:
             export_hf(self.runner, self.cfg, self.cfg.checkpoint.export_hf)
         self.logger.close()

@@ -70,6 +70,36 @@ def exact_resume(root: str) -> None:
     trainer.fit()
 
 
+def async_save_resumes_exactly(root: str) -> None:
+    """The 4-step run of ``exact_resume`` with asynchronous saves (every 2, keep 2); its step-2
+    checkpoint is resumed (steps 3-4 compared in the test). Then a save in flight: until it completes,
+    only its temp folder exists and the previous checkpoint is the latest, which is what a crash
+    during the write leaves behind."""
+    from meshtron.checkpoint import latest_checkpoint
+
+    root = Path(root)
+    out, resumed_ckpt = root / "async", root / "async_resumed_ckpt"
+    trainer = _trainer(out, DP2_TP2, ["--train.steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "2",
+                                      "--checkpoint.async_save", "true"])
+    trainer.fit()
+    ckpt = out / "checkpoints"
+    if dist.get_rank() == 0:
+        assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000004"]
+        shutil.copytree(ckpt / "step-00000002", resumed_ckpt / "step-00000002")
+    dist.barrier()
+    trainer.checkpoints.save(6, trainer.runner.module, trainer.optimizer, trainer.cfg,
+                             {"data": trainer.dataset.state_dict()})
+    if dist.get_rank() == 0:
+        assert (ckpt / ".step-00000006.tmp").is_dir() and latest_checkpoint(ckpt) == ckpt / "step-00000004"
+    trainer.checkpoints.wait()
+    if dist.get_rank() == 0:
+        assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000004", "step-00000006"]  # keep 2
+    resumed = _trainer(root / "async_resumed", DP2_TP2, ["--train.steps", "4", "--checkpoint.resume", "true",
+                                                         "--checkpoint.dir", str(resumed_ckpt)])
+    assert resumed.start_step == 2
+    resumed.fit()
+
+
 def keep_and_final_save(root: str) -> None:
     """every = 2 over 5 steps saves steps 2, 4 and the final 5; keep = 2 leaves the newest two."""
     out = Path(root) / "keep"
@@ -146,7 +176,7 @@ def nonfinite_skips_the_update(root: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("reliability")
-    run_checks([exact_resume, keep_and_final_save, different_configs_are_named, nonfinite_stops_with_the_parameter,
+    run_checks([exact_resume, async_save_resumes_exactly, keep_and_final_save, different_configs_are_named, nonfinite_stops_with_the_parameter,
                 nonfinite_skips_the_update], 4, str(root), timeout=600)
     return root
 
@@ -157,6 +187,12 @@ def test_resume_is_bit_exact_next_to_an_interrupted_save(runs):
     assert resumed == full[2:]  # float equality: model, optimizer, schedule, data position, RNG restored
     full_norms = [r["grad_norm"] for r in _records(runs / "full")]
     assert [r["grad_norm"] for r in _records(runs / "resumed")] == full_norms[2:]
+
+
+def test_async_saved_checkpoint_resumes_exactly(runs):
+    full = _losses(runs / "full")
+    assert _losses(runs / "async") == full  # saving in the background leaves the training as it was
+    assert _losses(runs / "async_resumed") == full[2:]
 
 
 def test_checkpoint_without_marker_is_never_loaded(tmp_path):
