@@ -9,6 +9,7 @@ over ranks equal the single-process gradient of the same global batch on every l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -151,7 +152,8 @@ def preflight(cfg: Config) -> None:
                           "(or meshtron[tensorboard]), or set tensorboard = false.")
     source_files(cfg.data.source)
     if cfg.data.eval_source:
-        source_files(cfg.data.eval_source)
+        with naming_eval_source():
+            source_files(cfg.data.eval_source)
     check_vocab(load_tokenizer(cfg.data.tokenizer, cfg.data.eos_token), cfg.data.tokenizer, cfg.model.vocab_size)
     latest = latest_checkpoint(checkpoint_root(cfg)) if cfg.checkpoint.resume else None
     if latest is not None:
@@ -218,8 +220,10 @@ class Trainer:
         self.device = env.local_device()
         torch.manual_seed(cfg.train.seed)
         self.dataset = TokenDataset.open(cfg, on_rank0_first=_rank0_first)
-        self.eval_dataset = TokenDataset.open(eval_config(cfg), on_rank0_first=_rank0_first) if (
-            cfg.data.eval_source) else None
+        self.eval_dataset = None
+        if cfg.data.eval_source:
+            with naming_eval_source():
+                self.eval_dataset = TokenDataset.open(eval_config(cfg), on_rank0_first=_rank0_first)
         with torch.device("meta"):
             model = build_model(cfg.model)
         self.runner = build_step_runner(model, mesh, cfg, self.device)
@@ -362,6 +366,19 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)  # the update itself was skipped on the device
         if self.rank == 0:
             print(f"meshtron: skipped the update of {what}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def naming_eval_source():
+    """The data pipeline's errors name ``[data] source``; for the held-out data the key is eval_source."""
+    from meshtron.data import DataError
+
+    try:
+        yield
+    except DataError as err:
+        renamed = DataError(str(err).replace("[data] source", "[data] eval_source"))
+        renamed.on_every_rank = getattr(err, "on_every_rank", False)
+        raise renamed from None
 
 
 def _layer_order(name: str) -> tuple:

@@ -343,6 +343,12 @@ def test_bad_inputs_fail_once_with_exit_2_and_write_nothing(tmp_path, monkeypatc
                                         "saved for a different model"),
         "missing dataset": (["--data.source", str(tmp_path / "nope.txt")], "does not exist"),
         "empty dataset": (["--data.source", str(tmp_path / "empty.txt")], "holds no text"),
+        "missing eval data": (["--data.eval_source", str(tmp_path / "nope.txt")],
+                              f"[data] eval_source '{tmp_path / 'nope.txt'}' does not exist"),
+        "empty eval data": (["--data.eval_source", str(tmp_path / "empty.txt")],
+                            f"[data] eval_source '{tmp_path / 'empty.txt'}' holds no text"),
+        "evaluation without data": (["--train.eval_every", "5"], "eval_every = 5 needs [data] eval_source"),
+        "profile window": (["--train.profile_steps", "[3, 2]"], "profile_steps must be [first, last]"),
         "tokenizer too large": (["--data.tokenizer", str(tmp_path / "tokenizer.json")],
                                 "has 300 tokens but [model] vocab_size is 256"),
     }
