@@ -4,7 +4,8 @@ A checkpoint is a folder ``step-NNNNNNNN`` holding the DCP shards of the model a
 ``rank-R.pt`` per rank with its RNG state, and ``meshtron.json`` (step, config, train state) written
 last by rank 0 as the completeness marker. Everything is first written to ``.step-NNNNNNNN.tmp`` and
 renamed only after every rank has finished, so a crash mid-save never touches the previous checkpoint
-and a folder without the marker is never loaded. DCP stores each tensor by its global name and
+and a folder without the marker is never loaded (also with asynchronous saves: see
+:class:`CheckpointWriter`). DCP stores each tensor by its global name and
 shape, so a checkpoint saved on one layout loads on another (resharding).
 """
 
@@ -82,38 +83,69 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(
-    root: str | Path,
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    cfg: Config,
-    train_state: dict[str, Any],
-    keep: int = 0,
-) -> Path:
-    """Save on every rank (collective). ``train_state`` must be JSON-serialisable (scheduler, data)."""
-    final = step_dir(root, step)
-    tmp = final.with_name(f".{final.name}.tmp")
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
-        tmp.mkdir(parents=True)
-    _barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM)}
-    dcp.save(state, checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / f"rank-{_rank()}.pt")
-    _barrier()
-    if _rank() == 0:
+class CheckpointWriter:
+    """Writes the checkpoints of one run into ``root`` and keeps the newest ``keep`` complete ones
+    (0: all). Every method is collective: every rank calls it at the same point of the run.
+
+    ``async_save``: DCP's asynchronous save copies the state to host memory and returns; a background
+    thread writes the shards while training goes on. The checkpoint is completed (marker, rename,
+    pruning) by the next ``save`` or by ``wait``, once every rank's write has finished, so a run that
+    dies mid-write leaves only the temp folder and the previous checkpoint stays the latest.
+    """
+
+    def __init__(self, root: str | Path, keep: int = 0, async_save: bool = False):
+        self.root, self.keep, self.async_save = Path(root), keep, async_save
+        # The background write coordinates the ranks on a group of its own, so its collectives never
+        # interleave with the training's on the default group (gloo: the staged copies are on the CPU).
+        self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        self._pending: tuple[Any, Path, Path, dict[str, Any]] | None = None
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Config,
+             train_state: dict[str, Any]) -> None:
+        """Checkpoint ``step``; ``train_state`` must be JSON-serialisable (scheduler, data)."""
+        self.wait()  # one save in flight at a time
+        final = step_dir(self.root, step)
+        tmp = final.with_name(f".{final.name}.tmp")
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
+            tmp.mkdir(parents=True)
+        _barrier()
+        state = {"model": get_model_state_dict(model),
+                 "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM)}
+        torch.save(_rng_state(), tmp / f"rank-{_rank()}.pt")
         marker = {"step": step, "config": dataclasses.asdict(cfg), "train_state": train_state}
-        (tmp / MARKER).write_text(json.dumps(marker, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _prune(Path(root), keep)
-    _barrier()
-    return final
+        if self.async_save:
+            self._pending = (dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group), tmp, final,
+                             marker)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self._commit(tmp, final, marker)
+
+    def wait(self) -> None:
+        """Complete the asynchronous save in flight, if any (waits for its writes on this rank)."""
+        if self._pending is None:
+            return
+        future, tmp, final, marker = self._pending
+        self._pending = None
+        future.result()
+        self._commit(tmp, final, marker)
+
+    def _commit(self, tmp: Path, final: Path, marker: dict[str, Any]) -> None:
+        """Once every rank has written its files: the marker, the rename, then the pruning, so no
+        moment exists without a complete checkpoint, and the new one is never pruned (keep >= 1)."""
+        _barrier()
+        if _rank() == 0:
+            (tmp / MARKER).write_text(json.dumps(marker, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _prune(self.root, self.keep)
+        _barrier()
 
 
 def _prune(root: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints (temp and unmarked folders are left:
+    one may be a save in progress)."""
     if keep <= 0:
         return
     complete = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MARKER).is_file())

@@ -132,6 +132,11 @@ class TrainConfig:
     loss_chunk_tokens: int = 1024
     # Before allocating, compare meshtron.plan's per-rank prediction with the device: error | warn | off.
     memory_check: str = "error"
+    # Evaluation on [data] eval_source: every N steps (0: only after the final step), eval_steps global batches.
+    eval_every: int = 0
+    eval_steps: int = 10
+    tensorboard: bool = False  # event files under <output_dir>/tensorboard (needs the tensorboard package)
+    profile_steps: list[int] = field(default_factory=list)  # [first, last]: torch.profiler trace of those steps
 
 
 @dataclass
@@ -146,12 +151,15 @@ class DataConfig:
     prompt_key: str = "prompt"  # format = "prompt_response": the prompt's field
     response_key: str = "response"  # format = "prompt_response": the response's field
     messages_key: str = "messages"  # format = "chat": the field holding [{role, content}, ...]
+    eval_source: str = ""  # held-out data for evaluation, any kind ``source`` accepts; empty: no evaluation
 
 
 @dataclass
 class CheckpointConfig:
     dir: str = ""  # empty: <train.output_dir>/checkpoints
-    every: int = 0  # 0 disables periodic checkpoints
+    every: int = 0  # 0 disables checkpoints; otherwise every N steps and the final step
+    keep: int = 0  # the newest N complete checkpoints are kept; 0 keeps all
+    async_save: bool = False  # write in the background (DCP async save) while training continues
     resume: bool = False
     init_from_hf: str = ""
     export_hf: str = ""
@@ -447,7 +455,7 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
         t.dtype in dtypes,
         f"{source}: [train] dtype must be one of {', '.join(dtypes)}, got '{t.dtype}'." + _closest(t.dtype, dtypes),
     )
-    for key in ("steps", "global_batch_size", "seq_len", "log_every", "loss_chunk_tokens"):
+    for key in ("steps", "global_batch_size", "seq_len", "log_every", "loss_chunk_tokens", "eval_steps"):
         _require(getattr(t, key) >= 1, f"{source}: [train] {key} must be >= 1, got {getattr(t, key)}.")
     _require(t.lr > 0, f"{source}: [train] lr must be > 0, got {t.lr}.")
     _require(
@@ -464,6 +472,11 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
         f"{source}: [train] memory_check must be one of {', '.join(MEMORY_CHECKS)}, got '{t.memory_check}'."
         + _closest(t.memory_check, MEMORY_CHECKS),
     )
+    _require(
+        not t.profile_steps or (len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1] <= t.steps),
+        f"{source}: [train] profile_steps must be [first, last] with 1 <= first <= last <= steps ({t.steps}), "
+        f"got {t.profile_steps}; use [] for no profile.",
+    )
     _require(t.min_lr <= t.lr, f"{source}: [train] min_lr ({t.min_lr}) must not exceed lr ({t.lr}).")
     for key in ("beta1", "beta2"):
         _require(getattr(t, key) < 1, f"{source}: [train] {key} must be in [0, 1), got {getattr(t, key)}.")
@@ -475,6 +488,11 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
         d.format in DATA_FORMATS,
         f"{source}: [data] format must be one of {', '.join(DATA_FORMATS)}, got '{d.format}'."
         + _closest(d.format, DATA_FORMATS),
+    )
+    _require(
+        not t.eval_every or bool(d.eval_source),
+        f"{source}: [train] eval_every = {t.eval_every} needs [data] eval_source (held-out data, e.g. a .txt or "
+        ".jsonl file); set it, or set eval_every = 0.",
     )
     _require(
         d.tokenizer != "bytes" or cfg.model.vocab_size >= 256,

@@ -1,7 +1,9 @@
-"""Step metrics: a compact console line with progress, and ``metrics.jsonl`` (rank 0 only)."""
+"""Step metrics: a compact console line with progress, ``metrics.jsonl`` and optionally TensorBoard
+event files (rank 0 only); the ``torch.profiler`` window of ``[train] profile_steps`` (every rank)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -41,16 +43,23 @@ def synchronize(device: torch.device) -> None:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str | Path, total_steps: int, enabled: bool, resume_step: int = 0):
+    def __init__(self, output_dir: str | Path, total_steps: int, enabled: bool, resume_step: int = 0,
+                 tensorboard: bool = False):
         """``resume_step``: keep the records up to that step. A run resumed after a crash repeats the
-        steps since its checkpoint, whose old records are dropped so each step appears once."""
+        steps since its checkpoint, whose old records are dropped so each step appears once (in the
+        TensorBoard files too). ``tensorboard``: also write event files to ``<output_dir>/tensorboard``."""
         self.enabled = enabled
         self.total_steps = total_steps
         self.path = Path(output_dir) / "metrics.jsonl"
+        self.board = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             kept = self._records_through(resume_step) if resume_step > 0 else []
             self.path.write_text("".join(line + "\n" for line in kept))
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.board = SummaryWriter(Path(output_dir) / "tensorboard", purge_step=resume_step + 1)
 
     def _records_through(self, step: int) -> list[str]:
         if not self.path.is_file():
@@ -64,7 +73,15 @@ class MetricsLogger:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.board is not None:
+            for tag, value in board_scalars(record).items():
+                self.board.add_scalar(tag, value, record["step"])
+            self.board.flush()  # a crashed run keeps what it logged
         print(self._line(record), flush=True)
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
 
     def _line(self, r: dict[str, Any]) -> str:
         width = 20
@@ -78,6 +95,8 @@ class MetricsLogger:
             f"{r['tokens_per_sec']:.0f} tok/s",
             f"{r['step_time']:.2f}s",
         ]
+        if r.get("eval_loss") is not None:
+            parts.append(f"eval {r['eval_loss']:.4f} (ppl {r['eval_ppl']:.2f})")
         if r.get("aux_loss") is not None:
             parts.append(f"aux {r['aux_loss']:.4f}")
         if r.get("mfu") is not None:
@@ -85,6 +104,58 @@ class MetricsLogger:
         if r.get("memory_gib") is not None:
             parts.append(f"mem {r['memory_gib']:.1f}GiB")
         return " | ".join(parts)
+
+
+# TensorBoard tags of the record's numbers; the MoE entries are {layer: value or per-expert list}.
+_BOARD_TAGS = {
+    "loss": "train/loss", "eval_loss": "eval/loss", "eval_ppl": "eval/perplexity", "lr": "train/lr",
+    "grad_norm": "train/grad_norm", "aux_loss": "train/aux_loss", "tokens_per_sec": "perf/tokens_per_sec",
+    "step_time": "perf/step_time", "mfu": "perf/mfu", "memory_gib": "perf/memory_gib",
+}
+
+
+def board_scalars(record: dict[str, Any]) -> dict[str, float]:
+    """{tag: value} of one metrics record: the scalars above, every MoE layer's share of routed tokens
+    per expert (``moe/<layer>/load/expert_NNN``) and its dropped fraction (``moe/<layer>/dropped``)."""
+    scalars = {tag: record[key] for key, tag in _BOARD_TAGS.items() if record.get(key) is not None}
+    for layer, loads in record.get("moe_load", {}).items():
+        scalars.update({f"moe/{layer}/load/expert_{e:03d}": share for e, share in enumerate(loads)})
+    for layer, dropped in record.get("moe_dropped", {}).items():
+        scalars[f"moe/{layer}/dropped"] = dropped
+    return scalars
+
+
+class StepProfiler:
+    """``torch.profiler`` over steps ``first..last`` (1-based, inclusive), each step a named range;
+    the trace (Chrome / Perfetto JSON) goes to ``<output_dir>/profile/rank-R.json``. Inactive when
+    ``steps`` is empty."""
+
+    def __init__(self, steps: list[int], output_dir: str | Path, rank: int):
+        self.first, self.last = steps if steps else (0, -1)
+        self.path = Path(output_dir) / "profile" / f"rank-{rank}.json"
+        self._profile = None
+
+    def step(self, step: int):
+        """Context manager around step ``step`` (1-based)."""
+        if not self.first <= step <= self.last:
+            return contextlib.nullcontext()
+        if self._profile is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if env.device_type() == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profile = torch.profiler.profile(activities=activities, record_shapes=True)
+            self._profile.start()
+        return self._range(step)
+
+    @contextlib.contextmanager
+    def _range(self, step: int):
+        with torch.profiler.record_function(f"meshtron step {step}"):
+            yield
+        if step == self.last:
+            self._profile.stop()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._profile.export_chrome_trace(str(self.path))
+            self._profile = None
 
 
 def _step_of(line: str) -> float:

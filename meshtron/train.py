@@ -9,8 +9,10 @@ over ranks equal the single-process gradient of the same global batch on every l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -27,19 +29,20 @@ from torch.distributed.tensor import DTensor
 from meshtron import env
 from meshtron.checkpoint import (
     CheckpointMismatch,
+    CheckpointWriter,
     check_model_shape,
     latest_checkpoint,
     load_checkpoint,
     read_marker,
-    save_checkpoint,
 )
 from meshtron.config import Config, ConfigError, config_to_dict, infer_dp, load_config, model_differences
 from meshtron.hf import CheckpointError, save_hf
-from meshtron.data import to_device
+from meshtron.data import SourceSpec, to_device
 from meshtron.mesh import batch_mesh, build_mesh, init_default_group
 from meshtron.parallel.layout import validate_layout
-from meshtron.metrics import MetricsLogger, peak_flops_per_device
+from meshtron.metrics import MetricsLogger, StepProfiler, peak_flops_per_device
 from meshtron.models import build_model, flops_per_token
+from meshtron.models.moe import MoE
 from meshtron.optim import build_optimizer, lr_at, set_lr
 from meshtron.plan.fit import check_memory
 
@@ -145,8 +148,14 @@ def preflight(cfg: Config) -> None:
     """
     from meshtron.data import check_vocab, data_sources, load_tokenizer, source_files
 
+    if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("[train] tensorboard = true needs the tensorboard package: pip install tensorboard "
+                          "(or meshtron[tensorboard]), or set tensorboard = false.")
     for spec in data_sources(cfg.data):
         source_files(spec.path)
+    if cfg.data.eval_source:
+        with naming_eval_source():
+            source_files(cfg.data.eval_source)
     check_vocab(load_tokenizer(cfg.data.tokenizer, cfg.data.eos_token), cfg.data.tokenizer, cfg.model.vocab_size)
     latest = latest_checkpoint(checkpoint_root(cfg)) if cfg.checkpoint.resume else None
     if latest is not None:
@@ -214,13 +223,20 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         # No collective until every rank has the data: a long tokenization cannot hit the collective timeout.
         self.dataset = TokenDataset.open(cfg, progress=sys.stdout)  # only the building process prints
+        self.eval_dataset = None
+        if cfg.data.eval_source:
+            with naming_eval_source():
+                self.eval_dataset = TokenDataset.open(cfg, sources=[eval_source(cfg)], progress=sys.stdout)
         with torch.device("meta"):
             model = build_model(cfg.model)
         self.runner = build_step_runner(model, mesh, cfg, self.device)
         self.optimizer = build_optimizer(self.runner.module, cfg.train)
         self.start_step = self._restore()
-        self.logger = MetricsLogger(cfg.train.output_dir, cfg.train.steps, self.rank == 0, self.start_step)
+        self.logger = MetricsLogger(cfg.train.output_dir, cfg.train.steps, self.rank == 0, self.start_step,
+                                    cfg.train.tensorboard)
+        self.profiler = StepProfiler(cfg.train.profile_steps, cfg.train.output_dir, self.rank)
         self.peak_flops = peak_flops_per_device(cfg.train.dtype)
+        self.checkpoints = CheckpointWriter(checkpoint_root(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save)
 
     def _restore(self) -> int:
         """Initial weights: latest checkpoint (resume), else an HF folder, else seeded random init."""
@@ -245,14 +261,63 @@ class Trainer:
         t = self.cfg.train
         for step in range(self.start_step, t.steps):
             _inject_fault(self.rank, step + 1)
-            record = self.train_step(step)
-            if (step + 1) % t.log_every == 0 or step + 1 == t.steps:
+            with self.profiler.step(step + 1):
+                record = self.train_step(step)
+                if self._eval_due(step + 1):
+                    record.update(self.evaluate())
+            if (step + 1) % t.log_every == 0 or step + 1 == t.steps or "eval_loss" in record:
+                if t.tensorboard and self.runner.moes:
+                    record.update(self._moe_stats())
                 self.logger.log(record)
-            if self.cfg.checkpoint.every and (step + 1) % self.cfg.checkpoint.every == 0:
-                save_checkpoint(checkpoint_root(self.cfg), step + 1, self.runner.module, self.optimizer, self.cfg,
-                                {"data": self.dataset.state_dict()})
+            if self._checkpoint_due(step + 1):
+                self.checkpoints.save(step + 1, self.runner.module, self.optimizer, self.cfg,
+                                      {"data": self.dataset.state_dict()})
+        self.checkpoints.wait()
         if self.cfg.checkpoint.export_hf:
             export_hf(self.runner, self.cfg, self.cfg.checkpoint.export_hf)
+        self.logger.close()
+
+    def _eval_due(self, step: int) -> bool:
+        """Every ``eval_every`` steps and after the final step, when there is held-out data."""
+        every = self.cfg.train.eval_every
+        return self.eval_dataset is not None and ((every and step % every == 0) or step == self.cfg.train.steps)
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean token loss over the first ``eval_steps`` global batches of the held-out data (the same
+        batches every time, on every layout) and its perplexity."""
+        total, tokens = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
+        for index in range(self.cfg.train.eval_steps):
+            batch = self.eval_dataset.batch_for_step(
+                index, self.batch_mesh.get_local_rank(), self.batch_mesh.size(), self.cfg.parallel.microbatches
+            )
+            loss_sum, count = self.runner.evaluate(*to_device(batch, self.device))
+            total, tokens = total + loss_sum, tokens + count
+        (loss,) = read_scalars(total / tokens)
+        return {"eval_loss": loss, "eval_ppl": math.exp(loss) if loss < 700 else math.inf}
+
+    def _moe_stats(self) -> dict[str, dict]:
+        """Every MoE layer's share of routed tokens per expert and dropped fraction in the step's last
+        micro-batch (global counts), gathered on rank 0 from the pipeline stages holding the layers
+        (collective: every rank calls it)."""
+        local = {}
+        for name, moe in self.runner.module.named_modules():
+            if isinstance(moe, MoE) and moe.last_tokens_per_expert is not None:
+                counts = moe.last_tokens_per_expert.float()
+                dropped = moe.last_dropped_fraction
+                local[name] = ((counts / counts.sum()).tolist(), None if dropped is None else float(dropped))
+        gathered = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(local, gathered, dst=0)
+        if self.rank != 0:
+            return {}
+        layers = {name: stats for part in gathered for name, stats in part.items()}
+        order = sorted(layers, key=_layer_order)
+        return {"moe_load": {n: layers[n][0] for n in order},
+                "moe_dropped": {n: layers[n][1] for n in order if layers[n][1] is not None}}
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """Every ``every`` steps, and the final step whenever checkpointing is on."""
+        every = self.cfg.checkpoint.every
+        return bool(every) and (step % every == 0 or step == self.cfg.train.steps)
 
     def train_step(self, step: int) -> dict:
         t = self.cfg.train
@@ -304,6 +369,29 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)  # the update itself was skipped on the device
         if self.rank == 0:
             print(f"meshtron: skipped the update of {what}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def naming_eval_source():
+    """The data pipeline's errors name ``[data] source``; for the held-out data the key is eval_source."""
+    from meshtron.data import DataError
+
+    try:
+        yield
+    except DataError as err:
+        renamed = DataError(str(err).replace("[data] source", "[data] eval_source"))
+        renamed.on_every_rank = getattr(err, "on_every_rank", False)
+        raise renamed from None
+
+
+def _layer_order(name: str) -> tuple:
+    """Sort key of module names by their numbers ("layers.10.mlp" after "layers.9.mlp")."""
+    return tuple(int(part) if part.isdigit() else -1 for part in name.split("."))
+
+
+def eval_source(cfg: Config) -> SourceSpec:
+    """The held-out data as one source, tokenized into its own cache the same way (never a mixture)."""
+    return SourceSpec(cfg.data.eval_source, 1.0, cfg.data.text_key)
 
 
 def export_hf(runner, cfg: Config, folder: str) -> None:

@@ -70,6 +70,44 @@ def exact_resume(root: str) -> None:
     trainer.fit()
 
 
+def async_save_resumes_exactly(root: str) -> None:
+    """The 4-step run of ``exact_resume`` with asynchronous saves (every 2, keep 2); its step-2
+    checkpoint is resumed (steps 3-4 compared in the test). Then a save in flight: until it completes,
+    only its temp folder exists and the previous checkpoint is the latest, which is what a crash
+    during the write leaves behind."""
+    from meshtron.checkpoint import latest_checkpoint
+
+    root = Path(root)
+    out, resumed_ckpt = root / "async", root / "async_resumed_ckpt"
+    trainer = _trainer(out, DP2_TP2, ["--train.steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "2",
+                                      "--checkpoint.async_save", "true"])
+    trainer.fit()
+    ckpt = out / "checkpoints"
+    if dist.get_rank() == 0:
+        assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000004"]
+        shutil.copytree(ckpt / "step-00000002", resumed_ckpt / "step-00000002")
+    dist.barrier()
+    trainer.checkpoints.save(6, trainer.runner.module, trainer.optimizer, trainer.cfg,
+                             {"data": trainer.dataset.state_dict()})
+    if dist.get_rank() == 0:
+        assert (ckpt / ".step-00000006.tmp").is_dir() and latest_checkpoint(ckpt) == ckpt / "step-00000004"
+    trainer.checkpoints.wait()
+    if dist.get_rank() == 0:
+        assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000004", "step-00000006"]  # keep 2
+    resumed = _trainer(root / "async_resumed", DP2_TP2, ["--train.steps", "4", "--checkpoint.resume", "true",
+                                                         "--checkpoint.dir", str(resumed_ckpt)])
+    assert resumed.start_step == 2
+    resumed.fit()
+
+
+def keep_and_final_save(root: str) -> None:
+    """every = 2 over 5 steps saves steps 2, 4 and the final 5; keep = 2 leaves the newest two."""
+    out = Path(root) / "keep"
+    _trainer(out, DP2_TP2, ["--train.steps", "5", "--checkpoint.every", "2", "--checkpoint.keep", "2"]).fit()
+    folders = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert folders == ["step-00000004", "step-00000005"], folders
+
+
 def different_configs_are_named(root: str) -> None:
     from meshtron.train import check_same_config
 
@@ -138,7 +176,7 @@ def nonfinite_skips_the_update(root: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("reliability")
-    run_checks([exact_resume, different_configs_are_named, nonfinite_stops_with_the_parameter,
+    run_checks([exact_resume, async_save_resumes_exactly, keep_and_final_save, different_configs_are_named, nonfinite_stops_with_the_parameter,
                 nonfinite_skips_the_update], 4, str(root), timeout=600)
     return root
 
@@ -149,6 +187,12 @@ def test_resume_is_bit_exact_next_to_an_interrupted_save(runs):
     assert resumed == full[2:]  # float equality: model, optimizer, schedule, data position, RNG restored
     full_norms = [r["grad_norm"] for r in _records(runs / "full")]
     assert [r["grad_norm"] for r in _records(runs / "resumed")] == full_norms[2:]
+
+
+def test_async_saved_checkpoint_resumes_exactly(runs):
+    full = _losses(runs / "full")
+    assert _losses(runs / "async") == full  # saving in the background leaves the training as it was
+    assert _losses(runs / "async_resumed") == full[2:]
 
 
 def test_checkpoint_without_marker_is_never_loaded(tmp_path):
@@ -299,6 +343,12 @@ def test_bad_inputs_fail_once_with_exit_2_and_write_nothing(tmp_path, monkeypatc
                                         "saved for a different model"),
         "missing dataset": (["--data.source", str(tmp_path / "nope.txt")], "does not exist"),
         "empty dataset": (["--data.source", str(tmp_path / "empty.txt")], "holds no text"),
+        "missing eval data": (["--data.eval_source", str(tmp_path / "nope.txt")],
+                              f"[data] eval_source '{tmp_path / 'nope.txt'}' does not exist"),
+        "empty eval data": (["--data.eval_source", str(tmp_path / "empty.txt")],
+                            f"[data] eval_source '{tmp_path / 'empty.txt'}' holds no text"),
+        "evaluation without data": (["--train.eval_every", "5"], "eval_every = 5 needs [data] eval_source"),
+        "profile window": (["--train.profile_steps", "[3, 2]"], "profile_steps must be [first, last]"),
         "tokenizer too large": (["--data.tokenizer", str(tmp_path / "tokenizer.json")],
                                 "has 300 tokens but [model] vocab_size is 256"),
     }

@@ -17,7 +17,7 @@ LEVELS = {
     "mesh": 1, "checkpoint": 1, "data": 1, "metrics": 1, "optim": 1, "syncs": 1,
     "models": 2,
     "parallel": 3,
-    "hf": 4, "pipeline": 4, "testing": 4, "plan": 4,
+    "hf": 4, "pipeline": 4, "testing": 4, "plan": 4, "plot": 4,
     "train": 5, "__init__": 5,
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -17,8 +18,10 @@ from meshtron.testing import rel_err, run_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
+EVAL_EVERY = 5
 # Same micro-batch split everywhere: the MoE aux loss is per global micro-batch.
-COMMON = ["--train.steps", str(STEPS), "--parallel.microbatches", "2", "--train.log_every", "1"]
+COMMON = ["--train.steps", str(STEPS), "--parallel.microbatches", "2", "--train.log_every", "1",
+          "--train.eval_every", str(EVAL_EVERY), "--train.eval_steps", "2"]
 
 LAYOUTS = {
     "dense": {
@@ -34,10 +37,15 @@ LAYOUTS = {
     },
 }
 SINGLE = dict(pp=1, dp=1, cp=1, ep=1, tp=1)
+PROFILED = "dp2_tp4_sp"  # traces steps 2-3 on every rank
+# Extra keys of some runs (observability only: the numbers stay comparable with the others).
+EXTRA = {"single": ["--train.tensorboard", "true"], PROFILED: ["--train.profile_steps", "[2, 3]"]}
 
 
 def _overrides(out: Path, layout: dict, extra: list[str] = ()) -> list[str]:
-    args = list(COMMON) + ["--train.output_dir", str(out), "--data.cache_dir", str(out.parent / "token_cache")]
+    """Every run lies two folders below the fixture's root, which holds the held-out text."""
+    args = list(COMMON) + ["--train.output_dir", str(out), "--data.cache_dir", str(out.parent / "token_cache"),
+                           "--data.eval_source", str(out.parent.parent / "heldout.txt")]
     for key, value in {**SINGLE, **layout}.items():
         args += [f"--parallel.{key}", str(value)]
     return args + list(extra)
@@ -53,21 +61,48 @@ def _train(recipe: str, out: Path, layout: dict, extra: list[str] = ()) -> None:
     Trainer(cfg, recipe_mesh(cfg)).fit()
 
 
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in _records(out)]
+
+
+def _eval_losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["eval_loss"] for r in _records(out) if "eval_loss" in r}
 
 
 def single_rank_references(root: str) -> None:
     root = Path(root)
     for recipe in LAYOUTS:
-        _train(f"debug_{recipe}", root / recipe / "single", SINGLE)
+        _train(f"debug_{recipe}", root / recipe / "single", SINGLE, EXTRA["single"])
 
 
 def eight_rank_layouts(root: str) -> None:
     root = Path(root)
     for recipe, layouts in LAYOUTS.items():
         for name, layout in layouts.items():
-            _train(f"debug_{recipe}", root / recipe / name, layout)
+            _train(f"debug_{recipe}", root / recipe / name, layout, EXTRA.get(name, []))
+
+
+def eight_rank_eval_before_training(root: str) -> None:
+    """Evaluated on the training data itself before any update, the first eval batch is the first
+    training batch: the forward-only pass (pipelined, interleaved) gives the first step's loss."""
+    from meshtron.parallel.layout import validate_layout
+    from meshtron.train import Trainer, recipe_mesh
+
+    out = Path(root) / "eval_first" / "run"
+    # Also the MoE statistics on TensorBoard: capacity drops, layers 0 and 2 on pp-rank 0, 1 and 3 on pp-rank 1.
+    cfg = load_config(ROOT / "recipes" / "debug_moe.toml", _overrides(out, LAYOUTS["dense"]["pp2v2_cp2_tp2"], [
+        "--data.eval_source", "builtin", "--train.eval_steps", "1", "--train.steps", "1", "--train.eval_every", "0",
+        "--train.tensorboard", "true", "--model.moe_capacity_factor", "1.0"]))
+    validate_layout(cfg, torch.distributed.get_world_size())
+    trainer = Trainer(cfg, recipe_mesh(cfg))
+    before = trainer.evaluate()["eval_loss"]
+    trainer.fit()
+    if torch.distributed.get_rank() == 0:
+        (out / "eval_before.json").write_text(json.dumps(before))
 
 
 def eight_rank_resume(root: str) -> None:
@@ -106,8 +141,10 @@ def runs(tmp_path_factory):
     torch.manual_seed(0)
     hf = Qwen2ForCausalLM(Qwen2Config.from_dict(hf_config_dict(cfg)))
     hf.save_pretrained(root / "hf" / "source")
+    (root / "heldout.txt").write_text((ROOT / "README.md").read_text())  # text the models never train on
     run_checks([single_rank_references], 1, str(root), timeout=600)
-    run_checks([eight_rank_layouts, eight_rank_resume, eight_rank_hf_round_trip], 8, str(root), timeout=1200)
+    run_checks([eight_rank_layouts, eight_rank_eval_before_training, eight_rank_resume, eight_rank_hf_round_trip],
+               8, str(root), timeout=1200)
     return root
 
 
@@ -119,6 +156,92 @@ def test_loss_curve_is_layout_invariant(runs, recipe, layout):
     for step, (a, b) in enumerate(zip(losses, reference), start=1):
         assert abs(a - b) / abs(b) < 1e-4, f"step {step}: {layout} loss {a} vs single-rank {b}"
     assert reference[-1] < reference[0] - 0.1, "the debug recipe should learn in 10 steps"
+
+
+@pytest.mark.parametrize("recipe,layout", [(r, n) for r, ls in LAYOUTS.items() for n in ls])
+def test_eval_loss_is_layout_invariant(runs, recipe, layout):
+    reference = _eval_losses(runs / recipe / "single")
+    losses = _eval_losses(runs / recipe / layout)
+    assert sorted(reference) == sorted(losses) == [EVAL_EVERY, STEPS]
+    for step in reference:
+        a, b = losses[step], reference[step]
+        assert abs(a - b) / b < 1e-5, f"step {step}: {layout} eval loss {a} vs single-rank {b}"
+    records = {r["step"]: r for r in _records(runs / recipe / layout)}
+    assert abs(records[STEPS]["eval_ppl"] - math.exp(losses[STEPS])) < 1e-9 * records[STEPS]["eval_ppl"]
+    assert losses[STEPS] < losses[EVAL_EVERY], "held-out loss should fall while the model learns"
+
+
+def test_eval_of_the_training_batch_before_any_update_is_its_training_loss(runs):
+    out = runs / "eval_first" / "run"
+    before = json.loads((out / "eval_before.json").read_text())
+    (first,) = _records(out)
+    assert abs(before - first["loss"]) < 1e-6 * first["loss"], (before, first["loss"])
+    assert first["eval_loss"] < before  # the logged evaluation ran after the update, on the same batch
+
+
+def _board(out: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of a run's TensorBoard files as {tag: [(step, value)]}, read by tensorboard itself."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+@pytest.mark.parametrize("recipe", list(LAYOUTS))
+def test_tensorboard_files_hold_the_logged_metrics(runs, recipe):
+    out = runs / recipe / "single"
+    board, records = _board(out), _records(out)
+    for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
+                     ("tokens_per_sec", "perf/tokens_per_sec"), ("eval_loss", "eval/loss"),
+                     ("eval_ppl", "eval/perplexity")):
+        expected = [(r["step"], r[key]) for r in records if key in r]
+        assert [step for step, _ in board[tag]] == [step for step, _ in expected], tag
+        for (_, got), (_, want) in zip(board[tag], expected):
+            assert abs(got - want) <= 1e-6 * abs(want), (tag, got, want)  # stored as float32
+    loads = [t for t in board if t.startswith("moe/")]
+    if recipe == "dense":
+        assert not loads
+    else:  # 4 MoE layers x 8 experts, each layer's shares summing to 1 at every step
+        assert len(loads) == 4 * 8 and "moe/layers.3.mlp/load/expert_007" in board
+        for step in range(STEPS):
+            assert abs(sum(board[t][step][1] for t in loads if "layers.0." in t) - 1) < 1e-5
+
+
+def test_moe_statistics_are_gathered_from_every_pipeline_stage(runs):
+    board = _board(runs / "eval_first" / "run")
+    for layer in range(4):
+        shares = [board[f"moe/layers.{layer}.mlp/load/expert_{e:03d}"][0][1] for e in range(8)]
+        assert abs(sum(shares) - 1) < 1e-5 and max(shares) > 1 / 8, layer
+        dropped = board[f"moe/layers.{layer}.mlp/dropped"][0][1]
+        assert 0 < dropped < 0.5, (layer, dropped)  # capacity factor 1: some tokens of the busiest experts
+
+
+def test_profiler_writes_a_trace_of_the_chosen_steps_per_rank(runs):
+    traces = sorted((runs / "dense" / PROFILED / "profile").iterdir())
+    assert [t.name for t in traces] == [f"rank-{r}.json" for r in range(8)]
+    for trace in traces:
+        names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
+        assert {"meshtron step 2", "meshtron step 3"} <= names, trace
+        assert "meshtron step 1" not in names and "meshtron step 4" not in names
+        assert any("all_reduce" in str(n) or "reduce_scatter" in str(n) for n in names), trace  # collectives seen
+
+
+def test_plot_draws_every_run(runs, tmp_path):
+    from meshtron.plot import draw, main
+
+    chosen = [runs / "dense" / "single", runs / "dense" / "tp8"]
+    fig = draw(chosen)
+    loss_ax, eval_ax, speed_ax = fig.axes
+    assert [line.get_label() for line in loss_ax.lines] == ["single", "tp8"]
+    for line, run in zip(loss_ax.lines, chosen):
+        assert list(line.get_ydata()) == _losses(run)
+    assert list(eval_ax.lines[0].get_xdata()) == [EVAL_EVERY, STEPS]
+    assert len(speed_ax.lines) == 2
+    png = tmp_path / "curves.png"
+    assert main([str(r) for r in chosen] + ["-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([str(tmp_path / "missing")]) == 2
 
 
 def test_resume_reproduces_the_uninterrupted_run(runs):

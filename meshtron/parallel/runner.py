@@ -9,6 +9,7 @@ from torch import nn
 from meshtron.config import Config
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import moe_layers
+from meshtron.models.moe import replaying
 from meshtron.parallel.compose import materialize_sharded, parallelize
 from meshtron.parallel.grad_norm import clip_grad_norm_
 from meshtron.parallel.pipeline.runner import PipelineRunner
@@ -53,6 +54,18 @@ class StepRunner:
             self._aux.extend(m.last_aux_loss for m in self.moes if m.last_aux_loss is not None)
         dist.all_reduce(total, group=self.data_group)
         return total
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed token loss, counted tokens) of the global batch, without gradients, on every rank."""
+        micro = split_microbatches(input_ids, labels, self.cp_mesh, self.cfg.parallel.microbatches)
+        tokens = global_token_count(micro, self.data_group)
+        total = torch.zeros((), device=self.device)
+        with replaying():  # the MoE statistics stay those of the last training step
+            for ids, lab, pos in micro:
+                total += self.module(ids, pos, labels=lab)
+        dist.all_reduce(total, group=self.data_group)
+        return total, tokens
 
     def _sync_gradients(self, microbatch: int) -> bool:
         """Full sharding reduce-scatters every micro-batch, so unsharded gradients never pile up;

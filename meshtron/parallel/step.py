@@ -32,6 +32,10 @@ class Runner(Protocol):
         """Gradients of one global-batch step accumulated into ``.grad``; the global loss as a device
         scalar on every rank (reading it is the caller's one host sync)."""
 
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed token loss, counted tokens) of one global batch without gradients, as global
+        device scalars on every rank; parameters, gradients and MoE statistics are left as they were."""
+
     def aux_loss(self) -> torch.Tensor | None:
         """The last step's MoE load-balancing loss (mean over layers and micro-batches), or None."""
 

@@ -49,6 +49,12 @@ parameters (its 1/pp of the model, in the compute dtype) held from the first for
 backward, next to the unsharded gradients that the once-per-step reduction holds anyway;
 ``benchmarks/results/pipeline_fsdp.md`` counts the gathers and gives the figures for Qwen2.5-7B.
 Outside a run (e.g. an evaluation forward) the units reshard after forward again.
+
+Forward only (evaluation, :meth:`PipelineExecutor.forward_only`): no schedule is needed without a
+backward. Each rank runs its chunks in increasing stage order, every micro-batch of a chunk before
+the next chunk; sends are posted without waiting and a chunk's input is received just before it
+runs. A chunk waits only for the chunk before it, which every rank reaches first, so it cannot
+deadlock; the pairs of ranks post their messages in the same (stage, micro-batch) order.
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ from meshtron.parallel.pipeline.schedules import (
     split_backwards,
 )
 from meshtron.parallel.pipeline.simulate import Span
+from meshtron.parallel.pipeline.split import chunk_rank
 
 # forward(stage, x, mb) -> output: x is the stage's input (token ids or hidden states).
 ForwardFn = Callable[[int, torch.Tensor, int], torch.Tensor]
@@ -173,6 +180,39 @@ class PipelineExecutor:
             self._reset()
         if leftovers:
             raise RuntimeError(f"pipeline rank {self.rank}: {leftovers} tensors left over after the schedule")
+        return total
+
+    @torch.no_grad()
+    def forward_only(
+        self,
+        forward: ForwardFn,
+        first_inputs: Sequence[torch.Tensor],
+        stages: Sequence[int],
+        boundary: tuple[tuple[int, ...], torch.dtype],
+    ) -> torch.Tensor:
+        """Every micro-batch through this rank's ``stages`` without gradients (module doc); returns the
+        sum of the last stage's outputs on its rank (0 elsewhere)."""
+        shape, dtype = boundary
+        device = first_inputs[0].device
+        pp = dist.get_world_size(self.group)
+        peer = {s: dist.get_global_rank(self.group, chunk_rank(s, pp)) for s in range(self.num_stages)}
+        total = torch.zeros((), device=device)
+        sending = []
+        for stage in sorted(stages):
+            for mb, first in enumerate(first_inputs):
+                if stage == 0:
+                    x = first
+                else:
+                    x = torch.empty(shape, dtype=dtype, device=device)
+                    dist.recv(x, peer[stage - 1], group=self.group)
+                out = forward(stage, x, mb)
+                if stage == self.num_stages - 1:
+                    total += out
+                else:
+                    _check_boundary(out, shape, dtype, Action(F, mb, stage))
+                    sending.append((dist.isend(out, peer[stage + 1], group=self.group), out))
+        for work, _ in sending:
+            work.wait()
         return total
 
     def _timed(self, action: Action, fn: Callable[[], torch.Tensor | None]):

@@ -24,6 +24,8 @@ norm counts the weight once.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -32,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from meshtron.config import Config
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import moe_layers
+from meshtron.models.moe import replaying
 from meshtron.parallel.grad_norm import global_grad_norm, scale_grads_
 from meshtron.parallel.compose import materialize_sharded, parallelize
 from meshtron.parallel.step import (
@@ -129,9 +132,7 @@ class PipelineRunner:
         aux: list[torch.Tensor] = []
 
         def forward(stage: int, x: torch.Tensor, mb: int) -> torch.Tensor:
-            # The last chunk returns the micro-batch's summed token loss (fused head + loss).
-            chunk = self.chunks[stage]
-            out = chunk(x, micro[mb][2], micro[mb][1] if chunk.is_last else None)
+            out = self._chunk_forward(micro, stage, x, mb)
             aux.extend(m.last_aux_loss for m in self._moe[stage] if m.last_aux_loss is not None)
             return out
 
@@ -139,8 +140,7 @@ class PipelineRunner:
             return loss_sum / tokens
 
         ids = [mb[0] for mb in micro]
-        boundary = boundary_tensor(self.cfg, ids[0].shape[0], ids[0].shape[1])
-        total = self.executor.run(forward, ids, loss, boundary)
+        total = self.executor.run(forward, ids, loss, self._boundary(ids))
         if self._tied is not None:
             self._sum_tied_grads()
         dist.all_reduce(total, group=self.data_group)  # zero except on the last stage
@@ -151,6 +151,28 @@ class PipelineRunner:
         # Every MoE layer yields one aux loss per micro-batch, so the count is never 0 for a MoE model.
         self._aux = stats[1] / stats[2] if self._has_moe else None
         return stats[0]
+
+    def _chunk_forward(self, micro: list, stage: int, x: torch.Tensor, mb: int) -> torch.Tensor:
+        """Chunk ``stage`` on micro-batch ``mb``; the last chunk returns the micro-batch's summed
+        token loss (fused head + loss)."""
+        chunk = self.chunks[stage]
+        return chunk(x, micro[mb][2], micro[mb][1] if chunk.is_last else None)
+
+    def _boundary(self, ids: list[torch.Tensor]) -> tuple[tuple[int, ...], torch.dtype]:
+        return boundary_tensor(self.cfg, ids[0].shape[0], ids[0].shape[1])
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed token loss, counted tokens) of the global batch, without gradients, on every rank."""
+        micro = split_microbatches(input_ids, labels, self.cp_mesh, self.cfg.parallel.microbatches)
+        tokens = global_token_count(micro, self.data_group)
+        ids = [mb[0] for mb in micro]
+        with replaying():  # the MoE statistics stay those of the last training step
+            total = self.executor.forward_only(partial(self._chunk_forward, micro), ids, list(self.chunks),
+                                               self._boundary(ids))
+        dist.all_reduce(total, group=self.data_group)  # zero except on the last stage
+        dist.all_reduce(total, group=self.pp_group)
+        return total, tokens
 
     def _sum_tied_grads(self) -> None:
         """The embedding (first stage) and LM head (last stage) are copies of one tied weight: each
