@@ -141,6 +141,8 @@ class DataConfig:
     text_key: str = "text"  # the text field of .jsonl records
     eos_token: str = ""  # document separator of a file tokenizer; empty: found in the tokenizer
     cache_dir: str = ""  # token cache; empty: <train.output_dir>/token_cache
+    # Packed windows: positions restart at every document and attention never crosses one.
+    document_mask: bool = False
 
 
 @dataclass

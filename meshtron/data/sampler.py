@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from meshtron.config import Config, ConfigError
-from meshtron.data.packing import PackedTokens, prepare_tokens
+from meshtron.data.packing import PackedTokens, pack_documents, prepare_tokens
 from meshtron.env import local_device
 
 
@@ -31,12 +31,13 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 class TokenDataset:
     """The packed token windows of one recipe and its seeded, layout-independent global batches."""
 
-    def __init__(self, tokens: PackedTokens, global_batch_size: int, seed: int):
+    def __init__(self, tokens: PackedTokens, global_batch_size: int, seed: int, document_mask: bool = False):
         if global_batch_size < 1:
             raise ConfigError(f"[train] global_batch_size must be >= 1, got {global_batch_size}.")
         self.tokens = tokens
         self.global_batch_size = global_batch_size
         self.seed = seed
+        self.document_mask = document_mask
         self._perms: dict[int, torch.Tensor] = {}
 
     @classmethod
@@ -56,7 +57,7 @@ class TokenDataset:
         def prepare_and_open() -> TokenDataset:
             # prepare_tokens' path, not open_tokens: that would load the tokenizer and stat the files again.
             tokens = PackedTokens(prepare_tokens(cfg, cache_dir), cfg.train.seq_len)
-            return cls(tokens, cfg.train.global_batch_size, cfg.train.seed)
+            return cls(tokens, cfg.train.global_batch_size, cfg.train.seed, cfg.data.document_mask)
 
         return on_rank0_first(prepare_and_open) if on_rank0_first else prepare_and_open()
 
@@ -104,11 +105,15 @@ class TokenDataset:
 
     def batch_for_step(
         self, step: int, batch_rank: int = 0, batch_world: int = 1, microbatches: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(input_ids, labels)``, int64 ``[global_batch_size // batch_world, seq_len]`` on the CPU."""
+    ) -> tuple[torch.Tensor, ...]:
+        """``(input_ids, labels)``, int64 ``[global_batch_size // batch_world, seq_len]`` on the CPU;
+        with ``document_mask`` also the packed ``position_ids`` (and the boundary labels ignored)."""
         windows = self.tokens.windows(self.window_ids(step, batch_rank, batch_world, microbatches))
         # Contiguous, so that consumers may .view() them (e.g. labels.view(-1) for the loss).
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        inputs, labels = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        if not self.document_mask:
+            return inputs, labels
+        return (inputs, *pack_documents(inputs, labels, self.tokens.eos_id))
 
     def state_dict(self) -> dict[str, Any]:
         """What the sample stream depends on besides the step (JSON-serialisable)."""
@@ -165,11 +170,10 @@ class DeviceLoader:
     def __iter__(self):
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> tuple[torch.Tensor, ...]:
         batch = self.dataset.batch_for_step(self.step, self.batch_rank, self.batch_world, self.microbatches)
         self.step += 1
-        input_ids, labels = to_device(batch, self.device)
-        return input_ids, labels
+        return to_device(batch, self.device)
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.dataset.state_dict(), "step": self.step}

@@ -25,6 +25,7 @@ from meshtron.parallel.tensor import apply_tensor_parallel
 def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
     """Apply every parallelism except the pipeline split to ``model`` (in place; meta or real)."""
     p = cfg.parallel
+    model.document_mask = cfg.data.document_mask
     if model.lm_head is not None:
         model.lm_head.chunk_tokens = cfg.train.loss_chunk_tokens
     apply_tensor_parallel(model, mesh["tp"], p.sp)
