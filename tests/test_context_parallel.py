@@ -14,12 +14,15 @@ from meshtron import env
 from meshtron.config import ModelConfig
 from meshtron.mesh import build_mesh
 from meshtron.models.qwen2 import build_model, token_loss_sum
+from meshtron.models.layers import document_causal_mask
 from meshtron.parallel.context import (
+    CP_COMM_TYPES,
     RingAttention,
     RingStats,
     apply_context_parallel,
     causal_score_elements,
     chunk_ids,
+    cp_groups,
     ring_schedule,
     sequence_index,
     shard_batch,
@@ -44,6 +47,60 @@ def _reference(q, k, v, dout):
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     out.backward(dout.double())
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def random_positions(batch: int, seq: int, gen: torch.Generator, longest: int) -> torch.Tensor:
+    """Packed positions of documents of mixed random lengths (1 .. longest), restarting at every one."""
+    rows = []
+    for _ in range(batch):
+        row = []
+        while len(row) < seq:
+            row += range(int(torch.randint(1, longest + 1, (1,), generator=gen)))
+        rows.append(torch.tensor(row[:seq]))
+    return torch.stack(rows)
+
+
+def _reference_documents(q, k, v, dout, positions):
+    """Full-sequence SDPA with the block-diagonal causal mask, float64, with its gradients."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    index = torch.arange(q.shape[2])
+    mask = document_causal_mask(positions, index, index).unsqueeze(1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _comm_run(mesh, comm_type, q, k, v, dout, positions):
+    """One cp_comm_type's attention forward/backward on the sharded inputs, unsharded again."""
+    cp = mesh["cp"]
+    rank, size = cp.get_local_rank(), cp.size()
+    ring, a2a = cp_groups(mesh, comm_type, heads=q.shape[1], kv_heads=k.shape[1])
+    attn = RingAttention(ring, a2a=a2a, allgather=comm_type == "allgather", kernel="math")
+    local = [shard_sequence(t, rank, size, dim=2).requires_grad_() for t in (q, k, v)]
+    docs = shard_sequence(positions, rank, size) if positions is not None else None
+    out = attn(*local, docs)
+    out.backward(shard_sequence(dout, rank, size, dim=2))
+    return [unshard_sequence(t, cp, dim=2) for t in (out.detach(), *(x.grad for x in local))]
+
+
+def check_comm_types_match_full_attention():
+    """Every cp_comm_type at cp 2, 4, 8, with and without document masks, against one process;
+    (8 heads, 2 KV heads): at cp 4 and 8 the all-to-all types repeat KV heads (fewer than cp)."""
+    for cp in (2, 4, 8):
+        mesh = _cp_mesh(cp)
+        seq = 2 * cp * 5
+        gen = torch.Generator().manual_seed(2000 + cp)
+        q, dout = (torch.randn(2, 8, seq, 12, generator=gen) for _ in range(2))
+        k, v = (torch.randn(2, 2, seq, 12, generator=gen) for _ in range(2))
+        positions = random_positions(2, seq, gen, longest=seq // 3)
+        refs = {False: _reference(q, k, v, dout), True: _reference_documents(q, k, v, dout, positions)}
+        for comm_type in CP_COMM_TYPES:
+            for documents, ref in refs.items():
+                got = _comm_run(mesh, comm_type, q, k, v, dout, positions if documents else None)
+                errs = [rel_err(g, r) for g, r in zip(got, ref)]
+                where = f"cp={cp} {comm_type} documents={documents}: errs={errs}"
+                assert errs[0] < 1e-5, where
+                assert max(errs[1:]) < 1e-4, where
 
 
 def _ring_run(mesh, q, k, v, dout, balanced: bool, kernel: str):
@@ -174,41 +231,58 @@ def check_qwen2_loss_and_grads_match():
 
 
 def check_composed_layouts_match_single_process():
-    """The runner's composition (TP/SP + CP + FSDP) on cp 2, 4 and cp x tp 2x2, 4x2, dense and MoE:
-    loss and every gathered gradient equal the single-process model on the same global batch."""
-    from meshtron.config import Config, ParallelConfig, TrainConfig
+    """The runner's composition (TP/SP + CP + FSDP), dense and MoE: loss and every gathered gradient
+    equal the single-process model on the same global batch (with the same document masks). p2p on
+    cp 2, 4 and cp x tp 2x2, 4x2; every cp_comm_type at cp x tp 2x2 + SP, 4x2 (dense also cp 8),
+    with and without documents; 8 heads and 2 KV heads, so the all-to-all types repeat KV heads."""
+    from meshtron.config import Config, DataConfig, ParallelConfig, TrainConfig
     from meshtron.mesh import batch_mesh
     from meshtron.parallel.runner import StepRunner
 
-    dense = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0)
+    dense = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=2, rope_theta=10_000.0)
     moe = ModelConfig(**{**dense.__dict__, "num_experts": 4, "num_experts_per_tok": 2,
                          "moe_intermediate_size": 24, "shared_expert_intermediate_size": 32,
                          "router_aux_loss_coef": 0.1})
-    layouts = [dict(cp=2, dp=4), dict(cp=4, dp=2), dict(cp=2, tp=2, dp=2, sp=True), dict(cp=4, tp=2)]
+    p2p = [(dict(cp=2, dp=4), "p2p", False), (dict(cp=4, dp=2), "p2p", False),
+           (dict(cp=2, tp=2, dp=2, sp=True), "p2p", False), (dict(cp=4, tp=2), "p2p", False)]
+    every = [case for comm in CP_COMM_TYPES for case in [
+        (dict(cp=2, tp=2, dp=2, sp=True), comm, True), (dict(cp=4, tp=2), comm, False)]]
+    cases = {
+        "dense": p2p + every + [(dict(cp=8), comm, True) for comm in CP_COMM_TYPES],
+        "moe": p2p + [(dict(cp=4, tp=2, sp=True), comm, True) for comm in CP_COMM_TYPES],
+    }
     gen = torch.Generator().manual_seed(5)
-    for model_cfg in (dense, moe):
+    for kind, model_cfg in (("dense", dense), ("moe", moe)):
         ids = torch.randint(0, model_cfg.vocab_size, (4, 16), generator=gen)
         labels = ids.roll(-1, 1)
         labels[:, -1] = -100
-        reference = build_model(model_cfg)
-        reference.init_weights(seed=1)
-        ref_loss = token_loss_sum(reference(ids), labels) / (labels != -100).sum()
-        ref_loss.backward()
-        for layout in layouts:
-            cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout), train=TrainConfig(seed=1, seq_len=16))
+        positions = random_positions(4, 16, gen, longest=7)
+        refs = {}
+        for documents in (False, True):
+            reference = build_model(model_cfg)
+            reference.init_weights(seed=1)
+            reference.document_mask = documents
+            ref_loss = token_loss_sum(reference(ids, positions if documents else None), labels) / (labels != -100).sum()
+            ref_loss.backward()
+            refs[documents] = ref_loss.item(), dict(reference.named_parameters())
+        assert abs(refs[True][0] - refs[False][0]) > 1e-3 * refs[False][0]  # the masks matter
+        for layout, comm, documents in cases[kind]:
+            cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout, cp_comm_type=comm),
+                         train=TrainConfig(seed=1, seq_len=16), data=DataConfig(document_mask=documents))
             mesh = build_mesh(**{k: v for k, v in layout.items() if k != "sp"})
             with torch.device("meta"):
                 model = build_model(model_cfg)
             runner = StepRunner(model, mesh, cfg, torch.device("cpu"))
             share = batch_mesh(mesh)
-            rows = ids.shape[0] // share.size()
-            start = share.get_local_rank() * rows
-            loss = runner.forward_backward(ids[start:start + rows], labels[start:start + rows])
-            assert abs(loss - ref_loss.item()) / ref_loss.item() < 1e-5, (layout, loss, ref_loss.item())
-            ref_params = dict(reference.named_parameters())
+            rows = slice(share.get_local_rank() * ids.shape[0] // share.size(),
+                         (share.get_local_rank() + 1) * ids.shape[0] // share.size())
+            loss = runner.forward_backward(ids[rows], labels[rows], positions[rows] if documents else None)
+            ref_loss, ref_params = refs[documents]
+            where = (kind, layout, comm, documents)
+            assert abs(loss - ref_loss) / ref_loss < 1e-5, (where, loss, ref_loss)
             for name, p in runner.module.named_parameters():
-                assert rel_err(p.grad.full_tensor(), ref_params[name].grad) < 1e-4, (layout, name)
+                assert rel_err(p.grad.full_tensor(), ref_params[name].grad) < 1e-4, (where, name)
 
 
 def test_context_parallel_8_ranks():
@@ -216,13 +290,14 @@ def test_context_parallel_8_ranks():
         [
             check_sharding_round_trips,
             check_ring_matches_full_attention,
+            check_comm_types_match_full_attention,
             check_ring_bfloat16,
             check_per_rank_work_is_balanced,
             check_qwen2_loss_and_grads_match,
             check_composed_layouts_match_single_process,
         ],
         8,
-        timeout=240,
+        timeout=600,
     )
 
 

@@ -31,7 +31,7 @@ def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
     apply_tensor_parallel(model, mesh["tp"], p.sp)
     # Under SP the MoE blocks keep their sequence shards, so tp ranks hold different tokens there.
     apply_expert_parallel(model, mesh, sequence_parallel=p.sp)
-    apply_context_parallel(model, mesh)
+    apply_context_parallel(model, mesh, comm_type=p.cp_comm_type, a2a_size=p.cp_a2a_size)
     apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
     if p.compile:
         apply_compile(model)
