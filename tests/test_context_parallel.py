@@ -19,10 +19,13 @@ from meshtron.parallel.context import (
     CP_COMM_TYPES,
     RingAttention,
     RingStats,
+    a2a_group_size,
     apply_context_parallel,
     causal_score_elements,
+    check_context_parallel,
     chunk_ids,
     cp_groups,
+    document_blocks,
     ring_schedule,
     sequence_index,
     shard_batch,
@@ -173,6 +176,28 @@ def check_per_rank_work_is_balanced():
     assert ratios[False] > 10, ratios
 
 
+def check_document_work_is_counted():
+    """With documents of mixed lengths the ring computes each visible (query, key) pair once (blocks
+    no query sees are skipped): the per-rank counts add up to the block-diagonal mask's."""
+    cp, c = 8, 8
+    seq, rank = 2 * cp * c, dist.get_rank()
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, seq, 16, generator=gen) for _ in range(3))
+    positions = random_positions(1, seq, gen, longest=seq // 2)
+    index = torch.arange(seq)
+    visible = int(document_causal_mask(positions, index, index).sum())
+    assert visible < seq * (seq + 1) // 2
+    for balanced in (True, False):
+        attn = RingAttention(dist.group.WORLD, balanced=balanced)
+        attn.stats = RingStats()
+        local = [shard_sequence(t, rank, cp, dim=2, balanced=balanced) for t in (q, k, v)]
+        attn(*local, shard_sequence(positions, rank, cp, balanced=balanced))
+        counts = torch.zeros(cp, dtype=torch.int64)
+        counts[rank] = attn.stats.score_elements
+        dist.all_reduce(counts)
+        assert counts.sum().item() == visible, (balanced, counts)
+
+
 def check_sharding_round_trips():
     world = dist.get_world_size()
     mesh = init_device_mesh(env.device_type(), (1, 1, world, 1, 1), mesh_dim_names=("pp", "dp", "cp", "ep", "tp"))
@@ -293,6 +318,7 @@ def test_context_parallel_8_ranks():
             check_comm_types_match_full_attention,
             check_ring_bfloat16,
             check_per_rank_work_is_balanced,
+            check_document_work_is_counted,
             check_qwen2_loss_and_grads_match,
             check_composed_layouts_match_single_process,
         ],
@@ -306,6 +332,46 @@ def test_bad_sequence_length_names_the_numbers():
         shard_sequence(torch.zeros(1, 100), 0, 8)
     with pytest.raises(ValueError, match=r"seq_len=30 with cp=4.*multiple of 4"):
         sequence_index(30, 1, 4, balanced=False)
+
+
+def test_cp_comm_type_errors_name_the_key_and_fix():
+    """Each unsupported layout gets one ConfigError from the recipe check, before any process group."""
+    from meshtron.config import Config, ConfigError, ParallelConfig, TrainConfig
+    from meshtron.parallel.layout import validate_layout
+
+    def layout(comm: str, cp: int, tp: int = 1, heads: int = 8, kv: int = 2, a2a_size: int = 0, seq: int = 64):
+        model = ModelConfig(vocab_size=64, hidden_size=8 * heads, intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=heads, num_key_value_heads=kv)
+        parallel = ParallelConfig(cp=cp, tp=tp, cp_comm_type=comm, cp_a2a_size=a2a_size)
+        validate_layout(Config(model=model, parallel=parallel, train=TrainConfig(seq_len=seq)), cp * tp)
+
+    cases = [
+        (dict(comm="ring", cp=2), r"cp_comm_type = 'ring' is not one of p2p, a2a, allgather, a2a\+p2p"),
+        (dict(comm="a2a", cp=4, tp=2, heads=4), r"splits the 2 attention heads of each tp rank over 4 cp ranks"),
+        (dict(comm="a2a", cp=4, heads=12, kv=3), r"the 3 key/value heads of each tp rank and the 4 cp ranks"),
+        (dict(comm="a2a+p2p", cp=8, a2a_size=3), r"cp_a2a_size = 3 does not divide cp = 8"),
+        (dict(comm="p2p", cp=4, a2a_size=2), r"cp_a2a_size = 2 is only used with cp_comm_type = 'a2a\+p2p'"),
+        (dict(comm="allgather", cp=4, seq=36), r"seq_len = 36 must be a multiple of 2 x cp = 8"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            layout(**kwargs)
+    layout("a2a", cp=4, tp=2, heads=8, kv=2)  # 4 heads and 1 (replicated) KV head per tp rank: fits
+    with pytest.raises(ConfigError, match=r"sliding window of 4096 tokens; set cp = 1"):
+        check_context_parallel("p2p", 2, 8, 2, seq_len=64, sliding_window=4096)
+    assert [a2a_group_size("a2a+p2p", 8, heads=8, ranks_per_node=n) for n in (8, 2, 1)] == [4, 2, 1]
+    assert a2a_group_size("a2a", 8) == 8 and a2a_group_size("allgather", 8) == 1
+
+
+def test_document_blocks_skip_invisible_and_mask_only_boundaries():
+    """Query chunk 2 (tokens 8..11, chunk length 4) whose documents start at 5 and 9."""
+    plan = [(0, 0, False), (0, 1, False), (0, 2, True)]
+    blocks = document_blocks(plan, (2,), (0, 1, 2), 4, first_start=[5], last_start=[9])
+    # Chunk 0 (0..3) ends before 5: skipped; chunk 1 (4..7) straddles 5: masked; the diagonal
+    # holds the start 9: masked, no longer plain causal.
+    assert blocks == [(0, 1, False, True), (0, 2, False, True)]
+    inside = document_blocks(plan, (2,), (0, 1, 2), 4, first_start=[0], last_start=[0])
+    assert inside == [(0, j, causal, False) for _, j, causal in plan]
 
 
 def test_schedule_skips_masked_blocks_and_balances():
