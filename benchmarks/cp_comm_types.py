@@ -179,6 +179,7 @@ def work_rows(seq: int) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     rows = []
     for label, short, long in (("short docs (1-512) + 30% long (1-8192)", 512, 8192),
+                               ("short docs only (1-1024)", 1024, 1024),
                                ("one document (no masks)", seq, seq)):
         positions = torch.arange(seq)[None] if long == seq else document_lengths(seq, gen, short, long)
         docs = int((positions == 0).sum())
@@ -207,23 +208,25 @@ def check_step_times(seq: int, repeats: int, out_path: str):
     ids = torch.randint(0, 256, (1, seq), generator=gen)
     labels = ids.roll(-1, 1)
     positions = document_lengths(seq, gen, seq // 16, seq // 2)
-    results = {}
+    runners = {}
     for comm in CP_COMM_TYPES:
         for documents in (False, True):
             cfg = Config(model=model_cfg, parallel=ParallelConfig(cp=world, cp_comm_type=comm),
                          train=TrainConfig(seq_len=seq), data=DataConfig(document_mask=documents))
             with torch.device("meta"):
                 model = build_model(model_cfg)
-            runner = StepRunner(model, build_mesh(cp=world), cfg, torch.device("cpu"))
-            times = []
-            for it in range(repeats + 1):  # the first run warms up
-                dist.barrier()
-                t0 = time.perf_counter()
-                runner.forward_backward(ids, labels, positions if documents else None)
-                dist.barrier()
-                if it:
-                    times.append(time.perf_counter() - t0)
-            results[f"{comm} {documents}"] = statistics.median(times)
+            runners[f"{comm} {documents}"] = StepRunner(model, build_mesh(cp=world), cfg, torch.device("cpu"))
+    times = {name: [] for name in runners}
+    for it in range(repeats + 1):  # the first round warms up; modes alternate so load drift hits all
+        for name, runner in runners.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            runner.forward_backward(ids, labels, positions if name.endswith("True") else None)
+            dist.barrier()
+            if it:
+                times[name].append(time.perf_counter() - t0)
+    results = {name: statistics.median(t) for name, t in times.items()}
+    results["load"] = os.getloadavg()[0]
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
 
@@ -296,11 +299,12 @@ def write_markdown(path: Path, args, measured, work, steps) -> None:
                      f"{r['area']:.2f} | {r['total_area']:.3f} |")
     lines += [
         "",
-        f"## Step time of each mode (measured, CPU: 8 gloo ranks on a 2-core shared host, cp 8)",
+        "## Step time of each mode (measured, CPU: 8 gloo ranks on a 2-core shared host, cp 8)",
         "",
         f"A 2-layer model (hidden 256, 8 heads, 2 KV heads), one sequence of {args.step_seq} tokens, "
-        f"forward + backward, median of {args.repeats} steps. These are CPU figures on an oversubscribed "
-        "host (8 ranks time-slice 2 cores): they compare the modes' host work, not GPU speed.",
+        f"forward + backward, median of {args.repeats} steps (modes alternate step by step). These are CPU "
+        f"figures on an oversubscribed host (8 ranks time-slice 2 cores, load average {steps['load']:.0f} when "
+        "written, math attention kernel): they compare the modes' host work under heavy noise, not GPU speed.",
         "",
         "| cp_comm_type | no masks ms | document masks ms |",
         "|---|---:|---:|",
