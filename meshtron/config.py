@@ -96,6 +96,9 @@ class ParallelConfig:
     ep: int = 1
     tp: int = 1
     sp: bool = False
+    # How cp ranks exchange attention inputs: p2p (ring) | a2a (Ulysses) | allgather | a2a+p2p.
+    cp_comm_type: str = "p2p"
+    cp_a2a_size: int = 0  # a2a+p2p: cp ranks per all-to-all group; 0: the cp ranks of one node
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb1p | zbv | dualpipev
     virtual_stages: int = 1
     microbatches: int = 1
@@ -152,6 +155,8 @@ class DataConfig:
     response_key: str = "response"  # format = "prompt_response": the response's field
     messages_key: str = "messages"  # format = "chat": the field holding [{role, content}, ...]
     eval_source: str = ""  # held-out data for evaluation, any kind ``source`` accepts; empty: no evaluation
+    # Packed windows: positions restart at every document and attention never crosses one.
+    document_mask: bool = False
 
 
 @dataclass

@@ -324,11 +324,11 @@ class Trainer:
         start = time.perf_counter()
         lr = lr_at(step, t)
         set_lr(self.optimizer, lr)
-        input_ids, labels = self.dataset.batch_for_step(
+        batch = self.dataset.batch_for_step(
             step, self.batch_mesh.get_local_rank(), self.batch_mesh.size(), self.cfg.parallel.microbatches
         )
-        input_ids, labels = to_device((input_ids, labels), self.device)
-        loss, grad_norm = training_step(self.runner, self.optimizer, input_ids, labels, t.max_grad_norm)
+        input_ids, labels, *positions = to_device(batch, self.device)
+        loss, grad_norm = training_step(self.runner, self.optimizer, input_ids, labels, t.max_grad_norm, *positions)
         # The step's one device-to-host read, after the whole step is queued: the host never waits
         # inside it, and the step time below includes the device finishing the step.
         loss, grad_norm, aux = read_scalars(loss, grad_norm, self.runner.aux_loss())
@@ -403,7 +403,12 @@ def export_hf(runner, cfg: Config, folder: str) -> None:
 
 
 def training_step(
-    runner, optimizer: torch.optim.Optimizer, input_ids: torch.Tensor, labels: torch.Tensor, max_grad_norm: float
+    runner,
+    optimizer: torch.optim.Optimizer,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    max_grad_norm: float,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward, backward, clipping and the optimizer update, queued without any host sync
     (``tests/test_syncs.py`` counts them); returns the global loss and gradient norm as device scalars.
@@ -413,7 +418,7 @@ def training_step(
     they were without the host looking at the loss first.
     """
     optimizer.zero_grad(set_to_none=True)
-    loss = runner.forward_backward(input_ids, labels)
+    loss = runner.forward_backward(input_ids, labels, position_ids)
     grad_norm = runner.clip_grad_norm(max_grad_norm)
     optimizer.found_inf = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
     optimizer.step()

@@ -14,12 +14,18 @@ from meshtron import env
 from meshtron.config import ModelConfig
 from meshtron.mesh import build_mesh
 from meshtron.models.qwen2 import build_model, token_loss_sum
+from meshtron.models.layers import document_causal_mask
 from meshtron.parallel.context import (
+    CP_COMM_TYPES,
     RingAttention,
     RingStats,
+    a2a_group_size,
     apply_context_parallel,
     causal_score_elements,
+    check_context_parallel,
     chunk_ids,
+    cp_groups,
+    document_blocks,
     ring_schedule,
     sequence_index,
     shard_batch,
@@ -44,6 +50,60 @@ def _reference(q, k, v, dout):
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     out.backward(dout.double())
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def random_positions(batch: int, seq: int, gen: torch.Generator, longest: int) -> torch.Tensor:
+    """Packed positions of documents of mixed random lengths (1 .. longest), restarting at every one."""
+    rows = []
+    for _ in range(batch):
+        row = []
+        while len(row) < seq:
+            row += range(int(torch.randint(1, longest + 1, (1,), generator=gen)))
+        rows.append(torch.tensor(row[:seq]))
+    return torch.stack(rows)
+
+
+def _reference_documents(q, k, v, dout, positions):
+    """Full-sequence SDPA with the block-diagonal causal mask, float64, with its gradients."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    index = torch.arange(q.shape[2])
+    mask = document_causal_mask(positions, index, index).unsqueeze(1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _comm_run(mesh, comm_type, q, k, v, dout, positions):
+    """One cp_comm_type's attention forward/backward on the sharded inputs, unsharded again."""
+    cp = mesh["cp"]
+    rank, size = cp.get_local_rank(), cp.size()
+    ring, a2a = cp_groups(mesh, comm_type, heads=q.shape[1], kv_heads=k.shape[1])
+    attn = RingAttention(ring, a2a=a2a, allgather=comm_type == "allgather", kernel="math")
+    local = [shard_sequence(t, rank, size, dim=2).requires_grad_() for t in (q, k, v)]
+    docs = shard_sequence(positions, rank, size) if positions is not None else None
+    out = attn(*local, docs)
+    out.backward(shard_sequence(dout, rank, size, dim=2))
+    return [unshard_sequence(t, cp, dim=2) for t in (out.detach(), *(x.grad for x in local))]
+
+
+def check_comm_types_match_full_attention():
+    """Every cp_comm_type at cp 2, 4, 8, with and without document masks, against one process;
+    (8 heads, 2 KV heads): at cp 4 and 8 the all-to-all types repeat KV heads (fewer than cp)."""
+    for cp in (2, 4, 8):
+        mesh = _cp_mesh(cp)
+        seq = 2 * cp * 5
+        gen = torch.Generator().manual_seed(2000 + cp)
+        q, dout = (torch.randn(2, 8, seq, 12, generator=gen) for _ in range(2))
+        k, v = (torch.randn(2, 2, seq, 12, generator=gen) for _ in range(2))
+        positions = random_positions(2, seq, gen, longest=seq // 3)
+        refs = {False: _reference(q, k, v, dout), True: _reference_documents(q, k, v, dout, positions)}
+        for comm_type in CP_COMM_TYPES:
+            for documents, ref in refs.items():
+                got = _comm_run(mesh, comm_type, q, k, v, dout, positions if documents else None)
+                errs = [rel_err(g, r) for g, r in zip(got, ref)]
+                where = f"cp={cp} {comm_type} documents={documents}: errs={errs}"
+                assert errs[0] < 1e-5, where
+                assert max(errs[1:]) < 1e-4, where
 
 
 def _ring_run(mesh, q, k, v, dout, balanced: bool, kernel: str):
@@ -116,6 +176,28 @@ def check_per_rank_work_is_balanced():
     assert ratios[False] > 10, ratios
 
 
+def check_document_work_is_counted():
+    """With documents of mixed lengths the ring computes each visible (query, key) pair once (blocks
+    no query sees are skipped): the per-rank counts add up to the block-diagonal mask's."""
+    cp, c = 8, 8
+    seq, rank = 2 * cp * c, dist.get_rank()
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, seq, 16, generator=gen) for _ in range(3))
+    positions = random_positions(1, seq, gen, longest=seq // 2)
+    index = torch.arange(seq)
+    visible = int(document_causal_mask(positions, index, index).sum())
+    assert visible < seq * (seq + 1) // 2
+    for balanced in (True, False):
+        attn = RingAttention(dist.group.WORLD, balanced=balanced)
+        attn.stats = RingStats()
+        local = [shard_sequence(t, rank, cp, dim=2, balanced=balanced) for t in (q, k, v)]
+        attn(*local, shard_sequence(positions, rank, cp, balanced=balanced))
+        counts = torch.zeros(cp, dtype=torch.int64)
+        counts[rank] = attn.stats.score_elements
+        dist.all_reduce(counts)
+        assert counts.sum().item() == visible, (balanced, counts)
+
+
 def check_sharding_round_trips():
     world = dist.get_world_size()
     mesh = init_device_mesh(env.device_type(), (1, 1, world, 1, 1), mesh_dim_names=("pp", "dp", "cp", "ep", "tp"))
@@ -174,41 +256,58 @@ def check_qwen2_loss_and_grads_match():
 
 
 def check_composed_layouts_match_single_process():
-    """The runner's composition (TP/SP + CP + FSDP) on cp 2, 4 and cp x tp 2x2, 4x2, dense and MoE:
-    loss and every gathered gradient equal the single-process model on the same global batch."""
-    from meshtron.config import Config, ParallelConfig, TrainConfig
+    """The runner's composition (TP/SP + CP + FSDP), dense and MoE: loss and every gathered gradient
+    equal the single-process model on the same global batch (with the same document masks). p2p on
+    cp 2, 4 and cp x tp 2x2, 4x2; every cp_comm_type at cp x tp 2x2 + SP, 4x2 (dense also cp 8),
+    with and without documents; 8 heads and 2 KV heads, so the all-to-all types repeat KV heads."""
+    from meshtron.config import Config, DataConfig, ParallelConfig, TrainConfig
     from meshtron.mesh import batch_mesh
     from meshtron.parallel.runner import StepRunner
 
-    dense = ModelConfig(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0)
+    dense = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=2, rope_theta=10_000.0)
     moe = ModelConfig(**{**dense.__dict__, "num_experts": 4, "num_experts_per_tok": 2,
                          "moe_intermediate_size": 24, "shared_expert_intermediate_size": 32,
                          "router_aux_loss_coef": 0.1})
-    layouts = [dict(cp=2, dp=4), dict(cp=4, dp=2), dict(cp=2, tp=2, dp=2, sp=True), dict(cp=4, tp=2)]
+    p2p = [(dict(cp=2, dp=4), "p2p", False), (dict(cp=4, dp=2), "p2p", False),
+           (dict(cp=2, tp=2, dp=2, sp=True), "p2p", False), (dict(cp=4, tp=2), "p2p", False)]
+    every = [case for comm in CP_COMM_TYPES for case in [
+        (dict(cp=2, tp=2, dp=2, sp=True), comm, True), (dict(cp=4, tp=2), comm, False)]]
+    cases = {
+        "dense": p2p + every + [(dict(cp=8), comm, True) for comm in CP_COMM_TYPES],
+        "moe": p2p + [(dict(cp=4, tp=2, sp=True), comm, True) for comm in CP_COMM_TYPES],
+    }
     gen = torch.Generator().manual_seed(5)
-    for model_cfg in (dense, moe):
+    for kind, model_cfg in (("dense", dense), ("moe", moe)):
         ids = torch.randint(0, model_cfg.vocab_size, (4, 16), generator=gen)
         labels = ids.roll(-1, 1)
         labels[:, -1] = -100
-        reference = build_model(model_cfg)
-        reference.init_weights(seed=1)
-        ref_loss = token_loss_sum(reference(ids), labels) / (labels != -100).sum()
-        ref_loss.backward()
-        for layout in layouts:
-            cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout), train=TrainConfig(seed=1, seq_len=16))
+        positions = random_positions(4, 16, gen, longest=7)
+        refs = {}
+        for documents in (False, True):
+            reference = build_model(model_cfg)
+            reference.init_weights(seed=1)
+            reference.document_mask = documents
+            ref_loss = token_loss_sum(reference(ids, positions if documents else None), labels) / (labels != -100).sum()
+            ref_loss.backward()
+            refs[documents] = ref_loss.item(), dict(reference.named_parameters())
+        assert abs(refs[True][0] - refs[False][0]) > 1e-3 * refs[False][0]  # the masks matter
+        for layout, comm, documents in cases[kind]:
+            cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout, cp_comm_type=comm),
+                         train=TrainConfig(seed=1, seq_len=16), data=DataConfig(document_mask=documents))
             mesh = build_mesh(**{k: v for k, v in layout.items() if k != "sp"})
             with torch.device("meta"):
                 model = build_model(model_cfg)
             runner = StepRunner(model, mesh, cfg, torch.device("cpu"))
             share = batch_mesh(mesh)
-            rows = ids.shape[0] // share.size()
-            start = share.get_local_rank() * rows
-            loss = runner.forward_backward(ids[start:start + rows], labels[start:start + rows])
-            assert abs(loss - ref_loss.item()) / ref_loss.item() < 1e-5, (layout, loss, ref_loss.item())
-            ref_params = dict(reference.named_parameters())
+            rows = slice(share.get_local_rank() * ids.shape[0] // share.size(),
+                         (share.get_local_rank() + 1) * ids.shape[0] // share.size())
+            loss = runner.forward_backward(ids[rows], labels[rows], positions[rows] if documents else None)
+            ref_loss, ref_params = refs[documents]
+            where = (kind, layout, comm, documents)
+            assert abs(loss - ref_loss) / ref_loss < 1e-5, (where, loss, ref_loss)
             for name, p in runner.module.named_parameters():
-                assert rel_err(p.grad.full_tensor(), ref_params[name].grad) < 1e-4, (layout, name)
+                assert rel_err(p.grad.full_tensor(), ref_params[name].grad) < 1e-4, (where, name)
 
 
 def test_context_parallel_8_ranks():
@@ -216,13 +315,15 @@ def test_context_parallel_8_ranks():
         [
             check_sharding_round_trips,
             check_ring_matches_full_attention,
+            check_comm_types_match_full_attention,
             check_ring_bfloat16,
             check_per_rank_work_is_balanced,
+            check_document_work_is_counted,
             check_qwen2_loss_and_grads_match,
             check_composed_layouts_match_single_process,
         ],
         8,
-        timeout=240,
+        timeout=600,
     )
 
 
@@ -231,6 +332,46 @@ def test_bad_sequence_length_names_the_numbers():
         shard_sequence(torch.zeros(1, 100), 0, 8)
     with pytest.raises(ValueError, match=r"seq_len=30 with cp=4.*multiple of 4"):
         sequence_index(30, 1, 4, balanced=False)
+
+
+def test_cp_comm_type_errors_name_the_key_and_fix():
+    """Each unsupported layout gets one ConfigError from the recipe check, before any process group."""
+    from meshtron.config import Config, ConfigError, ParallelConfig, TrainConfig
+    from meshtron.parallel.layout import validate_layout
+
+    def layout(comm: str, cp: int, tp: int = 1, heads: int = 8, kv: int = 2, a2a_size: int = 0, seq: int = 64):
+        model = ModelConfig(vocab_size=64, hidden_size=8 * heads, intermediate_size=32, num_hidden_layers=2,
+                            num_attention_heads=heads, num_key_value_heads=kv)
+        parallel = ParallelConfig(cp=cp, tp=tp, cp_comm_type=comm, cp_a2a_size=a2a_size)
+        validate_layout(Config(model=model, parallel=parallel, train=TrainConfig(seq_len=seq)), cp * tp)
+
+    cases = [
+        (dict(comm="ring", cp=2), r"cp_comm_type = 'ring' is not one of p2p, a2a, allgather, a2a\+p2p"),
+        (dict(comm="a2a", cp=4, tp=2, heads=4), r"splits the 2 attention heads of each tp rank over 4 cp ranks"),
+        (dict(comm="a2a", cp=4, heads=12, kv=3), r"the 3 key/value heads of each tp rank and the 4 cp ranks"),
+        (dict(comm="a2a+p2p", cp=8, a2a_size=3), r"cp_a2a_size = 3 does not divide cp = 8"),
+        (dict(comm="p2p", cp=4, a2a_size=2), r"cp_a2a_size = 2 is only used with cp_comm_type = 'a2a\+p2p'"),
+        (dict(comm="allgather", cp=4, seq=36), r"seq_len = 36 must be a multiple of 2 x cp = 8"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            layout(**kwargs)
+    layout("a2a", cp=4, tp=2, heads=8, kv=2)  # 4 heads and 1 (replicated) KV head per tp rank: fits
+    with pytest.raises(ConfigError, match=r"sliding window of 4096 tokens; set cp = 1"):
+        check_context_parallel("p2p", 2, 8, 2, seq_len=64, sliding_window=4096)
+    assert [a2a_group_size("a2a+p2p", 8, heads=8, ranks_per_node=n) for n in (8, 2, 1)] == [4, 2, 1]
+    assert a2a_group_size("a2a", 8) == 8 and a2a_group_size("allgather", 8) == 1
+
+
+def test_document_blocks_skip_invisible_and_mask_only_boundaries():
+    """Query chunk 2 (tokens 8..11, chunk length 4) whose documents start at 5 and 9."""
+    plan = [(0, 0, False), (0, 1, False), (0, 2, True)]
+    blocks = document_blocks(plan, (2,), (0, 1, 2), 4, first_start=[5], last_start=[9])
+    # Chunk 0 (0..3) ends before 5: skipped; chunk 1 (4..7) straddles 5: masked; the diagonal
+    # holds the start 9: masked, no longer plain causal.
+    assert blocks == [(0, 1, False, True), (0, 2, False, True)]
+    inside = document_blocks(plan, (2,), (0, 1, 2), 4, first_start=[0], last_start=[0])
+    assert inside == [(0, j, causal, False) for _, j, causal in plan]
 
 
 def test_schedule_skips_masked_blocks_and_balances():

@@ -145,8 +145,8 @@ class _Runner:
 
         self.module, self.moes, self.poison = model, moe_layers(model), False
 
-    def forward_backward(self, ids, labels):
-        loss = F.cross_entropy(self.module(ids).flatten(0, 1), labels.flatten())
+    def forward_backward(self, ids, labels, position_ids=None):
+        loss = F.cross_entropy(self.module(ids, position_ids).flatten(0, 1), labels.flatten())
         loss.backward()
         return loss.detach() * (float("nan") if self.poison else 1.0)
 

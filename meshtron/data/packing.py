@@ -12,6 +12,12 @@ the file lock the builder holds (``flock``: released when the builder exits, eve
 Packing: window ``i`` is ``tokens[i * seq_len : i * seq_len + seq_len + 1]``; its first ``seq_len``
 tokens are the inputs and its last ``seq_len`` the labels. Windows overlap by one token, so every
 token is a label exactly once and the windows' inputs, concatenated, are the token stream.
+
+Documents (``[data] document_mask = true``): a window's document starts are the tokens right after
+an end-of-document id (and its first token). :func:`pack_documents` turns a window into packed
+positions that restart at 0 at each start (transformers' packed-sequence ``position_ids``) and
+ignores the target of each document's last input token (its end-of-document id, whose next token
+opens another document), as transformers' ``DataCollatorWithFlattening`` does.
 """
 
 from __future__ import annotations
@@ -372,6 +378,19 @@ class PackedTokens:
     def counted(self, ids: torch.Tensor) -> torch.Tensor | None:
         """Which tokens of windows ``ids`` count as labels (bool, same shape); None: all of them."""
         return None if self._mask_rows is None else self._mask_rows.index_select(0, ids)
+
+def pack_documents(inputs: torch.Tensor, labels: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(labels, position_ids)`` of windows ``[B, S]`` whose documents are masked apart.
+
+    Labels whose input is the end-of-document id become -100 (the target is the next document's
+    first token); positions count from each document start.
+    """
+    ends = inputs == eos_id
+    index = torch.arange(inputs.shape[1]).expand_as(inputs)
+    starts = torch.zeros_like(ends)
+    starts[:, 1:] = ends[:, :-1]
+    start_of = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return labels.masked_fill(ends, -100), index - start_of
 
 
 def open_tokens(cfg: Config, cache_dir: str | Path | None = None, source: SourceSpec | None = None) -> PackedTokens:

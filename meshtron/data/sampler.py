@@ -19,7 +19,7 @@ from typing import Any, TextIO
 import torch
 
 from meshtron.config import Config, ConfigError
-from meshtron.data.packing import PackedTokens, prepare_tokens
+from meshtron.data.packing import PackedTokens, pack_documents, prepare_tokens
 from meshtron.data.sources import SourceSpec, data_sources
 from meshtron.env import local_device
 
@@ -65,7 +65,8 @@ class TokenDataset:
     """
 
     def __init__(
-        self, tokens: Sequence[PackedTokens], global_batch_size: int, seed: int, weights: Sequence[float] = ()
+        self, tokens: Sequence[PackedTokens], global_batch_size: int, seed: int, weights: Sequence[float] = (),
+        document_mask: bool = False,
     ):
         if global_batch_size < 1:
             raise ConfigError(f"[train] global_batch_size must be >= 1, got {global_batch_size}.")
@@ -75,6 +76,7 @@ class TokenDataset:
             raise ValueError(f"{len(self.tokens)} sources but {len(self.weights)} weights.")
         self.global_batch_size = global_batch_size
         self.seed = seed
+        self.document_mask = document_mask
         self._perms: dict[tuple[int, int], torch.Tensor] = {}
 
     @classmethod
@@ -96,7 +98,8 @@ class TokenDataset:
         tokens = [
             PackedTokens(prepare_tokens(cfg, cache_dir, spec, progress=progress), cfg.train.seq_len) for spec in specs
         ]
-        return cls(tokens, cfg.train.global_batch_size, cfg.train.seed, [spec.weight for spec in specs])
+        return cls(tokens, cfg.train.global_batch_size, cfg.train.seed, [spec.weight for spec in specs],
+                   cfg.data.document_mask)
 
     @property
     def num_windows(self) -> list[int]:
@@ -153,9 +156,10 @@ class TokenDataset:
 
     def batch_for_step(
         self, step: int, batch_rank: int = 0, batch_world: int = 1, microbatches: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         """``(input_ids, labels)``, int64 ``[global_batch_size // batch_world, seq_len]`` on the CPU;
-        labels that do not count (SFT prompts) are ``IGNORE_INDEX``."""
+        labels that do not count (SFT prompts) are ``IGNORE_INDEX``; with ``document_mask`` also the packed
+        ``position_ids`` (and the boundary labels ignored)."""
         sources, ids = self.window_ids(step, batch_rank, batch_world, microbatches)
         windows = torch.empty(len(ids), self.tokens[0].seq_len + 1, dtype=torch.int64)
         counted = torch.ones(windows.shape, dtype=torch.bool)
@@ -167,7 +171,10 @@ class TokenDataset:
                 counted[rows] = source_counted
         labels = windows[:, 1:].masked_fill(~counted[:, 1:], IGNORE_INDEX).contiguous()
         # Contiguous, so that consumers may .view() them (e.g. labels.view(-1) for the loss).
-        return windows[:, :-1].contiguous(), labels
+        inputs = windows[:, :-1].contiguous()
+        if not self.document_mask:
+            return inputs, labels
+        return (inputs, *pack_documents(inputs, labels, self.tokens[0].eos_id))
 
     def state_dict(self) -> dict[str, Any]:
         """What the sample stream depends on besides the step (JSON-serialisable)."""
@@ -225,11 +232,10 @@ class DeviceLoader:
     def __iter__(self):
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> tuple[torch.Tensor, ...]:
         batch = self.dataset.batch_for_step(self.step, self.batch_rank, self.batch_world, self.microbatches)
         self.step += 1
-        input_ids, labels = to_device(batch, self.device)
-        return input_ids, labels
+        return to_device(batch, self.device)
 
     def state_dict(self) -> dict[str, Any]:
         return {**self.dataset.state_dict(), "step": self.step}

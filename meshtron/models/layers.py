@@ -36,6 +36,21 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def document_causal_mask(
+    positions: torch.Tensor, query_index: torch.Tensor, key_index: torch.Tensor
+) -> torch.Tensor:
+    """Visibility ``[B, Sq, Sk]`` (True: attend) of packed documents under a causal mask.
+
+    ``positions`` ``[B, Sq]`` are the queries' positions inside their documents (restarting at 0
+    at every document, as transformers' packed ``position_ids``); ``query_index`` ``[Sq]`` and
+    ``key_index`` ``[Sk]`` are the tokens' indices in the packed window. A query at index ``i`` with
+    position ``p`` belongs to the document that starts at ``i - p``, so it sees keys ``i - p .. i``.
+    """
+    start = (query_index - positions).unsqueeze(-1)
+    key, query = key_index.view(1, 1, -1), query_index.view(1, -1, 1)
+    return (key <= query) & (key >= start)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

@@ -23,16 +23,27 @@ from torch import nn
 
 from meshtron.config import ModelConfig
 from meshtron.models.counter_rng import normal_slice_, tensor_key
-from meshtron.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rotary
+from meshtron.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rotary, document_causal_mask
 from meshtron.models.loss import DEFAULT_CHUNK_TOKENS, linear_cross_entropy_sum
 from meshtron.models.moe import MoE
 
 
 class CausalAttention(nn.Module):
-    """Causal softmax attention over the local sequence. q: [B, H, S, D]; k, v: [B, Hkv, S, D]."""
+    """Causal softmax attention over the local sequence. q: [B, H, S, D]; k, v: [B, Hkv, S, D].
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    ``documents`` (the packed positions ``[B, S]``, restarting at 0 at every document) adds a
+    block-diagonal mask so that no token attends across a document boundary.
+    """
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        gqa = k.shape[1] != q.shape[1]
+        if documents is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        index = torch.arange(q.shape[2], device=q.device)
+        mask = document_causal_mask(documents, index, index).unsqueeze(1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -46,13 +57,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * d, cfg.hidden_size, bias=False)
         self.core_attention = CausalAttention()
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         bsz, seq = x.shape[:2]
         q = self.q_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        out = self.core_attention(q, k, v)
+        # Without documents the call stays (q, k, v), the signature every core_attention accepts.
+        out = self.core_attention(q, k, v) if documents is None else self.core_attention(q, k, v, documents)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -64,8 +78,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope)
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope, documents=documents)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -87,11 +103,16 @@ class LMHead(nn.Linear):
 class Transformer(nn.Module):
     """Qwen2 causal LM. ``forward(tokens, position_ids)`` returns logits, ``forward(tokens,
     position_ids, labels=labels)`` the summed token loss without materialising the logits (training);
-    a pipeline stage without ``lm_head`` returns hidden states and takes them instead of token ids."""
+    a pipeline stage without ``lm_head`` returns hidden states and takes them instead of token ids.
+
+    ``document_mask`` (off by default): ``position_ids`` are packed positions that restart at 0 at
+    every document, and attention never crosses a document (transformers' packed-sequence rule).
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        self.document_mask = False
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_size, cfg.rope_theta)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_hidden_layers)})
@@ -124,8 +145,9 @@ class Transformer(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
         rope = self.rotary(position_ids, h.dtype)
+        documents = position_ids if self.document_mask else None
         for key in self.layers if layers is None else map(str, layers):
-            h = self.layers[key](h, rope)
+            h = self.layers[key](h, rope) if documents is None else self.layers[key](h, rope, documents)
         if self.norm is not None and last:
             h = self.norm(h)
         if self.lm_head is None or not last:

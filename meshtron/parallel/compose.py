@@ -25,12 +25,13 @@ from meshtron.parallel.tensor import apply_tensor_parallel
 def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
     """Apply every parallelism except the pipeline split to ``model`` (in place; meta or real)."""
     p = cfg.parallel
+    model.document_mask = cfg.data.document_mask
     if model.lm_head is not None:
         model.lm_head.chunk_tokens = cfg.train.loss_chunk_tokens
     apply_tensor_parallel(model, mesh["tp"], p.sp)
     # Under SP the MoE blocks keep their sequence shards, so tp ranks hold different tokens there.
     apply_expert_parallel(model, mesh, sequence_parallel=p.sp)
-    apply_context_parallel(model, mesh)
+    apply_context_parallel(model, mesh, comm_type=p.cp_comm_type, a2a_size=p.cp_a2a_size)
     apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
     if p.compile:
         apply_compile(model)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from meshtron.config import Config, ConfigError
 from meshtron.mesh import check_sizes
+from meshtron.parallel.context import check_context_parallel, cp_ranks_per_node, local_heads
 from meshtron.parallel.pipeline.stage import check_pipeline
 from meshtron.parallel.tensor import check_tensor_parallel
 
@@ -56,6 +57,9 @@ def validate_layout(cfg: Config, world_size: int) -> None:
             f"[model] num_hidden_layers = {m.num_hidden_layers} is fewer than pp x virtual_stages = "
             f"{p.pp} x {p.virtual_stages} = {stages} stages; every stage needs a layer. Lower pp or virtual_stages."
         )
+    heads, kv_heads = local_heads(m.num_attention_heads, m.kv_heads, p.tp)
+    check_context_parallel(p.cp_comm_type, p.cp, heads, kv_heads, None, p.cp_a2a_size, None,
+                           cp_ranks_per_node(p.tp, p.ep))
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise ConfigError(
             f"[train] seq_len = {t.seq_len} must be a multiple of 2 x cp = {2 * p.cp}: context parallelism "

@@ -40,9 +40,11 @@ class StepRunner:
         average_router_losses_over_microbatches(self.module, cfg.parallel.microbatches)
         self._aux: list[torch.Tensor] = []
 
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_backward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The step's global loss as a device scalar (reading it is the caller's one host sync)."""
-        micro = split_microbatches(input_ids, labels, self.cp_mesh, self.cfg.parallel.microbatches)
+        micro = split_microbatches(input_ids, labels, self.cp_mesh, self.cfg.parallel.microbatches, position_ids)
         tokens = global_token_count(micro, self.data_group)
         total = torch.zeros((), device=self.device)
         self._aux = []

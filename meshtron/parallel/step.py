@@ -28,9 +28,12 @@ class Runner(Protocol):
     module: nn.Module  # this rank's parallelized model (a pipeline rank: its stages); the optimizer's
     moes: list[MoE]  # the MoE layers this rank runs, found once (for expert-bias updates)
 
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_backward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Gradients of one global-batch step accumulated into ``.grad``; the global loss as a device
-        scalar on every rank (reading it is the caller's one host sync)."""
+        scalar on every rank (reading it is the caller's one host sync). ``position_ids``: packed
+        document positions (``[data] document_mask``); default ``0 .. seq_len - 1``."""
 
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed token loss, counted tokens) of one global batch without gradients, as global
@@ -46,10 +49,11 @@ class Runner(Protocol):
         """The whole model's full CPU tensors on global rank 0, None elsewhere (collective)."""
 
 
-def split_microbatches(input_ids: torch.Tensor, labels: torch.Tensor, mesh, micro: int):
+def split_microbatches(input_ids: torch.Tensor, labels: torch.Tensor, mesh, micro: int, positions=None):
     """[(ids, labels, position_ids)] per micro-batch: this rank's cp slice of the sequence (with its
-    global positions), split along the batch dimension."""
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    global, or given packed-document, positions), split along the batch dimension."""
+    if positions is None:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     input_ids, labels, positions = shard_batch((input_ids, labels, positions), mesh)
     return list(zip(input_ids.chunk(micro), labels.chunk(micro), positions.chunk(micro)))
 

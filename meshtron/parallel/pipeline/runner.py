@@ -125,9 +125,11 @@ class PipelineRunner:
             self._tie_group = _first_last_group(mesh)
             self._tied = (self.module.embed_tokens or self.module.lm_head).weight if self._tie_group else None
 
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_backward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The step's global loss as a device scalar on every rank (reading it is the caller's host sync)."""
-        micro = split_microbatches(input_ids, labels, self.cp_mesh, self.cfg.parallel.microbatches)
+        micro = split_microbatches(input_ids, labels, self.cp_mesh, self.cfg.parallel.microbatches, position_ids)
         tokens = global_token_count(micro, self.data_group)
         aux: list[torch.Tensor] = []
 
