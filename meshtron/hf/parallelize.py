@@ -63,8 +63,11 @@ from torch.distributed.tensor.parallel import (
 from meshtron import env
 from meshtron.checkpoint import gather_full_state_dict
 from meshtron.config import ConfigError
+from meshtron.hf.context import apply_hf_context_parallel
 from meshtron.hf.experts import apply_hf_expert_parallel, hf_expert_modules
 from meshtron.hf.io import write_safetensors_folder
+from meshtron.hf.parts import block_list, hf_parts
+from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.hf.slices import load_sharded_weights
 from meshtron.mesh import dense_data_mesh
 from meshtron.models.moe import load_balancing_loss
@@ -273,24 +276,32 @@ def _set_local_head_groups(layers, base: dict[str, str], heads: int, kv_heads: i
 def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
     tp = tp_mesh.size()
     kv_heads, head_dim = _check_shape(model, tp)
-    base, inner = _base_plan(model), model.model
-    tied = model.lm_head.weight is inner.embed_tokens.weight
-    plans = [_layer_plan(base, layer, i, kv_heads, head_dim, tp, sp) for i, layer in enumerate(inner.layers)]
-    # Embedding output replicated: HF computes positions and the causal mask from its length.
-    parallelize_module(inner.embed_tokens, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
-    for layer, plan in zip(inner.layers, plans):
+    base, parts = _base_plan(model), hf_parts(model)
+    blocks = block_list(parts)  # a pipeline stage holds some blocks, and the embedding / head only at its ends
+    tied = _tied(parts)
+    plans = [_layer_plan(base, layer, i, kv_heads, head_dim, tp, sp) for i, layer in blocks]
+    for (_, layer), plan in zip(blocks, plans):
         parallelize_module(layer, tp_mesh, plan)
-    _set_local_head_groups(inner.layers, base, model.config.num_attention_heads, kv_heads, tp)
-    if sp:
-        # Keep this rank's part of the sequence (a slice; its backward all-gathers the gradient).
-        parallelize_module(inner.layers[0], tp_mesh, PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
-        parallelize_module(inner.norm, tp_mesh, SequenceParallel())
-    parallelize_module(
-        model.lm_head, tp_mesh, ColwiseParallel(input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False)
-    )
+    _set_local_head_groups([layer for _, layer in blocks], base, model.config.num_attention_heads, kv_heads, tp)
+    if parts.embed is not None:
+        # Embedding output replicated: HF computes positions and the causal mask from its length.
+        parallelize_module(parts.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        if sp:
+            # Keep this rank's part of the sequence (a slice; its backward all-gathers the gradient).
+            parallelize_module(blocks[0][1], tp_mesh, PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True))
+    if parts.head is not None:
+        if sp:
+            parallelize_module(parts.norm, tp_mesh, SequenceParallel())
+        parallelize_module(parts.head, tp_mesh, ColwiseParallel(
+            input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False))
     if tied:  # both now hold a Shard(0) copy of the shared weight; make them one Parameter again
-        model.lm_head.weight = inner.embed_tokens.weight
+        parts.head.weight = parts.embed.weight
+
+
+def _tied(parts) -> bool:
+    """Embedding and head share one weight on this rank (a pipeline has them on different stages)."""
+    return parts.embed is not None and parts.head is not None and parts.head.weight is parts.embed.weight
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -385,8 +396,8 @@ def _no_cache_in_training(model, args, kwargs):
 
 
 def _apply_ac(model: nn.Module, mode: str, every: int) -> None:
-    layers = model.model.layers
-    for index in checkpointed_layers(list(range(len(layers))), mode, every):
+    layers = dict(block_list(hf_parts(model)))
+    for index in checkpointed_layers(list(layers), mode, every):
         checkpoint(layers[index])
     if mode != "none":
         model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
@@ -400,12 +411,13 @@ def _apply_dp(model: nn.Module, mesh: DeviceMesh, mode: str, dtype: str, experts
     placement = even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))
     for module in experts:
         wrap_data_parallel(module, expert_mesh, mode, policy, placement)
-    inner = model.model
-    for layer in inner.layers:
+    parts = hf_parts(model)
+    for _, layer in block_list(parts):
         wrap_data_parallel(layer, dense_mesh, mode, policy)
-    if model.lm_head.weight is not inner.embed_tokens.weight:  # one parameter needs one unit
-        for m in (inner.embed_tokens, model.lm_head):
-            wrap_data_parallel(m, dense_mesh, mode, policy)
+    if not _tied(parts):  # one parameter needs one unit
+        for m in (parts.embed, parts.head):
+            if m is not None:
+                wrap_data_parallel(m, dense_mesh, mode, policy)
     wrap_data_parallel(model, dense_mesh, mode, policy)
 
 
@@ -417,7 +429,10 @@ def parallelize_hf_model(
     ac: str = "none",
     ac_every: int = 2,
     dtype: str = "float32",
-) -> nn.Module:
+    schedule: str = "1f1b",
+    microbatches: int = 1,
+    virtual_stages: int = 1,
+):
     """Parallelize a transformers decoder-only ``*ForCausalLM`` in place over ``mesh`` (from ``build_mesh``).
 
     tp shards the layers by the model's ``base_model_tp_plan`` (plus vocab-parallel embedding/lm_head,
@@ -429,16 +444,30 @@ def parallelize_hf_model(
     when the data mesh has more than one rank). Works on meta-device models (then ``to_empty`` and
     :func:`meshtron.hf.load_sharded_weights`, as :func:`load_hf_checkpoint` does). Each rank of dp x ep
     passes its own part of the batch; ``.loss`` (and ``.aux_loss``) are the global batch's and
-    ``.logits`` a vocab-sharded DTensor. pp and cp must be 1.
+    ``.logits`` a vocab-sharded DTensor.
+
+    cp > 1 (:mod:`meshtron.hf.context`): attention runs as meshtron's ring attention; each data rank
+    passes whole sequences (length a multiple of 2 x cp, no ``attention_mask``) and the model keeps
+    its cp share of them, so ``.logits`` holds this rank's tokens (in the load-balanced order).
+
+    pp > 1 (:mod:`meshtron.hf.pipeline`): the model is pruned in place to this rank's stage(s) and an
+    :class:`~meshtron.hf.pipeline.HFPipelineRunner` is returned instead (``schedule`` ``1f1b``,
+    ``interleaved`` or ``gpipe``, ``microbatches``, ``virtual_stages``); its
+    ``forward_backward(input_ids, next_token_labels)`` runs a step, its ``module`` is the stage model.
     """
-    for dim in ("pp", "cp"):
-        if mesh[dim].size() > 1:
-            raise ConfigError(f"parallelize_hf_model: {dim} = {mesh[dim].size()} is not supported for HF models; use 1.")
-    if not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model, "lm_head"):
-        raise ConfigError(
-            f"parallelize_hf_model expects a decoder-only *ForCausalLM (model.model.layers, model.lm_head); "
-            f"got {type(model).__name__}."
-        )
+    hf_parts(model)  # a layout we can find the pieces of
+
+    def stage(module: nn.Module) -> nn.Module:
+        return _parallelize(module, mesh, sp, data_parallel, ac, ac_every, dtype, shard_inputs=mesh["pp"].size() == 1)
+
+    if mesh["pp"].size() > 1:
+        return HFPipelineRunner(model, mesh, stage, schedule, microbatches, virtual_stages, sp, dtype)
+    return stage(model)
+
+
+def _parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool, data_parallel: str, ac: str, ac_every: int, dtype: str,
+                 shard_inputs: bool) -> nn.Module:
+    """Every dimension but pp, in place (a pipeline stage's model, or the whole model)."""
     ep, tp_mesh = mesh["ep"].size(), mesh["tp"]
     expert_modules = hf_expert_modules(model, ep) if ep > 1 or tp_mesh.size() > 1 else {}
     if ep > 1 and not expert_modules:
@@ -450,6 +479,8 @@ def parallelize_hf_model(
     if tp_mesh.size() > 1:
         _apply_tp(model, tp_mesh, sp)
     experts = apply_hf_expert_parallel(model, mesh, expert_modules)
+    if mesh["cp"].size() > 1:
+        apply_hf_context_parallel(model, mesh, shard_inputs)
     data_mesh = dense_data_mesh(mesh)
     model.loss_function = _loss_function(data_mesh)
     if data_mesh.size() > 1:
@@ -475,6 +506,8 @@ def load_hf_checkpoint(folder: str | Path, mesh: DeviceMesh, **options) -> tuple
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if mesh["pp"].size() > 1:
+        raise ConfigError("load_hf_checkpoint: pp > 1 is not supported yet; use from_pretrained, then parallelize_hf_model.")
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

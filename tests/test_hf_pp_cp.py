@@ -1,0 +1,167 @@
+"""pp and cp for transformers models (meshtron.hf.pipeline / meshtron.hf.context): loss and gradients
+equal the unparallelized transformers model's on the full batch (float32: 1e-5 loss, 1e-4 gradients).
+
+One 4-rank launch: cp 2 (ring attention through transformers' attention interface) with dp 2 and with
+tp 2 (+SP); pp 2 with 1F1B and interleaved 1F1B (2 virtual stages) with dp 2 and tp 2 (+SP), and pp 2 x
+cp 2; over Llama, Qwen2 (tied embeddings), Qwen3 (q/k norms), Mistral and Phi3 (fused projections).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from meshtron import build_mesh, parallelize_hf_model
+from meshtron.config import ConfigError
+from meshtron.hf.context import RING, next_token_labels
+from meshtron.hf.pipeline import HFPipelineRunner
+from meshtron.mesh import batch_mesh
+from meshtron.testing import rel_err, run_checks
+
+SMALL = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+    head_dim=8, max_position_embeddings=64,
+)
+MODELS = {
+    "llama": ("LlamaConfig", dict(num_key_value_heads=2, attention_bias=True)),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=2)),
+    "phi3": ("Phi3Config", dict(num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+}
+ROWS, SEQ = 8, 16  # the global batch
+
+
+def _model(arch: str, **overrides):
+    """The same random model on every rank (transformers' init plus noise on norms and biases)."""
+    import transformers
+
+    cls, extra = MODELS[arch]
+    torch.manual_seed(len(arch))
+    cfg = getattr(transformers, cls)(**{**SMALL, **extra, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.train()
+
+
+def _batch(seed: int):
+    """Ids and labels with a different number of ignored labels per row (prompt and right padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, SMALL["vocab_size"], (ROWS, SEQ), generator=gen)
+    labels = ids.clone()
+    for row in range(ROWS):
+        labels[row, : row % 5] = -100
+        labels[row, SEQ - row % 3 :] = -100
+    return ids, labels
+
+
+def _rows(t: torch.Tensor, mesh) -> torch.Tensor:
+    data = batch_mesh(mesh)
+    per = ROWS // data.size()
+    return t[data.get_local_rank() * per : (data.get_local_rank() + 1) * per]
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _reference(arch: str, ids, labels):
+    ref = _model(arch)
+    loss = ref(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in ref.named_parameters(remove_duplicate=False)}
+
+
+def _check_grads(module, grads: dict, where: str) -> int:
+    """Every parameter this rank holds has the reference gradient; returns how many were compared."""
+    count = 0
+    for name, p in module.named_parameters():
+        err = rel_err(_full(p.grad), grads[name])
+        assert err < 1e-4, f"{where}: grad {name} rel err {err:.2e}"
+        count += 1
+    assert count, f"{where}: no parameters"
+    return count
+
+
+# (model, mesh sizes, sp)
+CP_CASES = [
+    ("llama", dict(dp=2, cp=2), False),
+    ("qwen2", dict(cp=2, tp=2), True),
+    ("qwen3", dict(cp=2, tp=2), False),
+    ("mistral", dict(dp=2, cp=2), False),
+    ("phi3", dict(cp=2, tp=2), False),
+]
+
+
+def check_context_parallel(_tmp: str) -> None:
+    """model(input_ids, labels) with whole sequences: the model shards them over cp, the attention is the
+    ring, the loss is the global batch's mean token loss and the gradients the full model's."""
+    for index, (arch, sizes, sp) in enumerate(CP_CASES):
+        where = f"cp {arch} {sizes} sp={sp}"
+        ids, labels = _batch(seed=index)
+        ref_loss, grads = _reference(arch, ids, labels)
+        mesh = build_mesh(**sizes)
+        model = parallelize_hf_model(_model(arch), mesh, sp=sp)
+        assert model.config._attn_implementation == RING, where
+        out = model(input_ids=_rows(ids, mesh), labels=_rows(labels, mesh))
+        assert out.logits.shape[1] == SEQ // mesh["cp"].size(), where  # this rank's tokens only
+        err = rel_err(out.loss, ref_loss)
+        assert err < 1e-5, f"{where}: loss {out.loss.item()} vs {ref_loss.item()} ({err:.2e})"
+        out.loss.backward()
+        _check_grads(model, grads, where)
+
+
+# (model, mesh sizes, sp, schedule, virtual stages)
+PP_CASES = [
+    ("llama", dict(pp=2, dp=2), False, "1f1b", 1),
+    ("qwen2", dict(pp=2, tp=2), True, "interleaved", 2),  # tied embedding and head on different ranks
+    ("qwen3", dict(pp=2, tp=2), False, "1f1b", 1),
+    ("mistral", dict(pp=2, dp=2), False, "interleaved", 2),
+    ("phi3", dict(pp=2, tp=2), False, "interleaved", 2),
+    ("llama", dict(pp=2, cp=2), False, "interleaved", 2),
+    ("qwen3", dict(pp=2, cp=2), False, "1f1b", 1),
+]
+
+
+def check_pipeline(_tmp: str) -> None:
+    """Our schedules and executor over the HF blocks: the step's loss on every rank and each stage's
+    gradients equal the full model's (parameter names are transformers')."""
+    for index, (arch, sizes, sp, schedule, virtual) in enumerate(PP_CASES):
+        where = f"pp {arch} {sizes} sp={sp} {schedule}"
+        ids, labels = _batch(seed=10 + index)
+        ref_loss, grads = _reference(arch, ids, labels)
+        mesh = build_mesh(**sizes)
+        runner = parallelize_hf_model(_model(arch), mesh, sp=sp, schedule=schedule, microbatches=4 // batch_mesh(mesh).size(),
+                                      virtual_stages=virtual)
+        assert isinstance(runner, HFPipelineRunner), where
+        loss = runner.forward_backward(_rows(ids, mesh), _rows(next_token_labels(labels), mesh))
+        err = rel_err(loss, ref_loss)
+        assert err < 1e-5, f"{where}: loss {loss.item()} vs {ref_loss.item()} ({err:.2e})"
+        blocks = {int(name.split(".")[2]) for name, _ in runner.module.named_parameters() if ".layers." in name}
+        assert len(blocks) == SMALL["num_hidden_layers"] // 2, f"{where}: this rank holds blocks {blocks}"
+        _check_grads(runner.module, grads, where)
+
+
+def check_errors(_tmp: str) -> None:
+    mesh = build_mesh(dp=2, cp=2)
+    with pytest.raises(ConfigError, match=r"multiple of 2 \* cp = 4 chunks"):
+        parallelize_hf_model(_model("llama"), mesh)(input_ids=torch.zeros(2, 6, dtype=torch.long))
+    with pytest.raises(ConfigError, match="sliding_window = 8 is shorter than the sequence \\(16 tokens\\)"):
+        parallelize_hf_model(_model("mistral", sliding_window=8), mesh)(input_ids=torch.zeros(2, 16, dtype=torch.long))
+    with pytest.raises(ConfigError, match="pass no attention_mask"):
+        ids = torch.zeros(2, 16, dtype=torch.long)
+        parallelize_hf_model(_model("llama"), mesh)(input_ids=ids, attention_mask=torch.ones_like(ids))
+    with pytest.raises(ConfigError, match="cp > 1 does not support config.attn_logit_softcapping = 50.0"):
+        model = _model("llama")
+        model.config.attn_logit_softcapping = 50.0
+        parallelize_hf_model(model, mesh)
+    pp = build_mesh(pp=2, dp=2)
+    with pytest.raises(ConfigError, match="num_hidden_layers = 4 is fewer than pp \\* virtual_stages = 8"):
+        parallelize_hf_model(_model("llama"), pp, schedule="interleaved", microbatches=2, virtual_stages=4)
+
+
+def test_hf_pp_cp_4_ranks(tmp_path):
+    run_checks([check_errors, check_context_parallel, check_pipeline], 4, str(tmp_path), timeout=300)
