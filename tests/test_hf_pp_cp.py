@@ -47,6 +47,14 @@ def _model(arch: str, **overrides):
     return model.train()
 
 
+def _gpt_oss():
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    cfg = GptOssConfig(**{**SMALL, "intermediate_size": 32}, num_key_value_heads=2, num_local_experts=4,
+                       num_experts_per_tok=2)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
 def _batch(seed: int):
     """Ids and labels with a different number of ignored labels per row (prompt and right padding)."""
     gen = torch.Generator().manual_seed(seed)
@@ -86,25 +94,25 @@ def _check_grads(module, grads: dict, where: str) -> int:
     return count
 
 
-# (model, mesh sizes, sp)
+# (model, mesh sizes, parallelize_hf_model options)
 CP_CASES = [
-    ("llama", dict(dp=2, cp=2), False),
-    ("qwen2", dict(cp=2, tp=2), True),
-    ("qwen3", dict(cp=2, tp=2), False),
-    ("mistral", dict(dp=2, cp=2), False),
-    ("phi3", dict(cp=2, tp=2), False),
+    ("llama", dict(dp=2, cp=2), {}),
+    ("qwen2", dict(cp=2, tp=2), dict(sp=True)),
+    ("qwen3", dict(cp=2, tp=2), dict(ac="full")),
+    ("mistral", dict(dp=2, cp=2), dict(data_parallel="replicate")),
+    ("phi3", dict(cp=2, tp=2), {}),
 ]
 
 
 def check_context_parallel(_tmp: str) -> None:
     """model(input_ids, labels) with whole sequences: the model shards them over cp, the attention is the
     ring, the loss is the global batch's mean token loss and the gradients the full model's."""
-    for index, (arch, sizes, sp) in enumerate(CP_CASES):
-        where = f"cp {arch} {sizes} sp={sp}"
+    for index, (arch, sizes, options) in enumerate(CP_CASES):
+        where = f"cp {arch} {sizes} {options}"
         ids, labels = _batch(seed=index)
         ref_loss, grads = _reference(arch, ids, labels)
         mesh = build_mesh(**sizes)
-        model = parallelize_hf_model(_model(arch), mesh, sp=sp)
+        model = parallelize_hf_model(_model(arch), mesh, **options)
         assert model.config._attn_implementation == RING, where
         out = model(input_ids=_rows(ids, mesh), labels=_rows(labels, mesh))
         assert out.logits.shape[1] == SEQ // mesh["cp"].size(), where  # this rank's tokens only
@@ -114,28 +122,29 @@ def check_context_parallel(_tmp: str) -> None:
         _check_grads(model, grads, where)
 
 
-# (model, mesh sizes, sp, schedule, virtual stages)
+# (model, mesh sizes, parallelize_hf_model options); interleaved runs 2 virtual stages per rank
 PP_CASES = [
-    ("llama", dict(pp=2, dp=2), False, "1f1b", 1),
-    ("qwen2", dict(pp=2, tp=2), True, "interleaved", 2),  # tied embedding and head on different ranks
-    ("qwen3", dict(pp=2, tp=2), False, "1f1b", 1),
-    ("mistral", dict(pp=2, dp=2), False, "interleaved", 2),
-    ("phi3", dict(pp=2, tp=2), False, "interleaved", 2),
-    ("llama", dict(pp=2, cp=2), False, "interleaved", 2),
-    ("qwen3", dict(pp=2, cp=2), False, "1f1b", 1),
+    ("llama", dict(pp=2, dp=2), dict(schedule="1f1b", ac="full")),
+    ("qwen2", dict(pp=2, tp=2), dict(schedule="interleaved", sp=True)),  # tied embedding and head on different ranks
+    ("qwen3", dict(pp=2, tp=2), dict(schedule="1f1b")),
+    ("mistral", dict(pp=2, dp=2), dict(schedule="interleaved")),
+    ("phi3", dict(pp=2, tp=2), dict(schedule="interleaved")),
+    ("llama", dict(pp=2, cp=2), dict(schedule="interleaved")),
+    ("qwen3", dict(pp=2, cp=2), dict(schedule="1f1b")),
 ]
 
 
 def check_pipeline(_tmp: str) -> None:
     """Our schedules and executor over the HF blocks: the step's loss on every rank and each stage's
     gradients equal the full model's (parameter names are transformers')."""
-    for index, (arch, sizes, sp, schedule, virtual) in enumerate(PP_CASES):
-        where = f"pp {arch} {sizes} sp={sp} {schedule}"
+    for index, (arch, sizes, options) in enumerate(PP_CASES):
+        where = f"pp {arch} {sizes} {options}"
         ids, labels = _batch(seed=10 + index)
         ref_loss, grads = _reference(arch, ids, labels)
         mesh = build_mesh(**sizes)
-        runner = parallelize_hf_model(_model(arch), mesh, sp=sp, schedule=schedule, microbatches=4 // batch_mesh(mesh).size(),
-                                      virtual_stages=virtual)
+        virtual = 2 if options["schedule"] == "interleaved" else 1
+        runner = parallelize_hf_model(_model(arch), mesh, microbatches=4 // batch_mesh(mesh).size(),
+                                      virtual_stages=virtual, **options)
         assert isinstance(runner, HFPipelineRunner), where
         loss = runner.forward_backward(_rows(ids, mesh), _rows(next_token_labels(labels), mesh))
         err = rel_err(loss, ref_loss)
@@ -158,6 +167,8 @@ def check_errors(_tmp: str) -> None:
         model = _model("llama")
         model.config.attn_logit_softcapping = 50.0
         parallelize_hf_model(model, mesh)
+    with pytest.raises(ConfigError, match=r"cp > 1 does not support attention sinks \(GptOssAttention.sinks\)"):
+        parallelize_hf_model(_gpt_oss(), mesh)
     pp = build_mesh(pp=2, dp=2)
     with pytest.raises(ConfigError, match="num_hidden_layers = 4 is fewer than pp \\* virtual_stages = 8"):
         parallelize_hf_model(_model("llama"), pp, schedule="interleaved", microbatches=2, virtual_stages=4)
