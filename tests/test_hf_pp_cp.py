@@ -155,6 +155,8 @@ def check_pipeline(_tmp: str) -> None:
 
 
 def check_errors(_tmp: str) -> None:
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
     mesh = build_mesh(dp=2, cp=2)
     with pytest.raises(ConfigError, match=r"multiple of 2 \* cp = 4 chunks"):
         parallelize_hf_model(_model("llama"), mesh)(input_ids=torch.zeros(2, 6, dtype=torch.long))
@@ -170,6 +172,9 @@ def check_errors(_tmp: str) -> None:
     with pytest.raises(ConfigError, match=r"cp > 1 does not support attention sinks \(GptOssAttention.sinks\)"):
         parallelize_hf_model(_gpt_oss(), mesh)
     pp = build_mesh(pp=2, dp=2)
+    gemma = AutoModelForCausalLM.from_config(Gemma2Config(**SMALL, final_logit_softcapping=None))
+    with pytest.raises(ConfigError, match="pp > 1 does not support gemma2: its decoder scales the embeddings"):
+        parallelize_hf_model(gemma, pp, microbatches=2)
     with pytest.raises(ConfigError, match="num_hidden_layers = 4 is fewer than pp \\* virtual_stages = 8"):
         parallelize_hf_model(_model("llama"), pp, schedule="interleaved", microbatches=2, virtual_stages=4)
 

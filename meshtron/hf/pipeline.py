@@ -19,9 +19,10 @@ The HF path adds only what is model-specific; the rest is :mod:`meshtron.paralle
   cp sharding of the micro-batches, tied-embedding gradient sums and the gradient norm over stages
   are :class:`~meshtron.parallel.pipeline.runner.PipelineRunner`'s, reused as they are.
 
-Not supported with pp > 1 (ConfigError): MoE router aux losses (``output_router_logits``), final
-logit soft-capping / scaling, models without a single rotary embedding module, and expert
-parallelism.
+A stage runs embedding -> blocks -> norm -> head and nothing else: models whose decoder or causal-LM
+forward does more are refused with a ConfigError (Gemma's embedding scaling, final logit
+soft-capping or scaling, Granite's multipliers, MoE router aux losses via ``output_router_logits``),
+as are models without a single rotary embedding module, and expert parallelism.
 """
 
 from __future__ import annotations
@@ -125,17 +126,26 @@ class HFStageChunk:
         return self.model(x, position_ids, layers=self.layers, first=self.is_first, last=self.is_last, labels=labels)
 
 
+# A stage runs embedding -> blocks -> norm -> head; what a decoder or causal-LM forward does beyond
+# that (these config keys) would be skipped, so it is refused.
+_REFUSED_CONFIG = {
+    "output_router_logits": "MoE router aux losses",
+    "final_logit_softcapping": "final logit soft-capping",
+    "logit_scale": "scaled logits",
+    "logits_scaling": "scaled logits",
+    "embedding_multiplier": "scaled embeddings",
+}
+
+
 def _check_hf_pipeline(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig) -> None:
     cfg = model.config
     check_pipeline_layout(p, len(hf_parts(model).blocks), "parallelize_hf_model:")
-    refused = {
-        "output_router_logits": "MoE router aux losses",
-        "final_logit_softcapping": "final logit soft-capping",
-        "logit_scale": "scaled logits",
-    }
-    for key, what in refused.items():
+    for key, what in _REFUSED_CONFIG.items():
         if getattr(cfg, key, None):
             raise ConfigError(f"parallelize_hf_model: pp > 1 does not support {what} (config.{key}); use pp = 1.")
+    if cfg.model_type.startswith("gemma"):
+        raise ConfigError(f"parallelize_hf_model: pp > 1 does not support {cfg.model_type}: its decoder scales the "
+                          "embeddings (and caps logits) outside the blocks; use pp = 1.")
     if mesh["ep"].size() > 1:
         raise ConfigError("parallelize_hf_model: pp > 1 with ep > 1 is not supported for HF models; use ep = 1.")
     if not isinstance(hf_parts(model).rotary, nn.Module):
