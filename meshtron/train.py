@@ -35,6 +35,7 @@ from meshtron.checkpoint import (
 )
 from meshtron.config import Config, ConfigError, config_to_dict, infer_dp, load_config, model_differences
 from meshtron.hf import CheckpointError, save_hf
+from meshtron.hf.runner import build_hf_runner, export_hf_model, with_hf_model
 from meshtron.data import to_device
 from meshtron.mesh import batch_mesh, build_mesh, init_default_group
 from meshtron.parallel.layout import validate_layout
@@ -66,7 +67,7 @@ class NonFiniteError(RuntimeError):
 def main(argv: list[str] | None = None) -> int:
     recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = infer_dp(load_config(recipe, overrides), _world_size())
+        cfg = with_hf_model(infer_dp(load_config(recipe, overrides), _world_size()))
         validate_layout(cfg, _world_size())
         preflight(cfg)
         check_memory(cfg, _world_size(), env.device_type())  # before any allocation or collective
@@ -211,9 +212,12 @@ class Trainer:
         self.device = env.local_device()
         torch.manual_seed(cfg.train.seed)
         self.dataset = TokenDataset.open(cfg, on_rank0_first=_rank0_first)
-        with torch.device("meta"):
-            model = build_model(cfg.model)
-        self.runner = build_step_runner(model, mesh, cfg, self.device)
+        if cfg.model.hf_model:
+            self.runner = build_hf_runner(cfg, mesh, self.device)
+        else:
+            with torch.device("meta"):
+                model = build_model(cfg.model)
+            self.runner = build_step_runner(model, mesh, cfg, self.device)
         self.optimizer = build_optimizer(self.runner.module, cfg.train)
         self.start_step = self._restore()
         self.logger = MetricsLogger(cfg.train.output_dir, cfg.train.steps, self.rank == 0, self.start_step)
@@ -249,7 +253,8 @@ class Trainer:
                 save_checkpoint(checkpoint_root(self.cfg), step + 1, self.runner.module, self.optimizer, self.cfg,
                                 {"data": self.dataset.state_dict()})
         if self.cfg.checkpoint.export_hf:
-            export_hf(self.runner, self.cfg, self.cfg.checkpoint.export_hf)
+            export = export_hf_model if self.cfg.model.hf_model else export_hf
+            export(self.runner, self.cfg, self.cfg.checkpoint.export_hf)
 
     def train_step(self, step: int) -> dict:
         t = self.cfg.train

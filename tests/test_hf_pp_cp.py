@@ -8,6 +8,10 @@ cp 2; over Llama, Qwen2 (tied embeddings), Qwen3 (q/k norms), Mistral and Phi3 (
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -31,6 +35,7 @@ MODELS = {
     "phi3": ("Phi3Config", dict(num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
 ROWS, SEQ = 8, 16  # the global batch
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _model(arch: str, **overrides):
@@ -181,3 +186,106 @@ def check_errors(_tmp: str) -> None:
 
 def test_hf_pp_cp_4_ranks(tmp_path):
     run_checks([check_errors, check_context_parallel, check_pipeline], 4, str(tmp_path), timeout=300)
+
+
+# ---- [model] hf_model: a transformers folder trained by meshtron.train on every layout ----
+
+RECIPE_STEPS = 8
+RECIPE_LAYOUTS = {  # 4 ranks; the 1-rank run is the reference
+    "pp2_cp2": dict(pp=2, cp=2),
+    "cp2_tp2_sp": dict(cp=2, tp=2, sp="true"),
+    "pp2_tp2_interleaved": dict(pp=2, tp=2, schedule='"interleaved"', virtual_stages=2),
+    "dp2_tp2": dict(dp=2, tp=2),
+}
+
+
+def _recipe_folders(root: Path) -> dict[str, str]:
+    """A tiny Llama with weights (safetensors) and a Qwen2 with only a config.json (seeded random init)."""
+    import transformers
+
+    folders = {}
+    for name, cls, extra in (("llama", "LlamaConfig", dict(num_key_value_heads=2)),
+                             ("qwen2", "Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True))):
+        cfg = getattr(transformers, cls)(**{**SMALL, "vocab_size": 256, "max_position_embeddings": 256}, **extra)
+        folders[name] = str(root / name)
+        if name == "llama":
+            torch.manual_seed(0)
+            transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folders[name])
+        else:
+            cfg.save_pretrained(folders[name])
+    return folders
+
+
+def _train_hf(folder: str, out: Path, layout: dict, extra: list[str] = ()) -> None:
+    from meshtron.config import load_config
+    from meshtron.hf.runner import with_hf_model
+    from meshtron.parallel.layout import validate_layout
+    from meshtron.train import Trainer, recipe_mesh
+
+    sizes = {**dict(pp=1, dp=1, cp=1, ep=1, tp=1), **layout}
+    args = ["--model.hf_model", folder, "--train.steps", str(RECIPE_STEPS), "--parallel.microbatches", "2",
+            "--train.output_dir", str(out), "--data.cache_dir", str(out.parent.parent / "token_cache")]
+    args += [a for key, value in sizes.items() for a in (f"--parallel.{key}", str(value))]
+    cfg = with_hf_model(load_config(ROOT / "recipes" / "debug_dense.toml", args + list(extra)))
+    validate_layout(cfg, torch.distributed.get_world_size())
+    Trainer(cfg, recipe_mesh(cfg)).fit()
+
+
+def recipe_single_rank(root: str, folders: dict) -> None:
+    for name, folder in folders.items():
+        _train_hf(folder, Path(root) / name / "single", {})
+
+
+def recipe_four_ranks(root: str, folders: dict) -> None:
+    """Every layout for both models; the dp2 x tp2 Llama run checkpoints at step 4 and exports, then a
+    fresh trainer resumes the step-4 checkpoint resharded onto pp2 x tp2 and finishes steps 5-8."""
+    root = Path(root)
+    for name, folder in folders.items():
+        for layout, sizes in RECIPE_LAYOUTS.items():
+            extra = []
+            if name == "llama" and layout == "dp2_tp2":
+                extra = ["--checkpoint.every", "4", "--checkpoint.dir", str(root / "ckpt"),
+                         "--checkpoint.export_hf", str(root / "export")]
+            _train_hf(folder, root / name / layout, sizes, extra)
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(root / "ckpt" / "step-00000008")  # as if the run had stopped after step 4
+    torch.distributed.barrier()
+    _train_hf(folders["llama"], root / "llama" / "resumed", dict(pp=2, tp=2),
+              ["--checkpoint.resume", "true", "--checkpoint.dir", str(root / "ckpt")])
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_recipe")
+    folders = _recipe_folders(root)
+    run_checks([recipe_single_rank], 1, str(root), folders, timeout=600)
+    run_checks([recipe_four_ranks], 4, str(root), folders, timeout=900)
+    return root
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_hf_model_recipe_loss_curve_is_layout_invariant(recipe_runs, model):
+    reference = _losses(recipe_runs / model / "single")
+    assert len(reference) == RECIPE_STEPS and reference[-1] < reference[0] - 0.1, reference
+    for layout in RECIPE_LAYOUTS:
+        for step, (a, b) in enumerate(zip(_losses(recipe_runs / model / layout), reference), start=1):
+            assert abs(a - b) / abs(b) < 1e-4, f"{model} {layout} step {step}: loss {a} vs single-rank {b}"
+
+
+def test_hf_model_recipe_resumes_and_exports(recipe_runs):
+    from transformers import AutoModelForCausalLM
+
+    full = _losses(recipe_runs / "llama" / "dp2_tp2")
+    resumed = _losses(recipe_runs / "llama" / "resumed")
+    assert len(resumed) == RECIPE_STEPS - 4
+    for step, (a, b) in enumerate(zip(resumed, full[4:]), start=5):
+        assert abs(a - b) / abs(b) < 1e-4, f"step {step}: resumed on pp2 x tp2 {a} vs uninterrupted {b}"
+    exported = AutoModelForCausalLM.from_pretrained(recipe_runs / "export")
+    source = AutoModelForCausalLM.from_pretrained(recipe_runs / "llama")
+    assert type(exported) is type(source)
+    moved = [n for n, p in exported.named_parameters() if not torch.equal(p, source.get_parameter(n))]
+    assert len(moved) == len(list(source.parameters())), "every trained weight is exported"

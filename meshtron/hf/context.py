@@ -10,7 +10,8 @@ attention interface.
   ``i`` and ``2cp-1-i`` on cp rank ``i``), global ``position_ids`` included so that RoPE is right.
   Called as ``model(input_ids=..., labels=...)``, a forward pre-hook shards the whole sequence the
   caller passes; labels are shifted to next-token targets *before* sharding (a chunk's last target
-  lives on another rank) and given to the loss as ``shift_labels``. The pipeline shards its
+  lives on another rank) and given to the loss as ``shift_labels`` (targets passed as
+  ``shift_labels`` are sharded as they are). The pipeline shards its
   micro-batches itself and only uses the attention.
 * The loss is already global over cp: :func:`meshtron.hf.parallelize._loss_function` sums tokens
   and counts over the dense data mesh (dp x ep x cp), and the data-parallel wrapper sums the
@@ -118,11 +119,13 @@ def _shard_inputs(mesh: DeviceMesh):
         if kwargs.get("input_ids") is None:
             raise ConfigError("parallelize_hf_model: with cp > 1 pass input_ids (inputs_embeds are not sharded).")
         batch = {k: kwargs.pop(k) for k in ("input_ids", "position_ids") if kwargs.get(k) is not None}
-        labels = kwargs.pop("labels", None)
-        if labels is not None:
-            batch["shift_labels"] = next_token_labels(labels)
+        labels, targets = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
+        if targets is None and labels is not None:
+            targets = next_token_labels(labels)
+        if targets is not None:
+            batch["shift_labels"] = targets
         local = shard_hf_batch(mesh, model.config, batch)
-        if labels is not None:  # the loss reads shift_labels; labels only has to be present
+        if targets is not None:  # the loss reads shift_labels; labels only has to be present
             local["labels"] = local["shift_labels"]
         return (), {**kwargs, **local, "use_cache": False}
 

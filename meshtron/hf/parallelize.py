@@ -299,6 +299,18 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
         parts.head.weight = parts.embed.weight
 
 
+def _replicate_plain_params(model: nn.Module, tp_mesh: DeviceMesh, experts: list[nn.Module]) -> None:
+    """Parameters tp left whole (norms without SP, ``replicate`` modules) become Replicate DTensors, run on
+    their local views: identical on every tp rank, as are their gradients (the module sees the same
+    tokens there). Without it, a parameter group mixing them with DTensors breaks fused AdamW when no
+    data-parallel wrapper makes every parameter a DTensor."""
+    skip = {id(m) for e in experts for m in e.modules()}
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False)]
+        if own and id(module) not in skip and not any(isinstance(p, DTensor) for p in own):
+            parallelize_module(module, tp_mesh, ReplicateParallel())
+
+
 def _tied(parts) -> bool:
     """Embedding and head share one weight on this rank (a pipeline has them on different stages)."""
     return parts.embed is not None and parts.head is not None and parts.head.weight is parts.embed.weight
@@ -479,6 +491,8 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool, data_parallel: st
     if tp_mesh.size() > 1:
         _apply_tp(model, tp_mesh, sp)
     experts = apply_hf_expert_parallel(model, mesh, expert_modules)
+    if tp_mesh.size() > 1:
+        _replicate_plain_params(model, tp_mesh, experts)
     if mesh["cp"].size() > 1:
         apply_hf_context_parallel(model, mesh, shard_inputs)
     data_mesh = dense_data_mesh(mesh)
