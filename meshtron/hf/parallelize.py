@@ -306,7 +306,7 @@ def _replicate_plain_params(model: nn.Module, tp_mesh: DeviceMesh, experts: list
     data-parallel wrapper makes every parameter a DTensor."""
     skip = {id(m) for e in experts for m in e.modules()}
     for module in model.modules():
-        own = [p for p in module.parameters(recurse=False)]
+        own = list(module.parameters(recurse=False))
         if own and id(module) not in skip and not any(isinstance(p, DTensor) for p in own):
             parallelize_module(module, tp_mesh, ReplicateParallel())
 
