@@ -83,7 +83,10 @@ class HFStepRunner:
         self.batch_group = batch_mesh(mesh).get_group()  # ranks with different rows (cp ranks share theirs)
         self.moes: list = []
 
-    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_backward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # position_ids come only with [data] document_mask, which with_hf_model refuses.
         p = self.cfg.parallel
         tokens = (labels != -100).sum().to(torch.float32)
         dist.all_reduce(tokens, group=self.batch_group)
