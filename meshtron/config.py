@@ -30,6 +30,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    # A transformers model folder to train instead of meshtron's model: its config.json defines the
+    # architecture and the keys below are then read from it (meshtron/hf/runner.py).
+    hf_model: str = ""
     vocab_size: int = 151936
     hidden_size: int = 896
     intermediate_size: int = 4864

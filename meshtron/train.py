@@ -37,6 +37,7 @@ from meshtron.checkpoint import (
 )
 from meshtron.config import Config, ConfigError, config_to_dict, infer_dp, load_config, model_differences
 from meshtron.hf import CheckpointError, save_hf
+from meshtron.hf.runner import build_hf_runner, export_hf_model, with_hf_model
 from meshtron.data import SourceSpec, to_device
 from meshtron.mesh import batch_mesh, build_mesh, init_default_group
 from meshtron.parallel.layout import validate_layout
@@ -69,7 +70,7 @@ class NonFiniteError(RuntimeError):
 def main(argv: list[str] | None = None) -> int:
     recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = infer_dp(load_config(recipe, overrides), _world_size())
+        cfg = with_hf_model(infer_dp(load_config(recipe, overrides), _world_size()))
         validate_layout(cfg, _world_size())
         preflight(cfg)
         check_memory(cfg, _world_size(), env.device_type())  # before any allocation or collective
@@ -227,9 +228,12 @@ class Trainer:
         if cfg.data.eval_source:
             with naming_eval_source():
                 self.eval_dataset = TokenDataset.open(cfg, sources=[eval_source(cfg)], progress=sys.stdout)
-        with torch.device("meta"):
-            model = build_model(cfg.model)
-        self.runner = build_step_runner(model, mesh, cfg, self.device)
+        if cfg.model.hf_model:
+            self.runner = build_hf_runner(cfg, mesh, self.device)
+        else:
+            with torch.device("meta"):
+                model = build_model(cfg.model)
+            self.runner = build_step_runner(model, mesh, cfg, self.device)
         self.optimizer = build_optimizer(self.runner.module, cfg.train)
         self.start_step = self._restore()
         self.logger = MetricsLogger(cfg.train.output_dir, cfg.train.steps, self.rank == 0, self.start_step,
@@ -274,7 +278,8 @@ class Trainer:
                                       {"data": self.dataset.state_dict()})
         self.checkpoints.wait()
         if self.cfg.checkpoint.export_hf:
-            export_hf(self.runner, self.cfg, self.cfg.checkpoint.export_hf)
+            export = export_hf_model if self.cfg.model.hf_model else export_hf
+            export(self.runner, self.cfg, self.cfg.checkpoint.export_hf)
         self.logger.close()
 
     def _eval_due(self, step: int) -> bool:

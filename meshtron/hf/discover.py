@@ -31,13 +31,13 @@ from meshtron.config import ConfigError
 class HFParts:
     decoder: nn.Module
     decoder_path: str
-    blocks: nn.ModuleList
+    blocks: nn.ModuleList | nn.ModuleDict  # a pipeline stage: ModuleDict keyed by the global block index
     blocks_path: str
-    embed: nn.Module
+    embed: nn.Module | None  # None: another pipeline stage holds it (also head and norm)
     embed_path: str
-    head: nn.Module
+    head: nn.Module | None
     head_path: str
-    norm: nn.Module
+    norm: nn.Module | None
     norm_path: str
     rotary: nn.Module | None
     rotary_path: str | None
@@ -49,7 +49,14 @@ class HFParts:
 
     @property
     def tied(self) -> bool:
-        return self.head.weight is self.embed.weight
+        """Embedding and head share one weight here (a pipeline holds them on different stages)."""
+        return self.embed is not None and self.head is not None and self.head.weight is self.embed.weight
+
+    def block_items(self) -> list[tuple[int, nn.Module]]:
+        """(global block index, block) of every block held here, in model order."""
+        if isinstance(self.blocks, nn.ModuleDict):
+            return [(int(i), block) for i, block in self.blocks.items()]
+        return list(enumerate(self.blocks))
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -110,9 +117,21 @@ def _rotary(decoder: nn.Module, blocks: nn.ModuleList) -> tuple[str, nn.Module] 
     return owners[0] if owners else None
 
 
+_STAGE_PARTS = "_meshtron_stage_parts"
+
+
+def set_stage_parts(model: nn.Module, parts: HFParts) -> None:
+    """Record the parts of a model pruned to a pipeline stage, which discovery could no longer find
+    (no embedding or head there, blocks in a ModuleDict)."""
+    setattr(model, _STAGE_PARTS, parts)
+
+
 def hf_parts(model: nn.Module) -> HFParts:
     """The decoder, blocks, embeddings, output head, final norm and rotary embedding of ``model``
     (meta or materialised); a :class:`ConfigError` names the part that cannot be found."""
+    stage = model.__dict__.get(_STAGE_PARTS)
+    if stage is not None:
+        return stage
     decoder = _decoder(model)
     decoder_path = _path_of(model, decoder, "decoder")
     blocks_rel, blocks = _blocks(model, decoder)
@@ -135,4 +154,4 @@ def hf_parts(model: nn.Module) -> HFParts:
     )
 
 
-__all__ = ["HFParts", "hf_parts", "is_norm"]
+__all__ = ["HFParts", "hf_parts", "is_norm", "set_stage_parts"]

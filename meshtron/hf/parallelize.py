@@ -64,9 +64,11 @@ from meshtron import env
 from meshtron.checkpoint import gather_full_state_dict
 from meshtron.config import ConfigError
 from meshtron.hf.discover import HFParts, hf_parts, is_norm
+from meshtron.hf.context import apply_hf_context_parallel
 from meshtron.hf.experts import apply_hf_expert_parallel, hf_expert_modules
 from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_plan, is_transposed
 from meshtron.hf.io import write_safetensors_folder
+from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.hf.slices import load_sharded_weights
 from meshtron.mesh import dense_data_mesh
 from meshtron.models.moe import load_balancing_loss
@@ -298,7 +300,7 @@ def _set_local_head_groups(parts: HFParts, base: dict[str, str], heads: int, kv_
         attention, _, proj = pattern.split(".", 2)[2].rpartition(".")
         if proj != "k_proj" or style not in _COLWISE:
             continue
-        for layer in parts.blocks:
+        for _, layer in parts.block_items():
             if _exists(layer, attention):
                 layer.get_submodule(attention).num_key_value_groups = heads // tp // local_kv
 
@@ -311,7 +313,7 @@ def _own_rowwise_outputs(parts: HFParts, plan: dict[str, str]) -> None:
         rel = pattern.split(".", 2)[2]
         if style not in _ROWWISE + _ROWWISE_REPLICATED_INPUT:
             continue
-        for layer in parts.blocks:
+        for _, layer in parts.block_items():
             if _exists(layer, rel):
                 layer.get_submodule(rel).register_forward_hook(lambda _module, _args, out: out.clone())
 
@@ -320,23 +322,37 @@ def _apply_tp(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, sp: bool) -
     tp = tp_mesh.size()
     kv_heads, head_dim = _check_shape(model, tp)
     base, tied = _tp_plan(model, parts, tp, sp), parts.tied
-    plans = [_layer_plan(base, parts.plan_blocks, layer, i, kv_heads, head_dim, tp, sp)
-             for i, layer in enumerate(parts.blocks)]
-    # Embedding output replicated: HF computes positions and the causal mask from its length.
-    parallelize_module(parts.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
-    for layer, plan in zip(parts.blocks, plans):
-        parallelize_module(layer, tp_mesh, plan)
+    blocks = parts.block_items()  # a pipeline stage holds some blocks, and the embedding / head only at its ends
+    for i, layer in blocks:
+        parallelize_module(layer, tp_mesh, _layer_plan(base, parts.plan_blocks, layer, i, kv_heads, head_dim, tp, sp))
     _set_local_head_groups(parts, base, model.config.num_attention_heads, kv_heads, tp)
     if not getattr(model.config, "base_model_tp_plan", None):
         _own_rowwise_outputs(parts, base)
-    if sp:
-        parallelize_module(parts.blocks[0], tp_mesh, _HiddenStatesInput(sp, Replicate(), Shard(1), local=True))
-        parallelize_module(parts.norm, tp_mesh, SequenceParallel())
-    parallelize_module(
-        parts.head, tp_mesh, ColwiseParallel(input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False)
-    )
+    if parts.embed is not None:
+        # Embedding output replicated: HF computes positions and the causal mask from its length.
+        parallelize_module(parts.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        if sp:
+            parallelize_module(blocks[0][1], tp_mesh, _HiddenStatesInput(sp, Replicate(), Shard(1), local=True))
+    if parts.head is not None:
+        if sp:
+            parallelize_module(parts.norm, tp_mesh, SequenceParallel())
+        parallelize_module(parts.head, tp_mesh, ColwiseParallel(
+            input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False))
     if tied:  # both now hold a Shard(0) copy of the shared weight; make them one Parameter again
         parts.head.weight = parts.embed.weight
+
+
+def _replicate_plain_params(model: nn.Module, tp_mesh: DeviceMesh, experts: list[nn.Module]) -> None:
+    """Parameters tp left whole (norms without SP, ``replicate`` modules) become Replicate DTensors, run on
+    their local views: identical on every tp rank, as are their gradients (the module sees the same
+    tokens there). Without it, a parameter group mixing them with DTensors breaks fused AdamW when no
+    data-parallel wrapper makes every parameter a DTensor."""
+    skip = {id(m) for e in experts for m in e.modules()}
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if own and id(module) not in skip and not any(isinstance(p, DTensor) for p in own):
+            parallelize_module(module, tp_mesh, ReplicateParallel())
+
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -430,8 +446,9 @@ def _no_cache_in_training(model, args, kwargs):
     return None
 
 
-def _apply_ac(model: nn.Module, layers: nn.ModuleList, mode: str, every: int) -> None:
-    for index in checkpointed_layers(list(range(len(layers))), mode, every):
+def _apply_ac(model: nn.Module, parts: HFParts, mode: str, every: int) -> None:
+    layers = dict(parts.block_items())
+    for index in checkpointed_layers(list(layers), mode, every):
         checkpoint(layers[index])
     if mode != "none":
         model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
@@ -446,11 +463,12 @@ def _apply_dp(model: nn.Module, parts: HFParts, mesh: DeviceMesh, mode: str, dty
     placement = even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))
     for module in experts:
         wrap_data_parallel(module, expert_mesh, mode, policy, placement)
-    for layer in parts.blocks:
+    for _, layer in parts.block_items():
         wrap_data_parallel(layer, dense_mesh, mode, policy)
     if not parts.tied:  # one parameter needs one unit
         for m in (parts.embed, parts.head):
-            wrap_data_parallel(m, dense_mesh, mode, policy)
+            if m is not None:
+                wrap_data_parallel(m, dense_mesh, mode, policy)
     wrap_data_parallel(model, dense_mesh, mode, policy)
 
 
@@ -462,7 +480,10 @@ def parallelize_hf_model(
     ac: str = "none",
     ac_every: int = 2,
     dtype: str = "float32",
-) -> nn.Module:
+    schedule: str = "1f1b",
+    microbatches: int = 1,
+    virtual_stages: int = 1,
+):
     """Parallelize a transformers decoder-only ``*ForCausalLM`` in place over ``mesh`` (from ``build_mesh``).
 
     tp shards the layers by the model's ``base_model_tp_plan``, or one inferred from its module types (plus vocab-parallel embedding/lm_head,
@@ -474,11 +495,30 @@ def parallelize_hf_model(
     when the data mesh has more than one rank). Works on meta-device models (then ``to_empty`` and
     :func:`meshtron.hf.load_sharded_weights`, as :func:`load_hf_checkpoint` does). Each rank of dp x ep
     passes its own part of the batch; ``.loss`` (and ``.aux_loss``) are the global batch's and
-    ``.logits`` a vocab-sharded DTensor. pp and cp must be 1.
+    ``.logits`` a vocab-sharded DTensor.
+
+    cp > 1 (:mod:`meshtron.hf.context`): attention runs as meshtron's ring attention; each data rank
+    passes whole sequences (length a multiple of 2 x cp, no ``attention_mask``) and the model keeps
+    its cp share of them, so ``.logits`` holds this rank's tokens (in the load-balanced order).
+
+    pp > 1 (:mod:`meshtron.hf.pipeline`): the model is pruned in place to this rank's stage(s) and an
+    :class:`~meshtron.hf.pipeline.HFPipelineRunner` is returned instead (``schedule`` ``1f1b``,
+    ``interleaved`` or ``gpipe``, ``microbatches``, ``virtual_stages``); its
+    ``forward_backward(input_ids, next_token_labels)`` runs a step, its ``module`` is the stage model.
     """
-    for dim in ("pp", "cp"):
-        if mesh[dim].size() > 1:
-            raise ConfigError(f"parallelize_hf_model: {dim} = {mesh[dim].size()} is not supported for HF models; use 1.")
+    hf_parts(model)  # a layout we can find the pieces of
+
+    def stage(module: nn.Module) -> nn.Module:
+        return _parallelize(module, mesh, sp, data_parallel, ac, ac_every, dtype, shard_inputs=mesh["pp"].size() == 1)
+
+    if mesh["pp"].size() > 1:
+        return HFPipelineRunner(model, mesh, stage, schedule, microbatches, virtual_stages, sp, dtype)
+    return stage(model)
+
+
+def _parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool, data_parallel: str, ac: str, ac_every: int, dtype: str,
+                 shard_inputs: bool) -> nn.Module:
+    """Every dimension but pp, in place (a pipeline stage's model, or the whole model)."""
     parts = hf_parts(model)
     ep, tp_mesh = mesh["ep"].size(), mesh["tp"]
     expert_modules = hf_expert_modules(model, ep) if ep > 1 or tp_mesh.size() > 1 else {}
@@ -487,10 +527,14 @@ def parallelize_hf_model(
                           f"{type(model).__name__} has none. Use ep = 1.")
     # Checkpointing first: its hook must see layer 0's full input, before SP's slicing hook, so the
     # recomputation slices it again rather than slicing the slice.
-    _apply_ac(model, parts.blocks, ac, ac_every)
+    _apply_ac(model, parts, ac, ac_every)
     if tp_mesh.size() > 1:
         _apply_tp(model, parts, tp_mesh, sp)
     experts = apply_hf_expert_parallel(model, mesh, expert_modules)
+    if tp_mesh.size() > 1:
+        _replicate_plain_params(model, tp_mesh, experts)
+    if mesh["cp"].size() > 1:
+        apply_hf_context_parallel(model, mesh, shard_inputs)
     data_mesh = dense_data_mesh(mesh)
     model.loss_function = _loss_function(data_mesh)
     if data_mesh.size() > 1:
@@ -516,6 +560,8 @@ def load_hf_checkpoint(folder: str | Path, mesh: DeviceMesh, **options) -> tuple
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if mesh["pp"].size() > 1:
+        raise ConfigError("load_hf_checkpoint: pp > 1 is not supported yet; use from_pretrained, then parallelize_hf_model.")
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

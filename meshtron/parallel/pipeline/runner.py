@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshtron.config import Config
+from meshtron.config import Config, ParallelConfig
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import moe_layers
 from meshtron.models.moe import replaying
@@ -48,14 +48,14 @@ from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule
 from meshtron.parallel.pipeline.stage import build_chunks, check_pipeline, prune_to_stage
 
 
-def boundary_tensor(cfg: Config, micro_batch: int, local_seq: int) -> tuple[tuple[int, ...], torch.dtype]:
+def boundary_tensor(p: ParallelConfig, hidden_size: int, dtype: str, micro_batch: int,
+                    local_seq: int) -> tuple[tuple[int, ...], torch.dtype]:
     """(shape, dtype) of the hidden states between stages for ``local_seq`` tokens per sample on this rank.
 
     With sequence parallelism the residual stream between blocks is split over tp as well.
     """
-    p = cfg.parallel
     seq = local_seq // p.tp if p.sp and p.tp > 1 else local_seq
-    return (micro_batch, seq, cfg.model.hidden_size), getattr(torch, cfg.train.dtype)
+    return (micro_batch, seq, hidden_size), getattr(torch, dtype)
 
 
 def _fsdp_units(chunk) -> list[nn.Module]:
@@ -100,36 +100,50 @@ class PipelineRunner:
     def __init__(self, model: nn.Module, mesh, cfg: Config, device: torch.device):
         check_pipeline(cfg)  # before any collective
         p = cfg.parallel
-        self.cfg, self.mesh, self.device = cfg, mesh, device
+        v_shape = p.schedule in V_SHAPED
+        stages = prune_to_stage(model, mesh["pp"].get_local_rank(), p.pp, p.virtual_stages, v_shape)
+        module = parallelize(model, mesh, cfg)
+        materialize_sharded(module, device, cfg)
+        # A V holds both ends on rank 0: one weight, nothing to tie.
+        tied = (module.embed_tokens, module.lm_head) if cfg.model.tie_word_embeddings and not v_shape else None
+        has_moe = any(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_hidden_layers))
+        self._start(module, build_chunks(module, stages, p.pp * p.virtual_stages), mesh, p,
+                    (cfg.model.hidden_size, cfg.train.dtype), device, tied, has_moe)
+
+    def _start(self, module: nn.Module, chunks: dict, mesh, p: ParallelConfig, boundary: tuple[int, str],
+               device: torch.device, tied: tuple[nn.Module | None, nn.Module | None] | None, has_moe: bool) -> None:
+        """Everything but the model: ``module`` is this rank's parallelized stage model and ``chunks``
+        its :class:`~meshtron.parallel.pipeline.stage.StageChunk` views (or objects with the same
+        interface); ``boundary`` is (hidden size, compute dtype); ``tied``, for tied embeddings, is
+        this rank's (embedding, LM head), each None where another stage holds it."""
+        self.parallel, self.mesh, self.device, self._boundary = p, mesh, device, boundary
         self.cp_mesh = mesh["cp"]  # sliced once: slicing a DeviceMesh is host work on its rank tensor
-        self._has_moe = any(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_hidden_layers))
+        self._has_moe = has_moe
         self.pp_mesh = pp_mesh = mesh["pp"]
         self.pp_group = pp_mesh.get_group()
         self.num_stages = p.pp * p.virtual_stages
-        v_shape = p.schedule in V_SHAPED
-        stages = prune_to_stage(model, pp_mesh.get_local_rank(), p.pp, p.virtual_stages, v_shape)
-        self.module = parallelize(model, mesh, cfg)
-        materialize_sharded(self.module, device, cfg)
-        self.chunks = build_chunks(self.module, stages, self.num_stages)
+        self.module, self.chunks = module, chunks
         self.data_group = dense_data_mesh(mesh).get_group()
         average_router_losses_over_microbatches(self.module, p.microbatches)
         self._moe = {s: [m for mod in c.modules() for m in moe_layers(mod)] for s, c in self.chunks.items()}
         self.moes = [m for layers in self._moe.values() for m in layers]
         steps = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)[pp_mesh.get_local_rank()]
         units = {s: _fsdp_units(c) for s, c in self.chunks.items()}
-        grads = _gradient_group(mesh) if v_shape else None
+        grads = _gradient_group(mesh) if p.schedule in V_SHAPED else None
         self.executor = PipelineExecutor(steps, self.num_stages, self.pp_group, units, grads)
         self._aux: torch.Tensor | None = None
-        self._tied, self._tie_group = None, None
-        if cfg.model.tie_word_embeddings and not v_shape:  # a V holds both ends on rank 0: one weight
+        self._tied, self._tie_group, self._tied_copy = None, None, None
+        if tied is not None:
+            embed, head = tied
             self._tie_group = _first_last_group(mesh)
-            self._tied = (self.module.embed_tokens or self.module.lm_head).weight if self._tie_group else None
+            self._tied = (embed or head).weight if self._tie_group else None
+            self._tied_copy = self._tied if head is not None else None  # the norm counts the first stage's
 
     def forward_backward(
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The step's global loss as a device scalar on every rank (reading it is the caller's host sync)."""
-        micro = split_microbatches(input_ids, labels, self.cp_mesh, self.cfg.parallel.microbatches, position_ids)
+        micro = split_microbatches(input_ids, labels, self.cp_mesh, self.parallel.microbatches, position_ids)
         tokens = global_token_count(micro, self.data_group)
         aux: list[torch.Tensor] = []
 
@@ -142,7 +156,7 @@ class PipelineRunner:
             return loss_sum / tokens
 
         ids = [mb[0] for mb in micro]
-        total = self.executor.run(forward, ids, loss, self._boundary(ids))
+        total = self.executor.run(forward, ids, loss, self._boundary_tensor(ids))
         if self._tied is not None:
             self._sum_tied_grads()
         dist.all_reduce(total, group=self.data_group)  # zero except on the last stage
@@ -160,18 +174,18 @@ class PipelineRunner:
         chunk = self.chunks[stage]
         return chunk(x, micro[mb][2], micro[mb][1] if chunk.is_last else None)
 
-    def _boundary(self, ids: list[torch.Tensor]) -> tuple[tuple[int, ...], torch.dtype]:
-        return boundary_tensor(self.cfg, ids[0].shape[0], ids[0].shape[1])
+    def _boundary_tensor(self, ids: list[torch.Tensor]) -> tuple[tuple[int, ...], torch.dtype]:
+        return boundary_tensor(self.parallel, *self._boundary, ids[0].shape[0], ids[0].shape[1])
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed token loss, counted tokens) of the global batch, without gradients, on every rank."""
-        micro = split_microbatches(input_ids, labels, self.cp_mesh, self.cfg.parallel.microbatches)
+        micro = split_microbatches(input_ids, labels, self.cp_mesh, self.parallel.microbatches)
         tokens = global_token_count(micro, self.data_group)
         ids = [mb[0] for mb in micro]
         with replaying():  # the MoE statistics stay those of the last training step
             total = self.executor.forward_only(partial(self._chunk_forward, micro), ids, list(self.chunks),
-                                               self._boundary(ids))
+                                               self._boundary_tensor(ids))
         dist.all_reduce(total, group=self.data_group)  # zero except on the last stage
         dist.all_reduce(total, group=self.pp_group)
         return total, tokens
@@ -180,6 +194,10 @@ class PipelineRunner:
         """The embedding (first stage) and LM head (last stage) are copies of one tied weight: each
         gets the sum of both gradients, so identical optimizer updates keep the copies equal."""
         grad = self._tied.grad
+        if isinstance(grad, DTensor) and grad.placements != self._tied.placements:
+            # A vocab-parallel embedding's backward leaves its gradient replicated: take this rank's
+            # slice (no communication) so that both copies reduce the same elements.
+            grad = self._tied.grad = grad.redistribute(self._tied.device_mesh, self._tied.placements)
         dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self._tie_group)
 
     def aux_loss(self) -> torch.Tensor | None:
@@ -190,8 +208,7 @@ class PipelineRunner:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip to the norm over all stages; a tied LM head copy is clipped but counted once (first stage)."""
         params = [p for p in self.module.parameters() if p.grad is not None]
-        copy = self._tied if self.module.lm_head is not None else None
-        total = global_grad_norm([p for p in params if p is not copy], pp_mesh=self.pp_mesh)
+        total = global_grad_norm([p for p in params if p is not self._tied_copy], pp_mesh=self.pp_mesh)
         scale_grads_(params, max_norm, total)
         return total
 

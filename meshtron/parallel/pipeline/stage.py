@@ -13,19 +13,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtron.config import Config, ConfigError
+from meshtron.config import Config, ConfigError, ParallelConfig
 from meshtron.parallel.pipeline.schedules import build_schedule
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
 
 
 def check_pipeline(cfg: Config) -> None:
     """Raise :class:`ConfigError` for a pipeline layout that cannot run (no process group needed)."""
-    p = cfg.parallel
+    check_pipeline_layout(cfg.parallel, cfg.model.num_hidden_layers, "[parallel]")
+
+
+def check_pipeline_layout(p: ParallelConfig, num_layers: int, where: str) -> None:
+    """:func:`check_pipeline` for ``num_layers`` blocks; ``where`` starts the message."""
     try:
         build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
-        chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
+        chunk_layer_ranges(num_layers, p.pp, p.virtual_stages)
     except ValueError as err:
-        raise ConfigError(f"[parallel] {err}") from None
+        raise ConfigError(f"{where} {err}") from None
 
 
 class StageChunk:

@@ -1,0 +1,143 @@
+"""Context parallelism for transformers models: meshtron's ring attention behind transformers'
+attention interface.
+
+* The attention function :data:`RING` is registered once with ``transformers.AttentionInterface`` and
+  set as the model's attention implementation. Every block's attention module gets a
+  :class:`~meshtron.parallel.context.RingAttention` over ``mesh['cp']`` (``cp_ring``); the function
+  hands it the (local-head, local-sequence) q, k, v the model computed, after RoPE. transformers
+  builds no mask for an implementation it does not know, so nothing of size S x S is ever made.
+* Inputs are sharded with the native layout (:func:`meshtron.parallel.context.shard_batch`: chunks
+  ``i`` and ``2cp-1-i`` on cp rank ``i``), global ``position_ids`` included so that RoPE is right.
+  Called as ``model(input_ids=..., labels=...)``, a forward pre-hook shards the whole sequence the
+  caller passes; labels are shifted to next-token targets *before* sharding (a chunk's last target
+  lives on another rank) and given to the loss as ``shift_labels`` (targets passed as
+  ``shift_labels`` are sharded as they are). The pipeline shards its
+  micro-batches itself and only uses the attention.
+* The loss is already global over cp: :func:`meshtron.hf.parallelize._loss_function` sums tokens
+  and counts over the dense data mesh (dp x ep x cp), and the data-parallel wrapper sums the
+  gradients over it.
+
+Refused with a ConfigError: padding masks (mark padding with label -100 instead: the ring is
+causal, so right padding changes no other token), attention dropout, logit soft-capping, attention
+sinks, and sliding windows shorter than the sequence (a window at least as long as the sequence
+masks nothing, so Mistral's default 4096 runs on shorter sequences).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshtron.config import ConfigError
+from meshtron.hf.discover import hf_parts
+from meshtron.parallel.context import RingAttention, shard_batch
+
+RING = "meshtron_ring"
+
+
+def _ring_attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    sliding_window=None, softcap=None, s_aux=None, **_):
+    """transformers' attention-function signature: q [B, H, S, D], k/v [B, Hkv, S, D] -> ([B, S, H, D], None)."""
+    if dropout or softcap is not None or s_aux is not None:
+        raise ConfigError("context parallelism (cp > 1): attention dropout, soft-capping and sinks are not supported.")
+    head_dim = query.shape[-1]
+    if scaling is not None and not math.isclose(scaling, head_dim ** -0.5):
+        query = query * (scaling * math.sqrt(head_dim))  # the ring scales by 1/sqrt(head_dim)
+    out = module.cp_ring(query, key, value)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(RING, _ring_attention)
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [block.self_attn for _, block in hf_parts(model).block_items()]
+
+
+def check_hf_context_parallel(model: nn.Module) -> None:
+    """ConfigError for what the ring cannot compute (before any collective)."""
+    cfg = model.config
+    for key in ("attn_logit_softcapping", "attention_dropout"):
+        if getattr(cfg, key, None):
+            raise ConfigError(f"parallelize_hf_model: cp > 1 does not support config.{key} = {getattr(cfg, key)}; "
+                              "use cp = 1 for this model.")
+    for attn in _attention_modules(model):
+        if isinstance(getattr(attn, "sinks", None), torch.Tensor):
+            raise ConfigError(f"parallelize_hf_model: cp > 1 does not support attention sinks ({type(attn).__name__}."
+                              "sinks); use cp = 1 for this model.")
+
+
+def check_sliding_window(config, seq_len: int) -> None:
+    """A sliding window shorter than the sequence would mask keys the ring attends to."""
+    window = getattr(config, "sliding_window", None)
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention"])
+    if window is not None and sliding and window < seq_len:
+        raise ConfigError(
+            f"parallelize_hf_model: cp > 1 does not support sliding-window attention: sliding_window = {window} is "
+            f"shorter than the sequence ({seq_len} tokens). Use sequences of at most {window} tokens, or cp = 1."
+        )
+
+
+def use_ring_attention(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Make every block's attention the ring over ``mesh['cp']`` (in place)."""
+    _register()
+    for attn in _attention_modules(model):
+        attn.cp_ring = RingAttention(mesh["cp"])
+    model.set_attn_implementation(RING)
+
+
+def shard_hf_batch(mesh: DeviceMesh, config, batch: dict) -> dict:
+    """This cp rank's part of a batch of whole sequences (dim 1), global positions added; ConfigError
+    when the length does not split into 2 x cp chunks or a sliding window is active."""
+    seq_len = batch["input_ids"].shape[1]
+    check_sliding_window(config, seq_len)
+    try:
+        return shard_batch(batch, mesh)
+    except ValueError as err:
+        raise ConfigError(f"parallelize_hf_model: {err}") from None
+
+
+def next_token_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Targets of every position (the next token's label; the last position has none)."""
+    return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _shard_inputs(mesh: DeviceMesh):
+    """Forward pre-hook: the caller's whole sequences -> this cp rank's tokens, positions and targets."""
+
+    def hook(model, args, kwargs):
+        kwargs = {**dict(zip(("input_ids", "attention_mask"), args)), **kwargs}
+        if kwargs.get("attention_mask") is not None:
+            raise ConfigError("parallelize_hf_model: with cp > 1 pass no attention_mask (the ring attention is causal); "
+                              "right padding needs none, give its positions the label -100.")
+        if kwargs.get("input_ids") is None:
+            raise ConfigError("parallelize_hf_model: with cp > 1 pass input_ids (inputs_embeds are not sharded).")
+        batch = {k: kwargs.pop(k) for k in ("input_ids", "position_ids") if kwargs.get(k) is not None}
+        labels, targets = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
+        if targets is None and labels is not None:
+            targets = next_token_labels(labels)
+        if targets is not None:
+            batch["shift_labels"] = targets
+        local = shard_hf_batch(mesh, model.config, batch)
+        if targets is not None:  # the loss reads shift_labels; labels only has to be present
+            local["labels"] = local["shift_labels"]
+        return (), {**kwargs, **local, "use_cache": False}
+
+    return hook
+
+
+def apply_hf_context_parallel(model: nn.Module, mesh: DeviceMesh, shard_inputs: bool = True) -> None:
+    """Ring attention over ``mesh['cp']`` and, with ``shard_inputs``, the input-sharding hook (in place)."""
+    check_hf_context_parallel(model)
+    use_ring_attention(model, mesh)
+    if shard_inputs:
+        model.register_forward_pre_hook(_shard_inputs(mesh), with_kwargs=True)
+
+
+__all__ = ["RING", "apply_hf_context_parallel", "next_token_labels", "shard_hf_batch", "use_ring_attention"]

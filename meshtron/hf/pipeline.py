@@ -1,0 +1,205 @@
+"""Pipeline parallelism for transformers models, on meshtron's own pipeline.
+
+The HF path adds only what is model-specific; the rest is :mod:`meshtron.parallel.pipeline`:
+
+* the split: :func:`~meshtron.parallel.pipeline.split.chunk_layer_ranges` cuts the decoder blocks
+  into ``pp * virtual_stages`` chunks (chunk ``c`` on pp-rank ``c % pp``), and
+  :func:`prune_hf_to_stage` drops, in place, the blocks another rank runs: the blocks become an
+  ``nn.ModuleDict`` keyed by the global layer index, so parameter names stay transformers' (state
+  dicts and checkpoints are layout-free). The token embedding stays on the first stage, the final
+  norm and LM head on the last, the rotary embedding (no parameters) everywhere: HF blocks take
+  ``position_embeddings=(cos, sin)`` computed from the position ids.
+* the stage: the pruned model's ``forward`` becomes :func:`_stage_forward` (embedding on the first
+  chunk, a range of blocks with the causal or sliding-window mask transformers builds for them,
+  norm + head + summed token loss on the last), called through the model itself so that the hooks
+  on it (FSDP's root unit, activation checkpointing's) run for every chunk;
+* tp, activation checkpointing, cp (ring attention, :mod:`meshtron.hf.context`) and FSDP/replicate
+  over dp x cp apply inside a stage exactly as without a pipeline (``parallelize_stage``);
+* schedules (1F1B, interleaved 1F1B, GPipe), the executor, micro-batching, the global token count,
+  cp sharding of the micro-batches, tied-embedding gradient sums and the gradient norm over stages
+  are :class:`~meshtron.parallel.pipeline.runner.PipelineRunner`'s, reused as they are.
+
+A stage runs embedding -> blocks -> norm -> head and nothing else: models whose decoder or causal-LM
+forward does more are refused with a ConfigError (Gemma's embedding scaling, final logit
+soft-capping or scaling, Granite's multipliers, MoE router aux losses via ``output_router_logits``),
+as are models without a single rotary embedding module, and expert parallelism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from collections.abc import Callable
+from types import MethodType
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshtron import env
+from meshtron.config import ConfigError, ParallelConfig
+from meshtron.hf.discover import hf_parts, set_stage_parts
+from meshtron.mesh import dense_data_mesh
+from meshtron.parallel.pipeline.runner import PipelineRunner
+from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
+from meshtron.parallel.pipeline.stage import check_pipeline_layout
+from meshtron.parallel.tensor import parallel_token_loss_sum
+
+
+def _replace(model: nn.Module, old: nn.Module, new: nn.Module | None) -> None:
+    """Put ``new`` where ``model`` holds ``old`` (found by identity, wherever the layout keeps it)."""
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if child is old:
+                setattr(parent, name, new)
+                return
+    raise AssertionError(f"{type(old).__name__} is not a submodule of {type(model).__name__}")
+
+
+def prune_hf_to_stage(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> dict[int, range]:
+    """Drop from ``model`` (in place) everything pp-rank ``pp_rank`` does not run; returns
+    ``{global stage: block range}`` of its chunks, in virtual-stage order."""
+    parts = hf_parts(model)
+    ranges = chunk_layer_ranges(len(parts.blocks), pp, virtual)
+    mine = {s: r for s, r in enumerate(ranges) if chunk_rank(s, pp) == pp_rank}
+    blocks = nn.ModuleDict({str(i): parts.blocks[i] for r in mine.values() for i in r})
+    _replace(model, parts.blocks, blocks)
+    first, last = 0 in mine, len(ranges) - 1 in mine
+    if not first:
+        _replace(model, parts.embed, None)
+    if not last:
+        _replace(model, parts.norm, None)
+        _replace(model, parts.head, None)
+    set_stage_parts(model, dataclasses.replace(parts, blocks=blocks, embed=parts.embed if first else None,
+                                               norm=parts.norm if last else None, head=parts.head if last else None))
+    return mine
+
+
+def _masks(model: nn.Module, h: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """The masks transformers builds for its blocks (None where sdpa's causal flag or the ring does it).
+    Only shape, dtype and device of the stand-in embeddings are read: under SP ``h`` holds a slice."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    shape = dict(config=model.config, inputs_embeds=h.new_empty(*position_ids.shape, 0), attention_mask=None,
+                 past_key_values=None, position_ids=position_ids)
+    masks = {"full_attention": create_causal_mask(**shape)}
+    if getattr(model.config, "sliding_window", None) is not None:
+        masks["sliding_attention"] = create_sliding_window_causal_mask(**shape)
+    return masks
+
+
+def _mask_kind(model: nn.Module, block: nn.Module) -> str:
+    """A block's mask: its own ``attention_type`` (Qwen2, Gemma2 ...), else the model's (Mistral, Phi3 ...)."""
+    default = "sliding_attention" if getattr(model.config, "sliding_window", None) is not None else "full_attention"
+    return getattr(block, "attention_type", default)
+
+
+def _stage_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layers: range, first: bool, last: bool,
+                   labels: torch.Tensor | None = None, **_) -> torch.Tensor:
+    """One chunk of a pruned stage model: hidden states, or on the last chunk the summed token loss of
+    ``labels`` (next-token targets). Extra keywords (a KV cache turned off by hooks) are not used."""
+    parts = hf_parts(self)
+    h = parts.embed(x) if first else x
+    masks = _masks(self, h, position_ids)
+    rope = parts.rotary(h, position_ids)
+    for i in layers:
+        block = parts.blocks[str(i)]
+        out = block(h, attention_mask=masks[_mask_kind(self, block)], position_ids=position_ids,
+                    position_embeddings=rope, use_cache=False)
+        h = out[0] if isinstance(out, tuple) else out
+    if not last:
+        return h
+    return parallel_token_loss_sum(parts.head(parts.norm(h)), labels)
+
+
+class HFStageChunk:
+    """:class:`~meshtron.parallel.pipeline.stage.StageChunk`'s interface over a pruned HF stage model."""
+
+    def __init__(self, model: nn.Module, stage: int, layers: range, num_stages: int):
+        self.model, self.stage, self.layers = model, stage, layers
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+
+    def modules(self) -> list[nn.Module]:
+        parts = hf_parts(self.model)
+        mods = [parts.blocks[str(i)] for i in self.layers]
+        if self.is_first:
+            mods.insert(0, parts.embed)
+        if self.is_last:
+            mods += [parts.norm, parts.head]
+        return mods
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(x, position_ids, layers=self.layers, first=self.is_first, last=self.is_last, labels=labels)
+
+
+# A stage runs embedding -> blocks -> norm -> head; what a decoder or causal-LM forward does beyond
+# that (these config keys) would be skipped, so it is refused.
+_REFUSED_CONFIG = {
+    "output_router_logits": "MoE router aux losses",
+    "final_logit_softcapping": "final logit soft-capping",
+    "logit_scale": "scaled logits",
+    "logits_scaling": "scaled logits",
+    "embedding_multiplier": "scaled embeddings",
+}
+
+
+# The zero-bubble schedules need the V placement (zbv, dualpipev) or a split backward (zb1p) that HF
+# stages have not been tested with.
+_HF_SCHEDULES = ("1f1b", "interleaved", "gpipe")
+
+
+def _check_hf_pipeline(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig) -> None:
+    cfg = model.config
+    check_pipeline_layout(p, len(hf_parts(model).blocks), "parallelize_hf_model:")
+    if p.schedule not in _HF_SCHEDULES:
+        raise ConfigError(f"parallelize_hf_model: schedule '{p.schedule}' is not supported for HF models yet "
+                          f"(their stages are placed and run for {', '.join(_HF_SCHEDULES)}); use one of those.")
+    for key, what in _REFUSED_CONFIG.items():
+        if getattr(cfg, key, None):
+            raise ConfigError(f"parallelize_hf_model: pp > 1 does not support {what} (config.{key}); use pp = 1.")
+    if cfg.model_type.startswith("gemma"):
+        raise ConfigError(f"parallelize_hf_model: pp > 1 does not support {cfg.model_type}: its decoder scales the "
+                          "embeddings (and caps logits) outside the blocks; use pp = 1.")
+    if mesh["ep"].size() > 1:
+        raise ConfigError("parallelize_hf_model: pp > 1 with ep > 1 is not supported for HF models; use ep = 1.")
+    if not isinstance(hf_parts(model).rotary, nn.Module):
+        raise ConfigError(f"parallelize_hf_model: pp > 1 needs one rotary embedding module; "
+                          f"{type(model).__name__} has none. Use pp = 1.")
+
+
+def _compute_dtype(model: nn.Module, mesh: DeviceMesh, dtype: str) -> str:
+    """The dtype of the activations between stages: the data-parallel wrapper's compute dtype, which
+    casts only when the data mesh has more than one rank; else the model's own."""
+    if dense_data_mesh(mesh).size() > 1:
+        return dtype
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+class HFPipelineRunner(PipelineRunner):
+    """The pipelined step runner for a transformers causal LM (``mesh['pp'] > 1``).
+
+    ``forward_backward(input_ids, labels)`` takes this data rank's whole sequences and their
+    next-token targets (``labels[:, t]`` is the token after position ``t``; -100 ignored), runs
+    ``microbatches`` micro-batches through the schedule and accumulates the gradients of the global
+    mean token loss; it returns that loss on every rank. ``module`` is this rank's stage model.
+    """
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, parallelize_stage: Callable[[nn.Module], nn.Module],
+                 schedule: str = "1f1b", microbatches: int = 1, virtual_stages: int = 1, sp: bool = False,
+                 dtype: str = "float32"):
+        p = ParallelConfig(pp=mesh["pp"].size(), cp=mesh["cp"].size(), tp=mesh["tp"].size(), sp=sp,
+                           schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages)
+        _check_hf_pipeline(model, mesh, p)  # before any collective
+        parts = hf_parts(model)
+        tied = parts.embed.weight is parts.head.weight
+        boundary = (model.config.hidden_size, _compute_dtype(model, mesh, dtype))
+        stages = prune_hf_to_stage(model, mesh["pp"].get_local_rank(), p.pp, p.virtual_stages)
+        parallelize_stage(model)
+        model.forward = MethodType(_stage_forward, model)  # the whole-model forward cannot run on a stage
+        chunks = {s: HFStageChunk(model, s, r, p.pp * p.virtual_stages) for s, r in stages.items()}
+        parts = hf_parts(model)
+        self._start(model, chunks, mesh, p, boundary, env.local_device(), (parts.embed, parts.head) if tied else None,
+                    has_moe=False)
+
+
+__all__ = ["HFPipelineRunner", "HFStageChunk", "prune_hf_to_stage"]

@@ -1,0 +1,294 @@
+"""pp and cp for transformers models (meshtron.hf.pipeline / meshtron.hf.context): loss and gradients
+equal the unparallelized transformers model's on the full batch (float32: 1e-5 loss, 1e-4 gradients).
+
+One 4-rank launch for parity: cp 2 (ring attention through transformers' attention interface) with dp 2 and with
+tp 2 (+SP); pp 2 with 1F1B and interleaved 1F1B (2 virtual stages) with dp 2 and tp 2 (+SP), and pp 2 x
+cp 2; over Llama, Qwen2 (tied embeddings), Qwen3 (q/k norms), Mistral and Phi3 (fused projections).
+
+``[model] hf_model`` (meshtron.hf.runner): a 1-rank launch trains a Llama folder (with safetensors) and
+a Qwen2 folder (config.json only: seeded init) for the reference loss curves, one 4-rank launch the
+same recipes on pp2 x cp2, cp2 x tp2 + SP, dp2 x tp2 (checkpoint, export) and interleaved pp2 x tp2,
+and resumes the dp2 x tp2 checkpoint resharded onto pp2 x tp2; losses within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from meshtron import build_mesh, parallelize_hf_model
+from meshtron.config import ConfigError
+from meshtron.hf.context import RING, next_token_labels
+from meshtron.hf.pipeline import HFPipelineRunner
+from meshtron.mesh import batch_mesh
+from meshtron.testing import rel_err, run_checks
+
+SMALL = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+    head_dim=8, max_position_embeddings=64,
+)
+MODELS = {
+    "llama": ("LlamaConfig", dict(num_key_value_heads=2, attention_bias=True)),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=2)),
+    "phi3": ("Phi3Config", dict(num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+}
+ROWS, SEQ = 8, 16  # the global batch
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _model(arch: str, **overrides):
+    """The same random model on every rank (transformers' init plus noise on norms and biases)."""
+    import transformers
+
+    cls, extra = MODELS[arch]
+    torch.manual_seed(len(arch))
+    cfg = getattr(transformers, cls)(**{**SMALL, **extra, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.train()
+
+
+def _gpt_oss():
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    cfg = GptOssConfig(**{**SMALL, "intermediate_size": 32}, num_key_value_heads=2, num_local_experts=4,
+                       num_experts_per_tok=2)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+def _batch(seed: int):
+    """Ids and labels with a different number of ignored labels per row (prompt and right padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, SMALL["vocab_size"], (ROWS, SEQ), generator=gen)
+    labels = ids.clone()
+    for row in range(ROWS):
+        labels[row, : row % 5] = -100
+        labels[row, SEQ - row % 3 :] = -100
+    return ids, labels
+
+
+def _rows(t: torch.Tensor, mesh) -> torch.Tensor:
+    data = batch_mesh(mesh)
+    per = ROWS // data.size()
+    return t[data.get_local_rank() * per : (data.get_local_rank() + 1) * per]
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _reference(arch: str, ids, labels):
+    ref = _model(arch)
+    loss = ref(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in ref.named_parameters(remove_duplicate=False)}
+
+
+def _check_grads(module, grads: dict, where: str) -> int:
+    """Every parameter this rank holds has the reference gradient; returns how many were compared."""
+    count = 0
+    for name, p in module.named_parameters():
+        err = rel_err(_full(p.grad), grads[name])
+        assert err < 1e-4, f"{where}: grad {name} rel err {err:.2e}"
+        count += 1
+    assert count, f"{where}: no parameters"
+    return count
+
+
+# (model, mesh sizes, parallelize_hf_model options)
+CP_CASES = [
+    ("llama", dict(dp=2, cp=2), {}),
+    ("qwen2", dict(cp=2, tp=2), dict(sp=True)),
+    ("qwen3", dict(cp=2, tp=2), dict(ac="full")),
+    ("mistral", dict(dp=2, cp=2), dict(data_parallel="replicate")),
+    ("phi3", dict(cp=2, tp=2), {}),
+]
+
+
+def check_context_parallel(_tmp: str) -> None:
+    """model(input_ids, labels) with whole sequences: the model shards them over cp, the attention is the
+    ring, the loss is the global batch's mean token loss and the gradients the full model's."""
+    for index, (arch, sizes, options) in enumerate(CP_CASES):
+        where = f"cp {arch} {sizes} {options}"
+        ids, labels = _batch(seed=index)
+        ref_loss, grads = _reference(arch, ids, labels)
+        mesh = build_mesh(**sizes)
+        model = parallelize_hf_model(_model(arch), mesh, **options)
+        assert model.config._attn_implementation == RING, where
+        out = model(input_ids=_rows(ids, mesh), labels=_rows(labels, mesh))
+        assert out.logits.shape[1] == SEQ // mesh["cp"].size(), where  # this rank's tokens only
+        err = rel_err(out.loss, ref_loss)
+        assert err < 1e-5, f"{where}: loss {out.loss.item()} vs {ref_loss.item()} ({err:.2e})"
+        out.loss.backward()
+        _check_grads(model, grads, where)
+
+
+# (model, mesh sizes, parallelize_hf_model options); interleaved runs 2 virtual stages per rank
+PP_CASES = [
+    ("llama", dict(pp=2, dp=2), dict(schedule="1f1b", ac="full")),
+    ("qwen2", dict(pp=2, tp=2), dict(schedule="interleaved", sp=True)),  # tied embedding and head on different ranks
+    ("qwen3", dict(pp=2, tp=2), dict(schedule="1f1b")),
+    ("mistral", dict(pp=2, dp=2), dict(schedule="interleaved")),
+    ("phi3", dict(pp=2, tp=2), dict(schedule="interleaved")),
+    ("llama", dict(pp=2, cp=2), dict(schedule="interleaved")),
+    ("qwen3", dict(pp=2, cp=2), dict(schedule="1f1b")),
+]
+
+
+def check_pipeline(_tmp: str) -> None:
+    """Our schedules and executor over the HF blocks: the step's loss on every rank and each stage's
+    gradients equal the full model's (parameter names are transformers')."""
+    for index, (arch, sizes, options) in enumerate(PP_CASES):
+        where = f"pp {arch} {sizes} {options}"
+        ids, labels = _batch(seed=10 + index)
+        ref_loss, grads = _reference(arch, ids, labels)
+        mesh = build_mesh(**sizes)
+        virtual = 2 if options["schedule"] == "interleaved" else 1
+        runner = parallelize_hf_model(_model(arch), mesh, microbatches=4 // batch_mesh(mesh).size(),
+                                      virtual_stages=virtual, **options)
+        assert isinstance(runner, HFPipelineRunner), where
+        loss = runner.forward_backward(_rows(ids, mesh), _rows(next_token_labels(labels), mesh))
+        err = rel_err(loss, ref_loss)
+        assert err < 1e-5, f"{where}: loss {loss.item()} vs {ref_loss.item()} ({err:.2e})"
+        blocks = {int(name.split(".")[2]) for name, _ in runner.module.named_parameters() if ".layers." in name}
+        assert len(blocks) == SMALL["num_hidden_layers"] // 2, f"{where}: this rank holds blocks {blocks}"
+        _check_grads(runner.module, grads, where)
+
+
+def check_errors(_tmp: str) -> None:
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    mesh = build_mesh(dp=2, cp=2)
+    with pytest.raises(ConfigError, match=r"multiple of 2 \* cp = 4 chunks"):
+        parallelize_hf_model(_model("llama"), mesh)(input_ids=torch.zeros(2, 6, dtype=torch.long))
+    with pytest.raises(ConfigError, match="sliding_window = 8 is shorter than the sequence \\(16 tokens\\)"):
+        parallelize_hf_model(_model("mistral", sliding_window=8), mesh)(input_ids=torch.zeros(2, 16, dtype=torch.long))
+    with pytest.raises(ConfigError, match="pass no attention_mask"):
+        ids = torch.zeros(2, 16, dtype=torch.long)
+        parallelize_hf_model(_model("llama"), mesh)(input_ids=ids, attention_mask=torch.ones_like(ids))
+    with pytest.raises(ConfigError, match="cp > 1 does not support config.attn_logit_softcapping = 50.0"):
+        model = _model("llama")
+        model.config.attn_logit_softcapping = 50.0
+        parallelize_hf_model(model, mesh)
+    with pytest.raises(ConfigError, match=r"cp > 1 does not support attention sinks \(GptOssAttention.sinks\)"):
+        parallelize_hf_model(_gpt_oss(), mesh)
+    pp = build_mesh(pp=2, dp=2)
+    gemma = AutoModelForCausalLM.from_config(Gemma2Config(**SMALL, final_logit_softcapping=None))
+    with pytest.raises(ConfigError, match="pp > 1 does not support gemma2: its decoder scales the embeddings"):
+        parallelize_hf_model(gemma, pp, microbatches=2)
+    with pytest.raises(ConfigError, match="num_hidden_layers = 4 is fewer than pp \\* virtual_stages = 8"):
+        parallelize_hf_model(_model("llama"), pp, schedule="interleaved", microbatches=2, virtual_stages=4)
+
+
+def test_hf_pp_cp_4_ranks(tmp_path):
+    run_checks([check_errors, check_context_parallel, check_pipeline], 4, str(tmp_path), timeout=300)
+
+
+# ---- [model] hf_model: a transformers folder trained by meshtron.train on every layout ----
+
+RECIPE_STEPS = 6
+RECIPE_LAYOUTS = {  # model -> 4-rank layouts; the 1-rank run is the reference
+    "llama": {"pp2_cp2": dict(pp=2, cp=2), "cp2_tp2_sp": dict(cp=2, tp=2, sp="true"), "dp2_tp2": dict(dp=2, tp=2)},
+    "qwen2": {"pp2_tp2_interleaved": dict(pp=2, tp=2, schedule='"interleaved"', virtual_stages=2)},
+}
+
+
+def _recipe_folders(root: Path) -> dict[str, str]:
+    """A tiny Llama with weights (safetensors) and a Qwen2 with only a config.json (seeded random init)."""
+    import transformers
+
+    folders = {}
+    for name, cls, extra in (("llama", "LlamaConfig", dict(num_key_value_heads=2)),
+                             ("qwen2", "Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True))):
+        cfg = getattr(transformers, cls)(**{**SMALL, "vocab_size": 256, "max_position_embeddings": 256}, **extra)
+        folders[name] = str(root / name)
+        if name == "llama":
+            torch.manual_seed(0)
+            transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folders[name])
+        else:
+            cfg.save_pretrained(folders[name])
+    return folders
+
+
+def _train_hf(folder: str, out: Path, layout: dict, extra: list[str] = ()) -> None:
+    from meshtron.config import load_config
+    from meshtron.hf.runner import with_hf_model
+    from meshtron.parallel.layout import validate_layout
+    from meshtron.train import Trainer, recipe_mesh
+
+    sizes = {**dict(pp=1, dp=1, cp=1, ep=1, tp=1), **layout}
+    args = ["--model.hf_model", folder, "--train.steps", str(RECIPE_STEPS), "--parallel.microbatches", "2",
+            "--train.output_dir", str(out), "--data.cache_dir", str(out.parent.parent / "token_cache")]
+    args += [a for key, value in sizes.items() for a in (f"--parallel.{key}", str(value))]
+    cfg = with_hf_model(load_config(ROOT / "recipes" / "debug_dense.toml", args + list(extra)))
+    validate_layout(cfg, torch.distributed.get_world_size())
+    Trainer(cfg, recipe_mesh(cfg)).fit()
+
+
+def recipe_single_rank(root: str, folders: dict) -> None:
+    for name, folder in folders.items():
+        _train_hf(folder, Path(root) / name / "single", {})
+
+
+def recipe_four_ranks(root: str, folders: dict) -> None:
+    """The layouts; the dp2 x tp2 Llama run checkpoints at step 3 and exports, then a fresh trainer
+    resumes the step-3 checkpoint resharded onto pp2 x tp2 and finishes steps 4-6."""
+    root = Path(root)
+    for name, folder in folders.items():
+        for layout, sizes in RECIPE_LAYOUTS[name].items():
+            extra = []
+            if layout == "dp2_tp2":
+                extra = ["--checkpoint.every", "3", "--checkpoint.dir", str(root / "ckpt"),
+                         "--checkpoint.export_hf", str(root / "export")]
+            _train_hf(folder, root / name / layout, sizes, extra)
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(root / "ckpt" / "step-00000006")  # as if the run had stopped after step 3
+    torch.distributed.barrier()
+    _train_hf(folders["llama"], root / "llama" / "resumed", dict(pp=2, tp=2),
+              ["--checkpoint.resume", "true", "--checkpoint.dir", str(root / "ckpt")])
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_recipe")
+    folders = _recipe_folders(root)
+    run_checks([recipe_single_rank], 1, str(root), folders, timeout=600)
+    run_checks([recipe_four_ranks], 4, str(root), folders, timeout=900)
+    return root
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_hf_model_recipe_loss_curve_is_layout_invariant(recipe_runs, model):
+    reference = _losses(recipe_runs / model / "single")
+    assert len(reference) == RECIPE_STEPS and reference[-1] < reference[0] - 0.05, reference
+    for layout in RECIPE_LAYOUTS[model]:
+        for step, (a, b) in enumerate(zip(_losses(recipe_runs / model / layout), reference), start=1):
+            assert abs(a - b) / abs(b) < 1e-4, f"{model} {layout} step {step}: loss {a} vs single-rank {b}"
+
+
+def test_hf_model_recipe_resumes_and_exports(recipe_runs):
+    from transformers import AutoModelForCausalLM
+
+    full = _losses(recipe_runs / "llama" / "dp2_tp2")
+    resumed = _losses(recipe_runs / "llama" / "resumed")
+    assert len(resumed) == RECIPE_STEPS - 3
+    for step, (a, b) in enumerate(zip(resumed, full[3:]), start=4):
+        assert abs(a - b) / abs(b) < 1e-4, f"step {step}: resumed on pp2 x tp2 {a} vs uninterrupted {b}"
+    exported = AutoModelForCausalLM.from_pretrained(recipe_runs / "export")
+    source = AutoModelForCausalLM.from_pretrained(recipe_runs / "llama")
+    assert type(exported) is type(source)
+    moved = [n for n, p in exported.named_parameters() if not torch.equal(p, source.get_parameter(n))]
+    assert len(moved) == len(list(source.parameters())), "every trained weight is exported"
