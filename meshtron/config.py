@@ -405,8 +405,9 @@ def _validate_layout(cfg: Config, source: str) -> None:
         f"got {p.virtual_stages}.",
     )
     _validate_data_parallel(p, source)
-    _require(
-        p.ep == 1 or cfg.model.is_moe, f"{where} ep = {p.ep} needs an MoE model (num_experts > 0); use dp instead."
+    _require(  # an hf_model folder's experts are read later (parallel/layout.py checks them)
+        p.ep == 1 or cfg.model.is_moe or cfg.model.hf_model,
+        f"{where} ep = {p.ep} needs an MoE model (num_experts > 0); use dp instead.",
     )
 
 

@@ -8,6 +8,7 @@ naming the check and the rank. Every launch has a wall-clock timeout, so nothing
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import queue
@@ -170,6 +171,21 @@ def _raise_failures(results, failures: list, world_size: int, fallback: str) -> 
         + (f" (also failed: {others})" if others else "")
         + f":\n{tb}"
     )
+
+
+@functools.cache
+def cached_mesh(**sizes):
+    """``build_mesh(**sizes)``, built once per layout per launch: every mesh brings its own process
+    groups (each with its gloo threads), and a launch that checks many models reuses a few layouts."""
+    from meshtron.mesh import build_mesh
+
+    return build_mesh(**sizes)
+
+
+def cached_recipe_mesh(cfg):
+    """:func:`cached_mesh` of a recipe's ``[parallel]`` sizes (what ``meshtron.train.recipe_mesh`` builds)."""
+    p = cfg.parallel
+    return cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp)
 
 
 def rel_err(actual, expected) -> float:

@@ -32,7 +32,7 @@ from meshtron.parallel.context import (
     shard_sequence,
     unshard_sequence,
 )
-from meshtron.testing import rel_err, run_checks
+from meshtron.testing import cached_mesh, rel_err, run_checks
 
 # (cp, batch, heads, kv heads, head dim, chunk length): GQA with 2 and 4 query heads per kv head,
 # head dims that are not multiples of 8.
@@ -295,7 +295,7 @@ def check_composed_layouts_match_single_process():
         for layout, comm, documents in cases[kind]:
             cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout, cp_comm_type=comm),
                          train=TrainConfig(seed=1, seq_len=16), data=DataConfig(document_mask=documents))
-            mesh = build_mesh(**{k: v for k, v in layout.items() if k != "sp"})
+            mesh = cached_mesh(**{k: v for k, v in layout.items() if k != "sp"})
             with torch.device("meta"):
                 model = build_model(model_cfg)
             runner = StepRunner(model, mesh, cfg, torch.device("cpu"))

@@ -28,7 +28,7 @@ from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh, expert_data_m
 from meshtron.models import aux_loss, build_model, token_loss_sum, update_expert_bias
 from meshtron.models.qwen2 import InitialWeights
 from meshtron.parallel.expert import ExpertParallelExperts, apply_expert_parallel, token_mesh
-from meshtron.testing import random_moe, rel_err, run_checks
+from meshtron.testing import cached_mesh, random_moe, rel_err, run_checks
 
 BLOCK = dict(
     vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_experts=8,
@@ -109,7 +109,7 @@ def _block_parity(mesh, seed: int, skew: bool, sequence_parallel: bool = False) 
 
 def check_block_parity(refs: dict):
     for i, layout in enumerate(LAYOUTS):
-        mesh = build_mesh(**layout)
+        mesh = cached_mesh(**layout)
         _block_parity(mesh, seed=10 + i, skew=False)
         _block_parity(mesh, seed=20 + i, skew=True)
     # Sequence parallelism: tp ranks hold different tokens, nothing is split over tp.
@@ -252,7 +252,7 @@ def check_model_parity_with_transformers(refs: dict):
     cfg = ModelConfig(**MODEL)
     ids = refs["ids"]
     for layout in (dict(ep=4, dp=2), dict(ep=2, dp=2, tp=2), dict(ep=8)):
-        mesh = build_mesh(**layout)
+        mesh = cached_mesh(**layout)
         with torch.device("meta"):
             model = build_model(cfg)
         apply_expert_parallel(model, mesh)
@@ -364,7 +364,7 @@ def check_capacity_is_global(refs: dict):
     ref_grads = dict(ref.named_parameters())
     for layout in (dict(dp=8), dict(ep=2, dp=4), dict(cp=2, dp=4), dict(cp=2, ep=2, tp=2, sp=True)):
         cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout), train=TrainConfig(seed=2, seq_len=16))
-        mesh = build_mesh(**{k: v for k, v in layout.items() if k != "sp"})
+        mesh = cached_mesh(**{k: v for k, v in layout.items() if k != "sp"})
         with torch.device("meta"):
             model = build_model(model_cfg)
         runner = StepRunner(model, mesh, cfg, torch.device("cpu"))

@@ -14,21 +14,20 @@ experts) at dp2 x tp4 and dp4 x tp2 + SP (Mixtral over ep), and OPT's unsplit ML
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from meshtron import load_hf_checkpoint, parallelize_hf_model, save_hf_checkpoint
 from meshtron.config import ConfigError
 from meshtron.hf.experts import FusedExpertParallel
 from meshtron.mesh import batch_mesh
-from meshtron.testing import rel_err, run_checks
+from meshtron.testing import cached_mesh, rel_err, run_checks
 
 SMALL = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
@@ -65,15 +64,6 @@ CASES = [
     ("qwen2_moe", dict(dp=2, ep=2, tp=2), True, "hsdp", "full"),
 ]
 PER_RANK, SEQ = 2, 16
-
-
-@functools.cache
-def _mesh(**sizes):
-    """One mesh per layout per launch: every mesh brings its own process groups (gloo threads), and
-    the family checks reuse a few layouts many times."""
-    from meshtron import build_mesh
-
-    return build_mesh(**sizes)
 
 
 def _save_models(root: Path) -> dict[str, str]:
@@ -177,7 +167,7 @@ def check_parity_and_training(folders: dict[str, str], out: str) -> None:
     figures = {}
     for index, (arch, sizes, sp, mode, ac) in enumerate(CASES):
         where = f"{arch} {sizes} sp={sp} {mode} ac={ac}"
-        mesh = _mesh(**sizes)
+        mesh = cached_mesh(**sizes)
         readers = batch_mesh(mesh).size()
         ref = _reference(folders[arch])
         model, _ = load_hf_checkpoint(folders[arch], mesh, sp=sp, data_parallel=mode, ac=ac)
@@ -227,7 +217,7 @@ def check_from_pretrained_then_parallelize(folders: dict[str, str], out: str) ->
     cases = [("qwen2", dict(dp=2, tp=4), True, SEQ), ("qwen2_moe", dict(ep=2, tp=4), False, 15),
              ("phi3", dict(dp=2, tp=4), True, SEQ)]
     for arch, sizes, sp, seq in cases:
-        mesh = _mesh(**sizes)
+        mesh = cached_mesh(**sizes)
         ref = _reference(folders[arch])
         model = parallelize_hf_model(_reference(folders[arch]), mesh, sp=sp)
         ids, labels, _ = (t[:, :seq] for t in _batch(batch_mesh(mesh).size(), seed=7))
@@ -290,7 +280,7 @@ def check_families(folders: dict[str, str], out: str) -> None:
     for index, name in enumerate(FAMILIES):
         for sizes, sp in FAMILY_LAYOUTS.get(name, DENSE_LAYOUTS):
             where = f"{name} {sizes} sp={sp}"
-            mesh = _mesh(**sizes)
+            mesh = cached_mesh(**sizes)
             ref = _family_model(name)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # gpt-oss's whole experts; checked in check_errors
@@ -306,7 +296,7 @@ def check_families(folders: dict[str, str], out: str) -> None:
             ref_out.loss.backward()
             _check_grads(model, ref, where)
     with pytest.raises(ConfigError, match=r"ep = 2: experts 'model.layers.0.mlp.experts' \(GptOssExperts\) are not in the layout"):
-        parallelize_hf_model(_family_model("gpt_oss"), _mesh(dp=4, ep=2))
+        parallelize_hf_model(_family_model("gpt_oss"), cached_mesh(dp=4, ep=2))
 
 
 def check_bytes_read_per_rank(folders: dict[str, str], out: str) -> None:
@@ -314,7 +304,7 @@ def check_bytes_read_per_rank(folders: dict[str, str], out: str) -> None:
     over dp 2; Qwen2-MoE with its experts split over ep 4 and everything FSDP-sharded over dp x ep."""
     report = {}
     for arch, sizes in [("qwen2", dict(dp=2, tp=4)), ("qwen2_moe", dict(dp=2, ep=4))]:
-        _, read = load_hf_checkpoint(folders[arch], _mesh(**sizes))
+        _, read = load_hf_checkpoint(folders[arch], cached_mesh(**sizes))
         index = json.loads((Path(folders[arch]) / "model.safetensors.index.json").read_text())
         total = index["metadata"]["total_size"]
         reads = [None] * dist.get_world_size()
@@ -357,7 +347,7 @@ def check_native_sliced_loading(folders: dict[str, str], out: str) -> None:
     from meshtron.parallel.compose import parallelize
 
     cfg = Config(model=ModelConfig(**NATIVE))
-    mesh = _mesh(dp=2, ep=2, tp=2)
+    mesh = cached_mesh(dp=2, ep=2, tp=2)
 
     def sharded_model():
         """The training runner's layout, allocated but not filled (every value must come from the loader)."""
@@ -400,13 +390,15 @@ def _check_unsplit_warning(mesh) -> None:
         "unsplit over tp (FSDP still shards them): MLP: no single submodule named like ('mlp', 'feed_forward', "
         "'ffn') holds its projections (projections directly in the block: ['fc1', 'fc2'])."), warning.message
     attention = model.model.decoder.layers[0].self_attn
-    assert isinstance(attention.q_proj.weight, DTensor) and not isinstance(model.model.decoder.layers[0].fc1.weight, DTensor)
+    fc1 = model.model.decoder.layers[0].fc1.weight  # whole: plain, or replicated like every unsplit parameter
+    assert attention.q_proj.weight.placements == (Shard(0),)
+    assert not isinstance(fc1, DTensor) or fc1.placements == (Replicate(),), fc1
     with pytest.raises(ConfigError, match=r"sp = true needs every attention and MLP split over tp, but OPTForCausalLM .* Use sp = false"):
         parallelize_hf_model(opt(), mesh, sp=True)
 
 
 def check_errors(folders: dict[str, str], out: str) -> None:
-    mesh = _mesh(dp=2, tp=4)
+    mesh = cached_mesh(dp=2, tp=4)
     model = _reference(folders["llama"])
     model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "local_packed_rowwise"}
     with pytest.raises(ConfigError, match=r"unknown tp plan style 'local_packed_rowwise' \(for module 'layers.<i>.mlp.gate_proj'"):
@@ -415,12 +407,12 @@ def check_errors(folders: dict[str, str], out: str) -> None:
     with pytest.raises(ConfigError, match="names a parameter"):
         parallelize_hf_model(model, mesh)
     with pytest.raises(ConfigError, match="ep = 2 needs a MoE model"):
-        parallelize_hf_model(_reference(folders["llama"]), _mesh(dp=2, ep=2, tp=2))
-    _check_unsplit_warning(_mesh(tp=8))
+        parallelize_hf_model(_reference(folders["llama"]), cached_mesh(dp=2, ep=2, tp=2))
+    _check_unsplit_warning(cached_mesh(tp=8))
     moe = _reference(folders["qwen2_moe"])
     moe.config.base_model_ep_plan = None
     with pytest.raises(ConfigError, match="no base_model_ep_plan entry"):
-        parallelize_hf_model(moe, _mesh(dp=4, ep=2))
+        parallelize_hf_model(moe, cached_mesh(dp=4, ep=2))
 
 
 def test_tp_plan_styles():

@@ -1,19 +1,22 @@
 """pp and cp for transformers models (meshtron.hf.pipeline / meshtron.hf.context): loss and gradients
 equal the unparallelized transformers model's on the full batch (float32: 1e-5 loss, 1e-4 gradients).
 
-One 4-rank launch for parity: cp 2 (ring attention through transformers' attention interface) with dp 2 and with
-tp 2 (+SP); pp 2 with 1F1B and interleaved 1F1B (2 virtual stages) with dp 2 and tp 2 (+SP), and pp 2 x
-cp 2; over Llama, Qwen2 (tied embeddings), Qwen3 (q/k norms), Mistral and Phi3 (fused projections).
+One 4-rank launch for parity: cp 2 (meshtron's attention through transformers' attention interface:
+ring, a2a and allgather) with dp 2 and with tp 2 (+SP); pp 2 with 1F1B and interleaved 1F1B (2 virtual
+stages) with dp 2 and tp 2 (+SP), and pp 2 x cp 2; over Llama, Qwen2 (tied embeddings), Qwen3 (q/k
+norms), Mistral and Phi3 (fused projections).
 
-``[model] hf_model`` (meshtron.hf.runner): a 1-rank launch trains a Llama folder (with safetensors) and
-a Qwen2 folder (config.json only: seeded init) for the reference loss curves, one 4-rank launch the
-same recipes on pp2 x cp2, cp2 x tp2 + SP, dp2 x tp2 (checkpoint, export) and interleaved pp2 x tp2,
-and resumes the dp2 x tp2 checkpoint resharded onto pp2 x tp2; losses within 1e-4.
+``[model] hf_model`` (meshtron.hf.runner): a 1-rank launch trains a Llama folder (with safetensors), a
+Qwen2 and a Qwen2-MoE folder (config.json only: seeded init) for the reference loss and held-out loss
+curves; a 4-rank launch the same recipes on pp2 x cp2, cp2 x tp2 + SP, dp2 x tp2 (checkpoint, export)
+and interleaved pp2 x tp2, and resumes the dp2 x tp2 checkpoint resharded onto pp2 x tp2; an 8-rank
+launch pp2 x cp2 x tp2 (Llama) and dp2 x ep2 x tp2 (Qwen2-MoE). Losses within 1e-4.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -21,12 +24,12 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshtron import build_mesh, parallelize_hf_model
+from meshtron import parallelize_hf_model
 from meshtron.config import ConfigError
 from meshtron.hf.context import RING, next_token_labels
 from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.mesh import batch_mesh
-from meshtron.testing import rel_err, run_checks
+from meshtron.testing import cached_mesh, cached_recipe_mesh, rel_err, run_checks
 
 SMALL = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
@@ -108,8 +111,8 @@ def _check_grads(module, grads: dict, where: str) -> int:
 CP_CASES = [
     ("llama", dict(dp=2, cp=2), {}),
     ("qwen2", dict(cp=2, tp=2), dict(sp=True)),
-    ("qwen3", dict(cp=2, tp=2), dict(ac="full")),
-    ("mistral", dict(dp=2, cp=2), dict(data_parallel="replicate")),
+    ("qwen3", dict(cp=2, tp=2), dict(ac="full", cp_comm_type="a2a")),  # 1 kv head per tp rank, repeated for a2a
+    ("mistral", dict(dp=2, cp=2), dict(data_parallel="replicate", cp_comm_type="allgather")),
     ("phi3", dict(cp=2, tp=2), {}),
 ]
 
@@ -121,7 +124,7 @@ def check_context_parallel(_tmp: str) -> None:
         where = f"cp {arch} {sizes} {options}"
         ids, labels = _batch(seed=index)
         ref_loss, grads = _reference(arch, ids, labels)
-        mesh = build_mesh(**sizes)
+        mesh = cached_mesh(**sizes)
         model = parallelize_hf_model(_model(arch), mesh, **options)
         assert model.config._attn_implementation == RING, where
         out = model(input_ids=_rows(ids, mesh), labels=_rows(labels, mesh))
@@ -140,7 +143,7 @@ PP_CASES = [
     ("mistral", dict(pp=2, dp=2), dict(schedule="interleaved")),
     ("phi3", dict(pp=2, tp=2), dict(schedule="interleaved")),
     ("llama", dict(pp=2, cp=2), dict(schedule="interleaved")),
-    ("qwen3", dict(pp=2, cp=2), dict(schedule="1f1b")),
+    ("qwen3", dict(pp=2, cp=2), dict(schedule="1f1b", cp_comm_type="a2a")),
 ]
 
 
@@ -151,7 +154,7 @@ def check_pipeline(_tmp: str) -> None:
         where = f"pp {arch} {sizes} {options}"
         ids, labels = _batch(seed=10 + index)
         ref_loss, grads = _reference(arch, ids, labels)
-        mesh = build_mesh(**sizes)
+        mesh = cached_mesh(**sizes)
         virtual = 2 if options["schedule"] == "interleaved" else 1
         runner = parallelize_hf_model(_model(arch), mesh, microbatches=4 // batch_mesh(mesh).size(),
                                       virtual_stages=virtual, **options)
@@ -167,7 +170,7 @@ def check_pipeline(_tmp: str) -> None:
 def check_errors(_tmp: str) -> None:
     from transformers import AutoModelForCausalLM, Gemma2Config
 
-    mesh = build_mesh(dp=2, cp=2)
+    mesh = cached_mesh(dp=2, cp=2)
     with pytest.raises(ConfigError, match=r"multiple of 2 \* cp = 4 chunks"):
         parallelize_hf_model(_model("llama"), mesh)(input_ids=torch.zeros(2, 6, dtype=torch.long))
     with pytest.raises(ConfigError, match="sliding_window = 8 is shorter than the sequence \\(16 tokens\\)"):
@@ -181,7 +184,7 @@ def check_errors(_tmp: str) -> None:
         parallelize_hf_model(model, mesh)
     with pytest.raises(ConfigError, match=r"cp > 1 does not support attention sinks \(GptOssAttention.sinks\)"):
         parallelize_hf_model(_gpt_oss(), mesh)
-    pp = build_mesh(pp=2, dp=2)
+    pp = cached_mesh(pp=2, dp=2)
     gemma = AutoModelForCausalLM.from_config(Gemma2Config(**SMALL, final_logit_softcapping=None))
     with pytest.raises(ConfigError, match="pp > 1 does not support gemma2: its decoder scales the embeddings"):
         parallelize_hf_model(gemma, pp, microbatches=2)
@@ -196,19 +199,31 @@ def test_hf_pp_cp_4_ranks(tmp_path):
 # ---- [model] hf_model: a transformers folder trained by meshtron.train on every layout ----
 
 RECIPE_STEPS = 6
-RECIPE_LAYOUTS = {  # model -> 4-rank layouts; the 1-rank run is the reference
-    "llama": {"pp2_cp2": dict(pp=2, cp=2), "cp2_tp2_sp": dict(cp=2, tp=2, sp="true"), "dp2_tp2": dict(dp=2, tp=2)},
+# model -> layouts, run by the launch of their world size; the 1-rank run is the reference
+RECIPE_LAYOUTS = {
+    "llama": {"pp2_cp2": dict(pp=2, cp=2), "cp2_tp2_sp": dict(cp=2, tp=2, sp="true"), "dp2_tp2": dict(dp=2, tp=2),
+              "pp2_cp2_tp2": dict(pp=2, cp=2, tp=2)},
     "qwen2": {"pp2_tp2_interleaved": dict(pp=2, tp=2, schedule='"interleaved"', virtual_stages=2)},
+    "qwen2_moe": {"dp2_ep2_tp2": dict(dp=2, ep=2, tp=2)},
 }
+EVAL = ["--data.eval_source", "builtin", "--train.eval_every", "3", "--train.eval_steps", "1"]
+
+
+def _ranks(sizes: dict) -> int:
+    return math.prod(sizes.get(dim, 1) for dim in ("pp", "dp", "cp", "ep", "tp"))
 
 
 def _recipe_folders(root: Path) -> dict[str, str]:
-    """A tiny Llama with weights (safetensors) and a Qwen2 with only a config.json (seeded random init)."""
+    """A tiny Llama with weights (safetensors); a Qwen2 and a Qwen2-MoE with only a config.json (seeded
+    random init)."""
     import transformers
 
     folders = {}
+    moe = dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=64)
     for name, cls, extra in (("llama", "LlamaConfig", dict(num_key_value_heads=2)),
-                             ("qwen2", "Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True))):
+                             ("qwen2", "Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+                             ("qwen2_moe", "Qwen2MoeConfig", moe)):
         cfg = getattr(transformers, cls)(**{**SMALL, "vocab_size": 256, "max_position_embeddings": 256}, **extra)
         folders[name] = str(root / name)
         if name == "llama":
@@ -223,15 +238,15 @@ def _train_hf(folder: str, out: Path, layout: dict, extra: list[str] = ()) -> No
     from meshtron.config import load_config
     from meshtron.hf.runner import with_hf_model
     from meshtron.parallel.layout import validate_layout
-    from meshtron.train import Trainer, recipe_mesh
+    from meshtron.train import Trainer
 
     sizes = {**dict(pp=1, dp=1, cp=1, ep=1, tp=1), **layout}
     args = ["--model.hf_model", folder, "--train.steps", str(RECIPE_STEPS), "--parallel.microbatches", "2",
-            "--train.output_dir", str(out), "--data.cache_dir", str(out.parent.parent / "token_cache")]
+            "--train.output_dir", str(out), "--data.cache_dir", str(out.parent.parent / "token_cache"), *EVAL]
     args += [a for key, value in sizes.items() for a in (f"--parallel.{key}", str(value))]
     cfg = with_hf_model(load_config(ROOT / "recipes" / "debug_dense.toml", args + list(extra)))
     validate_layout(cfg, torch.distributed.get_world_size())
-    Trainer(cfg, recipe_mesh(cfg)).fit()
+    Trainer(cfg, cached_recipe_mesh(cfg)).fit()
 
 
 def recipe_single_rank(root: str, folders: dict) -> None:
@@ -239,17 +254,23 @@ def recipe_single_rank(root: str, folders: dict) -> None:
         _train_hf(folder, Path(root) / name / "single", {})
 
 
-def recipe_four_ranks(root: str, folders: dict) -> None:
-    """The layouts; the dp2 x tp2 Llama run checkpoints at step 3 and exports, then a fresh trainer
-    resumes the step-3 checkpoint resharded onto pp2 x tp2 and finishes steps 4-6."""
+def recipe_layouts(root: str, folders: dict) -> None:
+    """Every layout of this launch's world size; the dp2 x tp2 Llama run checkpoints at step 3 and exports."""
     root = Path(root)
     for name, folder in folders.items():
         for layout, sizes in RECIPE_LAYOUTS[name].items():
+            if _ranks(sizes) != torch.distributed.get_world_size():
+                continue
             extra = []
             if layout == "dp2_tp2":
                 extra = ["--checkpoint.every", "3", "--checkpoint.dir", str(root / "ckpt"),
                          "--checkpoint.export_hf", str(root / "export")]
             _train_hf(folder, root / name / layout, sizes, extra)
+
+
+def recipe_resume(root: str, folders: dict) -> None:
+    """A fresh trainer resumes dp2 x tp2's step-3 checkpoint resharded onto pp2 x tp2 and runs steps 4-6."""
+    root = Path(root)
     if torch.distributed.get_rank() == 0:
         shutil.rmtree(root / "ckpt" / "step-00000006")  # as if the run had stopped after step 3
     torch.distributed.barrier()
@@ -257,8 +278,9 @@ def recipe_four_ranks(root: str, folders: dict) -> None:
               ["--checkpoint.resume", "true", "--checkpoint.dir", str(root / "ckpt")])
 
 
-def _losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+def _losses(out: Path, key: str = "loss") -> list[float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in records if key in r]
 
 
 @pytest.fixture(scope="module")
@@ -266,17 +288,24 @@ def recipe_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_recipe")
     folders = _recipe_folders(root)
     run_checks([recipe_single_rank], 1, str(root), folders, timeout=600)
-    run_checks([recipe_four_ranks], 4, str(root), folders, timeout=900)
+    run_checks([recipe_layouts, recipe_resume], 4, str(root), folders, timeout=900)
+    run_checks([recipe_layouts], 8, str(root), folders, timeout=900)
     return root
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2"])
+@pytest.mark.parametrize("model", list(RECIPE_LAYOUTS))
 def test_hf_model_recipe_loss_curve_is_layout_invariant(recipe_runs, model):
+    """Training and held-out losses of every layout follow the single-rank run's (1e-4)."""
     reference = _losses(recipe_runs / model / "single")
     assert len(reference) == RECIPE_STEPS and reference[-1] < reference[0] - 0.05, reference
+    eval_reference = _losses(recipe_runs / model / "single", "eval_loss")
+    assert len(eval_reference) == 2, eval_reference  # after steps 3 and 6
     for layout in RECIPE_LAYOUTS[model]:
-        for step, (a, b) in enumerate(zip(_losses(recipe_runs / model / layout), reference), start=1):
-            assert abs(a - b) / abs(b) < 1e-4, f"{model} {layout} step {step}: loss {a} vs single-rank {b}"
+        for key, ref in (("loss", reference), ("eval_loss", eval_reference)):
+            got = _losses(recipe_runs / model / layout, key)
+            assert len(got) == len(ref), f"{model} {layout}: {key} {got}"
+            for step, (a, b) in enumerate(zip(got, ref), start=1):
+                assert abs(a - b) / abs(b) < 1e-4, f"{model} {layout} {key} #{step}: {a} vs single-rank {b}"
 
 
 def test_hf_model_recipe_resumes_and_exports(recipe_runs):
@@ -292,3 +321,35 @@ def test_hf_model_recipe_resumes_and_exports(recipe_runs):
     assert type(exported) is type(source)
     moved = [n for n, p in exported.named_parameters() if not torch.equal(p, source.get_parameter(n))]
     assert len(moved) == len(list(source.parameters())), "every trained weight is exported"
+
+
+def test_hf_model_recipe_reads_any_family_and_checks_its_layout(tmp_path):
+    """The folder's sizes come through transformers' config class (GPT-2's n_embd / n_head, Mixtral's
+    num_local_experts); the layout is checked against them before any rank starts."""
+    from transformers import GPT2Config, MixtralConfig
+
+    from meshtron.config import load_config
+    from meshtron.hf.runner import with_hf_model
+    from meshtron.parallel.layout import validate_layout
+
+    GPT2Config(n_embd=64, n_head=8, n_layer=2, vocab_size=256, n_positions=128).save_pretrained(tmp_path / "gpt2")
+    MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                  num_local_experts=4, vocab_size=256).save_pretrained(tmp_path / "mixtral")
+
+    def recipe(folder, *overrides):
+        return with_hf_model(load_config(ROOT / "recipes" / "debug_dense.toml",
+                                         ["--model.hf_model", str(tmp_path / folder), *overrides]))
+
+    gpt2 = recipe("gpt2", "--parallel.ep", "2", "--parallel.dp", "1").model
+    assert (gpt2.hidden_size, gpt2.num_attention_heads, gpt2.kv_heads, gpt2.num_hidden_layers, gpt2.intermediate_size,
+            gpt2.max_position_embeddings, gpt2.tie_word_embeddings, gpt2.num_experts) == (64, 8, 8, 2, 256, 128, True, 0)
+    with pytest.raises(ConfigError, match=r"^\[parallel\] ep = 2 needs an MoE model \(num_experts > 0\); use dp instead"):
+        validate_layout(recipe("gpt2", "--parallel.ep", "2", "--parallel.dp", "1"), 2)
+    mixtral = recipe("mixtral", "--parallel.ep", "3", "--parallel.dp", "1")
+    assert (mixtral.model.num_experts, mixtral.model.num_experts_per_tok, mixtral.model.moe_intermediate_size) == (4, 2, 96)
+    with pytest.raises(ConfigError, match=r"ep = 3 does not divide \[model\] num_experts = 4"):
+        validate_layout(mixtral, 3)
+    with pytest.raises(ConfigError, match=r"hf_model = '.*nowhere' has no config.json"):
+        recipe("nowhere")
+    with pytest.raises(ConfigError, match=r"\[data\] document_mask is not supported with \[model\] hf_model"):
+        recipe("gpt2", "--data.document_mask", "true")

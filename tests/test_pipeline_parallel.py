@@ -24,7 +24,7 @@ from meshtron.parallel.step import average_router_losses_over_microbatches
 from meshtron.parallel.grad_norm import global_grad_norm
 from meshtron.parallel.pipeline import peak_in_flight, prune_to_stage
 from meshtron.parallel.pipeline.runner import PipelineRunner
-from meshtron.testing import count_calls, rel_err, run_checks, units_with_parameters
+from meshtron.testing import cached_mesh, count_calls, rel_err, run_checks, units_with_parameters
 from meshtron.train import export_hf
 
 DENSE = dict(
@@ -168,7 +168,7 @@ def check_pipeline_matches_single_process(_folder, layouts=LAYOUTS):
     for layout in layouts:
         cfg = _config(*layout)
         p = cfg.parallel
-        mesh = build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
+        mesh = cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
         runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
         assert isinstance(runner, PipelineRunner)
         assert len(runner.module.layers) < cfg.model.num_hidden_layers, "a stage holds the whole model"
@@ -228,7 +228,7 @@ def check_fsdp_gathers_and_reduces_once_per_step(_folder):
         cfg = _config(*layout)
         cfg.parallel.data_parallel = mode
         p = cfg.parallel
-        mesh = build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
+        mesh = cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
         runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
         ids, labels = _batch(cfg)
         ref, ref_loss, _, ref_norm = _reference(cfg, ids, labels)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from meshtron.config import load_config
-from meshtron.testing import rel_err, run_checks
+from meshtron.testing import cached_recipe_mesh, rel_err, run_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -54,11 +54,11 @@ def _overrides(out: Path, layout: dict, extra: list[str] = ()) -> list[str]:
 def _train(recipe: str, out: Path, layout: dict, extra: list[str] = ()) -> None:
     """Build mesh and trainer inside an already launched rank (what ``main`` does after parsing)."""
     from meshtron.parallel.layout import validate_layout
-    from meshtron.train import Trainer, recipe_mesh
+    from meshtron.train import Trainer
 
     cfg = load_config(ROOT / "recipes" / f"{recipe}.toml", _overrides(out, layout, extra))
     validate_layout(cfg, torch.distributed.get_world_size())
-    Trainer(cfg, recipe_mesh(cfg)).fit()
+    Trainer(cfg, cached_recipe_mesh(cfg)).fit()
 
 
 def _records(out: Path) -> list[dict]:
@@ -90,7 +90,7 @@ def eight_rank_eval_before_training(root: str) -> None:
     """Evaluated on the training data itself before any update, the first eval batch is the first
     training batch: the forward-only pass (pipelined, interleaved) gives the first step's loss."""
     from meshtron.parallel.layout import validate_layout
-    from meshtron.train import Trainer, recipe_mesh
+    from meshtron.train import Trainer
 
     out = Path(root) / "eval_first" / "run"
     # Also the MoE statistics on TensorBoard: capacity drops, layers 0 and 2 on pp-rank 0, 1 and 3 on pp-rank 1.
@@ -98,7 +98,7 @@ def eight_rank_eval_before_training(root: str) -> None:
         "--data.eval_source", "builtin", "--train.eval_steps", "1", "--train.steps", "1", "--train.eval_every", "0",
         "--train.tensorboard", "true", "--model.moe_capacity_factor", "1.0"]))
     validate_layout(cfg, torch.distributed.get_world_size())
-    trainer = Trainer(cfg, recipe_mesh(cfg))
+    trainer = Trainer(cfg, cached_recipe_mesh(cfg))
     before = trainer.evaluate()["eval_loss"]
     trainer.fit()
     if torch.distributed.get_rank() == 0:

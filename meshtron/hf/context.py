@@ -32,8 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.config import ConfigError
-from meshtron.hf.discover import hf_parts
-from meshtron.parallel.context import RingAttention, shard_batch
+from meshtron.hf.discover import hf_parts, key_value_heads
+from meshtron.parallel.context import RingAttention, cp_groups, local_heads, shard_batch
 
 RING = "meshtron_ring"
 
@@ -84,11 +84,15 @@ def check_sliding_window(config, seq_len: int) -> None:
         )
 
 
-def use_ring_attention(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Make every block's attention the ring over ``mesh['cp']`` (in place)."""
+def use_ring_attention(model: nn.Module, mesh: DeviceMesh, comm_type: str = "p2p", a2a_size: int = 0) -> None:
+    """Make every block's attention meshtron's over ``mesh['cp']`` (in place): ``comm_type`` is
+    ``[parallel] cp_comm_type`` (the ring ``p2p``, ``a2a``, ``allgather``, ``a2a+p2p``), ``a2a_size``
+    the a2a+p2p group (0: the cp ranks of one node). The all-to-all types split each tp rank's heads."""
     _register()
+    heads, kv = local_heads(model.config.num_attention_heads, key_value_heads(model.config), mesh["tp"].size())
+    ring, a2a = cp_groups(mesh, comm_type, a2a_size, heads, kv)
     for attn in _attention_modules(model):
-        attn.cp_ring = RingAttention(mesh["cp"])
+        attn.cp_ring = RingAttention(ring, a2a=a2a, allgather=comm_type == "allgather")
     model.set_attn_implementation(RING)
 
 
@@ -132,10 +136,12 @@ def _shard_inputs(mesh: DeviceMesh):
     return hook
 
 
-def apply_hf_context_parallel(model: nn.Module, mesh: DeviceMesh, shard_inputs: bool = True) -> None:
-    """Ring attention over ``mesh['cp']`` and, with ``shard_inputs``, the input-sharding hook (in place)."""
+def apply_hf_context_parallel(model: nn.Module, mesh: DeviceMesh, shard_inputs: bool = True, comm_type: str = "p2p",
+                              a2a_size: int = 0) -> None:
+    """Attention over ``mesh['cp']`` of ``comm_type`` (:func:`use_ring_attention`) and, with
+    ``shard_inputs``, the input-sharding hook (in place)."""
     check_hf_context_parallel(model)
-    use_ring_attention(model, mesh)
+    use_ring_attention(model, mesh, comm_type, a2a_size)
     if shard_inputs:
         model.register_forward_pre_hook(_shard_inputs(mesh), with_kwargs=True)
 

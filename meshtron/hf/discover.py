@@ -126,6 +126,11 @@ def set_stage_parts(model: nn.Module, parts: HFParts) -> None:
     setattr(model, _STAGE_PARTS, parts)
 
 
+def key_value_heads(config) -> int:
+    """Key/value heads of a transformers config (configs without GQA have none: one per query head)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def hf_parts(model: nn.Module) -> HFParts:
     """The decoder, blocks, embeddings, output head, final norm and rotary embedding of ``model``
     (meta or materialised); a :class:`ConfigError` names the part that cannot be found."""
@@ -154,4 +159,4 @@ def hf_parts(model: nn.Module) -> HFParts:
     )
 
 
-__all__ = ["HFParts", "hf_parts", "is_norm", "set_stage_parts"]
+__all__ = ["HFParts", "hf_parts", "is_norm", "key_value_heads", "set_stage_parts"]

@@ -63,7 +63,7 @@ from torch.distributed.tensor.parallel import (
 from meshtron import env
 from meshtron.checkpoint import gather_full_state_dict
 from meshtron.config import ConfigError
-from meshtron.hf.discover import HFParts, hf_parts, is_norm
+from meshtron.hf.discover import HFParts, hf_parts, is_norm, key_value_heads
 from meshtron.hf.context import apply_hf_context_parallel
 from meshtron.hf.experts import apply_hf_expert_parallel, hf_expert_modules
 from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_plan, is_transposed
@@ -271,21 +271,17 @@ def _base_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-def _kv_heads(cfg) -> int:
-    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-
-
 def _tp_plan(model: nn.Module, parts: HFParts, tp: int, sp: bool) -> dict[str, str]:
     """The config's plan (its heads must split over tp), else one inferred from the module types."""
     if not getattr(model.config, "base_model_tp_plan", None):
-        return infer_tp_plan(model, parts, tp, _kv_heads(model.config), sp)
-    check_tensor_parallel(model.config.num_attention_heads, _kv_heads(model.config), tp)
+        return infer_tp_plan(model, parts, tp, key_value_heads(model.config), sp)
+    check_tensor_parallel(model.config.num_attention_heads, key_value_heads(model.config), tp)
     return _base_plan(model)
 
 
 def _check_shape(model: nn.Module, tp: int) -> tuple[int, int]:
     cfg = model.config
-    heads, kv_heads = cfg.num_attention_heads, _kv_heads(cfg)
+    heads, kv_heads = cfg.num_attention_heads, key_value_heads(cfg)
     if cfg.vocab_size % tp:
         raise ConfigError(f"parallelize_hf_model: tp = {tp} does not divide vocab_size = {cfg.vocab_size}; pad the vocabulary.")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -483,6 +479,8 @@ def parallelize_hf_model(
     schedule: str = "1f1b",
     microbatches: int = 1,
     virtual_stages: int = 1,
+    cp_comm_type: str = "p2p",
+    cp_a2a_size: int = 0,
 ):
     """Parallelize a transformers decoder-only ``*ForCausalLM`` in place over ``mesh`` (from ``build_mesh``).
 
@@ -500,6 +498,8 @@ def parallelize_hf_model(
     cp > 1 (:mod:`meshtron.hf.context`): attention runs as meshtron's ring attention; each data rank
     passes whole sequences (length a multiple of 2 x cp, no ``attention_mask``) and the model keeps
     its cp share of them, so ``.logits`` holds this rank's tokens (in the load-balanced order).
+    ``cp_comm_type`` (``p2p``, ``a2a``, ``allgather``, ``a2a+p2p``) and ``cp_a2a_size`` are
+    ``[parallel]``'s keys of the same names.
 
     pp > 1 (:mod:`meshtron.hf.pipeline`): the model is pruned in place to this rank's stage(s) and an
     :class:`~meshtron.hf.pipeline.HFPipelineRunner` is returned instead (``schedule`` ``1f1b``,
@@ -509,7 +509,8 @@ def parallelize_hf_model(
     hf_parts(model)  # a layout we can find the pieces of
 
     def stage(module: nn.Module) -> nn.Module:
-        return _parallelize(module, mesh, sp, data_parallel, ac, ac_every, dtype, shard_inputs=mesh["pp"].size() == 1)
+        return _parallelize(module, mesh, sp, data_parallel, ac, ac_every, dtype, (cp_comm_type, cp_a2a_size),
+                            shard_inputs=mesh["pp"].size() == 1)
 
     if mesh["pp"].size() > 1:
         return HFPipelineRunner(model, mesh, stage, schedule, microbatches, virtual_stages, sp, dtype)
@@ -517,7 +518,7 @@ def parallelize_hf_model(
 
 
 def _parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool, data_parallel: str, ac: str, ac_every: int, dtype: str,
-                 shard_inputs: bool) -> nn.Module:
+                 cp_comm: tuple[str, int], shard_inputs: bool) -> nn.Module:
     """Every dimension but pp, in place (a pipeline stage's model, or the whole model)."""
     parts = hf_parts(model)
     ep, tp_mesh = mesh["ep"].size(), mesh["tp"]
@@ -534,7 +535,7 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool, data_parallel: st
     if tp_mesh.size() > 1:
         _replicate_plain_params(model, tp_mesh, experts)
     if mesh["cp"].size() > 1:
-        apply_hf_context_parallel(model, mesh, shard_inputs)
+        apply_hf_context_parallel(model, mesh, shard_inputs, *cp_comm)
     data_mesh = dense_data_mesh(mesh)
     model.loss_function = _loss_function(data_mesh)
     if data_mesh.size() > 1:

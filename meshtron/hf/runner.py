@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtron.config import Config, ConfigError
-from meshtron.hf.io import read_hf_config, write_safetensors_folder
+from meshtron.config import Config, ConfigError, ModelConfig
+from meshtron.hf.discover import key_value_heads
+from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.parallelize import parallelize_hf_model
 from meshtron.mesh import batch_mesh
 from meshtron.parallel.grad_norm import clip_grad_norm_
-from meshtron.parallel.step import Runner, full_state_dict
+from meshtron.parallel.step import Runner, full_state_dict, global_token_count
 
 
 def with_hf_model(cfg: Config) -> Config:
@@ -36,16 +37,40 @@ def with_hf_model(cfg: Config) -> Config:
         raise ConfigError("[checkpoint] init_from_hf cannot be combined with [model] hf_model: hf_model's folder "
                           "already gives the weights (its safetensors); drop init_from_hf.")
     _refuse_native_only(cfg)
-    model = dataclasses.replace(read_hf_config(folder), hf_model=folder)
-    return dataclasses.replace(cfg, model=model)
+    return dataclasses.replace(cfg, model=hf_model_config(folder))
+
+
+def hf_model_config(folder: str) -> ModelConfig:
+    """The sizes of any family's transformers folder in meshtron's terms, read through its config
+    class, whose aliases map names like GPT-2's ``n_embd`` / ``n_head`` onto the common ones."""
+    from transformers import AutoConfig
+
+    if not (Path(folder) / "config.json").is_file():
+        raise ConfigError(f"[model] hf_model = {folder!r} has no config.json; pass a folder written by "
+                          "save_pretrained (config.json, and safetensors for trained weights).")
+    hf = AutoConfig.from_pretrained(folder)
+    hidden, experts = hf.hidden_size, getattr(hf, "num_experts", None) or 0
+    intermediate = getattr(hf, "intermediate_size", None) or 4 * hidden  # GPT-2's n_inner default
+    optional = {key: getattr(hf, key) for key in ("rms_norm_eps", "decoder_sparse_step", "mlp_only_layers",
+                                                   "shared_expert_intermediate_size", "norm_topk_prob",
+                                                   "router_aux_loss_coef") if getattr(hf, key, None) is not None}
+    return ModelConfig(
+        hf_model=folder, vocab_size=hf.vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=key_value_heads(hf), head_dim=getattr(hf, "head_dim", None) or 0,
+        max_position_embeddings=getattr(hf, "max_position_embeddings", None) or ModelConfig.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(hf, "attention_bias", False)),
+        num_experts=experts, num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) if experts else 0,
+        moe_intermediate_size=(getattr(hf, "moe_intermediate_size", None) or intermediate) if experts else 0,
+        **optional,
+    )
 
 
 def _refuse_native_only(cfg: Config) -> None:
     """Recipe features the HF runners do not run yet (native models only), each one clear error."""
     native_only = {
-        "[data] eval_source": cfg.data.eval_source,
         "[data] document_mask": cfg.data.document_mask,
-        "[parallel] cp_comm_type other than p2p": cfg.parallel.cp_comm_type != "p2p",
     }
     for key, used in native_only.items():
         if used:
@@ -75,7 +100,9 @@ class HFStepRunner:
 
     The rank's rows are split into ``parallel.microbatches`` micro-batches whose gradients accumulate;
     every micro-batch's loss is its token-loss sum over dp x ep x cp divided by the token count of the
-    whole step (``num_items_in_batch``), so the summed gradient is the global mean loss's.
+    whole step (``num_items_in_batch``), so the summed gradient is the global mean loss's. The model
+    keeps its cp share of each micro-batch itself (:mod:`meshtron.hf.context`), so the rows stay whole
+    here and the count runs over the ranks with different rows.
     """
 
     def __init__(self, model: nn.Module, mesh, cfg: Config):
@@ -83,22 +110,38 @@ class HFStepRunner:
         self.batch_group = batch_mesh(mesh).get_group()  # ranks with different rows (cp ranks share theirs)
         self.moes: list = []
 
+    def _microbatches(self, input_ids: torch.Tensor, labels: torch.Tensor) -> list:
+        m = self.cfg.parallel.microbatches
+        return [(ids, lab, None) for ids, lab in zip(input_ids.chunk(m), labels.chunk(m))]
+
+    def _loss(self, ids: torch.Tensor, targets: torch.Tensor, tokens) -> torch.Tensor:
+        # labels only switch the loss on: targets are already next-token labels (shift_labels).
+        return self.module(input_ids=ids, labels=targets, shift_labels=targets, num_items_in_batch=tokens).loss
+
     def forward_backward(
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         # position_ids come only with [data] document_mask, which with_hf_model refuses.
         p = self.cfg.parallel
-        tokens = (labels != -100).sum().to(torch.float32)
-        dist.all_reduce(tokens, group=self.batch_group)
+        micro = self._microbatches(input_ids, labels)
+        tokens = global_token_count(micro, self.batch_group)
         total = torch.zeros((), device=input_ids.device)
-        for i, (ids, targets) in enumerate(zip(input_ids.chunk(p.microbatches), labels.chunk(p.microbatches))):
+        for i, (ids, targets, _) in enumerate(micro):
             if hasattr(self.module, "set_requires_gradient_sync"):  # wrapped when the data mesh has > 1 rank
                 self.module.set_requires_gradient_sync(p.data_parallel == "fsdp" or i == p.microbatches - 1)
-            # labels only switch the loss on: targets are already next-token labels (shift_labels).
-            loss = self.module(input_ids=ids, labels=targets, shift_labels=targets, num_items_in_batch=tokens).loss
+            loss = self._loss(ids, targets, tokens)
             loss.backward()
             total += loss.detach()
         return total
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed token loss, counted tokens) of the global batch, without gradients, on every rank."""
+        micro = self._microbatches(input_ids, labels)
+        tokens = global_token_count(micro, self.batch_group)
+        one = torch.ones((), device=input_ids.device)  # the loss divided by one is the global sum
+        total = sum(self._loss(ids, targets, one) for ids, targets, _ in micro)
+        return total, tokens
 
     def aux_loss(self) -> torch.Tensor | None:
         return None
@@ -114,7 +157,7 @@ def build_hf_runner(cfg: Config, mesh, device: torch.device) -> Runner:
     """The recipe's transformers model, parallelized over ``mesh``, as a step runner."""
     p = cfg.parallel
     options = dict(sp=p.sp, data_parallel=p.data_parallel, ac=p.activation_checkpointing, ac_every=p.ac_every,
-                   dtype=cfg.train.dtype)
+                   dtype=cfg.train.dtype, cp_comm_type=p.cp_comm_type, cp_a2a_size=p.cp_a2a_size)
     model = build_hf_model(cfg, device)
     if p.pp > 1:
         return parallelize_hf_model(model, mesh, schedule=p.schedule, microbatches=p.microbatches,
@@ -133,4 +176,4 @@ def export_hf_model(runner: Runner, cfg: Config, folder: str) -> None:
     dist.barrier()
 
 
-__all__ = ["HFStepRunner", "build_hf_model", "build_hf_runner", "export_hf_model", "with_hf_model"]
+__all__ = ["HFStepRunner", "build_hf_model", "build_hf_runner", "export_hf_model", "hf_model_config", "with_hf_model"]

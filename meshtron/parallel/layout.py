@@ -41,6 +41,8 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     check_sizes(dict(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp), world_size, "[parallel] ")
     limit = max(_SUGGEST_UP_TO, world_size)
     check_tensor_parallel(m.num_attention_heads, m.kv_heads, p.tp)
+    if p.ep > 1 and not m.is_moe:  # an hf_model folder's model is known only here
+        raise ConfigError(f"[parallel] ep = {p.ep} needs an MoE model (num_experts > 0); use dp instead.")
     if m.is_moe and m.num_experts % p.ep:
         raise ConfigError(
             f"[parallel] ep = {p.ep} does not divide [model] num_experts = {m.num_experts}. "
