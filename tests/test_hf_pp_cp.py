@@ -27,8 +27,10 @@ from torch.distributed.tensor import DTensor
 from meshtron import parallelize_hf_model
 from meshtron.config import ConfigError
 from meshtron.hf.context import RING, next_token_labels
+from meshtron.hf.discover import hf_parts
 from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.mesh import batch_mesh
+from meshtron.models.qwen2 import LMHead
 from meshtron.testing import cached_mesh, cached_recipe_mesh, rel_err, run_checks
 
 SMALL = dict(
@@ -162,6 +164,8 @@ def check_pipeline(_tmp: str) -> None:
         loss = runner.forward_backward(_rows(ids, mesh), _rows(next_token_labels(labels), mesh))
         err = rel_err(loss, ref_loss)
         assert err < 1e-5, f"{where}: loss {loss.item()} vs {ref_loss.item()} ({err:.2e})"
+        head = hf_parts(runner.module).head
+        assert head is None or isinstance(head, LMHead), f"{where}: the last stage's loss is the fused head's"
         blocks = {int(name.split(".")[2]) for name, _ in runner.module.named_parameters() if ".layers." in name}
         assert len(blocks) == SMALL["num_hidden_layers"] // 2, f"{where}: this rank holds blocks {blocks}"
         _check_grads(runner.module, grads, where)

@@ -71,12 +71,15 @@ from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.hf.slices import load_sharded_weights
 from meshtron.mesh import dense_data_mesh
+from meshtron.models.loss import DEFAULT_CHUNK_TOKENS
 from meshtron.models.moe import load_balancing_loss
+from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.checkpointing import checkpointed_layers
 from meshtron.parallel.data import data_meshes, even_shard_dim, mixed_precision, wrap_data_parallel
 from meshtron.parallel.tensor import (
     ReplicatedKVHeads,
     ReplicateParallel,
+    VocabParallelHead,
     check_tensor_parallel,
     parallel_token_loss_sum,
     residual_layout,
@@ -332,8 +335,10 @@ def _apply_tp(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, sp: bool) -
     if parts.head is not None:
         if sp:
             parallelize_module(parts.norm, tp_mesh, SequenceParallel())
-        parallelize_module(parts.head, tp_mesh, ColwiseParallel(
-            input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False))
+        # Vocab-sharded logits either way; meshtron's head also computes the fused loss (pipeline stages).
+        style = VocabParallelHead(residual_layout(sp)) if isinstance(parts.head, LMHead) else ColwiseParallel(
+            input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False)
+        parallelize_module(parts.head, tp_mesh, style)
     if tied:  # both now hold a Shard(0) copy of the shared weight; make them one Parameter again
         parts.head.weight = parts.embed.weight
 
@@ -521,6 +526,7 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool, data_parallel: st
                  cp_comm: tuple[str, int], shard_inputs: bool) -> nn.Module:
     """Every dimension but pp, in place (a pipeline stage's model, or the whole model)."""
     parts = hf_parts(model)
+    _as_meshtron_head(parts.head)
     ep, tp_mesh = mesh["ep"].size(), mesh["tp"]
     expert_modules = hf_expert_modules(model, ep) if ep > 1 or tp_mesh.size() > 1 else {}
     if ep > 1 and not expert_modules:
@@ -542,6 +548,15 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool, data_parallel: st
         model.register_forward_hook(_global_aux_loss(data_mesh), with_kwargs=True)
         _apply_dp(model, parts, mesh, data_parallel, dtype, experts)
     return model
+
+
+def _as_meshtron_head(head: nn.Module | None) -> None:
+    """A bias-free ``nn.Linear`` head becomes meshtron's :class:`~meshtron.models.qwen2.LMHead` in place
+    (same weight and name): ``head(h)`` still gives logits, ``head(h, labels)`` the fused, chunked
+    token-loss sum that never holds a whole micro-batch's logits. Other heads stay as they are."""
+    if type(head) is nn.Linear and head.bias is None:
+        head.__class__ = LMHead
+        head.chunk_tokens = DEFAULT_CHUNK_TOKENS
 
 
 def _reset_rotary(model: nn.Module) -> None:

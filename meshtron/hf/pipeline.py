@@ -40,6 +40,7 @@ from meshtron import env
 from meshtron.config import ConfigError, ParallelConfig
 from meshtron.hf.discover import hf_parts, set_stage_parts
 from meshtron.mesh import dense_data_mesh
+from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.pipeline.runner import PipelineRunner
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
 from meshtron.parallel.pipeline.stage import check_pipeline_layout
@@ -109,6 +110,8 @@ def _stage_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layers: ra
         h = out[0] if isinstance(out, tuple) else out
     if not last:
         return h
+    if isinstance(parts.head, LMHead):  # fused head + loss: the logits never exist whole
+        return parts.head(parts.norm(h), labels)
     return parallel_token_loss_sum(parts.head(parts.norm(h)), labels)
 
 
