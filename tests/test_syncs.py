@@ -6,6 +6,8 @@ What is allowed, exactly:
   pipelined or not;
 * with expert parallelism: one per MoE layer and micro-batch, the dispatch's split sizes (the
   backward reuses them and adds none);
+* with context parallelism over packed documents (``[data] document_mask``): one per micro-batch, the
+  document-start bounds that decide which attention blocks run (every layer reuses them);
 * ``Trainer.train_step`` adds one read after the step is queued (loss, grad norm, aux loss in one
   copy), besides the data pipeline, which works on host tensors before they are copied to the device.
 
@@ -48,14 +50,14 @@ def test_counter_sees_every_kind_of_sync():
     assert all(s.where.startswith(__file__) for s in syncs.syncs), syncs
 
 
-def _trainer(recipe: str, root: str, layout: dict):
+def _trainer(recipe: str, root: str, layout: dict, extra: list[str] = ()):
     from meshtron.train import Trainer, recipe_mesh
 
     args = ["--train.output_dir", f"{root}/{recipe}", "--data.cache_dir", f"{root}/token_cache",
             "--parallel.microbatches", "2"]
     for key, value in layout.items():
         args += [f"--parallel.{key}", str(value).lower()]
-    cfg = load_config(ROOT / "recipes" / f"{recipe}.toml", args)
+    cfg = load_config(ROOT / "recipes" / f"{recipe}.toml", args + list(extra))
     return Trainer(cfg, recipe_mesh(cfg))
 
 
@@ -63,11 +65,11 @@ def _counted_step(trainer, step: int) -> tuple[HostSyncCounter, HostSyncCounter]
     """Syncs of ``training_step`` alone, then of a whole ``Trainer.train_step`` (after a warm-up step)."""
     from meshtron.train import training_step
 
-    ids, labels = trainer.dataset.batch_for_step(
+    ids, labels, *positions = trainer.dataset.batch_for_step(  # positions with [data] document_mask
         step, trainer.batch_mesh.get_local_rank(), trainer.batch_mesh.size(), trainer.cfg.parallel.microbatches
     )
     with HostSyncCounter() as inner:
-        training_step(trainer.runner, trainer.optimizer, ids, labels, trainer.cfg.train.max_grad_norm)
+        training_step(trainer.runner, trainer.optimizer, ids, labels, trainer.cfg.train.max_grad_norm, *positions)
     with HostSyncCounter() as whole:
         record = trainer.train_step(step + 1)
     assert record["loss"] > 0 and record["grad_norm"] > 0
@@ -107,5 +109,16 @@ def moe_step_syncs_once_per_moe_layer(root: str) -> None:
     assert all("_exchange_counts" in s.where for s in inner.syncs), inner
 
 
+def document_masked_cp_step_syncs_once_per_microbatch(root: str) -> None:
+    for comm in ("p2p", "a2a"):
+        trainer = _trainer("debug_dense", root, {"dp": 2, "cp": 2, "ep": 1, "tp": 1, "cp_comm_type": f'"{comm}"'},
+                           ["--data.document_mask", "true"])
+        trainer.train_step(0)
+        inner, _ = _counted_step(trainer, 1)
+        assert inner.count == trainer.cfg.parallel.microbatches, (comm, inner.by_op(), [s.where for s in inner.syncs])
+        assert all("_start_bounds" in s.where for s in inner.syncs), inner
+
+
 def test_training_step_syncs(tmp_path):
-    run_checks([dense_step_has_no_sync, pipelined_step_has_no_sync, moe_step_syncs_once_per_moe_layer], 4, str(tmp_path), timeout=300)
+    run_checks([dense_step_has_no_sync, pipelined_step_has_no_sync, moe_step_syncs_once_per_moe_layer,
+                document_masked_cp_step_syncs_once_per_microbatch], 4, str(tmp_path), timeout=300)

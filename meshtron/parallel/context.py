@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from itertools import chain
 
@@ -463,6 +464,30 @@ def _chunk_index(chunks: tuple[int, ...], c: int, device) -> torch.Tensor:
     return torch.cat([torch.arange(a * c, (a + 1) * c, device=device) for a in chunks])
 
 
+# Packed positions are one tensor per micro-batch that every layer's attention receives: what is
+# derived from them (the all-to-all group's positions: a collective; the per-chunk document-start
+# bounds: a host read) is derived once per micro-batch, not once per layer. Keyed by the tensor's
+# identity and dropped with it.
+_FROM_DOCUMENTS: dict[int, dict] = {}
+
+
+def _from_documents(documents: torch.Tensor, key, derive):
+    """``derive()``, computed once per ``documents`` tensor and ``key`` (every rank calls alike)."""
+    cache = _FROM_DOCUMENTS.get(id(documents))
+    if cache is None:
+        cache = _FROM_DOCUMENTS[id(documents)] = {}
+        weakref.finalize(documents, _FROM_DOCUMENTS.pop, id(documents), None)
+    if key not in cache:
+        cache[key] = derive()
+    return cache[key]
+
+
+def _start_bounds(positions: torch.Tensor, mine: tuple[int, ...], c: int) -> list[list[int]]:
+    """[earliest, latest] document start (global index) of the queries of each local chunk."""
+    starts = (_chunk_index(mine, c, positions.device) - positions).reshape(positions.shape[0], len(mine), c)
+    return torch.stack([starts.amin(dim=(0, 2)), starts.amax(dim=(0, 2))]).tolist()
+
+
 class _Blocks:
     """The block engine of one attention call: this ring member's query chunks (``held[rank]``),
     the chunks every member holds, and (with documents) the queries' packed positions.
@@ -477,12 +502,10 @@ class _Blocks:
         self.scale = 1.0 / math.sqrt(q.shape[-1])
         self.positions = positions
         if positions is not None:
-            # One host read per call: the per-chunk bounds decide which blocks run at all.
-            starts = (_chunk_index(self.mine, self.c, positions.device) - positions).reshape(
-                positions.shape[0], len(self.mine), self.c
+            # The per-chunk bounds decide which blocks run at all (one host read per micro-batch).
+            self.first_start, self.last_start = _from_documents(
+                positions, ("bounds", self.mine, self.c), lambda: _start_bounds(positions, self.mine, self.c)
             )
-            bounds = torch.stack([starts.amin(dim=(0, 2)), starts.amax(dim=(0, 2))]).tolist()
-            self.first_start, self.last_start = bounds
 
     def plan(self, src: int) -> list[tuple[int, int, bool, bool]]:
         theirs = self.held[src]
@@ -743,7 +766,9 @@ class RingAttention(nn.Module):
         ranks = dist.get_world_size(self.a2a)
         k, v = _repeat_kv_heads(k, ranks), _repeat_kv_heads(v, ranks)
         q, k, v = (_AllToAll.apply(t, self.a2a, 1, 2) for t in (q, k, v))
-        positions = _gather_sequence(documents, self.a2a) if documents is not None else None
+        positions = None
+        if documents is not None:
+            positions = _from_documents(documents, ("a2a", self.a2a), lambda: _gather_sequence(documents, self.a2a))
         return _AllToAll.apply(self._attend(q, k, v, positions), self.a2a, 2, 1)
 
     def _attend(self, q, k, v, positions):
