@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -288,16 +289,26 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _latest_steps_while_running(ckpt: Path, proc: subprocess.Popen) -> list[int | None]:
-    """Step of the latest complete checkpoint, sampled until the launch ends (None: there was none)."""
+def _finish_watching_latest(proc: subprocess.Popen, ckpt: Path) -> tuple[str, str, list[int | None]]:
+    """``_finish``, sampling the step of the latest complete checkpoint meanwhile (None: there was none)."""
     from meshtron.checkpoint import latest_checkpoint
 
-    seen = []
-    while proc.poll() is None:
-        latest = latest_checkpoint(ckpt)
-        seen.append(None if latest is None else int(latest.name.split("-")[1]))
-        time.sleep(0.005)
-    return seen
+    seen, done = [], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            latest = latest_checkpoint(ckpt)
+            seen.append(None if latest is None else int(latest.name.split("-")[1]))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        out, err = _finish(proc)
+    finally:
+        done.set()
+        sampler.join()
+    return out, err, seen
 
 
 def test_job_killed_during_an_async_save_resumes_from_the_last_complete_checkpoint(tmp_path):
@@ -332,10 +343,10 @@ def test_job_killed_during_an_async_save_resumes_from_the_last_complete_checkpoi
     print(f"killed after step 5 with {in_flight.name} holding {sorted(p.name for p in in_flight.iterdir())}")
 
     resumed = _torchrun(out, 2, recipe)
-    latest_steps = _latest_steps_while_running(ckpt, resumed)
-    stdout, err = _finish(resumed)
+    stdout, err, latest_steps = _finish_watching_latest(resumed, ckpt)
     assert resumed.returncode == 0, err[-3000:]
     assert f"meshtron: resumed from {ckpt / 'step-00000004'} (step 4)" in stdout
+    print(f"resumed from step 4; latest complete step over the run: {sorted(set(latest_steps))}")
     # Every moment of the resumed run had a complete checkpoint, never older than the one resumed.
     assert latest_steps and None not in latest_steps and latest_steps == sorted(latest_steps)
     assert latest_steps[0] >= 4 and latest_steps[-1] == 8
