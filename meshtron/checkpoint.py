@@ -90,7 +90,8 @@ class CheckpointWriter:
     ``async_save``: DCP's asynchronous save copies the state to host memory and returns; a background
     thread writes the shards while training goes on. The checkpoint is completed (marker, rename,
     pruning) by the next ``save`` or by ``wait``, once every rank's write has finished, so a run that
-    dies mid-write leaves only the temp folder and the previous checkpoint stays the latest.
+    dies mid-write leaves only the temp folder (deleted by the next run's first commit) and the
+    previous checkpoint stays the latest.
     """
 
     def __init__(self, root: str | Path, keep: int = 0, async_save: bool = False):
@@ -139,17 +140,22 @@ class CheckpointWriter:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _prune(self.root, self.keep)
+            _prune(self.root, self.keep, final)
         _barrier()
 
 
-def _prune(root: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints (temp and unmarked folders are left:
-    one may be a save in progress)."""
+def _prune(root: Path, keep: int, committed: Path) -> None:
+    """Delete the temp folders of saves that a crash cut short (none of this run's is in flight: one
+    save at a time, and it was just committed), then all but the newest ``keep`` complete checkpoints,
+    the one just committed always among those kept (a folder reused without resume may hold newer
+    steps of an older run)."""
+    for stale in root.glob(".step-*.tmp"):
+        shutil.rmtree(stale)
     if keep <= 0:
         return
-    complete = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MARKER).is_file())
-    for old in complete[:-keep]:
+    complete = (p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MARKER).is_file())
+    others = sorted(p for p in complete if p != committed)
+    for old in others[:len(others) - (keep - 1)]:
         shutil.rmtree(old)
 
 

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -207,6 +208,25 @@ def test_checkpoint_without_marker_is_never_loaded(tmp_path):
         read_marker(tmp_path / "step-00000008")
 
 
+def test_a_commit_deletes_stale_temp_folders_and_never_prunes_itself(tmp_path):
+    """A temp folder left by a killed save of a step this run never saves (it checkpoints at other
+    steps) goes at the next commit; keep = 1 in a folder holding a later step of an older run (reused
+    without resume) keeps the checkpoint just written."""
+    from meshtron.checkpoint import MARKER, CheckpointWriter, latest_checkpoint
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    (tmp_path / "step-00000010").mkdir()
+    (tmp_path / "step-00000010" / MARKER).write_text(json.dumps({"step": 10}))
+    (tmp_path / ".step-00000003.tmp").mkdir()
+    (tmp_path / ".step-00000003.tmp" / "__0_0.distcp").write_bytes(b"half")
+    CheckpointWriter(tmp_path, keep=1).save(2, model, optimizer, load_config(RECIPE), {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
+
+
 # ---------------------------------------------------------------- torchrun: crash, failure, hang
 
 def _torchrun(out: Path, nproc: int, extra: list[str], torchrun_args: list[str] = (), fault: str = ""):
@@ -259,6 +279,82 @@ def test_killed_rank_restarts_from_the_latest_checkpoint(tmp_path):
     assert reference.returncode == 0, ref_err[-3000:]
     assert [r["step"] for r in _records(crashed_out)] == list(range(1, 13))
     assert _losses(crashed_out) == _losses(tmp_path / "uninterrupted")
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (its parent, the launcher, was killed too)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _finish_watching_latest(proc: subprocess.Popen, ckpt: Path) -> tuple[str, str, list[int | None]]:
+    """``_finish``, sampling the step of the latest complete checkpoint meanwhile (None: there was none)."""
+    from meshtron.checkpoint import latest_checkpoint
+
+    seen, done = [], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            latest = latest_checkpoint(ckpt)
+            seen.append(None if latest is None else int(latest.name.split("-")[1]))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        out, err = _finish(proc)
+    finally:
+        done.set()
+        sampler.join()
+    return out, err, seen
+
+
+def test_job_killed_during_an_async_save_resumes_from_the_last_complete_checkpoint(tmp_path):
+    """SIGKILL of the whole job (launcher and ranks) while the asynchronous save of step 5 is
+    written but not committed: rank 0 is held before step 6 (MESHTRON_FAULT), so it never completes
+    the save, and the job is killed once DCP has written the shards and its metadata into the temp
+    folder (it looks like a DCP checkpoint, only our marker is missing). Saves every step, keep 2."""
+    from meshtron.checkpoint import MARKER, latest_checkpoint, read_marker
+
+    recipe = ["--train.steps", "8", "--checkpoint.every", "1", "--checkpoint.keep", "2",
+              "--checkpoint.async_save", "true", "--checkpoint.resume", "true"]
+    reference = _torchrun(tmp_path / "uninterrupted", 2, ["--train.steps", "8"])
+    out = tmp_path / "crashed"
+    ckpt = out / "checkpoints"
+    crashed = _torchrun(out, 2, recipe, fault="hang:0:6")
+    in_flight = ckpt / ".step-00000005.tmp"
+    _wait_for(in_flight / ".metadata", crashed, timeout=240)
+    ranks = [int((out / "pids" / f"rank-{r}.pid").read_text()) for r in (0, 1)]
+    for pid in ranks:  # torchrun starts each rank in a session of its own
+        os.kill(pid, signal.SIGKILL)
+    os.killpg(crashed.pid, signal.SIGKILL)
+    crashed.communicate()
+    deadline = time.monotonic() + 30
+    while any(_running(pid) for pid in ranks):
+        assert time.monotonic() < deadline, "a rank outlived the kill"
+        time.sleep(0.05)
+
+    assert sorted(p.name for p in ckpt.iterdir()) == [".step-00000005.tmp", "step-00000003", "step-00000004"]
+    assert not (in_flight / MARKER).exists() and sorted(p.name for p in in_flight.glob("__*.distcp"))
+    assert latest_checkpoint(ckpt) == ckpt / "step-00000004" and read_marker(ckpt / "step-00000004")["step"] == 4
+    assert [r["step"] for r in _records(out)] == [1, 2, 3, 4, 5]
+    print(f"killed after step 5 with {in_flight.name} holding {sorted(p.name for p in in_flight.iterdir())}")
+
+    resumed = _torchrun(out, 2, recipe)
+    stdout, err, latest_steps = _finish_watching_latest(resumed, ckpt)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"meshtron: resumed from {ckpt / 'step-00000004'} (step 4)" in stdout
+    print(f"resumed from step 4; latest complete step over the run: {sorted(set(latest_steps))}")
+    # Every moment of the resumed run had a complete checkpoint, never older than the one resumed.
+    assert latest_steps and None not in latest_steps and latest_steps == sorted(latest_steps)
+    assert latest_steps[0] >= 4 and latest_steps[-1] == 8
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000007", "step-00000008"]
+    _, ref_err = _finish(reference)
+    assert reference.returncode == 0, ref_err[-3000:]
+    assert [r["step"] for r in _records(out)] == list(range(1, 9))
+    assert _losses(out) == _losses(tmp_path / "uninterrupted")
 
 
 def test_a_failing_or_stuck_rank_ends_the_job(tmp_path):
