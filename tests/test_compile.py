@@ -12,13 +12,13 @@ import functools
 import torch
 
 from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from meshtron.mesh import batch_mesh, build_mesh
+from meshtron.mesh import batch_mesh
 from meshtron.models import build_model, materialize, token_loss_sum
 from meshtron.optim import build_optimizer
 from meshtron.parallel.compile import apply_compile
 from meshtron.parallel import runner as runner_module
 from meshtron.parallel.runner import StepRunner
-from meshtron.testing import rel_err, run_checks
+from meshtron.testing import cached_mesh, rel_err, run_checks
 
 CFG = ModelConfig(
     vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
@@ -69,7 +69,7 @@ MOE = ModelConfig(
 def _runner_steps(model_cfg: ModelConfig, layout: dict, compile_blocks: bool, seed: int):
     cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout, compile=compile_blocks),
                  train=TrainConfig(seed=seed, seq_len=SEQ, global_batch_size=BATCH))
-    mesh = build_mesh(**{k: v for k, v in layout.items() if k != "sp"})
+    mesh = cached_mesh(**{k: v for k, v in layout.items() if k != "sp"})
     with torch.device("meta"):
         model = build_model(model_cfg)
     runner = StepRunner(model, mesh, cfg, torch.device("cpu"))

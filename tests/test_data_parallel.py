@@ -17,14 +17,14 @@ from torch.distributed.tensor import DTensor
 from meshtron import env
 from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
-from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh
+from meshtron.mesh import batch_mesh, dense_data_mesh
 from meshtron.models import build_model, materialize, token_loss_sum
 from meshtron.parallel.checkpointing import apply_activation_checkpointing, checkpointed_layers
 from meshtron.parallel.context import apply_context_parallel, shard_batch
 from meshtron.parallel.data import apply_data_parallel, data_meshes
 from meshtron.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
-from meshtron.testing import rel_err, run_checks
+from meshtron.testing import cached_mesh, rel_err, run_checks
 
 # 2 KV heads: tp = 4 exercises the TP plan's replicated KV heads.
 CFG = dict(
@@ -143,7 +143,7 @@ def _check_layouts(layouts, **model):
     start = {n: t.clone() for n, t in ref.state_dict().items()}
     ref_hist = _run_reference(ref)
     for sizes, mode, *sp in layouts:
-        mesh = build_mesh(**sizes)
+        mesh = cached_mesh(**sizes)
         model = _parallel(cfg, start, mesh, mode, sp=bool(sp and sp[0]))
         _assert_parity(f"{sizes} {mode} sp={sp}", ref, ref_hist, model, _run_parallel(model, mesh))
 
@@ -180,7 +180,7 @@ def check_moe():
     with torch.device("meta"):
         model = build_model(ModelConfig(**MOE))
     with pytest.raises(ValueError, match="expert weight 'gate_proj' is not split over the ep mesh"):
-        apply_data_parallel(model, build_mesh(dp=4, ep=2))
+        apply_data_parallel(model, cached_mesh(dp=4, ep=2))
 
 
 def _local(t):
@@ -192,7 +192,7 @@ def check_checkpointing_is_bit_identical():
     cfg = ModelConfig(**CFG)
     torch.manual_seed(0)
     ref = _reference(cfg)
-    mesh = build_mesh(dp=2, ep=2, tp=2)
+    mesh = cached_mesh(dp=2, ep=2, tp=2)
     runs = {}
     for ac in ("none", "full", "selective"):
         model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", ac)
@@ -211,7 +211,7 @@ def check_bf16_smoke():
     cfg = ModelConfig(**CFG)
     torch.manual_seed(0)
     ref = _reference(cfg)
-    mesh = build_mesh(dp=4, tp=2)
+    mesh = cached_mesh(dp=4, tp=2)
     model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", dtype="bfloat16")
     assert all(_local(p).dtype == torch.float32 for p in model.parameters()), "master weights must stay fp32"
     tokens, labels = next(_batches())
@@ -227,7 +227,7 @@ def check_norm_types():
     cfg = ModelConfig(**MOE)
     torch.manual_seed(0)
     ref = _reference(cfg)
-    model = _parallel(cfg, ref.state_dict(), build_mesh(dp=4, tp=2))
+    model = _parallel(cfg, ref.state_dict(), cached_mesh(dp=4, tp=2))
     tokens, labels = next(_batches())
     token_loss_sum(ref(tokens), labels).backward()
     rows = slice(dist.get_rank() // 2 * 2, dist.get_rank() // 2 * 2 + 2)  # dp rank r reads rows 2r, 2r + 1
@@ -238,7 +238,7 @@ def check_norm_types():
 
 
 def check_hsdp_meshes():
-    mesh = build_mesh(dp=2, cp=2, ep=2)
+    mesh = cached_mesh(dp=2, cp=2, ep=2)
     dense, expert = data_meshes(mesh, "hsdp")
     assert dense.mesh_dim_names == ("dp", "cp_ep") and dense.shape == (2, 4)
     assert expert.mesh_dim_names == ("dp", "cp") and expert.shape == (2, 2)

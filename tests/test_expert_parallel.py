@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import ConfigError, ModelConfig
 from meshtron.hf import from_hf
-from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh, expert_data_mesh
+from meshtron.mesh import batch_mesh, dense_data_mesh, expert_data_mesh
 from meshtron.models import aux_loss, build_model, token_loss_sum, update_expert_bias
 from meshtron.models.qwen2 import InitialWeights
 from meshtron.parallel.expert import ExpertParallelExperts, apply_expert_parallel, token_mesh
@@ -113,7 +113,7 @@ def check_block_parity(refs: dict):
         _block_parity(mesh, seed=10 + i, skew=False)
         _block_parity(mesh, seed=20 + i, skew=True)
     # Sequence parallelism: tp ranks hold different tokens, nothing is split over tp.
-    _block_parity(build_mesh(ep=4, tp=2), seed=30, skew=False, sequence_parallel=True)
+    _block_parity(cached_mesh(ep=4, tp=2), seed=30, skew=False, sequence_parallel=True)
 
 
 def check_fsdp_composes(refs: dict):
@@ -125,7 +125,7 @@ def check_fsdp_composes(refs: dict):
     """
     from torch.distributed.fsdp import fully_shard
 
-    mesh = build_mesh(ep=4, dp=2)
+    mesh = cached_mesh(ep=4, dp=2)
     ref = random_moe(BLOCK, 4)
     x, g = torch.randn(TOKENS, 32), torch.randn(TOKENS, 32)
     block = apply_expert_parallel(copy.deepcopy(ref), mesh)
@@ -147,7 +147,7 @@ def check_dispatch_bytes(refs: dict):
     Rank by rank: the dispatch sends this rank's T x k copies and the combine sends back the rows
     it received; both sum to the group's tokens x k rows.
     """
-    mesh = build_mesh(ep=4, dp=2)
+    mesh = cached_mesh(ep=4, dp=2)
     block = random_moe(BLOCK, 3)
     apply_expert_parallel(block, mesh)
     sent: list[tuple[int, bool]] = []
@@ -177,7 +177,7 @@ def check_dispatch_bytes(refs: dict):
 
 def check_router_options_under_ep(refs: dict):
     """Capacity (on the global batch, in its token order), z-loss and aux-free bias with global statistics."""
-    mesh = build_mesh(ep=4, dp=2)
+    mesh = cached_mesh(ep=4, dp=2)
     opts = dict(router_z_loss_coef=0.05, moe_aux_free_bias_rate=0.01, moe_capacity_factor=0.5)
     ref = random_moe(BLOCK, 5, **opts)
     x = torch.randn(TOKENS, 32)
@@ -198,7 +198,7 @@ def check_router_options_under_ep(refs: dict):
 
 
 def check_meta_init_and_errors(refs: dict):
-    mesh = build_mesh(ep=4, dp=2)
+    mesh = cached_mesh(ep=4, dp=2)
     cfg = ModelConfig(**MODEL)
     with torch.device("meta"):
         model = build_model(cfg)
@@ -315,7 +315,7 @@ def check_moe_under_tp(refs: dict):
 
     for i, (tp, sp) in enumerate([(2, False), (2, True), (4, False), (4, True)]):
         ref, ids, labels, loss_ref = _tp_reference(40 + i)
-        mesh = build_mesh(dp=8 // tp, tp=tp)
+        mesh = cached_mesh(dp=8 // tp, tp=tp)
         with torch.device("meta"):
             model = build_model(ref.config)
         apply_tensor_parallel(model, mesh["tp"], sp)

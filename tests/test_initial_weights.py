@@ -10,12 +10,11 @@ from torch.utils._pytree import tree_leaves
 from meshtron import env
 from meshtron.checkpoint import fill_local_slices
 from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from meshtron.mesh import build_mesh
 from meshtron.models import InitialWeights, build_model, materialize
 from meshtron.models.counter_rng import normal_slice_, tensor_key
 from meshtron.parallel.pipeline import prune_to_stage
 from meshtron.parallel.runner import materialize_sharded, parallelize
-from meshtron.testing import run_checks
+from meshtron.testing import cached_mesh, run_checks
 
 DENSE = dict(vocab_size=97, hidden_size=32, intermediate_size=44, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=2)
@@ -108,7 +107,7 @@ def check_sharded_fill_equals_the_full_init():
     for model_cfg, pp, dp, ep, tp, mode in LAYOUTS:
         cfg = Config(model=ModelConfig(**model_cfg), parallel=ParallelConfig(pp=pp, dp=dp, ep=ep, tp=tp, data_parallel=mode),
                      train=TrainConfig(seed=SEED))
-        mesh = build_mesh(pp=pp, dp=dp, ep=ep, tp=tp)
+        mesh = cached_mesh(pp=pp, dp=dp, ep=ep, tp=tp)
         with torch.device("meta"):
             model = build_model(cfg.model)
         if pp > 1:
