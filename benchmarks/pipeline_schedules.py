@@ -14,7 +14,12 @@
   ``b`` and a weight path sleeping ``w``; ours (``zb1p``, ``zbv``, ``dualpipev``) against torch's
   ``ScheduleInterleavedZeroBubble`` (one stage per rank: ZB1P), ``ScheduleZBVZeroBubble`` and
   ``ScheduleDualPipeV``, taking turns step by step. Writes ``pipeline_zb.json``,
-  ``pipeline_zb.md`` and ``pipeline_zb_{ours,torch}_{schedule}.png``.
+  ``pipeline_zb.md`` and ``pipeline_zb_{ours,torch}_{schedule}.png``;
+* zero-bubble, real compute (``--parts zbreal``): the same comparison on chunks of a meshtron
+  Transformer (``--real-seq`` tokens per micro-batch, ``--real-microbatches``), whose B and W are
+  real autograd work; the analytic figures use the F, B, W costs measured in the run, and every
+  step's peak resident memory is recorded. Writes ``pipeline_zbreal.json``, its table into
+  ``pipeline_zb.md`` and ``pipeline_zbreal_{ours,torch}_{schedule}.png``.
 
 Writes ``pipeline_{sleep,real}.json``, ``pipeline_table.md`` and timeline PNGs (``show.render_timeline``) to ``--out``.
 Step time is the slowest rank's wall time between a barrier and the end of its step; the median
@@ -30,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -110,13 +116,27 @@ def _spans(stages: dict[int, SleepStage], rank: int) -> list[tuple]:
     return rows
 
 
-def _timed(step) -> float:
+def _memory_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field))
+
+
+def _timed(step) -> tuple[float, float]:
+    """(slowest rank's step time in s, this rank's peak resident memory during the step above its start, MiB).
+
+    The peak is the kernel's high-water mark, reset before the step (``clear_refs``); ``main`` makes
+    malloc map every large tensor on its own, so freed activations leave the resident set at once.
+    """
     dist.barrier()
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    before = _memory_kib("VmRSS:")
     start = time.perf_counter()
     step()
     took = torch.tensor(time.perf_counter() - start)
+    peak = (_memory_kib("VmHWM:") - before) / 1024
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return took.item()
+    return took.item(), peak
 
 
 def _torch_schedule(kind: str, modules: dict[int, nn.Module], m: int, num_stages: int, loss_fn):
@@ -187,7 +207,7 @@ def sleep_benchmark(args) -> dict:
         for key, (stages, step, v) in variants.items():
             for mod in stages.values():
                 mod.spans = []
-            took = _timed(step)
+            took, _ = _timed(step)
             rows = _spans(stages, rank)
             work = torch.tensor(sum(r[4] - r[3] for r in rows))
             dist.all_reduce(work)
@@ -214,87 +234,157 @@ def sleep_benchmark(args) -> dict:
 
 
 ZERO_BUBBLE = ("zb1p", "zbv", "dualpipev")
+COUNTERPART = {"zb1p": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+# The real-compute stages: a meshtron Transformer (real_benchmark, and the zbreal part at --real-seq tokens).
+REAL_MODEL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=2)
 
 
 def _torch_zero_bubble(kind: str, modules: dict[int, nn.Module], m: int, num_stages: int, loss_fn):
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        ScheduleDualPipeV,
-        ScheduleInterleavedZeroBubble,
-        ScheduleZBVZeroBubble,
-    )
+    import torch.distributed.pipelining as pipelining
 
-    stages = [PipelineStage(mod, s, num_stages, torch.device("cpu")) for s, mod in sorted(modules.items())]
-    cls = {"zb1p": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[kind]
-    return cls(stages, m, loss_fn=loss_fn, scale_grads=False)
+    stages = [pipelining.PipelineStage(mod, s, num_stages, torch.device("cpu")) for s, mod in sorted(modules.items())]
+    return getattr(pipelining, COUNTERPART[kind])(stages, m, loss_fn=loss_fn, scale_grads=False)
 
 
-def zero_bubble_benchmark(args) -> dict:
-    """Ours and torch's zero-bubble schedules on the same split sleep stages, steps taking turns."""
+def _record_torch_actions(schedule, rank: int, rows: list) -> None:
+    """Append every compute call of torch's stages to ``rows`` as (rank, kind, mb, start, end, stage):
+    the span our executor records per action (its loss on the last stage is a separate call, not in F)."""
+    for stage in schedule._stages:
+        for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
+            setattr(stage, name, _recording(getattr(stage, name), kind, rank, stage.stage_index, rows))
+
+
+def _recording(method, kind: str, rank: int, stage: int, rows: list):
+    def timed(mb, *args, **kwargs):
+        start = time.perf_counter()
+        out = method(mb, *args, **kwargs)
+        rows.append((rank, kind, mb, start, time.perf_counter(), stage))
+        return out
+
+    return timed
+
+
+def _zero_bubble_stages(args, real: bool, mine: list[int], num_stages: int, v: int):
+    """This rank's chunks as modules, stage 0's batch, the targets, the loss(output, target) and the
+    boundary tensor: split sleep stages, or (``real``) chunks of a meshtron Transformer whose autograd
+    graph the split backward cuts for real."""
+    if not real:
+        costs = [c / 1e3 / v for c in (args.f_ms, args.b_ms, args.w_ms)]
+        batch = torch.randn(args.microbatches * SLEEP_ACTIVATION[0], *SLEEP_ACTIVATION[1:])
+        stages = {s: SplitSleepStage(*costs) for s in mine}
+        return stages, batch, batch, lambda out, target: out.mean(), (SLEEP_ACTIVATION, torch.float32)
+    from meshtron.config import ModelConfig
+    from meshtron.models import build_model, materialize, token_loss_sum
+    from meshtron.parallel.pipeline.stage import StageChunk, prune_to_stage
+
+    cfg, m, seq = ModelConfig(**REAL_MODEL), args.real_microbatches, args.real_seq
+    with torch.device("meta"):
+        model = build_model(cfg)
+    ranges = prune_to_stage(model, dist.get_rank(), args.pp, v, v_shape=v > 1)
+    materialize(model, "cpu")  # the single-process weights, whatever the schedule's placement
+    positions = torch.arange(seq).expand(1, -1)
+    stages = {s: _ChunkModule(StageChunk(model, s, r, num_stages), positions) for s, r in ranges.items()}
+    gen = torch.Generator().manual_seed(0)
+    ids, labels = (torch.randint(0, cfg.vocab_size, (m, seq), generator=gen) for _ in range(2))
+    tokens = labels.numel()
+    return stages, ids, labels, lambda out, lab: token_loss_sum(out, lab) / tokens, ((1, seq, cfg.hidden_size), torch.float32)
+
+
+def zero_bubble_benchmark(args, real: bool = False) -> dict:
+    """Ours and torch's zero-bubble schedules on the same split stages, steps taking turns: sleep stages
+    (part ``zb``) or real compute (part ``zbreal``, analytic figures from the measured F, B, W)."""
     from meshtron.parallel.pipeline import build_schedule, peak_in_flight, simulate
     from meshtron.parallel.pipeline.executor import PipelineExecutor
     from meshtron.parallel.pipeline.split import chunk_rank
 
-    pp, m, rank = args.pp, args.microbatches, dist.get_rank()
+    pp, rank = args.pp, dist.get_rank()
+    m, repeats = (args.real_microbatches, args.real_repeats) if real else (args.microbatches, args.repeats)
     group = dist.group.WORLD
     grads = dist.new_group(list(range(pp)))  # gradients on their own communicator (executor doc)
-    variants, predicted = {}, {}
+    variants, predicted, torch_rows = {}, {}, []
     for kind in ZERO_BUBBLE:
         v = 1 if kind == "zb1p" else 2
-        n, v_shape = pp * v, kind != "zb1p"
-        costs = [c / 1e3 / v for c in (args.f_ms, args.b_ms, args.w_ms)]
-        stages = {s: SplitSleepStage(*costs) for s in range(n) if chunk_rank(s, pp, v_shape) == rank}
-        batch = torch.randn(m * SLEEP_ACTIVATION[0], *SLEEP_ACTIVATION[1:])
-        inputs = list(batch.chunk(m))
+        n = pp * v
+        mine = [s for s in range(n) if chunk_rank(s, pp, kind != "zb1p") == rank]
+        stages, batch, target, loss, boundary = _zero_bubble_stages(args, real, mine, n, v)
+        inputs, targets = list(batch.chunk(m)), list(target.chunk(m))
         schedule = build_schedule(kind, pp, m, v)
         executor = PipelineExecutor(schedule[rank], n, group, grad_group=grads)
         executor.record = True
 
-        def ours(stages=stages, executor=executor, inputs=inputs):
-            executor.run(lambda s, x, mb: stages[s](x), inputs, lambda out, mb: out.mean(),
-                         (SLEEP_ACTIVATION, torch.float32))
+        def ours(stages=stages, executor=executor, inputs=inputs, targets=targets, loss=loss, boundary=boundary):
+            executor.run(lambda s, x, mb: stages[s](x), inputs, lambda out, mb: loss(out, targets[mb]), boundary)
 
-        sim = simulate(schedule, *(c * 1e3 for c in costs[:2]), 0, w_cost=costs[2] * 1e3, rendezvous=False)
-        predicted[kind] = (sim.makespan / 1e3, sim.bubble, [peak_in_flight(steps) for steps in schedule], v)
+        predicted[kind] = (schedule, [peak_in_flight(steps) for steps in schedule], v)
         variants[("ours", kind)] = (stages, ours, executor)
-        theirs = _torch_zero_bubble(kind, stages, m, n, lambda out, target: out.mean())
-        variants[("torch", kind)] = (stages, _torch_step(theirs, stages, n, batch, batch), None)
+        theirs = _torch_zero_bubble(kind, stages, m, n, loss)
+        if real:
+            _record_torch_actions(theirs, rank, torch_rows)
+        variants[("torch", kind)] = (stages, _torch_step(theirs, stages, n, batch, target), None)
     times = {key: [] for key in variants}
     busy = {key: [] for key in variants}
-    spans, peaks = {}, {}
-    for rep in range(args.repeats + 1):
+    memory = {key: [] for key in variants}
+    spans, peaks, grad_diff, reference = {}, {}, {}, {}
+    for rep in range(repeats + 1):
         for key, (stages, step, executor) in variants.items():
+            params = [p for mod in stages.values() for p in mod.parameters()]
             for mod in stages.values():
                 mod.spans = []
-            took = _timed(step)
-            # ours: the executor's action spans; torch: the sleeps themselves (its actions are not timed)
-            rows = [tuple(sp) for sp in executor.spans] if executor else _spans(stages, rank)
+            for p in params:  # each step allocates its gradients: they count in its peak memory
+                p.grad = None
+            torch_rows.clear()
+            took, peak = _timed(step)
+            # ours: the executor's action spans; torch: its compute calls (real) or the sleeps themselves
+            rows = [tuple(sp) for sp in executor.spans] if executor else list(torch_rows) if real else _spans(stages, rank)
             work = torch.tensor(sum(r[4] - r[3] for r in rows))
             dist.all_reduce(work)
             if rep:
                 times[key].append(took)
                 busy[key].append(work.item())
+                memory[key].append(peak)
+            else:  # the warm-up steps double as a check that both compute the same gradients
+                grads_now = [torch.zeros(()) if p.grad is None else p.grad.clone() for p in params]
+                if executor:
+                    reference[key[1]] = grads_now
+                else:
+                    grad_diff[key[1]] = max((a - b).abs().max().item() for a, b in zip(grads_now, reference[key[1]]))
             spans[key] = rows
             if executor:
                 peaks[key] = executor.peak_live
+    memory = {key: statistics.median(peaks_mib) for key, peaks_mib in memory.items()}
     gathered = [None] * pp if rank == 0 else None
-    dist.gather_object((spans, peaks), gathered, dst=0)
+    dist.gather_object((spans, peaks, memory, grad_diff), gathered, dst=0)
+    if rank:
+        return {}
     result = {}
     for key in variants:
         step = statistics.median(times[key])
-        makespan, bubble, peak, v = predicted[key[1]]
+        schedule, peak, v = predicted[key[1]]
+        ours_spans = [row for g in gathered for row in g[0][("ours", key[1])]]
+        costs = _mean_costs(ours_spans) if real else [c / v for c in (args.f_ms, args.b_ms, args.w_ms)]
+        sim = simulate(schedule, costs[0], costs[1], 0, w_cost=costs[2], rendezvous=False)
         result["/".join(key)] = {
             "step_s": step,
             "steps_s": times[key],
-            "analytic_step_s": makespan,
+            "analytic_step_s": sim.makespan / 1e3,
+            "fbw_ms": costs,
             "bubble": 1 - statistics.median(busy[key]) / (pp * step),
-            "analytic_bubble": bubble,
+            "analytic_bubble": sim.bubble,
             "predicted_peak": peak,
-            "measured_peak": [g[1].get(key) for g in gathered] if rank == 0 else None,
+            "measured_peak": [g[1].get(key) for g in gathered],
+            "peak_mib": [g[2][key] for g in gathered],
+            "grad_max_diff": max(g[3][key[1]] for g in gathered),
             "virtual": v,
-            "spans": [row for g in gathered for row in g[0][key]] if rank == 0 else None,
+            "spans": [row for g in gathered for row in g[0][key]],
         }
     return result
+
+
+def _mean_costs(spans) -> list[float]:
+    """Mean F, B, W of one chunk over every rank's recorded actions, in ms (a first stage's B is empty:
+    it has no input gradient, and its W is its whole backward)."""
+    return [statistics.mean(r[4] - r[3] for r in spans if r[1] == kind) * 1e3 for kind in "FBW"]
 
 
 def _render(entry: dict, path: Path, name: str, args) -> None:
@@ -308,36 +398,69 @@ def _render(entry: dict, path: Path, name: str, args) -> None:
 
 
 def zero_bubble_report(out: Path) -> str:
-    zb = json.loads((out / "pipeline_zb.json").read_text())
+    """The tables of the ``zb`` (sleep) and ``zbreal`` (real compute) runs found in ``out``."""
+    sections = []
+    for part in ("zb", "zbreal"):
+        if (out / f"pipeline_{part}.json").is_file():
+            sections.append(_zero_bubble_section(out, part, json.loads((out / f"pipeline_{part}.json").read_text())))
+    return "\n\n".join(sections)
+
+
+def _zero_bubble_section(out: Path, part: str, zb: dict) -> str:
     args = argparse.Namespace(**zb["setting"])
+    real = part == "zbreal"
+    m, repeats = (args.real_microbatches, args.real_repeats) if real else (args.microbatches, args.repeats)
+    if real:
+        head = (
+            f"## Zero-bubble schedules, real compute (CPU, gloo, float32, 1 thread per rank): pp = {args.pp}, m = {m}, "
+            f"meshtron Transformer ({REAL_MODEL['num_hidden_layers']} layers, hidden {REAL_MODEL['hidden_size']}, "
+            f"micro-batch 1 x {args.real_seq} tokens) split into pp * v chunks"
+        )
+        analytic = ("our schedule simulated with the measured mean F, B, W of a chunk (ours, all ranks, last step; "
+                    "a first stage's B is empty and its W its whole backward)")
+        torch_busy = "time inside its stages' compute calls (the last stage's loss is a separate call)"
+    else:
+        head = (
+            f"## Zero-bubble schedules, sleep stages (CPU, gloo): pp = {args.pp}, m = {m}, per rank "
+            f"F {args.f_ms:g} ms, B {args.b_ms:g} ms, W {args.w_ms:g} ms (per chunk divided by v)"
+        )
+        analytic = "our schedule simulated with these costs"
+        torch_busy = "time inside the sleeps"
     lines = [
-        f"## Zero-bubble schedules, sleep stages (CPU, gloo): pp = {args.pp}, m = {args.microbatches}, per rank "
-        f"F {args.f_ms:g} ms, B {args.b_ms:g} ms, W {args.w_ms:g} ms (per chunk divided by v)",
+        head,
         "",
-        f"Median (and min) of {args.repeats} steps per variant, ours and torch's taking turns; load average "
-        f"{zb['load_average']:.1f} on {os.cpu_count()} CPUs at the end of the run. Analytic: our schedule "
-        "simulated with these costs. Bubble: 1 - busy / (pp * step), busy = ours: time inside our F/B/W "
-        "actions (their Python and autograd overhead included); torch: time inside the sleeps. "
+        f"Median (and min) of {repeats} steps per variant, ours and torch's taking turns; load average "
+        f"{zb['load_average']:.1f} on {os.cpu_count()} CPUs at the end of the run. Analytic: {analytic}. "
+        "Bubble: 1 - busy / (pp * step), busy = ours: time inside our F/B/W actions (their Python and autograd "
+        f"overhead included); torch: {torch_busy}. "
         "Peak: micro-batch activations (chunks) held at once per rank, ours measured by the executor and "
-        "predicted by `peak_in_flight`.",
+        "predicted by `peak_in_flight`; peak MiB: resident memory above the step's start, highest rank, median "
+        "over steps (gradients included, both allocate them in the step).",
         "",
         "| schedule | torch counterpart | v | ours step (ms) | torch step (ms) | ours / torch | ours min | torch min "
         "| analytic (ms) | ours / analytic | ours bubble | torch bubble | analytic bubble | ours peak (measured) "
-        "| ours peak (predicted) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ours peak (predicted) | peak MiB ours | peak MiB torch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    counterpart = {"zb1p": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
-                   "dualpipev": "ScheduleDualPipeV"}
     for kind in ZERO_BUBBLE:
         ours, theirs = zb[f"ours/{kind}"], zb[f"torch/{kind}"]
         lines.append(
-            _step_cells(kind, ours, theirs).replace(f"| {kind} |", f"| {kind} | {counterpart[kind]} |", 1)
+            _step_cells(kind, ours, theirs).replace(f"| {kind} |", f"| {kind} | {COUNTERPART[kind]} |", 1)
             + f" | {ours['analytic_step_s'] * 1e3:.1f} | {_ratio(ours['step_s'], ours['analytic_step_s'], 3)} "
             f"| {ours['bubble']:.3f} | {theirs['bubble']:.3f} | {ours['analytic_bubble']:.3f} "
-            f"| {ours['measured_peak']} | {ours['predicted_peak']} |"
+            f"| {ours['measured_peak']} | {ours['predicted_peak']} | {_peak_mib(ours)} | {_peak_mib(theirs)} |"
         )
         for who in ("ours", "torch"):
-            _render(zb[f"{who}/{kind}"], out / f"pipeline_zb_{who}_{kind}.png", f"CPU sleep stages, {who} {kind}", args)
+            name = f"CPU {'real compute' if real else 'sleep stages'}, {who} {kind}"
+            _render(zb[f"{who}/{kind}"], out / f"pipeline_{part}_{who}_{kind}.png", name,
+                    argparse.Namespace(pp=args.pp, microbatches=m))
+    if real:
+        lines += ["", "Measured mean cost of one chunk (ms) and the largest gradient difference ours vs torch after "
+                  "one step on the same weights and micro-batches:", "",
+                  "| schedule | F | B | W | max abs grad diff |", "|---|---|---|---|---|"]
+        for kind in ZERO_BUBBLE:
+            ours = zb[f"ours/{kind}"]
+            lines.append(f"| {kind} | " + " | ".join(f"{c:.1f}" for c in ours["fbw_ms"]) + f" | {ours['grad_max_diff']:.1e} |")
     lines += ["", "Steps (ms) per variant, in run order:", ""]
     for key, entry in zb.items():
         if "/" in key:
@@ -345,12 +468,19 @@ def zero_bubble_report(out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _peak_mib(entry: dict) -> str:
+    """Highest rank's peak step memory (runs before the memory was measured have none)."""
+    return f"{max(entry['peak_mib']):.1f}" if "peak_mib" in entry else "n/a"
+
+
 class _ChunkModule(nn.Module):
-    """nn.Module face of one of our StageChunks (torch's PipelineStage needs a module)."""
+    """nn.Module face of one of our StageChunks (torch's PipelineStage needs a module) whose parameters
+    are the chunk's own: torch's split backward computes the weight gradients of a stage's parameters."""
 
     def __init__(self, chunk, positions):
         super().__init__()
-        self.model, self.chunk, self.positions = chunk.model, chunk, positions
+        self.parts = nn.ModuleList(chunk.modules())
+        self.chunk, self.positions = chunk, positions
 
     def forward(self, x):
         return self.chunk(x, self.positions[: x.shape[0]])
@@ -363,8 +493,7 @@ def real_benchmark(args) -> dict:
     from meshtron.parallel.runner import build_step_runner
 
     pp, m, rank = args.pp, args.real_microbatches, dist.get_rank()
-    model_cfg = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
-                            num_attention_heads=8, num_key_value_heads=2)
+    model_cfg = ModelConfig(**REAL_MODEL)
     seq, mb = 128, 1
     mesh = build_mesh(pp=pp)
     gen = torch.Generator().manual_seed(0)
@@ -388,7 +517,7 @@ def real_benchmark(args) -> dict:
     busy = {key: [] for key in variants}
     for rep in range(args.real_repeats + 1):
         for key, (step, runner, v) in variants.items():
-            took = _timed(step)
+            took, _ = _timed(step)
             if runner is not None:
                 work = torch.tensor(sum(s.end - s.start for s in runner.executor.spans))
                 dist.all_reduce(work)
@@ -412,7 +541,8 @@ def real_benchmark(args) -> dict:
 def _rank_main(args):
     torch.manual_seed(0)
     for part in args.parts:
-        run = {"sleep": sleep_benchmark, "real": real_benchmark, "zb": zero_bubble_benchmark}[part]
+        run = {"sleep": sleep_benchmark, "real": real_benchmark, "zb": zero_bubble_benchmark,
+               "zbreal": partial(zero_bubble_benchmark, real=True)}[part]
         result = run(args)
         if dist.get_rank() == 0:
             result["setting"] = {k: v for k, v in vars(args).items() if k != "parts"}
@@ -539,22 +669,27 @@ def main(argv: list[str] | None = None) -> None:
                         help="zb part: weight-gradient time of one rank's share (--b-ms is then the input-gradient "
                              "part; the zero-bubble run in the results used --b-ms 20)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--parts", default="sleep,real", help="comma list of sleep, real, zb; empty: report only")
+    parser.add_argument("--parts", default="sleep,real", help="comma list of sleep, real, zb, zbreal; empty: report only")
     parser.add_argument("--real-microbatches", type=int, default=8)
     parser.add_argument("--real-repeats", type=int, default=9)
+    parser.add_argument("--real-seq", type=int, default=128, help="zbreal part: tokens per micro-batch")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     args.parts = [p for p in args.parts.split(",") if p]
     if args.parts:
         from meshtron.testing import run_checks
 
+        # Large tensors get their own mappings, returned at free: the resident set follows live memory
+        # (_timed's peak). Read by malloc at start-up, so it reaches the ranks through their environment.
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
+
         run_checks([_rank_main], args.pp, args, timeout=1800)
     out = Path(args.out)
-    if "zb" in args.parts or (not args.parts and (out / "pipeline_zb.json").is_file()):
+    if {"zb", "zbreal"} & set(args.parts) or (not args.parts and (out / "pipeline_zb.json").is_file()):
         text = zero_bubble_report(out)
         (out / "pipeline_zb.md").write_text(text)
         print(text)
-    if set(args.parts) - {"zb"} or not args.parts:
+    if set(args.parts) - {"zb", "zbreal"} or not args.parts:
         text = report(args)
         (out / "pipeline_table.md").write_text(text)
         print(text)
