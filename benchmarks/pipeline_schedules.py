@@ -18,7 +18,7 @@
 * zero-bubble, real compute (``--parts zbreal``): the same comparison on chunks of a meshtron
   Transformer (``--real-seq`` tokens per micro-batch, ``--real-microbatches``), whose B and W are
   real autograd work; the analytic figures use the F, B, W costs measured in the run, and every
-  step's peak resident memory is recorded. Writes ``pipeline_zbreal.json``, its table into
+  step's peak of activations saved for backward is recorded. Writes ``pipeline_zbreal.json``, its table into
   ``pipeline_zb.md`` and ``pipeline_zbreal_{ours,torch}_{schedule}.png``.
 
 Writes ``pipeline_{sleep,real}.json``, ``pipeline_table.md`` and timeline PNGs (``show.render_timeline``) to ``--out``.
@@ -116,27 +116,54 @@ def _spans(stages: dict[int, SleepStage], rank: int) -> list[tuple]:
     return rows
 
 
-def _memory_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field))
-
-
-def _timed(step) -> tuple[float, float]:
-    """(slowest rank's step time in s, this rank's peak resident memory during the step above its start, MiB).
-
-    The peak is the kernel's high-water mark, reset before the step (``clear_refs``); ``main`` makes
-    malloc map every large tensor on its own, so freed activations leave the resident set at once.
-    """
+def _timed(step) -> float:
     dist.barrier()
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
-    before = _memory_kib("VmRSS:")
     start = time.perf_counter()
     step()
     took = torch.tensor(time.perf_counter() - start)
-    peak = (_memory_kib("VmHWM:") - before) / 1024
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return took.item(), peak
+    return took.item()
+
+
+class _SavedBytes:
+    """Live and peak bytes of the distinct storages autograd saves for backward, parameters excluded:
+    the activation memory a schedule holds in flight, counted alike for ours and torch's."""
+
+    class _Saved:
+        def __init__(self, owner, tensor, key):
+            # The data, not the graph: a saved output holding its grad_fn is a cycle only that node's
+            # backward breaks, and a split backward's W does not run every node.
+            self.owner, self.tensor, self.key = owner, tensor.detach(), key
+
+        def __del__(self):
+            self.owner.release(self.key)
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.refs: dict[int, list] = {}  # storage -> [handles alive, bytes]
+        self.live = self.peak = 0
+
+    def pack(self, tensor):
+        key = tensor.untyped_storage().data_ptr()
+        if key in self.params:
+            return tensor
+        held = self.refs.setdefault(key, [0, tensor.untyped_storage().nbytes()])
+        if not held[0]:
+            self.live += held[1]
+            self.peak = max(self.peak, self.live)
+        held[0] += 1
+        return self._Saved(self, tensor, key)
+
+    @staticmethod
+    def unpack(saved):
+        return saved if isinstance(saved, torch.Tensor) else saved.tensor
+
+    def release(self, key) -> None:
+        held = self.refs[key]
+        held[0] -= 1
+        if not held[0]:
+            self.live -= held[1]
+            del self.refs[key]
 
 
 def _torch_schedule(kind: str, modules: dict[int, nn.Module], m: int, num_stages: int, loss_fn):
@@ -207,7 +234,7 @@ def sleep_benchmark(args) -> dict:
         for key, (stages, step, v) in variants.items():
             for mod in stages.values():
                 mod.spans = []
-            took, _ = _timed(step)
+            took = _timed(step)
             rows = _spans(stages, rank)
             work = torch.tensor(sum(r[4] - r[3] for r in rows))
             dist.all_reduce(work)
@@ -325,16 +352,23 @@ def zero_bubble_benchmark(args, real: bool = False) -> dict:
     times = {key: [] for key in variants}
     busy = {key: [] for key in variants}
     memory = {key: [] for key in variants}
+    history = {key: [] for key in variants}  # every measured step's spans, for the F, B, W costs
     spans, peaks, grad_diff, reference = {}, {}, {}, {}
     for rep in range(repeats + 1):
         for key, (stages, step, executor) in variants.items():
             params = [p for mod in stages.values() for p in mod.parameters()]
             for mod in stages.values():
                 mod.spans = []
-            for p in params:  # each step allocates its gradients: they count in its peak memory
+            for p in params:  # each step's gradients alone, for the check below
                 p.grad = None
             torch_rows.clear()
-            took, peak = _timed(step)
+            saved = _SavedBytes(params)
+
+            def tracked(step=step, saved=saved):
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                    step()
+
+            took = _timed(tracked)
             # ours: the executor's action spans; torch: its compute calls (real) or the sleeps themselves
             rows = [tuple(sp) for sp in executor.spans] if executor else list(torch_rows) if real else _spans(stages, rank)
             work = torch.tensor(sum(r[4] - r[3] for r in rows))
@@ -342,7 +376,8 @@ def zero_bubble_benchmark(args, real: bool = False) -> dict:
             if rep:
                 times[key].append(took)
                 busy[key].append(work.item())
-                memory[key].append(peak)
+                memory[key].append(saved.peak / 2**20)
+                history[key].append(rows)
             else:  # the warm-up steps double as a check that both compute the same gradients
                 grads_now = [torch.zeros(()) if p.grad is None else p.grad.clone() for p in params]
                 if executor:
@@ -354,21 +389,21 @@ def zero_bubble_benchmark(args, real: bool = False) -> dict:
                 peaks[key] = executor.peak_live
     memory = {key: statistics.median(peaks_mib) for key, peaks_mib in memory.items()}
     gathered = [None] * pp if rank == 0 else None
-    dist.gather_object((spans, peaks, memory, grad_diff), gathered, dst=0)
+    dist.gather_object((spans, peaks, memory, grad_diff, history), gathered, dst=0)
     if rank:
         return {}
     result = {}
     for key in variants:
         step = statistics.median(times[key])
         schedule, peak, v = predicted[key[1]]
-        ours_spans = [row for g in gathered for row in g[0][("ours", key[1])]]
-        costs = _mean_costs(ours_spans) if real else [c / v for c in (args.f_ms, args.b_ms, args.w_ms)]
+        fbw = {who: _median_costs([g[4][(who, key[1])] for g in gathered]) for who in ("ours", "torch")}
+        costs = fbw["ours"] if real else [c / v for c in (args.f_ms, args.b_ms, args.w_ms)]
         sim = simulate(schedule, costs[0], costs[1], 0, w_cost=costs[2], rendezvous=False)
         result["/".join(key)] = {
             "step_s": step,
             "steps_s": times[key],
             "analytic_step_s": sim.makespan / 1e3,
-            "fbw_ms": costs,
+            "fbw_ms": fbw[key[0]],
             "bubble": 1 - statistics.median(busy[key]) / (pp * step),
             "analytic_bubble": sim.bubble,
             "predicted_peak": peak,
@@ -381,10 +416,12 @@ def zero_bubble_benchmark(args, real: bool = False) -> dict:
     return result
 
 
-def _mean_costs(spans) -> list[float]:
-    """Mean F, B, W of one chunk over every rank's recorded actions, in ms (a first stage's B is empty:
-    it has no input gradient, and its W is its whole backward)."""
-    return [statistics.mean(r[4] - r[3] for r in spans if r[1] == kind) * 1e3 for kind in "FBW"]
+def _median_costs(per_rank: list[list[list[tuple]]]) -> list[float]:
+    """F, B, W of one chunk in ms: the mean over all ranks' actions of a step (a first stage's B is
+    empty, it has no input gradient, and its W is its whole backward), median over the steps."""
+    steps = [[row for rank in per_rank for row in rank[i]] for i in range(len(per_rank[0]))]
+    return [statistics.median(statistics.mean(r[4] - r[3] for r in rows if r[1] == kind) * 1e3 for rows in steps)
+            for kind in "FBW"]
 
 
 def _render(entry: dict, path: Path, name: str, args) -> None:
@@ -434,8 +471,8 @@ def _zero_bubble_section(out: Path, part: str, zb: dict) -> str:
         "Bubble: 1 - busy / (pp * step), busy = ours: time inside our F/B/W actions (their Python and autograd "
         f"overhead included); torch: {torch_busy}. "
         "Peak: micro-batch activations (chunks) held at once per rank, ours measured by the executor and "
-        "predicted by `peak_in_flight`; peak MiB: resident memory above the step's start, highest rank, median "
-        "over steps (gradients included, both allocate them in the step).",
+        "predicted by `peak_in_flight`; peak MiB: most bytes of activations saved for backward held at once "
+        "(distinct storages, parameters excluded; highest rank, median over steps), ours and torch's alike.",
         "",
         "| schedule | torch counterpart | v | ours step (ms) | torch step (ms) | ours / torch | ours min | torch min "
         "| analytic (ms) | ours / analytic | ours bubble | torch bubble | analytic bubble | ours peak (measured) "
@@ -455,12 +492,15 @@ def _zero_bubble_section(out: Path, part: str, zb: dict) -> str:
             _render(zb[f"{who}/{kind}"], out / f"pipeline_{part}_{who}_{kind}.png", name,
                     argparse.Namespace(pp=args.pp, microbatches=m))
     if real:
-        lines += ["", "Measured mean cost of one chunk (ms) and the largest gradient difference ours vs torch after "
-                  "one step on the same weights and micro-batches:", "",
-                  "| schedule | F | B | W | max abs grad diff |", "|---|---|---|---|---|"]
+        lines += ["", "Measured cost of one chunk's action (ms; mean over the ranks' actions of a step, median over "
+                  "steps), ours and torch's, and the largest gradient difference ours vs torch after one step on the "
+                  "same weights and micro-batches:", "",
+                  "| schedule | F ours | F torch | B ours | B torch | W ours | W torch | max abs grad diff |",
+                  "|---|---|---|---|---|---|---|---|"]
         for kind in ZERO_BUBBLE:
-            ours = zb[f"ours/{kind}"]
-            lines.append(f"| {kind} | " + " | ".join(f"{c:.1f}" for c in ours["fbw_ms"]) + f" | {ours['grad_max_diff']:.1e} |")
+            ours, theirs = zb[f"ours/{kind}"], zb[f"torch/{kind}"]
+            costs = [f"{a:.1f} | {b:.1f}" for a, b in zip(ours["fbw_ms"], theirs["fbw_ms"])]
+            lines.append(f"| {kind} | " + " | ".join(costs) + f" | {ours['grad_max_diff']:.1e} |")
     lines += ["", "Steps (ms) per variant, in run order:", ""]
     for key, entry in zb.items():
         if "/" in key:
@@ -469,7 +509,7 @@ def _zero_bubble_section(out: Path, part: str, zb: dict) -> str:
 
 
 def _peak_mib(entry: dict) -> str:
-    """Highest rank's peak step memory (runs before the memory was measured have none)."""
+    """Highest rank's peak saved activations (runs before they were measured have none)."""
     return f"{max(entry['peak_mib']):.1f}" if "peak_mib" in entry else "n/a"
 
 
@@ -517,7 +557,7 @@ def real_benchmark(args) -> dict:
     busy = {key: [] for key in variants}
     for rep in range(args.real_repeats + 1):
         for key, (step, runner, v) in variants.items():
-            took, _ = _timed(step)
+            took = _timed(step)
             if runner is not None:
                 work = torch.tensor(sum(s.end - s.start for s in runner.executor.spans))
                 dist.all_reduce(work)
@@ -678,10 +718,6 @@ def main(argv: list[str] | None = None) -> None:
     args.parts = [p for p in args.parts.split(",") if p]
     if args.parts:
         from meshtron.testing import run_checks
-
-        # Large tensors get their own mappings, returned at free: the resident set follows live memory
-        # (_timed's peak). Read by malloc at start-up, so it reaches the ranks through their environment.
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
 
         run_checks([_rank_main], args.pp, args, timeout=1800)
     out = Path(args.out)
