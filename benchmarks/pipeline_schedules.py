@@ -472,12 +472,13 @@ def _zero_bubble_section(out: Path, part: str, zb: dict) -> str:
         f"overhead included); torch: {torch_busy}. "
         "Peak: micro-batch activations (chunks) held at once per rank, ours measured by the executor and "
         "predicted by `peak_in_flight`; peak MiB: most bytes of activations saved for backward held at once "
-        "(distinct storages, parameters excluded; highest rank, median over steps), ours and torch's alike.",
+        "(distinct storages, parameters excluded; highest rank, median over steps), ours and torch's alike. Paired: median over rounds of ours' step / torch's next step "
+        "(steps taken back to back, so slow drifts of the machine's load cancel).",
         "",
         "| schedule | torch counterpart | v | ours step (ms) | torch step (ms) | ours / torch | ours min | torch min "
         "| analytic (ms) | ours / analytic | ours bubble | torch bubble | analytic bubble | ours peak (measured) "
-        "| ours peak (predicted) | peak MiB ours | peak MiB torch |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ours peak (predicted) | peak MiB ours | peak MiB torch | paired ours / torch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind in ZERO_BUBBLE:
         ours, theirs = zb[f"ours/{kind}"], zb[f"torch/{kind}"]
@@ -485,7 +486,8 @@ def _zero_bubble_section(out: Path, part: str, zb: dict) -> str:
             _step_cells(kind, ours, theirs).replace(f"| {kind} |", f"| {kind} | {COUNTERPART[kind]} |", 1)
             + f" | {ours['analytic_step_s'] * 1e3:.1f} | {_ratio(ours['step_s'], ours['analytic_step_s'], 3)} "
             f"| {ours['bubble']:.3f} | {theirs['bubble']:.3f} | {ours['analytic_bubble']:.3f} "
-            f"| {ours['measured_peak']} | {ours['predicted_peak']} | {_peak_mib(ours)} | {_peak_mib(theirs)} |"
+            f"| {ours['measured_peak']} | {ours['predicted_peak']} | {_peak_mib(ours)} | {_peak_mib(theirs)} "
+            f"| {statistics.median(a / b for a, b in zip(ours['steps_s'], theirs['steps_s'])):.3f} |"
         )
         for who in ("ours", "torch"):
             name = f"CPU {'real compute' if real else 'sleep stages'}, {who} {kind}"
@@ -721,7 +723,8 @@ def main(argv: list[str] | None = None) -> None:
 
         run_checks([_rank_main], args.pp, args, timeout=1800)
     out = Path(args.out)
-    if {"zb", "zbreal"} & set(args.parts) or (not args.parts and (out / "pipeline_zb.json").is_file()):
+    zero_bubble = [part for part in ("zb", "zbreal") if (out / f"pipeline_{part}.json").is_file()]
+    if {"zb", "zbreal"} & set(args.parts) or (not args.parts and zero_bubble):
         text = zero_bubble_report(out)
         (out / "pipeline_zb.md").write_text(text)
         print(text)
