@@ -453,8 +453,8 @@ def _zero_bubble_section(out: Path, part: str, zb: dict) -> str:
             f"meshtron Transformer ({REAL_MODEL['num_hidden_layers']} layers, hidden {REAL_MODEL['hidden_size']}, "
             f"micro-batch 1 x {args.real_seq} tokens) split into pp * v chunks"
         )
-        analytic = ("our schedule simulated with the measured mean F, B, W of a chunk (ours, all ranks, last step; "
-                    "a first stage's B is empty and its W its whole backward)")
+        analytic = ("our schedule simulated with our measured F, B, W of a chunk (table below; a first stage's B "
+                    "is empty and its W its whole backward)")
         torch_busy = "time inside its stages' compute calls (the last stage's loss is a separate call)"
     else:
         head = (
