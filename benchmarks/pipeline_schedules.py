@@ -14,7 +14,12 @@
   ``b`` and a weight path sleeping ``w``; ours (``zb1p``, ``zbv``, ``dualpipev``) against torch's
   ``ScheduleInterleavedZeroBubble`` (one stage per rank: ZB1P), ``ScheduleZBVZeroBubble`` and
   ``ScheduleDualPipeV``, taking turns step by step. Writes ``pipeline_zb.json``,
-  ``pipeline_zb.md`` and ``pipeline_zb_{ours,torch}_{schedule}.png``.
+  ``pipeline_zb.md`` and ``pipeline_zb_{ours,torch}_{schedule}.png``;
+* zero-bubble, real compute (``--parts zbreal``): the same comparison on chunks of a meshtron
+  Transformer (``--real-seq`` tokens per micro-batch, ``--real-microbatches``), whose B and W are
+  real autograd work; the analytic figures use the F, B, W costs measured in the run, and every
+  step's peak of activations saved for backward is recorded. Writes ``pipeline_zbreal.json``, its table into
+  ``pipeline_zb.md`` and ``pipeline_zbreal_{ours,torch}_{schedule}.png``.
 
 Writes ``pipeline_{sleep,real}.json``, ``pipeline_table.md`` and timeline PNGs (``show.render_timeline``) to ``--out``.
 Step time is the slowest rank's wall time between a barrier and the end of its step; the median
@@ -30,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -117,6 +123,47 @@ def _timed(step) -> float:
     took = torch.tensor(time.perf_counter() - start)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return took.item()
+
+
+class _SavedBytes:
+    """Live and peak bytes of the distinct storages autograd saves for backward, parameters excluded:
+    the activation memory a schedule holds in flight, counted alike for ours and torch's."""
+
+    class _Saved:
+        def __init__(self, owner, tensor, key):
+            # The data, not the graph: a saved output holding its grad_fn is a cycle only that node's
+            # backward breaks, and a split backward's W does not run every node.
+            self.owner, self.tensor, self.key = owner, tensor.detach(), key
+
+        def __del__(self):
+            self.owner.release(self.key)
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.refs: dict[int, list] = {}  # storage -> [handles alive, bytes]
+        self.live = self.peak = 0
+
+    def pack(self, tensor):
+        key = tensor.untyped_storage().data_ptr()
+        if key in self.params:
+            return tensor
+        held = self.refs.setdefault(key, [0, tensor.untyped_storage().nbytes()])
+        if not held[0]:
+            self.live += held[1]
+            self.peak = max(self.peak, self.live)
+        held[0] += 1
+        return self._Saved(self, tensor, key)
+
+    @staticmethod
+    def unpack(saved):
+        return saved if isinstance(saved, torch.Tensor) else saved.tensor
+
+    def release(self, key) -> None:
+        held = self.refs[key]
+        held[0] -= 1
+        if not held[0]:
+            self.live -= held[1]
+            del self.refs[key]
 
 
 def _torch_schedule(kind: str, modules: dict[int, nn.Module], m: int, num_stages: int, loss_fn):
@@ -214,87 +261,167 @@ def sleep_benchmark(args) -> dict:
 
 
 ZERO_BUBBLE = ("zb1p", "zbv", "dualpipev")
+COUNTERPART = {"zb1p": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+# The real-compute stages: a meshtron Transformer (real_benchmark, and the zbreal part at --real-seq tokens).
+REAL_MODEL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=2)
 
 
 def _torch_zero_bubble(kind: str, modules: dict[int, nn.Module], m: int, num_stages: int, loss_fn):
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        ScheduleDualPipeV,
-        ScheduleInterleavedZeroBubble,
-        ScheduleZBVZeroBubble,
-    )
+    import torch.distributed.pipelining as pipelining
 
-    stages = [PipelineStage(mod, s, num_stages, torch.device("cpu")) for s, mod in sorted(modules.items())]
-    cls = {"zb1p": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[kind]
-    return cls(stages, m, loss_fn=loss_fn, scale_grads=False)
+    stages = [pipelining.PipelineStage(mod, s, num_stages, torch.device("cpu")) for s, mod in sorted(modules.items())]
+    return getattr(pipelining, COUNTERPART[kind])(stages, m, loss_fn=loss_fn, scale_grads=False)
 
 
-def zero_bubble_benchmark(args) -> dict:
-    """Ours and torch's zero-bubble schedules on the same split sleep stages, steps taking turns."""
+def _record_torch_actions(schedule, rank: int, rows: list) -> None:
+    """Append every compute call of torch's stages to ``rows`` as (rank, kind, mb, start, end, stage):
+    the span our executor records per action (its loss on the last stage is a separate call, not in F)."""
+    for stage in schedule._stages:
+        for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
+            setattr(stage, name, _recording(getattr(stage, name), kind, rank, stage.stage_index, rows))
+
+
+def _recording(method, kind: str, rank: int, stage: int, rows: list):
+    def timed(mb, *args, **kwargs):
+        start = time.perf_counter()
+        out = method(mb, *args, **kwargs)
+        rows.append((rank, kind, mb, start, time.perf_counter(), stage))
+        return out
+
+    return timed
+
+
+def _zero_bubble_stages(args, real: bool, mine: list[int], num_stages: int, v: int):
+    """This rank's chunks as modules, stage 0's batch, the targets, the loss(output, target) and the
+    boundary tensor: split sleep stages, or (``real``) chunks of a meshtron Transformer whose autograd
+    graph the split backward cuts for real."""
+    if not real:
+        costs = [c / 1e3 / v for c in (args.f_ms, args.b_ms, args.w_ms)]
+        batch = torch.randn(args.microbatches * SLEEP_ACTIVATION[0], *SLEEP_ACTIVATION[1:])
+        stages = {s: SplitSleepStage(*costs) for s in mine}
+        return stages, batch, batch, lambda out, target: out.mean(), (SLEEP_ACTIVATION, torch.float32)
+    from meshtron.config import ModelConfig
+    from meshtron.models import build_model, materialize, token_loss_sum
+    from meshtron.parallel.pipeline.stage import StageChunk, prune_to_stage
+
+    cfg, m, seq = ModelConfig(**REAL_MODEL), args.real_microbatches, args.real_seq
+    with torch.device("meta"):
+        model = build_model(cfg)
+    ranges = prune_to_stage(model, dist.get_rank(), args.pp, v, v_shape=v > 1)
+    materialize(model, "cpu")  # the single-process weights, whatever the schedule's placement
+    positions = torch.arange(seq).expand(1, -1)
+    stages = {s: _ChunkModule(StageChunk(model, s, r, num_stages), positions) for s, r in ranges.items()}
+    gen = torch.Generator().manual_seed(0)
+    ids, labels = (torch.randint(0, cfg.vocab_size, (m, seq), generator=gen) for _ in range(2))
+    tokens = labels.numel()
+    return stages, ids, labels, lambda out, lab: token_loss_sum(out, lab) / tokens, ((1, seq, cfg.hidden_size), torch.float32)
+
+
+def zero_bubble_benchmark(args, real: bool = False) -> dict:
+    """Ours and torch's zero-bubble schedules on the same split stages, steps taking turns: sleep stages
+    (part ``zb``) or real compute (part ``zbreal``, analytic figures from the measured F, B, W)."""
     from meshtron.parallel.pipeline import build_schedule, peak_in_flight, simulate
     from meshtron.parallel.pipeline.executor import PipelineExecutor
     from meshtron.parallel.pipeline.split import chunk_rank
 
-    pp, m, rank = args.pp, args.microbatches, dist.get_rank()
+    pp, rank = args.pp, dist.get_rank()
+    m, repeats = (args.real_microbatches, args.real_repeats) if real else (args.microbatches, args.repeats)
     group = dist.group.WORLD
     grads = dist.new_group(list(range(pp)))  # gradients on their own communicator (executor doc)
-    variants, predicted = {}, {}
+    variants, predicted, torch_rows = {}, {}, []
     for kind in ZERO_BUBBLE:
         v = 1 if kind == "zb1p" else 2
-        n, v_shape = pp * v, kind != "zb1p"
-        costs = [c / 1e3 / v for c in (args.f_ms, args.b_ms, args.w_ms)]
-        stages = {s: SplitSleepStage(*costs) for s in range(n) if chunk_rank(s, pp, v_shape) == rank}
-        batch = torch.randn(m * SLEEP_ACTIVATION[0], *SLEEP_ACTIVATION[1:])
-        inputs = list(batch.chunk(m))
+        n = pp * v
+        mine = [s for s in range(n) if chunk_rank(s, pp, kind != "zb1p") == rank]
+        stages, batch, target, loss, boundary = _zero_bubble_stages(args, real, mine, n, v)
+        inputs, targets = list(batch.chunk(m)), list(target.chunk(m))
         schedule = build_schedule(kind, pp, m, v)
         executor = PipelineExecutor(schedule[rank], n, group, grad_group=grads)
         executor.record = True
 
-        def ours(stages=stages, executor=executor, inputs=inputs):
-            executor.run(lambda s, x, mb: stages[s](x), inputs, lambda out, mb: out.mean(),
-                         (SLEEP_ACTIVATION, torch.float32))
+        def ours(stages=stages, executor=executor, inputs=inputs, targets=targets, loss=loss, boundary=boundary):
+            executor.run(lambda s, x, mb: stages[s](x), inputs, lambda out, mb: loss(out, targets[mb]), boundary)
 
-        sim = simulate(schedule, *(c * 1e3 for c in costs[:2]), 0, w_cost=costs[2] * 1e3, rendezvous=False)
-        predicted[kind] = (sim.makespan / 1e3, sim.bubble, [peak_in_flight(steps) for steps in schedule], v)
+        predicted[kind] = (schedule, [peak_in_flight(steps) for steps in schedule], v)
         variants[("ours", kind)] = (stages, ours, executor)
-        theirs = _torch_zero_bubble(kind, stages, m, n, lambda out, target: out.mean())
-        variants[("torch", kind)] = (stages, _torch_step(theirs, stages, n, batch, batch), None)
+        theirs = _torch_zero_bubble(kind, stages, m, n, loss)
+        if real:
+            _record_torch_actions(theirs, rank, torch_rows)
+        variants[("torch", kind)] = (stages, _torch_step(theirs, stages, n, batch, target), None)
     times = {key: [] for key in variants}
     busy = {key: [] for key in variants}
-    spans, peaks = {}, {}
-    for rep in range(args.repeats + 1):
+    memory = {key: [] for key in variants}
+    history = {key: [] for key in variants}  # every measured step's spans, for the F, B, W costs
+    spans, peaks, grad_diff, reference = {}, {}, {}, {}
+    for rep in range(repeats + 1):
         for key, (stages, step, executor) in variants.items():
+            params = [p for mod in stages.values() for p in mod.parameters()]
             for mod in stages.values():
                 mod.spans = []
-            took = _timed(step)
-            # ours: the executor's action spans; torch: the sleeps themselves (its actions are not timed)
-            rows = [tuple(sp) for sp in executor.spans] if executor else _spans(stages, rank)
+            for p in params:  # each step's gradients alone, for the check below
+                p.grad = None
+            torch_rows.clear()
+            saved = _SavedBytes(params)
+
+            def tracked(step=step, saved=saved):
+                with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                    step()
+
+            took = _timed(tracked)
+            # ours: the executor's action spans; torch: its compute calls (real) or the sleeps themselves
+            rows = [tuple(sp) for sp in executor.spans] if executor else list(torch_rows) if real else _spans(stages, rank)
             work = torch.tensor(sum(r[4] - r[3] for r in rows))
             dist.all_reduce(work)
             if rep:
                 times[key].append(took)
                 busy[key].append(work.item())
+                memory[key].append(saved.peak / 2**20)
+                history[key].append(rows)
+            else:  # the warm-up steps double as a check that both compute the same gradients
+                grads_now = [torch.zeros(()) if p.grad is None else p.grad.clone() for p in params]
+                if executor:
+                    reference[key[1]] = grads_now
+                else:
+                    grad_diff[key[1]] = max((a - b).abs().max().item() for a, b in zip(grads_now, reference[key[1]]))
             spans[key] = rows
             if executor:
                 peaks[key] = executor.peak_live
+    memory = {key: statistics.median(peaks_mib) for key, peaks_mib in memory.items()}
     gathered = [None] * pp if rank == 0 else None
-    dist.gather_object((spans, peaks), gathered, dst=0)
+    dist.gather_object((spans, peaks, memory, grad_diff, history), gathered, dst=0)
+    if rank:
+        return {}
     result = {}
     for key in variants:
         step = statistics.median(times[key])
-        makespan, bubble, peak, v = predicted[key[1]]
+        schedule, peak, v = predicted[key[1]]
+        fbw = {who: _median_costs([g[4][(who, key[1])] for g in gathered]) for who in ("ours", "torch")}
+        costs = fbw["ours"] if real else [c / v for c in (args.f_ms, args.b_ms, args.w_ms)]
+        sim = simulate(schedule, costs[0], costs[1], 0, w_cost=costs[2], rendezvous=False)
         result["/".join(key)] = {
             "step_s": step,
             "steps_s": times[key],
-            "analytic_step_s": makespan,
+            "analytic_step_s": sim.makespan / 1e3,
+            "fbw_ms": fbw[key[0]],
             "bubble": 1 - statistics.median(busy[key]) / (pp * step),
-            "analytic_bubble": bubble,
+            "analytic_bubble": sim.bubble,
             "predicted_peak": peak,
-            "measured_peak": [g[1].get(key) for g in gathered] if rank == 0 else None,
+            "measured_peak": [g[1].get(key) for g in gathered],
+            "peak_mib": [g[2][key] for g in gathered],
+            "grad_max_diff": max(g[3][key[1]] for g in gathered),
             "virtual": v,
-            "spans": [row for g in gathered for row in g[0][key]] if rank == 0 else None,
+            "spans": [row for g in gathered for row in g[0][key]],
         }
     return result
+
+
+def _median_costs(per_rank: list[list[list[tuple]]]) -> list[float]:
+    """F, B, W of one chunk in ms: the mean over all ranks' actions of a step (a first stage's B is
+    empty, it has no input gradient, and its W is its whole backward), median over the steps."""
+    steps = [[row for rank in per_rank for row in rank[i]] for i in range(len(per_rank[0]))]
+    return [statistics.median(statistics.mean(r[4] - r[3] for r in rows if r[1] == kind) * 1e3 for rows in steps)
+            for kind in "FBW"]
 
 
 def _render(entry: dict, path: Path, name: str, args) -> None:
@@ -308,36 +435,74 @@ def _render(entry: dict, path: Path, name: str, args) -> None:
 
 
 def zero_bubble_report(out: Path) -> str:
-    zb = json.loads((out / "pipeline_zb.json").read_text())
+    """The tables of the ``zb`` (sleep) and ``zbreal`` (real compute) runs found in ``out``."""
+    sections = []
+    for part in ("zb", "zbreal"):
+        if (out / f"pipeline_{part}.json").is_file():
+            sections.append(_zero_bubble_section(out, part, json.loads((out / f"pipeline_{part}.json").read_text())))
+    return "\n\n".join(sections)
+
+
+def _zero_bubble_section(out: Path, part: str, zb: dict) -> str:
     args = argparse.Namespace(**zb["setting"])
+    real = part == "zbreal"
+    m, repeats = (args.real_microbatches, args.real_repeats) if real else (args.microbatches, args.repeats)
+    if real:
+        head = (
+            f"## Zero-bubble schedules, real compute (CPU, gloo, float32, 1 thread per rank): pp = {args.pp}, m = {m}, "
+            f"meshtron Transformer ({REAL_MODEL['num_hidden_layers']} layers, hidden {REAL_MODEL['hidden_size']}, "
+            f"micro-batch 1 x {args.real_seq} tokens) split into pp * v chunks"
+        )
+        analytic = ("our schedule simulated with our measured F, B, W of a chunk (table below; a first stage's B "
+                    "is empty and its W its whole backward)")
+        torch_busy = "time inside its stages' compute calls (the last stage's loss is a separate call)"
+    else:
+        head = (
+            f"## Zero-bubble schedules, sleep stages (CPU, gloo): pp = {args.pp}, m = {m}, per rank "
+            f"F {args.f_ms:g} ms, B {args.b_ms:g} ms, W {args.w_ms:g} ms (per chunk divided by v)"
+        )
+        analytic = "our schedule simulated with these costs"
+        torch_busy = "time inside the sleeps"
     lines = [
-        f"## Zero-bubble schedules, sleep stages (CPU, gloo): pp = {args.pp}, m = {args.microbatches}, per rank "
-        f"F {args.f_ms:g} ms, B {args.b_ms:g} ms, W {args.w_ms:g} ms (per chunk divided by v)",
+        head,
         "",
-        f"Median (and min) of {args.repeats} steps per variant, ours and torch's taking turns; load average "
-        f"{zb['load_average']:.1f} on {os.cpu_count()} CPUs at the end of the run. Analytic: our schedule "
-        "simulated with these costs. Bubble: 1 - busy / (pp * step), busy = ours: time inside our F/B/W "
-        "actions (their Python and autograd overhead included); torch: time inside the sleeps. "
+        f"Median (and min) of {repeats} steps per variant, ours and torch's taking turns; load average "
+        f"{zb['load_average']:.1f} on {os.cpu_count()} CPUs at the end of the run. Analytic: {analytic}. "
+        "Bubble: 1 - busy / (pp * step), busy = ours: time inside our F/B/W actions (their Python and autograd "
+        f"overhead included); torch: {torch_busy}. "
         "Peak: micro-batch activations (chunks) held at once per rank, ours measured by the executor and "
-        "predicted by `peak_in_flight`.",
+        "predicted by `peak_in_flight`; peak MiB: most bytes of activations saved for backward held at once "
+        "(distinct storages, parameters excluded; highest rank, median over steps), ours and torch's alike. Paired: median over rounds of ours' step / torch's next step "
+        "(steps taken back to back, so slow drifts of the machine's load cancel).",
         "",
         "| schedule | torch counterpart | v | ours step (ms) | torch step (ms) | ours / torch | ours min | torch min "
         "| analytic (ms) | ours / analytic | ours bubble | torch bubble | analytic bubble | ours peak (measured) "
-        "| ours peak (predicted) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ours peak (predicted) | peak MiB ours | peak MiB torch | paired ours / torch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    counterpart = {"zb1p": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
-                   "dualpipev": "ScheduleDualPipeV"}
     for kind in ZERO_BUBBLE:
         ours, theirs = zb[f"ours/{kind}"], zb[f"torch/{kind}"]
         lines.append(
-            _step_cells(kind, ours, theirs).replace(f"| {kind} |", f"| {kind} | {counterpart[kind]} |", 1)
+            _step_cells(kind, ours, theirs).replace(f"| {kind} |", f"| {kind} | {COUNTERPART[kind]} |", 1)
             + f" | {ours['analytic_step_s'] * 1e3:.1f} | {_ratio(ours['step_s'], ours['analytic_step_s'], 3)} "
             f"| {ours['bubble']:.3f} | {theirs['bubble']:.3f} | {ours['analytic_bubble']:.3f} "
-            f"| {ours['measured_peak']} | {ours['predicted_peak']} |"
+            f"| {ours['measured_peak']} | {ours['predicted_peak']} | {_peak_mib(ours)} | {_peak_mib(theirs)} "
+            f"| {statistics.median(a / b for a, b in zip(ours['steps_s'], theirs['steps_s'])):.3f} |"
         )
         for who in ("ours", "torch"):
-            _render(zb[f"{who}/{kind}"], out / f"pipeline_zb_{who}_{kind}.png", f"CPU sleep stages, {who} {kind}", args)
+            name = f"CPU {'real compute' if real else 'sleep stages'}, {who} {kind}"
+            _render(zb[f"{who}/{kind}"], out / f"pipeline_{part}_{who}_{kind}.png", name,
+                    argparse.Namespace(pp=args.pp, microbatches=m))
+    if real:
+        lines += ["", "Measured cost of one chunk's action (ms; mean over the ranks' actions of a step, median over "
+                  "steps), ours and torch's, and the largest gradient difference ours vs torch after one step on the "
+                  "same weights and micro-batches:", "",
+                  "| schedule | F ours | F torch | B ours | B torch | W ours | W torch | max abs grad diff |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for kind in ZERO_BUBBLE:
+            ours, theirs = zb[f"ours/{kind}"], zb[f"torch/{kind}"]
+            costs = [f"{a:.1f} | {b:.1f}" for a, b in zip(ours["fbw_ms"], theirs["fbw_ms"])]
+            lines.append(f"| {kind} | " + " | ".join(costs) + f" | {ours['grad_max_diff']:.1e} |")
     lines += ["", "Steps (ms) per variant, in run order:", ""]
     for key, entry in zb.items():
         if "/" in key:
@@ -345,12 +510,19 @@ def zero_bubble_report(out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _peak_mib(entry: dict) -> str:
+    """Highest rank's peak saved activations (runs before they were measured have none)."""
+    return f"{max(entry['peak_mib']):.1f}" if "peak_mib" in entry else "n/a"
+
+
 class _ChunkModule(nn.Module):
-    """nn.Module face of one of our StageChunks (torch's PipelineStage needs a module)."""
+    """nn.Module face of one of our StageChunks (torch's PipelineStage needs a module) whose parameters
+    are the chunk's own: torch's split backward computes the weight gradients of a stage's parameters."""
 
     def __init__(self, chunk, positions):
         super().__init__()
-        self.model, self.chunk, self.positions = chunk.model, chunk, positions
+        self.parts = nn.ModuleList(chunk.modules())
+        self.chunk, self.positions = chunk, positions
 
     def forward(self, x):
         return self.chunk(x, self.positions[: x.shape[0]])
@@ -363,8 +535,7 @@ def real_benchmark(args) -> dict:
     from meshtron.parallel.runner import build_step_runner
 
     pp, m, rank = args.pp, args.real_microbatches, dist.get_rank()
-    model_cfg = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
-                            num_attention_heads=8, num_key_value_heads=2)
+    model_cfg = ModelConfig(**REAL_MODEL)
     seq, mb = 128, 1
     mesh = build_mesh(pp=pp)
     gen = torch.Generator().manual_seed(0)
@@ -412,7 +583,8 @@ def real_benchmark(args) -> dict:
 def _rank_main(args):
     torch.manual_seed(0)
     for part in args.parts:
-        run = {"sleep": sleep_benchmark, "real": real_benchmark, "zb": zero_bubble_benchmark}[part]
+        run = {"sleep": sleep_benchmark, "real": real_benchmark, "zb": zero_bubble_benchmark,
+               "zbreal": partial(zero_bubble_benchmark, real=True)}[part]
         result = run(args)
         if dist.get_rank() == 0:
             result["setting"] = {k: v for k, v in vars(args).items() if k != "parts"}
@@ -539,9 +711,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="zb part: weight-gradient time of one rank's share (--b-ms is then the input-gradient "
                              "part; the zero-bubble run in the results used --b-ms 20)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--parts", default="sleep,real", help="comma list of sleep, real, zb; empty: report only")
+    parser.add_argument("--parts", default="sleep,real", help="comma list of sleep, real, zb, zbreal; empty: report only")
     parser.add_argument("--real-microbatches", type=int, default=8)
     parser.add_argument("--real-repeats", type=int, default=9)
+    parser.add_argument("--real-seq", type=int, default=128, help="zbreal part: tokens per micro-batch")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     args.parts = [p for p in args.parts.split(",") if p]
@@ -550,11 +723,12 @@ def main(argv: list[str] | None = None) -> None:
 
         run_checks([_rank_main], args.pp, args, timeout=1800)
     out = Path(args.out)
-    if "zb" in args.parts or (not args.parts and (out / "pipeline_zb.json").is_file()):
+    zero_bubble = [part for part in ("zb", "zbreal") if (out / f"pipeline_{part}.json").is_file()]
+    if {"zb", "zbreal"} & set(args.parts) or (not args.parts and zero_bubble):
         text = zero_bubble_report(out)
         (out / "pipeline_zb.md").write_text(text)
         print(text)
-    if set(args.parts) - {"zb"} or not args.parts:
+    if set(args.parts) - {"zb", "zbreal"} or not args.parts:
         text = report(args)
         (out / "pipeline_table.md").write_text(text)
         print(text)
