@@ -19,8 +19,9 @@ is added here:
 * activation checkpointing of decoder layers (training forwards then run without a KV cache) and
   FSDP2 / replicate / HSDP over the data meshes.
 
-MoE models with fused experts (Qwen2-MoE and the others whose config has ``base_model_ep_plan``:
-``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]), whenever ep > 1 or tp > 1:
+MoE models with fused experts (Qwen2-MoE and the others whose config has ``base_model_ep_plan``, in a
+layout :mod:`meshtron.hf.experts` computes: SiLU ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I],
+or gpt-oss's interleaved, biased, clamped experts), whenever ep > 1 or tp > 1:
 
 * the experts are split ``Shard(0)`` over ep and fed by meshtron's all-to-all dispatch with grouped_mm
   (:mod:`meshtron.hf.experts`); each tp rank dispatches 1/tp of the tokens, so no expert work is
