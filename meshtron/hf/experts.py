@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -67,7 +68,7 @@ class FusedExpertParallel(ExpertDispatch):
     in the SwiGLU layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I], no biases."""
 
     # The attributes transformers' ``use_experts_implementation`` sets, as this class computes them.
-    LAYOUT = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
+    LAYOUT: ClassVar[dict[str, bool]] = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
               "has_post_expert_norm": False}
     PARAMS = _FUSED
     DESCRIPTION = "SiLU-gated experts with gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I], no biases"
@@ -104,7 +105,7 @@ class ClampedExpertParallel(FusedExpertParallel):
     [E, in, out] blocks grouped_mm multiplies; the biases are split over ep like them, and each row
     gets its expert's bias."""
 
-    LAYOUT = dict(FusedExpertParallel.LAYOUT, is_concatenated=False, is_transposed=True, has_bias=True)
+    LAYOUT: ClassVar[dict[str, bool]] = dict(FusedExpertParallel.LAYOUT, is_concatenated=False, is_transposed=True, has_bias=True)
     PARAMS = _FUSED_BIASED
     DESCRIPTION = ("clamped GLU experts (alpha, limit) with interleaved gate/up gate_up_proj [E, H, 2I], "
                    "down_proj [E, I, H] and their biases (gpt-oss)")
@@ -188,7 +189,7 @@ def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, tuple[nn.Module, t
     if mismatches:
         warnings.warn(f"parallelize_hf_model: {len(mismatches)} experts modules stay whole on every tp rank (FSDP "
                       f"still shards them): {next(iter(mismatches.values()))}.", stacklevel=3)
-    for name, experts in found.items():
+    for experts in found.values():
         check_expert_divisible(experts.num_experts, ep)
     return {name: (experts, classes[name]) for name, experts in found.items() if name not in mismatches}
 
@@ -208,4 +209,4 @@ def apply_hf_expert_parallel(
     return replaced
 
 
-__all__ = ["ClampedExpertParallel", "FusedExpertParallel", "clamped_glu", "apply_hf_expert_parallel", "hf_expert_modules"]
+__all__ = ["ClampedExpertParallel", "FusedExpertParallel", "apply_hf_expert_parallel", "clamped_glu", "hf_expert_modules"]
