@@ -6,10 +6,10 @@ reads with the same weights and logits.
 One 8-rank launch: dense models (Llama, Qwen2, Mistral, Qwen3 with its per-head q/k norms) at
 (dp, tp) = (4, 2) and (2, 4), Phi3's fused projections (gathered-output styles) at (2, 4) + SP; Qwen2-MoE at those and with its
 experts split by meshtron's all-to-all at (dp, ep) = (2, 4) and (dp, ep, tp) = (2, 2, 2), with and
-without SP; FSDP (or replicate / HSDP) over the data meshes. In the same launch, eleven more families
-(FAMILIES: with plans, without plans as GPT-2's Conv1D, fused qkv, ALiBi, Mixtral's and gpt-oss's
-experts) at dp2 x tp4 and dp4 x tp2 + SP (Mixtral and gpt-oss over ep instead: dp2 x ep4 and dp2 x ep2 x
-tp2 + SP), and OPT's unsplit MLP warning.
+without SP; FSDP (or replicate / HSDP) over the data meshes. In the same launch, twelve more families
+(FAMILIES: with plans, without plans as GPT-2's Conv1D, fused qkv, ALiBi, Mixtral's, gpt-oss's and
+Aria's experts) at dp2 x tp4 and dp4 x tp2 + SP (the MoE families over ep instead: dp2 x ep4 and
+dp2 x ep2 x tp2 + SP, Aria the latter), and OPT's unsplit MLP warning.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from meshtron import load_hf_checkpoint, parallelize_hf_model, save_hf_checkpoint
 from meshtron.config import ConfigError
-from meshtron.hf.experts import ClampedExpertParallel, FusedExpertParallel
+from meshtron.hf.experts import FusedExpertParallel
 from meshtron.mesh import batch_mesh
 from meshtron.testing import cached_mesh, rel_err, run_checks
 
@@ -254,10 +254,15 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", dict(TINY, num_key_value_heads=4, head_dim=8, intermediate_size=32, num_local_experts=4,
                                      num_experts_per_tok=2, sliding_window=8),
                 "no tp plan; attention sinks (gathered), interleaved biased clamped experts dispatched by meshtron"),
+    "aria": ("AriaTextConfig", dict(TINY, num_key_value_heads=4, intermediate_size=32, moe_num_experts=4, moe_topk=2,
+                                    moe_num_shared_experts=1),
+             "MoE, SiLU experts stored [E, in, out] (transposed) dispatched by meshtron, shared experts"),
 }
 DENSE_LAYOUTS = [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), True)]
 EP_LAYOUTS = [(dict(dp=2, ep=4), False), (dict(dp=2, ep=2, tp=2), True)]
-FAMILY_LAYOUTS = {"mixtral": EP_LAYOUTS, "gpt_oss": EP_LAYOUTS}
+FAMILY_LAYOUTS = {"mixtral": EP_LAYOUTS, "gpt_oss": EP_LAYOUTS, "aria": EP_LAYOUTS[1:]}
+# MoE family -> the class that runs its experts.
+EXPERT_CLASSES = {"mixtral": "FusedExpertParallel", "gpt_oss": "ClampedExpertParallel", "aria": "TransposedExpertParallel"}
 
 
 def _family_model(name: str):
@@ -316,7 +321,7 @@ def _check_expert_split(model, name: str, mesh, where: str) -> None:
     experts = [m for m in model.modules() if isinstance(m, FusedExpertParallel)]
     assert len(experts) == FAMILIES[name][1]["num_hidden_layers"], where
     for module in experts:
-        assert isinstance(module, ClampedExpertParallel) == (name == "gpt_oss"), f"{where}: {type(module).__name__}"
+        assert type(module).__name__.removeprefix("FSDP") == EXPERT_CLASSES[name], f"{where}: {type(module).__name__}"
         for p in module.parameters():
             assert dict(zip(p.device_mesh.mesh_dim_names, p.placements))["ep"] == Shard(0), where
 
@@ -439,7 +444,7 @@ def check_errors(folders: dict[str, str], out: str) -> None:
 
 def test_expert_layouts():
     """Fused expert layouts are told apart by transformers' layout attributes and the activation, not the
-    class: Mixtral's SiLU experts and gpt-oss's clamped ones are dispatched; gpt-oss's experts with
+    class: Mixtral's SiLU experts, Aria's transposed ones and gpt-oss's clamped ones are dispatched; gpt-oss's experts with
     another activation are refused at ep > 1 naming what was found, and left whole at ep = 1."""
     from meshtron.hf.experts import hf_expert_modules
 
@@ -447,8 +452,8 @@ def test_expert_layouts():
         return {name: cls.__name__ for name, (_, cls) in hf_expert_modules(model, ep).items()}
 
     names = [f"model.layers.{i}.mlp.experts" for i in range(TINY["num_hidden_layers"])]
-    assert classes(_family_model("mixtral"), 2) == dict.fromkeys(names, "FusedExpertParallel")
-    assert classes(_family_model("gpt_oss"), 2) == dict.fromkeys(names, "ClampedExpertParallel")
+    for family, cls in EXPERT_CLASSES.items():
+        assert classes(_family_model(family), 2) == dict.fromkeys(names, cls), family
     other_activation = _family_model("gpt_oss")
     other_activation.model.layers[1].mlp.experts._apply_gate = lambda gate_up: gate_up[..., ::2].sigmoid() * gate_up[..., 1::2]
     with pytest.raises(ConfigError, match=r"ep = 2: experts 'model.layers.1.mlp.experts' \(GptOssExperts\) are not in a "

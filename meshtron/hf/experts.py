@@ -3,17 +3,19 @@
 transformers 5 keeps each MoE's routed experts fused in one module; the config's ``base_model_ep_plan``
 marks that module ``ep_dispatch_experts`` and its weights ``grouped_gemm``, and transformers'
 ``use_experts_implementation`` describes the layout in attributes (``is_concatenated``,
-``is_transposed``, ``has_bias``, ``has_gate``, ``has_post_expert_norm``). Two layouts are computed,
-recognised from those attributes, the weights' ranks and the activation (never the class name):
+``is_transposed``, ``has_bias``, ``has_gate``, ``has_post_expert_norm``). Three layouts are
+computed, recognised from those attributes, the weights' ranks and the activation (the module's own ``_apply_gate`` compared with ours on probe values, large
+enough to reach any clamp), never from the class name:
 
 * :class:`FusedExpertParallel` (Qwen2-MoE, Mixtral, ...): ``gate_up_proj`` [E, 2I, H] (the gate rows,
-  then the up rows, of every expert) and ``down_proj`` [E, H, I], no biases, ``hidden_act`` SiLU; the
-  local weights enter grouped_mm as transposed views of the fused blocks (no copies);
+  then the up rows, of every expert) and ``down_proj`` [E, H, I], no biases, SiLU; the local weights
+  enter grouped_mm as transposed views of the fused blocks (no copies);
+* :class:`TransposedExpertParallel` (Aria): the same SiLU experts stored as grouped_mm's [E, in, out]:
+  ``gate_up_proj`` [E, H, 2I] (gate columns first), ``down_proj`` [E, I, H];
 * :class:`ClampedExpertParallel` (gpt-oss): ``gate_up_proj`` [E, H, 2I] with gate and up columns
-  interleaved, ``down_proj`` [E, I, H] (already grouped_mm's [E, in, out]), per-expert biases
-  ``gate_up_proj_bias`` [E, 2I] and ``down_proj_bias`` [E, H] added to each row by its expert, and
-  :func:`clamped_glu` with the module's ``alpha`` and ``limit`` (checked against the module's own
-  ``_apply_gate`` on probe values).
+  interleaved, ``down_proj`` [E, I, H], per-expert biases ``gate_up_proj_bias`` [E, 2I] and
+  ``down_proj_bias`` [E, H] added to each row by its expert, and :func:`clamped_glu` with the module's
+  ``alpha`` and ``limit``.
 
 Any other layout (no gate, a norm after the experts, another activation) is refused at ep > 1 with a
 :class:`ConfigError` naming what was found; at ep = 1 it runs as transformers' own module, whole on
@@ -34,11 +36,14 @@ summing over the expert data mesh (dp x cp), which the data-parallel wrapping do
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -57,6 +62,24 @@ def clamped_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tens
     (the gate from above only), ``(up + 1) * gate * sigmoid(alpha * gate)``."""
     gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(-limit, limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def swiglu_gate(gate_up: torch.Tensor) -> torch.Tensor:
+    """transformers' default activation of concatenated [gate; up] columns: ``silu(gate) * up``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _gate_matches(experts: nn.Module, gate: Callable[[torch.Tensor], torch.Tensor] | None) -> bool:
+    """Whether the module's own ``_apply_gate`` agrees with ``gate`` on probe values, small and large
+    (beyond any clamp limit): the layout attributes alone do not name the activation."""
+    probe = torch.cat([torch.linspace(-3.0, 3.0, 24), torch.linspace(-300.0, 300.0, 24)]).view(4, 12)
+    apply_gate = getattr(experts, "_apply_gate", None)
+    if gate is None or apply_gate is None:
+        return False
+    with torch.no_grad():
+        theirs = apply_gate(probe)
+    return theirs.shape == (4, 6) and torch.allclose(theirs, gate(probe))
 
 
 def _shapes(experts: nn.Module, names: tuple[str, ...]) -> dict[str, tuple | None]:
@@ -80,15 +103,17 @@ class FusedExpertParallel(ExpertDispatch):
 
     @classmethod
     def computes(cls, experts: nn.Module) -> bool:
-        """Whether ``experts`` (real or meta weights) are in the layout this class computes."""
-        act = getattr(getattr(experts, "config", None), "hidden_act", None)
-        return cls._has_layout(experts) and act in ("silu", "swish")
-
-    @classmethod
-    def _has_layout(cls, experts: nn.Module) -> bool:
+        """Whether ``experts`` (real or meta weights) are in the layout this class computes: the layout
+        attributes, the weights' ranks and the activation."""
         flags = all(getattr(experts, k, "missing") == v for k, v in cls.LAYOUT.items())
         dims = [len(s) if s else None for s in _shapes(experts, cls.PARAMS).values()]
-        return flags and dims == [3 if n.endswith("proj") else 2 for n in cls.PARAMS]
+        ranks = dims == [3 if n.endswith("proj") else 2 for n in cls.PARAMS]
+        return flags and ranks and _gate_matches(experts, cls.gate_of(experts))
+
+    @staticmethod
+    def gate_of(experts: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The activation this class applies to ``experts``' gate_up output (None: it has none)."""
+        return swiglu_gate
 
     def local_weights(self) -> tuple[torch.Tensor, ...]:
         gate, up = self.local(self.gate_up_proj).transpose(1, 2).chunk(2, dim=2)
@@ -96,6 +121,18 @@ class FusedExpertParallel(ExpertDispatch):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         return self.dispatch(hidden_states, top_k_weights.to(hidden_states.dtype), top_k_index)
+
+
+class TransposedExpertParallel(FusedExpertParallel):
+    """The same drop-in for SiLU experts stored as grouped_mm multiplies them (Aria): gate_up_proj
+    [E, H, 2I] (gate columns first), down_proj [E, I, H], no biases."""
+
+    LAYOUT: ClassVar[dict[str, bool]] = dict(FusedExpertParallel.LAYOUT, is_transposed=True)
+    DESCRIPTION = "SiLU-gated experts with gate_up_proj [E, H, 2I] (gate columns first) and down_proj [E, I, H], no biases"
+
+    def local_weights(self) -> tuple[torch.Tensor, ...]:
+        gate, up = self.local(self.gate_up_proj).chunk(2, dim=2)
+        return gate, up, self.local(self.down_proj)
 
 
 class ClampedExpertParallel(FusedExpertParallel):
@@ -114,17 +151,12 @@ class ClampedExpertParallel(FusedExpertParallel):
         super().__init__(experts, ep_mesh, tp_mesh)
         self.alpha, self.limit = float(experts.alpha), float(experts.limit)
 
-    @classmethod
-    def computes(cls, experts: nn.Module) -> bool:
-        """The layout flags, plus the module's own ``_apply_gate`` agreeing with :func:`clamped_glu` on
-        probe values (beyond ``limit``, so the clamps count): the flags alone do not name the activation."""
+    @staticmethod
+    def gate_of(experts: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
         alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
-        if not (cls._has_layout(experts) and isinstance(alpha, (int, float)) and isinstance(limit, (int, float))):
-            return False
-        probe = torch.linspace(-3.0, 3.0, 24).view(2, 12) * (abs(limit) + 1)
-        with torch.no_grad():
-            theirs = experts._apply_gate(probe) if hasattr(experts, "_apply_gate") else None
-        return theirs is not None and theirs.shape == (2, 6) and torch.allclose(theirs, clamped_glu(probe, alpha, limit))
+        if not (isinstance(alpha, (int, float)) and isinstance(limit, (int, float))):
+            return None
+        return functools.partial(clamped_glu, alpha=alpha, limit=limit)
 
     def local_weights(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.local(getattr(self, name)) for name in self.PARAMS)
@@ -137,7 +169,7 @@ class ClampedExpertParallel(FusedExpertParallel):
         return grouped_matmul(h, down, counts) + down_bias.repeat_interleave(counts, dim=0, output_size=rows)
 
 
-_LAYOUTS = (FusedExpertParallel, ClampedExpertParallel)
+_LAYOUTS = (FusedExpertParallel, TransposedExpertParallel, ClampedExpertParallel)
 
 
 def _pattern(plan_key: str) -> re.Pattern:
@@ -150,10 +182,10 @@ def _expert_class(name: str, experts: nn.Module) -> type[FusedExpertParallel] | 
         if cls.computes(experts):
             return cls
     found = {k: getattr(experts, k, "missing") for k in FusedExpertParallel.LAYOUT}
-    act = getattr(getattr(experts, "config", None), "hidden_act", None)
     extra = {k: getattr(experts, k) for k in ("alpha", "limit") if hasattr(experts, k)}
     return (f"experts '{name}' ({type(experts).__name__}) are not in a layout meshtron's expert parallelism "
-            f"computes (found {found}, hidden_act={act!r}, {extra}, {_shapes(experts, _FUSED_BIASED)}); supported: "
+            f"computes (found {found}, {extra}, {_shapes(experts, _FUSED_BIASED)}; the activation is compared through its "
+            "_apply_gate); supported: "
             + "; ".join(cls.DESCRIPTION for cls in _LAYOUTS))
 
 
@@ -209,4 +241,12 @@ def apply_hf_expert_parallel(
     return replaced
 
 
-__all__ = ["ClampedExpertParallel", "FusedExpertParallel", "apply_hf_expert_parallel", "clamped_glu", "hf_expert_modules"]
+__all__ = [
+    "ClampedExpertParallel",
+    "FusedExpertParallel",
+    "TransposedExpertParallel",
+    "apply_hf_expert_parallel",
+    "clamped_glu",
+    "hf_expert_modules",
+    "swiglu_gate",
+]
