@@ -6,9 +6,10 @@ reads with the same weights and logits.
 One 8-rank launch: dense models (Llama, Qwen2, Mistral, Qwen3 with its per-head q/k norms) at
 (dp, tp) = (4, 2) and (2, 4), Phi3's fused projections (gathered-output styles) at (2, 4) + SP; Qwen2-MoE at those and with its
 experts split by meshtron's all-to-all at (dp, ep) = (2, 4) and (dp, ep, tp) = (2, 2, 2), with and
-without SP; FSDP (or replicate / HSDP) over the data meshes. In the same launch, eleven more families
-(FAMILIES: with plans, without plans as GPT-2's Conv1D, fused qkv, ALiBi, Mixtral's and gpt-oss's
-experts) at dp2 x tp4 and dp4 x tp2 + SP (Mixtral over ep), and OPT's unsplit MLP warning.
+without SP; FSDP (or replicate / HSDP) over the data meshes. In the same launch, twelve more families
+(FAMILIES: with plans, without plans as GPT-2's Conv1D, fused qkv, ALiBi, Mixtral's, gpt-oss's and
+Aria's experts) at dp2 x tp4 and dp4 x tp2 + SP (the MoE families over ep instead: dp2 x ep4 and
+dp2 x ep2 x tp2 + SP, Aria the latter), and OPT's unsplit MLP warning.
 """
 
 from __future__ import annotations
@@ -252,10 +253,16 @@ FAMILIES = {
                 "MoE, fused experts dispatched by meshtron (ep plan), global aux loss"),
     "gpt_oss": ("GptOssConfig", dict(TINY, num_key_value_heads=4, head_dim=8, intermediate_size=32, num_local_experts=4,
                                      num_experts_per_tok=2, sliding_window=8),
-                "no tp plan; attention sinks (gathered), interleaved biased clamped experts whole over tp"),
+                "no tp plan; attention sinks (gathered), interleaved biased clamped experts dispatched by meshtron"),
+    "aria": ("AriaTextConfig", dict(TINY, num_key_value_heads=4, intermediate_size=32, moe_num_experts=4, moe_topk=2,
+                                    moe_num_shared_experts=1),
+             "MoE, SiLU experts stored [E, in, out] (transposed) dispatched by meshtron, shared experts"),
 }
 DENSE_LAYOUTS = [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), True)]
-FAMILY_LAYOUTS = {"mixtral": [(dict(dp=2, ep=4), False), (dict(dp=2, ep=2, tp=2), True)]}
+EP_LAYOUTS = [(dict(dp=2, ep=4), False), (dict(dp=2, ep=2, tp=2), True)]
+FAMILY_LAYOUTS = {"mixtral": EP_LAYOUTS, "gpt_oss": EP_LAYOUTS, "aria": EP_LAYOUTS[1:]}
+# MoE family -> the class that runs its experts.
+EXPERT_CLASSES = {"mixtral": "FusedExpertParallel", "gpt_oss": "ClampedExpertParallel", "aria": "TransposedExpertParallel"}
 
 
 def _family_model(name: str):
@@ -272,19 +279,18 @@ def _family_model(name: str):
 
 def check_families(folders: dict[str, str], out: str) -> None:
     """Each family of FAMILIES parallelized in place (FSDP over dp, tp by its plan or the inferred one,
-    SP in the second layout; Mixtral over ep): loss (and aux loss) within 1e-5 and gradients within
-    1e-4 of the unparallelized transformers model on the global batch (padded rows, ignored labels).
-    gpt-oss's experts cannot go through meshtron's dispatch: ep > 1 is refused, naming the layout."""
-    import warnings
-
+    SP in the second layout; Mixtral and gpt-oss over ep, their experts and gpt-oss's expert biases split
+    Shard(0)): loss (and aux loss) within 1e-5 and gradients within 1e-4 of the unparallelized
+    transformers model on the global batch (padded rows, ignored labels); gpt-oss over ep x tp saved
+    and loaded back sliced."""
     for index, name in enumerate(FAMILIES):
         for sizes, sp in FAMILY_LAYOUTS.get(name, DENSE_LAYOUTS):
             where = f"{name} {sizes} sp={sp}"
             mesh = cached_mesh(**sizes)
             ref = _family_model(name)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # gpt-oss's whole experts; checked in check_errors
-                model = parallelize_hf_model(_family_model(name), mesh, sp=sp)
+            model = parallelize_hf_model(_family_model(name), mesh, sp=sp)
+            if name in FAMILY_LAYOUTS:
+                _check_expert_split(model, name, mesh, where)
             ids, labels, mask = _batch(batch_mesh(mesh).size(), seed=index)
             out_ = model(input_ids=_local(ids, mesh), labels=_local(labels, mesh), attention_mask=_local(mask, mesh))
             ref_out = ref(input_ids=ids, labels=labels, attention_mask=mask)
@@ -295,8 +301,29 @@ def check_families(folders: dict[str, str], out: str) -> None:
             out_.loss.backward()
             ref_out.loss.backward()
             _check_grads(model, ref, where)
-    with pytest.raises(ConfigError, match=r"ep = 2: experts 'model.layers.0.mlp.experts' \(GptOssExperts\) are not in the layout"):
-        parallelize_hf_model(_family_model("gpt_oss"), cached_mesh(dp=4, ep=2))
+            if name == "gpt_oss" and sp:
+                _check_gpt_oss_round_trip(model, Path(out) / "saved_gpt_oss", ids, mask, mesh, sp, where)
+
+
+def _check_gpt_oss_round_trip(model, folder: Path, ids, mask, mesh, sp: bool, where: str) -> None:
+    """Biased experts split over ep save to a folder HF reads back, and sliced loading of that folder
+    gives the same weights."""
+    save_hf_checkpoint(model, folder, max_shard_bytes=30_000)
+    _check_saved(model, folder, ids, mask, mesh, where)
+    loaded, _ = load_hf_checkpoint(folder, mesh, sp=sp)
+    params = dict(loaded.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(_full(p).detach(), _full(params[name]).detach()), f"{where}: loaded {name} differs"
+
+
+def _check_expert_split(model, name: str, mesh, where: str) -> None:
+    """Every experts module runs through meshtron's dispatch, its parameters (biases too) Shard(0) over ep."""
+    experts = [m for m in model.modules() if isinstance(m, FusedExpertParallel)]
+    assert len(experts) == FAMILIES[name][1]["num_hidden_layers"], where
+    for module in experts:
+        assert type(module).__name__.removeprefix("FSDP") == EXPERT_CLASSES[name], f"{where}: {type(module).__name__}"
+        for p in module.parameters():
+            assert dict(zip(p.device_mesh.mesh_dim_names, p.placements))["ep"] == Shard(0), where
 
 
 def check_bytes_read_per_rank(folders: dict[str, str], out: str) -> None:
@@ -413,6 +440,27 @@ def check_errors(folders: dict[str, str], out: str) -> None:
     moe.config.base_model_ep_plan = None
     with pytest.raises(ConfigError, match="no base_model_ep_plan entry"):
         parallelize_hf_model(moe, cached_mesh(dp=4, ep=2))
+
+
+def test_expert_layouts():
+    """Fused expert layouts are told apart by transformers' layout attributes and the activation, not the
+    class: Mixtral's SiLU experts, Aria's transposed ones and gpt-oss's clamped ones are dispatched; gpt-oss's experts with
+    another activation are refused at ep > 1 naming what was found, and left whole at ep = 1."""
+    from meshtron.hf.experts import hf_expert_modules
+
+    def classes(model, ep: int) -> dict[str, str]:
+        return {name: cls.__name__ for name, (_, cls) in hf_expert_modules(model, ep).items()}
+
+    names = [f"model.layers.{i}.mlp.experts" for i in range(TINY["num_hidden_layers"])]
+    for family, cls in EXPERT_CLASSES.items():
+        assert classes(_family_model(family), 2) == dict.fromkeys(names, cls), family
+    other_activation = _family_model("gpt_oss")
+    other_activation.model.layers[1].mlp.experts._apply_gate = lambda gate_up: gate_up[..., ::2].sigmoid() * gate_up[..., 1::2]
+    with pytest.raises(ConfigError, match=r"ep = 2: experts 'model.layers.1.mlp.experts' \(GptOssExperts\) are not in a "
+                       r"layout .*'is_concatenated': False.*'alpha': 1.702.*supported: SiLU-gated .*; clamped GLU"):
+        hf_expert_modules(other_activation, 2)
+    with pytest.warns(UserWarning, match=r"1 experts modules stay whole on every tp rank .*'model.layers.1.mlp.experts'"):
+        assert classes(other_activation, 1) == {names[0]: "ClampedExpertParallel"}
 
 
 def test_tp_plan_styles():

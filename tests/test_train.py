@@ -17,8 +17,8 @@ from meshtron.config import load_config
 from meshtron.testing import cached_recipe_mesh, rel_err, run_checks
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 10
-EVAL_EVERY = 5
+STEPS = 8
+EVAL_EVERY = 4  # also where the resume tests restart
 # Same micro-batch split everywhere: the MoE aux loss is per global micro-batch.
 COMMON = ["--train.steps", str(STEPS), "--parallel.microbatches", "2", "--train.log_every", "1",
           "--train.eval_every", str(EVAL_EVERY), "--train.eval_steps", "2"]
@@ -106,15 +106,15 @@ def eight_rank_eval_before_training(root: str) -> None:
 
 
 def eight_rank_resume(root: str) -> None:
-    """Resume from the step-5 checkpoint of an uninterrupted 10-step run (same schedule), in a fresh
-    trainer on the same layout and, resharded, on tp8; both finish steps 6-10."""
+    """Resume from the step-4 checkpoint of an uninterrupted 8-step run (same schedule), in a fresh
+    trainer on the same layout and, resharded, on tp8; both finish steps 5-8."""
     root = Path(root)
     layout = LAYOUTS["dense"]["pp2_dp2_tp2_1f1b"]
     saved = root / "resume" / "checkpoints"
     _train("debug_dense", root / "resume" / "uninterrupted", layout,
-           ["--checkpoint.every", "5", "--checkpoint.dir", str(saved)])
+           ["--checkpoint.every", str(EVAL_EVERY), "--checkpoint.dir", str(saved)])
     if torch.distributed.get_rank() == 0:
-        shutil.rmtree(saved / "step-00000010")  # as if the run had stopped after step 5
+        shutil.rmtree(saved / f"step-{STEPS:08d}")  # as if the run had stopped after step 4
     torch.distributed.barrier()
     for name, resumed_layout in (("split", layout), ("reshard", dict(tp=8))):
         _train("debug_dense", root / "resume" / name, resumed_layout,
@@ -155,7 +155,7 @@ def test_loss_curve_is_layout_invariant(runs, recipe, layout):
     assert len(losses) == len(reference) == STEPS
     for step, (a, b) in enumerate(zip(losses, reference), start=1):
         assert abs(a - b) / abs(b) < 1e-4, f"step {step}: {layout} loss {a} vs single-rank {b}"
-    assert reference[-1] < reference[0] - 0.1, "the debug recipe should learn in 10 steps"
+    assert reference[-1] < reference[0] - 0.1, f"the debug recipe should learn in {STEPS} steps"
 
 
 @pytest.mark.parametrize("recipe,layout", [(r, n) for r, ls in LAYOUTS.items() for n in ls])
@@ -249,10 +249,10 @@ def test_resume_reproduces_the_uninterrupted_run(runs):
     assert len(full) == STEPS
     for name in ("split", "reshard"):  # same layout, then resharded onto tp8
         resumed = _losses(runs / "resume" / name)
-        assert len(resumed) == STEPS - 5
-        for step, (a, b) in enumerate(zip(resumed, full[5:]), start=6):
+        assert len(resumed) == STEPS - EVAL_EVERY
+        for step, (a, b) in enumerate(zip(resumed, full[EVAL_EVERY:]), start=EVAL_EVERY + 1):
             assert abs(a - b) / abs(b) < 1e-4, f"step {step}: {name} resume {a} vs uninterrupted {b}"
-    assert _losses(runs / "resume" / "split") == full[5:], "same-layout resume must be bit-exact"
+    assert _losses(runs / "resume" / "split") == full[EVAL_EVERY:], "same-layout resume must be bit-exact"
 
 
 def test_hf_init_and_export_keep_transformers_logits(runs):

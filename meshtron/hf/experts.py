@@ -1,18 +1,34 @@
 """transformers' fused MoE experts run by meshtron's expert parallelism (all-to-all dispatch, grouped_mm).
 
-transformers 5 keeps each MoE's routed experts fused in one module: ``gate_up_proj`` [E, 2I, H] (the
-gate rows, then the up rows, of every expert) and ``down_proj`` [E, H, I]; the config's
-``base_model_ep_plan`` marks that module ``ep_dispatch_experts`` and the two weights ``grouped_gemm``.
-:func:`apply_hf_expert_parallel` replaces every such module by :class:`FusedExpertParallel`:
+transformers 5 keeps each MoE's routed experts fused in one module; the config's ``base_model_ep_plan``
+marks that module ``ep_dispatch_experts`` and its weights ``grouped_gemm``, and transformers'
+``use_experts_implementation`` describes the layout in attributes (``is_concatenated``,
+``is_transposed``, ``has_bias``, ``has_gate``, ``has_post_expert_norm``). Three layouts are
+computed, recognised from those attributes, the weights' ranks and the activation (the module's own ``_apply_gate`` compared with ours on probe values, large
+enough to reach any clamp), never from the class name:
+
+* :class:`FusedExpertParallel` (Qwen2-MoE, Mixtral, ...): ``gate_up_proj`` [E, 2I, H] (the gate rows,
+  then the up rows, of every expert) and ``down_proj`` [E, H, I], no biases, SiLU; the local weights
+  enter grouped_mm as transposed views of the fused blocks (no copies);
+* :class:`TransposedExpertParallel` (Aria): the same SiLU experts stored as grouped_mm's [E, in, out]:
+  ``gate_up_proj`` [E, H, 2I] (gate columns first), ``down_proj`` [E, I, H];
+* :class:`ClampedExpertParallel` (gpt-oss): ``gate_up_proj`` [E, H, 2I] with gate and up columns
+  interleaved, ``down_proj`` [E, I, H], per-expert biases ``gate_up_proj_bias`` [E, 2I] and
+  ``down_proj_bias`` [E, H] added to each row by its expert, and :func:`clamped_glu` with the module's
+  ``alpha`` and ``limit``.
+
+Any other layout (no gate, a norm after the experts, another activation) is refused at ep > 1 with a
+:class:`ConfigError` naming what was found; at ep = 1 it runs as transformers' own module, whole on
+every tp rank. :func:`apply_hf_expert_parallel` replaces every recognised module by its class:
 
 * same parameter names and logical shapes, so ``state_dict``, sliced loading and HF export see the
-  model's own tensors; with ep > 1 each weight is a ``Shard(0)`` DTensor over ep (rank r holds
-  experts ``r * E/ep`` to ``(r + 1) * E/ep - 1``), with ep = 1 it stays a plain tensor;
+  model's own tensors; with ep > 1 each weight and bias is a ``Shard(0)`` DTensor over ep (rank r
+  holds experts ``r * E/ep`` to ``(r + 1) * E/ep - 1``), with ep = 1 it stays a plain tensor;
 * tokens go through :class:`meshtron.parallel.expert.ExpertDispatch`: each tp rank takes 1/tp of the
   (tp-replicated) tokens, the all-to-all brings every token copy to the rank holding its expert, one
-  grouped_mm per projection runs the local experts, and the results travel back. The local weights
-  enter grouped_mm as transposed views of the fused blocks (no copies); expert gradients are summed
-  over the ep group's tokens by the all-to-all backward and over tp inside the dispatch.
+  grouped_mm per projection runs the local experts (``run_experts``), and the results travel back.
+  Expert gradients (biases included) are summed over the ep group's tokens by the all-to-all backward
+  and over tp inside the dispatch.
 
 So with tp > 1 no rank repeats another's expert work even at ep = 1. Expert gradients still need
 summing over the expert data mesh (dp x cp), which the data-parallel wrapping does.
@@ -20,34 +36,86 @@ summing over the expert data mesh (dp x cp), which the data-parallel wrapping do
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.config import ConfigError
 from meshtron.hf.discover import hf_parts
+from meshtron.models.moe import grouped_matmul
 from meshtron.parallel.expert import ExpertDispatch, check_expert_divisible
 
 _FUSED = ("gate_up_proj", "down_proj")
-# Attributes transformers' ``use_experts_implementation`` sets, with the values grouped_swiglu computes:
-# concatenated [gate; up] rows, [out, in] blocks, no biases, no norm after the experts.
-_LAYOUT = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
-           "has_post_expert_norm": False}
+_FUSED_BIASED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 _EP_STYLES = ("ep_dispatch_experts", "grouped_gemm")
 
 
+def clamped_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation on interleaved [gate0, up0, gate1, up1, ...] columns: both halves clamped
+    (the gate from above only), ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def swiglu_gate(gate_up: torch.Tensor) -> torch.Tensor:
+    """transformers' default activation of concatenated [gate; up] columns: ``silu(gate) * up``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _gate_matches(experts: nn.Module, gate: Callable[[torch.Tensor], torch.Tensor] | None) -> bool:
+    """Whether the module's own ``_apply_gate`` agrees with ``gate`` on probe values, small and large
+    (beyond any clamp limit): the layout attributes alone do not name the activation."""
+    probe = torch.cat([torch.linspace(-3.0, 3.0, 24), torch.linspace(-300.0, 300.0, 24)]).view(4, 12)
+    apply_gate = getattr(experts, "_apply_gate", None)
+    if gate is None or apply_gate is None:
+        return False
+    with torch.no_grad():
+        theirs = apply_gate(probe)
+    return theirs.shape == (4, 6) and torch.allclose(theirs, gate(probe))
+
+
+def _shapes(experts: nn.Module, names: tuple[str, ...]) -> dict[str, tuple | None]:
+    return {n: tuple(t.shape) if isinstance(t := getattr(experts, n, None), torch.Tensor) else None for n in names}
+
+
 class FusedExpertParallel(ExpertDispatch):
-    """Drop-in for a transformers fused experts module (forward(hidden_states, top_k_index, top_k_weights))."""
+    """Drop-in for a transformers fused experts module (forward(hidden_states, top_k_index, top_k_weights))
+    in the SwiGLU layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I], no biases."""
+
+    # The attributes transformers' ``use_experts_implementation`` sets, as this class computes them.
+    LAYOUT: ClassVar[dict[str, bool]] = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
+              "has_post_expert_norm": False}
+    PARAMS = _FUSED
+    DESCRIPTION = "SiLU-gated experts with gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I], no biases"
 
     def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh):
         super().__init__(experts.num_experts, ep_mesh, tp_mesh, split_tokens_over_tp=True)
-        for name in _FUSED:
+        for name in self.PARAMS:
             setattr(self, name, self.own(getattr(experts, name)))
 
-    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    @classmethod
+    def computes(cls, experts: nn.Module) -> bool:
+        """Whether ``experts`` (real or meta weights) are in the layout this class computes: the layout
+        attributes, the weights' ranks and the activation."""
+        flags = all(getattr(experts, k, "missing") == v for k, v in cls.LAYOUT.items())
+        dims = [len(s) if s else None for s in _shapes(experts, cls.PARAMS).values()]
+        ranks = dims == [3 if n.endswith("proj") else 2 for n in cls.PARAMS]
+        return flags and ranks and _gate_matches(experts, cls.gate_of(experts))
+
+    @staticmethod
+    def gate_of(experts: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The activation this class applies to ``experts``' gate_up output (None: it has none)."""
+        return swiglu_gate
+
+    def local_weights(self) -> tuple[torch.Tensor, ...]:
         gate, up = self.local(self.gate_up_proj).transpose(1, 2).chunk(2, dim=2)
         return gate, up, self.local(self.down_proj).transpose(1, 2)
 
@@ -55,30 +123,79 @@ class FusedExpertParallel(ExpertDispatch):
         return self.dispatch(hidden_states, top_k_weights.to(hidden_states.dtype), top_k_index)
 
 
+class TransposedExpertParallel(FusedExpertParallel):
+    """The same drop-in for SiLU experts stored as grouped_mm multiplies them (Aria): gate_up_proj
+    [E, H, 2I] (gate columns first), down_proj [E, I, H], no biases."""
+
+    LAYOUT: ClassVar[dict[str, bool]] = dict(FusedExpertParallel.LAYOUT, is_transposed=True)
+    DESCRIPTION = "SiLU-gated experts with gate_up_proj [E, H, 2I] (gate columns first) and down_proj [E, I, H], no biases"
+
+    def local_weights(self) -> tuple[torch.Tensor, ...]:
+        gate, up = self.local(self.gate_up_proj).chunk(2, dim=2)
+        return gate, up, self.local(self.down_proj)
+
+
+class ClampedExpertParallel(FusedExpertParallel):
+    """The same drop-in for gpt-oss's layout: gate_up_proj [E, H, 2I] with interleaved gate/up columns
+    and gate_up_proj_bias [E, 2I], down_proj [E, I, H] and down_proj_bias [E, H], activation
+    :func:`clamped_glu` with the module's ``alpha`` and ``limit``. The weights are already the
+    [E, in, out] blocks grouped_mm multiplies; the biases are split over ep like them, and each row
+    gets its expert's bias."""
+
+    LAYOUT: ClassVar[dict[str, bool]] = dict(FusedExpertParallel.LAYOUT, is_concatenated=False, is_transposed=True, has_bias=True)
+    PARAMS = _FUSED_BIASED
+    DESCRIPTION = ("clamped GLU experts (alpha, limit) with interleaved gate/up gate_up_proj [E, H, 2I], "
+                   "down_proj [E, I, H] and their biases (gpt-oss)")
+
+    def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh):
+        super().__init__(experts, ep_mesh, tp_mesh)
+        self.alpha, self.limit = float(experts.alpha), float(experts.limit)
+
+    @staticmethod
+    def gate_of(experts: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
+        if not (isinstance(alpha, (int, float)) and isinstance(limit, (int, float))):
+            return None
+        return functools.partial(clamped_glu, alpha=alpha, limit=limit)
+
+    def local_weights(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.local(getattr(self, name)) for name in self.PARAMS)
+
+    def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        gate_up, gate_up_bias, down, down_bias = self.local_weights()
+        rows = x.shape[0]
+        h = grouped_matmul(x, gate_up, counts) + gate_up_bias.repeat_interleave(counts, dim=0, output_size=rows)
+        h = clamped_glu(h, self.alpha, self.limit)
+        return grouped_matmul(h, down, counts) + down_bias.repeat_interleave(counts, dim=0, output_size=rows)
+
+
+_LAYOUTS = (FusedExpertParallel, TransposedExpertParallel, ClampedExpertParallel)
+
+
 def _pattern(plan_key: str) -> re.Pattern:
     return re.compile(re.escape(plan_key).replace(r"\*", r"\d+") + "$")
 
 
-def _layout_mismatch(name: str, experts: nn.Module) -> str | None:
-    """Why ``experts`` are not in the layout :class:`FusedExpertParallel` computes, or None."""
-    wrong = {k: getattr(experts, k, "missing") for k, v in _LAYOUT.items() if getattr(experts, k, "missing") != v}
-    act = getattr(getattr(experts, "config", None), "hidden_act", None)
-    shapes = [tuple(getattr(experts, n).shape) if isinstance(getattr(experts, n, None), torch.Tensor) else None
-              for n in _FUSED]
-    if wrong or act not in ("silu", "swish") or any(s is None or len(s) != 3 for s in shapes):
-        return (f"experts '{name}' ({type(experts).__name__}) are not in the layout meshtron's expert parallelism "
-                f"computes (found {wrong or ''} hidden_act={act!r}, {dict(zip(_FUSED, shapes))}); supported: SiLU-gated "
-                "experts with gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I], no biases")
-    return None
+def _expert_class(name: str, experts: nn.Module) -> type[FusedExpertParallel] | str:
+    """The class of :data:`_LAYOUTS` that computes ``experts``, or why none does."""
+    for cls in _LAYOUTS:
+        if cls.computes(experts):
+            return cls
+    found = {k: getattr(experts, k, "missing") for k in FusedExpertParallel.LAYOUT}
+    extra = {k: getattr(experts, k) for k in ("alpha", "limit") if hasattr(experts, k)}
+    return (f"experts '{name}' ({type(experts).__name__}) are not in a layout meshtron's expert parallelism "
+            f"computes (found {found}, {extra}, {_shapes(experts, _FUSED_BIASED)}; the activation is compared through its "
+            "_apply_gate); supported: "
+            + "; ".join(cls.DESCRIPTION for cls in _LAYOUTS))
 
 
-def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, nn.Module]:
-    """Full name -> experts module, for the modules the config's ``base_model_ep_plan`` marks
-    ``ep_dispatch_experts``, checked (no communication) to be in the layout :class:`FusedExpertParallel`
-    computes and divisible over ``ep``. Experts in another layout (gpt-oss: interleaved gate/up
-    ``[E, H, 2I]`` with biases and a clamped activation) are refused at ep > 1; at ep = 1 they are left
-    out with a warning and run as transformers' own module, whole and identical on every tp rank. A model with stacked 3-D expert weights outside such a plan
-    raises :class:`ConfigError`."""
+def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, tuple[nn.Module, type[FusedExpertParallel]]]:
+    """Full name -> (experts module, the class that computes its layout), for the modules the config's
+    ``base_model_ep_plan`` marks ``ep_dispatch_experts``, checked (no communication) to be in a layout of
+    :data:`_LAYOUTS` and divisible over ``ep``. Experts in another layout are refused at ep > 1; at
+    ep = 1 they are left out with a warning and run as transformers' own module, whole and identical
+    on every tp rank. A model with stacked 3-D expert weights outside such a plan raises
+    :class:`ConfigError`."""
     plan = getattr(model.config, "base_model_ep_plan", None) or {}
     unknown = {k: s for k, s in plan.items() if s not in _EP_STYLES}
     if unknown:
@@ -96,29 +213,40 @@ def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, nn.Module]:
             "config has no base_model_ep_plan entry ('ep_dispatch_experts') for it, so how to dispatch its "
             "tokens is unknown. Use ep = 1 and tp = 1, or a model whose config defines base_model_ep_plan."
         )
-    mismatches = {name: why for name, experts in found.items() if (why := _layout_mismatch(name, experts))}
+    classes = {name: _expert_class(name, experts) for name, experts in found.items()}
+    mismatches = {name: why for name, why in classes.items() if isinstance(why, str)}
     if mismatches and ep > 1:
         raise ConfigError(f"parallelize_hf_model: ep = {ep}: {next(iter(mismatches.values()))}. Use ep = 1 (those "
                           "experts then run whole, replicated over tp).")
     if mismatches:
         warnings.warn(f"parallelize_hf_model: {len(mismatches)} experts modules stay whole on every tp rank (FSDP "
                       f"still shards them): {next(iter(mismatches.values()))}.", stacklevel=3)
-    for name, experts in found.items():
+    for experts in found.values():
         check_expert_divisible(experts.num_experts, ep)
-    return {name: experts for name, experts in found.items() if name not in mismatches}
+    return {name: (experts, classes[name]) for name, experts in found.items() if name not in mismatches}
 
 
-def apply_hf_expert_parallel(model: nn.Module, mesh: DeviceMesh, modules: dict[str, nn.Module]) -> list[FusedExpertParallel]:
-    """Replace ``modules`` (from :func:`hf_expert_modules`) by :class:`FusedExpertParallel` over ``mesh['ep']``
-    and ``mesh['tp']``, in place (meta or materialised; on a materialised model every rank must hold the
-    same full weights). Returns the new modules."""
+def apply_hf_expert_parallel(
+    model: nn.Module, mesh: DeviceMesh, modules: dict[str, tuple[nn.Module, type[FusedExpertParallel]]]
+) -> list[FusedExpertParallel]:
+    """Replace ``modules`` (from :func:`hf_expert_modules`) by their :class:`FusedExpertParallel` classes over
+    ``mesh['ep']`` and ``mesh['tp']``, in place (meta or materialised; on a materialised model every rank
+    must hold the same full weights). Returns the new modules."""
     replaced = []
-    for name, experts in modules.items():
+    for name, (experts, cls) in modules.items():
         parent, _, attr = name.rpartition(".")
-        new = FusedExpertParallel(experts, mesh["ep"], mesh["tp"])
+        new = cls(experts, mesh["ep"], mesh["tp"])
         setattr(model.get_submodule(parent), attr, new)
         replaced.append(new)
     return replaced
 
 
-__all__ = ["FusedExpertParallel", "apply_hf_expert_parallel", "hf_expert_modules"]
+__all__ = [
+    "ClampedExpertParallel",
+    "FusedExpertParallel",
+    "TransposedExpertParallel",
+    "apply_hf_expert_parallel",
+    "clamped_glu",
+    "hf_expert_modules",
+    "swiglu_gate",
+]

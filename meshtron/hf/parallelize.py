@@ -19,8 +19,10 @@ is added here:
 * activation checkpointing of decoder layers (training forwards then run without a KV cache) and
   FSDP2 / replicate / HSDP over the data meshes.
 
-MoE models with fused experts (Qwen2-MoE and the others whose config has ``base_model_ep_plan``:
-``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]), whenever ep > 1 or tp > 1:
+MoE models with fused experts (Qwen2-MoE and the others whose config has ``base_model_ep_plan``, in a
+layout :mod:`meshtron.hf.experts` computes: SiLU ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I]
+or the same transposed (Aria), or gpt-oss's interleaved, biased, clamped experts), whenever ep > 1 or
+tp > 1:
 
 * the experts are split ``Shard(0)`` over ep and fed by meshtron's all-to-all dispatch with grouped_mm
   (:mod:`meshtron.hf.experts`); each tp rank dispatches 1/tp of the tokens, so no expert work is
@@ -224,12 +226,14 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
                 raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' ('{style}') names a parameter, "
                                   "not a module; per-parameter plan entries are not supported.")
             continue
-        translated = _style(style, f"{blocks}.{index}.{rel}", layer.get_submodule(rel), kv_heads, head_dim, tp, sp)
+        # Inside a MoE block (Aria's shared experts) the tokens are already gathered under SP.
+        split_seq = sp and not (rel.startswith("mlp.") and _exists(layer, "mlp.experts"))
+        translated = _style(style, f"{blocks}.{index}.{rel}", layer.get_submodule(rel), kv_heads, head_dim, tp, split_seq)
         if translated is None:
             continue
         plan[rel] = translated
         if style in _COLWISE + _COLWISE_GATHERED:
-            plan[rel.rsplit(".", 1)[0]] = _HiddenStatesInput(sp)
+            plan[rel.rsplit(".", 1)[0]] = _HiddenStatesInput(split_seq)
     if _exists(layer, "mlp.experts") and _exists(layer, "mlp.shared_expert.down_proj"):
         plan.update(_shared_expert_plan("mlp.shared_expert"))
     if sp:

@@ -15,7 +15,8 @@ the transformers experts of :mod:`meshtron.hf.moe`), after the router chose k ex
    the only device-to-host sync of the layer;
 3. all-to-all the token copies with uneven splits; they arrive grouped by source rank, then by
    local expert, so a stable sort regroups them by local expert;
-4. one ``grouped_mm`` per projection over all received tokens (``grouped_swiglu``);
+4. one ``grouped_mm`` per projection over all received tokens (``run_experts``: ``grouped_swiglu``
+   unless a subclass computes another expert layout);
 5. undo the regrouping, all-to-all back along the reversed splits, and combine each token's k
    outputs with its routing weights (``unpermute_tokens``).
 
@@ -193,9 +194,14 @@ class ExpertDispatch(nn.Module):
     def local_experts(self) -> int:
         return self.num_experts // self.ep_mesh.size()
 
-    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """gate, up ``[E/ep, H, I]`` and down ``[E/ep, I, H]`` of this rank's experts (via :meth:`local`)."""
+    def local_weights(self) -> tuple[torch.Tensor, ...]:
+        """This rank's expert weights (via :meth:`local`) as :meth:`run_experts` takes them: by default gate,
+        up ``[E/ep, H, I]`` and down ``[E/ep, I, H]``."""
         raise NotImplementedError
+
+    def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on rows sorted by local expert (``counts[g]`` rows for expert g): SwiGLU."""
+        return grouped_swiglu(x, counts, *self.local_weights())
 
     def local(self, param: torch.Tensor) -> torch.Tensor:
         """A weight's local block (plain tensors pass through), its gradient summed over tp."""
@@ -213,7 +219,7 @@ class ExpertDispatch(nn.Module):
         if self.ep_mesh.size() == 1:
             side = shared() if shared is not None else None
             self.last_rows = sorted_x.shape[0]
-            y = grouped_swiglu(sorted_x, counts, *self.local_weights())
+            y = self.run_experts(sorted_x, counts)
         else:
             send, recv, recv_counts = self._exchange_counts(counts)
             pending: list = []
@@ -259,7 +265,7 @@ class ExpertDispatch(nn.Module):
         local = torch.arange(self.local_experts, device=received.device).repeat(recv_counts.shape[0])
         expert_of_row = torch.repeat_interleave(local, recv_counts.flatten(), output_size=rows)
         regroup, local_counts = sort_by_group(expert_of_row, self.local_experts)
-        return unsort(grouped_swiglu(received[regroup], local_counts, *self.local_weights()), regroup)
+        return unsort(self.run_experts(received[regroup], local_counts), regroup)
 
 
 class ExpertParallelExperts(ExpertDispatch):
