@@ -95,7 +95,7 @@ def main() -> None:
         "# Tokenization throughput (`prepare_tokens`, `benchmarks/tokenization.py`)",
         "",
         f"Data: the built-in corpus x {args.copies} in one parquet file ({chars / 1e6:.1f}M characters, "
-        f"{len(docs) * args.copies} documents). Machine: {os.cpu_count()} CPU cores shared with other jobs, "
+        f"{len(docs) * args.copies} documents). Machine: {os.cpu_count()} CPU cores, "
         f"{platform.platform()}, Python {platform.python_version()}.",
         "",
         "| tokenizer | workers | tokens | build s | wall s | tokens/s | load avg (1 min) |",
@@ -105,8 +105,9 @@ def main() -> None:
               f"{r['tokens_per_s']:,} | {r['load_avg']} |" for r in rows]
     lines += ["", "Each worker count wrote the identical token stream (same SHA-256). The byte tokenizer always "
               "encodes in-process (its workers = 2 row measures the same path): shipping text to a worker costs "
-              "more than encoding it. The load average shows how many runnable processes shared the cores, "
-              "so absolute figures here are far below what an idle machine gives."]
+              "more than encoding it. With 1 worker the BPE runs in this process on the `tokenizers` thread pool "
+              "(all cores); with N workers each is single-threaded. The load average (runnable processes "
+              "sharing the cores) says how quiet the machine was: near 0 the figures are the machine's own."]
     (results / "tokenization.md").write_text("\n".join(lines) + "\n")
 
 
