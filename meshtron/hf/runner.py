@@ -25,7 +25,7 @@ from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.parallelize import parallelize_hf_model
 from meshtron.mesh import batch_mesh
 from meshtron.parallel.grad_norm import clip_grad_norm_
-from meshtron.parallel.step import Runner, full_state_dict, global_token_count
+from meshtron.parallel.step import Runner, full_state_dict, global_token_count, reduces_gradients
 
 
 def with_hf_model(cfg: Config) -> Config:
@@ -128,7 +128,7 @@ class HFStepRunner:
         total = torch.zeros((), device=input_ids.device)
         for i, (ids, targets, _) in enumerate(micro):
             if hasattr(self.module, "set_requires_gradient_sync"):  # wrapped when the data mesh has > 1 rank
-                self.module.set_requires_gradient_sync(p.data_parallel == "fsdp" or i == p.microbatches - 1)
+                self.module.set_requires_gradient_sync(reduces_gradients(p.data_parallel, i, p.microbatches))
             loss = self._loss(ids, targets, tokens)
             loss.backward()
             total += loss.detach()

@@ -147,7 +147,7 @@ class Transformer(nn.Module):
         rope = self.rotary(position_ids, h.dtype)
         documents = position_ids if self.document_mask else None
         for key in self.layers if layers is None else map(str, layers):
-            h = self.layers[key](h, rope) if documents is None else self.layers[key](h, rope, documents)
+            h = self.layers[key](h, rope, documents)
         if self.norm is not None and last:
             h = self.norm(h)
         if self.lm_head is None or not last:

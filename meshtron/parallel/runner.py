@@ -18,6 +18,7 @@ from meshtron.parallel.step import (
     average_router_losses_over_microbatches,
     full_state_dict,
     global_token_count,
+    reduces_gradients,
     split_microbatches,
 )
 
@@ -44,12 +45,13 @@ class StepRunner:
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The step's global loss as a device scalar (reading it is the caller's one host sync)."""
-        micro = split_microbatches(input_ids, labels, self.cp_mesh, self.cfg.parallel.microbatches, position_ids)
+        p = self.cfg.parallel
+        micro = split_microbatches(input_ids, labels, self.cp_mesh, p.microbatches, position_ids)
         tokens = global_token_count(micro, self.data_group)
         total = torch.zeros((), device=self.device)
         self._aux = []
         for i, (ids, lab, pos) in enumerate(micro):
-            self.module.set_requires_gradient_sync(self._sync_gradients(i))
+            self.module.set_requires_gradient_sync(reduces_gradients(p.data_parallel, i, p.microbatches))
             loss = self.module(ids, pos, labels=lab) / tokens
             loss.backward()
             total += loss.detach()
@@ -68,11 +70,6 @@ class StepRunner:
                 total += self.module(ids, pos, labels=lab)
         dist.all_reduce(total, group=self.data_group)
         return total, tokens
-
-    def _sync_gradients(self, microbatch: int) -> bool:
-        """Full sharding reduce-scatters every micro-batch, so unsharded gradients never pile up;
-        replication and HSDP keep full gradients anyway and reduce once, on the last micro-batch."""
-        return self.cfg.parallel.data_parallel == "fsdp" or microbatch == self.cfg.parallel.microbatches - 1
 
     def aux_loss(self) -> torch.Tensor | None:
         return torch.stack(self._aux).mean() if self._aux else None
