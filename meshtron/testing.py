@@ -188,6 +188,23 @@ def cached_recipe_mesh(cfg):
     return cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp)
 
 
+# Tiny transformers models for the HF tests: sizes, and name -> (config class, extra config) of the
+# dense families every HF test file uses.
+HF_TINY_SIZES = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+    head_dim=8, max_position_embeddings=64,
+)
+HF_TINY_FAMILIES = {
+    "llama": ("LlamaConfig", dict(num_key_value_heads=2, attention_bias=True)),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=2)),
+    # Per-head q_norm / k_norm ('replicated_with_grad_allreduce'); 2 KV heads: replicated at tp = 4.
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2)),
+    # Fused qkv_proj / gate_up_proj: 'colwise_gather_output' then 'rowwise_split_input'.
+    "phi3": ("Phi3Config", dict(num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+}
+
+
 def rel_err(actual, expected) -> float:
     """max |actual - expected| / max |expected| (DTensors are gathered first).
 

@@ -28,21 +28,12 @@ from meshtron import load_hf_checkpoint, parallelize_hf_model, save_hf_checkpoin
 from meshtron.config import ConfigError
 from meshtron.hf.experts import FusedExpertParallel
 from meshtron.mesh import batch_mesh
-from meshtron.testing import cached_mesh, rel_err, run_checks
+from meshtron.testing import HF_TINY_FAMILIES, HF_TINY_SIZES, cached_mesh, rel_err, run_checks
 
-SMALL = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-    head_dim=8, max_position_embeddings=64,
-)
+SMALL = HF_TINY_SIZES
 # name -> (config class, extra config); llama/mistral with 2 KV heads replicate them at tp = 4.
 MODELS = {
-    "llama": ("LlamaConfig", dict(num_key_value_heads=2, attention_bias=True)),
-    "qwen2": ("Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True)),
-    "mistral": ("MistralConfig", dict(num_key_value_heads=2)),
-    # Per-head q_norm / k_norm ('replicated_with_grad_allreduce'); 2 KV heads: replicated at tp = 4.
-    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2)),
-    # Fused qkv_proj / gate_up_proj: 'colwise_gather_output' then 'rowwise_split_input'.
-    "phi3": ("Phi3Config", dict(num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    **HF_TINY_FAMILIES,
     # Layer 0 sparse (fused experts + shared expert), layer 1 dense.
     # The aux loss is returned and weighted enough to matter in the loss comparisons.
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,

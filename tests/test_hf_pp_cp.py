@@ -31,19 +31,10 @@ from meshtron.hf.discover import hf_parts
 from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.mesh import batch_mesh
 from meshtron.models.qwen2 import LMHead
-from meshtron.testing import cached_mesh, cached_recipe_mesh, rel_err, run_checks
+from meshtron.testing import HF_TINY_FAMILIES, HF_TINY_SIZES, cached_mesh, cached_recipe_mesh, rel_err, run_checks
 
-SMALL = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
-    head_dim=8, max_position_embeddings=64,
-)
-MODELS = {
-    "llama": ("LlamaConfig", dict(num_key_value_heads=2, attention_bias=True)),
-    "qwen2": ("Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2)),
-    "mistral": ("MistralConfig", dict(num_key_value_heads=2)),
-    "phi3": ("Phi3Config", dict(num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
-}
+SMALL = dict(HF_TINY_SIZES, num_hidden_layers=4)
+MODELS = HF_TINY_FAMILIES
 ROWS, SEQ = 8, 16  # the global batch
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -113,16 +113,26 @@ def test_sends_match_receives_in_posting_order(case):
     match_p2p(steps)
 
 
-@pytest.mark.parametrize("case", CASES, ids=_ids)
-def test_simulation_respects_dependencies_and_hits_analytic_bubble(case):
-    name, pp, m, v = case
-    result = simulate(build_schedule(name, pp, m, v), f_cost=1, b_cost=2)
-    span = {(s.kind, s.stage, s.mb): s for line in result.timelines for s in line}
-    last = pp * v - 1
+def _spans(result) -> dict:
+    return {(s.kind, s.stage, s.mb): s for line in result.timelines for s in line}
+
+
+def _assert_data_flow(span: dict, last: int, m: int) -> None:
+    """Every micro-batch's forward runs stage after stage, and its backward in the reverse order."""
     for i in range(m):
         for s in range(last):
             assert span[(F, s + 1, i)].start >= span[(F, s, i)].end
             assert span[(B, s, i)].start >= span[(B, s + 1, i)].end
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_simulation_respects_dependencies_and_hits_analytic_bubble(case):
+    name, pp, m, v = case
+    result = simulate(build_schedule(name, pp, m, v), f_cost=1, b_cost=2)
+    span = _spans(result)
+    last = pp * v - 1
+    _assert_data_flow(span, last, m)
+    for i in range(m):
         assert span[(B, last, i)].start >= span[(F, last, i)].end
     assert result.makespan == (v * m + pp - 1) * 3
     assert result.bubble == pytest.approx(analytic_bubble(pp, m, v), abs=1e-12)
@@ -281,12 +291,10 @@ def test_zero_bubble_schedules_run_every_pass_once_in_data_flow_order(case):
     steps = _zb_schedule(name, pp, m)
     chunks = 1 if name == "zb1p" else 2
     result = simulate(steps, 1, 1, 0, w_cost=1, rendezvous=False)  # raises on deadlock or local disorder
-    span = {(s.kind, s.stage, s.mb): s for line in result.timelines for s in line}
+    span = _spans(result)
     last = pp * chunks - 1
+    _assert_data_flow(span, last, m)
     for i in range(m):
-        for s in range(last):
-            assert span[(F, s + 1, i)].start >= span[(F, s, i)].end
-            assert span[(B, s, i)].start >= span[(B, s + 1, i)].end
         for s in range(last + 1):
             if (W, s, i) in span:
                 assert span[(W, s, i)].start >= span[(B, s, i)].end
