@@ -128,6 +128,8 @@ class SavedTensorTracker:
                 self.checked += 1
 
         def checked_weight(index, a):
+            restarts = executor._deferred[(a.stage, a.mb)].restarts
+            assert restarts or a.stage == 0, f"{a}: W re-runs the whole backward"
             weight(index, a)
             assert self.count((a.stage, a.mb)) == 0, f"{a}: activations still alive after its W"
             self.checked += 1
@@ -218,6 +220,8 @@ FSDP_LAYOUTS = [
     ((MOE, 2, 2, "interleaved", 4, 2, 2), "fsdp"),
     ((TIED, 2, 2, "1f1b", 4, 1, 2), "fsdp"),
     ((TIED, 2, 2, "interleaved", 4, 2, 1, 2), "hsdp"),  # sharded over cp, replicated over dp
+    ((MOE, 2, 2, "zbv", 4, 2, 2), "fsdp"),  # W restarted inside the graph: FSDP's hooks run by hand
+    ((DENSE, 2, 2, "zb1p", 4, 1, 1, 2), "hsdp"),
 ]
 
 
@@ -250,6 +254,25 @@ def check_fsdp_gathers_and_reduces_once_per_step(_folder):
         assert abs(norm - ref_norm) / ref_norm < 1e-5, (layout, norm, ref_norm)
 
 
+def check_zero_bubble_accumulates_in_fp32_under_bf16(_folder):
+    """Under bf16 mixed precision a zb1p step gives 1F1B's gradients bit for bit: each W's weight
+    gradients join FSDP's fp32 accumulator, as each whole backward's do."""
+    grads = {}
+    for schedule in ("1f1b", "zb1p"):
+        cfg = _config(DENSE, 2, 4, schedule, 6)
+        cfg.train.dtype = "bfloat16"
+        mesh = cached_mesh(pp=2, dp=4)
+        runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+        load_full_state_dict(runner.module, _random_model(cfg).state_dict())
+        ids, labels = _batch(cfg)
+        dp_rank = mesh["dp"].get_local_rank()
+        runner.forward_backward(ids.chunk(4)[dp_rank], labels.chunk(4)[dp_rank])
+        grads[schedule] = {n: p.grad.to_local().clone() for n, p in runner.module.named_parameters()}
+    assert grads["1f1b"].keys() == grads["zb1p"].keys()
+    for name, grad in grads["1f1b"].items():
+        assert grad.dtype == torch.float32 and torch.equal(grads["zb1p"][name], grad), name
+
+
 def check_clipping_and_export_cover_all_stages(folder):
     cfg = _config(DENSE, 4, 2, "1f1b", 4)
     mesh = build_mesh(pp=4, dp=2)
@@ -276,6 +299,7 @@ def test_pipeline_matches_single_process_on_8_ranks():
                 check_pipeline_matches_single_process,
                 check_zero_bubble_schedules_match_single_process,
                 check_fsdp_gathers_and_reduces_once_per_step,
+                check_zero_bubble_accumulates_in_fp32_under_bf16,
                 check_clipping_and_export_cover_all_stages,
             ],
             8,
@@ -355,10 +379,10 @@ def test_split_backward_gives_the_whole_backwards_gradients_and_frees_at_w():
         if not split:
             out.backward(grad)
             return x.grad, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, tracker
-        deferred = _backward_input(out, grad, x, capture=True)
-        assert deferred.nodes and all(p.grad is None for p in model.parameters()), "B touched a weight"
+        deferred = _backward_input(out, grad, x)
+        assert deferred.restarts and all(p.grad is None for p in model.parameters()), "B touched a weight"
         x_grad = x.grad
-        deferred.run(out, whole=False)
+        deferred.run(out)
         del out, deferred
         return x_grad, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, tracker
 

@@ -33,9 +33,10 @@ gradient, so its ``B`` is empty and its ``W`` the whole backward. Memory: a micr
 activations live from its ``F`` to its ``W`` (``schedules.peak_in_flight`` counts exactly that)
 plus the recorded gradients (at most one per weight-consuming node, activation-sized); dropping
 the output and the records at ``W`` frees them all. FSDP2 accumulates and reduce-scatters in hooks
-of the backward traversal, so in a stage with FSDP units ``W`` runs the whole backward again from
-the stored output gradient instead (its cost is then a whole backward's, input-gradient matmuls
-included; the captured path is not wired to FSDP's hooks yet).
+of the backward traversal, which a ``W`` restarted inside the graph never reaches, so after it the
+executor runs what those hooks would have (:func:`_post_backward`): the chunk's gradients move into
+FSDP's reduce-dtype accumulator (fp32 under bf16 mixed precision, so consecutive ``W`` never add
+micro-batches in bf16), and a releasing ``W`` reduce-scatters them.
 
 Gradient accumulation and FSDP. Backward calls accumulate into ``.grad`` over micro-batches, as
 in the non-pipelined runner. Every FSDP2 unit of a chunk is held unsharded through the step: its
@@ -65,7 +66,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
+from torch.distributed.fsdp import fully_shard
 from torch.autograd.graph import GradientEdge
 from torch.distributed.tensor import DTensor
 
@@ -122,7 +124,8 @@ class PipelineExecutor:
             if isinstance(step, P2P)
             for op in step.ops
         }
-        self._units, self._release = _release_points(self.steps, chunk_units or {})
+        self._chunk_units = dict(chunk_units or {})
+        self._units, self._release = _release_points(self.steps, self._chunk_units)
         self.record = False
         self.spans: list[Span] = []
         self.peak_live = 0
@@ -255,8 +258,7 @@ class PipelineExecutor:
             self._timed(a, lambda: torch.autograd.backward(out, grad))
         else:
             x = self._inputs.get(key)
-            capture = not self._units  # FSDP2 accumulates and reduces in hooks of the whole backward
-            self._deferred[key] = self._timed(a, lambda: _backward_input(out, grad, x, capture))
+            self._deferred[key] = self._timed(a, lambda: _backward_input(out, grad, x))
         del out, grad
         if a.stage > 0:
             x = self._inputs.pop(key)
@@ -268,10 +270,20 @@ class PipelineExecutor:
         """Weight gradients of a split backward, accumulated into ``.grad``; frees the micro-batch's
         graph and saved activations."""
         key = (a.stage, a.mb)
-        releasing = bool(self._release.get(index))
-        self._release_units(index)
         out, deferred = self._outputs.pop(key), self._deferred.pop(key)
-        self._timed(a, lambda: deferred.run(out, whole=releasing))
+
+        def compute() -> None:
+            if not deferred.restarts:  # a whole backward: FSDP's own hooks reduce released units
+                self._release_units(index)
+                deferred.run(out)
+                return
+            # FSDP hooks reached inside the restarted passes (a unit's pre-backward, the root's final
+            # callback) must not reduce before the last pass: release only after them.
+            deferred.run(out)
+            self._release_units(index)
+            _post_backward(self._chunk_units.get(a.stage, []), self._release.get(index, []))
+
+        self._timed(a, compute)
         del out, deferred
 
     def _release_units(self, index: int) -> None:
@@ -361,11 +373,15 @@ class _Deferred:
     def __init__(self, grad: torch.Tensor | None, nodes: list[tuple[object, tuple, list]] | None):
         self.grad, self.nodes = grad, nodes
 
-    def run(self, out: torch.Tensor, whole: bool) -> None:
-        """Accumulate the weight gradients from the captured node gradients. ``whole`` (or when the
-        capture does not apply: the first stage, a weight reached from two nodes) runs the backward
-        from the output again instead, so the hooks in it (FSDP's reduce-scatter) fire as usual."""
-        if whole or self.nodes is None:
+    @property
+    def restarts(self) -> bool:
+        """Whether ``W`` restarts at the captured nodes; else (the first stage, whose ``B`` is empty;
+        a weight reached from two nodes) it runs the whole backward from the output, hooks included."""
+        return self.nodes is not None
+
+    def run(self, out: torch.Tensor) -> None:
+        """Accumulate the weight gradients into ``.grad`` (:attr:`restarts` says how)."""
+        if self.nodes is None:
             torch.autograd.backward(out, self.grad)  # also recomputes the input gradient, which nobody reads
             return
         for node, grads, leaves in self.nodes:
@@ -382,17 +398,12 @@ class _Deferred:
                     param.grad = dw if param.grad is None else param.grad + dw
 
 
-def _backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None, capture: bool) -> _Deferred:
-    """``B``: the gradient w.r.t. ``x`` into ``x.grad``, keeping the graph, and what ``W`` needs.
-
-    With ``capture``, every node on a path from ``out`` to ``x`` with an edge off that path (into a
-    weight's gradient) gets a pre-hook that records the gradient it receives; ``W`` restarts from
-    there. Without, ``W`` runs the whole backward again.
+def _backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None) -> _Deferred:
+    """``B``: the gradient w.r.t. ``x`` into ``x.grad``, keeping the graph, and what ``W`` needs:
+    every node on a path from ``out`` to ``x`` with an edge off that path (into a weight's gradient)
+    gets a pre-hook that records the gradient it receives; ``W`` restarts from there.
     """
     if x is None:  # the first stage: no input gradient to compute, W runs the whole backward
-        return _Deferred(grad, None)
-    if not capture:
-        torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)
         return _Deferred(grad, None)
     target = x.view_as(x).grad_fn.next_functions[0][0]  # x's gradient accumulator
     on_path = _nodes_reaching(out.grad_fn, target)
@@ -404,7 +415,9 @@ def _backward_input(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tenso
     finally:
         for handle in handles:
             handle.remove()
-    nodes = [(n, captured[n], _weight_leaves(n, on_path)) for n in branching if n in captured]
+    # The engine's order, the same on every rank: a W pass may hold a collective (a weight's
+    # gradient summed over tp), so ranks must run the passes alike; ``branching`` is a set's order.
+    nodes = [(n, grads, _weight_leaves(n, on_path)) for n, grads in captured.items()]
     leaves = [leaf for _, _, found in nodes for leaf in found]
     if len(set(leaves)) < len(leaves):  # a weight fed from two nodes: per-node passes would miss the sum's order
         return _Deferred(grad, None)
@@ -452,6 +465,24 @@ def _hold_unsharded(unit: nn.Module, hold: bool) -> None:
     if not isinstance(unit, ReplicateModule):  # replicas are never sharded: nothing to gather or free
         unit.set_reshard_after_forward(not hold, recurse=False)
     unit.set_is_last_backward(not hold)
+
+
+def _post_backward(units: Sequence[nn.Module], released: Sequence[nn.Module]) -> None:
+    """FSDP2's end of backward for a ``W`` that restarted autograd inside the graph, where the
+    module-input hooks that run it never fire (only some output hooks may): every param group of the
+    chunk's ``units`` (and of the ``released`` ones) folds its new gradients into its accumulator or,
+    once released, reduce-scatters them; after a release, the root's final callback waits for those
+    reductions, as it does after a whole backward."""
+    states = {id(u): _fsdp_state(u) for u in [*units, *released]}
+    for state in states.values():
+        for group in state._fsdp_param_groups:
+            group.post_backward()
+    if released:
+        _fsdp_state(released[0])._root_post_backward_final_callback()
+
+
+def _fsdp_state(unit: nn.Module):
+    return (replicate if isinstance(unit, ReplicateModule) else fully_shard).state(unit)
 
 
 def _sync() -> None:
