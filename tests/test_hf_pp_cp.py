@@ -2,9 +2,9 @@
 equal the unparallelized transformers model's on the full batch (float32: 1e-5 loss, 1e-4 gradients).
 
 One 4-rank launch for parity: cp 2 (meshtron's attention through transformers' attention interface:
-ring, a2a and allgather) with dp 2 and with tp 2 (+SP); pp 2 with 1F1B and interleaved 1F1B (2 virtual
-stages) with dp 2 and tp 2 (+SP), and pp 2 x cp 2; over Llama, Qwen2 (tied embeddings), Qwen3 (q/k
-norms), Mistral and Phi3 (fused projections).
+ring, a2a and allgather) with dp 2 and with tp 2 (+SP); pp 2 with 1F1B, interleaved 1F1B (2 virtual
+stages) and the zero-bubble zb1p, zbv and dualpipev with dp 2 and tp 2 (+SP), and pp 2 x cp 2; over
+Llama, Qwen2 (tied embeddings), Qwen3 (q/k norms), Mistral and Phi3 (fused projections).
 
 ``[model] hf_model`` (meshtron.hf.runner): a 1-rank launch trains a Llama folder (with safetensors), a
 Qwen2 and a Qwen2-MoE folder (config.json only: seeded init) for the reference loss and held-out loss
@@ -31,6 +31,7 @@ from meshtron.hf.discover import hf_parts
 from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.mesh import batch_mesh
 from meshtron.models.qwen2 import LMHead
+from meshtron.parallel.pipeline.schedules import VIRTUAL
 from meshtron.testing import HF_TINY_FAMILIES, HF_TINY_SIZES, cached_mesh, cached_recipe_mesh, rel_err, run_checks
 
 SMALL = dict(HF_TINY_SIZES, num_hidden_layers=4)
@@ -128,7 +129,7 @@ def check_context_parallel(_tmp: str) -> None:
         _check_grads(model, grads, where)
 
 
-# (model, mesh sizes, parallelize_hf_model options); interleaved runs 2 virtual stages per rank
+# (model, mesh sizes, parallelize_hf_model options); interleaved, zbv and dualpipev run 2 virtual stages per rank
 PP_CASES = [
     ("llama", dict(pp=2, dp=2), dict(schedule="1f1b", ac="full")),
     ("qwen2", dict(pp=2, tp=2), dict(schedule="interleaved", sp=True)),  # tied embedding and head on different ranks
@@ -137,6 +138,10 @@ PP_CASES = [
     ("phi3", dict(pp=2, tp=2), dict(schedule="interleaved")),
     ("llama", dict(pp=2, cp=2), dict(schedule="interleaved")),
     ("qwen3", dict(pp=2, cp=2), dict(schedule="1f1b", cp_comm_type="a2a")),
+    # Zero-bubble: W restarted inside HF blocks, under FSDP; a V holds a tied embedding and head on rank 0.
+    ("llama", dict(pp=2, dp=2), dict(schedule="zb1p")),
+    ("qwen2", dict(pp=2, tp=2), dict(schedule="zbv", sp=True)),
+    ("qwen3", dict(pp=2, cp=2), dict(schedule="dualpipev", cp_comm_type="a2a")),
 ]
 
 
@@ -148,11 +153,13 @@ def check_pipeline(_tmp: str) -> None:
         ids, labels = _batch(seed=10 + index)
         ref_loss, grads = _reference(arch, ids, labels)
         mesh = cached_mesh(**sizes)
-        virtual = 2 if options["schedule"] == "interleaved" else 1
+        virtual = 2 if options["schedule"] in VIRTUAL else 1
         runner = parallelize_hf_model(_model(arch), mesh, microbatches=4 // batch_mesh(mesh).size(),
                                       virtual_stages=virtual, **options)
         assert isinstance(runner, HFPipelineRunner), where
+        whole = _count_whole_weight_passes(runner.executor)
         loss = runner.forward_backward(_rows(ids, mesh), _rows(next_token_labels(labels), mesh))
+        assert not whole, f"{where}: W re-ran the whole backward for {whole}"
         err = rel_err(loss, ref_loss)
         assert err < 1e-5, f"{where}: loss {loss.item()} vs {ref_loss.item()} ({err:.2e})"
         head = hf_parts(runner.module).head
@@ -160,6 +167,20 @@ def check_pipeline(_tmp: str) -> None:
         blocks = {int(name.split(".")[2]) for name, _ in runner.module.named_parameters() if ".layers." in name}
         assert len(blocks) == SMALL["num_hidden_layers"] // 2, f"{where}: this rank holds blocks {blocks}"
         _check_grads(runner.module, grads, where)
+
+
+def _count_whole_weight_passes(executor) -> list:
+    """The ``W`` actions past the first stage that will run the whole backward instead of restarting
+    at the nodes their ``B`` recorded (filled while the executor runs)."""
+    whole, weight = [], executor._weight
+
+    def recorded(index, a):
+        if a.stage > 0 and not executor._deferred[(a.stage, a.mb)].restarts:
+            whole.append(a)
+        weight(index, a)
+
+    executor._weight = recorded
+    return whole
 
 
 def check_errors(_tmp: str) -> None:

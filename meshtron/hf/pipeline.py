@@ -42,6 +42,7 @@ from meshtron.hf.discover import hf_parts, set_stage_parts
 from meshtron.mesh import dense_data_mesh
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.pipeline.runner import PipelineRunner
+from meshtron.parallel.pipeline.schedules import V_SHAPED
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
 from meshtron.parallel.pipeline.stage import check_pipeline_layout
 from meshtron.parallel.tensor import parallel_token_loss_sum
@@ -57,12 +58,13 @@ def _replace(model: nn.Module, old: nn.Module, new: nn.Module | None) -> None:
     raise AssertionError(f"{type(old).__name__} is not a submodule of {type(model).__name__}")
 
 
-def prune_hf_to_stage(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> dict[int, range]:
-    """Drop from ``model`` (in place) everything pp-rank ``pp_rank`` does not run; returns
-    ``{global stage: block range}`` of its chunks, in virtual-stage order."""
+def prune_hf_to_stage(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1, v_shape: bool = False) -> dict[int, range]:
+    """Drop from ``model`` (in place) everything pp-rank ``pp_rank`` does not run (``v_shape``: the
+    placement of ``zbv`` / ``dualpipev``); returns ``{global stage: block range}`` of its chunks, in
+    virtual-stage order."""
     parts = hf_parts(model)
     ranges = chunk_layer_ranges(len(parts.blocks), pp, virtual)
-    mine = {s: r for s, r in enumerate(ranges) if chunk_rank(s, pp) == pp_rank}
+    mine = {s: r for s, r in enumerate(ranges) if chunk_rank(s, pp, v_shape) == pp_rank}
     blocks = nn.ModuleDict({str(i): parts.blocks[i] for r in mine.values() for i in r})
     _replace(model, parts.blocks, blocks)
     first, last = 0 in mine, len(ranges) - 1 in mine
@@ -146,17 +148,10 @@ _REFUSED_CONFIG = {
 }
 
 
-# The zero-bubble schedules need the V placement (zbv, dualpipev) or a split backward (zb1p) that HF
-# stages have not been tested with.
-_HF_SCHEDULES = ("1f1b", "interleaved", "gpipe")
-
 
 def _check_hf_pipeline(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig) -> None:
     cfg = model.config
     check_pipeline_layout(p, len(hf_parts(model).blocks), "parallelize_hf_model:")
-    if p.schedule not in _HF_SCHEDULES:
-        raise ConfigError(f"parallelize_hf_model: schedule '{p.schedule}' is not supported for HF models yet "
-                          f"(their stages are placed and run for {', '.join(_HF_SCHEDULES)}); use one of those.")
     for key, what in _REFUSED_CONFIG.items():
         if getattr(cfg, key, None):
             raise ConfigError(f"parallelize_hf_model: pp > 1 does not support {what} (config.{key}); use pp = 1.")
@@ -194,9 +189,10 @@ class HFPipelineRunner(PipelineRunner):
                            schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages)
         _check_hf_pipeline(model, mesh, p)  # before any collective
         parts = hf_parts(model)
-        tied = parts.embed.weight is parts.head.weight
+        v_shape = p.schedule in V_SHAPED
+        tied = parts.embed.weight is parts.head.weight and not v_shape  # a V holds both ends on rank 0
         boundary = (model.config.hidden_size, _compute_dtype(model, mesh, dtype))
-        stages = prune_hf_to_stage(model, mesh["pp"].get_local_rank(), p.pp, p.virtual_stages)
+        stages = prune_hf_to_stage(model, mesh["pp"].get_local_rank(), p.pp, p.virtual_stages, v_shape)
         parallelize_stage(model)
         model.forward = MethodType(_stage_forward, model)  # the whole-model forward cannot run on a stage
         chunks = {s: HFStageChunk(model, s, r, p.pp * p.virtual_stages) for s, r in stages.items()}
