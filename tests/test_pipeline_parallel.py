@@ -273,6 +273,29 @@ def check_zero_bubble_accumulates_in_fp32_under_bf16(_folder):
         assert grad.dtype == torch.float32 and torch.equal(grads["zb1p"][name], grad), name
 
 
+def check_zero_bubble_with_checkpointing_replays_each_block_once(_folder):
+    """With activation checkpointing a zero-bubble step replays each block's forward once per
+    micro-batch, as 1F1B does (a W restarted per weight pass would replay it once per pass), and
+    still equals the single-process step."""
+    for schedule, v in (("zb1p", 1), ("zbv", 2)):
+        cfg = _config(DENSE, 2, 4, schedule, 4, v)
+        cfg.parallel.activation_checkpointing = "full"
+        mesh = cached_mesh(pp=2, dp=4)
+        runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+        load_full_state_dict(runner.module, _random_model(cfg).state_dict())
+        ids, labels = _batch(cfg)
+        ref, ref_loss, _, _ = _reference(cfg, ids, labels)
+        calls = []
+        hooks = [block.register_forward_pre_hook(lambda *_: calls.append(1)) for block in runner.module.layers.values()]
+        dp_rank = mesh["dp"].get_local_rank()
+        loss = runner.forward_backward(ids.chunk(4)[dp_rank], labels.chunk(4)[dp_rank])
+        for hook in hooks:
+            hook.remove()
+        assert len(calls) == 2 * 4 * len(runner.module.layers), (schedule, len(calls))
+        assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5, (schedule, loss, ref_loss)
+        _check_grads(runner.module, ref, dense_data_mesh(mesh).get_group(), schedule)
+
+
 def check_clipping_and_export_cover_all_stages(folder):
     cfg = _config(DENSE, 4, 2, "1f1b", 4)
     mesh = build_mesh(pp=4, dp=2)
@@ -300,6 +323,7 @@ def test_pipeline_matches_single_process_on_8_ranks():
                 check_zero_bubble_schedules_match_single_process,
                 check_fsdp_gathers_and_reduces_once_per_step,
                 check_zero_bubble_accumulates_in_fp32_under_bf16,
+                check_zero_bubble_with_checkpointing_replays_each_block_once,
                 check_clipping_and_export_cover_all_stages,
             ],
             8,

@@ -38,6 +38,9 @@ STATE_LAYOUTS = [
     ("debug_moe", dict(dp=2, ep=2, tp=2)),
     ("debug_moe", dict(pp=2, cp=2, ep=2)),
     ("debug_moe", dict(dp=2, cp=2, ep=2, data_parallel="hsdp")),
+    # The V of zbv / dualpipev: rank 0 holds the first and last chunks, a tied weight once.
+    ("debug_dense", dict(pp=2, dp=2, tp=2, schedule="zbv", virtual_stages=2, microbatches=4, tie_word_embeddings=True)),
+    ("debug_moe", dict(pp=2, dp=2, ep=2, schedule="dualpipev", virtual_stages=2, microbatches=4)),
 ]
 MODEL_KEYS = ("vocab_size", "tie_word_embeddings")
 
@@ -56,6 +59,7 @@ def state_matches_local_shards() -> None:
     from torch.distributed.tensor import DTensor
 
     from meshtron.models import build_model
+    from meshtron.parallel.pipeline.schedules import V_SHAPED
     from meshtron.parallel.pipeline.stage import prune_to_stage
     from meshtron.parallel.runner import parallelize
     from meshtron.train import recipe_mesh
@@ -67,7 +71,8 @@ def state_matches_local_shards() -> None:
         with torch.device("meta"):
             model = build_model(cfg.model)
         if cfg.parallel.pp > 1:
-            prune_to_stage(model, coords.pp, cfg.parallel.pp, cfg.parallel.virtual_stages)
+            p = cfg.parallel
+            prune_to_stage(model, coords.pp, p.pp, p.virtual_stages, p.schedule in V_SHAPED)
         parallelize(model, mesh, cfg)
         params = list(model.parameters())
         local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
@@ -147,6 +152,33 @@ def test_pipeline_first_rank_holds_most_micro_batches():
                                                    "--parallel.microbatches=8", "--parallel.activation_checkpointing=none"])
     first, last = activation_bytes(cfg, 0), activation_bytes(cfg, 3)
     assert first > 2 * last  # 1F1B: rank 0 keeps pp micro-batches in flight, the last rank one
+
+
+def test_zero_bubble_schedules_place_and_hold_what_the_executor_does():
+    """zbv puts the loss on rank 0 (the turn of the V); a split backward holds its micro-batches until
+    W, plus the gradients W restarts from; W filling the bubble shows in the step time. With
+    activation checkpointing the backward runs whole at B: 1F1B's memory and bubble."""
+    from meshtron.plan.memory import holds_last_stage, in_flight, saved_activation_bytes, stage_params
+
+    def cfg(schedule, virtual=1, ac="none"):
+        return load_config(RECIPES / "qwen2p5_7b.toml", [
+            "--parallel.pp=4", "--parallel.dp=1", "--parallel.tp=2", "--parallel.microbatches=8",
+            f"--parallel.schedule={schedule}", f"--parallel.virtual_stages={virtual}",
+            f"--parallel.activation_checkpointing={ac}"])
+
+    zbv, interleaved = cfg("zbv", 2), cfg("interleaved", 2)
+    assert [holds_last_stage(zbv, r) for r in range(4)] == [True, False, False, False]
+    assert [holds_last_stage(interleaved, r) for r in range(4)] == [False, False, False, True]
+    assert {p.name for p in stage_params(zbv, 0)} >= {"embed_tokens.weight", "norm.weight", "lm_head.weight"}
+    assert loss_bytes(zbv, 0) > 0 == loss_bytes(zbv, 3)
+    zb1p, one_f_one_b = cfg("zb1p"), cfg("1f1b")
+    assert in_flight(zb1p, 0) == in_flight(one_f_one_b, 0) == 4
+    assert saved_activation_bytes(zb1p, 0) > saved_activation_bytes(one_f_one_b, 0)
+    bubbles = [predict_step_time(c).bubble for c in (zbv, zb1p, one_f_one_b)]
+    assert 0 < bubbles[0] < bubbles[1] < 0.6 * bubbles[2], bubbles
+    zb1p, one_f_one_b = cfg("zb1p", ac="full"), cfg("1f1b", ac="full")
+    assert saved_activation_bytes(zb1p, 0) == saved_activation_bytes(one_f_one_b, 0)
+    assert predict_step_time(zb1p).bubble == predict_step_time(one_f_one_b).bubble
 
 
 def test_step_time_counts_tp_traffic_and_bubble():
@@ -288,16 +320,12 @@ def test_torchrun_ranks_refuse_alike_and_report_once(tmp_path):
     assert not (tmp_path / "pids").exists()  # no rank got as far as the process group
 
 
-@pytest.mark.parametrize("recipe", ["debug_dense", "debug_moe"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_layer_activations_match_what_autograd_saves(recipe, dtype):
-    """The per-layer activation figure within 5 % of the storages autograd saves for one block."""
+def _one_block(recipe: str, dtype: str):
+    """(config, a random decoder block of it, its input [2, 128, 256] and rotary embedding)."""
     import torch
 
     from meshtron.models.layers import RotaryEmbedding
     from meshtron.models.qwen2 import Block
-    from meshtron.plan.measure import saved_tensor_bytes
-    from meshtron.plan.memory import layer_activation_bytes
 
     cfg = load_config(RECIPES / f"{recipe}.toml", ["--model.hidden_size=256", "--model.num_attention_heads=4",
                                                    "--model.intermediate_size=512", f"--train.dtype={dtype}"])
@@ -309,5 +337,27 @@ def test_layer_activations_match_what_autograd_saves(recipe, dtype):
     batch, seq = 2, 128
     x = torch.randn(batch, seq, 256, dtype=dt, requires_grad=True)
     rope = RotaryEmbedding(cfg.model.head_size, 1e4)(torch.arange(seq).expand(batch, -1), dt)
+    return cfg, block, x, rope
+
+
+@pytest.mark.parametrize("recipe", ["debug_dense", "debug_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layer_figures_match_what_autograd_holds(recipe, dtype):
+    """Per layer: the activation figure within 5 % of the storages autograd saves for one block, and
+    the captured-gradient figure within 1 % of what a split backward's ``B`` records for ``W``."""
+    import torch
+
+    from meshtron.parallel.pipeline.executor import _backward_input
+    from meshtron.plan.measure import saved_tensor_bytes
+    from meshtron.plan.memory import captured_gradient_bytes, layer_activation_bytes
+
+    cfg, block, x, rope = _one_block(recipe, dtype)
+    tokens = x.shape[0] * x.shape[1]
     measured = saved_tensor_bytes(lambda: block(x, rope), exclude=block.parameters())
-    assert layer_activation_bytes(cfg, 0) * batch * seq == pytest.approx(measured, rel=0.05)
+    assert layer_activation_bytes(cfg, 0) * tokens == pytest.approx(measured, rel=0.05)
+    out = block(x, rope)
+    deferred = _backward_input(out, torch.randn_like(out), x)
+    assert deferred.restarts
+    recorded = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
+                for _, grads, _ in deferred.nodes for g in grads if g is not None}
+    assert captured_gradient_bytes(cfg, 0) * tokens == pytest.approx(sum(recorded.values()), rel=0.01)

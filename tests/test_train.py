@@ -29,11 +29,13 @@ LAYOUTS = {
         "dp2_tp4_sp": dict(dp=2, tp=4, sp="true"),
         "pp2_dp2_tp2_1f1b": dict(pp=2, dp=2, tp=2, schedule='"1f1b"'),
         "pp2v2_cp2_tp2": dict(pp=2, cp=2, tp=2, schedule='"interleaved"', virtual_stages=2),
+        # zbv needs 2 pp micro-batches; the dense loss does not depend on the split.
+        "pp2v2_dp2_tp2_zbv": dict(pp=2, dp=2, tp=2, schedule='"zbv"', virtual_stages=2, microbatches=4),
     },
     "moe": {
         "dp2_ep2_tp2_sp": dict(dp=2, ep=2, tp=2, sp="true"),
         "dp2_tp4": dict(dp=2, tp=4),
-        "pp2_cp2_ep2": dict(pp=2, cp=2, ep=2),
+        "pp2_cp2_ep2_zb1p": dict(pp=2, cp=2, ep=2, schedule='"zb1p"'),
     },
 }
 SINGLE = dict(pp=1, dp=1, cp=1, ep=1, tp=1)

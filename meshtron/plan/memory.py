@@ -53,8 +53,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from meshtron.config import Config, ModelConfig
-from meshtron.parallel.pipeline.schedules import build_schedule, peak_in_flight
-from meshtron.parallel.pipeline.split import split_layers
+from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule, held_counts
+from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank, split_layers
 
 GIB = 2**30
 FP32 = 4
@@ -185,25 +185,27 @@ def _mlp_params(prefix: str, h: int, inner: int, unit: str) -> list[Param]:
 def stage_params(cfg: Config, pp_rank: int) -> tuple[Param, ...]:
     """Parameters pipeline rank ``pp_rank`` holds (all of them when pp = 1), as ``prune_to_stage`` keeps.
 
-    Tied embeddings: one parameter in the root unit with pp = 1; with pp > 1 the first stage's
-    embedding and the last stage's LM head are separate copies, each an FSDP unit of its own.
+    Tied embeddings: one parameter in the root unit where one rank holds both ends (pp = 1, or the
+    V of ``zbv`` / ``dualpipev``); otherwise the first stage's embedding and the last stage's LM head
+    are separate copies, each an FSDP unit of its own.
     """
     p = cfg.parallel
-    return _stage_params((repr(cfg.model), p.tp, p.pp, p.virtual_stages, pp_rank), cfg.model)
+    return _stage_params((repr(cfg.model), p.tp, p.pp, p.virtual_stages, _v_shape(cfg), pp_rank), cfg.model)
 
 
 @_memo_by_key
 def _stage_params(key: tuple, m: ModelConfig) -> tuple[Param, ...]:
-    _, tp, pp, virtual, pp_rank = key
+    _, tp, pp, virtual, v_shape, pp_rank = key
     vocab = (m.vocab_size, m.hidden_size)
-    layers = [i for r in split_layers(m.num_hidden_layers, pp, virtual)[pp_rank] for i in r]
-    tied_root = m.tie_word_embeddings and pp == 1
+    layers = [i for r in split_layers(m.num_hidden_layers, pp, virtual, v_shape)[pp_rank] for i in r]
+    last = pp_rank == chunk_rank(pp * virtual - 1, pp, v_shape)
+    tied_root = m.tie_word_embeddings and pp_rank == 0 and last
     out = []
     if pp_rank == 0:
         out.append(Param("embed_tokens.weight", vocab, 0, unit="root" if tied_root else "embed"))
     for layer in layers:
         out += _layer_params(m, layer, tp)
-    if pp_rank == pp - 1:
+    if last:
         out.append(Param("norm.weight", (m.hidden_size,)))
         if not tied_root:
             out.append(Param("lm_head.weight", vocab, 0, unit="head"))
@@ -256,7 +258,22 @@ def state_bytes(cfg: Config, coords: Coords = Coords()) -> dict[str, int]:
 def _layout_key(cfg: Config) -> tuple:
     """What the parameter figures depend on (the planner caches them by it)."""
     p = cfg.parallel
-    return repr(cfg.model), p.pp, p.dp, p.cp, p.ep, p.tp, p.virtual_stages, p.data_parallel
+    return repr(cfg.model), p.pp, p.dp, p.cp, p.ep, p.tp, p.virtual_stages, _v_shape(cfg), p.data_parallel
+
+
+def _v_shape(cfg: Config) -> bool:
+    return cfg.parallel.schedule in V_SHAPED
+
+
+def holds_last_stage(cfg: Config, pp_rank: int) -> bool:
+    """Whether ``pp_rank`` runs the last stage (final norm, LM head, loss): rank pp - 1, or rank 0 of a V."""
+    p = cfg.parallel
+    return pp_rank == chunk_rank(p.pp * p.virtual_stages - 1, p.pp, _v_shape(cfg))
+
+
+def _stage_chunks(cfg: Config, pp_rank: int) -> list[range]:
+    p = cfg.parallel
+    return split_layers(cfg.model.num_hidden_layers, p.pp, p.virtual_stages, _v_shape(cfg))[pp_rank]
 
 
 @_memo_by_key
@@ -324,15 +341,24 @@ def microbatch_tokens(cfg: Config) -> int:
 
 def in_flight(cfg: Config, pp_rank: int) -> int:
     """Micro-batches whose activations a rank holds at once (each one model chunk with virtual stages)."""
+    return max(live for live, _ in _held(cfg, pp_rank))
+
+
+def _held(cfg: Config, pp_rank: int) -> tuple[tuple[int, int], ...]:
+    """(chunks held, of them split backwards waiting for their ``W``) after each of the rank's actions;
+    stages with checkpointed layers run their backward whole (the executor's ``unsplit``)."""
     p = cfg.parallel
     if p.pp == 1:
-        return 1
-    return _peaks(p.schedule, p.pp, p.microbatches, p.virtual_stages)[pp_rank]
+        return ((1, 0),)
+    ranges = chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
+    unsplit = frozenset(s for s, r in enumerate(ranges) if any(_checkpointed(cfg, i) for i in r))
+    return _held_by_rank(p.schedule, p.pp, p.microbatches, p.virtual_stages, unsplit)[pp_rank]
 
 
 @functools.lru_cache(maxsize=256)
-def _peaks(schedule: str, pp: int, microbatches: int, virtual: int) -> tuple[int, ...]:
-    return tuple(peak_in_flight(steps) for steps in build_schedule(schedule, pp, microbatches, virtual))
+def _held_by_rank(schedule: str, pp: int, microbatches: int, virtual: int, unsplit: frozenset[int]):
+    steps = build_schedule(schedule, pp, microbatches, virtual)
+    return tuple(tuple(held_counts(rank_steps, unsplit)) for rank_steps in steps)
 
 
 def _checkpointed(cfg: Config, layer: int) -> bool:
@@ -342,29 +368,44 @@ def _checkpointed(cfg: Config, layer: int) -> bool:
     )
 
 
-def _stage_layers(cfg: Config, pp_rank: int) -> list[int]:
-    p = cfg.parallel
-    return [i for r in split_layers(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)[pp_rank] for i in r]
-
-
 def saved_activation_bytes(cfg: Config, pp_rank: int) -> float:
     """Tensors the in-flight micro-batches keep for backward: every layer's saved tensors (checkpointed
-    layers: their input only), the final norm's on the last stage, the stage input with pp > 1."""
+    layers: their input only), the final norm's on the last stage, the stage input with pp > 1; with
+    a split backward also the output gradients each waiting ``W`` restarts from
+    (:func:`captured_gradient_bytes`). The largest sum over the schedule's actions."""
     p = cfg.parallel
     tokens, c, h, sp = microbatch_tokens(cfg), compute_bytes(cfg), cfg.model.hidden_size, _sp_split(cfg)
-    layers = _stage_layers(cfg, pp_rank)
+    layers = [i for r in _stage_chunks(cfg, pp_rank) for i in r]
     kept = sum(c * h / sp if _checkpointed(cfg, i) else layer_activation_bytes(cfg, i) for i in layers)
     per_chunk = kept / p.virtual_stages
     per_chunk += final_norm_bytes(cfg, pp_rank) / tokens
     if p.pp > 1:
         per_chunk += c * h / sp  # the stage input received from the previous stage
-    return tokens * in_flight(cfg, pp_rank) * per_chunk
+    waiting = sum(captured_gradient_bytes(cfg, i) for i in layers) / p.virtual_stages
+    return tokens * max(live * per_chunk + pending * waiting for live, pending in _held(cfg, pp_rank))
+
+
+def captured_gradient_bytes(cfg: Config, layer: int) -> float:
+    """Per token, the output gradients a split backward's ``B`` records for one layer and its ``W``
+    restarts from (``parallel/pipeline/executor.py``): one per node where a weight's gradient
+    branches off: both norms' outputs, q / k / v, o_proj's and down_proj's (partial) outputs, gate and
+    up; MoE layers: router and shared-expert gate logits, per routed copy gate, up and down, the
+    shared expert. ``tests/test_plan.py`` compares it with what ``B`` records for a block."""
+    m, p = cfg.model, cfg.parallel
+    c, h, tp, sp = compute_bytes(cfg), m.hidden_size, p.tp, _sp_split(cfg)
+    kv = m.kv_heads / tp if _kv_split(m, tp) else 1
+    common = 2 * h / sp + h + m.head_size * (m.num_attention_heads / tp + 2 * kv)
+    if not m.is_moe_layer(layer):
+        return c * (common + h + 2 * m.intermediate_size / tp)
+    routed = m.num_experts_per_tok * (h + 2 * m.moe_intermediate_size) / tp
+    shared = h + 2 * m.shared_expert_intermediate_size / tp + 1 if m.shared_expert_intermediate_size else 0
+    return c * (common + m.num_experts + routed + shared)
 
 
 def final_norm_bytes(cfg: Config, pp_rank: int) -> float:
     """The final norm's saved tensors for one micro-batch (last stage): fp32 input and normalized value."""
     c, h = compute_bytes(cfg), cfg.model.hidden_size
-    return microbatch_tokens(cfg) * (4 + c) * h / _sp_split(cfg) if pp_rank == cfg.parallel.pp - 1 else 0
+    return microbatch_tokens(cfg) * (4 + c) * h / _sp_split(cfg) if holds_last_stage(cfg, pp_rank) else 0
 
 
 def layer_gradient_bytes(cfg: Config, layer: int) -> float:
@@ -389,7 +430,7 @@ def backward_working_bytes(cfg: Config, pp_rank: int) -> float:
     tensors, ``benchmarks/results/plan_validation.md``)."""
     p = cfg.parallel
     c, h, sp = compute_bytes(cfg), cfg.model.hidden_size, _sp_split(cfg)
-    chunks = [list(r) for r in split_layers(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)[pp_rank]]
+    chunks = [list(r) for r in _stage_chunks(cfg, pp_rank)]
     rise = 0.0
     for chunk in chunks:
         freed = 0.0
@@ -411,7 +452,7 @@ def loss_held_bytes(cfg: Config, pp_rank: int) -> float:
     """What the fused loss (``models/loss.py``) saves for backward per in-flight micro-batch on the last
     stage: the hidden-state gradient [tokens, H] and the fp32 weight-gradient accumulator [V/tp, H]."""
     p, m = cfg.parallel, cfg.model
-    if pp_rank != p.pp - 1:
+    if not holds_last_stage(cfg, pp_rank):
         return 0
     held = microbatch_tokens(cfg) * m.hidden_size * compute_bytes(cfg) + m.vocab_size / p.tp * m.hidden_size * FP32
     return in_flight(cfg, pp_rank) * held
@@ -422,7 +463,7 @@ def loss_chunk_bytes(cfg: Config, pp_rank: int) -> float:
     gradients): one chunk's fp32 logits [chunk, V/tp], which become the logit gradient in place, plus
     its compute-dtype copy when that is not fp32, and the chunk's [V/tp, H] weight-gradient product."""
     p, m = cfg.parallel, cfg.model
-    if pp_rank != p.pp - 1:
+    if not holds_last_stage(cfg, pp_rank):
         return 0
     c, vocab = compute_bytes(cfg), m.vocab_size / p.tp
     chunk = min(cfg.train.loss_chunk_tokens, microbatch_tokens(cfg)) * vocab * (FP32 + (c if c != FP32 else 0))

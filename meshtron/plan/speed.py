@@ -10,7 +10,8 @@ step time = (compute + exposed communication) / (1 - bubble)
   inter-node one. tp, cp, ep and pp transfers sit on the critical path; FSDP / HSDP / replicate
   traffic overlaps compute and only its excess is exposed;
 - bubble: idle fraction of the simulated schedule (backward twice a forward, three times with
-  recomputation).
+  recomputation; of it a split backward's ``W`` one forward, its ``B`` the rest; with activation
+  checkpointing the executor runs every backward whole at ``B``).
 """
 
 from __future__ import annotations
@@ -120,11 +121,18 @@ def _seconds(cfg: Config, key: str, nbytes: float, hw: Hardware) -> float:
 
 
 @functools.lru_cache(maxsize=256)
-def pipeline_bubble(schedule: str, pp: int, microbatches: int, virtual: int, backward_cost: float) -> float:
-    """Idle fraction of the simulated schedule (forward cost 1 per chunk)."""
+def pipeline_bubble(schedule: str, pp: int, microbatches: int, virtual: int, backward_cost: float,
+                    split: bool = True) -> float:
+    """Idle fraction of the simulated schedule (forward cost 1 per chunk). Of ``backward_cost`` the
+    weight gradients take one forward's matmuls (``W`` of a split backward) and the rest is the input
+    gradient (``B``); an unsplit backward costs the sum, and without ``split`` (checkpointed stages:
+    the executor's ``unsplit``) every backward runs whole at ``B``."""
     if pp == 1:
         return 0.0
-    return simulate(build_schedule(schedule, pp, microbatches, virtual), 1, backward_cost).bubble
+    steps = build_schedule(schedule, pp, microbatches, virtual)
+    w = 1 if split else 0
+    # Waits as the executor does, only for what an action consumes (the V schedules need it).
+    return simulate(steps, 1, backward_cost - w, w_cost=w, rendezvous=False).bubble
 
 
 def _recompute_factor(cfg: Config) -> float:
@@ -148,7 +156,8 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     overlapped = sum(_seconds(cfg, k, v, hw) for k, v in comm.items() if _is_data_parallel(k))
     exposed = critical + max(0.0, overlapped - compute)
     # Backward costs twice a forward, plus the recomputed forward of the checkpointed share of layers.
-    bubble = pipeline_bubble(p.schedule, p.pp, p.microbatches, p.virtual_stages, 2 + 3 * (recompute - 1))
+    bubble = pipeline_bubble(p.schedule, p.pp, p.microbatches, p.virtual_stages, 2 + 3 * (recompute - 1),
+                             split=p.activation_checkpointing == "none")
     seconds = (compute + exposed) / (1 - bubble)
     return StepTime(seconds, tokens / seconds, compute, exposed, bubble, comm)
 

@@ -36,7 +36,11 @@ the output and the records at ``W`` frees them all. FSDP2 accumulates and reduce
 of the backward traversal, which a ``W`` restarted inside the graph never reaches, so after it the
 executor runs what those hooks would have (:func:`_post_backward`): the chunk's gradients move into
 FSDP's reduce-dtype accumulator (fp32 under bf16 mixed precision, so consecutive ``W`` never add
-micro-batches in bf16), and a releasing ``W`` reduce-scatters them.
+micro-batches in bf16), and a releasing ``W`` reduce-scatters them. Activation checkpointing:
+each restarted pass is a graph task of its own and replays the checkpointed forward again (one
+replay per weight-consuming node), so stages with checkpointed blocks (``unsplit``) run their
+whole backward at ``B``, one replay as in 1F1B, and their ``W`` only releases the units; their
+activations are freed at ``B``.
 
 Gradient accumulation and FSDP. Backward calls accumulate into ``.grad`` over micro-batches, as
 in the non-pipelined runner. Every FSDP2 unit of a chunk is held unsharded through the step: its
@@ -52,7 +56,9 @@ backward, next to the unsharded gradients that the once-per-step reduction holds
 Outside a run (e.g. an evaluation forward) the units reshard after forward again.
 
 Forward only (evaluation, :meth:`PipelineExecutor.forward_only`): no schedule is needed without a
-backward. Each rank runs its chunks in increasing stage order, every micro-batch of a chunk before
+backward, only the placement, read off the training schedule's p2p ops (which rank holds each
+neighbouring stage; at the turn of a V the next stage is on this rank and gets the output handed
+over). Each rank runs its chunks in increasing stage order, every micro-batch of a chunk before
 the next chunk; sends are posted without waiting and a chunk's input is received just before it
 runs. A chunk waits only for the chunk before it, which every rank reaches first, so it cannot
 deadlock; the pairs of ranks post their messages in the same (stage, micro-batch) order.
@@ -61,7 +67,7 @@ deadlock; the pairs of ranks post their messages in the same (stage, micro-batch
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -85,7 +91,6 @@ from meshtron.parallel.pipeline.schedules import (
     split_backwards,
 )
 from meshtron.parallel.pipeline.simulate import Span
-from meshtron.parallel.pipeline.split import chunk_rank
 
 # forward(stage, x, mb) -> output: x is the stage's input (token ids or hidden states).
 ForwardFn = Callable[[int, torch.Tensor, int], torch.Tensor]
@@ -102,7 +107,8 @@ class PipelineExecutor:
     matched in its own posting order (``simulate.match_p2p``); the V-shaped schedules need that,
     the others also run with one group for both (the default). ``chunk_units`` maps each local
     stage to the FSDP2 units (``FSDPModule``) whose parameters it uses, held unsharded through the
-    step (module doc).
+    step (module doc). ``unsplit`` stages run each backward whole at ``B`` even where the schedule
+    splits it (module doc: activation checkpointing).
     """
 
     def __init__(
@@ -112,12 +118,13 @@ class PipelineExecutor:
         group,
         chunk_units: Mapping[int, Sequence[nn.Module]] | None = None,
         grad_group=None,
+        unsplit: Collection[int] = (),
     ):
         self.steps, self.num_stages, self.group = list(steps), num_stages, group
         self.grad_group = group if grad_group is None else grad_group
         self.rank = dist.get_rank(group)
         self._local_stages = {step.stage for step in self.steps if isinstance(step, Action)}
-        self._split = split_backwards(self.steps)
+        self._split = {key for key in split_backwards(self.steps) if key[0] not in unsplit}
         self.peers = {
             op.peer: dist.get_global_rank(group, op.peer)
             for step in self.steps
@@ -190,29 +197,32 @@ class PipelineExecutor:
         self,
         forward: ForwardFn,
         first_inputs: Sequence[torch.Tensor],
-        stages: Sequence[int],
         boundary: tuple[tuple[int, ...], torch.dtype],
     ) -> torch.Tensor:
-        """Every micro-batch through this rank's ``stages`` without gradients (module doc); returns the
+        """Every micro-batch through this rank's stages without gradients (module doc); returns the
         sum of the last stage's outputs on its rank (0 elsewhere)."""
         shape, dtype = boundary
         device = first_inputs[0].device
-        pp = dist.get_world_size(self.group)
-        peer = {s: dist.get_global_rank(self.group, chunk_rank(s, pp)) for s in range(self.num_stages)}
+        peer = {stage: self.peers[rank] for stage, rank in _neighbour_ranks(self.steps).items()}
         total = torch.zeros((), device=device)
-        sending = []
-        for stage in sorted(stages):
+        sending, handed = [], {}
+        for stage in sorted(self._local_stages):
             for mb, first in enumerate(first_inputs):
                 if stage == 0:
                     x = first
+                elif stage - 1 in self._local_stages:  # the turn of a V
+                    x = handed.pop((stage, mb))
                 else:
                     x = torch.empty(shape, dtype=dtype, device=device)
                     dist.recv(x, peer[stage - 1], group=self.group)
                 out = forward(stage, x, mb)
                 if stage == self.num_stages - 1:
                     total += out
+                    continue
+                _check_boundary(out, shape, dtype, Action(F, mb, stage))
+                if stage + 1 in self._local_stages:
+                    handed[(stage + 1, mb)] = out
                 else:
-                    _check_boundary(out, shape, dtype, Action(F, mb, stage))
                     sending.append((dist.isend(out, peer[stage + 1], group=self.group), out))
         for work, _ in sending:
             work.wait()
@@ -270,6 +280,9 @@ class PipelineExecutor:
         """Weight gradients of a split backward, accumulated into ``.grad``; frees the micro-batch's
         graph and saved activations."""
         key = (a.stage, a.mb)
+        if key not in self._split:  # its B ran the whole backward: only the units' release is left
+            self._timed(a, lambda: self._finish_weights(index, a.stage))
+            return
         out, deferred = self._outputs.pop(key), self._deferred.pop(key)
 
         def compute() -> None:
@@ -280,11 +293,15 @@ class PipelineExecutor:
             # FSDP hooks reached inside the restarted passes (a unit's pre-backward, the root's final
             # callback) must not reduce before the last pass: release only after them.
             deferred.run(out)
-            self._release_units(index)
-            _post_backward(self._chunk_units.get(a.stage, []), self._release.get(index, []))
+            self._finish_weights(index, a.stage)
 
         self._timed(a, compute)
         del out, deferred
+
+    def _finish_weights(self, index: int, stage: int) -> None:
+        """After a ``W`` that ran no whole backward: FSDP's end of backward, by hand."""
+        self._release_units(index)
+        _post_backward(self._chunk_units.get(stage, []), self._release.get(index, []))
 
     def _release_units(self, index: int) -> None:
         for unit in self._release.get(index, ()):
@@ -339,6 +356,17 @@ class PipelineExecutor:
                     self._sending += [(w, tensor) for w in op_works]
                 else:
                     self._inbox[key] = (tensor, op_works)
+
+
+def _neighbour_ranks(steps: Sequence[Step]) -> dict[int, int]:
+    """The pp-rank of every stage this rank exchanges tensors with, read off the schedule's p2p ops
+    (``SEND_F`` / ``RECV_B`` of stage s talk to stage s + 1, ``RECV_F`` / ``SEND_B`` to s - 1)."""
+    ranks = {}
+    for step in steps:
+        if isinstance(step, P2P):
+            for op in step.ops:
+                ranks[op.stage + 1 if op.kind in (SEND_F, RECV_B) else op.stage - 1] = op.peer
+    return ranks
 
 
 def _release_points(steps: Sequence[Step], chunk_units: Mapping[int, Sequence[nn.Module]]):

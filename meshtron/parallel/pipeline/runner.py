@@ -69,6 +69,13 @@ def _fsdp_units(chunk) -> list[nn.Module]:
     return units
 
 
+def _recomputes(chunk) -> bool:
+    """Whether a chunk holds activation-checkpointed modules (its backward replays their forward)."""
+    from torch.distributed._composable import checkpoint
+
+    return any(checkpoint.state(sub) is not None for mod in chunk.modules() for sub in mod.modules())
+
+
 def _pipelines(mesh) -> list[list[int]]:
     """Global ranks of every pipeline of the mesh, one row each, in stage order."""
     pp = mesh["pp"].size()
@@ -130,7 +137,8 @@ class PipelineRunner:
         steps = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)[pp_mesh.get_local_rank()]
         units = {s: _fsdp_units(c) for s, c in self.chunks.items()}
         grads = _gradient_group(mesh) if p.schedule in V_SHAPED else None
-        self.executor = PipelineExecutor(steps, self.num_stages, self.pp_group, units, grads)
+        unsplit = [s for s, c in self.chunks.items() if _recomputes(c)]
+        self.executor = PipelineExecutor(steps, self.num_stages, self.pp_group, units, grads, unsplit)
         self._aux: torch.Tensor | None = None
         self._tied, self._tie_group, self._tied_copy = None, None, None
         if tied is not None:
@@ -184,8 +192,7 @@ class PipelineRunner:
         tokens = global_token_count(micro, self.data_group)
         ids = [mb[0] for mb in micro]
         with replaying():  # the MoE statistics stay those of the last training step
-            total = self.executor.forward_only(partial(self._chunk_forward, micro), ids, list(self.chunks),
-                                               self._boundary_tensor(ids))
+            total = self.executor.forward_only(partial(self._chunk_forward, micro), ids, self._boundary_tensor(ids))
         dist.all_reduce(total, group=self.data_group)  # zero except on the last stage
         dist.all_reduce(total, group=self.pp_group)
         return total, tokens

@@ -51,6 +51,7 @@ of virtual stages (the simulator finds it for pp=2, 4, 8 with v=2, and gloo hang
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 from meshtron.parallel.pipeline.split import chunk_rank
@@ -367,10 +368,18 @@ def peak_in_flight(steps: list[Step]) -> int:
 
     With virtual stages each counts one chunk's activations (a ``1/v`` share of the rank's layers).
     """
-    split, live, peak = split_backwards(steps), 0, 0
+    return max((live for live, _ in held_counts(steps)), default=0)
+
+
+def held_counts(steps: list[Step], unsplit: Collection[int] = ()) -> Iterator[tuple[int, int]]:
+    """After each action of one rank: (forwards whose activations are still held, of them the split
+    backwards whose ``B`` ran and whose ``W`` has not, which also hold the gradients ``W`` restarts
+    from). ``unsplit`` stages run the whole backward at ``B`` (the executor's ``unsplit``)."""
+    split, live, waiting = {key for key in split_backwards(steps) if key[0] not in unsplit}, 0, 0
     for step in steps:
-        if isinstance(step, Action):
-            frees = step.kind == W or (step.kind == B and (step.stage, step.mb) not in split)
+        if isinstance(step, Action) and not (step.kind == W and (step.stage, step.mb) not in split):
+            split_b = step.kind == B and (step.stage, step.mb) in split
+            frees = step.kind == W or (step.kind == B and not split_b)
             live += 1 if step.kind == F else -1 if frees else 0
-            peak = max(peak, live)
-    return peak
+            waiting += 1 if split_b else -1 if step.kind == W else 0
+            yield live, waiting
