@@ -1,9 +1,11 @@
 """Layouts for N devices ranked by predicted throughput, with the memory check that marks which fit.
 
 A candidate keeps the recipe's model, batch, dtype and data-parallel mode and chooses
-pp x dp x cp x ep x tp = N (tp inside one node, SP whenever tp > 1, 1F1B when pp > 1), then the
-micro-batch count and activation-checkpointing mode that fit with the best predicted throughput
-(the lowest-memory choice when none fits).
+pp x dp x cp x ep x tp = N (tp inside one node, SP whenever tp > 1), then the micro-batch count,
+activation-checkpointing mode and, when pp > 1, schedule that fit with the best predicted
+throughput (the lowest-memory choice when none fits). Schedules: 1F1B with every checkpointing
+mode; the zero-bubble ``zb1p`` and ``zbv`` without checkpointing only, since with it the executor
+runs every backward whole at ``B`` (1F1B's bubble, more held activations).
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ from dataclasses import dataclass
 
 from meshtron.config import Config, ConfigError
 from meshtron.parallel.layout import validate_layout
+from meshtron.parallel.pipeline.stage import check_pipeline
 from meshtron.plan.memory import GIB, Assumptions, Breakdown, predict_memory
 from meshtron.plan.speed import Hardware, StepTime, predict_step_time
 
 AC_MODES = ("none", "selective", "full")
+# (schedule, virtual stages, checkpointing modes) tried when pp > 1.
+PIPELINE_SCHEDULES = (("1f1b", 1, AC_MODES), ("zb1p", 1, ("none",)), ("zbv", 2, ("none",)))
 
 
 @dataclass
@@ -28,8 +33,8 @@ class Plan:
 
     def layout(self) -> dict:
         p = self.cfg.parallel
-        keys = ("pp", "dp", "cp", "ep", "tp", "sp", "schedule", "microbatches", "activation_checkpointing",
-                "data_parallel")
+        keys = ("pp", "dp", "cp", "ep", "tp", "sp", "schedule", "virtual_stages", "microbatches",
+                "activation_checkpointing", "data_parallel")
         return {k: getattr(p, k) for k in keys}
 
     def overrides(self) -> str:
@@ -81,25 +86,26 @@ def mesh_shapes(cfg: Config, world_size: int, gpus_per_node: int) -> list[dict[s
 
 
 def _variants(cfg: Config, shape: dict[str, int], world_size: int) -> list[Config]:
-    """The shape with each valid micro-batch count and checkpointing mode."""
+    """The shape with each valid micro-batch count, schedule and checkpointing mode."""
     t = cfg.train
     readers = shape["dp"] * shape["ep"]
     if t.global_batch_size % readers:
         return []
+    schedules = PIPELINE_SCHEDULES if shape["pp"] > 1 else (("1f1b", 1, AC_MODES),)
     out = []
     for micro in _divisors(t.global_batch_size // readers):
-        if shape["pp"] > 1 and micro < shape["pp"]:
-            continue
-        parallel = dataclasses.replace(
-            cfg.parallel, **shape, sp=shape["tp"] > 1, microbatches=micro, schedule="1f1b", virtual_stages=1,
-        )
-        variant = dataclasses.replace(cfg, parallel=parallel)
-        try:
-            validate_layout(variant, world_size)  # checkpointing does not change validity: once per count
-        except ConfigError:
-            continue
-        for ac in AC_MODES:
-            out.append(dataclasses.replace(variant, parallel=dataclasses.replace(parallel, activation_checkpointing=ac)))
+        for schedule, virtual, ac_modes in schedules:
+            parallel = dataclasses.replace(cfg.parallel, **shape, sp=shape["tp"] > 1, microbatches=micro,
+                                           schedule=schedule, virtual_stages=virtual)
+            variant = dataclasses.replace(cfg, parallel=parallel)
+            try:  # checkpointing does not change validity: once per schedule
+                validate_layout(variant, world_size)
+                if shape["pp"] > 1:
+                    check_pipeline(variant)  # micro-batches against stages, per schedule
+            except ConfigError:
+                continue
+            out += [dataclasses.replace(variant, parallel=dataclasses.replace(parallel, activation_checkpointing=ac))
+                    for ac in ac_modes]
     return out
 
 
