@@ -2,7 +2,7 @@
 
 Compile cost dominates on a small CPU machine (inductor builds C++ kernels), so the tests use tiny
 models and two optimizer steps; every block of one kind shares one compiled graph. Four ranks check
-dp2 x tp2 with SP (dense) and dp2 x ep2 (MoE with aux loss) against eager.
+dp2 x tp2 with SP (dense), dp2 x ep2 (MoE with aux loss) and a zero-bubble pp2 x dp2 against eager.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.mesh import batch_mesh
 from meshtron.models import build_model, materialize, token_loss_sum
 from meshtron.optim import build_optimizer
+from meshtron.parallel import compose
 from meshtron.parallel.compile import apply_compile
-from meshtron.parallel import runner as runner_module
-from meshtron.parallel.runner import StepRunner
+from meshtron.parallel.runner import build_step_runner
 from meshtron.testing import cached_mesh, rel_err, run_checks
 
 CFG = ModelConfig(
@@ -69,10 +69,10 @@ MOE = ModelConfig(
 def _runner_steps(model_cfg: ModelConfig, layout: dict, compile_blocks: bool, seed: int):
     cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout, compile=compile_blocks),
                  train=TrainConfig(seed=seed, seq_len=SEQ, global_batch_size=BATCH))
-    mesh = cached_mesh(**{k: v for k, v in layout.items() if k != "sp"})
+    mesh = cached_mesh(**{k: v for k, v in layout.items() if k in ("pp", "dp", "cp", "ep", "tp")})
     with torch.device("meta"):
         model = build_model(model_cfg)
-    runner = StepRunner(model, mesh, cfg, torch.device("cpu"))
+    runner = build_step_runner(model, mesh, cfg, torch.device("cpu"))
     optimizer = build_optimizer(runner.module, cfg.train)
     share = batch_mesh(mesh)
     rows = slice(share.get_local_rank() * BATCH // share.size(), (share.get_local_rank() + 1) * BATCH // share.size())
@@ -82,19 +82,20 @@ def _runner_steps(model_cfg: ModelConfig, layout: dict, compile_blocks: bool, se
         loss = runner.forward_backward(ids[rows], labels[rows])
         out.append((loss, {n: p.grad.full_tensor() for n, p in runner.module.named_parameters()}))
         optimizer.step()
-    return out
+    return out, runner
 
 
 def _compiled_matches_eager(model_cfg: ModelConfig, layout: dict, seed: int) -> None:
     # aot_eager: dynamo + AOTAutograd trace the DTensor/FSDP block exactly as for inductor (where the
     # composition can break); inductor's code generation is checked by the single-process test, and
     # generating C++ kernels for each rank's graph would take minutes on a 2-core machine.
-    runner_module.apply_compile = functools.partial(apply_compile, backend="aot_eager")
-    compiled, eager = _runner_steps(model_cfg, layout, True, seed), _runner_steps(model_cfg, layout, False, seed)
+    compose.apply_compile = functools.partial(apply_compile, backend="aot_eager")
+    (compiled, runner), (eager, eager_runner) = (_runner_steps(model_cfg, layout, c, seed) for c in (True, False))
     for (loss, grads), (ref_loss, ref_grads) in zip(compiled, eager):
         assert rel_err(loss, ref_loss) < 1e-5, (loss, ref_loss)
         for name, grad in grads.items():
             assert rel_err(grad, ref_grads[name]) < 1e-4, name
+    return runner, eager_runner
 
 
 def compiled_dp_tp_matches_eager(seed: int) -> None:
@@ -105,6 +106,14 @@ def compiled_moe_dp_ep_matches_eager(seed: int) -> None:
     _compiled_matches_eager(MOE, {"dp": 2, "ep": 2}, seed)
 
 
+def compiled_zero_bubble_runs_unsplit(seed: int) -> None:
+    """A compiled block's backward is one fused node (input and weight gradients at once), which a
+    split backward would run in B and again in W: zero-bubble stages with compiled blocks run each
+    backward whole at B, and the step still equals eager's split one."""
+    runner, eager_runner = _compiled_matches_eager(CFG, {"pp": 2, "dp": 2, "schedule": "zb1p", "microbatches": 2}, seed)
+    assert not runner.executor._split and eager_runner.executor._split
+
+
 def test_compiled_blocks_on_four_ranks_match_eager():
-    run_checks([compiled_dp_tp_matches_eager, compiled_moe_dp_ep_matches_eager], 4,
+    run_checks([compiled_dp_tp_matches_eager, compiled_moe_dp_ep_matches_eager, compiled_zero_bubble_runs_unsplit], 4,
                int(torch.randint(0, 2**31, ())), timeout=600)

@@ -148,7 +148,6 @@ _REFUSED_CONFIG = {
 }
 
 
-
 def _check_hf_pipeline(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig) -> None:
     cfg = model.config
     check_pipeline_layout(p, len(hf_parts(model).blocks), "parallelize_hf_model:")

@@ -47,3 +47,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "none", every: 
         # The recomputation must not count MoE router statistics a second time.
         checkpoint(layers[str(index)], context_fn=lambda: (contextlib.nullcontext(), replaying()))
     return chosen
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether activation checkpointing wraps ``module`` (its backward replays its forward)."""
+    return checkpoint.state(module) is not None

@@ -67,4 +67,10 @@ def _compiled_forward(block: nn.Module, backend: str):
         # backward expects a DTensor. A copy of the [B, S, H] input, cheap next to a block, avoids it.
         return compiled(x.clone() if x._is_view() else x, *args, **kwargs)
 
+    forward.compiled = True
     return forward
+
+
+def is_compiled(block: nn.Module) -> bool:
+    """Whether :func:`apply_compile` compiled ``block``'s forward."""
+    return getattr(block.forward, "compiled", False)

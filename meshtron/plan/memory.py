@@ -346,12 +346,12 @@ def in_flight(cfg: Config, pp_rank: int) -> int:
 
 def _held(cfg: Config, pp_rank: int) -> tuple[tuple[int, int], ...]:
     """(chunks held, of them split backwards waiting for their ``W``) after each of the rank's actions;
-    stages with checkpointed layers run their backward whole (the executor's ``unsplit``)."""
+    stages with checkpointed or compiled layers run their backward whole (the executor's ``unsplit``)."""
     p = cfg.parallel
     if p.pp == 1:
         return ((1, 0),)
     ranges = chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
-    unsplit = frozenset(s for s, r in enumerate(ranges) if any(_checkpointed(cfg, i) for i in r))
+    unsplit = frozenset(s for s, r in enumerate(ranges) if p.compile or any(_checkpointed(cfg, i) for i in r))
     return _held_by_rank(p.schedule, p.pp, p.microbatches, p.virtual_stages, unsplit)[pp_rank]
 
 

@@ -11,7 +11,7 @@ step time = (compute + exposed communication) / (1 - bubble)
   traffic overlaps compute and only its excess is exposed;
 - bubble: idle fraction of the simulated schedule (backward twice a forward, three times with
   recomputation; of it a split backward's ``W`` one forward, its ``B`` the rest; with activation
-  checkpointing the executor runs every backward whole at ``B``).
+  checkpointing or compiled blocks the executor runs every backward whole at ``B``).
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     exposed = critical + max(0.0, overlapped - compute)
     # Backward costs twice a forward, plus the recomputed forward of the checkpointed share of layers.
     bubble = pipeline_bubble(p.schedule, p.pp, p.microbatches, p.virtual_stages, 2 + 3 * (recompute - 1),
-                             split=p.activation_checkpointing == "none")
+                             split=p.activation_checkpointing == "none" and not p.compile)
     seconds = (compute + exposed) / (1 - bubble)
     return StepTime(seconds, tokens / seconds, compute, exposed, bubble, comm)
 

@@ -38,9 +38,10 @@ executor runs what those hooks would have (:func:`_post_backward`): the chunk's 
 FSDP's reduce-dtype accumulator (fp32 under bf16 mixed precision, so consecutive ``W`` never add
 micro-batches in bf16), and a releasing ``W`` reduce-scatters them. Activation checkpointing:
 each restarted pass is a graph task of its own and replays the checkpointed forward again (one
-replay per weight-consuming node), so stages with checkpointed blocks (``unsplit``) run their
-whole backward at ``B``, one replay as in 1F1B, and their ``W`` only releases the units; their
-activations are freed at ``B``.
+replay per weight-consuming node); a compiled block's backward is one fused node computing input
+and weight gradients together, run in ``B`` and again in ``W``. So stages with checkpointed or
+compiled blocks (``unsplit``) run their whole backward at ``B`` (one replay, one fused backward,
+as in 1F1B) and their ``W`` only releases the units; their activations are freed at ``B``.
 
 Gradient accumulation and FSDP. Backward calls accumulate into ``.grad`` over micro-batches, as
 in the non-pipelined runner. Every FSDP2 unit of a chunk is held unsharded through the step: its
@@ -108,7 +109,7 @@ class PipelineExecutor:
     the others also run with one group for both (the default). ``chunk_units`` maps each local
     stage to the FSDP2 units (``FSDPModule``) whose parameters it uses, held unsharded through the
     step (module doc). ``unsplit`` stages run each backward whole at ``B`` even where the schedule
-    splits it (module doc: activation checkpointing).
+    splits it (module doc: activation checkpointing, compiled blocks).
     """
 
     def __init__(
@@ -500,7 +501,8 @@ def _post_backward(units: Sequence[nn.Module], released: Sequence[nn.Module]) ->
     module-input hooks that run it never fire (only some output hooks may): every param group of the
     chunk's ``units`` (and of the ``released`` ones) folds its new gradients into its accumulator or,
     once released, reduce-scatters them; after a release, the root's final callback waits for those
-    reductions, as it does after a whole backward."""
+    reductions, as it does after a whole backward. FSDP2 has no public call for this; these are the
+    private methods ``torch.distributed.pipelining``'s stages call for their own split backward."""
     states = {id(u): _fsdp_state(u) for u in [*units, *released]}
     for state in states.values():
         for group in state._fsdp_param_groups:

@@ -35,8 +35,10 @@ from meshtron.config import Config, ParallelConfig
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import moe_layers
 from meshtron.models.moe import replaying
-from meshtron.parallel.grad_norm import global_grad_norm, scale_grads_
+from meshtron.parallel.checkpointing import is_checkpointed
+from meshtron.parallel.compile import is_compiled
 from meshtron.parallel.compose import materialize_sharded, parallelize
+from meshtron.parallel.grad_norm import global_grad_norm, scale_grads_
 from meshtron.parallel.step import (
     average_router_losses_over_microbatches,
     full_state_dict,
@@ -69,11 +71,11 @@ def _fsdp_units(chunk) -> list[nn.Module]:
     return units
 
 
-def _recomputes(chunk) -> bool:
-    """Whether a chunk holds activation-checkpointed modules (its backward replays their forward)."""
-    from torch.distributed._composable import checkpoint
-
-    return any(checkpoint.state(sub) is not None for mod in chunk.modules() for sub in mod.modules())
+def _fused_backward(chunk) -> bool:
+    """Whether a chunk holds modules whose backward cannot be split into B and W cheaply: checkpointed
+    ones replay their forward once per restarted W pass, compiled ones run one fused backward node
+    (input and weight gradients together) in B and again in W. The executor runs them unsplit."""
+    return any(is_checkpointed(sub) or is_compiled(sub) for mod in chunk.modules() for sub in mod.modules())
 
 
 def _pipelines(mesh) -> list[list[int]]:
@@ -137,7 +139,7 @@ class PipelineRunner:
         steps = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)[pp_mesh.get_local_rank()]
         units = {s: _fsdp_units(c) for s, c in self.chunks.items()}
         grads = _gradient_group(mesh) if p.schedule in V_SHAPED else None
-        unsplit = [s for s, c in self.chunks.items() if _recomputes(c)]
+        unsplit = [s for s, c in self.chunks.items() if _fused_backward(c)]
         self.executor = PipelineExecutor(steps, self.num_stages, self.pp_group, units, grads, unsplit)
         self._aux: torch.Tensor | None = None
         self._tied, self._tie_group, self._tied_copy = None, None, None
