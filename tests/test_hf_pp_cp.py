@@ -9,8 +9,9 @@ Llama, Qwen2 (tied embeddings), Qwen3 (q/k norms), Mistral and Phi3 (fused proje
 ``[model] hf_model`` (meshtron.hf.runner): a 1-rank launch trains a Llama folder (with safetensors), a
 Qwen2 and a Qwen2-MoE folder (config.json only: seeded init) for the reference loss and held-out loss
 curves; a 4-rank launch the same recipes on pp2 x cp2, cp2 x tp2 + SP, dp2 x tp2 (checkpoint, export)
-and interleaved pp2 x tp2, and resumes the dp2 x tp2 checkpoint resharded onto pp2 x tp2; an 8-rank
-launch pp2 x cp2 x tp2 (Llama) and dp2 x ep2 x tp2 (Qwen2-MoE). Losses within 1e-4.
+and zbv pp2 x tp2 (tied Qwen2, both ends on rank 0), and resumes the dp2 x tp2 checkpoint resharded
+onto pp2 x tp2; an 8-rank launch pp2 x cp2 x tp2 (Llama) and dp2 x ep2 x tp2 (Qwen2-MoE). Losses
+within 1e-4.
 """
 
 from __future__ import annotations
@@ -219,7 +220,8 @@ RECIPE_STEPS = 6
 RECIPE_LAYOUTS = {
     "llama": {"pp2_cp2": dict(pp=2, cp=2), "cp2_tp2_sp": dict(cp=2, tp=2, sp="true"), "dp2_tp2": dict(dp=2, tp=2),
               "pp2_cp2_tp2": dict(pp=2, cp=2, tp=2)},
-    "qwen2": {"pp2_tp2_interleaved": dict(pp=2, tp=2, schedule='"interleaved"', virtual_stages=2)},
+    # zbv: the tied embedding and head both on rank 0, evaluated through the V (2 pp micro-batches).
+    "qwen2": {"pp2_tp2_zbv": dict(pp=2, tp=2, schedule='"zbv"', virtual_stages=2, microbatches=4)},
     "qwen2_moe": {"dp2_ep2_tp2": dict(dp=2, ep=2, tp=2)},
 }
 EVAL = ["--data.eval_source", "builtin", "--train.eval_every", "3", "--train.eval_steps", "1"]
