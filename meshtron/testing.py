@@ -280,6 +280,21 @@ def count_calls(owner: Any, name: str, skip_group=None) -> Iterator[list]:
         setattr(owner, name, original)
 
 
+def whole_weight_passes(executor) -> list:
+    """The split ``W`` actions past the first stage that run the whole backward instead of restarting
+    at the nodes their ``B`` recorded; the list fills while ``executor`` runs."""
+    whole, weight = [], executor._weight
+
+    def recorded(index, a):
+        key = (a.stage, a.mb)  # no reference to the deferred work kept: W must free it
+        if a.stage > 0 and key in executor._deferred and not executor._deferred[key].restarts:
+            whole.append(a)
+        weight(index, a)
+
+    executor._weight = recorded
+    return whole
+
+
 def units_with_parameters(model) -> int:
     """FSDP2 units that own parameters of their own (not only nested units'): the units that gather
     and reduce a parameter group."""

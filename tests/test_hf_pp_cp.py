@@ -33,7 +33,9 @@ from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.mesh import batch_mesh
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.pipeline.schedules import VIRTUAL
-from meshtron.testing import HF_TINY_FAMILIES, HF_TINY_SIZES, cached_mesh, cached_recipe_mesh, rel_err, run_checks
+from meshtron.testing import (
+    HF_TINY_FAMILIES, HF_TINY_SIZES, cached_mesh, cached_recipe_mesh, rel_err, run_checks, whole_weight_passes,
+)
 
 SMALL = dict(HF_TINY_SIZES, num_hidden_layers=4)
 MODELS = HF_TINY_FAMILIES
@@ -158,7 +160,7 @@ def check_pipeline(_tmp: str) -> None:
         runner = parallelize_hf_model(_model(arch), mesh, microbatches=4 // batch_mesh(mesh).size(),
                                       virtual_stages=virtual, **options)
         assert isinstance(runner, HFPipelineRunner), where
-        whole = _count_whole_weight_passes(runner.executor)
+        whole = whole_weight_passes(runner.executor)
         loss = runner.forward_backward(_rows(ids, mesh), _rows(next_token_labels(labels), mesh))
         assert not whole, f"{where}: W re-ran the whole backward for {whole}"
         err = rel_err(loss, ref_loss)
@@ -168,20 +170,6 @@ def check_pipeline(_tmp: str) -> None:
         blocks = {int(name.split(".")[2]) for name, _ in runner.module.named_parameters() if ".layers." in name}
         assert len(blocks) == SMALL["num_hidden_layers"] // 2, f"{where}: this rank holds blocks {blocks}"
         _check_grads(runner.module, grads, where)
-
-
-def _count_whole_weight_passes(executor) -> list:
-    """The ``W`` actions past the first stage that will run the whole backward instead of restarting
-    at the nodes their ``B`` recorded (filled while the executor runs)."""
-    whole, weight = [], executor._weight
-
-    def recorded(index, a):
-        if a.stage > 0 and not executor._deferred[(a.stage, a.mb)].restarts:
-            whole.append(a)
-        weight(index, a)
-
-    executor._weight = recorded
-    return whole
 
 
 def check_errors(_tmp: str) -> None:

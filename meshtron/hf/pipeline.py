@@ -188,10 +188,9 @@ class HFPipelineRunner(PipelineRunner):
                            schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages)
         _check_hf_pipeline(model, mesh, p)  # before any collective
         parts = hf_parts(model)
-        v_shape = p.schedule in V_SHAPED
-        tied = parts.embed.weight is parts.head.weight and not v_shape  # a V holds both ends on rank 0
+        tied = parts.embed.weight is parts.head.weight
         boundary = (model.config.hidden_size, _compute_dtype(model, mesh, dtype))
-        stages = prune_hf_to_stage(model, mesh["pp"].get_local_rank(), p.pp, p.virtual_stages, v_shape)
+        stages = prune_hf_to_stage(model, mesh["pp"].get_local_rank(), p.pp, p.virtual_stages, p.schedule in V_SHAPED)
         parallelize_stage(model)
         model.forward = MethodType(_stage_forward, model)  # the whole-model forward cannot run on a stage
         chunks = {s: HFStageChunk(model, s, r, p.pp * p.virtual_stages) for s, r in stages.items()}

@@ -350,9 +350,15 @@ def _held(cfg: Config, pp_rank: int) -> tuple[tuple[int, int], ...]:
     p = cfg.parallel
     if p.pp == 1:
         return ((1, 0),)
+    return _held_by_rank(p.schedule, p.pp, p.microbatches, p.virtual_stages, unsplit_stages(cfg))[pp_rank]
+
+
+def unsplit_stages(cfg: Config) -> frozenset[int]:
+    """Stages whose backward the executor runs whole even in a zero-bubble schedule (its ``unsplit``):
+    those with checkpointed or compiled layers."""
+    p = cfg.parallel
     ranges = chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
-    unsplit = frozenset(s for s, r in enumerate(ranges) if p.compile or any(_checkpointed(cfg, i) for i in r))
-    return _held_by_rank(p.schedule, p.pp, p.microbatches, p.virtual_stages, unsplit)[pp_rank]
+    return frozenset(s for s, r in enumerate(ranges) if p.compile or any(_checkpointed(cfg, i) for i in r))
 
 
 @functools.lru_cache(maxsize=256)

@@ -23,7 +23,7 @@ from meshtron.config import Config
 from meshtron.models.qwen2 import flops_per_token
 from meshtron.parallel.pipeline.schedules import build_schedule
 from meshtron.parallel.pipeline.simulate import simulate
-from meshtron.plan.memory import FP32, compute_bytes, microbatch_tokens, unit_elements
+from meshtron.plan.memory import FP32, compute_bytes, microbatch_tokens, unit_elements, unsplit_stages
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,8 @@ def pipeline_bubble(schedule: str, pp: int, microbatches: int, virtual: int, bac
                     split: bool = True) -> float:
     """Idle fraction of the simulated schedule (forward cost 1 per chunk). Of ``backward_cost`` the
     weight gradients take one forward's matmuls (``W`` of a split backward) and the rest is the input
-    gradient (``B``); an unsplit backward costs the sum, and without ``split`` (checkpointed stages:
-    the executor's ``unsplit``) every backward runs whole at ``B``."""
+    gradient (``B``); an unsplit backward costs the sum, and without ``split`` (any stage in
+    ``memory.unsplit_stages``) every backward runs whole at ``B``."""
     if pp == 1:
         return 0.0
     steps = build_schedule(schedule, pp, microbatches, virtual)
@@ -157,7 +157,7 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     exposed = critical + max(0.0, overlapped - compute)
     # Backward costs twice a forward, plus the recomputed forward of the checkpointed share of layers.
     bubble = pipeline_bubble(p.schedule, p.pp, p.microbatches, p.virtual_stages, 2 + 3 * (recompute - 1),
-                             split=p.activation_checkpointing == "none" and not p.compile)
+                             split=not unsplit_stages(cfg))
     seconds = (compute + exposed) / (1 - bubble)
     return StepTime(seconds, tokens / seconds, compute, exposed, bubble, comm)
 

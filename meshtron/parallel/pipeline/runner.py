@@ -109,12 +109,10 @@ class PipelineRunner:
     def __init__(self, model: nn.Module, mesh, cfg: Config, device: torch.device):
         check_pipeline(cfg)  # before any collective
         p = cfg.parallel
-        v_shape = p.schedule in V_SHAPED
-        stages = prune_to_stage(model, mesh["pp"].get_local_rank(), p.pp, p.virtual_stages, v_shape)
+        stages = prune_to_stage(model, mesh["pp"].get_local_rank(), p.pp, p.virtual_stages, p.schedule in V_SHAPED)
         module = parallelize(model, mesh, cfg)
         materialize_sharded(module, device, cfg)
-        # A V holds both ends on rank 0: one weight, nothing to tie.
-        tied = (module.embed_tokens, module.lm_head) if cfg.model.tie_word_embeddings and not v_shape else None
+        tied = (module.embed_tokens, module.lm_head) if cfg.model.tie_word_embeddings else None
         has_moe = any(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_hidden_layers))
         self._start(module, build_chunks(module, stages, p.pp * p.virtual_stages), mesh, p,
                     (cfg.model.hidden_size, cfg.train.dtype), device, tied, has_moe)
@@ -143,7 +141,7 @@ class PipelineRunner:
         self.executor = PipelineExecutor(steps, self.num_stages, self.pp_group, units, grads, unsplit)
         self._aux: torch.Tensor | None = None
         self._tied, self._tie_group, self._tied_copy = None, None, None
-        if tied is not None:
+        if tied is not None and p.schedule not in V_SHAPED:  # a V holds both ends on rank 0: one weight
             embed, head = tied
             self._tie_group = _first_last_group(mesh)
             self._tied = (embed or head).weight if self._tie_group else None
