@@ -99,6 +99,27 @@ def test_fused_loss_never_holds_the_logits():
     assert largest.largest * 8 < n * vocab
 
 
+def test_fused_loss_peak_is_the_planners_loss_term():
+    """bf16 with the weight dominant (as at a 7B vocabulary): the peak is the forward's chunk buffers and
+    gradients, which meshtron.plan counts; neither the last chunk's logit gradient nor a whole fp32 copy
+    of the weight gradient in backward adds to it (together they added 11 % at this shape)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from meshtron.config import Config, TrainConfig
+    from meshtron.plan.memory import loss_bytes
+
+    n, hidden, vocab, chunk = 512, 256, 4096, 128
+    h, w, labels = _problem(n, hidden, vocab, torch.bfloat16)
+    tracker = MemTracker()
+    with tracker:
+        linear_cross_entropy_sum(h, w, labels, chunk).backward()
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    cfg = Config(model=ModelConfig(vocab_size=vocab, hidden_size=hidden),
+                 train=TrainConfig(dtype="bfloat16", seq_len=n, global_batch_size=1, loss_chunk_tokens=chunk))
+    inputs = (n + vocab) * hidden * 2
+    assert abs(peak - inputs - loss_bytes(cfg, 0)) < 0.01 * peak, (peak - inputs, loss_bytes(cfg, 0))
+
+
 def test_no_grad_computes_no_gradients():
     h, w, labels = _problem(64, 8, 50)
     largest = _LargestTensor()

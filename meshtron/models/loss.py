@@ -98,6 +98,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     torch.matmul(g, weight, out=grad_h[rows])
                 if want_w:
                     grad_w.add_(g.t() @ h)  # fp32 accumulation over chunks
+                del g  # else it lives on while the next chunk's logits are computed (chunk x V more)
             del logits
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
@@ -107,8 +108,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         grad_h, grad_w = ctx.saved_tensors
         grad_h = grad_h * grad.to(grad_h.dtype) if grad_h is not None else None
-        grad_w = (grad_w * grad).to(ctx.weight_dtype) if grad_w is not None else None
+        grad_w = _scaled(grad_w, grad, ctx.weight_dtype) if grad_w is not None else None
         return grad_h, grad_w, None, None, None, None, None
+
+
+def _scaled(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: int = 4096) -> torch.Tensor:
+    """``(acc * scale).to(dtype)`` a slice of rows at a time, rounded once as the whole product would be.
+
+    At the start of the backward, when every activation is still held, a whole fp32 product next to its
+    cast would be 1.5 x the fp32 weight gradient more (2.2 GB for a 7B vocabulary at tp 1)."""
+    if dtype == acc.dtype:
+        return acc * scale
+    out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    for r in _chunks(acc.shape[0], rows):
+        torch.mul(acc[r], scale, out=out[r])
+    return out
 
 
 def linear_cross_entropy_sum(
