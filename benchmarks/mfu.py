@@ -3,30 +3,35 @@
 For each shape (Qwen2.5-0.5B, 1.5B, and 7B truncated to ``--layers-7b`` layers so it fits one
 80 GB card) at ``--seq`` tokens (4096) and ``--batch`` sequences per step:
 
-* meshtron: the training loop's own step (``meshtron.train.training_step``): the model built on the
-  meta device, parallelized for one rank (FSDP2 unit per block, bf16 compute with fp32 master
-  weights and fp32 gradient reduction), fused AdamW with the non-finite guard on the device, global
-  gradient clipping, SDPA attention (restricted to the flash / memory-efficient / cuDNN kernels on
-  CUDA, so a silent fallback to the math kernel is an error), optionally ``torch.compile`` per block.
-  On CUDA the timed steps run under ``torch.cuda.set_sync_debug_mode("error")``: any host sync in
-  the step fails the run (``--no-sync-check`` turns that off);
+* meshtron, once per ``--modes`` entry (``eager``, ``compiled``): the training loop's own step
+  (``meshtron.train.training_step``): the model built on the meta device, parallelized for one rank
+  (FSDP2 unit per block, bf16 compute with fp32 master weights and fp32 gradient reduction), fused
+  AdamW with the non-finite guard on the device, global gradient clipping, SDPA attention
+  (restricted to the fused kernels on CUDA, so a silent fallback to the math kernel is an error);
+  ``compiled``: ``torch.compile`` per block. On CUDA the timed steps run under
+  ``torch.cuda.set_sync_debug_mode("error")``: any host sync in the step fails the run
+  (``--no-sync-check`` turns that off);
 * transformers: ``Qwen2ForCausalLM`` built from the same shape's ``Qwen2Config`` directly on the
   device (random init), ``attn_implementation="sdpa"``, fp32 weights under bf16 autocast (the usual
   bf16 mixed-precision recipe for it), the same batch, the same fused AdamW and clipping.
 
-Reported per run: tokens/s, MFU = training FLOPs per token (``meshtron.models.flops_per_token``:
-6 x matmul parameters + causal attention) x tokens/s / the measured bf16 matmul peak of this device
-(``meshtron.metrics.matmul_flops``), peak memory, and meshtron's speed-up over transformers.
+Reported per run: tokens/s; MFU = training FLOPs per token (``meshtron.models.flops_per_token``:
+6 x matmul parameters + causal attention) x tokens/s / the card's datasheet dense bf16 peak
+(``meshtron.metrics.datasheet_peak_flops``; ``--peak-tflops`` for an unlisted card), and the same
+against the bf16 matmul peak measured on this device; peak allocated memory
+(``torch.cuda.max_memory_allocated``) next to ``meshtron.plan``'s prediction for the same
+configuration (allocated bytes: no CUDA context or allocator slack); meshtron's speed-up over
+transformers. An out-of-memory run is recorded as such and the others go on.
 ``--tiny`` runs a small model for a few steps on any device (a smoke test; its numbers mean nothing).
 
-Run on a GPU: ``PYTHONPATH=. python benchmarks/mfu.py [--compile] [--batch 1] [--seq 4096]``
-(writes benchmarks/results/mfu.{md,json}; ``--out`` picks another stem).
+Run on a GPU: ``PYTHONPATH=. python benchmarks/mfu.py [--modes eager compiled] [--batch 1] [--seq 4096]``
+(writes benchmarks/results/mfu.{md,json}; ``--out`` picks another stem). ``benchmarks/gpu_check.sh``
+runs it with the CUDA tests in one device call.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import time
@@ -38,10 +43,12 @@ import torch.distributed as dist
 from meshtron import env
 from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig, load_config
 from meshtron.mesh import build_mesh
-from meshtron.metrics import matmul_flops, synchronize
+from meshtron.metrics import datasheet_peak_flops, matmul_flops, synchronize
 from meshtron.models import build_model, flops_per_token
 from meshtron.optim import build_optimizer
 from meshtron.parallel.runner import StepRunner
+from meshtron.plan import Assumptions, predict_memory
+from meshtron.syncs import no_host_syncs
 from meshtron.train import read_scalars, training_step
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -64,29 +71,7 @@ def shapes(args) -> dict[str, ModelConfig]:
     }
 
 
-def fused_attention_only(device: torch.device):
-    """On CUDA, SDPA may only pick a fused kernel (flash, memory-efficient, cuDNN), never math."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
-
-
-def no_host_syncs(device: torch.device, enabled: bool):
-    """``torch.cuda.set_sync_debug_mode("error")`` for the block: a host sync raises."""
-    if device.type != "cuda" or not enabled:
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def mode():
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    return mode()
+ALLOCATED_ONLY = Assumptions(reserved_gib=0.0, fragmentation=0.0)  # what max_memory_allocated sees
 
 
 def _reset_memory(device: torch.device) -> None:
@@ -114,35 +99,46 @@ def timed(step, steps: int, warmup: int, device: torch.device, sync_check: bool)
     return (time.perf_counter() - start) / steps, outputs
 
 
-def run_meshtron(model_cfg: ModelConfig, args, batch: torch.Tensor, device: torch.device) -> dict:
-    cfg = Config(model=model_cfg, parallel=ParallelConfig(compile=args.compile),
-                 train=TrainConfig(dtype=args.dtype, seq_len=args.seq, global_batch_size=args.batch))
+def step_config(model_cfg: ModelConfig, dtype: str, batch: int, seq: int, compile: bool = False, **parallel) -> Config:
+    """The one-rank recipe this benchmark trains (``parallel``: further ParallelConfig fields)."""
+    return Config(model=model_cfg, parallel=ParallelConfig(compile=compile, **parallel),
+                  train=TrainConfig(dtype=dtype, seq_len=seq, global_batch_size=batch))
+
+
+def run_meshtron(cfg: Config, batch: torch.Tensor, device: torch.device, steps: int, warmup: int,
+                 sync_check: bool = True) -> dict:
+    """Trains ``cfg`` on one rank (a process group must exist): seconds per step, the last loss, the
+    peak allocated memory and the planner's prediction of it."""
+    _reset_memory(device)
     with torch.device("meta"):
-        model = build_model(model_cfg)
+        model = build_model(cfg.model)
     runner = StepRunner(model, build_mesh(), cfg, device)
     optimizer = build_optimizer(runner.module, cfg.train)
     ids, labels = batch[:, :-1], batch[:, 1:]
 
     def step():
-        with fused_attention_only(device):
+        with env.fused_attention_only(device):
             return training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
 
-    seconds, outputs = timed(step, args.steps, args.warmup, device, args.sync_check)
+    seconds, outputs = timed(step, steps, warmup, device, sync_check)
     losses = [read_scalars(loss)[0] for loss, _ in outputs]
-    del runner, optimizer, model
-    return {"seconds_per_step": seconds, "last_loss": losses[-1]}
+    del runner, optimizer, model, outputs
+    return {"seconds_per_step": seconds, "last_loss": losses[-1], "peak_memory_gib": _peak_memory_gib(device),
+            "predicted_memory_gib": predict_memory(cfg, ALLOCATED_ONLY).total / 2**30}
 
 
-def run_transformers(model_cfg: ModelConfig, args, batch: torch.Tensor, device: torch.device) -> dict:
+def run_transformers(model_cfg: ModelConfig, dtype: str, batch: torch.Tensor, device: torch.device, steps: int,
+                     warmup: int) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from meshtron.hf import hf_config_dict
 
+    _reset_memory(device)
     hf_cfg = Qwen2Config.from_dict(hf_config_dict(model_cfg), attn_implementation="sdpa")
     with torch.device(device):
         model = Qwen2ForCausalLM(hf_cfg).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -154,26 +150,44 @@ def run_transformers(model_cfg: ModelConfig, args, batch: torch.Tensor, device: 
         return loss.detach()
 
     # Its own code may sync (mask building, loss bookkeeping): not checked.
-    seconds, outputs = timed(step, args.steps, args.warmup, device, sync_check=False)
+    seconds, outputs = timed(step, steps, warmup, device, sync_check=False)
     loss = outputs[-1].item()
-    del model, optimizer
-    return {"seconds_per_step": seconds, "last_loss": loss}
+    del model, optimizer, outputs
+    return {"seconds_per_step": seconds, "last_loss": loss, "peak_memory_gib": _peak_memory_gib(device)}
 
 
-def measure(name: str, model_cfg: ModelConfig, args, device: torch.device, peak: float) -> dict:
+def _guarded(run) -> dict:
+    """The run's result, or ``{"error": "out of memory"}`` so the other runs still take place."""
+    try:
+        return run()
+    except torch.OutOfMemoryError:
+        gc.collect()
+        return {"error": "out of memory"}
+
+
+def measure(name: str, model_cfg: ModelConfig, args, device: torch.device, peaks: dict) -> list[dict]:
+    """One row per meshtron mode and one for transformers, each with tokens/s and MFU against ``peaks``."""
     tokens = args.batch * args.seq
     flops = flops_per_token(model_cfg, args.seq)
     batch = torch.randint(0, model_cfg.vocab_size, (args.batch, args.seq + 1), device=device)
-    row: dict = {"shape": name, "layers": model_cfg.num_hidden_layers, "batch": args.batch, "seq": args.seq}
-    for impl, run in (("meshtron", run_meshtron), ("transformers", run_transformers)):
-        _reset_memory(device)
-        result = run(model_cfg, args, batch, device)
-        per_s = tokens / result["seconds_per_step"]
-        row[impl] = {**result, "tokens_per_s": per_s, "mfu": flops * per_s / peak,
-                     "peak_memory_gib": _peak_memory_gib(device)}
-        print(f"{name} {impl}: {per_s:,.0f} tokens/s, MFU {100 * row[impl]['mfu']:.1f}%", flush=True)
-    row["speedup"] = row["meshtron"]["tokens_per_s"] / row["transformers"]["tokens_per_s"]
-    return row
+    runs = {f"meshtron {mode}": lambda mode=mode: run_meshtron(
+        step_config(model_cfg, args.dtype, args.batch, args.seq, compile=mode == "compiled"), batch, device,
+        args.steps, args.warmup, args.sync_check) for mode in args.modes}
+    runs["transformers"] = lambda: run_transformers(model_cfg, args.dtype, batch, device, args.steps, args.warmup)
+    rows = []
+    for impl, run in runs.items():
+        row = {"shape": name, "layers": model_cfg.num_hidden_layers, "batch": args.batch, "seq": args.seq,
+               "impl": impl, **_guarded(run)}
+        if "error" not in row:
+            row["tokens_per_s"] = tokens / row["seconds_per_step"]
+            row.update({f"mfu_{kind}": flops * row["tokens_per_s"] / peak if peak else None
+                        for kind, peak in peaks.items()})
+        print(f"{name} {impl}: {row.get('tokens_per_s', 0):,.0f} tokens/s {row.get('error', '')}", flush=True)
+        rows.append(row)
+    theirs = rows[-1].get("tokens_per_s")
+    for row in rows[:-1]:
+        row["speedup"] = row["tokens_per_s"] / theirs if theirs and "tokens_per_s" in row else None
+    return rows
 
 
 def device_name(device: torch.device) -> str:
@@ -184,35 +198,49 @@ def device_name(device: torch.device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def write_results(rows: list[dict], args, device: torch.device, peak_of: tuple[float, torch.dtype], out: Path) -> str:
+def _cell(row: dict, key: str, fmt: str) -> str:
+    value = row.get(key)
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _table_line(r: dict) -> str:
+    if "error" in r:
+        return f"| {r['shape']} | {r['batch']} x {r['seq']} | {r['impl']} | {r['error']} | | | | | |"
+    planner = "n/a"
+    if r.get("predicted_memory_gib") is not None and r.get("peak_memory_gib"):
+        error = r["predicted_memory_gib"] / r["peak_memory_gib"] - 1
+        planner = f"{r['predicted_memory_gib']:.1f} ({100 * error:+.1f}%)"
+    mfu = lambda key: "n/a" if r.get(key) is None else f"{100 * r[key]:.1f}%"  # noqa: E731
+    return (f"| {r['shape']} | {r['batch']} x {r['seq']} | {r['impl']} | {r['tokens_per_s']:,.0f} | "
+            f"{mfu('mfu_datasheet')} | {mfu('mfu_measured')} | {_cell(r, 'peak_memory_gib', '.1f')} | {planner} | "
+            f"{_cell(r, 'speedup', '.2f')} |")
+
+
+def write_results(rows: list[dict], args, device: torch.device, peaks: dict, out: Path) -> str:
     label = device_name(device)
-    peak, peak_dtype = peak_of
-    settings = (f"dtype {args.dtype}, compile {'on' if args.compile else 'off'}, {args.steps} timed steps after "
-                f"{args.warmup} warm-up, host-sync check {'on' if args.sync_check and device.type == 'cuda' else 'off'}")
+    settings = (f"dtype {args.dtype}, {args.steps} timed steps after {args.warmup} warm-up, host-sync check "
+                f"{'on' if args.sync_check and device.type == 'cuda' else 'off'}")
+    datasheet = peaks["datasheet"]
     lines = [
         f"# Single-device training throughput: meshtron vs transformers ({label})",
         "",
         *(["**CPU smoke run (`--tiny`): checks that the script works; not a performance result.**", ""]
           if device.type != "cuda" else []),
-        f"Device: {label}; measured {str(peak_dtype).removeprefix('torch.')} matmul peak "
-        f"{peak / 1e12:.2f} TFLOP/s. {settings}. Produced by `benchmarks/mfu.py`.",
+        f"Device: {label}. MFU against the datasheet dense bf16 peak "
+        f"{'(not listed for this device)' if datasheet is None else f'{datasheet / 1e12:.0f} TFLOP/s'} and against "
+        f"the {args.peak_dtype} matmul peak measured here, {peaks['measured'] / 1e12:.2f} TFLOP/s. {settings}. "
+        "Peak memory: `torch.cuda.max_memory_allocated`; planner: `meshtron.plan`'s prediction of it for the "
+        "same configuration (its error against the measured peak in brackets). Produced by `benchmarks/mfu.py`.",
         "",
-        "| shape | layers | batch x seq | meshtron tokens/s | MFU | peak mem GiB | transformers tokens/s | MFU "
-        "| peak mem GiB | speed-up |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | batch x seq | run | tokens/s | MFU (datasheet) | MFU (measured peak) | peak mem GiB "
+        "| planner GiB | speed-up vs transformers |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(_table_line(r) for r in rows),
     ]
-    for r in rows:
-        ours, theirs = r["meshtron"], r["transformers"]
-        mem = lambda v: "n/a" if v is None else f"{v:.1f}"  # noqa: E731
-        lines.append(
-            f"| {r['shape']} | {r['layers']} | {r['batch']} x {r['seq']} | {ours['tokens_per_s']:,.0f} | "
-            f"{100 * ours['mfu']:.1f}% | {mem(ours['peak_memory_gib'])} | {theirs['tokens_per_s']:,.0f} | "
-            f"{100 * theirs['mfu']:.1f}% | {mem(theirs['peak_memory_gib'])} | {r['speedup']:.2f}x |"
-        )
     text = "\n".join(lines) + "\n"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text)
-    record = {"device": label, "peak_flops": peak, "peak_dtype": str(peak_dtype), "settings": vars(args), "rows": rows}
+    record = {"device": label, "peaks": peaks, "settings": vars(args), "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     return text
 
@@ -223,10 +251,13 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 4096; 64 with --tiny)")
     parser.add_argument("--layers-7b", type=int, default=8, help="layers kept of Qwen2.5-7B's 28")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each block (meshtron)")
+    parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager"],
+                        help="meshtron runs: eager and/or torch.compile per block")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 2 with --tiny)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; 1 with --tiny)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="datasheet dense bf16 peak of a card meshtron.metrics does not list")
     parser.add_argument("--no-sync-check", dest="sync_check", action="store_false",
                         help="do not run meshtron's timed steps under torch.cuda.set_sync_debug_mode('error')")
     parser.add_argument("--out", type=Path, default=RESULTS / "mfu", help="results path without suffix")
@@ -238,6 +269,17 @@ def parse_args(argv=None):
     return args
 
 
+def peaks_of(device: torch.device, args) -> dict:
+    """The datasheet peak (None off the list) and the measured matmul peak, in FLOP/s."""
+    # bf16 matmuls are emulated on most CPUs: the smoke run measures its fp32 peak instead.
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" and device.type == "cuda" else torch.float32
+    args.peak_dtype = str(dtype).removeprefix("torch.")
+    listed = args.peak_tflops * 1e12 if args.peak_tflops else None
+    if listed is None and device.type == "cuda":
+        listed = datasheet_peak_flops(device_name(device), torch.bfloat16)
+    return {"datasheet": listed, "measured": matmul_flops(device, dtype, n=8192 if device.type == "cuda" else 512)}
+
+
 def main(argv=None) -> str:
     args = parse_args(argv)
     device = env.local_device()
@@ -245,14 +287,12 @@ def main(argv=None) -> str:
     if own_group:  # one rank; torchrun is not needed
         dist.init_process_group(env.backend(), store=dist.HashStore(), rank=0, world_size=1)
     try:
-        # bf16 matmuls are emulated on most CPUs: the smoke run measures its fp32 peak instead.
-        dtype = torch.bfloat16 if args.dtype == "bfloat16" and device.type == "cuda" else torch.float32
-        peak = matmul_flops(device, dtype, n=8192 if device.type == "cuda" else 512)
-        rows = [measure(name, cfg, args, device, peak) for name, cfg in shapes(args).items()]
+        peaks = peaks_of(device, args)
+        rows = [row for name, cfg in shapes(args).items() for row in measure(name, cfg, args, device, peaks)]
     finally:
         if own_group:
             dist.destroy_process_group()
-    text = write_results(rows, args, device, (peak, dtype), args.out)
+    text = write_results(rows, args, device, peaks, args.out)
     print(text)
     return text
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -26,3 +27,13 @@ def local_device() -> torch.device:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def fused_attention_only(device: torch.device):
+    """On CUDA, SDPA may only pick a fused kernel (flash, memory-efficient, cuDNN): a silent fallback
+    to the math kernel, which materialises the score matrix, raises instead. Elsewhere no limit."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])

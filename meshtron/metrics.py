@@ -15,11 +15,33 @@ import torch
 from meshtron import env
 
 
+# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by a substring of
+# torch.cuda.get_device_name; checked in order, so the more specific names come first.
+DATASHEET_BF16_TFLOPS = (
+    ("H100 NVL", 835.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),  # SXM5 ("NVIDIA H100 80GB HBM3")
+    ("H200 NVL", 835.0),
+    ("H200", 989.0),  # SXM
+    ("A100", 312.0),
+)
+
+
+def datasheet_peak_flops(device_name: str, dtype: torch.dtype = torch.bfloat16) -> float | None:
+    """The card's datasheet dense bf16 peak in FLOP/s (None for another dtype or an unlisted card)."""
+    if dtype != torch.bfloat16:
+        return None
+    return next((tflops * 1e12 for key, tflops in DATASHEET_BF16_TFLOPS if key in device_name), None)
+
+
 def peak_flops_per_device(dtype: str) -> float | None:
-    """Dense matmul peak used for MFU: measured once on this device (None on CPU, where MFU is not meaningful)."""
+    """Dense matmul peak used for MFU: the datasheet figure of a listed card, else measured once on
+    this device (None on CPU, where MFU is not meaningful)."""
     if env.device_type() != "cuda":
         return None
-    return matmul_flops(torch.device("cuda"), torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+    torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    listed = datasheet_peak_flops(torch.cuda.get_device_name(), torch_dtype)
+    return listed if listed is not None else matmul_flops(torch.device("cuda"), torch_dtype)
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype, n: int = 8192, reps: int = 20) -> float:

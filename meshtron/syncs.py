@@ -164,3 +164,17 @@ class HostSyncCounter:
 
     def __str__(self) -> str:
         return f"{self.count} host syncs" + "".join(f"\n  {s.op} at {s.where}" for s in self.syncs)
+
+
+@contextlib.contextmanager
+def no_host_syncs(device: torch.device, enabled: bool = True):
+    """``torch.cuda.set_sync_debug_mode("error")`` for the block: any host sync raises (CUDA only;
+    :class:`HostSyncCounter` is the check that runs everywhere)."""
+    if device.type != "cuda" or not enabled:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
