@@ -107,8 +107,8 @@ def step_config(model_cfg: ModelConfig, dtype: str, batch: int, seq: int, compil
 
 def run_meshtron(cfg: Config, batch: torch.Tensor, device: torch.device, steps: int, warmup: int,
                  sync_check: bool = True) -> dict:
-    """Trains ``cfg`` on one rank (a process group must exist): seconds per step, the last loss, the
-    peak allocated memory and the planner's prediction of it."""
+    """Trains ``cfg`` on one rank (a process group must exist): seconds per step, the timed steps'
+    losses, the peak allocated memory and the planner's prediction of it."""
     _reset_memory(device)
     with torch.device("meta"):
         model = build_model(cfg.model)
@@ -123,7 +123,8 @@ def run_meshtron(cfg: Config, batch: torch.Tensor, device: torch.device, steps: 
     seconds, outputs = timed(step, steps, warmup, device, sync_check)
     losses = [read_scalars(loss)[0] for loss, _ in outputs]
     del runner, optimizer, model, outputs
-    return {"seconds_per_step": seconds, "last_loss": losses[-1], "peak_memory_gib": _peak_memory_gib(device),
+    return {"seconds_per_step": seconds, "losses": losses, "last_loss": losses[-1],
+            "peak_memory_gib": _peak_memory_gib(device),
             "predicted_memory_gib": predict_memory(cfg, ALLOCATED_ONLY).total / 2**30}
 
 
