@@ -9,6 +9,10 @@
 # Results go to $OUT (the device tool's folder that comes back) or, without it, benchmarks/results/gpu;
 # commit them as benchmarks/results/{cuda_tests.log,mfu.md,mfu.json}. Nothing is installed: the
 # machine's own torch, transformers, safetensors and pytest are used, and meshtron from this checkout.
+# The lent machines had torch 2.11 and transformers 5.17 (meshtron needs torch 2.13 and is tested on
+# 5.23): these one-rank checks use nothing 2.11 lacks (checked on CPU), while sequence parallelism,
+# the allgather CP mode, the MoE token gather (dist.all_gather_single / reduce_scatter_single are new
+# in 2.13) and the zero-bubble W pass (FSDPState._fsdp_param_groups) would not run there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?usage: gpu_check.sh tests|mfu}

@@ -117,6 +117,21 @@ def _tracker():
     return tracker
 
 
+def tracked_peak(runner, optimizer, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[int, dict[str, int]]:
+    """Peak live tensor bytes of one training step under :func:`_tracker` (the model, its optimizer
+    state and the batch tracked from before the step), and that peak by MemTracker's kinds."""
+    from meshtron.train import training_step
+
+    tracker = _tracker()
+    tracker.track_external(runner.module, optimizer, inputs, labels)
+    with tracker:
+        loss, _ = training_step(runner, optimizer, inputs, labels, 1.0)
+        loss.item()
+    peak = tracker.get_tracker_snapshot("peak")
+    return sum(snap["Total"] for snap in peak.values()), {
+        str(k): v for snap in peak.values() for k, v in snap.items() if k != "Total"}
+
+
 def measure_layouts(out_path: str, layouts: list | None = None) -> None:
     """One check on every rank: each layout's measured state, peak and step time, gathered to rank 0."""
     import torch.distributed as dist
@@ -148,14 +163,7 @@ def measure_layouts(out_path: str, layouts: list | None = None) -> None:
         loss.item()
         elapsed = time.perf_counter() - start
         params = list(runner.module.parameters())
-        tracker = _tracker()
-        tracker.track_external(runner.module, optimizer, inputs, labels)
-        with tracker:
-            loss, _ = training_step(runner, optimizer, inputs, labels, 1.0)
-            loss.item()
-        peak = tracker.get_tracker_snapshot("peak")
-        peak_total = sum(snap["Total"] for snap in peak.values())
-        breakdown = {str(k): v for snap in peak.values() for k, v in snap.items() if k != "Total"}
+        peak_total, breakdown = tracked_peak(runner, optimizer, inputs, labels)
         opt_tensors = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
         measured = {
             "coords": coords,
@@ -190,7 +198,7 @@ def matmul_tflops() -> float:
 def compare(rows: list[dict], tflops: float) -> list[dict]:
     from meshtron.plan import Hardware, predict_step_time
     from meshtron.plan.fit import CPU_ASSUMPTIONS
-    from meshtron.plan.memory import Coords, rank_breakdown
+    from meshtron.plan.memory import Coords, rank_breakdown, state_bytes
 
     cores = os.cpu_count() or 1
     hw = Hardware(gpus_per_node=WORLD, memory_gib=1e9, peak_tflops=tflops * min(1.0, cores / WORLD), mfu=1.0,
@@ -201,7 +209,7 @@ def compare(rows: list[dict], tflops: float) -> list[dict]:
         per_rank = []
         for r in row["ranks"]:
             terms = rank_breakdown(cfg, Coords(*r["coords"]), CPU_ASSUMPTIONS).terms
-            state = {k: terms[k] for k in ("params", "grads", "optimizer")}
+            state = state_bytes(cfg, Coords(*r["coords"]))  # the peak's terms hold only the gradients live then
             predicted_peak = sum(v for k, v in terms.items() if k != "other")
             transient_terms = ("grads", "gathered", "unsharded_grads", "reduce_scatter", "activations", "loss",
                                "ep_dispatch")

@@ -36,13 +36,16 @@ Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 
 - ``ep_dispatch``: the routed token copies being sent and received by one MoE layer's all-to-all;
 - ``other``: CUDA context, communicator buffers and allocator fragmentation (:class:`Assumptions`).
 
-The peak (:func:`rank_breakdown`) is the larger of two moments, as torch's ``MemTracker`` finds them on
-8 CPU ranks (``benchmarks/plan_whole_step.py``): the end of the forward (all saved activations and the
-loss's chunk buffers; with pp = 1 only the root and LM-head units gathered, no gradient reduction, and
-unsharded gradients only when earlier micro-batches left them accumulating) and the backward of one
+The peak (:func:`rank_breakdown`) is the largest of three moments, as torch's ``MemTracker`` finds
+them (8 CPU ranks: ``benchmarks/plan_whole_step.py``; one rank with real Qwen2.5 shapes:
+``benchmarks/plan_single_rank.py``): the end of the forward (all saved activations and the loss's
+chunk buffers; with pp = 1 only the root and LM-head units gathered, no gradient reduction, and
+unsharded gradients only when earlier micro-batches left them accumulating), the backward of one
 layer (saved activations plus that layer's working set, the micro-batch's own loss tensors consumed,
-the gathered / unsharded-gradient / reduce-scatter buffers). ``grads`` is counted at both (exact at
-the backward peak; at the end of a single micro-batch's forward the gradients do not exist yet).
+the gathered / unsharded-gradient / reduce-scatter buffers) and the end of the backward (every
+gradient, the last unit's reduction). ``grads`` exist whole before the last backward only when an
+earlier micro-batch reduced into them (:func:`sharded_grads_before_backward`; pipelines: always
+counted); otherwise the backward counts those already reduced (:func:`backward_peak`).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ TERMS = (
     "ep_dispatch",
     "other",
 )
-PHASES = ("forward", "backward")
+PHASES = ("forward", "backward", "backward end")
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,7 @@ class Breakdown:
 
     terms: dict[str, float] = field(default_factory=dict)
     pp_rank: int = 0
-    phase: str = "backward"  # where the peak is: "forward" (end of forward, the loss) or "backward"
+    phase: str = "backward"  # where the peak is: "forward" (end of forward, the loss), "backward" or "backward end"
 
     @property
     def total(self) -> float:
@@ -434,18 +437,40 @@ def backward_working_bytes(cfg: Config, pp_rank: int) -> float:
     of the layers after it, already freed. Without checkpointing that is the last layer's gradients;
     with it, about one recomputed layer (MemTracker's temporaries at the peak are one block's saved
     tensors, ``benchmarks/results/plan_validation.md``)."""
+    return backward_peak(cfg, Coords(pp=pp_rank))[0]
+
+
+def _unit_grad_bytes(cfg: Config, coords: Coords) -> dict[str, float]:
+    """Sharded fp32 gradient bytes of each FSDP unit on the rank at ``coords``."""
+    out: dict[str, float] = {}
+    for param in stage_params(cfg, coords.pp):
+        out[param.unit] = out.get(param.unit, 0) + FP32 * local_numel(param, cfg, coords)
+    return out
+
+
+def backward_peak(cfg: Config, coords: Coords) -> tuple[float, float]:
+    """(working-set rise, gradients already reduced) at the layer of the backward where their sum peaks.
+
+    The rise is :func:`backward_working_bytes`'. When the step starts without sharded gradients
+    (:func:`sharded_grads_before_backward`), those of the LM head and of every layer already through
+    its backward appear as the activations go: with checkpointing the last layer's backward peaks with
+    nearly all of them. Otherwise they are counted whole elsewhere and add nothing here."""
     p = cfg.parallel
     c, h, sp = compute_bytes(cfg), cfg.model.hidden_size, _sp_split(cfg)
-    chunks = [list(r) for r in _stage_chunks(cfg, pp_rank)]
-    rise = 0.0
-    for chunk in chunks:
-        freed = 0.0
+    tokens = microbatch_tokens(cfg)
+    grads = {} if sharded_grads_before_backward(cfg) else _unit_grad_bytes(cfg, coords)
+    best = (0.0, 0.0)
+    for chunk in (list(r) for r in _stage_chunks(cfg, coords.pp)):
+        freed, reduced = 0.0, grads.get("head", 0.0)
         for i in reversed(chunk):
             ckpt = _checkpointed(cfg, i)
             full = layer_activation_bytes(cfg, i)
-            rise = max(rise, (full if ckpt else 0) + layer_gradient_bytes(cfg, i) - freed)
+            rise = tokens * ((full if ckpt else 0) + layer_gradient_bytes(cfg, i) - freed)
+            if rise + reduced > sum(best):
+                best = (rise, reduced)
             freed += c * h / sp if ckpt else full
-    return microbatch_tokens(cfg) * max(rise, 0.0)
+            reduced += grads.get(f"block.{i}", 0.0) + grads.get(f"experts.{i}", 0.0)
+    return best
 
 
 def activation_bytes(cfg: Config, pp_rank: int) -> float:
@@ -494,7 +519,9 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
     """``gathered``, ``unsharded_grads`` and ``reduce_scatter`` (module docstring) in backward, or at the
     end of the forward (``phase="forward"``): with pp = 1 only the root and LM-head units are gathered
     then (blocks reshard after their forward), no gradient is being reduced, and unsharded gradients
-    exist only when earlier micro-batches' backward left them accumulating (not with GPipe)."""
+    exist only when earlier micro-batches' backward left them accumulating (not with GPipe); or at
+    the end of the backward (``phase="backward end"``), when with pp = 1 only the embedding and root
+    units are left to reduce (pp > 1: as in backward)."""
     p = cfg.parallel
     c = compute_bytes(cfg)
     units = unit_elements(cfg, pp_rank)
@@ -512,6 +539,12 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
         ahead = p.fsdp_prefetch * max(blocks, default=0) if p.data_parallel != "replicate" else 0
         gathered = c * (largest + ahead + root)
     unsharded = FP32 * sum(units.values()) if accumulate else c * largest
+    if phase == "backward end" and p.pp == 1:
+        # The embedding's unit and the root (final norm; a tied embedding) are reduced last, after
+        # every block's gradient has been reduce-scattered and freed.
+        last = max(root, units.get("embed", 0))
+        return {"gathered": c * root, "unsharded_grads": (FP32 if accumulate else c) * last,
+                "reduce_scatter": FP32 * last}
     if phase == "forward":
         backward_first = p.microbatches > 1 and not (p.pp > 1 and p.schedule == "gpipe")
         unsharded = FP32 * sum(units.values()) if accumulate and backward_first else 0
@@ -519,19 +552,37 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
     return {"gathered": gathered, "unsharded_grads": unsharded, "reduce_scatter": FP32 * largest}
 
 
+def sharded_grads_before_backward(cfg: Config) -> bool:
+    """Whether a rank holds its sharded fp32 gradients before the last backward of the step: only
+    when an earlier micro-batch's backward already reduce-scattered into them (pp = 1 with full
+    sharding, which reduces every micro-batch). The step starts with none (``zero_grad(set_to_none)``),
+    replication and HSDP reduce on the last micro-batch. Pipeline stages reduce after each chunk's last
+    backward, which the model does not place in time: their gradients count at every moment."""
+    p = cfg.parallel
+    return p.pp > 1 or (p.data_parallel == "fsdp" and p.microbatches > 1)
+
+
 def phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[str, float]:
     """Every term but ``other`` live at the peak of ``phase``: ``"forward"`` (end of the forward, the
-    fused loss running: all saved activations, the loss's chunk buffers) or ``"backward"`` (the first
-    layer's backward: saved activations, one layer's working set, gradient reduction buffers)."""
-    terms: dict[str, float] = dict(state_bytes(cfg, coords))  # grads counted in both: safe, and exact later
+    fused loss running: all saved activations, the loss's chunk buffers), ``"backward"`` (one layer's
+    backward: saved activations, its working set, the gradients reduced so far, reduction buffers) or
+    ``"backward end"`` (every gradient, the last unit's reduction, no activations)."""
+    terms: dict[str, float] = dict(state_bytes(cfg, coords))
+    if phase != "backward end" and not sharded_grads_before_backward(cfg):
+        terms["grads"] = 0
     terms.update(data_parallel_bytes(cfg, coords.pp, phase))
+    terms["activations"] = terms["loss"] = terms["ep_dispatch"] = 0.0
+    if phase == "backward end":
+        return terms
     if phase == "forward":
         terms["activations"] = saved_activation_bytes(cfg, coords.pp)
         terms["loss"] = loss_bytes(cfg, coords.pp)
     else:
         # The micro-batch in backward has freed its final norm's saved tensors before its layers' backward.
         norm = final_norm_bytes(cfg, coords.pp)
-        terms["activations"] = activation_bytes(cfg, coords.pp) - norm
+        rise, reduced = backward_peak(cfg, coords)
+        terms["grads"] += reduced  # nothing when they are counted whole
+        terms["activations"] = saved_activation_bytes(cfg, coords.pp) + rise - norm
         # The micro-batch in backward has consumed its loss's saved gradients; the others still hold theirs.
         held = loss_held_bytes(cfg, coords.pp)
         if cfg.parallel.pp > 1:
