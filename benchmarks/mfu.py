@@ -110,6 +110,9 @@ def run_meshtron(cfg: Config, batch: torch.Tensor, device: torch.device, steps: 
     """Trains ``cfg`` on one rank (a process group must exist): seconds per step, the timed steps'
     losses, the peak allocated memory and the planner's prediction of it."""
     _reset_memory(device)
+    # Each shape compiles from scratch: after another model's blocks, dynamo's automatic dynamic shapes
+    # would make even the head counts symbolic (and SDPA refuses a symbolic enable_gqa).
+    torch._dynamo.reset()
     with torch.device("meta"):
         model = build_model(cfg.model)
     runner = StepRunner(model, build_mesh(), cfg, device)
