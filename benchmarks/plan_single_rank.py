@@ -17,7 +17,6 @@ Writes benchmarks/results/plan_single_rank.json (the table is in plan_validation
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 OUT = ROOT / "benchmarks" / "results" / "plan_single_rank.json"
 # name: (recipe, layers kept or None for all, sequence, ParallelConfig overrides)
 SHAPES = {
@@ -37,13 +37,6 @@ SHAPES = {
 }
 
 
-def _benchmark(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def shape_config(name: str):
     """The one-rank bf16 config ``benchmarks/mfu.py`` would train for ``name``."""
     from meshtron.config import load_config
@@ -51,7 +44,9 @@ def shape_config(name: str):
     recipe, layers, seq, parallel = SHAPES[name]
     model = load_config(ROOT / "recipes" / f"{recipe}.toml").model
     model.num_hidden_layers = layers or model.num_hidden_layers
-    return _benchmark("mfu").step_config(model, "bfloat16", batch=parallel.get("microbatches", 1), seq=seq, **parallel)
+    from mfu import step_config
+
+    return step_config(model, "bfloat16", batch=parallel.get("microbatches", 1), seq=seq, **parallel)
 
 
 def measure(name: str) -> int:
@@ -70,7 +65,9 @@ def measure(name: str) -> int:
                         generator=torch.Generator().manual_seed(0))
     inputs, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     training_step(runner, optimizer, inputs, labels, 1.0)[0].item()  # creates the AdamW state
-    return _benchmark("plan_whole_step").tracked_peak(runner, optimizer, inputs, labels)[0]
+    from plan_whole_step import tracked_peak
+
+    return tracked_peak(runner, optimizer, inputs, labels)[0]
 
 
 def compare(measured: dict[str, int]) -> list[dict]:

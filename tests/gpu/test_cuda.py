@@ -6,7 +6,7 @@ runs here without CUDA)."""
 from __future__ import annotations
 
 import copy
-import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,9 @@ from meshtron.parallel import context
 from meshtron.testing import rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import mfu  # noqa: E402 - the benchmark measures the step the checks below need
+
 BF16 = torch.bfloat16
 
 
@@ -41,13 +44,6 @@ def pick(device: torch.device, cuda, cpu):
 def require_cuda(device: torch.device, what: str) -> None:
     if not on_cuda(device):
         pytest.skip(f"{what} needs CUDA")
-
-
-def _mfu_benchmark():
-    spec = importlib.util.spec_from_file_location("mfu", ROOT / "benchmarks" / "mfu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,7 +240,6 @@ def test_training_step_has_no_host_sync(device, one_rank, compiled):
     AdamW with the on-device non-finite guard, clipping) under set_sync_debug_mode("error"): any
     host sync raises. The loss goes down."""
     require_cuda(device, "torch.cuda.set_sync_debug_mode (tests/test_syncs.py counts syncs on the CPU)")
-    mfu = _mfu_benchmark()
     cfg = mfu.step_config(ModelConfig(**SMALL), "bfloat16", batch=4, seq=1024, compile=compiled)
     batch = torch.randint(0, cfg.model.vocab_size, (4, 1025), device=device)
     losses = mfu.run_meshtron(cfg, batch, device, steps=5, warmup=2, sync_check=True)["losses"]
@@ -310,7 +305,6 @@ def test_planner_memory_within_10_percent_of_cuda_peak(device, one_rank, shape):
     recipe, layers, seq, parallel = PLANNER_SHAPES[shape]
     model = load_config(ROOT / "recipes" / f"{recipe}.toml").model
     model.num_hidden_layers = layers or model.num_hidden_layers
-    mfu = _mfu_benchmark()
     batch_size = parallel.get("microbatches", 1)
     cfg = mfu.step_config(model, "bfloat16", batch=batch_size, seq=seq, **parallel)
     batch = torch.randint(0, model.vocab_size, (batch_size, seq + 1), device=device)
