@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from meshtron import env
 from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig, load_config
-from meshtron.mesh import build_mesh
+from meshtron.mesh import build_mesh, init_default_group
 from meshtron.metrics import datasheet_peak_flops, matmul_flops, synchronize
 from meshtron.models import build_model, flops_per_token
 from meshtron.optim import build_optimizer
@@ -184,8 +184,8 @@ def measure(name: str, model_cfg: ModelConfig, args, device: torch.device, peaks
                "impl": impl, **_guarded(run)}
         if "error" not in row:
             row["tokens_per_s"] = tokens / row["seconds_per_step"]
-            row.update({f"mfu_{kind}": flops * row["tokens_per_s"] / peak if peak else None
-                        for kind, peak in peaks.items()})
+            row.update({f"mfu_{kind}": flops * row["tokens_per_s"] / peaks[kind] if peaks[kind] else None
+                        for kind in ("datasheet", "measured")})
         print(f"{name} {impl}: {row.get('tokens_per_s', 0):,.0f} tokens/s {row.get('error', '')}", flush=True)
         rows.append(row)
     theirs = rows[-1].get("tokens_per_s")
@@ -232,7 +232,7 @@ def write_results(rows: list[dict], args, device: torch.device, peaks: dict, out
           if device.type != "cuda" else []),
         f"Device: {label}. MFU against the datasheet dense bf16 peak "
         f"{'(not listed for this device)' if datasheet is None else f'{datasheet / 1e12:.0f} TFLOP/s'} and against "
-        f"the {args.peak_dtype} matmul peak measured here, {peaks['measured'] / 1e12:.2f} TFLOP/s. {settings}. "
+        f"the {peaks['measured_dtype']} matmul peak measured here, {peaks['measured'] / 1e12:.2f} TFLOP/s. {settings}. "
         "Peak memory: `torch.cuda.max_memory_allocated`; planner: `meshtron.plan`'s prediction of it for the "
         "same configuration (its error against the measured peak in brackets). Produced by `benchmarks/mfu.py`.",
         "",
@@ -274,22 +274,22 @@ def parse_args(argv=None):
 
 
 def peaks_of(device: torch.device, args) -> dict:
-    """The datasheet peak (None off the list) and the measured matmul peak, in FLOP/s."""
+    """The datasheet peak (None off the list) and the measured matmul peak, in FLOP/s, and the
+    measured one's dtype."""
     # bf16 matmuls are emulated on most CPUs: the smoke run measures its fp32 peak instead.
     dtype = torch.bfloat16 if args.dtype == "bfloat16" and device.type == "cuda" else torch.float32
-    args.peak_dtype = str(dtype).removeprefix("torch.")
     listed = args.peak_tflops * 1e12 if args.peak_tflops else None
     if listed is None and device.type == "cuda":
         listed = datasheet_peak_flops(device_name(device), torch.bfloat16)
-    return {"datasheet": listed, "measured": matmul_flops(device, dtype, n=8192 if device.type == "cuda" else 512)}
+    return {"datasheet": listed, "measured": matmul_flops(device, dtype, n=8192 if device.type == "cuda" else 512),
+            "measured_dtype": str(dtype).removeprefix("torch.")}
 
 
 def main(argv=None) -> str:
     args = parse_args(argv)
     device = env.local_device()
     own_group = not dist.is_initialized()
-    if own_group:  # one rank; torchrun is not needed
-        dist.init_process_group(env.backend(), store=dist.HashStore(), rank=0, world_size=1)
+    init_default_group()  # one rank; torchrun is not needed
     try:
         peaks = peaks_of(device, args)
         rows = [row for name, cfg in shapes(args).items() for row in measure(name, cfg, args, device, peaks)]

@@ -92,7 +92,9 @@ def main() -> None:
     if "--reuse" in sys.argv:
         measured = {r["shape"]: r["measured"] for r in json.loads(OUT.read_text())}
     else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        from meshtron.mesh import init_default_group
+
+        init_default_group()
         try:
             measured = {name: measure(name) for name in SHAPES}
         finally:

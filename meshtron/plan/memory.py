@@ -201,7 +201,7 @@ def _stage_params(key: tuple, m: ModelConfig) -> tuple[Param, ...]:
     _, tp, pp, virtual, v_shape, pp_rank = key
     vocab = (m.vocab_size, m.hidden_size)
     layers = [i for r in split_layers(m.num_hidden_layers, pp, virtual, v_shape)[pp_rank] for i in r]
-    last = pp_rank == chunk_rank(pp * virtual - 1, pp, v_shape)
+    last = pp_rank == _last_stage_rank(pp, virtual, v_shape)
     tied_root = m.tie_word_embeddings and pp_rank == 0 and last
     out = []
     if pp_rank == 0:
@@ -271,7 +271,11 @@ def _v_shape(cfg: Config) -> bool:
 def holds_last_stage(cfg: Config, pp_rank: int) -> bool:
     """Whether ``pp_rank`` runs the last stage (final norm, LM head, loss): rank pp - 1, or rank 0 of a V."""
     p = cfg.parallel
-    return pp_rank == chunk_rank(p.pp * p.virtual_stages - 1, p.pp, _v_shape(cfg))
+    return pp_rank == _last_stage_rank(p.pp, p.virtual_stages, _v_shape(cfg))
+
+
+def _last_stage_rank(pp: int, virtual: int, v_shape: bool) -> int:
+    return chunk_rank(pp * virtual - 1, pp, v_shape)
 
 
 def _stage_chunks(cfg: Config, pp_rank: int) -> list[range]:
@@ -432,9 +436,10 @@ def layer_gradient_bytes(cfg: Config, layer: int) -> float:
 
 
 def backward_working_bytes(cfg: Config, pp_rank: int) -> float:
-    """The largest rise over the saved activations while one layer runs backward (last layer first):
-    its gradient temporaries and, if checkpointed, its recomputed saved tensors, less the saved tensors
-    of the layers after it, already freed. Without checkpointing that is the last layer's gradients;
+    """The rise over the saved activations while one layer runs backward (last layer first), at the
+    layer where :func:`backward_peak` finds the backward's peak: its gradient temporaries and, if
+    checkpointed, its recomputed saved tensors, less the saved tensors of the layers after it, already
+    freed. Without checkpointing that is the last layer's gradients;
     with it, about one recomputed layer (MemTracker's temporaries at the peak are one block's saved
     tensors, ``benchmarks/results/plan_validation.md``)."""
     return backward_peak(cfg, Coords(pp=pp_rank))[0]

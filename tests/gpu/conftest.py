@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron import env
+from meshtron.mesh import init_default_group
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +26,7 @@ def one_rank():
     if dist.is_initialized():
         yield
         return
-    dist.init_process_group(env.backend(), store=dist.HashStore(), rank=0, world_size=1)
+    init_default_group()
     try:
         yield
     finally:
