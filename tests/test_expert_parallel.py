@@ -281,7 +281,9 @@ TP_MODEL = dict(MODEL, num_attention_heads=4, num_key_value_heads=2, router_z_lo
 # reduce-scatters its output (and the reverse in backward); router, shared-expert gate and the
 # experts sum their gradients over tp.
 TP_MOE_COLLECTIVES = {
-    False: {"forward": {"all_gather": 1, "all_reduce": 2}, "backward": {"all_gather": 2, "all_reduce": 4}},
+    # Without SP the backward adds, on this first step only, one all-gather each verifying that the router's
+    # and the shared-expert gate's replicated gradients are equal on both tp ranks (TpGradient "replicate").
+    False: {"forward": {"all_gather": 1, "all_reduce": 2}, "backward": {"all_gather": 2 + 2, "all_reduce": 4}},
     # Under SP the shared expert saves its input sequence-sharded and re-gathers it in backward.
     True: {"forward": {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1},
            "backward": {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 5}},

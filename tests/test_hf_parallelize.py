@@ -248,12 +248,38 @@ FAMILIES = {
     "aria": ("AriaTextConfig", dict(TINY, num_key_value_heads=4, intermediate_size=32, moe_num_experts=4, moe_topk=2,
                                     moe_num_shared_experts=1),
              "MoE, SiLU experts stored [E, in, out] (transposed) dispatched by meshtron, shared experts"),
+    # Parameters on tp-split activations that no plan entry names: each tp rank's gradient is a part.
+    "apertus": ("ApertusConfig", dict(TINY, num_key_value_heads=4, intermediate_size=96),
+                "xIELU activation with its own alpha_p / alpha_n after the column-split up projection"),
+    "glm4_moe": ("Glm4MoeConfig", dict(TINY, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+                                       n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                                       use_qk_norm=True, n_shared_experts=1, n_group=1, topk_group=1),
+                 "per-head q_norm / k_norm on column-split heads, absent from its plan; fused experts, shared experts"),
+    "gain_llama": ("LlamaConfig", dict(TINY, num_key_value_heads=2, intermediate_size=96),
+                   "hand-made: a scalar gain on the column-split MLP activation; 2 KV heads replicated at tp 4"),
 }
 DENSE_LAYOUTS = [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), True)]
 EP_LAYOUTS = [(dict(dp=2, ep=4), False), (dict(dp=2, ep=2, tp=2), True)]
-FAMILY_LAYOUTS = {"mixtral": EP_LAYOUTS, "gpt_oss": EP_LAYOUTS, "aria": EP_LAYOUTS[1:]}
+# tp 2 and 4, each with and without SP.
+SPLIT_ACTIVATION_LAYOUTS = [(dict(dp=2, tp=4), False), (dict(dp=2, tp=4), True), (dict(dp=4, tp=2), False),
+                            (dict(dp=4, tp=2), True)]
+FAMILY_LAYOUTS = {"mixtral": EP_LAYOUTS, "gpt_oss": EP_LAYOUTS, "aria": EP_LAYOUTS[1:],
+                  "apertus": SPLIT_ACTIVATION_LAYOUTS, "gain_llama": SPLIT_ACTIVATION_LAYOUTS,
+                  "glm4_moe": [(dict(dp=2, ep=2, tp=2), False), (dict(dp=2, ep=2, tp=2), True),
+                               (dict(ep=2, tp=4), False), (dict(ep=2, tp=4), True)]}
 # MoE family -> the class that runs its experts.
 EXPERT_CLASSES = {"mixtral": "FusedExpertParallel", "gpt_oss": "ClampedExpertParallel", "aria": "TransposedExpertParallel"}
+
+
+class GainSiLU(torch.nn.Module):
+    """SiLU times a learned scalar: a parameter acting on the column-split MLP activation under tp."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.gain * torch.nn.functional.silu(x)
 
 
 def _family_model(name: str):
@@ -262,6 +288,9 @@ def _family_model(name: str):
     cls, cfg, _ = FAMILIES[name]
     torch.manual_seed(len(name))
     model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**cfg), dtype=torch.float32)
+    if name == "gain_llama":
+        for layer in model.model.layers:
+            layer.mlp.act_fn = GainSiLU()
     with torch.no_grad():  # default init has constant norms and zero biases
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -280,7 +309,7 @@ def check_families(folders: dict[str, str], out: str) -> None:
             mesh = cached_mesh(**sizes)
             ref = _family_model(name)
             model = parallelize_hf_model(_family_model(name), mesh, sp=sp)
-            if name in FAMILY_LAYOUTS:
+            if name in EXPERT_CLASSES:
                 _check_expert_split(model, name, mesh, where)
             ids, labels, mask = _batch(batch_mesh(mesh).size(), seed=index)
             out_ = model(input_ids=_local(ids, mesh), labels=_local(labels, mesh), attention_mask=_local(mask, mesh))

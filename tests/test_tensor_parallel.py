@@ -24,7 +24,14 @@ from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import ConfigError, ModelConfig
 from meshtron.models import build_model, materialize, token_loss_sum
 from meshtron.parallel.checkpointing import apply_activation_checkpointing
-from meshtron.parallel.tensor import apply_tensor_parallel, check_tensor_parallel, parallel_token_loss_sum
+from meshtron.parallel.tensor import (
+    ReplicateParallel,
+    TpGradient,
+    apply_tensor_parallel,
+    check_tensor_parallel,
+    name_tp_gradients,
+    parallel_token_loss_sum,
+)
 from meshtron.testing import rel_err, run_checks
 
 DENSE = dict(
@@ -270,14 +277,76 @@ def check_heads_error(seed):
         apply_tensor_parallel(model, _tp_mesh(8))
 
 
+class _Gain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.tensor([1.3]))
+
+    def forward(self, x):
+        return self.gain * x
+
+
+def _gain_mlp(seed: int, tp_mesh=None, grad: str = "infer"):
+    """up (colwise) -> a scalar gain on the split activation -> down (rowwise); the gain's gradient is a
+    part on each tp rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(seed)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), _Gain(), torch.nn.Linear(32, 16))
+    if tp_mesh is not None:
+        parallelize_module(mlp, tp_mesh, {"0": ColwiseParallel(), "1": ReplicateParallel(grad=grad), "2": RowwiseParallel()})
+        name_tp_gradients(mlp)
+    return mlp
+
+
+def check_replicated_gradients(seed):
+    """A parameter on a column-split activation: declared replicated, the first backward refuses it by
+    name; undeclared ("infer"), its gradient is the tp sum and equals the unparallelized one, at tp 2,
+    4 and 8; the decision is kept (no further all-gather)."""
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(seed))
+    ref = _gain_mlp(seed)
+    ref(x).square().sum().backward()
+    for tp in (2, 4, 8):
+        tp_mesh = _tp_mesh(tp)
+        declared = _gain_mlp(seed, tp_mesh, grad="replicate")
+        with pytest.raises(ConfigError, match=r"parameter '1.gain' is declared replicated over tp .* the tp ranks computed "
+                                              r"different gradients"):
+            declared(x).square().sum().backward()
+        model = _gain_mlp(seed, tp_mesh)
+        for step in range(2):
+            model.zero_grad()
+            with CommDebugMode() as comm:
+                model(x).square().sum().backward()
+            assert rel_err(model[1].gain.grad, ref[1].gain.grad) < 1e-5, (tp, step)
+            assert rel_err(model[0].weight.grad, ref[0].weight.grad) < 1e-5, (tp, step)
+            gathers = sum(n for op, n in comm.get_comm_counts().items() if "allgather" in str(op) or "all_gather" in str(op))
+            assert gathers == (1 if step == 0 else 0), (tp, step, comm.get_comm_counts())
+        assert model[1].tp_gradients["gain"].decided.is_partial()
+
+
 def test_tensor_parallel_8_ranks():
     seed = random.randrange(1 << 30)
     print(f"seed {seed}")  # shown by pytest on failure, to replay the same draw
-    checks = [check_heads_error, check_collectives_per_layer, check_sp_saves_activations_over_tp,
+    checks = [check_heads_error, check_replicated_gradients, check_collectives_per_layer, check_sp_saves_activations_over_tp,
               check_loss_never_gathers_logits,
               check_pipeline_stages_and_uneven_vocab,
               check_parity_dense]
     run_checks(checks, 8, seed, timeout=240)
+
+
+def test_tp_gradient_decision():
+    """The "infer" rule from the ranks' gradient classes: all equal -> replicated, all different -> summed,
+    ranks without a gradient yet -> summed but undecided, equal in groups -> refused by name."""
+    rule = TpGradient("infer", "layers.0.mlp.act_fn.alpha_p")
+    assert rule._infer([[-1, 0, 1]], 2).is_replicate() and rule.decided is None
+    assert rule._infer([[0], [-1, 1]], 2).is_partial() and rule.decided is None
+    assert rule._infer([[0], [1], [2], [3]], 4).is_partial() and rule.decided.is_partial()
+    rule = TpGradient("infer", "x.w")
+    assert rule._infer([[0, 1, 2, 3]], 4).is_replicate() and rule.decided.is_replicate()
+    with pytest.raises(ConfigError, match=r"parameter 'x.w' .* cannot decide .* ranks \[\[0, 1\], \[2, 3\]\] computed equal"):
+        TpGradient("infer", "x.w")._infer([[0, 1], [2, 3]], 4)
+    with pytest.raises(ValueError, match="replicate, partial or infer"):
+        ReplicateParallel(grad="replicated")
 
 
 def test_error_lists_valid_tp():

@@ -31,8 +31,9 @@ tp > 1:
   :func:`save_hf_checkpoint` work unchanged. Expert gradients are summed over the ep group's tokens by
   the dispatch and over dp by their own FSDP unit on the expert data mesh;
 * the shared expert is split over tp like a dense MLP (colwise gate/up, rowwise down, output
-  all-reduced); the router (E x H) and the shared-expert gate (1 x H) run replicated over tp on
-  identical tokens, so their gradients agree without communication;
+  all-reduced); the router (E x H) and the shared-expert gate (1 x H) run replicated over tp, on
+  identical tokens (their gradients then agree without communication; :class:`~meshtron.parallel.tensor.TpGradient` decides it
+  on the first backward, as for every parameter no plan entry places);
 * the batch is split over dp x ep (ep ranks are data parallel for everything but the experts);
 * with ``output_router_logits``, ``aux_loss`` is the load-balancing loss of the global batch (router
   statistics summed over dp x ep) and ``loss`` includes ``router_aux_loss_coef`` x that, exactly as
@@ -82,6 +83,7 @@ from meshtron.parallel.tensor import (
     ReplicatedKVHeads,
     ReplicateParallel,
     VocabParallelHead,
+    name_tp_gradients,
     check_tensor_parallel,
     parallel_token_loss_sum,
     residual_layout,
@@ -99,7 +101,8 @@ _COLWISE_GATHERED = ("colwise_gather_output", "colwise_rep", "packed_colwise")
 _ROWWISE = ("rowwise",)
 # Same, but the input arrives replicated (after a gathered colwise) and each rank takes its slice.
 _ROWWISE_REPLICATED_INPUT = ("rowwise_split_input", "rowwise_rep", "packed_rowwise")
-# Replicated parameters on a tp-split activation (Qwen3's per-head q_norm / k_norm): gradients summed.
+# Replicated parameters on a tp-split activation (Qwen3's per-head q_norm / k_norm): how their gradients
+# combine is decided from what the ranks compute, as for parameters no plan names (TpGradient "infer").
 _REPLICATED_PARTIAL_GRAD = ("replicated_with_grad_allreduce",)
 # Parameters replicated and not split: the module stays as it is (identical on every tp rank).
 _REPLICATE = ("replicate",)
@@ -182,7 +185,7 @@ def _style(style: str, name: str, module: nn.Module, kv_heads: int, head_dim: in
     if style in _ROWWISE_REPLICATED_INPUT:
         return rowwise(input_layouts=Replicate(), output_layouts=residual_layout(sp))
     if style in _REPLICATED_PARTIAL_GRAD:
-        return ReplicateParallel(tokens_differ=True)
+        return ReplicateParallel(grad="infer")
     if style in _SEQUENCE:
         return SequenceParallel() if sp else None
     if style in _REPLICATE:
@@ -348,16 +351,19 @@ def _apply_tp(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, sp: bool) -
 
 
 def _replicate_plain_params(model: nn.Module, tp_mesh: DeviceMesh, experts: list[nn.Module]) -> None:
-    """Parameters tp left whole (norms without SP, ``replicate`` modules) become Replicate DTensors, run on
-    their local views: identical on every tp rank, as are their gradients (the module sees the same
-    tokens there). Without it, a parameter group mixing them with DTensors breaks fused AdamW when no
-    data-parallel wrapper makes every parameter a DTensor."""
+    """Parameters tp left whole (norms without SP, ``replicate`` modules, an activation's own
+    parameters) become Replicate DTensors run on their local views. Whether a module reads an
+    activation tp split (per-head norms after column-split projections, xIELU's parameters after a
+    column-split up projection: each rank's gradient is a part of the sum) or the whole one (every
+    rank computes the same gradient) is decided on the first backward (:class:`TpGradient` "infer").
+    Without it, a parameter group mixing them with DTensors breaks fused AdamW when no data-parallel
+    wrapper makes every parameter a DTensor."""
     skip = {id(m) for e in experts for m in e.modules()}
     for module in model.modules():
         own = list(module.parameters(recurse=False))
         if own and id(module) not in skip and not any(isinstance(p, DTensor) for p in own):
-            parallelize_module(module, tp_mesh, ReplicateParallel())
-
+            parallelize_module(module, tp_mesh, ReplicateParallel(grad="infer"))
+    name_tp_gradients(model)
 
 
 class _SumOverRanks(torch.autograd.Function):

@@ -78,22 +78,124 @@ def check_tensor_parallel(heads: int, kv_heads: int, tp: int) -> None:
     raise ConfigError(f"[parallel] {problem}. Valid tp up to {limit} for this model: {valid}.")
 
 
-class _LocalView(torch.autograd.Function):
-    """Local view of a replicated DTensor parameter; backward labels this rank's gradient ``grad_placement``.
+class TpGradient:
+    """How the per-rank gradients of one parameter replicated over tp combine, for a module that runs on
+    its local view.
 
-    ``Partial()``: each rank used only part of the weight or saw other tokens, so the gradients are
-    summed over the mesh. ``Replicate()``: every rank computed the same gradient (no communication).
+    ``"replicate"``: every rank computed the whole gradient (same tokens, same features), so nothing
+    is communicated; it is verified on the first backward: tp ranks whose gradients differ raise a
+    :class:`ConfigError` naming the parameter (it acts on a tp-split activation and would drift apart).
+    ``"partial"``: each rank computed its part (its tokens under SP, its heads or features after a
+    column-split projection): summed over tp. ``"infer"`` (parameters no plan names): decided on the first
+    backward with nonzero gradients from what the ranks computed: identical gradients mean the module
+    ran replicated, pairwise different ones that each rank ran on its own part of the activation.
+    Equal gradients on some ranks and different on others fit neither and are refused by name.
+    Deciding and verifying cost one all-gather of three numbers per parameter, once.
     """
 
+    def __init__(self, mode: str, name: str = ""):
+        if mode not in ("replicate", "partial", "infer"):
+            raise ValueError(f"TpGradient mode must be replicate, partial or infer, got {mode!r}")
+        self.mode, self.name = mode, name
+        self.decided: Placement | None = {"replicate": Replicate(), "partial": Partial()}.get(mode)
+        self.verified = mode != "replicate"
+
+    def placement(self, grad: torch.Tensor, mesh: DeviceMesh) -> Placement:
+        if self.decided is not None and self.verified:
+            return self.decided
+        if torch.compiler.is_compiling():  # traced once ahead of time: no data to look at
+            if self.decided is None:
+                raise ConfigError(f"parameter '{self.name}': how its gradient combines over tp is decided on an eager "
+                                  "first step; run one step without torch.compile first.")
+            return self.decided
+        ranks = _gradient_classes(grad, mesh)
+        if self.mode == "replicate":
+            return self._verify(ranks)
+        return self._infer(ranks, mesh.size())
+
+    def _verify(self, ranks: list[list[int]]) -> Placement:
+        if ranks and ranks[0][0] == -1:
+            return self.decided  # no gradient on any rank yet: verified on a later backward
+        if len(ranks) > 1:
+            raise ConfigError(
+                f"parameter '{self.name}' is declared replicated over tp with a complete gradient on every rank, but "
+                f"the tp ranks computed different gradients (ranks with equal ones: {ranks}): it acts on a tp-split "
+                "activation, and its copies would drift apart after one optimizer step. Declare it partial "
+                "(ReplicateParallel(grad='partial'), plan style 'replicated_with_grad_allreduce') or leave it "
+                "unplanned (parallelize_hf_model then decides).")
+        self.verified = True
+        return self.decided
+
+    def _infer(self, ranks: list[list[int]], tp: int) -> Placement:
+        nonzero = [group for group in ranks if group[0] >= 0]
+        if not nonzero:
+            return Replicate()  # no gradient anywhere yet: either rule gives zero
+        if len(nonzero) == 1 and len(nonzero[0]) == tp:
+            self.decided = Replicate()
+        elif all(len(group) == 1 for group in nonzero):
+            if sum(map(len, nonzero)) < tp:
+                return Partial()  # some ranks hold none of it yet: sum this one, decide later
+            self.decided = Partial()
+        else:
+            raise ConfigError(
+                f"parameter '{self.name}' (replicated over tp, no tp plan entry): cannot decide how its gradient "
+                f"combines over tp: ranks {nonzero} computed equal gradients within each group and different ones "
+                "across groups (a replicated computation on part of a tp-split activation). Give it a plan entry "
+                "or run it with tp = 1.")
+        return self.decided
+
+
+_PARTIAL = TpGradient("partial")
+# Relative difference below which two ranks' gradient fingerprints count as the same gradient:
+# replicated computations agree to the bit, parts of a split activation differ in every figure.
+_SAME_GRADIENT = 1e-6
+
+
+def _gradient_classes(grad: torch.Tensor, mesh: DeviceMesh) -> list[list[int]]:
+    """tp ranks grouped by equal gradients (one all-gather of three float64 numbers per rank); ranks
+    whose gradient is all zero form a group listed as ``[-1, ...ranks]``."""
+    flat = grad.detach().flatten().double()
+    weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=flat.dtype, device=flat.device)
+    mine = torch.stack([flat.abs().sum(), flat.square().sum(), (flat * weights).sum()])
+    gathered = [torch.empty_like(mine) for _ in range(mesh.size())]
+    dist.all_gather(gathered, mine, group=mesh.get_group())
+    prints = torch.stack(gathered).cpu()
+    groups: list[list[int]] = []
+    zero = [r for r in range(mesh.size()) if prints[r, 0] == 0]
+    for rank in range(mesh.size()):
+        if rank in zero:
+            continue
+        for group in groups:
+            ref = prints[group[0]]
+            if ((prints[rank] - ref).abs() <= _SAME_GRADIENT * (prints[rank].abs() + ref.abs())).all():
+                group.append(rank)
+                break
+        else:
+            groups.append([rank])
+    return groups + ([[-1, *zero]] if zero else [])
+
+
+class _LocalView(torch.autograd.Function):
+    """Local view of a replicated DTensor parameter; backward labels this rank's gradient as its
+    :class:`TpGradient` says (``Partial()``: summed over the mesh; ``Replicate()``: already whole)."""
+
     @staticmethod
-    def forward(ctx, param: DTensor, grad_placement: Placement) -> torch.Tensor:
-        ctx.mesh, ctx.grad_placement = param.device_mesh, grad_placement
+    def forward(ctx, param: DTensor, rule: TpGradient) -> torch.Tensor:
+        ctx.mesh, ctx.rule = param.device_mesh, rule
         local = param.to_local()
         return local.view_as(local)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return DTensor.from_local(grad, ctx.mesh, [ctx.grad_placement]).redistribute(ctx.mesh, [Replicate()]), None
+        placement = ctx.rule.placement(grad, ctx.mesh)
+        return DTensor.from_local(grad, ctx.mesh, [placement]).redistribute(ctx.mesh, [Replicate()]), None
+
+
+def name_tp_gradients(model: nn.Module) -> None:
+    """Label every :class:`TpGradient` of ``model`` with its parameter's name, for the errors it raises."""
+    for path, module in model.named_modules():
+        for pname, rule in getattr(module, "tp_gradients", {}).items():
+            rule.name = f"{path}.{pname}" if path else pname
 
 
 def _distribute_params(module: nn.Module, mesh: DeviceMesh, placement: Placement, src_data_rank: int | None) -> None:
@@ -107,8 +209,8 @@ def _local_linear(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]
     parameters: a ``Shard(0)`` split, or the rows of the KV head a :class:`ReplicatedKVHeads` rank computes."""
     if hasattr(linear, "tp_rows"):
         rows = slice(*linear.tp_rows)
-        weight = _LocalView.apply(linear.weight, Partial())[rows]
-        return weight, _LocalView.apply(linear.bias, Partial())[rows] if linear.bias is not None else None
+        weight = _LocalView.apply(linear.weight, _PARTIAL)[rows]
+        return weight, _LocalView.apply(linear.bias, _PARTIAL)[rows] if linear.bias is not None else None
     return linear.weight.to_local(), linear.bias.to_local() if linear.bias is not None else None
 
 
@@ -152,32 +254,37 @@ class ReplicatedKVHeads(ParallelStyle):
 
 
 class ReplicateParallel(ParallelStyle):
-    """Parameters replicated over tp, run on plain local tensors (the MoE router and shared-expert gate).
+    """Parameters replicated over tp, run on plain local tensors (the MoE router and shared-expert gate,
+    and parameters no HF plan names).
 
     The parameters become Replicate DTensors, like the norms under SP, so the gradient-norm and
     checkpoint code see them as tp-replicated rather than as per-rank tensors. The forward computes
     with their local views (DTensor math would refuse the router's plain ``expert_bias`` buffer).
-    ``tokens_differ``: the tp ranks feed different tokens (sequence parallelism), so the gradients
-    are summed over tp; otherwise they are identical already.
+    ``grad`` is their :class:`TpGradient` mode: ``"partial"`` where the tp ranks feed different
+    tokens (sequence parallelism) or features, ``"replicate"`` where they compute the same thing
+    (verified on the first backward), ``"infer"`` where nothing says which.
     """
 
-    def __init__(self, tokens_differ: bool = False):
+    def __init__(self, grad: str = "replicate"):
         super().__init__()
-        self.grad_placement = Partial() if tokens_differ else Replicate()
+        TpGradient(grad)  # validates the mode
+        self.grad = grad
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _distribute_params(module, device_mesh, Replicate(), self.src_data_rank)
-        module.forward = _forward_on_local_params(module, self.grad_placement)
+        module.tp_gradients = {name: TpGradient(self.grad, name) for name, _ in module.named_parameters(recurse=False)}
+        module.forward = _forward_on_local_params(module)
         return module
 
 
-def _forward_on_local_params(module: nn.Module, grad_placement: Placement):
+def _forward_on_local_params(module: nn.Module):
     run = type(module).forward
 
     def forward(*args, **kwargs):
         # Swapped only for this call: FSDP may install other parameter objects between calls.
         held = dict(module._parameters)
-        module._parameters.update({n: _LocalView.apply(p, grad_placement) for n, p in held.items() if p is not None})
+        module._parameters.update({n: _LocalView.apply(p, module.tp_gradients[n])
+                                   for n, p in held.items() if p is not None})
         try:
             return run(module, *args, **kwargs)
         finally:
@@ -328,14 +435,14 @@ def _moe_plan(prefix: str, moe: MoE, sp: bool) -> dict[str, ParallelStyle]:
     without gathering; the router statistics are made global by expert parallelism), else all of
     them (expert parallelism then dispatches 1/tp of them per rank). The shared expert is a dense
     MLP with the dense plan: under SP one all-gather in, one reduce-scatter out."""
-    plan: dict[str, ParallelStyle] = {f"{prefix}.gate": ReplicateParallel(tokens_differ=sp)}
+    plan: dict[str, ParallelStyle] = {f"{prefix}.gate": ReplicateParallel(grad="partial" if sp else "replicate")}
     if sp:
         plan[prefix] = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
         )
     if moe.shared_expert is not None:
         plan.update(_mlp_plan(f"{prefix}.shared_expert", sp))
-        plan[f"{prefix}.shared_expert_gate"] = ReplicateParallel(tokens_differ=sp)
+        plan[f"{prefix}.shared_expert_gate"] = ReplicateParallel(grad="partial" if sp else "replicate")
     return plan
 
 
@@ -401,6 +508,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool = Fals
         parallelize_module(model.lm_head, tp_mesh, VocabParallelHead(residual_layout(sp)))
     # Both now hold a Shard(0) copy of the shared weight; make them one Parameter again.
     model.tie_weights()
+    name_tp_gradients(model)
     if sp:
         model.register_forward_pre_hook(_default_positions_hook(tp), with_kwargs=True)
     return model
@@ -499,5 +607,7 @@ __all__ = [
     "ReplicatedKVHeads",
     "ReplicateParallel",
     "SequenceParallelColwise",
+    "TpGradient",
     "VocabParallelHead",
+    "name_tp_gradients",
 ]
