@@ -81,48 +81,13 @@ def _bytes(tensors) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
-class _NoModules:
-    """Stands in for MemTracker's ``ModTracker``: its per-module gradient hooks keep module inputs and
-    outputs (and so their whole autograd graph) alive until those hooks fire, which a split backward
-    (B with ``inputs=``, W restarted inside the graph) never does; they pinned the zero-bubble stages'
-    activations through the step and reported 1.3-1.9 x what the step holds. Without module
-    tracking every forward and backward tensor counts as ``ACT`` (only the total peak is read)."""
-
-    is_bw = False
-    parents: set = set()
-
-    def register_user_hooks(self, *hooks) -> None:
-        pass
-
-    def clear_user_hooks(self) -> None:
-        pass
-
-    def get_known_fqn(self, module) -> str:
-        return ""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *args) -> None:
-        pass
-
-
-def _tracker():
-    """torch's MemTracker with its per-storage accounting and peak (updated after every op, FSDP2's
-    ``resize_`` frees included) and no per-module tracking (:class:`_NoModules`)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker._mod_tracker = _NoModules()
-    return tracker
-
-
 def tracked_peak(runner, optimizer, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[int, dict[str, int]]:
-    """Peak live tensor bytes of one training step under :func:`_tracker` (the model, its optimizer
-    state and the batch tracked from before the step), and that peak by MemTracker's kinds."""
+    """Peak live tensor bytes of one training step under :func:`meshtron.dryrun.storage_tracker` (the model, its
+    optimizer state and the batch tracked from before the step), and that peak by MemTracker's kinds."""
+    from meshtron.dryrun import storage_tracker
     from meshtron.train import training_step
 
-    tracker = _tracker()
+    tracker = storage_tracker()
     tracker.track_external(runner.module, optimizer, inputs, labels)
     with tracker:
         loss, _ = training_step(runner, optimizer, inputs, labels, 1.0)
@@ -179,7 +144,7 @@ def measure_layouts(out_path: str, layouts: list | None = None) -> None:
         rows.append({"recipe": recipe, "layout": layout, "ranks": gathered})
         if dist.get_rank() == 0:
             Path(out_path).write_text(json.dumps(rows))
-        del runner, optimizer, model, tracker
+        del runner, optimizer, model
         dist.barrier()
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshtron import env
-from meshtron.config import ConfigError
+from meshtron.config import Config, ConfigError
 
 DIMS = ("pp", "dp", "cp", "ep", "tp")
 
@@ -102,6 +102,12 @@ def build_mesh(
     for name, dims in DERIVED.items():
         mesh[dims]._flatten(name)
     return mesh
+
+
+def recipe_mesh(cfg: Config, timeout: timedelta | None = None):
+    """The DeviceMesh of the recipe's ``[parallel]`` sizes (collective: every rank calls it)."""
+    p = cfg.parallel
+    return build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, timeout=timeout)
 
 
 def _derived(mesh: DeviceMesh, name: str) -> DeviceMesh:

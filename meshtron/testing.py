@@ -183,7 +183,7 @@ def cached_mesh(**sizes):
 
 
 def cached_recipe_mesh(cfg):
-    """:func:`cached_mesh` of a recipe's ``[parallel]`` sizes (what ``meshtron.train.recipe_mesh`` builds)."""
+    """:func:`cached_mesh` of a recipe's ``[parallel]`` sizes (what ``meshtron.mesh.recipe_mesh`` builds)."""
     p = cfg.parallel
     return cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp)
 

@@ -39,20 +39,26 @@ from meshtron.config import Config, ConfigError, config_to_dict, infer_dp, load_
 from meshtron.hf import CheckpointError, save_hf
 from meshtron.hf.runner import build_hf_runner, export_hf_model, with_hf_model
 from meshtron.data import SourceSpec, to_device
-from meshtron.mesh import batch_mesh, build_mesh, init_default_group
+from meshtron.mesh import batch_mesh, init_default_group, recipe_mesh
 from meshtron.parallel.layout import validate_layout
 from meshtron.metrics import MetricsLogger, StepProfiler, peak_flops_per_device
 from meshtron.models import build_model, flops_per_token
 from meshtron.models.moe import MoE
 from meshtron.optim import build_optimizer, lr_at, set_lr
+from meshtron.parallel.step import training_step
 from meshtron.plan.fit import check_memory
 
 
-def parse_args(argv: list[str]) -> tuple[str, list[str]]:
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m meshtron.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", required=True, help="TOML recipe (see recipes/)")
+    parser.add_argument("--dry-run", type=int, metavar="N", default=0,
+                        help="simulate one step of an N-rank run in this process on fake tensors (meshtron.dryrun)")
+    parser.add_argument("--json", action="store_true", help="--dry-run: print the report as JSON")
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+                        help="--dry-run: memory per device the layout must fit (default: the recipe's # Hardware line)")
     args, overrides = parser.parse_known_args(argv)
-    return args.recipe, overrides
+    return args, overrides
 
 
 def _world_size() -> int:
@@ -68,7 +74,12 @@ class NonFiniteError(RuntimeError):
 
 
 def main(argv: list[str] | None = None) -> int:
-    recipe, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    recipe = args.recipe
+    if args.dry_run:
+        from meshtron.dryrun import main as dry_run_main
+
+        return dry_run_main(recipe, overrides, args.dry_run, args.json, args.gpu_memory)
     try:
         cfg = with_hf_model(infer_dp(load_config(recipe, overrides), _world_size()))
         validate_layout(cfg, _world_size())
@@ -98,12 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         return code
     dist.destroy_process_group()
     return 0
-
-
-def recipe_mesh(cfg: Config, timeout: timedelta | None = None):
-    """The DeviceMesh of the recipe's ``[parallel]`` sizes (collective: every rank calls it)."""
-    p = cfg.parallel
-    return build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, timeout=timeout)
 
 
 def _on_every_rank(err: Exception) -> Exception:
@@ -405,31 +410,6 @@ def export_hf(runner, cfg: Config, folder: str) -> None:
     if dist.get_rank() == 0:
         save_hf(state, cfg.model, folder)
     dist.barrier()
-
-
-def training_step(
-    runner,
-    optimizer: torch.optim.Optimizer,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor,
-    max_grad_norm: float,
-    position_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward, backward, clipping and the optimizer update, queued without any host sync
-    (``tests/test_syncs.py`` counts them); returns the global loss and gradient norm as device scalars.
-
-    The non-finite guard runs on the device: fused AdamW skips the whole update (and its step
-    count) when ``found_inf`` is set, so a NaN/Inf step leaves parameters and optimizer state as
-    they were without the host looking at the loss first.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    loss = runner.forward_backward(input_ids, labels, position_ids)
-    grad_norm = runner.clip_grad_norm(max_grad_norm)
-    optimizer.found_inf = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
-    optimizer.step()
-    for moe in runner.moes:  # aux-loss-free balancing (a no-op unless configured), skipped with the update
-        moe.update_expert_bias(skip=optimizer.found_inf)
-    return loss, grad_norm
 
 
 def read_scalars(*values: torch.Tensor | float | None) -> list[float | None]:

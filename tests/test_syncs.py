@@ -106,7 +106,8 @@ def moe_step_syncs_once_per_moe_layer(root: str) -> None:
     inner, _ = _counted_step(trainer, 1)
     moe_layers = sum(trainer.cfg.model.is_moe_layer(i) for i in range(trainer.cfg.model.num_hidden_layers))
     assert moe_layers > 0 and inner.count == moe_layers * trainer.cfg.parallel.microbatches, inner
-    assert all("_exchange_counts" in s.where for s in inner.syncs), inner
+    # The dispatch's split sizes, read where every host read of the step is named (meshtron.host).
+    assert all("split_sizes" in s.where for s in inner.syncs), inner
 
 
 def document_masked_cp_step_syncs_once_per_microbatch(root: str) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtron.config import Config, ConfigError, ModelConfig
+from meshtron.host import fake_tensors, simulating
 from meshtron.hf.discover import key_value_heads
 from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.parallelize import parallelize_hf_model
@@ -88,6 +89,9 @@ def build_hf_model(cfg: Config, device: torch.device) -> nn.Module:
 
     folder = Path(cfg.model.hf_model)
     torch.manual_seed(cfg.train.seed)
+    if simulating():  # a dry run builds the model's shapes only (config.json is enough)
+        with fake_tensors(), torch.device(device):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32).train()
     if _has_weights(folder):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     else:

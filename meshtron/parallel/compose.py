@@ -13,6 +13,7 @@ from torch import nn
 
 from meshtron.checkpoint import fill_local_slices
 from meshtron.config import Config
+from meshtron.host import fake_tensors, simulating
 from meshtron.models import InitialWeights
 from meshtron.parallel.checkpointing import apply_activation_checkpointing
 from meshtron.parallel.compile import apply_compile
@@ -42,6 +43,8 @@ def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
 def materialize_sharded(model: nn.Module, device: torch.device, cfg: Config) -> None:
     """Allocate a parallelized meta-device model and fill it with the layout-independent initial
     weights, each rank computing only its own slices on ``device``."""
-    model.to_empty(device=device)
+    with fake_tensors():
+        model.to_empty(device=device)
     model.tie_weights()  # to_empty replaces tied parameters one module at a time
-    fill_local_slices(model, InitialWeights(cfg.model, cfg.train.seed))
+    if not simulating():  # a dry run's tensors hold no values
+        fill_local_slices(model, InitialWeights(cfg.model, cfg.train.seed))

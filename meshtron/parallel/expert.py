@@ -59,6 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from meshtron.config import ConfigError
+from meshtron.host import split_sizes
 from meshtron.mesh import batch_mesh, dense_data_mesh
 from meshtron.models.moe import (
     GroupedExperts,
@@ -221,7 +222,7 @@ class ExpertDispatch(nn.Module):
             self.last_rows = sorted_x.shape[0]
             y = self.run_experts(sorted_x, counts)
         else:
-            send, recv, recv_counts = self._exchange_counts(counts)
+            send, recv, recv_counts = self._exchange_counts(counts, sorted_x.shape[0])
             pending: list = []
             received = _AllToAll.apply(sorted_x, recv, send, self.ep_group, pending)
             self.last_dispatch_bytes = sorted_x.numel() * sorted_x.element_size()
@@ -251,13 +252,13 @@ class ExpertDispatch(nn.Module):
             experts[rank * chunk : (rank + 1) * chunk],
         )
 
-    def _exchange_counts(self, counts: torch.Tensor):
+    def _exchange_counts(self, counts: torch.Tensor, rows: int):
         """Split sizes per peer for both directions (host ints) and received counts [ep, local]."""
         ep = self.ep_mesh.size()
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.ep_group)
         recv_counts = recv_counts.view(ep, self.local_experts)
-        send, recv = torch.stack([counts.view(ep, -1).sum(1), recv_counts.sum(1)]).tolist()  # the one sync
+        send, recv = split_sizes(torch.stack([counts.view(ep, -1).sum(1), recv_counts.sum(1)]), rows)  # the one sync
         return send, recv, recv_counts
 
     def _run_local_experts(self, received: torch.Tensor, recv_counts: torch.Tensor, rows: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The step-runner interface the trainer drives, and what both runners share.
+"""The step-runner interface the trainer drives, what both runners share, and one training step.
 
 A runner owns one rank's parallelized model and runs forward and backward of a whole global-batch
 step: :class:`meshtron.parallel.runner.StepRunner` without a pipeline, :class:`meshtron.parallel.
@@ -47,6 +47,31 @@ class Runner(Protocol):
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's full CPU tensors on global rank 0, None elsewhere (collective)."""
+
+
+def training_step(
+    runner,
+    optimizer: torch.optim.Optimizer,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    max_grad_norm: float,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward, backward, clipping and the optimizer update, queued without any host sync
+    (``tests/test_syncs.py`` counts them); returns the global loss and gradient norm as device scalars.
+
+    The non-finite guard runs on the device: fused AdamW skips the whole update (and its step
+    count) when ``found_inf`` is set, so a NaN/Inf step leaves parameters and optimizer state as
+    they were without the host looking at the loss first.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    loss = runner.forward_backward(input_ids, labels, position_ids)
+    grad_norm = runner.clip_grad_norm(max_grad_norm)
+    optimizer.found_inf = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
+    optimizer.step()
+    for moe in runner.moes:  # aux-loss-free balancing (a no-op unless configured), skipped with the update
+        moe.update_expert_bias(skip=optimizer.found_inf)
+    return loss, grad_norm
 
 
 def split_microbatches(input_ids: torch.Tensor, labels: torch.Tensor, mesh, micro: int, positions=None):

@@ -51,9 +51,9 @@ def available_per_rank(device_type: str) -> tuple[float, str]:
     return host / ranks, f"{host / GIB:.1f} GiB of available host RAM shared by {ranks} local ranks"
 
 
-def _suggestion(cfg: Config, world_size: int, available: float, device_type: str) -> str:
+def _suggestion(cfg: Config, world_size: int, available: float, device_type: str, gpus_per_node: int) -> str:
     """A concrete layout that fits, from the planner, or what to change when none does."""
-    hw = Hardware(gpus_per_node=min(local_ranks(), world_size), memory_gib=available / GIB)
+    hw = Hardware(gpus_per_node=min(gpus_per_node, world_size), memory_gib=available / GIB)
     assumptions = CPU_ASSUMPTIONS if device_type == "cpu" else Assumptions()
     plan = fitting_layout(cfg, world_size, hw, assumptions)
     if plan is not None:
@@ -65,22 +65,24 @@ def _suggestion(cfg: Config, world_size: int, available: float, device_type: str
             "seq_len / global_batch_size.")
 
 
-def check_memory(cfg: Config, world_size: int, device_type: str) -> None:
+def check_memory(cfg: Config, world_size: int, device_type: str, available: tuple[float, str] | None = None,
+                 gpus_per_node: int | None = None) -> None:
     """Raise :class:`ConfigError` (``memory_check = "error"``) or print a warning (``"warn"``, rank 0)
-    when the planner's per-rank prediction exceeds the available memory."""
+    when the planner's per-rank prediction exceeds the available memory: this machine's
+    (:func:`available_per_rank`), or ``available`` = (bytes, where that figure comes from)."""
     mode = cfg.train.memory_check
     if mode == "off":
         return
     assumptions = CPU_ASSUMPTIONS if device_type == "cpu" else Assumptions()
     predicted = predict_memory(cfg, assumptions)
-    available, source = available_per_rank(device_type)
+    available, source = available or available_per_rank(device_type)
     if predicted.total <= available:
         return
     dominant = predicted.dominant
     message = (
         f"this layout needs a predicted {predicted.total / GIB:.1f} GiB per rank (largest term: {dominant} "
         f"{predicted.terms[dominant] / GIB:.1f} GiB) but {available / GIB:.1f} GiB is available ({source}). "
-        f"{_suggestion(cfg, world_size, available, device_type)} To start anyway set [train] memory_check = "
+        f"{_suggestion(cfg, world_size, available, device_type, gpus_per_node or local_ranks())} To start anyway set [train] memory_check = "
         "\"warn\" or \"off\"."
     )
     if mode == "error":

@@ -1,0 +1,86 @@
+"""meshtron.plan held to the dry run: every shipped real-size recipe at its stated layout, plus pipeline
+layouts, traced rank by rank on fake tensors (``python -m meshtron.train --recipe R --dry-run N``).
+
+Per distinct rank: the traced peak of the second training step, the planner's prediction for the
+same rank without its reserve and slack terms, their ratio, the step's FLOPs and the dry run's wall
+time on this machine (2 cores, two ranks traced at a time).
+
+    PYTHONPATH=. python benchmarks/dry_run_recipes.py      # ~5-10 minutes on 2 cores
+
+Writes benchmarks/results/dry_run.json and dry_run.md.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from meshtron.config import load_config  # noqa: E402
+from meshtron.dryrun import dry_run, layout_text  # noqa: E402
+
+RECIPES = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b",
+           "qwen1p5_moe_a2p7b", "qwen2_57b_a14b")
+# (recipe, world size, overrides): pipeline layouts the recipes do not state.
+PIPELINES = (
+    ("qwen2p5_7b", 8, ["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.tp", "2", "--parallel.microbatches", "4"]),
+    ("qwen2p5_72b", 64, ["--parallel.pp", "4", "--parallel.dp", "4", "--parallel.tp", "4", "--parallel.microbatches", "4"]),
+)
+
+
+def _world_size(cfg) -> int:
+    p = cfg.parallel
+    return p.pp * p.dp * p.cp * p.ep * p.tp
+
+
+def _measure(recipe: str, world: int | None, overrides: list[str]) -> list[dict]:
+    cfg = load_config(ROOT / "recipes" / f"{recipe}.toml", overrides)
+    world = world or _world_size(cfg)
+    start = time.perf_counter()
+    traces = dry_run(cfg, world)
+    seconds = time.perf_counter() - start
+    print(f"{recipe} {layout_text(cfg)}: {seconds:.0f} s", flush=True)
+    return [{"recipe": recipe, "world_size": world, "layout": layout_text(cfg), "schedule": cfg.parallel.schedule,
+             "microbatches": cfg.parallel.microbatches, "ac": cfg.parallel.activation_checkpointing,
+             "rank": t.rank, "pp": t.coords["pp"], "traced_gib": t.traced_gib, "planned_gib": t.planned_gib,
+             "ratio": t.ratio, "tflop": t.flops / 1e12, "seconds": seconds} for t in traces]
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| recipe | ranks | layout | AC | micro-batches | rank (stage) | traced GiB | planned GiB | traced / planned | TFLOP | dry run s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['recipe']} | {r['world_size']} | {r['layout']} | {r['ac']} | {r['microbatches']} | "
+                     f"{r['rank']} ({r['pp']}) | {r['traced_gib']:.2f} | {r['planned_gib']:.2f} | {r['ratio']:.3f} | "
+                     f"{r['tflop']:.0f} | {r['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    rows = []
+    for recipe in RECIPES:
+        rows += _measure(recipe, None, [])
+    for recipe, world, overrides in PIPELINES:
+        rows += _measure(recipe, world, overrides)
+    out = ROOT / "benchmarks" / "results"
+    (out / "dry_run.json").write_text(json.dumps(rows, indent=1))
+    worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
+    text = (
+        "# meshtron.plan against the dry run\n\n"
+        "`python -m meshtron.train --recipe R --dry-run N` traces the second training step of every distinct rank "
+        "on fake tensors (bf16 compute, fp32 master weights and AdamW state, the recipe's shapes); `planned` is "
+        "`meshtron.plan`'s prediction for the same rank without its reserve (CUDA context) and slack terms, which "
+        "a tensor trace cannot see. Written by `benchmarks/dry_run_recipes.py` on a 2-core CPU machine.\n\n"
+        f"{table(rows)}\n\n"
+        f"Furthest from 1: {worst['recipe']} {worst['layout']} rank {worst['rank']}: {worst['ratio']:.3f}.\n"
+    )
+    (out / "dry_run.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Values the training step reads on the host, and what a dry run assumes in their place.
+
+A dry run (``python -m meshtron.train --dry-run N``) executes the real step on fake tensors under a
+fake process group: tensors have shapes and dtypes but no values, so every place where the step
+turns device values into host numbers asks :func:`simulating` and uses the stated assumption
+instead (no initial weights to compute, balanced MoE routing, no metrics to read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+_fake_mode = None  # the dry run's FakeTensorMode, while one runs
+
+
+def simulating() -> bool:
+    """True inside :func:`simulated`: tensors are fake and hold no values to read."""
+    return _fake_mode is not None
+
+
+@contextlib.contextmanager
+def simulated() -> Iterator[None]:
+    """A dry run: :func:`fake_tensors` allocates fake tensors (shapes, dtypes, devices; no storage)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    global _fake_mode
+    previous, _fake_mode = _fake_mode, FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        yield
+    finally:
+        _fake_mode = previous
+
+
+def fake_tensors() -> contextlib.AbstractContextManager:
+    """Where tensors are allocated: fake ones in a dry run, real ones otherwise. Meshes are built and
+    sliced outside it (a mesh's rank table must hold real values)."""
+    return _fake_mode if _fake_mode is not None else contextlib.nullcontext()
+
+
+def split_sizes(sizes: torch.Tensor, total: int) -> list:
+    """Host ints of ``sizes`` (rows of per-peer split sizes summing to ``total``): the one device-to-host
+    read of an uneven all-to-all. A dry run assumes balanced routing: ``total`` spread evenly (the first
+    peers take the remainder)."""
+    if not simulating():
+        return sizes.tolist()
+    peers = sizes.shape[-1]
+    even = [total // peers + (i < total % peers) for i in range(peers)]
+    return [list(even) for _ in range(sizes.shape[0])] if sizes.ndim == 2 else even
+
+
+__all__ = ["fake_tensors", "simulated", "simulating", "split_sizes"]

@@ -1,0 +1,81 @@
+"""``python -m meshtron.train --dry-run N``: real-size steps traced on fake tensors under a fake process group.
+
+The shipped recipes' layouts are simulated rank by rank (one process per distinct rank, no data, no
+GPU): the traced peak is held to meshtron.plan's prediction within 5 % where the planner models the
+layout (pp = 1; the pipeline stages' gap is reported, see benchmarks/results/dry_run.md), collectives
+are counted per op, bad input gets the launch's one-line error before anything is traced, and a layout
+that does not fit --gpu-memory ends with the pre-flight refusal after the report.
+"""
+
+from __future__ import annotations
+
+import json
+
+from meshtron.train import main
+
+
+def _dry_run(capsys, *args: str) -> tuple[int, dict | None, str]:
+    code = main(["--json", *args])
+    out, err = capsys.readouterr()
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    return code, json.loads(lines[-1]) if lines else None, err
+
+
+def test_dry_run_errors_before_tracing(capsys):
+    code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_7b.toml", "--dry-run", "12")
+    assert code == 2 and report is None
+    assert err.startswith("meshtron: [parallel] pp=1 x dp=2 x cp=1 x ep=1 x tp=4 = 8, but the world size is 12."), err
+    code, report, err = _dry_run(capsys, "--recipe", "recipes/debug_moe.toml", "--dry-run", "8")
+    assert code == 2 and report is None
+    assert "--dry-run traces MoE experts in bfloat16 only" in err and "--train.dtype bfloat16" in err, err
+
+
+def test_dry_run_recipe_and_refusal(capsys):
+    """Qwen2.5-7B at its stated 8-GPU layout (dp2 x tp4, SP, full AC): within 5 % of the plan; at 20 GiB
+    per device the same report is followed by the pre-flight refusal (exit 2)."""
+    code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_7b.toml", "--dry-run", "8", "--gpu-memory", "20")
+    assert code == 2 and err.startswith("meshtron: this layout needs a predicted 30.4 GiB per rank"), err
+    assert "(--gpu-memory 20)" in err and "A layout predicted to fit" in err, err
+    (rank,) = report["ranks"]
+    assert report["world_size"] == 8 and report["layout"] == "pp1 x dp2 x cp1 x ep1 x tp4"
+    assert rank["coords"] == dict(pp=0, dp=0, cp=0, ep=0, tp=0)
+    assert 0.95 <= rank["ratio"] <= 1.05, rank
+    # FSDP gathers every block twice (forward, and again for the checkpointed recomputation) and
+    # reduce-scatters its gradients once; SP gathers and reduce-scatters inside every block.
+    for op in ("_allgather_base_", "_reduce_scatter_base_", "all_gather_into_tensor", "reduce_scatter_tensor"):
+        assert rank["collectives"].get(op, 0) > 0 and rank["comm_bytes"][op] > 0, (op, rank["collectives"])
+    assert rank["flops"] > 1e15, rank["flops"]
+
+
+def test_dry_run_1024_ranks(capsys):
+    """Qwen2.5-0.5B on 1024 ranks (dp 512 x tp 2): one distinct rank, within 5 % of the plan."""
+    code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_0p5b.toml", "--dry-run", "1024",
+                                 "--parallel.dp", "512", "--parallel.tp", "2", "--train.global_batch_size", "1024")
+    assert code == 0, err
+    (rank,) = report["ranks"]
+    assert report["world_size"] == 1024 and 0.95 <= rank["ratio"] <= 1.05, rank
+
+
+def test_dry_run_pipeline_moe_and_hf_folder(capsys, tmp_path):
+    """A pipeline (one traced rank per stage, p2p counted), MoE expert dispatch under balanced routing, and
+    a transformers folder holding nothing but config.json."""
+    import transformers
+
+    code, report, err = _dry_run(capsys, "--recipe", "recipes/debug_moe.toml", "--dry-run", "8", "--train.dtype",
+                                 "bfloat16", "--parallel.pp", "2", "--parallel.dp", "0", "--parallel.microbatches", "2")
+    assert code == 0, err
+    assert [r["coords"]["pp"] for r in report["ranks"]] == [0, 1] and [r["rank"] for r in report["ranks"]] == [0, 4]
+    for rank in report["ranks"]:
+        # 1F1B with 2 micro-batches: each stage sends 2 activations or 2 gradients and receives as many.
+        assert rank["collectives"]["send"] == 2 and rank["collectives"]["recv_"] == 2, rank["collectives"]
+        assert rank["collectives"]["alltoall_base_"] > 0, rank["collectives"]
+    folder = tmp_path / "qwen3_moe"
+    transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=8,
+                                num_key_value_heads=4).save_pretrained(folder)
+    code, report, err = _dry_run(capsys, "--recipe", "recipes/debug_dense.toml", "--model.hf_model", str(folder),
+                                 "--dry-run", "8", "--parallel.dp", "2", "--parallel.ep", "2", "--parallel.tp", "2",
+                                 "--train.dtype", "bfloat16")
+    assert code == 0, err
+    (rank,) = report["ranks"]
+    assert rank["collectives"]["alltoall_base_"] > 0 and rank["traced_gib"] > 0, rank
