@@ -105,11 +105,18 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+# Qwen3-Next's gated delta-net decay parameters get gradients of ~1e-5 out of large cancellations: the
+# single-process model with meshtron's chunked cross-entropy instead of transformers' is already 1.4e-4
+# (A_log) / 1.0e-4 (dt_bias) from transformers' own, with no parallelism at all. A wrong reduction is O(1).
+CANCELLING_GRADS = {"linear_attn.A_log": 3e-4, "linear_attn.dt_bias": 3e-4}
+
+
 def _check_grads(model, ref, where: str) -> None:
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         err = rel_err(_full(p.grad), ref_params[name].grad)
-        assert err < 1e-4, f"{where}: grad {name} rel err {err:.2e}"
+        limit = next((v for k, v in CANCELLING_GRADS.items() if name.endswith(k)), 1e-4)
+        assert err < limit, f"{where}: grad {name} rel err {err:.2e}"
 
 
 def _check_experts(model, mesh, ac: str, comms: dict, where: str) -> dict:
@@ -257,6 +264,19 @@ FAMILIES = {
                  "per-head q_norm / k_norm on column-split heads, absent from its plan; fused experts, shared experts"),
     "gain_llama": ("LlamaConfig", dict(TINY, num_key_value_heads=2, intermediate_size=96),
                    "hand-made: a scalar gain on the column-split MLP activation; 2 KV heads replicated at tp 4"),
+    # Discovery by the model's structure: Lfm2's final norm is called embedding_norm and its short
+    # convolutions hand their kernel to a fused op; Llama 4 keeps its base model in self.model but
+    # declares base_model_prefix 'language_model'; Qwen3-Next's linear attention has a 3-D conv1d.
+    "lfm2": ("Lfm2Config", dict(TINY, num_key_value_heads=4, layer_types=["conv", "full_attention"]),
+             "no plan; short-convolution layers (whole over tp) next to attention layers"),
+    "llama4": ("Llama4TextConfig", dict(TINY, num_key_value_heads=4, intermediate_size_mlp=96, num_local_experts=4,
+                                        num_experts_per_tok=1),
+               "decoder found by structure; experts without an ep plan (tp and ep refused by name)"),
+    "qwen3_next": ("Qwen3NextConfig", dict(TINY, num_key_value_heads=4, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                           layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                                           linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+                   "hybrid: gated delta-net linear attention (data parallel) and fused experts over ep"),
 }
 DENSE_LAYOUTS = [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), True)]
 EP_LAYOUTS = [(dict(dp=2, ep=4), False), (dict(dp=2, ep=2, tp=2), True)]
@@ -266,7 +286,9 @@ SPLIT_ACTIVATION_LAYOUTS = [(dict(dp=2, tp=4), False), (dict(dp=2, tp=4), True),
 FAMILY_LAYOUTS = {"mixtral": EP_LAYOUTS, "gpt_oss": EP_LAYOUTS, "aria": EP_LAYOUTS[1:],
                   "apertus": SPLIT_ACTIVATION_LAYOUTS, "gain_llama": SPLIT_ACTIVATION_LAYOUTS,
                   "glm4_moe": [(dict(dp=2, ep=2, tp=2), False), (dict(dp=2, ep=2, tp=2), True),
-                               (dict(ep=2, tp=4), False), (dict(ep=2, tp=4), True)]}
+                               (dict(ep=2, tp=4), False), (dict(ep=2, tp=4), True)],
+                  "lfm2": [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), False)],
+                  "llama4": [(dict(dp=8), False)], "qwen3_next": EP_LAYOUTS[:1]}
 # MoE family -> the class that runs its experts.
 EXPERT_CLASSES = {"mixtral": "FusedExpertParallel", "gpt_oss": "ClampedExpertParallel", "aria": "TransposedExpertParallel"}
 
@@ -456,6 +478,11 @@ def check_errors(folders: dict[str, str], out: str) -> None:
     with pytest.raises(ConfigError, match="ep = 2 needs a MoE model"):
         parallelize_hf_model(_reference(folders["llama"]), cached_mesh(dp=2, ep=2, tp=2))
     _check_unsplit_warning(cached_mesh(tp=8))
+    with pytest.raises(ConfigError, match=r"sp = true needs every attention and MLP split over tp, but Lfm2ForCausalLM"):
+        parallelize_hf_model(_family_model("lfm2"), cached_mesh(dp=4, tp=2), sp=True)
+    with pytest.raises(ConfigError, match=r"'model.layers.0.feed_forward.experts' holds stacked expert weights but "
+                                          r"Llama4ForCausalLM's config has no base_model_ep_plan entry"):
+        parallelize_hf_model(_family_model("llama4"), cached_mesh(dp=4, tp=2))
     moe = _reference(folders["qwen2_moe"])
     moe.config.base_model_ep_plan = None
     with pytest.raises(ConfigError, match="no base_model_ep_plan entry"):
@@ -537,6 +564,10 @@ DISCOVERY = {
                     ("transformer", "transformer.h", "transformer.word_embeddings", "lm_head", "transformer.ln_f", None)),
     "Qwen2Config": (dict(SMALL, num_key_value_heads=4),
                     ("model", "model.layers", "model.embed_tokens", "lm_head", "model.norm", "model.rotary_emb")),
+    "Lfm2Config": (dict(SMALL, num_key_value_heads=4, layer_types=["conv", "full_attention"]),  # norm run after the blocks
+                   ("model", "model.layers", "model.embed_tokens", "lm_head", "model.embedding_norm", "model.rotary_emb")),
+    "Llama4TextConfig": (dict(SMALL, num_key_value_heads=4, intermediate_size_mlp=96, num_local_experts=4),
+                         ("model", "model.layers", "model.embed_tokens", "lm_head", "model.norm", "model.rotary_emb")),
 }
 
 

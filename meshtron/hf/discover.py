@@ -5,12 +5,14 @@ transformers names the same parts differently per family (``model.layers`` / ``t
 ``final_layer_norm``). :func:`hf_parts` finds them through the model's API instead of assuming one
 family's names:
 
-* decoder: ``model.get_decoder()`` (the base model holding embeddings, blocks and final norm);
+* decoder: ``model.get_decoder()`` (the base model holding embeddings, blocks and final norm), or,
+  where that contract fails, the one direct child holding the input embeddings and the blocks;
 * blocks: the ``nn.ModuleList`` in the decoder whose elements are of a class in ``_no_split_modules``
   (transformers' own "one decoder block" marker);
 * embed / head: ``get_input_embeddings()`` / ``get_output_embeddings()``;
-* norm: the decoder's one direct child norm that is not an embedding norm (Bloom normalises its
-  embeddings with a second one);
+* norm: the decoder's one direct child norm that its ``forward`` runs after the blocks (read from
+  the forward's source: Bloom normalises its embeddings with a second norm before them, Lfm2 calls
+  its final norm ``embedding_norm``);
 * rotary: the decoder-level module owning ``inv_freq`` (None for learned or ALiBi positions).
 
 Every path is the module's full name in ``model.named_modules()``; tp-plan patterns
@@ -20,6 +22,8 @@ blocks' path inside it.
 
 from __future__ import annotations
 
+import inspect
+import re
 from dataclasses import dataclass
 
 from torch import nn
@@ -81,11 +85,21 @@ def _path_of(model: nn.Module, module: nn.Module | None, what: str) -> str:
 
 
 def _decoder(model: nn.Module) -> nn.Module:
+    """``get_decoder()``; where that contract fails (Llama 4 text keeps its base model in ``self.model``
+    but declares ``base_model_prefix = "language_model"``), the one direct child holding the input
+    embeddings and the blocks."""
     get = getattr(model, "get_decoder", None)
     decoder = get() if get is not None else None
-    if decoder is None or decoder is model:
-        raise _missing(model, "decoder", "get_decoder() returns no separate base model")
-    return decoder
+    if decoder is not None and decoder is not model:
+        return decoder
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    holders = [child for _, child in model.named_children()
+               if embed is not None and any(m is embed for m in child.modules())
+               and any(isinstance(m, nn.ModuleList) for m in child.modules())]
+    if len(holders) != 1:
+        raise _missing(model, "decoder", "get_decoder() returns no separate base model, and "
+                       f"{len(holders)} direct children hold the input embeddings and a list of blocks (need one)")
+    return holders[0]
 
 
 def _is_block(module: nn.Module, block_classes: set[str]) -> bool:
@@ -103,12 +117,34 @@ def _blocks(model: nn.Module, decoder: nn.Module) -> tuple[str, nn.ModuleList]:
     return found[0]
 
 
-def _final_norm(model: nn.Module, decoder: nn.Module) -> tuple[str, nn.Module]:
-    norms = [(name, m) for name, m in decoder.named_children() if is_norm(m) and "emb" not in name]
-    if len(norms) != 1:
-        raise _missing(model, "final norm", f"{len(norms)} norm modules directly in its decoder "
-                       f"({', '.join(n for n, _ in norms) or 'none'}); need exactly one")
-    return norms[0]
+def _first_uses(module: nn.Module) -> dict[str, int] | None:
+    """Where the module's ``forward`` first reads each ``self.<name>`` (character offset in its
+    source): the order the forward runs its children in. None when the source cannot be read."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return None
+    first: dict[str, int] = {}
+    for match in re.finditer(r"self\.(\w+)", source):
+        first.setdefault(match.group(1), match.start())
+    return first
+
+
+def _final_norm(model: nn.Module, decoder: nn.Module, blocks_rel: str) -> tuple[str, nn.Module]:
+    """The decoder's direct child norm its forward runs after the blocks (Bloom also normalises its
+    embeddings before them; Lfm2 names its final norm ``embedding_norm``)."""
+    norms = [(name, m) for name, m in decoder.named_children() if is_norm(m)]
+    uses = _first_uses(decoder)
+    top = blocks_rel.split(".", 1)[0]
+    if uses is not None and top in uses:
+        after = [(n, m) for n, m in norms if uses.get(n, -1) > uses[top]]
+        why = f"of its {len(norms)} direct child norms, {len(after)} run after '{top}' in its forward"
+    else:  # no source to read: by name, the embedding norms excluded
+        after = [(n, m) for n, m in norms if "emb" not in n]
+        why = f"{len(after)} norm modules not named like an embedding norm directly in its decoder"
+    if len(after) != 1:
+        raise _missing(model, "final norm", f"{why} ({', '.join(n for n, _ in after) or 'none'}); need exactly one")
+    return after[0]
 
 
 def _rotary(decoder: nn.Module, blocks: nn.ModuleList) -> tuple[str, nn.Module] | None:
@@ -144,7 +180,7 @@ def hf_parts(model: nn.Module) -> HFParts:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear):
         raise _missing(model, "output head", f"get_output_embeddings() returns {type(head).__name__}, not an nn.Linear")
-    norm_rel, norm = _final_norm(model, decoder)
+    norm_rel, norm = _final_norm(model, decoder, blocks_rel)
     rotary = _rotary(decoder, blocks)
 
     def full(rel: str) -> str:

@@ -189,6 +189,19 @@ def _expert_class(name: str, experts: nn.Module) -> type[FusedExpertParallel] | 
             + "; ".join(cls.DESCRIPTION for cls in _LAYOUTS))
 
 
+# Config keys transformers families use for the number of routed experts.
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _holds_stacked_experts(module: nn.Module, config) -> bool:
+    """A 3-D parameter whose first dim is the config's expert count (a convolution's 3-D kernel, as in
+    Qwen3-Next's linear attention or Lfm2's short convolutions, is not)."""
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return False
+    counts = {getattr(config, key) for key in _EXPERT_COUNT_KEYS if isinstance(getattr(config, key, None), int)}
+    return any(p.dim() == 3 and (not counts or p.shape[0] in counts) for p in module.parameters(recurse=False))
+
+
 def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, tuple[nn.Module, type[FusedExpertParallel]]]:
     """Full name -> (experts module, the class that computes its layout), for the modules the config's
     ``base_model_ep_plan`` marks ``ep_dispatch_experts``, checked (no communication) to be in a layout of
@@ -205,8 +218,7 @@ def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, tuple[nn.Module, t
     decoder = hf_parts(model).decoder_path  # ep-plan patterns are relative to the decoder
     patterns = [_pattern(f"{decoder}.{k}") for k, s in plan.items() if s == "ep_dispatch_experts"]
     found = {n: m for n, m in model.named_modules() if any(p.match(n) for p in patterns)}
-    stacked = [n for n, m in model.named_modules()
-               if n not in found and any(p.dim() == 3 for p in m.parameters(recurse=False))]
+    stacked = [n for n, m in model.named_modules() if n not in found and _holds_stacked_experts(m, model.config)]
     if stacked:
         raise ConfigError(
             f"parallelize_hf_model: '{stacked[0]}' holds stacked expert weights but {type(model).__name__}'s "

@@ -350,18 +350,30 @@ def _apply_tp(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, sp: bool) -
         parts.head.weight = parts.embed.weight
 
 
-def _replicate_plain_params(model: nn.Module, tp_mesh: DeviceMesh, experts: list[nn.Module]) -> None:
+def _replicate_plain_params(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, experts: list[nn.Module]) -> None:
     """Parameters tp left whole (norms without SP, ``replicate`` modules, an activation's own
-    parameters) become Replicate DTensors run on their local views. Whether a module reads an
-    activation tp split (per-head norms after column-split projections, xIELU's parameters after a
-    column-split up projection: each rank's gradient is a part of the sum) or the whole one (every
-    rank computes the same gradient) is decided on the first backward (:class:`TpGradient` "infer").
-    Without it, a parameter group mixing them with DTensors breaks fused AdamW when no data-parallel
-    wrapper makes every parameter a DTensor."""
+    parameters, a convolution no plan splits) become Replicate DTensors run on their local views:
+    inside a block for the whole block's forward (a module may read a child's weight directly, as
+    Lfm2's and Qwen3-Next's convolutions hand theirs to a fused kernel), elsewhere for their module's.
+    Whether a parameter reads an activation tp split (per-head norms after column-split projections,
+    xIELU's parameters after a column-split up projection: each rank's gradient is a part of the sum)
+    or the whole one (every rank computes the same gradient) is decided on the first backward
+    (:class:`TpGradient` "infer"). Without it, a parameter group mixing them with DTensors breaks fused
+    AdamW when no data-parallel wrapper makes every parameter a DTensor."""
     skip = {id(m) for e in experts for m in e.modules()}
+
+    def plain(module: nn.Module) -> list[str]:
+        return [f"{path}.{name}" if path else name for path, sub in module.named_modules() if id(sub) not in skip
+                for name, p in sub.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+
+    blocks = [block for _, block in parts.block_items()]
+    for block in blocks:
+        if names := plain(block):
+            parallelize_module(block, tp_mesh, ReplicateParallel(grad="infer", params=names))
+    inside = {id(m) for block in blocks for m in block.modules()}
     for module in model.modules():
         own = list(module.parameters(recurse=False))
-        if own and id(module) not in skip and not any(isinstance(p, DTensor) for p in own):
+        if own and id(module) not in skip | inside and not any(isinstance(p, DTensor) for p in own):
             parallelize_module(module, tp_mesh, ReplicateParallel(grad="infer"))
     name_tp_gradients(model)
 
@@ -549,7 +561,7 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool, data_parallel: st
         _apply_tp(model, parts, tp_mesh, sp)
     experts = apply_hf_expert_parallel(model, mesh, expert_modules)
     if tp_mesh.size() > 1:
-        _replicate_plain_params(model, tp_mesh, experts)
+        _replicate_plain_params(model, parts, tp_mesh, experts)
     if mesh["cp"].size() > 1:
         apply_hf_context_parallel(model, mesh, shard_inputs, *cp_comm)
     data_mesh = dense_data_mesh(mesh)

@@ -265,33 +265,50 @@ class ReplicateParallel(ParallelStyle):
     with their local views (DTensor math would refuse the router's plain ``expert_bias`` buffer).
     ``grad`` is their :class:`TpGradient` mode: ``"partial"`` where the tp ranks feed different
     tokens (sequence parallelism) or features, ``"replicate"`` where they compute the same thing
-    (verified on the first backward), ``"infer"`` where nothing says which.
+    (verified on the first backward), ``"infer"`` where nothing says which. ``params``: the names,
+    relative to the module, of the parameters its forward (and everything it calls) reads as local
+    views; default its own. A decoder block takes all its unplanned ones, so a module that reads a
+    child's weight directly (a convolution kernel handed to a fused kernel) sees the local view too.
     """
 
-    def __init__(self, grad: str = "replicate"):
+    def __init__(self, grad: str = "replicate", params: list[str] | None = None):
         super().__init__()
         TpGradient(grad)  # validates the mode
-        self.grad = grad
+        self.grad, self.params = grad, params
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _distribute_params(module, device_mesh, Replicate(), self.src_data_rank)
-        module.tp_gradients = {name: TpGradient(self.grad, name) for name, _ in module.named_parameters(recurse=False)}
-        module.forward = _forward_on_local_params(module)
+        names = self.params if self.params is not None else [n for n, _ in module.named_parameters(recurse=False)]
+        for name in names:
+            owner, leaf = _owner(module, name)
+            param = owner._parameters[leaf]
+            dist_param = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
+            owner.register_parameter(leaf, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+        module.tp_gradients = {name: TpGradient(self.grad, name) for name in names}
+        module.forward = _forward_on_local_params(module, names)
         return module
 
 
-def _forward_on_local_params(module: nn.Module):
-    run = type(module).forward
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """(the submodule holding parameter ``name``, its own name for it)."""
+    path, _, leaf = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), leaf
+
+
+def _forward_on_local_params(module: nn.Module, names: list[str]):
+    run = module.forward
+    owners = [(name, *_owner(module, name)) for name in names]
 
     def forward(*args, **kwargs):
         # Swapped only for this call: FSDP may install other parameter objects between calls.
-        held = dict(module._parameters)
-        module._parameters.update({n: _LocalView.apply(p, module.tp_gradients[n])
-                                   for n, p in held.items() if p is not None})
+        held = [(owner, leaf, owner._parameters[leaf]) for _, owner, leaf in owners]
+        for (name, owner, leaf), (_, _, param) in zip(owners, held):
+            if param is not None:
+                owner._parameters[leaf] = _LocalView.apply(param, module.tp_gradients[name])
         try:
-            return run(module, *args, **kwargs)
+            return run(*args, **kwargs)
         finally:
-            module._parameters.update(held)
+            for owner, leaf, param in held:
+                owner._parameters[leaf] = param
 
     return forward
 
