@@ -120,3 +120,16 @@ def test_closed_form_follows_sparse_step_and_mlp_only_layers():
     m = load_config(RECIPES / "debug_moe.toml", ["--model.decoder_sparse_step", "2", "--model.mlp_only_layers", "[3]"]).model
     assert [m.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
     assert expected_count(m) == hf_meta_count(m)
+
+
+def test_recipe_headers_state_the_plan():
+    """Every GPU recipe's header states meshtron.plan's prediction for its layout on its stated hardware, to
+    0.1 GiB (`python -m meshtron.plan.recipes recipes/*.toml` rewrites them)."""
+    from meshtron.plan.recipes import planned_gib, recipe_hardware, stated_gib
+
+    for path in sorted(RECIPES.glob("*.toml")):
+        if recipe_hardware(path).device != "cuda":
+            continue
+        stated = stated_gib(path)
+        assert stated is not None, f"{path.name}: no 'meshtron.plan predicts X GiB per GPU' in its header"
+        assert stated == round(planned_gib(path), 1), f"{path.name}: header says {stated} GiB, the plan {planned_gib(path):.2f}"

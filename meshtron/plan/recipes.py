@@ -2,6 +2,10 @@
 
     # Hardware: 4 nodes x 8 GPUs x 80 GB
 
+and the header's predicted memory ("meshtron.plan predicts 30.4 GiB per GPU"), generated from the
+planner: ``python -m meshtron.plan.recipes recipes/*.toml`` rewrites it in every recipe given, and the
+tests fail when a header disagrees with the plan.
+
 (nodes x devices per node x memory per device). ``GB`` is read as GiB, as ``--gpu-memory`` is: an
 "80 GB" H100 exposes 79.6 GiB, within the 10 % headroom the recipes keep. The tiny debug recipes
 say ``CPU ranks``; their memory is the host RAM per rank, and the planner then leaves out the CUDA
@@ -14,9 +18,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtron.config import ConfigError
+from meshtron.config import ConfigError, infer_dp, load_config
 from meshtron.plan.fit import CPU_ASSUMPTIONS
-from meshtron.plan.memory import Assumptions
+from meshtron.plan.memory import GIB, Assumptions, predict_memory
 from meshtron.plan.speed import Hardware
 
 HARDWARE_LINE = re.compile(
@@ -52,3 +56,45 @@ def recipe_hardware(path: str | Path) -> RecipeHardware:
                           f"'# Hardware: 1 node x 8 GPUs x 80 GB' (found {len(found)}).")
     nodes, per_node, kind, memory = found[0]
     return RecipeHardware(int(nodes), int(per_node), "cpu" if kind == "CPU ranks" else "cuda", float(memory))
+
+
+PREDICTION = re.compile(r"meshtron\.plan predicts (?P<gib>\d+(?:\.\d+)?) GiB per GPU")
+
+
+def planned_gib(path: str | Path) -> float:
+    """``meshtron.plan``'s busiest-rank memory for the recipe's layout on its stated hardware."""
+    hw = recipe_hardware(path)
+    cfg = infer_dp(load_config(path), hw.world_size)
+    return predict_memory(cfg, hw.assumptions()).total / GIB
+
+
+def stated_gib(path: str | Path) -> float | None:
+    """The prediction the recipe's header states, or None when it states none."""
+    found = PREDICTION.search(Path(path).read_text().split("\n[", 1)[0])
+    return float(found["gib"]) if found else None
+
+
+def write_prediction(path: str | Path) -> bool:
+    """Rewrite the header's prediction with the planner's (0.1 GiB); True when it changed."""
+    path = Path(path)
+    text = path.read_text()
+    header, rest = text.split("\n[", 1)
+    updated = PREDICTION.sub(f"meshtron.plan predicts {planned_gib(path):.1f} GiB per GPU", header, count=1)
+    if updated == header:
+        return False
+    path.write_text(f"{updated}\n[{rest}")
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m meshtron.plan.recipes RECIPE...``: refresh the stated predictions."""
+    import sys
+
+    for path in (sys.argv[1:] if argv is None else argv):
+        if stated_gib(path) is not None and write_prediction(path):
+            print(f"{path}: meshtron.plan predicts {planned_gib(path):.1f} GiB per GPU")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
