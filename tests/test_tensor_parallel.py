@@ -84,6 +84,20 @@ def _step(model, tokens, labels, loss_fn):
     return loss
 
 
+class _EmbeddingGradRows(TorchDispatchMode):
+    """Rows of every embedding weight gradient computed (aten.embedding_dense_backward)."""
+
+    def __enter__(self):
+        self.seen = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.embedding_dense_backward.default:
+            self.seen.append(out.shape[0])
+        return out
+
+
 def _assert_parity(tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool = False, ac: bool = False):
     cfg = ModelConfig(**DENSE, tie_word_embeddings=tie)
     ref = _reference(cfg, seed)
@@ -92,8 +106,11 @@ def _assert_parity(tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool
         apply_activation_checkpointing(par, "full")
     tokens, labels = _batch(cfg, seed)
     expected = _step(ref, tokens, labels, token_loss_sum)
-    actual = _step(par, tokens, labels, parallel_token_loss_sum)
+    with _EmbeddingGradRows() as rows:
+        actual = _step(par, tokens, labels, parallel_token_loss_sum)
     where = f"tp={tp} sp={sp} tie={tie} ac={ac}"
+    # The vocabulary-split embedding's weight gradient is computed for this rank's rows only.
+    assert rows.seen == [math.ceil(cfg.vocab_size / tp)], (where, rows.seen)
     assert rel_err(actual, expected) < 1e-5, f"{where}: loss {actual.item()} vs {expected.item()}"
     ref_params = dict(ref.named_parameters())
     assert set(ref_params) == {n for n, _ in par.named_parameters()}

@@ -82,6 +82,7 @@ from meshtron.parallel.data import data_meshes, even_shard_dim, mixed_precision,
 from meshtron.parallel.tensor import (
     ReplicatedKVHeads,
     ReplicateParallel,
+    VocabParallelEmbedding,
     VocabParallelHead,
     name_tp_gradients,
     check_tensor_parallel,
@@ -335,8 +336,11 @@ def _apply_tp(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, sp: bool) -
     if not getattr(model.config, "base_model_tp_plan", None):
         _own_rowwise_outputs(parts, base)
     if parts.embed is not None:
-        # Embedding output replicated: HF computes positions and the causal mask from its length.
-        parallelize_module(parts.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        # Embedding output replicated: HF computes positions and the causal mask from its length. A
+        # family's own embedding class (Gemma 3 scales in its forward) keeps DTensor's rowwise split.
+        style = (VocabParallelEmbedding(Replicate()) if type(parts.embed) is nn.Embedding
+                 else RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        parallelize_module(parts.embed, tp_mesh, style)
         if sp:
             parallelize_module(blocks[0][1], tp_mesh, _HiddenStatesInput(sp, Replicate(), Shard(1), local=True))
     if parts.head is not None:

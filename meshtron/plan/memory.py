@@ -453,17 +453,19 @@ def _unit_grad_bytes(cfg: Config, coords: Coords) -> dict[str, float]:
     return out
 
 
-def backward_peak(cfg: Config, coords: Coords) -> tuple[float, float]:
+def backward_peak(cfg: Config, coords: Coords, reducing: bool | None = None) -> tuple[float, float]:
     """(working-set rise, gradients already reduced) at the layer of the backward where their sum peaks.
 
-    The rise is :func:`backward_working_bytes`'. When the step starts without sharded gradients
-    (:func:`sharded_grads_before_backward`), those of the LM head and of every layer already through
-    its backward appear as the activations go: with checkpointing the last layer's backward peaks with
-    nearly all of them. Otherwise they are counted whole elsewhere and add nothing here."""
-    p = cfg.parallel
+    The rise is :func:`backward_working_bytes`'. When the backward reduces as it goes (``reducing``;
+    default: the step starts without sharded gradients, :func:`sharded_grads_before_backward`), those
+    of the LM head and of every layer already through its backward appear as the activations go: with
+    checkpointing the last layer's backward peaks with nearly all of them. Otherwise they are counted
+    whole elsewhere, or not yet there, and add nothing here."""
     c, h, sp = compute_bytes(cfg), cfg.model.hidden_size, _sp_split(cfg)
     tokens = microbatch_tokens(cfg)
-    grads = {} if sharded_grads_before_backward(cfg) else _unit_grad_bytes(cfg, coords)
+    if reducing is None:
+        reducing = not sharded_grads_before_backward(cfg)
+    grads = _unit_grad_bytes(cfg, coords) if reducing else {}
     best = (0.0, 0.0)
     for chunk in (list(r) for r in _stage_chunks(cfg, coords.pp)):
         freed, reduced = 0.0, grads.get("head", 0.0)
@@ -544,6 +546,9 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
         ahead = p.fsdp_prefetch * max(blocks, default=0) if p.data_parallel != "replicate" else 0
         gathered = c * (largest + ahead + root)
     unsharded = FP32 * sum(units.values()) if accumulate else c * largest
+    if phase == "backward end" and _reduces_in_last_backward(cfg):
+        # Each unit's accumulated fp32 gradient is freed once reduce-scattered: one is left at a time.
+        return {"gathered": gathered, "unsharded_grads": FP32 * largest, "reduce_scatter": FP32 * largest}
     if phase == "backward end" and p.pp == 1:
         # The embedding's unit and the root (final norm; a tied embedding) are reduced last, after
         # every block's gradient has been reduce-scattered and freed.
@@ -561,10 +566,23 @@ def sharded_grads_before_backward(cfg: Config) -> bool:
     """Whether a rank holds its sharded fp32 gradients before the last backward of the step: only
     when an earlier micro-batch's backward already reduce-scattered into them (pp = 1 with full
     sharding, which reduces every micro-batch). The step starts with none (``zero_grad(set_to_none)``),
-    replication and HSDP reduce on the last micro-batch. Pipeline stages reduce after each chunk's last
-    backward, which the model does not place in time: their gradients count at every moment."""
+    replication and HSDP reduce on the last micro-batch. A 1F1B or GPipe stage holding one chunk
+    reduces in that chunk's last backward, the step's last on the rank, when the activations of every
+    other micro-batch are gone: the dry run of Qwen2.5-7B (pp2 x dp2 x tp2, 4 micro-batches) holds no
+    sharded gradient at either stage's peak. Stages holding several chunks (interleaved, V shapes) or
+    deferring weight passes (zero-bubble) reduce a chunk while others still hold activations, which
+    the model does not place in time: their gradients count at every moment."""
     p = cfg.parallel
-    return p.pp > 1 or (p.data_parallel == "fsdp" and p.microbatches > 1)
+    if p.pp > 1:
+        return not _reduces_in_last_backward(cfg)
+    return p.data_parallel == "fsdp" and p.microbatches > 1
+
+
+def _reduces_in_last_backward(cfg: Config) -> bool:
+    """A pipeline rank holding one chunk under 1F1B or GPipe: it reduces its gradients unit by unit in
+    its last backward, after every other micro-batch's activations are gone."""
+    p = cfg.parallel
+    return p.pp > 1 and p.schedule in ("1f1b", "gpipe") and p.virtual_stages == 1
 
 
 def phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[str, float]:
@@ -585,8 +603,11 @@ def phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[str, float]:
     else:
         # The micro-batch in backward has freed its final norm's saved tensors before its layers' backward.
         norm = final_norm_bytes(cfg, coords.pp)
-        rise, reduced = backward_peak(cfg, coords)
-        terms["grads"] += reduced  # nothing when they are counted whole
+        # A pipeline stage accumulates every unit's unsharded fp32 gradient over its micro-batches;
+        # reducing one in the last backward frees that and leaves a shard no larger, so its peak is a
+        # backward before any reduction, with every in-flight micro-batch's activations.
+        rise, reduced = backward_peak(cfg, coords, reducing=False if cfg.parallel.pp > 1 else None)
+        terms["grads"] += reduced  # nothing when they are counted whole, or not yet there
         terms["activations"] = saved_activation_bytes(cfg, coords.pp) + rise - norm
         # The micro-batch in backward has consumed its loss's saved gradients; the others still hold theirs.
         held = loss_held_bytes(cfg, coords.pp)
