@@ -276,7 +276,8 @@ FAMILIES = {
                                            shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                                            layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                                            linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
-                   "hybrid: gated delta-net linear attention (data parallel) and fused experts over ep"),
+                   "hybrid: gated delta-net linear attention (gathered projections, its own input masking) and "
+                   "fused experts over ep"),
 }
 DENSE_LAYOUTS = [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), True)]
 EP_LAYOUTS = [(dict(dp=2, ep=4), False), (dict(dp=2, ep=2, tp=2), True)]
@@ -288,7 +289,8 @@ FAMILY_LAYOUTS = {"mixtral": EP_LAYOUTS, "gpt_oss": EP_LAYOUTS, "aria": EP_LAYOU
                   "glm4_moe": [(dict(dp=2, ep=2, tp=2), False), (dict(dp=2, ep=2, tp=2), True),
                                (dict(ep=2, tp=4), False), (dict(ep=2, tp=4), True)],
                   "lfm2": [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), False)],
-                  "llama4": [(dict(dp=8), False)], "qwen3_next": EP_LAYOUTS[:1]}
+                  "llama4": [(dict(dp=8), False)],
+                  "qwen3_next": [*EP_LAYOUTS, (dict(dp=4, tp=2), False)]}
 # MoE family -> the class that runs its experts.
 EXPERT_CLASSES = {"mixtral": "FusedExpertParallel", "gpt_oss": "ClampedExpertParallel", "aria": "TransposedExpertParallel"}
 

@@ -126,10 +126,13 @@ _REFUSED = {
 class _HiddenStatesInput(ParallelStyle):
     """The module's hidden-states input (first positional or ``hidden_states=``) redistributed.
 
-    Default: the residual stream as one replicated DTensor: q, k and v (gate and up) then read the
-    same DTensor, so their input gradients are summed as partials and reduced once; under SP this is
-    the all-gather of the sequence. ``(Replicate(), Shard(1), local=True)``: keep this rank's part of
-    the sequence (a slice; its backward all-gathers the gradient), whatever other arguments follow.
+    Default: the residual stream as one replicated DTensor (under SP the all-gather of the sequence)
+    that every submodule called on the module's input reads, so the input gradients of q, k and v
+    (gate and up) are summed as partials and reduced once. The module itself gets its local view: a
+    module that computes with its input before projecting it (Qwen3-Next's linear attention masks its
+    padding) stays in plain tensors, and a projection of such a derived tensor takes it on its own
+    (one reduction of its own). ``(Replicate(), Shard(1), local=True)``: keep this rank's part of the
+    sequence (a slice; its backward all-gathers the gradient), whatever other arguments follow.
     """
 
     def __init__(self, sp: bool, layout: Placement | None = None, desired: Placement = Replicate(), local: bool = False):
@@ -137,18 +140,38 @@ class _HiddenStatesInput(ParallelStyle):
         self.layout, self.desired, self.local = layout or residual_layout(sp), desired, local
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        shared: dict[str, tuple[torch.Tensor, DTensor]] = {}
+
         def redistribute(x):
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, mesh, [self.layout], run_check=False)
             x = x.redistribute(mesh, [self.desired])
-            return x.to_local() if self.local else x
+            if self.local:
+                return x.to_local()
+            view = x.to_local()
+            shared["input"] = (view, x)
+            return view
 
         def hook(_module, args, kwargs):
             if args:
                 return (redistribute(args[0]), *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": redistribute(kwargs["hidden_states"])}
 
+        def share(_child, args):
+            view, whole = shared.get("input", (None, None))
+            if args and view is not None and args[0] is view:
+                return (whole, *args[1:])
+            return None
+
+        def forget(*_):
+            shared.clear()  # hold no activation past the module's forward
+
         module.register_forward_pre_hook(hook, with_kwargs=True)
+        if not self.local:
+            for child in module.modules():
+                if child is not module:
+                    child.register_forward_pre_hook(share, prepend=True)
+            module.register_forward_hook(forget)
         return module
 
 
@@ -218,6 +241,7 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
     its sparse ones no ``mlp.gate_proj``). Fused experts are left to :mod:`meshtron.hf.experts`.
     """
     plan: dict[str, ParallelStyle] = {}
+    writes_residual: dict[str, bool] = {}  # parent of split projections -> one of them is rowwise
     for pattern, style in base_plan.items():
         parts = pattern.split(".")
         if parts[:2] != [blocks, "*"]:
@@ -236,8 +260,11 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
         if translated is None:
             continue
         plan[rel] = translated
+        parent = rel.rsplit(".", 1)[0]
         if style in _COLWISE + _COLWISE_GATHERED:
-            plan[rel.rsplit(".", 1)[0]] = _HiddenStatesInput(split_seq)
+            plan[parent] = _HiddenStatesInput(split_seq)
+        if split_seq:
+            writes_residual[parent] = writes_residual.get(parent, False) or style in _ROWWISE + _ROWWISE_REPLICATED_INPUT
     if _exists(layer, "mlp.experts") and _exists(layer, "mlp.shared_expert.down_proj"):
         plan.update(_shared_expert_plan("mlp.shared_expert"))
     if sp:
@@ -249,6 +276,10 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
             # Routing needs every token: the replicated MoE block runs on the gathered sequence and
             # each rank keeps its slice of the (identical) output.
             plan["mlp"] = _GatheredSequence()
+        # A module whose projections are all gathered (Qwen3-Next's linear attention: even its output
+        # projection) returns the whole sequence on every rank: each keeps its slice, like the MoE block.
+        plan.update({parent: _GatheredSequence() for parent, rowwise in writes_residual.items()
+                     if not rowwise and isinstance(plan.get(parent), _HiddenStatesInput)})
     return plan
 
 
