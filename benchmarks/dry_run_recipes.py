@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from meshtron.config import load_config  # noqa: E402
 from meshtron.dryrun import dry_run, layout_text  # noqa: E402
+from meshtron.plan.recipes import recipe_hardware  # noqa: E402
 
 RECIPES = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b",
            "qwen1p5_moe_a2p7b", "qwen2_57b_a14b")
@@ -32,14 +33,10 @@ PIPELINES = (
 )
 
 
-def _world_size(cfg) -> int:
-    p = cfg.parallel
-    return p.pp * p.dp * p.cp * p.ep * p.tp
-
-
 def _measure(recipe: str, world: int | None, overrides: list[str]) -> list[dict]:
-    cfg = load_config(ROOT / "recipes" / f"{recipe}.toml", overrides)
-    world = world or _world_size(cfg)
+    path = ROOT / "recipes" / f"{recipe}.toml"
+    cfg = load_config(path, overrides)
+    world = world or recipe_hardware(path).world_size
     start = time.perf_counter()
     traces = dry_run(cfg, world)
     seconds = time.perf_counter() - start

@@ -31,7 +31,7 @@ from torch.utils.flop_counter import flop_registry
 from meshtron import env
 from meshtron.config import Config, ConfigError, infer_dp, load_config
 from meshtron.host import fake_tensors, simulated
-from meshtron.mesh import recipe_mesh
+from meshtron.mesh import batch_mesh, recipe_mesh
 from meshtron.parallel.step import training_step
 from meshtron.plan.memory import GIB, Assumptions, Coords, rank_breakdown
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
@@ -138,16 +138,6 @@ def distinct_ranks(cfg: Config) -> list[int]:
     return [stage * per_stage for stage in range(p.pp)]
 
 
-def _coords(cfg: Config, rank: int) -> dict[str, int]:
-    p = cfg.parallel
-    sizes = {"pp": p.pp, "dp": p.dp, "cp": p.cp, "ep": p.ep, "tp": p.tp}
-    coords = {}
-    for name in reversed(sizes):  # tp innermost, as build_mesh lays the ranks out
-        coords[name] = rank % sizes[name]
-        rank //= sizes[name]
-    return {name: coords[name] for name in sizes}
-
-
 def _runner(cfg: Config, mesh, device: torch.device):
     from meshtron.hf.runner import build_hf_runner
     from meshtron.models import build_model
@@ -160,10 +150,9 @@ def _runner(cfg: Config, mesh, device: torch.device):
     return build_step_runner(model, mesh, cfg, device)
 
 
-def _local_batch(cfg: Config, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _local_batch(cfg: Config, mesh, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows of the global batch, as the data loader gives them (values never read)."""
-    p = cfg.parallel
-    rows = cfg.train.global_batch_size // (p.dp * p.ep)
+    rows = cfg.train.global_batch_size // batch_mesh(mesh).size()
     ids = torch.zeros(rows, cfg.train.seq_len, dtype=torch.long, device=device)
     return ids, ids.clone()
 
@@ -178,12 +167,13 @@ def trace_rank(cfg: Config, world_size: int, rank: int) -> RankTrace:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         mesh = recipe_mesh(cfg)
+        coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
         device = torch.device(env.device_type())
         with simulated():
             runner = _runner(cfg, mesh, device)
             with fake_tensors():
                 optimizer = build_optimizer(runner.module, cfg.train)
-                ids, labels = _local_batch(cfg, device)
+                ids, labels = _local_batch(cfg, mesh, device)
                 training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
                 memory = storage_tracker()
                 memory.track_external(runner.module, optimizer, ids, labels)
@@ -193,18 +183,17 @@ def trace_rank(cfg: Config, world_size: int, rank: int) -> RankTrace:
         peak = sum(per_device.get("Total", 0) for per_device in memory.get_tracker_snapshot("peak").values())
     finally:
         dist.destroy_process_group()
-    coords = _coords(cfg, rank)
     planned = rank_breakdown(cfg, Coords(**coords), TRACE_ASSUMPTIONS).total
     return RankTrace(rank, coords, peak / GIB, planned / GIB, counter.calls, counter.bytes, counter.flops,
                      time.perf_counter() - start)
 
 
-def dry_run(cfg: Config, world_size: int, workers: int | None = None) -> list[RankTrace]:
+def dry_run(cfg: Config, world_size: int) -> list[RankTrace]:
     """Every distinct rank of ``cfg`` (validated for ``world_size`` ranks) traced, each in a process of
-    its own (a process holds one default process group, and meshes cache its sub-groups), ``workers``
-    at a time (default: the CPU count)."""
+    its own (a process holds one default process group, and meshes cache its sub-groups), as many at a
+    time as there are CPUs."""
     ranks = distinct_ranks(cfg)
-    workers = min(len(ranks), workers or os.cpu_count() or 1)
+    workers = min(len(ranks), os.cpu_count() or 1)
     context = multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
     if sys.platform == "linux":  # each rank's process forks from a server that has imported torch once
         context.set_forkserver_preload(["torch", "torch.distributed", "meshtron.dryrun"])

@@ -40,15 +40,14 @@ def fake_tensors() -> contextlib.AbstractContextManager:
     return _fake_mode if _fake_mode is not None else contextlib.nullcontext()
 
 
-def split_sizes(sizes: torch.Tensor, total: int) -> list:
-    """Host ints of ``sizes`` (rows of per-peer split sizes summing to ``total``): the one device-to-host
-    read of an uneven all-to-all. A dry run assumes balanced routing: ``total`` spread evenly (the first
-    peers take the remainder)."""
+def split_sizes(sizes: torch.Tensor, total: int) -> list[list[int]]:
+    """Host ints of ``sizes`` ([directions, peers] split sizes, each row summing to ``total``): the one
+    device-to-host read of an uneven all-to-all. A dry run assumes balanced routing: ``total`` spread
+    evenly over the peers (the first take the remainder) in every direction."""
     if not simulating():
         return sizes.tolist()
-    peers = sizes.shape[-1]
-    even = [total // peers + (i < total % peers) for i in range(peers)]
-    return [list(even) for _ in range(sizes.shape[0])] if sizes.ndim == 2 else even
+    directions, peers = sizes.shape
+    return [[total // peers + (i < total % peers) for i in range(peers)] for _ in range(directions)]
 
 
 __all__ = ["fake_tensors", "simulated", "simulating", "split_sizes"]
