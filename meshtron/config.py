@@ -99,6 +99,10 @@ class ParallelConfig:
     ep: int = 1
     tp: int = 1
     sp: bool = False
+    # Experts' own split of each stage's ranks (edp x ep x etp): each expert split over etp ranks (a
+    # divisor of tp), and with fold_ep = true ep drawn from the dense ranks instead of multiplying them.
+    etp: int = 1
+    fold_ep: bool = False
     # How cp ranks exchange attention inputs: p2p (ring) | a2a (Ulysses) | allgather | a2a+p2p.
     cp_comm_type: str = "p2p"
     cp_a2a_size: int = 0  # a2a+p2p: cp ranks per all-to-all group; 0: the cp ranks of one node
@@ -113,6 +117,11 @@ class ParallelConfig:
     compile: bool = False  # torch.compile each transformer block (after TP/EP/CP/AC, before FSDP)
     # FSDP: blocks whose parameters are all-gathered ahead of use (next in forward, previous in backward).
     fsdp_prefetch: int = 1
+
+    @property
+    def mesh_ep(self) -> int:
+        """ep's factor in the world size and the device mesh: 1 when folded (ep then reuses dense ranks)."""
+        return 1 if self.fold_ep else self.ep
 
 
 @dataclass
@@ -405,10 +414,12 @@ def _validate_layout(cfg: Config, source: str) -> None:
         f"got {p.virtual_stages}.",
     )
     _validate_data_parallel(p, source)
-    _require(  # an hf_model folder's experts are read later (parallel/layout.py checks them)
-        p.ep == 1 or cfg.model.is_moe or cfg.model.hf_model,
-        f"{where} ep = {p.ep} needs an MoE model (num_experts > 0); use dp instead.",
-    )
+    for key, value in (("ep", p.ep > 1), ("etp", p.etp > 1), ("fold_ep", p.fold_ep)):
+        _require(  # an hf_model folder's experts are read later (parallel/layout.py checks them)
+            not value or cfg.model.is_moe or cfg.model.hf_model,
+            f"{where} {key} = {getattr(p, key)} needs an MoE model (num_experts > 0); "
+            + ("use dp instead." if key == "ep" else f"remove {key}."),
+        )
 
 
 def infer_dp(cfg: Config, world_size: int) -> Config:
@@ -418,11 +429,12 @@ def infer_dp(cfg: Config, world_size: int) -> Config:
     p = cfg.parallel
     if p.dp != 0:
         return cfg
-    others = p.pp * p.cp * p.ep * p.tp
+    others = p.pp * p.cp * p.mesh_ep * p.tp
     _require(
         world_size % others == 0,
         f"[parallel] dp = 0 infers dp as the world size / (pp x cp x ep x tp), but the world size {world_size} is "
-        f"not a multiple of pp x cp x ep x tp = {p.pp} x {p.cp} x {p.ep} x {p.tp} = {others}. Launch a multiple "
+        f"not a multiple of pp x cp x ep x tp = {p.pp} x {p.cp} x {p.mesh_ep} x {p.tp} = {others}"
+        + (" (folded ep counts 1)" if p.fold_ep else "") + f". Launch a multiple "
         f"of {others} ranks, or set [parallel] dp explicitly.",
     )
     return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=world_size // others))

@@ -134,7 +134,7 @@ def _tensors(args) -> list[torch.Tensor]:
 def distinct_ranks(cfg: Config) -> list[int]:
     """Global ranks whose step differs: the first rank (every other index 0) of each pipeline stage."""
     p = cfg.parallel
-    per_stage = p.dp * p.cp * p.ep * p.tp
+    per_stage = p.dp * p.cp * p.mesh_ep * p.tp
     return [stage * per_stage for stage in range(p.pp)]
 
 
@@ -224,7 +224,8 @@ def _trace_or_error(cfg: Config, world_size: int, rank: int) -> RankTrace | Conf
 
 def layout_text(cfg: Config) -> str:
     p = cfg.parallel
-    return f"pp{p.pp} x dp{p.dp} x cp{p.cp} x ep{p.ep} x tp{p.tp}"
+    experts = f" (experts: ep{p.ep} x etp{p.etp}{', folded' if p.fold_ep else ''})" if p.etp > 1 or p.fold_ep else ""
+    return f"pp{p.pp} x dp{p.dp} x cp{p.cp} x ep{p.mesh_ep} x tp{p.tp}{experts}"
 
 
 def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool, seconds: float) -> str:

@@ -40,14 +40,16 @@ def fake_tensors() -> contextlib.AbstractContextManager:
     return _fake_mode if _fake_mode is not None else contextlib.nullcontext()
 
 
-def split_sizes(sizes: torch.Tensor, total: int) -> list[list[int]]:
-    """Host ints of ``sizes`` ([directions, peers] split sizes, each row summing to ``total``): the one
-    device-to-host read of an uneven all-to-all. A dry run assumes balanced routing: ``total`` spread
-    evenly over the peers (the first take the remainder) in every direction."""
-    if not simulating():
-        return sizes.tolist()
-    directions, peers = sizes.shape
-    return [[total // peers + (i < total % peers) for i in range(peers)] for _ in range(directions)]
+def split_sizes(sizes: torch.Tensor, balanced: list[int]) -> list[int]:
+    """Host ints of the 1-D ``sizes`` (split sizes of uneven collectives): the one device-to-host read
+    of the expert dispatch. A dry run has no values and takes ``balanced``: the sizes under evenly
+    routed tokens (see :func:`even_split`)."""
+    return list(balanced) if simulating() else sizes.tolist()
 
 
-__all__ = ["fake_tensors", "simulated", "simulating", "split_sizes"]
+def even_split(total: int, peers: int) -> list[int]:
+    """``total`` rows spread evenly over ``peers`` (the first take the remainder)."""
+    return [total // peers + (i < total % peers) for i in range(peers)]
+
+
+__all__ = ["fake_tensors", "simulated", "simulating", "split_sizes", "even_split"]

@@ -10,10 +10,18 @@ Derived meshes, flattened once in :func:`build_mesh` and then retrievable as ``m
 
 - ``dp_ep``: the batch is split over dp x ep (ep ranks are extra data parallel for dense layers);
 - ``dp_ep_cp``: dense parameters are replicated / FSDP-sharded and their gradients reduced here;
-- ``dp_cp``: expert parameters (already split over ep) reduce their gradients here.
 
 DeviceMesh only flattens dimensions in mesh order, so ``dp_ep_cp`` is built from (dp, cp, ep);
 the name lists the roles, the member set is the same either way.
+
+Experts split the same ranks their own way (:func:`expert_meshes`, Megatron's MoE parallel folding):
+within a pipeline stage, ``edp x ep x etp`` = the stage's ranks, with etp innermost. Unfolded
+(``fold_ep = False``) ep is the mesh's ep dimension and etp the innermost etp ranks of tp; edp is the
+rest (dp x cp x tp / etp). Folded, the mesh's ep dimension has size 1 and the stage's ranks, in mesh
+order (tp innermost, then cp, then dp), are reshaped into (edp, ep, etp): etp takes the innermost
+ranks, ep the next ones, so expert groups stay on the fastest links. Example: 16 ranks, dp 2 x tp 8,
+ep 8, etp 2: the experts' etp pairs are tp ranks {0, 1}, {2, 3}, ...; an ep group is every other
+rank of the whole stage (0, 2, ..., 14); edp is 1.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import math
 import os
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -34,7 +43,6 @@ DIMS = ("pp", "dp", "cp", "ep", "tp")
 DERIVED = {
     "dp_ep": ("dp", "ep"),
     "dp_ep_cp": ("dp", "cp", "ep"),
-    "dp_cp": ("dp", "cp"),
 }
 
 def check_sizes(sizes: dict[str, int], world_size: int, where: str) -> None:
@@ -80,6 +88,36 @@ def init_default_group(timeout: timedelta | None = None) -> None:
         )
 
 
+class ExpertSplit(NamedTuple):
+    """How experts split a stage's ranks: ``ep`` groups of experts, each expert over ``etp`` ranks,
+    ``fold``: ep drawn from the dense ranks (the mesh's ep dimension is then 1)."""
+
+    ep: int = 1
+    etp: int = 1
+    fold: bool = False
+
+
+class ExpertMeshes(NamedTuple):
+    model: DeviceMesh  # (ep, etp): experts split over ep, each expert's matrices over etp
+    data: DeviceMesh  # edp: the ranks holding the same expert slices; their gradients are summed here
+
+
+def check_expert_split(sizes: dict[str, int], split: ExpertSplit, where: str) -> None:
+    """etp divides tp; folded, ep x etp divides the stage's ranks dp x cp x tp."""
+    tp = sizes["tp"]
+    if not isinstance(split.etp, int) or split.etp < 1 or tp % split.etp:
+        valid = ", ".join(str(v) for v in range(1, tp + 1) if tp % v == 0)
+        raise ConfigError(f"{where}etp = {split.etp} must divide tp = {tp} (each expert is split over tp ranks); "
+                          f"valid etp: {valid}.")
+    stage = sizes["dp"] * sizes["cp"] * tp
+    if split.fold and stage % (split.ep * split.etp):
+        valid = ", ".join(str(v) for v in range(1, stage + 1) if stage % (v * split.etp) == 0)
+        raise ConfigError(
+            f"{where}fold_ep = true needs ep x etp = {split.ep} x {split.etp} to divide a stage's ranks "
+            f"dp x cp x tp = {sizes['dp']} x {sizes['cp']} x {tp} = {stage}; valid ep with etp = {split.etp}: {valid}."
+        )
+
+
 def build_mesh(
     pp: int = 1,
     dp: int = 1,
@@ -88,26 +126,33 @@ def build_mesh(
     tp: int = 1,
     device_type: str | None = None,
     timeout: timedelta | None = None,
+    etp: int = 1,
+    fold_ep: bool = False,
 ) -> DeviceMesh:
-    """The (pp, dp, cp, ep, tp) DeviceMesh with ``dp_ep``, ``dp_ep_cp`` and ``dp_cp`` flattened.
+    """The (pp, dp, cp, ep, tp) DeviceMesh with ``dp_ep`` and ``dp_ep_cp`` flattened.
 
+    ``etp`` and ``fold_ep`` split the experts (:func:`expert_meshes`); with ``fold_ep`` the mesh's ep
+    dimension is 1 and ``ep`` counts expert groups among the other ranks.
     Initialises the default process group when needed (so it works straight under torchrun), with
     ``timeout`` for every collective (None: torch's default); a collective waiting longer raises.
     Sizes are checked against the world size before any process group or collective is touched.
     """
-    sizes = dict(pp=pp, dp=dp, cp=cp, ep=ep, tp=tp)
+    sizes = dict(pp=pp, dp=dp, cp=cp, ep=1 if fold_ep else ep, tp=tp)
     check_sizes(sizes, _world_size_before_init(), "build_mesh: ")
+    split = ExpertSplit(ep, etp, fold_ep)
+    check_expert_split(sizes, split, "build_mesh: ")
     init_default_group(timeout)
     mesh = init_device_mesh(device_type or env.device_type(), tuple(sizes.values()), mesh_dim_names=DIMS)
     for name, dims in DERIVED.items():
         mesh[dims]._flatten(name)
+    mesh.meshtron_expert_split = split  # read by expert_meshes; DeviceMesh has no place for it
     return mesh
 
 
 def recipe_mesh(cfg: Config, timeout: timedelta | None = None):
     """The DeviceMesh of the recipe's ``[parallel]`` sizes (collective: every rank calls it)."""
     p = cfg.parallel
-    return build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, timeout=timeout)
+    return build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, timeout=timeout, etp=p.etp, fold_ep=p.fold_ep)
 
 
 def _derived(mesh: DeviceMesh, name: str) -> DeviceMesh:
@@ -125,6 +170,50 @@ def dense_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return _derived(mesh, "dp_ep_cp")
 
 
+def expert_split(mesh: DeviceMesh) -> ExpertSplit:
+    """The split ``build_mesh`` was given (a mesh built otherwise: the mesh's ep, etp 1, unfolded)."""
+    return getattr(mesh, "meshtron_expert_split", None) or ExpertSplit(mesh["ep"].size())
+
+
+def expert_meshes(mesh: DeviceMesh) -> ExpertMeshes:
+    """The experts' (ep, etp) and edp meshes of this rank's stage (module docstring); built once per
+    mesh (collective the first time: every rank calls it)."""
+    cached = getattr(mesh, "meshtron_expert_meshes", None)
+    if cached is None:
+        cached = mesh.meshtron_expert_meshes = _build_expert_meshes(mesh, expert_split(mesh))
+    return cached
+
+
+def _build_expert_meshes(mesh: DeviceMesh, split: ExpertSplit) -> ExpertMeshes:
+    if split.fold:
+        stage = mesh[("dp", "cp", "ep", "tp")]._flatten("stage")
+        edp = stage.size() // (split.ep * split.etp)
+        experts = stage._unflatten(0, (edp, split.ep, split.etp), ("edp", "ep", "etp"))
+        return ExpertMeshes(experts[("ep", "etp")], experts["edp"])
+    tp = mesh["tp"].size()
+    parts = mesh._unflatten("tp", (tp // split.etp, split.etp), ("tp_rest", "etp"))
+    model = DeviceMesh._concatenate([parts["ep"], parts["etp"]])
+    return ExpertMeshes(model, parts[("dp", "cp", "tp_rest")]._flatten("edp"))
+
+
 def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """dp x cp: where expert parameters are replicated/sharded and their gradients reduced."""
-    return _derived(mesh, "dp_cp")
+    """edp: where expert parameters are replicated/sharded and their gradients reduced."""
+    return expert_meshes(mesh).data
+
+
+def expert_hsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """edp as (replicate, shard) for HSDP: shard inside a dp slice, replicate across dp slices."""
+    edp = expert_data_mesh(mesh)
+    in_slice = mesh["cp"].size() * mesh["ep"].size() * mesh["tp"].size()  # a dp slice's ranks
+    split = expert_split(mesh)
+    group = split.ep * split.etp  # ranks holding different expert slices
+    if in_slice % group == 0:
+        shard = in_slice // group
+    elif group % in_slice == 0:
+        shard = 1  # an expert group spans whole dp slices: HSDP replicates only
+    else:
+        raise ConfigError(
+            f"[parallel] data_parallel = 'hsdp' needs ep x etp = {group} and a dp slice's ranks cp x ep x tp = "
+            f"{in_slice} to divide one another (experts shard inside a dp slice); use data_parallel = 'fsdp'."
+        )
+    return edp._unflatten(0, (edp.size() // shard, shard), ("edp_replicate", "edp_shard"))

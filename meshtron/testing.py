@@ -185,7 +185,7 @@ def cached_mesh(**sizes):
 def cached_recipe_mesh(cfg):
     """:func:`cached_mesh` of a recipe's ``[parallel]`` sizes (what ``meshtron.mesh.recipe_mesh`` builds)."""
     p = cfg.parallel
-    return cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp)
+    return cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, etp=p.etp, fold_ep=p.fold_ep)
 
 
 # Tiny transformers models for the HF tests: sizes, and name -> (config class, extra config) of the

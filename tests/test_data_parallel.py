@@ -22,6 +22,7 @@ from meshtron.models import build_model, materialize, token_loss_sum
 from meshtron.parallel.checkpointing import apply_activation_checkpointing, checkpointed_layers
 from meshtron.parallel.context import apply_context_parallel, shard_batch
 from meshtron.parallel.data import apply_data_parallel, data_meshes
+from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
 from meshtron.testing import cached_mesh, rel_err, run_checks
@@ -50,11 +51,13 @@ def _reference(cfg: ModelConfig) -> torch.nn.Module:
 
 
 def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32", sp=False):
-    """The training path: meta model -> TP -> CP -> AC -> data parallel -> materialise -> load ``full``."""
+    """The training path: meta model -> TP -> EP -> CP -> AC -> data parallel -> materialise -> load ``full``."""
     with torch.device("meta"):
         model = build_model(cfg)
     if mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"], sp)
+    if cfg.is_moe:
+        apply_expert_parallel(model, mesh, sequence_parallel=sp)
     apply_context_parallel(model, mesh)
     apply_activation_checkpointing(model, ac, every=2)
     apply_data_parallel(model, mesh, mode, dtype)
@@ -179,8 +182,10 @@ def check_moe():
     _check_layouts([(dict(dp=4, tp=2), "fsdp"), (dict(dp=8), "hsdp")], **MOE)
     with torch.device("meta"):
         model = build_model(ModelConfig(**MOE))
-    with pytest.raises(ValueError, match="expert weight 'gate_proj' is not split over the ep mesh"):
+    with pytest.raises(ValueError, match="expert weight 'gate_proj' is not split over the experts' mesh"):
         apply_data_parallel(model, cached_mesh(dp=4, ep=2))
+    with pytest.raises(ValueError, match="tp = 2 but the experts of 'layers.0.mlp' do not split their tokens over tp"):
+        apply_data_parallel(model, cached_mesh(dp=4, tp=2))
 
 
 def _local(t):
@@ -223,7 +228,7 @@ def check_bf16_smoke():
 
 
 def check_norm_types():
-    """1-, 2- and inf-norms over dense grads on (dp_ep_cp, tp) and expert grads on dp_cp."""
+    """1-, 2- and inf-norms over dense grads on (dp_ep_cp, tp) and expert grads on edp."""
     cfg = ModelConfig(**MOE)
     torch.manual_seed(0)
     ref = _reference(cfg)
@@ -241,8 +246,11 @@ def check_hsdp_meshes():
     mesh = cached_mesh(dp=2, cp=2, ep=2)
     dense, expert = data_meshes(mesh, "hsdp")
     assert dense.mesh_dim_names == ("dp", "cp_ep") and dense.shape == (2, 4)
-    assert expert.mesh_dim_names == ("dp", "cp") and expert.shape == (2, 2)
+    # Experts: edp = dp x cp here (ep splits them), replicated over dp and sharded over cp.
+    assert expert.mesh_dim_names == ("edp_replicate", "edp_shard") and expert.shape == (2, 2)
     rank = dist.get_rank()
+    assert dist.get_process_group_ranks(expert.get_group("edp_shard")) == [rank // 4 * 4 + rank % 2, rank // 4 * 4 + rank % 2 + 2]
+    assert dist.get_process_group_ranks(expert.get_group("edp_replicate")) == [rank % 4, rank % 4 + 4]
     # Ranks are laid out (dp, cp, ep): the shard group is this rank's dp slice, the replica group
     # the ranks 4 apart.
     assert sorted(dist.get_process_group_ranks(dense.get_group("cp_ep"))) == list(range(rank // 4 * 4, rank // 4 * 4 + 4))

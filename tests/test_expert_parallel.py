@@ -25,7 +25,7 @@ from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import ConfigError, ModelConfig
 from meshtron.hf import from_hf
 from meshtron.mesh import batch_mesh, dense_data_mesh, expert_data_mesh
-from meshtron.models import aux_loss, build_model, token_loss_sum, update_expert_bias
+from meshtron.models import aux_loss, build_model, moe_layers, token_loss_sum, update_expert_bias
 from meshtron.models.qwen2 import InitialWeights
 from meshtron.parallel.expert import ExpertParallelExperts, apply_expert_parallel, token_mesh
 from meshtron.testing import cached_mesh, random_moe, rel_err, run_checks
@@ -57,18 +57,18 @@ def _my_rows(mesh, total: int, holders=batch_mesh) -> slice:
 
 
 def _global_grads(model: torch.nn.Module, mesh, holders=dense_data_mesh) -> dict[str, torch.Tensor]:
-    """Full gradients: dense ones summed over the token holders, expert ones over dp x cp, then gathered."""
+    """Full gradients: expert ones summed over their edp ranks, tp-sharded dense ones over the dense
+    data ranks, plain dense ones over the token holders; then gathered."""
     out = {}
     for name, p in model.named_parameters():
-        grad = p.grad
-        if isinstance(grad, DTensor):
-            local = grad.to_local().clone()
-            dist.all_reduce(local, group=expert_data_mesh(mesh).get_group())
-            out[name] = DTensor.from_local(local, grad.device_mesh, grad.placements).full_tensor()
+        sharded = isinstance(p.grad, DTensor)
+        local = (p.grad.to_local() if sharded else p.grad).clone()
+        if ".experts." in f".{name}":
+            group = expert_data_mesh(mesh)
         else:
-            grad = grad.clone()
-            dist.all_reduce(grad, group=holders(mesh).get_group())
-            out[name] = grad
+            group = dense_data_mesh(mesh) if sharded else holders(mesh)
+        dist.all_reduce(local, group=group.get_group())
+        out[name] = DTensor.from_local(local, p.grad.device_mesh, p.grad.placements).full_tensor() if sharded else local
     return out
 
 
@@ -117,7 +117,7 @@ def check_block_parity(refs: dict):
 
 
 def check_fsdp_composes(refs: dict):
-    """FSDP2 over dp x cp on top of the ep-sharded experts (2-D DTensors (dp_cp, ep)) keeps gradients.
+    """FSDP2 over edp (dp x cp here) on top of the ep-sharded experts (3-D DTensors (edp, ep, etp)) keeps gradients.
 
     FSDP averages gradients over its mesh; meshtron's loss is already normalised globally, so the
     data-parallel module must turn that into a sum (gloo lacks the PREMUL_SUM that
@@ -134,7 +134,7 @@ def check_fsdp_composes(refs: dict):
     fully_shard(block, mesh=dense_data_mesh(mesh))
     rows = _my_rows(mesh, TOKENS, dense_data_mesh)
     (block(x[rows]) * g[rows]).sum().backward()
-    assert block.experts.gate_proj.device_mesh.mesh_dim_names == ("dp_cp", "ep")
+    assert block.experts.gate_proj.device_mesh.mesh_dim_names == ("edp", "ep", "etp")
     for name, p in block.named_parameters():
         averaged_over = (expert_data_mesh if name.startswith("experts.") else dense_data_mesh)(mesh).size()
         expected = dict(ref.named_parameters())[name].grad
@@ -276,17 +276,18 @@ TP_MODEL = dict(MODEL, num_attention_heads=4, num_key_value_heads=2, router_z_lo
                 moe_aux_free_bias_rate=0.01)
 # Collectives of the MoE block per layer at tp2, ep1, dp4 (all_reduce includes the router statistics
 # over the token holders). No SP: forward gathers the routed outputs and all-reduces the shared
-# expert; backward gathers the token and routing-weight gradients, reduces the shared expert's input
-# gradient and the three expert weight gradients over tp. SP: the shared expert gathers its input and
-# reduce-scatters its output (and the reverse in backward); router, shared-expert gate and the
-# experts sum their gradients over tp.
+# expert; backward gathers the token and routing-weight gradients and reduces the shared expert's
+# input gradient over tp. SP: the shared expert gathers its input and reduce-scatters its output
+# (and the reverse in backward); router and shared-expert gate sum their gradients over tp. The
+# experts' gradients are summed over their edp ranks (tp included) by data parallelism, once per
+# step, not here: before folding they took three all-reduces over tp in every MoE layer's backward.
 TP_MOE_COLLECTIVES = {
     # Without SP the backward adds, on this first step only, one all-gather each verifying that the router's
     # and the shared-expert gate's replicated gradients are equal on both tp ranks (TpGradient "replicate").
-    False: {"forward": {"all_gather": 1, "all_reduce": 2}, "backward": {"all_gather": 2 + 2, "all_reduce": 4}},
+    False: {"forward": {"all_gather": 1, "all_reduce": 2}, "backward": {"all_gather": 2 + 2, "all_reduce": 1}},
     # Under SP the shared expert saves its input sequence-sharded and re-gathers it in backward.
     True: {"forward": {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1},
-           "backward": {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 5}},
+           "backward": {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 2}},
 }
 
 
@@ -344,12 +345,27 @@ def check_moe_under_tp(refs: dict):
             assert module_collectives(comm, "Transformer.layers.1.mlp") == TP_MOE_COLLECTIVES[sp], where
 
 
+def _step_matches(cfg, mesh, ids, labels, loss_ref, ref_params: dict):
+    """One step of the layout's runner on this rank's rows; its loss and every (gathered) gradient
+    equal the single-process ones. Returns the runner."""
+    from meshtron.parallel.runner import build_step_runner
+
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    runner = build_step_runner(model, mesh, cfg, torch.device("cpu"))
+    rows = _my_rows(mesh, ids.shape[0])
+    loss = runner.forward_backward(ids[rows], labels[rows])
+    assert rel_err(loss, loss_ref) < 1e-5, cfg.parallel
+    for name, param in runner.module.named_parameters():
+        assert rel_err(param.grad.full_tensor(), ref_params[name].grad) < 1e-4, (cfg.parallel, name)
+    return runner
+
+
 def check_capacity_is_global(refs: dict):
     """moe_capacity_factor counts the global micro-batch in its global token order: dp, ep, cp and
     cp x ep x tp (SP) layouts drop the same copies as the single-process model, so loss, gradients
     and the number of dropped copies match it."""
     from meshtron.config import Config, ParallelConfig, TrainConfig
-    from meshtron.parallel.runner import StepRunner
 
     model_cfg = ModelConfig(**{**TP_MODEL, "moe_aux_free_bias_rate": 0.0, "moe_capacity_factor": 0.75})
     gen = torch.Generator().manual_seed(7)
@@ -367,23 +383,77 @@ def check_capacity_is_global(refs: dict):
     for layout in (dict(dp=8), dict(ep=2, dp=4), dict(cp=2, dp=4), dict(cp=2, ep=2, tp=2, sp=True)):
         cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout), train=TrainConfig(seed=2, seq_len=16))
         mesh = cached_mesh(**{k: v for k, v in layout.items() if k != "sp"})
-        with torch.device("meta"):
-            model = build_model(model_cfg)
-        runner = StepRunner(model, mesh, cfg, torch.device("cpu"))
-        rows = _my_rows(mesh, ids.shape[0])
-        loss = runner.forward_backward(ids[rows], labels[rows])
-        assert rel_err(loss, loss_ref) < 1e-5, layout
-        for name, p in runner.module.named_parameters():
-            assert rel_err(p.grad.full_tensor(), ref_grads[name].grad) < 1e-4, (layout, name)
+        runner = _step_matches(cfg, mesh, ids, labels, loss_ref, ref_grads)
         holders = token_mesh(mesh, layout.get("sp", False))
         dropped = runner.moes[0].last_dropped_fraction * copies / holders.size()  # equal copies per holder
         dist.all_reduce(dropped, group=holders.get_group())
         assert abs(dropped - dropped_ref) < 1e-3, (layout, dropped, dropped_ref)
 
 
+# Experts folded over the dense ranks (fold_ep) and split over etp, as issue 30 names them; the last
+# two keep ep as a mesh dimension. (ep and etp are the experts' sizes, the rest the dense layout.)
+FOLDED_LAYOUTS = [
+    dict(dp=2, tp=4, ep=8, fold_ep=True),
+    dict(dp=2, tp=4, sp=True, ep=4, etp=2, fold_ep=True),
+    dict(dp=2, cp=2, tp=2, ep=4, etp=2, fold_ep=True),
+    dict(pp=2, tp=4, ep=4, fold_ep=True, microbatches=2),
+    dict(pp=2, tp=4, ep=4, fold_ep=True, microbatches=4, schedule="zbv", virtual_stages=2),
+    dict(dp=2, ep=2, tp=2, etp=2),
+    dict(dp=2, ep=2, tp=2, etp=2, sp=True, data_parallel="hsdp"),
+]
+
+
+def _folded_reference(model_cfg: ModelConfig, ids, labels, microbatches: int):
+    """The single-process step of one reader holding every row, in ``microbatches`` micro-batches of
+    consecutive rows (capacity and the aux loss are per micro-batch): loss, parameters (with
+    gradients) and the expert biases after their update."""
+    from meshtron.parallel.step import average_router_losses_over_microbatches
+
+    ref = build_model(model_cfg).train()
+    ref.init_weights(seed=3)
+    average_router_losses_over_microbatches(ref, microbatches)
+    tokens = (labels != -100).sum()
+    loss = sum(token_loss_sum(ref(i), lab) / tokens for i, lab in zip(ids.chunk(microbatches), labels.chunk(microbatches)))
+    loss.backward()
+    assert ref.layers["1"].mlp.last_dropped_fraction > 0
+    update_expert_bias(ref)
+    return loss.detach(), dict(ref.named_parameters()), {n: b for n, b in ref.named_buffers() if n.endswith("expert_bias")}
+
+
+def check_folded_experts(refs: dict):
+    """Folded ep and etp: loss, every gradient, the router's global counts and the aux-free bias
+    after its update equal the single-process model's, with capacity dropping copies, the aux loss
+    and the z-loss on (one step of the whole runner: TP, EP, CP, pipeline and FSDP/HSDP composed)."""
+    from meshtron.config import Config, ParallelConfig, TrainConfig
+
+    opts = dict(moe_capacity_factor=1.0, router_aux_loss_coef=0.1, num_hidden_layers=4, mlp_only_layers=[0])
+    model_cfg = ModelConfig(**{**TP_MODEL, **opts})
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, model_cfg.vocab_size, (8, 16), generator=gen)
+    labels = ids.roll(-1, 1)
+    labels[:, -1] = -100
+    references = {}
+    for layout in FOLDED_LAYOUTS:
+        cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout), train=TrainConfig(seed=3, seq_len=16))
+        p = cfg.parallel
+        assert p.microbatches == 1 or p.dp == 1, "the reference's micro-batches are those of one reader"
+        if p.microbatches not in references:
+            references[p.microbatches] = _folded_reference(model_cfg, ids, labels, p.microbatches)
+        loss_ref, ref_params, ref_bias = references[p.microbatches]
+        mesh = cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, etp=p.etp, fold_ep=p.fold_ep)
+        runner = _step_matches(cfg, mesh, ids, labels, loss_ref, ref_params)
+        update_expert_bias(runner.module)
+        for name, bias in runner.module.named_buffers():
+            if name in ref_bias:
+                assert torch.equal(bias, ref_bias[name]), (layout, name)
+        for moe in moe_layers(runner.module):  # experts split (ep, etp), then FSDP over their edp ranks
+            assert tuple(moe.experts.mesh.shape) == (p.ep, p.etp), layout
+            assert tuple(moe.experts.gate_proj.device_mesh.shape)[-2:] == (p.ep, p.etp), layout
+
+
 def test_expert_parallel_8_ranks():
     checks = [
         check_block_parity, check_fsdp_composes, check_dispatch_bytes, check_router_options_under_ep, check_meta_init_and_errors,
-        check_model_parity_with_transformers, check_moe_under_tp, check_capacity_is_global,
+        check_model_parity_with_transformers, check_moe_under_tp, check_capacity_is_global, check_folded_experts,
     ]
     run_checks(checks, 8, _references(seed=11), timeout=300)

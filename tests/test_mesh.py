@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from meshtron import env
 from meshtron.config import Config, ConfigError
-from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh, expert_data_mesh
+from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh
 from meshtron.parallel.layout import validate_layout
 from meshtron.testing import run_checks
 
@@ -21,9 +21,15 @@ ORDER = ("pp", "dp", "cp", "ep", "tp")
 # What each group spans, written out here rather than taken from meshtron.mesh.
 GROUPS = {
     "pp": {"pp"}, "dp": {"dp"}, "cp": {"cp"}, "ep": {"ep"}, "tp": {"tp"},
-    "dp_ep": {"dp", "ep"}, "dp_ep_cp": {"dp", "ep", "cp"}, "dp_cp": {"dp", "cp"},
+    "dp_ep": {"dp", "ep"}, "dp_ep_cp": {"dp", "ep", "cp"},
 }
-HELPERS = {"dp_ep": batch_mesh, "dp_ep_cp": dense_data_mesh, "dp_cp": expert_data_mesh}
+HELPERS = {"dp_ep": batch_mesh, "dp_ep_cp": dense_data_mesh}
+# The experts' own split of each stage's ranks (edp, ep, etp): folded, and unfolded with etp.
+EXPERT_SHAPES = [
+    dict(dp=2, tp=4, ep=8, fold_ep=True), dict(dp=2, tp=4, ep=4, etp=2, fold_ep=True),
+    dict(dp=2, cp=2, tp=2, ep=4, etp=2, fold_ep=True), dict(pp=2, tp=4, ep=4, fold_ep=True),
+    dict(dp=2, ep=2, tp=2, etp=2), dict(dp=2, ep=2, tp=2), dict(dp=4, tp=2),
+]
 
 SHAPES = {
     8: [dict(dp=8), dict(tp=8), dict(pp=2, tp=4), dict(dp=2, cp=2, tp=2), dict(pp=2, dp=2, ep=2),
@@ -72,12 +78,47 @@ def check_layouts(shapes):
             assert value.item() == sum(2**q for q in expected), (shape, name, value.item(), expected)
 
 
+def _expert_index(rank: int, shape: dict) -> tuple[int, int, int, int]:
+    """(stage, edp, ep, etp) indices of ``rank``, from the rule as the docs state it: folded, a stage's
+    ranks in mesh order reshaped into (edp, ep, etp); unfolded, ep is the mesh's ep, etp the
+    innermost etp ranks of tp and edp the rest."""
+    sizes = [shape.get(name, 1) if name != "ep" or not shape.get("fold_ep") else 1 for name in ORDER]
+    pp, dp, cp, ep, tp = _coords(rank, sizes)
+    etp = shape.get("etp", 1)
+    if shape.get("fold_ep"):
+        flat = (dp * sizes[2] + cp) * sizes[4] + tp
+        return pp, flat // (shape["ep"] * etp), flat // etp % shape["ep"], flat % etp
+    return pp, (dp * sizes[2] + cp) * (sizes[4] // etp) + tp // etp, ep, tp % etp
+
+
+def check_expert_layouts(_shapes):
+    """Every expert group holds exactly the ranks the rule names, in order, and communicates."""
+    from meshtron.mesh import expert_meshes
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for shape in EXPERT_SHAPES:
+        meshes = expert_meshes(build_mesh(**shape))
+        mine = _expert_index(rank, shape)
+        index = [_expert_index(q, shape) for q in range(world)]
+        for varies, group in ((1, meshes.data), (2, meshes.model["ep"]), (3, meshes.model["etp"])):
+            expected = [q for q in range(world) if all(index[q][i] == mine[i] for i in range(4) if i != varies)]
+            assert dist.get_process_group_ranks(group.get_group()) == expected, (shape, varies, expected)
+            assert group.get_local_rank() == mine[varies], (shape, varies)
+            value = torch.tensor([2**rank], dtype=torch.int64, device=env.local_device())
+            dist.all_reduce(value, group=group.get_group())
+            assert value.item() == sum(2**q for q in expected), (shape, varies)
+
+
 def check_errors_before_collectives(shapes):
     world = dist.get_world_size()
     # Only rank 0 asks for a bad mesh: had it started any collective, it would wait on the others forever.
     if dist.get_rank() == 0:
         with pytest.raises(ConfigError, match=rf"dp=3 x cp=1 x ep=1 x tp=1 = 3, but the world size is {world}"):
             build_mesh(dp=3)
+        with pytest.raises(ConfigError, match=r"etp = 3 must divide tp = 2 .*valid etp: 1, 2"):
+            build_mesh(dp=world // 2, tp=2, etp=3)
+        with pytest.raises(ConfigError, match=rf"fold_ep = true needs ep x etp = 3 x 1 to divide .* = {world}"):
+            build_mesh(dp=world, ep=3, fold_ep=True)
         with pytest.raises(ConfigError, match="tp must be an integer >= 1, got 0"):
             build_mesh(dp=world, tp=0)
     dist.barrier()
@@ -104,7 +145,8 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("world", [8, 4])
 def test_groups_and_errors(world):
-    run_checks([check_layouts, check_errors_before_collectives], world, SHAPES[world], timeout=120)
+    experts = [check_expert_layouts] if world == 8 else []
+    run_checks([check_layouts, check_errors_before_collectives, *experts], world, SHAPES[world], timeout=120)
 
 
 def test_groups_two_ranks_and_launcher_init():

@@ -195,7 +195,8 @@ def check_pipeline_matches_single_process(_folder, layouts=LAYOUTS):
 def _reduced_by_data_parallelism(grad) -> bool:
     from torch.distributed.tensor import DTensor
 
-    return isinstance(grad, DTensor) and bool({"dp", "dp_ep", "dp_ep_cp", "dp_cp"} & set(grad.device_mesh.mesh_dim_names))
+    data_meshes = {"dp", "dp_ep", "dp_ep_cp", "edp", "edp_replicate"}  # dense and expert data meshes
+    return isinstance(grad, DTensor) and bool(data_meshes & set(grad.device_mesh.mesh_dim_names))
 
 
 def _check_grads(stage, ref, data_group, layout):

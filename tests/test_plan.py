@@ -41,6 +41,11 @@ STATE_LAYOUTS = [
     # The V of zbv / dualpipev: rank 0 holds the first and last chunks, a tied weight once.
     ("debug_dense", dict(pp=2, dp=2, tp=2, schedule="zbv", virtual_stages=2, microbatches=4, tie_word_embeddings=True)),
     ("debug_moe", dict(pp=2, dp=2, ep=2, schedule="dualpipev", virtual_stages=2, microbatches=4)),
+    # Experts folded over the dense ranks and split over etp (their own edp x ep x etp of each stage).
+    ("debug_moe", dict(dp=2, tp=4, ep=8, fold_ep=True)),
+    ("debug_moe", dict(pp=2, dp=2, tp=2, ep=2, etp=2, fold_ep=True)),
+    ("debug_moe", dict(dp=2, ep=2, tp=2, etp=2)),
+    ("debug_moe", dict(dp=2, cp=2, tp=2, ep=2, etp=2, fold_ep=True, data_parallel="hsdp")),
 ]
 MODEL_KEYS = ("vocab_size", "tie_word_embeddings")
 

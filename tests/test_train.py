@@ -36,6 +36,8 @@ LAYOUTS = {
         "dp2_ep2_tp2_sp": dict(dp=2, ep=2, tp=2, sp="true"),
         "dp2_tp4": dict(dp=2, tp=4),
         "pp2_cp2_ep2_zb1p": dict(pp=2, cp=2, ep=2, schedule='"zb1p"'),
+        # Experts folded over the dense ranks (issue 30's command): dense tp 4 x dp 2, experts ep 8.
+        "dp2_tp4_fold_ep8": dict(dp=2, tp=4, ep=8, fold_ep="true"),
     },
 }
 SINGLE = dict(pp=1, dp=1, cp=1, ep=1, tp=1)
@@ -107,6 +109,9 @@ def eight_rank_eval_before_training(root: str) -> None:
         (out / "eval_before.json").write_text(json.dumps(before))
 
 
+MOE_RESUME_LAYOUT = dict(dp=2, tp=4, sp="true", ep=4, etp=2, fold_ep="true")
+
+
 def eight_rank_resume(root: str) -> None:
     """Resume from the step-4 checkpoint of an uninterrupted 8-step run (same schedule), in a fresh
     trainer on the same layout and, resharded, on tp8; both finish steps 5-8."""
@@ -121,6 +126,15 @@ def eight_rank_resume(root: str) -> None:
     for name, resumed_layout in (("split", layout), ("reshard", dict(tp=8))):
         _train("debug_dense", root / "resume" / name, resumed_layout,
                ["--checkpoint.resume", "true", "--checkpoint.dir", str(saved)])
+    # MoE: experts folded and split over etp, resumed unfolded (ep a mesh dimension, experts whole).
+    saved = root / "resume_moe" / "checkpoints"
+    _train("debug_moe", root / "resume_moe" / "uninterrupted", MOE_RESUME_LAYOUT,
+           ["--checkpoint.every", str(EVAL_EVERY), "--checkpoint.dir", str(saved)])
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(saved / f"step-{STEPS:08d}")
+    torch.distributed.barrier()
+    _train("debug_moe", root / "resume_moe" / "reshard", dict(dp=4, ep=2),
+           ["--checkpoint.resume", "true", "--checkpoint.dir", str(saved)])
 
 
 def eight_rank_hf_round_trip(root: str) -> None:
@@ -255,6 +269,11 @@ def test_resume_reproduces_the_uninterrupted_run(runs):
         for step, (a, b) in enumerate(zip(resumed, full[EVAL_EVERY:]), start=EVAL_EVERY + 1):
             assert abs(a - b) / abs(b) < 1e-4, f"step {step}: {name} resume {a} vs uninterrupted {b}"
     assert _losses(runs / "resume" / "split") == full[EVAL_EVERY:], "same-layout resume must be bit-exact"
+    # The folded ep 4 x etp 2 checkpoint resumed on dp 4 x ep 2: DCP reshards the experts.
+    full, resumed = _losses(runs / "resume_moe" / "uninterrupted"), _losses(runs / "resume_moe" / "reshard")
+    assert len(resumed) == STEPS - EVAL_EVERY
+    for step, (a, b) in enumerate(zip(resumed, full[EVAL_EVERY:]), start=EVAL_EVERY + 1):
+        assert abs(a - b) / abs(b) < 1e-4, f"step {step}: MoE resume unfolded {a} vs folded uninterrupted {b}"
 
 
 def test_hf_init_and_export_keep_transformers_logits(runs):

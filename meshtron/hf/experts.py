@@ -49,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.config import ConfigError
 from meshtron.hf.discover import hf_parts
+from meshtron.mesh import expert_meshes, expert_split
 from meshtron.models.moe import grouped_matmul
 from meshtron.parallel.expert import ExpertDispatch, check_expert_divisible
 
@@ -96,8 +97,8 @@ class FusedExpertParallel(ExpertDispatch):
     PARAMS = _FUSED
     DESCRIPTION = "SiLU-gated experts with gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I], no biases"
 
-    def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh):
-        super().__init__(experts.num_experts, ep_mesh, tp_mesh, split_tokens_over_tp=True)
+    def __init__(self, experts: nn.Module, mesh: DeviceMesh, tp_mesh: DeviceMesh):
+        super().__init__(experts.num_experts, mesh, tp_mesh, split_tokens_over_tp=True)
         for name in self.PARAMS:
             setattr(self, name, self.own(getattr(experts, name)))
 
@@ -242,12 +243,19 @@ def apply_hf_expert_parallel(
     model: nn.Module, mesh: DeviceMesh, modules: dict[str, tuple[nn.Module, type[FusedExpertParallel]]]
 ) -> list[FusedExpertParallel]:
     """Replace ``modules`` (from :func:`hf_expert_modules`) by their :class:`FusedExpertParallel` classes over
-    ``mesh['ep']`` and ``mesh['tp']``, in place (meta or materialised; on a materialised model every rank
-    must hold the same full weights). Returns the new modules."""
+    the experts' (ep, etp) mesh and ``mesh['tp']``, in place (meta or materialised; on a materialised
+    model every rank must hold the same full weights). Returns the new modules."""
+    etp = expert_split(mesh).etp
+    if modules and etp > 1:
+        # gate_up_proj stacks gate and up rows: an etp slice takes a block of each, which no DTensor
+        # placement that checkpoints can save describes.
+        raise ConfigError(f"parallelize_hf_model: etp = {etp} is not supported for transformers experts yet "
+                          "(their gate_up_proj is one stacked matrix); use etp = 1 (fold_ep works).")
     replaced = []
+    experts_mesh = expert_meshes(mesh).model if modules else None
     for name, (experts, cls) in modules.items():
         parent, _, attr = name.rpartition(".")
-        new = cls(experts, mesh["ep"], mesh["tp"])
+        new = cls(experts, experts_mesh, mesh["tp"])
         setattr(model.get_submodule(parent), attr, new)
         replaced.append(new)
     return replaced

@@ -73,7 +73,7 @@ from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_pla
 from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.hf.slices import load_sharded_weights
-from meshtron.mesh import dense_data_mesh
+from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.models.loss import DEFAULT_CHUNK_TOKENS
 from meshtron.models.moe import load_balancing_loss
 from meshtron.models.qwen2 import LMHead
@@ -515,12 +515,16 @@ def _apply_ac(model: nn.Module, parts: HFParts, mode: str, every: int) -> None:
 def _apply_dp(model: nn.Module, parts: HFParts, mesh: DeviceMesh, mode: str, dtype: str,
               experts: list[nn.Module]) -> None:
     """FSDP / replicate units: ``experts`` (split over ep) on the expert data mesh, every layer, the
-    untied embedding and lm_head, and the root, on the dense data mesh."""
-    policy = mixed_precision(dtype)
+    untied embedding and lm_head, and the root, on the dense data mesh. With one dense data rank
+    only the experts are wrapped (their edp ranks are tp ranks holding other tokens), in the
+    model's own dtype like the rest."""
     dense_mesh, expert_mesh = data_meshes(mesh, mode)
+    policy = mixed_precision(dtype if dense_mesh.size() > 1 else "float32")
     placement = even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))
     for module in experts:
         wrap_data_parallel(module, expert_mesh, mode, policy, placement)
+    if dense_mesh.size() == 1:
+        return
     for _, layer in parts.block_items():
         wrap_data_parallel(layer, dense_mesh, mode, policy)
     if not parts.tied:  # one parameter needs one unit
@@ -584,7 +588,7 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool, data_parallel: st
     """Every dimension but pp, in place (a pipeline stage's model, or the whole model)."""
     parts = hf_parts(model)
     _as_meshtron_head(parts.head)
-    ep, tp_mesh = mesh["ep"].size(), mesh["tp"]
+    ep, tp_mesh = expert_split(mesh).ep, mesh["tp"]
     expert_modules = hf_expert_modules(model, ep) if ep > 1 or tp_mesh.size() > 1 else {}
     if ep > 1 and not expert_modules:
         raise ConfigError(f"parallelize_hf_model: ep = {ep} needs a MoE model with fused experts; "
@@ -603,6 +607,8 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool, data_parallel: st
     model.loss_function = _loss_function(data_mesh)
     if data_mesh.size() > 1:
         model.register_forward_hook(_global_aux_loss(data_mesh), with_kwargs=True)
+    # Experts also sum gradients over their edp ranks, which include tp ranks holding other tokens.
+    if data_mesh.size() > 1 or (experts and expert_data_mesh(mesh).size() > 1):
         _apply_dp(model, parts, mesh, data_parallel, dtype, experts)
     return model
 

@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshtron import env
 from meshtron.config import ConfigError, ParallelConfig
 from meshtron.hf.discover import hf_parts, set_stage_parts
-from meshtron.mesh import dense_data_mesh
+from meshtron.mesh import dense_data_mesh, expert_split
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.pipeline.runner import PipelineRunner
 from meshtron.parallel.pipeline.schedules import V_SHAPED
@@ -157,7 +157,7 @@ def _check_hf_pipeline(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig) ->
     if cfg.model_type.startswith("gemma"):
         raise ConfigError(f"parallelize_hf_model: pp > 1 does not support {cfg.model_type}: its decoder scales the "
                           "embeddings (and caps logits) outside the blocks; use pp = 1.")
-    if mesh["ep"].size() > 1:
+    if expert_split(mesh).ep > 1:
         raise ConfigError("parallelize_hf_model: pp > 1 with ep > 1 is not supported for HF models; use ep = 1.")
     if not isinstance(hf_parts(model).rotary, nn.Module):
         raise ConfigError(f"parallelize_hf_model: pp > 1 needs one rotary embedding module; "

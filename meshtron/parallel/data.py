@@ -4,15 +4,15 @@ Which ranks hold copies (or shards) of a parameter, and reduce its gradient:
 
 - dense parameters: dp x ep x cp (``dp_ep_cp``): ep ranks see other tokens for dense layers and
   cp ranks other positions, so all of them contribute gradient to every dense weight;
-- expert parameters (each MoE's ``experts`` module): dp x cp (``dp_cp``): expert parallelism
-  already splits them over ep, and each ep rank owns different experts.
+- expert parameters (each MoE's ``experts`` module): edp (``meshtron.mesh.expert_data_mesh``), the
+  ranks holding the same expert slice: the stage's ranks over ep x etp (dp x cp x tp / etp unfolded).
 
 Modes (``[parallel] data_parallel``):
 
 - ``fsdp``: parameters, gradients and optimizer state sharded over the whole data mesh
   (ZeRO-3); parameters all-gathered per block in forward and backward, gradients reduce-scattered;
 - ``hsdp``: replicate over ``dp`` and shard inside each dp slice, i.e. dense parameters sharded
-  over ep x cp (flattened ``cp_ep``) and experts over cp; gradients reduce-scattered inside the
+  over ep x cp (flattened ``cp_ep``) and experts over their edp ranks inside the slice; gradients reduce-scattered inside the
   slice then all-reduced over dp. Sharding stays inside the ep x cp ranks (usually one node)
   while the slower dp links carry one all-reduce. With ep = cp = 1 the shard group has one rank
   and HSDP is plain replication over dp;
@@ -59,8 +59,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from meshtron.config import DATA_PARALLEL_MODES
-from meshtron.mesh import dense_data_mesh, expert_data_mesh
+from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_hsdp_mesh, expert_split
 from meshtron.models.moe import MoE, moe_layers
+from meshtron.parallel.expert import ExpertDispatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -83,7 +84,7 @@ def data_meshes(mesh: DeviceMesh, mode: str) -> tuple[DeviceMesh, DeviceMesh]:
     # Joining dp with the flattened (cp, ep) mesh; slicing a flattened dim out of the root mesh
     # is deprecated. DeviceMesh flattens dims in mesh order (pp, dp, cp, ep, tp), hence "cp_ep".
     shard = mesh[("cp", "ep")]._flatten("cp_ep")
-    return DeviceMesh._concatenate([mesh["dp"], shard]), mesh[("dp", "cp")]
+    return DeviceMesh._concatenate([mesh["dp"], shard]), expert_hsdp_mesh(mesh)
 
 
 def even_shard_dim(shards: int):
@@ -127,17 +128,22 @@ def _untied_vocab_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in (embed, head) if m is not None]
 
 
-def _check_experts_split_over_ep(moes: list[MoE], mesh: DeviceMesh) -> None:
-    """With ep > 1, expert gradients are reduced over dp x cp only: the experts must be EP-sharded."""
-    ep = mesh["ep"].size()
-    if ep == 1:
-        return
-    for moe in moes:
-        for name, param in moe.experts.named_parameters():
-            if not (isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())):
+def _check_experts_split(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Expert gradients are reduced over edp only, which holds tp ranks: the experts must be split
+    over ep x etp, and under tp their tokens split over tp (each tp rank computing its own share)."""
+    split, tp = expert_split(mesh), mesh["tp"].size()
+    for name, moe in ((n, m) for n, m in model.named_modules() if isinstance(m, MoE)):
+        if tp > 1 and not isinstance(moe.experts, ExpertDispatch):
+            raise ValueError(
+                f"tp = {tp} but the experts of '{name}' do not split their tokens over tp; their gradients "
+                "would be counted once per tp rank. Apply expert parallelism before data parallelism."
+            )
+        for pname, param in moe.experts.named_parameters():
+            if split.ep * split.etp > 1 and not (isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())):
                 raise ValueError(
-                    f"ep = {ep} but expert weight '{name}' is not split over the ep mesh; its gradient would "
-                    "miss the other ep ranks' tokens. Apply expert parallelism before data parallelism."
+                    f"ep x etp = {split.ep} x {split.etp} but expert weight '{pname}' is not split over the "
+                    "experts' mesh; its gradient would miss the other expert ranks' tokens. Apply expert "
+                    "parallelism before data parallelism."
                 )
 
 
@@ -187,7 +193,7 @@ def apply_data_parallel(
     ``prefetch``: blocks all-gathered ahead of use (see the module docstring).
     """
     policy = mixed_precision(dtype)
-    _check_experts_split_over_ep(moe_layers(model), mesh)
+    _check_experts_split(model, mesh)
     dense_mesh, expert_mesh = data_meshes(mesh, mode)
     expert_placement = even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))  # the shard dim (last for HSDP)
     for block in model.layers.values():

@@ -1,10 +1,12 @@
 """Expert parallelism (EP): routed experts split over the ``ep`` mesh dimension, tokens moved by all-to-all.
 
-Layout. Each MoE's routed expert weights ``[E, in, out]`` become DTensors with ``Shard(0)`` on the
-ep mesh: rank r of the ep group holds experts ``r * E/ep ... (r + 1) * E/ep - 1`` as one local
-``[E/ep, in, out]`` block, while checkpoints and FSDP still see one logical ``[E, in, out]`` tensor.
-Router, shared expert and everything dense stay as they are (replicated over ep, which acts as extra
-data parallelism for them).
+Layout. Experts split each pipeline stage's ranks their own way, (edp, ep, etp)
+(``meshtron.mesh.expert_meshes``: ep is the mesh's ep dimension, or with ``fold_ep`` drawn from the
+dense ranks; etp the innermost ranks of tp). Each MoE's routed expert weights ``[E, in, out]`` become
+DTensors on the (ep, etp) mesh: ``Shard(0)`` over ep (rank r of an ep group holds experts
+``r * E/ep ... (r + 1) * E/ep - 1``) and, with etp > 1, gate/up split by columns and down by rows over
+etp (Megatron's expert tensor parallelism). Checkpoints and FSDP still see one logical
+``[E, in, out]`` tensor. Router, shared expert and everything dense stay as they are.
 
 Dispatch, per MoE call (``ExpertDispatch.dispatch``, shared by meshtron's :class:`ExpertParallelExperts` and
 the transformers experts of :mod:`meshtron.hf.moe`), after the router chose k experts per token:
@@ -14,9 +16,11 @@ the transformers experts of :mod:`meshtron.hf.moe`), after the router chose k ex
 2. exchange the per-expert counts (one tiny all-to-all), then read the split sizes on the host:
    the only device-to-host sync of the layer;
 3. all-to-all the token copies with uneven splits; they arrive grouped by source rank, then by
-   local expert, so a stable sort regroups them by local expert;
-4. one ``grouped_mm`` per projection over all received tokens (``run_experts``: ``grouped_swiglu``
-   unless a subclass computes another expert layout);
+   local expert. With etp > 1 the etp ranks of an expert slice then gather each other's received
+   rows (an uneven all-gather), since each holds a column slice of the same experts;
+4. a stable sort regroups the rows by local expert, and one ``grouped_mm`` per projection runs over
+   all of them (``run_experts``: ``grouped_swiglu`` unless a subclass computes another expert layout);
+   with etp > 1 each rank's output is its columns' partial sum, reduce-scattered back over etp;
 5. undo the regrouping, all-to-all back along the reversed splits, and combine each token's k
    outputs with its routing weights (``unpermute_tokens``).
 
@@ -31,15 +35,16 @@ Composition with the other dimensions:
   Each tp rank dispatches only its 1/tp slice of them (so every token travels once; a token count tp
   does not divide is padded with zero-weight rows) and the outputs are all-gathered over tp
   afterwards. This holds at ep = 1 too (the experts are then wrapped with plain weights), so no tp
-  rank repeats another's expert work. The slice's backward all-gathers the input gradients; the gather's backward keeps this rank's slice (activation gradients are replicated over tp). Experts
-  are replicated over tp but see different tokens per tp rank, so their gradients are summed over
-  tp in backward (inside this module). With sequence parallelism the tp ranks hold different tokens
-  already (the TP plan leaves each MoE block its sequence shard): nothing is split, the tp ranks
-  count as token holders for the router statistics and capacity, and the expert gradients are still
-  summed over tp (the experts are replicated there).
+  rank repeats another's expert work. The slice's backward all-gathers the input gradients; the
+  gather's backward keeps this rank's slice (activation gradients are replicated over tp). With
+  sequence parallelism the tp ranks hold different tokens already (the TP plan leaves each MoE block
+  its sequence shard): nothing is split, and the tp ranks count as token holders for the router
+  statistics and capacity. Either way every rank of a stage then holds different tokens, so ep and
+  etp may be drawn from any of its ranks (folding) and tokens enter the ep all-to-all directly.
 * context parallelism: cp ranks hold different tokens; dispatch stays inside ep.
-* data parallelism / FSDP: expert gradients (already summed over ep's tokens) still need summing
-  over dp x cp (``meshtron.mesh.expert_data_mesh``); the data-parallel module does that.
+* data parallelism / FSDP: an expert slice's gradient is complete for its ep x etp group's tokens;
+  the ranks holding the same slice (edp, ``meshtron.mesh.expert_data_mesh``: dp x cp x tp / etp
+  unfolded) saw other tokens, and the data-parallel module sums the gradients there.
 * pipeline parallelism: apply after the stage split; each stage converts the MoE layers it owns.
 
 Router statistics (the aux loss's f and P, token counts, the z-loss and the aux-free bias load)
@@ -59,8 +64,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from meshtron.config import ConfigError
-from meshtron.host import split_sizes
-from meshtron.mesh import batch_mesh, dense_data_mesh
+from meshtron.host import even_split, split_sizes
+from meshtron.mesh import batch_mesh, dense_data_mesh, expert_meshes, expert_split
 from meshtron.models.moe import (
     GroupedExperts,
     SharedWork,
@@ -134,19 +139,48 @@ class _GatherTokens(torch.autograd.Function):
         return grad.reshape(size, -1, *grad.shape[1:])[rank].clone(), None
 
 
-class _SumGrad(torch.autograd.Function):
-    """Identity whose backward sums the gradient over ``group`` (weights replicated there, tokens not)."""
+class _GatherUneven(torch.autograd.Function):
+    """Every group rank's rows (``sizes[r]`` from rank r) concatenated in rank order; backward sums
+    each rank's rows of the gradient back to it (a reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, w, group):
-        ctx.group = group
-        return w.view_as(w)
+    def forward(ctx, x, sizes: list[int], group):
+        ctx.sizes, ctx.group = sizes, group
+        return _gather_uneven(x, sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _reduce_scatter_uneven(grad, ctx.sizes, ctx.group), None, None
+
+
+class _ReduceScatterUneven(torch.autograd.Function):
+    """Rows ``[sum(sizes), ...]`` ordered by owner rank, summed over the group into the owner's
+    ``sizes[rank]`` rows; backward gathers the gradient rows (the reverse of :class:`_GatherUneven`)."""
+
+    @staticmethod
+    def forward(ctx, x, sizes: list[int], group):
+        ctx.sizes, ctx.group = sizes, group
+        return _reduce_scatter_uneven(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_uneven(grad, ctx.sizes, ctx.group), None, None
+
+
+def _gather_uneven(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    # An all-to-all sending our rows to every peer: uneven all-gathers exist neither on gloo nor as
+    # one NCCL call, while uneven all-to-alls run on both.
+    out = x.new_empty((sum(sizes), *x.shape[1:]))
+    copies = x.contiguous().repeat(len(sizes), *([1] * (x.dim() - 1)))
+    dist.all_to_all_single(out, copies, sizes, [x.shape[0]] * len(sizes), group=group)
+    return out
+
+
+def _reduce_scatter_uneven(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    mine = sizes[dist.get_rank(group)]
+    parts = x.new_empty((len(sizes) * mine, *x.shape[1:]))
+    dist.all_to_all_single(parts, x.contiguous(), [mine] * len(sizes), sizes, group=group)
+    return parts.view(len(sizes), mine, *x.shape[1:]).sum(0)
 
 
 def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
@@ -155,29 +189,38 @@ def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def shard_experts(full: torch.Tensor, ep_mesh: DeviceMesh) -> DTensor:
-    """This rank's ``Shard(0)`` block of ``full`` as a DTensor, without communication (meta works too)."""
-    local = full.detach().chunk(ep_mesh.size())[ep_mesh.get_local_rank()].clone()
-    return DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+def shard_experts(full: torch.Tensor, mesh: DeviceMesh, etp_dim: int | None = None) -> DTensor:
+    """This rank's block of ``full`` as a DTensor on the experts' (ep, etp) ``mesh``, without
+    communication (meta works too): ``Shard(0)`` over ep, ``Shard(etp_dim)`` over etp."""
+    ep, etp = mesh["ep"], mesh["etp"]
+    local = full.detach().chunk(ep.size())[ep.get_local_rank()]
+    if etp.size() > 1:
+        if etp_dim is None:
+            raise ConfigError(f"[parallel] etp = {etp.size()}: these experts have no dimension to split over etp; "
+                              "use etp = 1.")
+        local = local.chunk(etp.size(), etp_dim)[etp.get_local_rank()]
+    placements = [Shard(0), Shard(etp_dim if etp_dim is not None else 0)]
+    return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
 class ExpertDispatch(nn.Module):
     """The all-to-all token dispatch of the module docstring, for any module that holds a rank's
     experts; subclasses own the weights and hand them to :meth:`local_weights`.
 
-    ``tp_mesh``: the tensor-parallel group, over which the experts are replicated while the tokens
-    they see differ, so their gradients are summed there. ``split_tokens_over_tp``: the tokens are
-    replicated over tp (no sequence parallelism), so each tp rank dispatches only 1/tp of them.
-    With ``ep_mesh`` of one rank nothing is exchanged: the experts run on the local (tp-split) tokens.
+    ``mesh``: the experts' (ep, etp) mesh (``meshtron.mesh.expert_meshes``). ``tp_mesh`` with
+    ``split_tokens_over_tp``: the tokens are replicated over tp (no sequence parallelism), so each tp
+    rank dispatches only 1/tp of them. With a one-rank ``mesh`` nothing is exchanged: the experts run
+    on the local (tp-split) tokens.
     """
 
     def __init__(
-        self, num_experts: int, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None, split_tokens_over_tp: bool = True
+        self, num_experts: int, mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None, split_tokens_over_tp: bool = True
     ):
         super().__init__()
         self.num_experts = num_experts
-        self.ep_mesh = ep_mesh
-        self.ep_group = ep_mesh.get_group()
+        self.mesh = mesh
+        self.ep, self.etp = mesh["ep"].size(), mesh["etp"].size()
+        self.ep_group, self.etp_group = mesh["ep"].get_group(), mesh["etp"].get_group()
         self.tp_group = tp_mesh.get_group() if tp_mesh is not None and tp_mesh.size() > 1 else None
         self.split_tokens = self.tp_group is not None and split_tokens_over_tp
         # Bytes of token rows this rank put into the dispatch all-to-all in the last forward.
@@ -185,29 +228,30 @@ class ExpertDispatch(nn.Module):
         # Token copies this rank's experts computed in the last forward.
         self.last_rows = 0
 
-    def own(self, full: torch.Tensor) -> torch.Tensor:
-        """A full ``[E, ...]`` expert weight as this module holds it: split over ep, or kept as is at ep = 1."""
-        if self.ep_mesh.size() == 1:
+    def own(self, full: torch.Tensor, etp_dim: int | None = None) -> torch.Tensor:
+        """A full ``[E, ...]`` expert weight as this module holds it: split over ep (dim 0) and etp
+        (``etp_dim``), or kept as is on a one-rank mesh."""
+        if self.mesh.size() == 1:
             return full
-        return nn.Parameter(shard_experts(full, self.ep_mesh), requires_grad=full.requires_grad)
+        return nn.Parameter(shard_experts(full, self.mesh, etp_dim), requires_grad=full.requires_grad)
 
     @property
     def local_experts(self) -> int:
-        return self.num_experts // self.ep_mesh.size()
+        return self.num_experts // self.ep
 
     def local_weights(self) -> tuple[torch.Tensor, ...]:
         """This rank's expert weights (via :meth:`local`) as :meth:`run_experts` takes them: by default gate,
-        up ``[E/ep, H, I]`` and down ``[E/ep, I, H]``."""
+        up ``[E/ep, H, I/etp]`` and down ``[E/ep, I/etp, H]``."""
         raise NotImplementedError
 
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """This rank's experts on rows sorted by local expert (``counts[g]`` rows for expert g): SwiGLU."""
         return grouped_swiglu(x, counts, *self.local_weights())
 
-    def local(self, param: torch.Tensor) -> torch.Tensor:
-        """A weight's local block (plain tensors pass through), its gradient summed over tp."""
-        w = param.to_local() if isinstance(param, DTensor) else param
-        return _SumGrad.apply(w, self.tp_group) if self.tp_group is not None else w
+    @staticmethod
+    def local(param: torch.Tensor) -> torch.Tensor:
+        """A weight's local block (plain tensors pass through)."""
+        return param.to_local() if isinstance(param, DTensor) else param
 
     def dispatch(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: SharedWork | None = None
@@ -217,25 +261,35 @@ class ExpertDispatch(nn.Module):
         if self.split_tokens:
             x, weights, experts = self._slice_over_tp(x, weights, experts)
         sorted_x, order, counts = permute_tokens(x, experts, self.num_experts)
-        if self.ep_mesh.size() == 1:
+        if self.mesh.size() == 1:
             side = shared() if shared is not None else None
             self.last_rows = sorted_x.shape[0]
             y = self.run_experts(sorted_x, counts)
         else:
-            send, recv, recv_counts = self._exchange_counts(counts, sorted_x.shape[0])
-            pending: list = []
-            received = _AllToAll.apply(sorted_x, recv, send, self.ep_group, pending)
-            self.last_dispatch_bytes = sorted_x.numel() * sorted_x.element_size()
-            side = shared() if shared is not None else None  # overlaps the dispatch in flight
-            for work in pending:
-                work.wait()
-            self.last_rows = sum(recv)
-            y = self._run_local_experts(received, recv_counts, self.last_rows)
-            y = _AllToAll.apply(y, send, recv, self.ep_group, None)
+            y, side = self._exchange_and_run(sorted_x, counts, shared)
         out = unpermute_tokens(y, order, weights)
         if self.split_tokens:
             out = _GatherTokens.apply(out, self.tp_group)[:tokens]
         return out + side if side is not None else out
+
+    def _exchange_and_run(self, sorted_x: torch.Tensor, counts: torch.Tensor, shared: SharedWork | None):
+        """Steps 2-5 of the module docstring: rows out to their experts' ranks and the outputs back."""
+        send, recv, slice_rows, sources = self._exchange_counts(counts, sorted_x.shape[0])
+        pending: list = []
+        received = _AllToAll.apply(sorted_x, recv, send, self.ep_group, pending) if self.ep > 1 else sorted_x
+        self.last_dispatch_bytes = sorted_x.numel() * sorted_x.element_size() if self.ep > 1 else 0
+        side = shared() if shared is not None else None  # overlaps the dispatch in flight
+        for work in pending:
+            work.wait()
+        if self.etp > 1:
+            received = _GatherUneven.apply(received, slice_rows, self.etp_group)
+        self.last_rows = sum(slice_rows)
+        y = self._run_local_experts(received, sources, self.last_rows)
+        if self.etp > 1:
+            y = _ReduceScatterUneven.apply(y, slice_rows, self.etp_group)
+        if self.ep > 1:
+            y = _AllToAll.apply(y, send, recv, self.ep_group, None)
+        return y, side
 
     def _slice_over_tp(self, x, weights, experts):
         """This tp rank's share of the replicated tokens; a token count that tp does not divide is
@@ -253,36 +307,45 @@ class ExpertDispatch(nn.Module):
         )
 
     def _exchange_counts(self, counts: torch.Tensor, rows: int):
-        """Split sizes per peer for both directions (host ints) and received counts [ep, local]."""
-        ep = self.ep_mesh.size()
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.ep_group)
-        recv_counts = recv_counts.view(ep, self.local_experts)
-        send, recv = split_sizes(torch.stack([counts.view(ep, -1).sum(1), recv_counts.sum(1)]), rows)  # the one sync
-        return send, recv, recv_counts
+        """Split sizes as host ints: rows sent to / received from each ep peer, rows each etp peer
+        received (the expert slice's rows after the etp gather); and on the device the rows per
+        (source, local expert) of those, [etp x ep, E/ep], in the order they are gathered."""
+        received = counts.view(1, -1)
+        if self.ep > 1:
+            received = torch.empty_like(counts)
+            dist.all_to_all_single(received, counts, group=self.ep_group)
+            received = received.view(self.ep, self.local_experts)
+        sources = _all_gather_rows(received, self.etp_group) if self.etp > 1 else received
+        sizes = torch.cat([counts.view(self.ep, -1).sum(1), received.sum(1), sources.view(self.etp, -1).sum(1)])
+        host = split_sizes(sizes, even_split(rows, self.ep) * 2 + [rows] * self.etp)  # the one sync
+        return host[: self.ep], host[self.ep : 2 * self.ep], host[2 * self.ep :], sources
 
-    def _run_local_experts(self, received: torch.Tensor, recv_counts: torch.Tensor, rows: int) -> torch.Tensor:
+    def _run_local_experts(self, received: torch.Tensor, sources: torch.Tensor, rows: int) -> torch.Tensor:
         """Regroup rows (by source rank, then local expert) by local expert, run them, restore the order."""
-        local = torch.arange(self.local_experts, device=received.device).repeat(recv_counts.shape[0])
-        expert_of_row = torch.repeat_interleave(local, recv_counts.flatten(), output_size=rows)
+        local = torch.arange(self.local_experts, device=received.device).repeat(sources.shape[0])
+        expert_of_row = torch.repeat_interleave(local, sources.flatten(), output_size=rows)
         regroup, local_counts = sort_by_group(expert_of_row, self.local_experts)
         return unsort(self.run_experts(received[regroup], local_counts), regroup)
 
 
+# Dimension of each projection that etp splits: gate/up by columns [E, H, I], down by rows [E, I, H].
+_ETP_DIM = {"gate_proj": 2, "up_proj": 2, "down_proj": 1}
+
+
 class ExpertParallelExperts(ExpertDispatch):
-    """Drop-in for :class:`GroupedExperts` holding E/ep experts per rank and dispatching by all-to-all
-    (arguments as :class:`ExpertDispatch`)."""
+    """Drop-in for :class:`GroupedExperts` holding this rank's slice of the experts (E/ep experts, I/etp
+    columns) and dispatching by all-to-all (arguments as :class:`ExpertDispatch`)."""
 
     def __init__(
         self,
         experts: GroupedExperts,
-        ep_mesh: DeviceMesh,
+        mesh: DeviceMesh,
         tp_mesh: DeviceMesh | None = None,
         split_tokens_over_tp: bool = True,
     ):
-        super().__init__(experts.num_experts, ep_mesh, tp_mesh, split_tokens_over_tp)
+        super().__init__(experts.num_experts, mesh, tp_mesh, split_tokens_over_tp)
         for name in _PROJECTIONS:
-            setattr(self, name, self.own(getattr(experts, name)))
+            setattr(self, name, self.own(getattr(experts, name), _ETP_DIM[name]))
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(self.local(getattr(self, name)) for name in _PROJECTIONS)
@@ -402,30 +465,43 @@ def check_expert_divisible(num_experts: int, ep: int) -> None:
         )
 
 
+def check_expert_tp_divisible(intermediate: int, etp: int) -> None:
+    if intermediate % etp:
+        valid = [v for v in range(1, min(intermediate, 64) + 1) if intermediate % v == 0]
+        raise ConfigError(
+            f"[parallel] etp = {etp} does not divide the experts' [model] moe_intermediate_size = {intermediate}; "
+            f"valid etp values (that also divide tp): {', '.join(map(str, valid))}."
+        )
+
+
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """Split every MoE's routed experts over ``mesh['ep']`` and make router statistics global.
+    """Split every MoE's routed experts over the experts' (ep, etp) mesh and make router statistics global.
 
     Works on a meta-device model (materialise afterwards with ``materialize_sharded``, which computes each rank's
     experts from the deterministic initial weights) and on a materialised one (each rank keeps its block of the full weights, which must be
-    identical on all ranks). With tp > 1 the experts are wrapped even at ep = 1 (weights then stay
+    identical on all ranks). With tp > 1 the experts are wrapped even at ep = etp = 1 (weights then stay
     plain tensors), so the tp ranks split the experts' tokens instead of all computing all of them.
     ``sequence_parallel``: whether tensor parallelism splits the MoE's tokens over tp (then they are
     not split again here). Returns ``model``.
     """
     layers = moe_layers(model)
-    ep_mesh = mesh["ep"]
-    ep = ep_mesh.size()
-    if ep > 1 and not layers:
-        raise ConfigError(f"[parallel] ep = {ep} needs an MoE model (num_experts > 0); this model has no MoE layer.")
+    split = expert_split(mesh)
+    used = [f"{k} = {v}" for k, v, on in (("ep", split.ep, split.ep > 1), ("etp", split.etp, split.etp > 1),
+                                          ("fold_ep", "true", split.fold)) if on]
+    if used and not layers:
+        raise ConfigError(f"[parallel] {', '.join(used)} needs an MoE model (num_experts > 0); this model has no "
+                          "MoE layer. Use dp instead.")
     for moe in layers:
-        check_expert_divisible(moe.num_experts, ep)
+        check_expert_divisible(moe.num_experts, split.ep)
+        check_expert_tp_divisible(moe.experts.gate_proj.shape[-1], split.etp)
     set_global_router_stats(model, mesh, sequence_parallel)
     set_global_capacity(model, mesh, sequence_parallel)
     tp_mesh = mesh["tp"]
-    if ep == 1 and tp_mesh.size() == 1:
+    if split.ep * split.etp == 1 and tp_mesh.size() == 1:
         return model
+    experts_mesh = expert_meshes(mesh).model
     for moe in layers:
-        moe.experts = ExpertParallelExperts(moe.experts, ep_mesh, tp_mesh, split_tokens_over_tp=not sequence_parallel)
+        moe.experts = ExpertParallelExperts(moe.experts, experts_mesh, tp_mesh, split_tokens_over_tp=not sequence_parallel)
     return model
 
 
@@ -435,6 +511,7 @@ __all__ = [
     "GlobalCapacityRanker",
     "apply_expert_parallel",
     "check_expert_divisible",
+    "check_expert_tp_divisible",
     "set_global_capacity",
     "set_global_router_stats",
     "shard_experts",

@@ -1,7 +1,7 @@
 """Global gradient norm and clipping over gradients that live on different meshes.
 
 After TP, EP and FSDP, gradients are DTensors on several meshes at once: dense ones on
-(dp_ep_cp, tp), experts on (dp_cp, ep), norms only on the data mesh, and with pipeline parallelism
+(dp_ep_cp, tp), experts on (edp, ep, etp), norms only on the data mesh, and with pipeline parallelism
 each stage holds other parameters. ``torch.nn.utils.clip_grad_norm_`` stacks per-tensor norms,
 which DTensor refuses across meshes, so we compute the norm ourselves:
 

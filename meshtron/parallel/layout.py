@@ -8,8 +8,9 @@ before any collective, so a bad layout never hangs. Each parallelism contributes
 from __future__ import annotations
 
 from meshtron.config import Config, ConfigError
-from meshtron.mesh import check_sizes
+from meshtron.mesh import ExpertSplit, check_expert_split, check_sizes
 from meshtron.parallel.context import check_context_parallel, cp_ranks_per_node, local_heads
+from meshtron.parallel.expert import check_expert_tp_divisible
 from meshtron.parallel.pipeline.stage import check_pipeline
 from meshtron.parallel.tensor import check_tensor_parallel
 
@@ -38,16 +39,22 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     microbatches against stages come from the pipeline module (``check_pipeline``).
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    check_sizes(dict(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp), world_size, "[parallel] ")
+    sizes = dict(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.mesh_ep, tp=p.tp)
+    check_sizes(sizes, world_size, "[parallel] ")
+    check_expert_split(sizes, ExpertSplit(p.ep, p.etp, p.fold_ep), "[parallel] ")
     limit = max(_SUGGEST_UP_TO, world_size)
     check_tensor_parallel(m.num_attention_heads, m.kv_heads, p.tp)
-    if p.ep > 1 and not m.is_moe:  # an hf_model folder's model is known only here
-        raise ConfigError(f"[parallel] ep = {p.ep} needs an MoE model (num_experts > 0); use dp instead.")
+    for key, used in (("ep", p.ep > 1), ("etp", p.etp > 1), ("fold_ep", p.fold_ep)):
+        if used and not m.is_moe:  # an hf_model folder's model is known only here
+            raise ConfigError(f"[parallel] {key} = {getattr(p, key)} needs an MoE model (num_experts > 0); "
+                              + ("use dp instead." if key == "ep" else f"remove {key}."))
     if m.is_moe and m.num_experts % p.ep:
         raise ConfigError(
             f"[parallel] ep = {p.ep} does not divide [model] num_experts = {m.num_experts}. "
             f"Valid ep up to {limit}: {_options(lambda v: m.num_experts % v == 0, limit)}."
         )
+    if m.is_moe:
+        check_expert_tp_divisible(m.moe_intermediate_size, p.etp)
     if p.schedule == "interleaved" and (p.pp < 2 or p.virtual_stages < 2):
         raise ConfigError(
             f"[parallel] schedule = 'interleaved' needs pp >= 2 and virtual_stages >= 2, got pp = {p.pp}, "
@@ -61,7 +68,7 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         )
     heads, kv_heads = local_heads(m.num_attention_heads, m.kv_heads, p.tp)
     check_context_parallel(p.cp_comm_type, p.cp, heads, kv_heads, None, p.cp_a2a_size, None,
-                           cp_ranks_per_node(p.tp, p.ep))
+                           cp_ranks_per_node(p.tp, p.mesh_ep))
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise ConfigError(
             f"[train] seq_len = {t.seq_len} must be a multiple of 2 x cp = {2 * p.cp}: context parallelism "
@@ -74,7 +81,7 @@ def validate_layout(cfg: Config, world_size: int) -> None:
             f"[train] seq_len = {t.seq_len} must be a multiple of cp x tp = {p.cp * p.tp} with sp = true. "
             f"Use seq_len = {_round_up(t.seq_len, p.cp * p.tp)} or set sp = false."
         )
-    readers = p.dp * p.ep
+    readers = p.dp * p.mesh_ep
     if t.global_batch_size % readers:
         raise ConfigError(
             f"[train] global_batch_size = {t.global_batch_size} must be a multiple of dp x ep = {readers} "

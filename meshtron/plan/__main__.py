@@ -44,7 +44,10 @@ def recipe_plan(cfg: Config, gpus: int, hw: Hardware) -> Plan | str:
 
 def _layout_text(plan: Plan) -> str:
     p = plan.cfg.parallel
-    sizes = " x ".join(f"{k} {getattr(p, k)}" for k in ("pp", "dp", "cp", "ep", "tp") if getattr(p, k) > 1) or "1 rank"
+    dims = dict(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.mesh_ep, tp=p.tp)
+    sizes = " x ".join(f"{k} {v}" for k, v in dims.items() if v > 1) or "1 rank"
+    if p.fold_ep or p.etp > 1:  # the experts' own split of each stage
+        sizes += f"; experts {'folded ' if p.fold_ep else ''}ep {p.ep} x etp {p.etp}"
     extras = [p.data_parallel, f"ac {p.activation_checkpointing}", f"mb {p.microbatches}"]
     if p.sp and p.tp > 1:
         extras.insert(0, "SP")

@@ -8,9 +8,10 @@ meta-device model):
 
 - ``params``: fp32 master parameters. tp splits q/k/v/gate/up by rows, o/down by columns, the
   embedding and LM head by vocabulary rows (KV heads fewer than tp stay whole); ep splits routed
-  experts by expert; then FSDP shards dim 0 of the local tensor over the data mesh (experts: the
-  first dim the shard count divides) with ``torch.chunk`` sizes, HSDP only over ep x cp (experts:
-  cp), replicate not at all;
+  experts by expert and etp their gate/up by columns, down by rows; then FSDP shards dim 0 of the
+  local tensor over the data mesh (experts: the first dim the shard count divides, over their edp
+  ranks) with ``torch.chunk`` sizes, HSDP only over ep x cp (experts: their edp ranks in a dp
+  slice), replicate not at all;
 - ``grads``: the same elements, fp32;
 - ``optimizer``: AdamW's two fp32 moments plus one fp32 step count per parameter tensor.
 
@@ -102,8 +103,8 @@ class Param:
 
     name: str
     shape: tuple[int, ...]
-    tp_dim: int | None = None  # dim split over tp (None: whole on every tp rank)
-    expert: bool = False  # routed experts: dim 0 split over ep, data mesh dp x cp
+    tp_dim: int | None = None  # dim split over tp (experts: over etp; None: whole on every tp rank)
+    expert: bool = False  # routed experts: dim 0 split over ep, data mesh edp
     unit: str = "root"  # FSDP unit: "block.<i>", "experts.<i>", "embed", "head" or "root"
 
 
@@ -169,8 +170,8 @@ def _layer_params(m: ModelConfig, layer: int, tp: int) -> list[Param]:
     e, i = m.num_experts, m.moe_intermediate_size
     out.append(Param(p + "mlp.gate.weight", (e, h), unit=unit))
     experts = f"experts.{layer}"
-    for name, shape in (("gate_proj", (e, h, i)), ("up_proj", (e, h, i)), ("down_proj", (e, i, h))):
-        out.append(Param(f"{p}mlp.experts.{name}", shape, expert=True, unit=experts))
+    for name, shape, etp_dim in (("gate_proj", (e, h, i), 2), ("up_proj", (e, h, i), 2), ("down_proj", (e, i, h), 1)):
+        out.append(Param(f"{p}mlp.experts.{name}", shape, etp_dim, expert=True, unit=experts))
     if m.shared_expert_intermediate_size:
         out += _mlp_params(p + "mlp.shared_expert.", h, m.shared_expert_intermediate_size, unit)
         out.append(Param(p + "mlp.shared_expert_gate.weight", (1, h), unit=unit))
@@ -215,26 +216,60 @@ def _stage_params(key: tuple, m: ModelConfig) -> tuple[Param, ...]:
     return tuple(out)
 
 
+class ExpertCoords(NamedTuple):
+    """A rank's place in its stage's expert split (``meshtron.mesh.expert_meshes``)."""
+
+    edp: int  # ranks holding the same expert slice
+    edp_index: int
+    ep_index: int
+    etp_index: int
+
+
+def expert_coords(cfg: Config, c: Coords) -> ExpertCoords:
+    p = cfg.parallel
+    edp = p.dp * p.cp * p.mesh_ep * p.tp // (p.ep * p.etp)
+    if p.fold_ep:  # the stage's ranks in mesh order (tp innermost) reshaped into (edp, ep, etp)
+        flat = (c.dp * p.cp + c.cp) * p.tp + c.tp
+        return ExpertCoords(edp, flat // (p.ep * p.etp), flat // p.etp % p.ep, flat % p.etp)
+    rest = p.tp // p.etp  # edp = (dp, cp, tp / etp) in mesh order
+    return ExpertCoords(edp, (c.dp * p.cp + c.cp) * rest + c.tp // p.etp, c.ep, c.tp % p.etp)
+
+
+def expert_hsdp_shards(cfg: Config) -> int:
+    """The experts' HSDP shard group: their edp ranks inside one dp slice (``mesh.expert_hsdp_mesh``)."""
+    p = cfg.parallel
+    in_slice, group = p.cp * p.mesh_ep * p.tp, p.ep * p.etp
+    return in_slice // group if in_slice % group == 0 else 1
+
+
 def data_shards(cfg: Config, coords: Coords, expert: bool) -> tuple[int, int]:
     """(shard count, this rank's shard index) of the data-parallel sharding (``parallel/data.py``)."""
     p, c = cfg.parallel, coords
     if p.data_parallel == "replicate":
         return 1, 0
-    if p.data_parallel == "hsdp":  # replicate over dp, shard over cp x ep (experts: cp)
-        return (p.cp, c.cp) if expert else (p.cp * p.ep, c.cp * p.ep + c.ep)
-    if expert:  # dp x cp, flattened in mesh order
-        return p.dp * p.cp, c.dp * p.cp + c.cp
-    return p.dp * p.cp * p.ep, (c.dp * p.cp + c.cp) * p.ep + c.ep
+    if expert:
+        e = expert_coords(cfg, c)
+        if p.data_parallel == "hsdp":  # replicate over dp slices, shard inside one
+            shards = expert_hsdp_shards(cfg)
+            return shards, e.edp_index % shards
+        return e.edp, e.edp_index
+    ep = p.mesh_ep
+    if p.data_parallel == "hsdp":  # replicate over dp, shard over cp x ep
+        return p.cp * ep, c.cp * ep + c.ep
+    return p.dp * p.cp * ep, (c.dp * p.cp + c.cp) * ep + c.ep
 
 
 def model_parallel_shape(param: Param, cfg: Config, coords: Coords) -> list[int]:
-    """The tensor this rank holds after tp and ep, before data-parallel sharding."""
+    """The tensor this rank holds after tp and ep (experts: ep and etp), before data-parallel sharding."""
     p = cfg.parallel
     shape = list(param.shape)
-    if param.tp_dim is not None:
-        shape[param.tp_dim] = chunk_size(shape[param.tp_dim], p.tp, coords.tp)
     if param.expert:
-        shape[0] = chunk_size(shape[0], p.ep, coords.ep)
+        e = expert_coords(cfg, coords)
+        shape[0] = chunk_size(shape[0], p.ep, e.ep_index)
+        if param.tp_dim is not None:
+            shape[param.tp_dim] = chunk_size(shape[param.tp_dim], p.etp, e.etp_index)
+    elif param.tp_dim is not None:
+        shape[param.tp_dim] = chunk_size(shape[param.tp_dim], p.tp, coords.tp)
     return shape
 
 
@@ -261,7 +296,8 @@ def state_bytes(cfg: Config, coords: Coords = Coords()) -> dict[str, int]:
 def _layout_key(cfg: Config) -> tuple:
     """What the parameter figures depend on (the planner caches them by it)."""
     p = cfg.parallel
-    return repr(cfg.model), p.pp, p.dp, p.cp, p.ep, p.tp, p.virtual_stages, _v_shape(cfg), p.data_parallel
+    return (repr(cfg.model), p.pp, p.dp, p.cp, p.ep, p.tp, p.etp, p.fold_ep, p.virtual_stages, _v_shape(cfg),
+            p.data_parallel)
 
 
 def _v_shape(cfg: Config) -> bool:
@@ -343,7 +379,7 @@ def layer_activation_bytes(cfg: Config, layer: int) -> float:
 def microbatch_tokens(cfg: Config) -> int:
     """Tokens of one micro-batch on one rank: its dp x ep share of the batch and cp share of the sequence."""
     p, t = cfg.parallel, cfg.train
-    return t.global_batch_size // (p.dp * p.ep) // p.microbatches * t.seq_len // p.cp
+    return t.global_batch_size // (p.dp * p.mesh_ep) // p.microbatches * t.seq_len // p.cp
 
 
 def in_flight(cfg: Config, pp_rank: int) -> int:
@@ -514,12 +550,15 @@ def loss_bytes(cfg: Config, pp_rank: int) -> float:
 
 
 def ep_dispatch_bytes(cfg: Config) -> float:
-    """One MoE layer's routed token copies being sent and received (tokens split over tp)."""
+    """One MoE layer's routed token copies being sent and received (tokens split over tp); with etp
+    also the etp ranks' rows gathered and the copies sent to each of them."""
     m, p = cfg.model, cfg.parallel
-    if not m.is_moe or p.ep == 1:
+    if not m.is_moe or p.ep * p.etp == 1:
         return 0
     rows = microbatch_tokens(cfg) * m.num_experts_per_tok / p.tp
-    return 2 * rows * m.hidden_size * compute_bytes(cfg)
+    exchanged = 2 if p.ep > 1 else 0
+    gathered = 2 * p.etp if p.etp > 1 else 0
+    return (exchanged + gathered) * rows * m.hidden_size * compute_bytes(cfg)
 
 
 def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> dict[str, float]:

@@ -1,7 +1,9 @@
 """Layouts for N devices ranked by predicted throughput, with the memory check that marks which fit.
 
 A candidate keeps the recipe's model, batch, dtype and data-parallel mode and chooses
-pp x dp x cp x ep x tp = N (tp inside one node, SP whenever tp > 1), then the micro-batch count,
+pp x dp x cp x ep x tp = N (tp inside one node, SP whenever tp > 1) or, for MoE models, a dense
+pp x dp x cp x tp = N with the experts folded over it (ep x etp dividing dp x cp x tp, etp dividing
+tp), then the micro-batch count,
 activation-checkpointing mode and, when pp > 1, schedule that fit with the best predicted
 throughput (the lowest-memory choice when none fits). Schedules: 1F1B with every checkpointing
 mode; the zero-bubble ``zb1p`` and ``zbv`` without checkpointing only, since with it the executor
@@ -33,7 +35,7 @@ class Plan:
 
     def layout(self) -> dict:
         p = self.cfg.parallel
-        keys = ("pp", "dp", "cp", "ep", "tp", "sp", "schedule", "virtual_stages", "microbatches",
+        keys = ("pp", "dp", "cp", "ep", "tp", "sp", "etp", "fold_ep", "schedule", "virtual_stages", "microbatches",
                 "activation_checkpointing", "data_parallel")
         return {k: getattr(p, k) for k in keys}
 
@@ -68,8 +70,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def mesh_shapes(cfg: Config, world_size: int, gpus_per_node: int) -> list[dict[str, int]]:
-    """Every pp x dp x cp x ep x tp = ``world_size`` with tp inside a node and ep only for MoE models."""
+def mesh_shapes(cfg: Config, world_size: int, gpus_per_node: int) -> list[dict]:
+    """Every pp x dp x cp x ep x tp = ``world_size`` with tp inside a node and ep only for MoE models,
+    and for MoE models every folded expert split of each dense shape (:func:`folded_splits`)."""
     m = cfg.model
     shapes = []
     for tp in _divisors(world_size):
@@ -81,14 +84,25 @@ def mesh_shapes(cfg: Config, world_size: int, gpus_per_node: int) -> list[dict[s
             for cp in _divisors(world_size // (tp * pp)):
                 for ep in _divisors(world_size // (tp * pp * cp)) if m.is_moe else [1]:
                     dp = world_size // (tp * pp * cp * ep)
-                    shapes.append(dict(pp=pp, dp=dp, cp=cp, ep=ep, tp=tp))
+                    shapes.append(dict(pp=pp, dp=dp, cp=cp, ep=ep, tp=tp, etp=1, fold_ep=False))
+                    if m.is_moe and ep == 1:
+                        shapes += [dict(shapes[-1], **split) for split in folded_splits(cfg, dp * cp * tp, tp)]
     return shapes
+
+
+def folded_splits(cfg: Config, stage_ranks: int, tp: int) -> list[dict]:
+    """Folded (ep, etp) of a stage's ``stage_ranks`` dense ranks: etp dividing tp and the experts'
+    width, ep > 1 dividing the expert count, ep x etp dividing the stage."""
+    m = cfg.model
+    return [dict(ep=ep, etp=etp, fold_ep=True)
+            for etp in _divisors(tp) if m.moe_intermediate_size % etp == 0
+            for ep in _divisors(stage_ranks // etp) if ep > 1 and m.num_experts % ep == 0]
 
 
 def _variants(cfg: Config, shape: dict[str, int], world_size: int) -> list[Config]:
     """The shape with each valid micro-batch count, schedule and checkpointing mode."""
     t = cfg.train
-    readers = shape["dp"] * shape["ep"]
+    readers = shape["dp"] * (1 if shape["fold_ep"] else shape["ep"])
     if t.global_batch_size % readers:
         return []
     schedules = PIPELINE_SCHEDULES if shape["pp"] > 1 else (("1f1b", 1, AC_MODES),)

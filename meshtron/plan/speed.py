@@ -17,6 +17,7 @@ step time = (compute + exposed communication) / (1 - bubble)
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 from meshtron.config import Config
@@ -51,12 +52,14 @@ class StepTime:
 def group_is_intra_node(cfg: Config, dims: tuple[str, ...], gpus_per_node: int) -> bool:
     """Whether a group over ``dims`` stays inside one node: the ranks it spans (its outermost dim's
     stride times that dim's size) fit in a node."""
-    order = ("pp", "dp", "cp", "ep", "tp")
+    p = cfg.parallel
+    if dims in (("ep",), ("etp",)):  # the experts' groups: etp innermost, ep next when folded
+        span = p.etp if dims == ("etp",) else p.ep * (p.etp if p.fold_ep else p.tp)
+        return span <= gpus_per_node
+    sizes = dict(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.mesh_ep, tp=p.tp)
+    order = tuple(sizes)
     outer = min(order.index(d) for d in dims)
-    span = 1
-    for d in order[outer:]:
-        span *= getattr(cfg.parallel, d)
-    return span <= gpus_per_node
+    return math.prod(sizes[d] for d in order[outer:]) <= gpus_per_node
 
 
 def _ring(n: int) -> float:
@@ -80,10 +83,12 @@ def communication(cfg: Config) -> dict[str, float]:
     if p.cp > 1:  # k and v around the ring forward; k, v, dk, dv backward
         kv = tokens * 2 * m.kv_heads * m.head_size * c
         out["p2p/cp"] = 3 * kv * (p.cp - 1) * layers * mb
-    if p.ep > 1:
-        moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers)) / p.pp
-        rows = tokens * m.num_experts_per_tok / p.tp
+    moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers)) / p.pp if m.is_moe else 0
+    rows = tokens * m.num_experts_per_tok / p.tp if m.is_moe else 0  # every rank's own token copies
+    if p.ep > 1:  # dispatch and combine, forward and backward
         out["all_to_all/ep"] = 4 * rows * h * c * _ring(p.ep) * moe * mb
+    if p.etp > 1:  # gather of an expert slice's rows and reduce-scatter of its outputs, forward and backward
+        out["all_gather+reduce_scatter/etp"] = 4 * p.etp * rows * h * c * _ring(p.etp) * moe * mb
     if p.pp > 1:
         out["p2p/pp"] = 2 * tokens * h * c / (p.tp if p.sp else 1) * mb
     out.update(_data_parallel_bytes(cfg))
@@ -95,12 +100,12 @@ def _data_parallel_bytes(cfg: Config) -> dict[str, float]:
     micro-batch; with pp > 1 (and hsdp / replicate) once per step."""
     p = cfg.parallel
     params = sum(unit_elements(cfg, 0).values())
-    dense = p.dp * p.cp * p.ep
+    dense = p.dp * p.cp * p.mesh_ep
     rounds = 1 if p.pp > 1 or p.data_parallel != "fsdp" else p.microbatches
     if p.data_parallel == "replicate":
         return {"all_reduce/dp_ep_cp": 2 * FP32 * params * _ring(dense)} if dense > 1 else {}
     if p.data_parallel == "hsdp":
-        shard, out = p.cp * p.ep, {}
+        shard, out = p.cp * p.mesh_ep, {}
         if shard > 1:
             out["all_gather+reduce_scatter/cp_ep"] = rounds * params * (2 * compute_bytes(cfg) + FP32) * _ring(shard)
         if p.dp > 1:
@@ -111,7 +116,7 @@ def _data_parallel_bytes(cfg: Config) -> dict[str, float]:
     return {"all_gather+reduce_scatter/dp_ep_cp": rounds * params * (2 * compute_bytes(cfg) + FP32) * _ring(dense)}
 
 
-_DIMS = {"tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "pp": ("pp",), "dp": ("dp",),
+_DIMS = {"tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "etp": ("etp",), "pp": ("pp",), "dp": ("dp",),
          "dp_ep_cp": ("dp", "cp", "ep"), "cp_ep": ("cp", "ep")}
 
 
@@ -147,7 +152,7 @@ def _recompute_factor(cfg: Config) -> float:
 
 def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    world = p.pp * p.dp * p.cp * p.ep * p.tp
+    world = p.pp * p.dp * p.cp * p.mesh_ep * p.tp
     tokens = t.global_batch_size * t.seq_len
     recompute = _recompute_factor(cfg)
     compute = flops_per_token(m, t.seq_len) * tokens * recompute / world / (hw.peak_tflops * 1e12 * hw.mfu)
