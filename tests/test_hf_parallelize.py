@@ -27,7 +27,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from meshtron import load_hf_checkpoint, parallelize_hf_model, save_hf_checkpoint
 from meshtron.config import ConfigError
 from meshtron.hf.experts import FusedExpertParallel
-from meshtron.mesh import batch_mesh
+from meshtron.mesh import batch_mesh, expert_split
 from meshtron.testing import HF_TINY_FAMILIES, HF_TINY_SIZES, cached_mesh, rel_err, run_checks
 
 SMALL = HF_TINY_SIZES
@@ -54,6 +54,7 @@ CASES = [
     ("qwen2_moe", dict(dp=2, ep=4), False, "fsdp", "none"),  # one expert per ep rank
     ("qwen2_moe", dict(dp=2, ep=2, tp=2), False, "fsdp", "none"),
     ("qwen2_moe", dict(dp=2, ep=2, tp=2), True, "hsdp", "full"),
+    ("qwen2_moe", dict(dp=2, tp=4, ep=4, fold_ep=True), True, "fsdp", "none"),  # experts folded over the tp ranks
 ]
 PER_RANK, SEQ = 2, 16
 
@@ -124,7 +125,7 @@ def _check_experts(model, mesh, ac: str, comms: dict, where: str) -> dict:
     sent once (this rank's 1/tp of the tokens, k copies each), and per step one count exchange plus
     two all-to-alls in forward (again when checkpointing recomputes it) and two in backward."""
     (experts,) = [m for m in model.modules() if isinstance(m, FusedExpertParallel)]  # layer 0 is sparse
-    ep, tp = mesh["ep"].size(), mesh["tp"].size()
+    ep, tp = expert_split(mesh).ep, mesh["tp"].size()
     all_to_alls = comms.get(torch.ops.c10d.alltoall_base_, 0)
     if ep == 1:
         assert all_to_alls == 0 and experts.last_dispatch_bytes == 0, where
@@ -278,13 +279,21 @@ FAMILIES = {
                                            linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
                    "hybrid: gated delta-net linear attention (gathered projections, its own input masking) and "
                    "fused experts over ep"),
+    # Appended last: the batches of the families above keep their seeds (their index).
+    "qwen3_moe": ("Qwen3MoeConfig", dict(TINY, num_key_value_heads=4, head_dim=8, intermediate_size=96,
+                                         moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                         output_router_logits=True, router_aux_loss_coef=0.1),
+                  "MoE with per-head q/k norms, fused experts folded over the tp ranks (fold_ep)"),
 }
 DENSE_LAYOUTS = [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), True)]
 EP_LAYOUTS = [(dict(dp=2, ep=4), False), (dict(dp=2, ep=2, tp=2), True)]
 # tp 2 and 4, each with and without SP.
 SPLIT_ACTIVATION_LAYOUTS = [(dict(dp=2, tp=4), False), (dict(dp=2, tp=4), True), (dict(dp=4, tp=2), False),
                             (dict(dp=4, tp=2), True)]
-FAMILY_LAYOUTS = {"mixtral": EP_LAYOUTS, "gpt_oss": EP_LAYOUTS, "aria": EP_LAYOUTS[1:],
+# Experts folded over the dense ranks: ep 4 drawn from dense tp 4 x dp 2.
+FOLDED_LAYOUT = (dict(dp=2, tp=4, ep=4, fold_ep=True), True)
+FAMILY_LAYOUTS = {"mixtral": [*EP_LAYOUTS, FOLDED_LAYOUT], "qwen3_moe": [FOLDED_LAYOUT], "gpt_oss": EP_LAYOUTS,
+                  "aria": EP_LAYOUTS[1:],
                   "apertus": SPLIT_ACTIVATION_LAYOUTS, "gain_llama": SPLIT_ACTIVATION_LAYOUTS,
                   "glm4_moe": [(dict(dp=2, ep=2, tp=2), False), (dict(dp=2, ep=2, tp=2), True),
                                (dict(ep=2, tp=4), False), (dict(ep=2, tp=4), True)],
@@ -292,7 +301,8 @@ FAMILY_LAYOUTS = {"mixtral": EP_LAYOUTS, "gpt_oss": EP_LAYOUTS, "aria": EP_LAYOU
                   "llama4": [(dict(dp=8), False)],
                   "qwen3_next": [*EP_LAYOUTS, (dict(dp=4, tp=2), False)]}
 # MoE family -> the class that runs its experts.
-EXPERT_CLASSES = {"mixtral": "FusedExpertParallel", "gpt_oss": "ClampedExpertParallel", "aria": "TransposedExpertParallel"}
+EXPERT_CLASSES = {"mixtral": "FusedExpertParallel", "qwen3_moe": "FusedExpertParallel", "gpt_oss": "ClampedExpertParallel",
+                  "aria": "TransposedExpertParallel"}
 
 
 class GainSiLU(torch.nn.Module):
@@ -489,6 +499,8 @@ def check_errors(folders: dict[str, str], out: str) -> None:
     moe.config.base_model_ep_plan = None
     with pytest.raises(ConfigError, match="no base_model_ep_plan entry"):
         parallelize_hf_model(moe, cached_mesh(dp=4, ep=2))
+    with pytest.raises(ConfigError, match=r"etp = 2 is not supported for transformers experts yet .*use etp = 1"):
+        parallelize_hf_model(_reference(folders["qwen2_moe"]), cached_mesh(dp=2, tp=4, ep=2, etp=2, fold_ep=True))
 
 
 def test_expert_layouts():
