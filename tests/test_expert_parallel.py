@@ -291,6 +291,16 @@ TP_MOE_COLLECTIVES = {
 }
 
 
+# Folded ep 4 x etp 2 under dense tp 4 + SP x dp 2 (the first step, as above). Forward: the counts
+# all-to-all over ep and their all-gather over etp, the dispatch all-to-all, the etp gather and
+# reduce-scatter of rows (as all-to-alls), the combine; the shared expert's SP gather/reduce-scatter and
+# the router statistics' all-reduce. Backward: the four row exchanges reversed, the shared expert's.
+FOLDED_MOE_COLLECTIVES = {
+    "forward": {"all_gather": 2, "all_reduce": 1, "all_to_all": 5, "reduce_scatter": 1},
+    "backward": {"all_gather": 2, "all_reduce": 2, "all_to_all": 4, "reduce_scatter": 1},
+}
+
+
 def _tp_reference(seed: int):
     """Single-process model (random router bias too) and its loss and gradients on a fresh batch."""
     cfg = ModelConfig(**TP_MODEL)
@@ -310,15 +320,19 @@ def _tp_reference(seed: int):
 def check_moe_under_tp(refs: dict):
     """MoE at ep = 1 under tp 2 and 4, with and without SP: each tp rank routes and computes only its
     share of the tokens (half the rows with tp2), and loss, aux loss, expert counts and gathered
-    gradients match the single-process model."""
+    gradients match the single-process model. Then the experts folded over the same ranks (ep 4 x
+    etp 2 under tp 4 + SP): the same parity, each rank's own tokens dispatched once."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
     from meshtron.testing import module_collectives
 
-    for i, (tp, sp) in enumerate([(2, False), (2, True), (4, False), (4, True)]):
+    cases = [(dict(dp=4, tp=2), False), (dict(dp=4, tp=2), True), (dict(dp=2, tp=4), False), (dict(dp=2, tp=4), True),
+             (dict(dp=2, tp=4, ep=4, etp=2, fold_ep=True), True)]
+    collectives = {0: TP_MOE_COLLECTIVES[False], 1: TP_MOE_COLLECTIVES[True], 4: FOLDED_MOE_COLLECTIVES}
+    for i, (sizes, sp) in enumerate(cases):
         ref, ids, labels, loss_ref = _tp_reference(40 + i)
-        mesh = cached_mesh(dp=8 // tp, tp=tp)
+        mesh, tp = cached_mesh(**sizes), sizes["tp"]
         with torch.device("meta"):
             model = build_model(ref.config)
         apply_tensor_parallel(model, mesh["tp"], sp)
@@ -333,16 +347,19 @@ def check_moe_under_tp(refs: dict):
             loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total, group=dense_data_mesh(mesh).get_group())
-        where = f"tp={tp} sp={sp}"
+        where = f"{sizes} sp={sp}"
         assert rel_err(total, loss_ref) < 1e-5, where
         assert rel_err(aux_loss(model), aux_loss(ref)) < 1e-5, where
         moe, moe_ref = model.layers["1"].mlp, ref.layers["1"].mlp
         assert torch.equal(moe.last_tokens_per_expert, moe_ref.last_tokens_per_expert), where
         _assert_grads(_global_grads(model, mesh), {n: p.grad for n, p in ref.named_parameters()})
-        rows_per_rank = ids[rows].numel() * ref.config.num_experts_per_tok // tp
-        assert moe.experts.last_rows == rows_per_rank, where
-        if tp == 2:
-            assert module_collectives(comm, "Transformer.layers.1.mlp") == TP_MOE_COLLECTIVES[sp], where
+        copies = ids[rows].numel() * ref.config.num_experts_per_tok // tp  # this rank's share of the tokens
+        if "ep" in sizes:  # each copy leaves this rank once
+            assert moe.experts.last_dispatch_bytes == copies * ref.config.hidden_size * 4, where
+        else:
+            assert moe.experts.last_rows == copies, where
+        if i in collectives:
+            assert module_collectives(comm, "Transformer.layers.1.mlp") == collectives[i], where
 
 
 def _step_matches(cfg, mesh, ids, labels, loss_ref, ref_params: dict):
