@@ -25,6 +25,7 @@ from meshtron.plan import Hardware, rank_layouts  # noqa: E402
 from meshtron.plan.__main__ import _layout_text, recipe_plan  # noqa: E402
 from meshtron.plan.memory import GIB  # noqa: E402
 
+BEFORE = ROOT / "benchmarks" / "results" / "plan_moe_before_folding.txt"  # the planner at dec4d37, before folding
 RECIPES = ("qwen2p5_7b", "qwen2p5_72b", "qwen2_57b_a14b", "qwen1p5_moe_a2p7b")
 MOE_RECIPES = ("qwen2_57b_a14b", "qwen1p5_moe_a2p7b")
 GPUS = (8, 32, 64)
@@ -33,16 +34,22 @@ SMALLEST_OF = (8, 16, 32, 64)
 
 def main() -> None:
     hw = Hardware()
-    rows, smallest = [], []
+    rows, smallest, compared = [], [], []
+    before = _before_folding()
     for name in MOE_RECIPES:
         cfg = load_config(ROOT / "recipes" / f"{name}.toml")
+        found = False
         for gpus in SMALLEST_OF:
             best = rank_layouts(cfg, gpus, hw)[0]
-            if best.fits:
+            old_layout, old_tps = before.get((name, gpus), ("-", "-"))
+            new_tps = f"{best.time.tokens_per_second:,.0f}" if best.fits else "-"
+            compared.append(f"| `{name}` | {gpus} | {old_layout} | {old_tps} | "
+                            f"{_layout_text(best) if best.fits else 'none fits'} | {new_tps} |")
+            if best.fits and not found:
+                found = True
                 smallest.append(f"| `{name}` | {gpus} | {_layout_text(best)} | {best.memory.total / GIB:.1f} | "
                                 f"{best.time.tokens_per_second:,.0f} |")
-                print(smallest[-1], flush=True)
-                break
+            print(compared[-1], flush=True)
     for name in RECIPES:
         cfg = load_config(ROOT / "recipes" / f"{name}.toml")
         for gpus in GPUS:
@@ -72,6 +79,16 @@ def main() -> None:
         "|---|---:|---|---:|---:|---:|---|",
         *rows,
         "",
+        "## MoE recipes before and after MoE parallel folding (issue 30)",
+        "",
+        "Before: the planner at commit dec4d37 (`benchmarks/results/plan_moe_before_folding.txt`), where",
+        "experts were replicated over tp and ep always multiplied the world size; after: this tree, whose",
+        "search also tries every folded (ep, etp) split of each dense layout.",
+        "",
+        "| recipe | GPUs | before: fastest fitting layout | before: tokens/s | after: fastest fitting layout | after: tokens/s |",
+        "|---|---:|---|---:|---|---:|",
+        *compared,
+        "",
         "## MoE recipes: the smallest GPU count (of 8, 16, 32, 64) where a layout fits",
         "",
         "| recipe | GPUs | fastest fitting layout | GiB/rank | tokens/s |",
@@ -80,6 +97,21 @@ def main() -> None:
         "",
     ])
     (ROOT / "benchmarks" / "results" / "plan_recipes.md").write_text(text)
+
+
+def _before_folding() -> dict[tuple[str, int], tuple[str, str]]:
+    """(recipe, GPUs) -> (layout, tokens/s) from the committed run of the planner before folding."""
+    out = {}
+    for line in BEFORE.read_text().splitlines():
+        if line.startswith("#"):
+            continue
+        name, gpus, rest = line.split(" ", 2)
+        if rest.startswith("none fits"):
+            out[(name, int(gpus))] = ("none fits", "-")
+            continue
+        layout, _gib, tps, _fit, _total = rest.rsplit(" ", 4)
+        out[(name, int(gpus))] = (layout, tps)
+    return out
 
 
 if __name__ == "__main__":
