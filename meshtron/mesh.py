@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshtron import env
 from meshtron.config import Config, ConfigError
+from meshtron.report import launch_store
 
 DIMS = ("pp", "dp", "cp", "ep", "tp")
 
@@ -75,10 +76,7 @@ def init_default_group(timeout: timedelta | None = None) -> None:
     # Binding the accelerator lets DeviceMesh split NCCL communicators instead of creating each one.
     device_id = device if device.index is not None else None
     if "WORLD_SIZE" in os.environ:
-        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout or timedelta(minutes=10)))
-        # torchrun keeps its store across restarts (--max-restarts), where a restarted rank could read
-        # the address a dead peer published; a per-attempt prefix keeps the attempts apart.
-        store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        store, rank, world_size = launch_store(timeout or timedelta(minutes=10))
         dist.init_process_group(
             env.backend(), store=store, rank=rank, world_size=world_size, device_id=device_id, timeout=timeout
         )

@@ -47,6 +47,7 @@ from meshtron.models.moe import MoE
 from meshtron.optim import build_optimizer, lr_at, set_lr
 from meshtron.parallel.step import training_step
 from meshtron.plan.fit import check_memory
+from meshtron.report import record_cause, report_consequence, report_once
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         from meshtron.dryrun import main as dry_run_main
 
         return dry_run_main(recipe, overrides, args.dry_run, args.json, args.gpu_memory)
+    _inject_fault(int(os.environ.get("RANK", "0")), 0)
     try:
         cfg = with_hf_model(infer_dp(load_config(recipe, overrides), _world_size()))
         validate_layout(cfg, _world_size())
@@ -87,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         check_memory(cfg, _world_size(), env.device_type())  # before any allocation or collective
     except USER_ERRORS as err:
         # Every rank reads the same files and reaches the same verdict: one copy of the message is enough.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"meshtron: {err}", file=sys.stderr)
+        report_once(f"meshtron: {err}")
         return 2
     timeout = timedelta(seconds=cfg.train.collective_timeout_s)
     init_default_group(timeout)
@@ -122,17 +123,16 @@ def _report_failure(err: Exception) -> int:
     rank = dist.get_rank()
     who = f"rank {rank}: " if dist.get_world_size() > 1 else ""
     if getattr(err, "on_every_rank", False):
-        if rank == 0:
-            print(f"meshtron: {err}", file=sys.stderr)
+        report_once(f"meshtron: {err}")
     elif _is_collective_failure(err):
-        # A peer died or a collective timed out: the rank that failed first reports the cause.
+        # A peer died or a collective timed out: unless that peer recorded its own error, say so.
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"meshtron: {who}stopped, a collective failed ({first_line})", file=sys.stderr)
+        report_consequence(f"meshtron: {who}stopped, a collective failed ({first_line})")
     elif isinstance(err, USER_ERRORS):
-        print(f"meshtron: {who}{err}", file=sys.stderr)
+        record_cause(f"meshtron: {who}{err}")
     else:
-        print(f"meshtron: {who}failed with {type(err).__name__}: {err}", file=sys.stderr)
         traceback.print_exc()
+        record_cause(f"meshtron: {who}failed with {type(err).__name__}: {err}")
     return 2 if isinstance(err, USER_ERRORS) else 1
 
 
@@ -200,7 +200,8 @@ def _write_pid_file(cfg: Config) -> None:
     (folder / f"rank-{dist.get_rank()}.pid").write_text(f"{os.getpid()}\n")
 
 
-# Failure injection for tests: "raise:RANK:STEP" or "hang:RANK:STEP" acts on that rank before that step.
+# Failure injection for tests: "raise:RANK:STEP" or "hang:RANK:STEP" acts on that rank before that
+# step; "delay:RANK:0" holds that rank 5 s before its start-up checks (another rank finishes them first).
 FAULT_ENV = "MESHTRON_FAULT"
 
 
@@ -215,6 +216,8 @@ def _inject_fault(rank: int, step: int) -> None:
         raise RuntimeError(f"{FAULT_ENV} injected a failure on rank {rank} before step {step}")
     if kind == "hang":
         time.sleep(10**6)
+    if kind == "delay":
+        time.sleep(5)
 
 
 class Trainer:

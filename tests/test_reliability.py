@@ -358,15 +358,24 @@ def test_job_killed_during_an_async_save_resumes_from_the_last_complete_checkpoi
 
 
 def test_a_failing_or_stuck_rank_ends_the_job(tmp_path):
+    """A rank's own error is reported once, by that rank, and its peers' failed collectives stay quiet;
+    a stuck rank ends the job at the collective timeout; a refusal every rank reaches before any
+    process group exists is printed exactly once even when rank 0, held 5 s, is stopped before it
+    gets there (the other rank finishes first and torchrun ends the job)."""
     common = ["--train.steps", "20"]
     started = time.monotonic()
     failing = _torchrun(tmp_path / "raise", 2, common + ["--train.collective_timeout_s", "300"],
                         fault="raise:1:3")
     stuck = _torchrun(tmp_path / "hang", 2, common + ["--train.collective_timeout_s", "8"], fault="hang:1:3")
+    refused = _torchrun(tmp_path / "refused", 4, ["--parallel.tp", "3"], fault="delay:0:0")
     _, err = _finish(failing)
     assert failing.returncode != 0
     assert err.count("meshtron: rank 1: failed with RuntimeError: MESHTRON_FAULT injected") == 1, err[-3000:]
-    assert "meshtron: rank 0:" not in err or "collective failed" in err
+    assert "collective failed" not in err, err[-3000:]
+    _, err = _finish(refused)
+    assert refused.returncode != 0
+    lines = [line for line in err.splitlines() if line.startswith("meshtron:")]
+    assert len(lines) == 1 and "pp=1 x dp=4 x cp=1 x ep=1 x tp=3 = 12, but the world size is 4" in lines[0], err[-3000:]
     _, err = _finish(stuck)
     assert stuck.returncode != 0
     assert "meshtron: rank 0: stopped, a collective failed" in err, err[-3000:]

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "meshtron"
 
 # Lower levels never import higher ones; a package may import itself.
 LEVELS = {
-    "config": 0, "env": 0, "host": 0,
+    "config": 0, "env": 0, "host": 0, "report": 0,
     "mesh": 1, "checkpoint": 1, "data": 1, "metrics": 1, "optim": 1, "syncs": 1,
     "models": 2,
     "parallel": 3,

@@ -1,0 +1,94 @@
+"""One failure report per job, whichever rank gets there first, through the launcher's store.
+
+torchrun stops every worker as soon as one exits, so "rank 0 prints" loses the message whenever another
+rank exits first (a refusal every rank reaches is printed by none). Every rank therefore competes for
+the report on the job's key-value store (torchrun's agent store, or the rendezvous store rank 0 hosts,
+reachable before any process group exists): the first to claim it prints, the others wait until it
+has printed before they exit. At runtime the rank whose own error ended the job records it there, and
+the peers whose collectives then fail stay quiet instead of burying it under "a collective failed".
+Without a store (one process, or a store that cannot be reached) each falls back to printing itself.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+_PRINTED = "meshtron/report/printed"
+_CLAIMS = "meshtron/report/claims"
+_CAUSE = "meshtron/report/cause"
+# How long a rank that lost the claim waits for the winner to print before exiting anyway.
+_WAIT = timedelta(seconds=30)
+
+
+def launch_store(timeout: timedelta):
+    """(store, rank, world size) of the launcher's rendezvous, the store scoped to this restart
+    attempt: torchrun keeps its store across ``--max-restarts``, where a restarted rank could read the
+    values a dead attempt left."""
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store), rank, world_size
+
+
+def _job_store(timeout: timedelta = timedelta(seconds=60)):
+    """The store of the running job: the process group's, else the launcher's; None if unreachable."""
+    if dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return None
+    try:
+        return launch_store(timeout)[0]
+    except Exception:  # noqa: BLE001 - no store: the caller prints for itself
+        return None
+
+
+def report_once(message: str) -> None:
+    """Print ``message`` (the same on every rank) once for the job: the first rank to claim it prints."""
+    store = _job_store()
+    if store is None:
+        _print(message)
+        return
+    try:
+        first = store.add(_CLAIMS, 1) == 1
+    except Exception:  # noqa: BLE001 - the store went away with its host: say it ourselves
+        _print(message)
+        return
+    if first:
+        _print(message)
+        store.set(_PRINTED, "1")
+        return
+    try:
+        store.wait([_PRINTED], _WAIT)  # exiting now could get the printing rank stopped mid-way
+    except Exception:  # noqa: BLE001 - the winner died first: its message may be lost, ours is the same
+        _print(message)
+
+
+def record_cause(message: str) -> None:
+    """This rank's own error ends the job: print it and leave it on the store for the peers."""
+    _print(message)
+    store = _job_store()
+    if store is not None:
+        try:
+            store.set(_CAUSE, message)
+        except Exception:  # noqa: BLE001 - printed already; peers then print their own lines
+            pass
+
+
+def report_consequence(message: str) -> None:
+    """A collective failed because a peer stopped: print ``message`` unless a peer recorded the cause."""
+    store = _job_store()
+    try:
+        known = store is not None and store.check([_CAUSE])
+    except Exception:  # noqa: BLE001
+        known = False
+    if not known:
+        _print(message)
+
+
+def _print(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+__all__ = ["launch_store", "record_cause", "report_consequence", "report_once"]
