@@ -90,3 +90,11 @@ def test_dry_run_pipeline_moe_and_hf_folder(capsys, tmp_path):
     assert code == 0, err
     (rank,) = report["ranks"]
     assert rank["collectives"]["alltoall_base_"] > 0 and rank["traced_gib"] > 0, rank
+    # The same folder through [model] hf_model with its experts folded over the dense tp 4 x dp 2 ranks.
+    code, report, err = _dry_run(capsys, "--recipe", "recipes/debug_dense.toml", "--model.hf_model", str(folder),
+                                 "--dry-run", "8", "--parallel.dp", "2", "--parallel.tp", "4", "--parallel.ep", "4",
+                                 "--parallel.fold_ep", "true", "--train.dtype", "bfloat16")
+    assert code == 0, err
+    assert report["layout"].endswith("(experts: ep4 x etp1, folded)"), report["layout"]
+    (rank,) = report["ranks"]
+    assert rank["collectives"]["alltoall_base_"] > 0 and rank["traced_gib"] > 0, rank
