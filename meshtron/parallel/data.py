@@ -51,9 +51,11 @@ no policy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -181,6 +183,40 @@ def set_prefetch(model: nn.Module, depth: int) -> None:
                 units[0].set_modules_to_forward_prefetch(ahead)
             if behind:
                 units[0].set_modules_to_backward_prefetch(behind)
+
+
+# What the pipeline executor needs of FSDP to gather and reduce each unit once per step
+# (``meshtron.parallel.pipeline.executor``); FSDP's private calls stay in this module.
+
+
+def hold_unsharded(unit: nn.Module, hold: bool) -> None:
+    """Hold ``unit`` gathered with its gradients unreduced (``hold``), or let its next backward
+    reduce-scatter, reshard and finish the step's reductions (``is_last_backward`` is shared by
+    all units of the root; setting it early only waits for reductions sooner)."""
+    unit.set_requires_gradient_sync(not hold, recurse=False)
+    unit.set_reshard_after_backward(not hold, recurse=False)
+    if not isinstance(unit, ReplicateModule):  # replicas are never sharded: nothing to gather or free
+        unit.set_reshard_after_forward(not hold, recurse=False)
+    unit.set_is_last_backward(not hold)
+
+
+def finish_split_backward(units: Sequence[nn.Module], released: Sequence[nn.Module]) -> None:
+    """FSDP2's end of backward for a ``W`` that restarted autograd inside the graph, where the
+    module-input hooks that run it never fire (only some output hooks may): every param group of the
+    chunk's ``units`` (and of the ``released`` ones) folds its new gradients into its accumulator or,
+    once released, reduce-scatters them; after a release, the root's final callback waits for those
+    reductions, as it does after a whole backward. FSDP2 has no public call for this; these are the
+    private methods ``torch.distributed.pipelining``'s stages call for their own split backward."""
+    states = {id(u): _unit_state(u) for u in [*units, *released]}
+    for state in states.values():
+        for group in state._fsdp_param_groups:
+            group.post_backward()
+    if released:
+        _unit_state(released[0])._root_post_backward_final_callback()
+
+
+def _unit_state(unit: nn.Module):
+    return (replicate if isinstance(unit, ReplicateModule) else fully_shard).state(unit)
 
 
 def apply_data_parallel(

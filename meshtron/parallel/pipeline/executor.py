@@ -34,7 +34,7 @@ activations live from its ``F`` to its ``W`` (``schedules.peak_in_flight`` count
 plus the recorded gradients (at most one per weight-consuming node, activation-sized); dropping
 the output and the records at ``W`` frees them all. FSDP2 accumulates and reduce-scatters in hooks
 of the backward traversal, which a ``W`` restarted inside the graph never reaches, so after it the
-executor runs what those hooks would have (:func:`_post_backward`): the chunk's gradients move into
+executor runs what those hooks would have (:func:`meshtron.parallel.data.finish_split_backward`): the chunk's gradients move into
 FSDP's reduce-dtype accumulator (fp32 under bf16 mixed precision, so consecutive ``W`` never add
 micro-batches in bf16), and a releasing ``W`` reduce-scatters them. Activation checkpointing:
 each restarted pass is a graph task of its own and replays the checkpointed forward again (one
@@ -73,11 +73,10 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
-from torch.distributed.fsdp import fully_shard
 from torch.autograd.graph import GradientEdge
 from torch.distributed.tensor import DTensor
 
+from meshtron.parallel.data import finish_split_backward, hold_unsharded
 from meshtron.parallel.pipeline.schedules import (
     B,
     F,
@@ -170,7 +169,7 @@ class PipelineExecutor:
         self._reset()
         self.spans, self.peak_live = [], 0
         for unit in self._units:
-            _hold_unsharded(unit, True)
+            hold_unsharded(unit, True)
         total = torch.zeros((), device=first_inputs[0].device)
         try:
             for i, step in enumerate(self.steps):
@@ -302,11 +301,11 @@ class PipelineExecutor:
     def _finish_weights(self, index: int, stage: int) -> None:
         """After a ``W`` that ran no whole backward: FSDP's end of backward, by hand."""
         self._release_units(index)
-        _post_backward(self._chunk_units.get(stage, []), self._release.get(index, []))
+        finish_split_backward(self._chunk_units.get(stage, []), self._release.get(index, []))
 
     def _release_units(self, index: int) -> None:
         for unit in self._release.get(index, ()):
-            _hold_unsharded(unit, False)
+            hold_unsharded(unit, False)
 
     def _input(self, key: tuple[str, int, int], source_stage: int) -> torch.Tensor:
         """A stage's input activation or output gradient: handed over by a stage on this rank (the
@@ -483,36 +482,6 @@ def _weight_leaves(node, on_path: set) -> list:
             leaves.append(n)
         stack += [c for c, _ in n.next_functions if c is not None and c not in on_path]
     return leaves
-
-
-def _hold_unsharded(unit: nn.Module, hold: bool) -> None:
-    """Hold ``unit`` gathered with its gradients unreduced (``hold``), or let its next backward
-    reduce-scatter, reshard and finish the step's reductions (``is_last_backward`` is shared by
-    all units of the root; setting it early only waits for reductions sooner)."""
-    unit.set_requires_gradient_sync(not hold, recurse=False)
-    unit.set_reshard_after_backward(not hold, recurse=False)
-    if not isinstance(unit, ReplicateModule):  # replicas are never sharded: nothing to gather or free
-        unit.set_reshard_after_forward(not hold, recurse=False)
-    unit.set_is_last_backward(not hold)
-
-
-def _post_backward(units: Sequence[nn.Module], released: Sequence[nn.Module]) -> None:
-    """FSDP2's end of backward for a ``W`` that restarted autograd inside the graph, where the
-    module-input hooks that run it never fire (only some output hooks may): every param group of the
-    chunk's ``units`` (and of the ``released`` ones) folds its new gradients into its accumulator or,
-    once released, reduce-scatters them; after a release, the root's final callback waits for those
-    reductions, as it does after a whole backward. FSDP2 has no public call for this; these are the
-    private methods ``torch.distributed.pipelining``'s stages call for their own split backward."""
-    states = {id(u): _fsdp_state(u) for u in [*units, *released]}
-    for state in states.values():
-        for group in state._fsdp_param_groups:
-            group.post_backward()
-    if released:
-        _fsdp_state(released[0])._root_post_backward_final_callback()
-
-
-def _fsdp_state(unit: nn.Module):
-    return (replicate if isinstance(unit, ReplicateModule) else fully_shard).state(unit)
 
 
 def _sync() -> None:
