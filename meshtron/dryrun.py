@@ -10,7 +10,8 @@ appears there) and traces the second under ``MemTracker`` (peak bytes) and :clas
 same rank without its reserve and slack terms (the trace has no CUDA context and no allocator).
 
 Where the real step reads device values on the host, :mod:`meshtron.host` supplies the dry run's
-assumption.
+assumption; ``--dry-run-routing skewed`` replaces balanced MoE routing by the worst case (every
+rank's token copies sent to the first ep rank, which the traced rank is).
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ def _local_batch(cfg: Config, mesh, device: torch.device) -> tuple[torch.Tensor,
     return ids, ids.clone()
 
 
-def trace_rank(cfg: Config, world_size: int, rank: int) -> RankTrace:
-    """Build and step rank ``rank`` of a ``world_size``-rank run of ``cfg`` on fake tensors."""
+def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced") -> RankTrace:
+    """Build and step rank ``rank`` of a ``world_size``-rank run of ``cfg`` on fake tensors, MoE routing
+    assumed ``routing`` (``meshtron.host.ROUTINGS``)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from meshtron.optim import build_optimizer
@@ -169,7 +171,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int) -> RankTrace:
         mesh = recipe_mesh(cfg)
         coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
         device = torch.device(env.device_type())
-        with simulated():
+        with simulated(routing):
             runner = _runner(cfg, mesh, device)
             with fake_tensors():
                 optimizer = build_optimizer(runner.module, cfg.train)
@@ -188,7 +190,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int) -> RankTrace:
                      time.perf_counter() - start)
 
 
-def dry_run(cfg: Config, world_size: int) -> list[RankTrace]:
+def dry_run(cfg: Config, world_size: int, routing: str = "balanced") -> list[RankTrace]:
     """Every distinct rank of ``cfg`` (validated for ``world_size`` ranks) traced, each in a process of
     its own (a process holds one default process group, and meshes cache its sub-groups), as many at a
     time as there are CPUs."""
@@ -198,7 +200,7 @@ def dry_run(cfg: Config, world_size: int) -> list[RankTrace]:
     if sys.platform == "linux":  # each rank's process forks from a server that has imported torch once
         context.set_forkserver_preload(["torch", "torch.distributed", "meshtron.dryrun"])
     with context.Pool(workers, maxtasksperchild=1) as pool:  # a fresh process per rank
-        results = pool.starmap(_trace_or_error, [(cfg, world_size, rank) for rank in ranks])
+        results = pool.starmap(_trace_or_error, [(cfg, world_size, rank, routing) for rank in ranks])
     for rank, result in zip(ranks, results):
         if isinstance(result, ConfigError):
             raise result
@@ -211,11 +213,11 @@ class DryRunError(RuntimeError):
     """A simulated rank failed; the message holds its traceback."""
 
 
-def _trace_or_error(cfg: Config, world_size: int, rank: int) -> RankTrace | ConfigError | str:
+def _trace_or_error(cfg: Config, world_size: int, rank: int, routing: str) -> RankTrace | ConfigError | str:
     """:func:`trace_rank` in a worker: an error comes back as a value (a ConfigError as it is, anything
     else as its traceback text), since not every exception crosses a process boundary."""
     try:
-        return trace_rank(cfg, world_size, rank)
+        return trace_rank(cfg, world_size, rank, routing)
     except ConfigError as err:
         return ConfigError(str(err))
     except Exception:  # noqa: BLE001 - reported by the parent, naming the rank
@@ -228,16 +230,18 @@ def layout_text(cfg: Config) -> str:
     return f"pp{p.pp} x dp{p.dp} x cp{p.cp} x ep{p.mesh_ep} x tp{p.tp}{experts}"
 
 
-def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool, seconds: float) -> str:
+def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool, seconds: float,
+           routing: str = "balanced") -> str:
     if as_json:
         return json.dumps({
-            "world_size": world_size, "layout": layout_text(cfg), "seconds": round(seconds, 1),
+            "world_size": world_size, "layout": layout_text(cfg), "routing": routing, "seconds": round(seconds, 1),
             "ranks": [{"rank": t.rank, "coords": t.coords, "traced_gib": round(t.traced_gib, 3),
                        "planned_gib": round(t.planned_gib, 3), "ratio": round(t.ratio, 3),
                        "collectives": t.collectives, "comm_bytes": t.comm_bytes, "flops": t.flops} for t in traces],
         })
     lines = [f"dry run: {world_size} ranks, {layout_text(cfg)}, {cfg.parallel.schedule}, "
-             f"{cfg.train.dtype}, seq {cfg.train.seq_len}, global batch {cfg.train.global_batch_size}",
+             f"{cfg.train.dtype}, seq {cfg.train.seq_len}, global batch {cfg.train.global_batch_size}"
+             + (f", {routing} MoE routing" if cfg.model.is_moe else ""),
              f"{'rank':>6} {'pp':>3} {'traced GiB':>11} {'planned GiB':>12} {'ratio':>6} {'TFLOP':>8}  collectives"]
     for t in traces:
         comms = ", ".join(f"{op} {n} x, {t.comm_bytes[op] / GIB:.2f} GiB" for op, n in sorted(t.collectives.items()))
@@ -262,7 +266,8 @@ def _hardware(recipe: str) -> RecipeHardware:
         return RecipeHardware(nodes=1, per_node=8, device="cuda", memory_gib=80.0)
 
 
-def main(recipe: str, overrides: list[str], world_size: int, as_json: bool, gpu_memory_gib: float | None) -> int:
+def main(recipe: str, overrides: list[str], world_size: int, as_json: bool, gpu_memory_gib: float | None,
+         routing: str = "balanced") -> int:
     """The ``--dry-run`` command: bad input gets the training launch's one-line error and exit 2 before
     anything is traced; a layout that would not fit ``gpu_memory_gib`` (default: the recipe's stated
     hardware) ends with the pre-flight refusal and exit 2 after the report."""
@@ -283,11 +288,11 @@ def main(recipe: str, overrides: list[str], world_size: int, as_json: bool, gpu_
         print(f"meshtron: {err}", file=sys.stderr)
         return 2
     try:
-        traces = dry_run(cfg, world_size)
+        traces = dry_run(cfg, world_size, routing)
     except ConfigError as err:
         print(f"meshtron: {err}", file=sys.stderr)
         return 2
-    print(report(cfg, world_size, traces, as_json, time.perf_counter() - start), flush=True)
+    print(report(cfg, world_size, traces, as_json, time.perf_counter() - start, routing), flush=True)
     try:
         check_memory(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, memory_check="error")), world_size,
                      hardware.device, (memory * GIB, source), hardware.per_node)

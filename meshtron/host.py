@@ -3,7 +3,7 @@
 A dry run (``python -m meshtron.train --dry-run N``) executes the real step on fake tensors under a
 fake process group: tensors have shapes and dtypes but no values, so every place where the step
 turns device values into host numbers asks :func:`simulating` and uses the stated assumption
-instead (no initial weights to compute, balanced MoE routing, no metrics to read).
+instead (no initial weights to compute, MoE routing as :func:`routing` says, no metrics to read).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import torch
 
 _fake_mode = None  # the dry run's FakeTensorMode, while one runs
+_routing = "balanced"  # the dry run's assumption of how the routers spread token copies
+ROUTINGS = ("balanced", "skewed")
 
 
 def simulating() -> bool:
@@ -22,16 +24,20 @@ def simulating() -> bool:
 
 
 @contextlib.contextmanager
-def simulated() -> Iterator[None]:
-    """A dry run: :func:`fake_tensors` allocates fake tensors (shapes, dtypes, devices; no storage)."""
+def simulated(routing: str = "balanced") -> Iterator[None]:
+    """A dry run: :func:`fake_tensors` allocates fake tensors (shapes, dtypes, devices; no storage);
+    MoE routers are assumed to spread token copies as ``routing`` (:data:`ROUTINGS`) says."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    global _fake_mode
+    global _fake_mode, _routing
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
     previous, _fake_mode = _fake_mode, FakeTensorMode(allow_non_fake_inputs=True)
+    previous_routing, _routing = _routing, routing
     try:
         yield
     finally:
-        _fake_mode = previous
+        _fake_mode, _routing = previous, previous_routing
 
 
 def fake_tensors() -> contextlib.AbstractContextManager:
@@ -40,11 +46,13 @@ def fake_tensors() -> contextlib.AbstractContextManager:
     return _fake_mode if _fake_mode is not None else contextlib.nullcontext()
 
 
-def split_sizes(sizes: torch.Tensor, balanced: list[int]) -> list[int]:
+def split_sizes(sizes: torch.Tensor, assumed: dict[str, list[int]]) -> list[int]:
     """Host ints of the 1-D ``sizes`` (split sizes of uneven collectives): the one device-to-host read
-    of the expert dispatch. A dry run has no values and takes ``balanced``: the sizes under evenly
-    routed tokens (see :func:`even_split`)."""
-    return list(balanced) if simulating() else sizes.tolist()
+    of the expert dispatch. A dry run has no values and takes the sizes ``assumed`` for its routing:
+    ``balanced`` (every expert gets as many copies, see :func:`even_split`) or ``skewed`` (every rank
+    sends all its copies to the first ep rank's experts: the most any rank can receive, since capacity
+    drops copies only after computing them)."""
+    return list(assumed[_routing]) if simulating() else sizes.tolist()
 
 
 def even_split(total: int, peers: int) -> list[int]:
@@ -52,4 +60,4 @@ def even_split(total: int, peers: int) -> list[int]:
     return [total // peers + (i < total % peers) for i in range(peers)]
 
 
-__all__ = ["fake_tensors", "simulated", "simulating", "split_sizes", "even_split"]
+__all__ = ["ROUTINGS", "even_split", "fake_tensors", "simulated", "simulating", "split_sizes"]

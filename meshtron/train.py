@@ -38,6 +38,7 @@ from meshtron.checkpoint import (
 from meshtron.config import Config, ConfigError, config_to_dict, infer_dp, load_config, model_differences
 from meshtron.hf import CheckpointError, save_hf
 from meshtron.hf.runner import build_hf_runner, export_hf_model, with_hf_model
+from meshtron.host import ROUTINGS
 from meshtron.data import SourceSpec, to_device
 from meshtron.mesh import batch_mesh, init_default_group, recipe_mesh
 from meshtron.parallel.layout import validate_layout
@@ -58,6 +59,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--json", action="store_true", help="--dry-run: print the report as JSON")
     parser.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
                         help="--dry-run: memory per device the layout must fit (default: the recipe's # Hardware line)")
+    parser.add_argument("--dry-run-routing", choices=ROUTINGS, default="balanced",
+                        help="--dry-run: MoE routing assumed; skewed sends every rank's token copies to the "
+                             "first ep rank (the traced one), the most it can receive")
     args, overrides = parser.parse_known_args(argv)
     return args, overrides
 
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         from meshtron.dryrun import main as dry_run_main
 
-        return dry_run_main(recipe, overrides, args.dry_run, args.json, args.gpu_memory)
+        return dry_run_main(recipe, overrides, args.dry_run, args.json, args.gpu_memory, args.dry_run_routing)
     _inject_fault(int(os.environ.get("RANK", "0")), 0)
     try:
         cfg = with_hf_model(infer_dp(load_config(recipe, overrides), _world_size()))

@@ -80,6 +80,15 @@ def test_dry_run_pipeline_moe_and_hf_folder(capsys, tmp_path):
         # 1F1B with 2 micro-batches: each stage sends 2 activations or 2 gradients and receives as many.
         assert rank["collectives"]["send"] == 2 and rank["collectives"]["recv_"] == 2, rank["collectives"]
         assert rank["collectives"]["alltoall_base_"] > 0, rank["collectives"]
+    # Skewed routing: every rank's copies go to ep rank 0 (the traced one), which then receives, computes
+    # and returns ep = 4 times the rows it would under balanced routing.
+    code, skewed, err = _dry_run(capsys, "--recipe", "recipes/debug_moe.toml", "--dry-run", "8", "--train.dtype",
+                                 "bfloat16", "--parallel.pp", "2", "--parallel.dp", "0", "--parallel.microbatches", "2",
+                                 "--dry-run-routing", "skewed")
+    assert code == 0 and skewed["routing"] == "skewed" and report["routing"] == "balanced", err
+    for even, worst in zip(report["ranks"], skewed["ranks"]):
+        assert worst["comm_bytes"]["alltoall_base_"] > even["comm_bytes"]["alltoall_base_"], (even, worst)
+        assert worst["traced_gib"] > even["traced_gib"], (even, worst)
     folder = tmp_path / "qwen3_moe"
     transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                                 num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=8,

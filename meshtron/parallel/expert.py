@@ -317,8 +317,18 @@ class ExpertDispatch(nn.Module):
             received = received.view(self.ep, self.local_experts)
         sources = _all_gather_rows(received, self.etp_group) if self.etp > 1 else received
         sizes = torch.cat([counts.view(self.ep, -1).sum(1), received.sum(1), sources.view(self.etp, -1).sum(1)])
-        host = split_sizes(sizes, even_split(rows, self.ep) * 2 + [rows] * self.etp)  # the one sync
+        host = split_sizes(sizes, self._assumed_sizes(rows))  # the one sync
         return host[: self.ep], host[self.ep : 2 * self.ep], host[2 * self.ep :], sources
+
+    def _assumed_sizes(self, rows: int) -> dict[str, list[int]]:
+        """What a dry run takes for the split sizes (``meshtron.host.split_sizes``): balanced routing,
+        or every rank's copies sent to ep rank 0."""
+        first = dist.get_rank(self.ep_group) == 0 if self.ep > 1 else True
+        received = rows * self.ep if first else 0
+        return {
+            "balanced": even_split(rows, self.ep) * 2 + [rows] * self.etp,
+            "skewed": [rows] + [0] * (self.ep - 1) + [rows if first else 0] * self.ep + [received] * self.etp,
+        }
 
     def _run_local_experts(self, received: torch.Tensor, sources: torch.Tensor, rows: int) -> torch.Tensor:
         """Regroup rows (by source rank, then local expert) by local expert, run them, restore the order."""
