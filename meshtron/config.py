@@ -414,12 +414,20 @@ def _validate_layout(cfg: Config, source: str) -> None:
         f"got {p.virtual_stages}.",
     )
     _validate_data_parallel(p, source)
-    for key, value in (("ep", p.ep > 1), ("etp", p.etp > 1), ("fold_ep", p.fold_ep)):
-        _require(  # an hf_model folder's experts are read later (parallel/layout.py checks them)
-            not value or cfg.model.is_moe or cfg.model.hf_model,
-            f"{where} {key} = {getattr(p, key)} needs an MoE model (num_experts > 0); "
-            + ("use dp instead." if key == "ep" else f"remove {key}."),
-        )
+    expert_keys = expert_keys_without_experts(p)
+    _require(  # an hf_model folder's experts are read later (parallel/layout.py checks them)
+        not expert_keys or cfg.model.is_moe or cfg.model.hf_model, f"{where} {expert_keys}"
+    )
+
+
+def expert_keys_without_experts(p: ParallelConfig) -> str | None:
+    """For a model without experts: what is wrong with the first expert key set (ep, etp, fold_ep)."""
+    for key, used in (("ep", p.ep > 1), ("etp", p.etp > 1), ("fold_ep", p.fold_ep)):
+        if used:
+            value = str(getattr(p, key)).lower()
+            return (f"{key} = {value} needs an MoE model (num_experts > 0); "
+                    + ("use dp instead." if key == "ep" else f"remove {key}."))
+    return None
 
 
 def infer_dp(cfg: Config, world_size: int) -> Config:

@@ -9,7 +9,7 @@ instead (no initial weights to compute, MoE routing as :func:`routing` says, no 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -46,13 +46,13 @@ def fake_tensors() -> contextlib.AbstractContextManager:
     return _fake_mode if _fake_mode is not None else contextlib.nullcontext()
 
 
-def split_sizes(sizes: torch.Tensor, assumed: dict[str, list[int]]) -> list[int]:
+def split_sizes(sizes: torch.Tensor, assumed: Callable[[str], list[int]]) -> list[int]:
     """Host ints of the 1-D ``sizes`` (split sizes of uneven collectives): the one device-to-host read
-    of the expert dispatch. A dry run has no values and takes the sizes ``assumed`` for its routing:
-    ``balanced`` (every expert gets as many copies, see :func:`even_split`) or ``skewed`` (every rank
-    sends all its copies to the first ep rank's experts: the most any rank can receive, since capacity
-    drops copies only after computing them)."""
-    return list(assumed[_routing]) if simulating() else sizes.tolist()
+    of the expert dispatch. A dry run has no values and takes ``assumed(routing)``, the sizes under its
+    routing: ``balanced`` (every expert gets as many copies, see :func:`even_split`) or ``skewed`` (every
+    rank sends all its copies to the first ep rank's experts: the most any rank can receive, since
+    capacity drops copies only after computing them). A real run never calls ``assumed``."""
+    return list(assumed(_routing)) if simulating() else sizes.tolist()
 
 
 def even_split(total: int, peers: int) -> list[int]:

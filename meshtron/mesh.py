@@ -199,19 +199,22 @@ def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return expert_meshes(mesh).data
 
 
+def expert_hsdp_shards(sizes: dict[str, int], split: ExpertSplit) -> int:
+    """The experts' HSDP shard group: their edp ranks inside one dp slice (``sizes``: the mesh's)."""
+    in_slice = sizes["cp"] * sizes["ep"] * sizes["tp"]  # a dp slice's ranks
+    group = split.ep * split.etp  # ranks holding different expert slices
+    if in_slice % group == 0:
+        return in_slice // group
+    if group % in_slice == 0:
+        return 1  # an expert group spans whole dp slices: HSDP replicates only
+    raise ConfigError(
+        f"[parallel] data_parallel = 'hsdp' needs ep x etp = {group} and a dp slice's ranks cp x ep x tp = "
+        f"{in_slice} to divide one another (experts shard inside a dp slice); use data_parallel = 'fsdp'."
+    )
+
+
 def expert_hsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """edp as (replicate, shard) for HSDP: shard inside a dp slice, replicate across dp slices."""
     edp = expert_data_mesh(mesh)
-    in_slice = mesh["cp"].size() * mesh["ep"].size() * mesh["tp"].size()  # a dp slice's ranks
-    split = expert_split(mesh)
-    group = split.ep * split.etp  # ranks holding different expert slices
-    if in_slice % group == 0:
-        shard = in_slice // group
-    elif group % in_slice == 0:
-        shard = 1  # an expert group spans whole dp slices: HSDP replicates only
-    else:
-        raise ConfigError(
-            f"[parallel] data_parallel = 'hsdp' needs ep x etp = {group} and a dp slice's ranks cp x ep x tp = "
-            f"{in_slice} to divide one another (experts shard inside a dp slice); use data_parallel = 'fsdp'."
-        )
+    shard = expert_hsdp_shards({d: mesh[d].size() for d in DIMS}, expert_split(mesh))
     return edp._unflatten(0, (edp.size() // shard, shard), ("edp_replicate", "edp_shard"))

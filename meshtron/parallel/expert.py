@@ -139,32 +139,19 @@ class _GatherTokens(torch.autograd.Function):
         return grad.reshape(size, -1, *grad.shape[1:])[rank].clone(), None
 
 
-class _GatherUneven(torch.autograd.Function):
-    """Every group rank's rows (``sizes[r]`` from rank r) concatenated in rank order; backward sums
-    each rank's rows of the gradient back to it (a reduce-scatter)."""
+class _Uneven(torch.autograd.Function):
+    """Rows of uneven size over ``group`` (``sizes[r]`` rows owned by rank r). ``gather``: every rank's
+    rows concatenated in rank order, and backward sums each rank's gradient rows back to it;
+    otherwise the reverse (rows ordered by owner, summed into the owner's ``sizes[rank]`` rows)."""
 
     @staticmethod
-    def forward(ctx, x, sizes: list[int], group):
-        ctx.sizes, ctx.group = sizes, group
-        return _gather_uneven(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_uneven(grad, ctx.sizes, ctx.group), None, None
-
-
-class _ReduceScatterUneven(torch.autograd.Function):
-    """Rows ``[sum(sizes), ...]`` ordered by owner rank, summed over the group into the owner's
-    ``sizes[rank]`` rows; backward gathers the gradient rows (the reverse of :class:`_GatherUneven`)."""
-
-    @staticmethod
-    def forward(ctx, x, sizes: list[int], group):
-        ctx.sizes, ctx.group = sizes, group
-        return _reduce_scatter_uneven(x, sizes, group)
+    def forward(ctx, x, sizes: list[int], group, gather: bool):
+        ctx.sizes, ctx.group, ctx.gather = sizes, group, gather
+        return (_gather_uneven if gather else _reduce_scatter_uneven)(x, sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_uneven(grad, ctx.sizes, ctx.group), None, None
+        return (_reduce_scatter_uneven if ctx.gather else _gather_uneven)(grad, ctx.sizes, ctx.group), None, None, None
 
 
 def _gather_uneven(x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
@@ -282,11 +269,11 @@ class ExpertDispatch(nn.Module):
         for work in pending:
             work.wait()
         if self.etp > 1:
-            received = _GatherUneven.apply(received, slice_rows, self.etp_group)
+            received = _Uneven.apply(received, slice_rows, self.etp_group, True)
         self.last_rows = sum(slice_rows)
         y = self._run_local_experts(received, sources, self.last_rows)
         if self.etp > 1:
-            y = _ReduceScatterUneven.apply(y, slice_rows, self.etp_group)
+            y = _Uneven.apply(y, slice_rows, self.etp_group, False)
         if self.ep > 1:
             y = _AllToAll.apply(y, send, recv, self.ep_group, None)
         return y, side
@@ -317,18 +304,17 @@ class ExpertDispatch(nn.Module):
             received = received.view(self.ep, self.local_experts)
         sources = _all_gather_rows(received, self.etp_group) if self.etp > 1 else received
         sizes = torch.cat([counts.view(self.ep, -1).sum(1), received.sum(1), sources.view(self.etp, -1).sum(1)])
-        host = split_sizes(sizes, self._assumed_sizes(rows))  # the one sync
+        host = split_sizes(sizes, lambda routing: self._assumed_sizes(rows, routing))  # the one sync
         return host[: self.ep], host[self.ep : 2 * self.ep], host[2 * self.ep :], sources
 
-    def _assumed_sizes(self, rows: int) -> dict[str, list[int]]:
-        """What a dry run takes for the split sizes (``meshtron.host.split_sizes``): balanced routing,
-        or every rank's copies sent to ep rank 0."""
-        first = dist.get_rank(self.ep_group) == 0 if self.ep > 1 else True
-        received = rows * self.ep if first else 0
-        return {
-            "balanced": even_split(rows, self.ep) * 2 + [rows] * self.etp,
-            "skewed": [rows] + [0] * (self.ep - 1) + [rows if first else 0] * self.ep + [received] * self.etp,
-        }
+    def _assumed_sizes(self, rows: int, routing: str) -> list[int]:
+        """What a dry run takes for the split sizes (``meshtron.host.split_sizes``): ``balanced``
+        routing, or ``skewed``: every rank's copies sent to ep rank 0."""
+        if routing == "balanced":
+            return even_split(rows, self.ep) * 2 + [rows] * self.etp
+        first = self.ep == 1 or dist.get_rank(self.ep_group) == 0
+        received = rows if first else 0  # from each ep peer
+        return [rows] + [0] * (self.ep - 1) + [received] * self.ep + [received * self.ep] * self.etp
 
     def _run_local_experts(self, received: torch.Tensor, sources: torch.Tensor, rows: int) -> torch.Tensor:
         """Regroup rows (by source rank, then local expert) by local expert, run them, restore the order."""

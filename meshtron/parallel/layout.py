@@ -7,8 +7,8 @@ before any collective, so a bad layout never hangs. Each parallelism contributes
 
 from __future__ import annotations
 
-from meshtron.config import Config, ConfigError
-from meshtron.mesh import ExpertSplit, check_expert_split, check_sizes
+from meshtron.config import Config, ConfigError, expert_keys_without_experts
+from meshtron.mesh import ExpertSplit, check_expert_split, check_sizes, expert_hsdp_shards
 from meshtron.parallel.context import check_context_parallel, cp_ranks_per_node, local_heads
 from meshtron.parallel.expert import check_expert_tp_divisible
 from meshtron.parallel.pipeline.stage import check_pipeline
@@ -41,13 +41,15 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     sizes = dict(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.mesh_ep, tp=p.tp)
     check_sizes(sizes, world_size, "[parallel] ")
-    check_expert_split(sizes, ExpertSplit(p.ep, p.etp, p.fold_ep), "[parallel] ")
+    split = ExpertSplit(p.ep, p.etp, p.fold_ep)
+    check_expert_split(sizes, split, "[parallel] ")
+    if p.data_parallel == "hsdp" and m.is_moe:
+        expert_hsdp_shards(sizes, split)  # experts must shard inside a dp slice
     limit = max(_SUGGEST_UP_TO, world_size)
     check_tensor_parallel(m.num_attention_heads, m.kv_heads, p.tp)
-    for key, used in (("ep", p.ep > 1), ("etp", p.etp > 1), ("fold_ep", p.fold_ep)):
-        if used and not m.is_moe:  # an hf_model folder's model is known only here
-            raise ConfigError(f"[parallel] {key} = {getattr(p, key)} needs an MoE model (num_experts > 0); "
-                              + ("use dp instead." if key == "ep" else f"remove {key}."))
+    expert_keys = expert_keys_without_experts(p)
+    if expert_keys and not m.is_moe:  # an hf_model folder's model is known only here
+        raise ConfigError(f"[parallel] {expert_keys}")
     if m.is_moe and m.num_experts % p.ep:
         raise ConfigError(
             f"[parallel] ep = {p.ep} does not divide [model] num_experts = {m.num_experts}. "

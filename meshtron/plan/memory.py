@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from meshtron.config import Config, ModelConfig
+from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule, held_counts
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank, split_layers
 
@@ -235,13 +236,6 @@ def expert_coords(cfg: Config, c: Coords) -> ExpertCoords:
     return ExpertCoords(edp, (c.dp * p.cp + c.cp) * rest + c.tp // p.etp, c.ep, c.tp % p.etp)
 
 
-def expert_hsdp_shards(cfg: Config) -> int:
-    """The experts' HSDP shard group: their edp ranks inside one dp slice (``mesh.expert_hsdp_mesh``)."""
-    p = cfg.parallel
-    in_slice, group = p.cp * p.mesh_ep * p.tp, p.ep * p.etp
-    return in_slice // group if in_slice % group == 0 else 1
-
-
 def data_shards(cfg: Config, coords: Coords, expert: bool) -> tuple[int, int]:
     """(shard count, this rank's shard index) of the data-parallel sharding (``parallel/data.py``)."""
     p, c = cfg.parallel, coords
@@ -250,7 +244,7 @@ def data_shards(cfg: Config, coords: Coords, expert: bool) -> tuple[int, int]:
     if expert:
         e = expert_coords(cfg, c)
         if p.data_parallel == "hsdp":  # replicate over dp slices, shard inside one
-            shards = expert_hsdp_shards(cfg)
+            shards = expert_hsdp_shards(dict(cp=p.cp, ep=p.mesh_ep, tp=p.tp), ExpertSplit(p.ep, p.etp, p.fold_ep))
             return shards, e.edp_index % shards
         return e.edp, e.edp_index
     ep = p.mesh_ep
