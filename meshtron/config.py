@@ -142,6 +142,10 @@ class TrainConfig:
     output_dir: str = "runs/default"
     # A collective that waits longer than this fails instead of hanging (a dead or stuck peer).
     collective_timeout_s: float = 600.0
+    # A step running longer is reported as a hang (meshtron.watchdog): which rank is behind, in which
+    # collective the others wait, stacks under <output_dir>/hang/. 0: the larger of 300 s and 10 x the
+    # median step, at most half of collective_timeout_s.
+    hang_timeout_s: float = 0.0
     on_nonfinite: str = "stop"  # NaN/Inf loss or gradient norm: "stop" the run or "skip" the step
     # Tokens per chunk of the fused lm_head + cross-entropy: its extra memory is ~chunk x vocab / tp floats.
     loss_chunk_tokens: int = 1024
@@ -490,6 +494,12 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
     _require(
         t.collective_timeout_s > 0,
         f"{source}: [train] collective_timeout_s must be > 0 seconds, got {t.collective_timeout_s}.",
+    )
+    _require(
+        0 <= t.hang_timeout_s < t.collective_timeout_s,
+        f"{source}: [train] hang_timeout_s must be >= 0 (0: automatic) and shorter than collective_timeout_s "
+        f"({t.collective_timeout_s}), got {t.hang_timeout_s}: a collective that times out first ends the job "
+        "before the hang report.",
     )
     _require(
         t.on_nonfinite in NONFINITE_POLICIES,

@@ -125,7 +125,19 @@ class MetricsLogger:
             parts.append(f"mfu {100 * r['mfu']:.1f}%")
         if r.get("memory_gib") is not None:
             parts.append(f"mem {r['memory_gib']:.1f}GiB")
+        if is_straggling(r):
+            parts.append(f"straggler rank {r['slowest_rank']} ({r['rank_time_max']:.2f}s, "
+                         f"median {r['rank_time_median']:.2f}s)")
         return " | ".join(parts)
+
+
+STRAGGLER_SPREAD = 0.2
+
+
+def is_straggling(record: dict[str, Any]) -> bool:
+    """The slowest rank's own time per step is more than 20 % over the median rank's."""
+    return record.get("rank_time_max") is not None and (
+        record["rank_time_max"] > (1 + STRAGGLER_SPREAD) * record["rank_time_median"])
 
 
 # TensorBoard tags of the record's numbers; the MoE entries are {layer: value or per-expert list}.
@@ -133,6 +145,8 @@ _BOARD_TAGS = {
     "loss": "train/loss", "eval_loss": "eval/loss", "eval_ppl": "eval/perplexity", "lr": "train/lr",
     "grad_norm": "train/grad_norm", "aux_loss": "train/aux_loss", "tokens_per_sec": "perf/tokens_per_sec",
     "step_time": "perf/step_time", "mfu": "perf/mfu", "memory_gib": "perf/memory_gib",
+    "rank_time_max": "perf/rank_time_max", "rank_time_median": "perf/rank_time_median",
+    "slowest_rank": "perf/slowest_rank",
 }
 
 

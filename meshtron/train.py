@@ -16,6 +16,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshtron import env
+from meshtron import collective_log, env
 from meshtron.checkpoint import (
     CheckpointMismatch,
     CheckpointWriter,
@@ -45,10 +46,12 @@ from meshtron.parallel.layout import validate_layout
 from meshtron.metrics import MetricsLogger, StepProfiler, peak_flops_per_device
 from meshtron.models import build_model, flops_per_token
 from meshtron.models.moe import MoE
+from meshtron.models.qwen2 import Block
 from meshtron.optim import build_optimizer, lr_at, set_lr
 from meshtron.parallel.step import training_step
 from meshtron.plan.fit import check_memory
 from meshtron.report import record_cause, report_consequence, report_once
+from meshtron.watchdog import Watchdog, group_names
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -204,24 +207,50 @@ def _write_pid_file(cfg: Config) -> None:
     (folder / f"rank-{dist.get_rank()}.pid").write_text(f"{os.getpid()}\n")
 
 
-# Failure injection for tests: "raise:RANK:STEP" or "hang:RANK:STEP" acts on that rank before that
-# step; "delay:RANK:0" holds that rank 5 s before its start-up checks (another rank finishes them first).
+# Failure injection for tests, a comma-separated list of KIND:RANK:STEP acting on that rank:
+# "raise" / "hang" before that step; "delay:RANK:0" holds the rank 5 s before its start-up checks (another
+# rank finishes them first); "stall" hangs inside that step, in the forward of the rank's last MoE layer
+# or else its last block; "slow:RANK:*" (or a step) adds SLOW_FAULT_S of work to each of its steps.
+# Faults act in the launcher's first attempt only: a restart (torchrun --max-restarts) runs clean.
 FAULT_ENV = "MESHTRON_FAULT"
+SLOW_FAULT_S = 1.0
+
+
+def _faults(rank: int, kind: str) -> list[str]:
+    """The steps (as written) of this rank's injected faults of ``kind``."""
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return []
+    specs = [spec.split(":") for spec in os.environ.get(FAULT_ENV, "").split(",") if spec]
+    return [step for k, r, step in specs if k == kind and int(r) == rank]
 
 
 def _inject_fault(rank: int, step: int) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    kind, fault_rank, fault_step = spec.split(":")
-    if int(fault_rank) != rank or int(fault_step) != step:
-        return
-    if kind == "raise":
+    if str(step) in _faults(rank, "raise"):
         raise RuntimeError(f"{FAULT_ENV} injected a failure on rank {rank} before step {step}")
-    if kind == "hang":
+    if str(step) in _faults(rank, "hang"):
         time.sleep(10**6)
-    if kind == "delay":
+    if str(step) in _faults(rank, "delay"):
         time.sleep(5)
+
+
+def _slow_down(rank: int, step: int) -> None:
+    if {"*", str(step)} & set(_faults(rank, "slow")):
+        time.sleep(SLOW_FAULT_S)
+
+
+def _install_stall(trainer: "Trainer") -> None:
+    """The "stall" fault: a forward pre-hook that never returns in the given step."""
+    steps = {int(step) for step in _faults(trainer.rank, "stall")}
+    if not steps:
+        return
+    blocks = [m for m in trainer.runner.module.modules() if isinstance(m, MoE)] or [
+        m for m in trainer.runner.module.modules() if isinstance(m, Block)]
+
+    def stall(module, args):
+        if trainer.step in steps:
+            time.sleep(10**6)
+
+    blocks[-1].register_forward_pre_hook(stall)
 
 
 class Trainer:
@@ -253,6 +282,10 @@ class Trainer:
         self.profiler = StepProfiler(cfg.train.profile_steps, cfg.train.output_dir, self.rank)
         self.peak_flops = peak_flops_per_device(cfg.train.dtype)
         self.checkpoints = CheckpointWriter(checkpoint_root(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save)
+        collective_log.install()
+        self.step = self.start_step
+        self.own_seconds: list[float] = []  # since the last log: step time less the time waited in collectives
+        _install_stall(self)
 
     def _restore(self) -> int:
         """Initial weights: latest checkpoint (resume), else an HF folder, else seeded random init."""
@@ -275,25 +308,50 @@ class Trainer:
 
     def fit(self) -> None:
         t = self.cfg.train
-        for step in range(self.start_step, t.steps):
-            _inject_fault(self.rank, step + 1)
-            with self.profiler.step(step + 1):
-                record = self.train_step(step)
-                if self._eval_due(step + 1):
-                    record.update(self.evaluate())
-            if (step + 1) % t.log_every == 0 or step + 1 == t.steps or "eval_loss" in record:
-                if t.tensorboard and self.runner.moes:
-                    record.update(self._moe_stats())
-                self.logger.log(record)
-            if self._checkpoint_due(step + 1):
-                self.checkpoints.save(step + 1, self.runner.module, self.optimizer, self.cfg,
-                                      {"data": self.dataset.state_dict()})
+        with self._watchdog() as watchdog:
+            for step in range(self.start_step, t.steps):
+                watchdog.step_started(step + 1)
+                self._run_step(step)
+                watchdog.step_finished()  # a checkpoint save may take longer than steps: not timed
+                if self._checkpoint_due(step + 1):
+                    self.checkpoints.save(step + 1, self.runner.module, self.optimizer, self.cfg,
+                                          {"data": self.dataset.state_dict()})
         self.checkpoints.wait()
         if self.cfg.checkpoint.export_hf:
             export = export_hf_model if self.cfg.model.hf_model else export_hf
             export(self.runner, self.cfg, self.cfg.checkpoint.export_hf)
         self.logger.close()
 
+    def _watchdog(self) -> Watchdog:
+        t = self.cfg.train
+        return Watchdog(dist.distributed_c10d._get_default_store(), self.rank, dist.get_world_size(),
+                        t.output_dir, t.hang_timeout_s, t.collective_timeout_s, group_names(self.mesh))
+
+    def _run_step(self, step: int) -> None:
+        t = self.cfg.train
+        self.step = step + 1
+        _inject_fault(self.rank, step + 1)
+        with self.profiler.step(step + 1):
+            record = self.train_step(step)
+            if self._eval_due(step + 1):
+                record.update(self.evaluate())
+        if (step + 1) % t.log_every == 0 or step + 1 == t.steps or "eval_loss" in record:
+            if t.tensorboard and self.runner.moes:
+                record.update(self._moe_stats())
+            record.update(self._stragglers())
+            self.logger.log(record)
+
+    def _stragglers(self) -> dict:
+        """The slowest rank and the max / median over ranks of each rank's own time per step since the
+        last log (step time less the time waited in collectives: the wall times are equal, the
+        collectives even them out). One small all-gather (collective: every rank calls it)."""
+        mine = torch.tensor([sum(self.own_seconds) / max(len(self.own_seconds), 1)], device=self.device)
+        self.own_seconds.clear()
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        seconds = torch.cat(every).tolist()
+        return {"slowest_rank": max(range(len(seconds)), key=seconds.__getitem__),
+                "rank_time_max": max(seconds), "rank_time_median": statistics.median(seconds)}
     def _eval_due(self, step: int) -> bool:
         """Every ``eval_every`` steps and after the final step, when there is held-out data."""
         every = self.cfg.train.eval_every
@@ -338,7 +396,8 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         t = self.cfg.train
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), collective_log.LOG.waited
+        _slow_down(self.rank, step + 1)
         lr = lr_at(step, t)
         set_lr(self.optimizer, lr)
         batch = self.dataset.batch_for_step(
@@ -354,6 +413,7 @@ class Trainer:
         if not finite:
             self._on_nonfinite(step, loss, grad_norm)
         elapsed = time.perf_counter() - start
+        self.own_seconds.append(elapsed - (collective_log.LOG.waited - waited))
         tokens = t.global_batch_size * t.seq_len
         record = {
             "step": step + 1,

@@ -198,6 +198,8 @@ IMPOSSIBLE = [
     ("debug_dense", "train", "min_lr", 1.0, r"min_lr \(1\.0\) must not exceed lr"),
     ("debug_dense", "train", "beta2", 1.0, r"beta2 must be in \[0, 1\)"),
     ("debug_dense", "train", "warmup_steps", -1, r"warmup_steps must not be negative"),
+    ("debug_dense", "train", "hang_timeout_s", 600.0,
+     r"\[train\] hang_timeout_s must be >= 0 \(0: automatic\) and shorter than collective_timeout_s \(600\.0\)"),
     ("debug_dense", "checkpoint", "every", -5, r"\[checkpoint\] every must not be negative"),
     ("debug_dense", "data", "source", "", r"\[data\] source is empty"),
     ("debug_dense", "model", "vocab_size", 100, r"tokenizer 'bytes' needs \[model\] vocab_size >= 256"),

@@ -21,6 +21,7 @@ from meshtron.testing import run_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "debug_dense.toml"
+MOE_RECIPE = ROOT / "recipes" / "debug_moe.toml"
 SINGLE = {"pp": 1, "dp": 1, "cp": 1, "ep": 1, "tp": 1}
 
 
@@ -229,13 +230,15 @@ def test_a_commit_deletes_stale_temp_folders_and_never_prunes_itself(tmp_path):
 
 # ---------------------------------------------------------------- torchrun: crash, failure, hang
 
-def _torchrun(out: Path, nproc: int, extra: list[str], torchrun_args: list[str] = (), fault: str = ""):
+def _torchrun(out: Path, nproc: int, extra: list[str], torchrun_args: list[str] = (), fault: str = "",
+              layout: dict | None = None, recipe: Path = RECIPE):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("MESHTRON_FAULT", None)
     if fault:
         env["MESHTRON_FAULT"] = fault
+    layout = layout or {"dp": nproc}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           *torchrun_args, "-m", "meshtron.train", "--recipe", str(RECIPE), *_args(out, {"dp": nproc}, extra)]
+           *torchrun_args, "-m", "meshtron.train", "--recipe", str(recipe), *_args(out, layout, extra)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
@@ -359,14 +362,16 @@ def test_job_killed_during_an_async_save_resumes_from_the_last_complete_checkpoi
 
 def test_a_failing_or_stuck_rank_ends_the_job(tmp_path):
     """A rank's own error is reported once, by that rank, and its peers' failed collectives stay quiet;
-    a stuck rank ends the job at the collective timeout; a refusal every rank reaches before any
-    process group exists is printed exactly once even when rank 0, held 5 s, is stopped before it
-    gets there (the other rank finishes first and torchrun ends the job)."""
+    a rank stuck inside an expert-parallel step is named in one hang report (at the automatic limit,
+    half the 30 s collective timeout) with the collective its peers wait in; a refusal every rank
+    reaches before any process group exists is printed exactly once even when rank 0, held 5 s, is
+    stopped before it gets there (the other rank finishes first and torchrun ends the job)."""
     common = ["--train.steps", "20"]
     started = time.monotonic()
     failing = _torchrun(tmp_path / "raise", 2, common + ["--train.collective_timeout_s", "300"],
                         fault="raise:1:3")
-    stuck = _torchrun(tmp_path / "hang", 2, common + ["--train.collective_timeout_s", "8"], fault="hang:1:3")
+    stuck = _torchrun(tmp_path / "stall", 4, common + ["--train.collective_timeout_s", "30"], fault="stall:2:3",
+                      layout={"dp": 2, "ep": 2}, recipe=MOE_RECIPE)
     refused = _torchrun(tmp_path / "refused", 4, ["--parallel.tp", "3"], fault="delay:0:0")
     _, err = _finish(failing)
     assert failing.returncode != 0
@@ -378,9 +383,79 @@ def test_a_failing_or_stuck_rank_ends_the_job(tmp_path):
     assert len(lines) == 1 and "pp=1 x dp=4 x cp=1 x ep=1 x tp=3 = 12, but the world size is 4" in lines[0], err[-3000:]
     _, err = _finish(stuck)
     assert stuck.returncode != 0
-    assert "meshtron: rank 0: stopped, a collective failed" in err, err[-3000:]
-    # Both end long before the 300 s timeout of the first job and within a few timeouts of the second.
-    assert time.monotonic() - started < 120
+    report = _hang_report(err, tmp_path / "stall", 4)
+    print(report)
+    assert "step 3 has run" in report and "(hang limit 15 s)" in report, report
+    assert "Behind: rank 2 (outside any collective: rank 2 at meshtron/train.py" in report, report
+    assert "in stall" in report and "Rank 3 waits in all_to_all_single over ep [2, 3]" in report, report
+    assert time.monotonic() - started < 150
+
+
+def _hang_report(err: str, out: Path, ranks: int) -> str:
+    """The job's one hang line, after checking there is exactly one and a file per rank."""
+    lines = [line for line in err.splitlines() if line.startswith("meshtron:")]
+    hang = [line for line in lines if line.startswith("meshtron: hang: ")]
+    assert len(hang) == 1 and not [line for line in lines if "collective failed" in line], err[-3000:]
+    for rank in range(ranks):
+        text = (out / "hang" / f"rank-{rank}.txt").read_text()
+        assert f"rank {rank} of {ranks}" in text and "thread MainThread:" in text and "collectives issued" in text
+    return hang[0]
+
+
+def test_hang_limit_and_summary():
+    """The automatic limit, and the summary when no rank is outside a collective (ranks wait in
+    different collectives): the rank that issued fewer collectives on a shared group is behind."""
+    from meshtron.watchdog import hang_limit, hang_summary
+
+    assert hang_limit(20, 600, [100.0]) == 20
+    assert hang_limit(0, 600, []) == 300 and hang_limit(0, 600, [40.0, 41.0, 90.0]) == 300
+    assert hang_limit(0, 2000, [40.0, 41.0, 90.0]) == 410 and hang_limit(0, 30, []) == 15
+    waiting = {"op": "all_reduce", "group": [0, 1], "dim": "dp", "peers": "", "group_seq": 8}
+    states = {0: {"waiting": waiting, "counts": [[[0, 1], 8]], "where": "a.py:1 in f"},
+              1: {"waiting": {**waiting, "op": "broadcast", "group_seq": 7}, "counts": [[[0, 1], 7]],
+                  "where": "b.py:2 in g"}}
+    assert hang_summary(states, 3, "step 4 has run 20 s on rank 0 (hang limit 20 s)", Path("out/hang")) == (
+        "meshtron: hang: step 4 has run 20 s on rank 0 (hang limit 20 s). Behind: rank 1 (fewer collectives "
+        "issued: rank 1 at b.py:2 in g). Rank 0 waits in all_reduce over dp [0, 1] (their collective #8 on it; "
+        "rank 1 issued 7). No answer from rank 2 (dead, or its Python thread cannot run). Stacks and last "
+        "collectives: out/hang/rank-*.txt (start with rank-1.txt).")
+
+
+def test_a_hang_inside_a_pipeline_step_is_reported_and_restarted(tmp_path):
+    """pp 2 x dp 2: rank 2 (the last stage) stalls in a block's forward of step 5 while rank 1 works
+    SLOW_FAULT_S longer than the others in every step. The hang report names rank 2 within the hang
+    limit + 30 s, every rank writes its file, torchrun restarts the job (faults act in its first attempt
+    only), it resumes from step 4 and the loss curve equals an uninterrupted run's. metrics.jsonl names
+    rank 1 as the slowest rank of the steps before the hang."""
+    from meshtron.train import SLOW_FAULT_S
+
+    layout = {"pp": 2, "dp": 2, "microbatches": 2}
+    steps = ["--train.steps", "8", "--checkpoint.every", "2", "--checkpoint.resume", "true"]
+    reference = _torchrun(tmp_path / "uninterrupted", 4, steps, layout=layout)
+    out = tmp_path / "stalled"
+    stalled = _torchrun(out, 4, steps + ["--train.hang_timeout_s", "10"], ["--max-restarts", "1"],
+                        fault="stall:2:5,slow:1:*", layout=layout)
+    _wait_for(out / "checkpoints" / "step-00000004" / "meshtron.json", stalled, timeout=240)
+    stall_began = time.monotonic()
+    _wait_for(out / "hang" / "rank-2.txt", stalled, timeout=60)
+    reported_after = time.monotonic() - stall_began
+    stdout, err = _finish(stalled)
+    assert stalled.returncode == 0, err[-3000:]
+    report = _hang_report(err, out, 4)
+    print(f"{report}\nreported {reported_after:.1f} s after step 4's checkpoint")
+    assert reported_after < 10 + 30
+    assert "step 5 has run" in report and "Behind: rank 2 (outside any collective" in report, report
+    assert "in stall" in report and " over pp [0, 2] (" in report, report
+    assert f"meshtron: resumed from {out / 'checkpoints' / 'step-00000004'} (step 4)" in stdout
+    records = _records(out)
+    before_hang = records[1:4]  # step 1 is warm-up; steps 5-8 are the restarted attempt's, unslowed
+    assert [r["slowest_rank"] for r in before_hang] == [1, 1, 1], before_hang
+    assert all(r["rank_time_max"] - r["rank_time_median"] > 0.8 * SLOW_FAULT_S for r in before_hang)
+    assert "straggler rank 1" in stdout
+    _, ref_err = _finish(reference)
+    assert reference.returncode == 0, ref_err[-3000:]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert _losses(out) == _losses(tmp_path / "uninterrupted")
 
 
 # ---------------------------------------------------------------- bad input through the CLI
