@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import meshtron.parallel.context as context
+import meshtron.parallel.context.comm as cp_comm
 from meshtron.parallel.context import (
     CP_COMM_TYPES,
     RingAttention,
@@ -104,11 +104,11 @@ class _CountingDist:
 @contextmanager
 def counting():
     counter = _CountingDist()
-    context.dist = counter
+    cp_comm.dist = counter
     try:
         yield counter
     finally:
-        context.dist = dist
+        cp_comm.dist = dist
 
 
 def _cp_mesh(cp: int):

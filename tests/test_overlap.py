@@ -23,6 +23,7 @@ from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.mesh import build_mesh
 from meshtron.models import build_model, materialize
 from meshtron.parallel import context
+from meshtron.parallel.context import blocks
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.runner import StepRunner
 from meshtron.testing import run_checks
@@ -145,8 +146,8 @@ def ring_posts_before_computing(seed: int) -> None:
     with contextlib.ExitStack() as stack:
         stack.enter_context(_patched(context.RingExchange, "start", start))
         stack.enter_context(_patched(context.RingExchange, "wait", lambda fn: staticmethod(_recording(events, "wait")(fn))))
-        stack.enter_context(_patched(context, "attention_block", _recording(events, "compute")))
-        stack.enter_context(_patched(context, "attention_block_backward", _recording(events, "compute")))
+        stack.enter_context(_patched(blocks, "attention_block", _recording(events, "compute")))
+        stack.enter_context(_patched(blocks, "attention_block_backward", _recording(events, "compute")))
         out = context.RingAttention(mesh["cp"])(q, k, v)
         forward = list(events)
         out.backward(torch.randn(out.shape, generator=gen))

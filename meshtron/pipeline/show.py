@@ -1,4 +1,5 @@
-"""``python -m meshtron.pipeline.show``: see :mod:`meshtron.parallel.pipeline.show`."""
+"""``python -m meshtron.pipeline.show``: runs ``python -m meshtron.parallel.pipeline.show`` (see
+:mod:`meshtron.parallel.pipeline.show`), kept so that the older command still works."""
 
 from meshtron.parallel.pipeline.show import main
 

@@ -1,6 +1,6 @@
 """Gantt charts of pipeline schedules, simulated or measured.
 
-``python -m meshtron.pipeline.show --pp 4 --microbatches 8 --schedule interleaved --virtual 2``
+``python -m meshtron.parallel.pipeline.show --pp 4 --microbatches 8 --schedule interleaved --virtual 2``
 simulates the schedule, writes a PNG (rows = ranks, x = time, forwards, backwards and weight
 gradients (``W``, zero-bubble schedules) in three colours labelled with their microbatch, idle
 time blank) and prints the bubble fraction next to the analytic one and the peak in-flight
@@ -95,7 +95,9 @@ def summary(schedule: str, pp: int, m: int, v: int = 1, f: float = 1, b: float =
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m meshtron.pipeline.show", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m meshtron.parallel.pipeline.show", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
