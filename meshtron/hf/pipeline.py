@@ -78,21 +78,24 @@ def prune_hf_to_stage(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1,
     return mine
 
 
-def _masks(model: nn.Module, h: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
-    """The masks transformers builds for its blocks (None where sdpa's causal flag or the ring does it).
-    Only shape, dtype and device of the stand-in embeddings are read: under SP ``h`` holds a slice."""
+def _masks(model: nn.Module, h: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]) -> dict[str, torch.Tensor | None]:
+    """The masks of ``kinds`` transformers builds for its blocks (None where sdpa's causal flag or the ring
+    does it). Only shape, dtype and device of the stand-in embeddings are read: under SP ``h`` holds a slice."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     shape = dict(config=model.config, inputs_embeds=h.new_empty(*position_ids.shape, 0), attention_mask=None,
                  past_key_values=None, position_ids=position_ids)
-    masks = {"full_attention": create_causal_mask(**shape)}
-    if getattr(model.config, "sliding_window", None) is not None:
-        masks["sliding_attention"] = create_sliding_window_causal_mask(**shape)
-    return masks
+    build = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    return {kind: build[kind](**shape) for kind in kinds}
 
 
-def _mask_kind(model: nn.Module, block: nn.Module) -> str:
-    """A block's mask: its own ``attention_type`` (Qwen2, Gemma2 ...), else the model's (Mistral, Phi3 ...)."""
+def _mask_kind(model: nn.Module, block: nn.Module, index: int) -> str:
+    """Block ``index``'s mask, as the decoder picks it: ``config.layer_types`` (Qwen2-MoE's sliding_window
+    is 0 with every layer full), else the block's own ``attention_type`` (Gemma2 ...), else the model's
+    (Mistral, Phi3 ...)."""
+    types = getattr(model.config, "layer_types", None)
+    if types and types[index] in ("full_attention", "sliding_attention"):
+        return types[index]
     default = "sliding_attention" if getattr(model.config, "sliding_window", None) is not None else "full_attention"
     return getattr(block, "attention_type", default)
 
@@ -103,11 +106,12 @@ def _stage_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layers: ra
     ``labels`` (next-token targets). Extra keywords (a KV cache turned off by hooks) are not used."""
     parts = hf_parts(self)
     h = parts.embed(x) if first else x
-    masks = _masks(self, h, position_ids)
+    kinds = {i: _mask_kind(self, parts.blocks[str(i)], i) for i in layers}
+    masks = _masks(self, h, position_ids, set(kinds.values()))
     rope = parts.rotary(h, position_ids)
     for i in layers:
         block = parts.blocks[str(i)]
-        out = block(h, attention_mask=masks[_mask_kind(self, block)], position_ids=position_ids,
+        out = block(h, attention_mask=masks[kinds[i]], position_ids=position_ids,
                     position_embeddings=rope, use_cache=False)
         h = out[0] if isinstance(out, tuple) else out
     if not last:
