@@ -13,16 +13,20 @@ The HF path adds only what is model-specific; the rest is :mod:`meshtron.paralle
   chunk, a range of blocks with the causal or sliding-window mask transformers builds for them,
   norm + head + summed token loss on the last), called through the model itself so that the hooks
   on it (FSDP's root unit, activation checkpointing's) run for every chunk;
-* tp, activation checkpointing, cp (ring attention, :mod:`meshtron.hf.context`) and FSDP/replicate
-  over dp x cp apply inside a stage exactly as without a pipeline (``parallelize_stage``);
+* tp, activation checkpointing, cp (ring attention, :mod:`meshtron.hf.context`), ep (fused experts
+  dispatched over the stage's ep ranks, :mod:`meshtron.hf.experts`) and FSDP/replicate over the data
+  meshes apply inside a stage exactly as without a pipeline (``parallelize_stage``);
 * schedules (1F1B, interleaved 1F1B, GPipe), the executor, micro-batching, the global token count,
   cp sharding of the micro-batches, tied-embedding gradient sums and the gradient norm over stages
-  are :class:`~meshtron.parallel.pipeline.runner.PipelineRunner`'s, reused as they are.
+  are :class:`~meshtron.parallel.pipeline.runner.PipelineRunner`'s, reused as they are;
+* MoE router aux losses (``output_router_logits``): transformers pools the router statistics of all
+  layers, so they travel with the boundary tensors (:class:`~meshtron.hf.router.PipelineRouterLoss`,
+  the executor's relay) and the loss includes ``router_aux_loss_coef`` x the aux loss of every
+  micro-batch, as the causal LM's forward adds it to each.
 
 A stage runs embedding -> blocks -> norm -> head and nothing else: models whose decoder or causal-LM
 forward does more are refused with a ConfigError (Gemma's embedding scaling, final logit
-soft-capping or scaling, Granite's multipliers, MoE router aux losses via ``output_router_logits``),
-as are models without a single rotary embedding module, and expert parallelism.
+soft-capping or scaling, Granite's multipliers), as are models without a single rotary embedding module.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshtron import env
 from meshtron.config import ConfigError, ParallelConfig
 from meshtron.hf.discover import hf_parts, set_stage_parts
-from meshtron.mesh import dense_data_mesh, expert_split
+from meshtron.hf.router import PipelineRouterLoss, check_router_loss
+from meshtron.mesh import dense_data_mesh
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.pipeline.runner import PipelineRunner
 from meshtron.parallel.pipeline.schedules import V_SHAPED
@@ -144,7 +149,6 @@ class HFStageChunk:
 # A stage runs embedding -> blocks -> norm -> head; what a decoder or causal-LM forward does beyond
 # that (these config keys) would be skipped, so it is refused.
 _REFUSED_CONFIG = {
-    "output_router_logits": "MoE router aux losses",
     "final_logit_softcapping": "final logit soft-capping",
     "logit_scale": "scaled logits",
     "logits_scaling": "scaled logits",
@@ -161,8 +165,8 @@ def _check_hf_pipeline(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig) ->
     if cfg.model_type.startswith("gemma"):
         raise ConfigError(f"parallelize_hf_model: pp > 1 does not support {cfg.model_type}: its decoder scales the "
                           "embeddings (and caps logits) outside the blocks; use pp = 1.")
-    if expert_split(mesh).ep > 1:
-        raise ConfigError("parallelize_hf_model: pp > 1 with ep > 1 is not supported for HF models; use ep = 1.")
+    if getattr(cfg, "output_router_logits", False):
+        check_router_loss(model)
     if not isinstance(hf_parts(model).rotary, nn.Module):
         raise ConfigError(f"parallelize_hf_model: pp > 1 needs one rotary embedding module; "
                           f"{type(model).__name__} has none. Use pp = 1.")
@@ -201,6 +205,25 @@ class HFPipelineRunner(PipelineRunner):
         parts = hf_parts(model)
         self._start(model, chunks, mesh, p, boundary, env.local_device(), (parts.embed, parts.head) if tied else None,
                     has_moe=False)
+        if getattr(model.config, "output_router_logits", False):
+            self.relay = PipelineRouterLoss(model, self.data_group, self.device)
+
+    def forward_backward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The step's global loss; with ``output_router_logits`` it includes ``router_aux_loss_coef`` x
+        the aux loss of every micro-batch, as the causal LM's own forward adds it to each."""
+        if self.relay is None:
+            return super().forward_backward(input_ids, labels, position_ids)
+        self.relay.start()
+        return super().forward_backward(input_ids, labels, position_ids) + self.relay.step_loss()
+
+    def _chunk_forward(self, micro: list, stage: int, x: torch.Tensor, mb: int) -> torch.Tensor:
+        if self.relay is None or not torch.is_grad_enabled():  # evaluation: the token loss only
+            return super()._chunk_forward(micro, stage, x, mb)
+        with self.relay.recording() as logits:
+            out = super()._chunk_forward(micro, stage, x, mb)
+        return self.relay.attach(out, logits, stage, mb, self.chunks[stage].is_last)
 
 
 __all__ = ["HFPipelineRunner", "HFStageChunk", "prune_hf_to_stage"]
