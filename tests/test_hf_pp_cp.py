@@ -4,14 +4,17 @@ equal the unparallelized transformers model's on the full batch (float32: 1e-5 l
 One 4-rank launch for parity: cp 2 (meshtron's attention through transformers' attention interface:
 ring, a2a and allgather) with dp 2 and with tp 2 (+SP); pp 2 with 1F1B, interleaved 1F1B (2 virtual
 stages) and the zero-bubble zb1p, zbv and dualpipev with dp 2 and tp 2 (+SP), and pp 2 x cp 2; over
-Llama, Qwen2 (tied embeddings), Qwen3 (q/k norms), Mistral and Phi3 (fused projections).
+Llama, Qwen2 (tied embeddings), Qwen3 (q/k norms), Mistral and Phi3 (fused projections); and MoE families with
+their aux loss (Qwen2-MoE, Qwen3-MoE, Mixtral) under pp with ep, dp or cp, against the unpipelined model run
+per global micro-batch (the aux loss is counted once per forward).
 
 ``[model] hf_model`` (meshtron.hf.runner): a 1-rank launch trains a Llama folder (with safetensors), a
-Qwen2 and a Qwen2-MoE folder (config.json only: seeded init) for the reference loss and held-out loss
-curves; a 4-rank launch the same recipes on pp2 x cp2, cp2 x tp2 + SP, dp2 x tp2 (checkpoint, export)
-and zbv pp2 x tp2 (tied Qwen2, both ends on rank 0), and resumes the dp2 x tp2 checkpoint resharded
-onto pp2 x tp2; an 8-rank launch pp2 x cp2 x tp2 (Llama) and dp2 x ep2 x tp2 (Qwen2-MoE). Losses
-within 1e-4.
+Qwen2 and Qwen2-MoE, Qwen3-MoE and Mixtral folders (config.json only: seeded init; the MoE ones with
+their aux loss) for the reference loss and held-out loss curves; a 4-rank launch the same recipes on
+pp2 x cp2, cp2 x tp2 + SP, dp2 x tp2 (checkpoint, export) and zbv pp2 x tp2 (tied Qwen2, both ends on
+rank 0), and resumes the dp2 x tp2 checkpoint resharded onto pp2 x tp2; an 8-rank launch pp2 x cp2 x
+tp2 (Llama), dp2 x ep2 x tp2 (Qwen2-MoE) and, for each MoE family, pp2 x dp2 x ep2 and pp2 x ep2 x tp2
+(Qwen3-MoE + SP, Mixtral's pp2 x dp2 x ep2 interleaved). Losses within 1e-4.
 """
 
 from __future__ import annotations
@@ -38,7 +41,15 @@ from meshtron.testing import (
 )
 
 SMALL = dict(HF_TINY_SIZES, num_hidden_layers=4)
-MODELS = HF_TINY_FAMILIES
+# MoE folders with their aux loss weighted enough to matter (transformers adds it once per forward).
+_AUX = dict(num_key_value_heads=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
+MODELS = {
+    **HF_TINY_FAMILIES,
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_AUX, num_experts=4, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_AUX, num_experts=4, moe_intermediate_size=32)),
+    "mixtral": ("MixtralConfig", dict(_AUX, num_local_experts=4)),
+}
 ROWS, SEQ = 8, 16  # the global batch
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,11 +97,25 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _reference(arch: str, ids, labels):
+def _reference(arch: str, ids, labels, microbatches: list[torch.Tensor] | None = None):
+    """Loss and gradients of the whole batch, or summed over ``microbatches`` (row indices, each a
+    forward of its own, so that an MoE aux loss is counted once per micro-batch as in a pipeline)."""
     ref = _model(arch)
-    loss = ref(input_ids=ids, labels=labels).loss
-    loss.backward()
-    return loss.detach(), {name: p.grad for name, p in ref.named_parameters(remove_duplicate=False)}
+    tokens = (next_token_labels(labels) != -100).sum()
+    total = torch.zeros(())
+    for rows in microbatches or [torch.arange(ROWS)]:
+        loss = ref(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=tokens).loss
+        loss.backward()
+        total += loss.detach()
+    return total, {name: p.grad for name, p in ref.named_parameters(remove_duplicate=False)}
+
+
+def _global_microbatches(mesh, microbatches: int) -> list[torch.Tensor]:
+    """Rows of the pipeline's global micro-batches: micro-batch j of every data rank's rows."""
+    data = batch_mesh(mesh).size()
+    per, size = ROWS // data, ROWS // data // microbatches
+    return [torch.cat([torch.arange(r * per + j * size, r * per + (j + 1) * size) for r in range(data)])
+            for j in range(microbatches)]
 
 
 def _check_grads(module, grads: dict, where: str) -> int:
@@ -145,6 +170,12 @@ PP_CASES = [
     ("llama", dict(pp=2, dp=2), dict(schedule="zb1p")),
     ("qwen2", dict(pp=2, tp=2), dict(schedule="zbv", sp=True)),
     ("qwen3", dict(pp=2, cp=2), dict(schedule="dualpipev", cp_comm_type="a2a")),
+    # MoE with aux loss (router statistics relayed between stages), experts over ep inside a stage. Zero-bubble
+    # without dispatched experts: their fused gate_up_proj feeds two grouped GEMMs, so W re-runs the whole backward.
+    ("qwen2_moe", dict(pp=2, dp=2), dict(schedule="zb1p")),
+    ("qwen3_moe", dict(pp=2, ep=2), dict(schedule="interleaved", ac="full")),
+    ("mixtral", dict(pp=2, ep=2), dict(schedule="1f1b")),
+    ("mixtral", dict(pp=2, cp=2), dict(schedule="zbv")),  # the relay handed over at the V's turn; tokens over cp
 ]
 
 
@@ -154,11 +185,11 @@ def check_pipeline(_tmp: str) -> None:
     for index, (arch, sizes, options) in enumerate(PP_CASES):
         where = f"pp {arch} {sizes} {options}"
         ids, labels = _batch(seed=10 + index)
-        ref_loss, grads = _reference(arch, ids, labels)
         mesh = cached_mesh(**sizes)
+        microbatches = 4 // batch_mesh(mesh).size()
+        ref_loss, grads = _reference(arch, ids, labels, _global_microbatches(mesh, microbatches))
         virtual = 2 if options["schedule"] in VIRTUAL else 1
-        runner = parallelize_hf_model(_model(arch), mesh, microbatches=4 // batch_mesh(mesh).size(),
-                                      virtual_stages=virtual, **options)
+        runner = parallelize_hf_model(_model(arch), mesh, microbatches=microbatches, virtual_stages=virtual, **options)
         assert isinstance(runner, HFPipelineRunner), where
         whole = whole_weight_passes(runner.executor)
         loss = runner.forward_backward(_rows(ids, mesh), _rows(next_token_labels(labels), mesh))
@@ -193,6 +224,8 @@ def check_errors(_tmp: str) -> None:
     gemma = AutoModelForCausalLM.from_config(Gemma2Config(**SMALL, final_logit_softcapping=None))
     with pytest.raises(ConfigError, match="pp > 1 does not support gemma2: its decoder scales the embeddings"):
         parallelize_hf_model(gemma, pp, microbatches=2)
+    with pytest.raises(ConfigError, match=r"output_router_logits needs LlamaForCausalLM's attributes \['num_experts'"):
+        parallelize_hf_model(_model("llama", output_router_logits=True), pp, microbatches=2)
     with pytest.raises(ConfigError, match="num_hidden_layers = 4 is fewer than pp \\* virtual_stages = 8"):
         parallelize_hf_model(_model("llama"), pp, schedule="interleaved", microbatches=2, virtual_stages=4)
 
@@ -210,7 +243,13 @@ RECIPE_LAYOUTS = {
               "pp2_cp2_tp2": dict(pp=2, cp=2, tp=2)},
     # zbv: the tied embedding and head both on rank 0, evaluated through the V (2 pp micro-batches).
     "qwen2": {"pp2_tp2_zbv": dict(pp=2, tp=2, schedule='"zbv"', virtual_stages=2, microbatches=4)},
-    "qwen2_moe": {"dp2_ep2_tp2": dict(dp=2, ep=2, tp=2)},
+    # MoE folders with output_router_logits: the aux loss counted once per micro-batch on every layout;
+    # under pp its router statistics travel with the pipeline's boundary tensors (meshtron.hf.router).
+    "qwen2_moe": {"dp2_ep2_tp2": dict(dp=2, ep=2, tp=2), "pp2_dp2_ep2": dict(pp=2, dp=2, ep=2),
+                  "pp2_ep2_tp2": dict(pp=2, ep=2, tp=2)},
+    "qwen3_moe": {"pp2_dp2_ep2": dict(pp=2, dp=2, ep=2), "pp2_ep2_tp2_sp": dict(pp=2, ep=2, tp=2, sp="true")},
+    "mixtral": {"pp2_dp2_ep2_interleaved": dict(pp=2, dp=2, ep=2, schedule='"interleaved"', virtual_stages=2),
+                "pp2_ep2_tp2": dict(pp=2, ep=2, tp=2)},
 }
 EVAL = ["--data.eval_source", "builtin", "--train.eval_every", "3", "--train.eval_steps", "1"]
 
@@ -220,16 +259,18 @@ def _ranks(sizes: dict) -> int:
 
 
 def _recipe_folders(root: Path) -> dict[str, str]:
-    """A tiny Llama with weights (safetensors); a Qwen2 and a Qwen2-MoE with only a config.json (seeded
-    random init)."""
+    """A tiny Llama with weights (safetensors); a Qwen2 and three MoE families with only a config.json
+    (seeded random init), their aux loss weighted enough to matter."""
     import transformers
 
     folders = {}
-    moe = dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-               shared_expert_intermediate_size=64)
+    aux = dict(output_router_logits=True, router_aux_loss_coef=0.1, num_experts_per_tok=2)
+    moe = dict(aux, num_key_value_heads=2, num_experts=4, moe_intermediate_size=32)
     for name, cls, extra in (("llama", "LlamaConfig", dict(num_key_value_heads=2)),
                              ("qwen2", "Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True)),
-                             ("qwen2_moe", "Qwen2MoeConfig", moe)):
+                             ("qwen2_moe", "Qwen2MoeConfig", dict(moe, shared_expert_intermediate_size=64)),
+                             ("qwen3_moe", "Qwen3MoeConfig", moe),
+                             ("mixtral", "MixtralConfig", dict(aux, num_key_value_heads=2, num_local_experts=4))):
         cfg = getattr(transformers, cls)(**{**SMALL, "vocab_size": 256, "max_position_embeddings": 256}, **extra)
         folders[name] = str(root / name)
         if name == "llama":

@@ -72,6 +72,7 @@ from meshtron.hf.experts import apply_hf_expert_parallel, hf_expert_modules
 from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_plan, is_transposed
 from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.pipeline import HFPipelineRunner
+from meshtron.hf.router import router_statistics
 from meshtron.hf.slices import load_sharded_weights
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.models.loss import DEFAULT_CHUNK_TOKENS
@@ -450,27 +451,13 @@ def _loss_function(data_mesh: DeviceMesh):
 
 
 def _aux_loss_share(router_logits: tuple[torch.Tensor, ...], top_k: int, mask: torch.Tensor | None, group) -> torch.Tensor:
-    """This rank's term of transformers' load-balancing loss over the global batch.
-
-    transformers pools all layers: f_e = top-k assignments of e / routed rows and P_e = summed router
-    probabilities of e / routed rows (rows weighted by the attention mask), loss = E * sum_e f_e P_e.
-    Counts and rows are summed over ``group``; the local probabilities carry the gradient, so the
-    terms add up over ranks to the global loss, and so do their gradients.
-    """
-    experts = router_logits[0].shape[-1]
-    counts = router_logits[0].new_zeros(experts, dtype=torch.float32)
-    prob_sums = torch.zeros_like(counts)
-    rows = torch.zeros_like(counts[:1])
-    for logits in router_logits:
-        probs = torch.softmax(logits.float(), dim=-1)
-        weight = probs.new_ones(probs.shape[0]) if mask is None else mask.reshape(-1).to(probs)
-        chosen = torch.topk(probs, top_k, dim=-1).indices
-        counts = counts.index_add(0, chosen.flatten(), weight.repeat_interleave(top_k))
-        prob_sums = prob_sums + (probs * weight[:, None]).sum(dim=0)
-        rows = rows + weight.sum()
+    """This rank's term of transformers' load-balancing loss over the global batch
+    (:mod:`meshtron.hf.router`): counts and rows summed over ``group``; the local probabilities carry
+    the gradient, so the terms add up over ranks to the global loss, and so do their gradients."""
+    counts, prob_sums, rows = router_statistics(router_logits, top_k, mask)
     totals = torch.cat([counts, rows])
     dist.all_reduce(totals, group=group)
-    return load_balancing_loss(totals[:experts], prob_sums, totals[experts])
+    return load_balancing_loss(totals[:-1], prob_sums, totals[-1])
 
 
 def _global_aux_loss(data_mesh: DeviceMesh):

@@ -13,16 +13,20 @@ The HF path adds only what is model-specific; the rest is :mod:`meshtron.paralle
   chunk, a range of blocks with the causal or sliding-window mask transformers builds for them,
   norm + head + summed token loss on the last), called through the model itself so that the hooks
   on it (FSDP's root unit, activation checkpointing's) run for every chunk;
-* tp, activation checkpointing, cp (ring attention, :mod:`meshtron.hf.context`) and FSDP/replicate
-  over dp x cp apply inside a stage exactly as without a pipeline (``parallelize_stage``);
+* tp, activation checkpointing, cp (ring attention, :mod:`meshtron.hf.context`), ep (fused experts
+  dispatched over the stage's ep ranks, :mod:`meshtron.hf.experts`) and FSDP/replicate over the data
+  meshes apply inside a stage exactly as without a pipeline (``parallelize_stage``);
 * schedules (1F1B, interleaved 1F1B, GPipe), the executor, micro-batching, the global token count,
   cp sharding of the micro-batches, tied-embedding gradient sums and the gradient norm over stages
-  are :class:`~meshtron.parallel.pipeline.runner.PipelineRunner`'s, reused as they are.
+  are :class:`~meshtron.parallel.pipeline.runner.PipelineRunner`'s, reused as they are;
+* MoE router aux losses (``output_router_logits``): transformers pools the router statistics of all
+  layers, so they travel with the boundary tensors (:class:`~meshtron.hf.router.PipelineRouterLoss`,
+  the executor's relay) and the loss includes ``router_aux_loss_coef`` x the aux loss of every
+  micro-batch, as the causal LM's forward adds it to each.
 
 A stage runs embedding -> blocks -> norm -> head and nothing else: models whose decoder or causal-LM
 forward does more are refused with a ConfigError (Gemma's embedding scaling, final logit
-soft-capping or scaling, Granite's multipliers, MoE router aux losses via ``output_router_logits``),
-as are models without a single rotary embedding module, and expert parallelism.
+soft-capping or scaling, Granite's multipliers), as are models without a single rotary embedding module.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshtron import env
 from meshtron.config import ConfigError, ParallelConfig
 from meshtron.hf.discover import hf_parts, set_stage_parts
-from meshtron.mesh import dense_data_mesh, expert_split
+from meshtron.hf.router import PipelineRouterLoss, check_router_loss
+from meshtron.mesh import dense_data_mesh
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.pipeline.runner import PipelineRunner
 from meshtron.parallel.pipeline.schedules import V_SHAPED
@@ -78,21 +83,24 @@ def prune_hf_to_stage(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1,
     return mine
 
 
-def _masks(model: nn.Module, h: torch.Tensor, position_ids: torch.Tensor) -> dict[str, torch.Tensor | None]:
-    """The masks transformers builds for its blocks (None where sdpa's causal flag or the ring does it).
-    Only shape, dtype and device of the stand-in embeddings are read: under SP ``h`` holds a slice."""
+def _masks(model: nn.Module, h: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]) -> dict[str, torch.Tensor | None]:
+    """The masks of ``kinds`` transformers builds for its blocks (None where sdpa's causal flag or the ring
+    does it). Only shape, dtype and device of the stand-in embeddings are read: under SP ``h`` holds a slice."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     shape = dict(config=model.config, inputs_embeds=h.new_empty(*position_ids.shape, 0), attention_mask=None,
                  past_key_values=None, position_ids=position_ids)
-    masks = {"full_attention": create_causal_mask(**shape)}
-    if getattr(model.config, "sliding_window", None) is not None:
-        masks["sliding_attention"] = create_sliding_window_causal_mask(**shape)
-    return masks
+    build = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    return {kind: build[kind](**shape) for kind in kinds}
 
 
-def _mask_kind(model: nn.Module, block: nn.Module) -> str:
-    """A block's mask: its own ``attention_type`` (Qwen2, Gemma2 ...), else the model's (Mistral, Phi3 ...)."""
+def _mask_kind(model: nn.Module, block: nn.Module, index: int) -> str:
+    """Block ``index``'s mask, as the decoder picks it: ``config.layer_types`` (Qwen2-MoE's sliding_window
+    is 0 with every layer full), else the block's own ``attention_type`` (Gemma2 ...), else the model's
+    (Mistral, Phi3 ...)."""
+    types = getattr(model.config, "layer_types", None)
+    if types and types[index] in ("full_attention", "sliding_attention"):
+        return types[index]
     default = "sliding_attention" if getattr(model.config, "sliding_window", None) is not None else "full_attention"
     return getattr(block, "attention_type", default)
 
@@ -103,11 +111,12 @@ def _stage_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layers: ra
     ``labels`` (next-token targets). Extra keywords (a KV cache turned off by hooks) are not used."""
     parts = hf_parts(self)
     h = parts.embed(x) if first else x
-    masks = _masks(self, h, position_ids)
+    kinds = {i: _mask_kind(self, parts.blocks[str(i)], i) for i in layers}
+    masks = _masks(self, h, position_ids, set(kinds.values()))
     rope = parts.rotary(h, position_ids)
     for i in layers:
         block = parts.blocks[str(i)]
-        out = block(h, attention_mask=masks[_mask_kind(self, block)], position_ids=position_ids,
+        out = block(h, attention_mask=masks[kinds[i]], position_ids=position_ids,
                     position_embeddings=rope, use_cache=False)
         h = out[0] if isinstance(out, tuple) else out
     if not last:
@@ -140,7 +149,6 @@ class HFStageChunk:
 # A stage runs embedding -> blocks -> norm -> head; what a decoder or causal-LM forward does beyond
 # that (these config keys) would be skipped, so it is refused.
 _REFUSED_CONFIG = {
-    "output_router_logits": "MoE router aux losses",
     "final_logit_softcapping": "final logit soft-capping",
     "logit_scale": "scaled logits",
     "logits_scaling": "scaled logits",
@@ -157,8 +165,8 @@ def _check_hf_pipeline(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig) ->
     if cfg.model_type.startswith("gemma"):
         raise ConfigError(f"parallelize_hf_model: pp > 1 does not support {cfg.model_type}: its decoder scales the "
                           "embeddings (and caps logits) outside the blocks; use pp = 1.")
-    if expert_split(mesh).ep > 1:
-        raise ConfigError("parallelize_hf_model: pp > 1 with ep > 1 is not supported for HF models; use ep = 1.")
+    if getattr(cfg, "output_router_logits", False):
+        check_router_loss(model)
     if not isinstance(hf_parts(model).rotary, nn.Module):
         raise ConfigError(f"parallelize_hf_model: pp > 1 needs one rotary embedding module; "
                           f"{type(model).__name__} has none. Use pp = 1.")
@@ -197,6 +205,25 @@ class HFPipelineRunner(PipelineRunner):
         parts = hf_parts(model)
         self._start(model, chunks, mesh, p, boundary, env.local_device(), (parts.embed, parts.head) if tied else None,
                     has_moe=False)
+        if getattr(model.config, "output_router_logits", False):
+            self.relay = PipelineRouterLoss(model, self.data_group, self.device)
+
+    def forward_backward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The step's global loss; with ``output_router_logits`` it includes ``router_aux_loss_coef`` x
+        the aux loss of every micro-batch, as the causal LM's own forward adds it to each."""
+        if self.relay is None:
+            return super().forward_backward(input_ids, labels, position_ids)
+        self.relay.start()
+        return super().forward_backward(input_ids, labels, position_ids) + self.relay.step_loss()
+
+    def _chunk_forward(self, micro: list, stage: int, x: torch.Tensor, mb: int) -> torch.Tensor:
+        if self.relay is None or not torch.is_grad_enabled():  # evaluation: the token loss only
+            return super()._chunk_forward(micro, stage, x, mb)
+        with self.relay.recording() as logits:
+            out = super()._chunk_forward(micro, stage, x, mb)
+        return self.relay.attach(out, logits, stage, mb, self.chunks[stage].is_last)
 
 
 __all__ = ["HFPipelineRunner", "HFStageChunk", "prune_hf_to_stage"]

@@ -118,9 +118,9 @@ class HFStepRunner:
         m = self.cfg.parallel.microbatches
         return [(ids, lab, None) for ids, lab in zip(input_ids.chunk(m), labels.chunk(m))]
 
-    def _loss(self, ids: torch.Tensor, targets: torch.Tensor, tokens) -> torch.Tensor:
+    def _loss(self, ids: torch.Tensor, targets: torch.Tensor, tokens, **options) -> torch.Tensor:
         # labels only switch the loss on: targets are already next-token labels (shift_labels).
-        return self.module(input_ids=ids, labels=targets, shift_labels=targets, num_items_in_batch=tokens).loss
+        return self.module(input_ids=ids, labels=targets, shift_labels=targets, num_items_in_batch=tokens, **options).loss
 
     def forward_backward(
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
@@ -144,7 +144,9 @@ class HFStepRunner:
         micro = self._microbatches(input_ids, labels)
         tokens = global_token_count(micro, self.batch_group)
         one = torch.ones((), device=input_ids.device)  # the loss divided by one is the global sum
-        total = sum(self._loss(ids, targets, one) for ids, targets, _ in micro)
+        # The held-out loss is the token loss (as the pipeline's): no MoE aux loss added to the sum.
+        options = {"output_router_logits": False} if getattr(self.module.config, "output_router_logits", False) else {}
+        total = sum(self._loss(ids, targets, one, **options) for ids, targets, _ in micro)
         return total, tokens
 
     def aux_loss(self) -> torch.Tensor | None:

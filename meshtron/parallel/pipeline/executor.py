@@ -56,6 +56,15 @@ backward, next to the unsharded gradients that the once-per-step reduction holds
 ``benchmarks/results/pipeline_fsdp.md`` counts the gathers and gives the figures for Qwen2.5-7B.
 Outside a run (e.g. an evaluation forward) the units reshard after forward again.
 
+Relayed statistics (``run(..., relay=)``). Some model quantities of a micro-batch are known only
+once every stage has run its forward, yet a stage's backward needs them (transformers' MoE
+load-balancing loss pools router statistics over all layers, :mod:`meshtron.hf.router`). A
+:class:`Relay` puts one small tensor next to every boundary tensor: its P2P op follows the boundary
+tensor's in the same batch (same peer, same communicator), so it is matched like it and adds no
+ordering of its own to the schedule. A stage's forward sends what the relay gives after it and its
+backward what the relay gives after that; each receiver hands what came to the relay before the
+compute that consumes the boundary tensor (so a stage's backward sees what every later stage sent).
+
 Forward only (evaluation, :meth:`PipelineExecutor.forward_only`): no schedule is needed without a
 backward, only the placement, read off the training schedule's p2p ops (which rank holds each
 neighbouring stage; at the turn of a V the next stage is on this rank and gets the output handed
@@ -69,6 +78,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -96,6 +106,19 @@ from meshtron.parallel.pipeline.simulate import Span
 ForwardFn = Callable[[int, torch.Tensor, int], torch.Tensor]
 # loss(output of the last stage, mb) -> scalar whose backward starts the pipeline's backward.
 LossFn = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+class Relay(Protocol):
+    """A small tensor of ``shape`` and ``dtype`` travelling with every boundary tensor (module doc)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def message(self, kind: str, stage: int, mb: int) -> torch.Tensor:
+        """What ``stage`` sends with its output (``kind`` SEND_F) or its input gradient (SEND_B)."""
+
+    def arrived(self, kind: str, stage: int, mb: int, message: torch.Tensor) -> None:
+        """What came to ``stage`` with its input (``kind`` RECV_F) or its output gradient (RECV_B)."""
 
 
 class PipelineExecutor:
@@ -136,6 +159,7 @@ class PipelineExecutor:
         self.record = False
         self.spans: list[Span] = []
         self.peak_live = 0
+        self._relay: Relay | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -145,6 +169,10 @@ class PipelineExecutor:
         self._deferred: dict[tuple[int, int], _Deferred] = {}
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}
         self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        # The relay's messages, by the key of the boundary tensor they travel with (same three roles).
+        self._relay_local: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._relay_outbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._relay_inbox: dict[tuple[str, int, int], tuple[torch.Tensor, list]] = {}
         # Posted receives: key -> (buffer, the works to wait for before reading it).
         self._inbox: dict[tuple[str, int, int], tuple[torch.Tensor, list]] = {}
         # Posted sends not known to be complete: (work, tensor kept alive until then).
@@ -160,13 +188,15 @@ class PipelineExecutor:
         first_inputs: Sequence[torch.Tensor],
         loss: LossFn,
         boundary: tuple[tuple[int, ...], torch.dtype],
+        relay: Relay | None = None,
     ) -> torch.Tensor:
         """Run every step; returns the sum of this rank's last-stage losses (0 elsewhere), detached.
 
         ``first_inputs[mb]`` feeds stage 0; ``boundary`` is the (shape, dtype) of every tensor
-        crossing a stage boundary (see the module doc).
+        crossing a stage boundary; ``relay`` sends a message along with each (see the module doc).
         """
         self._reset()
+        self._relay = relay
         self.spans, self.peak_live = [], 0
         for unit in self._units:
             hold_unsharded(unit, True)
@@ -187,7 +217,9 @@ class PipelineExecutor:
                 work.wait()
         finally:
             leftovers = self.live() + len(self._inbox) + len(self._outbox) + len(self._local)
+            leftovers += len(self._relay_inbox) + len(self._relay_outbox) + len(self._relay_local)
             self._reset()
+            self._relay = None
         if leftovers:
             raise RuntimeError(f"pipeline rank {self.rank}: {leftovers} tensors left over after the schedule")
         return total
@@ -310,9 +342,12 @@ class PipelineExecutor:
     def _input(self, key: tuple[str, int, int], source_stage: int) -> torch.Tensor:
         """A stage's input activation or output gradient: handed over by a stage on this rank (the
         turn of a V) or received."""
-        if source_stage in self._local_stages:
-            return self._local.pop(key)
-        return self._received(key)
+        local = source_stage in self._local_stages
+        tensor = self._local.pop(key) if local else self._received(key)
+        if self._relay is not None:
+            message = self._relay_local.pop(key) if local else _waited(*self._relay_inbox.pop(key))
+            self._relay.arrived(*key, message)
+        return tensor
 
     def _output(self, key: tuple[str, int, int], target_stage: int, tensor: torch.Tensor | None) -> None:
         """Queue ``tensor`` for its send, or hand it to the target stage when that runs here."""
@@ -322,12 +357,15 @@ class PipelineExecutor:
             self._local[(RECV_F if key[0] == SEND_F else RECV_B, target_stage, key[2])] = tensor
         else:
             self._outbox[key] = tensor
+        if self._relay is not None:
+            message = self._relay.message(*key)
+            if target_stage in self._local_stages:
+                self._relay_local[(RECV_F if key[0] == SEND_F else RECV_B, target_stage, key[2])] = message
+            else:
+                self._relay_outbox[key] = message
 
     def _received(self, key: tuple[str, int, int]) -> torch.Tensor:
-        tensor, works = self._inbox.pop(key)
-        for work in works:
-            work.wait()
-        return tensor
+        return _waited(*self._inbox.pop(key))
 
     def _exchange(self, step: P2P, boundary, device: torch.device) -> None:
         """Posts the batch (activations on ``group``, gradients on ``grad_group``: one batch per
@@ -345,17 +383,30 @@ class PipelineExecutor:
             group = self.group if op.kind in (SEND_F, RECV_F) else self.grad_group
             ops, posted = batches.setdefault(id(group), ([], []))
             ops.append(dist.P2POp(kind, tensor, self.peers[op.peer], group))
-            posted.append((kind, key, tensor))
+            posted.append((kind, key, tensor, self._inbox))
+            if self._relay is not None:  # right behind its boundary tensor: matched in the same order
+                relay = self._relay
+                message = (self._relay_outbox.pop(key) if kind is dist.isend
+                           else torch.empty(relay.shape, dtype=relay.dtype, device=device))
+                ops.append(dist.P2POp(kind, message, self.peers[op.peer], group))
+                posted.append((kind, key, message, self._relay_inbox))
         self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
         for ops, posted in batches.values():
             works = dist.batch_isend_irecv(ops)
             # Backends without coalescing return one work per op; NCCL one work for the whole batch.
             per_op = [[w] for w in works] if len(works) == len(ops) else [list(works)] * len(ops)
-            for (kind, key, tensor), op_works in zip(posted, per_op):
+            for (kind, key, tensor, inbox), op_works in zip(posted, per_op):
                 if kind is dist.isend:
                     self._sending += [(w, tensor) for w in op_works]
                 else:
-                    self._inbox[key] = (tensor, op_works)
+                    inbox[key] = (tensor, op_works)
+
+
+def _waited(tensor: torch.Tensor, works: list) -> torch.Tensor:
+    """A received tensor, once the works that fill it are done."""
+    for work in works:
+        work.wait()
+    return tensor
 
 
 def _neighbour_ranks(steps: Sequence[Step]) -> dict[int, int]:

@@ -140,6 +140,7 @@ class PipelineRunner:
         unsplit = [s for s, c in self.chunks.items() if _fused_backward(c)]
         self.executor = PipelineExecutor(steps, self.num_stages, self.pp_group, units, grads, unsplit)
         self._aux: torch.Tensor | None = None
+        self.relay = None  # an executor Relay for model statistics that cross stages (HF MoE aux loss)
         self._tied, self._tie_group, self._tied_copy = None, None, None
         if tied is not None and p.schedule not in V_SHAPED:  # a V holds both ends on rank 0: one weight
             embed, head = tied
@@ -164,7 +165,7 @@ class PipelineRunner:
             return loss_sum / tokens
 
         ids = [mb[0] for mb in micro]
-        total = self.executor.run(forward, ids, loss, self._boundary_tensor(ids))
+        total = self.executor.run(forward, ids, loss, self._boundary_tensor(ids), self.relay)
         if self._tied is not None:
             self._sum_tied_grads()
         dist.all_reduce(total, group=self.data_group)  # zero except on the last stage
