@@ -106,7 +106,7 @@ class ParallelConfig:
     # How cp ranks exchange attention inputs: p2p (ring) | a2a (Ulysses) | allgather | a2a+p2p.
     cp_comm_type: str = "p2p"
     cp_a2a_size: int = 0  # a2a+p2p: cp ranks per all-to-all group; 0: the cp ranks of one node
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb1p | zbv | dualpipev
+    schedule: str = "1f1b"  # one of SCHEDULES: gpipe | 1f1b | interleaved | zb1p | zbv | dualpipev
     virtual_stages: int = 1
     microbatches: int = 1
     # How dense params use dp x ep x cp (expert params: dp x cp): "fsdp" shards over all of it,
@@ -327,23 +327,41 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# The values of the recipe's choice keys, defined once here (below every other module): the checks
+# below use them and the modules that implement the choices import them.
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev")  # built by parallel/pipeline/schedules.py
+V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank, placed down the ranks and back up
+VIRTUAL = ("interleaved",) + V_SHAPED  # the schedules that run more than one virtual stage per rank
+DTYPES = ("float32", "bfloat16")
 DATA_PARALLEL_MODES = ("fsdp", "hsdp", "replicate")
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 NONFINITE_POLICIES = ("stop", "skip")
 MEMORY_CHECKS = ("error", "warn", "off")
 
 
+def not_one_of(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    """The message for a choice ``key`` (e.g. "[parallel] data_parallel") set to another ``value``."""
+    return f"{key} must be one of {', '.join(choices)}, got '{value}'."
+
+
+def needs_virtual_schedule(virtual_stages: int) -> str:
+    """Why ``virtual_stages`` > 1 needs one of the ``VIRTUAL`` schedules (recipe and build_schedule)."""
+    names = ", ".join(f"'{name}'" for name in VIRTUAL[:-1]) + f" or '{VIRTUAL[-1]}'"
+    return f"virtual_stages = {virtual_stages} needs schedule = {names}"
+
+
+def needs_two_virtual_stages(virtual_stages: int) -> str:
+    """Why a ``V_SHAPED`` schedule needs ``virtual_stages = 2`` (recipe and build_schedule)."""
+    return f"needs virtual_stages = 2 (rank r runs stages r and 2 pp - 1 - r), got {virtual_stages}"
+
+
+def _require_choice(source: str, key: str, value: Any, choices: tuple[str, ...]) -> None:
+    _require(value in choices, f"{source}: " + not_one_of(key, value, choices) + _closest(value, choices))
+
+
 def _validate_data_parallel(p: ParallelConfig, source: str) -> None:
-    _require(
-        p.data_parallel in DATA_PARALLEL_MODES,
-        f"{source}: [parallel] data_parallel must be one of {', '.join(DATA_PARALLEL_MODES)}, "
-        f"got '{p.data_parallel}'." + _closest(p.data_parallel, DATA_PARALLEL_MODES),
-    )
-    _require(
-        p.activation_checkpointing in ACTIVATION_CHECKPOINTING,
-        f"{source}: [parallel] activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, "
-        f"got '{p.activation_checkpointing}'." + _closest(p.activation_checkpointing, ACTIVATION_CHECKPOINTING),
-    )
+    _require_choice(source, "[parallel] data_parallel", p.data_parallel, DATA_PARALLEL_MODES)
+    _require_choice(source, "[parallel] activation_checkpointing", p.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _require(
         p.ac_every >= 1,
         f"{source}: [parallel] ac_every must be >= 1 (checkpoint every N-th block), got {p.ac_every}.",
@@ -397,35 +415,31 @@ def _validate_model(m: ModelConfig, source: str) -> None:
 
 
 def _validate_layout(cfg: Config, source: str) -> None:
-    """Per-key layout checks; fitting the layout to the world size, model and batch is mesh.validate_layout."""
+    """The [parallel] checks that need no world size: each key, the schedule against virtual_stages
+    and the expert keys against the model. Fitting the layout to the world size, the model and the batch
+    is :func:`meshtron.parallel.layout.validate_layout`."""
     p = cfg.parallel
     where = f"{source}: [parallel]"
     for key in ("pp", "cp", "ep", "tp", "virtual_stages", "microbatches"):
         _require(getattr(p, key) >= 1, f"{where} {key} must be >= 1, got {getattr(p, key)}.")
-    schedules = ("gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
+    _require_choice(source, "[parallel] schedule", p.schedule, SCHEDULES)
     _require(
-        p.schedule in schedules,
-        f"{where} schedule must be one of {', '.join(schedules)}, got '{p.schedule}'."
-        + _closest(p.schedule, schedules),
+        p.virtual_stages == 1 or p.schedule in VIRTUAL, f"{where} {needs_virtual_schedule(p.virtual_stages)}."
     )
     _require(
-        p.virtual_stages == 1 or p.schedule in ("interleaved", "zbv", "dualpipev"),
-        f"{where} virtual_stages = {p.virtual_stages} needs schedule = 'interleaved', 'zbv' or 'dualpipev'.",
-    )
-    _require(
-        p.virtual_stages == 2 or p.schedule not in ("zbv", "dualpipev"),
-        f"{where} schedule = '{p.schedule}' needs virtual_stages = 2 (rank r runs stages r and 2 pp - 1 - r), "
-        f"got {p.virtual_stages}.",
+        p.virtual_stages == 2 or p.schedule not in V_SHAPED,
+        f"{where} schedule = '{p.schedule}' {needs_two_virtual_stages(p.virtual_stages)}.",
     )
     _validate_data_parallel(p, source)
     expert_keys = expert_keys_without_experts(p)
-    _require(  # an hf_model folder's experts are read later (parallel/layout.py checks them)
+    _require(  # an hf_model folder's experts are known later: parallel/layout.py runs this rule again
         not expert_keys or cfg.model.is_moe or cfg.model.hf_model, f"{where} {expert_keys}"
     )
 
 
 def expert_keys_without_experts(p: ParallelConfig) -> str | None:
-    """For a model without experts: what is wrong with the first expert key set (ep, etp, fold_ep)."""
+    """For a model without experts: what is wrong with the first expert key set (ep, etp, fold_ep).
+    The rule's one owner: the recipe check above and ``validate_layout`` (for hf_model) both use it."""
     for key, used in (("ep", p.ep > 1), ("etp", p.etp > 1), ("fold_ep", p.fold_ep)):
         if used:
             value = str(getattr(p, key)).lower()
@@ -478,16 +492,13 @@ def _validate_mixture(d: DataConfig, source: str) -> None:
 
 
 def validate(cfg: Config, source: str = "<recipe>") -> None:
-    """Checks of single values and choices; ``meshtron.mesh.validate_layout`` fits the layout to the ranks."""
+    """Checks of single values and choices; :func:`meshtron.parallel.layout.validate_layout` fits the
+    layout to the ranks."""
     for name in _SECTION_TYPES:
         _check_numbers(name, getattr(cfg, name), source)
     _validate_model(cfg.model, source)
     t = cfg.train
-    dtypes = ("float32", "bfloat16")
-    _require(
-        t.dtype in dtypes,
-        f"{source}: [train] dtype must be one of {', '.join(dtypes)}, got '{t.dtype}'." + _closest(t.dtype, dtypes),
-    )
+    _require_choice(source, "[train] dtype", t.dtype, DTYPES)
     for key in ("steps", "global_batch_size", "seq_len", "log_every", "loss_chunk_tokens", "eval_steps"):
         _require(getattr(t, key) >= 1, f"{source}: [train] {key} must be >= 1, got {getattr(t, key)}.")
     _require(t.lr > 0, f"{source}: [train] lr must be > 0, got {t.lr}.")
@@ -501,16 +512,8 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
         f"({t.collective_timeout_s}), got {t.hang_timeout_s}: a collective that times out first ends the job "
         "before the hang report.",
     )
-    _require(
-        t.on_nonfinite in NONFINITE_POLICIES,
-        f"{source}: [train] on_nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got '{t.on_nonfinite}'."
-        + _closest(t.on_nonfinite, NONFINITE_POLICIES),
-    )
-    _require(
-        t.memory_check in MEMORY_CHECKS,
-        f"{source}: [train] memory_check must be one of {', '.join(MEMORY_CHECKS)}, got '{t.memory_check}'."
-        + _closest(t.memory_check, MEMORY_CHECKS),
-    )
+    _require_choice(source, "[train] on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
+    _require_choice(source, "[train] memory_check", t.memory_check, MEMORY_CHECKS)
     _require(
         not t.profile_steps or (len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1] <= t.steps),
         f"{source}: [train] profile_steps must be [first, last] with 1 <= first <= last <= steps ({t.steps}), "
@@ -523,11 +526,7 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
     d = cfg.data
     _require(bool(d.source), f"{source}: [data] source is empty; use 'builtin' or a path to text.")
     _validate_mixture(d, source)
-    _require(
-        d.format in DATA_FORMATS,
-        f"{source}: [data] format must be one of {', '.join(DATA_FORMATS)}, got '{d.format}'."
-        + _closest(d.format, DATA_FORMATS),
-    )
+    _require_choice(source, "[data] format", d.format, DATA_FORMATS)
     _require(
         not t.eval_every or bool(d.eval_source),
         f"{source}: [train] eval_every = {t.eval_every} needs [data] eval_source (held-out data, e.g. a .txt or "

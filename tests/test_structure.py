@@ -1,4 +1,5 @@
-"""Imports go one way: config -> mesh -> models -> parallel -> train (the HF adapter sits above parallel).
+"""Imports go one way: config -> mesh -> models -> parallel -> train (the HF adapter sits above parallel),
+and each rule's error message is written in one module (its owner; other modules call the owner).
 
 Read from the source with ``ast`` (function-level imports included), so a lazy import cannot hide a
 back-reference.
@@ -7,6 +8,7 @@ back-reference.
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "meshtron"
@@ -85,3 +87,89 @@ def test_no_import_cycles_between_modules():
     for module in sorted(edges):
         if module not in state:
             visit(module, [module])
+
+
+# A message's literal part with this many words names a rule ("must be a multiple of 2 x cp ="); shorter
+# ones are the shared phrasing of many rules ("[train] seq_len =", "must be >= 1, got"). Words have a letter.
+_RULE_WORDS = 4
+
+
+def _template(node: ast.expr) -> str:
+    """A message expression's text with ``{}`` for each computed part."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _template(node.left) + _template(node.right)
+    return "{}"
+
+
+def _messages(tree: ast.AST) -> list[ast.expr]:
+    """The message arguments of ``raise SomeError(message, ...)`` and of config's ``_require(ok, message)``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
+            func = node.exc.func
+            if (func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")).endswith("Error"):
+                found.append(node.exc.args[0])
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_require":
+            found.extend(node.args[1:2])
+    return found
+
+
+def _rule_phrases(sources: dict[str, str]) -> tuple[dict[str, set[str]], int]:
+    """{literal part of a message: the modules writing it}, and how many messages were read. A message is
+    what a module raises, plus what a message helper returns: a function called inside a raised message
+    (``not_one_of``, ``unbalanced_seq_len``, ...), so the owner's words count where they are written."""
+    trees = {module: ast.parse(text) for module, text in sources.items()}
+    messages = {module: _messages(tree) for module, tree in trees.items()}
+    helpers = {
+        call.func.id if isinstance(call.func, ast.Name) else call.func.attr
+        for found in messages.values() for message in found for call in ast.walk(message)
+        if isinstance(call, ast.Call) and isinstance(call.func, (ast.Name, ast.Attribute))
+    }
+    for module, tree in trees.items():
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef) and fn.name in helpers:
+                messages[module] += [r.value for r in ast.walk(fn) if isinstance(r, ast.Return) and r.value]
+    phrases: dict[str, set[str]] = defaultdict(set)
+    for module, found in messages.items():
+        for message in found:
+            for part in _template(message).split("{}"):
+                part = part.strip(" .,:;'\"()")
+                if sum(any(c.isalpha() for c in word) for word in part.split()) >= _RULE_WORDS:
+                    phrases[part].add(module)
+    return phrases, sum(map(len, messages.values()))
+
+
+def _package_sources() -> dict[str, str]:
+    return {_module_name(p): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_each_rule_message_is_written_in_one_module():
+    """One owner per rule: a module that checks another module's rule calls that module's check or
+    message helper (``config.not_one_of``, ``config.needs_virtual_schedule``, ``parallel.expert.
+    ep_does_not_divide``, ...) instead of typing the words again. Checkable where the words are literal
+    text in the message: the same literal part in two modules is found, a message held in a variable or
+    a rule reworded is not."""
+    phrases, read = _rule_phrases(_package_sources())
+    assert read > 150, f"read only {read} error messages; has the way meshtron raises changed?"
+    assert phrases["must be one of"] == {"meshtron.config"}, "not_one_of's words are config's"
+    twice = sorted(f"{part!r}: {', '.join(sorted(modules))}" for part, modules in phrases.items() if len(modules) > 1)
+    assert not twice, "a rule's words written in more than one module (call the owner's check instead):\n" + "\n".join(twice)
+
+
+def test_rule_phrases_find_a_rule_written_twice():
+    """The check above is not vacuous: the same words raised in two modules, directly or through a
+    helper's return value, are found; shared short phrasing is not."""
+    sources = {
+        "a": "def f(x):\n    raise ValueError(f'[train] x = {x} must be a multiple of 2 x cp = {2 * x}.')\n",
+        "b": "def g(x):\n    if x:\n        raise ConfigError(why(x) + ' Use another.')\n"
+             "def why(x):\n    return f'[train] x = {x} must be a multiple of 2 x cp = {2 * x}'\n",
+        "c": "def h(ok, key, x):\n    _require(ok, f'{key} must be >= 1, got {x}.')\n",
+        "d": "def k(key, x):\n    raise ValueError(f'[train] {key} must be >= 1, got {x}')\n",
+    }
+    phrases, read = _rule_phrases(sources)
+    assert read == 5
+    assert dict(phrases) == {"must be a multiple of 2 x cp =": {"a", "b"}}

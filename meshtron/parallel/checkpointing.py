@@ -16,7 +16,7 @@ import contextlib
 from torch import nn
 from torch.distributed._composable import checkpoint
 
-from meshtron.config import ACTIVATION_CHECKPOINTING
+from meshtron.config import ACTIVATION_CHECKPOINTING, not_one_of
 from meshtron.models.moe import replaying
 
 
@@ -27,9 +27,7 @@ def checkpointed_layers(layer_ids: list[int], mode: str, every: int) -> list[int
     (0, N, 2N, ...), so the choice does not change when a pipeline stage holds only some layers.
     """
     if mode not in ACTIVATION_CHECKPOINTING:
-        raise ValueError(
-            f"activation_checkpointing must be one of {', '.join(ACTIVATION_CHECKPOINTING)}, got '{mode}'."
-        )
+        raise ValueError(not_one_of("activation_checkpointing", mode, ACTIVATION_CHECKPOINTING))
     if every < 1:
         raise ValueError(f"ac_every must be >= 1, got {every}.")
     if mode == "none":

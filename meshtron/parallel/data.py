@@ -60,18 +60,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from meshtron.config import DATA_PARALLEL_MODES
+from meshtron.config import DATA_PARALLEL_MODES, DTYPES, not_one_of
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_hsdp_mesh, expert_split
 from meshtron.models.moe import MoE, moe_layers
 from meshtron.parallel.expert import ExpertDispatch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
     """bf16 compute with fp32 gradient reduction for ``bfloat16``; no casting for ``float32``."""
     if dtype not in _DTYPES:
-        raise ValueError(f"[train] dtype must be one of {', '.join(_DTYPES)}, got '{dtype}'.")
+        raise ValueError(not_one_of("[train] dtype", dtype, DTYPES))
     if dtype == "float32":
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=_DTYPES[dtype], reduce_dtype=torch.float32)
@@ -80,7 +80,7 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
 def data_meshes(mesh: DeviceMesh, mode: str) -> tuple[DeviceMesh, DeviceMesh]:
     """(dense mesh, expert mesh) for ``mode``: 1-D for fsdp/replicate, (replicate, shard) for hsdp."""
     if mode not in DATA_PARALLEL_MODES:
-        raise ValueError(f"[parallel] data_parallel must be one of {', '.join(DATA_PARALLEL_MODES)}, got '{mode}'.")
+        raise ValueError(not_one_of("[parallel] data_parallel", mode, DATA_PARALLEL_MODES))
     if mode != "hsdp":
         return dense_data_mesh(mesh), expert_data_mesh(mesh)
     # Joining dp with the flattened (cp, ep) mesh; slicing a flattened dim out of the root mesh

@@ -452,13 +452,15 @@ def set_global_capacity(model: nn.Module, mesh: DeviceMesh, sequence_parallel: b
         moe.capacity_ranker = rankers.get(moe.num_experts) if spread and moe.capacity_factor else None
 
 
+def ep_does_not_divide(num_experts: int, ep: int) -> str:
+    """The rule's words when ``ep`` does not divide ``num_experts``; each caller adds the valid values."""
+    return f"[parallel] ep = {ep} does not divide [model] num_experts = {num_experts}"
+
+
 def check_expert_divisible(num_experts: int, ep: int) -> None:
     if num_experts % ep:
         valid = [v for v in range(1, num_experts + 1) if num_experts % v == 0]
-        raise ConfigError(
-            f"[parallel] ep = {ep} does not divide [model] num_experts = {num_experts}; "
-            f"valid ep values: {', '.join(map(str, valid))}."
-        )
+        raise ConfigError(f"{ep_does_not_divide(num_experts, ep)}; valid ep values: {', '.join(map(str, valid))}.")
 
 
 def check_expert_tp_divisible(intermediate: int, etp: int) -> None:
@@ -508,6 +510,7 @@ __all__ = [
     "apply_expert_parallel",
     "check_expert_divisible",
     "check_expert_tp_divisible",
+    "ep_does_not_divide",
     "set_global_capacity",
     "set_global_router_stats",
     "shard_experts",

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from meshtron.config import Config, ConfigError, expert_keys_without_experts
 from meshtron.mesh import ExpertSplit, check_expert_split, check_sizes, expert_hsdp_shards
-from meshtron.parallel.context import check_context_parallel, cp_ranks_per_node, local_heads
-from meshtron.parallel.expert import check_expert_tp_divisible
+from meshtron.parallel.context import check_context_parallel, cp_ranks_per_node, local_heads, unbalanced_seq_len
+from meshtron.parallel.expert import check_expert_tp_divisible, ep_does_not_divide
 from meshtron.parallel.pipeline.stage import check_pipeline
 from meshtron.parallel.tensor import check_tensor_parallel
 
@@ -47,14 +47,13 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         expert_hsdp_shards(sizes, split)  # experts must shard inside a dp slice
     limit = max(_SUGGEST_UP_TO, world_size)
     check_tensor_parallel(m.num_attention_heads, m.kv_heads, p.tp)
+    # config's rule (config_from_dict ran it already unless [model] hf_model: that model is known only here)
     expert_keys = expert_keys_without_experts(p)
-    if expert_keys and not m.is_moe:  # an hf_model folder's model is known only here
+    if expert_keys and not m.is_moe:
         raise ConfigError(f"[parallel] {expert_keys}")
     if m.is_moe and m.num_experts % p.ep:
-        raise ConfigError(
-            f"[parallel] ep = {p.ep} does not divide [model] num_experts = {m.num_experts}. "
-            f"Valid ep up to {limit}: {_options(lambda v: m.num_experts % v == 0, limit)}."
-        )
+        valid = _options(lambda v: m.num_experts % v == 0, limit)
+        raise ConfigError(f"{ep_does_not_divide(m.num_experts, p.ep)}. Valid ep up to {limit}: {valid}.")
     if m.is_moe:
         check_expert_tp_divisible(m.moe_intermediate_size, p.etp)
     if p.schedule == "interleaved" and (p.pp < 2 or p.virtual_stages < 2):
@@ -73,9 +72,7 @@ def validate_layout(cfg: Config, world_size: int) -> None:
                            cp_ranks_per_node(p.tp, p.mesh_ep))
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise ConfigError(
-            f"[train] seq_len = {t.seq_len} must be a multiple of 2 x cp = {2 * p.cp}: context parallelism "
-            f"cuts the sequence into 2 x cp chunks for load balance. Use seq_len = "
-            f"{_round_up(t.seq_len, 2 * p.cp)} or change cp."
+            f"{unbalanced_seq_len(t.seq_len, p.cp)} Use seq_len = {_round_up(t.seq_len, 2 * p.cp)} or change cp."
         )
     if p.sp and p.tp > 1 and t.seq_len % (p.cp * p.tp):
         # Each cp rank holds seq_len / cp tokens, which sequence parallelism splits over tp.

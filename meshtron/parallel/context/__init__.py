@@ -67,6 +67,7 @@ from meshtron.parallel.context.layout import (
     sequence_index,
     shard_batch,
     shard_sequence,
+    unbalanced_seq_len,
 )
 from meshtron.parallel.context.transform import RingAttention, apply_context_parallel, cp_groups
 
@@ -91,6 +92,7 @@ __all__ = [
     "sequence_index",
     "shard_batch",
     "shard_sequence",
+    "unbalanced_seq_len",
     "unshard_sequence",
 ]
 # Private, re-exported for the tests that reach into the engine (kernel choice, merge, the ring's kv tag).

@@ -97,6 +97,14 @@ def shard_batch(batch, mesh: DeviceMesh, balanced: bool = True):
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 
 
+def unbalanced_seq_len(seq_len: int, cp: int) -> str:
+    """The rule's words when ``seq_len`` is not a multiple of ``2 x cp`` (validate_layout adds a fix)."""
+    return (
+        f"[train] seq_len = {seq_len} must be a multiple of 2 x cp = {2 * cp}: context parallelism cuts "
+        f"the sequence into 2 x cp chunks for load balance."
+    )
+
+
 def a2a_group_size(comm_type: str, cp: int, a2a_size: int = 0, heads: int = 0, ranks_per_node: int = 0) -> int:
     """cp ranks that trade sequence shards for head shards: 1 for p2p / allgather, cp for a2a.
 
@@ -138,10 +146,7 @@ def check_context_parallel(
             f"of {sliding_window} tokens; set cp = 1 or use a model without sliding windows."
         )
     if seq_len is not None and seq_len % (2 * cp):
-        raise ConfigError(
-            f"[train] seq_len = {seq_len} must be a multiple of 2 x cp = {2 * cp}: context parallelism cuts "
-            f"the sequence into 2 x cp chunks for load balance."
-        )
+        raise ConfigError(unbalanced_seq_len(seq_len, cp))
     a = a2a_group_size(comm_type, cp, a2a_size, heads, ranks_per_node)
     if a2a_size and comm_type != "a2a+p2p":
         raise ConfigError(f"[parallel] cp_a2a_size = {a2a_size} is only used with cp_comm_type = 'a2a+p2p'.")

@@ -54,7 +54,16 @@ from collections import deque
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
+# The schedules' recipe names are defined in meshtron.config (which checks a recipe against them and
+# cannot import this module) and re-exported here.
+from meshtron.config import SCHEDULES, V_SHAPED, VIRTUAL, needs_two_virtual_stages, needs_virtual_schedule
 from meshtron.parallel.pipeline.split import chunk_rank
+
+__all__ = [
+    "B", "F", "W", "P2P", "RECV_B", "RECV_F", "SEND_B", "SEND_F", "SCHEDULES", "V_SHAPED", "VIRTUAL",
+    "Action", "Schedule", "Step", "build_schedule", "dualpipev", "gpipe", "held_counts", "interleaved_1f1b",
+    "one_f_one_b", "peak_in_flight", "split_backwards", "zb1p", "zbv",
+]
 
 F, B, W = "F", "B", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
@@ -302,10 +311,7 @@ def _dualpipev_slots(pp: int, m: int, rank: int) -> list[list[Action]]:
 
 def _check_v_shape(name: str, pp: int, m: int, v: int, min_m: int, why: str) -> None:
     if v != 2:
-        raise ValueError(
-            f"{name}: needs virtual_stages = 2 (rank r runs stages r and 2 pp - 1 - r), got {v}: "
-            "set [parallel] virtual_stages = 2"
-        )
+        raise ValueError(f"{name}: {needs_two_virtual_stages(v)}: set [parallel] virtual_stages = 2")
     if m < min_m:
         raise ValueError(f"{name}: microbatches = {m} is fewer than {why}: set [parallel] microbatches >= {min_m}")
 
@@ -332,17 +338,12 @@ def dualpipev(pp: int, m: int, v: int = 2) -> Schedule:
     return [_with_p2p(_dualpipev_slots(pp, m, r), pp, 2 * pp, v_shape=True) for r in range(pp)]
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
-V_SHAPED = ("zbv", "dualpipev")
-VIRTUAL = ("interleaved",) + V_SHAPED
-
-
 def build_schedule(name: str, pp: int, m: int, v: int = 1) -> Schedule:
     """Schedule by its recipe name (one of ``SCHEDULES``)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule '{name}': use {', '.join(SCHEDULES)}")
     if v != 1 and name not in VIRTUAL:
-        raise ValueError(f"{name}: virtual_stages = {v} needs schedule = 'interleaved', 'zbv' or 'dualpipev'")
+        raise ValueError(f"{name}: {needs_virtual_schedule(v)}")
     if name == "gpipe":
         return gpipe(pp, m)
     if name == "1f1b":

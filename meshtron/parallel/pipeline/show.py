@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable, Sequence
 
-from meshtron.parallel.pipeline.schedules import B, F, SCHEDULES, VIRTUAL, W, build_schedule, peak_in_flight
+from meshtron.parallel.pipeline.schedules import B, F, SCHEDULES, V_SHAPED, VIRTUAL, W, build_schedule, peak_in_flight
 from meshtron.parallel.pipeline.simulate import analytic_bubble, simulate, unit_cost_bubble
 
 # Colours of each pass for even and odd virtual stages, so chunks are told apart.
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--p2p", type=float, default=0.0, help="cost of one p2p batch")
     args = parser.parse_args(argv)
     if args.virtual is None:
-        args.virtual = 2 if args.schedule in ("zbv", "dualpipev") else 1
+        args.virtual = 2 if args.schedule in V_SHAPED else 1
     if args.b is None:
         args.b = 1.0 if args.w else 2.0
     if args.virtual != 1 and args.schedule not in VIRTUAL:
