@@ -32,10 +32,11 @@ from torch.utils.flop_counter import flop_registry
 from meshtron import env
 from meshtron.config import Config, ConfigError, infer_dp, load_config
 from meshtron.host import fake_tensors, simulated
-from meshtron.mesh import batch_mesh, recipe_mesh
+from meshtron.mesh import batch_mesh, expert_hsdp_mesh, expert_meshes, group_names, recipe_mesh
 from meshtron.parallel.step import training_step
 from meshtron.plan.memory import GIB, Assumptions, Coords, rank_breakdown
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
+from meshtron.plan.speed import COMM_DIMS, communication
 
 # The trace holds what the step allocates: no CUDA context, no allocator slack.
 TRACE_ASSUMPTIONS = Assumptions(reserved_gib=0.0, fragmentation=0.0)
@@ -50,7 +51,7 @@ class RankTrace:
     traced_gib: float
     planned_gib: float
     collectives: dict[str, int]  # calls per op
-    comm_bytes: dict[str, int]  # input bytes per op
+    comm: dict[str, tuple[int, int]]  # "kind/group" -> (bytes sent traced, planned) per step
     flops: int
     seconds: float
 
@@ -97,7 +98,8 @@ def storage_tracker():
 
 
 class StepCounter(TorchDispatchMode):
-    """FLOPs (torch's flop formulas) and, per collective op (c10d and functional), calls and input bytes.
+    """FLOPs (torch's flop formulas), calls per collective op (c10d and functional) and the bytes this
+    rank sends per (collective kind, group), counted as a ring sends them (:func:`sent_bytes`).
 
     torch's FlopCounterMode and CommDebugMode count the same but track modules with hooks: the
     former's keep every activation of the step alive (3.2 x the true peak of a 7B step under
@@ -107,7 +109,7 @@ class StepCounter(TorchDispatchMode):
         super().__init__()
         self.flops = 0
         self.calls: dict[str, int] = {}
-        self.bytes: dict[str, int] = {}
+        self.sent: dict[tuple[str, tuple[int, ...]], int] = {}  # (kind, group's global ranks) -> bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -118,17 +120,66 @@ class StepCounter(TorchDispatchMode):
         elif func.namespace in ("c10d", "_c10d_functional") and func._opname not in ("wait_tensor", "barrier"):
             name = func._opname
             self.calls[name] = self.calls.get(name, 0) + 1
-            self.bytes[name] = self.bytes.get(name, 0) + sum(t.numel() * t.element_size() for t in _tensors(args))
+            kind, nbytes, group = sent_bytes(name, args)
+            if kind is not None:
+                self.sent[kind, group] = self.sent.get((kind, group), 0) + nbytes
         return out
 
 
+# op -> (kind, index of the argument holding what this rank contributes)
+_KINDS = {
+    "allgather_": ("all_gather", 1), "_allgather_base_": ("all_gather", 1), "all_gather_into_tensor": ("all_gather", 0),
+    "reduce_scatter_": ("reduce_scatter", 1), "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 0), "allreduce_": ("all_reduce", 0), "all_reduce": ("all_reduce", 0),
+    "alltoall_base_": ("all_to_all", 1), "all_to_all_single": ("all_to_all", 0), "send": ("send", 0),
+}
+
+
+def sent_bytes(op: str, args) -> tuple[str | None, int, tuple[int, ...]]:
+    """(kind, bytes this rank sends, group's global ranks) of one collective, counted as a ring sends:
+    an all-gather sends its shard to n - 1 peers, a reduce-scatter (n - 1) / n of its input, an
+    all-reduce twice that, an all-to-all all its rows but its own, a send its tensor; (None, 0, ()) for
+    what sends nothing (a receive)."""
+    if op not in _KINDS:
+        return None, 0, ()
+    kind, at = _KINDS[op]
+    ranks = tuple(dist.get_process_group_ranks(_group(args)))
+    n, mine = len(ranks), sum(t.numel() * t.element_size() for t in _tensors([args[at]]))
+    if kind == "all_gather":
+        return kind, mine * (n - 1), ranks
+    if kind == "reduce_scatter":
+        return kind, mine * (n - 1) // n, ranks
+    if kind == "all_reduce":
+        return kind, 2 * mine * (n - 1) // n, ranks
+    if kind == "all_to_all":
+        splits = args[4] if op == "alltoall_base_" else args[2]
+        own = splits[ranks.index(dist.get_rank())] / sum(splits) if splits and sum(splits) else 1 / n
+        return kind, round(mine * (1 - own)), ranks
+    return kind, mine, ranks
+
+
+def _group(args) -> dist.ProcessGroup:
+    """The process group of a c10d op (a boxed ProcessGroup argument) or a functional one (its name)."""
+    from torch._C._distributed_c10d import ProcessGroup
+
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                return ProcessGroup.unbox(arg)
+            except RuntimeError:  # the op's other boxed argument (a ReduceOp)
+                continue
+    return dist.distributed_c10d._resolve_process_group(next(a for a in reversed(args) if isinstance(a, str)))
+
+
 def _tensors(args) -> list[torch.Tensor]:
-    """The first tensor argument (or list of them): what a collective sends."""
+    """The first tensor argument (or list of them, flattened)."""
     for arg in args:
         if isinstance(arg, torch.Tensor):
             return [arg]
-        if isinstance(arg, (list, tuple)) and arg and all(isinstance(t, torch.Tensor) for t in arg):
-            return list(arg)
+        if isinstance(arg, (list, tuple)) and arg:
+            flat = [t for item in arg for t in (item if isinstance(item, (list, tuple)) else [item])]
+            if all(isinstance(t, torch.Tensor) for t in flat):
+                return flat
     return []
 
 
@@ -183,11 +234,53 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
                 with memory, counter:
                     training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
         peak = sum(per_device.get("Total", 0) for per_device in memory.get_tracker_snapshot("peak").values())
+        comm = compare_comm(counter.sent, planned_comm(cfg, mesh), group_names(mesh))
     finally:
         dist.destroy_process_group()
     planned = rank_breakdown(cfg, Coords(**coords), TRACE_ASSUMPTIONS).total
-    return RankTrace(rank, coords, peak / GIB, planned / GIB, counter.calls, counter.bytes, counter.flops,
+    return RankTrace(rank, coords, peak / GIB, planned / GIB, counter.calls, comm, counter.flops,
                      time.perf_counter() - start)
+
+
+# The planner's collective kinds, as the trace's are summed into them.
+_PLANNED_KIND = {"all_gather": "all_gather+reduce_scatter", "reduce_scatter": "all_gather+reduce_scatter",
+                 "all_reduce": "all_reduce", "all_to_all": "all_to_all", "send": "p2p"}
+
+
+def planned_comm(cfg: Config, mesh) -> dict[tuple[str, tuple[int, ...]], float]:
+    """``meshtron.plan``'s bytes sent per step, keyed like the trace: (kind, this rank's group's ranks)."""
+    out: dict[tuple[str, tuple[int, ...]], float] = {}
+    for key, nbytes in communication(cfg, mesh["pp"].get_local_rank()).items():
+        kind, dims = key.split("/")
+        group = _group_of(mesh, COMM_DIMS[dims])
+        out[kind, group] = out.get((kind, group), 0.0) + nbytes
+    return out
+
+
+def _group_of(mesh, dims: tuple[str, ...]) -> tuple[int, ...]:
+    """Global ranks of this rank's group over ``dims`` (the experts' groups: from their own meshes)."""
+    if dims in (("ep",), ("etp",)):
+        sub = expert_meshes(mesh).model[dims[0]]
+    elif dims == ("edp",):
+        sub = expert_meshes(mesh).data
+    elif dims[0].startswith("edp_"):
+        sub = expert_hsdp_mesh(mesh)[dims[0]]
+    else:
+        sub = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
+    return tuple(sub.mesh.flatten().tolist())
+
+
+def compare_comm(traced: dict[tuple[str, tuple[int, ...]], int], planned: dict[tuple[str, tuple[int, ...]], float],
+                 names: dict[tuple[int, ...], str]) -> dict[str, tuple[int, int]]:
+    """{"kind/group name": (traced bytes, planned bytes)} over every group either side sends on."""
+    totals: dict[tuple[str, tuple[int, ...]], list[float]] = {}
+    for (kind, group), nbytes in traced.items():
+        if len(group) > 1:
+            totals.setdefault((_PLANNED_KIND[kind], group), [0, 0])[0] += nbytes
+    for (kind, group), nbytes in planned.items():
+        if len(group) > 1:
+            totals.setdefault((kind, group), [0, 0])[1] += nbytes
+    return {f"{kind}/{names.get(group, list(group))}": (int(t), round(p)) for (kind, group), (t, p) in sorted(totals.items())}
 
 
 def dry_run(cfg: Config, world_size: int, routing: str = "balanced") -> list[RankTrace]:
@@ -237,16 +330,20 @@ def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool,
             "world_size": world_size, "layout": layout_text(cfg), "routing": routing, "seconds": round(seconds, 1),
             "ranks": [{"rank": t.rank, "coords": t.coords, "traced_gib": round(t.traced_gib, 3),
                        "planned_gib": round(t.planned_gib, 3), "ratio": round(t.ratio, 3),
-                       "collectives": t.collectives, "comm_bytes": t.comm_bytes, "flops": t.flops} for t in traces],
+                       "collectives": t.collectives, "flops": t.flops,
+                       "comm_bytes": {key: {"traced": traced, "planned": planned}
+                                      for key, (traced, planned) in t.comm.items()}} for t in traces],
         })
     lines = [f"dry run: {world_size} ranks, {layout_text(cfg)}, {cfg.parallel.schedule}, "
              f"{cfg.train.dtype}, seq {cfg.train.seq_len}, global batch {cfg.train.global_batch_size}"
              + (f", {routing} MoE routing" if cfg.model.is_moe else ""),
              f"{'rank':>6} {'pp':>3} {'traced GiB':>11} {'planned GiB':>12} {'ratio':>6} {'TFLOP':>8}  collectives"]
     for t in traces:
-        comms = ", ".join(f"{op} {n} x, {t.comm_bytes[op] / GIB:.2f} GiB" for op, n in sorted(t.collectives.items()))
+        calls = ", ".join(f"{op} {n} x" for op, n in sorted(t.collectives.items()))
         lines.append(f"{t.rank:>6} {t.coords['pp']:>3} {t.traced_gib:>11.2f} {t.planned_gib:>12.2f} {t.ratio:>6.3f} "
-                     f"{t.flops / 1e12:>8.1f}  {comms}")
+                     f"{t.flops / 1e12:>8.1f}  {calls}")
+        lines += [f"{'':>11} sent {key}: {traced / GIB:.3f} GiB traced, {planned / GIB:.3f} planned"
+                  for key, (traced, planned) in t.comm.items()]
     lines.append(f"planned: meshtron.plan's terms without the reserve and slack; {seconds:.0f} s in all")
     return "\n".join(lines)
 

@@ -26,11 +26,13 @@ rank of the whole stage (0, 2, ..., 14); edp is 1.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from datetime import timedelta
 from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -218,3 +220,28 @@ def expert_hsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     edp = expert_data_mesh(mesh)
     shard = expert_hsdp_shards({d: mesh[d].size() for d in DIMS}, expert_split(mesh))
     return edp._unflatten(0, (edp.size() // shard, shard), ("edp_replicate", "edp_shard"))
+
+def group_names(mesh: DeviceMesh) -> dict[tuple[int, ...], str]:
+    """{global ranks of a group: the mesh dimension(s) it spans} for naming collectives in reports: every
+    group of the root mesh's dimensions and their combinations ("dp,cp"; size-1 dimensions left out,
+    so a group has the name of the fewest dimensions it spans), then the groups of this rank's expert
+    meshes once built that span no such set ("ep", "etp", "edp": part of a dimension)."""
+    names: dict[tuple[int, ...], str] = {}
+    grid = mesh.mesh
+    dims = [i for i, size in enumerate(grid.shape) if size > 1]
+    for count in range(1, len(dims) + 1):
+        for subset in itertools.combinations(dims, count):
+            _name_groups(names, grid, subset)
+    experts = getattr(mesh, "meshtron_expert_meshes", None)
+    for sub in (experts.model, experts.data) if experts is not None else ():
+        for name in sub.mesh_dim_names:
+            if sub[name].size() > 1:
+                names.setdefault(tuple(sub[name].mesh.flatten().tolist()), name)
+    return names
+
+
+def _name_groups(names: dict[tuple[int, ...], str], grid: torch.Tensor, subset: tuple[int, ...]) -> None:
+    rest = [i for i in range(grid.dim()) if i not in subset]
+    rows = grid.permute(*rest, *subset).reshape(-1, math.prod(grid.shape[i] for i in subset))
+    for row in rows.tolist():
+        names.setdefault(tuple(row), ",".join(DIMS[i] for i in subset))

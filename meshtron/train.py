@@ -41,7 +41,7 @@ from meshtron.hf import CheckpointError, save_hf
 from meshtron.hf.runner import build_hf_runner, export_hf_model, with_hf_model
 from meshtron.host import ROUTINGS
 from meshtron.data import SourceSpec, to_device
-from meshtron.mesh import batch_mesh, init_default_group, recipe_mesh
+from meshtron.mesh import batch_mesh, group_names, init_default_group, recipe_mesh
 from meshtron.parallel.layout import validate_layout
 from meshtron.metrics import MetricsLogger, StepProfiler, peak_flops_per_device
 from meshtron.models import build_model, flops_per_token
@@ -51,7 +51,7 @@ from meshtron.optim import build_optimizer, lr_at, set_lr
 from meshtron.parallel.step import training_step
 from meshtron.plan.fit import check_memory
 from meshtron.report import record_cause, report_consequence, report_once
-from meshtron.watchdog import Watchdog, group_names
+from meshtron.watchdog import Watchdog
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -14,7 +14,6 @@ step so far, at most half the collective timeout, so the report comes before a c
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import statistics
@@ -25,10 +24,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-from torch.distributed.device_mesh import DeviceMesh
-
 from meshtron.collective_log import LOG, LOG_SIZE, CollectiveLog, Entry
-from meshtron.mesh import DIMS
 from meshtron.report import record_cause
 
 HANG_EXIT_CODE = 1
@@ -49,32 +45,6 @@ def hang_limit(configured_s: float, collective_timeout_s: float, step_seconds: l
         return configured_s
     median = statistics.median(step_seconds) if step_seconds else 0.0
     return min(max(300.0, 10 * median), collective_timeout_s / 2)
-
-
-def group_names(mesh: DeviceMesh) -> dict[tuple[int, ...], str]:
-    """{group's global ranks: mesh dimension(s)} for every group of the root mesh's dimensions and their
-    combinations (e.g. "dp,cp"), and of this rank's expert meshes once built."""
-    names: dict[tuple[int, ...], str] = {}
-    grid = mesh.mesh
-    dims = [i for i, size in enumerate(grid.shape) if size > 1]
-    for count in range(1, len(dims) + 1):
-        for subset in itertools.combinations(dims, count):
-            rest = [i for i in range(grid.dim()) if i not in subset]
-            rows = grid.permute(*rest, *subset).reshape(-1, _prod(grid.shape[i] for i in subset))
-            for row in rows.tolist():
-                names.setdefault(tuple(row), ",".join(DIMS[i] for i in subset))
-    experts = getattr(mesh, "meshtron_expert_meshes", None)
-    for sub in (experts.model, experts.data) if experts is not None else ():
-        for name in sub.mesh_dim_names:
-            names.setdefault(tuple(sub[name].mesh.flatten().tolist()), name)
-    return names
-
-
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
 
 
 class Watchdog:
@@ -250,4 +220,4 @@ def _ranks_list(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-__all__ = ["HANG_EXIT_CODE", "Watchdog", "group_names", "hang_limit", "hang_summary"]
+__all__ = ["HANG_EXIT_CODE", "Watchdog", "hang_limit", "hang_summary"]

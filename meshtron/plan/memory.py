@@ -149,14 +149,14 @@ def chunk_size(n: int, parts: int, index: int) -> int:
     return max(0, min(step, n - index * step))
 
 
-def _kv_split(m: ModelConfig, tp: int) -> bool:
+def kv_split(m: ModelConfig, tp: int) -> bool:
     """KV heads are split over tp when tp divides them; otherwise each tp rank keeps them whole."""
     return m.kv_heads % tp == 0
 
 
 def _layer_params(m: ModelConfig, layer: int, tp: int) -> list[Param]:
     h, d = m.hidden_size, m.head_size
-    kv_dim = 0 if _kv_split(m, tp) else None
+    kv_dim = 0 if kv_split(m, tp) else None
     unit = f"block.{layer}"
     p = f"layers.{layer}."
     out = [Param(p + "input_layernorm.weight", (h,), unit=unit)]
@@ -356,7 +356,7 @@ def layer_activation_bytes(cfg: Config, layer: int) -> float:
     m, p = cfg.model, cfg.parallel
     c, h, tp, sp = compute_bytes(cfg), m.hidden_size, p.tp, _sp_split(cfg)
     heads = m.num_attention_heads / tp
-    kv = m.kv_heads / tp if _kv_split(m, tp) else 1
+    kv = m.kv_heads / tp if kv_split(m, tp) else 1
     norms = 2 * (4 + c) * h / sp
     attention = c * h / sp + c * m.head_size * (3 * heads + 2 * kv) + FP32 * heads
     if not m.is_moe_layer(layer):
@@ -395,7 +395,7 @@ def unsplit_stages(cfg: Config) -> frozenset[int]:
     those with checkpointed or compiled layers."""
     p = cfg.parallel
     ranges = chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
-    return frozenset(s for s, r in enumerate(ranges) if p.compile or any(_checkpointed(cfg, i) for i in r))
+    return frozenset(s for s, r in enumerate(ranges) if p.compile or any(layer_checkpointed(cfg, i) for i in r))
 
 
 @functools.lru_cache(maxsize=256)
@@ -404,7 +404,7 @@ def _held_by_rank(schedule: str, pp: int, microbatches: int, virtual: int, unspl
     return tuple(tuple(held_counts(rank_steps, unsplit)) for rank_steps in steps)
 
 
-def _checkpointed(cfg: Config, layer: int) -> bool:
+def layer_checkpointed(cfg: Config, layer: int) -> bool:
     p = cfg.parallel
     return p.activation_checkpointing == "full" or (
         p.activation_checkpointing == "selective" and layer % p.ac_every == 0
@@ -419,7 +419,7 @@ def saved_activation_bytes(cfg: Config, pp_rank: int) -> float:
     p = cfg.parallel
     tokens, c, h, sp = microbatch_tokens(cfg), compute_bytes(cfg), cfg.model.hidden_size, _sp_split(cfg)
     layers = [i for r in _stage_chunks(cfg, pp_rank) for i in r]
-    kept = sum(c * h / sp if _checkpointed(cfg, i) else layer_activation_bytes(cfg, i) for i in layers)
+    kept = sum(c * h / sp if layer_checkpointed(cfg, i) else layer_activation_bytes(cfg, i) for i in layers)
     per_chunk = kept / p.virtual_stages
     per_chunk += final_norm_bytes(cfg, pp_rank) / tokens
     if p.pp > 1:
@@ -436,7 +436,7 @@ def captured_gradient_bytes(cfg: Config, layer: int) -> float:
     shared expert. ``tests/test_plan.py`` compares it with what ``B`` records for a block."""
     m, p = cfg.model, cfg.parallel
     c, h, tp, sp = compute_bytes(cfg), m.hidden_size, p.tp, _sp_split(cfg)
-    kv = m.kv_heads / tp if _kv_split(m, tp) else 1
+    kv = m.kv_heads / tp if kv_split(m, tp) else 1
     common = 2 * h / sp + h + m.head_size * (m.num_attention_heads / tp + 2 * kv)
     if not m.is_moe_layer(layer):
         return c * (common + h + 2 * m.intermediate_size / tp)
@@ -500,7 +500,7 @@ def backward_peak(cfg: Config, coords: Coords, reducing: bool | None = None) -> 
     for chunk in (list(r) for r in _stage_chunks(cfg, coords.pp)):
         freed, reduced = 0.0, grads.get("head", 0.0)
         for i in reversed(chunk):
-            ckpt = _checkpointed(cfg, i)
+            ckpt = layer_checkpointed(cfg, i)
             full = layer_activation_bytes(cfg, i)
             rise = tokens * ((full if ckpt else 0) + layer_gradient_bytes(cfg, i) - freed)
             if rise + reduced > sum(best):

@@ -24,7 +24,23 @@ from meshtron.config import Config
 from meshtron.models.qwen2 import flops_per_token
 from meshtron.parallel.pipeline.schedules import build_schedule
 from meshtron.parallel.pipeline.simulate import simulate
-from meshtron.plan.memory import FP32, compute_bytes, microbatch_tokens, unit_elements, unsplit_stages
+from meshtron.mesh import ExpertSplit, expert_hsdp_shards
+from meshtron.parallel.pipeline.schedules import V_SHAPED
+from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
+from meshtron.plan.memory import (
+    FP32,
+    Coords,
+    compute_bytes,
+    holds_last_stage,
+    kv_split,
+    layer_checkpointed,
+    microbatch_tokens,
+    model_parallel_shape,
+    stage_params,
+    unsplit_stages,
+)
+
+INT64 = 8
 
 
 @dataclass(frozen=True)
@@ -53,6 +69,8 @@ def group_is_intra_node(cfg: Config, dims: tuple[str, ...], gpus_per_node: int) 
     """Whether a group over ``dims`` stays inside one node: the ranks it spans (its outermost dim's
     stride times that dim's size) fit in a node."""
     p = cfg.parallel
+    if dims[0].startswith("edp"):  # the experts' data groups: spread over the whole stage
+        return p.dp * p.cp * p.mesh_ep * p.tp <= gpus_per_node
     if dims in (("ep",), ("etp",)):  # the experts' groups: etp innermost, ep next when folded
         span = p.etp if dims == ("etp",) else p.ep * (p.etp if p.fold_ep else p.tp)
         return span <= gpus_per_node
@@ -67,61 +85,136 @@ def _ring(n: int) -> float:
     return (n - 1) / n
 
 
-def communication(cfg: Config) -> dict[str, float]:
-    """Bytes each rank sends per step, keyed ``"collective/dims"`` (Megatron's counts for tp / sp)."""
+def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
+    """Bytes one rank of pipeline rank ``stage`` sends per step, keyed ``"collective/dims"``, counted as a
+    ring sends them (an all-gather its shard to n - 1 peers, a reduce-scatter (n - 1) / n of its input,
+    an all-reduce twice that); ``stage=None``: pipeline rank 0's layers with both ends of the model and
+    sends both ways (exact for pp = 1; the busiest stage's bound otherwise). The per-layer counts are
+    those the dry run traces (``meshtron.dryrun``): with SP, 2 all-gathers and 2 reduce-scatters of a
+    layer's activations forward, 4 backward plus the 2 re-gathers of the column-parallel inputs for
+    their weight gradients, and 3 more for a checkpointed layer's recomputation (2 gathers and the
+    attention's reduce-scatter: the recomputation stops at the last tensor the backward needs); the
+    embedding and the head add 2 each where they are. Without SP the same in all-reduces: 4 per layer,
+    1 per recomputation, 1 per end. The vocab-parallel loss all-reduces 3 fp32 statistics per token;
+    under SP, the gradients of the parameters whole on every tp rank are all-reduced. Not counted:
+    scalars (a few bytes)."""
     m, p = cfg.model, cfg.parallel
-    c, tokens, h = compute_bytes(cfg), microbatch_tokens(cfg), m.hidden_size
-    layers = m.num_hidden_layers / p.pp
-    mb = p.microbatches
+    c, tokens, h, mb = compute_bytes(cfg), microbatch_tokens(cfg), m.hidden_size, p.microbatches
+    chunks = _stage_chunks(cfg, stage)
+    layers = [i for chunk in chunks for i in chunk_layers(cfg, chunk)]
+    ends = (0 in chunks) + (p.pp * p.virtual_stages - 1 in chunks) if stage is not None else 2
     out: dict[str, float] = {}
     if p.tp > 1:
-        act = tokens * h * c
-        if p.sp:  # 2 all-gathers + 2 reduce-scatters forward, the same backward, and the re-gathers
-            out["all_gather+reduce_scatter/tp"] = 10 * act * _ring(p.tp) * layers * mb
-        else:  # 2 all-reduces forward, 2 backward
-            out["all_reduce/tp"] = 4 * 2 * act * _ring(p.tp) * layers * mb
-    if p.cp > 1:  # k and v around the ring forward; k, v, dk, dv backward
-        kv = tokens * 2 * m.kv_heads * m.head_size * c
-        out["p2p/cp"] = 3 * kv * (p.cp - 1) * layers * mb
-    moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers)) / p.pp if m.is_moe else 0
+        act = tokens * h * c * _ring(p.tp)
+        recomputed = sum(layer_checkpointed(cfg, i) for i in layers)
+        if p.sp:
+            out["all_gather+reduce_scatter/tp"] = (10 * len(layers) + 3 * recomputed + 2 * ends) * act * mb
+        else:
+            out["all_reduce/tp"] = 2 * (4 * len(layers) + recomputed + ends) * act * mb
+        reduced = 0.0
+        if stage is None or holds_last_stage(cfg, stage):  # the vocab-parallel loss: 3 fp32 per token
+            reduced += 3 * FP32 * tokens * mb
+        if p.sp:  # parameters whole on every tp rank (norms, routers) get partial gradients from their shards
+            whole = sum(math.prod(q.shape) for q in stage_params(cfg, stage or 0) if q.tp_dim is None and not q.expert)
+            reduced += whole * (FP32 if p.pp > 1 else c * mb)  # pp > 1: once, from the held fp32 gradients
+        if reduced:
+            out["all_reduce/tp"] = out.get("all_reduce/tp", 0.0) + 2 * reduced * _ring(p.tp)
+    if p.cp > 1 and p.cp_comm_type == "p2p":
+        # The ring's k and v: cp - 1 sends forward (again in a recomputation), cp - 1 backward and cp
+        # more carrying dk and dv with them (as traced).
+        kv = tokens * 2 * (m.kv_heads // p.tp if kv_split(m, p.tp) else m.kv_heads) * m.head_size * c
+        recomputed = sum(layer_checkpointed(cfg, i) for i in layers)
+        out["p2p/cp"] = kv * ((4 * p.cp - 2) * len(layers) + (p.cp - 1) * recomputed) * mb
+    moe = sum(m.is_moe_layer(i) for i in layers) if m.is_moe else 0
     rows = tokens * m.num_experts_per_tok / p.tp if m.is_moe else 0  # every rank's own token copies
-    if p.ep > 1:  # dispatch and combine, forward and backward
-        out["all_to_all/ep"] = 4 * rows * h * c * _ring(p.ep) * moe * mb
+    if p.tp > 1 and not p.sp and moe:
+        # The experts take each tp rank's slice of the replicated tokens: their outputs are gathered
+        # forward, the slices' input and routing-weight gradients backward.
+        out["all_gather+reduce_scatter/tp"] = (2 * h + m.num_experts_per_tok) * tokens * c * _ring(p.tp) * moe * mb
+    if p.ep > 1:  # dispatch and combine, forward and backward, after the routed-row counts
+        out["all_to_all/ep"] = (4 * rows * h * c + m.num_experts * INT64) * _ring(p.ep) * moe * mb
     if p.etp > 1:  # gather of an expert slice's rows and reduce-scatter of its outputs, forward and backward
         out["all_gather+reduce_scatter/etp"] = 4 * p.etp * rows * h * c * _ring(p.etp) * moe * mb
-    if p.pp > 1:
-        out["p2p/pp"] = 2 * tokens * h * c / (p.tp if p.sp else 1) * mb
-    out.update(_data_parallel_bytes(cfg))
+    if p.pp > 1:  # each chunk's activations forward unless it is the last, gradients back unless the first
+        sends = sum((chunk < p.pp * p.virtual_stages - 1) + (chunk > 0) for chunk in chunks) if stage is not None \
+            else 2 * p.virtual_stages
+        out["p2p/pp"] = sends * tokens * h * c / (p.tp if p.sp else 1) * mb
+    out.update(_data_parallel_bytes(cfg, 0 if stage is None else stage))
     return out
 
 
-def _data_parallel_bytes(cfg: Config) -> dict[str, float]:
-    """FSDP gathers parameters twice (forward, backward) and reduce-scatters fp32 gradients per
-    micro-batch; with pp > 1 (and hsdp / replicate) once per step."""
+def _stage_chunks(cfg: Config, stage: int | None) -> list[int]:
+    """Global chunk (virtual stage) indices pipeline rank ``stage`` runs (None: rank 0's)."""
     p = cfg.parallel
-    params = sum(unit_elements(cfg, 0).values())
-    dense = p.dp * p.cp * p.mesh_ep
-    rounds = 1 if p.pp > 1 or p.data_parallel != "fsdp" else p.microbatches
-    if p.data_parallel == "replicate":
-        return {"all_reduce/dp_ep_cp": 2 * FP32 * params * _ring(dense)} if dense > 1 else {}
-    if p.data_parallel == "hsdp":
-        shard, out = p.cp * p.mesh_ep, {}
-        if shard > 1:
-            out["all_gather+reduce_scatter/cp_ep"] = rounds * params * (2 * compute_bytes(cfg) + FP32) * _ring(shard)
-        if p.dp > 1:
-            out["all_reduce/dp"] = 2 * FP32 * params / shard * _ring(p.dp)
-        return out
-    if dense == 1:
+    rank = 0 if stage is None else stage
+    return [i for i in range(p.pp * p.virtual_stages) if chunk_rank(i, p.pp, p.schedule in V_SHAPED) == rank]
+
+
+def chunk_layers(cfg: Config, chunk: int) -> range:
+    p = cfg.parallel
+    return chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)[chunk]
+
+
+def _data_parallel_bytes(cfg: Config, stage: int) -> dict[str, float]:
+    """FSDP and HSDP gather each unit twice per micro-batch (forward; backward; the root unit, which
+    FSDP keeps from its forward to its backward, once), or with pp > 1 once per step and keep it; FSDP
+    reduce-scatters the fp32 gradients per micro-batch (pp > 1: once), HSDP reduce-scatters and
+    all-reduces them once per step, replicate all-reduces them once. The dense parameters over the dense data mesh (dp x cp x ep), the routed
+    experts over theirs (edp). Each parameter's dim 0 is padded to a multiple of the shard count, as
+    FSDP shards it."""
+    p = cfg.parallel
+    params = stage_params(cfg, stage)
+    out: dict[str, float] = {}
+    for root in (False, True):
+        shapes = [model_parallel_shape(q, cfg, Coords()) for q in params if not q.expert and (q.unit == "root") == root]
+        for key, nbytes in _data_parallel_group_bytes(cfg, shapes, p.dp, p.cp * p.mesh_ep, "dp_ep_cp", "cp_ep",
+                                                      root).items():
+            out[key] = out.get(key, 0.0) + nbytes
+    experts = [model_parallel_shape(q, cfg, Coords()) for q in params if q.expert]
+    if experts:
+        edp = p.dp * p.cp * p.mesh_ep * p.tp // (p.ep * p.etp)
+        shard = expert_hsdp_shards(dict(cp=p.cp, ep=p.mesh_ep, tp=p.tp), ExpertSplit(p.ep, p.etp, p.fold_ep))
+        for key, nbytes in _data_parallel_group_bytes(cfg, experts, edp // shard, shard, "edp", "edp_shard").items():
+            out[key] = out.get(key, 0.0) + nbytes
+    return out
+
+
+def _data_parallel_group_bytes(cfg: Config, shapes: list[list[int]], replicas: int, shard: int, whole: str,
+                               sharded: str, root: bool = False) -> dict[str, float]:
+    """Bytes for parameters of ``shapes``, data-parallel over ``replicas x shard`` ranks (hsdp: replicated
+    over ``replicas``, sharded over ``shard``; fsdp / replicate: over all of them, keyed ``whole``)."""
+    p = cfg.parallel
+    ranks = replicas * shard
+    if ranks == 1 or not shapes:
         return {}
-    return {"all_gather+reduce_scatter/dp_ep_cp": rounds * params * (2 * compute_bytes(cfg) + FP32) * _ring(dense)}
+    if p.data_parallel == "replicate":
+        return {f"all_reduce/{whole}": 2 * FP32 * _padded(shapes, 1) * _ring(ranks)}
+    sharding = ranks if p.data_parallel == "fsdp" else shard
+    gathers = 1 if p.pp > 1 else (1 if root else 2) * p.microbatches
+    reduces = 1 if p.pp > 1 or p.data_parallel != "fsdp" else p.microbatches
+    moved = _padded(shapes, sharding) * (gathers * compute_bytes(cfg) + reduces * FP32) * _ring(sharding)
+    if p.data_parallel == "fsdp":
+        return {f"all_gather+reduce_scatter/{whole}": moved}
+    out = {f"all_gather+reduce_scatter/{sharded}": moved} if shard > 1 else {}
+    if replicas > 1:
+        replica_key = "dp" if whole == "dp_ep_cp" else "edp_replicate"
+        out[f"all_reduce/{replica_key}"] = 2 * FP32 * _padded(shapes, shard) / shard * _ring(replicas)
+    return out
 
 
-_DIMS = {"tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "etp": ("etp",), "pp": ("pp",), "dp": ("dp",),
-         "dp_ep_cp": ("dp", "cp", "ep"), "cp_ep": ("cp", "ep")}
+def _padded(shapes: list[list[int]], shards: int) -> int:
+    """Elements of ``shapes`` with dim 0 padded to a multiple of ``shards`` (what FSDP gathers)."""
+    return sum(-(-shape[0] // shards) * shards * math.prod(shape[1:]) for shape in shapes)
+
+
+# The mesh dimensions each key's group spans.
+COMM_DIMS = {"tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "etp": ("etp",), "pp": ("pp",), "dp": ("dp",),
+             "dp_ep_cp": ("dp", "cp", "ep"), "cp_ep": ("cp", "ep"), "edp": ("edp",),
+             "edp_shard": ("edp_shard",), "edp_replicate": ("edp_replicate",)}
 
 
 def _seconds(cfg: Config, key: str, nbytes: float, hw: Hardware) -> float:
-    intra = group_is_intra_node(cfg, _DIMS[key.split("/")[1]], hw.gpus_per_node)
+    intra = group_is_intra_node(cfg, COMM_DIMS[key.split("/")[1]], hw.gpus_per_node)
     return nbytes / ((hw.intra_gbps if intra else hw.inter_gbps) * 1e9)
 
 
@@ -168,7 +261,7 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
 
 
 def _is_data_parallel(key: str) -> bool:
-    return key.split("/")[1] in ("dp", "dp_ep_cp", "cp_ep")
+    return key.split("/")[1] in ("dp", "dp_ep_cp", "cp_ep", "edp", "edp_shard", "edp_replicate")
 
 
-__all__ = ["Hardware", "StepTime", "communication", "group_is_intra_node", "pipeline_bubble", "predict_step_time"]
+__all__ = ["COMM_DIMS", "Hardware", "StepTime", "communication", "group_is_intra_node", "pipeline_bubble", "predict_step_time"]
