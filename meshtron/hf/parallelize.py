@@ -83,8 +83,10 @@ from meshtron.parallel.data import data_meshes, even_shard_dim, mixed_precision,
 from meshtron.parallel.tensor import (
     ReplicatedKVHeads,
     ReplicateParallel,
+    TpGradient,
     VocabParallelEmbedding,
     VocabParallelHead,
+    local_view,
     name_tp_gradients,
     check_tensor_parallel,
     parallel_token_loss_sum,
@@ -132,8 +134,12 @@ class _HiddenStatesInput(ParallelStyle):
     (gate and up) are summed as partials and reduced once. The module itself gets its local view: a
     module that computes with its input before projecting it (Qwen3-Next's linear attention masks its
     padding) stays in plain tensors, and a projection of such a derived tensor takes it on its own
-    (one reduction of its own). ``(Replicate(), Shard(1), local=True)``: keep this rank's part of the
-    sequence (a slice; its backward all-gathers the gradient), whatever other arguments follow.
+    (one reduction of its own). A submodule computing with replicated parameters (run on plain local
+    views: MLA's down projections) cannot take the DTensor; it gets a local view of the same input
+    whose gradient, complete or a part on each rank, is decided on the first backward like those
+    parameters' (:class:`TpGradient` "infer"). ``(Replicate(), Shard(1), local=True)``: keep this
+    rank's part of the sequence (a slice; its backward all-gathers the gradient), whatever other
+    arguments follow.
     """
 
     def __init__(self, sp: bool, layout: Placement | None = None, desired: Placement = Replicate(), local: bool = False):
@@ -158,11 +164,13 @@ class _HiddenStatesInput(ParallelStyle):
                 return (redistribute(args[0]), *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": redistribute(kwargs["hidden_states"])}
 
-        def share(_child, args):
+        def share(child, args):
             view, whole = shared.get("input", (None, None))
-            if args and view is not None and args[0] is view:
-                return (whole, *args[1:])
-            return None
+            if not args or view is None or args[0] is not view:
+                return None
+            if _runs_on_plain_params(child):
+                return (local_view(whole, child.tp_input_gradient), *args[1:])
+            return (whole, *args[1:])
 
         def forget(*_):
             shared.clear()  # hold no activation past the module's forward
@@ -171,9 +179,16 @@ class _HiddenStatesInput(ParallelStyle):
         if not self.local:
             for child in module.modules():
                 if child is not module:
+                    child.tp_input_gradient = TpGradient("infer", what="input of")
                     child.register_forward_pre_hook(share, prepend=True)
             module.register_forward_hook(forget)
         return module
+
+
+def _runs_on_plain_params(module: nn.Module) -> bool:
+    """Inside a block's forward its unplanned parameters are swapped for plain local views
+    (:func:`_replicate_plain_params`); planned ones stay DTensors."""
+    return any(not isinstance(p, DTensor) for p in module.parameters())
 
 
 class _GatheredSequence(ParallelStyle):
