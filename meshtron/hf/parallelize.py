@@ -48,13 +48,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -69,7 +70,7 @@ from meshtron.config import ConfigError
 from meshtron.hf.discover import HFParts, hf_parts, is_norm, key_value_heads
 from meshtron.hf.context import apply_hf_context_parallel
 from meshtron.hf.experts import apply_hf_expert_parallel, hf_expert_modules
-from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_plan, is_transposed
+from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_plan, is_transposed, with_mla_attention
 from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.hf.router import router_statistics
@@ -112,13 +113,14 @@ _REPLICATED_PARTIAL_GRAD = ("replicated_with_grad_allreduce",)
 _REPLICATE = ("replicate",)
 # Norms on the sequence-split residual: SequenceParallel under SP, unchanged otherwise.
 _SEQUENCE = ("sequence_parallel",)
+# MLA's kv down projection (DeepSeek-V2/V3): replicated, its rope key's gradient summed over tp.
+_MLA_KV_A = ("mla_kv_a_proj",)
 _STYLES = (*_COLWISE, *_COLWISE_GATHERED, *_ROWWISE, *_ROWWISE_REPLICATED_INPUT, *_REPLICATED_PARTIAL_GRAD,
-           *_REPLICATE, *_SEQUENCE)
+           *_REPLICATE, *_SEQUENCE, *_MLA_KV_A)
 # Styles transformers defines that meshtron does not translate (outside fused experts): why.
 _REFUSED = {
     "embedding_rowwise": "embeddings inside decoder layers are not split; meshtron splits only the input embedding",
     "embedding_colwise": "embeddings inside decoder layers are not split; meshtron splits only the input embedding",
-    "mla_kv_a_proj": "MLA attention (DeepSeek-V2 style) is not supported yet",
     "all_reduce": "partial module outputs outside fused experts are not supported yet",
     "moe_tp_experts": "per-expert tp outside a fused 'experts' module is not supported",
     "moe_identity_expert": "identity (zero-compute) experts are not supported yet",
@@ -209,13 +211,42 @@ class _GatheredSequence(ParallelStyle):
         return module
 
 
-def _style(style: str, name: str, module: nn.Module, kv_heads: int, head_dim: int, tp: int,
-           sp: bool) -> ParallelStyle | None:
+class _SharedRopeKey(ParallelStyle):
+    """MLA's kv down projection (``mla_kv_a_proj``), replicated like every parameter no plan splits: its
+    output is the kv latent then the rope key, ``rope_dim`` features that every head shares. The latent
+    reaches the attention through the column-split ``kv_b_proj``, which all-reduces its input gradient,
+    but each rank's attention reads the rope key with its own heads only: that gradient is a part, summed
+    over tp here in backward (transformers' ``MlaKvAProjParallel`` does the same). The projection's
+    gradients are then whole on every rank."""
+
+    def __init__(self, rope_dim: int):
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def hook(_module, _args, out):
+            latent, rope = out.split([out.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+            # Forward unchanged; backward: the gradient taken as Partial and all-reduced.
+            rope = DTensor.from_local(rope, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+            return torch.cat([latent, rope], dim=-1)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+class _Heads(NamedTuple):
+    """What the attention styles need to know of the model's heads."""
+    kv_heads: int
+    head_dim: int
+    rope_dim: int  # MLA's rope key width (qk_rope_head_dim); 0 for other attention
+
+
+def _style(style: str, name: str, module: nn.Module, heads: _Heads, tp: int, sp: bool) -> ParallelStyle | None:
     """One entry of transformers' plan as a training ParallelStyle (None: the module stays unchanged)."""
     kv_proj = name.endswith(("k_proj", "v_proj"))
     colwise, rowwise = (TransposedColwise, TransposedRowwise) if is_transposed(module) else (ColwiseParallel, RowwiseParallel)
-    if style in _COLWISE and kv_proj and kv_heads % tp:
-        return ReplicatedKVHeads(kv_heads, head_dim)
+    if style in _COLWISE and kv_proj and heads.kv_heads % tp:
+        return ReplicatedKVHeads(heads.kv_heads, heads.head_dim)
     if style in _COLWISE:
         return colwise()
     if style in _COLWISE_GATHERED:
@@ -230,6 +261,8 @@ def _style(style: str, name: str, module: nn.Module, kv_heads: int, head_dim: in
         return SequenceParallel() if sp else None
     if style in _REPLICATE:
         return None
+    if style in _MLA_KV_A:
+        return _SharedRopeKey(heads.rope_dim)
     raise AssertionError(f"unchecked tp plan style '{style}' for '{name}'")  # _base_plan validates styles
 
 
@@ -249,7 +282,7 @@ def _is_parameter(layer: nn.Module, rel: str) -> bool:
     return True
 
 
-def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index: int, kv_heads: int, head_dim: int,
+def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index: int, heads: _Heads,
                 tp: int, sp: bool) -> dict[str, ParallelStyle]:
     """Plan entries of decoder layer ``index``, relative to the layer, plus our input/norm styles.
 
@@ -272,7 +305,7 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
             continue
         # Inside a MoE block (Aria's shared experts) the tokens are already gathered under SP.
         split_seq = sp and not (rel.startswith("mlp.") and _exists(layer, "mlp.experts"))
-        translated = _style(style, f"{blocks}.{index}.{rel}", layer.get_submodule(rel), kv_heads, head_dim, tp, split_seq)
+        translated = _style(style, f"{blocks}.{index}.{rel}", layer.get_submodule(rel), heads, tp, split_seq)
         if translated is None:
             continue
         plan[rel] = translated
@@ -334,16 +367,16 @@ def _tp_plan(model: nn.Module, parts: HFParts, tp: int, sp: bool) -> dict[str, s
     if not getattr(model.config, "base_model_tp_plan", None):
         return infer_tp_plan(model, parts, tp, key_value_heads(model.config), sp)
     check_tensor_parallel(model.config.num_attention_heads, key_value_heads(model.config), tp)
-    return _base_plan(model)
+    return with_mla_attention(_base_plan(model), parts)
 
 
-def _check_shape(model: nn.Module, tp: int) -> tuple[int, int]:
+def _check_shape(model: nn.Module, tp: int) -> _Heads:
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, key_value_heads(cfg)
     if cfg.vocab_size % tp:
         raise ConfigError(f"parallelize_hf_model: tp = {tp} does not divide vocab_size = {cfg.vocab_size}; pad the vocabulary.")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return kv_heads, head_dim
+    return _Heads(kv_heads, head_dim, getattr(cfg, "qk_rope_head_dim", None) or 0)
 
 
 def _set_local_head_groups(parts: HFParts, base: dict[str, str], heads: int, kv_heads: int, tp: int) -> None:
@@ -374,12 +407,12 @@ def _own_rowwise_outputs(parts: HFParts, plan: dict[str, str]) -> None:
 
 def _apply_tp(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, sp: bool) -> None:
     tp = tp_mesh.size()
-    kv_heads, head_dim = _check_shape(model, tp)
+    heads = _check_shape(model, tp)
     base, tied = _tp_plan(model, parts, tp, sp), parts.tied
     blocks = parts.block_items()  # a pipeline stage holds some blocks, and the embedding / head only at its ends
     for i, layer in blocks:
-        parallelize_module(layer, tp_mesh, _layer_plan(base, parts.plan_blocks, layer, i, kv_heads, head_dim, tp, sp))
-    _set_local_head_groups(parts, base, model.config.num_attention_heads, kv_heads, tp)
+        parallelize_module(layer, tp_mesh, _layer_plan(base, parts.plan_blocks, layer, i, heads, tp, sp))
+    _set_local_head_groups(parts, base, model.config.num_attention_heads, heads.kv_heads, tp)
     if not getattr(model.config, "base_model_tp_plan", None):
         _own_rowwise_outputs(parts, base)
     if parts.embed is not None:
