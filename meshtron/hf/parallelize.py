@@ -16,6 +16,9 @@ is added here:
 * ``sp=True``: norms and the residual stream are split along the sequence (Megatron SP);
 * KV heads replicated when tp is a multiple of ``num_key_value_heads`` (``ReplicatedKVHeads``), with
   each attention module's ``num_key_value_groups`` set to its local ratio;
+* MLA (DeepSeek-V2/V3): the low-rank down projections and their norms replicated, the rope key's
+  gradient summed over tp (``mla_kv_a_proj``, :class:`_SharedRopeKey`), the up projections split by
+  heads; V3's plan, which names no attention, gets V2's entries (:func:`meshtron.hf.infer.with_mla_attention`);
 * activation checkpointing of decoder layers (training forwards then run without a KV cache) and
   FSDP2 / replicate / HSDP over the data meshes.
 
