@@ -9,7 +9,8 @@ experts split by meshtron's all-to-all at (dp, ep) = (2, 4) and (dp, ep, tp) = (
 without SP; FSDP (or replicate / HSDP) over the data meshes. In the same launch, twelve more families
 (FAMILIES: with plans, without plans as GPT-2's Conv1D, fused qkv, ALiBi, Mixtral's, gpt-oss's and
 Aria's experts) at dp2 x tp4 and dp4 x tp2 + SP (the MoE families over ep instead: dp2 x ep4 and
-dp2 x ep2 x tp2 + SP, Aria the latter), and OPT's unsplit MLP warning.
+dp2 x ep2 x tp2 + SP, Aria the latter), DeepSeek-V2/V3's MLA at tp 2 and 4 with and without SP, and
+OPT's unsplit MLP warning.
 """
 
 from __future__ import annotations
@@ -230,6 +231,10 @@ def check_from_pretrained_then_parallelize(folders: dict[str, str], out: str) ->
 
 
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8)
+# DeepSeek's multi-head latent attention, tiny: kv latent 16 + rope key 4, heads of 8 + 4 (q/k), 8 (v).
+MLA = dict(TINY, num_key_value_heads=8, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
+           num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, qk_rope_head_dim=4,
+           qk_nope_head_dim=8, v_head_dim=8)
 # More families, built in each rank from a config (no folder): name -> (config class, config, what it covers).
 FAMILIES = {
     "gemma2": ("Gemma2Config", dict(TINY, num_key_value_heads=4, head_dim=8, intermediate_size=96, sliding_window=8),
@@ -284,6 +289,11 @@ FAMILIES = {
                                          moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                                          output_router_logits=True, router_aux_loss_coef=0.1),
                   "MoE with per-head q/k norms, fused experts folded over the tp ranks (fold_ep)"),
+    # MLA: replicated low-rank down projections, up projections split by heads, the rope key shared by them.
+    "deepseek_v2": ("DeepseekV2Config", dict(MLA, q_lora_rank=None),
+                    "MLA as V2-Lite (q_proj colwise, no q down projection), plan with mla_kv_a_proj; fused experts"),
+    "deepseek_v3": ("DeepseekV3Config", dict(MLA, q_lora_rank=24, n_group=1, topk_group=1),
+                    "MLA with q_a_proj / q_a_layernorm; its plan names no attention (MLA entries added); experts"),
 }
 DENSE_LAYOUTS = [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), True)]
 EP_LAYOUTS = [(dict(dp=2, ep=4), False), (dict(dp=2, ep=2, tp=2), True)]
@@ -299,7 +309,11 @@ FAMILY_LAYOUTS = {"mixtral": [*EP_LAYOUTS, FOLDED_LAYOUT], "qwen3_moe": [FOLDED_
                                (dict(ep=2, tp=4), False), (dict(ep=2, tp=4), True)],
                   "lfm2": [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), False)],
                   "llama4": [(dict(dp=8), False)],
-                  "qwen3_next": [*EP_LAYOUTS, (dict(dp=4, tp=2), False)]}
+                  "qwen3_next": [*EP_LAYOUTS, (dict(dp=4, tp=2), False)],
+                  "deepseek_v2": SPLIT_ACTIVATION_LAYOUTS, "deepseek_v3": SPLIT_ACTIVATION_LAYOUTS}
+# MLA families: projection -> its tp placement (the down projection replicated, the others split by heads).
+MLA_PLACEMENTS = {"q_proj": Shard(0), "q_b_proj": Shard(0), "q_a_proj": Replicate(), "kv_a_proj_with_mqa": Replicate(),
+                  "kv_b_proj": Shard(0), "o_proj": Shard(1)}
 # MoE family -> the class that runs its experts.
 EXPERT_CLASSES = {"mixtral": "FusedExpertParallel", "qwen3_moe": "FusedExpertParallel", "gpt_oss": "ClampedExpertParallel",
                   "aria": "TransposedExpertParallel"}
@@ -345,6 +359,8 @@ def check_families(folders: dict[str, str], out: str) -> None:
             model = parallelize_hf_model(_family_model(name), mesh, sp=sp)
             if name in EXPERT_CLASSES:
                 _check_expert_split(model, name, mesh, where)
+            if name.startswith("deepseek"):
+                _check_mla_split(model, where)
             ids, labels, mask = _batch(batch_mesh(mesh).size(), seed=index)
             out_ = model(input_ids=_local(ids, mesh), labels=_local(labels, mesh), attention_mask=_local(mask, mesh))
             ref_out = ref(input_ids=ids, labels=labels, attention_mask=mask)
@@ -368,6 +384,16 @@ def _check_gpt_oss_round_trip(model, folder: Path, ids, mask, mesh, sp: bool, wh
     params = dict(loaded.named_parameters())
     for name, p in model.named_parameters():
         assert torch.equal(_full(p).detach(), _full(params[name]).detach()), f"{where}: loaded {name} differs"
+
+
+def _check_mla_split(model, where: str) -> None:
+    """MLA runs split, not whole on every tp rank: the parity alone would not tell (without SP)."""
+    for layer in model.model.layers:
+        for proj, placement in MLA_PLACEMENTS.items():
+            if (module := getattr(layer.self_attn, proj)) is not None:
+                weight = module.weight
+                assert dict(zip(weight.device_mesh.mesh_dim_names, weight.placements))["tp"] == placement, \
+                    f"{where}: {proj} {weight.placements}"
 
 
 def _check_expert_split(model, name: str, mesh, where: str) -> None:
@@ -611,13 +637,20 @@ def test_inferred_tp_plans():
     import transformers
 
     from meshtron.hf.discover import hf_parts
-    from meshtron.hf.infer import infer_tp_plan
+    from meshtron.hf.infer import infer_tp_plan, with_mla_attention
 
-    def plan(name, tp=4, **change):
+    def meta_model(name, **change):
         cls, cfg, _ = FAMILIES[name]
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**cfg, **change}))
+            return transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**cfg, **change}))
+
+    def plan(name, tp=4, **change):
+        model = meta_model(name, **change)
         return infer_tp_plan(model, hf_parts(model), tp, kv_heads=4, sp=False)
+
+    def config_plan(name):
+        model = meta_model(name)
+        return model.config.base_model_tp_plan, with_mla_attention(model.config.base_model_tp_plan, hf_parts(model))
 
     assert plan("gpt2") == {"h.*.attn.c_attn": "colwise_gather_output", "h.*.attn.c_proj": "rowwise_split_input",
                             "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"}
@@ -625,6 +658,15 @@ def test_inferred_tp_plans():
                               "h.*.self_attention.dense": "rowwise_split_input",
                               "h.*.mlp.dense_h_to_4h": "colwise", "h.*.mlp.dense_4h_to_h": "rowwise"}
     assert plan("stablelm")["layers.*.self_attn.q_proj"] == "colwise_gather_output"  # reshapes by num_heads
+    mla = {f"layers.*.self_attn.{p}": style for p, style in [
+        ("q_b_proj", "colwise"), ("kv_a_proj_with_mqa", "mla_kv_a_proj"), ("kv_b_proj", "colwise"), ("o_proj", "rowwise")]}
+    assert plan("deepseek_v3") == mla | {f"layers.*.mlp.{p}_proj": "colwise" for p in ("gate", "up")} | {
+        "layers.*.mlp.down_proj": "rowwise"}  # block 0 is dense
+    assert plan("deepseek_v2")["layers.*.self_attn.q_proj"] == "colwise"  # no q down projection
+    given, completed = config_plan("deepseek_v3")  # a config plan naming nothing of the MLA attention gets it
+    assert completed == given | mla
+    given, completed = config_plan("deepseek_v2")  # one naming it stays as it is
+    assert completed == given
     assert plan("gpt_oss") == {f"layers.*.self_attn.{p}": "colwise_gather_output" for p in ("q_proj", "k_proj", "v_proj")} | {
         "layers.*.self_attn.o_proj": "rowwise_split_input"}  # sinks: per-head parameters; experts elsewhere
     with pytest.warns(UserWarning, match=r"^parallelize_hf_model: GPT2LMHeadModel has no base_model_tp_plan; the inferred "

@@ -13,6 +13,9 @@ transformers' own vocabulary (``colwise``, ``rowwise``, ``colwise_gather_output`
   ``num_heads``, or one owning per-head parameters such as attention sinks): input projections
   ``colwise_gather_output`` (weights split, output gathered, so every layout stays right) and the
   output projection ``rowwise_split_input``;
+* MLA attention (DeepSeek-V2/V3: low-rank down projections ``q_a_proj`` / ``kv_a_proj_with_mqa``):
+  DeepSeek-V2's own plan entries; a config plan that names nothing of
+  such an attention (DeepSeek-V3's lists only its MLPs) gets them too (:func:`with_mla_attention`);
 * MLP in its own submodule: projections reading the hidden size ``colwise``, the one writing it
   ``rowwise``; a single fused gate/up (twice the down projection's input) gathered instead;
 * norms, learned position embeddings (GPT-2's ``wpe``) and everything else stay replicated (norms
@@ -117,8 +120,40 @@ def _divides(tp: int, projections: dict[str, tuple[int, int]], split_dim: dict[s
     return next((n for n, d in split_dim.items() if projections[n][d] % tp), None)
 
 
+# DeepSeek-V2's base_model_tp_plan for its MLA attention, relative to the attention module: the up
+# projections split by heads, the output projection rowwise, the down projections (and their norms)
+# replicated; q_proj replaces q_a_proj / q_b_proj when q_lora_rank is None.
+_MLA = {"q_proj": "colwise", "q_b_proj": "colwise", "kv_a_proj_with_mqa": "mla_kv_a_proj", "kv_b_proj": "colwise",
+        "o_proj": "rowwise"}
+
+
+def _is_mla(attn: nn.Module) -> bool:
+    """Multi-head latent attention in transformers' DeepSeek-V2 form (and the families copying it)."""
+    return all(isinstance(getattr(attn, n, None), nn.Linear) for n in ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))
+
+
+def _mla_attention_plan(name: str, attn: nn.Module) -> dict[str, str]:
+    """The MLA entries for the attention module at ``name`` (the projections it has)."""
+    return {f"{name}.{proj}": style for proj, style in _MLA.items() if getattr(attn, proj, None) is not None}
+
+
+def with_mla_attention(plan: dict[str, str], parts: HFParts) -> dict[str, str]:
+    """``plan`` plus the MLA entries of the blocks' attention when it names nothing of it: left out, the
+    attention would run whole on every tp rank (under SP on the rank's sequence shard only)."""
+    block = parts.block_items()[0][1]
+    child = _child(block, _ATTENTION_NAMES)
+    if child is None or not _is_mla(child[1]):
+        return plan
+    prefix = f"{parts.plan_blocks}.*.{child[0]}"
+    if any(pattern.startswith(f"{prefix}.") for pattern in plan):
+        return plan
+    return {**plan, **_mla_attention_plan(prefix, child[1])}
+
+
 def _attention_plan(name: str, attn: nn.Module, hidden: int, heads: int, kv_heads: int,
                     tp: int) -> tuple[dict[str, str], str | None]:
+    if _is_mla(attn):
+        return (_mla_attention_plan(name, attn), None) if heads % tp == 0 else ({}, f"tp = {tp} does not divide its {heads} heads")
     projections = _projections(attn)
     outputs = [n for n in projections if n.rsplit(".", 1)[-1] in _OUTPUT_NAMES]
     inputs = [n for n in projections if n not in outputs and projections[n][0] == hidden]
@@ -192,4 +227,4 @@ def infer_tp_plan(model: nn.Module, parts: HFParts, tp: int, kv_heads: int, sp: 
     return plan
 
 
-__all__ = ["TransposedColwise", "TransposedRowwise", "infer_tp_plan", "is_transposed"]
+__all__ = ["TransposedColwise", "TransposedRowwise", "infer_tp_plan", "is_transposed", "with_mla_attention"]

@@ -16,6 +16,9 @@ is added here:
 * ``sp=True``: norms and the residual stream are split along the sequence (Megatron SP);
 * KV heads replicated when tp is a multiple of ``num_key_value_heads`` (``ReplicatedKVHeads``), with
   each attention module's ``num_key_value_groups`` set to its local ratio;
+* MLA (DeepSeek-V2/V3): the low-rank down projections and their norms replicated, the rope key's
+  gradient summed over tp (``mla_kv_a_proj``, :class:`_SharedRopeKey`), the up projections split by
+  heads; V3's plan, which names no attention, gets V2's entries (:func:`meshtron.hf.infer.with_mla_attention`);
 * activation checkpointing of decoder layers (training forwards then run without a KV cache) and
   FSDP2 / replicate / HSDP over the data meshes.
 
@@ -48,13 +51,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -69,7 +73,7 @@ from meshtron.config import ConfigError
 from meshtron.hf.discover import HFParts, hf_parts, is_norm, key_value_heads
 from meshtron.hf.context import apply_hf_context_parallel
 from meshtron.hf.experts import apply_hf_expert_parallel, hf_expert_modules
-from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_plan, is_transposed
+from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_plan, is_transposed, with_mla_attention
 from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.hf.router import router_statistics
@@ -83,8 +87,10 @@ from meshtron.parallel.data import data_meshes, even_shard_dim, mixed_precision,
 from meshtron.parallel.tensor import (
     ReplicatedKVHeads,
     ReplicateParallel,
+    TpGradient,
     VocabParallelEmbedding,
     VocabParallelHead,
+    local_view,
     name_tp_gradients,
     check_tensor_parallel,
     parallel_token_loss_sum,
@@ -110,13 +116,14 @@ _REPLICATED_PARTIAL_GRAD = ("replicated_with_grad_allreduce",)
 _REPLICATE = ("replicate",)
 # Norms on the sequence-split residual: SequenceParallel under SP, unchanged otherwise.
 _SEQUENCE = ("sequence_parallel",)
+# MLA's kv down projection (DeepSeek-V2/V3): replicated, its rope key's gradient summed over tp.
+_MLA_KV_A = ("mla_kv_a_proj",)
 _STYLES = (*_COLWISE, *_COLWISE_GATHERED, *_ROWWISE, *_ROWWISE_REPLICATED_INPUT, *_REPLICATED_PARTIAL_GRAD,
-           *_REPLICATE, *_SEQUENCE)
+           *_REPLICATE, *_SEQUENCE, *_MLA_KV_A)
 # Styles transformers defines that meshtron does not translate (outside fused experts): why.
 _REFUSED = {
     "embedding_rowwise": "embeddings inside decoder layers are not split; meshtron splits only the input embedding",
     "embedding_colwise": "embeddings inside decoder layers are not split; meshtron splits only the input embedding",
-    "mla_kv_a_proj": "MLA attention (DeepSeek-V2 style) is not supported yet",
     "all_reduce": "partial module outputs outside fused experts are not supported yet",
     "moe_tp_experts": "per-expert tp outside a fused 'experts' module is not supported",
     "moe_identity_expert": "identity (zero-compute) experts are not supported yet",
@@ -132,8 +139,12 @@ class _HiddenStatesInput(ParallelStyle):
     (gate and up) are summed as partials and reduced once. The module itself gets its local view: a
     module that computes with its input before projecting it (Qwen3-Next's linear attention masks its
     padding) stays in plain tensors, and a projection of such a derived tensor takes it on its own
-    (one reduction of its own). ``(Replicate(), Shard(1), local=True)``: keep this rank's part of the
-    sequence (a slice; its backward all-gathers the gradient), whatever other arguments follow.
+    (one reduction of its own). A submodule computing with replicated parameters (run on plain local
+    views: MLA's down projections) cannot take the DTensor; it gets a local view of the same input
+    whose gradient, complete or a part on each rank, is decided on the first backward like those
+    parameters' (:class:`TpGradient` "infer"). ``(Replicate(), Shard(1), local=True)``: keep this
+    rank's part of the sequence (a slice; its backward all-gathers the gradient), whatever other
+    arguments follow.
     """
 
     def __init__(self, sp: bool, layout: Placement | None = None, desired: Placement = Replicate(), local: bool = False):
@@ -158,11 +169,13 @@ class _HiddenStatesInput(ParallelStyle):
                 return (redistribute(args[0]), *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": redistribute(kwargs["hidden_states"])}
 
-        def share(_child, args):
+        def share(child, args):
             view, whole = shared.get("input", (None, None))
-            if args and view is not None and args[0] is view:
-                return (whole, *args[1:])
-            return None
+            if not args or view is None or args[0] is not view:
+                return None
+            if _runs_on_plain_params(child):
+                return (local_view(whole, child.tp_input_gradient), *args[1:])
+            return (whole, *args[1:])
 
         def forget(*_):
             shared.clear()  # hold no activation past the module's forward
@@ -171,9 +184,16 @@ class _HiddenStatesInput(ParallelStyle):
         if not self.local:
             for child in module.modules():
                 if child is not module:
+                    child.tp_input_gradient = TpGradient("infer", what="input of")
                     child.register_forward_pre_hook(share, prepend=True)
             module.register_forward_hook(forget)
         return module
+
+
+def _runs_on_plain_params(module: nn.Module) -> bool:
+    """Inside a block's forward its unplanned parameters are swapped for plain local views
+    (:func:`_replicate_plain_params`); planned ones stay DTensors."""
+    return any(not isinstance(p, DTensor) for p in module.parameters())
 
 
 class _GatheredSequence(ParallelStyle):
@@ -194,13 +214,42 @@ class _GatheredSequence(ParallelStyle):
         return module
 
 
-def _style(style: str, name: str, module: nn.Module, kv_heads: int, head_dim: int, tp: int,
-           sp: bool) -> ParallelStyle | None:
+class _SharedRopeKey(ParallelStyle):
+    """MLA's kv down projection (``mla_kv_a_proj``), replicated like every parameter no plan splits: its
+    output is the kv latent then the rope key, ``rope_dim`` features that every head shares. The latent
+    reaches the attention through the column-split ``kv_b_proj``, which all-reduces its input gradient,
+    but each rank's attention reads the rope key with its own heads only: that gradient is a part, summed
+    over tp here in backward (transformers' ``MlaKvAProjParallel`` does the same). The projection's
+    gradients are then whole on every rank."""
+
+    def __init__(self, rope_dim: int):
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def hook(_module, _args, out):
+            latent, rope = out.split([out.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+            # Forward unchanged; backward: the gradient taken as Partial and all-reduced.
+            rope = DTensor.from_local(rope, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+            return torch.cat([latent, rope], dim=-1)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+class _Heads(NamedTuple):
+    """What the attention styles need to know of the model's heads."""
+    kv_heads: int
+    head_dim: int
+    rope_dim: int  # MLA's rope key width (qk_rope_head_dim); 0 for other attention
+
+
+def _style(style: str, name: str, module: nn.Module, heads: _Heads, tp: int, sp: bool) -> ParallelStyle | None:
     """One entry of transformers' plan as a training ParallelStyle (None: the module stays unchanged)."""
     kv_proj = name.endswith(("k_proj", "v_proj"))
     colwise, rowwise = (TransposedColwise, TransposedRowwise) if is_transposed(module) else (ColwiseParallel, RowwiseParallel)
-    if style in _COLWISE and kv_proj and kv_heads % tp:
-        return ReplicatedKVHeads(kv_heads, head_dim)
+    if style in _COLWISE and kv_proj and heads.kv_heads % tp:
+        return ReplicatedKVHeads(heads.kv_heads, heads.head_dim)
     if style in _COLWISE:
         return colwise()
     if style in _COLWISE_GATHERED:
@@ -215,6 +264,8 @@ def _style(style: str, name: str, module: nn.Module, kv_heads: int, head_dim: in
         return SequenceParallel() if sp else None
     if style in _REPLICATE:
         return None
+    if style in _MLA_KV_A:
+        return _SharedRopeKey(heads.rope_dim)
     raise AssertionError(f"unchecked tp plan style '{style}' for '{name}'")  # _base_plan validates styles
 
 
@@ -234,7 +285,7 @@ def _is_parameter(layer: nn.Module, rel: str) -> bool:
     return True
 
 
-def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index: int, kv_heads: int, head_dim: int,
+def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index: int, heads: _Heads,
                 tp: int, sp: bool) -> dict[str, ParallelStyle]:
     """Plan entries of decoder layer ``index``, relative to the layer, plus our input/norm styles.
 
@@ -257,7 +308,7 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
             continue
         # Inside a MoE block (Aria's shared experts) the tokens are already gathered under SP.
         split_seq = sp and not (rel.startswith("mlp.") and _exists(layer, "mlp.experts"))
-        translated = _style(style, f"{blocks}.{index}.{rel}", layer.get_submodule(rel), kv_heads, head_dim, tp, split_seq)
+        translated = _style(style, f"{blocks}.{index}.{rel}", layer.get_submodule(rel), heads, tp, split_seq)
         if translated is None:
             continue
         plan[rel] = translated
@@ -319,16 +370,16 @@ def _tp_plan(model: nn.Module, parts: HFParts, tp: int, sp: bool) -> dict[str, s
     if not getattr(model.config, "base_model_tp_plan", None):
         return infer_tp_plan(model, parts, tp, key_value_heads(model.config), sp)
     check_tensor_parallel(model.config.num_attention_heads, key_value_heads(model.config), tp)
-    return _base_plan(model)
+    return with_mla_attention(_base_plan(model), parts)
 
 
-def _check_shape(model: nn.Module, tp: int) -> tuple[int, int]:
+def _check_shape(model: nn.Module, tp: int) -> _Heads:
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, key_value_heads(cfg)
     if cfg.vocab_size % tp:
         raise ConfigError(f"parallelize_hf_model: tp = {tp} does not divide vocab_size = {cfg.vocab_size}; pad the vocabulary.")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return kv_heads, head_dim
+    return _Heads(kv_heads, head_dim, getattr(cfg, "qk_rope_head_dim", None) or 0)
 
 
 def _set_local_head_groups(parts: HFParts, base: dict[str, str], heads: int, kv_heads: int, tp: int) -> None:
@@ -359,12 +410,12 @@ def _own_rowwise_outputs(parts: HFParts, plan: dict[str, str]) -> None:
 
 def _apply_tp(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, sp: bool) -> None:
     tp = tp_mesh.size()
-    kv_heads, head_dim = _check_shape(model, tp)
+    heads = _check_shape(model, tp)
     base, tied = _tp_plan(model, parts, tp, sp), parts.tied
     blocks = parts.block_items()  # a pipeline stage holds some blocks, and the embedding / head only at its ends
     for i, layer in blocks:
-        parallelize_module(layer, tp_mesh, _layer_plan(base, parts.plan_blocks, layer, i, kv_heads, head_dim, tp, sp))
-    _set_local_head_groups(parts, base, model.config.num_attention_heads, kv_heads, tp)
+        parallelize_module(layer, tp_mesh, _layer_plan(base, parts.plan_blocks, layer, i, heads, tp, sp))
+    _set_local_head_groups(parts, base, model.config.num_attention_heads, heads.kv_heads, tp)
     if not getattr(model.config, "base_model_tp_plan", None):
         _own_rowwise_outputs(parts, base)
     if parts.embed is not None:

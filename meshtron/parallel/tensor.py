@@ -93,13 +93,14 @@ class TpGradient:
     backward with nonzero gradients from what the ranks computed: identical gradients mean the module
     ran replicated, pairwise different ones that each rank ran on its own part of the activation.
     Equal gradients on some ranks and different on others fit neither and are refused by name.
-    Deciding and verifying cost one all-gather of three numbers per parameter, once.
+    Deciding and verifying cost one all-gather of three numbers per parameter, once. ``what`` names the
+    tensor's kind in errors: a replicated activation's local view (a module input) follows the same rule.
     """
 
-    def __init__(self, mode: str, name: str = ""):
+    def __init__(self, mode: str, name: str = "", what: str = "parameter"):
         if mode not in ("replicate", "partial", "infer"):
             raise ValueError(f"TpGradient mode must be replicate, partial or infer, got {mode!r}")
-        self.mode, self.name = mode, name
+        self.mode, self.name, self.what = mode, name, what
         self.decided: Placement | None = {"replicate": Replicate(), "partial": Partial()}.get(mode)
         self.verified = mode != "replicate"
 
@@ -110,7 +111,7 @@ class TpGradient:
             return self.decided or Partial()
         if torch.compiler.is_compiling():  # traced once ahead of time: no data to look at
             if self.decided is None:
-                raise ConfigError(f"parameter '{self.name}': how its gradient combines over tp is decided on an eager "
+                raise ConfigError(f"{self.what} '{self.name}': how its gradient combines over tp is decided on an eager "
                                   "first step; run one step without torch.compile first.")
             return self.decided
         ranks = _gradient_classes(grad, mesh)
@@ -143,7 +144,7 @@ class TpGradient:
             self.decided = Partial()
         else:
             raise ConfigError(
-                f"parameter '{self.name}' (replicated over tp, no tp plan entry): cannot decide how its gradient "
+                f"{self.what} '{self.name}' (replicated over tp, no tp plan entry): cannot decide how its gradient "
                 f"combines over tp: ranks {nonzero} computed equal gradients within each group and different ones "
                 "across groups (a replicated computation on part of a tp-split activation). Give it a plan entry "
                 "or run it with tp = 1.")
@@ -196,11 +197,20 @@ class _LocalView(torch.autograd.Function):
         return DTensor.from_local(grad, ctx.mesh, [placement]).redistribute(ctx.mesh, [Replicate()]), None
 
 
+def local_view(tensor: DTensor, rule: TpGradient) -> torch.Tensor:
+    """The local view of a Replicate DTensor (a parameter, or an activation), its gradient combined
+    over tp as ``rule`` says."""
+    return _LocalView.apply(tensor, rule)
+
+
 def name_tp_gradients(model: nn.Module) -> None:
-    """Label every :class:`TpGradient` of ``model`` with its parameter's name, for the errors it raises."""
+    """Label every :class:`TpGradient` of ``model`` with its parameter's (or input's module's) name, for
+    the errors it raises."""
     for path, module in model.named_modules():
         for pname, rule in getattr(module, "tp_gradients", {}).items():
             rule.name = f"{path}.{pname}" if path else pname
+        if (rule := getattr(module, "tp_input_gradient", None)) is not None:
+            rule.name = path
 
 
 def _distribute_params(module: nn.Module, mesh: DeviceMesh, placement: Placement, src_data_rank: int | None) -> None:
@@ -688,5 +698,6 @@ __all__ = [
     "TpGradient",
     "VocabParallelEmbedding",
     "VocabParallelHead",
+    "local_view",
     "name_tp_gradients",
 ]
