@@ -24,6 +24,10 @@ the transformers experts of :mod:`meshtron.hf.moe`), after the router chose k ex
 5. undo the regrouping, all-to-all back along the reversed splits, and combine each token's k
    outputs with its routing weights (``unpermute_tokens``).
 
+``scale_inputs`` moves the routing weights to the other side of the experts: each token copy enters its
+expert multiplied by its weight and the k outputs are summed as they are (Llama 4's MoE computes its
+experts on ``hidden * router score``). The experts being nonlinear, the two differ.
+
 Both all-to-alls are autograd functions whose backward is the reverse all-to-all, so gradients of
 tokens and of the local experts are exact: an expert's gradient on rank r already sums the tokens
 of the whole ep group. The shared expert (``shared`` callback from the MoE) runs on the local
@@ -176,6 +180,14 @@ def _all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def _scaled_copies(sorted_x: torch.Tensor, order: torch.Tensor, weights: torch.Tensor):
+    """Token copies (sorted by expert, ``order`` from ``permute_tokens``) each scaled by its routing weight,
+    and the weights of 1 that then sum the expert outputs unweighted. Rows padded over tp have weight 0:
+    they enter as zeros (and are dropped after the gather anyway)."""
+    scaled = sorted_x * weights.flatten()[order].unsqueeze(-1).to(sorted_x.dtype)
+    return scaled, torch.ones_like(weights)
+
+
 def shard_experts(full: torch.Tensor, mesh: DeviceMesh, etp_dim: int | None = None) -> DTensor:
     """This rank's block of ``full`` as a DTensor on the experts' (ep, etp) ``mesh``, without
     communication (meta works too): ``Shard(0)`` over ep, ``Shard(etp_dim)`` over etp."""
@@ -197,14 +209,17 @@ class ExpertDispatch(nn.Module):
     ``mesh``: the experts' (ep, etp) mesh (``meshtron.mesh.expert_meshes``). ``tp_mesh`` with
     ``split_tokens_over_tp``: the tokens are replicated over tp (no sequence parallelism), so each tp
     rank dispatches only 1/tp of them. With a one-rank ``mesh`` nothing is exchanged: the experts run
-    on the local (tp-split) tokens.
+    on the local (tp-split) tokens. ``scale_inputs``: the routing weights scale the token copies
+    before the experts instead of their outputs after (module docstring).
     """
 
     def __init__(
-        self, num_experts: int, mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None, split_tokens_over_tp: bool = True
+        self, num_experts: int, mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None, split_tokens_over_tp: bool = True,
+        scale_inputs: bool = False,
     ):
         super().__init__()
         self.num_experts = num_experts
+        self.scale_inputs = scale_inputs
         self.mesh = mesh
         self.ep, self.etp = mesh["ep"].size(), mesh["etp"].size()
         self.ep_group, self.etp_group = mesh["ep"].get_group(), mesh["etp"].get_group()
@@ -243,11 +258,14 @@ class ExpertDispatch(nn.Module):
     def dispatch(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: SharedWork | None = None
     ) -> torch.Tensor:
-        """x [T, H], routing ``weights`` / chosen ``experts`` [T, k] -> weighted expert outputs (+ ``shared()``)."""
+        """x [T, H], routing ``weights`` / chosen ``experts`` [T, k] -> weighted expert outputs (+ ``shared()``);
+        with ``scale_inputs`` the outputs of the weighted inputs, summed."""
         tokens = x.shape[0]
         if self.split_tokens:
             x, weights, experts = self._slice_over_tp(x, weights, experts)
         sorted_x, order, counts = permute_tokens(x, experts, self.num_experts)
+        if self.scale_inputs:
+            sorted_x, weights = _scaled_copies(sorted_x, order, weights)
         if self.mesh.size() == 1:
             side = shared() if shared is not None else None
             self.last_rows = sorted_x.shape[0]
