@@ -37,6 +37,7 @@ summing over the expert data mesh (dp x cp), which the data-parallel wrapping do
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import warnings
 from collections.abc import Callable
@@ -50,7 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshtron.config import ConfigError
 from meshtron.hf.discover import hf_parts
 from meshtron.mesh import expert_meshes, expert_split
-from meshtron.models.moe import grouped_matmul
+from meshtron.models.moe import grouped_matmul, grouped_swiglu
 from meshtron.parallel.expert import ExpertDispatch, check_expert_divisible
 
 _FUSED = ("gate_up_proj", "down_proj")
@@ -97,8 +98,11 @@ class FusedExpertParallel(ExpertDispatch):
     PARAMS = _FUSED
     DESCRIPTION = "SiLU-gated experts with gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I], no biases"
 
+    # Whether the routing weights scale the experts' inputs (the dispatch's ``scale_inputs``).
+    SCALE_INPUTS: ClassVar[bool] = False
+
     def __init__(self, experts: nn.Module, mesh: DeviceMesh, tp_mesh: DeviceMesh):
-        super().__init__(experts.num_experts, mesh, tp_mesh, split_tokens_over_tp=True)
+        super().__init__(experts.num_experts, mesh, tp_mesh, split_tokens_over_tp=True, scale_inputs=self.SCALE_INPUTS)
         for name in self.PARAMS:
             setattr(self, name, self.own(getattr(experts, name)))
 
@@ -173,6 +177,34 @@ class ClampedExpertParallel(FusedExpertParallel):
 _LAYOUTS = (FusedExpertParallel, TransposedExpertParallel, ClampedExpertParallel)
 
 
+class ScaledInputExpertParallel(TransposedExpertParallel):
+    """Llama 4's experts: weights as Aria's (gate_up_proj [E, H, 2I] gate columns first, down_proj
+    [E, I, H], SiLU), but transformers calls them on every token once per expert, each copy already
+    multiplied by its router score (0 for unchosen experts), and sums the outputs. Here they get the
+    router's choice from :class:`RouterScaledMoE` and the dispatch scales the copies it sends
+    (``scale_inputs``), so only the chosen copies are computed."""
+
+    SCALE_INPUTS = True
+    DESCRIPTION = ("SiLU-gated experts with gate_up_proj [E, H, 2I] (gate columns first) and down_proj [E, I, H], "
+                   "called on expert-major rows [E * T, H] (Llama 4)")
+
+    @classmethod
+    def computes(cls, experts: nn.Module) -> bool:
+        """Whether ``experts``' own forward, run on small probe weights (its own may be on the meta device)
+        and expert-major probe rows, computes what this class does."""
+        shapes = _shapes(experts, _FUSED)
+        if any(s is None or len(s) != 3 for s in shapes.values()) or len(inspect.signature(experts.forward).parameters) != 1:
+            return False
+        hidden = shapes["gate_up_proj"][1]
+        gen = torch.Generator().manual_seed(0)
+        gate_up, down = torch.randn(2, hidden, 6, generator=gen), torch.randn(2, 3, hidden, generator=gen)
+        rows = torch.randn(2 * 4, hidden, generator=gen)
+        with torch.no_grad():
+            theirs = torch.func.functional_call(experts, {"gate_up_proj": gate_up, "down_proj": down}, (rows,))
+            ours = grouped_swiglu(rows, torch.tensor([4, 4]), *gate_up.chunk(2, dim=2), down)
+        return theirs.shape == ours.shape and torch.allclose(theirs, ours, atol=1e-5)
+
+
 def _pattern(plan_key: str) -> re.Pattern:
     return re.compile(re.escape(plan_key).replace(r"\*", r"\d+") + "$")
 
@@ -203,13 +235,120 @@ def _holds_stacked_experts(module: nn.Module, config) -> bool:
     return any(p.dim() == 3 and (not counts or p.shape[0] in counts) for p in module.parameters(recurse=False))
 
 
+# The children a MoE block whose router scores scale its experts' inputs holds (Llama 4's).
+_SCALED_BLOCK_PARTS = ("router", "experts", "shared_expert")
+
+
+class _ProbeRouter(nn.Module):
+    """Stands in for a router: returns fixed (scores [T, E], logits)."""
+
+    def __init__(self, scores: torch.Tensor):
+        super().__init__()
+        self.scores, self.logits = scores, scores - 1
+
+    def forward(self, _hidden):
+        return self.scores, self.logits
+
+
+class _ProbeExperts(nn.Module):
+    """Stands in for experts called on expert-major rows [E * T, H]: expert e maps a row r to (e + 1) * r**2,
+    nonlinear (scaling before or after differ) and per expert (the row order matters)."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+
+    def forward(self, rows):
+        factor = torch.arange(1.0, self.num_experts + 1).view(-1, 1, 1)
+        return (rows.view(self.num_experts, -1, rows.shape[-1]) ** 2 * factor).view_as(rows)
+
+
+class _ProbeShared(nn.Module):
+    def forward(self, x):
+        return 3 * x
+
+
+def _scales_router_inputs(block: nn.Module) -> bool:
+    """Whether ``block``'s forward feeds its experts every token once per expert, expert-major and scaled by
+    that expert's router score, and returns (shared expert's output + the expert outputs summed, router
+    logits), as Llama 4's MoE does: its forward run on probe values with stand-ins for its router, experts
+    and shared expert (its own weights, meta ones included, are not touched)."""
+    parts = {n: getattr(block, n, None) for n in _SCALED_BLOCK_PARTS}
+    if not all(isinstance(m, nn.Module) for m in parts.values()) or not isinstance(getattr(block, "top_k", None), int):
+        return False
+    shape = _shapes(parts["experts"], _FUSED)["gate_up_proj"]
+    if shape is None or len(shape) != 3:
+        return False
+    (experts, hidden), tokens = shape[:2], 3
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, tokens, hidden, generator=gen)
+    scores = torch.rand(tokens, experts, generator=gen) * (torch.rand(tokens, experts, generator=gen) < 0.6)
+    stand_ins = {"router": _ProbeRouter(scores), "experts": _ProbeExperts(experts), "shared_expert": _ProbeShared()}
+    try:
+        for name, module in stand_ins.items():
+            setattr(block, name, module)
+        with torch.no_grad():
+            out = block.forward(x)
+    finally:
+        for name, module in parts.items():
+            setattr(block, name, module)
+    factor = (torch.arange(1.0, experts + 1) * scores**2).sum(1, keepdim=True)
+    expected = 3 * x[0] + x[0] ** 2 * factor
+    return (isinstance(out, tuple) and len(out) == 2 and out[1] is stand_ins["router"].logits
+            and out[0].numel() == expected.numel() and torch.allclose(out[0].reshape(expected.shape), expected, atol=1e-5))
+
+
+class RouterScaledMoE(nn.Module):
+    """A MoE block whose router scores scale its experts' inputs (Llama 4's), computed through meshtron's
+    dispatch: the block's own router, experts (a :class:`ScaledInputExpertParallel` by then) and shared
+    expert under the same names, the experts given the router's choice instead of every token once per
+    expert. Returns (output shaped like the input, router logits): under SP the output's sequence dim is
+    sliced (the decoder layer views it as its residual either way)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.router, self.experts, self.shared_expert = block.router, block.experts, block.shared_expert
+        self.top_k = block.top_k
+
+    def forward(self, hidden_states: torch.Tensor):
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        scores, logits = self.router(x)
+        # Scores are the router's top-k sigmoids and 0 elsewhere, so their top-k are its choice: a tie can
+        # only swap an expert scored 0, whose SiLU-gated output on 0 and its gradients are all 0.
+        weights, chosen = scores.topk(self.top_k, dim=-1)
+        out = self.shared_expert(x) + self.experts(x, chosen, weights)
+        return out.view(hidden_states.shape), logits
+
+
+def _router_scaled_class(model: nn.Module, name: str) -> type[FusedExpertParallel] | str:
+    """For stacked experts outside the ep plan: :class:`ScaledInputExpertParallel` when their block scales
+    their inputs by router score and they compute its layout, why not (a string) when only the latter
+    fails; a :class:`ConfigError` when the block is not such a MoE (how to dispatch is then unknown)."""
+    block_name = name.rpartition(".")[0]
+    block, experts = model.get_submodule(block_name), model.get_submodule(name)
+    if not _scales_router_inputs(block):
+        raise ConfigError(
+            f"parallelize_hf_model: '{name}' holds stacked expert weights but {type(model).__name__}'s config has no "
+            f"base_model_ep_plan entry ('ep_dispatch_experts') for it, and its block '{block_name}' "
+            f"({type(block).__name__}) is not a MoE whose router scores scale the experts' inputs (children "
+            f"{', '.join(_SCALED_BLOCK_PARTS)} and top_k, checked on probe values), so how to dispatch its tokens is "
+            "unknown. Use ep = 1 and tp = 1, or a model whose config defines base_model_ep_plan."
+        )
+    if ScaledInputExpertParallel.computes(experts):
+        return ScaledInputExpertParallel
+    return (f"experts '{name}' ({type(experts).__name__}) of a router-scaled MoE are not in a layout meshtron's "
+            f"expert parallelism computes (found {_shapes(experts, _FUSED)}; their forward is compared on probe "
+            f"values); supported: {ScaledInputExpertParallel.DESCRIPTION}")
+
+
 def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, tuple[nn.Module, type[FusedExpertParallel]]]:
     """Full name -> (experts module, the class that computes its layout), for the modules the config's
     ``base_model_ep_plan`` marks ``ep_dispatch_experts``, checked (no communication) to be in a layout of
-    :data:`_LAYOUTS` and divisible over ``ep``. Experts in another layout are refused at ep > 1; at
-    ep = 1 they are left out with a warning and run as transformers' own module, whole and identical
-    on every tp rank. A model with stacked 3-D expert weights outside such a plan raises
-    :class:`ConfigError`."""
+    :data:`_LAYOUTS` and divisible over ``ep``. Stacked 3-D expert weights outside such a plan are taken
+    when their block's router scores scale their inputs (Llama 4: :class:`ScaledInputExpertParallel`,
+    the block then becomes a :class:`RouterScaledMoE`, :func:`adopt_router_scaled_blocks`); otherwise
+    they raise :class:`ConfigError`. Experts in another layout are refused at ep > 1; at ep = 1 they are
+    left out with a warning and run as transformers' own module, whole and identical on every tp rank."""
     plan = getattr(model.config, "base_model_ep_plan", None) or {}
     unknown = {k: s for k, s in plan.items() if s not in _EP_STYLES}
     if unknown:
@@ -219,14 +358,10 @@ def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, tuple[nn.Module, t
     decoder = hf_parts(model).decoder_path  # ep-plan patterns are relative to the decoder
     patterns = [_pattern(f"{decoder}.{k}") for k, s in plan.items() if s == "ep_dispatch_experts"]
     found = {n: m for n, m in model.named_modules() if any(p.match(n) for p in patterns)}
-    stacked = [n for n, m in model.named_modules() if n not in found and _holds_stacked_experts(m, model.config)]
-    if stacked:
-        raise ConfigError(
-            f"parallelize_hf_model: '{stacked[0]}' holds stacked expert weights but {type(model).__name__}'s "
-            "config has no base_model_ep_plan entry ('ep_dispatch_experts') for it, so how to dispatch its "
-            "tokens is unknown. Use ep = 1 and tp = 1, or a model whose config defines base_model_ep_plan."
-        )
+    stacked = {n: m for n, m in model.named_modules() if n not in found and _holds_stacked_experts(m, model.config)}
     classes = {name: _expert_class(name, experts) for name, experts in found.items()}
+    classes.update({name: _router_scaled_class(model, name) for name in stacked})
+    found.update(stacked)
     mismatches = {name: why for name, why in classes.items() if isinstance(why, str)}
     if mismatches and ep > 1:
         raise ConfigError(f"parallelize_hf_model: ep = {ep}: {next(iter(mismatches.values()))}. Use ep = 1 (those "
@@ -237,6 +372,16 @@ def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, tuple[nn.Module, t
     for experts in found.values():
         check_expert_divisible(experts.num_experts, ep)
     return {name: (experts, classes[name]) for name, experts in found.items() if name not in mismatches}
+
+
+def adopt_router_scaled_blocks(model: nn.Module, modules: dict[str, tuple[nn.Module, type[FusedExpertParallel]]]) -> None:
+    """The blocks of ``modules``' input-scaled experts become :class:`RouterScaledMoE` in place (same
+    children), before tensor parallelism hooks its styles onto them (SP gathers a MoE block's sequence)."""
+    for name, (_, cls) in modules.items():
+        if cls.SCALE_INPUTS:
+            block_name = name.rpartition(".")[0]
+            parent, _, attr = block_name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, RouterScaledMoE(model.get_submodule(block_name)))
 
 
 def apply_hf_expert_parallel(
@@ -264,7 +409,10 @@ def apply_hf_expert_parallel(
 __all__ = [
     "ClampedExpertParallel",
     "FusedExpertParallel",
+    "RouterScaledMoE",
+    "ScaledInputExpertParallel",
     "TransposedExpertParallel",
+    "adopt_router_scaled_blocks",
     "apply_hf_expert_parallel",
     "clamped_glu",
     "hf_expert_modules",

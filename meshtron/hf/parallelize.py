@@ -72,7 +72,7 @@ from meshtron.checkpoint import gather_full_state_dict
 from meshtron.config import ConfigError
 from meshtron.hf.discover import HFParts, hf_parts, is_norm, key_value_heads
 from meshtron.hf.context import apply_hf_context_parallel
-from meshtron.hf.experts import apply_hf_expert_parallel, hf_expert_modules
+from meshtron.hf.experts import adopt_router_scaled_blocks, apply_hf_expert_parallel, hf_expert_modules
 from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_plan, is_transposed, with_mla_attention
 from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.pipeline import HFPipelineRunner
@@ -285,6 +285,12 @@ def _is_parameter(layer: nn.Module, rel: str) -> bool:
     return True
 
 
+def _moe_block(layer: nn.Module) -> str | None:
+    """The layer's child holding the routed ``experts`` (``mlp`` in most families, Llama 4's
+    ``feed_forward``); None in a dense layer."""
+    return next((name for name, child in layer.named_children() if _exists(child, "experts")), None)
+
+
 def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index: int, heads: _Heads,
                 tp: int, sp: bool) -> dict[str, ParallelStyle]:
     """Plan entries of decoder layer ``index``, relative to the layer, plus our input/norm styles.
@@ -294,6 +300,7 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
     """
     plan: dict[str, ParallelStyle] = {}
     writes_residual: dict[str, bool] = {}  # parent of split projections -> one of them is rowwise
+    moe = _moe_block(layer)
     for pattern, style in base_plan.items():
         parts = pattern.split(".")
         if parts[:2] != [blocks, "*"]:
@@ -307,7 +314,7 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
                                   "not a module; per-parameter plan entries are not supported.")
             continue
         # Inside a MoE block (Aria's shared experts) the tokens are already gathered under SP.
-        split_seq = sp and not (rel.startswith("mlp.") and _exists(layer, "mlp.experts"))
+        split_seq = sp and not (moe is not None and rel.startswith(f"{moe}."))
         translated = _style(style, f"{blocks}.{index}.{rel}", layer.get_submodule(rel), heads, tp, split_seq)
         if translated is None:
             continue
@@ -317,17 +324,17 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
             plan[parent] = _HiddenStatesInput(split_seq)
         if split_seq:
             writes_residual[parent] = writes_residual.get(parent, False) or style in _ROWWISE + _ROWWISE_REPLICATED_INPUT
-    if _exists(layer, "mlp.experts") and _exists(layer, "mlp.shared_expert.down_proj"):
-        plan.update(_shared_expert_plan("mlp.shared_expert"))
+    if moe is not None and _exists(layer, f"{moe}.shared_expert.down_proj"):
+        plan.update(_shared_expert_plan(f"{moe}.shared_expert"))
     if sp:
         # The block's own norms act on the (sequence-split) residual stream or on a rowwise output that
         # is then added to it (Gemma2's post-norms), so they hand back plain local tensors.
         plan.update({name: SequenceParallel(use_local_output=True) for name, child in layer.named_children()
                      if is_norm(child)})
-        if _exists(layer, "mlp.experts"):
+        if moe is not None:
             # Routing needs every token: the replicated MoE block runs on the gathered sequence and
             # each rank keeps its slice of the (identical) output.
-            plan["mlp"] = _GatheredSequence()
+            plan[moe] = _GatheredSequence()
         # A module whose projections are all gathered (Qwen3-Next's linear attention: even its output
         # projection) returns the whole sequence on every rank: each keeps its slice, like the MoE block.
         plan.update({parent: _GatheredSequence() for parent, rowwise in writes_residual.items()
@@ -631,6 +638,7 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool, data_parallel: st
     if ep > 1 and not expert_modules:
         raise ConfigError(f"parallelize_hf_model: ep = {ep} needs a MoE model with fused experts; "
                           f"{type(model).__name__} has none. Use ep = 1.")
+    adopt_router_scaled_blocks(model, expert_modules)
     # Checkpointing first: its hook must see layer 0's full input, before SP's slicing hook, so the
     # recomputation slices it again rather than slicing the slice.
     _apply_ac(model, parts, ac, ac_every)
