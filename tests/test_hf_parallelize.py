@@ -9,7 +9,8 @@ experts split by meshtron's all-to-all at (dp, ep) = (2, 4) and (dp, ep, tp) = (
 without SP; FSDP (or replicate / HSDP) over the data meshes. In the same launch, twelve more families
 (FAMILIES: with plans, without plans as GPT-2's Conv1D, fused qkv, ALiBi, Mixtral's, gpt-oss's and
 Aria's experts) at dp2 x tp4 and dp4 x tp2 + SP (the MoE families over ep instead: dp2 x ep4 and
-dp2 x ep2 x tp2 + SP, Aria the latter), DeepSeek-V2/V3's MLA at tp 2 and 4 with and without SP, and
+dp2 x ep2 x tp2 + SP, Aria the latter; Llama 4's router-scaled experts, without an ep plan, at dp2 x ep4,
+dp2 x ep2 x tp2 ± SP and dp4 x tp2 + SP), DeepSeek-V2/V3's MLA at tp 2 and 4 with and without SP, and
 OPT's unsplit MLP warning.
 """
 
@@ -275,9 +276,12 @@ FAMILIES = {
     # declares base_model_prefix 'language_model'; Qwen3-Next's linear attention has a 3-D conv1d.
     "lfm2": ("Lfm2Config", dict(TINY, num_key_value_heads=4, layer_types=["conv", "full_attention"]),
              "no plan; short-convolution layers (whole over tp) next to attention layers"),
-    "llama4": ("Llama4TextConfig", dict(TINY, num_key_value_heads=4, intermediate_size_mlp=96, num_local_experts=4,
-                                        num_experts_per_tok=1),
-               "decoder found by structure; experts without an ep plan (tp and ep refused by name)"),
+    # Llama 4's router scores scale its experts' inputs; layer 0 dense with RoPE, L2 q/k norm and chunked
+    # attention (chunk 8 < sequence 16), layer 1 MoE without RoPE, with attention temperature tuning.
+    "llama4": ("Llama4TextConfig", dict(TINY, num_key_value_heads=4, intermediate_size=32, intermediate_size_mlp=96,
+                                        num_local_experts=4, num_experts_per_tok=2, interleave_moe_layer_step=2,
+                                        no_rope_layers=[1, 0], attention_chunk_size=8, floor_scale=4),
+               "decoder found by structure; experts without an ep plan, their inputs scaled by the router"),
     "qwen3_next": ("Qwen3NextConfig", dict(TINY, num_key_value_heads=4, moe_intermediate_size=32,
                                            shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                                            layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
@@ -308,7 +312,7 @@ FAMILY_LAYOUTS = {"mixtral": [*EP_LAYOUTS, FOLDED_LAYOUT], "qwen3_moe": [FOLDED_
                   "glm4_moe": [(dict(dp=2, ep=2, tp=2), False), (dict(dp=2, ep=2, tp=2), True),
                                (dict(ep=2, tp=4), False), (dict(ep=2, tp=4), True)],
                   "lfm2": [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), False)],
-                  "llama4": [(dict(dp=8), False)],
+                  "llama4": [*EP_LAYOUTS, (dict(dp=2, ep=2, tp=2), False), (dict(dp=4, tp=2), True)],
                   "qwen3_next": [*EP_LAYOUTS, (dict(dp=4, tp=2), False)],
                   "deepseek_v2": SPLIT_ACTIVATION_LAYOUTS, "deepseek_v3": SPLIT_ACTIVATION_LAYOUTS}
 # MLA families: projection -> its tp placement (the down projection replicated, the others split by heads).
@@ -316,7 +320,7 @@ MLA_PLACEMENTS = {"q_proj": Shard(0), "q_b_proj": Shard(0), "q_a_proj": Replicat
                   "kv_b_proj": Shard(0), "o_proj": Shard(1)}
 # MoE family -> the class that runs its experts.
 EXPERT_CLASSES = {"mixtral": "FusedExpertParallel", "qwen3_moe": "FusedExpertParallel", "gpt_oss": "ClampedExpertParallel",
-                  "aria": "TransposedExpertParallel"}
+                  "aria": "TransposedExpertParallel", "llama4": "ScaledInputExpertParallel"}
 
 
 class GainSiLU(torch.nn.Module):
@@ -396,13 +400,19 @@ def _check_mla_split(model, where: str) -> None:
                     f"{where}: {proj} {weight.placements}"
 
 
+def _sparse_layers(config) -> list[int]:
+    """Indices of the MoE layers (Llama 4 interleaves dense ones; the others here are all sparse)."""
+    return list(getattr(config, "moe_layers", None) or range(config.num_hidden_layers))
+
+
 def _check_expert_split(model, name: str, mesh, where: str) -> None:
-    """Every experts module runs through meshtron's dispatch, its parameters (biases too) Shard(0) over ep."""
+    """Every experts module runs through meshtron's dispatch, its parameters (biases too) Shard(0) over ep
+    (at ep = 1 whole, each tp rank dispatching its share of the tokens)."""
     experts = [m for m in model.modules() if isinstance(m, FusedExpertParallel)]
-    assert len(experts) == FAMILIES[name][1]["num_hidden_layers"], where
+    assert len(experts) == len(_sparse_layers(model.config)), where
     for module in experts:
         assert type(module).__name__.removeprefix("FSDP") == EXPERT_CLASSES[name], f"{where}: {type(module).__name__}"
-        for p in module.parameters():
+        for p in module.parameters() if expert_split(mesh).ep > 1 else ():
             assert dict(zip(p.device_mesh.mesh_dim_names, p.placements))["ep"] == Shard(0), where
 
 
@@ -518,12 +528,9 @@ def check_errors(folders: dict[str, str], out: str) -> None:
     _check_unsplit_warning(cached_mesh(tp=8))
     with pytest.raises(ConfigError, match=r"sp = true needs every attention and MLP split over tp, but Lfm2ForCausalLM"):
         parallelize_hf_model(_family_model("lfm2"), cached_mesh(dp=4, tp=2), sp=True)
-    with pytest.raises(ConfigError, match=r"'model.layers.0.feed_forward.experts' holds stacked expert weights but "
-                                          r"Llama4ForCausalLM's config has no base_model_ep_plan entry"):
-        parallelize_hf_model(_family_model("llama4"), cached_mesh(dp=4, tp=2))
     moe = _reference(folders["qwen2_moe"])
     moe.config.base_model_ep_plan = None
-    with pytest.raises(ConfigError, match="no base_model_ep_plan entry"):
+    with pytest.raises(ConfigError, match="no base_model_ep_plan entry .* is not a MoE whose router scores scale"):
         parallelize_hf_model(moe, cached_mesh(dp=4, ep=2))
     with pytest.raises(ConfigError, match=r"etp = 2 is not supported for transformers experts yet .*use etp = 1"):
         parallelize_hf_model(_reference(folders["qwen2_moe"]), cached_mesh(dp=2, tp=4, ep=2, etp=2, fold_ep=True))
@@ -540,7 +547,9 @@ def test_expert_layouts():
 
     names = [f"model.layers.{i}.mlp.experts" for i in range(TINY["num_hidden_layers"])]
     for family, cls in EXPERT_CLASSES.items():
-        assert classes(_family_model(family), 2) == dict.fromkeys(names, cls), family
+        model = _family_model(family)
+        experts = {n for n, _ in model.named_modules() if n.endswith(".experts")}
+        assert len(experts) == len(_sparse_layers(model.config)) and classes(model, 2) == dict.fromkeys(experts, cls), family
     other_activation = _family_model("gpt_oss")
     other_activation.model.layers[1].mlp.experts._apply_gate = lambda gate_up: gate_up[..., ::2].sigmoid() * gate_up[..., 1::2]
     with pytest.raises(ConfigError, match=r"ep = 2: experts 'model.layers.1.mlp.experts' \(GptOssExperts\) are not in a "
@@ -548,6 +557,34 @@ def test_expert_layouts():
         hf_expert_modules(other_activation, 2)
     with pytest.warns(UserWarning, match=r"1 experts modules stay whole on every tp rank .*'model.layers.1.mlp.experts'"):
         assert classes(other_activation, 1) == {names[0]: "ClampedExpertParallel"}
+    _check_router_scaled_refusals()
+
+
+def _check_router_scaled_refusals() -> None:
+    """Llama 4's experts, outside any ep plan, are taken for what their block and forward compute on probe
+    values: another activation is refused naming the layout, a block weighting the outputs instead of the
+    inputs is refused as a MoE whose dispatch is unknown."""
+    from meshtron.hf.experts import hf_expert_modules
+
+    other_activation = _family_model("llama4")
+    other_activation.model.layers[1].feed_forward.experts.act_fn = torch.nn.GELU()
+    with pytest.raises(ConfigError, match=r"ep = 2: experts 'model.layers.1.feed_forward.experts' \(Llama4TextExperts\) of "
+                       r"a router-scaled MoE are not in a layout .*supported: SiLU-gated .*\(Llama 4\)"):
+        hf_expert_modules(other_activation, 2)
+    weighted_outputs = _family_model("llama4")
+    block = weighted_outputs.model.layers[1].feed_forward
+
+    def forward(hidden_states):  # the router's scores applied after the experts, not before
+        x = hidden_states.reshape(-1, block.hidden_dim)
+        scores, logits = block.router(x)
+        out = block.experts(x.repeat(scores.shape[1], 1)).view(scores.shape[1], *x.shape)
+        return block.shared_expert(x) + (out * scores.t()[..., None]).sum(0), logits
+
+    block.forward = forward
+    with pytest.raises(ConfigError, match=r"'model.layers.1.feed_forward.experts' holds stacked expert weights but "
+                       r"Llama4ForCausalLM's config has no base_model_ep_plan entry .*block 'model.layers.1.feed_forward' "
+                       r"\(Llama4TextMoe\) is not a MoE whose router scores scale the experts' inputs"):
+        hf_expert_modules(weighted_outputs, 2)
 
 
 def test_tp_plan_styles():
