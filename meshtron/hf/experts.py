@@ -17,6 +17,11 @@ enough to reach any clamp), never from the class name:
   ``down_proj_bias`` [E, H] added to each row by its expert, and :func:`clamped_glu` with the module's
   ``alpha`` and ``limit``.
 
+Llama 4's experts have no ep plan: its MoE block scales every token copy by the router's score before the
+experts. :class:`ScaledInputExpertParallel` computes them (Aria's weights, the dispatch's ``scale_inputs``)
+once :class:`RouterScaledMoE` has replaced the block (:func:`adopt_router_scaled_blocks`), both recognised
+by what their forwards compute on probe values.
+
 Any other layout (no gate, a norm after the experts, another activation) is refused at ep > 1 with a
 :class:`ConfigError` naming what was found; at ep = 1 it runs as transformers' own module, whole on
 every tp rank. :func:`apply_hf_expert_parallel` replaces every recognised module by its class:

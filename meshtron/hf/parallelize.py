@@ -24,8 +24,8 @@ is added here:
 
 MoE models with fused experts (Qwen2-MoE and the others whose config has ``base_model_ep_plan``, in a
 layout :mod:`meshtron.hf.experts` computes: SiLU ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I]
-or the same transposed (Aria), or gpt-oss's interleaved, biased, clamped experts), whenever ep > 1 or
-tp > 1:
+or the same transposed (Aria), or gpt-oss's interleaved, biased, clamped experts; and Llama 4's, without
+an ep plan, whose router scores scale the experts' inputs), whenever ep > 1 or tp > 1:
 
 * the experts are split ``Shard(0)`` over ep and fed by meshtron's all-to-all dispatch with grouped_mm
   (:mod:`meshtron.hf.experts`); each tp rank dispatches 1/tp of the tokens, so no expert work is
