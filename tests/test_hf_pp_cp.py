@@ -49,6 +49,11 @@ MODELS = {
                                          shared_expert_intermediate_size=48, mlp_only_layers=[1])),
     "qwen3_moe": ("Qwen3MoeConfig", dict(_AUX, num_experts=4, moe_intermediate_size=32)),
     "mixtral": ("MixtralConfig", dict(_AUX, num_local_experts=4)),
+    # Scaled embedding, tied; a sliding window shorter than the sequence; a cap low enough to bend the logits.
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=4, sliding_window=8, final_logit_softcapping=2.0)),
+    # Sliding and full layers on both stages, each with its own RoPE base (Gemma 3's local rotary).
+    "gemma3": ("Gemma3TextConfig", dict(num_key_value_heads=2, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"] * 2)),
 }
 ROWS, SEQ = 8, 16  # the global batch
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,6 +181,9 @@ PP_CASES = [
     ("qwen3_moe", dict(pp=2, ep=2), dict(schedule="interleaved", ac="full")),
     ("mixtral", dict(pp=2, ep=2), dict(schedule="1f1b")),
     ("mixtral", dict(pp=2, cp=2), dict(schedule="zbv")),  # the relay handed over at the V's turn; tokens over cp
+    # What Gemma does around its blocks: scaled embedding on the first stage, soft-capped fused loss on the last.
+    ("gemma2", dict(pp=2, tp=2), dict(schedule="1f1b", sp=True)),
+    ("gemma3", dict(pp=2, dp=2), dict(schedule="interleaved")),
 ]
 
 
@@ -204,7 +212,7 @@ def check_pipeline(_tmp: str) -> None:
 
 
 def check_errors(_tmp: str) -> None:
-    from transformers import AutoModelForCausalLM, Gemma2Config
+    from transformers import AutoModelForCausalLM, CohereConfig, GraniteConfig
 
     mesh = cached_mesh(dp=2, cp=2)
     with pytest.raises(ConfigError, match=r"multiple of 2 \* cp = 4 chunks"):
@@ -221,9 +229,14 @@ def check_errors(_tmp: str) -> None:
     with pytest.raises(ConfigError, match=r"cp > 1 does not support attention sinks \(GptOssAttention.sinks\)"):
         parallelize_hf_model(_gpt_oss(), mesh)
     pp = cached_mesh(pp=2, dp=2)
-    gemma = AutoModelForCausalLM.from_config(Gemma2Config(**SMALL, final_logit_softcapping=None))
-    with pytest.raises(ConfigError, match="pp > 1 does not support gemma2: its decoder scales the embeddings"):
-        parallelize_hf_model(gemma, pp, microbatches=2)
+    # What a stage would skip: read from the decoder's forward, or named by the config.
+    granite = AutoModelForCausalLM.from_config(GraniteConfig(**SMALL))
+    with pytest.raises(ConfigError, match=r"GraniteModel's forward rescaling the embeddings outside its embedding "
+                                          r"module \('inputs_embeds = inputs_embeds \* self.embedding_multiplier'\)"):
+        parallelize_hf_model(granite, pp, microbatches=2)
+    cohere = AutoModelForCausalLM.from_config(CohereConfig(**SMALL, eos_token_id=2))
+    with pytest.raises(ConfigError, match=r"scaled logits \(Cohere\) \(config.logit_scale = 0.0625\); use pp = 1"):
+        parallelize_hf_model(cohere, pp, microbatches=2)
     with pytest.raises(ConfigError, match=r"output_router_logits needs LlamaForCausalLM's attributes \['num_experts'"):
         parallelize_hf_model(_model("llama", output_router_logits=True), pp, microbatches=2)
     with pytest.raises(ConfigError, match="num_hidden_layers = 4 is fewer than pp \\* virtual_stages = 8"):
