@@ -263,6 +263,9 @@ RECIPE_LAYOUTS = {
     "qwen3_moe": {"pp2_dp2_ep2": dict(pp=2, dp=2, ep=2), "pp2_ep2_tp2_sp": dict(pp=2, ep=2, tp=2, sp="true")},
     "mixtral": {"pp2_dp2_ep2_interleaved": dict(pp=2, dp=2, ep=2, schedule='"interleaved"', virtual_stages=2),
                 "pp2_ep2_tp2": dict(pp=2, ep=2, tp=2)},
+    # The first stage's scaled embedding, the last stage's soft-capped fused loss (Gemma 2), per-type RoPE (Gemma 3).
+    "gemma2": {"pp2_dp2_tp2": dict(pp=2, dp=2, tp=2)},
+    "gemma3": {"pp2_dp2_tp2": dict(pp=2, dp=2, tp=2)},
 }
 EVAL = ["--data.eval_source", "builtin", "--train.eval_every", "3", "--train.eval_steps", "1"]
 
@@ -272,8 +275,9 @@ def _ranks(sizes: dict) -> int:
 
 
 def _recipe_folders(root: Path) -> dict[str, str]:
-    """A tiny Llama with weights (safetensors); a Qwen2 and three MoE families with only a config.json
-    (seeded random init), their aux loss weighted enough to matter."""
+    """A tiny Llama with weights (safetensors); a Qwen2, three MoE families (their aux loss weighted enough
+    to matter), Gemma 2 (a logit cap low enough to bend the logits) and Gemma 3 (sliding and full layers
+    on each stage) with only a config.json (seeded random init); windows shorter than the sequence."""
     import transformers
 
     folders = {}
@@ -283,7 +287,11 @@ def _recipe_folders(root: Path) -> dict[str, str]:
                              ("qwen2", "Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True)),
                              ("qwen2_moe", "Qwen2MoeConfig", dict(moe, shared_expert_intermediate_size=64)),
                              ("qwen3_moe", "Qwen3MoeConfig", moe),
-                             ("mixtral", "MixtralConfig", dict(aux, num_key_value_heads=2, num_local_experts=4))):
+                             ("mixtral", "MixtralConfig", dict(aux, num_key_value_heads=2, num_local_experts=4)),
+                             ("gemma2", "Gemma2Config", dict(num_key_value_heads=2, sliding_window=16,
+                                                             final_logit_softcapping=3.0)),
+                             ("gemma3", "Gemma3TextConfig", dict(num_key_value_heads=2, sliding_window=16,
+                                                                 layer_types=["sliding_attention", "full_attention"] * 2))):
         cfg = getattr(transformers, cls)(**{**SMALL, "vocab_size": 256, "max_position_embeddings": 256}, **extra)
         folders[name] = str(root / name)
         if name == "llama":
