@@ -4,7 +4,8 @@ equal the unparallelized transformers model's on the full batch (float32: 1e-5 l
 One 4-rank launch for parity: cp 2 (meshtron's attention through transformers' attention interface:
 ring, a2a and allgather) with dp 2 and with tp 2 (+SP); pp 2 with 1F1B, interleaved 1F1B (2 virtual
 stages) and the zero-bubble zb1p, zbv and dualpipev with dp 2 and tp 2 (+SP), and pp 2 x cp 2; over
-Llama, Qwen2 (tied embeddings), Qwen3 (q/k norms), Mistral and Phi3 (fused projections); and MoE families with
+Llama, Qwen2 (tied embeddings), Qwen3 (q/k norms), Mistral, Phi3 (fused projections), Gemma 2 (scaled embedding,
+soft-capped logits) and Gemma 3 (per-layer-type RoPE); and MoE families with
 their aux loss (Qwen2-MoE, Qwen3-MoE, Mixtral) under pp with ep, dp or cp, against the unpipelined model run
 per global micro-batch (the aux loss is counted once per forward).
 
@@ -14,7 +15,8 @@ their aux loss) for the reference loss and held-out loss curves; a 4-rank launch
 pp2 x cp2, cp2 x tp2 + SP, dp2 x tp2 (checkpoint, export) and zbv pp2 x tp2 (tied Qwen2, both ends on
 rank 0), and resumes the dp2 x tp2 checkpoint resharded onto pp2 x tp2; an 8-rank launch pp2 x cp2 x
 tp2 (Llama), dp2 x ep2 x tp2 (Qwen2-MoE) and, for each MoE family, pp2 x dp2 x ep2 and pp2 x ep2 x tp2
-(Qwen3-MoE + SP, Mixtral's pp2 x dp2 x ep2 interleaved). Losses within 1e-4.
+(Qwen3-MoE + SP, Mixtral's pp2 x dp2 x ep2 interleaved), Gemma 2 and Gemma 3 (config.json only) on pp2 x dp2 x
+tp2. Losses within 1e-4.
 """
 
 from __future__ import annotations
