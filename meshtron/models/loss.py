@@ -81,7 +81,7 @@ def _softcap_(logits: torch.Tensor, cap: float, slope: bool) -> torch.Tensor | N
     """``cap * tanh(logits / cap)`` in place; returns d(capped)/d(logits) when ``slope`` (gradients
     wanted), which the in-place softmax that follows could no longer give back."""
     t = logits.div_(cap).tanh_()
-    grad = 1 - t * t if slope else None
+    grad = t.square().neg_().add_(1) if slope else None  # 1 - tanh², one buffer
     t.mul_(cap)
     return grad
 
