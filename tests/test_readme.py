@@ -1,4 +1,5 @@
-"""The README documents exactly what the code has: every recipe key, every recipe, the quickstart."""
+"""The README and docs/ document exactly what the code has: every recipe key (docs/reference.md, generated
+from the schema), every recipe, the quickstart, the tp-plan styles."""
 
 from __future__ import annotations
 
@@ -9,21 +10,26 @@ from pathlib import Path
 
 import pytest
 
+from meshtron import config
 from meshtron.config import _SECTION_TYPES, infer_dp, load_config
+from meshtron.config_reference import COMMAND, render
 from meshtron.plan import predict_memory
 from meshtron.plan.recipes import recipe_hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
 
 
-def table_after(heading: str) -> list[list[str]]:
-    """Rows (cells stripped) of the first Markdown table after ``heading``, header and rule excluded."""
-    start = README.index(heading)
+def table_after(heading: str, page: str = "README.md") -> list[list[str]]:
+    """Rows (cells stripped) of the first Markdown table after ``heading`` in ``page`` (a path from the
+    repository root), header and rule excluded."""
+    text = (ROOT / page).read_text()
+    start = text.index(heading)
     rows = []
-    for line in README[start:].splitlines()[1:]:
+    for line in text[start:].splitlines()[1:]:
         if line.startswith("|"):
-            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+            rows.append([cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))])
         elif rows:
             break
     return rows[2:]
@@ -33,9 +39,14 @@ def unquote(cell: str) -> str:
     return cell.strip("`")
 
 
+def test_key_reference_is_generated_from_the_schema():
+    committed = (DOCS / "reference.md").read_text()
+    assert committed == render(), f"docs/reference.md differs from the config schema; run `{COMMAND}`"
+
+
 @pytest.mark.parametrize("section", list(_SECTION_TYPES))
 def test_key_reference_lists_exactly_the_dataclass_fields(section):
-    rows = table_after(f"### `[{section}]`")
+    rows = table_after(f"## `[{section}]`", "docs/reference.md")
     fields = dataclasses.fields(_SECTION_TYPES[section])
     assert [unquote(r[0]) for r in rows] == [f.name for f in fields]
     for row, f in zip(rows, fields):
@@ -43,7 +54,7 @@ def test_key_reference_lists_exactly_the_dataclass_fields(section):
         assert type_ == f.type, key
         value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         assert tomllib.loads(f"v = {unquote(default)}")["v"] == value, key
-        assert meaning, f"{key} has no meaning in the README"
+        assert meaning, f"{key} has no meaning in docs/reference.md"
 
 
 def _layout(text: str) -> dict[str, int | bool]:
@@ -101,3 +112,19 @@ def test_hf_tp_style_table_lists_every_style():
     rows = table_after("The tp-plan styles of transformers")
     named = [unquote(s.strip()) for row in rows for s in row[0].split(",")]
     assert sorted(named) == sorted([*_STYLES, *_REFUSED])
+
+
+@pytest.mark.parametrize("key,choices", [
+    ("parallel.schedule", config.SCHEDULES),
+    ("parallel.data_parallel", config.DATA_PARALLEL_MODES),
+    ("parallel.activation_checkpointing", config.ACTIVATION_CHECKPOINTING),
+    ("train.dtype", config.DTYPES),
+    ("train.on_nonfinite", config.NONFINITE_POLICIES),
+    ("train.memory_check", config.MEMORY_CHECKS),
+    ("data.format", config.DATA_FORMATS),
+])
+def test_choice_keys_name_every_choice(key, choices):
+    section, name = key.split(".")
+    (f,) = [f for f in dataclasses.fields(_SECTION_TYPES[section]) if f.name == name]
+    missing = [c for c in choices if f"`{c}`" not in f.metadata["meaning"]]
+    assert not missing, f"[{section}] {name}: its meaning in meshtron/config.py does not name {missing}"
