@@ -2,8 +2,9 @@
 layouts, traced rank by rank on fake tensors (``python -m meshtron.train --recipe R --dry-run N``).
 
 Per distinct rank: the traced peak of the second training step, the planner's prediction for the
-same rank without its reserve and slack terms, their ratio, the step's FLOPs and the dry run's wall
-time on this machine (2 cores, two ranks traced at a time).
+same rank without its reserve and slack terms, their ratio, the step's FLOPs, the bytes it sends (all
+collectives) traced and planned, the step's roofline compute time on an H100 SXM and the predicted
+tokens/s per GPU, and the dry run's wall time on this machine (2 cores, two ranks traced at a time).
 
     PYTHONPATH=. python benchmarks/dry_run_recipes.py      # ~5-10 minutes on 2 cores
 
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from meshtron.config import load_config  # noqa: E402
-from meshtron.dryrun import dry_run, layout_text  # noqa: E402
+from meshtron.dryrun import dry_run, layout_text, tokens_per_second_per_device  # noqa: E402
 from meshtron.plan.recipes import recipe_hardware  # noqa: E402
 
 RECIPES = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b",
@@ -41,19 +42,24 @@ def _measure(recipe: str, world: int | None, overrides: list[str]) -> list[dict]
     traces = dry_run(cfg, world)
     seconds = time.perf_counter() - start
     print(f"{recipe} {layout_text(cfg)}: {seconds:.0f} s", flush=True)
+    speed = tokens_per_second_per_device(cfg, world, traces)
     return [{"recipe": recipe, "world_size": world, "layout": layout_text(cfg), "schedule": cfg.parallel.schedule,
              "microbatches": cfg.parallel.microbatches, "ac": cfg.parallel.activation_checkpointing,
              "rank": t.rank, "pp": t.coords["pp"], "traced_gib": t.traced_gib, "planned_gib": t.planned_gib,
-             "ratio": t.ratio, "tflop": t.flops / 1e12, "seconds": seconds} for t in traces]
+             "ratio": t.ratio, "tflop": t.flops / 1e12, "sent_traced_gib": sum(a for a, _ in t.comm.values()) / 2**30,
+             "sent_planned_gib": sum(b for _, b in t.comm.values()) / 2**30, "roofline_s": t.compute_seconds,
+             "tokens_per_s_per_gpu": speed, "seconds": seconds} for t in traces]
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| recipe | ranks | layout | AC | micro-batches | rank (stage) | traced GiB | planned GiB | traced / planned | TFLOP | dry run s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| recipe | ranks | layout | AC | micro-batches | rank (stage) | traced GiB | planned GiB | traced / planned "
+             "| TFLOP | sent GiB traced | sent GiB planned | roofline s | predicted tok/s/GPU | dry run s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['recipe']} | {r['world_size']} | {r['layout']} | {r['ac']} | {r['microbatches']} | "
                      f"{r['rank']} ({r['pp']}) | {r['traced_gib']:.2f} | {r['planned_gib']:.2f} | {r['ratio']:.3f} | "
-                     f"{r['tflop']:.0f} | {r['seconds']:.0f} |")
+                     f"{r['tflop']:.0f} | {r['sent_traced_gib']:.3f} | {r['sent_planned_gib']:.3f} | "
+                     f"{r['roofline_s']:.2f} | {r['tokens_per_s_per_gpu']:,.0f} | {r['seconds']:.0f} |")
     return "\n".join(lines)
 
 

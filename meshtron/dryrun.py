@@ -26,6 +26,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -36,7 +37,7 @@ from meshtron.mesh import batch_mesh, expert_hsdp_mesh, expert_meshes, group_nam
 from meshtron.parallel.step import training_step
 from meshtron.plan.memory import GIB, Assumptions, Coords, rank_breakdown
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
-from meshtron.plan.speed import COMM_DIMS, communication
+from meshtron.plan.speed import COMM_DIMS, Hardware, communication, predict_step_time
 
 # The trace holds what the step allocates: no CUDA context, no allocator slack.
 TRACE_ASSUMPTIONS = Assumptions(reserved_gib=0.0, fragmentation=0.0)
@@ -53,7 +54,9 @@ class RankTrace:
     collectives: dict[str, int]  # calls per op
     comm: dict[str, tuple[int, int]]  # "kind/group" -> (bytes sent traced, planned) per step
     flops: int
-    seconds: float
+    compute_seconds: float  # the traced step's roofline on the target device
+    step_seconds: float  # meshtron.plan's step time with that compute time
+    seconds: float  # the dry run's own wall time for this rank
 
     @property
     def ratio(self) -> float:
@@ -98,32 +101,70 @@ def storage_tracker():
 
 
 class StepCounter(TorchDispatchMode):
-    """FLOPs (torch's flop formulas), calls per collective op (c10d and functional) and the bytes this
-    rank sends per (collective kind, group), counted as a ring sends them (:func:`sent_bytes`).
+    """FLOPs (torch's flop formulas, plus :data:`_MORE_FLOPS`), the step's roofline time, calls per
+    collective op (c10d and functional) and the bytes this rank sends per (collective kind, group),
+    counted as a ring sends them (:func:`sent_bytes`).
+
+    Roofline: every op that moves data takes the larger of its FLOPs over ``peak_flops`` and the bytes
+    of its tensors (inputs and outputs) over ``memory_bandwidth``; the step's compute time is their sum,
+    the bound of kernels that each reach the peak or the bandwidth, one after another.
 
     torch's FlopCounterMode and CommDebugMode count the same but track modules with hooks: the
     former's keep every activation of the step alive (3.2 x the true peak of a 7B step under
     MemTracker), the latter's fail on a module called once per micro-batch. This mode tracks none."""
 
-    def __init__(self):
+    def __init__(self, peak_flops: float, memory_bandwidth: float):
         super().__init__()
+        self.peak_flops, self.memory_bandwidth = peak_flops, memory_bandwidth
         self.flops = 0
+        self.roofline_seconds = 0.0
         self.calls: dict[str, int] = {}
         self.sent: dict[tuple[str, tuple[int, ...]], int] = {}  # (kind, group's global ranks) -> bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        count = flop_registry.get(func._overloadpacket)
-        if count is not None:
-            self.flops += count(*args, **kwargs, out_val=out)
-        elif func.namespace in ("c10d", "_c10d_functional") and func._opname not in ("wait_tensor", "barrier"):
-            name = func._opname
-            self.calls[name] = self.calls.get(name, 0) + 1
-            kind, nbytes, group = sent_bytes(name, args)
-            if kind is not None:
-                self.sent[kind, group] = self.sent.get((kind, group), 0) + nbytes
+        if func.namespace in ("c10d", "_c10d_functional"):
+            if func._opname not in ("wait_tensor", "barrier"):
+                self._count_collective(func._opname, args)
+            return out
+        count = flop_registry.get(func._overloadpacket) or _MORE_FLOPS.get(func._overloadpacket)
+        flops = count(*args, **kwargs, out_val=out) if count is not None else 0
+        self.flops += flops
+        if func.namespace in ("aten", "fsdp") and not func.is_view and func._overloadpacket not in _NO_DATA:
+            moved = sum(t.numel() * t.element_size() for t in pytree.tree_leaves((args, kwargs, out))
+                        if isinstance(t, torch.Tensor))
+            self.roofline_seconds += max(flops / self.peak_flops, moved / self.memory_bandwidth)
         return out
+
+    def _count_collective(self, name: str, args) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        kind, nbytes, group = sent_bytes(name, args)
+        if kind is not None:
+            self.sent[kind, group] = self.sent.get((kind, group), 0) + nbytes
+
+
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, out_val=None, **kwargs) -> int:
+    """``torch._grouped_mm``: the groups' matmuls, whichever operand is split into groups."""
+    if a.dim() == 2 and b.dim() == 3:  # rows grouped, a weight per group: [T, K] x [G, K, N]
+        return 2 * a.shape[0] * a.shape[1] * b.shape[2]
+    if a.dim() == 2 and b.dim() == 2:  # the contracted rows grouped (weight gradients): [K, T] x [T, N]
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out_val.numel() * a.shape[-1]
+
+
+# FLOPs of ops torch's registry lacks: the CPU flash attention (counted as the CUDA one, whose
+# arguments it shares) and the experts' grouped matmul.
+_MORE_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        flop_registry[torch.ops.aten._scaled_dot_product_flash_attention],
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        flop_registry[torch.ops.aten._scaled_dot_product_flash_attention_backward],
+    torch.ops.aten._grouped_mm: _grouped_mm_flops,
+}
+# Ops that allocate or reinterpret without moving data (views are skipped by their schema).
+_NO_DATA = {torch.ops.aten._unsafe_view, torch.ops.aten.empty, torch.ops.aten.empty_strided,
+            torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided, torch.ops.aten.lift_fresh}
 
 
 # op -> (kind, index of the argument holding what this rank contributes)
@@ -209,9 +250,10 @@ def _local_batch(cfg: Config, mesh, device: torch.device) -> tuple[torch.Tensor,
     return ids, ids.clone()
 
 
-def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced") -> RankTrace:
+def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced",
+               hw: Hardware = Hardware()) -> RankTrace:
     """Build and step rank ``rank`` of a ``world_size``-rank run of ``cfg`` on fake tensors, MoE routing
-    assumed ``routing`` (``meshtron.host.ROUTINGS``)."""
+    assumed ``routing`` (``meshtron.host.ROUTINGS``), its roofline on ``hw``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from meshtron.optim import build_optimizer
@@ -230,7 +272,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
                 training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
                 memory = storage_tracker()
                 memory.track_external(runner.module, optimizer, ids, labels)
-                counter = StepCounter()
+                counter = StepCounter(hw.peak_tflops * 1e12, hw.memory_tbps * 1e12)
                 with memory, counter:
                     training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
         peak = sum(per_device.get("Total", 0) for per_device in memory.get_tracker_snapshot("peak").values())
@@ -238,8 +280,9 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
     finally:
         dist.destroy_process_group()
     planned = rank_breakdown(cfg, Coords(**coords), TRACE_ASSUMPTIONS).total
+    step = predict_step_time(cfg, hw, counter.roofline_seconds).seconds
     return RankTrace(rank, coords, peak / GIB, planned / GIB, counter.calls, comm, counter.flops,
-                     time.perf_counter() - start)
+                     counter.roofline_seconds, step, time.perf_counter() - start)
 
 
 # The planner's collective kinds, as the trace's are summed into them.
@@ -283,7 +326,7 @@ def compare_comm(traced: dict[tuple[str, tuple[int, ...]], int], planned: dict[t
     return {f"{kind}/{names.get(group, list(group))}": (int(t), round(p)) for (kind, group), (t, p) in sorted(totals.items())}
 
 
-def dry_run(cfg: Config, world_size: int, routing: str = "balanced") -> list[RankTrace]:
+def dry_run(cfg: Config, world_size: int, routing: str = "balanced", hw: Hardware = Hardware()) -> list[RankTrace]:
     """Every distinct rank of ``cfg`` (validated for ``world_size`` ranks) traced, each in a process of
     its own (a process holds one default process group, and meshes cache its sub-groups), as many at a
     time as there are CPUs."""
@@ -293,7 +336,7 @@ def dry_run(cfg: Config, world_size: int, routing: str = "balanced") -> list[Ran
     if sys.platform == "linux":  # each rank's process forks from a server that has imported torch once
         context.set_forkserver_preload(["torch", "torch.distributed", "meshtron.dryrun"])
     with context.Pool(workers, maxtasksperchild=1) as pool:  # a fresh process per rank
-        results = pool.starmap(_trace_or_error, [(cfg, world_size, rank, routing) for rank in ranks])
+        results = pool.starmap(_trace_or_error, [(cfg, world_size, rank, routing, hw) for rank in ranks])
     for rank, result in zip(ranks, results):
         if isinstance(result, ConfigError):
             raise result
@@ -306,11 +349,11 @@ class DryRunError(RuntimeError):
     """A simulated rank failed; the message holds its traceback."""
 
 
-def _trace_or_error(cfg: Config, world_size: int, rank: int, routing: str) -> RankTrace | ConfigError | str:
+def _trace_or_error(cfg: Config, world_size: int, rank: int, routing: str, hw: Hardware) -> RankTrace | ConfigError | str:
     """:func:`trace_rank` in a worker: an error comes back as a value (a ConfigError as it is, anything
     else as its traceback text), since not every exception crosses a process boundary."""
     try:
-        return trace_rank(cfg, world_size, rank, routing)
+        return trace_rank(cfg, world_size, rank, routing, hw)
     except ConfigError as err:
         return ConfigError(str(err))
     except Exception:  # noqa: BLE001 - reported by the parent, naming the rank
@@ -323,29 +366,44 @@ def layout_text(cfg: Config) -> str:
     return f"pp{p.pp} x dp{p.dp} x cp{p.cp} x ep{p.mesh_ep} x tp{p.tp}{experts}"
 
 
+def tokens_per_second_per_device(cfg: Config, world_size: int, traces: list[RankTrace]) -> float:
+    """Predicted throughput: the step's tokens over its slowest traced rank's step time, per device."""
+    return cfg.train.global_batch_size * cfg.train.seq_len / max(t.step_seconds for t in traces) / world_size
+
+
 def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool, seconds: float,
            routing: str = "balanced") -> str:
+    speed = tokens_per_second_per_device(cfg, world_size, traces)
     if as_json:
         return json.dumps({
             "world_size": world_size, "layout": layout_text(cfg), "routing": routing, "seconds": round(seconds, 1),
+            "tokens_per_second_per_device": round(speed, 1),
             "ranks": [{"rank": t.rank, "coords": t.coords, "traced_gib": round(t.traced_gib, 3),
                        "planned_gib": round(t.planned_gib, 3), "ratio": round(t.ratio, 3),
                        "collectives": t.collectives, "flops": t.flops,
+                       "compute_seconds": round(t.compute_seconds, 4), "step_seconds": round(t.step_seconds, 4),
                        "comm_bytes": {key: {"traced": traced, "planned": planned}
                                       for key, (traced, planned) in t.comm.items()}} for t in traces],
         })
     lines = [f"dry run: {world_size} ranks, {layout_text(cfg)}, {cfg.parallel.schedule}, "
              f"{cfg.train.dtype}, seq {cfg.train.seq_len}, global batch {cfg.train.global_batch_size}"
              + (f", {routing} MoE routing" if cfg.model.is_moe else ""),
-             f"{'rank':>6} {'pp':>3} {'traced GiB':>11} {'planned GiB':>12} {'ratio':>6} {'TFLOP':>8}  collectives"]
+             f"{'rank':>6} {'pp':>3} {'traced GiB':>11} {'planned GiB':>12} {'ratio':>6} {'TFLOP':>8} "
+             f"{'roofline s':>10} {'step s':>7}  collectives"]
     for t in traces:
         calls = ", ".join(f"{op} {n} x" for op, n in sorted(t.collectives.items()))
         lines.append(f"{t.rank:>6} {t.coords['pp']:>3} {t.traced_gib:>11.2f} {t.planned_gib:>12.2f} {t.ratio:>6.3f} "
-                     f"{t.flops / 1e12:>8.1f}  {calls}")
+                     f"{t.flops / 1e12:>8.1f} {t.compute_seconds:>10.3f} {t.step_seconds:>7.3f}  {calls}")
         lines += [f"{'':>11} sent {key}: {traced / GIB:.3f} GiB traced, {planned / GIB:.3f} planned"
                   for key, (traced, planned) in t.comm.items()]
+    lines.append(f"predicted: {speed:,.0f} tokens/s per device (roofline compute on {_device_text()}, the planner's "
+                 f"exposed communication and bubble)")
     lines.append(f"planned: meshtron.plan's terms without the reserve and slack; {seconds:.0f} s in all")
     return "\n".join(lines)
+
+
+def _device_text(hw: Hardware = Hardware()) -> str:
+    return f"{hw.peak_tflops:g} TFLOP/s, {hw.memory_tbps:g} TB/s"
 
 
 def _check_traceable(cfg: Config) -> None:
@@ -385,7 +443,7 @@ def main(recipe: str, overrides: list[str], world_size: int, as_json: bool, gpu_
         print(f"meshtron: {err}", file=sys.stderr)
         return 2
     try:
-        traces = dry_run(cfg, world_size, routing)
+        traces = dry_run(cfg, world_size, routing, hardware.hardware())
     except ConfigError as err:
         print(f"meshtron: {err}", file=sys.stderr)
         return 2

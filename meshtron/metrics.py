@@ -15,23 +15,30 @@ import torch
 from meshtron import env
 
 
-# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by a substring of
-# torch.cuda.get_device_name; checked in order, so the more specific names come first.
-DATASHEET_BF16_TFLOPS = (
-    ("H100 NVL", 835.0),
-    ("H100 PCIe", 756.0),
-    ("H100", 989.0),  # SXM5 ("NVIDIA H100 80GB HBM3")
-    ("H200 NVL", 835.0),
-    ("H200", 989.0),  # SXM
-    ("A100", 312.0),
+# NVIDIA's datasheets: dense (no sparsity) bf16 tensor-core peak in TFLOP/s and memory bandwidth in TB/s,
+# by a substring of torch.cuda.get_device_name; checked in order, so the more specific names come first.
+# The one table of these figures (meshtron.plan's Hardware defaults to the H100 SXM row).
+DATASHEET = (
+    ("H100 NVL", 835.0, 3.9),
+    ("H100 PCIe", 756.0, 2.0),
+    ("H100", 989.0, 3.35),  # SXM5 ("NVIDIA H100 80GB HBM3")
+    ("H200 NVL", 835.0, 4.8),
+    ("H200", 989.0, 4.8),  # SXM
+    ("A100", 312.0, 2.039),  # SXM 80 GB
 )
+
+
+def datasheet(device_name: str) -> tuple[float, float] | None:
+    """(dense bf16 TFLOP/s, memory TB/s) of a listed card, None for an unlisted one."""
+    return next(((tflops, tbps) for key, tflops, tbps in DATASHEET if key in device_name), None)
 
 
 def datasheet_peak_flops(device_name: str, dtype: torch.dtype = torch.bfloat16) -> float | None:
     """The card's datasheet dense bf16 peak in FLOP/s (None for another dtype or an unlisted card)."""
-    if dtype != torch.bfloat16:
+    listed = datasheet(device_name)
+    if dtype != torch.bfloat16 or listed is None:
         return None
-    return next((tflops * 1e12 for key, tflops in DATASHEET_BF16_TFLOPS if key in device_name), None)
+    return listed[0] * 1e12
 
 
 def peak_flops_per_device(dtype: str) -> float | None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from meshtron.train import main
 
 
@@ -66,6 +68,10 @@ def test_dry_run_recipe_and_refusal(capsys):
     assert set(rank["comm_bytes"]) >= {"all_gather+reduce_scatter/tp", "all_gather+reduce_scatter/dp"}
     _check_comm(rank)
     assert rank["flops"] > 1e15, rank["flops"]
+    # The roofline compute time is at least the FLOPs at the H100's peak; the step adds exposed
+    # communication; the throughput is the step's tokens over that time per device.
+    assert rank["flops"] / 989e12 < rank["compute_seconds"] < rank["step_seconds"], rank
+    assert report["tokens_per_second_per_device"] == pytest.approx(64 * 4096 / rank["step_seconds"] / 8, rel=1e-3)
 
 
 def test_dry_run_pipeline_stages_match_the_plan(capsys):

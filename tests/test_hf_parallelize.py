@@ -645,6 +645,9 @@ DISCOVERY = {
                    ("model", "model.layers", "model.embed_tokens", "lm_head", "model.embedding_norm", "model.rotary_emb")),
     "Llama4TextConfig": (dict(SMALL, num_key_value_heads=4, intermediate_size_mlp=96, num_local_experts=4),
                          ("model", "model.layers", "model.embed_tokens", "lm_head", "model.norm", "model.rotary_emb")),
+    # One rotary module holding a set of frequencies per layer type (sliding_attention_inv_freq, ...).
+    "Gemma3TextConfig": (dict(SMALL, num_key_value_heads=4),
+                         ("model", "model.layers", "model.embed_tokens", "lm_head", "model.norm", "model.rotary_emb")),
 }
 
 

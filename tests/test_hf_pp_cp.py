@@ -4,7 +4,8 @@ equal the unparallelized transformers model's on the full batch (float32: 1e-5 l
 One 4-rank launch for parity: cp 2 (meshtron's attention through transformers' attention interface:
 ring, a2a and allgather) with dp 2 and with tp 2 (+SP); pp 2 with 1F1B, interleaved 1F1B (2 virtual
 stages) and the zero-bubble zb1p, zbv and dualpipev with dp 2 and tp 2 (+SP), and pp 2 x cp 2; over
-Llama, Qwen2 (tied embeddings), Qwen3 (q/k norms), Mistral and Phi3 (fused projections); and MoE families with
+Llama, Qwen2 (tied embeddings), Qwen3 (q/k norms), Mistral, Phi3 (fused projections), Gemma 2 (scaled embedding,
+soft-capped logits) and Gemma 3 (per-layer-type RoPE); and MoE families with
 their aux loss (Qwen2-MoE, Qwen3-MoE, Mixtral) under pp with ep, dp or cp, against the unpipelined model run
 per global micro-batch (the aux loss is counted once per forward).
 
@@ -14,7 +15,8 @@ their aux loss) for the reference loss and held-out loss curves; a 4-rank launch
 pp2 x cp2, cp2 x tp2 + SP, dp2 x tp2 (checkpoint, export) and zbv pp2 x tp2 (tied Qwen2, both ends on
 rank 0), and resumes the dp2 x tp2 checkpoint resharded onto pp2 x tp2; an 8-rank launch pp2 x cp2 x
 tp2 (Llama), dp2 x ep2 x tp2 (Qwen2-MoE) and, for each MoE family, pp2 x dp2 x ep2 and pp2 x ep2 x tp2
-(Qwen3-MoE + SP, Mixtral's pp2 x dp2 x ep2 interleaved). Losses within 1e-4.
+(Qwen3-MoE + SP, Mixtral's pp2 x dp2 x ep2 interleaved), Gemma 2 and Gemma 3 (config.json only) on pp2 x dp2 x
+tp2. Losses within 1e-4.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ MODELS = {
                                          shared_expert_intermediate_size=48, mlp_only_layers=[1])),
     "qwen3_moe": ("Qwen3MoeConfig", dict(_AUX, num_experts=4, moe_intermediate_size=32)),
     "mixtral": ("MixtralConfig", dict(_AUX, num_local_experts=4)),
+    # Scaled embedding, tied; a sliding window shorter than the sequence; a cap low enough to bend the logits.
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=4, sliding_window=8, final_logit_softcapping=2.0)),
+    # Sliding and full layers on both stages, each with its own RoPE base (Gemma 3's local rotary).
+    "gemma3": ("Gemma3TextConfig", dict(num_key_value_heads=2, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"] * 2)),
 }
 ROWS, SEQ = 8, 16  # the global batch
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,6 +183,9 @@ PP_CASES = [
     ("qwen3_moe", dict(pp=2, ep=2), dict(schedule="interleaved", ac="full")),
     ("mixtral", dict(pp=2, ep=2), dict(schedule="1f1b")),
     ("mixtral", dict(pp=2, cp=2), dict(schedule="zbv")),  # the relay handed over at the V's turn; tokens over cp
+    # What Gemma does around its blocks: scaled embedding on the first stage, soft-capped fused loss on the last.
+    ("gemma2", dict(pp=2, tp=2), dict(schedule="1f1b", sp=True)),
+    ("gemma3", dict(pp=2, dp=2), dict(schedule="interleaved")),
 ]
 
 
@@ -204,7 +214,7 @@ def check_pipeline(_tmp: str) -> None:
 
 
 def check_errors(_tmp: str) -> None:
-    from transformers import AutoModelForCausalLM, Gemma2Config
+    from transformers import AutoModelForCausalLM, CohereConfig, GraniteConfig
 
     mesh = cached_mesh(dp=2, cp=2)
     with pytest.raises(ConfigError, match=r"multiple of 2 \* cp = 4 chunks"):
@@ -221,9 +231,14 @@ def check_errors(_tmp: str) -> None:
     with pytest.raises(ConfigError, match=r"cp > 1 does not support attention sinks \(GptOssAttention.sinks\)"):
         parallelize_hf_model(_gpt_oss(), mesh)
     pp = cached_mesh(pp=2, dp=2)
-    gemma = AutoModelForCausalLM.from_config(Gemma2Config(**SMALL, final_logit_softcapping=None))
-    with pytest.raises(ConfigError, match="pp > 1 does not support gemma2: its decoder scales the embeddings"):
-        parallelize_hf_model(gemma, pp, microbatches=2)
+    # What a stage would skip: read from the decoder's forward, or named by the config.
+    granite = AutoModelForCausalLM.from_config(GraniteConfig(**SMALL))
+    with pytest.raises(ConfigError, match=r"GraniteModel's forward rescaling the embeddings outside its embedding "
+                                          r"module \('inputs_embeds = inputs_embeds \* self.embedding_multiplier'\)"):
+        parallelize_hf_model(granite, pp, microbatches=2)
+    cohere = AutoModelForCausalLM.from_config(CohereConfig(**SMALL, eos_token_id=2))
+    with pytest.raises(ConfigError, match=r"scaled logits \(Cohere\) \(config.logit_scale = 0.0625\); use pp = 1"):
+        parallelize_hf_model(cohere, pp, microbatches=2)
     with pytest.raises(ConfigError, match=r"output_router_logits needs LlamaForCausalLM's attributes \['num_experts'"):
         parallelize_hf_model(_model("llama", output_router_logits=True), pp, microbatches=2)
     with pytest.raises(ConfigError, match="num_hidden_layers = 4 is fewer than pp \\* virtual_stages = 8"):
@@ -250,6 +265,9 @@ RECIPE_LAYOUTS = {
     "qwen3_moe": {"pp2_dp2_ep2": dict(pp=2, dp=2, ep=2), "pp2_ep2_tp2_sp": dict(pp=2, ep=2, tp=2, sp="true")},
     "mixtral": {"pp2_dp2_ep2_interleaved": dict(pp=2, dp=2, ep=2, schedule='"interleaved"', virtual_stages=2),
                 "pp2_ep2_tp2": dict(pp=2, ep=2, tp=2)},
+    # The first stage's scaled embedding, the last stage's soft-capped fused loss (Gemma 2), per-type RoPE (Gemma 3).
+    "gemma2": {"pp2_dp2_tp2": dict(pp=2, dp=2, tp=2)},
+    "gemma3": {"pp2_dp2_tp2": dict(pp=2, dp=2, tp=2)},
 }
 EVAL = ["--data.eval_source", "builtin", "--train.eval_every", "3", "--train.eval_steps", "1"]
 
@@ -259,8 +277,9 @@ def _ranks(sizes: dict) -> int:
 
 
 def _recipe_folders(root: Path) -> dict[str, str]:
-    """A tiny Llama with weights (safetensors); a Qwen2 and three MoE families with only a config.json
-    (seeded random init), their aux loss weighted enough to matter."""
+    """A tiny Llama with weights (safetensors); a Qwen2, three MoE families (their aux loss weighted enough
+    to matter), Gemma 2 (a logit cap low enough to bend the logits) and Gemma 3 (sliding and full layers
+    on each stage) with only a config.json (seeded random init); windows shorter than the sequence."""
     import transformers
 
     folders = {}
@@ -270,7 +289,11 @@ def _recipe_folders(root: Path) -> dict[str, str]:
                              ("qwen2", "Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True)),
                              ("qwen2_moe", "Qwen2MoeConfig", dict(moe, shared_expert_intermediate_size=64)),
                              ("qwen3_moe", "Qwen3MoeConfig", moe),
-                             ("mixtral", "MixtralConfig", dict(aux, num_key_value_heads=2, num_local_experts=4))):
+                             ("mixtral", "MixtralConfig", dict(aux, num_key_value_heads=2, num_local_experts=4)),
+                             ("gemma2", "Gemma2Config", dict(num_key_value_heads=2, sliding_window=16,
+                                                             final_logit_softcapping=3.0)),
+                             ("gemma3", "Gemma3TextConfig", dict(num_key_value_heads=2, sliding_window=16,
+                                                                 layer_types=["sliding_attention", "full_attention"] * 2))):
         cfg = getattr(transformers, cls)(**{**SMALL, "vocab_size": 256, "max_position_embeddings": 256}, **extra)
         folders[name] = str(root / name)
         if name == "llama":

@@ -49,9 +49,12 @@ def _problem(n: int, hidden: int, vocab: int, dtype=torch.float32, seed: int = 0
     return h, w, labels
 
 
-def _reference(h, w, labels):
+def _reference(h, w, labels, softcap: float | None = None):
     h, w = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    loss = F.cross_entropy(h @ w.t(), labels, ignore_index=-100, reduction="sum")
+    logits = h @ w.t()
+    if softcap:  # as Gemma 2/3's causal LM caps its logits
+        logits = torch.tanh(logits / softcap) * softcap
+    loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
     loss.backward()
     return loss, h.grad, w.grad
 
@@ -62,6 +65,18 @@ def test_fused_loss_matches_cross_entropy(chunk):
     want, want_h, want_w = _reference(h, w, labels)
     loss = linear_cross_entropy_sum(h, w, labels, chunk)
     (loss * 3).backward()  # the incoming gradient scales both stored gradients
+    assert rel_err(loss, want) < 1e-6
+    assert rel_err(h.grad / 3, want_h) < 1e-5 and rel_err(w.grad / 3, want_w) < 1e-5
+
+
+def test_fused_loss_soft_caps_the_logits():
+    """Soft-capping folded into the chunks: loss and both gradients are those of the capped logits
+    (a cap of 1.5 is well inside the logits' range, so it changes them)."""
+    h, w, labels = _problem(150, 24, 97)
+    want, want_h, want_w = _reference(h, w, labels, softcap=1.5)
+    assert rel_err(want, _reference(h, w, labels)[0]) > 0.05
+    loss = linear_cross_entropy_sum(h, w, labels, 7, softcap=1.5)
+    (loss * 3).backward()
     assert rel_err(loss, want) < 1e-6
     assert rel_err(h.grad / 3, want_h) < 1e-5 and rel_err(w.grad / 3, want_w) < 1e-5
 

@@ -1,4 +1,5 @@
-"""The README documents exactly what the code has: every recipe key, every recipe, the quickstart."""
+"""The README and docs/ document exactly what the code has: every recipe key (docs/reference.md, generated
+from the schema), every recipe, the quickstart, the tp-plan styles; and every link between the pages resolves."""
 
 from __future__ import annotations
 
@@ -9,21 +10,27 @@ from pathlib import Path
 
 import pytest
 
+from meshtron import config
 from meshtron.config import _SECTION_TYPES, infer_dp, load_config
+from meshtron.config_reference import COMMAND, render
 from meshtron.plan import predict_memory
 from meshtron.plan.recipes import recipe_hardware
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 
 
-def table_after(heading: str) -> list[list[str]]:
-    """Rows (cells stripped) of the first Markdown table after ``heading``, header and rule excluded."""
-    start = README.index(heading)
+def table_after(heading: str, page: str = "README.md") -> list[list[str]]:
+    """Rows (cells stripped) of the first Markdown table after ``heading`` in ``page`` (a path from the
+    repository root), header and rule excluded."""
+    text = (ROOT / page).read_text()
+    start = text.index(heading)
     rows = []
-    for line in README[start:].splitlines()[1:]:
+    for line in text[start:].splitlines()[1:]:
         if line.startswith("|"):
-            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+            rows.append([cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))])
         elif rows:
             break
     return rows[2:]
@@ -33,9 +40,14 @@ def unquote(cell: str) -> str:
     return cell.strip("`")
 
 
+def test_key_reference_is_generated_from_the_schema():
+    committed = (DOCS / "reference.md").read_text()
+    assert committed == render(), f"docs/reference.md differs from the config schema; run `{COMMAND}`"
+
+
 @pytest.mark.parametrize("section", list(_SECTION_TYPES))
 def test_key_reference_lists_exactly_the_dataclass_fields(section):
-    rows = table_after(f"### `[{section}]`")
+    rows = table_after(f"## `[{section}]`", "docs/reference.md")
     fields = dataclasses.fields(_SECTION_TYPES[section])
     assert [unquote(r[0]) for r in rows] == [f.name for f in fields]
     for row, f in zip(rows, fields):
@@ -43,7 +55,7 @@ def test_key_reference_lists_exactly_the_dataclass_fields(section):
         assert type_ == f.type, key
         value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         assert tomllib.loads(f"v = {unquote(default)}")["v"] == value, key
-        assert meaning, f"{key} has no meaning in the README"
+        assert meaning, f"{key} has no meaning in docs/reference.md"
 
 
 def _layout(text: str) -> dict[str, int | bool]:
@@ -56,7 +68,7 @@ def _layout(text: str) -> dict[str, int | bool]:
 def test_recipe_table_matches_the_recipes():
     from test_recipe_shapes import PUBLISHED, expected_count
 
-    rows = table_after("## Recipes")
+    rows = table_after("# Recipes", "docs/recipes.md")
     assert sorted(unquote(r[0]) for r in rows) == sorted(p.name for p in (ROOT / "recipes").glob("*.toml"))
     for name, _, params, hardware, layout, gib in rows:
         path = ROOT / "recipes" / unquote(name)
@@ -98,6 +110,59 @@ def test_hf_tp_style_table_lists_every_style():
     """The tp-plan style table names exactly the styles meshtron translates or refuses by name."""
     from meshtron.hf.parallelize import _REFUSED, _STYLES
 
-    rows = table_after("The tp-plan styles of transformers")
+    rows = table_after("The tp-plan styles of transformers", "docs/hf.md")
     named = [unquote(s.strip()) for row in rows for s in row[0].split(",")]
     assert sorted(named) == sorted([*_STYLES, *_REFUSED])
+
+
+@pytest.mark.parametrize("key,choices", [
+    ("parallel.schedule", config.SCHEDULES),
+    ("parallel.data_parallel", config.DATA_PARALLEL_MODES),
+    ("parallel.activation_checkpointing", config.ACTIVATION_CHECKPOINTING),
+    ("train.dtype", config.DTYPES),
+    ("train.on_nonfinite", config.NONFINITE_POLICIES),
+    ("train.memory_check", config.MEMORY_CHECKS),
+    ("data.format", config.DATA_FORMATS),
+])
+def test_choice_keys_name_every_choice(key, choices):
+    section, name = key.split(".")
+    (f,) = [f for f in dataclasses.fields(_SECTION_TYPES[section]) if f.name == name]
+    missing = [c for c in choices if f"`{c}`" not in f.metadata["meaning"]]
+    assert not missing, f"[{section}] {name}: its meaning in meshtron/config.py does not name {missing}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _links(text: str) -> list[str]:
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks hold no links
+    text = re.sub(r"`[^`\n]*`", "", text)  # nor code spans (their text may look like one)
+    return re.findall(r"\]\(([^)\s]+)\)", text)
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {_slug(m) for m in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    broken = []
+    for link in _links(page.read_text()):
+        if re.match(r"[a-z]+:", link):
+            continue  # http(s), mailto: not checked offline
+        target, _, anchor = link.partition("#")
+        path = (page.parent / target).resolve() if target else page
+        if not path.exists():
+            broken.append(f"{link}: no file {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+        elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+            broken.append(f"{link}: no heading with that anchor in {path.relative_to(ROOT)}")
+    assert not broken, f"{page.relative_to(ROOT)}: broken links:\n" + "\n".join(broken)
+
+
+def test_the_readme_links_every_docs_page():
+    linked = {(ROOT / link.partition("#")[0]).resolve() for link in _links(README) if link.startswith("docs/")}
+    unlinked = sorted(p.name for p in DOCS.glob("*.md") if p.resolve() not in linked)
+    assert not unlinked, f"docs pages the README's Documentation table does not link: {unlinked}"

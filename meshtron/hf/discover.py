@@ -13,7 +13,11 @@ family's names:
 * norm: the decoder's one direct child norm that its ``forward`` runs after the blocks (read from
   the forward's source: Bloom normalises its embeddings with a second norm before them, Lfm2 calls
   its final norm ``embedding_norm``);
-* rotary: the decoder-level module owning ``inv_freq`` (None for learned or ALiBi positions).
+* rotary: the decoder-level module owning ``inv_freq``, or one per layer type (Gemma 3's
+  ``sliding_attention_inv_freq``: local RoPE on sliding layers); None for learned or ALiBi positions.
+
+:func:`embedding_rescaling` reads, also from the decoder's forward, whether it rescales the
+embeddings before the blocks (Granite), which a pipeline's first stage would skip.
 
 Every path is the module's full name in ``model.named_modules()``; tp-plan patterns
 (``layers.*.self_attn.q_proj``) are relative to the decoder, so :attr:`HFParts.plan_blocks` is the
@@ -117,12 +121,17 @@ def _blocks(model: nn.Module, decoder: nn.Module) -> tuple[str, nn.ModuleList]:
     return found[0]
 
 
-def _first_uses(module: nn.Module) -> dict[str, int] | None:
-    """Where the module's ``forward`` first reads each ``self.<name>`` (character offset in its
-    source): the order the forward runs its children in. None when the source cannot be read."""
+def _forward_source(module: nn.Module) -> str | None:
     try:
-        source = inspect.getsource(type(module).forward)
+        return inspect.getsource(type(module).forward)
     except (OSError, TypeError):
+        return None
+
+
+def _first_uses(source: str | None) -> dict[str, int] | None:
+    """Where a ``forward``'s ``source`` first reads each ``self.<name>`` (character offset): the order
+    the forward runs its children in. None when the source cannot be read."""
+    if source is None:
         return None
     first: dict[str, int] = {}
     for match in re.finditer(r"self\.(\w+)", source):
@@ -134,7 +143,7 @@ def _final_norm(model: nn.Module, decoder: nn.Module, blocks_rel: str) -> tuple[
     """The decoder's direct child norm its forward runs after the blocks (Bloom also normalises its
     embeddings before them; Lfm2 names its final norm ``embedding_norm``)."""
     norms = [(name, m) for name, m in decoder.named_children() if is_norm(m)]
-    uses = _first_uses(decoder)
+    uses = _first_uses(_forward_source(decoder))
     top = blocks_rel.split(".", 1)[0]
     if uses is not None and top in uses:
         after = [(n, m) for n, m in norms if uses.get(n, -1) > uses[top]]
@@ -147,10 +156,32 @@ def _final_norm(model: nn.Module, decoder: nn.Module, blocks_rel: str) -> tuple[
     return after[0]
 
 
+def is_rotary(module: nn.Module) -> bool:
+    """A rotary embedding: RoPE frequencies (``inv_freq``), or one set per layer type (``<type>_inv_freq``)."""
+    return hasattr(module, "inv_freq") or any(name.endswith("_inv_freq") for name, _ in module.named_buffers(recurse=False))
+
+
 def _rotary(decoder: nn.Module, blocks: nn.ModuleList) -> tuple[str, nn.Module] | None:
     in_blocks = {id(m) for m in blocks.modules()}
-    owners = [(name, m) for name, m in decoder.named_modules() if hasattr(m, "inv_freq") and id(m) not in in_blocks]
+    owners = [(name, m) for name, m in decoder.named_modules() if is_rotary(m) and id(m) not in in_blocks]
     return owners[0] if owners else None
+
+
+# ``inputs_embeds = inputs_embeds * self.embedding_multiplier``: the embeddings rescaled in the decoder's forward.
+_RESCALED = re.compile(r"^[ \t]*(?:inputs_embeds|hidden_states)\s*=\s*(?:inputs_embeds|hidden_states)\s*[*/].*$", re.M)
+
+
+def embedding_rescaling(parts: HFParts) -> str | None:
+    """The statement by which the decoder's forward rescales the embeddings before its blocks (Granite's
+    ``embedding_multiplier``), or None: none, or the family scales inside its embedding module (Gemma's
+    ``*ScaledWordEmbedding``), which a pipeline's first stage runs as it is."""
+    source = _forward_source(parts.decoder)
+    uses = _first_uses(source)
+    top = parts.plan_blocks.split(".", 1)[0]
+    if source is None or top not in uses:
+        return None
+    found = [m.group(0).strip() for m in _RESCALED.finditer(source) if m.start() < uses[top]]
+    return found[0] if found else None
 
 
 _STAGE_PARTS = "_meshtron_stage_parts"
@@ -195,4 +226,4 @@ def hf_parts(model: nn.Module) -> HFParts:
     )
 
 
-__all__ = ["HFParts", "hf_parts", "is_norm", "key_value_heads", "set_stage_parts"]
+__all__ = ["HFParts", "embedding_rescaling", "hf_parts", "is_norm", "is_rotary", "key_value_heads", "set_stage_parts"]

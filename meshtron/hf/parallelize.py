@@ -70,7 +70,7 @@ from torch.distributed.tensor.parallel import (
 from meshtron import env
 from meshtron.checkpoint import gather_full_state_dict
 from meshtron.config import ConfigError
-from meshtron.hf.discover import HFParts, hf_parts, is_norm, key_value_heads
+from meshtron.hf.discover import HFParts, hf_parts, is_norm, is_rotary, key_value_heads
 from meshtron.hf.context import apply_hf_context_parallel
 from meshtron.hf.experts import adopt_router_scaled_blocks, apply_hf_expert_parallel, hf_expert_modules
 from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_plan, is_transposed, with_mla_attention
@@ -671,7 +671,7 @@ def _as_meshtron_head(head: nn.Module | None) -> None:
 def _reset_rotary(model: nn.Module) -> None:
     """Non-persistent buffers (RoPE frequencies) are not in checkpoints: rebuild them after to_empty."""
     for module in model.modules():
-        if hasattr(module, "inv_freq") and hasattr(module, "config"):
+        if is_rotary(module) and hasattr(module, "config"):
             fresh = type(module)(module.config)
             for name, buf in fresh.named_buffers(recurse=False):
                 getattr(module, name).copy_(buf)

@@ -24,14 +24,20 @@ The HF path adds only what is model-specific; the rest is :mod:`meshtron.paralle
   the executor's relay) and the loss includes ``router_aux_loss_coef`` x the aux loss of every
   micro-batch, as the causal LM's forward adds it to each.
 
-A stage runs embedding -> blocks -> norm -> head and nothing else: models whose decoder or causal-LM
-forward does more are refused with a ConfigError (Gemma's embedding scaling, final logit
-soft-capping or scaling, Granite's multipliers), as are models without a single rotary embedding module.
+A stage runs embedding -> blocks -> norm -> head -> loss, with what the model does around its blocks
+read from the model: an embedding module that scales its output (Gemma's ``*ScaledWordEmbedding``)
+runs as it is on the first stage; the rotary embedding gives one (cos, sin) for all blocks, or one per
+layer type (Gemma 3's local RoPE on sliding layers) as the decoder calls it; ``final_logit_softcapping``
+(Gemma 2/3's causal-LM forward) is folded into the last stage's fused head + loss. Models whose
+decoder or causal-LM forward does more are refused with a ConfigError naming it (embeddings rescaled in
+the decoder's forward, Granite's and Cohere's logit scaling, bidirectional attention), as are models
+without a rotary embedding module.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 from collections.abc import Callable
 from types import MethodType
@@ -42,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron import env
 from meshtron.config import ConfigError, ParallelConfig
-from meshtron.hf.discover import hf_parts, set_stage_parts
+from meshtron.hf.discover import embedding_rescaling, hf_parts, set_stage_parts
 from meshtron.hf.router import PipelineRouterLoss, check_router_loss
 from meshtron.mesh import dense_data_mesh
 from meshtron.models.qwen2 import LMHead
@@ -105,25 +111,41 @@ def _mask_kind(model: nn.Module, block: nn.Module, index: int) -> str:
     return getattr(block, "attention_type", default)
 
 
+def _position_embeddings(rotary: nn.Module, h: torch.Tensor, position_ids: torch.Tensor,
+                         kinds: set[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(cos, sin) per mask kind, as the decoder computes them: one rotary embedding for every block, or,
+    where its forward takes a ``layer_type`` (Gemma 3: a local RoPE base on sliding layers), one per type."""
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        return {kind: rotary(h, position_ids, layer_type=kind) for kind in kinds}
+    return dict.fromkeys(kinds, rotary(h, position_ids))
+
+
+def _softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """The causal LM's final-logit soft-capping, for a head that is not fused with the loss."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 def _stage_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layers: range, first: bool, last: bool,
                    labels: torch.Tensor | None = None, **_) -> torch.Tensor:
     """One chunk of a pruned stage model: hidden states, or on the last chunk the summed token loss of
     ``labels`` (next-token targets). Extra keywords (a KV cache turned off by hooks) are not used."""
     parts = hf_parts(self)
-    h = parts.embed(x) if first else x
+    h = parts.embed(x) if first else x  # a scaled embedding (Gemma) scales in its own forward
     kinds = {i: _mask_kind(self, parts.blocks[str(i)], i) for i in layers}
     masks = _masks(self, h, position_ids, set(kinds.values()))
-    rope = parts.rotary(h, position_ids)
+    rope = _position_embeddings(parts.rotary, h, position_ids, set(kinds.values()))
     for i in layers:
         block = parts.blocks[str(i)]
         out = block(h, attention_mask=masks[kinds[i]], position_ids=position_ids,
-                    position_embeddings=rope, use_cache=False)
+                    position_embeddings=rope[kinds[i]], use_cache=False)
         h = out[0] if isinstance(out, tuple) else out
     if not last:
         return h
+    # What the causal LM's forward does between its head and the loss (Gemma 2/3).
+    cap = getattr(self.config, "final_logit_softcapping", None)
     if isinstance(parts.head, LMHead):  # fused head + loss: the logits never exist whole
-        return parts.head(parts.norm(h), labels)
-    return parallel_token_loss_sum(parts.head(parts.norm(h)), labels)
+        return parts.head(parts.norm(h), labels, softcap=cap)
+    return parallel_token_loss_sum(_softcapped(parts.head(parts.norm(h)), cap), labels)
 
 
 class HFStageChunk:
@@ -146,28 +168,28 @@ class HFStageChunk:
         return self.model(x, position_ids, layers=self.layers, first=self.is_first, last=self.is_last, labels=labels)
 
 
-# A stage runs embedding -> blocks -> norm -> head; what a decoder or causal-LM forward does beyond
-# that (these config keys) would be skipped, so it is refused.
+# What a decoder or causal-LM forward does (these config keys) that a stage would skip, so it is refused:
+# the fused loss takes soft-capping only, and the stage builds causal masks only.
 _REFUSED_CONFIG = {
-    "final_logit_softcapping": "final logit soft-capping",
-    "logit_scale": "scaled logits",
-    "logits_scaling": "scaled logits",
-    "embedding_multiplier": "scaled embeddings",
+    "logit_scale": "scaled logits (Cohere)",
+    "logits_scaling": "scaled logits (Granite)",
+    "use_bidirectional_attention": "bidirectional attention",
 }
 
 
 def _check_hf_pipeline(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig) -> None:
-    cfg = model.config
-    check_pipeline_layout(p, len(hf_parts(model).blocks), "parallelize_hf_model:")
+    cfg, parts = model.config, hf_parts(model)
+    check_pipeline_layout(p, len(parts.blocks), "parallelize_hf_model:")
+    if rescale := embedding_rescaling(parts):  # read from the decoder's forward (Granite's embedding_multiplier)
+        raise ConfigError(f"parallelize_hf_model: pp > 1 does not support {type(parts.decoder).__name__}'s forward "
+                          f"rescaling the embeddings outside its embedding module ('{rescale}'); use pp = 1.")
     for key, what in _REFUSED_CONFIG.items():
         if getattr(cfg, key, None):
-            raise ConfigError(f"parallelize_hf_model: pp > 1 does not support {what} (config.{key}); use pp = 1.")
-    if cfg.model_type.startswith("gemma"):
-        raise ConfigError(f"parallelize_hf_model: pp > 1 does not support {cfg.model_type}: its decoder scales the "
-                          "embeddings (and caps logits) outside the blocks; use pp = 1.")
+            raise ConfigError(f"parallelize_hf_model: pp > 1 does not support {what} (config.{key} = "
+                              f"{getattr(cfg, key)!r}); use pp = 1.")
     if getattr(cfg, "output_router_logits", False):
         check_router_loss(model)
-    if not isinstance(hf_parts(model).rotary, nn.Module):
+    if not isinstance(parts.rotary, nn.Module):
         raise ConfigError(f"parallelize_hf_model: pp > 1 needs one rotary embedding module; "
                           f"{type(model).__name__} has none. Use pp = 1.")
 

@@ -22,6 +22,10 @@ parallelism provides the reducer.
 
 Numerics: logits are computed in the input dtype (bf16 on GPUs) and upcast per chunk; max,
 log-sum-exp, loss and the weight gradient accumulate in fp32.
+
+Soft-capping (``softcap = c``: the loss of ``c * tanh(logits / c)``, Gemma 2/3's
+``final_logit_softcapping``) is applied per chunk in fp32; its slope ``1 - tanh²`` needs one more
+chunk-sized buffer while gradients are computed.
 """
 
 from __future__ import annotations
@@ -73,6 +77,15 @@ def _minus_target_(probs: torch.Tensor, t: _Targets) -> torch.Tensor:
     return probs.scatter_add_(-1, t.index, -(t.mine & t.counted).to(probs.dtype).unsqueeze(-1))
 
 
+def _softcap_(logits: torch.Tensor, cap: float, slope: bool) -> torch.Tensor | None:
+    """``cap * tanh(logits / cap)`` in place; returns d(capped)/d(logits) when ``slope`` (gradients
+    wanted), which the in-place softmax that follows could no longer give back."""
+    t = logits.div_(cap).tanh_()
+    grad = t.square().neg_().add_(1) if slope else None  # 1 - tanh², one buffer
+    t.mul_(cap)
+    return grad
+
+
 def _chunks(n: int, chunk: int):
     if chunk < 1:
         raise ValueError(f"[train] loss_chunk_tokens must be >= 1, got {chunk}.")
@@ -81,7 +94,7 @@ def _chunks(n: int, chunk: int):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk, vocab_start, reduce, ignore_index):
+    def forward(ctx, hidden, weight, labels, chunk, vocab_start, reduce, ignore_index, softcap):
         want_h, want_w = ctx.needs_input_grad[:2]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
@@ -89,17 +102,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for rows in _chunks(hidden.shape[0], chunk):
             h = hidden[rows]
             logits = (h @ weight.t()).float()
+            slope = _softcap_(logits, softcap, want_h or want_w) if softcap else None
             t = _Targets(labels[rows], vocab_start, weight.shape[0], ignore_index)
             lse, target, exp_sum = _exp_and_log_sum_exp_(logits, t, reduce)
             total += _loss_sum(lse, target, t)
             if want_h or want_w:
-                g = _minus_target_(logits.div_(exp_sum.unsqueeze(-1)), t).to(hidden.dtype)
+                g = _minus_target_(logits.div_(exp_sum.unsqueeze(-1)), t)
+                if slope is not None:
+                    g = g.mul_(slope)
+                g = g.to(hidden.dtype)
                 if want_h:
                     torch.matmul(g, weight, out=grad_h[rows])
                 if want_w:
                     grad_w.add_(g.t() @ h)  # fp32 accumulation over chunks
                 del g  # else it lives on while the next chunk's logits are computed (chunk x V more)
-            del logits
+            del logits, slope
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return total
@@ -109,7 +126,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         grad_h = grad_h * grad.to(grad_h.dtype) if grad_h is not None else None
         grad_w = _scaled(grad_w, grad, ctx.weight_dtype) if grad_w is not None else None
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def _scaled(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: int = 4096) -> torch.Tensor:
@@ -133,14 +150,17 @@ def linear_cross_entropy_sum(
     vocab_start: int = 0,
     reduce: VocabReducer = _no_reduce,
     ignore_index: int = -100,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Summed cross-entropy of ``hidden @ weight.T`` against ``labels`` without materialising the logits.
+    """Summed cross-entropy of ``hidden @ weight.T`` (soft-capped at ``softcap`` when given) against
+    ``labels`` without materialising the logits.
 
     hidden: [..., H]; weight: [V_local, H] (vocabulary rows ``vocab_start ...``); labels: [...] with
     ``ignore_index`` for tokens that do not count. Returns an fp32 scalar (see the module docstring).
     """
     return _LinearCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk, vocab_start, reduce, ignore_index
+        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk, vocab_start, reduce, ignore_index,
+        softcap,
     )
 
 

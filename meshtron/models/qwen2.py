@@ -94,10 +94,11 @@ class LMHead(nn.Linear):
         super().__init__(hidden_size, vocab_size, bias=False)
         self.chunk_tokens = chunk_tokens
 
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+        """``softcap``: the loss of soft-capped logits (the caller's model caps them; ``h`` alone gives raw logits)."""
         if labels is None:
             return super().forward(h)
-        return linear_cross_entropy_sum(h, self.weight, labels, self.chunk_tokens)
+        return linear_cross_entropy_sum(h, self.weight, labels, self.chunk_tokens, softcap=softcap)
 
 
 class Transformer(nn.Module):

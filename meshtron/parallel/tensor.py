@@ -620,7 +620,8 @@ def _vocab_reducer(mesh: DeviceMesh):
     return reduce
 
 
-def _vocab_parallel_head_forward(self: nn.Linear, h: DTensor, labels: torch.Tensor | None = None):
+def _vocab_parallel_head_forward(self: nn.Linear, h: DTensor, labels: torch.Tensor | None = None,
+                                 softcap: float | None = None):
     if labels is None:
         return F.linear(h, self.weight)  # vocab-sharded logits, Shard(-1)
     # This rank's hidden-state gradient covers only its vocabulary columns: a partial sum, reduced
@@ -628,7 +629,7 @@ def _vocab_parallel_head_forward(self: nn.Linear, h: DTensor, labels: torch.Tens
     local = h.to_local(grad_placements=[Partial()])
     weight = self.weight.to_local()
     start = _shard_start(self.weight.shape[0], self.weight.device_mesh)
-    return linear_cross_entropy_sum(local, weight, labels, self.chunk_tokens, start, self.vocab_reduce)
+    return linear_cross_entropy_sum(local, weight, labels, self.chunk_tokens, start, self.vocab_reduce, softcap=softcap)
 
 
 class VocabParallelHead(ParallelStyle):

@@ -4,7 +4,8 @@ and the pipeline bubble from the schedule simulator.
 step time = (compute + exposed communication) / (1 - bubble)
 
 - compute: ``flops_per_token`` x the step's tokens / devices / (peak x MFU), times 4/3 for every
-  checkpointed block (its forward runs twice);
+  checkpointed block (its forward runs twice); or, given the dry run's traced step, its roofline time
+  (every op at the larger of its FLOPs over the peak and its bytes over the memory bandwidth);
 - communication: bytes each rank sends per step for each (collective, mesh dimension), at the
   intra-node bandwidth when the group fits in one node (tp is innermost, pp outermost), else the
   inter-node one. tp, cp, ep and pp transfers sit on the critical path; FSDP / HSDP / replicate
@@ -25,6 +26,7 @@ from meshtron.models.qwen2 import flops_per_token
 from meshtron.parallel.pipeline.schedules import build_schedule
 from meshtron.parallel.pipeline.simulate import simulate
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
+from meshtron.metrics import datasheet
 from meshtron.parallel.pipeline.schedules import V_SHAPED
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
 from meshtron.plan.memory import (
@@ -49,8 +51,9 @@ class Hardware:
 
     gpus_per_node: int = 8
     memory_gib: float = 80.0
-    peak_tflops: float = 989.0  # dense bf16
-    mfu: float = 0.40  # assumed fraction of peak the matmuls reach
+    peak_tflops: float = datasheet("H100")[0]  # dense bf16
+    memory_tbps: float = datasheet("H100")[1]  # the dry run's roofline
+    mfu: float = 0.40  # assumed fraction of peak the matmuls reach (without a traced compute time)
     intra_gbps: float = 450.0  # GB/s per direction per GPU inside a node (NVLink)
     inter_gbps: float = 50.0  # GB/s per GPU between nodes
 
@@ -243,12 +246,15 @@ def _recompute_factor(cfg: Config) -> float:
     return 1 + checkpointed / m.num_hidden_layers / 3
 
 
-def predict_step_time(cfg: Config, hw: Hardware = Hardware()) -> StepTime:
+def predict_step_time(cfg: Config, hw: Hardware = Hardware(), compute_seconds: float | None = None) -> StepTime:
+    """``compute_seconds``: a rank's traced compute time (the dry run's roofline) instead of the FLOPs
+    at ``hw.mfu`` of the peak."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     world = p.pp * p.dp * p.cp * p.mesh_ep * p.tp
     tokens = t.global_batch_size * t.seq_len
     recompute = _recompute_factor(cfg)
-    compute = flops_per_token(m, t.seq_len) * tokens * recompute / world / (hw.peak_tflops * 1e12 * hw.mfu)
+    compute = compute_seconds if compute_seconds is not None else (
+        flops_per_token(m, t.seq_len) * tokens * recompute / world / (hw.peak_tflops * 1e12 * hw.mfu))
     comm = communication(cfg)
     critical = sum(_seconds(cfg, k, v, hw) for k, v in comm.items() if not _is_data_parallel(k))
     overlapped = sum(_seconds(cfg, k, v, hw) for k, v in comm.items() if _is_data_parallel(k))
