@@ -26,8 +26,8 @@ Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 
 - ``reduce_scatter``: the fp32 input buffer of the largest unit's gradient reduction (in backward; with
   pp > 1 only beyond the activations the other micro-batches have freed by the chunk's last backward);
 - ``activations``: saved tensors per layer and token (:func:`layer_activation_bytes`) times the layers
-  a rank holds, the tokens of one micro-batch and the micro-batches in flight (pp schedules'
-  ``peak_in_flight``); activation checkpointing keeps only block inputs. In backward add one layer's
+  a rank holds, the tokens of one micro-batch and the micro-batches in flight (pp schedules: each
+  weighed by its own stage at the rank's peak, ``held_by_stage``); activation checkpointing keeps only block inputs. In backward add one layer's
   working set (:func:`backward_working_bytes`: its gradient temporaries and, checkpointed, its
   recomputed saved tensors, less the saved tensors of the layers after it, already freed);
 - ``loss``: the fused chunked LM head + cross-entropy: per in-flight micro-batch the hidden-state
@@ -45,8 +45,8 @@ unsharded gradients only when earlier micro-batches left them accumulating), the
 layer (saved activations plus that layer's working set, the micro-batch's own loss tensors consumed,
 the gathered / unsharded-gradient / reduce-scatter buffers) and the end of the backward (every
 gradient, the last unit's reduction). ``grads`` exist whole before the last backward only when an
-earlier micro-batch reduced into them (:func:`sharded_grads_before_backward`; pipelines: always
-counted); otherwise the backward counts those already reduced (:func:`backward_peak`).
+earlier micro-batch reduced into them (:func:`sharded_grads_before_backward`; pipelines: once a
+stage of the rank released its units before the peak, :func:`sharded_grads_at_peak`); otherwise the backward counts those already reduced (:func:`backward_peak`).
 """
 
 from __future__ import annotations
