@@ -27,10 +27,23 @@ from meshtron.plan.recipes import recipe_hardware  # noqa: E402
 
 RECIPES = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b",
            "qwen1p5_moe_a2p7b", "qwen2_57b_a14b")
-# (recipe, world size, overrides): pipeline layouts the recipes do not state.
+_7B_PP2 = ["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.tp", "2", "--parallel.microbatches", "4"]
+_72B_PP4 = ["--parallel.pp", "4", "--parallel.dp", "4", "--parallel.tp", "4", "--parallel.microbatches", "4"]
+
+
+def _chunks(schedule: str, virtual: int, ac: str) -> list[str]:
+    return ["--parallel.schedule", schedule, "--parallel.virtual_stages", str(virtual),
+            "--parallel.activation_checkpointing", ac]
+
+
+# (recipe, world size, overrides): pipeline layouts the recipes do not state: 1F1B, then the schedules
+# holding several chunks per rank or deferring weight passes, with and without checkpointing.
 PIPELINES = (
-    ("qwen2p5_7b", 8, ["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.tp", "2", "--parallel.microbatches", "4"]),
-    ("qwen2p5_72b", 64, ["--parallel.pp", "4", "--parallel.dp", "4", "--parallel.tp", "4", "--parallel.microbatches", "4"]),
+    ("qwen2p5_7b", 8, _7B_PP2),
+    ("qwen2p5_72b", 64, _72B_PP4),
+    *(("qwen2p5_7b", 8, _7B_PP2 + _chunks(schedule, virtual, ac))
+      for schedule, virtual in (("interleaved", 2), ("zb1p", 1), ("zbv", 2), ("dualpipev", 2)) for ac in ("none", "full")),
+    ("qwen2p5_72b", 64, _72B_PP4 + _chunks("interleaved", 2, "full")),
 )
 
 

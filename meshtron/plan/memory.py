@@ -26,8 +26,8 @@ Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 
 - ``reduce_scatter``: the fp32 input buffer of the largest unit's gradient reduction (in backward; with
   pp > 1 only beyond the activations the other micro-batches have freed by the chunk's last backward);
 - ``activations``: saved tensors per layer and token (:func:`layer_activation_bytes`) times the layers
-  a rank holds, the tokens of one micro-batch and the micro-batches in flight (pp schedules'
-  ``peak_in_flight``); activation checkpointing keeps only block inputs. In backward add one layer's
+  a rank holds, the tokens of one micro-batch and the micro-batches in flight (pp schedules: each
+  weighed by its own stage at the rank's peak, ``held_by_stage``); activation checkpointing keeps only block inputs. In backward add one layer's
   working set (:func:`backward_working_bytes`: its gradient temporaries and, checkpointed, its
   recomputed saved tensors, less the saved tensors of the layers after it, already freed);
 - ``loss``: the fused chunked LM head + cross-entropy: per in-flight micro-batch the hidden-state
@@ -45,8 +45,8 @@ unsharded gradients only when earlier micro-batches left them accumulating), the
 layer (saved activations plus that layer's working set, the micro-batch's own loss tensors consumed,
 the gathered / unsharded-gradient / reduce-scatter buffers) and the end of the backward (every
 gradient, the last unit's reduction). ``grads`` exist whole before the last backward only when an
-earlier micro-batch reduced into them (:func:`sharded_grads_before_backward`; pipelines: always
-counted); otherwise the backward counts those already reduced (:func:`backward_peak`).
+earlier micro-batch reduced into them (:func:`sharded_grads_before_backward`; pipelines: once a
+stage of the rank released its units before the peak, :func:`sharded_grads_at_peak`); otherwise the backward counts those already reduced (:func:`backward_peak`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from typing import NamedTuple
 
 from meshtron.config import Config, ModelConfig
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
-from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule, held_counts
+from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule, held_by_stage, last_weight_passes
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank, split_layers
 
 GIB = 2**30
@@ -377,17 +377,78 @@ def microbatch_tokens(cfg: Config) -> int:
 
 
 def in_flight(cfg: Config, pp_rank: int) -> int:
-    """Micro-batches whose activations a rank holds at once (each one model chunk with virtual stages)."""
-    return max(live for live, _ in _held(cfg, pp_rank))
+    """Micro-batches whose activations a rank holds at its peak (each one model chunk with virtual stages)."""
+    return sum(live for live, _ in _peak_moment(cfg, pp_rank).held.values())
 
 
-def _held(cfg: Config, pp_rank: int) -> tuple[tuple[int, int], ...]:
-    """(chunks held, of them split backwards waiting for their ``W``) after each of the rank's actions;
+class Moment(NamedTuple):
+    """The rank's state after one action of its schedule: what its in-flight micro-batches hold."""
+
+    index: int  # of the action in the rank's steps
+    held: dict[int, tuple[int, int]]  # global stage -> (micro-batches held, of them split backwards waiting for W)
+    saved: float  # their saved activations and recorded gradients (:func:`saved_activation_bytes`)
+    loss: float  # the fused loss's saved tensors of the last stage's micro-batches (:func:`loss_held_bytes`)
+
+
+def _moments(cfg: Config, pp_rank: int) -> tuple[tuple[int, dict[int, tuple[int, int]]], ...]:
+    """(action index, {stage: (held, waiting)}) after each of the rank's actions (``held_by_stage``);
     stages with checkpointed or compiled layers run their backward whole (the executor's ``unsplit``)."""
+    return _schedule_facts(cfg, pp_rank)[0]
+
+
+def _schedule_facts(cfg: Config, pp_rank: int) -> tuple[tuple, int]:
+    """(the rank's moments, the index of its first FSDP release: a stage's last weight pass)."""
     p = cfg.parallel
     if p.pp == 1:
-        return ((1, 0),)
-    return _held_by_rank(p.schedule, p.pp, p.microbatches, p.virtual_stages, unsplit_stages(cfg))[pp_rank]
+        return ((0, {0: (1, 0)}),), 0
+    return _facts_by_rank(p.schedule, p.pp, p.microbatches, p.virtual_stages, unsplit_stages(cfg))[pp_rank]
+
+
+@functools.lru_cache(maxsize=256)
+def _facts_by_rank(schedule: str, pp: int, microbatches: int, virtual: int, unsplit: frozenset[int]):
+    steps = build_schedule(schedule, pp, microbatches, virtual)
+    return tuple((tuple(held_by_stage(rank_steps, unsplit)), min(last_weight_passes(rank_steps).values()))
+                 for rank_steps in steps)
+
+
+def _peak_moment(cfg: Config, pp_rank: int) -> Moment:
+    """The moment the rank's in-flight micro-batches hold the most (activations and loss tensors),
+    each counted by its own stage's bytes (:func:`_stage_bytes`)."""
+    tokens = microbatch_tokens(cfg)
+    per_stage = _rank_stage_bytes(cfg, pp_rank)
+    last = cfg.parallel.pp * cfg.parallel.virtual_stages - 1
+    loss = _loss_held_per_microbatch(cfg)
+
+    def moment(index: int, held: dict[int, tuple[int, int]]) -> Moment:
+        saved = tokens * sum(n * per_stage[s][0] + w * per_stage[s][1] for s, (n, w) in held.items())
+        return Moment(index, held, saved, held.get(last, (0, 0))[0] * loss)
+
+    return max((moment(*m) for m in _moments(cfg, pp_rank)), key=lambda m: m.saved + m.loss)
+
+
+def _rank_stage_bytes(cfg: Config, pp_rank: int) -> dict[int, tuple[float, float]]:
+    """:func:`_stage_bytes` of each global stage the rank runs."""
+    p = cfg.parallel
+    stages = range(p.pp * p.virtual_stages)
+    return {s: _stage_bytes(cfg, s) for s in stages if chunk_rank(s, p.pp, _v_shape(cfg)) == pp_rank}
+
+
+def _stage_bytes(cfg: Config, stage: int) -> tuple[float, float]:
+    """Per token of one micro-batch of global stage ``stage``: (what it holds from its ``F`` to its
+    backward: every layer's saved tensors, checkpointed layers their input only, the last stage's
+    final norm, a later stage's received input; what a split backward's ``B`` adds until its ``W``:
+    the output gradients ``W`` restarts from, :func:`captured_gradient_bytes`, where the first stage's
+    ``B`` is empty and keeps only the gradient it received, ``executor.py``)."""
+    p, m = cfg.parallel, cfg.model
+    c, h, sp = compute_bytes(cfg), m.hidden_size, _sp_split(cfg)
+    layers = chunk_layer_ranges(m.num_hidden_layers, p.pp, p.virtual_stages)[stage]
+    kept = sum(c * h / sp if layer_checkpointed(cfg, i) else layer_activation_bytes(cfg, i) for i in layers)
+    if stage == p.pp * p.virtual_stages - 1:
+        kept += (4 + c) * h / sp  # the final norm's fp32 input and normalized value
+    if stage > 0:
+        kept += c * h / sp  # the stage input received from the previous stage
+    waiting = sum(captured_gradient_bytes(cfg, i) for i in layers) if stage > 0 else c * h / sp
+    return kept, waiting
 
 
 def unsplit_stages(cfg: Config) -> frozenset[int]:
@@ -398,12 +459,6 @@ def unsplit_stages(cfg: Config) -> frozenset[int]:
     return frozenset(s for s, r in enumerate(ranges) if p.compile or any(layer_checkpointed(cfg, i) for i in r))
 
 
-@functools.lru_cache(maxsize=256)
-def _held_by_rank(schedule: str, pp: int, microbatches: int, virtual: int, unsplit: frozenset[int]):
-    steps = build_schedule(schedule, pp, microbatches, virtual)
-    return tuple(tuple(held_counts(rank_steps, unsplit)) for rank_steps in steps)
-
-
 def layer_checkpointed(cfg: Config, layer: int) -> bool:
     p = cfg.parallel
     return p.activation_checkpointing == "full" or (
@@ -412,20 +467,10 @@ def layer_checkpointed(cfg: Config, layer: int) -> bool:
 
 
 def saved_activation_bytes(cfg: Config, pp_rank: int) -> float:
-    """Tensors the in-flight micro-batches keep for backward: every layer's saved tensors (checkpointed
-    layers: their input only), the final norm's on the last stage, the stage input with pp > 1; with
-    a split backward also the output gradients each waiting ``W`` restarts from
-    (:func:`captured_gradient_bytes`). The largest sum over the schedule's actions."""
-    p = cfg.parallel
-    tokens, c, h, sp = microbatch_tokens(cfg), compute_bytes(cfg), cfg.model.hidden_size, _sp_split(cfg)
-    layers = [i for r in _stage_chunks(cfg, pp_rank) for i in r]
-    kept = sum(c * h / sp if layer_checkpointed(cfg, i) else layer_activation_bytes(cfg, i) for i in layers)
-    per_chunk = kept / p.virtual_stages
-    per_chunk += final_norm_bytes(cfg, pp_rank) / tokens
-    if p.pp > 1:
-        per_chunk += c * h / sp  # the stage input received from the previous stage
-    waiting = sum(captured_gradient_bytes(cfg, i) for i in layers) / p.virtual_stages
-    return tokens * max(live * per_chunk + pending * waiting for live, pending in _held(cfg, pp_rank))
+    """Tensors the in-flight micro-batches keep for backward at the rank's peak (:func:`_stage_bytes`
+    per stage: saved tensors, the final norm's, the stage input; with a split backward also the output
+    gradients each waiting ``W`` restarts from)."""
+    return _peak_moment(cfg, pp_rank).saved
 
 
 def captured_gradient_bytes(cfg: Config, layer: int) -> float:
@@ -517,13 +562,15 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
 
 
 def loss_held_bytes(cfg: Config, pp_rank: int) -> float:
-    """What the fused loss (``models/loss.py``) saves for backward per in-flight micro-batch on the last
-    stage: the hidden-state gradient [tokens, H] and the fp32 weight-gradient accumulator [V/tp, H]."""
+    """What the fused loss (``models/loss.py``) saves for backward per in-flight micro-batch of the last
+    stage at the rank's peak: the hidden-state gradient [tokens, H] and the fp32 weight-gradient
+    accumulator [V/tp, H]."""
+    return _peak_moment(cfg, pp_rank).loss
+
+
+def _loss_held_per_microbatch(cfg: Config) -> float:
     p, m = cfg.parallel, cfg.model
-    if not holds_last_stage(cfg, pp_rank):
-        return 0
-    held = microbatch_tokens(cfg) * m.hidden_size * compute_bytes(cfg) + m.vocab_size / p.tp * m.hidden_size * FP32
-    return in_flight(cfg, pp_rank) * held
+    return microbatch_tokens(cfg) * m.hidden_size * compute_bytes(cfg) + m.vocab_size / p.tp * m.hidden_size * FP32
 
 
 def loss_chunk_bytes(cfg: Config, pp_rank: int) -> float:
@@ -600,22 +647,35 @@ def sharded_grads_before_backward(cfg: Config) -> bool:
     when an earlier micro-batch's backward already reduce-scattered into them (pp = 1 with full
     sharding, which reduces every micro-batch). The step starts with none (``zero_grad(set_to_none)``),
     replication and HSDP reduce on the last micro-batch. A 1F1B or GPipe stage holding one chunk
-    reduces in that chunk's last backward, the step's last on the rank, when the activations of every
-    other micro-batch are gone: the dry run of Qwen2.5-7B (pp2 x dp2 x tp2, 4 micro-batches) holds no
-    sharded gradient at either stage's peak. Stages holding several chunks (interleaved, V shapes) or
-    deferring weight passes (zero-bubble) reduce a chunk while others still hold activations, which
-    the model does not place in time: their gradients count at every moment."""
+    reduces in that chunk's last weight pass, the step's last on the rank (1F1B, GPipe, zb1p), when
+    the activations of every other micro-batch are gone: the dry run of Qwen2.5-7B (pp2 x dp2 x tp2,
+    4 micro-batches) holds no sharded gradient at either stage's peak. Stages holding several chunks
+    (interleaved, V shapes) reduce each chunk at its own last weight pass: whether that comes before
+    the rank's peak is :func:`sharded_grads_at_peak`'s question."""
     p = cfg.parallel
     if p.pp > 1:
         return not _reduces_in_last_backward(cfg)
     return p.data_parallel == "fsdp" and p.microbatches > 1
 
 
+def sharded_grads_at_peak(cfg: Config, pp_rank: int) -> bool:
+    """Whether the rank holds sharded gradients at its activations' peak: with pp = 1 as
+    :func:`sharded_grads_before_backward`; a pipeline rank once one of its stages released its FSDP
+    units (reduce-scattered them at its last weight pass, ``executor._release_points``) at or before
+    the peak moment. Interleaved and V-shaped ranks reach their peak in the steady state, before any
+    chunk's last backward (the 7B and 72B dry runs: no sharded gradient at any stage's peak); their
+    units released before it would also free their gathered parameters and unsharded gradients,
+    which stay counted."""
+    if cfg.parallel.pp == 1:
+        return sharded_grads_before_backward(cfg)
+    return _schedule_facts(cfg, pp_rank)[1] <= _peak_moment(cfg, pp_rank).index
+
+
 def _reduces_in_last_backward(cfg: Config) -> bool:
-    """A pipeline rank holding one chunk under 1F1B or GPipe: it reduces its gradients unit by unit in
-    its last backward, after every other micro-batch's activations are gone."""
+    """A pipeline rank holding one chunk (GPipe, 1F1B, zb1p): it reduces its gradients unit by unit in
+    its last weight pass, after every other micro-batch's activations are gone."""
     p = cfg.parallel
-    return p.pp > 1 and p.schedule in ("1f1b", "gpipe") and p.virtual_stages == 1
+    return p.pp > 1 and p.virtual_stages == 1
 
 
 def phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[str, float]:
@@ -624,7 +684,7 @@ def phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[str, float]:
     backward: saved activations, its working set, the gradients reduced so far, reduction buffers) or
     ``"backward end"`` (every gradient, the last unit's reduction, no activations)."""
     terms: dict[str, float] = dict(state_bytes(cfg, coords))
-    if phase != "backward end" and not sharded_grads_before_backward(cfg):
+    if phase != "backward end" and not sharded_grads_at_peak(cfg, coords.pp):
         terms["grads"] = 0
     terms.update(data_parallel_bytes(cfg, coords.pp, phase))
     terms["activations"] = terms["loss"] = terms["ep_dispatch"] = 0.0
@@ -649,7 +709,7 @@ def phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[str, float]:
             # micro-batch is left in flight: the buffer counts only beyond the others' freed activations.
             others = saved_activation_bytes(cfg, coords.pp) * (1 - 1 / in_flight(cfg, coords.pp))
             terms["reduce_scatter"] = max(0.0, terms["reduce_scatter"] - others)
-        terms["loss"] = held - held / in_flight(cfg, coords.pp)
+        terms["loss"] = max(0.0, held - _loss_held_per_microbatch(cfg)) if held else 0.0
     terms["ep_dispatch"] = ep_dispatch_bytes(cfg)
     return terms
 

@@ -95,9 +95,9 @@ from meshtron.parallel.pipeline.schedules import (
     RECV_F,
     SEND_B,
     SEND_F,
-    W,
     Action,
     Step,
+    last_weight_passes,
     split_backwards,
 )
 from meshtron.parallel.pipeline.simulate import Span
@@ -427,12 +427,7 @@ def _release_points(steps: Sequence[Step], chunk_units: Mapping[int, Sequence[nn
     chunk using it: its gradients are complete only then (the stage root's hooks run with every
     chunk, so it waits for the rank's last one).
     """
-    split = split_backwards(steps)
-    last_weights = {
-        step.stage: i
-        for i, step in enumerate(steps)
-        if isinstance(step, Action) and (step.kind == W or (step.kind == B and (step.stage, step.mb) not in split))
-    }
+    last_weights = last_weight_passes(steps)
     units, release_at = {}, {}
     for stage, chunk in chunk_units.items():
         for unit in chunk:

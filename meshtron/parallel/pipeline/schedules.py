@@ -61,8 +61,8 @@ from meshtron.parallel.pipeline.split import chunk_rank
 
 __all__ = [
     "B", "F", "W", "P2P", "RECV_B", "RECV_F", "SEND_B", "SEND_F", "SCHEDULES", "V_SHAPED", "VIRTUAL",
-    "Action", "Schedule", "Step", "build_schedule", "dualpipev", "gpipe", "held_counts", "interleaved_1f1b",
-    "one_f_one_b", "peak_in_flight", "split_backwards", "zb1p", "zbv",
+    "Action", "Schedule", "Step", "build_schedule", "dualpipev", "gpipe", "held_by_stage", "held_counts",
+    "interleaved_1f1b", "last_weight_passes", "one_f_one_b", "peak_in_flight", "split_backwards", "zb1p", "zbv",
 ]
 
 F, B, W = "F", "B", "W"
@@ -376,11 +376,33 @@ def held_counts(steps: list[Step], unsplit: Collection[int] = ()) -> Iterator[tu
     """After each action of one rank: (forwards whose activations are still held, of them the split
     backwards whose ``B`` ran and whose ``W`` has not, which also hold the gradients ``W`` restarts
     from). ``unsplit`` stages run the whole backward at ``B`` (the executor's ``unsplit``)."""
-    split, live, waiting = {key for key in split_backwards(steps) if key[0] not in unsplit}, 0, 0
-    for step in steps:
+    for _, held in held_by_stage(steps, unsplit):
+        yield sum(live for live, _ in held.values()), sum(waiting for _, waiting in held.values())
+
+
+def held_by_stage(steps: list[Step], unsplit: Collection[int] = ()) -> Iterator[tuple[int, dict[int, tuple[int, int]]]]:
+    """:func:`held_counts` per stage: after each action, (its index in ``steps``, {stage: (held,
+    waiting)}). A rank's chunks hold different tensors (the last stage its loss's, the first stage's
+    split backward no recorded gradients), so the memory model weighs each stage's count."""
+    split = {key for key in split_backwards(steps) if key[0] not in unsplit}
+    live: dict[int, int] = {}
+    waiting: dict[int, int] = {}
+    for index, step in enumerate(steps):
         if isinstance(step, Action) and not (step.kind == W and (step.stage, step.mb) not in split):
             split_b = step.kind == B and (step.stage, step.mb) in split
             frees = step.kind == W or (step.kind == B and not split_b)
-            live += 1 if step.kind == F else -1 if frees else 0
-            waiting += 1 if split_b else -1 if step.kind == W else 0
-            yield live, waiting
+            s = step.stage
+            live[s] = live.get(s, 0) + (1 if step.kind == F else -1 if frees else 0)
+            waiting[s] = waiting.get(s, 0) + (1 if split_b else -1 if step.kind == W else 0)
+            yield index, {t: (live[t], waiting.get(t, 0)) for t in live}
+
+
+def last_weight_passes(steps: list[Step]) -> dict[int, int]:
+    """{stage: index in ``steps`` of its last weight-gradient pass (a ``W``, or a ``B`` without one)}:
+    where the executor releases the stage's FSDP units, whose gradients are complete only then."""
+    split = split_backwards(steps)
+    return {
+        step.stage: i
+        for i, step in enumerate(steps)
+        if isinstance(step, Action) and (step.kind == W or (step.kind == B and (step.stage, step.mb) not in split))
+    }
