@@ -7,8 +7,8 @@ style into a DTensor ``ParallelStyle`` (:mod:`meshtron.hf.tp_plan`); what transf
 plan lacks for training is added:
 
 * vocab-parallel embedding and lm_head: the logits stay ``Shard(-1)`` and the model's
-  ``loss_function`` is replaced by the vocab-parallel cross-entropy of :mod:`meshtron.parallel.tensor`,
-  so ``model(input_ids=..., labels=...).loss`` never gathers the full logits;
+  ``loss_function`` is replaced by the vocab-parallel cross-entropy of :mod:`meshtron.parallel.tensor`
+  (:mod:`meshtron.hf.loss`), so ``model(input_ids=..., labels=...).loss`` never gathers the full logits;
 * the loss is the mean over the non-ignored tokens of the GLOBAL batch (all data ranks): each rank
   back-propagates only its own share and the data-parallel wrapper sums gradients (as in the rest of
   meshtron, see :mod:`meshtron.parallel.data`), so loss and gradients equal the unparallelized model's
@@ -17,7 +17,7 @@ plan lacks for training is added:
 * KV heads replicated when tp is a multiple of ``num_key_value_heads`` (``ReplicatedKVHeads``), with
   each attention module's ``num_key_value_groups`` set to its local ratio;
 * MLA (DeepSeek-V2/V3): the low-rank down projections and their norms replicated, the rope key's
-  gradient summed over tp (``mla_kv_a_proj``, :class:`_SharedRopeKey`), the up projections split by
+  gradient summed over tp (``mla_kv_a_proj``, :class:`~meshtron.hf.tp_plan._SharedRopeKey`), the up projections split by
   heads; V3's plan, which names no attention, gets V2's entries (:func:`meshtron.hf.infer.with_mla_attention`);
 * activation checkpointing of decoder layers (training forwards then run without a KV cache) and
   FSDP2 / replicate / HSDP over the data meshes.
@@ -65,87 +65,15 @@ from meshtron.hf.discover import HFParts, hf_parts, is_rotary
 from meshtron.hf.context import apply_hf_context_parallel
 from meshtron.hf.experts import adopt_router_scaled_blocks, apply_hf_expert_parallel, hf_expert_modules
 from meshtron.hf.io import write_safetensors_folder
+from meshtron.hf.loss import global_aux_loss, hf_loss_function
 from meshtron.hf.pipeline import HFPipelineRunner
-from meshtron.hf.router import router_statistics
 from meshtron.hf.slices import load_sharded_weights
 from meshtron.hf.tp_plan import apply_hf_tensor_parallel, replicate_plain_params
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.models.loss import DEFAULT_CHUNK_TOKENS
-from meshtron.models.moe import load_balancing_loss
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.checkpointing import checkpointed_layers
 from meshtron.parallel.data import data_meshes, even_shard_dim, mixed_precision, wrap_data_parallel
-from meshtron.parallel.tensor import parallel_token_loss_sum
-
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """Forward: the sum over ``group``; backward: the gradient unchanged (each rank owns its term)."""
-
-    @staticmethod
-    def forward(ctx, value, group):
-        total = value.detach().clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def _loss_function(data_mesh: DeviceMesh):
-    """HF's causal-LM loss (shifted labels, mean over non-ignored tokens) on vocab-sharded logits,
-    averaged over the tokens of all data ranks. ``num_items_in_batch``, when given (gradient
-    accumulation), is the global token count of the whole step and replaces the counted one."""
-
-    def loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **_):
-        if shift_labels is None:
-            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        total = parallel_token_loss_sum(logits, shift_labels, ignore_index)
-        count = (shift_labels != ignore_index).sum().to(total.dtype)
-        if data_mesh.size() > 1:
-            group = data_mesh.get_group()
-            total = _SumOverRanks.apply(total, group)
-            if num_items_in_batch is None:
-                dist.all_reduce(count, group=group)
-        if num_items_in_batch is not None:  # the caller's global count (gradient accumulation)
-            count = torch.as_tensor(num_items_in_batch, dtype=total.dtype, device=total.device)
-        return total / count
-
-    return loss
-
-
-def _aux_loss_share(router_logits: tuple[torch.Tensor, ...], top_k: int, mask: torch.Tensor | None, group) -> torch.Tensor:
-    """This rank's term of transformers' load-balancing loss over the global batch
-    (:mod:`meshtron.hf.router`): counts and rows summed over ``group``; the local probabilities carry
-    the gradient, so the terms add up over ranks to the global loss, and so do their gradients."""
-    counts, prob_sums, rows = router_statistics(router_logits, top_k, mask)
-    totals = torch.cat([counts, rows])
-    dist.all_reduce(totals, group=group)
-    return load_balancing_loss(totals[:-1], prob_sums, totals[-1])
-
-
-def _global_aux_loss(data_mesh: DeviceMesh):
-    """Forward hook making ``aux_loss`` (``output_router_logits=True``) the global batch's, on every rank,
-    and ``loss`` = global token loss + ``router_aux_loss_coef`` x global aux loss, as unparallelized.
-
-    transformers computes both from this rank's router logits only; the hook swaps its aux term for
-    the global one (value summed over the data ranks, gradient this rank's share: gradients summed
-    over data ranks are then exact).
-    """
-    group = data_mesh.get_group()
-
-    def hook(model, args, kwargs, out):
-        if getattr(out, "aux_loss", None) is None or not isinstance(out.router_logits, tuple):
-            return None
-        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        aux = _SumOverRanks.apply(_aux_loss_share(out.router_logits, model.num_experts_per_tok, mask, group), group)
-        if out.loss is not None:
-            out.loss = out.loss + model.router_aux_loss_coef * (aux - out.aux_loss)
-        out.aux_loss = aux
-        return out
-
-    return hook
 
 
 def _no_cache_in_training(model, args, kwargs):
@@ -257,9 +185,9 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool, data_parallel: st
     if mesh["cp"].size() > 1:
         apply_hf_context_parallel(model, mesh, shard_inputs, *cp_comm)
     data_mesh = dense_data_mesh(mesh)
-    model.loss_function = _loss_function(data_mesh)
+    model.loss_function = hf_loss_function(data_mesh)
     if data_mesh.size() > 1:
-        model.register_forward_hook(_global_aux_loss(data_mesh), with_kwargs=True)
+        model.register_forward_hook(global_aux_loss(data_mesh), with_kwargs=True)
     # Experts also sum gradients over their edp ranks, which include tp ranks holding other tokens.
     if data_mesh.size() > 1 or (experts and expert_data_mesh(mesh).size() > 1):
         _apply_dp(model, parts, mesh, data_parallel, dtype, experts)
