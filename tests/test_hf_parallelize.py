@@ -595,7 +595,7 @@ def test_tp_plan_styles():
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
     from meshtron.hf.experts import _EP_STYLES
-    from meshtron.hf.parallelize import _REFUSED, _STYLES, _base_plan
+    from meshtron.hf.tp_plan import _REFUSED, _STYLES, _base_plan
 
     def model(plan):
         return SimpleNamespace(config=SimpleNamespace(base_model_tp_plan=plan))

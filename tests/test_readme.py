@@ -108,7 +108,7 @@ def test_ci_runs_the_readme_test_command():
 
 def test_hf_tp_style_table_lists_every_style():
     """The tp-plan style table names exactly the styles meshtron translates or refuses by name."""
-    from meshtron.hf.parallelize import _REFUSED, _STYLES
+    from meshtron.hf.tp_plan import _REFUSED, _STYLES
 
     rows = table_after("The tp-plan styles of transformers", "docs/hf.md")
     named = [unquote(s.strip()) for row in rows for s in row[0].split(",")]

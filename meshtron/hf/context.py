@@ -13,7 +13,7 @@ attention interface.
   lives on another rank) and given to the loss as ``shift_labels`` (targets passed as
   ``shift_labels`` are sharded as they are). The pipeline shards its
   micro-batches itself and only uses the attention.
-* The loss is already global over cp: :func:`meshtron.hf.parallelize._loss_function` sums tokens
+* The loss is already global over cp: :func:`meshtron.hf.loss.hf_loss_function` sums tokens
   and counts over the dense data mesh (dp x ep x cp), and the data-parallel wrapper sums the
   gradients over it.
 

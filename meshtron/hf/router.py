@@ -8,8 +8,8 @@ loss of each forward, i.e. once per micro-batch. Counts are not differentiable, 
 aux loss w.r.t. one layer's probability sums is ``coef * E * f / R^2``: it needs the counts of every
 layer, those of later pipeline stages included.
 
-* Without a pipeline (:mod:`meshtron.hf.parallelize`) only the data ranks split the rows:
-  :func:`router_statistics` of this rank, summed over them, give the global counts.
+* Without a pipeline (:mod:`meshtron.hf.loss`) only the data ranks split the rows:
+  :func:`router_statistics` of this rank, summed over them, give the global counts (:func:`aux_loss_share`).
 * Under pp, :class:`PipelineRouterLoss` records the router logits of each chunk's MoE layers (hooks on
   the modules the model's own ``_can_record_outputs["router_logits"]`` names, so no family is
   hard-coded), sums the chunk's statistics over the data ranks (one small all-reduce per chunk and
@@ -33,6 +33,7 @@ from torch import nn
 
 from meshtron.config import ConfigError
 from meshtron.models.moe import load_balancing_loss
+from meshtron.parallel.expert import router_stats_reducer
 from meshtron.parallel.pipeline.schedules import RECV_F, SEND_F
 
 
@@ -53,6 +54,16 @@ def router_statistics(router_logits: Sequence[torch.Tensor], top_k: int,
         prob_sums = prob_sums + (probs * weight[:, None]).sum(dim=0)
         rows = rows + weight.sum()
     return counts, prob_sums, rows
+
+
+def aux_loss_share(router_logits: Sequence[torch.Tensor], top_k: int, mask: torch.Tensor | None, group) -> torch.Tensor:
+    """This rank's term of transformers' load-balancing loss over the global batch (no pipeline): counts
+    and rows summed over ``group`` as the native MoE sums its statistics
+    (:func:`~meshtron.parallel.expert.router_stats_reducer`); the local probabilities carry the
+    gradient, so the terms add up over ranks to the global loss, and so do their gradients."""
+    counts, prob_sums, rows = router_statistics(router_logits, top_k, mask)
+    totals = router_stats_reducer(group)(torch.cat([counts, rows]))
+    return load_balancing_loss(totals[:-1], prob_sums, totals[-1])
 
 
 def router_modules(model: nn.Module) -> list[tuple[nn.Module, int]]:
@@ -182,4 +193,4 @@ def check_router_loss(model: nn.Module) -> None:
                           f"{what}; it has none. Set output_router_logits = false or use pp = 1.")
 
 
-__all__ = ["PipelineRouterLoss", "check_router_loss", "router_modules", "router_statistics"]
+__all__ = ["PipelineRouterLoss", "aux_loss_share", "check_router_loss", "router_modules", "router_statistics"]

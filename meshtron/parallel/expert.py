@@ -370,7 +370,10 @@ class ExpertParallelExperts(ExpertDispatch):
         return self.dispatch(x, weights, experts, shared)
 
 
-def _sum_over(group) -> StatsReducer:
+def router_stats_reducer(group) -> StatsReducer:
+    """Router statistics summed over ``group`` (a copy; counts carry no gradient): the global counts
+    :func:`set_global_router_stats` installs, and those of transformers' aux loss (:mod:`meshtron.hf.router`)."""
+
     def reduce(stats: torch.Tensor) -> torch.Tensor:
         stats = stats.clone()
         dist.all_reduce(stats, group=group)
@@ -390,7 +393,7 @@ def set_global_router_stats(model: nn.Module, mesh: DeviceMesh, sequence_paralle
     """Make every MoE's router statistics global (see ``MoE._router_losses``): one small all-reduce
     per MoE call over :func:`token_mesh`. A no-op when a single rank holds all tokens."""
     tokens = token_mesh(mesh, sequence_parallel)
-    reducer = _sum_over(tokens.get_group()) if tokens.size() > 1 else None
+    reducer = router_stats_reducer(tokens.get_group()) if tokens.size() > 1 else None
     for moe in moe_layers(model):
         moe.stats_reducer = reducer
 
@@ -529,6 +532,7 @@ __all__ = [
     "check_expert_divisible",
     "check_expert_tp_divisible",
     "ep_does_not_divide",
+    "router_stats_reducer",
     "set_global_capacity",
     "set_global_router_stats",
     "shard_experts",

@@ -90,6 +90,26 @@ def global_token_count(micro: list, data_group) -> torch.Tensor:
     return tokens
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: the sum over ``group``; backward: the gradient unchanged (each rank owns its term)."""
+
+    @staticmethod
+    def forward(ctx, value, group):
+        total = value.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_over_ranks(value: torch.Tensor, group) -> torch.Tensor:
+    """``value`` summed over ``group`` (a loss every rank reports whole) whose backward sends each rank's
+    gradient to its own term only: gradients summed over the data ranks are then the global loss's."""
+    return _SumOverRanks.apply(value, group)
+
+
 def reduces_gradients(data_parallel: str, microbatch: int, microbatches: int) -> bool:
     """Whether micro-batch ``microbatch``'s backward reduces gradients over the data ranks: full
     sharding reduce-scatters every micro-batch, so unsharded gradients never pile up; replication

@@ -1,0 +1,421 @@
+"""transformers' tensor-parallel plan translated into DTensor ``ParallelStyle``s, and applied.
+
+The plan is the config's ``base_model_tp_plan`` (the table transformers' ``tp_plan="auto"`` uses), or one
+inferred from the module types when the config has none (:mod:`meshtron.hf.infer`). Each style becomes
+a training style; what the inference-oriented plan lacks is added here: vocab-parallel embedding and
+lm_head (logits ``Shard(-1)``), sequence parallelism (norms and the residual stream split along the
+sequence), KV heads replicated when tp is a multiple of ``num_key_value_heads``
+(``ReplicatedKVHeads``, each attention's ``num_key_value_groups`` set to its local ratio), MLA's rope
+key gradient summed over tp (:class:`_SharedRopeKey`), the MoE shared expert split like a dense MLP,
+and every parameter no entry splits replicated with its gradient decided on the first backward
+(:func:`replicate_plain_params`). :func:`apply_hf_tensor_parallel` is the entry;
+:mod:`meshtron.hf.parallelize` composes it with the other dimensions.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from meshtron.config import ConfigError
+from meshtron.hf.discover import HFParts, is_norm, key_value_heads
+from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_plan, is_transposed, with_mla_attention
+from meshtron.models.qwen2 import LMHead
+from meshtron.parallel.tensor import (
+    ReplicatedKVHeads,
+    ReplicateParallel,
+    TpGradient,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    check_tensor_parallel,
+    local_view,
+    name_tp_gradients,
+    residual_layout,
+)
+
+# transformers' tp-plan styles (``transformers.distributed.tensor_parallel.ALL_PARALLEL_STYLES``, 5.23) by
+# what they become here. Output features split over tp (the attention then runs on its local heads):
+_COLWISE = ("colwise",)
+# Output features split, then all-gathered (the module's consumer needs every feature: a fused qkv or
+# gate_up sliced or chunked afterwards, a norm over all heads). packed_colwise's per-part split
+# (_StridedShard) then needs no permutation: a plain Shard(0) weight gathered gives the same output.
+_COLWISE_GATHERED = ("colwise_gather_output", "colwise_rep", "packed_colwise")
+# Input features split, output partial then all-reduced (reduce-scattered under SP) into the residual.
+_ROWWISE = ("rowwise",)
+# Same, but the input arrives replicated (after a gathered colwise) and each rank takes its slice.
+_ROWWISE_REPLICATED_INPUT = ("rowwise_split_input", "rowwise_rep", "packed_rowwise")
+# Replicated parameters on a tp-split activation (Qwen3's per-head q_norm / k_norm): how their gradients
+# combine is decided from what the ranks compute, as for parameters no plan names (TpGradient "infer").
+_REPLICATED_PARTIAL_GRAD = ("replicated_with_grad_allreduce",)
+# Parameters replicated and not split: the module stays as it is (identical on every tp rank).
+_REPLICATE = ("replicate",)
+# Norms on the sequence-split residual: SequenceParallel under SP, unchanged otherwise.
+_SEQUENCE = ("sequence_parallel",)
+# MLA's kv down projection (DeepSeek-V2/V3): replicated, its rope key's gradient summed over tp.
+_MLA_KV_A = ("mla_kv_a_proj",)
+_STYLES = (*_COLWISE, *_COLWISE_GATHERED, *_ROWWISE, *_ROWWISE_REPLICATED_INPUT, *_REPLICATED_PARTIAL_GRAD,
+           *_REPLICATE, *_SEQUENCE, *_MLA_KV_A)
+# Styles transformers defines that meshtron does not translate (outside fused experts): why.
+_REFUSED = {
+    "embedding_rowwise": "embeddings inside decoder layers are not split; meshtron splits only the input embedding",
+    "embedding_colwise": "embeddings inside decoder layers are not split; meshtron splits only the input embedding",
+    "all_reduce": "partial module outputs outside fused experts are not supported yet",
+    "moe_tp_experts": "per-expert tp outside a fused 'experts' module is not supported",
+    "moe_identity_expert": "identity (zero-compute) experts are not supported yet",
+    "local_params": "bare parameters split by their own plan entry (attention sinks) are not supported yet",
+}
+
+
+class _HiddenStatesInput(ParallelStyle):
+    """The module's hidden-states input (first positional or ``hidden_states=``) redistributed.
+
+    Default: the residual stream as one replicated DTensor (under SP the all-gather of the sequence)
+    that every submodule called on the module's input reads, so the input gradients of q, k and v
+    (gate and up) are summed as partials and reduced once. The module itself gets its local view: a
+    module that computes with its input before projecting it (Qwen3-Next's linear attention masks its
+    padding) stays in plain tensors, and a projection of such a derived tensor takes it on its own
+    (one reduction of its own). A submodule computing with replicated parameters (run on plain local
+    views: MLA's down projections) cannot take the DTensor; it gets a local view of the same input
+    whose gradient, complete or a part on each rank, is decided on the first backward like those
+    parameters' (:class:`TpGradient` "infer"). ``(Replicate(), Shard(1), local=True)``: keep this
+    rank's part of the sequence (a slice; its backward all-gathers the gradient), whatever other
+    arguments follow.
+    """
+
+    def __init__(self, sp: bool, layout: Placement | None = None, desired: Placement = Replicate(), local: bool = False):
+        super().__init__()
+        self.layout, self.desired, self.local = layout or residual_layout(sp), desired, local
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        shared: dict[str, tuple[torch.Tensor, DTensor]] = {}
+
+        def redistribute(x):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [self.layout], run_check=False)
+            x = x.redistribute(mesh, [self.desired])
+            if self.local:
+                return x.to_local()
+            view = x.to_local()
+            shared["input"] = (view, x)
+            return view
+
+        def hook(_module, args, kwargs):
+            if args:
+                return (redistribute(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": redistribute(kwargs["hidden_states"])}
+
+        def share(child, args):
+            view, whole = shared.get("input", (None, None))
+            if not args or view is None or args[0] is not view:
+                return None
+            if _runs_on_plain_params(child):
+                return (local_view(whole, child.tp_input_gradient), *args[1:])
+            return (whole, *args[1:])
+
+        def forget(*_):
+            shared.clear()  # hold no activation past the module's forward
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        if not self.local:
+            for child in module.modules():
+                if child is not module:
+                    child.tp_input_gradient = TpGradient("infer", what="input of")
+                    child.register_forward_pre_hook(share, prepend=True)
+            module.register_forward_hook(forget)
+        return module
+
+
+def _runs_on_plain_params(module: nn.Module) -> bool:
+    """Inside a block's forward its unplanned parameters are swapped for plain local views
+    (:func:`replicate_plain_params`); planned ones stay DTensors."""
+    return any(not isinstance(p, DTensor) for p in module.parameters())
+
+
+class _GatheredSequence(ParallelStyle):
+    """Under SP, run the module on the whole sequence (all-gathered) and keep this rank's slice of its
+    (identical) output; a tuple output (gpt-oss's MoE returns its router scores too) has its first
+    element sliced."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        parallelize_module(module, mesh, _HiddenStatesInput(True, Shard(1), Replicate(), local=True))
+
+        def slice_sequence(x):
+            return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
+        def hook(_module, _args, out):
+            return (slice_sequence(out[0]), *out[1:]) if isinstance(out, tuple) else slice_sequence(out)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+class _SharedRopeKey(ParallelStyle):
+    """MLA's kv down projection (``mla_kv_a_proj``), replicated like every parameter no plan splits: its
+    output is the kv latent then the rope key, ``rope_dim`` features that every head shares. The latent
+    reaches the attention through the column-split ``kv_b_proj``, which all-reduces its input gradient,
+    but each rank's attention reads the rope key with its own heads only: that gradient is a part, summed
+    over tp here in backward (transformers' ``MlaKvAProjParallel`` does the same). The projection's
+    gradients are then whole on every rank."""
+
+    def __init__(self, rope_dim: int):
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def hook(_module, _args, out):
+            latent, rope = out.split([out.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+            # Forward unchanged; backward: the gradient taken as Partial and all-reduced.
+            rope = DTensor.from_local(rope, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+            return torch.cat([latent, rope], dim=-1)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+class _Heads(NamedTuple):
+    """What the attention styles need to know of the model's heads."""
+    kv_heads: int
+    head_dim: int
+    rope_dim: int  # MLA's rope key width (qk_rope_head_dim); 0 for other attention
+
+
+def _style(style: str, name: str, module: nn.Module, heads: _Heads, tp: int, sp: bool) -> ParallelStyle | None:
+    """One entry of transformers' plan as a training ParallelStyle (None: the module stays unchanged)."""
+    kv_proj = name.endswith(("k_proj", "v_proj"))
+    colwise, rowwise = (TransposedColwise, TransposedRowwise) if is_transposed(module) else (ColwiseParallel, RowwiseParallel)
+    if style in _COLWISE and kv_proj and heads.kv_heads % tp:
+        return ReplicatedKVHeads(heads.kv_heads, heads.head_dim)
+    if style in _COLWISE:
+        return colwise()
+    if style in _COLWISE_GATHERED:
+        return colwise(output_layouts=Replicate())
+    if style in _ROWWISE:
+        return rowwise(output_layouts=residual_layout(sp))
+    if style in _ROWWISE_REPLICATED_INPUT:
+        return rowwise(input_layouts=Replicate(), output_layouts=residual_layout(sp))
+    if style in _REPLICATED_PARTIAL_GRAD:
+        return ReplicateParallel(grad="infer")
+    if style in _SEQUENCE:
+        return SequenceParallel() if sp else None
+    if style in _REPLICATE:
+        return None
+    if style in _MLA_KV_A:
+        return _SharedRopeKey(heads.rope_dim)
+    raise AssertionError(f"unchecked tp plan style '{style}' for '{name}'")  # _base_plan validates styles
+
+
+def _exists(layer: nn.Module, rel: str) -> bool:
+    try:
+        layer.get_submodule(rel)
+    except AttributeError:
+        return False
+    return True
+
+
+def _is_parameter(layer: nn.Module, rel: str) -> bool:
+    try:
+        layer.get_parameter(rel)
+    except AttributeError:
+        return False
+    return True
+
+
+def _moe_block(layer: nn.Module) -> str | None:
+    """The layer's child holding the routed ``experts`` (``mlp`` in most families, Llama 4's
+    ``feed_forward``); None in a dense layer."""
+    return next((name for name, child in layer.named_children() if _exists(child, "experts")), None)
+
+
+def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index: int, heads: _Heads,
+                tp: int, sp: bool) -> dict[str, ParallelStyle]:
+    """Plan entries of decoder layer ``index``, relative to the layer, plus our input/norm styles.
+
+    Entries naming a module this layer lacks are skipped (a MoE model's dense layers have no experts,
+    its sparse ones no ``mlp.gate_proj``). Fused experts are left to :mod:`meshtron.hf.experts`.
+    """
+    plan: dict[str, ParallelStyle] = {}
+    writes_residual: dict[str, bool] = {}  # parent of split projections -> one of them is rowwise
+    moe = _moe_block(layer)
+    for pattern, style in base_plan.items():
+        parts = pattern.split(".")
+        if parts[:2] != [blocks, "*"]:
+            raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' is outside '{blocks}.*'; not supported.")
+        rel = ".".join(parts[2:])
+        if "experts" in parts:
+            continue
+        if not _exists(layer, rel):
+            if _is_parameter(layer, rel):
+                raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' ('{style}') names a parameter, "
+                                  "not a module; per-parameter plan entries are not supported.")
+            continue
+        # Inside a MoE block (Aria's shared experts) the tokens are already gathered under SP.
+        split_seq = sp and not (moe is not None and rel.startswith(f"{moe}."))
+        translated = _style(style, f"{blocks}.{index}.{rel}", layer.get_submodule(rel), heads, tp, split_seq)
+        if translated is None:
+            continue
+        plan[rel] = translated
+        parent = rel.rsplit(".", 1)[0]
+        if style in _COLWISE + _COLWISE_GATHERED:
+            plan[parent] = _HiddenStatesInput(split_seq)
+        if split_seq:
+            writes_residual[parent] = writes_residual.get(parent, False) or style in _ROWWISE + _ROWWISE_REPLICATED_INPUT
+    if moe is not None and _exists(layer, f"{moe}.shared_expert.down_proj"):
+        plan.update(_shared_expert_plan(f"{moe}.shared_expert"))
+    if sp:
+        # The block's own norms act on the (sequence-split) residual stream or on a rowwise output that
+        # is then added to it (Gemma2's post-norms), so they hand back plain local tensors.
+        plan.update({name: SequenceParallel(use_local_output=True) for name, child in layer.named_children()
+                     if is_norm(child)})
+        if moe is not None:
+            # Routing needs every token: the replicated MoE block runs on the gathered sequence and
+            # each rank keeps its slice of the (identical) output.
+            plan[moe] = _GatheredSequence()
+        # A module whose projections are all gathered (Qwen3-Next's linear attention: even its output
+        # projection) returns the whole sequence on every rank: each keeps its slice, like the MoE block.
+        plan.update({parent: _GatheredSequence() for parent, rowwise in writes_residual.items()
+                     if not rowwise and isinstance(plan.get(parent), _HiddenStatesInput)})
+    return plan
+
+
+def _shared_expert_plan(prefix: str) -> dict[str, ParallelStyle]:
+    """A MoE's shared expert (SwiGLU MLP, absent from transformers' plans) split like a dense MLP; the MoE
+    block holds every token of the tp group (gathered under SP), so its output is all-reduced."""
+    return {
+        prefix: _HiddenStatesInput(sp=False),
+        f"{prefix}.gate_proj": ColwiseParallel(),
+        f"{prefix}.up_proj": ColwiseParallel(),
+        f"{prefix}.down_proj": RowwiseParallel(output_layouts=Replicate()),
+    }
+
+
+def _base_plan(model: nn.Module) -> dict[str, str]:
+    """The config's ``base_model_tp_plan``, every style checked to be translatable."""
+    plan = model.config.base_model_tp_plan
+    for pattern, style in plan.items():
+        if "experts" in pattern.split(".") or style in _STYLES:
+            continue
+        module = pattern.replace(".*.", ".<i>.")
+        if style in _REFUSED:
+            raise ConfigError(
+                f"parallelize_hf_model: tp plan style '{style}' (for module '{module}') is not supported: "
+                f"{_REFUSED[style]}."
+            )
+        raise ConfigError(
+            f"parallelize_hf_model: unknown tp plan style '{style}' (for module '{module}', plan entry '{pattern}'); "
+            f"supported: {', '.join(_STYLES)} (fused MoE experts, whatever their style, follow base_model_ep_plan)."
+        )
+    return plan
+
+
+def _tp_plan(model: nn.Module, parts: HFParts, tp: int, sp: bool) -> dict[str, str]:
+    """The config's plan (its heads must split over tp), else one inferred from the module types."""
+    if not getattr(model.config, "base_model_tp_plan", None):
+        return infer_tp_plan(model, parts, tp, key_value_heads(model.config), sp)
+    check_tensor_parallel(model.config.num_attention_heads, key_value_heads(model.config), tp)
+    return with_mla_attention(_base_plan(model), parts)
+
+
+def _check_shape(model: nn.Module, tp: int) -> _Heads:
+    cfg = model.config
+    heads, kv_heads = cfg.num_attention_heads, key_value_heads(cfg)
+    if cfg.vocab_size % tp:
+        raise ConfigError(f"parallelize_hf_model: tp = {tp} does not divide vocab_size = {cfg.vocab_size}; pad the vocabulary.")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return _Heads(kv_heads, head_dim, getattr(cfg, "qk_rope_head_dim", None) or 0)
+
+
+def _set_local_head_groups(parts: HFParts, base: dict[str, str], heads: int, kv_heads: int, tp: int) -> None:
+    """HF attention repeats KV heads ``num_key_value_groups`` times: make that the local ratio when the
+    heads are split (``colwise`` q/k/v); gathered projections keep every head on every rank."""
+    local_kv = max(kv_heads // tp, 1)
+    for pattern, style in base.items():
+        attention, _, proj = pattern.split(".", 2)[2].rpartition(".")
+        if proj != "k_proj" or style not in _COLWISE:
+            continue
+        for _, layer in parts.block_items():
+            if _exists(layer, attention):
+                layer.get_submodule(attention).num_key_value_groups = heads // tp // local_kv
+
+
+def _own_rowwise_outputs(parts: HFParts, plan: dict[str, str]) -> None:
+    """Older modelling code adds into a projection's output in place (Falcon's ``mlp_output +=
+    attention_output``), but a rowwise output is DTensor's ``to_local`` view, which autograd forbids
+    modifying in place: for inferred plans those modules return a copy."""
+    for pattern, style in plan.items():
+        rel = pattern.split(".", 2)[2]
+        if style not in _ROWWISE + _ROWWISE_REPLICATED_INPUT:
+            continue
+        for _, layer in parts.block_items():
+            if _exists(layer, rel):
+                layer.get_submodule(rel).register_forward_hook(lambda _module, _args, out: out.clone())
+
+
+def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, sp: bool) -> None:
+    tp = tp_mesh.size()
+    heads = _check_shape(model, tp)
+    base, tied = _tp_plan(model, parts, tp, sp), parts.tied
+    blocks = parts.block_items()  # a pipeline stage holds some blocks, and the embedding / head only at its ends
+    for i, layer in blocks:
+        parallelize_module(layer, tp_mesh, _layer_plan(base, parts.plan_blocks, layer, i, heads, tp, sp))
+    _set_local_head_groups(parts, base, model.config.num_attention_heads, heads.kv_heads, tp)
+    if not getattr(model.config, "base_model_tp_plan", None):
+        _own_rowwise_outputs(parts, base)
+    if parts.embed is not None:
+        # Embedding output replicated: HF computes positions and the causal mask from its length. A
+        # family's own embedding class (Gemma 3 scales in its forward) keeps DTensor's rowwise split.
+        style = (VocabParallelEmbedding(Replicate()) if type(parts.embed) is nn.Embedding
+                 else RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        parallelize_module(parts.embed, tp_mesh, style)
+        if sp:
+            parallelize_module(blocks[0][1], tp_mesh, _HiddenStatesInput(sp, Replicate(), Shard(1), local=True))
+    if parts.head is not None:
+        if sp:
+            parallelize_module(parts.norm, tp_mesh, SequenceParallel())
+        # Vocab-sharded logits either way; meshtron's head also computes the fused loss (pipeline stages).
+        style = VocabParallelHead(residual_layout(sp)) if isinstance(parts.head, LMHead) else ColwiseParallel(
+            input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False)
+        parallelize_module(parts.head, tp_mesh, style)
+    if tied:  # both now hold a Shard(0) copy of the shared weight; make them one Parameter again
+        parts.head.weight = parts.embed.weight
+
+
+def replicate_plain_params(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, experts: list[nn.Module]) -> None:
+    """Parameters tp left whole (norms without SP, ``replicate`` modules, an activation's own
+    parameters, a convolution no plan splits) become Replicate DTensors run on their local views:
+    inside a block for the whole block's forward (a module may read a child's weight directly, as
+    Lfm2's and Qwen3-Next's convolutions hand theirs to a fused kernel), elsewhere for their module's.
+    Whether a parameter reads an activation tp split (per-head norms after column-split projections,
+    xIELU's parameters after a column-split up projection: each rank's gradient is a part of the sum)
+    or the whole one (every rank computes the same gradient) is decided on the first backward
+    (:class:`TpGradient` "infer"). Without it, a parameter group mixing them with DTensors breaks fused
+    AdamW when no data-parallel wrapper makes every parameter a DTensor."""
+    skip = {id(m) for e in experts for m in e.modules()}
+
+    def plain(module: nn.Module) -> list[str]:
+        return [f"{path}.{name}" if path else name for path, sub in module.named_modules() if id(sub) not in skip
+                for name, p in sub.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+
+    blocks = [block for _, block in parts.block_items()]
+    for block in blocks:
+        if names := plain(block):
+            parallelize_module(block, tp_mesh, ReplicateParallel(grad="infer", params=names))
+    inside = {id(m) for block in blocks for m in block.modules()}
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if own and id(module) not in skip | inside and not any(isinstance(p, DTensor) for p in own):
+            parallelize_module(module, tp_mesh, ReplicateParallel(grad="infer"))
+    name_tp_gradients(model)
+
+
+__all__ = ["apply_hf_tensor_parallel", "replicate_plain_params"]
