@@ -103,6 +103,16 @@ def test_dry_run_interleaved_and_zero_bubble_stages_match_the_plan(capsys, sched
         assert 0.95 <= rank["ratio"] <= 1.05, rank
 
 
+def test_dry_run_moe_recipe_ep_traffic(capsys):
+    """Qwen1.5-MoE-A2.7B at its stated layout (dp2 x ep4, full AC): its checkpointed MoE layers dispatch and
+    combine again in their recomputation, and the plan counts it (it said 72 GiB where the trace sends 108)."""
+    code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen1p5_moe_a2p7b.toml", "--dry-run", "8")
+    assert code == 0, err
+    (rank,) = report["ranks"]
+    sent = rank["comm_bytes"]["all_to_all/ep"]
+    assert sent["traced"] == sent["planned"] and sent["traced"] > 100 * 2**30, sent
+
+
 def test_dry_run_1024_ranks(capsys):
     """Qwen2.5-0.5B on 1024 ranks (dp 512 x tp 2): one distinct rank, within 5 % of the plan."""
     code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_0p5b.toml", "--dry-run", "1024",

@@ -134,8 +134,12 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
         # The experts take each tp rank's slice of the replicated tokens: their outputs are gathered
         # forward, the slices' input and routing-weight gradients backward.
         out["all_gather+reduce_scatter/tp"] = (2 * h + m.num_experts_per_tok) * tokens * c * _ring(p.tp) * moe * mb
-    if p.ep > 1:  # dispatch and combine, forward and backward, after the routed-row counts
-        out["all_to_all/ep"] = (4 * rows * h * c + m.num_experts * INT64) * _ring(p.ep) * moe * mb
+    if p.ep > 1:
+        # Dispatch and combine forward and backward, after the routed-row counts; a checkpointed MoE
+        # layer's recomputation exchanges the counts, dispatches and combines again.
+        rerun = sum(m.is_moe_layer(i) and layer_checkpointed(cfg, i) for i in layers) if m.is_moe else 0
+        out["all_to_all/ep"] = ((4 * moe + 2 * rerun) * rows * h * c + (moe + rerun) * m.num_experts * INT64) \
+            * _ring(p.ep) * mb
     if p.etp > 1:  # gather of an expert slice's rows and reduce-scatter of its outputs, forward and backward
         out["all_gather+reduce_scatter/etp"] = 4 * p.etp * rows * h * c * _ring(p.etp) * moe * mb
     if p.pp > 1:  # each chunk's activations forward unless it is the last, gradients back unless the first
