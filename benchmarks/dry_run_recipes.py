@@ -6,9 +6,12 @@ same rank without its reserve and slack terms, their ratio, the step's FLOPs, th
 collectives) traced and planned, the step's roofline compute time on an H100 SXM and the predicted
 tokens/s per GPU, and the dry run's wall time on this machine (2 cores, two ranks traced at a time).
 
-    PYTHONPATH=. python benchmarks/dry_run_recipes.py      # ~5-10 minutes on 2 cores
+    PYTHONPATH=. python benchmarks/dry_run_recipes.py           # ~15 minutes on 2 cores
+    PYTHONPATH=. python benchmarks/dry_run_recipes.py --replan  # seconds: the planned columns only
 
-Writes benchmarks/results/dry_run.json and dry_run.md.
+Writes benchmarks/results/dry_run.json and dry_run.md. ``--replan`` keeps the stored traces (what the
+training step allocates and sends does not depend on the planner) and recomputes the planner's memory
+prediction and ratio for each row with the current ``meshtron.plan``: for a change to the planner alone.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def _measure(recipe: str, world: int | None, overrides: list[str]) -> list[dict]
     seconds = time.perf_counter() - start
     print(f"{recipe} {layout_text(cfg)}: {seconds:.0f} s", flush=True)
     speed = tokens_per_second_per_device(cfg, world, traces)
-    return [{"recipe": recipe, "world_size": world, "layout": layout_text(cfg), "schedule": cfg.parallel.schedule,
+    return [{"recipe": recipe, "world_size": world, "overrides": overrides, "layout": layout_text(cfg),
+             "schedule": cfg.parallel.schedule,
              "microbatches": cfg.parallel.microbatches, "ac": cfg.parallel.activation_checkpointing,
              "rank": t.rank, "pp": t.coords["pp"], "traced_gib": t.traced_gib, "planned_gib": t.planned_gib,
              "ratio": t.ratio, "tflop": t.flops / 1e12, "sent_traced_gib": sum(a for a, _ in t.comm.values()) / 2**30,
@@ -65,24 +69,49 @@ def _measure(recipe: str, world: int | None, overrides: list[str]) -> list[dict]
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| recipe | ranks | layout | AC | micro-batches | rank (stage) | traced GiB | planned GiB | traced / planned "
+    lines = ["| recipe | ranks | layout | schedule | AC | micro-batches | rank (stage) | traced GiB | planned GiB | traced / planned "
              "| TFLOP | sent GiB traced | sent GiB planned | roofline s | predicted tok/s/GPU | dry run s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['recipe']} | {r['world_size']} | {r['layout']} | {r['ac']} | {r['microbatches']} | "
+        lines.append(f"| {r['recipe']} | {r['world_size']} | {r['layout']} | {r['schedule']} | {r['ac']} | {r['microbatches']} | "
                      f"{r['rank']} ({r['pp']}) | {r['traced_gib']:.2f} | {r['planned_gib']:.2f} | {r['ratio']:.3f} | "
                      f"{r['tflop']:.0f} | {r['sent_traced_gib']:.3f} | {r['sent_planned_gib']:.3f} | "
                      f"{r['roofline_s']:.2f} | {r['tokens_per_s_per_gpu']:,.0f} | {r['seconds']:.0f} |")
     return "\n".join(lines)
 
 
+REPLANNED = ("; the traced, sent and speed columns are from its last full run, the planned memory and ratio "
+             "recomputed with `--replan` after a change to the planner alone")
+
+
+def _layouts() -> list[tuple[str, int | None, list[str]]]:
+    return [(recipe, None, []) for recipe in RECIPES] + list(PIPELINES)
+
+
+def replan(rows: list[dict]) -> list[dict]:
+    """``rows`` (from a full run, in :func:`_layouts`' order) with the current planner's prediction."""
+    from meshtron.dryrun import TRACE_ASSUMPTIONS
+    from meshtron.plan.memory import Coords, rank_breakdown
+
+    out, rest = [], iter(rows)
+    for recipe, _, overrides in _layouts():
+        cfg = load_config(ROOT / "recipes" / f"{recipe}.toml", overrides)
+        for _ in range(cfg.parallel.pp):  # the stored layouts have one distinct rank per stage
+            row = dict(next(rest))
+            if (row["recipe"], row["layout"], row["schedule"]) != (recipe, layout_text(cfg), cfg.parallel.schedule):
+                raise SystemExit(f"dry_run.json does not follow this script's layouts at {row['recipe']} {row['layout']}: "
+                                 "run it without --replan")
+            planned = rank_breakdown(cfg, Coords(pp=row["pp"]), TRACE_ASSUMPTIONS).total / 2**30
+            out.append({**row, "overrides": overrides, "planned_gib": planned, "ratio": row["traced_gib"] / planned})
+    return out
+
+
 def main() -> None:
-    rows = []
-    for recipe in RECIPES:
-        rows += _measure(recipe, None, [])
-    for recipe, world, overrides in PIPELINES:
-        rows += _measure(recipe, world, overrides)
     out = ROOT / "benchmarks" / "results"
+    if "--replan" in sys.argv:
+        rows = replan(json.loads((out / "dry_run.json").read_text()))
+    else:
+        rows = [row for recipe, world, overrides in _layouts() for row in _measure(recipe, world, overrides)]
     (out / "dry_run.json").write_text(json.dumps(rows, indent=1))
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
     text = (
@@ -90,7 +119,8 @@ def main() -> None:
         "`python -m meshtron.train --recipe R --dry-run N` traces the second training step of every distinct rank "
         "on fake tensors (bf16 compute, fp32 master weights and AdamW state, the recipe's shapes); `planned` is "
         "`meshtron.plan`'s prediction for the same rank without its reserve (CUDA context) and slack terms, which "
-        "a tensor trace cannot see. Written by `benchmarks/dry_run_recipes.py` on a 2-core CPU machine.\n\n"
+        "a tensor trace cannot see. Written by `benchmarks/dry_run_recipes.py` on a 2-core CPU machine"
+        f"{REPLANNED if '--replan' in sys.argv else ''}.\n\n"
         f"{table(rows)}\n\n"
         f"Furthest from 1: {worst['recipe']} {worst['layout']} rank {worst['rank']}: {worst['ratio']:.3f}.\n"
     )

@@ -19,12 +19,13 @@ Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 
 
 - ``gathered``: unsharded compute copies. With pp = 1 FSDP holds in backward the unit in use,
   ``fsdp_prefetch`` blocks gathered ahead (their all-gather outputs) and the root unit (final norm,
-  tied embedding), at the end of the forward the root and LM-head units; with pp > 1 every unit of
-  the stage stays gathered for the whole step (issue 15);
+  tied embedding), at the end of the forward the root and LM-head units; with pp > 1 a stage's units
+  stay gathered from its first forward to its release (issue 15);
 - ``unsharded_grads``: the unit being reduced (pp = 1, fsdp); the whole stage's gradients in fp32
-  when they accumulate unreduced (pp > 1, or hsdp/replicate with several micro-batches);
+  when they accumulate unreduced (pp > 1: from the stage's first weight pass to its release; or
+  hsdp/replicate with several micro-batches);
 - ``reduce_scatter``: the fp32 input buffer of the largest unit's gradient reduction (in backward; with
-  pp > 1 only beyond the activations the other micro-batches have freed by the chunk's last backward);
+  pp > 1 at the stage's release);
 - ``activations``: saved tensors per layer and token (:func:`layer_activation_bytes`) times the layers
   a rank holds, the tokens of one micro-batch and the micro-batches in flight (pp schedules: each
   weighed by its own stage at the rank's peak, ``held_by_stage``); activation checkpointing keeps only block inputs. In backward add one layer's
@@ -45,8 +46,12 @@ unsharded gradients only when earlier micro-batches left them accumulating), the
 layer (saved activations plus that layer's working set, the micro-batch's own loss tensors consumed,
 the gathered / unsharded-gradient / reduce-scatter buffers) and the end of the backward (every
 gradient, the last unit's reduction). ``grads`` exist whole before the last backward only when an
-earlier micro-batch reduced into them (:func:`sharded_grads_before_backward`; pipelines: once a
-stage of the rank released its units before the peak, :func:`sharded_grads_at_peak`); otherwise the backward counts those already reduced (:func:`backward_peak`).
+earlier micro-batch reduced into them (:func:`sharded_grads_before_backward`); otherwise the backward
+counts those already reduced (:func:`backward_peak`). A pipeline rank's peak is found by walking its
+schedule (:func:`pipeline_moments`): after every forward, during every backward and weight pass and at
+every stage's release, each of its stages' units, gradients and micro-batches counted as they are
+then (the 72B dry run, pp4 x dp4 x tp4 interleaved: one chunk's fp32 gradients at the peak, not both,
+which put the old whole-step model 25 % high).
 """
 
 from __future__ import annotations
@@ -58,7 +63,16 @@ from typing import NamedTuple
 
 from meshtron.config import Config, ModelConfig
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
-from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule, held_by_stage, last_weight_passes
+from meshtron.parallel.pipeline.schedules import (
+    B,
+    F,
+    V_SHAPED,
+    W,
+    build_schedule,
+    held_by_stage,
+    last_weight_passes,
+    split_backwards,
+)
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank, split_layers
 
 GIB = 2**30
@@ -393,37 +407,67 @@ class Moment(NamedTuple):
 def _moments(cfg: Config, pp_rank: int) -> tuple[tuple[int, dict[int, tuple[int, int]]], ...]:
     """(action index, {stage: (held, waiting)}) after each of the rank's actions (``held_by_stage``);
     stages with checkpointed or compiled layers run their backward whole (the executor's ``unsplit``)."""
-    return _schedule_facts(cfg, pp_rank)[0]
-
-
-def _schedule_facts(cfg: Config, pp_rank: int) -> tuple[tuple, int]:
-    """(the rank's moments, the index of its first FSDP release: a stage's last weight pass)."""
     p = cfg.parallel
     if p.pp == 1:
-        return ((0, {0: (1, 0)}),), 0
-    return _facts_by_rank(p.schedule, p.pp, p.microbatches, p.virtual_stages, unsplit_stages(cfg))[pp_rank]
+        return ((0, {0: (1, 0)}),)
+    return tuple((a.index, a.held) for a in _rank_actions(cfg, pp_rank)[0])
+
+
+def _rank_actions(cfg: Config, pp_rank: int) -> tuple[tuple, dict]:
+    p = cfg.parallel
+    return _actions_by_rank(p.schedule, p.pp, p.microbatches, p.virtual_stages, unsplit_stages(cfg))[pp_rank]
+
+
+class StageSpan(NamedTuple):
+    """Where in a rank's actions one stage's FSDP units change state (``parallel/pipeline/executor.py``)."""
+
+    gathered: int  # its first forward all-gathers them; they stay unsharded through the step
+    grads: int  # its first weight-gradient pass (a ``W``, or a ``B`` run whole) creates their fp32 gradients
+    backward: int  # its first ``B``: the fused loss's backward gives the LM head's gradient there
+    released: int  # its last weight pass reduce-scatters those and frees both (``_release_points``)
+
+
+class Action(NamedTuple):
+    """One compute action of a rank's schedule and the micro-batches its stages hold after it."""
+
+    index: int
+    kind: str  # "F", "B" or "W"
+    stage: int
+    split: bool  # a ``B`` computing input gradients only, its graph kept for the ``W``
+    held: dict[int, tuple[int, int]]  # as :class:`Moment`'s
 
 
 @functools.lru_cache(maxsize=256)
-def _facts_by_rank(schedule: str, pp: int, microbatches: int, virtual: int, unsplit: frozenset[int]):
-    steps = build_schedule(schedule, pp, microbatches, virtual)
-    return tuple((tuple(held_by_stage(rank_steps, unsplit)), min(last_weight_passes(rank_steps).values()))
-                 for rank_steps in steps)
+def _actions_by_rank(schedule: str, pp: int, microbatches: int, virtual: int, unsplit: frozenset[int]):
+    """Per rank: (its :class:`Action` s, {stage: :class:`StageSpan`})."""
+    out = []
+    for steps in build_schedule(schedule, pp, microbatches, virtual):
+        split = {key for key in split_backwards(steps) if key[0] not in unsplit}
+        actions = tuple(Action(i, steps[i].kind, steps[i].stage, (steps[i].stage, steps[i].mb) in split, held)
+                        for i, held in held_by_stage(steps, unsplit))
+        spans = {}
+        for stage, last in last_weight_passes(steps).items():
+            mine = [(i, steps[i]) for i, *_ in actions if steps[i].stage == stage]
+            first_f = min(i for i, a in mine if a.kind == F)
+            weight = min(i for i, a in mine if a.kind == W or (a.kind == B and (stage, a.mb) not in split))
+            spans[stage] = StageSpan(first_f, weight, min(i for i, a in mine if a.kind == B), last)
+        out.append((actions, spans))
+    return tuple(out)
 
 
 def _peak_moment(cfg: Config, pp_rank: int) -> Moment:
     """The moment the rank's in-flight micro-batches hold the most (activations and loss tensors),
     each counted by its own stage's bytes (:func:`_stage_bytes`)."""
-    tokens = microbatch_tokens(cfg)
     per_stage = _rank_stage_bytes(cfg, pp_rank)
+    return max((_moment(cfg, per_stage, *m) for m in _moments(cfg, pp_rank)), key=lambda m: m.saved + m.loss)
+
+
+def _moment(cfg: Config, per_stage: dict[int, tuple[float, float]], index: int,
+            held: dict[int, tuple[int, int]]) -> Moment:
+    """What ``held`` holds: each stage's micro-batches weighed by :func:`_stage_bytes`."""
+    saved = microbatch_tokens(cfg) * sum(n * per_stage[s][0] + w * per_stage[s][1] for s, (n, w) in held.items())
     last = cfg.parallel.pp * cfg.parallel.virtual_stages - 1
-    loss = _loss_held_per_microbatch(cfg)
-
-    def moment(index: int, held: dict[int, tuple[int, int]]) -> Moment:
-        saved = tokens * sum(n * per_stage[s][0] + w * per_stage[s][1] for s, (n, w) in held.items())
-        return Moment(index, held, saved, held.get(last, (0, 0))[0] * loss)
-
-    return max((moment(*m) for m in _moments(cfg, pp_rank)), key=lambda m: m.saved + m.loss)
+    return Moment(index, held, saved, held.get(last, (0, 0))[0] * _loss_held_per_microbatch(cfg))
 
 
 def _rank_stage_bytes(cfg: Config, pp_rank: int) -> dict[int, tuple[float, float]]:
@@ -536,22 +580,27 @@ def backward_peak(cfg: Config, coords: Coords, reducing: bool | None = None) -> 
     of the LM head and of every layer already through its backward appear as the activations go: with
     checkpointing the last layer's backward peaks with nearly all of them. Otherwise they are counted
     whole elsewhere, or not yet there, and add nothing here."""
-    c, h, sp = compute_bytes(cfg), cfg.model.hidden_size, _sp_split(cfg)
-    tokens = microbatch_tokens(cfg)
     if reducing is None:
         reducing = not sharded_grads_before_backward(cfg)
     grads = _unit_grad_bytes(cfg, coords) if reducing else {}
+    return max((_chunk_backward_peak(cfg, r, grads) for r in _stage_chunks(cfg, coords.pp)), key=sum)
+
+
+def _chunk_backward_peak(cfg: Config, layers: range, grads: dict[str, float]) -> tuple[float, float]:
+    """:func:`backward_peak` over one chunk's ``layers``, with the sharded gradient bytes ``grads`` of
+    the units that reduce as the backward goes (empty: none)."""
+    c, h, sp = compute_bytes(cfg), cfg.model.hidden_size, _sp_split(cfg)
+    tokens = microbatch_tokens(cfg)
     best = (0.0, 0.0)
-    for chunk in (list(r) for r in _stage_chunks(cfg, coords.pp)):
-        freed, reduced = 0.0, grads.get("head", 0.0)
-        for i in reversed(chunk):
-            ckpt = layer_checkpointed(cfg, i)
-            full = layer_activation_bytes(cfg, i)
-            rise = tokens * ((full if ckpt else 0) + layer_gradient_bytes(cfg, i) - freed)
-            if rise + reduced > sum(best):
-                best = (rise, reduced)
-            freed += c * h / sp if ckpt else full
-            reduced += grads.get(f"block.{i}", 0.0) + grads.get(f"experts.{i}", 0.0)
+    freed, reduced = 0.0, grads.get("head", 0.0)
+    for i in reversed(layers):
+        ckpt = layer_checkpointed(cfg, i)
+        full = layer_activation_bytes(cfg, i)
+        rise = tokens * ((full if ckpt else 0) + layer_gradient_bytes(cfg, i) - freed)
+        if rise + reduced > sum(best):
+            best = (rise, reduced)
+        freed += c * h / sp if ckpt else full
+        reduced += grads.get(f"block.{i}", 0.0) + grads.get(f"experts.{i}", 0.0)
     return best
 
 
@@ -603,88 +652,144 @@ def ep_dispatch_bytes(cfg: Config) -> float:
 
 
 def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> dict[str, float]:
-    """``gathered``, ``unsharded_grads`` and ``reduce_scatter`` (module docstring) in backward, or at the
-    end of the forward (``phase="forward"``): with pp = 1 only the root and LM-head units are gathered
-    then (blocks reshard after their forward), no gradient is being reduced, and unsharded gradients
-    exist only when earlier micro-batches' backward left them accumulating (not with GPipe); or at
-    the end of the backward (``phase="backward end"``), when with pp = 1 only the embedding and root
-    units are left to reduce (pp > 1: as in backward)."""
+    """pp = 1: ``gathered``, ``unsharded_grads`` and ``reduce_scatter`` (module docstring) in backward,
+    at the end of the forward (``phase="forward"``: only the root and LM-head units gathered, blocks
+    reshard after their forward, no gradient being reduced, unsharded gradients only when earlier
+    micro-batches' backward left them accumulating) or at the end of the backward (``phase="backward
+    end"``: only the embedding and root units left to reduce). Pipelines: :func:`pipeline_moments`."""
     p = cfg.parallel
     c = compute_bytes(cfg)
     units = unit_elements(cfg, pp_rank)
     blocks = [n for u, n in units.items() if u.startswith(("block.", "experts."))]
     largest = max(units.values())
     root = units.get("root", 0)
-    accumulate = p.pp > 1 or (p.data_parallel != "fsdp" and p.microbatches > 1)
-    if p.pp > 1:  # gathered once by the first forward, each unit's all-gather output copied out and freed
-        gathered = c * sum(units.values())
-    elif phase == "forward":
-        gathered = c * (root + units.get("head", 0))
-    else:
-        # The unit in use, the blocks prefetched ahead (their all-gather outputs: a unit's output is
-        # copied into its parameters and freed before the next prefetch is issued) and the root unit.
-        ahead = p.fsdp_prefetch * max(blocks, default=0) if p.data_parallel != "replicate" else 0
-        gathered = c * (largest + ahead + root)
-    unsharded = FP32 * sum(units.values()) if accumulate else c * largest
-    if phase == "backward end" and _reduces_in_last_backward(cfg):
-        # Each unit's accumulated fp32 gradient is freed once reduce-scattered: one is left at a time.
-        return {"gathered": gathered, "unsharded_grads": FP32 * largest, "reduce_scatter": FP32 * largest}
-    if phase == "backward end" and p.pp == 1:
+    accumulate = p.data_parallel != "fsdp" and p.microbatches > 1
+    if phase == "forward":
+        unsharded = FP32 * sum(units.values()) if accumulate else 0
+        return {"gathered": c * (root + units.get("head", 0)), "unsharded_grads": unsharded, "reduce_scatter": 0}
+    if phase == "backward end":
         # The embedding's unit and the root (final norm; a tied embedding) are reduced last, after
         # every block's gradient has been reduce-scattered and freed.
         last = max(root, units.get("embed", 0))
         return {"gathered": c * root, "unsharded_grads": (FP32 if accumulate else c) * last,
                 "reduce_scatter": FP32 * last}
-    if phase == "forward":
-        backward_first = p.microbatches > 1 and not (p.pp > 1 and p.schedule == "gpipe")
-        unsharded = FP32 * sum(units.values()) if accumulate and backward_first else 0
-        return {"gathered": gathered, "unsharded_grads": unsharded, "reduce_scatter": 0}
-    return {"gathered": gathered, "unsharded_grads": unsharded, "reduce_scatter": FP32 * largest}
+    # The unit in use, the blocks prefetched ahead (their all-gather outputs: a unit's output is
+    # copied into its parameters and freed before the next prefetch is issued) and the root unit.
+    ahead = p.fsdp_prefetch * max(blocks, default=0) if p.data_parallel != "replicate" else 0
+    unsharded = FP32 * sum(units.values()) if accumulate else c * largest
+    return {"gathered": c * (largest + ahead + root), "unsharded_grads": unsharded, "reduce_scatter": FP32 * largest}
 
 
 def sharded_grads_before_backward(cfg: Config) -> bool:
-    """Whether a rank holds its sharded fp32 gradients before the last backward of the step: only
-    when an earlier micro-batch's backward already reduce-scattered into them (pp = 1 with full
-    sharding, which reduces every micro-batch). The step starts with none (``zero_grad(set_to_none)``),
-    replication and HSDP reduce on the last micro-batch. A 1F1B or GPipe stage holding one chunk
-    reduces in that chunk's last weight pass, the step's last on the rank (1F1B, GPipe, zb1p), when
-    the activations of every other micro-batch are gone: the dry run of Qwen2.5-7B (pp2 x dp2 x tp2,
-    4 micro-batches) holds no sharded gradient at either stage's peak. Stages holding several chunks
-    (interleaved, V shapes) reduce each chunk at its own last weight pass: whether that comes before
-    the rank's peak is :func:`sharded_grads_at_peak`'s question."""
+    """pp = 1: whether the rank holds its sharded fp32 gradients before the last backward of the step:
+    only when an earlier micro-batch's backward already reduce-scattered into them (full sharding
+    reduces every micro-batch). The step starts with none (``zero_grad(set_to_none)``); replication
+    and HSDP reduce on the last micro-batch."""
     p = cfg.parallel
-    if p.pp > 1:
-        return not _reduces_in_last_backward(cfg)
     return p.data_parallel == "fsdp" and p.microbatches > 1
 
 
-def sharded_grads_at_peak(cfg: Config, pp_rank: int) -> bool:
-    """Whether the rank holds sharded gradients at its activations' peak: with pp = 1 as
-    :func:`sharded_grads_before_backward`; a pipeline rank once one of its stages released its FSDP
-    units (reduce-scattered them at its last weight pass, ``executor._release_points``) at or before
-    the peak moment. Interleaved and V-shaped ranks reach their peak in the steady state, before any
-    chunk's last backward (the 7B and 72B dry runs: no sharded gradient at any stage's peak); their
-    units released before it would also free their gathered parameters and unsharded gradients,
-    which stay counted."""
-    if cfg.parallel.pp == 1:
-        return sharded_grads_before_backward(cfg)
-    return _schedule_facts(cfg, pp_rank)[1] <= _peak_moment(cfg, pp_rank).index
+class _UnitGroup(NamedTuple):
+    """FSDP units of a pipeline rank that change state together (:class:`StageSpan`), with their bytes."""
+
+    span: StageSpan
+    gathered: float  # compute-dtype unsharded parameters
+    unsharded: float  # fp32 accumulated gradients
+    sharded: float  # fp32 gradient shards once reduce-scattered
+    largest: float  # fp32 bytes of the largest unit: the reduce-scatter's input buffer
 
 
-def _reduces_in_last_backward(cfg: Config) -> bool:
-    """A pipeline rank holding one chunk (GPipe, 1F1B, zb1p): it reduces its gradients unit by unit in
-    its last weight pass, after every other micro-batch's activations are gone."""
+def _unit_groups(cfg: Config, coords: Coords, spans: dict[int, StageSpan]) -> list[_UnitGroup]:
+    """The rank's units grouped by span: a block's by its layer's stage, the embedding's by the first,
+    the LM head's by the last, the stage root's (final norm, tied embedding) by every stage of the
+    rank, since its hooks run with each chunk: gathered at the first, released at the last."""
     p = cfg.parallel
-    return p.pp > 1 and p.virtual_stages == 1
+    stage_of = {i: s for s, r in enumerate(chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages))
+                for i in r}
+    special = {"embed": [0], "head": [p.pp * p.virtual_stages - 1], "root": list(spans)}
+    c, shards = compute_bytes(cfg), _unit_grad_bytes(cfg, coords)
+    groups: dict[StageSpan, list[float]] = {}
+    for unit, elements in unit_elements(cfg, coords.pp).items():
+        used = special.get(unit) or [stage_of[int(unit.split(".")[1])]]
+        grads = min(spans[s].backward if unit == "head" else spans[s].grads for s in used)
+        span = StageSpan(min(spans[s].gathered for s in used), grads, grads, max(spans[s].released for s in used))
+        g = groups.setdefault(span, [0.0, 0.0, 0.0, 0.0])
+        g[0] += c * elements
+        g[1] += FP32 * elements
+        g[2] += shards.get(unit, 0.0)
+        g[3] = max(g[3], FP32 * elements)
+    return [_UnitGroup(span, *g) for span, g in groups.items()]
+
+
+def _units_at(groups: list[_UnitGroup], index: int) -> dict[str, float]:
+    """``gathered``, ``unsharded_grads`` and sharded ``grads`` during the rank's action ``index``."""
+    live = [g for g in groups if g.span.gathered <= index <= g.span.released]
+    return {"gathered": sum(g.gathered for g in live),
+            "unsharded_grads": sum(g.unsharded for g in live if g.span.grads <= index),
+            "grads": sum(g.sharded for g in groups if g.span.released < index)}
+
+
+def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, float]]]:
+    """pp > 1: the terms (all but the fp32 state) at each moment of the rank's schedule, by phase.
+
+    ``forward``: after each ``F`` (its micro-batch's tensors saved; on the last stage the loss's
+    chunk buffers); ``backward``: during each ``B`` or ``W`` (the micro-batches held before it; a
+    ``B`` adds its stage's working set, :func:`backward_peak`, and has freed its own final norm and
+    loss tensors); ``backward end``: each release (a stage's last weight pass, ``_release_points``),
+    with the reduce-scatter input of its largest unit, the released units still whole. FSDP units
+    follow :func:`_unit_groups`: gathered from their stage's first forward, fp32 gradients from its
+    first weight pass, both freed at the release, which leaves the sharded gradients."""
+    p = cfg.parallel
+    actions, spans = _rank_actions(cfg, coords.pp)
+    groups = _unit_groups(cfg, coords, spans)
+    per_stage = _rank_stage_bytes(cfg, coords.pp)
+    last = p.pp * p.virtual_stages - 1
+    one_loss = _loss_held_per_microbatch(cfg)
+    norm = final_norm_bytes(cfg, coords.pp)
+    ranges = chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
+    rises = {s: _chunk_backward_peak(cfg, ranges[s], {})[0] for s in spans}
+    releases = {g: max(a.index for a in actions if a.index <= g.span.released) for g in groups}
+    dispatch = ep_dispatch_bytes(cfg)
+    out: dict[str, list[dict[str, float]]] = {phase: [] for phase in PHASES}
+    before: dict[int, tuple[int, int]] = {}
+    for a in actions:
+        after = _moment(cfg, per_stage, a.index, a.held)
+        prior = _moment(cfg, per_stage, a.index, before)
+        units = _units_at(groups, a.index)
+        if a.kind == F:
+            chunk = loss_chunk_bytes(cfg, coords.pp) if a.stage == last else 0.0
+            out["forward"].append({**units, "activations": after.saved, "loss": after.loss + chunk,
+                                   "reduce_scatter": 0.0, "ep_dispatch": dispatch})
+        else:
+            # The first stage's split B is empty: its W runs the whole backward. A split B keeps the
+            # graph for its W (the final norm's saved tensors too) and records the gradients W
+            # restarts from as it goes; a whole B frees the final norm's before the layers' backward.
+            whole = a.kind == B or a.stage == 0
+            freed = norm if a.stage == last and a.kind == B and not a.split else 0.0
+            rise = rises[a.stage] - freed if whole else 0.0
+            consumed = one_loss if a.kind == B and a.stage == last else 0.0
+            saved = max(prior.saved, after.saved)
+            out["backward"].append({**units, "activations": saved + rise, "loss": max(0.0, prior.loss - consumed),
+                                    "reduce_scatter": 0.0, "ep_dispatch": dispatch if a.kind == B else 0.0})
+        for g in groups:
+            if releases[g] == a.index:
+                out["backward end"].append({**units, "activations": after.saved, "loss": after.loss,
+                                            "reduce_scatter": g.largest, "ep_dispatch": 0.0})
+        before = a.held
+    return out
 
 
 def phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[str, float]:
     """Every term but ``other`` live at the peak of ``phase``: ``"forward"`` (end of the forward, the
     fused loss running: all saved activations, the loss's chunk buffers), ``"backward"`` (one layer's
     backward: saved activations, its working set, the gradients reduced so far, reduction buffers) or
-    ``"backward end"`` (every gradient, the last unit's reduction, no activations)."""
+    ``"backward end"`` (every gradient, the last unit's reduction, no activations). Pipelines: the
+    largest of the phase's moments in the rank's schedule (:func:`pipeline_moments`)."""
     terms: dict[str, float] = dict(state_bytes(cfg, coords))
-    if phase != "backward end" and not sharded_grads_at_peak(cfg, coords.pp):
+    if cfg.parallel.pp > 1:
+        terms.update(max(pipeline_moments(cfg, coords)[phase], key=lambda t: sum(t.values())))
+        return terms
+    if phase != "backward end" and not sharded_grads_before_backward(cfg):
         terms["grads"] = 0
     terms.update(data_parallel_bytes(cfg, coords.pp, phase))
     terms["activations"] = terms["loss"] = terms["ep_dispatch"] = 0.0
@@ -694,22 +799,12 @@ def phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[str, float]:
         terms["activations"] = saved_activation_bytes(cfg, coords.pp)
         terms["loss"] = loss_bytes(cfg, coords.pp)
     else:
-        # The micro-batch in backward has freed its final norm's saved tensors before its layers' backward.
-        norm = final_norm_bytes(cfg, coords.pp)
-        # A pipeline stage accumulates every unit's unsharded fp32 gradient over its micro-batches;
-        # reducing one in the last backward frees that and leaves a shard no larger, so its peak is a
-        # backward before any reduction, with every in-flight micro-batch's activations.
-        rise, reduced = backward_peak(cfg, coords, reducing=False if cfg.parallel.pp > 1 else None)
-        terms["grads"] += reduced  # nothing when they are counted whole, or not yet there
-        terms["activations"] = saved_activation_bytes(cfg, coords.pp) + rise - norm
-        # The micro-batch in backward has consumed its loss's saved gradients; the others still hold theirs.
-        held = loss_held_bytes(cfg, coords.pp)
-        if cfg.parallel.pp > 1:
-            # Pipeline stages reduce their gradients in each chunk's last backward of the step, when one
-            # micro-batch is left in flight: the buffer counts only beyond the others' freed activations.
-            others = saved_activation_bytes(cfg, coords.pp) * (1 - 1 / in_flight(cfg, coords.pp))
-            terms["reduce_scatter"] = max(0.0, terms["reduce_scatter"] - others)
-        terms["loss"] = max(0.0, held - _loss_held_per_microbatch(cfg)) if held else 0.0
+        rise, reduced = backward_peak(cfg, coords)
+        terms["grads"] += reduced  # nothing when they are counted whole
+        # The micro-batch in backward has freed its final norm's saved tensors before its layers'
+        # backward, and consumed its loss's saved gradients.
+        terms["activations"] = saved_activation_bytes(cfg, coords.pp) + rise - final_norm_bytes(cfg, coords.pp)
+        terms["loss"] = 0.0
     terms["ep_dispatch"] = ep_dispatch_bytes(cfg)
     return terms
 
