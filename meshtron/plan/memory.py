@@ -24,8 +24,9 @@ Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 
 - ``unsharded_grads``: the unit being reduced (pp = 1, fsdp); the whole stage's gradients in fp32
   when they accumulate unreduced (pp > 1: from the stage's first weight pass to its release; or
   hsdp/replicate with several micro-batches);
-- ``reduce_scatter``: the fp32 input buffer of the largest unit's gradient reduction (in backward; with
-  pp > 1 at the stage's release);
+- ``reduce_scatter``: the fp32 input buffer of a gradient reduction: in a layer's backward the largest
+  layer unit's (the embedding and LM head reduce outside the layers), at the end of the backward the
+  embedding's or root's; with pp > 1 the largest unit's at the stage's release;
 - ``activations``: saved tensors per layer and token (:func:`layer_activation_bytes`) times the layers
   a rank holds, the tokens of one micro-batch and the micro-batches in flight (pp schedules: each
   weighed by its own stage at the rank's peak, ``held_by_stage``); activation checkpointing keeps only block inputs. In backward add one layer's
@@ -35,7 +36,8 @@ Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 
   gradient [tokens, H] and the fp32 weight-gradient accumulator [V/tp, H] it saves for backward; at the
   end of the forward also one chunk's fp32 logits (plus its compute-dtype copy in bf16) [chunk, V/tp]
   and a [V/tp, H] product;
-- ``ep_dispatch``: the routed token copies being sent and received by one MoE layer's all-to-all;
+- ``ep_dispatch``: the routed token copies being sent and received by one MoE layer's all-to-all (in
+  backward only without full checkpointing, whose recomputed copies are the layer's saved tensors);
 - ``other``: CUDA context, communicator buffers and allocator fragmentation (:class:`Assumptions`).
 
 The peak (:func:`rank_breakdown`) is the largest of three moments, as torch's ``MemTracker`` finds
@@ -674,10 +676,12 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
         return {"gathered": c * root, "unsharded_grads": (FP32 if accumulate else c) * last,
                 "reduce_scatter": FP32 * last}
     # The unit in use, the blocks prefetched ahead (their all-gather outputs: a unit's output is
-    # copied into its parameters and freed before the next prefetch is issued) and the root unit.
-    ahead = p.fsdp_prefetch * max(blocks, default=0) if p.data_parallel != "replicate" else 0
-    unsharded = FP32 * sum(units.values()) if accumulate else c * largest
-    return {"gathered": c * (largest + ahead + root), "unsharded_grads": unsharded, "reduce_scatter": FP32 * largest}
+    # copied into its parameters and freed before the next prefetch is issued) and the root unit;
+    # the unit being reduced is a layer's (the embedding's and LM head's reduce outside the layers).
+    block = max(blocks, default=largest)
+    ahead = p.fsdp_prefetch * block if p.data_parallel != "replicate" else 0
+    unsharded = FP32 * sum(units.values()) if accumulate else c * block
+    return {"gathered": c * (block + ahead + root), "unsharded_grads": unsharded, "reduce_scatter": FP32 * block}
 
 
 def sharded_grads_before_backward(cfg: Config) -> bool:
@@ -750,6 +754,7 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
     rises = {s: _chunk_backward_peak(cfg, ranges[s], {})[0] for s in spans}
     releases = {g: max(a.index for a in actions if a.index <= g.span.released) for g in groups}
     dispatch = ep_dispatch_bytes(cfg)
+    backward_dispatch = 0.0 if _recomputes_every_layer(cfg) else dispatch
     out: dict[str, list[dict[str, float]]] = {phase: [] for phase in PHASES}
     before: dict[int, tuple[int, int]] = {}
     for a in actions:
@@ -770,7 +775,7 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
             consumed = one_loss if a.kind == B and a.stage == last else 0.0
             saved = max(prior.saved, after.saved)
             out["backward"].append({**units, "activations": saved + rise, "loss": max(0.0, prior.loss - consumed),
-                                    "reduce_scatter": 0.0, "ep_dispatch": dispatch if a.kind == B else 0.0})
+                                    "reduce_scatter": 0.0, "ep_dispatch": backward_dispatch if a.kind == B else 0.0})
         for g in groups:
             if releases[g] == a.index:
                 out["backward end"].append({**units, "activations": after.saved, "loss": after.loss,
@@ -805,8 +810,15 @@ def phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[str, float]:
         # backward, and consumed its loss's saved gradients.
         terms["activations"] = saved_activation_bytes(cfg, coords.pp) + rise - final_norm_bytes(cfg, coords.pp)
         terms["loss"] = 0.0
-    terms["ep_dispatch"] = ep_dispatch_bytes(cfg)
+    terms["ep_dispatch"] = ep_dispatch_bytes(cfg) if phase == "forward" or not _recomputes_every_layer(cfg) else 0.0
     return terms
+
+
+def _recomputes_every_layer(cfg: Config) -> bool:
+    """Full checkpointing: a MoE layer's backward re-runs its forward, whose dispatched copies are then
+    its recomputed saved tensors (in :func:`backward_peak`'s rise, not again beside it; the A2.7B dry
+    run's rise over its last layer's backward is 16.1 GiB, the layer's tensors and gradients 16.3)."""
+    return cfg.parallel.activation_checkpointing == "full"
 
 
 def rank_breakdown(cfg: Config, coords: Coords, assumptions: Assumptions = Assumptions()) -> Breakdown:
