@@ -50,7 +50,7 @@ PIPELINES = (
 )
 
 
-def _measure(recipe: str, world: int | None, overrides: list[str]) -> list[dict]:
+def measure(recipe: str, world: int | None, overrides: list[str]) -> list[dict]:
     path = ROOT / "recipes" / f"{recipe}.toml"
     cfg = load_config(path, overrides)
     world = world or recipe_hardware(path).world_size
@@ -68,12 +68,15 @@ def _measure(recipe: str, world: int | None, overrides: list[str]) -> list[dict]
              "tokens_per_s_per_gpu": speed, "seconds": seconds} for t in traces]
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| recipe | ranks | layout | schedule | AC | micro-batches | rank (stage) | traced GiB | planned GiB | traced / planned "
+def table(rows: list[dict], extra: tuple[str, ...] = ()) -> str:
+    """The rows as a markdown table; ``extra`` keys become columns after the layout's."""
+    lines = ["| recipe | ranks | layout | schedule | AC | micro-batches | " + "".join(f"{k} | " for k in extra) +
+             "rank (stage) | traced GiB | planned GiB | traced / planned "
              "| TFLOP | sent GiB traced | sent GiB planned | roofline s | predicted tok/s/GPU | dry run s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---" * (16 + len(extra)) + "|"]
     for r in rows:
-        lines.append(f"| {r['recipe']} | {r['world_size']} | {r['layout']} | {r['schedule']} | {r['ac']} | {r['microbatches']} | "
+        lines.append(f"| {r['recipe']} | {r['world_size']} | {r['layout']} | {r['schedule']} | {r['ac']} | "
+                     f"{r['microbatches']} | " + "".join(f"{r[k]} | " for k in extra) +
                      f"{r['rank']} ({r['pp']}) | {r['traced_gib']:.2f} | {r['planned_gib']:.2f} | {r['ratio']:.3f} | "
                      f"{r['tflop']:.0f} | {r['sent_traced_gib']:.3f} | {r['sent_planned_gib']:.3f} | "
                      f"{r['roofline_s']:.2f} | {r['tokens_per_s_per_gpu']:,.0f} | {r['seconds']:.0f} |")
@@ -88,19 +91,19 @@ def _layouts() -> list[tuple[str, int | None, list[str]]]:
     return [(recipe, None, []) for recipe in RECIPES] + list(PIPELINES)
 
 
-def replan(rows: list[dict]) -> list[dict]:
-    """``rows`` (from a full run, in :func:`_layouts`' order) with the current planner's prediction."""
+def replan_rows(rows: list[dict], layouts: list[tuple[str, int | None, list[str]]]) -> list[dict]:
+    """``rows`` (from a full run over ``layouts``, in order) with the current planner's prediction."""
     from meshtron.dryrun import TRACE_ASSUMPTIONS
     from meshtron.plan.memory import Coords, rank_breakdown
 
     out, rest = [], iter(rows)
-    for recipe, _, overrides in _layouts():
+    for recipe, _, overrides in layouts:
         cfg = load_config(ROOT / "recipes" / f"{recipe}.toml", overrides)
         for _ in range(cfg.parallel.pp):  # the stored layouts have one distinct rank per stage
             row = dict(next(rest))
             if (row["recipe"], row["layout"], row["schedule"]) != (recipe, layout_text(cfg), cfg.parallel.schedule):
-                raise SystemExit(f"dry_run.json does not follow this script's layouts at {row['recipe']} {row['layout']}: "
-                                 "run it without --replan")
+                raise SystemExit(f"the stored rows do not follow this script's layouts at {row['recipe']} "
+                                 f"{row['layout']}: run it without --replan")
             planned = rank_breakdown(cfg, Coords(pp=row["pp"]), TRACE_ASSUMPTIONS).total / 2**30
             out.append({**row, "overrides": overrides, "planned_gib": planned, "ratio": row["traced_gib"] / planned})
     return out
@@ -109,9 +112,9 @@ def replan(rows: list[dict]) -> list[dict]:
 def main() -> None:
     out = ROOT / "benchmarks" / "results"
     if "--replan" in sys.argv:
-        rows = replan(json.loads((out / "dry_run.json").read_text()))
+        rows = replan_rows(json.loads((out / "dry_run.json").read_text()), _layouts())
     else:
-        rows = [row for recipe, world, overrides in _layouts() for row in _measure(recipe, world, overrides)]
+        rows = [row for recipe, world, overrides in _layouts() for row in measure(recipe, world, overrides)]
     (out / "dry_run.json").write_text(json.dumps(rows, indent=1))
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
     text = (

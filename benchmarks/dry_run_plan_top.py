@@ -1,0 +1,72 @@
+"""meshtron.plan's own choices held to the dry run: for Qwen2.5-7B, Qwen2.5-72B and Qwen2-57B-A14B on 8, 64
+and 512 GPUs (8 per node, 80 GB), the planner's top three layouts (``rank_layouts``: fitting ones first,
+by predicted throughput), each traced rank by rank on fake tensors as ``--dry-run`` does.
+
+    PYTHONPATH=. python benchmarks/dry_run_plan_top.py            # ~30-40 minutes on 2 cores
+    PYTHONPATH=. python benchmarks/dry_run_plan_top.py --replan   # seconds: the planned columns only
+
+Writes benchmarks/results/dry_run_plan_top.json and .md (columns as in ``dry_run_recipes.py``, plus the
+layout's place in the planner's ranking and whether it predicted a fit).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dry_run_recipes import ROOT, measure, replan_rows, table  # noqa: E402
+
+from meshtron.config import load_config  # noqa: E402
+from meshtron.plan.recipes import recipe_hardware  # noqa: E402
+from meshtron.plan.search import rank_layouts  # noqa: E402
+
+RECIPES = ("qwen2p5_7b", "qwen2p5_72b", "qwen2_57b_a14b")
+GPUS = (8, 64, 512)
+TOP = 3
+
+
+def top_layouts(recipe: str, gpus: int) -> list[tuple[int, bool, list[str]]]:
+    """(place in the ranking, predicted to fit, the overrides selecting it) of the planner's first three."""
+    path = ROOT / "recipes" / f"{recipe}.toml"
+    plans = rank_layouts(load_config(path), gpus, recipe_hardware(path).hardware())
+    return [(place, plan.fits, plan.overrides().split()) for place, plan in enumerate(plans[:TOP], 1)]
+
+
+def main() -> None:
+    out = ROOT / "benchmarks" / "results"
+    layouts = [(recipe, gpus, *top) for recipe in RECIPES for gpus in GPUS for top in top_layouts(recipe, gpus)]
+    if "--replan" in sys.argv:
+        rows = replan_rows(json.loads((out / "dry_run_plan_top.json").read_text()),
+                           [(recipe, gpus, overrides) for recipe, gpus, _, _, overrides in layouts])
+    else:
+        rows = []
+        for recipe, gpus, place, fits, overrides in layouts:
+            rows += [{**row, "place": place, "fits": fits} for row in measure(recipe, gpus, overrides)]
+            write(out, rows)
+    write(out, rows)
+
+
+def write(out: Path, rows: list[dict]) -> None:
+    """The json and the table of ``rows`` (rewritten after every layout: a long run leaves what it traced)."""
+    (out / "dry_run_plan_top.json").write_text(json.dumps(rows, indent=1))
+    worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
+    text = (
+        "# meshtron.plan's top three layouts against the dry run\n\n"
+        "For each recipe and GPU count (8 per node, 80 GB), `meshtron.plan`'s first three layouts (`place`: "
+        "their rank in its list, fitting layouts first; `fits`: whether it predicted they fit), each traced "
+        "rank by rank with `--dry-run` on fake tensors. Columns as in `dry_run.md`. Written by "
+        "`benchmarks/dry_run_plan_top.py` on a 2-core CPU machine.\n\n"
+        f"{table(rows, extra=('place', 'fits'))}\n\n"
+        f"Furthest from 1: {worst['recipe']} on {worst['world_size']} GPUs, {worst['layout']} "
+        f"{worst['schedule']} rank {worst['rank']}: {worst['ratio']:.3f}; "
+        f"{sum(abs(r['ratio'] - 1) <= 0.05 for r in rows)} of {len(rows)} ranks within 5 %.\n"
+    )
+    (out / "dry_run_plan_top.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
