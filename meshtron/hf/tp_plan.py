@@ -90,7 +90,9 @@ class _HiddenStatesInput(ParallelStyle):
     whose gradient, complete or a part on each rank, is decided on the first backward like those
     parameters' (:class:`TpGradient` "infer"). ``(Replicate(), Shard(1), local=True)``: keep this
     rank's part of the sequence (a slice; its backward all-gathers the gradient), whatever other
-    arguments follow.
+    arguments follow. A ``local`` result that comes back passes unchanged: activation checkpointing
+    (applied after tp) saves layer 0's input as this hook made it, the slice, and replays the layer on
+    it in backward, hooks included, so the replay must not slice the slice.
     """
 
     def __init__(self, sp: bool, layout: Placement | None = None, desired: Placement = Replicate(), local: bool = False):
@@ -101,11 +103,15 @@ class _HiddenStatesInput(ParallelStyle):
         shared: dict[str, tuple[torch.Tensor, DTensor]] = {}
 
         def redistribute(x):
+            if getattr(x, "redistributed_by", None) is self:  # a checkpoint's replay of the module
+                return x
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, mesh, [self.layout], run_check=False)
             x = x.redistribute(mesh, [self.desired])
             if self.local:
-                return x.to_local()
+                local = x.to_local()
+                local.redistributed_by = self
+                return local
             view = x.to_local()
             shared["input"] = (view, x)
             return view
