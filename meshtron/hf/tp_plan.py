@@ -221,17 +221,10 @@ def _style(style: str, name: str, module: nn.Module, heads: _Heads, tp: int, sp:
     raise AssertionError(f"unchecked tp plan style '{style}' for '{name}'")  # _base_plan validates styles
 
 
-def _exists(layer: nn.Module, rel: str) -> bool:
+def _exists(layer: nn.Module, rel: str, parameter: bool = False) -> bool:
+    """Whether ``layer`` has the submodule (with ``parameter``: the parameter) at path ``rel``."""
     try:
-        layer.get_submodule(rel)
-    except AttributeError:
-        return False
-    return True
-
-
-def _is_parameter(layer: nn.Module, rel: str) -> bool:
-    try:
-        layer.get_parameter(rel)
+        (layer.get_parameter if parameter else layer.get_submodule)(rel)
     except AttributeError:
         return False
     return True
@@ -261,7 +254,7 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
         if "experts" in parts:
             continue
         if not _exists(layer, rel):
-            if _is_parameter(layer, rel):
+            if _exists(layer, rel, parameter=True):
                 raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' ('{style}') names a parameter, "
                                   "not a module; per-parameter plan entries are not supported.")
             continue
