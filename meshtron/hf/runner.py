@@ -1,4 +1,6 @@
-"""Training a transformers model from a recipe: ``[model] hf_model = "folder"``.
+"""Training a transformers model from a recipe: ``[model] hf_model = "folder"``; and :func:`build_runner`,
+the recipe's runner for either kind of model (the trainer's and the dry run's; here because ``parallel``
+cannot import ``hf``).
 
 The folder's ``config.json`` defines the architecture (the recipe's other ``[model]`` keys are not
 used for it; :func:`with_hf_model` copies the sizes the layout checks, the memory estimate and the
@@ -27,6 +29,7 @@ from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.parallelize import parallelize_hf_model
 from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.mesh import batch_mesh
+from meshtron.models import build_model
 from meshtron.parallel.grad_norm import clip_grad_norm_
 from meshtron.parallel.runner import Runners, build_step_runner
 from meshtron.parallel.step import Runner, full_state_dict, global_token_count, reduces_gradients
@@ -182,9 +185,15 @@ def _pipeline_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) 
 HF_RUNNERS = Runners(step=_step_runner, pipeline=_pipeline_runner)
 
 
-def build_hf_runner(cfg: Config, mesh, device: torch.device) -> Runner:
-    """The recipe's transformers model, parallelized over ``mesh``, as its layout's step runner."""
-    return build_step_runner(build_hf_model(cfg, device), mesh, cfg, device, HF_RUNNERS)
+def build_runner(cfg: Config, mesh, device: torch.device) -> Runner:
+    """The recipe's model as its layout's step runner (the trainer's and the dry run's): meshtron's own
+    model built on the meta device, or with ``[model] hf_model`` the folder's transformers model; either
+    way :func:`~meshtron.parallel.runner.build_step_runner` picks the runner."""
+    if cfg.model.hf_model:
+        return build_step_runner(build_hf_model(cfg, device), mesh, cfg, device, HF_RUNNERS)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    return build_step_runner(model, mesh, cfg, device)
 
 
 def export_hf_model(runner: Runner, cfg: Config, folder: str) -> None:
@@ -198,4 +207,4 @@ def export_hf_model(runner: Runner, cfg: Config, folder: str) -> None:
     dist.barrier()
 
 
-__all__ = ["HF_RUNNERS", "HFStepRunner", "build_hf_model", "build_hf_runner", "export_hf_model", "hf_model_config", "with_hf_model"]
+__all__ = ["HF_RUNNERS", "HFStepRunner", "build_hf_model", "build_runner", "export_hf_model", "hf_model_config", "with_hf_model"]
