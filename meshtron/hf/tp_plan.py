@@ -8,8 +8,8 @@ sequence), KV heads replicated when tp is a multiple of ``num_key_value_heads``
 (``ReplicatedKVHeads``, each attention's ``num_key_value_groups`` set to its local ratio), MLA's rope
 key gradient summed over tp (:class:`_SharedRopeKey`), the MoE shared expert split like a dense MLP,
 and every parameter no entry splits replicated with its gradient decided on the first backward
-(:func:`replicate_plain_params`). :func:`apply_hf_tensor_parallel` is the entry;
-:mod:`meshtron.hf.parallelize` composes it with the other dimensions.
+(:func:`replicate_plain_params`). :func:`apply_hf_tensor_parallel` is the entry, the tp step of
+:class:`meshtron.hf.parallelize.HFSteps` in :func:`meshtron.parallel.compose.compose`'s order.
 """
 
 from __future__ import annotations
