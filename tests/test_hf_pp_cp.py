@@ -243,6 +243,8 @@ def check_errors(_tmp: str) -> None:
         parallelize_hf_model(_model("llama", output_router_logits=True), pp, microbatches=2)
     with pytest.raises(ConfigError, match="num_hidden_layers = 4 is fewer than pp \\* virtual_stages = 8"):
         parallelize_hf_model(_model("llama"), pp, schedule="interleaved", microbatches=2, virtual_stages=4)
+    with pytest.raises(ConfigError, match="pass the stage model that parallelize_hf_model returns"):
+        HFPipelineRunner(_model("llama"), pp)  # a whole model, not cut to a stage
 
 
 def test_hf_pp_cp_4_ranks(tmp_path):
