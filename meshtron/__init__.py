@@ -3,10 +3,12 @@
 from meshtron.config import Config, ConfigError, load_config
 from meshtron.mesh import build_mesh
 from meshtron.hf.parallelize import load_hf_checkpoint, parallelize_hf_model, save_hf_checkpoint
+from meshtron.hf.pipeline import HFPipelineRunner
 
 __all__ = [
     "Config",
     "ConfigError",
+    "HFPipelineRunner",
     "build_mesh",
     "load_config",
     "load_hf_checkpoint",

@@ -231,18 +231,6 @@ def distinct_ranks(cfg: Config) -> list[int]:
     return [stage * per_stage for stage in range(p.pp)]
 
 
-def _runner(cfg: Config, mesh, device: torch.device):
-    from meshtron.hf.runner import build_hf_runner
-    from meshtron.models import build_model
-    from meshtron.parallel.runner import build_step_runner
-
-    if cfg.model.hf_model:
-        return build_hf_runner(cfg, mesh, device)
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    return build_step_runner(model, mesh, cfg, device)
-
-
 def _local_batch(cfg: Config, mesh, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows of the global batch, as the data loader gives them (values never read)."""
     rows = cfg.train.global_batch_size // batch_mesh(mesh).size()
@@ -256,6 +244,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
     assumed ``routing`` (``meshtron.host.ROUTINGS``), its roofline on ``hw``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from meshtron.hf.runner import build_runner
     from meshtron.optim import build_optimizer
 
     start = time.perf_counter()
@@ -265,7 +254,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
         coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
         device = torch.device(env.device_type())
         with simulated(routing):
-            runner = _runner(cfg, mesh, device)
+            runner = build_runner(cfg, mesh, device)
             with fake_tensors():
                 optimizer = build_optimizer(runner.module, cfg.train)
                 ids, labels = _local_batch(cfg, mesh, device)

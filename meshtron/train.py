@@ -38,13 +38,13 @@ from meshtron.checkpoint import (
 )
 from meshtron.config import Config, ConfigError, config_to_dict, infer_dp, load_config, model_differences
 from meshtron.hf import CheckpointError, save_hf
-from meshtron.hf.runner import build_hf_runner, export_hf_model, with_hf_model
+from meshtron.hf.runner import build_runner, export_hf_model, with_hf_model
 from meshtron.host import ROUTINGS
 from meshtron.data import SourceSpec, to_device
 from meshtron.mesh import batch_mesh, group_names, init_default_group, recipe_mesh
 from meshtron.parallel.layout import validate_layout
 from meshtron.metrics import MetricsLogger, StepProfiler, peak_flops_per_device
-from meshtron.models import build_model, flops_per_token
+from meshtron.models import flops_per_token
 from meshtron.models.moe import MoE
 from meshtron.models.qwen2 import Block
 from meshtron.optim import build_optimizer, lr_at, set_lr
@@ -256,7 +256,6 @@ def _install_stall(trainer: "Trainer") -> None:
 class Trainer:
     def __init__(self, cfg: Config, mesh):
         from meshtron.data import TokenDataset
-        from meshtron.parallel.runner import build_step_runner
 
         self.cfg, self.mesh = cfg, mesh
         self.batch_mesh = batch_mesh(mesh)
@@ -269,12 +268,7 @@ class Trainer:
         if cfg.data.eval_source:
             with naming_eval_source():
                 self.eval_dataset = TokenDataset.open(cfg, sources=[eval_source(cfg)], progress=sys.stdout)
-        if cfg.model.hf_model:
-            self.runner = build_hf_runner(cfg, mesh, self.device)
-        else:
-            with torch.device("meta"):
-                model = build_model(cfg.model)
-            self.runner = build_step_runner(model, mesh, cfg, self.device)
+        self.runner = build_runner(cfg, mesh, self.device)
         self.optimizer = build_optimizer(self.runner.module, cfg.train)
         self.start_step = self._restore()
         self.logger = MetricsLogger(cfg.train.output_dir, cfg.train.steps, self.rank == 0, self.start_step,

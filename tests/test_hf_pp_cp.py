@@ -30,11 +30,10 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshtron import parallelize_hf_model
+from meshtron import HFPipelineRunner, parallelize_hf_model
 from meshtron.config import ConfigError
 from meshtron.hf.context import RING, next_token_labels
 from meshtron.hf.discover import hf_parts
-from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.mesh import batch_mesh
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.pipeline.schedules import VIRTUAL
@@ -199,8 +198,9 @@ def check_pipeline(_tmp: str) -> None:
         microbatches = 4 // batch_mesh(mesh).size()
         ref_loss, grads = _reference(arch, ids, labels, _global_microbatches(mesh, microbatches))
         virtual = 2 if options["schedule"] in VIRTUAL else 1
-        runner = parallelize_hf_model(_model(arch), mesh, microbatches=microbatches, virtual_stages=virtual, **options)
-        assert isinstance(runner, HFPipelineRunner), where
+        stage = parallelize_hf_model(_model(arch), mesh, microbatches=microbatches, virtual_stages=virtual, **options)
+        runner = HFPipelineRunner(stage, mesh)
+        assert runner.module is stage, where
         whole = whole_weight_passes(runner.executor)
         loss = runner.forward_backward(_rows(ids, mesh), _rows(next_token_labels(labels), mesh))
         assert not whole, f"{where}: W re-ran the whole backward for {whole}"
@@ -243,6 +243,8 @@ def check_errors(_tmp: str) -> None:
         parallelize_hf_model(_model("llama", output_router_logits=True), pp, microbatches=2)
     with pytest.raises(ConfigError, match="num_hidden_layers = 4 is fewer than pp \\* virtual_stages = 8"):
         parallelize_hf_model(_model("llama"), pp, schedule="interleaved", microbatches=2, virtual_stages=4)
+    with pytest.raises(ConfigError, match="pass the stage model that parallelize_hf_model returns"):
+        HFPipelineRunner(_model("llama"), pp)  # a whole model, not cut to a stage
 
 
 def test_hf_pp_cp_4_ranks(tmp_path):

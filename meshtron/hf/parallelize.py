@@ -66,13 +66,14 @@ from meshtron.hf.context import apply_hf_context_parallel
 from meshtron.hf.experts import adopt_router_scaled_blocks, apply_hf_expert_parallel, hf_expert_modules
 from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.loss import global_aux_loss, hf_loss_function
-from meshtron.hf.pipeline import HFPipelineRunner
+from meshtron.hf.pipeline import cut_to_stage, run_as_stage
 from meshtron.hf.slices import load_sharded_weights
 from meshtron.hf.tp_plan import apply_hf_tensor_parallel, replicate_plain_params
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.models.loss import DEFAULT_CHUNK_TOKENS
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.checkpointing import checkpointed_layers
+from meshtron.parallel.compose import compose
 from meshtron.parallel.data import data_meshes, even_shard_dim, mixed_precision, wrap_data_parallel
 
 
@@ -82,14 +83,6 @@ def _no_cache_in_training(model, args, kwargs):
     if model.training:
         return args, {**kwargs, "use_cache": False, "past_key_values": None}
     return None
-
-
-def _apply_ac(model: nn.Module, parts: HFParts, mode: str, every: int) -> None:
-    layers = dict(parts.block_items())
-    for index in checkpointed_layers(list(layers), mode, every):
-        checkpoint(layers[index])
-    if mode != "none":
-        model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
 
 
 def _apply_dp(model: nn.Module, parts: HFParts, mesh: DeviceMesh, mode: str, dtype: str,
@@ -114,6 +107,64 @@ def _apply_dp(model: nn.Module, parts: HFParts, mesh: DeviceMesh, mode: str, dty
     wrap_data_parallel(model, dense_mesh, mode, policy)
 
 
+class HFSteps:
+    """:class:`~meshtron.parallel.compose.Steps` for a transformers model (the whole model, or a pipeline
+    stage's), composed in :func:`~meshtron.parallel.compose.compose`'s order like meshtron's own models."""
+
+    def __init__(self, mesh: DeviceMesh, sp: bool, data_parallel: str, ac: str, ac_every: int, dtype: str,
+                 cp_comm: tuple[str, int], shard_inputs: bool):
+        self.mesh, self.sp, self.data_parallel, self.dtype = mesh, sp, data_parallel, dtype
+        self.ac, self.ac_every, self.cp_comm, self.shard_inputs = ac, ac_every, cp_comm, shard_inputs
+        self.tp_mesh = mesh["tp"]
+        self.experts: list[nn.Module] = []
+
+    def setup(self, model: nn.Module) -> None:
+        """The bias-free head becomes meshtron's fused one; the fused experts are found (before tp splits
+        the blocks around them)."""
+        self.parts = hf_parts(model)
+        _as_meshtron_head(self.parts.head)
+        ep = expert_split(self.mesh).ep
+        self.expert_modules = hf_expert_modules(model, ep) if ep > 1 or self.tp_mesh.size() > 1 else {}
+        if ep > 1 and not self.expert_modules:
+            raise ConfigError(f"parallelize_hf_model: ep = {ep} needs a MoE model with fused experts; "
+                              f"{type(model).__name__} has none. Use ep = 1.")
+        adopt_router_scaled_blocks(model, self.expert_modules)
+
+    def tensor(self, model: nn.Module) -> None:
+        if self.tp_mesh.size() > 1:
+            apply_hf_tensor_parallel(model, self.parts, self.tp_mesh, self.sp)
+
+    def expert(self, model: nn.Module) -> None:
+        """The experts split over ep; then every parameter tp left plain becomes a Replicate DTensor."""
+        self.experts = apply_hf_expert_parallel(model, self.mesh, self.expert_modules)
+        if self.tp_mesh.size() > 1:
+            replicate_plain_params(model, self.parts, self.tp_mesh, self.experts)
+
+    def context(self, model: nn.Module) -> None:
+        if self.mesh["cp"].size() > 1:
+            apply_hf_context_parallel(model, self.mesh, self.shard_inputs, *self.cp_comm)
+
+    def checkpointing(self, model: nn.Module) -> None:
+        layers = dict(self.parts.block_items())
+        for index in checkpointed_layers(list(layers), self.ac, self.ac_every):
+            checkpoint(layers[index])
+        if self.ac != "none":
+            model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+
+    def compile(self, model: nn.Module) -> None:
+        """transformers models run eagerly: ``[parallel] compile`` applies to meshtron's own models."""
+
+    def data(self, model: nn.Module) -> None:
+        """The loss and aux loss of the global batch (:mod:`meshtron.hf.loss`), then the data-parallel units."""
+        data_mesh = dense_data_mesh(self.mesh)
+        model.loss_function = hf_loss_function(data_mesh)
+        if data_mesh.size() > 1:
+            model.register_forward_hook(global_aux_loss(data_mesh), with_kwargs=True)
+        # Experts also sum gradients over their edp ranks, which include tp ranks holding other tokens.
+        if data_mesh.size() > 1 or (self.experts and expert_data_mesh(self.mesh).size() > 1):
+            _apply_dp(model, self.parts, self.mesh, self.data_parallel, self.dtype, self.experts)
+
+
 def parallelize_hf_model(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -127,8 +178,9 @@ def parallelize_hf_model(
     virtual_stages: int = 1,
     cp_comm_type: str = "p2p",
     cp_a2a_size: int = 0,
-):
-    """Parallelize a transformers decoder-only ``*ForCausalLM`` in place over ``mesh`` (from ``build_mesh``).
+) -> nn.Module:
+    """Parallelize a transformers decoder-only ``*ForCausalLM`` in place over ``mesh`` (from ``build_mesh``)
+    and return it.
 
     tp shards the layers by the model's ``base_model_tp_plan``, or one inferred from its module types (plus vocab-parallel embedding/lm_head,
     the MoE shared expert and optional SP); MoE experts are split over ep by ``base_model_ep_plan`` and
@@ -139,7 +191,8 @@ def parallelize_hf_model(
     when the data mesh has more than one rank). Works on meta-device models (then ``to_empty`` and
     :func:`meshtron.hf.load_sharded_weights`, as :func:`load_hf_checkpoint` does). Each rank of dp x ep
     passes its own part of the batch; ``.loss`` (and ``.aux_loss``) are the global batch's and
-    ``.logits`` a vocab-sharded DTensor.
+    ``.logits`` a vocab-sharded DTensor. The dimensions compose in :mod:`meshtron.parallel.compose`'s
+    order, as for meshtron's own models.
 
     cp > 1 (:mod:`meshtron.hf.context`): attention runs as meshtron's ring attention; each data rank
     passes whole sequences (length a multiple of 2 x cp, no ``attention_mask``) and the model keeps
@@ -147,50 +200,19 @@ def parallelize_hf_model(
     ``cp_comm_type`` (``p2p``, ``a2a``, ``allgather``, ``a2a+p2p``) and ``cp_a2a_size`` are
     ``[parallel]``'s keys of the same names.
 
-    pp > 1 (:mod:`meshtron.hf.pipeline`): the model is pruned in place to this rank's stage(s) and an
-    :class:`~meshtron.hf.pipeline.HFPipelineRunner` is returned instead (``schedule`` ``1f1b``,
-    ``interleaved`` or ``gpipe``, ``microbatches``, ``virtual_stages``); its
-    ``forward_backward(input_ids, next_token_labels)`` runs a step, its ``module`` is the stage model.
+    pp > 1 (:mod:`meshtron.hf.pipeline`): the model is pruned in place to this rank's stage(s) (for
+    ``schedule`` ``1f1b``, ``interleaved``, ``gpipe`` ..., ``microbatches``, ``virtual_stages``) and that
+    stage model is returned; ``HFPipelineRunner(model, mesh)`` runs its steps
+    (``forward_backward(input_ids, next_token_labels)``).
     """
     hf_parts(model)  # a layout we can find the pieces of
-
-    def stage(module: nn.Module) -> nn.Module:
-        return _parallelize(module, mesh, sp, data_parallel, ac, ac_every, dtype, (cp_comm_type, cp_a2a_size),
-                            shard_inputs=mesh["pp"].size() == 1)
-
-    if mesh["pp"].size() > 1:
-        return HFPipelineRunner(model, mesh, stage, schedule, microbatches, virtual_stages, sp, dtype)
-    return stage(model)
-
-
-def _parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool, data_parallel: str, ac: str, ac_every: int, dtype: str,
-                 cp_comm: tuple[str, int], shard_inputs: bool) -> nn.Module:
-    """Every dimension but pp, in place (a pipeline stage's model, or the whole model)."""
-    parts = hf_parts(model)
-    _as_meshtron_head(parts.head)
-    ep, tp_mesh = expert_split(mesh).ep, mesh["tp"]
-    expert_modules = hf_expert_modules(model, ep) if ep > 1 or tp_mesh.size() > 1 else {}
-    if ep > 1 and not expert_modules:
-        raise ConfigError(f"parallelize_hf_model: ep = {ep} needs a MoE model with fused experts; "
-                          f"{type(model).__name__} has none. Use ep = 1.")
-    adopt_router_scaled_blocks(model, expert_modules)
-    # Checkpointing first: its hook must see layer 0's full input, before SP's slicing hook, so the
-    # recomputation slices it again rather than slicing the slice.
-    _apply_ac(model, parts, ac, ac_every)
-    if tp_mesh.size() > 1:
-        apply_hf_tensor_parallel(model, parts, tp_mesh, sp)
-    experts = apply_hf_expert_parallel(model, mesh, expert_modules)
-    if tp_mesh.size() > 1:
-        replicate_plain_params(model, parts, tp_mesh, experts)
-    if mesh["cp"].size() > 1:
-        apply_hf_context_parallel(model, mesh, shard_inputs, *cp_comm)
-    data_mesh = dense_data_mesh(mesh)
-    model.loss_function = hf_loss_function(data_mesh)
-    if data_mesh.size() > 1:
-        model.register_forward_hook(global_aux_loss(data_mesh), with_kwargs=True)
-    # Experts also sum gradients over their edp ranks, which include tp ranks holding other tokens.
-    if data_mesh.size() > 1 or (experts and expert_data_mesh(mesh).size() > 1):
-        _apply_dp(model, parts, mesh, data_parallel, dtype, experts)
+    pipelined = mesh["pp"].size() > 1
+    if pipelined:
+        cut_to_stage(model, mesh, schedule, microbatches, virtual_stages, sp, dtype)
+    compose(model, HFSteps(mesh, sp, data_parallel, ac, ac_every, dtype, (cp_comm_type, cp_a2a_size),
+                           shard_inputs=not pipelined))
+    if pipelined:
+        run_as_stage(model)
     return model
 
 

@@ -13,9 +13,11 @@ The HF path adds only what is model-specific; the rest is :mod:`meshtron.paralle
   chunk, a range of blocks with the causal or sliding-window mask transformers builds for them,
   norm + head + summed token loss on the last), called through the model itself so that the hooks
   on it (FSDP's root unit, activation checkpointing's) run for every chunk;
-* tp, activation checkpointing, cp (ring attention, :mod:`meshtron.hf.context`), ep (fused experts
-  dispatched over the stage's ep ranks, :mod:`meshtron.hf.experts`) and FSDP/replicate over the data
-  meshes apply inside a stage exactly as without a pipeline (``parallelize_stage``);
+* tp, ep (fused experts dispatched over the stage's ep ranks, :mod:`meshtron.hf.experts`), cp (ring
+  attention, :mod:`meshtron.hf.context`), activation checkpointing and FSDP/replicate over the data
+  meshes apply inside a stage exactly as without a pipeline: ``parallelize_hf_model`` cuts the model
+  (:func:`cut_to_stage`), composes the other dimensions on the stage and returns it;
+  :class:`HFPipelineRunner` runs it;
 * schedules (1F1B, interleaved 1F1B, GPipe), the executor, micro-batching, the global token count,
   cp sharding of the micro-batches, tied-embedding gradient sums and the gradient norm over stages
   are :class:`~meshtron.parallel.pipeline.runner.PipelineRunner`'s, reused as they are;
@@ -39,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
-from collections.abc import Callable
 from types import MethodType
 
 import torch
@@ -202,31 +203,60 @@ def _compute_dtype(model: nn.Module, mesh: DeviceMesh, dtype: str) -> str:
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
+@dataclasses.dataclass(frozen=True)
+class HFStage:
+    """What :class:`HFPipelineRunner` needs of a stage model that :func:`cut_to_stage` cut: the layout,
+    ``{global stage: block range}`` of this rank's chunks, whether embedding and head share a weight,
+    and the boundary tensors' (hidden size, dtype)."""
+    parallel: ParallelConfig
+    chunks: dict[int, range]
+    tied: bool
+    boundary: tuple[int, str]
+
+
+_STAGE = "_meshtron_hf_stage"
+
+
+def cut_to_stage(model: nn.Module, mesh: DeviceMesh, schedule: str, microbatches: int, virtual_stages: int,
+                 sp: bool, dtype: str) -> None:
+    """Check the pipelined layout (before any collective) and prune ``model`` in place to this pp-rank's
+    stage(s), recording its :class:`HFStage`; the other dimensions are applied after."""
+    p = ParallelConfig(pp=mesh["pp"].size(), cp=mesh["cp"].size(), tp=mesh["tp"].size(), sp=sp,
+                       schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages)
+    _check_hf_pipeline(model, mesh, p)
+    parts = hf_parts(model)
+    tied = parts.embed.weight is parts.head.weight
+    boundary = (model.config.hidden_size, _compute_dtype(model, mesh, dtype))
+    chunks = prune_hf_to_stage(model, mesh["pp"].get_local_rank(), p.pp, p.virtual_stages, p.schedule in V_SHAPED)
+    setattr(model, _STAGE, HFStage(p, chunks, tied, boundary))
+
+
+def run_as_stage(model: nn.Module) -> None:
+    """The parallelized stage model's forward becomes one chunk's (the whole-model forward cannot run on a stage)."""
+    model.forward = MethodType(_stage_forward, model)
+
+
 class HFPipelineRunner(PipelineRunner):
     """The pipelined step runner for a transformers causal LM (``mesh['pp'] > 1``).
 
-    ``forward_backward(input_ids, labels)`` takes this data rank's whole sequences and their
-    next-token targets (``labels[:, t]`` is the token after position ``t``; -100 ignored), runs
-    ``microbatches`` micro-batches through the schedule and accumulates the gradients of the global
-    mean token loss; it returns that loss on every rank. ``module`` is this rank's stage model.
+    ``model`` is the stage model ``parallelize_hf_model`` returns with pp > 1 (its schedule, micro-batches
+    and virtual stages are the ones given there). ``forward_backward(input_ids, labels)`` takes this data
+    rank's whole sequences and their next-token targets (``labels[:, t]`` is the token after position
+    ``t``; -100 ignored), runs ``microbatches`` micro-batches through the schedule and accumulates the
+    gradients of the global mean token loss; it returns that loss on every rank. ``module`` is
+    ``model``, this rank's stage.
     """
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, parallelize_stage: Callable[[nn.Module], nn.Module],
-                 schedule: str = "1f1b", microbatches: int = 1, virtual_stages: int = 1, sp: bool = False,
-                 dtype: str = "float32"):
-        p = ParallelConfig(pp=mesh["pp"].size(), cp=mesh["cp"].size(), tp=mesh["tp"].size(), sp=sp,
-                           schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages)
-        _check_hf_pipeline(model, mesh, p)  # before any collective
+    def __init__(self, model: nn.Module, mesh: DeviceMesh):
+        stage = model.__dict__.get(_STAGE)
+        if stage is None:
+            raise ConfigError("HFPipelineRunner: pass the stage model that parallelize_hf_model returns for a mesh "
+                              "with pp > 1.")
+        p = stage.parallel
+        chunks = {s: HFStageChunk(model, s, r, p.pp * p.virtual_stages) for s, r in stage.chunks.items()}
         parts = hf_parts(model)
-        tied = parts.embed.weight is parts.head.weight
-        boundary = (model.config.hidden_size, _compute_dtype(model, mesh, dtype))
-        stages = prune_hf_to_stage(model, mesh["pp"].get_local_rank(), p.pp, p.virtual_stages, p.schedule in V_SHAPED)
-        parallelize_stage(model)
-        model.forward = MethodType(_stage_forward, model)  # the whole-model forward cannot run on a stage
-        chunks = {s: HFStageChunk(model, s, r, p.pp * p.virtual_stages) for s, r in stages.items()}
-        parts = hf_parts(model)
-        self._start(model, chunks, mesh, p, boundary, env.local_device(), (parts.embed, parts.head) if tied else None,
-                    has_moe=False)
+        self._start(model, chunks, mesh, p, stage.boundary, env.local_device(),
+                    (parts.embed, parts.head) if stage.tied else None, has_moe=False)
         if getattr(model.config, "output_router_logits", False):
             self.relay = PipelineRouterLoss(model, self.data_group, self.device)
 
@@ -248,4 +278,4 @@ class HFPipelineRunner(PipelineRunner):
         return self.relay.attach(out, logits, stage, mb, self.chunks[stage].is_last)
 
 
-__all__ = ["HFPipelineRunner", "HFStageChunk", "prune_hf_to_stage"]
+__all__ = ["HFPipelineRunner", "HFStage", "HFStageChunk", "cut_to_stage", "prune_hf_to_stage", "run_as_stage"]

@@ -1,11 +1,14 @@
-"""Training a transformers model from a recipe: ``[model] hf_model = "folder"``.
+"""Training a transformers model from a recipe: ``[model] hf_model = "folder"``; and :func:`build_runner`,
+the recipe's runner for either kind of model (the trainer's and the dry run's; here because ``parallel``
+cannot import ``hf``).
 
 The folder's ``config.json`` defines the architecture (the recipe's other ``[model]`` keys are not
 used for it; :func:`with_hf_model` copies the sizes the layout checks, the memory estimate and the
 FLOP count read). Weights come from the folder's safetensors when it has any, else from the model's
 own initialisation seeded with ``[train] seed``. The runner implements the trainer's
 :class:`~meshtron.parallel.step.Runner` interface: :class:`HFStepRunner` without a pipeline, the
-:class:`~meshtron.hf.pipeline.HFPipelineRunner` with one; both through :func:`parallelize_hf_model`.
+:class:`~meshtron.hf.pipeline.HFPipelineRunner` with one; both on :func:`parallelize_hf_model`'s model,
+chosen by :func:`~meshtron.parallel.runner.build_step_runner` from :data:`HF_RUNNERS` as for native models.
 Checkpoints are meshtron's (DCP, any layout); ``export_hf`` writes the model's own transformers folder.
 """
 
@@ -24,8 +27,11 @@ from meshtron.host import fake_tensors, simulating
 from meshtron.hf.discover import key_value_heads
 from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.parallelize import parallelize_hf_model
+from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.mesh import batch_mesh
+from meshtron.models import build_model
 from meshtron.parallel.grad_norm import clip_grad_norm_
+from meshtron.parallel.runner import Runners, build_step_runner
 from meshtron.parallel.step import Runner, full_state_dict, global_token_count, reduces_gradients
 
 
@@ -159,16 +165,35 @@ class HFStepRunner:
         return full_state_dict(self.module)
 
 
-def build_hf_runner(cfg: Config, mesh, device: torch.device) -> Runner:
-    """The recipe's transformers model, parallelized over ``mesh``, as a step runner."""
+def _options(cfg: Config) -> dict:
+    """:func:`parallelize_hf_model`'s options from the recipe's keys."""
     p = cfg.parallel
-    options = dict(sp=p.sp, data_parallel=p.data_parallel, ac=p.activation_checkpointing, ac_every=p.ac_every,
-                   dtype=cfg.train.dtype, cp_comm_type=p.cp_comm_type, cp_a2a_size=p.cp_a2a_size)
-    model = build_hf_model(cfg, device)
-    if p.pp > 1:
-        return parallelize_hf_model(model, mesh, schedule=p.schedule, microbatches=p.microbatches,
-                                    virtual_stages=p.virtual_stages, **options)
-    return HFStepRunner(parallelize_hf_model(model, mesh, **options), mesh, cfg)
+    return dict(sp=p.sp, data_parallel=p.data_parallel, ac=p.activation_checkpointing, ac_every=p.ac_every,
+                dtype=cfg.train.dtype, schedule=p.schedule, microbatches=p.microbatches,
+                virtual_stages=p.virtual_stages, cp_comm_type=p.cp_comm_type, cp_a2a_size=p.cp_a2a_size)
+
+
+def _step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> Runner:
+    return HFStepRunner(parallelize_hf_model(model, mesh, **_options(cfg)), mesh, cfg)
+
+
+def _pipeline_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> Runner:
+    return HFPipelineRunner(parallelize_hf_model(model, mesh, **_options(cfg)), mesh)
+
+
+# build_step_runner's choice for a transformers model (built whole by build_hf_model).
+HF_RUNNERS = Runners(step=_step_runner, pipeline=_pipeline_runner)
+
+
+def build_runner(cfg: Config, mesh, device: torch.device) -> Runner:
+    """The recipe's model as its layout's step runner (the trainer's and the dry run's): meshtron's own
+    model built on the meta device, or with ``[model] hf_model`` the folder's transformers model; either
+    way :func:`~meshtron.parallel.runner.build_step_runner` picks the runner."""
+    if cfg.model.hf_model:
+        return build_step_runner(build_hf_model(cfg, device), mesh, cfg, device, HF_RUNNERS)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    return build_step_runner(model, mesh, cfg, device)
 
 
 def export_hf_model(runner: Runner, cfg: Config, folder: str) -> None:
@@ -182,4 +207,4 @@ def export_hf_model(runner: Runner, cfg: Config, folder: str) -> None:
     dist.barrier()
 
 
-__all__ = ["HFStepRunner", "build_hf_model", "build_hf_runner", "export_hf_model", "hf_model_config", "with_hf_model"]
+__all__ = ["HF_RUNNERS", "HFStepRunner", "build_hf_model", "build_runner", "export_hf_model", "hf_model_config", "with_hf_model"]

@@ -8,8 +8,8 @@ sequence), KV heads replicated when tp is a multiple of ``num_key_value_heads``
 (``ReplicatedKVHeads``, each attention's ``num_key_value_groups`` set to its local ratio), MLA's rope
 key gradient summed over tp (:class:`_SharedRopeKey`), the MoE shared expert split like a dense MLP,
 and every parameter no entry splits replicated with its gradient decided on the first backward
-(:func:`replicate_plain_params`). :func:`apply_hf_tensor_parallel` is the entry;
-:mod:`meshtron.hf.parallelize` composes it with the other dimensions.
+(:func:`replicate_plain_params`). :func:`apply_hf_tensor_parallel` is the entry, the tp step of
+:class:`meshtron.hf.parallelize.HFSteps` in :func:`meshtron.parallel.compose.compose`'s order.
 """
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ class _HiddenStatesInput(ParallelStyle):
     whose gradient, complete or a part on each rank, is decided on the first backward like those
     parameters' (:class:`TpGradient` "infer"). ``(Replicate(), Shard(1), local=True)``: keep this
     rank's part of the sequence (a slice; its backward all-gathers the gradient), whatever other
-    arguments follow.
+    arguments follow. A ``local`` result that comes back passes unchanged: activation checkpointing
+    (applied after tp) saves layer 0's input as this hook made it, the slice, and replays the layer on
+    it in backward, hooks included, so the replay must not slice the slice.
     """
 
     def __init__(self, sp: bool, layout: Placement | None = None, desired: Placement = Replicate(), local: bool = False):
@@ -101,11 +103,15 @@ class _HiddenStatesInput(ParallelStyle):
         shared: dict[str, tuple[torch.Tensor, DTensor]] = {}
 
         def redistribute(x):
+            if getattr(x, "redistributed_by", None) is self:  # a checkpoint's replay of the module
+                return x
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, mesh, [self.layout], run_check=False)
             x = x.redistribute(mesh, [self.desired])
             if self.local:
-                return x.to_local()
+                local = x.to_local()
+                local.redistributed_by = self
+                return local
             view = x.to_local()
             shared["input"] = (view, x)
             return view
@@ -215,17 +221,10 @@ def _style(style: str, name: str, module: nn.Module, heads: _Heads, tp: int, sp:
     raise AssertionError(f"unchecked tp plan style '{style}' for '{name}'")  # _base_plan validates styles
 
 
-def _exists(layer: nn.Module, rel: str) -> bool:
+def _exists(layer: nn.Module, rel: str, parameter: bool = False) -> bool:
+    """Whether ``layer`` has the submodule (with ``parameter``: the parameter) at path ``rel``."""
     try:
-        layer.get_submodule(rel)
-    except AttributeError:
-        return False
-    return True
-
-
-def _is_parameter(layer: nn.Module, rel: str) -> bool:
-    try:
-        layer.get_parameter(rel)
+        (layer.get_parameter if parameter else layer.get_submodule)(rel)
     except AttributeError:
         return False
     return True
@@ -255,7 +254,7 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
         if "experts" in parts:
             continue
         if not _exists(layer, rel):
-            if _is_parameter(layer, rel):
+            if _exists(layer, rel, parameter=True):
                 raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' ('{style}') names a parameter, "
                                   "not a module; per-parameter plan entries are not supported.")
             continue

@@ -1,1 +1,1 @@
-"""One module per parallelism (tensor, expert, context, data, pipeline); runner.py composes them."""
+"""One module per parallelism (tensor, expert, context, data, pipeline); compose.py composes them, runner.py picks the runner."""

@@ -1,12 +1,22 @@
-"""Composition of the parallelisms, in the order the design needs.
+"""Composition of the parallelisms, in the one order both kinds of model follow.
 
-Order on a meta-device model: pipeline split (by the pipeline runner) -> tensor/sequence (tp) ->
-expert (ep) -> context (cp) -> activation checkpointing -> compile -> data (FSDP over dp x ep x cp).
-Then parameters are allocated and each rank computes only its own slices of the deterministic
-initial weights (or loads them from a checkpoint).
+Order (a pipelined layout first cuts the model to this rank's stage: the pipeline runner, or
+``parallelize_hf_model`` for a transformers model): the model's own settings -> tensor/sequence (tp)
+-> expert (ep) -> context (cp) -> activation checkpointing -> compile -> data (FSDP over dp x ep x cp).
+FSDP comes last because it wraps what the others built; checkpointing comes after tp, ep and cp, so a
+block's recomputation replays their hooks too, and before FSDP (composable checkpoint under
+``fully_shard`` is the combination PyTorch tests).
+
+:func:`compose` writes that order once; each kind of model supplies its step for each dimension
+(:class:`Steps`): meshtron's own models :class:`NativeSteps` here, transformers models
+``meshtron.hf.parallelize.HFSteps`` (passed in from ``meshtron.hf``, which ``parallel`` does not import).
+A native model is parallelized on the meta device; then parameters are allocated and each rank
+computes only its own slices of the deterministic initial weights (or loads them from a checkpoint).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -23,21 +33,65 @@ from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.tensor import apply_tensor_parallel
 
 
-def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
-    """Apply every parallelism except the pipeline split to ``model`` (in place; meta or real)."""
-    p = cfg.parallel
-    model.document_mask = cfg.data.document_mask
-    if model.lm_head is not None:
-        model.lm_head.chunk_tokens = cfg.train.loss_chunk_tokens
-    apply_tensor_parallel(model, mesh["tp"], p.sp)
-    # Under SP the MoE blocks keep their sequence shards, so tp ranks hold different tokens there.
-    apply_expert_parallel(model, mesh, sequence_parallel=p.sp)
-    apply_context_parallel(model, mesh, comm_type=p.cp_comm_type, a2a_size=p.cp_a2a_size)
-    apply_activation_checkpointing(model, p.activation_checkpointing, p.ac_every)
-    if p.compile:
-        apply_compile(model)
-    apply_data_parallel(model, mesh, p.data_parallel, cfg.train.dtype, p.fsdp_prefetch)
+class Steps(Protocol):
+    """One kind of model's step for each dimension; each changes ``model`` in place."""
+
+    def setup(self, model: nn.Module) -> None: ...
+    def tensor(self, model: nn.Module) -> None: ...
+    def expert(self, model: nn.Module) -> None: ...
+    def context(self, model: nn.Module) -> None: ...
+    def checkpointing(self, model: nn.Module) -> None: ...
+    def compile(self, model: nn.Module) -> None: ...
+    def data(self, model: nn.Module) -> None: ...
+
+
+def compose(model: nn.Module, steps: Steps) -> nn.Module:
+    """Apply every parallelism except the pipeline split to ``model`` (in place), in the one order."""
+    steps.setup(model)  # the model's own settings (its loss), what the plans need found first
+    steps.tensor(model)
+    steps.expert(model)
+    steps.context(model)
+    steps.checkpointing(model)
+    steps.compile(model)
+    steps.data(model)
     return model
+
+
+class NativeSteps:
+    """:class:`Steps` for meshtron's own models, from the recipe's ``[parallel]`` keys."""
+
+    def __init__(self, mesh, cfg: Config):
+        self.mesh, self.cfg, self.p = mesh, cfg, cfg.parallel
+
+    def setup(self, model: nn.Module) -> None:
+        model.document_mask = self.cfg.data.document_mask
+        if model.lm_head is not None:
+            model.lm_head.chunk_tokens = self.cfg.train.loss_chunk_tokens
+
+    def tensor(self, model: nn.Module) -> None:
+        apply_tensor_parallel(model, self.mesh["tp"], self.p.sp)
+
+    def expert(self, model: nn.Module) -> None:
+        # Under SP the MoE blocks keep their sequence shards, so tp ranks hold different tokens there.
+        apply_expert_parallel(model, self.mesh, sequence_parallel=self.p.sp)
+
+    def context(self, model: nn.Module) -> None:
+        apply_context_parallel(model, self.mesh, comm_type=self.p.cp_comm_type, a2a_size=self.p.cp_a2a_size)
+
+    def checkpointing(self, model: nn.Module) -> None:
+        apply_activation_checkpointing(model, self.p.activation_checkpointing, self.p.ac_every)
+
+    def compile(self, model: nn.Module) -> None:
+        if self.p.compile:
+            apply_compile(model)
+
+    def data(self, model: nn.Module) -> None:
+        apply_data_parallel(model, self.mesh, self.p.data_parallel, self.cfg.train.dtype, self.p.fsdp_prefetch)
+
+
+def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
+    """Apply every parallelism except the pipeline split to a native ``model`` (in place; meta or real)."""
+    return compose(model, NativeSteps(mesh, cfg))
 
 
 def materialize_sharded(model: nn.Module, device: torch.device, cfg: Config) -> None:

@@ -1,6 +1,9 @@
-"""The step runner without a pipeline, and the choice of runner for a layout."""
+"""The step runner without a pipeline, and the choice of runner for a layout (both kinds of model)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -82,8 +85,20 @@ class StepRunner:
         return full_state_dict(self.module)
 
 
-def build_step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> Runner:
-    """The runner for this layout: pipelined when ``parallel.pp > 1``."""
-    if cfg.parallel.pp > 1:
-        return PipelineRunner(model, mesh, cfg, device)
-    return StepRunner(model, mesh, cfg, device)
+@dataclass(frozen=True)
+class Runners:
+    """How one kind of model becomes a step runner, each called as (model, mesh, cfg, device):
+    ``step`` without a pipeline, ``pipeline`` with one."""
+    step: Callable[..., Runner]
+    pipeline: Callable[..., Runner]
+
+
+# meshtron's own models; transformers models: meshtron.hf.runner.HF_RUNNERS.
+NATIVE_RUNNERS = Runners(step=StepRunner, pipeline=PipelineRunner)
+
+
+def build_step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device,
+                      runners: Runners = NATIVE_RUNNERS) -> Runner:
+    """The runner for this layout: pipelined when ``parallel.pp > 1``; ``runners`` are the model kind's."""
+    build = runners.pipeline if cfg.parallel.pp > 1 else runners.step
+    return build(model, mesh, cfg, device)
