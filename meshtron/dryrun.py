@@ -17,7 +17,9 @@ rank's token copies sent to the first ep rank, which the traced rank is).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -35,7 +37,7 @@ from meshtron.config import Config, ConfigError, infer_dp, load_config
 from meshtron.host import fake_tensors, simulated
 from meshtron.mesh import batch_mesh, expert_hsdp_mesh, expert_meshes, group_names, recipe_mesh
 from meshtron.parallel.step import training_step
-from meshtron.plan.memory import GIB, Assumptions, Coords, rank_breakdown
+from meshtron.plan.memory import GIB, Assumptions, Coords, rank_breakdown, state_bytes
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
 from meshtron.plan.speed import COMM_DIMS, Hardware, communication, predict_step_time
 
@@ -225,10 +227,24 @@ def _tensors(args) -> list[torch.Tensor]:
 
 
 def distinct_ranks(cfg: Config) -> list[int]:
-    """Global ranks whose step differs: the first rank (every other index 0) of each pipeline stage."""
+    """Global ranks whose step differs: in each pipeline stage, the first rank (in mesh order) of each
+    distinct set of local shard sizes, told apart by ``meshtron.plan``'s exact state bytes for the rank
+    (``torch.chunk``'s uneven dim-0 shards over a data mesh that does not divide a dimension, vocab
+    or expert splits that leave the last ranks less). Rank 0 of a stage comes first; a rank whose
+    state differs from one already chosen by less than 1 % of the stage's planned peak adds nothing
+    to trace (a router row more or less, a few empty shards at 1024 ranks)."""
     p = cfg.parallel
-    per_stage = p.dp * p.cp * p.mesh_ep * p.tp
-    return [stage * per_stage for stage in range(p.pp)]
+    inner = (p.dp, p.cp, p.mesh_ep, p.tp)
+    out = []
+    for stage in range(p.pp):
+        small = rank_breakdown(cfg, Coords(stage), TRACE_ASSUMPTIONS).total / 100
+        chosen: list[int] = []
+        for offset, index in enumerate(itertools.product(*map(range, inner))):
+            state = sum(state_bytes(cfg, Coords(stage, *index)).values())
+            if all(abs(state - other) > small for other in chosen):
+                chosen.append(state)
+                out.append(stage * math.prod(inner) + offset)
+    return out
 
 
 def _local_batch(cfg: Config, mesh, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -126,6 +126,22 @@ def test_dry_run_moe_recipe_ep_traffic(capsys):
     assert sent["traced"] == sent["planned"] and sent["traced"] > 100 * 2**30, sent
 
 
+def test_distinct_ranks_add_ranks_whose_shards_differ():
+    """One rank per stage, plus a rank whose uneven dim-0 shards leave it much less (72B at dp 48: the last
+    rank holds 155 of 8192 rows where the others hold 171); 0.5B's emptier shards at dp 512 differ by
+    8 MiB of a 4.3 GiB peak: not worth a trace."""
+    from meshtron.config import load_config
+    from meshtron.dryrun import distinct_ranks
+
+    def ranks(recipe, *overrides):
+        return distinct_ranks(load_config(f"recipes/{recipe}.toml", list(overrides)))
+
+    assert ranks("qwen2p5_72b", "--parallel.dp", "48", "--parallel.tp", "1", "--train.global_batch_size", "48") == [0, 47]
+    assert ranks("qwen2p5_72b", "--parallel.pp", "4", "--parallel.dp", "4", "--parallel.tp", "4",
+                 "--parallel.microbatches", "4") == [0, 16, 32, 48]
+    assert ranks("qwen2p5_0p5b", "--parallel.dp", "512", "--parallel.tp", "2", "--train.global_batch_size", "1024") == [0]
+
+
 def test_dry_run_1024_ranks(capsys):
     """Qwen2.5-0.5B on 1024 ranks (dp 512 x tp 2): one distinct rank, within 5 % of the plan."""
     code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_0p5b.toml", "--dry-run", "1024",
