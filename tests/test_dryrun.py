@@ -92,7 +92,9 @@ def test_dry_run_interleaved_and_zero_bubble_stages_match_the_plan(capsys, sched
     checked against 200 GiB devices so the pre-flight lets it through): interleaved
     (the last stage on rank 1) and zbv (a split backward's W deferred, both ends on rank 0) within 5 % of
     the plan at both stages (before each in-flight micro-batch was weighed by its own stage and sharded
-    gradients counted only after a release: interleaved 0.960 and 0.928, zbv 0.930 and 0.974)."""
+    gradients counted only after a release: interleaved 0.960 and 0.928, zbv 0.930 and 0.974). Their bytes
+    sent equal the plan's, zbv's W re-running the column-parallel nodes' gathers and reduce-scatters
+    included (85.75 GiB over tp on rank 1 where the plan said 67.56 before it counted them)."""
     code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_7b.toml", "--dry-run", "8", "--parallel.pp", "2",
                                  "--parallel.dp", "2", "--parallel.tp", "2", "--parallel.microbatches", "4",
                                  "--parallel.schedule", schedule, "--parallel.virtual_stages", "2",
@@ -101,6 +103,7 @@ def test_dry_run_interleaved_and_zero_bubble_stages_match_the_plan(capsys, sched
     assert [r["coords"]["pp"] for r in report["ranks"]] == [0, 1]
     for rank in report["ranks"]:
         assert 0.95 <= rank["ratio"] <= 1.05, rank
+        _check_comm(rank)
 
 
 def test_dry_run_72b_interleaved_stages_match_the_plan(capsys):

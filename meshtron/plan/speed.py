@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from meshtron.config import Config
 from meshtron.models.qwen2 import flops_per_token
-from meshtron.parallel.pipeline.schedules import build_schedule
+from meshtron.parallel.pipeline.schedules import build_schedule, split_backwards
 from meshtron.parallel.pipeline.simulate import simulate
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.metrics import datasheet
@@ -96,8 +96,11 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
     those the dry run traces (``meshtron.dryrun``): with SP, 2 all-gathers and 2 reduce-scatters of a
     layer's activations forward, 4 backward plus the 2 re-gathers of the column-parallel inputs for
     their weight gradients, and 3 more for a checkpointed layer's recomputation (2 gathers and the
-    attention's reduce-scatter: the recomputation stops at the last tensor the backward needs); the
-    embedding and the head add 2 each where they are. Without SP the same in all-reduces: 4 per layer,
+    attention's reduce-scatter: the recomputation stops at the last tensor the backward needs); a
+    split backward's ``W`` re-runs the backward of the two column-parallel nodes, each one autograd
+    node for its input's and its weight's gradients, so it gathers their inputs and reduce-scatters
+    the input gradients ``B`` already gave once more: 4 per layer (not on the first stage, whose ``B``
+    is empty and ``W`` the whole backward); the embedding and the head add 2 each where they are. Without SP the same in all-reduces: 4 per layer,
     1 per recomputation, 1 per end. The vocab-parallel loss all-reduces 3 fp32 statistics per token;
     under SP, the gradients of the parameters whole on every tp rank are all-reduced. Not counted:
     scalars (a few bytes)."""
@@ -111,7 +114,8 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
         act = tokens * h * c * _ring(p.tp)
         recomputed = sum(layer_checkpointed(cfg, i) for i in layers)
         if p.sp:
-            out["all_gather+reduce_scatter/tp"] = (10 * len(layers) + 3 * recomputed + 2 * ends) * act * mb
+            rerun = sum(len(chunk_layers(cfg, chunk)) for chunk, _ in _split_backwards(cfg, stage))  # per micro-batch
+            out["all_gather+reduce_scatter/tp"] = ((10 * len(layers) + 3 * recomputed + 2 * ends) * mb + 4 * rerun) * act
         else:
             out["all_reduce/tp"] = 2 * (4 * len(layers) + recomputed + ends) * act * mb
         reduced = 0.0
@@ -142,9 +146,9 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
             * _ring(p.ep) * mb
     if p.etp > 1:  # gather of an expert slice's rows and reduce-scatter of its outputs, forward and backward
         out["all_gather+reduce_scatter/etp"] = 4 * p.etp * rows * h * c * _ring(p.etp) * moe * mb
-    if p.pp > 1:  # each chunk's activations forward unless it is the last, gradients back unless the first
-        sends = sum((chunk < p.pp * p.virtual_stages - 1) + (chunk > 0) for chunk in chunks) if stage is not None \
-            else 2 * p.virtual_stages
+    if p.pp > 1:  # each chunk's activations forward, gradients back, to a neighbour chunk on another rank
+        sends = sum(_peer(cfg, chunk, chunk + 1) + _peer(cfg, chunk, chunk - 1) for chunk in chunks) \
+            if stage is not None else 2 * p.virtual_stages
         out["p2p/pp"] = sends * tokens * h * c / (p.tp if p.sp else 1) * mb
     out.update(_data_parallel_bytes(cfg, 0 if stage is None else stage))
     return out
@@ -155,6 +159,25 @@ def _stage_chunks(cfg: Config, stage: int | None) -> list[int]:
     p = cfg.parallel
     rank = 0 if stage is None else stage
     return [i for i in range(p.pp * p.virtual_stages) if chunk_rank(i, p.pp, p.schedule in V_SHAPED) == rank]
+
+
+def _peer(cfg: Config, chunk: int, neighbour: int) -> bool:
+    """Whether ``neighbour`` exists and runs on another rank than ``chunk`` (a V's turn stays on its rank)."""
+    p = cfg.parallel
+    v = p.schedule in V_SHAPED
+    return 0 <= neighbour < p.pp * p.virtual_stages and chunk_rank(neighbour, p.pp, v) != chunk_rank(chunk, p.pp, v)
+
+
+def _split_backwards(cfg: Config, stage: int | None) -> list[tuple[int, int]]:
+    """(chunk, micro-batch) of pipeline rank ``stage`` whose backward the executor splits into ``B``
+    and a ``W`` re-running the weight nodes: those the schedule splits (zero-bubble ones, DualPipeV
+    only some), except the first chunk's and stages it runs whole (``memory.unsplit_stages``)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return []
+    unsplit = unsplit_stages(cfg)
+    steps = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)[stage or 0]
+    return [(c, m) for c, m in split_backwards(steps) if c > 0 and c not in unsplit]
 
 
 def chunk_layers(cfg: Config, chunk: int) -> range:
