@@ -2,7 +2,7 @@
 and 512 GPUs (8 per node, 80 GB), the planner's top three layouts (``rank_layouts``: fitting ones first,
 by predicted throughput), each traced rank by rank on fake tensors as ``--dry-run`` does.
 
-    PYTHONPATH=. python benchmarks/dry_run_plan_top.py            # ~30-40 minutes on 2 cores
+    PYTHONPATH=. python benchmarks/dry_run_plan_top.py            # hours on 2 cores; resumes where it stopped
     PYTHONPATH=. python benchmarks/dry_run_plan_top.py --replan   # seconds: the planned columns only
 
 Writes benchmarks/results/dry_run_plan_top.json and .md (columns as in ``dry_run_recipes.py``, plus the
@@ -37,15 +37,22 @@ def top_layouts(recipe: str, gpus: int) -> list[tuple[int, bool, list[str]]]:
 
 def main() -> None:
     out = ROOT / "benchmarks" / "results"
-    layouts = [(recipe, gpus, *top) for recipe in RECIPES for gpus in GPUS for top in top_layouts(recipe, gpus)]
+    # Every recipe and size's first choice before any second: a long run covers each of them early.
+    layouts = sorted(((recipe, gpus, *top) for recipe in RECIPES for gpus in GPUS for top in top_layouts(recipe, gpus)),
+                     key=lambda layout: layout[2])
+    stored = out / "dry_run_plan_top.json"
+    rows = json.loads(stored.read_text()) if stored.exists() else []
+    done = {(r["recipe"], r["world_size"], tuple(r["overrides"])) for r in rows}
     if "--replan" in sys.argv:
-        rows = replan_rows(json.loads((out / "dry_run_plan_top.json").read_text()),
-                           [(recipe, gpus, overrides) for recipe, gpus, _, _, overrides in layouts])
-    else:
-        rows = []
+        first = {}
+        for index, r in enumerate(rows):
+            first.setdefault((r["recipe"], r["world_size"], tuple(r["overrides"])), index)
+        rows = replan_rows(rows, [(recipe, gpus, list(overrides)) for recipe, gpus, overrides in sorted(first, key=first.get)])
+    else:  # resumes: layouts already in the stored rows are not traced again
         for recipe, gpus, place, fits, overrides in layouts:
-            rows += [{**row, "place": place, "fits": fits} for row in measure(recipe, gpus, overrides)]
-            write(out, rows)
+            if (recipe, gpus, tuple(overrides)) not in done:
+                rows += [{**row, "place": place, "fits": fits} for row in measure(recipe, gpus, overrides)]
+                write(out, rows)
     write(out, rows)
 
 

@@ -83,8 +83,9 @@ def table(rows: list[dict], extra: tuple[str, ...] = ()) -> str:
     return "\n".join(lines)
 
 
-REPLANNED = ("; the traced, sent and speed columns are from its last full run, the planned memory and ratio "
-             "recomputed with `--replan` after a change to the planner alone")
+REPLANNED = ("; the traced columns (peak, TFLOP, bytes sent, roofline, wall time) are from its last full run, "
+             "the planned ones and the predicted tokens/s recomputed from them with `--replan` after a change to the "
+             "planner alone")
 
 
 def _layouts() -> list[tuple[str, int | None, list[str]]]:
@@ -92,20 +93,27 @@ def _layouts() -> list[tuple[str, int | None, list[str]]]:
 
 
 def replan_rows(rows: list[dict], layouts: list[tuple[str, int | None, list[str]]]) -> list[dict]:
-    """``rows`` (from a full run over ``layouts``, in order) with the current planner's prediction."""
+    """``rows`` (from a full run over ``layouts``, in order) with the current planner's figures: memory
+    and ratio, bytes sent, and the predicted tokens/s from the stored roofline times."""
     from meshtron.dryrun import TRACE_ASSUMPTIONS
     from meshtron.plan.memory import Coords, rank_breakdown
+    from meshtron.plan.speed import Hardware, communication, predict_step_time
 
     out, rest = [], iter(rows)
     for recipe, _, overrides in layouts:
         cfg = load_config(ROOT / "recipes" / f"{recipe}.toml", overrides)
-        for _ in range(cfg.parallel.pp):  # the stored layouts have one distinct rank per stage
-            row = dict(next(rest))
+        stored = [dict(next(rest)) for _ in range(cfg.parallel.pp)]  # one distinct rank per stage
+        for row in stored:
             if (row["recipe"], row["layout"], row["schedule"]) != (recipe, layout_text(cfg), cfg.parallel.schedule):
                 raise SystemExit(f"the stored rows do not follow this script's layouts at {row['recipe']} "
                                  f"{row['layout']}: run it without --replan")
+        step = max(predict_step_time(cfg, Hardware(), row["roofline_s"]).seconds for row in stored)
+        for row in stored:
             planned = rank_breakdown(cfg, Coords(pp=row["pp"]), TRACE_ASSUMPTIONS).total / 2**30
-            out.append({**row, "overrides": overrides, "planned_gib": planned, "ratio": row["traced_gib"] / planned})
+            out.append({**row, "overrides": overrides, "planned_gib": planned, "ratio": row["traced_gib"] / planned,
+                        "sent_planned_gib": sum(communication(cfg, row["pp"]).values()) / 2**30,
+                        "tokens_per_s_per_gpu": cfg.train.global_batch_size * cfg.train.seq_len / step
+                        / row["world_size"]})
     return out
 
 
