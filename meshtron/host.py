@@ -3,7 +3,8 @@
 A dry run (``python -m meshtron.train --dry-run N``) executes the real step on fake tensors under a
 fake process group: tensors have shapes and dtypes but no values, so every place where the step
 turns device values into host numbers asks :func:`simulating` and uses the stated assumption
-instead (no initial weights to compute, MoE routing as :func:`routing` says, no metrics to read).
+instead (no initial weights to compute, MoE routing as :func:`routing` says, no metrics to read,
+posted sends complete by the next exchange: :func:`completed`).
 """
 
 from __future__ import annotations
@@ -60,4 +61,13 @@ def even_split(total: int, peers: int) -> list[int]:
     return [total // peers + (i < total % peers) for i in range(peers)]
 
 
-__all__ = ["ROUTINGS", "even_split", "fake_tensors", "simulated", "simulating", "split_sizes"]
+__all__ = ["ROUTINGS", "completed", "even_split", "fake_tensors", "simulated", "simulating", "split_sizes"]
+
+
+def completed(work) -> bool:
+    """Whether a posted p2p send is done, so its tensor can be freed. A fake process group's works never
+    report completion; a device's send completes once its peer has received it, which the pipeline
+    schedules post in the same slot: a dry run assumes it done by the next exchange (else it would hold
+    every send of the step: 0.36 GiB more at the peak of a 32 micro-batch zbv stage of Qwen2.5-7B)."""
+    return simulating() or work.is_completed()
+

@@ -42,6 +42,21 @@ def _check_comm(rank: dict, planned_kinds: tuple[str, ...] = ("all_gather+reduce
     assert unplanned <= UNPLANNED * total, (unplanned, total, comm)
 
 
+def test_a_dry_run_assumes_posted_sends_complete():
+    """A fake process group's works never report completion: without this assumption the pipeline executor
+    held every boundary tensor it sent until the end of the step (0.36 GiB more at the peak of a 32
+    micro-batch zbv stage of Qwen2.5-7B, 15.94 -> 15.58 GiB, growing with the micro-batch count)."""
+    from meshtron.host import completed, simulated
+
+    class Pending:
+        def is_completed(self) -> bool:
+            return False
+
+    assert not completed(Pending())
+    with simulated():
+        assert completed(Pending())
+
+
 def test_dry_run_errors_before_tracing(capsys):
     code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_7b.toml", "--dry-run", "12")
     assert code == 2 and report is None

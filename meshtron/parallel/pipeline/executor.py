@@ -86,6 +86,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 from torch.distributed.tensor import DTensor
 
+from meshtron.host import completed
 from meshtron.parallel.data import finish_split_backward, hold_unsharded
 from meshtron.parallel.pipeline.schedules import (
     B,
@@ -390,7 +391,7 @@ class PipelineExecutor:
                            else torch.empty(relay.shape, dtype=relay.dtype, device=device))
                 ops.append(dist.P2POp(kind, message, self.peers[op.peer], group))
                 posted.append((kind, key, message, self._relay_inbox))
-        self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
+        self._sending = [(w, t) for w, t in self._sending if not completed(w)]
         for ops, posted in batches.values():
             works = dist.batch_isend_irecv(ops)
             # Backends without coalescing return one work per op; NCCL one work for the whole batch.
