@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dry_run_recipes import ROOT, measure, replan_rows, table  # noqa: E402
+from dry_run_recipes import ROOT, measure, replan_rows, write_results  # noqa: E402
 
 from meshtron.config import load_config  # noqa: E402
 from meshtron.plan.recipes import recipe_hardware  # noqa: E402
@@ -58,21 +58,11 @@ def main() -> None:
 
 def write(out: Path, rows: list[dict]) -> None:
     """The json and the table of ``rows`` (rewritten after every layout: a long run leaves what it traced)."""
-    (out / "dry_run_plan_top.json").write_text(json.dumps(rows, indent=1))
-    worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
-    text = (
-        "# meshtron.plan's top three layouts against the dry run\n\n"
-        "For each recipe and GPU count (8 per node, 80 GB), `meshtron.plan`'s first three layouts (`place`: "
-        "their rank in its list, fitting layouts first; `fits`: whether it predicted they fit), each traced "
-        "rank by rank with `--dry-run` on fake tensors. Columns as in `dry_run.md`. Written by "
-        "`benchmarks/dry_run_plan_top.py` on a 2-core CPU machine.\n\n"
-        f"{table(rows, extra=('place', 'fits'))}\n\n"
-        f"Furthest from 1: {worst['recipe']} on {worst['world_size']} GPUs, {worst['layout']} "
-        f"{worst['schedule']} rank {worst['rank']}: {worst['ratio']:.3f}; "
-        f"{sum(abs(r['ratio'] - 1) <= 0.05 for r in rows)} of {len(rows)} ranks within 5 %.\n"
-    )
-    (out / "dry_run_plan_top.md").write_text(text)
-    print(text)
+    write_results(out / "dry_run_plan_top", rows, "# meshtron.plan's top three layouts against the dry run\n\n"
+                  "For each recipe and GPU count (8 per node, 80 GB), `meshtron.plan`'s first three layouts (`place`: "
+                  "their rank in its list, fitting layouts first; `fits`: whether it predicted they fit), each traced "
+                  "rank by rank with `--dry-run` on fake tensors. Columns as in `dry_run.md`. Written by "
+                  "`benchmarks/dry_run_plan_top.py` on a 2-core CPU machine.", extra=("place", "fits"))
 
 
 if __name__ == "__main__":

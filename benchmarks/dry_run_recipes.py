@@ -123,19 +123,23 @@ def main() -> None:
         rows = replan_rows(json.loads((out / "dry_run.json").read_text()), _layouts())
     else:
         rows = [row for recipe, world, overrides in _layouts() for row in measure(recipe, world, overrides)]
-    (out / "dry_run.json").write_text(json.dumps(rows, indent=1))
+    write_results(out / "dry_run", rows, "# meshtron.plan against the dry run\n\n"
+                  "`python -m meshtron.train --recipe R --dry-run N` traces the second training step of every distinct "
+                  "rank on fake tensors (bf16 compute, fp32 master weights and AdamW state, the recipe's shapes); "
+                  "`planned` is `meshtron.plan`'s prediction for the same rank without its reserve (CUDA context) and "
+                  "slack terms, which a tensor trace cannot see. Written by `benchmarks/dry_run_recipes.py` on a 2-core "
+                  f"CPU machine{REPLANNED if '--replan' in sys.argv else ''}.")
+
+
+def write_results(stem: Path, rows: list[dict], intro: str, extra: tuple[str, ...] = ()) -> None:
+    """``rows`` as ``stem``.json and as ``stem``.md: ``intro``, the table and the rank furthest from the plan."""
+    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
-    text = (
-        "# meshtron.plan against the dry run\n\n"
-        "`python -m meshtron.train --recipe R --dry-run N` traces the second training step of every distinct rank "
-        "on fake tensors (bf16 compute, fp32 master weights and AdamW state, the recipe's shapes); `planned` is "
-        "`meshtron.plan`'s prediction for the same rank without its reserve (CUDA context) and slack terms, which "
-        "a tensor trace cannot see. Written by `benchmarks/dry_run_recipes.py` on a 2-core CPU machine"
-        f"{REPLANNED if '--replan' in sys.argv else ''}.\n\n"
-        f"{table(rows)}\n\n"
-        f"Furthest from 1: {worst['recipe']} {worst['layout']} rank {worst['rank']}: {worst['ratio']:.3f}.\n"
-    )
-    (out / "dry_run.md").write_text(text)
+    within = sum(abs(r["ratio"] - 1) <= 0.05 for r in rows)
+    text = (f"{intro}\n\n{table(rows, extra)}\n\nFurthest from 1: {worst['recipe']} on {worst['world_size']} ranks, "
+            f"{worst['layout']} {worst['schedule']}, rank {worst['rank']}: {worst['ratio']:.3f}; {within} of "
+            f"{len(rows)} ranks within 5 %.\n")
+    stem.with_suffix(".md").write_text(text)
     print(text)
 
 
