@@ -733,13 +733,22 @@ def _units_at(groups: list[_UnitGroup], index: int) -> dict[str, float]:
             "grads": sum(g.sharded for g in groups if g.span.released < index)}
 
 
+def _chunk_weight_gradient_bytes(cfg: Config, pp_rank: int, ranges: list[range], stages) -> dict[int, float]:
+    """Per stage, the compute-dtype weight gradients of its layers: a restarted ``W``
+    (``executor._Deferred.run``) computes them before they are added to ``.grad`` (the dry runs: 0.4 GiB
+    per 0.43 GiB layer of a Qwen2.5-7B zbv chunk, 3.9 GiB over a 72B pp8 zbv chunk's 4.5)."""
+    units = unit_elements(cfg, pp_rank)
+    c = compute_bytes(cfg)
+    return {s: c * sum(units.get(f"{kind}.{i}", 0) for i in ranges[s] for kind in ("block", "experts")) for s in stages}
+
+
 def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, float]]]:
     """pp > 1: the terms (all but the fp32 state) at each moment of the rank's schedule, by phase.
 
     ``forward``: after each ``F`` (its micro-batch's tensors saved; on the last stage the loss's
     chunk buffers); ``backward``: during each ``B`` or ``W`` (the micro-batches held before it; a
     ``B`` adds its stage's working set, :func:`backward_peak`, and has freed its own final norm and
-    loss tensors); ``backward end``: each release (a stage's last weight pass, ``_release_points``),
+    loss tensors; a restarted ``W`` its chunk's weight gradients); ``backward end``: each release (a stage's last weight pass, ``_release_points``),
     with the reduce-scatter input of its largest unit, the released units still whole. FSDP units
     follow :func:`_unit_groups`: gathered from their stage's first forward, fp32 gradients from its
     first weight pass, both freed at the release, which leaves the sharded gradients."""
@@ -752,6 +761,7 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
     norm = final_norm_bytes(cfg, coords.pp)
     ranges = chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
     rises = {s: _chunk_backward_peak(cfg, ranges[s], {})[0] for s in spans}
+    weight_grads = _chunk_weight_gradient_bytes(cfg, coords.pp, ranges, spans)
     releases = {g: max(a.index for a in actions if a.index <= g.span.released) for g in groups}
     dispatch = ep_dispatch_bytes(cfg)
     backward_dispatch = 0.0 if _recomputes_every_layer(cfg) else dispatch
@@ -774,6 +784,8 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
             rise = rises[a.stage] - freed if whole else 0.0
             consumed = one_loss if a.kind == B and a.stage == last else 0.0
             saved = max(prior.saved, after.saved)
+            if a.kind == W and a.stage > 0:  # a restarted W holds its chunk's weight gradients at once
+                units["unsharded_grads"] += weight_grads[a.stage]
             out["backward"].append({**units, "activations": saved + rise, "loss": max(0.0, prior.loss - consumed),
                                     "reduce_scatter": 0.0, "ep_dispatch": backward_dispatch if a.kind == B else 0.0})
         for g in groups:
