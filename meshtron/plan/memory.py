@@ -766,10 +766,9 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
     dispatch = ep_dispatch_bytes(cfg)
     backward_dispatch = 0.0 if _recomputes_every_layer(cfg) else dispatch
     out: dict[str, list[dict[str, float]]] = {phase: [] for phase in PHASES}
-    before: dict[int, tuple[int, int]] = {}
+    after = _moment(cfg, per_stage, -1, {})  # before the first action: nothing held
     for a in actions:
-        after = _moment(cfg, per_stage, a.index, a.held)
-        prior = _moment(cfg, per_stage, a.index, before)
+        prior, after = after, _moment(cfg, per_stage, a.index, a.held)
         units = _units_at(groups, a.index)
         if a.kind == F:
             chunk = loss_chunk_bytes(cfg, coords.pp) if a.stage == last else 0.0
@@ -792,7 +791,6 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
             if releases[g] == a.index:
                 out["backward end"].append({**units, "activations": after.saved, "loss": after.loss,
                                             "reduce_scatter": g.largest, "ep_dispatch": 0.0})
-        before = a.held
     return out
 
 

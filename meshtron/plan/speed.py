@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 
 from meshtron.config import Config
 from meshtron.models.qwen2 import flops_per_token
-from meshtron.parallel.pipeline.schedules import build_schedule, split_backwards
+from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule, split_backwards
 from meshtron.parallel.pipeline.simulate import simulate
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.metrics import datasheet
-from meshtron.parallel.pipeline.schedules import V_SHAPED
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
 from meshtron.plan.memory import (
     FP32,
