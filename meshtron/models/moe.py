@@ -222,6 +222,12 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad, torch.ones_like(aux)
 
 
+def router_stats_size(num_experts: int) -> int:
+    """Numbers in a MoE call's router statistics (``MoE._router_losses``): counts and probability sums per
+    expert, the z-loss sum and the token count."""
+    return 2 * num_experts + 2
+
+
 def load_balancing_loss(counts: torch.Tensor, prob_sums: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Switch loss with transformers' normalisation: E * sum_e (counts_e / T) * (prob_sums_e / T)."""
     return counts.numel() * torch.sum(counts.float() / tokens * (prob_sums / tokens))

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 from meshtron.config import Config
+from meshtron.models.moe import router_stats_size
 from meshtron.models.qwen2 import flops_per_token
 from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule, split_backwards
 from meshtron.parallel.pipeline.simulate import simulate
@@ -41,7 +42,7 @@ from meshtron.plan.memory import (
     unsplit_stages,
 )
 
-INT64 = 8
+INT64 = FP64 = 8
 
 
 @dataclass(frozen=True)
@@ -137,10 +138,11 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
         # The experts take each tp rank's slice of the replicated tokens: their outputs are gathered
         # forward, the slices' input and routing-weight gradients backward.
         out["all_gather+reduce_scatter/tp"] = (2 * h + m.num_experts_per_tok) * tokens * c * _ring(p.tp) * moe * mb
+    rerun = sum(m.is_moe_layer(i) and layer_checkpointed(cfg, i) for i in layers) if m.is_moe else 0
+    out.update(_router_stats_bytes(cfg, moe + rerun))
     if p.ep > 1:
         # Dispatch and combine forward and backward, after the routed-row counts; a checkpointed MoE
         # layer's recomputation exchanges the counts, dispatches and combines again.
-        rerun = sum(m.is_moe_layer(i) and layer_checkpointed(cfg, i) for i in layers) if m.is_moe else 0
         out["all_to_all/ep"] = ((4 * moe + 2 * rerun) * rows * h * c + (moe + rerun) * m.num_experts * INT64) \
             * _ring(p.ep) * mb
     if p.etp > 1:  # gather of an expert slice's rows and reduce-scatter of its outputs, forward and backward
@@ -151,6 +153,19 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
         out["p2p/pp"] = sends * tokens * h * c / (p.tp if p.sp else 1) * mb
     out.update(_data_parallel_bytes(cfg, 0 if stage is None else stage))
     return out
+
+
+def _router_stats_bytes(cfg: Config, calls: int) -> dict[str, float]:
+    """Each native MoE call (a checkpointed layer's recomputation too) all-reduces its router
+    statistics, ``models.moe.router_stats_size`` float64 numbers, over the ranks holding different
+    tokens (``parallel.expert.token_mesh``); an ``hf_model``'s router loss is not modelled."""
+    m, p = cfg.model, cfg.parallel
+    split = p.sp and p.tp > 1
+    holders = p.dp * p.cp * p.mesh_ep * (p.tp if split else 1)
+    if not calls or holders == 1 or m.hf_model:
+        return {}
+    nbytes = 2 * router_stats_size(m.num_experts) * FP64 * _ring(holders) * calls * p.microbatches
+    return {f"all_reduce/{'dp_cp_ep_tp' if split else 'dp_ep_cp'}": nbytes}
 
 
 def _stage_chunks(cfg: Config, stage: int | None) -> list[int]:
@@ -203,15 +218,17 @@ def _data_parallel_bytes(cfg: Config, stage: int) -> dict[str, float]:
     if experts:
         edp = p.dp * p.cp * p.mesh_ep * p.tp // (p.ep * p.etp)
         shard = expert_hsdp_shards(dict(cp=p.cp, ep=p.mesh_ep, tp=p.tp), ExpertSplit(p.ep, p.etp, p.fold_ep))
-        for key, nbytes in _data_parallel_group_bytes(cfg, experts, edp // shard, shard, "edp", "edp_shard").items():
+        for key, nbytes in _data_parallel_group_bytes(cfg, experts, edp // shard, shard, "edp", "edp_shard",
+                                                      even=True).items():
             out[key] = out.get(key, 0.0) + nbytes
     return out
 
 
 def _data_parallel_group_bytes(cfg: Config, shapes: list[list[int]], replicas: int, shard: int, whole: str,
-                               sharded: str, root: bool = False) -> dict[str, float]:
+                               sharded: str, root: bool = False, even: bool = False) -> dict[str, float]:
     """Bytes for parameters of ``shapes``, data-parallel over ``replicas x shard`` ranks (hsdp: replicated
-    over ``replicas``, sharded over ``shard``; fsdp / replicate: over all of them, keyed ``whole``)."""
+    over ``replicas``, sharded over ``shard``; fsdp / replicate: over all of them, keyed ``whole``);
+    ``even``: sharded on their first dim the shard count divides, as the experts are."""
     p = cfg.parallel
     ranks = replicas * shard
     if ranks == 1 or not shapes:
@@ -221,24 +238,26 @@ def _data_parallel_group_bytes(cfg: Config, shapes: list[list[int]], replicas: i
     sharding = ranks if p.data_parallel == "fsdp" else shard
     gathers = 1 if p.pp > 1 else (1 if root else 2) * p.microbatches
     reduces = 1 if p.pp > 1 or p.data_parallel != "fsdp" else p.microbatches
-    moved = _padded(shapes, sharding) * (gathers * compute_bytes(cfg) + reduces * FP32) * _ring(sharding)
+    moved = _padded(shapes, sharding, even) * (gathers * compute_bytes(cfg) + reduces * FP32) * _ring(sharding)
     if p.data_parallel == "fsdp":
         return {f"all_gather+reduce_scatter/{whole}": moved}
     out = {f"all_gather+reduce_scatter/{sharded}": moved} if shard > 1 else {}
     if replicas > 1:
         replica_key = "dp" if whole == "dp_ep_cp" else "edp_replicate"
-        out[f"all_reduce/{replica_key}"] = 2 * FP32 * _padded(shapes, shard) / shard * _ring(replicas)
+        out[f"all_reduce/{replica_key}"] = 2 * FP32 * _padded(shapes, shard, even) / shard * _ring(replicas)
     return out
 
 
-def _padded(shapes: list[list[int]], shards: int) -> int:
-    """Elements of ``shapes`` with dim 0 padded to a multiple of ``shards`` (what FSDP gathers)."""
-    return sum(-(-shape[0] // shards) * shards * math.prod(shape[1:]) for shape in shapes)
+def _padded(shapes: list[list[int]], shards: int, even: bool = False) -> int:
+    """Elements of ``shapes`` with dim 0 padded to a multiple of ``shards`` (what FSDP gathers); ``even``:
+    unpadded where any dim divides (``parallel.data.even_shard_dim`` shards that one)."""
+    return sum(math.prod(shape) if even and any(n % shards == 0 for n in shape)
+               else -(-shape[0] // shards) * shards * math.prod(shape[1:]) for shape in shapes)
 
 
 # The mesh dimensions each key's group spans.
 COMM_DIMS = {"tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "etp": ("etp",), "pp": ("pp",), "dp": ("dp",),
-             "dp_ep_cp": ("dp", "cp", "ep"), "cp_ep": ("cp", "ep"), "edp": ("edp",),
+             "dp_ep_cp": ("dp", "cp", "ep"), "dp_cp_ep_tp": ("dp", "cp", "ep", "tp"), "cp_ep": ("cp", "ep"), "edp": ("edp",),
              "edp_shard": ("edp_shard",), "edp_replicate": ("edp_replicate",)}
 
 
