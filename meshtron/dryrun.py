@@ -274,12 +274,15 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
             with fake_tensors():
                 optimizer = build_optimizer(runner.module, cfg.train)
                 ids, labels = _local_batch(cfg, mesh, device)
-                training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
+                _warm_up(cfg, runner, optimizer, ids, labels)
                 memory = storage_tracker()
                 memory.track_external(runner.module, optimizer, ids, labels)
                 counter = StepCounter(hw.peak_tflops * 1e12, hw.memory_tbps * 1e12)
-                with memory, counter:
+                with ShapeInferences() as inferred, memory, counter:
                     training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
+                if inferred.count:
+                    raise RuntimeError(f"the traced step of rank {rank} inferred {inferred.count} DTensor output shapes "
+                                       "its warm-up did not: its peak would count their placeholders")
         peak = sum(per_device.get("Total", 0) for per_device in memory.get_tracker_snapshot("peak").values())
         comm = compare_comm(counter.sent, planned_comm(cfg, mesh), group_names(mesh))
     finally:
@@ -288,6 +291,55 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
     step = predict_step_time(cfg, hw, counter.roofline_seconds).seconds
     return RankTrace(rank, coords, peak / GIB, planned / GIB, counter.calls, comm, counter.flops,
                      counter.roofline_seconds, step, time.perf_counter() - start)
+
+
+def _warm_up(cfg: Config, runner, optimizer, ids: torch.Tensor, labels: torch.Tensor) -> None:
+    """The untraced first step: it creates the optimizer state and FSDP's lazy state, and lets DTensor
+    infer every op's output shape (:class:`ShapeInferences`), which the traced step then finds done as
+    a real second step does. Without a pipeline, one micro-batch of the traced ones' size does all of
+    it (every parameter gathered, reduced and stepped, every op at the traced shapes) at a fraction of
+    the host work: the 32B recipe's 8 micro-batches take 35 s here. A pipeline's schedule is built for
+    its micro-batch count, so it runs the whole step."""
+    micro = cfg.parallel.microbatches
+    if cfg.parallel.pp > 1 or micro == 1:
+        training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
+        return
+    whole, rows = runner.cfg, ids.shape[0] // micro
+    runner.cfg = dataclasses.replace(whole, parallel=dataclasses.replace(whole.parallel, microbatches=1))
+    try:
+        training_step(runner, optimizer, ids[:rows], labels[:rows], cfg.train.max_grad_norm)
+    finally:
+        runner.cfg = whole
+
+
+class ShapeInferences:
+    """Counts DTensor's uncached sharding propagations while entered. Each infers an op's global output
+    shape by running it on global-shape placeholders, which the memory tracker counts (a 4.6 GiB
+    phantom at the 7B recipe's peak when its warm-up ran other shapes): a traced step must find every
+    one done by its warm-up, as a real second step does. torch without the hook counts nothing."""
+
+    _HOOK = "_propagate_tensor_meta_non_cached"
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        self._original = getattr(ShardingPropagator, self._HOOK, None)
+        if self._original is not None:
+            def counted(propagator, *args, **kwargs):
+                self.count += 1
+                return self._original(propagator, *args, **kwargs)
+
+            setattr(ShardingPropagator, self._HOOK, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        if self._original is not None:
+            setattr(ShardingPropagator, self._HOOK, self._original)
 
 
 # The planner's collective kinds, as the trace's are summed into them.
@@ -340,8 +392,10 @@ def dry_run(cfg: Config, world_size: int, routing: str = "balanced", hw: Hardwar
     context = multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
     if sys.platform == "linux":  # each rank's process forks from a server that has imported torch once
         context.set_forkserver_preload(["torch", "torch.distributed", "meshtron.dryrun"])
-    with context.Pool(workers, maxtasksperchild=1) as pool:  # a fresh process per rank
-        results = pool.starmap(_trace_or_error, [(cfg, world_size, rank, routing, hw) for rank in ranks])
+    # A fresh process per rank: a pool's task is a chunk of its inputs, so chunks of one (more than 8
+    # pipeline stages on 2 CPUs made chunks of 2, whose second rank found the first one's groups gone).
+    with context.Pool(workers, maxtasksperchild=1) as pool:
+        results = pool.starmap(_trace_or_error, [(cfg, world_size, rank, routing, hw) for rank in ranks], chunksize=1)
     for rank, result in zip(ranks, results):
         if isinstance(result, ConfigError):
             raise result

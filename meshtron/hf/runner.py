@@ -138,7 +138,7 @@ class HFStepRunner:
         total = torch.zeros((), device=input_ids.device)
         for i, (ids, targets, _) in enumerate(micro):
             if hasattr(self.module, "set_requires_gradient_sync"):  # wrapped when the data mesh has > 1 rank
-                self.module.set_requires_gradient_sync(reduces_gradients(p.data_parallel, i, p.microbatches))
+                self.module.set_requires_gradient_sync(reduces_gradients(p.data_parallel, i, len(micro)))
             loss = self._loss(ids, targets, tokens)
             loss.backward()
             total += loss.detach()

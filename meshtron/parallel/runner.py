@@ -54,7 +54,7 @@ class StepRunner:
         total = torch.zeros((), device=self.device)
         self._aux = []
         for i, (ids, lab, pos) in enumerate(micro):
-            self.module.set_requires_gradient_sync(reduces_gradients(p.data_parallel, i, p.microbatches))
+            self.module.set_requires_gradient_sync(reduces_gradients(p.data_parallel, i, len(micro)))
             loss = self.module(ids, pos, labels=lab) / tokens
             loss.backward()
             total += loss.detach()
