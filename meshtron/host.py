@@ -3,8 +3,9 @@
 A dry run (``python -m meshtron.train --dry-run N``) executes the real step on fake tensors under a
 fake process group: tensors have shapes and dtypes but no values, so every place where the step
 turns device values into host numbers asks :func:`simulating` and uses the stated assumption
-instead (no initial weights to compute, MoE routing as :func:`routing` says, no metrics to read,
-posted sends complete by the next exchange: :func:`completed`).
+instead (no initial weights to compute, MoE routing as :func:`routing` says, one packed document per
+window: :func:`document_starts`, no metrics to read, posted sends complete by the next exchange:
+:func:`completed`).
 """
 
 from __future__ import annotations
@@ -56,12 +57,20 @@ def split_sizes(sizes: torch.Tensor, assumed: Callable[[str], list[int]]) -> lis
     return list(assumed(_routing)) if simulating() else sizes.tolist()
 
 
+def document_starts(bounds: torch.Tensor) -> list[list[int]]:
+    """Host ints of ``bounds`` ``[2, chunks]``, the earliest and latest document start of each local query
+    chunk: the one host read of context parallelism over packed documents. A dry run's batch is one
+    document per window (its ``position_ids`` are each window's ``0 .. S - 1``, as without document
+    masks), so every document starts at 0: every causal block runs, none needs a mask."""
+    return [[0] * bounds.shape[1]] * 2 if simulating() else bounds.tolist()
+
+
 def even_split(total: int, peers: int) -> list[int]:
     """``total`` rows spread evenly over ``peers`` (the first take the remainder)."""
     return [total // peers + (i < total % peers) for i in range(peers)]
 
 
-__all__ = ["ROUTINGS", "completed", "even_split", "fake_tensors", "simulated", "simulating", "split_sizes"]
+__all__ = ["ROUTINGS", "completed", "document_starts", "even_split", "fake_tensors", "simulated", "simulating", "split_sizes"]
 
 
 def completed(work) -> bool:

@@ -365,7 +365,7 @@ def layer_activation_bytes(cfg: Config, layer: int) -> float:
     Mirrors what autograd keeps in ``models/qwen2.py``: each RMSNorm its fp32 input and its
     compute-dtype normalized value (4 + c per element); the q/k/v and gate/up inputs (sequence-split
     with SP); attention's rotated q, k, v, output and the o_proj input copy plus an fp32 log-sum-exp
-    per head; SwiGLU's gate, silu(gate), up and product. MoE layers: router probabilities and choices,
+    per head, and with document masks its mask (:func:`document_mask_bytes`); SwiGLU's gate, silu(gate), up and product. MoE layers: router probabilities and choices,
     per routed copy the expert input, output (twice) and the four SwiGLU tensors (tokens split over tp),
     the shared expert. ``tests/test_plan.py`` compares it with the tensors autograd saves for a block.
     """
@@ -374,7 +374,7 @@ def layer_activation_bytes(cfg: Config, layer: int) -> float:
     heads = m.num_attention_heads / tp
     kv = m.kv_heads / tp if kv_split(m, tp) else 1
     norms = 2 * (4 + c) * h / sp
-    attention = c * h / sp + c * m.head_size * (3 * heads + 2 * kv) + FP32 * heads
+    attention = c * h / sp + c * m.head_size * (3 * heads + 2 * kv) + FP32 * heads + document_mask_bytes(cfg)
     if not m.is_moe_layer(layer):
         return norms + attention + c * h / sp + 4 * c * m.intermediate_size / tp
     k = m.num_experts_per_tok
@@ -384,6 +384,15 @@ def layer_activation_bytes(cfg: Config, layer: int) -> float:
     shared = c * (4 * m.shared_expert_intermediate_size / tp + h + 1) if m.shared_expert_intermediate_size else 0
     router = FP32 * m.num_experts + 2 * 8 * k  # fp32 probabilities, int64 choices and their sort order
     return norms + attention + c * h + router + routed + shared
+
+
+def document_mask_bytes(cfg: Config) -> float:
+    """Per token, the document mask attention saves with ``[data] document_mask`` and no cp: a row of
+    the window's keys in the compute dtype (``models.qwen2.CausalAttention`` hands SDPA a ``[B, 1, S, S]``
+    boolean mask, which it turns into an additive one and keeps for backward; the dry run of Qwen2.5-0.5B
+    at sequence 2048 holds 64 MiB more per layer). Context parallelism masks only the blocks that
+    straddle a document start, one at a time (not counted)."""
+    return compute_bytes(cfg) * cfg.train.seq_len if cfg.data.document_mask and cfg.parallel.cp == 1 else 0.0
 
 
 def microbatch_tokens(cfg: Config) -> int:

@@ -13,6 +13,7 @@ import weakref
 
 import torch
 
+from meshtron.host import document_starts
 from meshtron.models.layers import document_causal_mask
 from meshtron.parallel.context.layout import chunk_ids
 
@@ -206,7 +207,7 @@ def _from_documents(documents: torch.Tensor, key, derive):
 def _start_bounds(positions: torch.Tensor, mine: tuple[int, ...], c: int) -> list[list[int]]:
     """[earliest, latest] document start (global index) of the queries of each local chunk."""
     starts = (_chunk_index(mine, c, positions.device) - positions).reshape(positions.shape[0], len(mine), c)
-    return torch.stack([starts.amin(dim=(0, 2)), starts.amax(dim=(0, 2))]).tolist()
+    return document_starts(torch.stack([starts.amin(dim=(0, 2)), starts.amax(dim=(0, 2))]))
 
 
 class _Blocks:
