@@ -6,7 +6,7 @@ same rank without its reserve and slack terms, their ratio, the step's FLOPs, th
 collectives) traced and planned, the step's roofline compute time on an H100 SXM and the predicted
 tokens/s per GPU, and the dry run's wall time on this machine (2 cores, two ranks traced at a time).
 
-    PYTHONPATH=. python benchmarks/dry_run_recipes.py           # ~15 minutes on 2 cores
+    PYTHONPATH=. python benchmarks/dry_run_recipes.py           # ~10 minutes on 2 cores
     PYTHONPATH=. python benchmarks/dry_run_recipes.py --replan  # seconds: the planned columns only
 
 Writes benchmarks/results/dry_run.json and dry_run.md. ``--replan`` keeps the stored traces (what the
@@ -48,6 +48,17 @@ PIPELINES = (
       for schedule, virtual in (("interleaved", 2), ("zb1p", 1), ("zbv", 2), ("dualpipev", 2)) for ac in ("none", "full")),
     ("qwen2p5_72b", 64, _72B_PP4 + _chunks("interleaved", 2, "full")),
 )
+# Packed documents kept apart (one document per window: the dry run's assumption), without and with cp.
+_DOCUMENTS = ["--data.document_mask", "true", "--train.seq_len", "2048"]
+DOCUMENTS = (
+    ("qwen2p5_0p5b", None, _DOCUMENTS),
+    ("qwen2p5_0p5b", None, _DOCUMENTS + ["--parallel.dp", "4", "--parallel.cp", "2"]),
+)
+# Data parallelism other than FSDP: HSDP (replicated over dp, sharded over cp) and full replicas.
+DATA_PARALLEL = tuple(
+    ("qwen2p5_0p5b", None, ["--parallel.dp", "2", "--parallel.cp", "2", "--parallel.tp", "2", "--parallel.data_parallel",
+                            mode, "--parallel.microbatches", "4", "--train.seq_len", "1024"])
+    for mode in ("hsdp", "replicate"))
 
 
 def measure(recipe: str, world: int | None, overrides: list[str]) -> list[dict]:
@@ -70,17 +81,32 @@ def measure(recipe: str, world: int | None, overrides: list[str]) -> list[dict]:
 
 def table(rows: list[dict], extra: tuple[str, ...] = ()) -> str:
     """The rows as a markdown table; ``extra`` keys become columns after the layout's."""
-    lines = ["| recipe | ranks | layout | schedule | AC | micro-batches | " + "".join(f"{k} | " for k in extra) +
+    lines = ["| recipe | options | ranks | layout | schedule | AC | micro-batches | " + "".join(f"{k} | " for k in extra) +
              "rank (stage) | traced GiB | planned GiB | traced / planned "
              "| TFLOP | sent GiB traced | sent GiB planned | roofline s | predicted tok/s/GPU | dry run s |",
-             "|---" * (16 + len(extra)) + "|"]
+             "|---" * (17 + len(extra)) + "|"]
     for r in rows:
-        lines.append(f"| {r['recipe']} | {r['world_size']} | {r['layout']} | {r['schedule']} | {r['ac']} | "
+        lines.append(f"| {r['recipe']} | {_options(r['recipe'], r['overrides'])} | {r['world_size']} | {r['layout']} | {r['schedule']} | {r['ac']} | "
                      f"{r['microbatches']} | " + "".join(f"{r[k]} | " for k in extra) +
                      f"{r['rank']} ({r['pp']}) | {r['traced_gib']:.2f} | {r['planned_gib']:.2f} | {r['ratio']:.3f} | "
                      f"{r['tflop']:.0f} | {r['sent_traced_gib']:.3f} | {r['sent_planned_gib']:.3f} | "
                      f"{r['roofline_s']:.2f} | {r['tokens_per_s_per_gpu']:,.0f} | {r['seconds']:.0f} |")
     return "\n".join(lines)
+
+
+# Overrides the table's own columns show.
+_COLUMNS = {"pp", "dp", "cp", "ep", "tp", "schedule", "virtual_stages", "microbatches", "activation_checkpointing"}
+
+
+def _options(recipe: str, overrides: list[str]) -> str:
+    """The overrides that change the recipe outside the table's columns (``document_mask true, seq_len 2048``)."""
+    base = load_config(ROOT / "recipes" / f"{recipe}.toml")
+    changed = []
+    for key, value in zip(overrides[::2], overrides[1::2]):
+        section, name = key.removeprefix("--").split(".")
+        if name not in _COLUMNS and str(getattr(getattr(base, section), name)).lower() != value.lower():
+            changed.append(f"{name} {value}")
+    return ", ".join(changed)
 
 
 REPLANNED = ("; the traced columns (peak, TFLOP, bytes sent, roofline, wall time) are from its last full run, "
@@ -89,7 +115,7 @@ REPLANNED = ("; the traced columns (peak, TFLOP, bytes sent, roofline, wall time
 
 
 def _layouts() -> list[tuple[str, int | None, list[str]]]:
-    return [(recipe, None, []) for recipe in RECIPES] + list(PIPELINES)
+    return [(recipe, None, []) for recipe in RECIPES] + list(PIPELINES) + list(DOCUMENTS) + list(DATA_PARALLEL)
 
 
 def replan_rows(rows: list[dict], layouts: list[tuple[str, int | None, list[str]]]) -> list[dict]:

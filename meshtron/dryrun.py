@@ -296,16 +296,17 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
 def _warm_up(cfg: Config, runner, optimizer, ids: torch.Tensor, labels: torch.Tensor) -> None:
     """The untraced first step: it creates the optimizer state and FSDP's lazy state, and lets DTensor
     infer every op's output shape (:class:`ShapeInferences`), which the traced step then finds done as
-    a real second step does. Without a pipeline, one micro-batch of the traced ones' size does all of
-    it (every parameter gathered, reduced and stepped, every op at the traced shapes) at a fraction of
-    the host work: the 32B recipe's 8 micro-batches take 35 s here. A pipeline's schedule is built for
-    its micro-batch count, so it runs the whole step."""
+    a real second step does. Without a pipeline, two micro-batches of the traced ones' size do all of
+    it (the first accumulates, HSDP and replicate without reducing; the last reduces; every parameter
+    gathered and stepped; every op at the traced shapes) at a fraction of the host work: the 32B
+    recipe's 8 micro-batches take 35 s here. A pipeline's schedule is built for its micro-batch count,
+    so it runs the whole step."""
     micro = cfg.parallel.microbatches
-    if cfg.parallel.pp > 1 or micro == 1:
+    if cfg.parallel.pp > 1 or micro <= 2:
         training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
         return
-    whole, rows = runner.cfg, ids.shape[0] // micro
-    runner.cfg = dataclasses.replace(whole, parallel=dataclasses.replace(whole.parallel, microbatches=1))
+    whole, rows = runner.cfg, ids.shape[0] // micro * 2
+    runner.cfg = dataclasses.replace(whole, parallel=dataclasses.replace(whole.parallel, microbatches=2))
     try:
         training_step(runner, optimizer, ids[:rows], labels[:rows], cfg.train.max_grad_norm)
     finally:

@@ -29,7 +29,10 @@ EXTRA_ARGS = {"qwen2p5_7b": ("--gpu-memory", "20")}
 # More layouts run in the same pool: name -> (recipe, overrides).
 DOCUMENTS = ("--data.document_mask", "true", "--train.seq_len", "2048")
 VARIANTS = {"0.5B documents": ("qwen2p5_0p5b", DOCUMENTS),
-            "0.5B documents cp2": ("qwen2p5_0p5b", (*DOCUMENTS, "--parallel.dp", "4", "--parallel.cp", "2"))}
+            "0.5B documents cp2": ("qwen2p5_0p5b", (*DOCUMENTS, "--parallel.dp", "4", "--parallel.cp", "2")),
+            **{f"0.5B {mode}": ("qwen2p5_0p5b", ("--parallel.dp", "2", "--parallel.cp", "2", "--parallel.tp", "2",
+                                                 "--parallel.data_parallel", mode, "--parallel.microbatches", "4",
+                                                 "--train.seq_len", "1024")) for mode in ("hsdp", "replicate")}}
 
 
 @pytest.fixture(scope="module")
@@ -115,12 +118,29 @@ def test_document_masks_match_the_plan(shipped):
     """With ``[data] document_mask`` (one packed document per window, the dry run's stated assumption): without
     cp attention keeps a [B, 1, S, S] mask per layer, which the plan counts (0.977; 1.037 before it did);
     with cp the ring's host read of the documents' starts runs on the assumption."""
-    for name in VARIANTS:
+    for name in ("0.5B documents", "0.5B documents cp2"):
         code, report, err = shipped[name]
         assert code == 0, (name, err)
         (rank,) = report["ranks"]
         assert 0.95 <= rank["ratio"] <= 1.05, (name, rank)
         _check_comm(rank)
+
+
+def test_hsdp_and_replicate_match_the_plan(shipped):
+    """Qwen2.5-0.5B on dp2 x cp2 x tp2 with 4 micro-batches, its data-parallel ranks HSDP (replicated over dp,
+    sharded over cp) or replicated: within 5 % of the plan, the bytes equal. Their first micro-batches
+    accumulate without reducing, so the warm-up runs two micro-batches: a warm-up of one left 16 DTensor
+    ops the traced step met first, and the dry run stopped (``dryrun.ShapeInferences``)."""
+    for mode in ("hsdp", "replicate"):
+        code, report, err = shipped[f"0.5B {mode}"]
+        assert code == 0, (mode, err)
+        (rank,) = report["ranks"]
+        assert report["layout"] == "pp1 x dp2 x cp2 x ep1 x tp2", report["layout"]
+        assert 0.95 <= rank["ratio"] <= 1.05, (mode, rank)
+        _check_comm(rank)
+    hsdp, replicate = (shipped[f"0.5B {mode}"][1]["ranks"][0]["comm_bytes"] for mode in ("hsdp", "replicate"))
+    assert "all_reduce/dp" in hsdp and "all_gather+reduce_scatter/cp" in hsdp, hsdp
+    assert not any(key.startswith("all_gather") for key in replicate), replicate
 
 
 def test_dry_run_report_and_refusal(shipped):
