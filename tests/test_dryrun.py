@@ -277,24 +277,26 @@ def test_dry_run_1024_ranks(capsys):
 
 
 def test_dry_run_pipeline_moe_and_hf_folder(capsys, tmp_path):
-    """A pipeline (one traced rank per stage, p2p counted), MoE expert dispatch under balanced routing, and
-    a transformers folder holding nothing but config.json."""
+    """A pipeline (one traced rank per stage, p2p counted), MoE expert dispatch under balanced routing with
+    tp 2 and SP (the routers' partial gradients all-reduced over tp in each backward, in bf16: the plan
+    had counted them once in fp32, as the norms' are with pp > 1), and a transformers folder holding
+    nothing but config.json."""
     import transformers
 
-    code, report, err = _dry_run(capsys, "--recipe", "recipes/debug_moe.toml", "--dry-run", "8", "--train.dtype",
-                                 "bfloat16", "--parallel.pp", "2", "--parallel.dp", "0", "--parallel.microbatches", "2")
+    moe = ("--recipe", "recipes/debug_moe.toml", "--dry-run", "16", "--train.dtype", "bfloat16", "--parallel.pp", "2",
+           "--parallel.dp", "0", "--parallel.ep", "4", "--parallel.tp", "2", "--parallel.sp", "true",
+           "--parallel.microbatches", "4", "--train.seq_len", "2048")
+    code, report, err = _dry_run(capsys, *moe)
     assert code == 0, err
-    assert [r["coords"]["pp"] for r in report["ranks"]] == [0, 1] and [r["rank"] for r in report["ranks"]] == [0, 4]
+    assert [r["coords"]["pp"] for r in report["ranks"]] == [0, 1] and [r["rank"] for r in report["ranks"]] == [0, 8]
     for rank in report["ranks"]:
-        # 1F1B with 2 micro-batches: each stage sends 2 activations or 2 gradients and receives as many.
-        assert rank["collectives"]["send"] == 2 and rank["collectives"]["recv_"] == 2, rank["collectives"]
+        # 1F1B with 4 micro-batches: each stage sends 4 activations or 4 gradients and receives as many.
+        assert rank["collectives"]["send"] == 4 and rank["collectives"]["recv_"] == 4, rank["collectives"]
         assert rank["collectives"]["alltoall_base_"] > 0, rank["collectives"]
         _check_comm(rank)
     # Skewed routing: every rank's copies go to ep rank 0 (the traced one), which then receives, computes
     # and returns ep = 4 times the rows it would under balanced routing.
-    code, skewed, err = _dry_run(capsys, "--recipe", "recipes/debug_moe.toml", "--dry-run", "8", "--train.dtype",
-                                 "bfloat16", "--parallel.pp", "2", "--parallel.dp", "0", "--parallel.microbatches", "2",
-                                 "--dry-run-routing", "skewed")
+    code, skewed, err = _dry_run(capsys, *moe, "--dry-run-routing", "skewed")
     assert code == 0 and skewed["routing"] == "skewed" and report["routing"] == "balanced", err
     for even, worst in zip(report["ranks"], skewed["ranks"]):
         key = "all_to_all/ep"

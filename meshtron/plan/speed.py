@@ -122,8 +122,12 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
         if stage is None or holds_last_stage(cfg, stage):  # the vocab-parallel loss: 3 fp32 per token
             reduced += 3 * FP32 * tokens * mb
         if p.sp:  # parameters whole on every tp rank (norms, routers) get partial gradients from their shards
-            whole = sum(math.prod(q.shape) for q in stage_params(cfg, stage or 0) if q.tp_dim is None and not q.expert)
-            reduced += whole * (FP32 if p.pp > 1 else c * mb)  # pp > 1: once, from the held fp32 gradients
+            whole = [q for q in stage_params(cfg, stage or 0) if q.tp_dim is None and not q.expert]
+            norms = sum(math.prod(q.shape) for q in whole if not _is_router(q))
+            routers = sum(math.prod(q.shape) for q in whole if _is_router(q))
+            # Norms: with pp > 1 once, from the held fp32 gradients. Routers (``tensor.ReplicateParallel``)
+            # reduce their local view's gradient in each backward, in the compute dtype.
+            reduced += norms * (FP32 if p.pp > 1 else c * mb) + routers * c * mb
         if reduced:
             out["all_reduce/tp"] = out.get("all_reduce/tp", 0.0) + 2 * reduced * _ring(p.tp)
     if p.cp > 1 and p.cp_comm_type == "p2p":
@@ -153,6 +157,11 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
         out["p2p/pp"] = sends * tokens * h * c / (p.tp if p.sp else 1) * mb
     out.update(_data_parallel_bytes(cfg, 0 if stage is None else stage))
     return out
+
+
+def _is_router(param) -> bool:
+    """A MoE router or shared-expert gate: replicated over tp and run on its local view."""
+    return param.name.endswith(("mlp.gate.weight", "mlp.shared_expert_gate.weight"))
 
 
 def _router_stats_bytes(cfg: Config, calls: int) -> dict[str, float]:
