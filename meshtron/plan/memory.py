@@ -365,9 +365,9 @@ def layer_activation_bytes(cfg: Config, layer: int) -> float:
     Mirrors what autograd keeps in ``models/qwen2.py``: each RMSNorm its fp32 input and its
     compute-dtype normalized value (4 + c per element); the q/k/v and gate/up inputs (sequence-split
     with SP); attention's rotated q, k, v, output and the o_proj input copy plus an fp32 log-sum-exp
-    per head, and with document masks its mask (:func:`document_mask_bytes`); SwiGLU's gate, silu(gate), up and product. MoE layers: router probabilities and choices,
-    per routed copy the expert input, output (twice) and the four SwiGLU tensors (tokens split over tp),
-    the shared expert. ``tests/test_plan.py`` compares it with the tensors autograd saves for a block.
+    per head, and with document masks its mask (:func:`document_mask_bytes`); SwiGLU's gate, silu(gate),
+    up and product. MoE layers: router probabilities and choices, per routed copy the expert input,
+    output (twice) and the four SwiGLU tensors (tokens split over tp), the shared expert. ``tests/test_plan.py`` compares it with the tensors autograd saves for a block.
     """
     m, p = cfg.model, cfg.parallel
     c, h, tp, sp = compute_bytes(cfg), m.hidden_size, p.tp, _sp_split(cfg)

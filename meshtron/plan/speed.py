@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from meshtron.config import Config
 from meshtron.models.moe import router_stats_size
@@ -93,16 +94,16 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
     ring sends them (an all-gather its shard to n - 1 peers, a reduce-scatter (n - 1) / n of its input,
     an all-reduce twice that); ``stage=None``: pipeline rank 0's layers with both ends of the model and
     sends both ways (exact for pp = 1; the busiest stage's bound otherwise). The per-layer counts are
-    those the dry run traces (``meshtron.dryrun``): with SP, 2 all-gathers and 2 reduce-scatters of a
-    layer's activations forward, 4 backward plus the 2 re-gathers of the column-parallel inputs for
-    their weight gradients, and 3 more for a checkpointed layer's recomputation (2 gathers and the
-    attention's reduce-scatter: the recomputation stops at the last tensor the backward needs); a
-    split backward's ``W`` re-runs the backward of the two column-parallel nodes, each one autograd
-    node for its input's and its weight's gradients, so it gathers their inputs and reduce-scatters
-    the input gradients ``B`` already gave once more: 4 per layer (not on the first stage, whose ``B``
-    is empty and ``W`` the whole backward); the embedding and the head add 2 each where they are. Without SP the same in all-reduces: 4 per layer,
-    1 per recomputation, 1 per end. The vocab-parallel loss all-reduces 3 fp32 statistics per token;
-    under SP, the gradients of the parameters whole on every tp rank are all-reduced. Not counted:
+    those the dry run traces (``meshtron.dryrun``), per layer in :func:`_tp_transfers`: with SP, gathers
+    and reduce-scatters of its activations forward and backward, the column-parallel inputs re-gathered
+    for their weight gradients, those a checkpointed layer's recomputation repeats (it stops at the last
+    tensor the backward needs), and those of a split backward's ``W``, which re-runs the backward of
+    the column-parallel nodes (each one autograd node for its input's and its weight's gradients, so
+    it gathers their inputs and reduce-scatters the input gradients ``B`` already gave once more; not
+    on the first stage, whose ``B`` is empty and ``W`` the whole backward); the embedding and the head
+    add 2 each where they are. Without SP, all-reduces, 1 per end. The vocab-parallel loss all-reduces
+    3 fp32 statistics per token; under SP, the gradients of the parameters whole on every tp rank are
+    all-reduced; MoE layers add their router statistics, expert dispatch and etp exchanges. Not counted:
     scalars (a few bytes)."""
     m, p = cfg.model, cfg.parallel
     c, tokens, h, mb = compute_bytes(cfg), microbatch_tokens(cfg), m.hidden_size, p.microbatches
@@ -112,12 +113,15 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
     out: dict[str, float] = {}
     if p.tp > 1:
         act = tokens * h * c * _ring(p.tp)
-        recomputed = sum(layer_checkpointed(cfg, i) for i in layers)
+        counts = [(_tp_transfers(cfg, i, p.sp), layer_checkpointed(cfg, i)) for i in layers]
+        step = sum(n.step for n, _ in counts)
+        recomputed = sum(n.recomputed for n, checkpointed in counts if checkpointed)
         if p.sp:
-            rerun = sum(len(chunk_layers(cfg, chunk)) for chunk, _ in _split_backwards(cfg, stage))  # per micro-batch
-            out["all_gather+reduce_scatter/tp"] = ((10 * len(layers) + 3 * recomputed + 2 * ends) * mb + 4 * rerun) * act
+            rerun = sum(_tp_transfers(cfg, i, True).rerun for chunk, _ in _split_backwards(cfg, stage)
+                        for i in chunk_layers(cfg, chunk))  # per micro-batch
+            out["all_gather+reduce_scatter/tp"] = ((step + recomputed + 2 * ends) * mb + rerun) * act
         else:
-            out["all_reduce/tp"] = 2 * (4 * len(layers) + recomputed + ends) * act * mb
+            out["all_reduce/tp"] = 2 * (step + recomputed + ends) * act * mb
         reduced = 0.0
         if stage is None or holds_last_stage(cfg, stage):  # the vocab-parallel loss: 3 fp32 per token
             reduced += 3 * FP32 * tokens * mb
@@ -138,25 +142,55 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
         out["p2p/cp"] = kv * ((4 * p.cp - 2) * len(layers) + (p.cp - 1) * recomputed) * mb
     moe = sum(m.is_moe_layer(i) for i in layers) if m.is_moe else 0
     rows = tokens * m.num_experts_per_tok / p.tp if m.is_moe else 0  # every rank's own token copies
+    rerun = sum(m.is_moe_layer(i) and layer_checkpointed(cfg, i) for i in layers) if m.is_moe else 0
     if p.tp > 1 and not p.sp and moe:
         # The experts take each tp rank's slice of the replicated tokens: their outputs are gathered
-        # forward, the slices' input and routing-weight gradients backward.
-        out["all_gather+reduce_scatter/tp"] = (2 * h + m.num_experts_per_tok) * tokens * c * _ring(p.tp) * moe * mb
-    rerun = sum(m.is_moe_layer(i) and layer_checkpointed(cfg, i) for i in layers) if m.is_moe else 0
+        # forward (again in a recomputation), the slices' input and routing-weight gradients backward.
+        out["all_gather+reduce_scatter/tp"] = ((2 * h + m.num_experts_per_tok) * moe + h * rerun) * tokens * c \
+            * _ring(p.tp) * mb
     out.update(_router_stats_bytes(cfg, moe + rerun))
     if p.ep > 1:
         # Dispatch and combine forward and backward, after the routed-row counts; a checkpointed MoE
         # layer's recomputation exchanges the counts, dispatches and combines again.
         out["all_to_all/ep"] = ((4 * moe + 2 * rerun) * rows * h * c + (moe + rerun) * m.num_experts * INT64) \
             * _ring(p.ep) * mb
-    if p.etp > 1:  # gather of an expert slice's rows and reduce-scatter of its outputs, forward and backward
-        out["all_gather+reduce_scatter/etp"] = 4 * p.etp * rows * h * c * _ring(p.etp) * moe * mb
+    if p.etp > 1:
+        # An expert slice's rows gathered and its outputs reduce-scattered, forward and backward (uneven:
+        # all-to-alls), again in a checkpointed layer's recomputation; before each gather, the rows per
+        # (source, local expert) counts, E int64.
+        out["all_to_all/etp"] = (4 * moe + 2 * rerun) * p.etp * rows * h * c * _ring(p.etp) * mb
+        out["all_gather+reduce_scatter/etp"] = (moe + rerun) * m.num_experts * INT64 * (p.etp - 1) * mb
     if p.pp > 1:  # each chunk's activations forward, gradients back, to a neighbour chunk on another rank
         sends = sum(_peer(cfg, chunk, chunk + 1) + _peer(cfg, chunk, chunk - 1) for chunk in chunks) \
             if stage is not None else 2 * p.virtual_stages
         out["p2p/pp"] = sends * tokens * h * c / (p.tp if p.sp else 1) * mb
     out.update(_data_parallel_bytes(cfg, 0 if stage is None else stage))
     return out
+
+
+class Transfers(NamedTuple):
+    """tp transfers of one layer's activations per micro-batch: over the step, again in a checkpointed
+    layer's recomputation, again in a split backward's ``W``."""
+    step: int
+    recomputed: int
+    rerun: int
+
+
+def _tp_transfers(cfg: Config, layer: int, sp: bool) -> Transfers:
+    """With SP (all-gathers and reduce-scatters), attention gathers its input and reduce-scatters its
+    output forward, both again backward, and re-gathers the q/k/v input for their weight gradients:
+    5; its recomputation runs to its output: 2; a ``W`` re-runs q/k/v: 2. A dense MLP (a MoE's shared
+    expert follows its plan) the same, but its recomputation stops after the gate/up gather: 1; the
+    shared expert's output is needed by its gate's backward, so it is recomputed whole: 2. Routed
+    experts take each rank's sequence shard as it is: 0. Without SP, all-reduces: attention's output
+    forward and its input's gradient backward (2), its output again when recomputed (1); a dense MLP or
+    shared expert the same, recomputed: dense none, shared expert 1."""
+    m = cfg.model
+    moe = m.is_moe_layer(layer)
+    mlp = not moe or bool(m.shared_expert_intermediate_size)
+    if sp:
+        return Transfers(5 + 5 * mlp, 2 + (2 if moe else 1) * mlp, 2 + 2 * mlp)
+    return Transfers(2 + 2 * mlp, 1 + (1 if moe and mlp else 0), 0)
 
 
 def _is_router(param) -> bool:
