@@ -117,9 +117,9 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
         step = sum(n.step for n, _ in counts)
         recomputed = sum(n.recomputed for n, checkpointed in counts if checkpointed)
         if p.sp:
-            rerun = sum(_tp_transfers(cfg, i, True).rerun for chunk, _ in _split_backwards(cfg, stage)
-                        for i in chunk_layers(cfg, chunk))  # per micro-batch
-            out["all_gather+reduce_scatter/tp"] = ((step + recomputed + 2 * ends) * mb + rerun) * act
+            weight_passes = sum(_tp_transfers(cfg, i, True).rerun for chunk, _ in _split_backwards(cfg, stage)
+                                for i in chunk_layers(cfg, chunk))  # the split backwards' W, per micro-batch
+            out["all_gather+reduce_scatter/tp"] = ((step + recomputed + 2 * ends) * mb + weight_passes) * act
         else:
             out["all_reduce/tp"] = 2 * (step + recomputed + ends) * act * mb
         reduced = 0.0
