@@ -710,6 +710,7 @@ class _UnitGroup(NamedTuple):
     unsharded: float  # fp32 accumulated gradients
     sharded: float  # fp32 gradient shards once reduce-scattered
     largest: float  # fp32 bytes of the largest unit: the reduce-scatter's input buffer
+    largest_in_layers: bool  # a block's or experts' unit (its restarted W's gradients: weight_grads)
 
 
 def _unit_groups(cfg: Config, coords: Coords, spans: dict[int, StageSpan]) -> list[_UnitGroup]:
@@ -726,11 +727,12 @@ def _unit_groups(cfg: Config, coords: Coords, spans: dict[int, StageSpan]) -> li
         used = special.get(unit) or [stage_of[int(unit.split(".")[1])]]
         grads = min(spans[s].backward if unit == "head" else spans[s].grads for s in used)
         span = StageSpan(min(spans[s].gathered for s in used), grads, grads, max(spans[s].released for s in used))
-        g = groups.setdefault(span, [0.0, 0.0, 0.0, 0.0])
+        g = groups.setdefault(span, [0.0, 0.0, 0.0, 0.0, False])
         g[0] += c * elements
         g[1] += FP32 * elements
         g[2] += shards.get(unit, 0.0)
-        g[3] = max(g[3], FP32 * elements)
+        if FP32 * elements > g[3]:
+            g[3], g[4] = FP32 * elements, unit.startswith(("block.", "experts."))
     return [_UnitGroup(span, *g) for span, g in groups.items()]
 
 
@@ -740,6 +742,17 @@ def _units_at(groups: list[_UnitGroup], index: int) -> dict[str, float]:
     return {"gathered": sum(g.gathered for g in live),
             "unsharded_grads": sum(g.unsharded for g in live if g.span.grads <= index),
             "grads": sum(g.sharded for g in groups if g.span.released < index)}
+
+
+def _reducing_largest(units: dict[str, float], group: _UnitGroup, restarted_weights: bool, c: float) -> dict[str, float]:
+    """The units while a release reduce-scatters its group's largest unit: FSDP's post-backward has
+    resharded that unit and folded its fresh compute-dtype gradients (counted in ``weight_grads`` after
+    a restarted ``W``) into the fp32 accumulator before it allocates the reduce-scatter input (the 57B
+    pp8 x cp4 x tp2 zbv dry run: chunk 15's experts unit frees 3.3 GiB of each before its 6.6 GiB
+    input; counting them beside it put that release 5.7 GiB above the trace)."""
+    gathered = c * group.largest / FP32
+    folded = gathered if restarted_weights and group.largest_in_layers else 0.0
+    return {**units, "gathered": units["gathered"] - gathered, "unsharded_grads": units["unsharded_grads"] - folded}
 
 
 def _chunk_weight_gradient_bytes(cfg: Config, pp_rank: int, ranges: list[range], stages) -> dict[int, float]:
@@ -774,6 +787,7 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
     releases = {g: max(a.index for a in actions if a.index <= g.span.released) for g in groups}
     dispatch = ep_dispatch_bytes(cfg)
     backward_dispatch = 0.0 if _recomputes_every_layer(cfg) else dispatch
+    c = compute_bytes(cfg)
     out: dict[str, list[dict[str, float]]] = {phase: [] for phase in PHASES}
     after = _moment(cfg, per_stage, -1, {})  # before the first action: nothing held
     for a in actions:
@@ -798,7 +812,8 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
                                     "reduce_scatter": 0.0, "ep_dispatch": backward_dispatch if a.kind == B else 0.0})
         for g in groups:
             if releases[g] == a.index:
-                out["backward end"].append({**units, "activations": after.saved, "loss": after.loss,
+                out["backward end"].append({**_reducing_largest(units, g, a.kind == W and a.stage > 0, c),
+                                            "activations": after.saved, "loss": after.loss,
                                             "reduce_scatter": g.largest, "ep_dispatch": 0.0})
     return out
 
