@@ -181,7 +181,11 @@ class ParallelConfig:
     virtual_stages: int = recipe_key(
         1, "model chunks per pipeline rank (`interleaved`; `zbv` and `dualpipev` need 2)"
     )
-    microbatches: int = recipe_key(1, "microbatches per step on each data-parallel rank")
+    microbatches: int = recipe_key(
+        1,
+        "microbatches per step on each data-parallel rank; 0: the fewest that divide the per-rank batch and "
+        "that the schedule runs (1 without a pipeline, pp for `1f1b`, 2 pp for `zbv`; `infer_microbatches`)",
+    )
     data_parallel: str = recipe_key(
         "fsdp",
         "`fsdp`: shard over dp × ep × cp (experts: over their edp ranks); `hsdp`: replicate over dp, shard "
@@ -433,7 +437,7 @@ def config_from_dict(raw: dict[str, Any], source: str = "<recipe>") -> Config:
             )
     cfg = Config(**{n: _section_from_dict(n, raw.get(n, {}), source) for n in _SECTION_TYPES})
     validate(cfg, source)
-    return cfg
+    return infer_microbatches(cfg)
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:
@@ -592,7 +596,7 @@ def _validate_layout(cfg: Config, source: str) -> None:
     is :func:`meshtron.parallel.layout.validate_layout`."""
     p = cfg.parallel
     where = f"{source}: [parallel]"
-    for key in ("pp", "cp", "ep", "tp", "virtual_stages", "microbatches"):
+    for key in ("pp", "cp", "ep", "tp", "virtual_stages"):
         _require(getattr(p, key) >= 1, f"{where} {key} must be >= 1, got {getattr(p, key)}.")
     _require_choice(source, "[parallel] schedule", p.schedule, SCHEDULES)
     _require(
@@ -626,7 +630,7 @@ def infer_dp(cfg: Config, world_size: int) -> Config:
     division is not exact."""
     p = cfg.parallel
     if p.dp != 0:
-        return cfg
+        return infer_microbatches(cfg)
     others = p.pp * p.cp * p.mesh_ep * p.tp
     _require(
         world_size % others == 0,
@@ -635,7 +639,54 @@ def infer_dp(cfg: Config, world_size: int) -> Config:
         + (" (folded ep counts 1)" if p.fold_ep else "") + f". Launch a multiple "
         f"of {others} ranks, or set [parallel] dp explicitly.",
     )
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=world_size // others))
+    return infer_microbatches(dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=world_size // others)))
+
+
+def fewest_microbatches(schedule: str, pp: int) -> int:
+    """The fewest micro-batches ``schedule`` runs on ``pp`` stages: one per stage, one per chunk for the
+    V-shaped schedules (their warm-up fills both chunks of every rank). Owned here for the pipeline's
+    checks (``parallel/pipeline/schedules.py``) and ``microbatches = 0``."""
+    if pp == 1:
+        return 1
+    return 2 * pp if schedule in V_SHAPED else pp
+
+
+def microbatch_multiple(schedule: str, pp: int) -> int:
+    """What the micro-batch count must be a multiple of: pp for ``interleaved``, which feeds each chunk
+    micro-batches in groups of pp; 1 otherwise."""
+    return pp if schedule == "interleaved" and pp > 1 else 1
+
+
+def rank_batch(cfg: Config) -> int:
+    """The sequences of a step each data-parallel (and expert-parallel) rank reads; dp must be known."""
+    t, readers = cfg.train, cfg.parallel.dp * cfg.parallel.mesh_ep
+    _require(
+        t.global_batch_size % readers == 0,
+        f"[train] global_batch_size = {t.global_batch_size} must be a multiple of dp x ep = {readers} "
+        f"(the batch is split over dp and ep). Use global_batch_size = {-(-t.global_batch_size // readers) * readers}.",
+    )
+    return t.global_batch_size // readers
+
+
+def infer_microbatches(cfg: Config) -> Config:
+    """``[parallel] microbatches = 0`` becomes the fewest micro-batches that divide the per-rank batch and
+    that the schedule runs: 1 without a pipeline, pp for 1F1B, 2 pp for ``zbv``. The global batch stays as
+    set (Megatron also derives its count from the batch sizes), so a recipe written without a pipeline runs
+    with one by overriding pp alone. Waits for a concrete dp (:func:`infer_dp` calls it again)."""
+    p = cfg.parallel
+    if p.microbatches != 0 or p.dp == 0:
+        return cfg
+    local = rank_batch(cfg)
+    fewest, multiple = fewest_microbatches(p.schedule, p.pp), microbatch_multiple(p.schedule, p.pp)
+    for count in range(fewest, local + 1):
+        if local % count == 0 and count % multiple == 0:
+            return dataclasses.replace(cfg, parallel=dataclasses.replace(p, microbatches=count))
+    raise ConfigError(
+        f"[parallel] microbatches = 0 takes the fewest micro-batches that divide the per-rank batch "
+        f"global_batch_size / (dp x ep) = {local} and that schedule = '{p.schedule}' runs on pp = {p.pp} stages "
+        f"(at least {fewest}{f', a multiple of {multiple}' if multiple > 1 else ''}); none does. Raise [train] "
+        f"global_batch_size, lower pp or dp, or set microbatches."
+    )
 
 
 MIXTURE_KEYS = ("path", "weight", "text_key")

@@ -436,7 +436,8 @@ def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool,
     speed = tokens_per_second_per_device(cfg, world_size, traces)
     if as_json:
         return json.dumps({
-            "world_size": world_size, "layout": layout_text(cfg), "routing": routing, "seconds": round(seconds, 1),
+            "world_size": world_size, "layout": layout_text(cfg), "microbatches": cfg.parallel.microbatches,
+            "routing": routing, "seconds": round(seconds, 1),
             "tokens_per_second_per_device": round(speed, 1),
             "ranks": [{"rank": t.rank, "coords": t.coords, "traced_gib": round(t.traced_gib, 3),
                        "planned_gib": round(t.planned_gib, 3), "ratio": round(t.ratio, 3),
@@ -446,7 +447,8 @@ def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool,
                                       for key, (traced, planned) in t.comm.items()}} for t in traces],
         })
     lines = [f"dry run: {world_size} ranks, {layout_text(cfg)}, {cfg.parallel.schedule}, "
-             f"{cfg.train.dtype}, seq {cfg.train.seq_len}, global batch {cfg.train.global_batch_size}"
+             f"{cfg.train.dtype}, seq {cfg.train.seq_len}, global batch {cfg.train.global_batch_size} in "
+             f"{cfg.parallel.microbatches} microbatches"
              + (f", {routing} MoE routing" if cfg.model.is_moe else ""),
              f"{'rank':>6} {'pp':>3} {'traced GiB':>11} {'planned GiB':>12} {'ratio':>6} {'TFLOP':>8} "
              f"{'roofline s':>10} {'step s':>7}  collectives"]

@@ -103,6 +103,40 @@ def test_debug_recipes_match_the_brief():
     assert (moe.parallel.dp, moe.parallel.ep, infer_dp(moe, 8).parallel.dp) == (0, 4, 2)
 
 
+@pytest.mark.parametrize(
+    "overrides, world, inferred",
+    [
+        ([], 8, 1),  # no pipeline: one micro-batch
+        (["--parallel.pp=4", "--parallel.dp=2"], 8, 4),  # 1F1B: one per stage
+        (["--parallel.pp=2", "--parallel.dp=2", "--train.global_batch_size=12"], 4, 2),
+        # interleaved: a multiple of pp (3 divides the 6 rows but is not one)
+        (["--parallel.pp=2", "--parallel.dp=2", "--train.global_batch_size=12", "--parallel.schedule=interleaved",
+          "--parallel.virtual_stages=2"], 4, 2),
+        (["--parallel.pp=4", "--parallel.dp=1", "--train.global_batch_size=6", "--parallel.tp=2"], 8, 6),  # 4, 5 don't divide
+        (["--parallel.pp=2", "--parallel.dp=2", "--parallel.schedule=zbv", "--parallel.virtual_stages=2"], 4, 4),  # 2 x pp
+    ],
+)
+def test_microbatches_zero_takes_the_fewest_that_divide_the_batch_and_run(overrides, world, inferred):
+    raw = load_config(RECIPES / "debug_dense.toml", ["--parallel.microbatches=0", *overrides])
+    assert raw.parallel.microbatches == (0 if raw.parallel.dp == 0 else inferred)  # known once dp is
+    cfg = infer_dp(raw, world)
+    assert cfg.parallel.microbatches == inferred and cfg.train.global_batch_size == raw.train.global_batch_size
+    validate_layout(cfg, world)
+
+
+def test_microbatches_zero_without_a_count_that_runs_names_the_batch():
+    with pytest.raises(ConfigError, match=re.escape(
+            "[parallel] microbatches = 0 takes the fewest micro-batches that divide the per-rank batch "
+            "global_batch_size / (dp x ep) = 3 and that schedule = '1f1b' runs on pp = 4 stages (at least 4); "
+            "none does.")):
+        load_config(RECIPES / "debug_dense.toml", ["--parallel.microbatches=0", "--parallel.pp=4",
+                                                   "--train.global_batch_size=6", "--parallel.dp=2"])
+    with pytest.raises(ConfigError, match=r"global_batch_size = 6 must be a multiple of dp x ep = 4"):
+        infer_dp(load_config(RECIPES / "debug_dense.toml", ["--parallel.microbatches=0", "--train.global_batch_size=6"]), 4)
+    with pytest.raises(ConfigError, match=r"\[parallel\] microbatches must not be negative, got -1"):
+        load_config(RECIPES / "debug_dense.toml", ["--parallel.microbatches=-1"])
+
+
 def test_tied_embeddings_follow_published_configs():
     tied = {p.stem for p in ALL_RECIPES if load_config(p).model.tie_word_embeddings}
     assert tied == {"qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b"}

@@ -233,11 +233,13 @@ def test_a_restarted_w_holds_its_chunks_weight_gradients(capsys):
 def test_dry_run_72b_interleaved_stages_match_the_plan(capsys):
     """Qwen2.5-72B on 64 ranks, pp4 x dp4 x tp4, interleaved (2 chunks per rank), 4 micro-batches, full
     checkpointing: every stage within 5 % of the plan (0.754-0.787 while the planner kept both chunks'
-    fp32 gradients and gathered parameters live at once, where each chunk has its own span)."""
+    fp32 gradients and gathered parameters live at once, where each chunk has its own span). The recipe's
+    ``microbatches = 0`` takes 4, the fewest the schedule runs (its 1 would be refused for 4 stages)."""
     code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_72b.toml", "--dry-run", "64", "--parallel.pp", "4",
-                                 "--parallel.dp", "4", "--parallel.tp", "4", "--parallel.microbatches", "4",
+                                 "--parallel.dp", "4", "--parallel.tp", "4",
                                  "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2")
     assert code == 0, err
+    assert report["microbatches"] == 4
     assert [r["coords"]["pp"] for r in report["ranks"]] == [0, 1, 2, 3]
     for rank in report["ranks"]:
         assert 0.95 <= rank["ratio"] <= 1.05, rank

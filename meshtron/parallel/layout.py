@@ -7,7 +7,7 @@ before any collective, so a bad layout never hangs. Each parallelism contributes
 
 from __future__ import annotations
 
-from meshtron.config import Config, ConfigError, expert_keys_without_experts
+from meshtron.config import Config, ConfigError, expert_keys_without_experts, rank_batch
 from meshtron.mesh import ExpertSplit, check_expert_split, check_sizes, expert_hsdp_shards
 from meshtron.parallel.context import check_context_parallel, cp_ranks_per_node, local_heads, unbalanced_seq_len
 from meshtron.parallel.expert import check_expert_tp_divisible, ep_does_not_divide
@@ -80,17 +80,11 @@ def validate_layout(cfg: Config, world_size: int) -> None:
             f"[train] seq_len = {t.seq_len} must be a multiple of cp x tp = {p.cp * p.tp} with sp = true. "
             f"Use seq_len = {_round_up(t.seq_len, p.cp * p.tp)} or set sp = false."
         )
-    readers = p.dp * p.mesh_ep
-    if t.global_batch_size % readers:
-        raise ConfigError(
-            f"[train] global_batch_size = {t.global_batch_size} must be a multiple of dp x ep = {readers} "
-            f"(the batch is split over dp and ep). Use global_batch_size = {_round_up(t.global_batch_size, readers)}."
-        )
-    local = t.global_batch_size // readers
+    local = rank_batch(cfg)
     if local % p.microbatches:
         raise ConfigError(
             f"[parallel] microbatches = {p.microbatches} does not divide the per-rank batch "
-            f"global_batch_size / (dp x ep) = {t.global_batch_size} / {readers} = {local}. "
+            f"global_batch_size / (dp x ep) = {t.global_batch_size} / {p.dp * p.mesh_ep} = {local}. "
             f"Valid microbatches: {_options(lambda v: local % v == 0, local)}."
         )
     if p.pp > 1:

@@ -56,7 +56,15 @@ from dataclasses import dataclass
 
 # The schedules' recipe names are defined in meshtron.config (which checks a recipe against them and
 # cannot import this module) and re-exported here.
-from meshtron.config import SCHEDULES, V_SHAPED, VIRTUAL, needs_two_virtual_stages, needs_virtual_schedule
+from meshtron.config import (
+    SCHEDULES,
+    V_SHAPED,
+    VIRTUAL,
+    fewest_microbatches,
+    microbatch_multiple,
+    needs_two_virtual_stages,
+    needs_virtual_schedule,
+)
 from meshtron.parallel.pipeline.split import chunk_rank
 
 __all__ = [
@@ -100,7 +108,7 @@ Schedule = list[list[Step]]
 def _check_microbatches(name: str, pp: int, m: int) -> None:
     if pp < 1:
         raise ValueError(f"{name}: pp must be >= 1, got {pp}")
-    if m < pp:
+    if m < fewest_microbatches(name, pp):
         raise ValueError(
             f"{name}: microbatches = {m} is fewer than pp = {pp} stages; a pipeline needs at "
             f"least one microbatch per stage: set [parallel] microbatches >= {pp} or lower pp."
@@ -200,7 +208,7 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
     if pp < 2:
         raise ValueError(f"{name}: interleaving needs pp >= 2, got pp = {pp}; use schedule = '1f1b'.")
     _check_microbatches(name, pp, m)
-    if m % pp:
+    if m % microbatch_multiple(name, pp):
         lower, upper = m - m % pp, m + pp - m % pp
         raise ValueError(
             f"{name}: microbatches = {m} is not a multiple of pp = {pp}; the interleaved schedule "
@@ -326,15 +334,16 @@ def zb1p(pp: int, m: int) -> Schedule:
 def zbv(pp: int, m: int, v: int = 2) -> Schedule:
     """ZB-V: two chunks per rank in a V; 1F1B's activation memory and, for ``F = B = W`` and
     ``m >= 2 pp``, no bubble beyond the fill of one chunk. Needs ``m >= 2 pp``."""
-    _check_v_shape("zbv", pp, m, v, 2 * pp, f"2 * pp = {2 * pp} (zbv's warm-up fills both chunks of every rank)")
+    fewest = fewest_microbatches("zbv", pp)
+    _check_v_shape("zbv", pp, m, v, fewest, f"2 * pp = {fewest} (zbv's warm-up fills both chunks of every rank)")
     return [_with_p2p(_zbv_slots(pp, m, r), pp, 2 * pp, v_shape=True) for r in range(pp)]
 
 
 def dualpipev(pp: int, m: int, v: int = 2) -> Schedule:
     """DualPipeV: V placement, forward and backward of two micro-batches paired in one slot.
     Needs ``m >= 2 pp`` (as many micro-batches as stages)."""
-    why = f"the {2 * pp} stages (dualpipev needs a micro-batch per stage)"
-    _check_v_shape("dualpipev", pp, m, v, 2 * pp, why)
+    fewest = fewest_microbatches("dualpipev", pp)
+    _check_v_shape("dualpipev", pp, m, v, fewest, f"the {fewest} stages (dualpipev needs a micro-batch per stage)")
     return [_with_p2p(_dualpipev_slots(pp, m, r), pp, 2 * pp, v_shape=True) for r in range(pp)]
 
 
