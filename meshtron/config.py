@@ -663,9 +663,14 @@ def rank_batch(cfg: Config) -> int:
     _require(
         t.global_batch_size % readers == 0,
         f"[train] global_batch_size = {t.global_batch_size} must be a multiple of dp x ep = {readers} "
-        f"(the batch is split over dp and ep). Use global_batch_size = {-(-t.global_batch_size // readers) * readers}.",
+        f"(the batch is split over dp and ep). Use global_batch_size = {round_up(t.global_batch_size, readers)}.",
     )
     return t.global_batch_size // readers
+
+
+def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` not below ``value`` (the fix an error message suggests)."""
+    return -(-value // multiple) * multiple
 
 
 def infer_microbatches(cfg: Config) -> Config:

@@ -7,7 +7,7 @@ before any collective, so a bad layout never hangs. Each parallelism contributes
 
 from __future__ import annotations
 
-from meshtron.config import Config, ConfigError, expert_keys_without_experts, rank_batch
+from meshtron.config import Config, ConfigError, expert_keys_without_experts, rank_batch, round_up
 from meshtron.mesh import ExpertSplit, check_expert_split, check_sizes, expert_hsdp_shards
 from meshtron.parallel.context import check_context_parallel, cp_ranks_per_node, local_heads, unbalanced_seq_len
 from meshtron.parallel.expert import check_expert_tp_divisible, ep_does_not_divide
@@ -72,13 +72,13 @@ def validate_layout(cfg: Config, world_size: int) -> None:
                            cp_ranks_per_node(p.tp, p.mesh_ep))
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise ConfigError(
-            f"{unbalanced_seq_len(t.seq_len, p.cp)} Use seq_len = {_round_up(t.seq_len, 2 * p.cp)} or change cp."
+            f"{unbalanced_seq_len(t.seq_len, p.cp)} Use seq_len = {round_up(t.seq_len, 2 * p.cp)} or change cp."
         )
     if p.sp and p.tp > 1 and t.seq_len % (p.cp * p.tp):
         # Each cp rank holds seq_len / cp tokens, which sequence parallelism splits over tp.
         raise ConfigError(
             f"[train] seq_len = {t.seq_len} must be a multiple of cp x tp = {p.cp * p.tp} with sp = true. "
-            f"Use seq_len = {_round_up(t.seq_len, p.cp * p.tp)} or set sp = false."
+            f"Use seq_len = {round_up(t.seq_len, p.cp * p.tp)} or set sp = false."
         )
     local = rank_batch(cfg)
     if local % p.microbatches:
@@ -89,7 +89,3 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         )
     if p.pp > 1:
         check_pipeline(cfg)  # the schedule's own rules
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
