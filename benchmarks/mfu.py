@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from meshtron import env
 from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig, load_config
-from meshtron.mesh import build_mesh, init_default_group
+from meshtron.mesh import build_mesh, exit_process, init_default_group
 from meshtron.metrics import datasheet_peak_flops, matmul_flops, synchronize
 from meshtron.models import build_model, flops_per_token
 from meshtron.optim import build_optimizer
@@ -303,3 +303,4 @@ def main(argv=None) -> str:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

@@ -105,4 +105,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from meshtron.mesh import exit_process
+
     main()
+    exit_process(0)

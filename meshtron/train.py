@@ -41,7 +41,7 @@ from meshtron.hf import CheckpointError, save_hf
 from meshtron.hf.runner import build_runner, export_hf_model, with_hf_model
 from meshtron.host import ROUTINGS
 from meshtron.data import SourceSpec, to_device
-from meshtron.mesh import batch_mesh, group_names, init_default_group, recipe_mesh
+from meshtron.mesh import batch_mesh, exit_process, group_names, init_default_group, recipe_mesh
 from meshtron.parallel.layout import validate_layout
 from meshtron.metrics import MetricsLogger, StepProfiler, peak_flops_per_device
 from meshtron.models import flops_per_token
@@ -507,4 +507,4 @@ def _check_hf_matches(hf_cfg, cfg: Config, folder: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

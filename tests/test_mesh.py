@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 import os
 import socket
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,3 +242,30 @@ def test_invalid_layouts_name_the_values_and_fix(world, cfg, fragments):
     message = _message(cfg, world)
     for fragment in fragments:
         assert fragment in message, (fragment, message)
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+from meshtron.mesh import exit_process
+
+class Finalized:
+    def __del__(self):
+        print("finalized", flush=True)
+
+kept = Finalized()
+atexit.register(print, "atexit ran")
+print("buffered", end="")
+{end}(3)
+"""
+
+
+@pytest.mark.parametrize("end, finalized", [("exit_process", False), ("sys.exit", True)])
+def test_exit_process_runs_atexit_handlers_and_skips_finalization(end, finalized):
+    """A finished job ends through ``exit_process``: gloo's worker threads may still release the last
+    collective's tensors, which aborts the process if the interpreter is finalizing. sys.exit is the
+    control: the same script is finalized."""
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT.format(end=end)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert done.stdout.startswith("bufferedatexit ran\n")
+    assert ("finalized" in done.stdout) == finalized
