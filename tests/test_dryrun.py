@@ -198,8 +198,8 @@ def test_dry_run_interleaved_and_zero_bubble_stages_match_the_plan(capsys, sched
     (the last stage on rank 1) and zbv (a split backward's W deferred, both ends on rank 0) within 5 % of
     the plan at both stages (before each in-flight micro-batch was weighed by its own stage and sharded
     gradients counted only after a release: interleaved 0.960 and 0.928, zbv 0.930 and 0.974). Their bytes
-    sent equal the plan's, zbv's W re-running the column-parallel nodes' gathers and reduce-scatters
-    included (85.75 GiB over tp on rank 1 where the plan said 67.56 before it counted them)."""
+    sent equal the plan's: zbv's B and W share one backward's tp transfers (rank 0 sent 80.80 GB over tp
+    while each W repeated SP's column-parallel backward, 67.65 since)."""
     code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_7b.toml", "--dry-run", "8", "--parallel.pp", "2",
                                  "--parallel.dp", "2", "--parallel.tp", "2", "--parallel.microbatches", "4",
                                  "--parallel.schedule", schedule, "--parallel.virtual_stages", "2",

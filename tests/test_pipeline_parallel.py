@@ -39,10 +39,12 @@ TIED = dict(DENSE, tie_word_embeddings=True)
 SEQ, MB_SIZE = 8, 2
 
 
-def _config(model: dict, pp: int, dp: int, schedule: str, m: int, v: int = 1, tp: int = 1, cp: int = 1) -> Config:
+def _config(model: dict, pp: int, dp: int, schedule: str, m: int, v: int = 1, tp: int = 1, cp: int = 1,
+            sp: bool = False) -> Config:
     return Config(
         model=ModelConfig(**model),
-        parallel=ParallelConfig(pp=pp, dp=dp, tp=tp, cp=cp, schedule=schedule, virtual_stages=v, microbatches=m),
+        parallel=ParallelConfig(pp=pp, dp=dp, tp=tp, cp=cp, sp=sp, schedule=schedule, virtual_stages=v,
+                                microbatches=m),
         train=TrainConfig(global_batch_size=dp * m * MB_SIZE, seq_len=SEQ, seed=3),
     )
 
@@ -136,7 +138,7 @@ class SavedTensorTracker:
 
 
 LAYOUTS = [
-    # (model, pp, dp, schedule, microbatches, virtual[, tp[, cp]])
+    # (model, pp, dp, schedule, microbatches, virtual[, tp[, cp[, sp]]])
     (DENSE, 8, 1, "1f1b", 9, 1),
     (MOE, 4, 2, "1f1b", 5, 1),
     (DENSE, 2, 4, "1f1b", 3, 1),
@@ -157,6 +159,7 @@ ZERO_BUBBLE_LAYOUTS = [
     (MOE, 4, 2, "zbv", 8, 2),
     (MOE, 4, 1, "dualpipev", 8, 2, 2),
     (DENSE, 2, 4, "dualpipev", 4, 2),
+    (DENSE, 2, 2, "zbv", 4, 2, 2, 1, True),  # SP's fused linears split between B and W
 ]
 
 

@@ -245,6 +245,71 @@ def check_sp_saves_activations_over_tp(seed):
         assert abs(ratio - 1) < 0.1, f"tp={tp}: {per_rank} bytes saved per rank, {ratio:.3f} x unsplit / tp"
 
 
+class _Gemms(TorchDispatchMode):
+    """Operand shapes of every matrix product on local tensors, counted (a DTensor's product is
+    counted as the local one it runs; run once first: DTensor's first sharding propagation of an op
+    computes it on fake tensors)."""
+
+    OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+    def __enter__(self):
+        self.shapes = Counter()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.OPS and not any(isinstance(a, DTensor) for a in args):
+            self.shapes[(func.__name__, *(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _work(run) -> Counter:
+    """The matrix products and collectives of ``run()``, counted."""
+    with _Gemms() as gemms, CommDebugMode() as comm:
+        run()
+    return gemms.shapes + Counter({str(op): n for op, n in comm.get_comm_counts().items()})
+
+
+def check_split_backward_computes_each_gradient_once(seed):
+    """A zero-bubble split of a block's backward under SP (B: the input gradient; W: the weights')
+    runs the GEMMs and collectives of one whole backward: SP's fused linears compute only the
+    gradients the running pass asks for (B needs no re-gather, W no input gradient or reduce-scatter)."""
+    from meshtron.parallel.pipeline.executor import _backward_input
+
+    cfg = ModelConfig(**DENSE)
+    ref = _reference(cfg, seed)
+    gen = torch.Generator().manual_seed(seed)
+    for tp in (2, 4):
+        mesh = _tp_mesh(tp)
+        block = _parallel_copy(ref, mesh, sp=True, on_meta=True).layers["0"]
+        full = torch.randn(BATCH, SEQ, cfg.hidden_size, generator=gen).to(env.local_device())
+        shard = full.chunk(tp, dim=1)[mesh.get_local_rank()]
+        grad = torch.randn(shard.shape, generator=gen).to(env.local_device())
+        rope = ref.rotary(torch.arange(SEQ, device=shard.device).expand(BATCH, -1), shard.dtype)
+        grads = {}
+        for split in (False, False, True):  # the first one fills DTensor's sharding caches
+            block.zero_grad(set_to_none=True)
+            x = shard.clone().requires_grad_()
+            out = block(x, rope)
+            if split:
+                deferred = None
+
+                def run_b():
+                    nonlocal deferred
+                    deferred = _backward_input(out, grad, x)
+
+                work = _work(run_b)
+                assert deferred.restarts and all(p.grad is None for p in block.parameters()), "B touched a weight"
+                work += _work(lambda: deferred.run(out))
+            else:
+                work = _work(lambda: out.backward(grad))
+            grads[split] = work, x.grad, {n: p.grad for n, p in block.named_parameters()}
+        (whole, x_ref, ref_grads), (split_work, x_grad, split_grads) = grads[False], grads[True]
+        assert split_work == whole, f"tp={tp}: B + W did {dict(split_work - whole)} more, {dict(whole - split_work)} less"
+        assert rel_err(x_grad, x_ref) < 1e-6
+        for name, g in ref_grads.items():
+            assert g is not None and rel_err(split_grads[name], g) < 1e-5, f"tp={tp}: {name}"
+
+
 class _CollectiveShapes(TorchDispatchMode):
     """Shapes of every tensor that enters or leaves a collective."""
 
@@ -346,6 +411,7 @@ def test_tensor_parallel_8_ranks():
     print(f"seed {seed}")  # shown by pytest on failure, to replay the same draw
     checks = [check_heads_error, check_replicated_gradients, check_collectives_per_layer, check_sp_saves_activations_over_tp,
               check_loss_never_gathers_logits,
+              check_split_backward_computes_each_gradient_once,
               check_pipeline_stages_and_uneven_vocab,
               check_parity_dense]
     run_checks(checks, 8, seed, timeout=240)

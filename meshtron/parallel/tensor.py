@@ -344,13 +344,31 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
+def _pass_wants(node) -> bool:
+    """Whether the running backward pass reaches ``node`` (an input's edge of a custom Function).
+
+    A zero-bubble pipeline splits a backward in two passes over the same graph, one asking for the
+    stage input's gradient only (``B``), one for the weights' (``W``); autograd drops what a Function
+    returns for an edge the pass does not follow, so a Function that computes input and weight
+    gradients together computes only those asked for. ``autograd.grad`` cannot say this of a leaf's
+    accumulator (it raises): such a gradient is taken as wanted.
+    """
+    if node is None:  # the input needs no gradient
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return True
+
+
 class _SequenceParallelLinears(torch.autograd.Function):
     """Column-parallel projections of one sequence-sharded input, packed along the last dim.
 
     Forward all-gathers the [B, S/tp, H] shard into [B, S, H] and computes every projection from it;
     only the shard is saved. Backward re-gathers it (in flight while the input gradient is computed),
     reduce-scatters the summed input gradient of all projections (in flight while the weight
-    gradients are computed), as Megatron-LM's sequence-parallel linear layers do.
+    gradients are computed), as Megatron-LM's sequence-parallel linear layers do. A pass of a split
+    backward gets only the half it wants (:func:`_pass_wants`).
     """
 
     @staticmethod
@@ -367,13 +385,21 @@ class _SequenceParallelLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_packed: torch.Tensor):
         shard, *weights = ctx.saved_tensors
-        gathering = _start_sequence_gather(shard, ctx.mesh)
-        grad_full = grad_packed @ torch.cat(weights)  # this rank's columns only: a partial sum over tp
-        grad_shard = funcol.reduce_scatter_single(grad_full, "sum", 1, ctx.mesh)
-        rows = grad_packed.flatten(0, -2)
-        full = _in_sequence_order(_waited(gathering), ctx.mesh.size())
-        grad_weights = (rows.t() @ full.flatten(0, -2)).split(ctx.widths)
-        grad_biases = rows.sum(0).split(ctx.widths) if ctx.has_bias else (None,) * len(weights)
+        count = len(weights)
+        edges = [node for node, _ in ctx.next_functions]  # the tensor inputs': shard, weights, biases
+        want_input, want_params = _pass_wants(edges[0]), any(map(_pass_wants, edges[1:]))
+        gathering = _start_sequence_gather(shard, ctx.mesh) if want_params else None
+        grad_shard = None
+        if want_input:
+            grad_full = grad_packed @ torch.cat(weights)  # this rank's columns only: a partial sum over tp
+            grad_shard = funcol.reduce_scatter_single(grad_full, "sum", 1, ctx.mesh)
+        grad_weights = grad_biases = (None,) * count
+        if want_params:
+            rows = grad_packed.flatten(0, -2)
+            full = _in_sequence_order(_waited(gathering), ctx.mesh.size())
+            grad_weights = (rows.t() @ full.flatten(0, -2)).split(ctx.widths)
+            if ctx.has_bias:
+                grad_biases = rows.sum(0).split(ctx.widths)
         return _waited(grad_shard), None, None, *grad_weights, *grad_biases
 
 

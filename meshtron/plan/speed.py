@@ -25,7 +25,7 @@ from typing import NamedTuple
 from meshtron.config import Config
 from meshtron.models.moe import router_stats_size
 from meshtron.models.qwen2 import flops_per_token
-from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule, split_backwards
+from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule
 from meshtron.parallel.pipeline.simulate import simulate
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.metrics import datasheet
@@ -96,12 +96,10 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
     sends both ways (exact for pp = 1; the busiest stage's bound otherwise). The per-layer counts are
     those the dry run traces (``meshtron.dryrun``), per layer in :func:`_tp_transfers`: with SP, gathers
     and reduce-scatters of its activations forward and backward, the column-parallel inputs re-gathered
-    for their weight gradients, those a checkpointed layer's recomputation repeats (it stops at the last
-    tensor the backward needs), and those of a split backward's ``W``, which re-runs the backward of
-    the column-parallel nodes (each one autograd node for its input's and its weight's gradients, so
-    it gathers their inputs and reduce-scatters the input gradients ``B`` already gave once more; not
-    on the first stage, whose ``B`` is empty and ``W`` the whole backward); the embedding and the head
-    add 2 each where they are. Without SP, all-reduces, 1 per end. The vocab-parallel loss all-reduces
+    for their weight gradients, and those a checkpointed layer's recomputation repeats (it stops at the
+    last tensor the backward needs); a split backward's ``B`` and ``W`` share them (``B`` the
+    reduce-scatters of the input gradients, ``W`` the re-gathers); the embedding and the head add 2 each
+    where they are. Without SP, all-reduces, 1 per end. The vocab-parallel loss all-reduces
     3 fp32 statistics per token; under SP, the gradients of the parameters whole on every tp rank are
     all-reduced; MoE layers add their router statistics, expert dispatch and etp exchanges. Not counted:
     scalars (a few bytes)."""
@@ -117,9 +115,7 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
         step = sum(n.step for n, _ in counts)
         recomputed = sum(n.recomputed for n, checkpointed in counts if checkpointed)
         if p.sp:
-            weight_passes = sum(_tp_transfers(cfg, i, True).rerun for chunk, _ in _split_backwards(cfg, stage)
-                                for i in chunk_layers(cfg, chunk))  # the split backwards' W, per micro-batch
-            out["all_gather+reduce_scatter/tp"] = ((step + recomputed + 2 * ends) * mb + weight_passes) * act
+            out["all_gather+reduce_scatter/tp"] = (step + recomputed + 2 * ends) * mb * act
         else:
             out["all_reduce/tp"] = 2 * (step + recomputed + ends) * act * mb
         reduced = 0.0
@@ -170,16 +166,15 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
 
 class Transfers(NamedTuple):
     """tp transfers of one layer's activations per micro-batch: over the step, again in a checkpointed
-    layer's recomputation, again in a split backward's ``W``."""
+    layer's recomputation."""
     step: int
     recomputed: int
-    rerun: int
 
 
 def _tp_transfers(cfg: Config, layer: int, sp: bool) -> Transfers:
     """With SP (all-gathers and reduce-scatters), attention gathers its input and reduce-scatters its
     output forward, both again backward, and re-gathers the q/k/v input for their weight gradients:
-    5; its recomputation runs to its output: 2; a ``W`` re-runs q/k/v: 2. A dense MLP (a MoE's shared
+    5; its recomputation runs to its output: 2. A dense MLP (a MoE's shared
     expert follows its plan) the same, but its recomputation stops after the gate/up gather: 1; the
     shared expert's output is needed by its gate's backward, so it is recomputed whole: 2. Routed
     experts take each rank's sequence shard as it is: 0. Without SP, all-reduces: attention's output
@@ -189,8 +184,8 @@ def _tp_transfers(cfg: Config, layer: int, sp: bool) -> Transfers:
     moe = m.is_moe_layer(layer)
     mlp = not moe or bool(m.shared_expert_intermediate_size)
     if sp:
-        return Transfers(5 + 5 * mlp, 2 + (2 if moe else 1) * mlp, 2 + 2 * mlp)
-    return Transfers(2 + 2 * mlp, 1 + (1 if moe and mlp else 0), 0)
+        return Transfers(5 + 5 * mlp, 2 + (2 if moe else 1) * mlp)
+    return Transfers(2 + 2 * mlp, 1 + (1 if moe and mlp else 0))
 
 
 def _is_router(param) -> bool:
@@ -223,18 +218,6 @@ def _peer(cfg: Config, chunk: int, neighbour: int) -> bool:
     p = cfg.parallel
     v = p.schedule in V_SHAPED
     return 0 <= neighbour < p.pp * p.virtual_stages and chunk_rank(neighbour, p.pp, v) != chunk_rank(chunk, p.pp, v)
-
-
-def _split_backwards(cfg: Config, stage: int | None) -> list[tuple[int, int]]:
-    """(chunk, micro-batch) of pipeline rank ``stage`` whose backward the executor splits into ``B``
-    and a ``W`` re-running the weight nodes: those the schedule splits (zero-bubble ones, DualPipeV
-    only some), except the first chunk's and stages it runs whole (``memory.unsplit_stages``)."""
-    p = cfg.parallel
-    if p.pp == 1:
-        return []
-    unsplit = unsplit_stages(cfg)
-    steps = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)[stage or 0]
-    return [(c, m) for c, m in split_backwards(steps) if c > 0 and c not in unsplit]
 
 
 def chunk_layers(cfg: Config, chunk: int) -> range:

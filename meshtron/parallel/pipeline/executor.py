@@ -28,7 +28,10 @@ previous stage waits for and leaves the weights' ``.grad`` untouched. Before it,
 on the path from the output to the input that also has an edge off that path (into a weight's
 gradient: a linear, a norm, a router) gets a pre-hook that records the gradient it receives. ``W``
 restarts autograd at those nodes with the recorded gradients and asks only for the weights below
-them, accumulating into ``.grad``; it re-runs no input-gradient work. The first stage has no input
+them, accumulating into ``.grad``; it re-runs no input-gradient work. A custom Function computing
+both kinds together (SP's linears, :mod:`meshtron.parallel.tensor`) asks the engine which its pass
+wants, so ``B`` computes no weight gradient (nor re-gathers SP's input) and ``W`` neither the input
+gradient nor its reduce-scatter. The first stage has no input
 gradient, so its ``B`` is empty and its ``W`` the whole backward. Memory: a micro-batch's saved
 activations live from its ``F`` to its ``W`` (``schedules.peak_in_flight`` counts exactly that)
 plus the recorded gradients (at most one per weight-consuming node, activation-sized); dropping
