@@ -344,21 +344,30 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _pass_wants(node) -> bool:
-    """Whether the running backward pass reaches ``node`` (an input's edge of a custom Function).
+def _pass_wants(ctx) -> tuple[bool, bool]:
+    """Whether the running backward pass uses the gradient of a custom Function's first input, and of
+    any other (the Function's tensor inputs: what it computes with, then its weights).
 
     A zero-bubble pipeline splits a backward in two passes over the same graph, one asking for the
     stage input's gradient only (``B``), one for the weights' (``W``); autograd drops what a Function
     returns for an edge the pass does not follow, so a Function that computes input and weight
     gradients together computes only those asked for. ``autograd.grad`` cannot say this of a leaf's
-    accumulator (it raises): such a gradient is taken as wanted.
+    accumulator (it raises): such a gradient is taken as wanted. A compiled block's backward is traced
+    ahead of any pass (a stage holding one runs its backwards whole): both.
     """
-    if node is None:  # the input needs no gradient
-        return False
-    try:
-        return torch._C._will_engine_execute_node(node)
-    except RuntimeError:
-        return True
+    if torch.compiler.is_compiling():
+        return True, True
+
+    def reached(node) -> bool:
+        if node is None:  # the input needs no gradient
+            return False
+        try:
+            return torch._C._will_engine_execute_node(node)
+        except RuntimeError:
+            return True
+
+    first, *rest = (node for node, _ in ctx.next_functions)
+    return reached(first), any(map(reached, rest))
 
 
 class _SequenceParallelLinears(torch.autograd.Function):
@@ -386,8 +395,7 @@ class _SequenceParallelLinears(torch.autograd.Function):
     def backward(ctx, grad_packed: torch.Tensor):
         shard, *weights = ctx.saved_tensors
         count = len(weights)
-        edges = [node for node, _ in ctx.next_functions]  # the tensor inputs': shard, weights, biases
-        want_input, want_params = _pass_wants(edges[0]), any(map(_pass_wants, edges[1:]))
+        want_input, want_params = _pass_wants(ctx)
         gathering = _start_sequence_gather(shard, ctx.mesh) if want_params else None
         grad_shard = None
         if want_input:
