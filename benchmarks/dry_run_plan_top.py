@@ -41,7 +41,11 @@ def main() -> None:
     layouts = sorted(((recipe, gpus, *top) for recipe in RECIPES for gpus in GPUS for top in top_layouts(recipe, gpus)),
                      key=lambda layout: layout[2])
     stored = out / "dry_run_plan_top.json"
+    chosen = {(recipe, gpus, tuple(overrides)): (place, fits) for recipe, gpus, place, fits, overrides in layouts}
     rows = json.loads(stored.read_text()) if stored.exists() else []
+    # Layouts the planner no longer ranks in its top three leave the table; the others take their current place.
+    rows = [{**r, **dict(zip(("place", "fits"), chosen[key]))} for r in rows
+            if (key := (r["recipe"], r["world_size"], tuple(r["overrides"]))) in chosen]
     done = {(r["recipe"], r["world_size"], tuple(r["overrides"])) for r in rows}
     if "--replan" in sys.argv:
         first = {}

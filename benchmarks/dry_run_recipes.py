@@ -80,7 +80,8 @@ def measure(recipe: str, world: int | None, overrides: list[str]) -> list[dict]:
 
 
 def table(rows: list[dict], extra: tuple[str, ...] = ()) -> str:
-    """The rows as a markdown table; ``extra`` keys become columns after the layout's."""
+    """The rows as a markdown table; ``extra`` keys become columns after the layout's; a row's ``note``
+    (e.g. traced before a change that moved its figures) marks its rank with † and follows the table."""
     lines = ["| recipe | options | ranks | layout | schedule | AC | micro-batches | " + "".join(f"{k} | " for k in extra) +
              "rank (stage) | traced GiB | planned GiB | traced / planned "
              "| TFLOP | sent GiB traced | sent GiB planned | roofline s | predicted tok/s/GPU | dry run s |",
@@ -88,7 +89,7 @@ def table(rows: list[dict], extra: tuple[str, ...] = ()) -> str:
     for r in rows:
         lines.append(f"| {r['recipe']} | {_options(r['recipe'], r['overrides'])} | {r['world_size']} | {r['layout']} | {r['schedule']} | {r['ac']} | "
                      f"{r['microbatches']} | " + "".join(f"{r[k]} | " for k in extra) +
-                     f"{r['rank']} ({r['pp']}) | {r['traced_gib']:.2f} | {r['planned_gib']:.2f} | {r['ratio']:.3f} | "
+                     f"{r['rank']} ({r['pp']}){' †' if r.get('note') else ''} | {r['traced_gib']:.2f} | {r['planned_gib']:.2f} | {r['ratio']:.3f} | "
                      f"{r['tflop']:.0f} | {r['sent_traced_gib']:.3f} | {r['sent_planned_gib']:.3f} | "
                      f"{r['roofline_s']:.2f} | {r['tokens_per_s_per_gpu']:,.0f} | {r['seconds']:.0f} |")
     return "\n".join(lines)
@@ -162,7 +163,8 @@ def write_results(stem: Path, rows: list[dict], intro: str, extra: tuple[str, ..
     stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
     within = sum(abs(r["ratio"] - 1) <= 0.05 for r in rows)
-    text = (f"{intro}\n\n{table(rows, extra)}\n\nFurthest from 1: {worst['recipe']} on {worst['world_size']} ranks, "
+    notes = "".join(f"\n\n†: {note}" for note in dict.fromkeys(r["note"] for r in rows if r.get("note")))
+    text = (f"{intro}\n\n{table(rows, extra)}{notes}\n\nFurthest from 1: {worst['recipe']} on {worst['world_size']} ranks, "
             f"{worst['layout']} {worst['schedule']}, rank {worst['rank']}: {worst['ratio']:.3f}; {within} of "
             f"{len(rows)} ranks within 5 %.\n")
     stem.with_suffix(".md").write_text(text)
