@@ -11,7 +11,10 @@ without SP; FSDP (or replicate / HSDP) over the data meshes. In the same launch,
 Aria's experts) at dp2 x tp4 and dp4 x tp2 + SP (the MoE families over ep instead: dp2 x ep4 and
 dp2 x ep2 x tp2 + SP, Aria the latter; Llama 4's router-scaled experts, without an ep plan, at dp2 x ep4,
 dp2 x ep2 x tp2 ± SP and dp4 x tp2 + SP), DeepSeek-V2/V3's MLA at tp 2 and 4 with and without SP, and
-OPT's unsplit MLP warning.
+OPT's unsplit MLP warning (and its per-token MLP under SP). Issue 41's classes join the same launch:
+plans leaving parts whole under SP (MiniMax, GraniteMoe/-Shared, Jamba at dp2 x ep2 x tp2 + SP), norms over
+all split features (BitNet), in-place edits of split outputs (Olmo's clip_qkv), plans naming only the input
+embedding (CodeGen, HunYuan, FalconH1, Bamba), and a Parameter shared by two layers refused.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from meshtron import load_hf_checkpoint, parallelize_hf_model, save_hf_checkpoint
 from meshtron.config import ConfigError
+from meshtron.hf.discover import hf_parts
 from meshtron.hf.experts import FusedExpertParallel
 from meshtron.mesh import batch_mesh, expert_split
 from meshtron.testing import HF_TINY_FAMILIES, HF_TINY_SIZES, cached_mesh, rel_err, run_checks
@@ -298,6 +302,41 @@ FAMILIES = {
                     "MLA as V2-Lite (q_proj colwise, no q down projection), plan with mla_kv_a_proj; fused experts"),
     "deepseek_v3": ("DeepseekV3Config", dict(MLA, q_lora_rank=24, n_group=1, topk_group=1),
                     "MLA with q_a_proj / q_a_layernorm; its plan names no attention (MLA entries added); experts"),
+    # Parts a model's own plan leaves whole run on the gathered sequence under SP: MiniMax's plan names
+    # q/k/v/o of its full-attention layers only (layer 0's lightning attention unplanned), GraniteMoe's,
+    # GraniteMoeShared's and Jamba's name only the experts (Jamba's mamba mixer and attention whole).
+    "minimax": ("MiniMaxConfig", dict(TINY, num_key_value_heads=4, head_dim=8, intermediate_size=32, num_local_experts=4,
+                                      num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"],
+                                      block_size=8), "own plan skipping the linear-attention layers; experts over ep"),
+    "granitemoe": ("GraniteMoeConfig", dict(TINY, num_key_value_heads=4, intermediate_size=32, num_local_experts=4,
+                                            num_experts_per_tok=2), "own plan naming only the experts"),
+    "granitemoeshared": ("GraniteMoeSharedConfig", dict(TINY, num_key_value_heads=4, intermediate_size=32,
+                                                        num_local_experts=4, num_experts_per_tok=2,
+                                                        shared_intermediate_size=48),
+                         "own plan naming only the experts; a shared MLP beside them"),
+    "jamba": ("JambaConfig", dict(TINY, num_key_value_heads=4, intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                  attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                                  mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, use_mamba_kernels=False),
+              "mamba mixer and attention layers, experts in every other layer; plan naming only the experts"),
+    # Norms over all split features: the projections around them gather their outputs.
+    "bitnet": ("BitNetConfig", dict(TINY, num_key_value_heads=4, intermediate_size=96),
+               "no plan; attn_sub_norm over all heads before o_proj, ffn_sub_norm over the MLP's features"),
+    # In-place edits of a column-split output: Olmo's clip_qkv clamps q, k, v in place.
+    "olmo": ("OlmoConfig", dict(TINY, num_key_value_heads=4, intermediate_size=96, clip_qkv=0.05),
+             "own plan, q/k/v colwise clamped in place (clip_qkv)"),
+    # Plans with transformers 5.24's embedding_rowwise entry for the input embedding (meshtron splits it).
+    "codegen": ("CodeGenConfig", dict(vocab_size=128, n_embd=64, n_layer=2, n_head=8, rotary_dim=4, n_positions=64),
+                "plan naming only the input embedding; fused qkv_proj (inferred, gathered)"),
+    "hunyuan": ("HunYuanDenseV1Config", dict(TINY, num_key_value_heads=4, intermediate_size=96, head_dim=8),
+                "plan naming only the input embedding (inferred instead); per-head query/key layernorms after RoPE"),
+    "falcon_h1": ("FalconH1Config", dict(TINY, num_key_value_heads=4, intermediate_size=96, head_dim=8, mamba_d_state=8,
+                                         mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_conv=4,
+                                         mamba_expand=2, mamba_d_ssm=128),
+                  "hybrid: mamba mixer beside attention in every layer (whole over tp)"),
+    "bamba": ("BambaConfig", dict(TINY, num_key_value_heads=4, intermediate_size=96, attn_layer_indices=[1],
+                                  mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_conv=4,
+                                  mamba_expand=2),
+              "attention only in layer 1 (found there, not in block 0); mamba layers whole over tp"),
 }
 DENSE_LAYOUTS = [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), True)]
 EP_LAYOUTS = [(dict(dp=2, ep=4), False), (dict(dp=2, ep=2, tp=2), True)]
@@ -311,13 +350,18 @@ FAMILY_LAYOUTS = {"mixtral": [*EP_LAYOUTS, FOLDED_LAYOUT], "qwen3_moe": [FOLDED_
                   "apertus": SPLIT_ACTIVATION_LAYOUTS, "gain_llama": SPLIT_ACTIVATION_LAYOUTS,
                   "glm4_moe": [(dict(dp=2, ep=2, tp=2), False), (dict(dp=2, ep=2, tp=2), True),
                                (dict(ep=2, tp=4), False), (dict(ep=2, tp=4), True)],
-                  "lfm2": [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), False)],
+                  "lfm2": [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), True)],
                   "llama4": [*EP_LAYOUTS, (dict(dp=2, ep=2, tp=2), False), (dict(dp=4, tp=2), True)],
                   "qwen3_next": [*EP_LAYOUTS, (dict(dp=4, tp=2), False)],
-                  "deepseek_v2": SPLIT_ACTIVATION_LAYOUTS, "deepseek_v3": SPLIT_ACTIVATION_LAYOUTS}
+                  "deepseek_v2": SPLIT_ACTIVATION_LAYOUTS, "deepseek_v3": SPLIT_ACTIVATION_LAYOUTS,
+                  **{name: [(dict(dp=2, ep=2, tp=2), True)] for name in ("minimax", "granitemoe", "granitemoeshared", "jamba")},
+                  "bitnet": [(dict(dp=4, tp=2), False), (dict(dp=2, tp=4), False), (dict(dp=4, tp=2), True)],
+                  "olmo": SPLIT_ACTIVATION_LAYOUTS}
 # MLA families: projection -> its tp placement (the down projection replicated, the others split by heads).
 MLA_PLACEMENTS = {"q_proj": Shard(0), "q_b_proj": Shard(0), "q_a_proj": Replicate(), "kv_a_proj_with_mqa": Replicate(),
                   "kv_b_proj": Shard(0), "o_proj": Shard(1)}
+# Own plans naming only the experts: over ep x tp nothing else in their blocks is split (it runs whole).
+EXPERTS_ONLY_PLANS = ("granitemoe", "granitemoeshared", "jamba")
 # MoE family -> the class that runs its experts.
 EXPERT_CLASSES = {"mixtral": "FusedExpertParallel", "qwen3_moe": "FusedExpertParallel", "gpt_oss": "ClampedExpertParallel",
                   "aria": "TransposedExpertParallel", "llama4": "ScaledInputExpertParallel"}
@@ -365,6 +409,8 @@ def check_families(folders: dict[str, str], out: str) -> None:
                 _check_expert_split(model, name, mesh, where)
             if name.startswith("deepseek"):
                 _check_mla_split(model, where)
+            if name not in EXPERTS_ONLY_PLANS:
+                _check_blocks_split(model, mesh, where)
             ids, labels, mask = _batch(batch_mesh(mesh).size(), seed=index)
             out_ = model(input_ids=_local(ids, mesh), labels=_local(labels, mesh), attention_mask=_local(mask, mesh))
             ref_out = ref(input_ids=ids, labels=labels, attention_mask=mask)
@@ -388,6 +434,15 @@ def _check_gpt_oss_round_trip(model, folder: Path, ids, mask, mesh, sp: bool, wh
     params = dict(loaded.named_parameters())
     for name, p in model.named_parameters():
         assert torch.equal(_full(p).detach(), _full(params[name]).detach()), f"{where}: loaded {name} differs"
+
+
+def _check_blocks_split(model, mesh, where: str) -> None:
+    """Parity alone would pass a plan that splits nothing (HunYuan's names only the input embedding)."""
+    if mesh["tp"].size() == 1:
+        return
+    split = [name for name, p in hf_parts(model).blocks.named_parameters() if isinstance(p, DTensor)
+             and isinstance(dict(zip(p.device_mesh.mesh_dim_names, p.placements)).get("tp"), Shard)]
+    assert split, f"{where}: no block parameter is split over tp"
 
 
 def _check_mla_split(model, where: str) -> None:
@@ -488,15 +543,17 @@ def check_native_sliced_loading(folders: dict[str, str], out: str) -> None:
 
 def _check_unsplit_warning(mesh) -> None:
     """OPT (no plan) keeps its MLP projections directly in the block: the inferred plan splits its
-    attention, leaves fc1 / fc2 whole with one warning saying so, and refuses SP."""
+    attention, leaves fc1 / fc2 whole with one warning saying so; under SP they act per token on the
+    sequence shard (on tokens flattened to [B x S, H], its norm too) and the loss is the unsplit model's."""
     import warnings
 
     import transformers
 
     def opt():
+        torch.manual_seed(0)
         cfg = transformers.OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
-                                     ffn_dim=96, word_embed_proj_dim=64)
-        return transformers.AutoModelForCausalLM.from_config(cfg)
+                                     ffn_dim=96, word_embed_proj_dim=64, dropout=0.0)
+        return transformers.AutoModelForCausalLM.from_config(cfg).train()
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -504,14 +561,29 @@ def _check_unsplit_warning(mesh) -> None:
     (warning,) = [w for w in caught if "parallelize_hf_model" in str(w.message)]
     assert str(warning.message) == (
         "parallelize_hf_model: OPTForCausalLM has no base_model_tp_plan; the inferred plan leaves these parts "
-        "unsplit over tp (FSDP still shards them): MLP: no single submodule named like ('mlp', 'feed_forward', "
-        "'ffn') holds its projections (projections directly in the block: ['fc1', 'fc2'])."), warning.message
+        "unsplit over tp (FSDP still shards them; under SP they run on the gathered sequence): MLP: no single "
+        "submodule named like ('mlp', 'feed_forward', 'ffn') holds its projections (projections directly in the "
+        "block: ['fc1', 'fc2'])."), warning.message
     attention = model.model.decoder.layers[0].self_attn
     fc1 = model.model.decoder.layers[0].fc1.weight  # whole: plain, or replicated like every unsplit parameter
     assert attention.q_proj.weight.placements == (Shard(0),)
     assert not isinstance(fc1, DTensor) or fc1.placements == (Replicate(),), fc1
-    with pytest.raises(ConfigError, match=r"sp = true needs every attention and MLP split over tp, but OPTForCausalLM .* Use sp = false"):
-        parallelize_hf_model(opt(), mesh, sp=True)
+    ids, labels, mask = _batch(1, seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        split = parallelize_hf_model(opt(), mesh, sp=True)(input_ids=ids, labels=labels, attention_mask=mask).loss
+    whole = opt()(input_ids=ids, labels=labels, attention_mask=mask).loss
+    assert rel_err(split, whole) < 1e-5, f"OPT tp 8 + SP: loss rel err {rel_err(split, whole):.2e}"
+
+
+def _check_shared_parameter_refused(mesh) -> None:
+    """A Parameter shared by two decoder layers (not the tied embedding / head) would get one copy per
+    layer under tp: refused, naming both owners."""
+    model = _family_model("gain_llama")
+    model.model.layers[1].mlp.down_proj.weight = model.model.layers[0].mlp.down_proj.weight
+    with pytest.raises(ConfigError, match=r"'model.layers.0.mlp.down_proj.weight', 'model.layers.1.mlp.down_proj.weight' "
+                                          r"share one Parameter, but parallelizing gave them separate copies"):
+        parallelize_hf_model(model, mesh)
 
 
 def check_errors(folders: dict[str, str], out: str) -> None:
@@ -526,8 +598,7 @@ def check_errors(folders: dict[str, str], out: str) -> None:
     with pytest.raises(ConfigError, match="ep = 2 needs a MoE model"):
         parallelize_hf_model(_reference(folders["llama"]), cached_mesh(dp=2, ep=2, tp=2))
     _check_unsplit_warning(cached_mesh(tp=8))
-    with pytest.raises(ConfigError, match=r"sp = true needs every attention and MLP split over tp, but Lfm2ForCausalLM"):
-        parallelize_hf_model(_family_model("lfm2"), cached_mesh(dp=4, tp=2), sp=True)
+    _check_shared_parameter_refused(cached_mesh(dp=4, tp=2))
     moe = _reference(folders["qwen2_moe"])
     moe.config.base_model_ep_plan = None
     with pytest.raises(ConfigError, match="no base_model_ep_plan entry .* is not a MoE whose router scores scale"):
@@ -589,7 +660,8 @@ def _check_router_scaled_refusals() -> None:
 
 def test_tp_plan_styles():
     """Every tp-plan style transformers registers is translated or refused by name; an unknown one is a
-    ConfigError naming the style and the module."""
+    ConfigError naming the style and the module; an entry for the input embedding (transformers 5.24's
+    ``embedding_rowwise``) is left to meshtron's vocab-parallel embedding, one for another embedding refused."""
     from types import SimpleNamespace
 
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
@@ -597,22 +669,27 @@ def test_tp_plan_styles():
     from meshtron.hf.experts import _EP_STYLES
     from meshtron.hf.tp_plan import _REFUSED, _STYLES, _base_plan
 
-    def model(plan):
-        return SimpleNamespace(config=SimpleNamespace(base_model_tp_plan=plan))
+    parts = SimpleNamespace(plan_embed="embed_tokens")
+
+    def plan_of(plan):
+        return _base_plan(SimpleNamespace(config=SimpleNamespace(base_model_tp_plan=plan)), parts)
 
     # transformers registers the base_model_ep_plan styles in the same table once its MoE code is
     # imported (so it depends on test order); those belong to the expert-parallel path.
     tp_styles = set(ALL_PARALLEL_STYLES) - set(_EP_STYLES)
     assert tp_styles <= set(_STYLES) | set(_REFUSED), tp_styles - set(_STYLES) - set(_REFUSED)
     plan = {f"layers.*.m{i}": style for i, style in enumerate(_STYLES)}
-    assert _base_plan(model(plan)) == plan
+    assert plan_of(plan) == plan
     for style in _REFUSED:
         with pytest.raises(ConfigError, match=f"tp plan style '{style}' \\(for module 'layers.<i>.mlp.x'\\) is not supported"):
-            _base_plan(model({"layers.*.mlp.x": style}))
+            plan_of({"layers.*.mlp.x": style})
     with pytest.raises(ConfigError, match=r"unknown tp plan style 'colwise_future' \(for module 'layers.<i>.self_attn.qkv'"):
-        _base_plan(model({"layers.*.self_attn.qkv": "colwise_future"}))
+        plan_of({"layers.*.self_attn.qkv": "colwise_future"})
     # Fused experts follow base_model_ep_plan, whatever their tp style.
-    assert _base_plan(model({"layers.*.mlp.experts.gate_up_proj": "moe_tp_experts"}))
+    assert plan_of({"layers.*.mlp.experts.gate_up_proj": "moe_tp_experts"})
+    assert plan_of({"embed_tokens": "embedding_rowwise", "layers.*.mlp.up_proj": "colwise"}) == {"layers.*.mlp.up_proj": "colwise"}
+    with pytest.raises(ConfigError, match=r"'embedding_rowwise' \(for module 'layers.<i>.mlp.up_embed'\) is not supported"):
+        plan_of({"layers.*.mlp.up_embed": "embedding_rowwise"})
 
 
 def test_hf_parallelize_8_ranks(tmp_path):
@@ -686,7 +763,7 @@ def test_inferred_tp_plans():
 
     def plan(name, tp=4, **change):
         model = meta_model(name, **change)
-        return infer_tp_plan(model, hf_parts(model), tp, kv_heads=4, sp=False)
+        return infer_tp_plan(model, hf_parts(model), tp, kv_heads=4)
 
     def config_plan(name):
         model = meta_model(name)
@@ -710,7 +787,8 @@ def test_inferred_tp_plans():
     assert plan("gpt_oss") == {f"layers.*.self_attn.{p}": "colwise_gather_output" for p in ("q_proj", "k_proj", "v_proj")} | {
         "layers.*.self_attn.o_proj": "rowwise_split_input"}  # sinks: per-head parameters; experts elsewhere
     with pytest.warns(UserWarning, match=r"^parallelize_hf_model: GPT2LMHeadModel has no base_model_tp_plan; the inferred "
-                      r"plan leaves these parts unsplit over tp \(FSDP still shards them\): MLP 'h.\*.mlp' \(GPT2MLP\): "
+                      r"plan leaves these parts unsplit over tp \(FSDP still shards them; under SP they run on the gathered "
+                      r"sequence\): MLP 'h.\*.mlp' \(GPT2MLP\): "
                       r"tp = 2 does not divide the features of 'c_fc' \(64, 95\).$"):
         found = plan("gpt2", tp=2, n_inner=95)
     assert "h.*.mlp.c_fc" not in found

@@ -56,6 +56,11 @@ class HFParts:
         return _relative(self.blocks_path, self.decoder_path)
 
     @property
+    def plan_embed(self) -> str:
+        """The input embedding's path relative to the decoder, as a tp-plan entry names it (``embed_tokens``)."""
+        return _relative(self.embed_path, self.decoder_path)
+
+    @property
     def tied(self) -> bool:
         """Embedding and head share one weight here (a pipeline holds them on different stages)."""
         return self.embed is not None and self.head is not None and self.head.weight is self.embed.weight

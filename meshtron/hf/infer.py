@@ -1,6 +1,6 @@
 """A tp plan for transformers models whose config has none (GPT-2, Falcon, Bloom, GPT-J, OPT, StableLM, ...).
 
-:func:`infer_tp_plan` reads the module types of the first decoder block and writes the plan in
+:func:`infer_tp_plan` reads the module types of each kind of decoder block and writes the plan in
 transformers' own vocabulary (``colwise``, ``rowwise``, ``colwise_gather_output``,
 ``rowwise_split_input``), so it goes through the same translation as a config's plan:
 
@@ -191,15 +191,10 @@ def _mlp_plan(name: str, mlp: nn.Module, hidden: int, tp: int) -> tuple[dict[str
     return {}, f"its up projections' widths {[projections[n][1] for n in inputs]} do not match down's input {width}"
 
 
-def infer_tp_plan(model: nn.Module, parts: HFParts, tp: int, kv_heads: int, sp: bool) -> dict[str, str]:
-    """A ``base_model_tp_plan`` for ``model`` from the module types of its first block (relative to the
-    decoder, as transformers writes plans); warns once, naming every part left unsplit and why. Under
-    SP an unsplit part would see only its rank's tokens: a :class:`ConfigError` instead."""
-    cfg = model.config
-    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
-    block = parts.blocks[0]
-    prefix = f"{parts.plan_blocks}.*"
-    plan, unsplit = {}, []
+def _block_plan(block: nn.Module, prefix: str, hidden: int, heads: int, kv_heads: int,
+                tp: int) -> tuple[dict[str, str], dict[str, str]]:
+    """One block's plan entries, and for each kind (attention, MLP) it leaves unsplit, why."""
+    plan, unsplit = {}, {}
     moe = any(name.rsplit(".", 1)[-1] == "experts" for name, _ in block.named_modules())
     for kind, names in (("attention", _ATTENTION_NAMES), ("MLP", _MLP_NAMES)):
         if kind == "MLP" and moe:
@@ -207,24 +202,48 @@ def infer_tp_plan(model: nn.Module, parts: HFParts, tp: int, kv_heads: int, sp: 
         child = _child(block, names)
         if child is None:
             loose = sorted(n for n in _projections(block) if "." not in n)
-            unsplit.append(f"{kind}: no single submodule named like {names} holds its projections"
-                           + (f" (projections directly in the block: {loose})" if loose else ""))
+            unsplit[kind] = (f"{kind}: no single submodule named like {names} holds its projections"
+                             + (f" (projections directly in the block: {loose})" if loose else ""))
             continue
         name, module = child
         part, why = (_attention_plan(name, module, hidden, heads, kv_heads, tp) if kind == "attention"
                      else _mlp_plan(name, module, hidden, tp))
         plan.update({f"{prefix}.{k}": v for k, v in part.items()})
         if why:
-            unsplit.append(f"{kind} '{prefix}.{name}' ({type(module).__name__}): {why}")
-    if unsplit and sp:
-        raise ConfigError(f"parallelize_hf_model: sp = true needs every attention and MLP split over tp, but "
-                          f"{type(model).__name__} (no base_model_tp_plan) has parts the inferred plan cannot split: "
-                          f"{'; '.join(unsplit)}. Use sp = false.")
-    if unsplit:
+            unsplit[kind] = f"{kind} '{prefix}.{name}' ({type(module).__name__}): {why}"
+    return plan, unsplit
+
+
+def infer_tp_plan(model: nn.Module, parts: HFParts, tp: int, kv_heads: int) -> dict[str, str]:
+    """A ``base_model_tp_plan`` for ``model`` from the module types of its blocks (relative to the
+    decoder, as transformers writes plans), each kind of block read once (Bamba's attention is only in
+    some layers); warns once, naming every part left unsplit and why. Under SP an unsplit part runs on
+    the gathered sequence (:func:`meshtron.hf.tp_plan._left_whole`)."""
+    cfg = model.config
+    prefix = f"{parts.plan_blocks}.*"
+    plan, unsplit, seen = {}, {}, set()
+    for _, block in parts.block_items():
+        if type(block) in seen:
+            continue
+        seen.add(type(block))
+        part, why = _block_plan(block, prefix, cfg.hidden_size, cfg.num_attention_heads, kv_heads, tp)
+        plan.update(part)
+        for kind, text in why.items():
+            unsplit.setdefault(kind, []).append(text)
+    # A kind some block splits is not reported for the blocks without it (Bamba's mamba layers).
+    planned = {kind for kind in unsplit if any(_kind_planned(kind, pattern) for pattern in plan)}
+    texts = [text for kind, found in unsplit.items() if kind not in planned for text in dict.fromkeys(found)]
+    if texts:
         warnings.warn(
             f"parallelize_hf_model: {type(model).__name__} has no base_model_tp_plan; the inferred plan leaves "
-            f"these parts unsplit over tp (FSDP still shards them): {'; '.join(unsplit)}.", stacklevel=4)
+            f"these parts unsplit over tp (FSDP still shards them; under SP they run on the gathered sequence): "
+            f"{'; '.join(texts)}.", stacklevel=4)
     return plan
+
+
+def _kind_planned(kind: str, pattern: str) -> bool:
+    child = pattern.split(".")[2]
+    return any(k in child for k in (_ATTENTION_NAMES if kind == "attention" else _MLP_NAMES))
 
 
 __all__ = ["TransposedColwise", "TransposedRowwise", "infer_tp_plan", "is_transposed", "with_mla_attention"]

@@ -206,14 +206,41 @@ def parallelize_hf_model(
     (``forward_backward(input_ids, next_token_labels)``).
     """
     hf_parts(model)  # a layout we can find the pieces of
+    shared = _shared_parameters(model)
     pipelined = mesh["pp"].size() > 1
     if pipelined:
         cut_to_stage(model, mesh, schedule, microbatches, virtual_stages, sp, dtype)
     compose(model, HFSteps(mesh, sp, data_parallel, ac, ac_every, dtype, (cp_comm_type, cp_a2a_size),
                            shard_inputs=not pipelined))
+    _check_still_shared(model, shared)
     if pipelined:
         run_as_stage(model)
     return model
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
+    """Groups of (module path, module, name) that own one Parameter (a tied embedding and head, weights
+    reused by several decoder layers)."""
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if param is not None and all(m is not module or n != name for _, m, n in owners.get(id(param), ())):
+                owners.setdefault(id(param), []).append((path, module, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _check_still_shared(model: nn.Module, shared: list[list[tuple[str, nn.Module, str]]]) -> None:
+    """Each shared Parameter is still one Parameter in what parallelizing left here (a pipeline stage
+    may hold only some of its owners): a style or data-parallel unit that gave each owner its own copy
+    would split the gradient between the copies, which drift apart after one step."""
+    present = {id(m) for m in model.modules()}
+    for group in shared:
+        here = [(path, getattr(module, name)) for path, module, name in group if id(module) in present]
+        if len({id(param) for _, param in here}) > 1:
+            names = ", ".join(f"'{path}.{name}'" for (path, _, name) in group)
+            raise ConfigError(f"parallelize_hf_model: {names} share one Parameter, but parallelizing gave them "
+                              "separate copies (their gradients would be split and the copies drift apart); "
+                              "sharing weights between these modules is not supported with this layout.")
 
 
 def _as_meshtron_head(head: nn.Module | None) -> None:

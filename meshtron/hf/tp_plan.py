@@ -68,8 +68,8 @@ _STYLES = (*_COLWISE, *_COLWISE_GATHERED, *_ROWWISE, *_ROWWISE_REPLICATED_INPUT,
            *_REPLICATE, *_SEQUENCE, *_MLA_KV_A)
 # Styles transformers defines that meshtron does not translate (outside fused experts): why.
 _REFUSED = {
-    "embedding_rowwise": "embeddings inside decoder layers are not split; meshtron splits only the input embedding",
-    "embedding_colwise": "embeddings inside decoder layers are not split; meshtron splits only the input embedding",
+    "embedding_rowwise": "embeddings other than the input embedding are not split; meshtron splits only the input embedding",
+    "embedding_colwise": "embeddings other than the input embedding are not split; meshtron splits only the input embedding",
     "all_reduce": "partial module outputs outside fused experts are not supported yet",
     "moe_tp_experts": "per-expert tp outside a fused 'experts' module is not supported",
     "moe_identity_expert": "identity (zero-compute) experts are not supported yet",
@@ -273,9 +273,10 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
         plan.update(_shared_expert_plan(f"{moe}.shared_expert"))
     if sp:
         # The block's own norms act on the (sequence-split) residual stream or on a rowwise output that
-        # is then added to it (Gemma2's post-norms), so they hand back plain local tensors.
-        plan.update({name: SequenceParallel(use_local_output=True) for name, child in layer.named_children()
-                     if is_norm(child)})
+        # is then added to it (Gemma2's post-norms), so they hand back plain local tensors. Tokens are
+        # the next-to-last dim: OPT flattens [B, S, H] to [B x S, H] before its MLP's norm.
+        plan.update({name: SequenceParallel(sequence_dim=-2, use_local_output=True)
+                     for name, child in layer.named_children() if is_norm(child)})
         if moe is not None:
             # Routing needs every token: the replicated MoE block runs on the gathered sequence and
             # each rank keeps its slice of the (identical) output.
@@ -284,7 +285,23 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
         # projection) returns the whole sequence on every rank: each keeps its slice, like the MoE block.
         plan.update({parent: _GatheredSequence() for parent, rowwise in writes_residual.items()
                      if not rowwise and isinstance(plan.get(parent), _HiddenStatesInput)})
+        plan.update({name: _GatheredSequence() for name in _left_whole(layer, plan)})
     return plan
+
+
+def _left_whole(layer: nn.Module, plan: dict[str, ParallelStyle]) -> list[str]:
+    """Children of ``layer`` with parameters that no plan entry reaches (MiniMax's lightning attention in
+    the layers its plan skips, an attention or mamba mixer a plan naming only the experts leaves out).
+    Under SP they would see only this rank's tokens. A norm (SequenceParallel) or a bare linear layer
+    (OPT's fc1 / fc2 on flattened tokens) is known to act per token; anything else may mix tokens, so it
+    runs on the gathered sequence."""
+    reached = {rel.split(".", 1)[0] for rel in plan}
+    return [name for name, child in layer.named_children() if name not in reached and not _acts_per_token(child)
+            and any(True for _ in child.parameters())]
+
+
+def _acts_per_token(module: nn.Module) -> bool:
+    return is_norm(module) or isinstance(module, nn.Linear) or is_transposed(module)
 
 
 def _shared_expert_plan(prefix: str) -> dict[str, ParallelStyle]:
@@ -298,9 +315,11 @@ def _shared_expert_plan(prefix: str) -> dict[str, ParallelStyle]:
     }
 
 
-def _base_plan(model: nn.Module) -> dict[str, str]:
-    """The config's ``base_model_tp_plan``, every style checked to be translatable."""
-    plan = model.config.base_model_tp_plan
+def _base_plan(model: nn.Module, parts: HFParts) -> dict[str, str]:
+    """The config's ``base_model_tp_plan``, every style checked to be translatable. An entry for the
+    input embedding (transformers 5.24's ``embedding_rowwise``) is dropped: meshtron splits the input
+    embedding itself, vocab-parallel, whatever the plan says of it."""
+    plan = {pattern: style for pattern, style in model.config.base_model_tp_plan.items() if pattern != parts.plan_embed}
     for pattern, style in plan.items():
         if "experts" in pattern.split(".") or style in _STYLES:
             continue
@@ -318,11 +337,63 @@ def _base_plan(model: nn.Module) -> dict[str, str]:
 
 
 def _tp_plan(model: nn.Module, parts: HFParts, tp: int, sp: bool) -> dict[str, str]:
-    """The config's plan (its heads must split over tp), else one inferred from the module types."""
-    if not getattr(model.config, "base_model_tp_plan", None):
-        return infer_tp_plan(model, parts, tp, key_value_heads(model.config), sp)
-    check_tensor_parallel(model.config.num_attention_heads, key_value_heads(model.config), tp)
-    return with_mla_attention(_base_plan(model), parts)
+    """The config's plan (its heads must split over tp), else one inferred from the module types (also
+    when the config's names nothing inside the blocks: HunYuan's lists only the input embedding); then
+    :func:`_gather_spanning_norms`."""
+    own = _base_plan(model, parts) if getattr(model.config, "base_model_tp_plan", None) else {}
+    if not any(pattern.startswith(f"{parts.plan_blocks}.") for pattern in own):
+        plan = infer_tp_plan(model, parts, tp, key_value_heads(model.config))
+    else:
+        check_tensor_parallel(model.config.num_attention_heads, key_value_heads(model.config), tp)
+        plan = with_mla_attention(own, parts)
+    return _gather_spanning_norms(plan, parts)
+
+
+def _norm_features(norm: nn.Module) -> int | None:
+    """How many features a norm module normalises over, where it says (its weight or ``normalized_shape``)."""
+    weight = getattr(norm, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.numel()
+    shape = getattr(norm, "normalized_shape", None)
+    return int(torch.Size(shape).numel()) if shape is not None else None
+
+
+def _spanning_norm(module: nn.Module, width: int) -> str | None:
+    """A norm inside ``module`` over all ``width`` features its rowwise projection reads (BitNet's
+    ``attn_sub_norm`` before ``o_proj``, ``ffn_sub_norm`` over the MLP's intermediate features), or one
+    that does not say its size; None. A per-head norm (Qwen3's ``q_norm``) or one on a replicated input
+    (MLA's ``kv_a_layernorm``) sees its features whole however the heads are split."""
+    for name, child in module.named_modules():
+        if name and is_norm(child) and _norm_features(child) in (width, None):
+            return name
+    return None
+
+
+def _in_features(module: nn.Module) -> int:
+    return module.weight.shape[0 if is_transposed(module) else 1]
+
+
+def _gather_spanning_norms(plan: dict[str, str], parts: HFParts) -> dict[str, str]:
+    """Split projections whose module also runs a norm over all the split features (in any block) keep
+    their weights split but gather their outputs (``colwise_gather_output`` / ``rowwise_split_input``),
+    so the norm sees every feature, whether the plan is the config's or inferred. MLA's projections
+    (``mla_kv_a_proj``: the rope key's gradient is summed over split heads) are left as they are."""
+    gathered = {"colwise": "colwise_gather_output", "rowwise": "rowwise_split_input"}
+    parents: dict[str, list[str]] = {}
+    for pattern, style in plan.items():
+        parents.setdefault(pattern.rpartition(".")[0], []).append(style)
+    spanning = set()
+    for parent, styles in parents.items():
+        rel = parent.split(".", 2)[2] if parent.count(".") >= 2 else None
+        if rel is None or "experts" in rel.split(".") or "rowwise" not in styles or any(s in _MLA_KV_A for s in styles):
+            continue  # fused experts: meshtron.hf.experts
+        rowwise = next(p.split(".", 2)[2] for p, st in plan.items() if p.rpartition(".")[0] == parent and st == "rowwise")
+        for _, layer in parts.block_items():
+            if _exists(layer, rowwise) and _spanning_norm(layer.get_submodule(rel),
+                                                          _in_features(layer.get_submodule(rowwise))):
+                spanning.add(parent)
+    return {pattern: gathered[style] if pattern.rpartition(".")[0] in spanning and style in gathered else style
+            for pattern, style in plan.items()}
 
 
 def _check_shape(model: nn.Module, tp: int) -> _Heads:
@@ -347,17 +418,36 @@ def _set_local_head_groups(parts: HFParts, base: dict[str, str], heads: int, kv_
                 layer.get_submodule(attention).num_key_value_groups = heads // tp // local_kv
 
 
-def _own_rowwise_outputs(parts: HFParts, plan: dict[str, str]) -> None:
-    """Older modelling code adds into a projection's output in place (Falcon's ``mlp_output +=
-    attention_output``), but a rowwise output is DTensor's ``to_local`` view, which autograd forbids
-    modifying in place: for inferred plans those modules return a copy."""
+class _Owned(torch.autograd.Function):
+    """The same storage, no longer a view for autograd. A split projection's output is DTensor's
+    ``to_local`` view, which autograd forbids modifying in place, yet modelling code does: Olmo's
+    ``query_states.clamp_(...)`` (``clip_qkv``) on a column-split q, Falcon's ``mlp_output +=
+    attention_output`` on a rowwise one. Nothing downstream saves the DTensor, and the version counter is
+    shared, so an op that saved the output still catches an in-place edit; no copy is made."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _owned_output(_module, _args, out):
+    return _Owned.apply(out) if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else None
+
+
+def _own_split_outputs(parts: HFParts, plan: dict[str, str]) -> None:
+    """Every split projection of every block (its plan the config's or the inferred one) hands out an
+    output the model may edit in place (:class:`_Owned`)."""
     for pattern, style in plan.items():
         rel = pattern.split(".", 2)[2]
-        if style not in _ROWWISE + _ROWWISE_REPLICATED_INPUT:
+        if style not in _COLWISE + _COLWISE_GATHERED + _ROWWISE + _ROWWISE_REPLICATED_INPUT:
             continue
         for _, layer in parts.block_items():
             if _exists(layer, rel):
-                layer.get_submodule(rel).register_forward_hook(lambda _module, _args, out: out.clone())
+                layer.get_submodule(rel).register_forward_hook(_owned_output)
 
 
 def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, sp: bool) -> None:
@@ -368,8 +458,7 @@ def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMe
     for i, layer in blocks:
         parallelize_module(layer, tp_mesh, _layer_plan(base, parts.plan_blocks, layer, i, heads, tp, sp))
     _set_local_head_groups(parts, base, model.config.num_attention_heads, heads.kv_heads, tp)
-    if not getattr(model.config, "base_model_tp_plan", None):
-        _own_rowwise_outputs(parts, base)
+    _own_split_outputs(parts, base)
     if parts.embed is not None:
         # Embedding output replicated: HF computes positions and the causal mask from its length. A
         # family's own embedding class (Gemma 3 scales in its forward) keeps DTensor's rowwise split.
