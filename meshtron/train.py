@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         from meshtron.dryrun import main as dry_run_main
 
-        return dry_run_main(recipe, overrides, args.dry_run, args.json, args.gpu_memory, args.dry_run_routing)
+        return dry_run_main(recipe, overrides, world_size=args.dry_run, as_json=args.json,
+                            gpu_memory_gib=args.gpu_memory, routing=args.dry_run_routing)
     _inject_fault(int(os.environ.get("RANK", "0")), 0)
     try:
         cfg = with_hf_model(infer_dp(load_config(recipe, overrides), _world_size()))
@@ -462,7 +463,7 @@ def _layer_order(name: str) -> tuple:
 
 def eval_source(cfg: Config) -> SourceSpec:
     """The held-out data as one source, tokenized into its own cache the same way (never a mixture)."""
-    return SourceSpec(cfg.data.eval_source, 1.0, cfg.data.text_key)
+    return SourceSpec(path=cfg.data.eval_source, text_key=cfg.data.text_key)
 
 
 def export_hf(runner, cfg: Config, folder: str) -> None:
