@@ -391,7 +391,7 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         t = self.cfg.train
-        start, waited = time.perf_counter(), collective_log.LOG.waited
+        start, waited_before = time.perf_counter(), collective_log.LOG.waited()
         _slow_down(self.rank, step + 1)
         lr = lr_at(step, t)
         set_lr(self.optimizer, lr)
@@ -407,8 +407,10 @@ class Trainer:
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite:
             self._on_nonfinite(step, loss, grad_norm)
+        # Waited read before the clock stops: its interval lies inside the step's, so 0 <= waited <= elapsed.
+        waited = collective_log.LOG.waited() - waited_before
         elapsed = time.perf_counter() - start
-        self.own_seconds.append(elapsed - (collective_log.LOG.waited - waited))
+        self.own_seconds.append(elapsed - waited)
         tokens = t.global_batch_size * t.seq_len
         record = {
             "step": step + 1,
