@@ -7,9 +7,12 @@ collectives. One thin wrapper around each of those functions (installed once per
 :func:`install`) records every call: a per-rank sequence number, the op, the group's global ranks, the
 tensors' shapes and dtype, and whether the call has completed. A blocking call completes when it
 returns, an asynchronous one when its ``Work`` is waited for, a functional one at its ``wait_tensor``.
-The time spent inside those waits is summed in :attr:`CollectiveLog.waited`: a rank's step time less
-that is the time it spent on its own work, which is what tells a straggler from the ranks waiting for it
-(their wall step times are equal, every collective evens them out).
+:meth:`CollectiveLog.waited` is the wall time this process spent inside those calls and waits: a rank's
+step time less that is the time it spent on its own work, which is what tells a straggler from the ranks
+waiting for it (their wall step times are equal, every collective evens them out). It is the union of the
+intervals, not their sum: a blocking call waits inside itself (c10d calls ``Work.wait``), and other
+threads wait at the same moments; summed, a step spent mostly waiting counted its waits two or three
+times and more than the step itself.
 
 What it cannot see: collectives traced into a ``torch.compile`` graph (they run without Python), and on
 CUDA a blocking call "completes" once it is queued on the stream (the host does not wait for NCCL).
@@ -72,7 +75,9 @@ class CollectiveLog:
         self.entries: deque[Entry] = deque(maxlen=size)
         self.counts: dict[tuple[int, ...], int] = {}  # group ranks -> collectives issued on it (p2p excluded)
         self.issued = 0
-        self.waited = 0.0  # seconds spent waiting inside collectives, summed over threads
+        self._waited = 0.0  # seconds in which some thread was inside a collective, up to ``_since``
+        self._inside = 0  # collective calls and waits in progress, over threads and nesting
+        self._since = 0.0  # perf_counter() when ``_inside`` last rose from 0
         self._pending: dict[int, Entry] = {}  # id(Work) or id(tensor awaiting wait_tensor) -> entry
         self._lock = threading.Lock()
 
@@ -98,19 +103,36 @@ class CollectiveLog:
         with self._lock:
             self._pending[id(handle)] = entry
 
-    def waited_on(self, handle: object, seconds: float) -> None:
+    def waited_on(self, handle: object) -> None:
         with self._lock:
-            self.waited += seconds
             entry = self._pending.pop(id(handle), None)
             if entry is not None:
                 entry.pending -= 1
                 if entry.pending <= 0:
                     entry.state = "completed"
 
-    def completed(self, entry: Entry, seconds: float) -> None:
+    def completed(self, entry: Entry) -> None:
         with self._lock:
-            self.waited += seconds
             entry.state = "completed"
+
+    def enter(self) -> None:
+        """A collective call or wait begins (pair with :meth:`leave` in a ``finally``)."""
+        with self._lock:
+            if not self._inside:
+                self._since = time.perf_counter()
+            self._inside += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._inside -= 1
+            if not self._inside:
+                self._waited += time.perf_counter() - self._since
+
+    def waited(self) -> float:
+        """Seconds (``time.perf_counter``) in which this process was inside a collective, a wait in
+        progress included: between two reads it grows by at most the time between them."""
+        with self._lock:
+            return self._waited + (time.perf_counter() - self._since if self._inside else 0.0)
 
     def snapshot(self) -> tuple[list[Entry], dict[tuple[int, ...], int]]:
         """A consistent copy for another thread (the watchdog) to read."""
@@ -166,12 +188,13 @@ def _recording(fn, op: str, functional: bool = False):
             return fn(*args, **kwargs)
         entry = LOG.issue(op, *group_of(args, kwargs, op))
         _active.depth = 1
-        start = time.perf_counter()
+        LOG.enter()
         try:
             out = fn(*args, **kwargs)
         finally:
+            LOG.leave()
             _active.depth = 0
-        _track(entry, out, time.perf_counter() - start, functional)
+        _track(entry, out, functional)
         return out
 
     wrapper.__wrapped__ = fn
@@ -179,18 +202,18 @@ def _recording(fn, op: str, functional: bool = False):
     return wrapper
 
 
-def _track(entry: Entry, out, seconds: float, functional: bool) -> None:
+def _track(entry: Entry, out, functional: bool) -> None:
     """Blocking calls complete now; asynchronous ones when their Work or tensor is waited for."""
     if functional:
         if isinstance(out, funcol.AsyncCollectiveTensor):
             LOG.await_(out.elem, entry)
         else:
-            LOG.completed(entry, 0.0)  # waited inside the call (wait_tensor counted the time)
+            LOG.completed(entry)  # waited inside the call
         return
     works = out if isinstance(out, list) else [out]
     works = [w for w in works if isinstance(w, c10d.Work)]
     if not works:
-        LOG.completed(entry, seconds)
+        LOG.completed(entry)
         return
     entry.pending = len(works)
     for work in works:
@@ -199,11 +222,12 @@ def _track(entry: Entry, out, seconds: float, functional: bool) -> None:
 
 def _timed_work_wait(wait):
     def timed(self, *args, **kwargs):
-        start = time.perf_counter()
+        LOG.enter()
         try:
             return wait(self, *args, **kwargs)
         finally:
-            LOG.waited_on(self, time.perf_counter() - start)
+            LOG.leave()
+            LOG.waited_on(self)
 
     return timed
 
@@ -212,11 +236,12 @@ def _timed_wait_tensor(wait_tensor):
     def timed(tensor):
         if torch.compiler.is_compiling():
             return wait_tensor(tensor)
-        start = time.perf_counter()
+        LOG.enter()
         try:
             return wait_tensor(tensor)
         finally:
-            LOG.waited_on(tensor, time.perf_counter() - start)
+            LOG.leave()
+            LOG.waited_on(tensor)
 
     return timed
 

@@ -483,7 +483,7 @@ def _hardware(recipe: str) -> RecipeHardware:
         return RecipeHardware(nodes=1, per_node=8, device="cuda", memory_gib=80.0)
 
 
-def main(recipe: str, overrides: list[str], world_size: int, as_json: bool, gpu_memory_gib: float | None,
+def main(recipe: str, overrides: list[str], *, world_size: int, as_json: bool, gpu_memory_gib: float | None,
          routing: str = "balanced") -> int:
     """The ``--dry-run`` command: bad input gets the training launch's one-line error and exit 2 before
     anything is traced; a layout that would not fit ``gpu_memory_gib`` (default: the recipe's stated

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+from meshtron.extras import MissingExtra, require
+
 # (record key, panel title) per panel, left to right.
 PANELS = (("loss", "training loss"), ("eval_loss", "eval loss"), ("tokens_per_sec", "tokens / s"))
 
@@ -27,8 +29,7 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def draw(runs: list[str | Path]):
     """A matplotlib figure with one panel per entry of ``PANELS`` and one line per run."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "python -m meshtron.plot")
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         fig = draw(args.runs)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, MissingExtra) as err:
         print(f"meshtron.plot: {err}", file=sys.stderr)
         return 2
     fig.savefig(args.output, dpi=120)

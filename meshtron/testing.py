@@ -9,6 +9,7 @@ naming the check and the rank. Every launch has a wall-clock timeout, so nothing
 from __future__ import annotations
 
 import functools
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -218,6 +219,20 @@ def rel_err(actual, expected) -> float:
     scale = expected.detach().abs().max()
     assert scale > 0, "reference is all zeros"
     return ((actual.detach().float() - expected.detach().float()).abs().max() / scale).item()
+
+
+def assert_step_metrics_sound(records: list[dict], tokens_per_step: int, world_size: int) -> None:
+    """Each ``metrics.jsonl`` record's timing figures finite and consistent with each other and with the
+    recipe: tokens/s x step time = the tokens of a global batch, every rank's own time (its step time
+    less the time it waited in collectives) non-negative and at most the step time. Rank 0 measures
+    ``step_time``; the others' steps differ from it by when each started (rank 0 logs first), hence 10 %."""
+    for r in records:
+        figures = {k: r[k] for k in ("loss", "grad_norm", "tokens_per_sec", "step_time", "rank_time_max",
+                                     "rank_time_median")}
+        assert all(math.isfinite(v) for v in figures.values()), r
+        assert math.isclose(r["tokens_per_sec"] * r["step_time"], tokens_per_step, rel_tol=1e-9), r
+        assert 0 <= r["rank_time_median"] <= r["rank_time_max"] <= 1.1 * r["step_time"], r
+        assert r["slowest_rank"] in range(world_size), r
 
 
 def random_moe(config: dict, seed: int, **overrides):

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         from meshtron.dryrun import main as dry_run_main
 
-        return dry_run_main(recipe, overrides, args.dry_run, args.json, args.gpu_memory, args.dry_run_routing)
+        return dry_run_main(recipe, overrides, world_size=args.dry_run, as_json=args.json,
+                            gpu_memory_gib=args.gpu_memory, routing=args.dry_run_routing)
     _inject_fault(int(os.environ.get("RANK", "0")), 0)
     try:
         cfg = with_hf_model(infer_dp(load_config(recipe, overrides), _world_size()))
@@ -390,7 +391,7 @@ class Trainer:
 
     def train_step(self, step: int) -> dict:
         t = self.cfg.train
-        start, waited = time.perf_counter(), collective_log.LOG.waited
+        start, waited_before = time.perf_counter(), collective_log.LOG.waited()
         _slow_down(self.rank, step + 1)
         lr = lr_at(step, t)
         set_lr(self.optimizer, lr)
@@ -406,8 +407,10 @@ class Trainer:
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if not finite:
             self._on_nonfinite(step, loss, grad_norm)
+        # Waited read before the clock stops: its interval lies inside the step's, so 0 <= waited <= elapsed.
+        waited = collective_log.LOG.waited() - waited_before
         elapsed = time.perf_counter() - start
-        self.own_seconds.append(elapsed - (collective_log.LOG.waited - waited))
+        self.own_seconds.append(elapsed - waited)
         tokens = t.global_batch_size * t.seq_len
         record = {
             "step": step + 1,
@@ -462,7 +465,7 @@ def _layer_order(name: str) -> tuple:
 
 def eval_source(cfg: Config) -> SourceSpec:
     """The held-out data as one source, tokenized into its own cache the same way (never a mixture)."""
-    return SourceSpec(cfg.data.eval_source, 1.0, cfg.data.text_key)
+    return SourceSpec(path=cfg.data.eval_source, text_key=cfg.data.text_key)
 
 
 def export_hf(runner, cfg: Config, folder: str) -> None:

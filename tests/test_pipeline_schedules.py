@@ -368,10 +368,12 @@ def test_zero_bubble_constraints_are_clear_errors(args, message):
 
 
 def test_show_draws_zero_bubble_schedules_with_weight_passes(tmp_path, capsys):
+    """Without costs given, a split-backward schedule is drawn with its W (unit costs) and says so."""
     out = tmp_path / "zbv.png"
-    show_main(["--pp", "4", "--microbatches", "16", "--schedule", "zbv", "--w", "1", "--out", str(out)])
+    show_main(["--pp", "4", "--microbatches", "16", "--schedule", "zbv", "--out", str(out)])
     assert out.read_bytes()[:8] == PNG_HEADER
     printed = capsys.readouterr().out
+    assert "costs per chunk: f=1 b=1 w=1 p2p=0 (b and w: the defaults for zbv, a split backward" in printed
     assert "zbv pp=4 microbatches=16 virtual=2 f=1.0 b=1.0 w=1.0" in printed
     assert "bubble 0.0303 (simulated), 0.0303 (analytic for f = b = w)" in printed
     assert "peak in-flight microbatches per rank [8, 8, 8, 8]" in printed

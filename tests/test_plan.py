@@ -7,10 +7,12 @@ import contextlib
 import io
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -225,12 +227,124 @@ def _run_cli(*args: str) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def test_cli_text_shows_breakdown_and_ranking():
-    code, text = _run_cli("--recipe", str(RECIPES / "qwen2p5_7b.toml"), "--gpus", "8")
-    assert code == 0
+# Figures from outside meshtron: the H100 SXM datasheet's dense bf16 peak, and torchtitan's published
+# Llama 3.1 8B FSDP run on 8 H100s (benchmarks/llama3_h100_202412_torchtitan.md, table 1), tokens/s per GPU.
+H100_PEAK_TFLOPS = 989.0
+TORCHTITAN_8B_EAGER, TORCHTITAN_8B_COMPILED = 5762, 6667
+# The 7B recipe's best fitting layout on 8 H100s must land within 0.5x the eager and 2x the compiled figure.
+# Expected near 1.5x: Qwen2.5-7B at sequence 4096 costs about 0.87x Llama 3.1 8B's FLOPs per token at 8192
+# (4.5e10 vs 5.2e10, 6 x matmul weights + causal attention), and the planner assumes 40 % MFU where those
+# runs reach 30 % (eager) and 35 % (compiled) of 989 TFLOP/s. A factor of 2 either way leaves room for
+# those assumptions and still fails a misread flag or unit (the swapped --mfu predicted 400k per GPU).
+PUBLISHED_BAND = (0.5 * TORCHTITAN_8B_EAGER, 2 * TORCHTITAN_8B_COMPILED)
+PLAN_7B = ["-m", "meshtron.plan", "--recipe", "recipes/qwen2p5_7b.toml", "--gpus", "8"]
+# Every hardware flag at a value unlike its default and its neighbours', so a value landing in another
+# field shows in the header.
+ODD_HARDWARE = {"--gpu-memory": "141", "--gpus-per-node": "4", "--mfu": "0.35", "--peak-tflops": "835",
+                "--intra-gbps": "900", "--inter-gbps": "25"}
+
+
+def qwen2_parameters(model: dict) -> tuple[int, int]:
+    """(all parameters, matmul weights) of a Qwen2 decoder from its [model] keys, counted here from the
+    architecture: q/k/v (with biases) and o, SwiGLU's three matrices, two norms per layer, the final
+    norm, the embedding and an untied head. Matmul weights leave out the embedding lookup, norms and biases."""
+    h, layers, heads = model["hidden_size"], model["num_hidden_layers"], model["num_attention_heads"]
+    kv_width = model["num_key_value_heads"] * h // heads
+    layer_matmuls = 2 * h * h + 2 * h * kv_width + 3 * h * model["intermediate_size"]
+    layer_rest = (h + 2 * kv_width if model.get("attention_bias") else 0) + 2 * h
+    embedding = model["vocab_size"] * h
+    head = 0 if model.get("tie_word_embeddings") else embedding
+    return embedding + layers * (layer_matmuls + layer_rest) + h + head, layers * layer_matmuls + embedding
+
+
+def _plan_commands(*argvs: list[str]) -> list[str]:
+    """stdout of each ``python -m meshtron.plan`` command line, run as typed from the repository root
+    (concurrently: each is seconds of imports and arithmetic)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for argv in argvs]
+    outs = []
+    for argv, proc in zip(argvs, procs):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and "Traceback" not in err, (argv, err[-3000:])
+        outs.append(out)
+    return outs
+
+
+def _table_rows(text: str) -> list[dict]:
+    """The ranking table's rows: mesh sizes, checkpointing, micro-batches, GiB, fits, step s, tokens/s."""
+    rows = []
+    for line in text.split("by predicted tokens/s:")[1].splitlines()[2:]:
+        found = re.fullmatch(r"\s*\d+\s+(.+?)\s+([\d.]+)\s+(yes|no)\s+([\d.]+)\s+([\d,]+)", line)
+        assert found, line
+        layout, gib, fits, step, tokens = found.groups()
+        sizes = {dim: int(n) for dim, n in re.findall(r"\b(pp|dp|cp|ep|tp) (\d+)", layout.split("(")[0])}
+        rows.append({"sizes": {dim: sizes.get(dim, 1) for dim in ("pp", "dp", "cp", "ep", "tp")},
+                     "ac": re.search(r"ac (\w+)", layout)[1], "mb": int(re.search(r"mb (\d+)", layout)[1]),
+                     "gib": float(gib), "fits": fits == "yes", "step": float(step),
+                     "tokens": int(tokens.replace(",", ""))})
+    return rows
+
+
+def _assert_table_matches_json(text: str, layouts: list[dict]) -> None:
+    rows = _table_rows(text)
+    assert len(rows) == len(layouts) >= 10
+    for row, plan in zip(rows, layouts):
+        lay = plan["layout"]
+        assert row["sizes"] == {dim: lay[dim] for dim in row["sizes"]}, (row, lay)
+        assert (row["ac"], row["mb"], row["fits"]) == (lay["activation_checkpointing"], lay["microbatches"], plan["fits"])
+        assert row["gib"] == pytest.approx(plan["total_gib"], abs=0.051)
+        assert row["step"] == pytest.approx(plan["step_seconds"], abs=0.0051)
+        assert row["tokens"] == pytest.approx(plan["tokens_per_second"], abs=0.51)
+
+
+def _assert_below_compute_limits(layouts: list[dict], gpus: int, peak_tflops: float, mfu: float,
+                                 parameters: tuple[int, int]) -> None:
+    """Each layout's tokens/s within the physical limit, peak x devices / (6 x parameters), and within
+    what its compute alone allows at the assumed MFU: every matmul weight costs 6 FLOPs a token
+    (forward and both backward products) and the step is never shorter than its compute."""
+    total, matmuls = parameters
+    for plan in layouts:
+        tokens = plan["tokens_per_second"]
+        assert 0 < tokens <= peak_tflops * 1e12 * gpus / (6 * total), plan["layout"]
+        assert tokens <= mfu * peak_tflops * 1e12 * gpus / (6 * matmuls), plan["layout"]
+
+
+def test_plan_command_as_typed_obeys_physical_and_published_bounds():
+    """docs/planner.md's command and its --json, --mfu and hardware flags, run as a user types them; the
+    figures held to bounds computed here, not by the planner."""
+    model = tomllib.loads((RECIPES / "qwen2p5_7b.toml").read_text())["model"]
+    parameters = qwen2_parameters(model)
+    assert parameters[0] == 7_615_616_512  # Qwen2.5-7B's published parameter count
+    odd = [arg for pair in ODD_HARDWARE.items() for arg in pair]
+    text, as_json, at_half, odd_text = _plan_commands(PLAN_7B, PLAN_7B + ["--json"], PLAN_7B + ["--json", "--mfu", "0.5"],
+                                                      PLAN_7B + odd)
+    plan, half = json.loads(as_json), json.loads(at_half)
+
+    assert text.splitlines()[0] == ("recipes/qwen2p5_7b.toml on 8 x 80 GiB (8 per node), MFU 0.4 of 989 TFLOP/s, "
+                                    "450 GB/s inside a node, 50 between nodes assumed")
+    assert odd_text.splitlines()[0] == ("recipes/qwen2p5_7b.toml on 8 x 141 GiB (4 per node), MFU 0.35 of 835 "
+                                        "TFLOP/s, 900 GB/s inside a node, 25 between nodes assumed")
     assert "recipe layout: dp 2 x tp 4" in text and "<- largest" in text and "fits in 80 GiB" in text
-    ranking = text.split("by predicted tokens/s:")[1].splitlines()[2:]
-    assert len(ranking) >= 10 and " yes " in ranking[0]
+    assert "fits in 141 GiB" in odd_text
+    assert half["hardware"]["mfu"] == 0.5 and plan["hardware"]["mfu"] == 0.4
+
+    _assert_table_matches_json(text, plan["layouts"])
+    _assert_below_compute_limits(plan["layouts"], 8, H100_PEAK_TFLOPS, 0.4, parameters)
+    _assert_below_compute_limits(half["layouts"], 8, H100_PEAK_TFLOPS, 0.5, parameters)
+    _assert_below_compute_limits([{"layout": row["sizes"], "tokens_per_second": row["tokens"]}
+                                  for row in _table_rows(odd_text)], 8, 835.0, 0.35, parameters)
+
+    best = next(p for p in plan["layouts"] if p["fits"])
+    assert PUBLISHED_BAND[0] <= best["tokens_per_second"] / 8 <= PUBLISHED_BAND[1], best
+
+    # The compute term alone scales with 1 / MFU: the recipe's layout and every layout ranked in both runs.
+    layouts = {json.dumps(p["layout"]): p["compute_seconds"] for p in plan["layouts"]}
+    pairs = [(plan["recipe_layout"]["compute_seconds"], half["recipe_layout"]["compute_seconds"])]
+    pairs += [(layouts[key], p["compute_seconds"]) for p in half["layouts"] if (key := json.dumps(p["layout"])) in layouts]
+    assert len(pairs) > 10
+    for at_default, at_05 in pairs:
+        assert at_05 == pytest.approx(at_default * 0.4 / 0.5, rel=1e-9)
 
 
 def test_cli_json_ranks_fitting_layouts_by_throughput():

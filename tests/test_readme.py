@@ -4,7 +4,10 @@ from the schema), every recipe, the quickstart, the tp-plan styles; and every li
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -104,6 +107,26 @@ def test_quickstart_has_the_two_commands():
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "torch==2.13.0" in ci and "-e '.[test]'" in ci and "pytest" in ci
+
+
+# The drawing commands the docs show, each run as typed with matplotlib missing: a -c shim blocks its
+# import (as on a machine without the [plot] extra) and runs the module as ``python -m`` would.
+WITHOUT_MATPLOTLIB = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
+                      "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+DRAWING_COMMANDS = [["meshtron.parallel.pipeline.show", "--pp", "2", "--microbatches", "4"],
+                    ["meshtron.plot", "runs/a", "-o", "curves.png"]]
+
+
+def test_drawing_commands_without_matplotlib_name_the_extra_in_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", WITHOUT_MATPLOTLIB, *command], cwd=tmp_path, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for command in DRAWING_COMMANDS]
+    for command, proc in zip(DRAWING_COMMANDS, procs):
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (command, err[-3000:])
+        assert len(err.splitlines()) == 1 and err.rstrip().endswith("needs matplotlib: pip install 'meshtron[plot]'"), (
+            command, err[-3000:])
+    assert not list(tmp_path.iterdir())  # nothing drawn
 
 
 def test_hf_tp_style_table_lists_every_style():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.config import ConfigError, load_config
-from meshtron.testing import run_checks
+from meshtron.testing import assert_step_metrics_sound, run_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "debug_dense.toml"
@@ -175,12 +176,50 @@ def nonfinite_skips_the_update(root: str) -> None:
         assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
 
 
+LATE_S = 0.5  # how late rank 0 joins each collective of waits_counted_once
+
+
+def waits_counted_once(root: str) -> None:
+    """Rank 0 joins a blocking all-reduce (c10d waits inside it) LATE_S late, then two asynchronous
+    ones, whose Works two threads wait for at once; each rank writes its waited and wall seconds."""
+    from meshtron import collective_log
+
+    collective_log.install()
+    start, waited = time.perf_counter(), collective_log.LOG.waited()
+    for blocking in (True, False):
+        if dist.get_rank() == 0:
+            time.sleep(LATE_S)
+        if blocking:
+            dist.all_reduce(torch.ones(4))
+            continue
+        works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(2)]
+        threads = [threading.Thread(target=work.wait) for work in works]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    waited = collective_log.LOG.waited() - waited
+    wall = time.perf_counter() - start
+    (Path(root) / f"waits-{dist.get_rank()}.json").write_text(json.dumps({"waited": waited, "wall": wall}))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("reliability")
-    run_checks([exact_resume, async_save_resumes_exactly, keep_and_final_save, different_configs_are_named, nonfinite_stops_with_the_parameter,
+    run_checks([waits_counted_once, exact_resume, async_save_resumes_exactly, keep_and_final_save, different_configs_are_named, nonfinite_stops_with_the_parameter,
                 nonfinite_skips_the_update], 4, str(root), timeout=600)
     return root
+
+
+def test_time_waited_in_collectives_is_counted_once(runs):
+    """The waited time is the union of the waits: within the wall time on every rank (summed, the
+    blocking call's inner wait and the two threads' waits counted twice), and on the ranks that
+    waited for rank 0, both of its late arrivals."""
+    for rank in range(4):
+        figures = json.loads((runs / f"waits-{rank}.json").read_text())
+        assert 0 <= figures["waited"] <= figures["wall"], (rank, figures)
+        if rank:
+            assert figures["waited"] >= 0.8 * 2 * LATE_S, (rank, figures)
 
 
 def test_resume_is_bit_exact_next_to_an_interrupted_save(runs):
@@ -421,12 +460,27 @@ def test_hang_limit_and_summary():
         "collectives: out/hang/rank-*.txt (start with rank-1.txt).")
 
 
+def test_a_straggler_is_named_once_it_stays_behind(tmp_path):
+    """Behind means over the median by 20 % and 0.25 s, at two logs in a row on the same rank."""
+    from meshtron.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, 5, enabled=False)
+    logs = [(3, 0.05, 0.03),  # 67 % over the median, but 0.02 s: a healthy CPU step
+            (3, 0.60, 0.30),  # behind once
+            (5, 1.03, 0.03), (5, 1.04, 0.03),  # behind twice: named
+            (5, 1.20, 1.10)]  # 9 % over
+    named = [logger.straggler({"slowest_rank": rank, "rank_time_max": most, "rank_time_median": median})
+             for rank, most, median in logs]
+    assert named == [None, None, None, 5, None]
+
+
 def test_a_hang_inside_a_pipeline_step_is_reported_and_restarted(tmp_path):
     """pp 2 x dp 2: rank 2 (the last stage) stalls in a block's forward of step 5 while rank 1 works
     SLOW_FAULT_S longer than the others in every step. The hang report names rank 2 within the hang
     limit + 30 s, every rank writes its file, torchrun restarts the job (faults act in its first attempt
     only), it resumes from step 4 and the loss curve equals an uninterrupted run's. metrics.jsonl names
-    rank 1 as the slowest rank of the steps before the hang."""
+    rank 1 as the slowest rank of the steps before the hang, and the console no other rank; the
+    uninterrupted run names none. Every step's timing figures are consistent."""
     from meshtron.train import SLOW_FAULT_S
 
     layout = {"pp": 2, "dp": 2, "microbatches": 2}
@@ -451,11 +505,16 @@ def test_a_hang_inside_a_pipeline_step_is_reported_and_restarted(tmp_path):
     before_hang = records[1:4]  # step 1 is warm-up; steps 5-8 are the restarted attempt's, unslowed
     assert [r["slowest_rank"] for r in before_hang] == [1, 1, 1], before_hang
     assert all(r["rank_time_max"] - r["rank_time_median"] > 0.8 * SLOW_FAULT_S for r in before_hang)
-    assert "straggler rank 1" in stdout
-    _, ref_err = _finish(reference)
+    named = re.findall(r"straggler rank (\d+)", stdout)
+    assert named and set(named) == {"1"}, stdout
+    ref_out, ref_err = _finish(reference)
     assert reference.returncode == 0, ref_err[-3000:]
+    assert "straggler" not in ref_out, ref_out
     assert [r["step"] for r in records] == list(range(1, 9))
     assert _losses(out) == _losses(tmp_path / "uninterrupted")
+    train = load_config(RECIPE).train
+    for run in (out, tmp_path / "uninterrupted"):
+        assert_step_metrics_sound(_records(run), train.global_batch_size * train.seq_len, 4)
 
 
 # ---------------------------------------------------------------- bad input through the CLI

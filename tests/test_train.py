@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from meshtron.config import load_config
-from meshtron.testing import cached_recipe_mesh, rel_err, run_checks
+from meshtron.testing import assert_step_metrics_sound, cached_recipe_mesh, rel_err, run_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -243,6 +243,19 @@ def test_profiler_writes_a_trace_of_the_chosen_steps_per_rank(runs):
         assert any("all_reduce" in str(n) or "reduce_scatter" in str(n) for n in names), trace  # collectives seen
 
 
+def _tokens_per_step(recipe: str) -> int:
+    train = load_config(ROOT / "recipes" / f"{recipe}.toml").train
+    return train.global_batch_size * train.seq_len
+
+
+def test_step_metrics_of_every_run_are_sound(runs):
+    """Every logged step of every 8-rank run: finite, consistent timing figures (no rank waited longer
+    than its step)."""
+    for recipe, layouts in LAYOUTS.items():
+        for name in layouts:
+            assert_step_metrics_sound(_records(runs / recipe / name), _tokens_per_step(f"debug_{recipe}"), 8)
+
+
 def test_plot_draws_every_run(runs, tmp_path):
     from meshtron.plot import draw, main
 
@@ -295,10 +308,11 @@ def test_cli_trains_and_rejects_bad_recipes(tmp_path):
            "--train.steps", "2", "--train.output_dir", str(tmp_path / "cli")]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "step 2/2" in done.stdout
-    records = [json.loads(line) for line in (tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()]
+    assert "step 2/2" in done.stdout and "straggler" not in done.stdout  # a healthy run
+    records = _records(tmp_path / "cli")
     assert [r["step"] for r in records] == [1, 2]
     assert {"step", "loss", "grad_norm", "lr", "tokens_per_sec"} <= set(records[0])
+    assert_step_metrics_sound(records, _tokens_per_step("debug_dense"), 2)
     bad = subprocess.run(cmd + ["--parallel.tpp", "2"], env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0
     ours = [line for line in bad.stderr.splitlines() if line.startswith("meshtron: ")]

@@ -43,7 +43,7 @@ class DataError(ConfigError):
     """The data source or tokenizer cannot be used; the message names the path and the fix."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # built from recipe keys: fields by name, never by position
 class SourceSpec:
     """One source: a ``[data] source`` path or one entry of ``[data] sources``."""
 
@@ -56,8 +56,9 @@ def data_sources(data) -> list[SourceSpec]:
     """The sources of a ``[data]`` section: its ``sources`` mixture, else its one ``source``.
     (Entries were checked by ``config.validate``; ``text_key`` defaults to ``[data] text_key``.)"""
     if not data.sources:
-        return [SourceSpec(data.source, 1.0, data.text_key)]
-    return [SourceSpec(e["path"], float(e["weight"]), e.get("text_key", data.text_key)) for e in data.sources]
+        return [SourceSpec(path=data.source, text_key=data.text_key)]
+    return [SourceSpec(path=e["path"], weight=float(e["weight"]), text_key=e.get("text_key", data.text_key))
+            for e in data.sources]
 
 
 def source_files(source: str) -> list[Path]:

@@ -29,7 +29,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def hardware(args: argparse.Namespace) -> Hardware:
-    return Hardware(args.gpus_per_node, args.gpu_memory, args.peak_tflops, args.mfu, args.intra_gbps, args.inter_gbps)
+    return Hardware(gpus_per_node=args.gpus_per_node, memory_gib=args.gpu_memory, peak_tflops=args.peak_tflops,
+                    mfu=args.mfu, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps)
 
 
 def recipe_plan(cfg: Config, gpus: int, hw: Hardware) -> Plan | str:
@@ -77,6 +78,12 @@ def ranking_text(plans: list[Plan]) -> list[str]:
     return rows
 
 
+def header(recipe: str, gpus: int, hw: Hardware) -> str:
+    """Every hardware figure the predictions rest on, as the flags set them, so a misread flag shows."""
+    return (f"{recipe} on {gpus} x {hw.memory_gib:g} GiB ({hw.gpus_per_node} per node), MFU {hw.mfu:g} of "
+            f"{hw.peak_tflops:g} TFLOP/s, {hw.intra_gbps:g} GB/s inside a node, {hw.inter_gbps:g} between nodes assumed")
+
+
 def report(recipe: str, cfg: Config, gpus: int, hw: Hardware, as_json: bool) -> str:
     own = recipe_plan(cfg, gpus, hw)
     ranked = rank_layouts(cfg, gpus, hw)
@@ -87,8 +94,7 @@ def report(recipe: str, cfg: Config, gpus: int, hw: Hardware, as_json: bool) -> 
             "recipe_layout": own.to_json() if isinstance(own, Plan) else {"error": own},
             "layouts": [plan.to_json() for plan in ranked],
         }, indent=1)
-    head = f"{recipe} on {gpus} x {hw.memory_gib:g} GiB ({hw.gpus_per_node} per node), MFU {hw.mfu:g} assumed"
-    lines = [head, ""]
+    lines = [header(recipe, gpus, hw), ""]
     if isinstance(own, Plan):
         lines += [f"recipe layout: {_layout_text(own)}, per-rank memory (GiB):"] + breakdown_text(own, hw)
     else:

@@ -29,7 +29,7 @@ HARDWARE_LINE = re.compile(
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # built from a parsed line: fields by name, never by position
 class RecipeHardware:
     nodes: int
     per_node: int
@@ -55,7 +55,8 @@ def recipe_hardware(path: str | Path) -> RecipeHardware:
         raise ConfigError(f"{path}: the header needs exactly one line like "
                           f"'# Hardware: 1 node x 8 GPUs x 80 GB' (found {len(found)}).")
     nodes, per_node, kind, memory = found[0]
-    return RecipeHardware(int(nodes), int(per_node), "cpu" if kind == "CPU ranks" else "cuda", float(memory))
+    return RecipeHardware(nodes=int(nodes), per_node=int(per_node), device="cpu" if kind == "CPU ranks" else "cuda",
+                          memory_gib=float(memory))
 
 
 PREDICTION = re.compile(r"meshtron\.plan predicts (?P<gib>\d+(?:\.\d+)?) GiB per GPU")

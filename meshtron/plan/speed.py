@@ -46,7 +46,9 @@ from meshtron.plan.memory import (
 INT64 = FP64 = 8
 
 
-@dataclass(frozen=True)
+# Keyword-only: CLIs build it from flags, and a field inserted later must not shift their values into
+# its neighbours (an inserted memory_tbps once took --mfu's value in meshtron.plan).
+@dataclass(frozen=True, kw_only=True)
 class Hardware:
     """Per-device figures (defaults: an H100 SXM node with 400 Gb/s InfiniBand per GPU)."""
 

@@ -3,18 +3,23 @@
 ``python -m meshtron.parallel.pipeline.show --pp 4 --microbatches 8 --schedule interleaved --virtual 2``
 simulates the schedule, writes a PNG (rows = ranks, x = time, forwards, backwards and weight
 gradients (``W``, zero-bubble schedules) in three colours labelled with their microbatch, idle
-time blank) and prints the bubble fraction next to the analytic one and the peak in-flight
-micro-batches per rank. :func:`render_timeline` draws timelines measured in a real run.
-matplotlib is optional (``pip install meshtron[plot]``) and imported only when drawing.
+time blank) and prints the costs it used, the bubble fraction next to the analytic one and the peak
+in-flight micro-batches per rank. :func:`render_timeline` draws timelines measured in a real run.
+matplotlib is optional (``pip install 'meshtron[plot]'``) and imported only when drawing.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Iterable, Sequence
 
+from meshtron.extras import MissingExtra, require
 from meshtron.parallel.pipeline.schedules import B, F, SCHEDULES, V_SHAPED, VIRTUAL, W, build_schedule, peak_in_flight
 from meshtron.parallel.pipeline.simulate import analytic_bubble, simulate, unit_cost_bubble
+
+# The schedules whose backward is split into B (input gradients) and W (weight gradients).
+SPLIT_BACKWARD = ("zb1p",) + V_SHAPED
 
 # Colours of each pass for even and odd virtual stages, so chunks are told apart.
 _COLOURS = {F: ("#4c72b0", "#8fb0dd"), B: ("#dd8452", "#f0b98f"), W: ("#55a868", "#9fd3ad")}
@@ -22,13 +27,7 @@ _NAMES = {F: "forward", B: "backward", W: "weight gradients"}
 
 
 def _figure_class():
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as err:
-        raise ImportError(
-            "drawing pipeline timelines needs matplotlib: pip install matplotlib (or meshtron[plot])"
-        ) from err
-    return Figure
+    return require("matplotlib.figure", "drawing a pipeline timeline").Figure
 
 
 def render_timeline(spans: Iterable[Sequence], path: str, title: str = "", pp: int | None = None) -> None:
@@ -82,10 +81,10 @@ def summary(schedule: str, pp: int, m: int, v: int = 1, f: float = 1, b: float =
     steps = build_schedule(schedule, pp, m, v)
     result = simulate(steps, f, b, p2p, w_cost=w, rendezvous=False)
     peaks = [peak_in_flight(rank_steps) for rank_steps in steps]
-    if schedule in ("gpipe", "1f1b", "interleaved"):
-        analytic = f"{analytic_bubble(pp, m, v):.4f} (analytic (pp-1)/(v*m+pp-1))"
-    else:
+    if schedule in SPLIT_BACKWARD:
         analytic = f"{unit_cost_bubble(schedule, pp, m):.4f} (analytic for f = b = w)"
+    else:
+        analytic = f"{analytic_bubble(pp, m, v):.4f} (analytic (pp-1)/(v*m+pp-1))"
     text = (
         f"{schedule} pp={pp} microbatches={m} virtual={v} f={f} b={b} w={w} p2p={p2p}: "
         f"bubble {result.bubble:.4f} (simulated), {analytic}; makespan {result.makespan:g}; "
@@ -94,7 +93,23 @@ def summary(schedule: str, pp: int, m: int, v: int = 1, f: float = 1, b: float =
     return result, text
 
 
-def main(argv: list[str] | None = None) -> None:
+def _default_costs(args: argparse.Namespace) -> str:
+    """Fill the costs not given and say where they came from. A split backward's W is drawn only with
+    w > 0, so its schedules default to the zero-bubble papers' unit costs (B and W a forward each);
+    the others to a backward of two forwards."""
+    defaulted = [name for name in ("b", "w") if getattr(args, name) is None]
+    if args.w is None:
+        args.w = 1.0 if args.schedule in SPLIT_BACKWARD else 0.0
+    if args.b is None:
+        args.b = 1.0 if args.w else 2.0
+    costs = f"costs per chunk: f={args.f:g} b={args.b:g} w={args.w:g} p2p={args.p2p:g}"
+    if not defaulted:
+        return costs
+    split = ", a split backward" if args.schedule in SPLIT_BACKWARD else ""
+    return f"{costs} ({' and '.join(defaulted)}: the defaults for {args.schedule}{split}; --b and --w set them)"
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m meshtron.parallel.pipeline.show", description=__doc__.split("\n")[0]
     )
@@ -104,14 +119,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--virtual", type=int, help="virtual stages per rank (interleaved; zbv and dualpipev: 2)")
     parser.add_argument("--out", default="timeline.png", help="PNG path")
     parser.add_argument("--f", type=float, default=1.0, help="forward cost of one chunk")
-    parser.add_argument("--b", type=float, help="backward cost of one chunk (input-gradient part when --w > 0)")
-    parser.add_argument("--w", type=float, default=0.0, help="weight-gradient cost of one chunk (zero-bubble: 1)")
+    parser.add_argument("--b", type=float, help="backward cost of one chunk (input-gradient part when --w > 0; "
+                                                "default 1 when w > 0, else 2)")
+    parser.add_argument("--w", type=float, help="weight-gradient cost of one chunk (default 1 for zb1p, zbv and "
+                                                "dualpipev, else 0)")
     parser.add_argument("--p2p", type=float, default=0.0, help="cost of one p2p batch")
     args = parser.parse_args(argv)
     if args.virtual is None:
         args.virtual = 2 if args.schedule in V_SHAPED else 1
-    if args.b is None:
-        args.b = 1.0 if args.w else 2.0
+    costs = _default_costs(args)
     if args.virtual != 1 and args.schedule not in VIRTUAL:
         parser.error(f"--virtual {args.virtual} needs --schedule interleaved, zbv or dualpipev")
     try:
@@ -119,10 +135,16 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         parser.error(str(err))
     title = f"{args.schedule}: pp={args.pp}, m={args.microbatches}, v={args.virtual}, bubble {result.bubble:.1%}"
-    render_timeline([s for line in result.timelines for s in line], args.out, title, pp=args.pp)
+    print(costs)
     print(text)
+    try:
+        render_timeline([s for line in result.timelines for s in line], args.out, title, pp=args.pp)
+    except MissingExtra as err:
+        print(f"meshtron: {err}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
