@@ -206,6 +206,12 @@ class ParallelConfig:
         "blocks whose FSDP all-gather is issued ahead of use (next block in forward, previous in backward); 0 "
         "leaves FSDP2's implicit prefetching",
     )
+    prove_blocks: bool = recipe_key(
+        True,
+        "with `[model] hf_model`: before training, run the first block of each kind split and whole on a probe "
+        "batch and refuse the layout when they differ (`meshtron/hf/prove.py`; tp / SP / ep layouts without cp "
+        "or pp)",
+    )
 
     @property
     def mesh_ep(self) -> int:

@@ -15,6 +15,8 @@ OPT's unsplit MLP warning (and its per-token MLP under SP). Issue 41's classes j
 plans leaving parts whole under SP (MiniMax, GraniteMoe/-Shared, Jamba at dp2 x ep2 x tp2 + SP), norms over
 all split features (BitNet), in-place edits of split outputs (Olmo's clip_qkv), plans naming only the input
 embedding (CodeGen, HunYuan, FalconH1, Bamba), and a Parameter shared by two layers refused.
+Every model here also passes the block check (meshtron.hf.prove, on by default); its negative controls
+switch each of those fixes off and see the family refused.
 """
 
 from __future__ import annotations
@@ -586,6 +588,32 @@ def _check_shared_parameter_refused(mesh) -> None:
         parallelize_hf_model(model, mesh)
 
 
+def check_block_proof_refuses(folders: dict[str, str], out: str) -> None:
+    """Negative controls of the block check (meshtron.hf.prove): each fix of issue 41 switched off, the
+    family it fixes is refused by name before training (the check on by default), and prove_blocks=False
+    lets the wrong split through."""
+    from unittest import mock
+
+    from meshtron.hf import tp_plan
+
+    refusal = r"block 0 \({cls}\) split at {layout} does not compute what it computes whole: its {what}"
+    controls = [  # (fix switched off, family, layout, what the check reports)
+        (mock.patch.object(tp_plan, "_left_whole", lambda *_: []), "minimax", (dict(dp=2, ep=2, tp=2), True),
+         refusal.format(cls="MiniMaxDecoderLayer", layout=r"dp 2 x ep 2 x tp 2 \+ SP", what=r"output differs by")),
+        (mock.patch.object(tp_plan, "_gather_spanning_norms", lambda plan, _parts: plan), "bitnet",
+         (dict(dp=4, tp=2), False), refusal.format(cls="BitNetDecoderLayer", layout="dp 4 x tp 2",
+                                                  what=r"forward and backward \(the split block raised RuntimeError")),
+        (mock.patch.object(tp_plan, "_own_split_outputs", lambda *_: None), "olmo", (dict(dp=4, tp=2), False),
+         refusal.format(cls="OlmoDecoderLayer", layout="dp 4 x tp 2", what=r"forward and backward .* is a view")),
+    ]
+    for switched_off, name, (sizes, sp), message in controls:
+        with switched_off:
+            with pytest.raises(ConfigError, match=message):
+                parallelize_hf_model(_family_model(name), cached_mesh(**sizes), sp=sp)
+    with controls[0][0]:  # the check off: the wrong split is accepted
+        parallelize_hf_model(_family_model("minimax"), cached_mesh(dp=2, ep=2, tp=2), sp=True, prove_blocks=False)
+
+
 def check_errors(folders: dict[str, str], out: str) -> None:
     mesh = cached_mesh(dp=2, tp=4)
     model = _reference(folders["llama"])
@@ -696,7 +724,8 @@ def test_hf_parallelize_8_ranks(tmp_path):
     folders = _save_models(tmp_path)
     folders.update({f"native_{k}": v for k, v in _save_native(tmp_path).items()})
     checks = [check_native_sliced_loading, check_families, check_parity_and_training,
-              check_from_pretrained_then_parallelize, check_bytes_read_per_rank, check_errors]
+              check_from_pretrained_then_parallelize, check_bytes_read_per_rank, check_errors,
+              check_block_proof_refuses]
     run_checks(checks, 8, folders, str(tmp_path), timeout=900)
     for arch, report in json.loads((tmp_path / "bytes.json").read_text()).items():
         print(f"{arch}: bytes read per rank: {report['per_rank']} of {report['total']}")

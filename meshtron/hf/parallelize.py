@@ -61,6 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshtron import env
 from meshtron.checkpoint import gather_full_state_dict
 from meshtron.config import ConfigError
+from meshtron.hf import prove
 from meshtron.hf.discover import HFParts, hf_parts, is_rotary
 from meshtron.hf.context import apply_hf_context_parallel
 from meshtron.hf.experts import adopt_router_scaled_blocks, apply_hf_expert_parallel, hf_expert_modules
@@ -112,11 +113,13 @@ class HFSteps:
     stage's), composed in :func:`~meshtron.parallel.compose.compose`'s order like meshtron's own models."""
 
     def __init__(self, mesh: DeviceMesh, sp: bool, data_parallel: str, ac: str, ac_every: int, dtype: str,
-                 cp_comm: tuple[str, int], shard_inputs: bool):
+                 cp_comm: tuple[str, int], shard_inputs: bool, prove_blocks: bool):
         self.mesh, self.sp, self.data_parallel, self.dtype = mesh, sp, data_parallel, dtype
         self.ac, self.ac_every, self.cp_comm, self.shard_inputs = ac, ac_every, cp_comm, shard_inputs
+        self.prove_blocks = prove_blocks
         self.tp_mesh = mesh["tp"]
         self.experts: list[nn.Module] = []
+        self.references = []
 
     def setup(self, model: nn.Module) -> None:
         """The bias-free head becomes meshtron's fused one; the fused experts are found (before tp splits
@@ -129,6 +132,8 @@ class HFSteps:
             raise ConfigError(f"parallelize_hf_model: ep = {ep} needs a MoE model with fused experts; "
                               f"{type(model).__name__} has none. Use ep = 1.")
         adopt_router_scaled_blocks(model, self.expert_modules)
+        if self.prove_blocks and prove.provable(model, self.mesh):
+            self.references = prove.record_references(model, self.parts, self.mesh)
 
     def tensor(self, model: nn.Module) -> None:
         if self.tp_mesh.size() > 1:
@@ -156,6 +161,9 @@ class HFSteps:
 
     def data(self, model: nn.Module) -> None:
         """The loss and aux loss of the global batch (:mod:`meshtron.hf.loss`), then the data-parallel units."""
+        if self.references:  # the split blocks, before the data-parallel wrappers take their gradients
+            prove.prove_blocks(model, self.parts, self.mesh, self.references, self.sp, self.experts)
+            self.references = []
         data_mesh = dense_data_mesh(self.mesh)
         model.loss_function = hf_loss_function(data_mesh)
         if data_mesh.size() > 1:
@@ -178,6 +186,7 @@ def parallelize_hf_model(
     virtual_stages: int = 1,
     cp_comm_type: str = "p2p",
     cp_a2a_size: int = 0,
+    prove_blocks: bool = True,
 ) -> nn.Module:
     """Parallelize a transformers decoder-only ``*ForCausalLM`` in place over ``mesh`` (from ``build_mesh``)
     and return it.
@@ -200,6 +209,11 @@ def parallelize_hf_model(
     ``cp_comm_type`` (``p2p``, ``a2a``, ``allgather``, ``a2a+p2p``) and ``cp_a2a_size`` are
     ``[parallel]``'s keys of the same names.
 
+    ``prove_blocks`` (on by default; ``[parallel] prove_blocks``): before returning, the first block of each
+    kind is run split and whole on a probe batch and compared (:mod:`meshtron.hf.prove`); a block that
+    differs is a ConfigError naming it, the layout and the first part that differs. Layouts with tp or ep,
+    without cp or pp, on a model with weights (not the meta device).
+
     pp > 1 (:mod:`meshtron.hf.pipeline`): the model is pruned in place to this rank's stage(s) (for
     ``schedule`` ``1f1b``, ``interleaved``, ``gpipe`` ..., ``microbatches``, ``virtual_stages``) and that
     stage model is returned; ``HFPipelineRunner(model, mesh)`` runs its steps
@@ -211,7 +225,7 @@ def parallelize_hf_model(
     if pipelined:
         cut_to_stage(model, mesh, schedule, microbatches, virtual_stages, sp, dtype)
     compose(model, HFSteps(mesh, sp, data_parallel, ac, ac_every, dtype, (cp_comm_type, cp_a2a_size),
-                           shard_inputs=not pipelined))
+                           shard_inputs=not pipelined, prove_blocks=prove_blocks))
     _check_still_shared(model, shared)
     if pipelined:
         run_as_stage(model)

@@ -170,7 +170,8 @@ def _options(cfg: Config) -> dict:
     p = cfg.parallel
     return dict(sp=p.sp, data_parallel=p.data_parallel, ac=p.activation_checkpointing, ac_every=p.ac_every,
                 dtype=cfg.train.dtype, schedule=p.schedule, microbatches=p.microbatches,
-                virtual_stages=p.virtual_stages, cp_comm_type=p.cp_comm_type, cp_a2a_size=p.cp_a2a_size)
+                virtual_stages=p.virtual_stages, cp_comm_type=p.cp_comm_type, cp_a2a_size=p.cp_a2a_size,
+                prove_blocks=p.prove_blocks)
 
 
 def _step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> Runner:

@@ -1,0 +1,259 @@
+"""Each kind of decoder block proven right before training: split as the plan made it against itself whole.
+
+A tp plan (the config's or inferred), SP, and ep's dispatch are translated by rules that can be wrong for
+a family nobody has tried; a wrong split trains with no error. So :func:`parallelize_hf_model` runs the
+first block of each kind (dense, MoE, linear attention, mamba ...: its class and its submodules' names
+and classes) twice on a small probe batch, forward and backward with the same output gradient:
+
+1. :func:`record_references`, before any split: the whole block, on the hidden states, position
+   embeddings and masks the model's own forward hands it for this rank's probe rows (the forward is
+   stopped once every kind's block has its inputs). Kept: output, input gradient, parameter gradients.
+2. :func:`prove_blocks`, after tp, SP and ep and before the data-parallel wrappers: the split block on the
+   same inputs (its sequence shard under SP). Parameter gradients are made whole (DTensors gathered) and
+   summed over the ranks holding other probe rows, as the data-parallel wrappers will (dense parameters
+   over dp x ep, experts over their edp ranks); the references are summed over dp x ep.
+
+Every rank compares the same things in the same order and the largest error of each is agreed on by one
+all-reduce, so all ranks raise the same :class:`ConfigError`, naming the block, the layout and the first
+part that differs, or none does. The probe runs in eval mode without a KV cache (dropout would differ).
+cp and pp layouts, and models on the meta device (:func:`load_hf_checkpoint` before its weights are
+read), are not probed yet.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from meshtron.config import ConfigError
+from meshtron.hf.discover import HFParts
+from meshtron.mesh import batch_mesh, expert_data_mesh, expert_split
+
+# Errors are relative to the largest reference value; a gradient that is zero analytically (a key bias
+# under softmax) is compared against this share of the block's largest gradient instead.
+_FLOOR = 1e-3
+_TOLERANCE = {torch.float32: (1e-4, 1e-3), torch.float64: (1e-9, 1e-8)}  # (activations, parameter gradients)
+_LOW_PRECISION = (2e-2, 5e-2)
+_PROBE_ROWS_PER_RANK = 1
+
+
+class _InputsCaptured(Exception):
+    """Stops the probe forward once every kind's first block has its inputs."""
+
+
+@dataclass
+class _Reference:
+    index: int  # the block's global index
+    args: tuple
+    kwargs: dict
+    hidden: torch.Tensor  # [rows, S, H] of this rank's probe rows
+    grad_out: torch.Tensor
+    out: torch.Tensor = None
+    hidden_grad: torch.Tensor = None
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def block_kinds(parts: HFParts) -> list[tuple[int, nn.Module]]:
+    """The first block of each kind: its class and its submodules' names and classes (Qwen2-MoE's dense and
+    sparse layers share a class)."""
+    seen, first = set(), []
+    for index, block in parts.block_items():
+        kind = (type(block), tuple((name, type(m)) for name, m in block.named_modules()))
+        if kind not in seen:
+            seen.add(kind)
+            first.append((index, block))
+    return first
+
+
+def probe_length(mesh: DeviceMesh) -> int:
+    """A sequence every tp rank holds an equal shard of under SP."""
+    return 8 * mesh["tp"].size()
+
+
+def _probe_ids(model: nn.Module, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's probe rows of a global batch that is the same on every rank (dp x ep ranks read different rows)."""
+    readers = batch_mesh(mesh)
+    gen = torch.Generator().manual_seed(20261126)
+    ids = torch.randint(0, model.config.vocab_size, (readers.size() * _PROBE_ROWS_PER_RANK, probe_length(mesh)),
+                        generator=gen)
+    row = readers.get_local_rank() * _PROBE_ROWS_PER_RANK
+    return ids[row:row + _PROBE_ROWS_PER_RANK]
+
+
+def _hidden_of(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+def _first_output(out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _capture_inputs(model: nn.Module, blocks: list[tuple[int, nn.Module]], ids: torch.Tensor) -> dict[int, tuple]:
+    """(args, kwargs) the model's forward hands each of ``blocks`` for ``ids``."""
+    captured: dict[int, tuple] = {}
+
+    def hook(index):
+        def capture(_module, args, kwargs):
+            captured[index] = (args, kwargs)
+            if len(captured) == len(blocks):
+                raise _InputsCaptured
+        return capture
+
+    handles = [block.register_forward_pre_hook(hook(index), with_kwargs=True, prepend=True) for index, block in blocks]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
+    except _InputsCaptured:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+@contextmanager
+def _eval_mode(model: nn.Module):
+    """Eval mode (no dropout) for the probe, the model's own mode restored after."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
+
+
+def _run(block: nn.Module, args: tuple, kwargs: dict, hidden: torch.Tensor, grad_out: torch.Tensor):
+    """Forward and backward of ``block`` on ``hidden`` (a fresh leaf): (output, input gradient)."""
+    leaf = hidden.detach().clone().requires_grad_()
+    args, kwargs = _with_hidden(args, kwargs, leaf)
+    out = _first_output(block(*args, **kwargs))
+    out.backward(grad_out)
+    return out.detach(), leaf.grad
+
+
+def record_references(model: nn.Module, parts: HFParts, mesh: DeviceMesh) -> list[_Reference]:
+    """Each kind's first block run whole on this rank's probe rows (see the module docstring)."""
+    kinds = block_kinds(parts)
+    with _eval_mode(model):
+        captured = _capture_inputs(model, kinds, _probe_ids(model, mesh))
+        references = []
+        for index, block in kinds:
+            args, kwargs = captured[index]
+            hidden = _hidden_of(args, kwargs).detach()
+            gen = torch.Generator().manual_seed(index)
+            ref = _Reference(index, args, kwargs, hidden, torch.randn(hidden.shape, generator=gen).to(hidden))
+            ref.out, ref.hidden_grad = _run(block, args, kwargs, hidden, ref.grad_out)
+            ref.grads = {name: p.grad.detach().clone() for name, p in block.named_parameters() if p.grad is not None}
+            block.zero_grad(set_to_none=True)
+            references.append(ref)
+    return references
+
+
+def _sequence_shard(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    return t.chunk(mesh["tp"].size(), dim=1)[mesh["tp"].get_local_rank()]
+
+
+def _summed(t: torch.Tensor, group_mesh: DeviceMesh) -> torch.Tensor:
+    if group_mesh.size() > 1:
+        dist.all_reduce(t, group=group_mesh.get_group())
+    return t
+
+
+def _whole(grad: torch.Tensor) -> torch.Tensor:
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
+
+
+def _error(actual: torch.Tensor, expected: torch.Tensor, floor: float) -> float:
+    if actual.shape != expected.shape:
+        return math.inf
+    scale = max(expected.detach().abs().max().item(), floor)
+    return ((actual.detach().float() - expected.detach().float()).abs().max() / scale).item() if scale > 0 else 0.0
+
+
+def _layout_text(mesh: DeviceMesh, sp: bool) -> str:
+    sizes = [f"{name} {mesh[name].size()}" for name in mesh.mesh_dim_names if mesh[name].size() > 1]
+    return " x ".join(sizes or ["1 rank"]) + (" + SP" if sp else "")
+
+
+def _placements(p: torch.Tensor) -> str:
+    if not isinstance(p, DTensor):
+        return "whole"
+    return ", ".join(f"{name} {placement}" for name, placement in zip(p.device_mesh.mesh_dim_names, p.placements))
+
+
+def _comparisons(block: nn.Module, ref: _Reference, mesh: DeviceMesh, sp: bool, first: bool,
+                 experts: set[int]) -> list[tuple[str, float, float]]:
+    """(what, error, tolerance) of the split block against ``ref``, in one order on every rank."""
+    shard_in = sp and not first  # the first block slices its (replicated) input itself under SP
+    hidden = _sequence_shard(ref.hidden, mesh) if shard_in else ref.hidden
+    grad_out = _sequence_shard(ref.grad_out, mesh) if sp else ref.grad_out
+    act_tol, grad_tol = _TOLERANCE.get(ref.out.dtype, _LOW_PRECISION)
+    named = [(name, p) for name, p in block.named_parameters() if name in ref.grads]
+    try:
+        out, hidden_grad = _run(block, ref.args, ref.kwargs, hidden, grad_out)
+    except Exception as err:  # noqa: BLE001 - a split that cannot run is refused like one that computes wrong
+        block.zero_grad(set_to_none=True)
+        what = f"forward and backward (the split block raised {type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        return [(what, math.inf, act_tol)] + [("output", math.inf, act_tol)] * (1 + len(named))
+    expected_out = _sequence_shard(ref.out, mesh) if sp else ref.out
+    expected_hidden_grad = _sequence_shard(ref.hidden_grad, mesh) if shard_in else ref.hidden_grad
+    found = [("output", _error(out, expected_out, 0.0), act_tol),
+             ("input gradient", _error(hidden_grad, expected_hidden_grad, 0.0), act_tol)]
+    readers, expert_readers = batch_mesh(mesh), expert_data_mesh(mesh)
+    expected = {name: _summed(g.clone(), readers) for name, g in ref.grads.items()}
+    floor = _FLOOR * max((g.abs().max().item() for g in expected.values()), default=0.0)
+    for name, p in named:
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        actual = _summed(_whole(grad).clone(), expert_readers if id(p) in experts else readers)
+        found.append((f"gradient of '{name}' ({type(block.get_submodule(name.rpartition('.')[0])).__name__}, "
+                      f"{_placements(p)})", _error(actual, expected[name], floor), grad_tol))
+    block.zero_grad(set_to_none=True)
+    return found
+
+
+def prove_blocks(model: nn.Module, parts: HFParts, mesh: DeviceMesh, references: list[_Reference], sp: bool,
+                 experts: list[nn.Module]) -> None:
+    """Each kind's first block, split, against its reference; a :class:`ConfigError` on every rank at the
+    first part whose error (the largest over the ranks) exceeds its tolerance."""
+    blocks = dict(parts.block_items())
+    first = parts.block_items()[0][0]
+    expert_params = {id(p) for module in experts for p in module.parameters()}
+    with _eval_mode(model):
+        for ref in references:
+            block = blocks[ref.index]
+            found = _comparisons(block, ref, mesh, sp, ref.index == first, expert_params)
+            errors = torch.tensor([err for _, err, _ in found], dtype=torch.float64)
+            dist.all_reduce(errors, op=dist.ReduceOp.MAX)
+            for (what, _, tolerance), err in zip(found, errors.tolist()):
+                if err > tolerance:
+                    how = "failed" if math.isinf(err) else f"differs by {err:.2e} (relative; tolerance {tolerance:g})"
+                    raise ConfigError(
+                        f"parallelize_hf_model: {type(model).__name__} block {ref.index} ({type(block).__name__}) "
+                        f"split at {_layout_text(mesh, sp)} does not compute what it computes whole: its {what} "
+                        f"{how} on a probe batch. The tp plan "
+                        "or its translation is wrong for this family; use another layout (e.g. without SP, or "
+                        "tp = 1), or prove_blocks=False to train anyway.")
+
+
+def provable(model: nn.Module, mesh: DeviceMesh) -> bool:
+    """Whether this layout is probed: something split over tp or ep, no cp or pp (not probed yet), and
+    weights to run (not the meta device)."""
+    split = mesh["tp"].size() > 1 or expert_split(mesh).ep > 1
+    return (split and mesh["cp"].size() == 1 and mesh["pp"].size() == 1
+            and not any(p.is_meta for p in model.parameters()))
+
+
+__all__ = ["block_kinds", "probe_length", "provable", "prove_blocks", "record_references"]
