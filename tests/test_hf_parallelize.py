@@ -657,6 +657,9 @@ def test_expert_layouts():
     with pytest.warns(UserWarning, match=r"1 experts modules stay whole on every tp rank .*'model.layers.1.mlp.experts'"):
         assert classes(other_activation, 1) == {names[0]: "ClampedExpertParallel"}
     _check_router_scaled_refusals()
+    recurrent = _family_model("gain_llama")  # [heads, d, d] gating weights in a model without experts: not experts
+    recurrent.model.layers[0].self_attn.gates = torch.nn.Parameter(torch.randn(8, 8, 8))
+    assert hf_expert_modules(recurrent, 1) == {}
 
 
 def _check_router_scaled_refusals() -> None:

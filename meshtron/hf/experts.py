@@ -232,12 +232,13 @@ _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "m
 
 
 def _holds_stacked_experts(module: nn.Module, config) -> bool:
-    """A 3-D parameter whose first dim is the config's expert count (a convolution's 3-D kernel, as in
-    Qwen3-Next's linear attention or Lfm2's short convolutions, is not)."""
+    """A 3-D parameter whose first dim is the config's expert count, in a model whose config has experts: a
+    convolution's 3-D kernel (Qwen3-Next's linear attention, Lfm2's short convolutions) is not, nor are
+    recurrent or gating weights [heads, d, d] of a model without experts."""
     if isinstance(module, nn.modules.conv._ConvNd):
         return False
-    counts = {getattr(config, key) for key in _EXPERT_COUNT_KEYS if isinstance(getattr(config, key, None), int)}
-    return any(p.dim() == 3 and (not counts or p.shape[0] in counts) for p in module.parameters(recurse=False))
+    counts = {n for key in _EXPERT_COUNT_KEYS if isinstance(n := getattr(config, key, None), int) and n > 0}
+    return any(p.dim() == 3 and p.shape[0] in counts for p in module.parameters(recurse=False))
 
 
 # The children a MoE block whose router scores scale its experts' inputs holds (Llama 4's).
