@@ -612,6 +612,11 @@ def check_block_proof_refuses(folders: dict[str, str], out: str) -> None:
                 parallelize_hf_model(_family_model(name), cached_mesh(**sizes), sp=sp)
     with controls[0][0]:  # the check off: the wrong split is accepted
         parallelize_hf_model(_family_model("minimax"), cached_mesh(dp=2, ep=2, tp=2), sp=True, prove_blocks=False)
+    # Not a control: cp's ring serves softmax attention only; MiniMax's lightning attention would see only
+    # this rank's chunks.
+    with pytest.raises(ConfigError, match=refusal.format(cls="MiniMaxDecoderLayer", layout="dp 4 x cp 2",
+                                                         what="output differs by")):
+        parallelize_hf_model(_family_model("minimax"), cached_mesh(dp=4, cp=2))
 
 
 def check_errors(folders: dict[str, str], out: str) -> None:

@@ -211,8 +211,8 @@ def parallelize_hf_model(
 
     ``prove_blocks`` (on by default; ``[parallel] prove_blocks``): before returning, the first block of each
     kind is run split and whole on a probe batch and compared (:mod:`meshtron.hf.prove`); a block that
-    differs is a ConfigError naming it, the layout and the first part that differs. Layouts with tp or ep,
-    without cp or pp, on a model with weights (not the meta device).
+    differs is a ConfigError naming it, the layout and the first part that differs. Layouts with tp, ep or
+    cp, without pp, on a model with weights (not the meta device).
 
     pp > 1 (:mod:`meshtron.hf.pipeline`): the model is pruned in place to this rank's stage(s) (for
     ``schedule`` ``1f1b``, ``interleaved``, ``gpipe`` ..., ``microbatches``, ``virtual_stages``) and that

@@ -8,16 +8,18 @@ and classes) twice on a small probe batch, forward and backward with the same ou
 1. :func:`record_references`, before any split: the whole block, on the hidden states, position
    embeddings and masks the model's own forward hands it for this rank's probe rows (the forward is
    stopped once every kind's block has its inputs). Kept: output, input gradient, parameter gradients.
-2. :func:`prove_blocks`, after tp, SP and ep and before the data-parallel wrappers: the split block on the
-   same inputs (its sequence shard under SP). Parameter gradients are made whole (DTensors gathered) and
-   summed over the ranks holding other probe rows, as the data-parallel wrappers will (dense parameters
-   over dp x ep, experts over their edp ranks); the references are summed over dp x ep.
+2. :func:`prove_blocks`, after tp, SP, ep and cp and before the data-parallel wrappers: the split block on
+   the same hidden states, as this rank holds them (its cp chunks, their tp shard under SP), with the
+   position embeddings and masks the split model's forward hands it (under cp those of its chunks).
+   Parameter gradients are made whole (DTensors gathered) and summed over the ranks holding other probe
+   tokens, as the data-parallel wrappers will (dense parameters over dp x ep x cp, experts over their edp
+   ranks); the references are summed over dp x ep.
 
 Every rank compares the same things in the same order and the largest error of each is agreed on by one
 all-reduce, so all ranks raise the same :class:`ConfigError`, naming the block, the layout and the first
 part that differs, or none does. The probe runs in eval mode without a KV cache (dropout would differ).
-cp and pp layouts, and models on the meta device (:func:`load_hf_checkpoint` before its weights are
-read), are not probed yet.
+pp layouts, and models on the meta device (:func:`load_hf_checkpoint` before its weights are read), are
+not probed yet.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from torch.distributed.tensor import DTensor
 
 from meshtron.config import ConfigError
 from meshtron.hf.discover import HFParts
-from meshtron.mesh import batch_mesh, expert_data_mesh, expert_split
+from meshtron.mesh import batch_mesh, dense_data_mesh, expert_data_mesh, expert_split
+from meshtron.parallel.context import shard_sequence
 
 # Errors are relative to the largest reference value; a gradient that is zero analytically (a key bias
 # under softmax) is compared against this share of the block's largest gradient instead.
@@ -51,8 +54,6 @@ class _InputsCaptured(Exception):
 @dataclass
 class _Reference:
     index: int  # the block's global index
-    args: tuple
-    kwargs: dict
     hidden: torch.Tensor  # [rows, S, H] of this rank's probe rows
     grad_out: torch.Tensor
     out: torch.Tensor = None
@@ -73,8 +74,8 @@ def block_kinds(parts: HFParts) -> list[tuple[int, nn.Module]]:
 
 
 def probe_length(mesh: DeviceMesh) -> int:
-    """A sequence every tp rank holds an equal shard of under SP."""
-    return 8 * mesh["tp"].size()
+    """A sequence cp splits into 2 x cp equal chunks and tp (under SP) into equal shards of each rank's."""
+    return 8 * mesh["tp"].size() * mesh["cp"].size()
 
 
 def _probe_ids(model: nn.Module, mesh: DeviceMesh) -> torch.Tensor:
@@ -154,7 +155,7 @@ def record_references(model: nn.Module, parts: HFParts, mesh: DeviceMesh) -> lis
             args, kwargs = captured[index]
             hidden = _hidden_of(args, kwargs).detach()
             gen = torch.Generator().manual_seed(index)
-            ref = _Reference(index, args, kwargs, hidden, torch.randn(hidden.shape, generator=gen).to(hidden))
+            ref = _Reference(index, hidden, torch.randn(hidden.shape, generator=gen).to(hidden))
             ref.out, ref.hidden_grad = _run(block, args, kwargs, hidden, ref.grad_out)
             ref.grads = {name: p.grad.detach().clone() for name, p in block.named_parameters() if p.grad is not None}
             block.zero_grad(set_to_none=True)
@@ -162,8 +163,13 @@ def record_references(model: nn.Module, parts: HFParts, mesh: DeviceMesh) -> lis
     return references
 
 
-def _sequence_shard(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    return t.chunk(mesh["tp"].size(), dim=1)[mesh["tp"].get_local_rank()]
+def _held(t: torch.Tensor, mesh: DeviceMesh, sp_shard: bool) -> torch.Tensor:
+    """What this rank holds of a whole-sequence [rows, S, ...] tensor: its cp chunks, and their tp shard
+    under SP."""
+    cp = mesh["cp"]
+    if cp.size() > 1:
+        t = shard_sequence(t, cp.get_local_rank(), cp.size())
+    return t.chunk(mesh["tp"].size(), dim=1)[mesh["tp"].get_local_rank()] if sp_shard else t
 
 
 def _summed(t: torch.Tensor, group_mesh: DeviceMesh) -> torch.Tensor:
@@ -194,30 +200,29 @@ def _placements(p: torch.Tensor) -> str:
     return ", ".join(f"{name} {placement}" for name, placement in zip(p.device_mesh.mesh_dim_names, p.placements))
 
 
-def _comparisons(block: nn.Module, ref: _Reference, mesh: DeviceMesh, sp: bool, first: bool,
+def _comparisons(block: nn.Module, ref: _Reference, inputs: tuple, mesh: DeviceMesh, sp: bool, first: bool,
                  experts: set[int]) -> list[tuple[str, float, float]]:
-    """(what, error, tolerance) of the split block against ``ref``, in one order on every rank."""
+    """(what, error, tolerance) of the split block against ``ref``, in one order on every rank; ``inputs``:
+    the (args, kwargs) the split model's forward hands the block."""
     shard_in = sp and not first  # the first block slices its (replicated) input itself under SP
-    hidden = _sequence_shard(ref.hidden, mesh) if shard_in else ref.hidden
-    grad_out = _sequence_shard(ref.grad_out, mesh) if sp else ref.grad_out
+    hidden, grad_out = _held(ref.hidden, mesh, shard_in), _held(ref.grad_out, mesh, sp)
     act_tol, grad_tol = _TOLERANCE.get(ref.out.dtype, _LOW_PRECISION)
     named = [(name, p) for name, p in block.named_parameters() if name in ref.grads]
     try:
-        out, hidden_grad = _run(block, ref.args, ref.kwargs, hidden, grad_out)
+        out, hidden_grad = _run(block, *inputs, hidden, grad_out)
     except Exception as err:  # noqa: BLE001 - a split that cannot run is refused like one that computes wrong
         block.zero_grad(set_to_none=True)
         what = f"forward and backward (the split block raised {type(err).__name__}: {str(err).splitlines()[0][:200]})"
         return [(what, math.inf, act_tol)] + [("output", math.inf, act_tol)] * (1 + len(named))
-    expected_out = _sequence_shard(ref.out, mesh) if sp else ref.out
-    expected_hidden_grad = _sequence_shard(ref.hidden_grad, mesh) if shard_in else ref.hidden_grad
+    expected_out, expected_hidden_grad = _held(ref.out, mesh, sp), _held(ref.hidden_grad, mesh, shard_in)
     found = [("output", _error(out, expected_out, 0.0), act_tol),
              ("input gradient", _error(hidden_grad, expected_hidden_grad, 0.0), act_tol)]
-    readers, expert_readers = batch_mesh(mesh), expert_data_mesh(mesh)
+    readers, dense_readers, expert_readers = batch_mesh(mesh), dense_data_mesh(mesh), expert_data_mesh(mesh)
     expected = {name: _summed(g.clone(), readers) for name, g in ref.grads.items()}
     floor = _FLOOR * max((g.abs().max().item() for g in expected.values()), default=0.0)
     for name, p in named:
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        actual = _summed(_whole(grad).clone(), expert_readers if id(p) in experts else readers)
+        actual = _summed(_whole(grad).clone(), expert_readers if id(p) in experts else dense_readers)
         found.append((f"gradient of '{name}' ({type(block.get_submodule(name.rpartition('.')[0])).__name__}, "
                       f"{_placements(p)})", _error(actual, expected[name], floor), grad_tol))
     block.zero_grad(set_to_none=True)
@@ -232,9 +237,10 @@ def prove_blocks(model: nn.Module, parts: HFParts, mesh: DeviceMesh, references:
     first = parts.block_items()[0][0]
     expert_params = {id(p) for module in experts for p in module.parameters()}
     with _eval_mode(model):
+        inputs = _capture_inputs(model, [(ref.index, blocks[ref.index]) for ref in references], _probe_ids(model, mesh))
         for ref in references:
             block = blocks[ref.index]
-            found = _comparisons(block, ref, mesh, sp, ref.index == first, expert_params)
+            found = _comparisons(block, ref, inputs[ref.index], mesh, sp, ref.index == first, expert_params)
             errors = torch.tensor([err for _, err, _ in found], dtype=torch.float64)
             dist.all_reduce(errors, op=dist.ReduceOp.MAX)
             for (what, _, tolerance), err in zip(found, errors.tolist()):
@@ -243,17 +249,16 @@ def prove_blocks(model: nn.Module, parts: HFParts, mesh: DeviceMesh, references:
                     raise ConfigError(
                         f"parallelize_hf_model: {type(model).__name__} block {ref.index} ({type(block).__name__}) "
                         f"split at {_layout_text(mesh, sp)} does not compute what it computes whole: its {what} "
-                        f"{how} on a probe batch. The tp plan "
-                        "or its translation is wrong for this family; use another layout (e.g. without SP, or "
-                        "tp = 1), or prove_blocks=False to train anyway.")
+                        f"{how} on a probe batch. How this layout splits the block is wrong for this family (its "
+                        "tp plan or meshtron's translation of it, SP, ep or cp); use another layout (e.g. without "
+                        "SP, tp = 1 or cp = 1), or prove_blocks=False to train anyway.")
 
 
 def provable(model: nn.Module, mesh: DeviceMesh) -> bool:
-    """Whether this layout is probed: something split over tp or ep, no cp or pp (not probed yet), and
+    """Whether this layout is probed: something split over tp, ep or cp, no pp (not probed yet), and
     weights to run (not the meta device)."""
-    split = mesh["tp"].size() > 1 or expert_split(mesh).ep > 1
-    return (split and mesh["cp"].size() == 1 and mesh["pp"].size() == 1
-            and not any(p.is_meta for p in model.parameters()))
+    split = mesh["tp"].size() > 1 or expert_split(mesh).ep > 1 or mesh["cp"].size() > 1
+    return split and mesh["pp"].size() == 1 and not any(p.is_meta for p in model.parameters())
 
 
 __all__ = ["block_kinds", "probe_length", "provable", "prove_blocks", "record_references"]
