@@ -41,6 +41,7 @@ from meshtron.parallel.tensor import (
     check_tensor_parallel,
     local_view,
     name_tp_gradients,
+    owned,
     residual_layout,
 )
 
@@ -418,29 +419,15 @@ def _set_local_head_groups(parts: HFParts, base: dict[str, str], heads: int, kv_
                 layer.get_submodule(attention).num_key_value_groups = heads // tp // local_kv
 
 
-class _Owned(torch.autograd.Function):
-    """The same storage, no longer a view for autograd. A split projection's output is DTensor's
-    ``to_local`` view, which autograd forbids modifying in place, yet modelling code does: Olmo's
-    ``query_states.clamp_(...)`` (``clip_qkv``) on a column-split q, Falcon's ``mlp_output +=
-    attention_output`` on a rowwise one. Nothing downstream saves the DTensor, and the version counter is
-    shared, so an op that saved the output still catches an in-place edit; no copy is made."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.detach()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
 def _owned_output(_module, _args, out):
-    return _Owned.apply(out) if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else None
+    """Modelling code edits split projections' outputs in place (Olmo's ``query_states.clamp_(...)`` with
+    ``clip_qkv`` on a column-split q, Falcon's ``mlp_output += attention_output`` on a rowwise one)."""
+    return owned(out) if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else None
 
 
 def _own_split_outputs(parts: HFParts, plan: dict[str, str]) -> None:
     """Every split projection of every block (its plan the config's or the inferred one) hands out an
-    output the model may edit in place (:class:`_Owned`)."""
+    output the model may edit in place (:func:`~meshtron.parallel.tensor.owned`)."""
     for pattern, style in plan.items():
         rel = pattern.split(".", 2)[2]
         if style not in _COLWISE + _COLWISE_GATHERED + _ROWWISE + _ROWWISE_REPLICATED_INPUT:

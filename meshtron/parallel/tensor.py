@@ -609,6 +609,26 @@ class _VocabShardLookup(torch.autograd.Function):
         return None, weight_grad, None, None
 
 
+class _Owned(torch.autograd.Function):
+    """The same storage, no longer an autograd view. DTensor's ``to_local`` output is a view of the DTensor,
+    which autograd forbids modifying in place and FSDP2 warns about as a module output (an in-place op on
+    a view would drop its pre-backward hook). Nothing downstream saves the DTensor, and the version
+    counter is shared, so an op that saved the output still catches an in-place edit; no copy is made."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def owned(local: torch.Tensor) -> torch.Tensor:
+    """``local`` (a ``to_local`` result) as a tensor its consumers may edit in place (:class:`_Owned`)."""
+    return _Owned.apply(local)
+
+
 def _vocab_parallel_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     mesh = self.weight.device_mesh
     ids = ids.to_local() if isinstance(ids, DTensor) else ids
@@ -616,7 +636,7 @@ def _vocab_parallel_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> 
     part = _VocabShardLookup.apply(ids, self.weight.to_local(), start, self.padding_idx)
     # Each rank holds its vocabulary rows' share: summed over tp (reduce-scattered along the sequence under SP).
     out = DTensor.from_local(part, mesh, [Partial()], run_check=False).redistribute(mesh, [self.output_layout])
-    return out.to_local()
+    return owned(out.to_local())  # FSDP wraps the embedding: no view as a unit's output
 
 
 class VocabParallelEmbedding(ParallelStyle):
@@ -735,4 +755,5 @@ __all__ = [
     "VocabParallelHead",
     "local_view",
     "name_tp_gradients",
+    "owned",
 ]
