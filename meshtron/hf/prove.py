@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from meshtron.config import ConfigError
 from meshtron.hf.discover import HFParts
+from meshtron.host import simulating
 from meshtron.mesh import batch_mesh, dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.parallel.context import shard_sequence
 
@@ -256,9 +257,10 @@ def prove_blocks(model: nn.Module, parts: HFParts, mesh: DeviceMesh, references:
 
 def provable(model: nn.Module, mesh: DeviceMesh) -> bool:
     """Whether this layout is probed: something split over tp, ep or cp, no pp (not probed yet), and
-    weights to run (not the meta device)."""
+    weights to run (not the meta device, not a dry run's fake tensors)."""
     split = mesh["tp"].size() > 1 or expert_split(mesh).ep > 1 or mesh["cp"].size() > 1
-    return split and mesh["pp"].size() == 1 and not any(p.is_meta for p in model.parameters())
+    return (split and mesh["pp"].size() == 1 and not simulating()
+            and not any(p.is_meta for p in model.parameters()))
 
 
 __all__ = ["block_kinds", "probe_length", "provable", "prove_blocks", "record_references"]
