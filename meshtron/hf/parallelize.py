@@ -131,9 +131,9 @@ class HFSteps:
         if ep > 1 and not self.expert_modules:
             raise ConfigError(f"parallelize_hf_model: ep = {ep} needs a MoE model with fused experts; "
                               f"{type(model).__name__} has none. Use ep = 1.")
-        adopt_router_scaled_blocks(model, self.expert_modules)
-        if self.prove_blocks and prove.provable(model, self.mesh):
+        if self.prove_blocks and prove.provable(model, self.mesh):  # the blocks as transformers runs them
             self.references = prove.record_references(model, self.parts, self.mesh)
+        adopt_router_scaled_blocks(model, self.expert_modules)
 
     def tensor(self, model: nn.Module) -> None:
         if self.tp_mesh.size() > 1:

@@ -208,7 +208,8 @@ def _comparisons(block: nn.Module, ref: _Reference, inputs: tuple, mesh: DeviceM
     shard_in = sp and not first  # the first block slices its (replicated) input itself under SP
     hidden, grad_out = _held(ref.hidden, mesh, shard_in), _held(ref.grad_out, mesh, sp)
     act_tol, grad_tol = _TOLERANCE.get(ref.out.dtype, _LOW_PRECISION)
-    named = [(name, p) for name, p in block.named_parameters() if name in ref.grads]
+    params = dict(block.named_parameters())
+    named = [(name, params.get(name)) for name in ref.grads]  # a parameter renamed by the split is missing
     try:
         out, hidden_grad = _run(block, *inputs, hidden, grad_out)
     except Exception as err:  # noqa: BLE001 - a split that cannot run is refused like one that computes wrong
@@ -222,6 +223,9 @@ def _comparisons(block: nn.Module, ref: _Reference, inputs: tuple, mesh: DeviceM
     expected = {name: _summed(g.clone(), readers) for name, g in ref.grads.items()}
     floor = _FLOOR * max((g.abs().max().item() for g in expected.values()), default=0.0)
     for name, p in named:
+        if p is None:
+            found.append((f"gradient of '{name}' (no parameter of that name after splitting)", math.inf, grad_tol))
+            continue
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
         actual = _summed(_whole(grad).clone(), expert_readers if id(p) in experts else dense_readers)
         found.append((f"gradient of '{name}' ({type(block.get_submodule(name.rpartition('.')[0])).__name__}, "
