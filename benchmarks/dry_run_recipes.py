@@ -81,7 +81,9 @@ def measure(recipe: str, world: int | None, overrides: list[str]) -> list[dict]:
 
 def table(rows: list[dict], extra: tuple[str, ...] = ()) -> str:
     """The rows as a markdown table; ``extra`` keys become columns after the layout's; a row's ``note``
-    (e.g. traced before a change that moved its figures) marks its rank with † and follows the table."""
+    (e.g. traced before a change that moved its figures) marks its rank with the note's sign
+    (:func:`note_signs`), and the note follows the table."""
+    signs = note_signs(rows)
     lines = ["| recipe | options | ranks | layout | schedule | AC | micro-batches | " + "".join(f"{k} | " for k in extra) +
              "rank (stage) | traced GiB | planned GiB | traced / planned "
              "| TFLOP | sent GiB traced | sent GiB planned | roofline s | predicted tok/s/GPU | dry run s |",
@@ -89,10 +91,17 @@ def table(rows: list[dict], extra: tuple[str, ...] = ()) -> str:
     for r in rows:
         lines.append(f"| {r['recipe']} | {_options(r['recipe'], r['overrides'])} | {r['world_size']} | {r['layout']} | {r['schedule']} | {r['ac']} | "
                      f"{r['microbatches']} | " + "".join(f"{r[k]} | " for k in extra) +
-                     f"{r['rank']} ({r['pp']}){' †' if r.get('note') else ''} | {r['traced_gib']:.2f} | {r['planned_gib']:.2f} | {r['ratio']:.3f} | "
+                     f"{r['rank']} ({r['pp']}){' ' + signs[r['note']] if r.get('note') else ''} | {r['traced_gib']:.2f} | {r['planned_gib']:.2f} | {r['ratio']:.3f} | "
                      f"{r['tflop']:.0f} | {r['sent_traced_gib']:.3f} | {r['sent_planned_gib']:.3f} | "
                      f"{r['roofline_s']:.2f} | {r['tokens_per_s_per_gpu']:,.0f} | {r['seconds']:.0f} |")
     return "\n".join(lines)
+
+
+def note_signs(rows: list[dict]) -> dict[str, str]:
+    """Each distinct note of ``rows`` (in order of first use) -> the sign that marks its rows: †, ‡, §, ...,
+    so that a table holding rows traced before different changes says which is which."""
+    notes = dict.fromkeys(r["note"] for r in rows if r.get("note"))
+    return {note: "†‡§¶"[i % 4] * (i // 4 + 1) for i, note in enumerate(notes)}
 
 
 # Overrides the table's own columns show.
@@ -163,7 +172,7 @@ def write_results(stem: Path, rows: list[dict], intro: str, extra: tuple[str, ..
     stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
     within = sum(abs(r["ratio"] - 1) <= 0.05 for r in rows)
-    notes = "".join(f"\n\n†: {note}" for note in dict.fromkeys(r["note"] for r in rows if r.get("note")))
+    notes = "".join(f"\n\n{sign}: {note}" for note, sign in note_signs(rows).items())
     text = (f"{intro}\n\n{table(rows, extra)}{notes}\n\nFurthest from 1: {worst['recipe']} on {worst['world_size']} ranks, "
             f"{worst['layout']} {worst['schedule']}, rank {worst['rank']}: {worst['ratio']:.3f}; {within} of "
             f"{len(rows)} ranks within 5 %.\n")

@@ -29,7 +29,7 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.flop_counter import flop_registry
 
 from meshtron import env
@@ -111,6 +111,11 @@ class StepCounter(TorchDispatchMode):
     of its tensors (inputs and outputs) over ``memory_bandwidth``; the step's compute time is their sum,
     the bound of kernels that each reach the peak or the bandwidth, one after another.
 
+    Everything is counted on plain tensors, at the shapes this rank computes: an op on a tensor subclass
+    (a DTensor) is left to the subclass, whose ops on its local shards reach this mode in turn. Counted
+    on the DTensor, a tp rank's linears were counted at their global size (a small model's tp 8 ranks:
+    5.4 x the FLOPs they run, 2.6 x with SP) and the optimizer's FSDP-sharded state at its unsharded bytes.
+
     torch's FlopCounterMode and CommDebugMode count the same but track modules with hooks: the
     former's keep every activation of the step alive (3.2 x the true peak of a 7B step under
     MemTracker), the latter's fail on a module called once per micro-batch. This mode tracks none."""
@@ -125,13 +130,15 @@ class StepCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if any(is_traceable_wrapper_subclass(t) for t in pytree.tree_leaves((args, kwargs))):
+            return NotImplemented  # the subclass runs the op on plain tensors, counted as they come
         out = func(*args, **kwargs)
         if func.namespace in ("c10d", "_c10d_functional"):
             if func._opname not in ("wait_tensor", "barrier"):
                 self._count_collective(func._opname, args)
             return out
         count = flop_registry.get(func._overloadpacket) or _MORE_FLOPS.get(func._overloadpacket)
-        flops = count(*args, **kwargs, out_val=out) if count is not None else 0
+        flops = 0 if count is None else round(count(*args, **kwargs, out_val=out) * _causal_share(func, args, kwargs))
         self.flops += flops
         if func.namespace in ("aten", "fsdp") and not func.is_view and func._overloadpacket not in _NO_DATA:
             moved = sum(t.numel() * t.element_size() for t in pytree.tree_leaves((args, kwargs, out))
@@ -164,6 +171,25 @@ _MORE_FLOPS = {
         flop_registry[torch.ops.aten._scaled_dot_product_flash_attention_backward],
     torch.ops.aten._grouped_mm: _grouped_mm_flops,
 }
+# Attention kernels, which under a causal mask compute only the query-key pairs it leaves (they skip the
+# masked blocks; torch's formulas count the whole square, 2 x the FLOPs for a sequence attending to itself).
+_ATTENTION = {getattr(torch.ops.aten, f"_scaled_dot_product_{kernel}{suffix}") for suffix in ("", "_backward")
+              for kernel in ("flash_attention", "flash_attention_for_cpu", "efficient_attention", "cudnn_attention")}
+
+
+def _causal_share(func, args, kwargs) -> float:
+    """The share of its query-key pairs an op computes: all but for an :data:`_ATTENTION` op with
+    ``is_causal``, whose mask (top-left aligned, as torch's) leaves query i its first i + 1 keys."""
+    if func._overloadpacket not in _ATTENTION:
+        return 1.0
+    given = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+    if not given.get("is_causal"):
+        return 1.0
+    queries, keys = given["query"].shape[-2], given["key"].shape[-2]
+    diagonal = min(queries, keys)
+    return (diagonal * (diagonal + 1) // 2 + (queries - diagonal) * keys) / (queries * keys)
+
+
 # Ops that allocate or reinterpret without moving data (views are skipped by their schema).
 _NO_DATA = {torch.ops.aten._unsafe_view, torch.ops.aten.empty, torch.ops.aten.empty_strided,
             torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided, torch.ops.aten.lift_fresh}
@@ -278,7 +304,9 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
                 memory = storage_tracker()
                 memory.track_external(runner.module, optimizer, ids, labels)
                 counter = StepCounter(hw.peak_tflops * 1e12, hw.memory_tbps * 1e12)
-                with ShapeInferences() as inferred, memory, counter:
+                # The memory tracker, entered last, sees each op first: DTensor ops whole, as it always
+                # has; the counter, below it, declines those and counts their local ops.
+                with ShapeInferences() as inferred, counter, memory:
                     training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
                 if inferred.count:
                     raise RuntimeError(f"the traced step of rank {rank} inferred {inferred.count} DTensor output shapes "
