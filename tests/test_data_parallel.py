@@ -18,14 +18,14 @@ from meshtron import env
 from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
 from meshtron.mesh import batch_mesh, dense_data_mesh
-from meshtron.models import build_model, materialize, token_loss_sum
+from meshtron.models import build_model, token_loss_sum
 from meshtron.parallel.checkpointing import apply_activation_checkpointing, checkpointed_layers
 from meshtron.parallel.context import apply_context_parallel, shard_batch
 from meshtron.parallel.data import apply_data_parallel, data_meshes
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
-from meshtron.testing import cached_mesh, rel_err, run_checks
+from meshtron.testing import cached_mesh, random_model, rel_err, run_checks
 
 # 2 KV heads: tp = 4 exercises the TP plan's replicated KV heads.
 CFG = dict(
@@ -39,15 +39,6 @@ MOE = dict(
     mlp_only_layers=[1], router_aux_loss_coef=0.0,
 )
 BATCH, SEQ, STEPS, MAX_NORM = 8, 16, 3, 0.5
-
-
-def _reference(cfg: ModelConfig) -> torch.nn.Module:
-    """Random weights everywhere (norms and biases too), identical on every rank."""
-    model = materialize(build_model(cfg), env.local_device(), seed=1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model.train()
 
 
 def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32", sp=False):
@@ -141,8 +132,7 @@ def _assert_parity(layout, ref, ref_hist, model, hist):
 def _check_layouts(layouts, **model):
     """``layouts``: (mesh sizes, data_parallel mode[, sp]) triples checked against one reference."""
     cfg = ModelConfig(**{**CFG, **model})
-    torch.manual_seed(0)
-    ref = _reference(cfg)
+    ref = random_model(cfg, seed=1)
     start = {n: t.clone() for n, t in ref.state_dict().items()}
     ref_hist = _run_reference(ref)
     for sizes, mode, *sp in layouts:
@@ -195,8 +185,7 @@ def _local(t):
 def check_checkpointing_is_bit_identical():
     """Recomputation must not change a single bit of the loss or the (local) gradients."""
     cfg = ModelConfig(**CFG)
-    torch.manual_seed(0)
-    ref = _reference(cfg)
+    ref = random_model(cfg, seed=1)
     mesh = cached_mesh(dp=2, ep=2, tp=2)
     runs = {}
     for ac in ("none", "full", "selective"):
@@ -214,8 +203,7 @@ def check_checkpointing_is_bit_identical():
 def check_bf16_smoke():
     """bf16 compute with fp32 master weights and fp32 reduction stays within 1e-2 of fp32."""
     cfg = ModelConfig(**CFG)
-    torch.manual_seed(0)
-    ref = _reference(cfg)
+    ref = random_model(cfg, seed=1)
     mesh = cached_mesh(dp=4, tp=2)
     model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", dtype="bfloat16")
     assert all(_local(p).dtype == torch.float32 for p in model.parameters()), "master weights must stay fp32"
@@ -230,8 +218,7 @@ def check_bf16_smoke():
 def check_norm_types():
     """1-, 2- and inf-norms over dense grads on (dp_ep_cp, tp) and expert grads on edp."""
     cfg = ModelConfig(**MOE)
-    torch.manual_seed(0)
-    ref = _reference(cfg)
+    ref = random_model(cfg, seed=1)
     model = _parallel(cfg, ref.state_dict(), cached_mesh(dp=4, tp=2))
     tokens, labels = next(_batches())
     token_loss_sum(ref(tokens), labels).backward()
