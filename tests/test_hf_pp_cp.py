@@ -149,7 +149,7 @@ def check_context_parallel(_tmp: str) -> None:
     """model(input_ids, labels) with whole sequences: the model shards them over cp, the attention is the
     ring, the loss is the global batch's mean token loss and the gradients the full model's."""
     for index, (arch, sizes, options) in enumerate(CP_CASES):
-        where = f"cp {arch} {sizes} {options}"
+        where = f"cp {arch} {sizes} {options} (weights seed {len(arch)}, batch seed {index})"
         ids, labels = _batch(seed=index)
         ref_loss, grads = _reference(arch, ids, labels)
         mesh = cached_mesh(**sizes)
@@ -192,7 +192,7 @@ def check_pipeline(_tmp: str) -> None:
     """Our schedules and executor over the HF blocks: the step's loss on every rank and each stage's
     gradients equal the full model's (parameter names are transformers')."""
     for index, (arch, sizes, options) in enumerate(PP_CASES):
-        where = f"pp {arch} {sizes} {options}"
+        where = f"pp {arch} {sizes} {options} (weights seed {len(arch)}, batch seed {10 + index})"
         ids, labels = _batch(seed=10 + index)
         mesh = cached_mesh(**sizes)
         microbatches = 4 // batch_mesh(mesh).size()
