@@ -221,6 +221,48 @@ def rel_err(actual, expected) -> float:
     return ((actual.detach().float() - expected.detach().float()).abs().max() / scale).item()
 
 
+# init_weights gives norms of 1 and biases of 0, and any slice of ones is ones: a parity test on those
+# values cannot see a norm or bias applied to the wrong shard of its features. Moving every parameter by
+# N(0, 0.05) (the matrices start at N(0, 0.02)) gives each element its own value.
+PERTURBATION_STD = 0.05
+
+
+def perturb_weights_(model, seed: int):
+    """Add N(0, :data:`PERTURBATION_STD`) drawn under ``seed`` to every parameter of a plain (unsharded) model,
+    in place; the same values on every rank and device. Returns the model."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen).to(p.device, p.dtype) * PERTURBATION_STD)
+    return model
+
+
+def random_model(cfg, seed: int, device=None):
+    """The unparallelized meshtron model of ``cfg`` in training mode with random weights everywhere (norms
+    and biases too): ``init_weights(seed)`` then :func:`perturb_weights_`; identical on every rank. A
+    parallel model gets the same values with ``meshtron.checkpoint.load_full_state_dict(model, ref.state_dict())``."""
+    import torch
+
+    from meshtron import env
+    from meshtron.models import build_model, materialize
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    return perturb_weights_(materialize(model, device or env.local_device(), seed), seed).train()
+
+
+def fresh_seed() -> int:
+    """A new seed for a test's random inputs, printed: pytest shows a failed test's output, so the failing
+    draw can be replayed by passing the printed seed instead (put it in assertion messages too)."""
+    import random
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    return seed
+
+
 def assert_step_metrics_sound(records: list[dict], tokens_per_step: int, world_size: int) -> None:
     """Each ``metrics.jsonl`` record's timing figures finite and consistent with each other and with the
     recipe: tokens/s x step time = the tokens of a global batch, every rank's own time (its step time

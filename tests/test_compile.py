@@ -11,14 +11,15 @@ import functools
 
 import torch
 
+from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.mesh import batch_mesh
-from meshtron.models import build_model, materialize, token_loss_sum
+from meshtron.models import build_model, token_loss_sum
 from meshtron.optim import build_optimizer
 from meshtron.parallel import compose
 from meshtron.parallel.compile import apply_compile
 from meshtron.parallel.runner import build_step_runner
-from meshtron.testing import cached_mesh, rel_err, run_checks
+from meshtron.testing import cached_mesh, fresh_seed, random_model, rel_err, run_checks
 
 CFG = ModelConfig(
     vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
@@ -46,17 +47,21 @@ def _train_plain(model, batches) -> list[tuple[torch.Tensor, dict[str, torch.Ten
     return out
 
 
+def _assert_steps_match(steps, ref_steps, where: str) -> None:
+    for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(steps, ref_steps, strict=True)):
+        assert rel_err(loss, ref_loss) < 1e-5, (where, step, loss, ref_loss)
+        for name, grad in grads.items():
+            assert rel_err(grad, ref_grads[name]) < 1e-4, (where, step, name)
+
+
 def test_compiled_blocks_match_eager_over_two_steps():
-    seed = int(torch.randint(0, 2**31, ()))
-    eager = materialize(build_model(CFG), "cpu", seed=seed)
-    compiled = materialize(build_model(CFG), "cpu", seed=seed)
+    seed = fresh_seed()
+    eager = random_model(CFG, seed, device="cpu")
+    compiled = random_model(CFG, seed, device="cpu")
     assert apply_compile(compiled) == [0, 1]
     assert list(compiled.state_dict()) == list(eager.state_dict())  # names unchanged (no _orig_mod)
     batches = _batches(seed)
-    for (loss, grads), (ref_loss, ref_grads) in zip(_train_plain(compiled, batches), _train_plain(eager, batches)):
-        assert rel_err(loss, ref_loss) < 1e-5, (loss, ref_loss)
-        for name, grad in grads.items():
-            assert rel_err(grad, ref_grads[name]) < 1e-4, name
+    _assert_steps_match(_train_plain(compiled, batches), _train_plain(eager, batches), f"seed {seed}")
 
 
 MOE = ModelConfig(
@@ -73,6 +78,7 @@ def _runner_steps(model_cfg: ModelConfig, layout: dict, compile_blocks: bool, se
     with torch.device("meta"):
         model = build_model(model_cfg)
     runner = build_step_runner(model, mesh, cfg, torch.device("cpu"))
+    load_full_state_dict(runner.module, random_model(model_cfg, seed, device="cpu").state_dict())
     optimizer = build_optimizer(runner.module, cfg.train)
     share = batch_mesh(mesh)
     rows = slice(share.get_local_rank() * BATCH // share.size(), (share.get_local_rank() + 1) * BATCH // share.size())
@@ -91,10 +97,7 @@ def _compiled_matches_eager(model_cfg: ModelConfig, layout: dict, seed: int) -> 
     # generating C++ kernels for each rank's graph would take minutes on a 2-core machine.
     compose.apply_compile = functools.partial(apply_compile, backend="aot_eager")
     (compiled, runner), (eager, eager_runner) = (_runner_steps(model_cfg, layout, c, seed) for c in (True, False))
-    for (loss, grads), (ref_loss, ref_grads) in zip(compiled, eager):
-        assert rel_err(loss, ref_loss) < 1e-5, (loss, ref_loss)
-        for name, grad in grads.items():
-            assert rel_err(grad, ref_grads[name]) < 1e-4, name
+    _assert_steps_match(compiled, eager, f"seed {seed} {layout}")
     return runner, eager_runner
 
 
@@ -116,4 +119,4 @@ def compiled_zero_bubble_runs_unsplit(seed: int) -> None:
 
 def test_compiled_blocks_on_four_ranks_match_eager():
     run_checks([compiled_dp_tp_matches_eager, compiled_moe_dp_ep_matches_eager, compiled_zero_bubble_runs_unsplit], 4,
-               int(torch.randint(0, 2**31, ())), timeout=600)
+               fresh_seed(), timeout=600)

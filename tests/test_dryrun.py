@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from test_readme import table_after, unquote
 
 from meshtron.train import main
 
@@ -191,6 +192,22 @@ def test_dry_run_errors_before_tracing(capsys):
     assert "--dry-run traces MoE experts in bfloat16 only" in err and "--train.dtype bfloat16" in err, err
 
 
+# What a GPU rank holds beyond a fake-tensor trace, as the planner states it (meshtron.plan.memory.Assumptions):
+# 1 GiB for the CUDA context, NCCL and cuBLAS workspaces, and 5 % caching-allocator slack.
+RESERVE_GIB, SLACK = 1.0, 0.05
+
+
+def _assert_documented_memory(recipe: str, report: dict) -> None:
+    """docs/recipes.md's GiB per rank for ``recipe`` within 5 % of its busiest traced rank plus the stated
+    reserve and slack: the figure held to a measurement, not only to the planner that wrote it
+    (tests/test_readme.py). Today 0.97-1.03; a planner that lost the AdamW state (8 bytes a parameter)
+    would document 22.7 GiB for the 7B, 0.74 of its trace's 30.7."""
+    documented = {unquote(row[0]).removesuffix(".toml"): float(row[-1])
+                  for row in table_after("# Recipes", "docs/recipes.md")}
+    traced = max(rank["traced_gib"] for rank in report["ranks"])
+    assert abs(documented[recipe] / (traced * (1 + SLACK) + RESERVE_GIB) - 1) <= 0.05, (recipe, documented[recipe], traced)
+
+
 def test_every_shipped_recipe_matches_the_plan(shipped):
     """Every shipped recipe at its stated hardware (8 or 32 GPUs, from its header): every distinct rank within
     5 % of the plan and the bytes sent equal to it (the 57B at dp4 x ep8 was 0.935 before a checkpointed
@@ -203,6 +220,7 @@ def test_every_shipped_recipe_matches_the_plan(shipped):
         for rank in shipped[recipe]["ranks"]:
             assert 0.95 <= rank["ratio"] <= 1.05, (recipe, rank)
             _check_comm(rank)
+        _assert_documented_memory(recipe, shipped[recipe])
 
 
 def test_document_masks_match_the_plan(shipped):
@@ -243,8 +261,9 @@ def test_moe_tp_traffic_matches_the_plan(shipped):
 
 def test_dry_run_recipe_and_refusal(capsys):
     """Qwen2.5-7B at its stated 8-GPU layout (dp2 x tp4, SP, full AC): within 5 % of the plan, the bytes
-    equal, the FLOPs the analytic count's (1,814 TFLOP; 3,340 while DTensor ops counted at global shapes);
-    at 20 GiB per device the same report is followed by the pre-flight refusal (exit 2)."""
+    equal, the documented memory within 5 % of the trace, the FLOPs the analytic count's (1,814 TFLOP;
+    3,340 while DTensor ops counted at global shapes), the speed within the physical bound; at 20 GiB per
+    device the same report is followed by the pre-flight refusal (exit 2)."""
     code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_7b.toml", "--dry-run", "8", "--gpu-memory", "20")
     assert code == 2 and err.startswith("meshtron: this layout needs a predicted 29.8 GiB per rank"), err
     assert "(--gpu-memory 20)" in err and "A layout predicted to fit" in err, err
@@ -262,9 +281,8 @@ def test_dry_run_recipe_and_refusal(capsys):
     assert rank["flops"] == pytest.approx(analytic_flops(cfg), rel=0.05), (rank["flops"], analytic_flops(cfg))
     _check_physical_bound(cfg, report)
     _check_planner_band(cfg, hardware, report)
-    # The roofline compute time is at least the FLOPs at the H100's peak; the step adds exposed
-    # communication; the throughput is the step's tokens over that time per device.
-    assert rank["flops"] / 989e12 < rank["compute_seconds"] < rank["step_seconds"], rank
+    _assert_documented_memory("qwen2p5_7b", report)
+    # The throughput is the step's tokens over the step time per device.
     assert report["tokens_per_second_per_device"] == pytest.approx(64 * 4096 / rank["step_seconds"] / 8, rel=1e-3)
 
 

@@ -28,7 +28,7 @@ from meshtron.mesh import batch_mesh, dense_data_mesh, expert_data_mesh
 from meshtron.models import aux_loss, build_model, moe_layers, token_loss_sum, update_expert_bias
 from meshtron.models.qwen2 import InitialWeights
 from meshtron.parallel.expert import ExpertParallelExperts, apply_expert_parallel, token_mesh
-from meshtron.testing import cached_mesh, random_moe, rel_err, run_checks
+from meshtron.testing import cached_mesh, random_model, random_moe, rel_err, run_checks
 
 BLOCK = dict(
     vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_experts=8,
@@ -362,19 +362,20 @@ def check_moe_under_tp(refs: dict):
             assert module_collectives(comm, "Transformer.layers.1.mlp") == collectives[i], where
 
 
-def _step_matches(cfg, mesh, ids, labels, loss_ref, ref_params: dict):
-    """One step of the layout's runner on this rank's rows; its loss and every (gathered) gradient
-    equal the single-process ones. Returns the runner."""
+def _step_matches(cfg, mesh, ids, labels, start: dict, loss_ref, ref_params: dict, where: str):
+    """One step of the layout's runner from the reference's ``start`` weights on this rank's rows; its loss
+    and every (gathered) gradient equal the single-process ones. Returns the runner."""
     from meshtron.parallel.runner import build_step_runner
 
     with torch.device("meta"):
         model = build_model(cfg.model)
     runner = build_step_runner(model, mesh, cfg, torch.device("cpu"))
+    load_full_state_dict(runner.module, start)
     rows = _my_rows(mesh, ids.shape[0])
     loss = runner.forward_backward(ids[rows], labels[rows])
-    assert rel_err(loss, loss_ref) < 1e-5, cfg.parallel
+    assert rel_err(loss, loss_ref) < 1e-5, (where, cfg.parallel)
     for name, param in runner.module.named_parameters():
-        assert rel_err(param.grad.full_tensor(), ref_params[name].grad) < 1e-4, (cfg.parallel, name)
+        assert rel_err(param.grad.full_tensor(), ref_params[name].grad) < 1e-4, (where, cfg.parallel, name)
     return runner
 
 
@@ -389,8 +390,8 @@ def check_capacity_is_global(refs: dict):
     ids = torch.randint(0, model_cfg.vocab_size, (8, 16), generator=gen)
     labels = ids.roll(-1, 1)
     labels[:, -1] = -100
-    ref = build_model(model_cfg).train()
-    ref.init_weights(seed=2)
+    ref = random_model(model_cfg, seed=2, device="cpu")
+    start = {n: t.clone() for n, t in ref.state_dict().items()}
     loss_ref = token_loss_sum(ref(ids), labels) / (labels != -100).sum()
     loss_ref.backward()
     copies = ids.numel() * model_cfg.num_experts_per_tok
@@ -400,7 +401,7 @@ def check_capacity_is_global(refs: dict):
     for layout in (dict(dp=8), dict(ep=2, dp=4), dict(cp=2, dp=4), dict(cp=2, ep=2, tp=2, sp=True)):
         cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout), train=TrainConfig(seed=2, seq_len=16))
         mesh = cached_mesh(**{k: v for k, v in layout.items() if k != "sp"})
-        runner = _step_matches(cfg, mesh, ids, labels, loss_ref, ref_grads)
+        runner = _step_matches(cfg, mesh, ids, labels, start, loss_ref, ref_grads, "weights seed 2, batch seed 7")
         holders = token_mesh(mesh, layout.get("sp", False))
         dropped = runner.moes[0].last_dropped_fraction * copies / holders.size()  # equal copies per holder
         dist.all_reduce(dropped, group=holders.get_group())
@@ -422,19 +423,20 @@ FOLDED_LAYOUTS = [
 
 def _folded_reference(model_cfg: ModelConfig, ids, labels, microbatches: int):
     """The single-process step of one reader holding every row, in ``microbatches`` micro-batches of
-    consecutive rows (capacity and the aux loss are per micro-batch): loss, parameters (with
-    gradients) and the expert biases after their update."""
+    consecutive rows (capacity and the aux loss are per micro-batch): the weights it started from, loss,
+    parameters (with gradients) and the expert biases after their update."""
     from meshtron.parallel.step import average_router_losses_over_microbatches
 
-    ref = build_model(model_cfg).train()
-    ref.init_weights(seed=3)
+    ref = random_model(model_cfg, seed=3, device="cpu")
+    start = {n: t.clone() for n, t in ref.state_dict().items()}  # before the expert biases move
     average_router_losses_over_microbatches(ref, microbatches)
     tokens = (labels != -100).sum()
     loss = sum(token_loss_sum(ref(i), lab) / tokens for i, lab in zip(ids.chunk(microbatches), labels.chunk(microbatches)))
     loss.backward()
     assert ref.layers["1"].mlp.last_dropped_fraction > 0
     update_expert_bias(ref)
-    return loss.detach(), dict(ref.named_parameters()), {n: b for n, b in ref.named_buffers() if n.endswith("expert_bias")}
+    biases = {n: b for n, b in ref.named_buffers() if n.endswith("expert_bias")}
+    return start, loss.detach(), dict(ref.named_parameters()), biases
 
 
 def check_folded_experts(refs: dict):
@@ -456,9 +458,9 @@ def check_folded_experts(refs: dict):
         assert p.microbatches == 1 or p.dp == 1, "the reference's micro-batches are those of one reader"
         if p.microbatches not in references:
             references[p.microbatches] = _folded_reference(model_cfg, ids, labels, p.microbatches)
-        loss_ref, ref_params, ref_bias = references[p.microbatches]
+        start, loss_ref, ref_params, ref_bias = references[p.microbatches]
         mesh = cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, etp=p.etp, fold_ep=p.fold_ep)
-        runner = _step_matches(cfg, mesh, ids, labels, loss_ref, ref_params)
+        runner = _step_matches(cfg, mesh, ids, labels, start, loss_ref, ref_params, "weights seed 3, batch seed 9")
         update_expert_bias(runner.module)
         for name, bias in runner.module.named_buffers():
             if name in ref_bias:

@@ -174,7 +174,7 @@ def check_parity_and_training(folders: dict[str, str], out: str) -> None:
     """
     figures = {}
     for index, (arch, sizes, sp, mode, ac) in enumerate(CASES):
-        where = f"{arch} {sizes} sp={sp} {mode} ac={ac}"
+        where = f"{arch} {sizes} sp={sp} {mode} ac={ac} (weights seed {len(arch)}, batch seed {100 * index} + step)"
         mesh = cached_mesh(**sizes)
         readers = batch_mesh(mesh).size()
         ref = _reference(folders[arch])
@@ -231,10 +231,11 @@ def check_from_pretrained_then_parallelize(folders: dict[str, str], out: str) ->
         ids, labels, _ = (t[:, :seq] for t in _batch(batch_mesh(mesh).size(), seed=7))
         loss = model(input_ids=_local(ids, mesh), labels=_local(labels, mesh)).loss
         ref_loss = ref(input_ids=ids, labels=labels).loss
-        assert rel_err(loss, ref_loss) < 1e-5, arch
+        where = f"{arch} from_pretrained + parallelize (weights seed {len(arch)}, batch seed 7)"
+        assert rel_err(loss, ref_loss) < 1e-5, where
         loss.backward()
         ref_loss.backward()
-        _check_grads(model, ref, f"{arch} from_pretrained + parallelize")
+        _check_grads(model, ref, where)
 
 
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8)
@@ -403,7 +404,7 @@ def check_families(folders: dict[str, str], out: str) -> None:
     and loaded back sliced."""
     for index, name in enumerate(FAMILIES):
         for sizes, sp in FAMILY_LAYOUTS.get(name, DENSE_LAYOUTS):
-            where = f"{name} {sizes} sp={sp}"
+            where = f"{name} {sizes} sp={sp} (weights seed {len(name)}, batch seed {index})"
             mesh = cached_mesh(**sizes)
             ref = _family_model(name)
             model = parallelize_hf_model(_family_model(name), mesh, sp=sp)

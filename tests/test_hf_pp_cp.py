@@ -149,7 +149,7 @@ def check_context_parallel(_tmp: str) -> None:
     """model(input_ids, labels) with whole sequences: the model shards them over cp, the attention is the
     ring, the loss is the global batch's mean token loss and the gradients the full model's."""
     for index, (arch, sizes, options) in enumerate(CP_CASES):
-        where = f"cp {arch} {sizes} {options}"
+        where = f"cp {arch} {sizes} {options} (weights seed {len(arch)}, batch seed {index})"
         ids, labels = _batch(seed=index)
         ref_loss, grads = _reference(arch, ids, labels)
         mesh = cached_mesh(**sizes)
@@ -192,7 +192,7 @@ def check_pipeline(_tmp: str) -> None:
     """Our schedules and executor over the HF blocks: the step's loss on every rank and each stage's
     gradients equal the full model's (parameter names are transformers')."""
     for index, (arch, sizes, options) in enumerate(PP_CASES):
-        where = f"pp {arch} {sizes} {options}"
+        where = f"pp {arch} {sizes} {options} (weights seed {len(arch)}, batch seed {10 + index})"
         ids, labels = _batch(seed=10 + index)
         mesh = cached_mesh(**sizes)
         microbatches = 4 // batch_mesh(mesh).size()
@@ -306,7 +306,7 @@ def _recipe_folders(root: Path) -> dict[str, str]:
     return folders
 
 
-def _train_hf(folder: str, out: Path, layout: dict, extra: list[str] = ()) -> None:
+def _train_hf(folder: str, out: Path, layout: dict, extra: list[str] = ()):
     from meshtron.config import load_config
     from meshtron.hf.runner import with_hf_model
     from meshtron.parallel.layout import validate_layout
@@ -318,7 +318,9 @@ def _train_hf(folder: str, out: Path, layout: dict, extra: list[str] = ()) -> No
     args += [a for key, value in sizes.items() for a in (f"--parallel.{key}", str(value))]
     cfg = with_hf_model(load_config(ROOT / "recipes" / "debug_dense.toml", args + list(extra)))
     validate_layout(cfg, torch.distributed.get_world_size())
-    Trainer(cfg, cached_recipe_mesh(cfg)).fit()
+    trainer = Trainer(cfg, cached_recipe_mesh(cfg))
+    trainer.fit()
+    return trainer
 
 
 def recipe_single_rank(root: str, folders: dict) -> None:
@@ -333,11 +335,32 @@ def recipe_layouts(root: str, folders: dict) -> None:
         for layout, sizes in RECIPE_LAYOUTS[name].items():
             if _ranks(sizes) != torch.distributed.get_world_size():
                 continue
-            extra = []
-            if layout == "dp2_tp2":
-                extra = ["--checkpoint.every", "3", "--checkpoint.dir", str(root / "ckpt"),
-                         "--checkpoint.export_hf", str(root / "export")]
-            _train_hf(folder, root / name / layout, sizes, extra)
+            exports = layout == "dp2_tp2"
+            extra = ["--checkpoint.every", "3", "--checkpoint.dir", str(root / "ckpt"),
+                     "--checkpoint.export_hf", str(root / "export")] if exports else []
+            trainer = _train_hf(folder, root / name / layout, sizes, extra)
+            if exports:
+                _assert_exported(_gathered(trainer.runner.module), root / "export")
+
+
+def _gathered(module) -> dict[str, torch.Tensor]:
+    """Every parameter's full value, gathered by DTensor.full_tensor (collective), not by the state-dict
+    gather the export itself uses."""
+    return {name: _full(p).detach().cpu() for name, p in module.named_parameters()}
+
+
+def _assert_exported(trained: dict[str, torch.Tensor], folder: Path) -> None:
+    """The exported folder holds exactly the trained model's values (checked on rank 0, the writer). That
+    every weight differs from the source folder's, all the test in the parent can see, would still pass a
+    weight exported from another step or with its tp shards in the wrong order."""
+    from safetensors.torch import load_file
+
+    if torch.distributed.get_rank() != 0:
+        return
+    saved = {name: t for path in sorted(folder.glob("*.safetensors")) for name, t in load_file(path).items()}
+    assert set(saved) == set(trained), f"exported {sorted(set(saved) ^ set(trained))} (only one side)"
+    differ = [name for name, t in trained.items() if not torch.equal(saved[name], t)]
+    assert not differ, f"exported values differ from the trained model's: {differ}"
 
 
 def recipe_resume(root: str, folders: dict) -> None:
@@ -391,6 +414,7 @@ def test_hf_model_recipe_resumes_and_exports(recipe_runs):
     exported = AutoModelForCausalLM.from_pretrained(recipe_runs / "export")
     source = AutoModelForCausalLM.from_pretrained(recipe_runs / "llama")
     assert type(exported) is type(source)
+    # The values equal the trained model's (recipe_layouts compares them in the launch); here: it trained.
     moved = [n for n, p in exported.named_parameters() if not torch.equal(p, source.get_parameter(n))]
     assert len(moved) == len(list(source.parameters())), "every trained weight is exported"
 

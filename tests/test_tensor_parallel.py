@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 from collections import Counter
 
 import pytest
@@ -22,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from meshtron import env
 from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import ConfigError, ModelConfig
-from meshtron.models import build_model, materialize, token_loss_sum
+from meshtron.models import build_model, token_loss_sum
 from meshtron.parallel.checkpointing import apply_activation_checkpointing
 from meshtron.parallel.tensor import (
     ReplicateParallel,
@@ -32,7 +31,7 @@ from meshtron.parallel.tensor import (
     name_tp_gradients,
     parallel_token_loss_sum,
 )
-from meshtron.testing import rel_err, run_checks
+from meshtron.testing import fresh_seed, random_model, rel_err, run_checks
 
 DENSE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
@@ -44,16 +43,6 @@ BATCH, SEQ = 2, 16
 def _tp_mesh(tp: int):
     world = dist.get_world_size()
     return init_device_mesh(env.device_type(), (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
-
-
-def _reference(cfg: ModelConfig, seed: int):
-    """Random weights everywhere (norms and biases too), identical on every rank."""
-    torch.manual_seed(seed)
-    model = materialize(build_model(cfg), env.local_device(), seed)
-    with torch.no_grad():  # default init has constant norms and zero biases
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model.train()
 
 
 def _parallel_copy(ref, tp_mesh, sp: bool, on_meta: bool):
@@ -100,7 +89,7 @@ class _EmbeddingGradRows(TorchDispatchMode):
 
 def _assert_parity(tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool = False, ac: bool = False):
     cfg = ModelConfig(**DENSE, tie_word_embeddings=tie)
-    ref = _reference(cfg, seed)
+    ref = random_model(cfg, seed)
     par = _parallel_copy(ref, _tp_mesh(tp), sp, on_meta)
     if ac:  # recomputation replays the SP gathers; the sequence shards saved must still match
         apply_activation_checkpointing(par, "full")
@@ -108,7 +97,7 @@ def _assert_parity(tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool
     expected = _step(ref, tokens, labels, token_loss_sum)
     with _EmbeddingGradRows() as rows:
         actual = _step(par, tokens, labels, parallel_token_loss_sum)
-    where = f"tp={tp} sp={sp} tie={tie} ac={ac}"
+    where = f"seed {seed}: tp={tp} sp={sp} tie={tie} ac={ac}"
     # The vocabulary-split embedding's weight gradient is computed for this rank's rows only.
     assert rows.seen == [math.ceil(cfg.vocab_size / tp)], (where, rows.seen)
     assert rel_err(actual, expected) < 1e-5, f"{where}: loss {actual.item()} vs {expected.item()}"
@@ -144,7 +133,7 @@ def check_pipeline_stages_and_uneven_vocab(seed):
     """Two stages pass hidden states (sequence-sharded under SP) and still get the full-sequence RoPE;
     a vocabulary that tp does not divide (250 over 4) still gives the exact loss."""
     cfg = ModelConfig(**{**DENSE, "vocab_size": 250})
-    ref = _reference(cfg, seed)
+    ref = random_model(cfg, seed)
     tokens, labels = _batch(cfg, seed)
     expected = _step(ref, tokens, labels, token_loss_sum)
     mesh = _tp_mesh(4)
@@ -153,10 +142,10 @@ def check_pipeline_stages_and_uneven_vocab(seed):
     hidden = first(tokens)
     assert hidden.shape[1] == SEQ // 4  # stages exchange sequence shards under SP
     actual = _step(last, hidden, labels, parallel_token_loss_sum)
-    assert rel_err(actual, expected) < 1e-5, f"loss {actual.item()} vs {expected.item()}"
+    assert rel_err(actual, expected) < 1e-5, f"seed {seed}: loss {actual.item()} vs {expected.item()}"
     grads = {**{n: p.grad for n, p in first.named_parameters()}, **{n: p.grad for n, p in last.named_parameters()}}
     for name, p in ref.named_parameters():
-        assert rel_err(grads[name], p.grad) < 1e-4, f"{name}: gradient rel err {rel_err(grads[name], p.grad):.2e}"
+        assert rel_err(grads[name], p.grad) < 1e-4, f"seed {seed}: {name} gradient rel err {rel_err(grads[name], p.grad):.2e}"
 
 
 def _layer_collectives(model, tokens, labels):
@@ -196,7 +185,7 @@ def check_collectives_per_layer(seed):
     for kv, tp in ((2, 2), (8, 4), (2, 4)):
         for sp in (False, True):
             cfg = ModelConfig(**{**DENSE, "num_key_value_heads": kv})
-            model = _parallel_copy(_reference(cfg, seed), _tp_mesh(tp), sp, on_meta=True)
+            model = _parallel_copy(random_model(cfg, seed), _tp_mesh(tp), sp, on_meta=True)
             counts = _layer_collectives(model, *_batch(cfg, seed))
             for layer in ("0", "1"):
                 for phase in ("forward", "backward"):
@@ -230,7 +219,7 @@ def check_sp_saves_activations_over_tp(seed):
     """With SP every tensor a dense block saves for backward is split over tp (KV heads included
     here), the q/k/v and gate/up inputs as sequence shards: per rank ~1/tp of the unsplit block."""
     cfg = ModelConfig(**{**DENSE, "num_key_value_heads": 8})
-    ref = _reference(cfg, seed)
+    ref = random_model(cfg, seed)
     seq = 64  # long enough that per-token tensors dominate
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(BATCH, seq, cfg.hidden_size, generator=gen).to(env.local_device()).requires_grad_()
@@ -276,7 +265,7 @@ def check_split_backward_computes_each_gradient_once(seed):
     from meshtron.parallel.pipeline.executor import _backward_input
 
     cfg = ModelConfig(**DENSE)
-    ref = _reference(cfg, seed)
+    ref = random_model(cfg, seed)
     gen = torch.Generator().manual_seed(seed)
     for tp in (2, 4):
         mesh = _tp_mesh(tp)
@@ -328,7 +317,7 @@ class _CollectiveShapes(TorchDispatchMode):
 
 def check_loss_never_gathers_logits(seed):
     cfg = ModelConfig(**DENSE)
-    model = _parallel_copy(_reference(cfg, seed), _tp_mesh(8), sp=True, on_meta=True)
+    model = _parallel_copy(random_model(cfg, seed), _tp_mesh(8), sp=True, on_meta=True)
     tokens, labels = _batch(cfg, seed)
     recorder = _CollectiveShapes()
     with recorder:
@@ -407,8 +396,7 @@ def check_replicated_gradients(seed):
 
 
 def test_tensor_parallel_8_ranks():
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")  # shown by pytest on failure, to replay the same draw
+    seed = fresh_seed()
     checks = [check_heads_error, check_replicated_gradients, check_collectives_per_layer, check_sp_saves_activations_over_tp,
               check_loss_never_gathers_logits,
               check_split_backward_computes_each_gradient_once,
