@@ -246,7 +246,7 @@ def test_dry_run_recipe_and_refusal(capsys):
     equal, the FLOPs the analytic count's (1,814 TFLOP; 3,340 while DTensor ops counted at global shapes);
     at 20 GiB per device the same report is followed by the pre-flight refusal (exit 2)."""
     code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_7b.toml", "--dry-run", "8", "--gpu-memory", "20")
-    assert code == 2 and err.startswith("meshtron: this layout needs a predicted 29.8 GiB per rank"), err
+    assert code == 2 and err.startswith("meshtron: this layout needs a predicted 30.1 GiB per rank"), err
     assert "(--gpu-memory 20)" in err and "A layout predicted to fit" in err, err
     (rank,) = report["ranks"]
     assert report["world_size"] == 8 and report["layout"] == "pp1 x dp2 x cp1 x ep1 x tp4"
