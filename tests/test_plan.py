@@ -409,7 +409,7 @@ def test_check_memory_modes(monkeypatch, capsys):
     with pytest.raises(ConfigError) as err:
         fit.check_memory(cfg, 8, "cuda")
     message = str(err.value)
-    assert "needs a predicted 29.8 GiB per rank (largest term: activations" in message
+    assert "needs a predicted 30.1 GiB per rank (largest term: activations" in message
     assert "but 28.0 GiB is available (test device)" in message and "--parallel.pp" in message
     suggested = message.split("ranks them all): ")[1].split(". To start")[0].split()
     fixed = load_config(RECIPES / "qwen2p5_7b.toml", suggested)

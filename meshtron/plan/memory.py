@@ -24,9 +24,10 @@ Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 
 - ``unsharded_grads``: the unit being reduced (pp = 1, fsdp); the whole stage's gradients in fp32
   when they accumulate unreduced (pp > 1: from the stage's first weight pass to its release; or
   hsdp/replicate with several micro-batches);
-- ``reduce_scatter``: the fp32 input buffer of a gradient reduction: in a layer's backward the largest
-  layer unit's (the embedding and LM head reduce outside the layers), at the end of the backward the
-  embedding's or root's; with pp > 1 the largest unit's at the stage's release;
+- ``reduce_scatter``: the fp32 input buffer of a gradient reduction: in a layer's backward that of the
+  unit reduced before it, kept until the layer's own reduction (an untied LM head's in the first
+  layer's, the largest layer unit's in the rest; the embedding reduces after the layers), at the end
+  of the backward the embedding's or root's; with pp > 1 the largest unit's at the stage's release;
 - ``activations``: saved tensors per layer and token (:func:`layer_activation_bytes`) times the layers
   a rank holds, the tokens of one micro-batch and the micro-batches in flight (pp schedules: each
   weighed by its own stage at the rank's peak, ``held_by_stage``); activation checkpointing keeps only block inputs. In backward add one layer's
@@ -585,8 +586,17 @@ def _unit_grad_bytes(cfg: Config, coords: Coords) -> dict[str, float]:
     return out
 
 
-def backward_peak(cfg: Config, coords: Coords, reducing: bool | None = None) -> tuple[float, float]:
-    """(working-set rise, gradients already reduced) at the layer of the backward where their sum peaks.
+class BackwardPeak(NamedTuple):
+    """One layer's backward at the peak of a rank's backward (:func:`backward_peak`)."""
+
+    rise: float  # working-set rise over the saved activations (:func:`backward_working_bytes`)
+    reduced: float  # sharded fp32 gradients of the units already reduced
+    reduce_scatter: float  # the fp32 reduce-scatter input live beside it (:func:`reduce_scatter_in_flight`)
+
+
+def backward_peak(cfg: Config, coords: Coords, reducing: bool | None = None) -> BackwardPeak:
+    """The layer of the backward where the rise, the gradients already reduced and the reduce-scatter
+    input in flight (pp = 1) sum highest.
 
     The rise is :func:`backward_working_bytes`'. When the backward reduces as it goes (``reducing``;
     default: the step starts without sharded gradients, :func:`sharded_grads_before_backward`), those
@@ -596,24 +606,44 @@ def backward_peak(cfg: Config, coords: Coords, reducing: bool | None = None) -> 
     if reducing is None:
         reducing = not sharded_grads_before_backward(cfg)
     grads = _unit_grad_bytes(cfg, coords) if reducing else {}
-    return max((_chunk_backward_peak(cfg, r, grads) for r in _stage_chunks(cfg, coords.pp)), key=sum)
+    in_flight = reduce_scatter_in_flight(cfg, coords.pp)
+    return max((_chunk_backward_peak(cfg, r, grads, in_flight) for r in _stage_chunks(cfg, coords.pp)), key=sum)
 
 
-def _chunk_backward_peak(cfg: Config, layers: range, grads: dict[str, float]) -> tuple[float, float]:
+def reduce_scatter_in_flight(cfg: Config, pp_rank: int) -> tuple[float, float]:
+    """pp = 1: the fp32 reduce-scatter input live while the backward's first layer runs, and while each
+    later one does. FSDP2 keeps a unit's input until the next unit's post-backward
+    (``reduce_scatter_max_input_buffers`` = 1), so each layer runs beside the unit reduced before it: an
+    untied LM head's [V/tp, H] for the first (it reduces before the layers; Qwen2.5-7B at dp 256 x tp 4,
+    where the state is small and the backward peaks in that layer, traced 0.29 GiB above the plan until
+    counted: 0.51 GiB beside a layer's 0.22), the largest layer unit's for the rest."""
+    block = FP32 * largest_layer_unit(cfg, pp_rank)
+    return max(block, FP32 * unit_elements(cfg, pp_rank).get("head", 0)), block
+
+
+def largest_layer_unit(cfg: Config, pp_rank: int) -> int:
+    """Elements of the rank's largest decoder-layer unit (a block's or a layer's experts; 0 without any)."""
+    return max((n for u, n in unit_elements(cfg, pp_rank).items() if u.startswith(("block.", "experts."))), default=0)
+
+
+def _chunk_backward_peak(cfg: Config, layers: range, grads: dict[str, float],
+                         in_flight: tuple[float, float] = (0.0, 0.0)) -> BackwardPeak:
     """:func:`backward_peak` over one chunk's ``layers``, with the sharded gradient bytes ``grads`` of
-    the units that reduce as the backward goes (empty: none)."""
+    the units that reduce as the backward goes (empty: none) and the reduce-scatter input ``in_flight``
+    during its first layer's backward and each later one's (pipelines reduce at their release: none)."""
     c, h, sp = compute_bytes(cfg), cfg.model.hidden_size, _sp_split(cfg)
     tokens = microbatch_tokens(cfg)
-    best = (0.0, 0.0)
-    freed, reduced = 0.0, grads.get("head", 0.0)
+    best = BackwardPeak(0.0, 0.0, 0.0)
+    freed, reduced, buffer = 0.0, grads.get("head", 0.0), in_flight[0]
     for i in reversed(layers):
         ckpt = layer_checkpointed(cfg, i)
         full = layer_activation_bytes(cfg, i)
         rise = tokens * ((full if ckpt else 0) + layer_gradient_bytes(cfg, i) - freed)
-        if rise + reduced > sum(best):
-            best = (rise, reduced)
+        if rise + reduced + buffer > sum(best):
+            best = BackwardPeak(rise, reduced, buffer)
         freed += c * h / sp if ckpt else full
         reduced += grads.get(f"block.{i}", 0.0) + grads.get(f"experts.{i}", 0.0)
+        buffer = in_flight[1]
     return best
 
 
@@ -665,15 +695,15 @@ def ep_dispatch_bytes(cfg: Config) -> float:
 
 
 def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> dict[str, float]:
-    """pp = 1: ``gathered``, ``unsharded_grads`` and ``reduce_scatter`` (module docstring) in backward,
-    at the end of the forward (``phase="forward"``: only the root and LM-head units gathered, blocks
-    reshard after their forward, no gradient being reduced, unsharded gradients only when earlier
-    micro-batches' backward left them accumulating) or at the end of the backward (``phase="backward
-    end"``: only the embedding and root units left to reduce). Pipelines: :func:`pipeline_moments`."""
+    """pp = 1: ``gathered``, ``unsharded_grads`` and ``reduce_scatter`` (module docstring) in backward
+    (but ``reduce_scatter``, which depends on the layer at the peak: :func:`backward_peak`), at the end
+    of the forward (``phase="forward"``: only the root and LM-head units gathered, blocks reshard after
+    their forward, no gradient being reduced, unsharded gradients only when earlier micro-batches'
+    backward left them accumulating) or at the end of the backward (``phase="backward end"``: only the
+    embedding and root units left to reduce). Pipelines: :func:`pipeline_moments`."""
     p = cfg.parallel
     c = compute_bytes(cfg)
     units = unit_elements(cfg, pp_rank)
-    blocks = [n for u, n in units.items() if u.startswith(("block.", "experts."))]
     largest = max(units.values())
     root = units.get("root", 0)
     accumulate = p.data_parallel != "fsdp" and p.microbatches > 1
@@ -688,11 +718,12 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
                 "reduce_scatter": FP32 * last}
     # The unit in use, the blocks prefetched ahead (their all-gather outputs: a unit's output is
     # copied into its parameters and freed before the next prefetch is issued) and the root unit;
-    # the unit being reduced is a layer's (the embedding's and LM head's reduce outside the layers).
-    block = max(blocks, default=largest)
+    # the unit whose gradients it computes is a layer's (the embedding's and LM head's are outside the
+    # layers). The reduce-scatter input beside it depends on the layer: :func:`backward_peak`.
+    block = largest_layer_unit(cfg, pp_rank) or largest
     ahead = p.fsdp_prefetch * block if p.data_parallel != "replicate" else 0
     unsharded = FP32 * sum(units.values()) if accumulate else c * block
-    return {"gathered": c * (block + ahead + root), "unsharded_grads": unsharded, "reduce_scatter": FP32 * block}
+    return {"gathered": c * (block + ahead + root), "unsharded_grads": unsharded}
 
 
 def sharded_grads_before_backward(cfg: Config) -> bool:
@@ -784,7 +815,7 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
     one_loss = _loss_held_per_microbatch(cfg)
     norm = final_norm_bytes(cfg, coords.pp)
     ranges = chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
-    rises = {s: _chunk_backward_peak(cfg, ranges[s], {})[0] for s in spans}
+    rises = {s: _chunk_backward_peak(cfg, ranges[s], {}).rise for s in spans}
     weight_grads = _chunk_weight_gradient_bytes(cfg, coords.pp, ranges, spans)
     releases = {g: max(a.index for a in actions if a.index <= g.span.released) for g in groups}
     dispatch = ep_dispatch_bytes(cfg)
@@ -848,7 +879,7 @@ def phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[str, float]:
         terms["activations"] = saved_activation_bytes(cfg, coords.pp)
         terms["loss"] = loss_bytes(cfg, coords.pp)
     else:
-        rise, reduced = backward_peak(cfg, coords)
+        rise, reduced, terms["reduce_scatter"] = backward_peak(cfg, coords)
         terms["grads"] += reduced  # nothing when they are counted whole
         # The micro-batch in backward has freed its final norm's saved tensors before its layers'
         # backward, and consumed its loss's saved gradients.
