@@ -173,10 +173,13 @@ def _held(t: torch.Tensor, mesh: DeviceMesh, sp_shard: bool) -> torch.Tensor:
     return t.chunk(mesh["tp"].size(), dim=1)[mesh["tp"].get_local_rank()] if sp_shard else t
 
 
-def _summed(t: torch.Tensor, group_mesh: DeviceMesh) -> torch.Tensor:
-    if group_mesh.size() > 1:
-        dist.all_reduce(t, group=group_mesh.get_group())
-    return t
+def _summed(tensors: list[torch.Tensor], group_mesh: DeviceMesh) -> list[torch.Tensor]:
+    """Each of ``tensors`` summed over ``group_mesh``: one all-reduce of them all (a block has dozens)."""
+    if group_mesh.size() == 1 or not tensors:
+        return tensors
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    dist.all_reduce(flat, group=group_mesh.get_group())
+    return [part.view(t.shape).to(t.dtype) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
 def _whole(grad: torch.Tensor) -> torch.Tensor:
@@ -219,19 +222,29 @@ def _comparisons(block: nn.Module, ref: _Reference, inputs: tuple, mesh: DeviceM
     expected_out, expected_hidden_grad = _held(ref.out, mesh, sp), _held(ref.hidden_grad, mesh, shard_in)
     found = [("output", _error(out, expected_out, 0.0), act_tol),
              ("input gradient", _error(hidden_grad, expected_hidden_grad, 0.0), act_tol)]
-    readers, dense_readers, expert_readers = batch_mesh(mesh), dense_data_mesh(mesh), expert_data_mesh(mesh)
-    expected = {name: _summed(g.clone(), readers) for name, g in ref.grads.items()}
+    expected = dict(zip(ref.grads, _summed(list(ref.grads.values()), batch_mesh(mesh))))
     floor = _FLOOR * max((g.abs().max().item() for g in expected.values()), default=0.0)
+    actual = _gradients_summed(named, experts, mesh)
     for name, p in named:
         if p is None:
             found.append((f"gradient of '{name}' (no parameter of that name after splitting)", math.inf, grad_tol))
             continue
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        actual = _summed(_whole(grad).clone(), expert_readers if id(p) in experts else dense_readers)
         found.append((f"gradient of '{name}' ({type(block.get_submodule(name.rpartition('.')[0])).__name__}, "
-                      f"{_placements(p)})", _error(actual, expected[name], floor), grad_tol))
+                      f"{_placements(p)})", _error(actual[name], expected[name], floor), grad_tol))
     block.zero_grad(set_to_none=True)
     return found
+
+
+def _gradients_summed(named: list[tuple[str, torch.Tensor | None]], experts: set[int],
+                      mesh: DeviceMesh) -> dict[str, torch.Tensor]:
+    """The split block's parameter gradients made whole and summed as the data-parallel wrappers will:
+    dense ones over dp x ep x cp, experts over their edp ranks."""
+    whole = {name: _whole(p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in named if p is not None}
+    summed = {}
+    for is_expert, group in ((False, dense_data_mesh(mesh)), (True, expert_data_mesh(mesh))):
+        names = [name for name, p in named if p is not None and (id(p) in experts) == is_expert]
+        summed.update(zip(names, _summed([whole[name] for name in names], group)))
+    return summed
 
 
 def prove_blocks(model: nn.Module, parts: HFParts, mesh: DeviceMesh, references: list[_Reference], sp: bool,
