@@ -359,15 +359,13 @@ def _norm_features(norm: nn.Module) -> int | None:
     return int(torch.Size(shape).numel()) if shape is not None else None
 
 
-def _spanning_norm(module: nn.Module, width: int) -> str | None:
+def _has_spanning_norm(module: nn.Module, width: int) -> bool:
     """A norm inside ``module`` over all ``width`` features its rowwise projection reads (BitNet's
     ``attn_sub_norm`` before ``o_proj``, ``ffn_sub_norm`` over the MLP's intermediate features), or one
-    that does not say its size; None. A per-head norm (Qwen3's ``q_norm``) or one on a replicated input
-    (MLA's ``kv_a_layernorm``) sees its features whole however the heads are split."""
-    for name, child in module.named_modules():
-        if name and is_norm(child) and _norm_features(child) in (width, None):
-            return name
-    return None
+    that does not say its size. A per-head norm (Qwen3's ``q_norm``) or one on a replicated input (MLA's
+    ``kv_a_layernorm``) sees its features whole however the heads are split."""
+    return any(name and is_norm(child) and _norm_features(child) in (width, None)
+               for name, child in module.named_modules())
 
 
 def _in_features(module: nn.Module) -> int:
@@ -378,21 +376,21 @@ def _gather_spanning_norms(plan: dict[str, str], parts: HFParts) -> dict[str, st
     """Split projections whose module also runs a norm over all the split features (in any block) keep
     their weights split but gather their outputs (``colwise_gather_output`` / ``rowwise_split_input``),
     so the norm sees every feature, whether the plan is the config's or inferred. MLA's projections
-    (``mla_kv_a_proj``: the rope key's gradient is summed over split heads) are left as they are."""
+    (``mla_kv_a_proj``: the rope key's gradient is summed over split heads) and fused experts
+    (:mod:`meshtron.hf.experts`) are left as they are."""
     gathered = {"colwise": "colwise_gather_output", "rowwise": "rowwise_split_input"}
-    parents: dict[str, list[str]] = {}
+    rowwise: dict[str, str] = {}  # parent pattern -> its rowwise projection, relative to a block
+    skipped = set()
     for pattern, style in plan.items():
-        parents.setdefault(pattern.rpartition(".")[0], []).append(style)
-    spanning = set()
-    for parent, styles in parents.items():
-        rel = parent.split(".", 2)[2] if parent.count(".") >= 2 else None
-        if rel is None or "experts" in rel.split(".") or "rowwise" not in styles or any(s in _MLA_KV_A for s in styles):
-            continue  # fused experts: meshtron.hf.experts
-        rowwise = next(p.split(".", 2)[2] for p, st in plan.items() if p.rpartition(".")[0] == parent and st == "rowwise")
-        for _, layer in parts.block_items():
-            if _exists(layer, rowwise) and _spanning_norm(layer.get_submodule(rel),
-                                                          _in_features(layer.get_submodule(rowwise))):
-                spanning.add(parent)
+        parent = pattern.rpartition(".")[0]
+        if style in _MLA_KV_A or "experts" in pattern.split("."):
+            skipped.add(parent)
+        elif style == "rowwise" and parent.count(".") >= 2:
+            rowwise.setdefault(parent, pattern.split(".", 2)[2])
+    spanning = {parent for parent, proj in rowwise.items() if parent not in skipped
+                and any(_exists(layer, proj) and _has_spanning_norm(layer.get_submodule(proj.rpartition(".")[0]),
+                                                                    _in_features(layer.get_submodule(proj)))
+                        for _, layer in parts.block_items())}
     return {pattern: gathered[style] if pattern.rpartition(".")[0] in spanning and style in gathered else style
             for pattern, style in plan.items()}
 
