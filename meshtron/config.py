@@ -209,8 +209,8 @@ class ParallelConfig:
     prove_blocks: bool = recipe_key(
         True,
         "with `[model] hf_model`: before training, run the first block of each kind split and whole on a probe "
-        "batch and refuse the layout when they differ (`meshtron/hf/prove.py`; tp / SP / ep / cp layouts "
-        "without pp)",
+        "batch and refuse the layout when they differ (`meshtron/hf/prove.py`; layouts with tp / SP / ep / cp, "
+        "under pp per stage)",
     )
 
     @property

@@ -245,6 +245,39 @@ def check_errors(_tmp: str) -> None:
         parallelize_hf_model(_model("llama"), pp, schedule="interleaved", microbatches=2, virtual_stages=4)
     with pytest.raises(ConfigError, match="pass the stage model that parallelize_hf_model returns"):
         HFPipelineRunner(_model("llama"), pp)  # a whole model, not cut to a stage
+    _check_block_proof_under_pp()
+
+
+def _check_block_proof_under_pp() -> None:
+    """The block check (meshtron.hf.prove) under pp: each stage proves the blocks it holds, and a split wrong
+    on one stage only (stage 1's o_proj shard scaled on tp rank 1, as a wrong translation would leave it) is
+    refused on every rank, the right stage's included (it would otherwise hang in its first collective)."""
+    from unittest import mock
+
+    from meshtron.hf import parallelize, prove
+
+    mesh = cached_mesh(pp=2, tp=2)
+    real = parallelize.apply_hf_tensor_parallel
+
+    def wrong_on_stage_1(model, parts, tp_mesh, sp):
+        real(model, parts, tp_mesh, sp)
+        if "2" in parts.blocks and tp_mesh.get_local_rank() == 1:
+            with torch.no_grad():
+                parts.blocks["2"].self_attn.o_proj.weight.to_local().mul_(1.5)
+
+    proved, real_prove = [], prove.prove_blocks
+
+    def recorded(*args, **kwargs):
+        proved.append([ref.index for ref in args[3]])  # the references' blocks
+        return real_prove(*args, **kwargs)
+
+    with mock.patch.object(prove, "prove_blocks", recorded):
+        parallelize_hf_model(_model("llama"), mesh, sp=True, microbatches=2)
+    assert proved == [[0] if mesh["pp"].get_local_rank() == 0 else [2]], f"blocks proved on this stage: {proved}"
+    with mock.patch.object(parallelize, "apply_hf_tensor_parallel", wrong_on_stage_1):
+        with pytest.raises(ConfigError, match=r"LlamaForCausalLM block 2 \(LlamaDecoderLayer\) split at pp 2 x tp 2 "
+                                              r"\+ SP does not compute what it computes whole: its output differs by"):
+            parallelize_hf_model(_model("llama"), mesh, sp=True, microbatches=2)
 
 
 def test_hf_pp_cp_4_ranks(tmp_path):

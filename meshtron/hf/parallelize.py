@@ -50,6 +50,7 @@ safetensors files only the slice of every tensor that this rank holds.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -67,7 +68,7 @@ from meshtron.hf.context import apply_hf_context_parallel
 from meshtron.hf.experts import adopt_router_scaled_blocks, apply_hf_expert_parallel, hf_expert_modules
 from meshtron.hf.io import write_safetensors_folder
 from meshtron.hf.loss import global_aux_loss, hf_loss_function
-from meshtron.hf.pipeline import cut_to_stage, run_as_stage
+from meshtron.hf.pipeline import HFStage, cut_to_stage, plan_stage, run_as_stage, stage_block
 from meshtron.hf.slices import load_sharded_weights
 from meshtron.hf.tp_plan import apply_hf_tensor_parallel, replicate_plain_params
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
@@ -113,13 +114,12 @@ class HFSteps:
     stage's), composed in :func:`~meshtron.parallel.compose.compose`'s order like meshtron's own models."""
 
     def __init__(self, mesh: DeviceMesh, sp: bool, data_parallel: str, ac: str, ac_every: int, dtype: str,
-                 cp_comm: tuple[str, int], shard_inputs: bool, prove_blocks: bool):
+                 cp_comm: tuple[str, int], pipelined: bool, references: list):
         self.mesh, self.sp, self.data_parallel, self.dtype = mesh, sp, data_parallel, dtype
-        self.ac, self.ac_every, self.cp_comm, self.shard_inputs = ac, ac_every, cp_comm, shard_inputs
-        self.prove_blocks = prove_blocks
+        self.ac, self.ac_every, self.cp_comm, self.pipelined = ac, ac_every, cp_comm, pipelined
+        self.references = references  # the block check's (meshtron.hf.prove), recorded on the whole model
         self.tp_mesh = mesh["tp"]
         self.experts: list[nn.Module] = []
-        self.references = []
 
     def setup(self, model: nn.Module) -> None:
         """The bias-free head becomes meshtron's fused one; the fused experts are found (before tp splits
@@ -131,8 +131,6 @@ class HFSteps:
         if ep > 1 and not self.expert_modules:
             raise ConfigError(f"parallelize_hf_model: ep = {ep} needs a MoE model with fused experts; "
                               f"{type(model).__name__} has none. Use ep = 1.")
-        if self.prove_blocks and prove.provable(model, self.mesh):  # the blocks as transformers runs them
-            self.references = prove.record_references(model, self.parts, self.mesh)
         adopt_router_scaled_blocks(model, self.expert_modules)
 
     def tensor(self, model: nn.Module) -> None:
@@ -147,7 +145,7 @@ class HFSteps:
 
     def context(self, model: nn.Module) -> None:
         if self.mesh["cp"].size() > 1:
-            apply_hf_context_parallel(model, self.mesh, self.shard_inputs, *self.cp_comm)
+            apply_hf_context_parallel(model, self.mesh, not self.pipelined, *self.cp_comm)
 
     def checkpointing(self, model: nn.Module) -> None:
         layers = dict(self.parts.block_items())
@@ -162,7 +160,8 @@ class HFSteps:
     def data(self, model: nn.Module) -> None:
         """The loss and aux loss of the global batch (:mod:`meshtron.hf.loss`), then the data-parallel units."""
         if self.references:  # the split blocks, before the data-parallel wrappers take their gradients
-            prove.prove_blocks(model, self.parts, self.mesh, self.references, self.sp, self.experts)
+            run_block = partial(stage_block, model) if self.pipelined else None
+            prove.prove_blocks(model, self.parts, self.mesh, self.references, self.sp, self.experts, run_block)
             self.references = []
         data_mesh = dense_data_mesh(self.mesh)
         model.loss_function = hf_loss_function(data_mesh)
@@ -210,9 +209,10 @@ def parallelize_hf_model(
     ``[parallel]``'s keys of the same names.
 
     ``prove_blocks`` (on by default; ``[parallel] prove_blocks``): before returning, the first block of each
-    kind is run split and whole on a probe batch and compared (:mod:`meshtron.hf.prove`); a block that
-    differs is a ConfigError naming it, the layout and the first part that differs. Layouts with tp, ep or
-    cp, without pp, on a model with weights (not the meta device).
+    kind (under pp: of each kind in each stage) is run split and whole on a probe batch and compared
+    (:mod:`meshtron.hf.prove`); a block that differs is a ConfigError on every rank naming it, the layout
+    and the first part that differs. Layouts with tp, ep or cp, on a model with weights (not the meta
+    device).
 
     pp > 1 (:mod:`meshtron.hf.pipeline`): the model is pruned in place to this rank's stage(s) (for
     ``schedule`` ``1f1b``, ``interleaved``, ``gpipe`` ..., ``microbatches``, ``virtual_stages``) and that
@@ -222,14 +222,28 @@ def parallelize_hf_model(
     hf_parts(model)  # a layout we can find the pieces of
     shared = _shared_parameters(model)
     pipelined = mesh["pp"].size() > 1
+    stage = plan_stage(model, mesh, schedule, microbatches, virtual_stages, sp, dtype) if pipelined else None
+    references = _block_references(model, mesh, stage) if prove_blocks else []
     if pipelined:
-        cut_to_stage(model, mesh, schedule, microbatches, virtual_stages, sp, dtype)
+        cut_to_stage(model, stage)
     compose(model, HFSteps(mesh, sp, data_parallel, ac, ac_every, dtype, (cp_comm_type, cp_a2a_size),
-                           shard_inputs=not pipelined, prove_blocks=prove_blocks))
+                           pipelined=pipelined, references=references))
     _check_still_shared(model, shared)
     if pipelined:
         run_as_stage(model)
     return model
+
+
+def _block_references(model: nn.Module, mesh: DeviceMesh, stage: HFStage | None) -> list:
+    """The block check's references (:func:`meshtron.hf.prove.record_references`): the first block of each kind
+    this rank will run (under pp, among its stage's blocks), run whole as transformers runs it."""
+    if not prove.provable(model, mesh):
+        return []
+    blocks = hf_parts(model).block_items()
+    if stage is not None:
+        mine = {i for layers in stage.chunks.values() for i in layers}
+        blocks = [(i, block) for i, block in blocks if i in mine]
+    return prove.record_references(model, prove.block_kinds(blocks), mesh)
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:

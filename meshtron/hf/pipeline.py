@@ -15,8 +15,9 @@ The HF path adds only what is model-specific; the rest is :mod:`meshtron.paralle
   on it (FSDP's root unit, activation checkpointing's) run for every chunk;
 * tp, ep (fused experts dispatched over the stage's ep ranks, :mod:`meshtron.hf.experts`), cp (ring
   attention, :mod:`meshtron.hf.context`), activation checkpointing and FSDP/replicate over the data
-  meshes apply inside a stage exactly as without a pipeline: ``parallelize_hf_model`` cuts the model
-  (:func:`cut_to_stage`), composes the other dimensions on the stage and returns it;
+  meshes apply inside a stage exactly as without a pipeline: ``parallelize_hf_model`` works out the
+  stage (:func:`plan_stage`), cuts the model to it (:func:`cut_to_stage`; the block check records its
+  references in between, on the whole model), composes the other dimensions on the stage and returns it;
   :class:`HFPipelineRunner` runs it;
 * schedules (1F1B, interleaved 1F1B, GPipe), the executor, micro-batching, the global token count,
   cp sharding of the micro-batches, tied-embedding gradient sums and the gradient norm over stages
@@ -70,16 +71,20 @@ def _replace(model: nn.Module, old: nn.Module, new: nn.Module | None) -> None:
     raise AssertionError(f"{type(old).__name__} is not a submodule of {type(model).__name__}")
 
 
-def prune_hf_to_stage(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1, v_shape: bool = False) -> dict[int, range]:
-    """Drop from ``model`` (in place) everything pp-rank ``pp_rank`` does not run (``v_shape``: the
-    placement of ``zbv`` / ``dualpipev``); returns ``{global stage: block range}`` of its chunks, in
-    virtual-stage order."""
+def stage_chunks(blocks: int, pp_rank: int, pp: int, virtual: int = 1, v_shape: bool = False) -> dict[int, range]:
+    """``{global stage: block range}`` of pp-rank ``pp_rank``'s chunks of ``blocks`` decoder blocks, in
+    virtual-stage order (``v_shape``: the placement of ``zbv`` / ``dualpipev``)."""
+    ranges = chunk_layer_ranges(blocks, pp, virtual)
+    return {s: r for s, r in enumerate(ranges) if chunk_rank(s, pp, v_shape) == pp_rank}
+
+
+def prune_hf_to_stage(model: nn.Module, chunks: dict[int, range], num_stages: int) -> None:
+    """Drop from ``model`` (in place) everything but the blocks of ``chunks`` (:func:`stage_chunks`), the
+    embedding unless it holds global stage 0, and the final norm and head unless it holds the last."""
     parts = hf_parts(model)
-    ranges = chunk_layer_ranges(len(parts.blocks), pp, virtual)
-    mine = {s: r for s, r in enumerate(ranges) if chunk_rank(s, pp, v_shape) == pp_rank}
-    blocks = nn.ModuleDict({str(i): parts.blocks[i] for r in mine.values() for i in r})
+    blocks = nn.ModuleDict({str(i): parts.blocks[i] for r in chunks.values() for i in r})
     _replace(model, parts.blocks, blocks)
-    first, last = 0 in mine, len(ranges) - 1 in mine
+    first, last = 0 in chunks, num_stages - 1 in chunks
     if not first:
         _replace(model, parts.embed, None)
     if not last:
@@ -87,7 +92,6 @@ def prune_hf_to_stage(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1,
         _replace(model, parts.head, None)
     set_stage_parts(model, dataclasses.replace(parts, blocks=blocks, embed=parts.embed if first else None,
                                                norm=parts.norm if last else None, head=parts.head if last else None))
-    return mine
 
 
 def _masks(model: nn.Module, h: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]) -> dict[str, torch.Tensor | None]:
@@ -217,18 +221,31 @@ class HFStage:
 _STAGE = "_meshtron_hf_stage"
 
 
-def cut_to_stage(model: nn.Module, mesh: DeviceMesh, schedule: str, microbatches: int, virtual_stages: int,
-                 sp: bool, dtype: str) -> None:
-    """Check the pipelined layout (before any collective) and prune ``model`` in place to this pp-rank's
-    stage(s), recording its :class:`HFStage`; the other dimensions are applied after."""
+def plan_stage(model: nn.Module, mesh: DeviceMesh, schedule: str, microbatches: int, virtual_stages: int,
+               sp: bool, dtype: str) -> HFStage:
+    """Check the pipelined layout (before any collective) and work out this pp-rank's stage of ``model``."""
     p = ParallelConfig(pp=mesh["pp"].size(), cp=mesh["cp"].size(), tp=mesh["tp"].size(), sp=sp,
                        schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages)
     _check_hf_pipeline(model, mesh, p)
     parts = hf_parts(model)
     tied = parts.embed.weight is parts.head.weight
     boundary = (model.config.hidden_size, _compute_dtype(model, mesh, dtype))
-    chunks = prune_hf_to_stage(model, mesh["pp"].get_local_rank(), p.pp, p.virtual_stages, p.schedule in V_SHAPED)
-    setattr(model, _STAGE, HFStage(p, chunks, tied, boundary))
+    chunks = stage_chunks(len(parts.blocks), mesh["pp"].get_local_rank(), p.pp, p.virtual_stages,
+                          p.schedule in V_SHAPED)
+    return HFStage(p, chunks, tied, boundary)
+
+
+def cut_to_stage(model: nn.Module, stage: HFStage) -> None:
+    """Prune ``model`` in place to ``stage`` (:func:`plan_stage`), recording it; the other dimensions are
+    applied after."""
+    prune_hf_to_stage(model, stage.chunks, stage.parallel.pp * stage.parallel.virtual_stages)
+    setattr(model, _STAGE, stage)
+
+
+def stage_block(model: nn.Module, index: int, h: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Block ``index`` of a stage model on ``h`` (as a stage holds its input), with the masks and position
+    embeddings the stage's forward builds for it."""
+    return _stage_forward(model, h, position_ids, layers=range(index, index + 1), first=False, last=False)
 
 
 def run_as_stage(model: nn.Module) -> None:
@@ -278,4 +295,5 @@ class HFPipelineRunner(PipelineRunner):
         return self.relay.attach(out, logits, stage, mb, self.chunks[stage].is_last)
 
 
-__all__ = ["HFPipelineRunner", "HFStage", "HFStageChunk", "cut_to_stage", "prune_hf_to_stage", "run_as_stage"]
+__all__ = ["HFPipelineRunner", "HFStage", "HFStageChunk", "cut_to_stage", "plan_stage", "prune_hf_to_stage", "run_as_stage",
+           "stage_block", "stage_chunks"]

@@ -15,16 +15,23 @@ and classes) twice on a small probe batch, forward and backward with the same ou
    tokens, as the data-parallel wrappers will (dense parameters over dp x ep x cp, experts over their edp
    ranks); the references are summed over dp x ep.
 
-Every rank compares the same things in the same order and the largest error of each is agreed on by one
-all-reduce, so all ranks raise the same :class:`ConfigError`, naming the block, the layout and the first
-part that differs, or none does. The probe runs in eval mode without a KV cache (dropout would differ).
-pp layouts, and models on the meta device (:func:`load_hf_checkpoint` before its weights are read), are
-not probed yet.
+Under pp the references are recorded on the whole model before it is cut to this rank's stage, for the
+first block of each kind the stage holds, and the split block gets the masks and position embeddings the
+stage's own forward builds (:func:`meshtron.hf.pipeline.stage_block`) for the hidden states as the stage
+receives them.
+
+The ranks of a stage compare the same things in the same order; every rank's errors are gathered once,
+the largest of each over its stage's ranks is taken, and all ranks raise the same :class:`ConfigError`,
+naming the stage's block, the layout and the first part that differs (of the first stage with one), or
+none does: a stage that would train on while another stops would hang in the first collective. The probe
+runs in eval mode without a KV cache (dropout would differ). Models on the meta device
+(:func:`load_hf_checkpoint` before its weights are read) are not probed yet.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -62,11 +69,11 @@ class _Reference:
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def block_kinds(parts: HFParts) -> list[tuple[int, nn.Module]]:
-    """The first block of each kind: its class and its submodules' names and classes (Qwen2-MoE's dense and
-    sparse layers share a class)."""
+def block_kinds(blocks: list[tuple[int, nn.Module]]) -> list[tuple[int, nn.Module]]:
+    """The first of ``(index, block)`` of each kind: its class and its submodules' names and classes
+    (Qwen2-MoE's dense and sparse layers share a class)."""
     seen, first = set(), []
-    for index, block in parts.block_items():
+    for index, block in blocks:
         kind = (type(block), tuple((name, type(m)) for name, m in block.named_modules()))
         if kind not in seen:
             seen.add(kind)
@@ -103,8 +110,8 @@ def _first_output(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _capture_inputs(model: nn.Module, blocks: list[tuple[int, nn.Module]], ids: torch.Tensor) -> dict[int, tuple]:
-    """(args, kwargs) the model's forward hands each of ``blocks`` for ``ids``."""
+def _capture_inputs(blocks: list[tuple[int, nn.Module]], forward: Callable[[], object]) -> dict[int, tuple]:
+    """(args, kwargs) ``forward()`` (the model's, or a stage's) hands each of ``blocks``."""
     captured: dict[int, tuple] = {}
 
     def hook(index):
@@ -117,7 +124,7 @@ def _capture_inputs(model: nn.Module, blocks: list[tuple[int, nn.Module]], ids: 
     handles = [block.register_forward_pre_hook(hook(index), with_kwargs=True, prepend=True) for index, block in blocks]
     try:
         with torch.no_grad():
-            model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
+            forward()
     except _InputsCaptured:
         pass
     finally:
@@ -146,11 +153,16 @@ def _run(block: nn.Module, args: tuple, kwargs: dict, hidden: torch.Tensor, grad
     return out.detach(), leaf.grad
 
 
-def record_references(model: nn.Module, parts: HFParts, mesh: DeviceMesh) -> list[_Reference]:
-    """Each kind's first block run whole on this rank's probe rows (see the module docstring)."""
-    kinds = block_kinds(parts)
+def _model_forward(model: nn.Module, mesh: DeviceMesh) -> Callable[[], object]:
+    """The model's own forward on this rank's probe rows (under cp its hook keeps this rank's chunks)."""
+    ids = _probe_ids(model, mesh).to(next(model.parameters()).device)
+    return lambda: model(input_ids=ids, use_cache=False)
+
+
+def record_references(model: nn.Module, kinds: list[tuple[int, nn.Module]], mesh: DeviceMesh) -> list[_Reference]:
+    """Each of ``kinds`` (:func:`block_kinds`) run whole on this rank's probe rows (see the module docstring)."""
     with _eval_mode(model):
-        captured = _capture_inputs(model, kinds, _probe_ids(model, mesh))
+        captured = _capture_inputs(kinds, _model_forward(model, mesh))
         references = []
         for index, block in kinds:
             args, kwargs = captured[index]
@@ -247,37 +259,74 @@ def _gradients_summed(named: list[tuple[str, torch.Tensor | None]], experts: set
     return summed
 
 
+def _split_inputs(model: nn.Module, blocks: dict[int, nn.Module], references: list[_Reference], mesh: DeviceMesh,
+                  sp: bool, first: int | None, run_block: Callable | None) -> dict[int, tuple]:
+    """(args, kwargs) the split model hands each reference's block: from the model's own forward, or under
+    pp from ``run_block(index, hidden, position_ids)`` on the hidden states as the stage holds them."""
+    targets = [(ref.index, blocks[ref.index]) for ref in references]
+    if run_block is None:
+        return _capture_inputs(targets, _model_forward(model, mesh))
+    rows, length = references[0].hidden.shape[:2]
+    positions = _held(torch.arange(length).expand(rows, length), mesh, sp_shard=False)
+    found = {}
+    for index, block in targets:
+        ref = next(r for r in references if r.index == index)
+        hidden = _held(ref.hidden, mesh, sp and index != first)
+        found.update(_capture_inputs([(index, block)], lambda: run_block(index, hidden, positions.to(hidden.device))))
+    return found
+
+
 def prove_blocks(model: nn.Module, parts: HFParts, mesh: DeviceMesh, references: list[_Reference], sp: bool,
-                 experts: list[nn.Module]) -> None:
+                 experts: list[nn.Module], run_block: Callable | None = None) -> None:
     """Each kind's first block, split, against its reference; a :class:`ConfigError` on every rank at the
-    first part whose error (the largest over the ranks) exceeds its tolerance."""
+    first part whose error (the largest over its stage's ranks) exceeds its tolerance. ``run_block``: a
+    pipeline stage's (:func:`meshtron.hf.pipeline.stage_block`), None for a whole model."""
     blocks = dict(parts.block_items())
-    first = parts.block_items()[0][0]
+    # Under SP the model's first block slices its (replicated) input itself; a later stage's first block
+    # receives a slice.
+    first = parts.block_items()[0][0] if parts.embed is not None else None
     expert_params = {id(p) for module in experts for p in module.parameters()}
     with _eval_mode(model):
-        inputs = _capture_inputs(model, [(ref.index, blocks[ref.index]) for ref in references], _probe_ids(model, mesh))
-        for ref in references:
-            block = blocks[ref.index]
-            found = _comparisons(block, ref, inputs[ref.index], mesh, sp, ref.index == first, expert_params)
-            errors = torch.tensor([err for _, err, _ in found], dtype=torch.float64)
-            dist.all_reduce(errors, op=dist.ReduceOp.MAX)
-            for (what, _, tolerance), err in zip(found, errors.tolist()):
+        inputs = _split_inputs(model, blocks, references, mesh, sp, first, run_block)
+        found = [(ref.index, type(blocks[ref.index]).__name__,
+                  _comparisons(blocks[ref.index], ref, inputs[ref.index], mesh, sp, ref.index == first, expert_params))
+                 for ref in references]
+    failure = _first_failure(found, mesh)
+    if failure is not None:
+        index, cls, what, err, tolerance = failure
+        how = "failed" if math.isinf(err) else f"differs by {err:.2e} (relative; tolerance {tolerance:g})"
+        raise ConfigError(
+            f"parallelize_hf_model: {type(model).__name__} block {index} ({cls}) split at {_layout_text(mesh, sp)} "
+            f"does not compute what it computes whole: its {what} {how} on a probe batch. How this layout splits "
+            "the block is wrong for this family (its tp plan or meshtron's translation of it, SP, ep or cp); use "
+            "another layout (e.g. without SP, tp = 1 or cp = 1), or prove_blocks=False to train anyway.")
+
+
+def _first_failure(found: list[tuple[int, str, list[tuple[str, float, float]]]],
+                   mesh: DeviceMesh) -> tuple[int, str, str, float, float] | None:
+    """The first (block index, class, what, error, tolerance) whose error, the largest over its stage's ranks,
+    exceeds its tolerance, in pp stage order (NaN fails); the same on every rank (one gather)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (mesh["pp"].get_local_rank(), found))
+    stages: dict[int, list] = {}
+    for stage, rank_found in sorted(everyone, key=lambda item: item[0]):
+        stages.setdefault(stage, []).append(rank_found)
+    for ranks in stages.values():  # a stage's ranks compare the same blocks and parts in the same order
+        for blocks in zip(*ranks):
+            index, cls, _ = blocks[0]
+            for parts in zip(*(comparisons for _, _, comparisons in blocks)):
+                what, _, tolerance = parts[0]
+                err = max(e if e == e else math.inf for _, e, _ in parts)
                 if err > tolerance:
-                    how = "failed" if math.isinf(err) else f"differs by {err:.2e} (relative; tolerance {tolerance:g})"
-                    raise ConfigError(
-                        f"parallelize_hf_model: {type(model).__name__} block {ref.index} ({type(block).__name__}) "
-                        f"split at {_layout_text(mesh, sp)} does not compute what it computes whole: its {what} "
-                        f"{how} on a probe batch. How this layout splits the block is wrong for this family (its "
-                        "tp plan or meshtron's translation of it, SP, ep or cp); use another layout (e.g. without "
-                        "SP, tp = 1 or cp = 1), or prove_blocks=False to train anyway.")
+                    return index, cls, what, err, tolerance
+    return None
 
 
 def provable(model: nn.Module, mesh: DeviceMesh) -> bool:
-    """Whether this layout is probed: something split over tp, ep or cp, no pp (not probed yet), and
-    weights to run (not the meta device, not a dry run's fake tensors)."""
+    """Whether this layout is probed: something split over tp, ep or cp, and weights to run (not the meta
+    device, not a dry run's fake tensors)."""
     split = mesh["tp"].size() > 1 or expert_split(mesh).ep > 1 or mesh["cp"].size() > 1
-    return (split and mesh["pp"].size() == 1 and not simulating()
-            and not any(p.is_meta for p in model.parameters()))
+    return split and not simulating() and not any(p.is_meta for p in model.parameters())
 
 
 __all__ = ["block_kinds", "probe_length", "provable", "prove_blocks", "record_references"]
