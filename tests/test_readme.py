@@ -189,3 +189,38 @@ def test_the_readme_links_every_docs_page():
     linked = {(ROOT / link.partition("#")[0]).resolve() for link in _links(README) if link.startswith("docs/")}
     unlinked = sorted(p.name for p in DOCS.glob("*.md") if p.resolve() not in linked)
     assert not unlinked, f"docs pages the README's Documentation table does not link: {unlinked}"
+
+
+# A code span on docs/extending.md naming a repository path, with ``: NAME[, NAME]`` (or pytest's ``::NAME``)
+# for what that file defines: `meshtron/parallel/context/layout.py: CP_COMM_TYPES`.
+_CITATION = re.compile(r"`([\w./<>-]+?)(?:(?::\s*|::)([A-Za-z_]\w*(?:,\s*[A-Za-z_]\w*)*))?`")
+_CITED_ROOTS = ("meshtron/", "tests/", "benchmarks/")
+
+
+def _defines(source: str, name: str) -> bool:
+    """``def NAME``, ``class NAME`` or ``NAME =`` (annotated too) at any indentation of ``source``."""
+    name = re.escape(name)
+    return re.search(rf"^[ \t]*(?:(?:async[ \t]+)?def[ \t]+{name}\b|class[ \t]+{name}\b|{name}[ \t]*(?::[^=\n]*)?=(?!=))",
+                     source, flags=re.M) is not None
+
+
+def test_extending_page_cites_paths_and_names_that_exist():
+    """Every meshtron/, tests/ or benchmarks/ path docs/extending.md cites exists, and every name it cites
+    as `file.py: NAME` is defined in that file, so the page stays true when code moves or is renamed."""
+    text = re.sub(r"```.*?```", "", (DOCS / "extending.md").read_text(), flags=re.S)
+    missing, names = [], 0
+    for path, cited in _CITATION.findall(text):
+        if not (path.startswith(_CITED_ROOTS) or cited):
+            continue
+        if not path.startswith(_CITED_ROOTS):
+            missing.append(f"{path}: {cited}: cite the path from the repository root")
+        elif not (ROOT / path).exists():
+            missing.append(f"{path}: no such file or folder")
+        elif cited:
+            source = (ROOT / path).read_text()
+            for name in re.split(r",\s*", cited):
+                names += 1
+                if not _defines(source, name):
+                    missing.append(f"{path}: defines no {name}")
+    assert names > 100, f"read only {names} cited names; has the citation form `file.py: NAME` changed?"
+    assert not missing, "docs/extending.md cites what the code does not have:\n" + "\n".join(missing)
