@@ -277,7 +277,7 @@ class _Gemms(TorchDispatchMode):
     counted as the local one it runs; run once first: DTensor's first sharding propagation of an op
     computes it on fake tensors)."""
 
-    OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default, torch.ops.aten.bmm.default)
 
     def __enter__(self):
         self.shapes = Counter()
@@ -299,15 +299,16 @@ def _work(run) -> Counter:
 def check_split_backward_computes_each_gradient_once(seed):
     """A zero-bubble split of a block's backward under SP (B: the input gradient; W: the weights')
     runs the GEMMs and collectives of one whole backward: SP's fused linears compute only the
-    gradients the running pass asks for (B needs no re-gather, W no input gradient or reduce-scatter)."""
+    gradients the running pass asks for (B needs no re-gather, W no input gradient or reduce-scatter);
+    so do the overlapped rings (tp_overlap)."""
     from meshtron.parallel.pipeline.executor import _backward_input
 
     cfg = ModelConfig(**DENSE)
     ref = random_model(cfg, seed)
     gen = torch.Generator().manual_seed(seed)
-    for tp in (2, 4):
+    for tp, overlap in ((2, False), (4, False), (2, True), (4, True)):
         mesh = _tp_mesh(tp)
-        block = _parallel_copy(ref, mesh, sp=True, on_meta=True).layers["0"]
+        block = _parallel_copy(ref, mesh, sp=True, on_meta=True, overlap=overlap).layers["0"]
         full = torch.randn(BATCH, SEQ, cfg.hidden_size, generator=gen).to(env.local_device())
         shard = full.chunk(tp, dim=1)[mesh.get_local_rank()]
         grad = torch.randn(shard.shape, generator=gen).to(env.local_device())
@@ -331,7 +332,7 @@ def check_split_backward_computes_each_gradient_once(seed):
                 work = _work(lambda: out.backward(grad))
             grads[split] = work, x.grad, {n: p.grad for n, p in block.named_parameters()}
         (whole, x_ref, ref_grads), (split_work, x_grad, split_grads) = grads[False], grads[True]
-        assert split_work == whole, f"tp={tp}: B + W did {dict(split_work - whole)} more, {dict(whole - split_work)} less"
+        assert split_work == whole, f"tp={tp} overlap={overlap}: B + W did {dict(split_work - whole)} more, {dict(whole - split_work)} less"
         assert rel_err(x_grad, x_ref) < 1e-6
         for name, g in ref_grads.items():
             assert g is not None and rel_err(split_grads[name], g) < 1e-5, f"tp={tp}: {name}"
