@@ -290,10 +290,10 @@ class _Gemms(TorchDispatchMode):
 
 
 def _work(run) -> Counter:
-    """The matrix products and collectives of ``run()``, counted."""
-    with _Gemms() as gemms, CommDebugMode() as comm:
+    """The matrix products, collectives and point-to-point exchanges of ``run()``, counted."""
+    with _Gemms() as gemms, CommDebugMode() as comm, count_calls(dist, "batch_isend_irecv") as exchanges:
         run()
-    return gemms.shapes + Counter({str(op): n for op, n in comm.get_comm_counts().items()})
+    return gemms.shapes + Counter({str(op): n for op, n in comm.get_comm_counts().items()}) + Counter(p2p=len(exchanges))
 
 
 def check_split_backward_computes_each_gradient_once(seed):

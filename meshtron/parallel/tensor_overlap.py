@@ -18,7 +18,8 @@ runs on NCCL and gloo alike.
 * backward pairs them the other way round: the colwise input gradient is a matmul + reduce-scatter,
   its weight gradient takes the input shards around the ring again (only the shard is saved, as
   without overlap) and accumulates chunk by chunk; the rowwise input and weight gradients both come
-  from one ring of the output-gradient shards.
+  from one ring of the output-gradient shards (a zero-bubble split's ``B`` runs it and keeps the
+  gathered shards for its ``W``, as the unoverlapped path keeps the gathered gradient).
 
 Bytes moved equal the unoverlapped collectives' ((tp - 1) / tp of the gathered tensor per ring); what
 no GEMM hides is the first chunk of a gather and the last of a reduce-scatter (``meshtron/plan/speed.py``).
@@ -157,14 +158,26 @@ class _MatmulReduceScatter(torch.autograd.Function):
         want_input, want_params = _pass_wants(ctx)
         blocks: list[torch.Tensor | None] = [None] * tp
         grad_weight = torch.zeros_like(weight) if want_params else None
+        # The B pass of a split backward keeps the gathered gradient for its W pass (so does the
+        # unoverlapped path: its gathered output gradient waits for W), which then sends nothing.
+        gathered = ctx.__dict__.pop("gathered", None)
+        keep = [None] * tp if want_input and not want_params else None
 
         def use(chunk: torch.Tensor, source: int) -> None:
             if want_input:
                 blocks[source] = chunk @ weight
             if want_params:
                 grad_weight.addmm_(chunk.reshape(-1, chunk.shape[-1]).t(), _rows(x, source, tp).reshape(-1, x.shape[-1]))
+            if keep is not None:
+                keep[source] = chunk
 
-        ring_gather(grad_shard, _ring(ctx.mesh), use)
+        if gathered is None:
+            ring_gather(grad_shard, _ring(ctx.mesh), use)
+        else:
+            for source, chunk in enumerate(gathered):
+                use(chunk, source)
+        if keep is not None:
+            ctx.gathered = keep
         return torch.cat(blocks, dim=1) if want_input else None, None, grad_weight
 
 
