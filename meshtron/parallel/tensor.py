@@ -29,8 +29,11 @@ sequence parallelism from Korthikanti et al. 2022):
 Collectives per dense layer: 2 all-reduces (no SP) or 2 all-gathers + 2 reduce-scatters (SP) in
 forward, the same again in backward, as Megatron; under SP backward adds the 2 all-gathers that
 re-gather the q/k/v and gate/up inputs. Replicated KV heads add 4 small all-reduces in backward
-(k/v weight and bias gradients). The tests count all of these; the MoE layer's counts (shared
-expert, router, expert dispatch) are in ``benchmarks/results/moe_tp.md``.
+(k/v weight and bias gradients). With ``overlap`` (``[parallel] tp_overlap``, SP only) each of those
+SP gathers and reduce-scatters is a ring of tp - 1 point-to-point exchanges of one sequence shard
+overlapped with its GEMM (``tensor_overlap.py``): 4 rings forward, 6 backward, the same bytes, and no
+all-gather or reduce-scatter left in the block. The tests count all of these; the MoE layer's counts
+(shared expert, router, expert dispatch) are in ``benchmarks/results/moe_tp.md``.
 """
 
 from __future__ import annotations
@@ -370,6 +373,18 @@ def _pass_wants(ctx) -> tuple[bool, bool]:
     return reached(first), any(map(reached, rest))
 
 
+def save_packed_projections(ctx, shard: torch.Tensor, mesh: DeviceMesh, count: int,
+                            weights_and_biases: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the backward of packed column-parallel projections needs (the input shard, the ``count``
+    weights, their widths, the mesh), saved on ``ctx``; returns the packed weight and bias."""
+    weights, biases = weights_and_biases[:count], weights_and_biases[count:]
+    ctx.mesh = mesh
+    ctx.widths = [w.shape[0] for w in weights]
+    ctx.has_bias = biases[0] is not None
+    ctx.save_for_backward(shard, *weights)
+    return torch.cat(weights), torch.cat(biases) if ctx.has_bias else None
+
+
 class _SequenceParallelLinears(torch.autograd.Function):
     """Column-parallel projections of one sequence-sharded input, packed along the last dim.
 
@@ -382,14 +397,9 @@ class _SequenceParallelLinears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard: torch.Tensor, mesh: DeviceMesh, count: int, *weights_and_biases: torch.Tensor | None):
-        weights, biases = weights_and_biases[:count], weights_and_biases[count:]
-        ctx.mesh = mesh
-        ctx.widths = [w.shape[0] for w in weights]
-        ctx.has_bias = biases[0] is not None
-        ctx.save_for_backward(shard, *weights)
+        weight, bias = save_packed_projections(ctx, shard, mesh, count, weights_and_biases)
         full = _in_sequence_order(_start_sequence_gather(shard, mesh), mesh.size())
-        bias = torch.cat(biases) if ctx.has_bias else None
-        return F.linear(full, torch.cat(weights), bias)
+        return F.linear(full, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_packed: torch.Tensor):

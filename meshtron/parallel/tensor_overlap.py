@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from meshtron.parallel.context.comm import RingExchange
-from meshtron.parallel.tensor import SequenceParallelColwise, _pass_wants
+from meshtron.parallel.tensor import SequenceParallelColwise, _pass_wants, save_packed_projections
 
 _TAG = 0  # one exchange of a ring is in flight at a time, and rings run one after another
 
@@ -90,13 +90,7 @@ class _RingGatherLinears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard: torch.Tensor, mesh: DeviceMesh, count: int, *weights_and_biases: torch.Tensor | None):
-        weights, biases = weights_and_biases[:count], weights_and_biases[count:]
-        ctx.mesh = mesh
-        ctx.widths = [w.shape[0] for w in weights]
-        ctx.has_bias = biases[0] is not None
-        ctx.save_for_backward(shard, *weights)
-        weight = torch.cat(weights)
-        bias = torch.cat(biases) if ctx.has_bias else None
+        weight, bias = save_packed_projections(ctx, shard, mesh, count, weights_and_biases)
         blocks: list[torch.Tensor | None] = [None] * mesh.size()
 
         def project(chunk: torch.Tensor, source: int) -> None:
