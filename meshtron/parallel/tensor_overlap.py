@@ -132,6 +132,10 @@ class OverlappedColwise(SequenceParallelColwise):
 
     function = _RingGatherLinears
 
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.sends_p2p = True  # torch.compile cannot trace the ring: compiled with graph breaks
+        return super()._apply(module, device_mesh)
+
 
 class _MatmulReduceScatter(torch.autograd.Function):
     """A row-parallel linear's local product reduce-scattered along the sequence, as a ring overlapped
@@ -191,6 +195,7 @@ class OverlappedRowwise(ParallelStyle):
         split = distribute_tensor(module.weight, device_mesh, [Shard(1)], src_data_rank=self.src_data_rank)
         module.register_parameter("weight", nn.Parameter(split, requires_grad=module.weight.requires_grad))
         module.forward = types.MethodType(_overlapped_rowwise_forward, module)
+        module.sends_p2p = True
         return module
 
 
