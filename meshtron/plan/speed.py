@@ -102,7 +102,8 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
     for their weight gradients, and those a checkpointed layer's recomputation repeats (it stops at the
     last tensor the backward needs); a split backward's ``B`` and ``W`` share them (``B`` the
     reduce-scatters of the input gradients, ``W`` the re-gathers); the embedding and the head add 2 each
-    where they are. Without SP, all-reduces, 1 per end. The vocab-parallel loss all-reduces
+    where they are; with ``tp_overlap`` the layers' are sends (``p2p/tp``, :func:`overlapped_rings`).
+    Without SP, all-reduces, 1 per end. The vocab-parallel loss all-reduces
     3 fp32 statistics per token; under SP, the gradients of the parameters whole on every tp rank are
     all-reduced; MoE layers add their router statistics, expert dispatch and etp exchanges. Not counted:
     scalars (a few bytes)."""
