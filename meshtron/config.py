@@ -152,6 +152,12 @@ class ParallelConfig:
     )
     tp: int = recipe_key(1, "tensor-parallel ranks inside a stage")
     sp: bool = recipe_key(False, "sequence parallelism: shard the activations outside attention and MLP over tp")
+    tp_overlap: bool = recipe_key(
+        False,
+        "with `sp` and tp > 1: each block's SP all-gathers and reduce-scatters run as rings of point-to-point "
+        "chunks overlapped with the GEMMs that use them (collective matmul; `meshtron/parallel/tensor_overlap.py`); "
+        "meshtron's own models",
+    )
     etp: int = recipe_key(
         1,
         "expert tensor parallelism: each expert's gate/up split by columns and down by rows over etp ranks (a "
@@ -613,6 +619,13 @@ def _validate_layout(cfg: Config, source: str) -> None:
         f"{where} schedule = '{p.schedule}' {needs_two_virtual_stages(p.virtual_stages)}.",
     )
     _validate_data_parallel(p, source)
+    _require(
+        not p.tp_overlap or (p.sp and p.tp > 1 and not cfg.model.hf_model),
+        f"{where} tp_overlap = true overlaps sequence parallelism's collectives with meshtron's own blocks: it "
+        f"needs sp = true and tp > 1 (got sp = {str(p.sp).lower()}, tp = {p.tp})"
+        + (" and applies to meshtron's own models, not [model] hf_model" if cfg.model.hf_model else "")
+        + "; set those or tp_overlap = false.",
+    )
     expert_keys = expert_keys_without_experts(p)
     _require(  # an hf_model folder's experts are known later: parallel/layout.py runs this rule again
         not expert_keys or cfg.model.is_moe or cfg.model.hf_model, f"{where} {expert_keys}"

@@ -163,8 +163,10 @@ def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, out_val=None, **k
 
 
 # FLOPs of ops torch's registry lacks: the CPU flash attention (counted as the CUDA one, whose
-# arguments it shares) and the experts' grouped matmul.
+# arguments it shares), the experts' grouped matmul and the in-place addmm (tp_overlap's rings
+# accumulate their weight gradients chunk by chunk with it).
 _MORE_FLOPS = {
+    torch.ops.aten.addmm_: flop_registry[torch.ops.aten.addmm],
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
         flop_registry[torch.ops.aten._scaled_dot_product_flash_attention],
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:

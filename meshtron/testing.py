@@ -320,14 +320,14 @@ def module_collectives(comm, fqn: str) -> dict[str, dict[str, int]]:
 def count_calls(owner: Any, name: str, skip_group=None) -> Iterator[list]:
     """Counts calls of ``owner.name`` (e.g. ``torch.distributed``, ``"all_gather_single"``) while
     active, except those on process group ``skip_group``: yields a list that gets one entry per
-    call. Callers that look the function up on ``owner`` at call time (as FSDP2 does for its
+    call, its positional arguments. Callers that look the function up on ``owner`` at call time (as FSDP2 does for its
     collectives) are counted."""
     calls: list = []
     original = getattr(owner, name)
 
     def counting(*args, **kwargs):
         if skip_group is None or kwargs.get("group") is not skip_group:
-            calls.append(1)
+            calls.append(args)
         return original(*args, **kwargs)
 
     setattr(owner, name, counting)

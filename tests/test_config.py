@@ -224,6 +224,8 @@ IMPOSSIBLE = [
     ("debug_dense", "parallel", "schedule", "zbv", r"schedule = 'zbv' needs virtual_stages = 2 .*got 1"),
     ("debug_dense", "parallel", "schedule", "dualpipe", r"Did you mean 'dualpipev'"),
     ("debug_dense", "parallel", "ep", 2, r"ep = 2 needs an MoE model"),
+    ("debug_dense", "parallel", "tp_overlap", True,
+     r"\[parallel\] tp_overlap = true .* needs sp = true and tp > 1 \(got sp = false, tp = 1\)"),
     ("debug_dense", "train", "dtype", "bf16", r"dtype must be one of float32, bfloat16, got 'bf16'.*Did you mean 'bfloat16'"),
     ("debug_dense", "train", "dtype", "float16", r"dtype must be one of float32, bfloat16"),
     ("debug_dense", "train", "steps", 0, r"steps must be >= 1"),

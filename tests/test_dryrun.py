@@ -44,7 +44,11 @@ VARIANTS = {"0.5B documents": ("qwen2p5_0p5b", DOCUMENTS),
             **{f"dense tp{tp}{' sp' if sp else ''}": ("debug_dense", ("--model.num_hidden_layers", "2", "--parallel.tp",
                                                                   str(tp), "--parallel.sp", str(sp).lower(),
                                                                   "--parallel.activation_checkpointing", "selective"))
-               for tp in (1, 2, 4, 8) for sp in (False, True) if tp > 1 or not sp}}
+               for tp in (1, 2, 4, 8) for sp in (False, True) if tp > 1 or not sp},
+            # The same at tp 4 + SP with the blocks' collectives as overlapped rings (tp_overlap).
+            "dense tp4 sp overlap": ("debug_dense", ("--model.num_hidden_layers", "2", "--parallel.tp", "4", "--parallel.sp",
+                                                     "true", "--parallel.tp_overlap", "true",
+                                                     "--parallel.activation_checkpointing", "selective"))}
 # The dense recipes and layouts above whose FLOPs an analytic count checks: every tp with and without SP,
 # and the shipped recipes' real shapes (tp 1 and, with SP, 2, 4 and 8; no and full checkpointing).
 DENSE = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b",
@@ -116,14 +120,15 @@ def analytic_flops(cfg) -> int:
     multiply-add). Every matmul runs once forward and twice backward (input and weight gradients) on all
     of the rank's tokens (SP gathers the sequence before q/k/v and gate/up); a checkpointed block's
     forward runs again but for its down projection, whose output nothing saves (torch's checkpoint stops
-    recomputing once the saved tensors are back). Causal attention computes the S (S + 1) / 2 query-key
+    recomputing once the saved tensors are back; with ``tp_overlap`` the down projection's ring saves its
+    input only once it has run, so it runs too). Causal attention computes the S (S + 1) / 2 query-key
     pairs its mask leaves per head (the kernels skip the masked blocks): forward QK^T and PV, backward five
     products (QK^T again, dP, dV, dQ, dK), a recomputation a forward more."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     rows, layers = t.global_batch_size // p.dp, m.num_hidden_layers
     block, down = _block_matmuls(m, p.tp)
     recomputed = {"none": 0, "full": layers, "selective": len(range(0, layers, p.ac_every))}[p.activation_checkpointing]
-    weights = 3 * (layers * block + m.hidden_size * m.vocab_size // p.tp) + recomputed * (block - down)
+    weights = 3 * (layers * block + m.hidden_size * m.vocab_size // p.tp) + recomputed * (block - down * (not p.tp_overlap))
     pairs = rows * m.num_attention_heads // p.tp * t.seq_len * (t.seq_len + 1) // 2
     return 2 * (rows * t.seq_len * weights + pairs * m.head_size * (2 * (layers + recomputed) + 5 * layers))
 
@@ -257,6 +262,23 @@ def test_moe_tp_traffic_matches_the_plan(shipped):
     for name in TP_MOE:
         for rank in shipped[f"MoE tp {name}"]["ranks"]:
             _check_comm(rank)
+
+
+def test_tp_overlap_traffic_matches_the_plan(shipped):
+    """tp_overlap traced (:data:`VARIANTS`' "dense tp4 sp overlap"): the blocks' gathers and reduce-scatters
+    are sends on the tp group, 3 per ring: 10 rings per layer and 4 more in the checkpointed layer's
+    recomputation; the bytes per kind and group equal the plan's (the sends those of the SP collectives)."""
+    (rank,) = shipped["dense tp4 sp overlap"]["ranks"]
+    _check_comm(rank)
+    assert rank["collectives"]["send"] == (2 * 10 + 4) * 3, rank["collectives"]
+    (plain,) = shipped["dense tp4 sp"]["ranks"]
+    moved = {key: c["traced"] for key, c in rank["comm_bytes"].items() if key.endswith("/tp") and "reduce/" not in key}
+    assert rank["comm_bytes"]["p2p/tp"]["traced"] > 0 and "p2p/tp" not in plain["comm_bytes"]
+    # Its recomputed down projection adds a ring the unoverlapped checkpoint stops before: one
+    # reduce-scatter's bytes, 3 sends of a [B, S / 4, H] shard.
+    cfg, _ = _config("dense tp4 sp overlap")
+    shard = cfg.train.global_batch_size // cfg.parallel.dp * cfg.train.seq_len // 4 * cfg.model.hidden_size * 4
+    assert sum(moved.values()) == plain["comm_bytes"]["all_gather+reduce_scatter/tp"]["traced"] + 3 * shard, moved
 
 
 def test_dry_run_recipe_and_refusal(capsys):

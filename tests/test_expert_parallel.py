@@ -409,7 +409,8 @@ def check_capacity_is_global(refs: dict):
 
 
 # Experts folded over the dense ranks (fold_ep) and split over etp, as issue 30 names them; the last
-# two keep ep as a mesh dimension. (ep and etp are the experts' sizes, the rest the dense layout.)
+# two keep ep as a mesh dimension. (ep and etp are the experts' sizes, the rest the dense layout.) The
+# last overlaps SP's collectives with the dense MLP's and the shared expert's GEMMs (tp_overlap).
 FOLDED_LAYOUTS = [
     dict(dp=2, tp=4, ep=8, fold_ep=True),
     dict(dp=2, tp=4, sp=True, ep=4, etp=2, fold_ep=True),
@@ -417,7 +418,7 @@ FOLDED_LAYOUTS = [
     dict(pp=2, tp=4, ep=4, fold_ep=True, microbatches=2),
     dict(pp=2, tp=4, ep=4, fold_ep=True, microbatches=4, schedule="zbv", virtual_stages=2),
     dict(dp=2, ep=2, tp=2, etp=2),
-    dict(dp=2, ep=2, tp=2, etp=2, sp=True, data_parallel="hsdp"),
+    dict(dp=2, ep=2, tp=2, etp=2, sp=True, data_parallel="hsdp", tp_overlap=True),
 ]
 
 
@@ -444,6 +445,7 @@ def check_folded_experts(refs: dict):
     after its update equal the single-process model's, with capacity dropping copies, the aux loss
     and the z-loss on (one step of the whole runner: TP, EP, CP, pipeline and FSDP/HSDP composed)."""
     from meshtron.config import Config, ParallelConfig, TrainConfig
+    from meshtron.parallel.tensor_overlap import _overlapped_rowwise_forward
 
     opts = dict(moe_capacity_factor=1.0, router_aux_loss_coef=0.1, num_hidden_layers=4, mlp_only_layers=[0])
     model_cfg = ModelConfig(**{**TP_MODEL, **opts})
@@ -461,6 +463,9 @@ def check_folded_experts(refs: dict):
         start, loss_ref, ref_params, ref_bias = references[p.microbatches]
         mesh = cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, etp=p.etp, fold_ep=p.fold_ep)
         runner = _step_matches(cfg, mesh, ids, labels, start, loss_ref, ref_params, "weights seed 3, batch seed 9")
+        if p.tp_overlap:
+            shared = runner.module.layers["1"].mlp.shared_expert
+            assert shared.down_proj.forward.__func__ is _overlapped_rowwise_forward, layout
         update_expert_bias(runner.module)
         for name, bias in runner.module.named_buffers():
             if name in ref_bias:

@@ -213,6 +213,35 @@ def test_step_time_counts_tp_traffic_and_bubble():
     assert 0 < predict_step_time(piped).bubble < 0.5
 
 
+def test_tp_overlap_charges_one_chunk_per_ring_and_what_the_gemm_does_not_hide():
+    """Qwen2.5-7B at tp 4 + SP without recomputation, NVLink at 225 GB/s, 40 % of the H100 peak: under
+    tp_overlap each of a layer's 10 rings (per column group q/k/v or gate/up of width n per rank and its
+    row projection o or down of width k: forward 2thn and 2tkh, backward 2tnh, 2thn and 4tkh) costs one
+    chunk's send (t / 4 tokens x 3584 x 2 bytes) plus 3 x what that send takes beyond one chunk's GEMM;
+    everything else (embedding and head collectives, all-reduces, FSDP) as planned without overlap. The
+    same bytes move, as sends instead of all-gathers and reduce-scatters."""
+    hw = Hardware(intra_gbps=225.0)
+    common = ["--parallel.activation_checkpointing=none", "--train.dtype=bfloat16"]
+    plain = predict_step_time(load_config(RECIPES / "qwen2p5_7b.toml", common), hw)
+    cfg = load_config(RECIPES / "qwen2p5_7b.toml", [*common, "--parallel.tp_overlap=true"])
+    over = predict_step_time(cfg, hw)
+    t_cfg, p = cfg.train, cfg.parallel
+    tokens = t_cfg.global_batch_size // p.dp // p.microbatches * t_cfg.seq_len
+    h, layers = 3584, 28
+    send = tokens / 4 * h * 2 / 225e9
+    rate = hw.peak_tflops * 1e12 * hw.mfu
+    rings = []
+    for n, k in (((28 + 2 * 4) // 4 * 128, 28 // 4 * 128), (2 * 18944 // 4, 18944 // 4)):
+        rings += [2 * tokens * h * n, 2 * tokens * k * h, 2 * tokens * n * h, 2 * tokens * h * n, 4 * tokens * k * h]
+    charged = layers * p.microbatches * sum(send + 3 * max(0.0, send - flops / 4 / rate) for flops in rings)
+    assert any(send > flops / 4 / rate for flops in rings) and any(send < flops / 4 / rate for flops in rings)
+    blocks = layers * p.microbatches * len(rings) * 3 * send  # each ring: 3 chunks sent
+    assert over.exposed_comm == pytest.approx(plain.exposed_comm - blocks + charged, rel=1e-9)
+    moved = over.comm_bytes["p2p/tp"] + over.comm_bytes["all_gather+reduce_scatter/tp"]
+    assert moved == pytest.approx(plain.comm_bytes["all_gather+reduce_scatter/tp"], rel=1e-12)
+    assert over.comm_bytes["p2p/tp"] == pytest.approx(blocks * 225e9, rel=1e-12)
+
+
 def test_infer_dp_and_its_error():
     cfg = load_config(RECIPES / "debug_dense.toml", ["--parallel.tp=2"])
     assert infer_dp(cfg, 8).parallel.dp == 4

@@ -31,7 +31,7 @@ from meshtron.parallel.tensor import (
     name_tp_gradients,
     parallel_token_loss_sum,
 )
-from meshtron.testing import fresh_seed, random_model, rel_err, run_checks
+from meshtron.testing import count_calls, fresh_seed, random_model, rel_err, run_checks
 
 DENSE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
@@ -45,13 +45,13 @@ def _tp_mesh(tp: int):
     return init_device_mesh(env.device_type(), (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
 
 
-def _parallel_copy(ref, tp_mesh, sp: bool, on_meta: bool):
+def _parallel_copy(ref, tp_mesh, sp: bool, on_meta: bool, overlap: bool = False):
     """The TP model with the reference weights, built either on meta (the training path) or by copy."""
     if not on_meta:
-        return apply_tensor_parallel(copy.deepcopy(ref), tp_mesh, sp)
+        return apply_tensor_parallel(copy.deepcopy(ref), tp_mesh, sp, overlap)
     with torch.device("meta"):
         model = build_model(ref.config)
-    apply_tensor_parallel(model, tp_mesh, sp)
+    apply_tensor_parallel(model, tp_mesh, sp, overlap)
     model.to_empty(device=env.local_device())
     model.tie_weights()
     with torch.no_grad():
@@ -87,17 +87,18 @@ class _EmbeddingGradRows(TorchDispatchMode):
         return out
 
 
-def _assert_parity(tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool = False, ac: bool = False):
+def _assert_parity(tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool = False, ac: bool = False,
+                   overlap: bool = False):
     cfg = ModelConfig(**DENSE, tie_word_embeddings=tie)
     ref = random_model(cfg, seed)
-    par = _parallel_copy(ref, _tp_mesh(tp), sp, on_meta)
+    par = _parallel_copy(ref, _tp_mesh(tp), sp, on_meta, overlap)
     if ac:  # recomputation replays the SP gathers; the sequence shards saved must still match
         apply_activation_checkpointing(par, "full")
     tokens, labels = _batch(cfg, seed)
     expected = _step(ref, tokens, labels, token_loss_sum)
     with _EmbeddingGradRows() as rows:
         actual = _step(par, tokens, labels, parallel_token_loss_sum)
-    where = f"seed {seed}: tp={tp} sp={sp} tie={tie} ac={ac}"
+    where = f"seed {seed}: tp={tp} sp={sp} tie={tie} ac={ac} overlap={overlap}"
     # The vocabulary-split embedding's weight gradient is computed for this rank's rows only.
     assert rows.seen == [math.ceil(cfg.vocab_size / tp)], (where, rows.seen)
     assert rel_err(actual, expected) < 1e-5, f"{where}: loss {actual.item()} vs {expected.item()}"
@@ -110,6 +111,42 @@ def _assert_parity(tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool
         assert err < 1e-4, f"{where}: {name} gradient rel err {err:.2e}"
     if tie:
         assert par.lm_head.weight is par.embed_tokens.weight
+    return actual, {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in par.named_parameters()}
+
+
+def _exchanges(calls) -> list[tuple[str, ...]]:
+    """Per ``batch_isend_irecv`` call: the element counts it sends."""
+    return [tuple(op.tensor.numel() for op in ops if op.op is dist.isend) for (ops, *_) in calls]
+
+
+def check_tp_overlap(seed):
+    """tp_overlap (SP's gathers and reduce-scatters as rings overlapped with their GEMMs): loss and
+    gradients equal to SP without overlap (float reassociation) and to the 1-rank model, at tp 2 (KV heads
+    split) and tp 4 (replicated, with activation checkpointing replaying the rings). Each overlapped GEMM
+    sends tp - 1 sequence shards, (tp - 1) / tp of the gathered tensor: the all-gather's and
+    reduce-scatter's bytes; the blocks run no all-gather or reduce-scatter (tp 4). Refused without SP."""
+    cfg = ModelConfig(**DENSE)
+    shard = BATCH * SEQ * cfg.hidden_size
+    for tp in (2, 4):
+        plain_loss, plain = _assert_parity(tp, True, seed + tp, ac=tp == 4)
+        with count_calls(dist, "batch_isend_irecv") as calls:
+            loss, grads = _assert_parity(tp, True, seed + tp, ac=tp == 4, overlap=True)
+        assert rel_err(loss, plain_loss) < 1e-5, (tp, loss.item(), plain_loss.item())
+        for name, grad in grads.items():
+            assert rel_err(grad, plain[name]) < 1e-5, f"tp={tp}: {name} rel err {rel_err(grad, plain[name]):.2e}"
+        # Per layer: 4 rings in forward (q/k/v and gate/up gathers, o and down reduce-scatters), 4 more
+        # replayed by the checkpointed forward, 6 in backward (as SP: 2 reduce-scatters, 4 gathers).
+        rings = cfg.num_hidden_layers * (4 + 6 + (4 if tp == 4 else 0))
+        assert _exchanges(calls) == [(shard // tp,)] * (rings * (tp - 1)), (tp, len(calls))
+    model = _parallel_copy(random_model(cfg, seed), _tp_mesh(4), sp=True, on_meta=True, overlap=True)
+    counts = _layer_collectives(model, *_batch(cfg, seed))
+    for layer in ("0", "1"):  # only the replicated KV heads' 4 gradient all-reduces are left
+        assert counts.get((f"Transformer.layers.{layer}", "forward"), Counter()) == Counter(), counts
+        assert counts.get((f"Transformer.layers.{layer}", "backward")) == Counter(all_reduce=4), counts
+    with torch.device("meta"):
+        model = build_model(cfg)
+    with pytest.raises(ConfigError, match=r"tp_overlap = true .* set sp = true"):
+        apply_tensor_parallel(model, _tp_mesh(2), sp=False, overlap=True)
 
 
 def check_parity_dense(seed):
@@ -239,7 +276,7 @@ class _Gemms(TorchDispatchMode):
     counted as the local one it runs; run once first: DTensor's first sharding propagation of an op
     computes it on fake tensors)."""
 
-    OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+    OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default, torch.ops.aten.bmm.default)
 
     def __enter__(self):
         self.shapes = Counter()
@@ -252,24 +289,25 @@ class _Gemms(TorchDispatchMode):
 
 
 def _work(run) -> Counter:
-    """The matrix products and collectives of ``run()``, counted."""
-    with _Gemms() as gemms, CommDebugMode() as comm:
+    """The matrix products, collectives and point-to-point exchanges of ``run()``, counted."""
+    with _Gemms() as gemms, CommDebugMode() as comm, count_calls(dist, "batch_isend_irecv") as exchanges:
         run()
-    return gemms.shapes + Counter({str(op): n for op, n in comm.get_comm_counts().items()})
+    return gemms.shapes + Counter({str(op): n for op, n in comm.get_comm_counts().items()}) + Counter(p2p=len(exchanges))
 
 
 def check_split_backward_computes_each_gradient_once(seed):
     """A zero-bubble split of a block's backward under SP (B: the input gradient; W: the weights')
     runs the GEMMs and collectives of one whole backward: SP's fused linears compute only the
-    gradients the running pass asks for (B needs no re-gather, W no input gradient or reduce-scatter)."""
+    gradients the running pass asks for (B needs no re-gather, W no input gradient or reduce-scatter);
+    so do the overlapped rings (tp_overlap)."""
     from meshtron.parallel.pipeline.executor import _backward_input
 
     cfg = ModelConfig(**DENSE)
     ref = random_model(cfg, seed)
     gen = torch.Generator().manual_seed(seed)
-    for tp in (2, 4):
+    for tp, overlap in ((2, False), (4, False), (4, True)):
         mesh = _tp_mesh(tp)
-        block = _parallel_copy(ref, mesh, sp=True, on_meta=True).layers["0"]
+        block = _parallel_copy(ref, mesh, sp=True, on_meta=True, overlap=overlap).layers["0"]
         full = torch.randn(BATCH, SEQ, cfg.hidden_size, generator=gen).to(env.local_device())
         shard = full.chunk(tp, dim=1)[mesh.get_local_rank()]
         grad = torch.randn(shard.shape, generator=gen).to(env.local_device())
@@ -293,7 +331,7 @@ def check_split_backward_computes_each_gradient_once(seed):
                 work = _work(lambda: out.backward(grad))
             grads[split] = work, x.grad, {n: p.grad for n, p in block.named_parameters()}
         (whole, x_ref, ref_grads), (split_work, x_grad, split_grads) = grads[False], grads[True]
-        assert split_work == whole, f"tp={tp}: B + W did {dict(split_work - whole)} more, {dict(whole - split_work)} less"
+        assert split_work == whole, f"tp={tp} overlap={overlap}: B + W did {dict(split_work - whole)} more, {dict(whole - split_work)} less"
         assert rel_err(x_grad, x_ref) < 1e-6
         for name, g in ref_grads.items():
             assert g is not None and rel_err(split_grads[name], g) < 1e-5, f"tp={tp}: {name}"
@@ -401,7 +439,7 @@ def test_tensor_parallel_8_ranks():
               check_loss_never_gathers_logits,
               check_split_backward_computes_each_gradient_once,
               check_pipeline_stages_and_uneven_vocab,
-              check_parity_dense]
+              check_parity_dense, check_tp_overlap]
     run_checks(checks, 8, seed, timeout=240)
 
 

@@ -26,7 +26,8 @@ torch 2.13 (i) ``grouped_mm``'s compile-time rule accepts bf16 only, while it ru
 attachment (``moe._AttachAuxLoss``, which adds the router loss's gradient in backward) gives wrong
 gradients: router weight relative error 3e-2 in one process and 0.24 on 4 ranks, exact with
 ``router_aux_loss_coef = 0``. Ring attention posts P2P transfers inside an autograd function, so a
-context-parallel block compiles with graph breaks around it.
+context-parallel block compiles with graph breaks around it; so does a block under ``tp_overlap``, whose
+rings run eagerly (their GEMMs with them) between the compiled pieces.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ from meshtron.models.qwen2 import CausalAttention
 
 
 def _single_graph(block: nn.Module) -> bool:
-    """Dense attention and MLP only: no communication the compiler cannot trace."""
+    """Dense attention and MLP only: no communication the compiler cannot trace (``sends_p2p``: a
+    module whose forward posts point-to-point transfers, as tp_overlap's rings do)."""
     attention = getattr(getattr(block, "self_attn", None), "core_attention", None)
-    return isinstance(attention, CausalAttention) and not moe_layers(block)
+    return (isinstance(attention, CausalAttention) and not moe_layers(block)
+            and not any(getattr(m, "sends_p2p", False) for m in block.modules()))
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> list[int]:

@@ -69,7 +69,7 @@ class NativeSteps:
             model.lm_head.chunk_tokens = self.cfg.train.loss_chunk_tokens
 
     def tensor(self, model: nn.Module) -> None:
-        apply_tensor_parallel(model, self.mesh["tp"], self.p.sp)
+        apply_tensor_parallel(model, self.mesh["tp"], self.p.sp, self.p.tp_overlap)
 
     def expert(self, model: nn.Module) -> None:
         # Under SP the MoE blocks keep their sequence shards, so tp ranks hold different tokens there.

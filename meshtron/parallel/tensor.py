@@ -29,8 +29,11 @@ sequence parallelism from Korthikanti et al. 2022):
 Collectives per dense layer: 2 all-reduces (no SP) or 2 all-gathers + 2 reduce-scatters (SP) in
 forward, the same again in backward, as Megatron; under SP backward adds the 2 all-gathers that
 re-gather the q/k/v and gate/up inputs. Replicated KV heads add 4 small all-reduces in backward
-(k/v weight and bias gradients). The tests count all of these; the MoE layer's counts (shared
-expert, router, expert dispatch) are in ``benchmarks/results/moe_tp.md``.
+(k/v weight and bias gradients). With ``overlap`` (``[parallel] tp_overlap``, SP only) each of those
+SP gathers and reduce-scatters is a ring of tp - 1 point-to-point exchanges of one sequence shard
+overlapped with its GEMM (``tensor_overlap.py``): 4 rings forward, 6 backward, the same bytes, and no
+all-gather or reduce-scatter left in the block. The tests count all of these; the MoE layer's counts
+(shared expert, router, expert dispatch) are in ``benchmarks/results/moe_tp.md``.
 """
 
 from __future__ import annotations
@@ -370,6 +373,18 @@ def _pass_wants(ctx) -> tuple[bool, bool]:
     return reached(first), any(map(reached, rest))
 
 
+def save_packed_projections(ctx, shard: torch.Tensor, mesh: DeviceMesh, count: int,
+                            weights_and_biases: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the backward of packed column-parallel projections needs (the input shard, the ``count``
+    weights, their widths, the mesh), saved on ``ctx``; returns the packed weight and bias."""
+    weights, biases = weights_and_biases[:count], weights_and_biases[count:]
+    ctx.mesh = mesh
+    ctx.widths = [w.shape[0] for w in weights]
+    ctx.has_bias = biases[0] is not None
+    ctx.save_for_backward(shard, *weights)
+    return torch.cat(weights), torch.cat(biases) if ctx.has_bias else None
+
+
 class _SequenceParallelLinears(torch.autograd.Function):
     """Column-parallel projections of one sequence-sharded input, packed along the last dim.
 
@@ -382,14 +397,9 @@ class _SequenceParallelLinears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard: torch.Tensor, mesh: DeviceMesh, count: int, *weights_and_biases: torch.Tensor | None):
-        weights, biases = weights_and_biases[:count], weights_and_biases[count:]
-        ctx.mesh = mesh
-        ctx.widths = [w.shape[0] for w in weights]
-        ctx.has_bias = biases[0] is not None
-        ctx.save_for_backward(shard, *weights)
+        weight, bias = save_packed_projections(ctx, shard, mesh, count, weights_and_biases)
         full = _in_sequence_order(_start_sequence_gather(shard, mesh), mesh.size())
-        bias = torch.cat(biases) if ctx.has_bias else None
-        return F.linear(full, torch.cat(weights), bias)
+        return F.linear(full, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_packed: torch.Tensor):
@@ -428,8 +438,11 @@ class SequenceParallelColwise(ParallelStyle):
     cost a full [B, S, H] per module). The module then receives the projections' outputs packed
     along the last dim in place of its input, and each projection returns a copy of its columns: the
     module may use its input only as the projections' input and for its leading (batch, sequence)
-    sizes, as meshtron's attention and MLP do.
+    sizes, as meshtron's attention and MLP do. ``function`` computes the packed projections (the
+    overlapped variant is ``meshtron.parallel.tensor_overlap.OverlappedColwise``).
     """
+
+    function = _SequenceParallelLinears
 
     def __init__(self, projections: dict[str, ColwiseParallel | ReplicatedKVHeads]):
         super().__init__()
@@ -460,7 +473,7 @@ class SequenceParallelColwise(ParallelStyle):
         def project(_module, args):
             shard = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
             weights, biases = zip(*(_local_linear(linear) for linear in linears))
-            packed = _SequenceParallelLinears.apply(shard, device_mesh, len(linears), *weights, *biases)
+            packed = self.function.apply(shard, device_mesh, len(linears), *weights, *biases)
             return (packed, *args[1:])
 
         module.register_forward_pre_hook(project)
@@ -547,13 +560,15 @@ def _default_positions_hook(tp: int):
     return hook
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool = False) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool = False, overlap: bool = False) -> nn.Module:
     """Shard ``model`` (a meshtron ``Transformer`` or a pipeline stage of one) over ``tp_mesh``.
 
     Works on meta-device models (then ``to_empty``, ``tie_weights`` and fill, e.g. with
     ``meshtron.checkpoint.fill_local_slices`` as ``materialize_sharded`` does) and on materialised
     ones (the full weights are split; the first tp rank's copy wins). The model's logits come out as a vocab-sharded DTensor
-    (``Shard(-1)``); compute the loss with :func:`parallel_token_loss_sum`.
+    (``Shard(-1)``); compute the loss with :func:`parallel_token_loss_sum`. ``overlap`` (needs ``sp``): the
+    blocks' gathers and reduce-scatters run as rings overlapped with their GEMMs
+    (``meshtron/parallel/tensor_overlap.py``).
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel expects the 1-D tp mesh (mesh['tp']), got {tp_mesh.ndim} dims")
@@ -564,8 +579,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool = Fals
         return model
     if model.embed_tokens is not None:
         parallelize_module(model.embed_tokens, tp_mesh, VocabParallelEmbedding(residual_layout(sp)))
+    if overlap and not sp:
+        raise ConfigError("[parallel] tp_overlap = true overlaps sequence parallelism's collectives; set sp = true.")
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _block_plan(block, cfg.kv_heads, cfg.head_size, tp, sp))
+        plan = _block_plan(block, cfg.kv_heads, cfg.head_size, tp, sp)
+        if overlap:
+            # Imported here: the overlapped styles build on this module's.
+            from meshtron.parallel.tensor_overlap import overlap_plan
+
+            plan = overlap_plan(plan)
+        parallelize_module(block, tp_mesh, plan)
     if model.norm is not None and sp:
         parallelize_module(model.norm, tp_mesh, SequenceParallel())
     if model.lm_head is not None:

@@ -9,7 +9,8 @@ step time = (compute + exposed communication) / (1 - bubble)
 - communication: bytes each rank sends per step for each (collective, mesh dimension), at the
   intra-node bandwidth when the group fits in one node (tp is innermost, pp outermost), else the
   inter-node one. tp, cp, ep and pp transfers sit on the critical path; FSDP / HSDP / replicate
-  traffic overlaps compute and only its excess is exposed;
+  traffic overlaps compute and only its excess is exposed, as does tp's with ``tp_overlap`` beyond one
+  chunk per ring (:func:`overlapped_tp_seconds`);
 - bubble: idle fraction of the simulated schedule (backward twice a forward, three times with
   recomputation; of it a split backward's ``W`` one forward, its ``B`` the rest; with activation
   checkpointing or compiled blocks the executor runs every backward whole at ``B``).
@@ -101,7 +102,8 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
     for their weight gradients, and those a checkpointed layer's recomputation repeats (it stops at the
     last tensor the backward needs); a split backward's ``B`` and ``W`` share them (``B`` the
     reduce-scatters of the input gradients, ``W`` the re-gathers); the embedding and the head add 2 each
-    where they are. Without SP, all-reduces, 1 per end. The vocab-parallel loss all-reduces
+    where they are; with ``tp_overlap`` the layers' are sends (``p2p/tp``, :func:`overlapped_rings`).
+    Without SP, all-reduces, 1 per end. The vocab-parallel loss all-reduces
     3 fp32 statistics per token; under SP, the gradients of the parameters whole on every tp rank are
     all-reduced; MoE layers add their router statistics, expert dispatch and etp exchanges. Not counted:
     scalars (a few bytes)."""
@@ -116,7 +118,11 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
         counts = [(_tp_transfers(cfg, i, p.sp), layer_checkpointed(cfg, i)) for i in layers]
         step = sum(n.step for n, _ in counts)
         recomputed = sum(n.recomputed for n, checkpointed in counts if checkpointed)
-        if p.sp:
+        if p.sp and p.tp_overlap:  # the blocks' as rings of sends (same bytes); the embedding and head as before
+            out["p2p/tp"] = sum(len(overlapped_rings(cfg, i)) for i in layers) * mb * act
+            if ends:
+                out["all_gather+reduce_scatter/tp"] = 2 * ends * mb * act
+        elif p.sp:
             out["all_gather+reduce_scatter/tp"] = (step + recomputed + 2 * ends) * mb * act
         else:
             out["all_reduce/tp"] = 2 * (step + recomputed + ends) * act * mb
@@ -188,6 +194,43 @@ def _tp_transfers(cfg: Config, layer: int, sp: bool) -> Transfers:
     if sp:
         return Transfers(5 + 5 * mlp, 2 + (2 if moe else 1) * mlp)
     return Transfers(2 + 2 * mlp, 1 + (1 if moe and mlp else 0))
+
+
+def overlapped_rings(cfg: Config, layer: int) -> list[float]:
+    """Under ``tp_overlap`` (``parallel/tensor_overlap.py``): the FLOPs of the GEMMs each tp ring of one
+    layer overlaps, per rank and micro-batch; each ring sends ``tp - 1`` sequence shards, the bytes of the
+    SP collective it replaces (:func:`_tp_transfers`' count, except that an overlapped MLP's recomputation
+    runs its down-projection ring before it saves that GEMM's input: 2, not 1). Per column-parallel group
+    (q/k/v, gate/up) of width ``n`` per rank reading hidden size ``h`` and its row-parallel projection
+    (o, down) of width ``k``, over ``t`` tokens: forward 2thn and 2tkh; backward the input gradient's
+    ring 2tnh, the weight gradient's re-gather 2thn, the row projection's output-gradient gather both
+    its gradients 4tkh; a checkpointed layer's recomputation repeats the forward two."""
+    m, p = cfg.model, cfg.parallel
+    t, h, tp = microbatch_tokens(cfg), m.hidden_size, p.tp
+    kv = m.kv_heads // tp if kv_split(m, tp) else 1  # a replicated KV head: each rank computes one
+    groups = [((m.num_attention_heads // tp + 2 * kv) * m.head_size, m.num_attention_heads // tp * m.head_size)]
+    width = m.shared_expert_intermediate_size if m.is_moe_layer(layer) else m.intermediate_size
+    if width:
+        groups.append((2 * width // tp, width // tp))
+    rings = []
+    for n, k in groups:
+        col, row = 2 * t * h * n, 2 * t * k * h
+        rings += [col, row, col, col, 2 * row] + ([col, row] if layer_checkpointed(cfg, layer) else [])
+    return rings
+
+
+def overlapped_tp_seconds(cfg: Config, hw: Hardware) -> float:
+    """Exposed time per step of pipeline rank 0's tp rings (``tp_overlap``): per ring, one chunk's
+    transfer (what a device does not hide: the issue's model of the ring's start, and of NCCL's kernels
+    taking SMs from the GEMM) plus, at each of its ``tp - 1`` steps, the chunk's transfer time beyond
+    the GEMM of one chunk it overlaps (GEMMs at ``hw.mfu`` of the peak)."""
+    p = cfg.parallel
+    chunk = microbatch_tokens(cfg) // p.tp * cfg.model.hidden_size * compute_bytes(cfg)
+    send = _seconds(cfg, "p2p/tp", chunk, hw)
+    gemm_rate = hw.peak_tflops * 1e12 * hw.mfu * p.tp  # a chunk is 1/tp of the ring's GEMM
+    layers = [i for chunk_index in _stage_chunks(cfg, None) for i in chunk_layers(cfg, chunk_index)]
+    rings = [flops for i in layers for flops in overlapped_rings(cfg, i)]
+    return p.microbatches * sum(send + (p.tp - 1) * max(0.0, send - flops / gemm_rate) for flops in rings)
 
 
 def _is_router(param) -> bool:
@@ -329,7 +372,9 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware(), compute_seconds: f
     compute = compute_seconds if compute_seconds is not None else (
         flops_per_token(m, t.seq_len) * tokens * recompute / world / (hw.peak_tflops * 1e12 * hw.mfu))
     comm = communication(cfg)
-    critical = sum(_seconds(cfg, k, v, hw) for k, v in comm.items() if not _is_data_parallel(k))
+    critical = sum(_seconds(cfg, k, v, hw) for k, v in comm.items() if not _is_data_parallel(k) and k != "p2p/tp")
+    if "p2p/tp" in comm:  # tp_overlap: only what the rings' GEMMs do not hide
+        critical += overlapped_tp_seconds(cfg, hw)
     overlapped = sum(_seconds(cfg, k, v, hw) for k, v in comm.items() if _is_data_parallel(k))
     exposed = critical + max(0.0, overlapped - compute)
     # Backward costs twice a forward, plus the recomputed forward of the checkpointed share of layers.
@@ -343,4 +388,5 @@ def _is_data_parallel(key: str) -> bool:
     return key.split("/")[1] in ("dp", "dp_ep_cp", "cp_ep", "edp", "edp_shard", "edp_replicate")
 
 
-__all__ = ["COMM_DIMS", "Hardware", "StepTime", "communication", "group_is_intra_node", "pipeline_bubble", "predict_step_time"]
+__all__ = ["COMM_DIMS", "Hardware", "StepTime", "communication", "group_is_intra_node", "overlapped_rings",
+           "overlapped_tp_seconds", "pipeline_bubble", "predict_step_time"]
