@@ -206,6 +206,13 @@ class ParallelConfig:
         "blocks whose FSDP all-gather is issued ahead of use (next block in forward, previous in backward); 0 "
         "leaves FSDP2's implicit prefetching",
     )
+    fsdp_gather: str = recipe_key(
+        "per_microbatch",
+        "with `fsdp` / `hsdp` and several micro-batches (pp = 1): `per_microbatch` gathers each unit in every "
+        "micro-batch's forward and backward and (`fsdp`) reduce-scatters every backward; `per_step` gathers "
+        "each unit once, holds it and its unsharded fp32 gradients through the step and reduces once (as the "
+        "pipeline does)",
+    )
     prove_blocks: bool = recipe_key(
         True,
         "with `[model] hf_model`: before training, run the first block of each kind split and whole on a probe "
@@ -516,6 +523,7 @@ V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank, placed down the ranks an
 VIRTUAL = ("interleaved",) + V_SHAPED  # the schedules that run more than one virtual stage per rank
 DTYPES = ("float32", "bfloat16")
 DATA_PARALLEL_MODES = ("fsdp", "hsdp", "replicate")
+FSDP_GATHERS = ("per_microbatch", "per_step")  # how often FSDP gathers a unit under accumulation
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 NONFINITE_POLICIES = ("stop", "skip")
 MEMORY_CHECKS = ("error", "warn", "off")
@@ -543,6 +551,7 @@ def _require_choice(source: str, key: str, value: Any, choices: tuple[str, ...])
 
 def _validate_data_parallel(p: ParallelConfig, source: str) -> None:
     _require_choice(source, "[parallel] data_parallel", p.data_parallel, DATA_PARALLEL_MODES)
+    _require_choice(source, "[parallel] fsdp_gather", p.fsdp_gather, FSDP_GATHERS)
     _require_choice(source, "[parallel] activation_checkpointing", p.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _require(
         p.ac_every >= 1,
