@@ -208,10 +208,11 @@ class ParallelConfig:
     )
     fsdp_gather: str = recipe_key(
         "per_microbatch",
-        "with `fsdp` / `hsdp` and several micro-batches (pp = 1): `per_microbatch` gathers each unit in every "
-        "micro-batch's forward and backward and (`fsdp`) reduce-scatters every backward; `per_step` gathers "
-        "each unit once, holds it and its unsharded fp32 gradients through the step and reduces once (as the "
-        "pipeline does)",
+        "without a pipeline (pipelines always hold their stage per step): `per_microbatch` all-gathers each FSDP "
+        "unit in every micro-batch's forward and again in its backward and (`fsdp`) reduce-scatters every "
+        "backward; `per_step` gathers each unit once per step and holds it, with its unsharded fp32 gradients, "
+        "until the last backward reduces once (more memory, fewer collectives: `meshtron.plan` tries both); no "
+        "effect with `replicate`",
     )
     prove_blocks: bool = recipe_key(
         True,
