@@ -138,9 +138,9 @@ class HFStepRunner:
         tokens = global_token_count(micro, self.batch_group)
         total = torch.zeros((), device=input_ids.device)
         for i, (ids, targets, _) in enumerate(micro):
-            self.sync.forward(i)
+            self.sync.forward(i, len(micro))
             loss = self._loss(ids, targets, tokens)
-            self.sync.backward(i)
+            self.sync.backward(i, len(micro))
             loss.backward()
             total += loss.detach()
         return total

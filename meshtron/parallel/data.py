@@ -216,34 +216,35 @@ def gathers_once_per_step(p: ParallelConfig) -> bool:
     return p.fsdp_gather == "per_step" and p.data_parallel != "replicate"
 
 
-def reduces_gradients(p: ParallelConfig, microbatch: int) -> bool:
-    """Whether micro-batch ``microbatch``'s backward (pp = 1) reduces gradients over the data ranks:
-    full sharding gathered per micro-batch reduce-scatters every one, so unsharded gradients never
-    pile up; otherwise the full gradients accumulate and the last micro-batch reduces them."""
+def reduces_gradients(p: ParallelConfig, microbatch: int, microbatches: int) -> bool:
+    """Whether micro-batch ``microbatch`` of ``microbatches``' backward (pp = 1) reduces gradients over
+    the data ranks: full sharding gathered per micro-batch reduce-scatters every one, so unsharded
+    gradients never pile up; otherwise the full gradients accumulate and the last micro-batch reduces."""
     every = p.data_parallel == "fsdp" and not gathers_once_per_step(p)
-    return every or microbatch == p.microbatches - 1
+    return every or microbatch == microbatches - 1
 
 
 class MicrobatchSync:
-    """What each micro-batch of a step without a pipeline gathers and reduces (module docstring):
-    call :meth:`forward` before micro-batch ``i``'s forward and :meth:`backward` before its backward."""
+    """What each micro-batch of a step without a pipeline gathers and reduces (module docstring): call
+    :meth:`forward` before the forward of micro-batch ``microbatch`` of the step's ``microbatches`` and
+    :meth:`backward` before its backward."""
 
     def __init__(self, module: nn.Module, p: ParallelConfig):
         self.module, self.p = module, p
         once = gathers_once_per_step(p)
         self.held = [m for m in module.modules() if isinstance(m, FSDPModule)] if once else []
 
-    def forward(self, microbatch: int) -> None:
+    def forward(self, microbatch: int, microbatches: int) -> None:
         if self.held:
             if microbatch == 0:
                 for unit in self.held:
                     hold_unsharded(unit, True)
         elif isinstance(self.module, FSDPModule):  # a transformers model on one data rank is not wrapped
-            self.module.set_requires_gradient_sync(reduces_gradients(self.p, microbatch))
+            self.module.set_requires_gradient_sync(reduces_gradients(self.p, microbatch, microbatches))
 
-    def backward(self, microbatch: int) -> None:
+    def backward(self, microbatch: int, microbatches: int) -> None:
         # Released after the last forward, not before: resharding after it would gather again in backward.
-        if self.held and microbatch == self.p.microbatches - 1:
+        if self.held and microbatch == microbatches - 1:
             for unit in self.held:
                 hold_unsharded(unit, False)
 

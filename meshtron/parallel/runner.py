@@ -55,9 +55,9 @@ class StepRunner:
         total = torch.zeros((), device=self.device)
         self._aux = []
         for i, (ids, lab, pos) in enumerate(micro):
-            self.sync.forward(i)
+            self.sync.forward(i, len(micro))
             loss = self.module(ids, pos, labels=lab) / tokens
-            self.sync.backward(i)
+            self.sync.backward(i, len(micro))
             loss.backward()
             total += loss.detach()
             self._aux.extend(m.last_aux_loss for m in self.moes if m.last_aux_loss is not None)

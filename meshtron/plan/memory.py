@@ -708,7 +708,7 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
     units = unit_elements(cfg, pp_rank)
     largest = max(units.values())
     root = units.get("root", 0)
-    accumulate = p.microbatches > 1 and not reduces_gradients(p, 0)
+    accumulate = p.microbatches > 1 and not reduces_gradients(p, 0, p.microbatches)
     held = c * sum(units.values()) if gathers_once_per_step(p) else 0  # fsdp_gather = "per_step"
     if phase == "forward":
         unsharded = FP32 * sum(units.values()) if accumulate else 0
@@ -736,7 +736,7 @@ def sharded_grads_before_backward(cfg: Config) -> bool:
     gathered per micro-batch reduces every micro-batch). The step starts with none
     (``zero_grad(set_to_none)``); replication, HSDP and ``per_step`` reduce on the last micro-batch."""
     p = cfg.parallel
-    return p.microbatches > 1 and reduces_gradients(p, 0)
+    return p.microbatches > 1 and reduces_gradients(p, 0, p.microbatches)
 
 
 class _UnitGroup(NamedTuple):

@@ -268,7 +268,7 @@ def _data_parallel_group_bytes(cfg: Config, shapes: list[list[int]], replicas: i
     sharding = ranks if p.data_parallel == "fsdp" else shard
     once = p.pp > 1 or gathers_once_per_step(p)
     gathers = 1 if once else (1 if root else 2) * p.microbatches
-    reduces = 1 if p.pp > 1 or not reduces_gradients(p, 0) else p.microbatches
+    reduces = 1 if p.pp > 1 or not reduces_gradients(p, 0, p.microbatches) else p.microbatches
     moved = _padded(shapes, sharding, even) * (gathers * compute_bytes(cfg) + reduces * FP32) * _ring(sharding)
     if p.data_parallel == "fsdp":
         return {f"all_gather+reduce_scatter/{whole}": moved}
