@@ -195,8 +195,9 @@ def set_prefetch(model: nn.Module, depth: int) -> None:
                 units[0].set_modules_to_backward_prefetch(behind)
 
 
-# What the pipeline executor needs of FSDP to gather and reduce each unit once per step
-# (``meshtron.parallel.pipeline.executor``); FSDP's private calls stay in this module.
+# What the pipeline executor (``meshtron.parallel.pipeline.executor``) and, without a pipeline,
+# :class:`MicrobatchSync` need of FSDP to gather and reduce each unit once per step; FSDP's private
+# calls stay in this module.
 
 
 def hold_unsharded(unit: nn.Module, hold: bool) -> None:
