@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.hf import from_hf
-from meshtron.mesh import build_mesh, dense_data_mesh
+from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh
 from meshtron.models import aux_loss, build_model, token_loss_sum
 from meshtron.parallel.layout import validate_layout
 from meshtron.parallel.runner import build_step_runner
@@ -258,13 +258,12 @@ def check_fsdp_gathers_and_reduces_once_per_step(_folder):
         assert abs(norm - ref_norm) / ref_norm < 1e-5, (layout, norm, ref_norm)
 
 
-# Without a pipeline (pp = 1), 8 ranks: (layout as in LAYOUTS, data_parallel), each run per micro-batch and
-# per step ([parallel] fsdp_gather): dense with cp x tp + SP, MoE under hsdp
-# (sharded over cp, its experts over cp x tp), tied embeddings with cp.
+# Without a pipeline (pp = 1), 8 ranks: (layout as in LAYOUTS, data_parallel, ep), each run per micro-batch
+# and per step ([parallel] fsdp_gather): dense with cp x tp + SP, MoE under hsdp with ep x tp (dense units
+# sharded over ep, experts split over ep and sharded over tp inside a dp slice).
 STEP_FSDP_LAYOUTS = [
-    ((dict(DENSE, vocab_size=96), 1, 2, "1f1b", 4, 1, 2, 2, True), "fsdp"),  # vocab rows even over tp x data
-    ((MOE, 1, 2, "1f1b", 4, 1, 2, 2), "hsdp"),
-    ((TIED, 1, 4, "1f1b", 3, 1, 1, 2), "fsdp"),
+    ((dict(DENSE, vocab_size=96), 1, 2, "1f1b", 4, 1, 2, 2, True), "fsdp", 1),  # vocab rows even over tp x data
+    ((MOE, 1, 2, "1f1b", 4, 1, 2), "hsdp", 2),
 ]
 
 
@@ -294,17 +293,20 @@ def check_fsdp_gathers_once_per_step_without_pipeline(_folder):
     """``fsdp_gather = "per_step"`` gathers and reduce-scatters each FSDP unit once per step (per
     micro-batch: 2 m gathers, m reduce-scatters; counted for one step), and equals the single-process
     step (the first step also initialises FSDP lazily, the second starts from released units)."""
-    for layout, mode in STEP_FSDP_LAYOUTS:
+    for layout, mode, ep in STEP_FSDP_LAYOUTS:
+        model, pp, dp, *rest = layout
+        readers = _config(model, pp, dp * ep, *rest)  # ep ranks read samples of their own, as dp ranks do
+        ids, labels = _batch(readers)
+        ref, ref_loss, ref_aux, ref_norm = _reference(readers, ids, labels)
         cfg = _config(*layout)
-        ids, labels = _batch(cfg)
-        ref, ref_loss, ref_aux, ref_norm = _reference(cfg, ids, labels)
+        cfg.parallel.ep, cfg.train.global_batch_size = ep, readers.train.global_batch_size
         for gather in ("per_microbatch", "per_step"):
             cfg.parallel.data_parallel, cfg.parallel.fsdp_gather = mode, gather
             p = cfg.parallel
-            mesh = cached_mesh(dp=p.dp, cp=p.cp, tp=p.tp)
+            mesh = cached_mesh(dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp)
             runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
-            dp_rank = mesh["dp"].get_local_rank()
-            local = ids.chunk(p.dp)[dp_rank], labels.chunk(p.dp)[dp_rank]
+            row = batch_mesh(mesh).get_local_rank()
+            local = ids.chunk(dp * ep)[row], labels.chunk(dp * ep)[row]
             load_full_state_dict(runner.module, _random_model(cfg).state_dict())
             expected = _step_collectives(p, units_with_parameters(runner.module))
             for step in range(2 if gather == "per_step" else 1):
