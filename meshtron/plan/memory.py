@@ -45,7 +45,7 @@ Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 
 The peak (:func:`rank_breakdown`) is the largest of three moments, as torch's ``MemTracker`` finds
 them (8 CPU ranks: ``benchmarks/plan_whole_step.py``; one rank with real Qwen2.5 shapes:
 ``benchmarks/plan_single_rank.py``): the end of the forward (all saved activations and the loss's
-chunk buffers; with pp = 1 only the root and LM-head units gathered, no gradient reduction, and
+chunk buffers; with pp = 1 only the root and LM-head units gathered (every unit, per step), no gradient reduction, and
 unsharded gradients only when earlier micro-batches left them accumulating), the backward of one
 layer (saved activations plus that layer's working set, the micro-batch's own loss tensors consumed,
 the gathered / unsharded-gradient / reduce-scatter buffers) and the end of the backward (every
@@ -702,7 +702,8 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
     of the forward (``phase="forward"``: only the root and LM-head units gathered, blocks reshard after
     their forward, no gradient being reduced, unsharded gradients only when earlier micro-batches'
     backward left them accumulating) or at the end of the backward (``phase="backward end"``: only the
-    embedding and root units left to reduce). Pipelines: :func:`pipeline_moments`."""
+    embedding and root units left to reduce). Gathered per step (``fsdp_gather``), every unit stays
+    gathered through the forward and the backward. Pipelines: :func:`pipeline_moments`."""
     p = cfg.parallel
     c = compute_bytes(cfg)
     units = unit_elements(cfg, pp_rank)
