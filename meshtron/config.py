@@ -212,6 +212,14 @@ class ParallelConfig:
         "blocks whose FSDP all-gather is issued ahead of use (next block in forward, previous in backward); 0 "
         "leaves FSDP2's implicit prefetching",
     )
+    fsdp_gather: str = recipe_key(
+        "per_microbatch",
+        "without a pipeline (pipelines always hold their stage per step): `per_microbatch` all-gathers each FSDP "
+        "unit in every micro-batch's forward and again in its backward and (`fsdp`) reduce-scatters every "
+        "backward; `per_step` gathers each unit once per step and holds it, with its unsharded fp32 gradients, "
+        "until the last backward reduces once (more memory, fewer collectives: `meshtron.plan` tries both); no "
+        "effect with `replicate`",
+    )
     prove_blocks: bool = recipe_key(
         True,
         "with `[model] hf_model`: before training, run the first block of each kind split and whole on a probe "
@@ -522,6 +530,7 @@ V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank, placed down the ranks an
 VIRTUAL = ("interleaved",) + V_SHAPED  # the schedules that run more than one virtual stage per rank
 DTYPES = ("float32", "bfloat16")
 DATA_PARALLEL_MODES = ("fsdp", "hsdp", "replicate")
+FSDP_GATHERS = ("per_microbatch", "per_step")  # how often FSDP gathers a unit under accumulation
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 NONFINITE_POLICIES = ("stop", "skip")
 MEMORY_CHECKS = ("error", "warn", "off")
@@ -549,6 +558,7 @@ def _require_choice(source: str, key: str, value: Any, choices: tuple[str, ...])
 
 def _validate_data_parallel(p: ParallelConfig, source: str) -> None:
     _require_choice(source, "[parallel] data_parallel", p.data_parallel, DATA_PARALLEL_MODES)
+    _require_choice(source, "[parallel] fsdp_gather", p.fsdp_gather, FSDP_GATHERS)
     _require_choice(source, "[parallel] activation_checkpointing", p.activation_checkpointing, ACTIVATION_CHECKPOINTING)
     _require(
         p.ac_every >= 1,

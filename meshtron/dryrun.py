@@ -327,8 +327,9 @@ def _warm_up(cfg: Config, runner, optimizer, ids: torch.Tensor, labels: torch.Te
     """The untraced first step: it creates the optimizer state and FSDP's lazy state, and lets DTensor
     infer every op's output shape (:class:`ShapeInferences`), which the traced step then finds done as
     a real second step does. Without a pipeline, two micro-batches of the traced ones' size do all of
-    it (the first accumulates, HSDP and replicate without reducing; the last reduces; every parameter
-    gathered and stepped; every op at the traced shapes) at a fraction of the host work: the 32B
+    it (the first accumulates, HSDP, replicate and ``fsdp_gather = "per_step"`` without reducing; the
+    last reduces; every parameter gathered and stepped; every op at the traced shapes) at a fraction of
+    the host work: the 32B
     recipe's 8 micro-batches take 35 s here. A pipeline's schedule is built for its micro-batch count,
     so it runs the whole step."""
     micro = cfg.parallel.microbatches

@@ -38,7 +38,8 @@ from meshtron.mesh import batch_mesh
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.pipeline.schedules import VIRTUAL
 from meshtron.testing import (
-    HF_TINY_FAMILIES, HF_TINY_SIZES, cached_mesh, cached_recipe_mesh, rel_err, run_checks, whole_weight_passes,
+    HF_TINY_FAMILIES, HF_TINY_SIZES, cached_mesh, cached_recipe_mesh, count_calls, rel_err, run_checks,
+    units_with_parameters, whole_weight_passes,
 )
 
 SMALL = dict(HF_TINY_SIZES, num_hidden_layers=4)
@@ -295,7 +296,8 @@ RECIPE_LAYOUTS = {
     "qwen2": {"pp2_tp2_zbv": dict(pp=2, tp=2, schedule='"zbv"', virtual_stages=2, microbatches=4)},
     # MoE folders with output_router_logits: the aux loss counted once per micro-batch on every layout;
     # under pp its router statistics travel with the pipeline's boundary tensors (meshtron.hf.router).
-    "qwen2_moe": {"dp2_ep2_tp2": dict(dp=2, ep=2, tp=2), "pp2_dp2_ep2": dict(pp=2, dp=2, ep=2),
+    # dp2_ep2_tp2 gathers its FSDP units once per step (the transformers step shares MicrobatchSync).
+    "qwen2_moe": {"dp2_ep2_tp2": dict(dp=2, ep=2, tp=2, fsdp_gather='"per_step"'), "pp2_dp2_ep2": dict(pp=2, dp=2, ep=2),
                   "pp2_ep2_tp2": dict(pp=2, ep=2, tp=2)},
     "qwen3_moe": {"pp2_dp2_ep2": dict(pp=2, dp=2, ep=2), "pp2_ep2_tp2_sp": dict(pp=2, ep=2, tp=2, sp="true")},
     "mixtral": {"pp2_dp2_ep2_interleaved": dict(pp=2, dp=2, ep=2, schedule='"interleaved"', virtual_stages=2),
@@ -406,6 +408,30 @@ def recipe_resume(root: str, folders: dict) -> None:
               ["--checkpoint.resume", "true", "--checkpoint.dir", str(root / "ckpt")])
 
 
+def recipe_gathers_once_per_step(root: str, folders: dict) -> None:
+    """The transformers step with ``fsdp_gather = "per_step"`` (dp2_ep2_tp2 above, whose losses follow the
+    single-rank run's): each FSDP unit all-gathered and reduce-scattered once per step of 2 micro-batches,
+    the second step too (the native step's per-micro-batch counts: ``tests/test_pipeline_parallel.py``)."""
+    from meshtron.config import load_config
+    from meshtron.hf.runner import build_runner, with_hf_model
+
+    args = ["--model.hf_model", folders["qwen2_moe"], "--parallel.microbatches", "2"]
+    args += [a for key, value in RECIPE_LAYOUTS["qwen2_moe"]["dp2_ep2_tp2"].items()
+             for a in (f"--parallel.{key}", str(value))]
+    cfg = with_hf_model(load_config(ROOT / "recipes" / "debug_dense.toml", args))
+    mesh = cached_recipe_mesh(cfg)
+    runner = build_runner(cfg, mesh, torch.device("cpu"))
+    units = units_with_parameters(runner.module)
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
+    for step in range(2):
+        runner.module.zero_grad(set_to_none=True)
+        tp = mesh["tp"].get_group()  # MoE under tp gathers tokens over tp with the same call
+        with (count_calls(torch.distributed, "all_gather_single", skip_group=tp) as gathers,
+              count_calls(torch.distributed, "reduce_scatter_single", skip_group=tp) as reduces):
+            runner.forward_backward(ids, ids)
+        assert len(gathers) == len(reduces) == units, (step, len(gathers), len(reduces), units)
+
+
 def _losses(out: Path, key: str = "loss") -> list[float]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r[key] for r in records if key in r]
@@ -417,7 +443,7 @@ def recipe_runs(tmp_path_factory):
     folders = _recipe_folders(root)
     run_checks([recipe_single_rank], 1, str(root), folders, timeout=600)
     run_checks([recipe_layouts, recipe_resume], 4, str(root), folders, timeout=900)
-    run_checks([recipe_layouts], 8, str(root), folders, timeout=900)
+    run_checks([recipe_layouts, recipe_gathers_once_per_step], 8, str(root), folders, timeout=900)
     return root
 
 

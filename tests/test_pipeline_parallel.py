@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.hf import from_hf
-from meshtron.mesh import build_mesh, dense_data_mesh
+from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh
 from meshtron.models import aux_loss, build_model, token_loss_sum
 from meshtron.parallel.layout import validate_layout
 from meshtron.parallel.runner import build_step_runner
@@ -258,6 +258,68 @@ def check_fsdp_gathers_and_reduces_once_per_step(_folder):
         assert abs(norm - ref_norm) / ref_norm < 1e-5, (layout, norm, ref_norm)
 
 
+# Without a pipeline (pp = 1), 8 ranks: (layout as in LAYOUTS, data_parallel, ep), each run per micro-batch
+# and per step ([parallel] fsdp_gather): dense with cp x tp + SP, MoE under hsdp with ep x tp (dense units
+# sharded over ep, experts split over ep and sharded over tp inside a dp slice).
+STEP_FSDP_LAYOUTS = [
+    ((dict(DENSE, vocab_size=96), 1, 2, "1f1b", 4, 1, 2, 2, True), "fsdp", 1),  # vocab rows even over tp x data
+    ((MOE, 1, 2, "1f1b", 4, 1, 2), "hsdp", 2),
+]
+
+
+def _step_collectives(p: ParallelConfig, units: int) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of FSDP per step without a pipeline, counted from the rules: per
+    micro-batch every unit is gathered in forward and again in backward but the root (kept from forward
+    to backward), and full sharding reduce-scatters every backward (hsdp once); per step each unit is
+    gathered once and reduce-scatters once."""
+    m = p.microbatches
+    if p.fsdp_gather == "per_step":
+        return units, units
+    return 2 * m * (units - 1) + m, units * (m if p.data_parallel == "fsdp" else 1)
+
+
+def _counted_step(runner, mesh, ids, labels) -> tuple[int, int, torch.Tensor]:
+    """(all-gathers, reduce-scatters, loss) of one step: FSDP's collectives only (MoE under tp gathers
+    tokens over tp with the same call)."""
+    runner.module.zero_grad(set_to_none=True)
+    tp_group = mesh["tp"].get_group()
+    with (count_calls(dist, "all_gather_single", skip_group=tp_group) as gathers,
+          count_calls(dist, "reduce_scatter_single", skip_group=tp_group) as reduces):
+        loss = runner.forward_backward(ids, labels)
+    return len(gathers), len(reduces), loss
+
+
+def check_fsdp_gathers_once_per_step_without_pipeline(_folder):
+    """``fsdp_gather = "per_step"`` gathers and reduce-scatters each FSDP unit once per step (per
+    micro-batch: 2 m gathers, m reduce-scatters; counted for one step), and equals the single-process
+    step (the first step also initialises FSDP lazily, the second starts from released units)."""
+    for layout, mode, ep in STEP_FSDP_LAYOUTS:
+        model, pp, dp, *rest = layout
+        readers = _config(model, pp, dp * ep, *rest)  # ep ranks read samples of their own, as dp ranks do
+        ids, labels = _batch(readers)
+        ref, ref_loss, ref_aux, ref_norm = _reference(readers, ids, labels)
+        cfg = _config(*layout)
+        cfg.parallel.ep, cfg.train.global_batch_size = ep, readers.train.global_batch_size
+        for gather in ("per_microbatch", "per_step"):
+            cfg.parallel.data_parallel, cfg.parallel.fsdp_gather = mode, gather
+            p = cfg.parallel
+            mesh = cached_mesh(dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp)
+            runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+            row = batch_mesh(mesh).get_local_rank()
+            local = ids.chunk(dp * ep)[row], labels.chunk(dp * ep)[row]
+            load_full_state_dict(runner.module, _random_model(cfg).state_dict())
+            expected = _step_collectives(p, units_with_parameters(runner.module))
+            for step in range(2 if gather == "per_step" else 1):
+                *counts, loss = _counted_step(runner, mesh, *local)
+                assert tuple(counts) == expected, (layout, mode, gather, step, counts, expected)
+        assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5, (layout, loss, ref_loss)
+        if ref_aux is not None:
+            assert abs(runner.aux_loss() - ref_aux) / ref_aux < 1e-5, (layout, runner.aux_loss(), ref_aux)
+        _check_grads(runner.module, ref, dense_data_mesh(mesh).get_group(), layout)
+        norm = runner.clip_grad_norm(1e9)
+        assert abs(norm - ref_norm) / ref_norm < 1e-5, (layout, norm, ref_norm)
+
+
 def check_zero_bubble_accumulates_in_fp32_under_bf16(_folder):
     """Under bf16 mixed precision a zb1p step gives 1F1B's gradients bit for bit: each W's weight
     gradients join FSDP's fp32 accumulator, as each whole backward's do."""
@@ -326,6 +388,7 @@ def test_pipeline_matches_single_process_on_8_ranks():
                 check_pipeline_matches_single_process,
                 check_zero_bubble_schedules_match_single_process,
                 check_fsdp_gathers_and_reduces_once_per_step,
+                check_fsdp_gathers_once_per_step_without_pipeline,
                 check_zero_bubble_accumulates_in_fp32_under_bf16,
                 check_zero_bubble_with_checkpointing_replays_each_block_once,
                 check_clipping_and_export_cover_all_stages,

@@ -545,3 +545,60 @@ def test_layer_figures_match_what_autograd_holds(recipe, dtype):
     recorded = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes()
                 for _, grads, _ in deferred.nodes for g in grads if g is not None}
     assert captured_gradient_bytes(cfg, 0) * tokens == pytest.approx(sum(recorded.values()), rel=0.01)
+
+
+def _debug_dense_elements(m) -> int:
+    """Parameters of the (untied) debug dense model from its shapes: embedding and LM head, per layer
+    q / o (H x H, q with its bias), k / v (H x KV heads x head size, with biases), gate / up / down
+    (H x I) and two norms, and the final norm."""
+    kv = m.kv_heads * m.head_size
+    layer = 2 * m.hidden_size ** 2 + m.hidden_size + 2 * (m.hidden_size * kv + kv) + 3 * m.hidden_size * \
+        m.intermediate_size + 2 * m.hidden_size
+    return 2 * m.vocab_size * m.hidden_size + m.num_hidden_layers * layer + m.hidden_size
+
+
+def test_fsdp_gathered_once_per_step_holds_the_model_and_gathers_once():
+    """``fsdp_gather = "per_step"`` on the debug dense model (dp 4, bf16, 4 micro-batches): from the end of
+    the forward through the backward the rank holds every parameter gathered in bf16 and the gradients of
+    the whole model accumulating in fp32 (2 + 4 bytes a parameter), where per micro-batch it holds a few
+    units and no accumulation; and it sends one bf16 gather and one fp32 reduce-scatter of the model per
+    step, where per micro-batch it gathers every unit 8 times (the root unit, the final norm, 4) and
+    reduce-scatters 4 times. Ring traffic (n - 1) / n; every dim 0 divides by 4 (no padding)."""
+    from meshtron.plan.memory import data_parallel_bytes
+    from meshtron.plan.speed import communication
+
+    cfg = _config("debug_dense", dict(dp=4, microbatches=4, fsdp_gather="per_step", tie_word_embeddings=False))
+    cfg.train.dtype = "bfloat16"
+    n, h, ring = _debug_dense_elements(cfg.model), cfg.model.hidden_size, 3 / 4
+    for phase in ("forward", "backward"):
+        held = data_parallel_bytes(cfg, 0, phase)
+        assert (held["gathered"], held["unsharded_grads"]) == (2 * n, 4 * n), (phase, held, n)
+    assert communication(cfg)["all_gather+reduce_scatter/dp_ep_cp"] == n * (2 + 4) * ring
+    cfg.parallel.fsdp_gather = "per_microbatch"
+    per_microbatch = data_parallel_bytes(cfg, 0, "forward")
+    assert per_microbatch["gathered"] < 2 * n / 2 and per_microbatch["unsharded_grads"] == 0, per_microbatch
+    gathers = 2 * 4 * (n - h) + 4 * h
+    assert communication(cfg)["all_gather+reduce_scatter/dp_ep_cp"] == (gathers * 2 + 4 * n * 4) * ring
+
+
+def test_search_gathers_once_per_step_where_it_is_faster_and_fits():
+    """Qwen2.5-7B on dp 48 x tp 2 over 10 GB/s links: gathering every micro-batch sends more than the
+    compute can hide, so in 80 GiB the search holds the weights per step; in 18 GiB no variant holding them
+    fits (the rank's half of the model held in bf16 is 7.1 GiB on top of the rest) and it gathers per
+    micro-batch."""
+    import dataclasses
+
+    from meshtron.plan.search import _variants, best_variant
+
+    cfg = load_config(RECIPES / "qwen2p5_7b.toml", ["--parallel.dp", "48", "--parallel.tp", "2",
+                                                     "--train.global_batch_size", "384", "--train.seq_len", "4096"])
+    shape = dict(pp=1, dp=48, cp=1, ep=1, tp=2, etp=1, fold_ep=False)
+    roomy = best_variant(cfg, shape, 96, Hardware(inter_gbps=10.0))
+    assert roomy.cfg.parallel.fsdp_gather == "per_step", roomy.layout()
+    twin = dataclasses.replace(roomy.cfg, parallel=dataclasses.replace(roomy.cfg.parallel, fsdp_gather="per_microbatch"))
+    assert predict_step_time(twin, Hardware(inter_gbps=10.0)).seconds > roomy.time.seconds
+    tight = Hardware(inter_gbps=10.0, memory_gib=18.0)
+    chosen = best_variant(cfg, shape, 96, tight)
+    assert chosen.fits and chosen.cfg.parallel.fsdp_gather == "per_microbatch", chosen.layout()
+    held = [predict_memory(v).total for v in _variants(cfg, shape, 96) if v.parallel.fsdp_gather == "per_step"]
+    assert held and min(held) > 18 * GIB, min(held) / GIB

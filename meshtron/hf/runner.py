@@ -32,7 +32,8 @@ from meshtron.mesh import batch_mesh
 from meshtron.models import build_model
 from meshtron.parallel.grad_norm import clip_grad_norm_
 from meshtron.parallel.runner import Runners, build_step_runner
-from meshtron.parallel.step import Runner, full_state_dict, global_token_count, reduces_gradients
+from meshtron.parallel.data import MicrobatchSync
+from meshtron.parallel.step import Runner, full_state_dict, global_token_count
 
 
 def with_hf_model(cfg: Config) -> Config:
@@ -119,6 +120,7 @@ class HFStepRunner:
         self.module, self.cfg = model, cfg
         self.batch_group = batch_mesh(mesh).get_group()  # ranks with different rows (cp ranks share theirs)
         self.moes: list = []
+        self.sync = MicrobatchSync(model, cfg.parallel)
 
     def _microbatches(self, input_ids: torch.Tensor, labels: torch.Tensor) -> list:
         m = self.cfg.parallel.microbatches
@@ -132,14 +134,13 @@ class HFStepRunner:
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         # position_ids come only with [data] document_mask, which with_hf_model refuses.
-        p = self.cfg.parallel
         micro = self._microbatches(input_ids, labels)
         tokens = global_token_count(micro, self.batch_group)
         total = torch.zeros((), device=input_ids.device)
         for i, (ids, targets, _) in enumerate(micro):
-            if hasattr(self.module, "set_requires_gradient_sync"):  # wrapped when the data mesh has > 1 rank
-                self.module.set_requires_gradient_sync(reduces_gradients(p.data_parallel, i, len(micro)))
+            self.sync.forward(i, len(micro))
             loss = self._loss(ids, targets, tokens)
+            self.sync.backward(i, len(micro))
             loss.backward()
             total += loss.detach()
         return total

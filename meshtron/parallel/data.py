@@ -29,10 +29,20 @@ the global token count of the step, so every rank's gradient is already its shar
 loss; FSDP2 would divide by the data-mesh size (an average), so we set its divide factor to 1 and
 force plain SUM collectives (a factor alone becomes NCCL's PREMUL_SUM, which gloo lacks; with SUM
 and factor 1 no scaling kernel runs at all). With HSDP this covers the reduce-scatter and the
-all-reduce. Micro-batches: every backward reduces its gradients, which is exact (sums of sums).
-With ``fsdp`` keep it so (skipping it would hold unsharded gradients); with ``replicate``/``hsdp``
-a caller may save the all-reduces with ``set_requires_gradient_sync(False)`` on the root for all
-but the last micro-batch.
+all-reduce.
+
+Micro-batches (pp = 1, :class:`MicrobatchSync`; pipelines: ``pipeline/executor.py``). Reducing in
+every backward or once per step is equally exact (sums of sums). ``[parallel] fsdp_gather``:
+
+- ``per_microbatch`` (default): with ``fsdp`` every micro-batch's backward reduce-scatters, so no
+  unsharded gradients pile up, and every unit is all-gathered in each micro-batch's forward and again
+  in its backward (the root unit, kept from forward to backward, once); ``hsdp`` and ``replicate``
+  hold full gradients anyway and reduce on the last micro-batch only;
+- ``per_step``: every unit is gathered by the step's first forward and held, with its gradients
+  accumulating unsharded (fp32 under bf16), until the last micro-batch's backward reduce-scatters
+  and reshards it: one all-gather and one reduction per unit per step, as the pipeline executor
+  does, for the whole model's unsharded parameters (compute dtype) and fp32 gradients held through
+  the step. ``replicate`` gathers nothing: the two are the same.
 
 Prefetch (``[parallel] fsdp_prefetch``, default 1): each block explicitly all-gathers the next
 block (and its experts) when its own forward starts, and the previous one when its backward starts;
@@ -60,7 +70,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from meshtron.config import DATA_PARALLEL_MODES, DTYPES, not_one_of
+from meshtron.config import DATA_PARALLEL_MODES, DTYPES, ParallelConfig, not_one_of
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_hsdp_mesh, expert_split
 from meshtron.models.moe import MoE, moe_layers
 from meshtron.parallel.expert import ExpertDispatch
@@ -185,8 +195,9 @@ def set_prefetch(model: nn.Module, depth: int) -> None:
                 units[0].set_modules_to_backward_prefetch(behind)
 
 
-# What the pipeline executor needs of FSDP to gather and reduce each unit once per step
-# (``meshtron.parallel.pipeline.executor``); FSDP's private calls stay in this module.
+# What the pipeline executor (``meshtron.parallel.pipeline.executor``) and, without a pipeline,
+# :class:`MicrobatchSync` need of FSDP to gather and reduce each unit once per step; FSDP's private
+# calls stay in this module.
 
 
 def hold_unsharded(unit: nn.Module, hold: bool) -> None:
@@ -198,6 +209,45 @@ def hold_unsharded(unit: nn.Module, hold: bool) -> None:
     if not isinstance(unit, ReplicateModule):  # replicas are never sharded: nothing to gather or free
         unit.set_reshard_after_forward(not hold, recurse=False)
     unit.set_is_last_backward(not hold)
+
+
+def gathers_once_per_step(p: ParallelConfig) -> bool:
+    """Whether a step without a pipeline holds every unit gathered from its first forward to its last
+    backward (``[parallel] fsdp_gather = "per_step"``; replication has nothing to gather)."""
+    return p.fsdp_gather == "per_step" and p.data_parallel != "replicate"
+
+
+def reduces_gradients(p: ParallelConfig, microbatch: int, microbatches: int) -> bool:
+    """Whether micro-batch ``microbatch`` of ``microbatches``' backward (pp = 1) reduces gradients over
+    the data ranks: full sharding gathered per micro-batch reduce-scatters every one, so unsharded
+    gradients never pile up; otherwise the full gradients accumulate and the last micro-batch reduces."""
+    every = p.data_parallel == "fsdp" and not gathers_once_per_step(p)
+    return every or microbatch == microbatches - 1
+
+
+class MicrobatchSync:
+    """What each micro-batch of a step without a pipeline gathers and reduces (module docstring): call
+    :meth:`forward` before the forward of micro-batch ``microbatch`` of the step's ``microbatches`` and
+    :meth:`backward` before its backward."""
+
+    def __init__(self, module: nn.Module, p: ParallelConfig):
+        self.module, self.p = module, p
+        once = gathers_once_per_step(p)
+        self.held = [m for m in module.modules() if isinstance(m, FSDPModule)] if once else []
+
+    def forward(self, microbatch: int, microbatches: int) -> None:
+        if self.held:
+            if microbatch == 0:
+                for unit in self.held:
+                    hold_unsharded(unit, True)
+        elif isinstance(self.module, FSDPModule):  # a transformers model on one data rank is not wrapped
+            self.module.set_requires_gradient_sync(reduces_gradients(self.p, microbatch, microbatches))
+
+    def backward(self, microbatch: int, microbatches: int) -> None:
+        # Released after the last forward, not before: resharding after it would gather again in backward.
+        if self.held and microbatch == microbatches - 1:
+            for unit in self.held:
+                hold_unsharded(unit, False)
 
 
 def finish_split_backward(units: Sequence[nn.Module], released: Sequence[nn.Module]) -> None:

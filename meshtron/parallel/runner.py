@@ -14,6 +14,7 @@ from meshtron.mesh import dense_data_mesh
 from meshtron.models import moe_layers
 from meshtron.models.moe import replaying
 from meshtron.parallel.compose import materialize_sharded, parallelize
+from meshtron.parallel.data import MicrobatchSync
 from meshtron.parallel.grad_norm import clip_grad_norm_
 from meshtron.parallel.pipeline.runner import PipelineRunner
 from meshtron.parallel.step import (
@@ -21,7 +22,6 @@ from meshtron.parallel.step import (
     average_router_losses_over_microbatches,
     full_state_dict,
     global_token_count,
-    reduces_gradients,
     split_microbatches,
 )
 
@@ -42,6 +42,7 @@ class StepRunner:
         self.cp_mesh = mesh["cp"]  # sliced once: slicing a DeviceMesh is host work on its rank tensor
         self.moes = moe_layers(self.module)  # found once: a module-tree walk per micro-batch is host work
         average_router_losses_over_microbatches(self.module, cfg.parallel.microbatches)
+        self.sync = MicrobatchSync(self.module, cfg.parallel)
         self._aux: list[torch.Tensor] = []
 
     def forward_backward(
@@ -54,8 +55,9 @@ class StepRunner:
         total = torch.zeros((), device=self.device)
         self._aux = []
         for i, (ids, lab, pos) in enumerate(micro):
-            self.module.set_requires_gradient_sync(reduces_gradients(p.data_parallel, i, len(micro)))
+            self.sync.forward(i, len(micro))
             loss = self.module(ids, pos, labels=lab) / tokens
+            self.sync.backward(i, len(micro))
             loss.backward()
             total += loss.detach()
             self._aux.extend(m.last_aux_loss for m in self.moes if m.last_aux_loss is not None)

@@ -110,13 +110,6 @@ def sum_over_ranks(value: torch.Tensor, group) -> torch.Tensor:
     return _SumOverRanks.apply(value, group)
 
 
-def reduces_gradients(data_parallel: str, microbatch: int, microbatches: int) -> bool:
-    """Whether micro-batch ``microbatch``'s backward reduces gradients over the data ranks: full
-    sharding reduce-scatters every micro-batch, so unsharded gradients never pile up; replication
-    and HSDP keep full gradients anyway and reduce once, on the last micro-batch."""
-    return data_parallel == "fsdp" or microbatch == microbatches - 1
-
-
 def average_router_losses_over_microbatches(module: nn.Module, micro: int) -> None:
     """One router loss per micro-batch, averaged over them (idempotent: a second runner on the same
     model sets the same count)."""

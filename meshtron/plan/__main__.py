@@ -9,6 +9,7 @@ import sys
 
 from meshtron.config import Config, ConfigError, infer_dp, load_config
 from meshtron.plan.memory import GIB
+from meshtron.parallel.data import gathers_once_per_step
 from meshtron.parallel.layout import validate_layout
 from meshtron.plan.search import Plan, evaluate, rank_layouts
 from meshtron.plan.speed import Hardware
@@ -49,7 +50,8 @@ def _layout_text(plan: Plan) -> str:
     sizes = " x ".join(f"{k} {v}" for k, v in dims.items() if v > 1) or "1 rank"
     if p.fold_ep or p.etp > 1:  # the experts' own split of each stage
         sizes += f"; experts {'folded ' if p.fold_ep else ''}ep {p.ep} x etp {p.etp}"
-    extras = [p.data_parallel, f"ac {p.activation_checkpointing}", f"mb {p.microbatches}"]
+    gather = " gathered per step" if p.pp == 1 and gathers_once_per_step(p) else ""
+    extras = [p.data_parallel + gather, f"ac {p.activation_checkpointing}", f"mb {p.microbatches}"]
     if p.sp and p.tp > 1:
         extras.insert(0, "SP")
     if p.pp > 1:

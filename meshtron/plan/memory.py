@@ -19,11 +19,12 @@ Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 
 
 - ``gathered``: unsharded compute copies. With pp = 1 FSDP holds in backward the unit in use,
   ``fsdp_prefetch`` blocks gathered ahead (their all-gather outputs) and the root unit (final norm,
-  tied embedding), at the end of the forward the root and LM-head units; with pp > 1 a stage's units
-  stay gathered from its first forward to its release (issue 15);
-- ``unsharded_grads``: the unit being reduced (pp = 1, fsdp); the whole stage's gradients in fp32
-  when they accumulate unreduced (pp > 1: from the stage's first weight pass to its release; or
-  hsdp/replicate with several micro-batches);
+  tied embedding), at the end of the forward the root and LM-head units; with ``fsdp_gather =
+  "per_step"`` every unit, held from the step's first forward to the last backward; with pp > 1 a
+  stage's units stay gathered from its first forward to its release (issue 15);
+- ``unsharded_grads``: the unit being reduced (pp = 1, fsdp per micro-batch); the whole stage's
+  gradients in fp32 when they accumulate unreduced (pp > 1: from the stage's first weight pass to its
+  release; or, with several micro-batches, hsdp, replicate and ``per_step``);
 - ``reduce_scatter``: the fp32 input buffer of a gradient reduction: in a layer's backward that of the
   unit reduced before it, kept until the layer's own reduction (an untied LM head's in the first
   layer's, the largest layer unit's in the rest; the embedding reduces after the layers), at the end
@@ -44,7 +45,7 @@ Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 
 The peak (:func:`rank_breakdown`) is the largest of three moments, as torch's ``MemTracker`` finds
 them (8 CPU ranks: ``benchmarks/plan_whole_step.py``; one rank with real Qwen2.5 shapes:
 ``benchmarks/plan_single_rank.py``): the end of the forward (all saved activations and the loss's
-chunk buffers; with pp = 1 only the root and LM-head units gathered, no gradient reduction, and
+chunk buffers; with pp = 1 only the root and LM-head units gathered (every unit, per step), no gradient reduction, and
 unsharded gradients only when earlier micro-batches left them accumulating), the backward of one
 layer (saved activations plus that layer's working set, the micro-batch's own loss tensors consumed,
 the gathered / unsharded-gradient / reduce-scatter buffers) and the end of the backward (every
@@ -66,6 +67,7 @@ from typing import NamedTuple
 
 from meshtron.config import Config, ModelConfig
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
+from meshtron.parallel.data import gathers_once_per_step, reduces_gradients
 from meshtron.parallel.pipeline.schedules import (
     B,
     F,
@@ -700,16 +702,19 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
     of the forward (``phase="forward"``: only the root and LM-head units gathered, blocks reshard after
     their forward, no gradient being reduced, unsharded gradients only when earlier micro-batches'
     backward left them accumulating) or at the end of the backward (``phase="backward end"``: only the
-    embedding and root units left to reduce). Pipelines: :func:`pipeline_moments`."""
+    embedding and root units left to reduce). Gathered per step (``fsdp_gather``), every unit stays
+    gathered through the forward and the backward. Pipelines: :func:`pipeline_moments`."""
     p = cfg.parallel
     c = compute_bytes(cfg)
     units = unit_elements(cfg, pp_rank)
     largest = max(units.values())
     root = units.get("root", 0)
-    accumulate = p.data_parallel != "fsdp" and p.microbatches > 1
+    accumulate = p.microbatches > 1 and not reduces_gradients(p, 0, p.microbatches)
+    held = c * sum(units.values()) if gathers_once_per_step(p) else 0  # fsdp_gather = "per_step"
     if phase == "forward":
         unsharded = FP32 * sum(units.values()) if accumulate else 0
-        return {"gathered": c * (root + units.get("head", 0)), "unsharded_grads": unsharded, "reduce_scatter": 0}
+        return {"gathered": held or c * (root + units.get("head", 0)), "unsharded_grads": unsharded,
+                "reduce_scatter": 0}
     if phase == "backward end":
         # The embedding's unit and the root (final norm; a tied embedding) are reduced last, after
         # every block's gradient has been reduce-scattered and freed.
@@ -723,16 +728,16 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
     block = largest_layer_unit(cfg, pp_rank) or largest
     ahead = p.fsdp_prefetch * block if p.data_parallel != "replicate" else 0
     unsharded = FP32 * sum(units.values()) if accumulate else c * block
-    return {"gathered": c * (block + ahead + root), "unsharded_grads": unsharded}
+    return {"gathered": held or c * (block + ahead + root), "unsharded_grads": unsharded}
 
 
 def sharded_grads_before_backward(cfg: Config) -> bool:
     """pp = 1: whether the rank holds its sharded fp32 gradients before the last backward of the step:
     only when an earlier micro-batch's backward already reduce-scattered into them (full sharding
-    reduces every micro-batch). The step starts with none (``zero_grad(set_to_none)``); replication
-    and HSDP reduce on the last micro-batch."""
+    gathered per micro-batch reduces every micro-batch). The step starts with none
+    (``zero_grad(set_to_none)``); replication, HSDP and ``per_step`` reduce on the last micro-batch."""
     p = cfg.parallel
-    return p.data_parallel == "fsdp" and p.microbatches > 1
+    return p.microbatches > 1 and reduces_gradients(p, 0, p.microbatches)
 
 
 class _UnitGroup(NamedTuple):

@@ -7,7 +7,9 @@ tp), then the micro-batch count,
 activation-checkpointing mode and, when pp > 1, schedule that fit with the best predicted
 throughput (the lowest-memory choice when none fits). Schedules: 1F1B with every checkpointing
 mode; the zero-bubble ``zb1p`` and ``zbv`` without checkpointing only, since with it the executor
-runs every backward whole at ``B`` (1F1B's bubble, more held activations).
+runs every backward whole at ``B`` (1F1B's bubble, more held activations). Without a pipeline, FSDP
+and HSDP also try both ``fsdp_gather`` modes: gathering per micro-batch, or once per step holding the
+unsharded weights and gradients (pipelines always hold them).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from meshtron.config import Config, ConfigError
+from meshtron.config import FSDP_GATHERS, Config, ConfigError
 from meshtron.parallel.layout import validate_layout
 from meshtron.parallel.pipeline.stage import check_pipeline
 from meshtron.plan.memory import GIB, Assumptions, Breakdown, predict_memory
@@ -36,7 +38,7 @@ class Plan:
     def layout(self) -> dict:
         p = self.cfg.parallel
         keys = ("pp", "dp", "cp", "ep", "tp", "sp", "etp", "fold_ep", "schedule", "virtual_stages", "microbatches",
-                "activation_checkpointing", "data_parallel")
+                "activation_checkpointing", "data_parallel", "fsdp_gather")
         return {k: getattr(p, k) for k in keys}
 
     def overrides(self) -> str:
@@ -106,6 +108,8 @@ def _variants(cfg: Config, shape: dict[str, int], world_size: int) -> list[Confi
     if t.global_batch_size % readers:
         return []
     schedules = PIPELINE_SCHEDULES if shape["pp"] > 1 else (("1f1b", 1, AC_MODES),)
+    gathers = FSDP_GATHERS if shape["pp"] == 1 and cfg.parallel.data_parallel != "replicate" else \
+        (cfg.parallel.fsdp_gather,)
     out = []
     for micro in _divisors(t.global_batch_size // readers):
         for schedule, virtual, ac_modes in schedules:
@@ -118,8 +122,9 @@ def _variants(cfg: Config, shape: dict[str, int], world_size: int) -> list[Confi
                     check_pipeline(variant)  # micro-batches against stages, per schedule
             except ConfigError:
                 continue
-            out += [dataclasses.replace(variant, parallel=dataclasses.replace(parallel, activation_checkpointing=ac))
-                    for ac in ac_modes]
+            out += [dataclasses.replace(variant, parallel=dataclasses.replace(parallel, activation_checkpointing=ac,
+                                                                              fsdp_gather=gather))
+                    for ac in ac_modes for gather in gathers]
     return out
 
 

@@ -30,6 +30,7 @@ from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule
 from meshtron.parallel.pipeline.simulate import simulate
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.metrics import datasheet
+from meshtron.parallel.data import gathers_once_per_step, reduces_gradients
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
 from meshtron.plan.memory import (
     FP32,
@@ -272,9 +273,10 @@ def chunk_layers(cfg: Config, chunk: int) -> range:
 
 def _data_parallel_bytes(cfg: Config, stage: int) -> dict[str, float]:
     """FSDP and HSDP gather each unit twice per micro-batch (forward; backward; the root unit, which
-    FSDP keeps from its forward to its backward, once), or with pp > 1 once per step and keep it; FSDP
-    reduce-scatters the fp32 gradients per micro-batch (pp > 1: once), HSDP reduce-scatters and
-    all-reduces them once per step, replicate all-reduces them once. The dense parameters over the dense data mesh (dp x cp x ep), the routed
+    FSDP keeps from its forward to its backward, once), or with pp > 1 or ``fsdp_gather = "per_step"``
+    once per step and keep it; FSDP reduce-scatters the fp32 gradients per micro-batch (pp > 1 or
+    ``per_step``: once), HSDP reduce-scatters and all-reduces them once per step, replicate all-reduces
+    them once. The dense parameters over the dense data mesh (dp x cp x ep), the routed
     experts over theirs (edp). Each parameter's dim 0 is padded to a multiple of the shard count, as
     FSDP shards it."""
     p = cfg.parallel
@@ -307,8 +309,9 @@ def _data_parallel_group_bytes(cfg: Config, shapes: list[list[int]], replicas: i
     if p.data_parallel == "replicate":
         return {f"all_reduce/{whole}": 2 * FP32 * _padded(shapes, 1) * _ring(ranks)}
     sharding = ranks if p.data_parallel == "fsdp" else shard
-    gathers = 1 if p.pp > 1 else (1 if root else 2) * p.microbatches
-    reduces = 1 if p.pp > 1 or p.data_parallel != "fsdp" else p.microbatches
+    once = p.pp > 1 or gathers_once_per_step(p)
+    gathers = 1 if once else (1 if root else 2) * p.microbatches
+    reduces = 1 if p.pp > 1 or not reduces_gradients(p, 0, p.microbatches) else p.microbatches
     moved = _padded(shapes, sharding, even) * (gathers * compute_bytes(cfg) + reduces * FP32) * _ring(sharding)
     if p.data_parallel == "fsdp":
         return {f"all_gather+reduce_scatter/{whole}": moved}
