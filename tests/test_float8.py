@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +190,40 @@ def check_fsdp_matches_one_rank_fp8():
     # Each block is gathered in forward and again in backward, every step; float32 gathers 4 bytes an element.
     assert saved == [3 * float8_elements] * (2 * CFG["num_hidden_layers"] * STEPS), saved
     assert all(dtype == torch.uint8 for dtype, _ in fp8 if (dtype, _) not in high), fp8
+
+
+# Qwen2.5-7B's linears (config.json): hidden 3584, 28 query heads and 4 KV heads of 128, MLP 18944, 28 layers.
+H, KV, MLP_WIDTH, LAYERS = 3584, 4 * 128, 18944, 28
+QWEN_7B_BLOCK_LINEARS = LAYERS * (2 * H * H + 2 * KV * H + 3 * H * MLP_WIDTH)
+
+
+def _plan_7b(recipe: str):
+    from meshtron.config import load_config
+
+    recipe_path = Path(__file__).resolve().parent.parent / "recipes" / "qwen2p5_7b.toml"
+    return load_config(recipe_path, ["--train.fp8", recipe, "--parallel.tp", "1", "--parallel.sp", "false",
+                                     "--parallel.dp", "8", "--parallel.microbatches", "1"])
+
+
+@pytest.mark.parametrize("recipe, gemms", [("tensorwise", 3), ("rowwise", 3), ("rowwise_with_gw_hp", 2)])
+def test_planner_runs_the_fp8_gemms_at_the_fp8_peak(recipe, gemms):
+    from meshtron.models import flops_per_token
+    from meshtron.plan.speed import Hardware, fp8_flops_per_token, matmul_seconds
+
+    cfg, hw = _plan_7b(recipe), Hardware()
+    assert fp8_flops_per_token(cfg) == 2 * gemms * QWEN_7B_BLOCK_LINEARS
+    assert fp8_flops_per_token(_plan_7b("none")) == 0
+    total = flops_per_token(cfg.model, cfg.train.seq_len)
+    fp8 = 2 * gemms * QWEN_7B_BLOCK_LINEARS
+    expected = (total - fp8) / 989e12 + fp8 / 1979e12  # H100 SXM datasheet: bf16 and FP8 dense peaks
+    assert matmul_seconds(cfg, 1.0, hw) * hw.mfu == pytest.approx(expected, rel=1e-3)
+
+
+def test_planner_halves_the_fsdp_gathers_of_float8_weights():
+    from meshtron.plan.speed import communication
+
+    key = "all_gather+reduce_scatter/dp_ep_cp"
+    saved = communication(_plan_7b("none"))[key] - communication(_plan_7b("tensorwise"))[key]
+    # One bf16 byte less per weight element, gathered in forward and in backward, (8 - 1) / 8 of it sent.
+    assert saved == pytest.approx(QWEN_7B_BLOCK_LINEARS * 1 * 2 * 7 / 8)
+    assert communication(_plan_7b("rowwise_with_gw_hp"))[key] == communication(_plan_7b("none"))[key]
