@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from meshtron.config import FP8_RECIPES, ConfigError, ModelConfig
-from meshtron.models import build_model
 from meshtron.extras import MissingExtra, require
+from meshtron.models import build_model
 from meshtron.models.moe import MoE
 
 # torch._scaled_mm's constraint on both dims of the weight (the GEMM's K and N).
@@ -47,18 +47,25 @@ FP8_DIM_MULTIPLE = 16
 FP8_ALL_GATHER_RECIPES = ("tensorwise",)
 
 
+# Loggers that torchao's import writes to on a CPU build of torch: a warning per CUDA kernel library it cannot
+# load (none is used here) and torch's deprecation note on how torchao registers an enum with pytree.
+_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
+
+
 def torchao_float8(module: str = "torchao.float8"):
-    """``module`` of torchao, or :class:`ConfigError` naming the extra. On a CPU build of torch, torchao
-    logs a warning per CUDA kernel library it cannot load; none of them is used here: silenced."""
-    log = logging.getLogger("torchao")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    """``module`` of torchao, or :class:`ConfigError` naming the extra; its import's warnings that say
+    nothing about training (``_IMPORT_NOISE``) are silenced."""
+    loggers = [logging.getLogger(name) for name in _IMPORT_NOISE]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
     try:
         return require(module, "[train] fp8")
     except MissingExtra as err:
         raise ConfigError(str(err)) from None
     finally:
-        log.setLevel(level)
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
 
 
 def fp8_linear_names(block: nn.Module) -> list[str]:
