@@ -38,16 +38,20 @@ CFG = dict(
 )
 MOE = dict(CFG, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
            mlp_only_layers=[1], router_aux_loss_coef=0.0)
-BATCH, SEQ, STEPS = 8, 32, 4
+BATCH, SEQ, STEPS = 8, 16, 4
 # Measured on this model over STEPS AdamW steps (max relative loss gap to the float32 run, any step):
-# tensorwise 3.3e-3, rowwise 5.3e-4, rowwise_with_gw_hp 2.3e-4; the bound leaves 3x over tensorwise.
+# tensorwise 2.3e-3, rowwise 1.9e-3, rowwise_with_gw_hp 1.9e-3; the bound leaves 4x.
 FP8_VS_FP32 = 1e-2
-# FSDP against the 1-rank FP8 run: max relative loss difference over STEPS steps, float32 master weights,
-# measured at dp 2 / dp 4. rowwise_with_gw_hp: no scale spans tokens, 1.0e-7 / 1.0e-7, so the float32
-# contract's 1e-5 holds. tensorwise: activation and gradient scales are the amax of a rank's tokens,
-# 1.4e-3 / 5.4e-4; rowwise: the weight-gradient GEMM scales along the tokens, 5.3e-4 / 6.2e-4. Those
-# two bounds leave 3x over the larger measurement.
-FSDP_VS_ONE_RANK = {"rowwise_with_gw_hp": 1e-5, "tensorwise": 5e-3, "rowwise": 2e-3}
+# FSDP against the 1-rank FP8 run, relative loss difference per step (float32 master weights). Steps whose
+# scales are all as on one rank match to float32 noise: step 1 (same weights) under the recipes whose
+# forward scales never span tokens (rowwise, rowwise_with_gw_hp), step 2 too where the weight gradient is
+# also in high precision (rowwise_with_gw_hp). Later steps start from weights that differ by float32
+# reduction order, which an FP8 cast can round the other way and AdamW then amplifies: measured at
+# dp 2 / dp 4 (max over 4 steps) tensorwise 2.1e-3, rowwise 5.4e-4, rowwise_with_gw_hp 3.2e-4 (dp 2; 2.2e-7
+# at dp 4). Bounds: 3x the largest measurement.
+SAME_SCALES_STEPS = {"tensorwise": 0, "rowwise": 1, "rowwise_with_gw_hp": 2}
+FLOAT32_NOISE = 1e-6
+FSDP_VS_ONE_RANK = {"tensorwise": 6e-3, "rowwise": 2e-3, "rowwise_with_gw_hp": 1e-3}
 
 
 def _batches(seed: int):
@@ -181,15 +185,18 @@ def _fsdp_losses(recipe: str, dp: int, seed: int) -> tuple[list[float], list[tup
 
 
 def check_fsdp_matches_one_rank_fp8():
-    """Every recipe under FSDP over all the ranks gives its own 1-rank FP8 losses (bounds above);
+    """Every recipe under FSDP over all the ranks gives its own 1-rank FP8 losses (bounds above: exact while
+    the scales are, then within FP8's rounding of float32 noise);
     tensorwise all-gathers each block's weights in float8 (1 byte an element where the others gather 4)."""
     dp = dist.get_world_size()
     gathered = {}
     for recipe in RECIPES:
         one = _one_rank(ModelConfig(**CFG), recipe, seed=11)
         losses, gathered[recipe], float8_elements = _fsdp_losses(recipe, dp, seed=11)
-        err = max(abs(a - b) / abs(b) for a, b in zip(losses, one))
-        assert err < FSDP_VS_ONE_RANK[recipe], f"{recipe} dp {dp}: {losses} vs 1 rank {one} ({err:.2e})"
+        errors = [abs(a - b) / abs(b) for a, b in zip(losses, one)]
+        exact = SAME_SCALES_STEPS[recipe]
+        assert max(errors[:exact], default=0) < FLOAT32_NOISE, f"{recipe} dp {dp}: steps 1-{exact} {errors}"
+        assert max(errors) < FSDP_VS_ONE_RANK[recipe], f"{recipe} dp {dp}: {losses} vs 1 rank {one} ({errors})"
     fp8, high = gathered["tensorwise"], gathered["rowwise_with_gw_hp"]
     assert len(fp8) == len(high)
     saved = [h[1] - f[1] for f, h in zip(fp8, high) if f != h]
