@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import sys
 import types
@@ -240,6 +241,12 @@ class TrainConfig:
     steps: int = recipe_key(10, "optimizer steps")
     seed: int = recipe_key(0, "seed for initialization and data order")
     dtype: str = recipe_key("float32", "training dtype: `float32` or `bfloat16`")
+    fp8: str = recipe_key(
+        "none",
+        "FP8 GEMMs in the blocks' attention and MLP linears (torchao, the `meshtron[fp8]` extra): `none`, "
+        "`tensorwise`, `rowwise` or `rowwise_with_gw_hp`; parameters, embedding, LM head, router and norms stay "
+        "in `dtype` (see [FP8](fp8.md))",
+    )
     global_batch_size: int = recipe_key(8, "sequences per step over all ranks; divisible by dp × ep × microbatches")
     seq_len: int = recipe_key(128, "tokens per sequence")
     lr: float = recipe_key(3e-4, "peak learning rate")
@@ -529,6 +536,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev")  # buil
 V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank, placed down the ranks and back up
 VIRTUAL = ("interleaved",) + V_SHAPED  # the schedules that run more than one virtual stage per rank
 DTYPES = ("float32", "bfloat16")
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's names; meshtron/parallel/float8.py
 DATA_PARALLEL_MODES = ("fsdp", "hsdp", "replicate")
 FSDP_GATHERS = ("per_microbatch", "per_step")  # how often FSDP gathers a unit under accumulation
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
@@ -554,6 +562,19 @@ def needs_two_virtual_stages(virtual_stages: int) -> str:
 
 def _require_choice(source: str, key: str, value: Any, choices: tuple[str, ...]) -> None:
     _require(value in choices, f"{source}: " + not_one_of(key, value, choices) + _closest(value, choices))
+
+
+def _validate_fp8(cfg: Config, source: str) -> None:
+    fp8 = cfg.train.fp8
+    _require_choice(source, "[train] fp8", fp8, FP8_RECIPES)
+    if fp8 == "none":
+        return
+    _require(importlib.util.find_spec("torchao") is not None,
+             f"{source}: [train] fp8 = '{fp8}' needs torchao: pip install 'meshtron[fp8]'.")
+    _require(cfg.parallel.tp == 1, f"{source}: [train] fp8 = '{fp8}' does not compose with tensor parallelism yet "
+             f"(tp = {cfg.parallel.tp}); use tp = 1 or fp8 = 'none'.")
+    _require(not cfg.model.hf_model, f"{source}: [train] fp8 = '{fp8}' is built for meshtron's own models; "
+             "[model] hf_model trains without it (fp8 = 'none').")
 
 
 def _validate_data_parallel(p: ParallelConfig, source: str) -> None:
@@ -756,6 +777,7 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
     _validate_model(cfg.model, source)
     t = cfg.train
     _require_choice(source, "[train] dtype", t.dtype, DTYPES)
+    _validate_fp8(cfg, source)
     for key in ("steps", "global_batch_size", "seq_len", "log_every", "loss_chunk_tokens", "eval_steps"):
         _require(getattr(t, key) >= 1, f"{source}: [train] {key} must be >= 1, got {getattr(t, key)}.")
     _require(t.lr > 0, f"{source}: [train] lr must be > 0, got {t.lr}.")

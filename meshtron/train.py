@@ -42,6 +42,7 @@ from meshtron.hf.runner import build_runner, export_hf_model, with_hf_model
 from meshtron.host import ROUTINGS
 from meshtron.data import SourceSpec, to_device
 from meshtron.mesh import batch_mesh, exit_process, group_names, init_default_group, recipe_mesh
+from meshtron.parallel.float8 import high_precision_note
 from meshtron.parallel.layout import validate_layout
 from meshtron.metrics import MetricsLogger, StepProfiler, peak_flops_per_device
 from meshtron.models import flops_per_token
@@ -270,6 +271,8 @@ class Trainer:
             with naming_eval_source():
                 self.eval_dataset = TokenDataset.open(cfg, sources=[eval_source(cfg)], progress=sys.stdout)
         self.runner = build_runner(cfg, mesh, self.device)
+        if self.rank == 0 and (note := high_precision_note(cfg.model, cfg.train.fp8)):
+            print(note, flush=True)
         self.optimizer = build_optimizer(self.runner.module, cfg.train)
         self.start_step = self._restore()
         self.logger = MetricsLogger(cfg.train.output_dir, cfg.train.steps, self.rank == 0, self.start_step,

@@ -29,6 +29,9 @@ from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
 from meshtron.testing import cached_mesh, random_model, rel_err, run_checks
+from test_float8 import HAS_TORCHAO, check_fsdp_matches_one_rank_fp8
+
+FP8_CHECKS = [check_fsdp_matches_one_rank_fp8] if HAS_TORCHAO else []
 
 # 2 KV heads: tp = 4 exercises the TP plan's replicated KV heads.
 CFG = dict(
@@ -275,11 +278,11 @@ def check_hsdp_meshes():
 
 
 def test_data_parallel_2_ranks():
-    run_checks([check_dp2], 2, timeout=120)
+    run_checks([check_dp2, *FP8_CHECKS], 2, timeout=120)
 
 
 def test_data_parallel_4_ranks():
-    run_checks([check_dp4_and_dp_tp], 4, timeout=120)
+    run_checks([check_dp4_and_dp_tp, *FP8_CHECKS], 4, timeout=120)
 
 
 def test_data_parallel_8_ranks():

@@ -1,7 +1,8 @@
 """Composition of the parallelisms, in the one order both kinds of model follow.
 
 Order (a pipelined layout first cuts the model to this rank's stage: the pipeline runner, or
-``parallelize_hf_model`` for a transformers model): the model's own settings -> tensor/sequence (tp)
+``parallelize_hf_model`` for a transformers model): the model's own settings (its loss; FP8 linears, which
+every plan after it wraps like any linear) -> tensor/sequence (tp)
 -> expert (ep) -> context (cp) -> activation checkpointing -> compile -> data (FSDP over dp x ep x cp).
 FSDP comes last because it wraps what the others built; checkpointing comes after tp, ep and cp, so a
 block's recomputation replays their hooks too, and before FSDP (composable checkpoint under
@@ -30,6 +31,7 @@ from meshtron.parallel.compile import apply_compile
 from meshtron.parallel.context import apply_context_parallel
 from meshtron.parallel.data import apply_data_parallel
 from meshtron.parallel.expert import apply_expert_parallel
+from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.tensor import apply_tensor_parallel
 
 
@@ -67,6 +69,7 @@ class NativeSteps:
         model.document_mask = self.cfg.data.document_mask
         if model.lm_head is not None:
             model.lm_head.chunk_tokens = self.cfg.train.loss_chunk_tokens
+        apply_float8(model, self.cfg.train.fp8)
 
     def tensor(self, model: nn.Module) -> None:
         apply_tensor_parallel(model, self.mesh["tp"], self.p.sp, self.p.tp_overlap)

@@ -31,6 +31,7 @@ from meshtron.parallel.pipeline.simulate import simulate
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.metrics import datasheet
 from meshtron.parallel.data import gathers_once_per_step, reduces_gradients
+from meshtron.parallel.float8 import FP8_ALL_GATHER_RECIPES, FP8_DIM_MULTIPLE
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
 from meshtron.plan.memory import (
     FP32,
@@ -46,6 +47,10 @@ from meshtron.plan.memory import (
 )
 
 INT64 = FP64 = 8
+FP8 = 1
+# NVIDIA H100 SXM datasheet (nvidia.com/en-us/data-center/h100): FP8 Tensor Core 3,958 TFLOP/s "with
+# sparsity", half of it dense; twice the dense bf16 989.
+H100_FP8_TFLOPS = 1979.0
 
 
 # Keyword-only: CLIs build it from flags, and a field inserted later must not shift their values into
@@ -59,6 +64,7 @@ class Hardware:
     peak_tflops: float = datasheet("H100")[0]  # dense bf16
     memory_tbps: float = datasheet("H100")[1]  # the dry run's roofline
     mfu: float = 0.40  # assumed fraction of peak the matmuls reach (without a traced compute time)
+    fp8_peak_tflops: float = H100_FP8_TFLOPS  # dense FP8, the GEMMs of [train] fp8
     intra_gbps: float = 450.0  # GB/s per direction per GPU inside a node (NVLink)
     inter_gbps: float = 50.0  # GB/s per GPU between nodes
 
@@ -282,10 +288,12 @@ def _data_parallel_bytes(cfg: Config, stage: int) -> dict[str, float]:
     p = cfg.parallel
     params = stage_params(cfg, stage)
     out: dict[str, float] = {}
-    for root in (False, True):
-        shapes = [model_parallel_shape(q, cfg, Coords()) for q in params if not q.expert and (q.unit == "root") == root]
+    float8 = {q.name for q in fp8_gathered_weights(cfg, params)}
+    for root, in_fp8 in ((False, False), (True, False), (False, True)):
+        shapes = [model_parallel_shape(q, cfg, Coords()) for q in params
+                  if not q.expert and (q.unit == "root") == root and (q.name in float8) == in_fp8]
         for key, nbytes in _data_parallel_group_bytes(cfg, shapes, p.dp, p.cp * p.mesh_ep, "dp_ep_cp", "cp_ep",
-                                                      root).items():
+                                                      root, gather_bytes=FP8 if in_fp8 else None).items():
             out[key] = out.get(key, 0.0) + nbytes
     experts = [model_parallel_shape(q, cfg, Coords()) for q in params if q.expert]
     if experts:
@@ -298,10 +306,12 @@ def _data_parallel_bytes(cfg: Config, stage: int) -> dict[str, float]:
 
 
 def _data_parallel_group_bytes(cfg: Config, shapes: list[list[int]], replicas: int, shard: int, whole: str,
-                               sharded: str, root: bool = False, even: bool = False) -> dict[str, float]:
+                               sharded: str, root: bool = False, even: bool = False,
+                               gather_bytes: int | None = None) -> dict[str, float]:
     """Bytes for parameters of ``shapes``, data-parallel over ``replicas x shard`` ranks (hsdp: replicated
     over ``replicas``, sharded over ``shard``; fsdp / replicate: over all of them, keyed ``whole``);
-    ``even``: sharded on their first dim the shard count divides, as the experts are."""
+    ``even``: sharded on their first dim the shard count divides, as the experts are; ``gather_bytes``:
+    bytes an element all-gathers (default: the compute dtype's; float8 weights: 1)."""
     p = cfg.parallel
     ranks = replicas * shard
     if ranks == 1 or not shapes:
@@ -312,7 +322,8 @@ def _data_parallel_group_bytes(cfg: Config, shapes: list[list[int]], replicas: i
     once = p.pp > 1 or gathers_once_per_step(p)
     gathers = 1 if once else (1 if root else 2) * p.microbatches
     reduces = 1 if p.pp > 1 or not reduces_gradients(p, 0, p.microbatches) else p.microbatches
-    moved = _padded(shapes, sharding, even) * (gathers * compute_bytes(cfg) + reduces * FP32) * _ring(sharding)
+    gathered = gather_bytes or compute_bytes(cfg)
+    moved = _padded(shapes, sharding, even) * (gathers * gathered + reduces * FP32) * _ring(sharding)
     if p.data_parallel == "fsdp":
         return {f"all_gather+reduce_scatter/{whole}": moved}
     out = {f"all_gather+reduce_scatter/{sharded}": moved} if shard > 1 else {}
@@ -368,12 +379,11 @@ def _recompute_factor(cfg: Config) -> float:
 def predict_step_time(cfg: Config, hw: Hardware = Hardware(), compute_seconds: float | None = None) -> StepTime:
     """``compute_seconds``: a rank's traced compute time (the dry run's roofline) instead of the FLOPs
     at ``hw.mfu`` of the peak."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
+    p, t = cfg.parallel, cfg.train
     world = p.pp * p.dp * p.cp * p.mesh_ep * p.tp
     tokens = t.global_batch_size * t.seq_len
     recompute = _recompute_factor(cfg)
-    compute = compute_seconds if compute_seconds is not None else (
-        flops_per_token(m, t.seq_len) * tokens * recompute / world / (hw.peak_tflops * 1e12 * hw.mfu))
+    compute = compute_seconds if compute_seconds is not None else matmul_seconds(cfg, tokens * recompute / world, hw)
     comm = communication(cfg)
     critical = sum(_seconds(cfg, k, v, hw) for k, v in comm.items() if not _is_data_parallel(k) and k != "p2p/tp")
     if "p2p/tp" in comm:  # tp_overlap: only what the rings' GEMMs do not hide
@@ -387,9 +397,42 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware(), compute_seconds: f
     return StepTime(seconds, tokens / seconds, compute, exposed, bubble, comm)
 
 
+def fp8_weights(cfg: Config, params) -> list:
+    """Of ``params`` (``memory.Param``), the weights ``[train] fp8`` computes with in float8
+    (``meshtron.parallel.float8``): the blocks' attention and MLP projections (the shared expert's too;
+    not the routed experts, the router or the gates) whose dims are multiples of 16."""
+    if cfg.train.fp8 == "none":
+        return []
+    return [q for q in params if q.unit.startswith("block") and not q.expert and q.name.endswith("_proj.weight")
+            and all(n % FP8_DIM_MULTIPLE == 0 for n in q.shape)]
+
+
+def fp8_gathered_weights(cfg: Config, params) -> list:
+    """The :func:`fp8_weights` FSDP all-gathers in float8 (1 byte an element): those of the recipes with
+    torchao's float8 all-gather."""
+    return fp8_weights(cfg, params) if cfg.train.fp8 in FP8_ALL_GATHER_RECIPES else []
+
+
+def fp8_flops_per_token(cfg: Config) -> float:
+    """Training FLOPs per token that run as FP8 GEMMs: 2 per weight element in each of the forward, input-
+    gradient and weight-gradient GEMMs, the last in the training dtype under ``rowwise_with_gw_hp``."""
+    p = cfg.parallel
+    params = {q.name: q for rank in range(p.pp) for q in stage_params(cfg, rank)}.values()
+    gemms = 2 if cfg.train.fp8 == "rowwise_with_gw_hp" else 3
+    return 2 * gemms * sum(math.prod(q.shape) for q in fp8_weights(cfg, params))
+
+
+def matmul_seconds(cfg: Config, tokens: float, hw: Hardware) -> float:
+    """Compute time of ``tokens`` tokens' training FLOPs at ``hw.mfu`` of the peak: the FP8 GEMMs' share at
+    the FP8 peak, the rest at the training dtype's."""
+    fp8 = fp8_flops_per_token(cfg)
+    rest = flops_per_token(cfg.model, cfg.train.seq_len) - fp8
+    return tokens * (rest / hw.peak_tflops + fp8 / hw.fp8_peak_tflops) / (1e12 * hw.mfu)
+
+
 def _is_data_parallel(key: str) -> bool:
     return key.split("/")[1] in ("dp", "dp_ep_cp", "cp_ep", "edp", "edp_shard", "edp_replicate")
 
 
-__all__ = ["COMM_DIMS", "Hardware", "StepTime", "communication", "group_is_intra_node", "overlapped_rings",
-           "overlapped_tp_seconds", "pipeline_bubble", "predict_step_time"]
+__all__ = ["COMM_DIMS", "Hardware", "StepTime", "communication", "fp8_flops_per_token", "group_is_intra_node",
+           "matmul_seconds", "overlapped_rings", "overlapped_tp_seconds", "pipeline_bubble", "predict_step_time"]
