@@ -558,3 +558,26 @@ def test_search_evaluates_a_bounded_number_of_variants():
         full += counts * modes
     evaluated = sum(plan.evaluated for plan in rank_layouts(cfg, 64, Hardware()))
     assert 0 < evaluated <= bound < full / 3
+
+
+def test_published_speed_rows_come_from_the_planner():
+    """benchmarks/published_speed.py's Megatron 1.7B row: the search's plan on tp 1 x pp 1 x dp 48, its terms
+    adding up to the step, the published figure Megatron's 408.8 TFLOP/s over its own FLOP count per token
+    (12 L h^2 (2 + s / h + 4 + V / (2 L h)), computed here), the ratio predicted / published."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import published_speed as bench
+
+    row = bench.MEGATRON[0]
+    assert row[:8] == ("1.7B", 16, 2048, 24, 1, 1, 48, 192)
+    plan = bench.planned(bench.megatron_config(row), 1, 1, 48)
+    assert sum(bench.terms(plan).values()) == pytest.approx(plan.time.seconds, rel=1e-9)
+    per_token = 12 * 24 * 2048**2 * (2 + 4096 / 2048 + 4 + 131072 / (2 * 24 * 2048))
+    published = 408.8e12 / per_token
+    text = bench.planner_row("1.7B", plan, 48, published)
+    cells = [c.strip() for c in text.split("|")[1:-1]]
+    predicted = plan.time.tokens_per_second / 48
+    assert cells[2] == f"{published:,.0f}" and cells[3] == f"{predicted:,.0f}"
+    assert cells[4] == f"{predicted / published:.2f}"
+    assert f"| {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {cells[4]} |" in "".join(
+        line.replace("Megatron GPT 1.7B, tp 1 x pp 1 x dp 48, 48 GPUs, batch 192 (41 % MFU)", "1.7B")
+        for line in (ROOT / "benchmarks" / "results" / "published_speed.md").read_text().splitlines())

@@ -144,11 +144,11 @@ def _runs(variant: Config, world_size: int) -> bool:
     return True
 
 
-def _variant_groups(cfg: Config, shape: dict, world_size: int) -> Iterator[list[Config]]:
+def _variant_groups(cfg: Config, shape: dict, world_size: int, schedule: str | None) -> Iterator[list[Config]]:
     """The shape's variants in groups, each ordered by checkpointing from none to full: a group's first
     fitting variant is its fastest (module docstring). With pp = 1 a group per micro-batch count; with
     pp > 1 a group per schedule and virtual-stage count (:func:`pipeline_schedules`' order), at the
-    largest micro-batch count it runs."""
+    largest micro-batch count it runs; ``schedule``: only that one's."""
     t = cfg.train
     readers = shape["dp"] * (1 if shape["fold_ep"] else shape["ep"])
     if t.global_batch_size % readers:
@@ -159,11 +159,11 @@ def _variant_groups(cfg: Config, shape: dict, world_size: int) -> Iterator[list[
             if _runs(_variant(cfg, shape, micro, "1f1b", 1, "none"), world_size):
                 yield [_variant(cfg, shape, micro, "1f1b", 1, ac) for ac in AC_MODES]
         return
-    for schedule, virtual, ac_modes in pipeline_schedules(cfg, shape["pp"]):
-        micro = next((m for m in reversed(counts) if _runs(_variant(cfg, shape, m, schedule, virtual, "none"),
+    for name, virtual, ac_modes in pipeline_schedules(cfg, shape["pp"]):
+        micro = next((m for m in reversed(counts) if _runs(_variant(cfg, shape, m, name, virtual, "none"),
                                                            world_size)), None)
-        if micro is not None:
-            yield [_variant(cfg, shape, micro, schedule, virtual, ac) for ac in ac_modes]
+        if micro is not None and schedule in (None, name):
+            yield [_variant(cfg, shape, micro, name, virtual, ac) for ac in ac_modes]
 
 
 class _ShapeSearch:
@@ -199,15 +199,17 @@ class _ShapeSearch:
 
 
 def best_variant(
-    cfg: Config, shape: dict[str, int], world_size: int, hw: Hardware, assumptions: Assumptions = Assumptions()
+    cfg: Config, shape: dict[str, int], world_size: int, hw: Hardware, assumptions: Assumptions = Assumptions(),
+    schedule: str | None = None,
 ) -> Plan | None:
-    """The fitting variant with the best throughput, else the smallest; None when the shape is invalid.
+    """The fitting variant with the best throughput, else the smallest; None when the shape is invalid
+    (``schedule``: with pp > 1, of that schedule only, as a published run fixed it).
     Interleaved 1F1B stops at the first virtual-stage count that does not fit or is not faster than
     the one before: each step of v cuts a smaller share of bubble ((p - 1) / (v m + p - 1)) and adds
     as much pipeline traffic and more held activations than the one before."""
     search = _ShapeSearch(hw, assumptions)
     previous: Plan | None = None
-    for group in _variant_groups(cfg, shape, world_size):
+    for group in _variant_groups(cfg, shape, world_size, schedule):
         plan = search.first_fitting(group)
         if group[0].parallel.schedule != "interleaved":
             continue
