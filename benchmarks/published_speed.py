@@ -17,7 +17,28 @@ meshtron's checkpoints every second block; torchtitan's H100s ran at 500 W with 
 between the SXM and NVL datasheets, by its own account), so each row is predicted on the H100 SXM
 datasheet and on 835 TFLOP/s, 2.4 TB/s.
 
-Run: ``PYTHONPATH=. python benchmarks/published_speed.py`` (writes benchmarks/results/published_speed.md).
+The second table holds the layout search (``meshtron.plan.search.best_variant``, restricted to the
+published tp x pp x dp, choosing micro-batches, checkpointing and schedule, interleaved 1F1B included)
+to Megatron-Core r0.8.0's H100 weak-scaling table (NVIDIA/Megatron-LM, tag core_r0.8.0, README
+"Training Speed and Scalability" and ``images/model_table.png``: GPT models, vocabulary 131,072,
+sequence 4,096, dp 48; heads, hidden size, layers, tp, pp, batch and per-GPU TFLOP/s read from that
+table) and to torchtitan's published Llama 3.1 70B and 405B rows (pytorch/torchtitan
+``benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md``: 70B, bf16, 256 H100s, FSDP 32 x TP 8, full
+checkpointing, local batch 16, vanilla TP 597.3 tokens/s per GPU; ``benchmarks/llama3_h100_202412_torchtitan.md``
+table 5: 405B, 512 H100s, FSDP 8 x TP 8 x PP 8, local batch 32, 1F1B 100 tokens/s per GPU, but in Float8, which meshtron does not run: predicted in bf16, so not like for like;
+sequence 8,192 as in torchtitan's ``train_configs/llama3_{70b,405b}.toml``). Megatron publishes
+TFLOP/s per GPU in its own count (``megatron/training/training.py`` ``num_floating_point_operations``
+at core_r0.8.0: 12 L h^2 (2 + s / h + 4 + V / (2 L h)) per token for these GPT models, attention not
+halved for the mask); tokens/s per GPU is that over this count. meshtron's decoder is not Megatron's
+GPT (SwiGLU, RMSNorm, RoPE): each GPT model is run as meshtron's with the same heads, hidden size,
+layers and vocabulary (untied: the table's parameter counts include both), and a SwiGLU width of
+8 x round(h / 3), whose three matrices hold the parameters and FLOPs of GPT's two 4h-wide ones to within
+0.05 %. Each row gives the predicted step's terms: compute, the exposed tp / dp / pp communication and
+the bubble's share, which add up to the step. No target is asserted here: issue 43 lists the mechanisms
+(tp overlap, once-per-step gathering, a GEMM-size compute model) still missing.
+
+Run: ``PYTHONPATH=. python benchmarks/published_speed.py`` (writes benchmarks/results/published_speed.md);
+``--planner`` regenerates only the second table (no dry runs).
 """
 
 from __future__ import annotations
@@ -32,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 from meshtron.config import load_config  # noqa: E402
 from meshtron.dryrun import dry_run, tokens_per_second_per_device  # noqa: E402
 from meshtron.metrics import datasheet  # noqa: E402
+from meshtron.plan.search import Plan, best_variant  # noqa: E402
 from meshtron.plan.speed import Hardware, predict_step_time  # noqa: E402
 
 LLAMA_3_1_8B = {
@@ -49,6 +71,22 @@ ROWS = [("Llama 3.1 8B, FSDP 8 (torchtitan table 1)", 8, 16, 5762, 6667),
 DEVICES = [("H100 SXM datasheet", Hardware()),
            ("835 TFLOP/s, 2.4 TB/s", Hardware(peak_tflops=835.0, memory_tbps=2.4))]
 OUT = ROOT / "benchmarks" / "results" / "published_speed.md"
+PLANNER_HEADING = "## The layout search on Megatron-LM's and torchtitan's published H100 layouts"
+
+# Megatron-Core r0.8.0 model_table.png: (model, heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU, MFU %)
+MEGATRON = [("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8, 41), ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9, 47),
+            ("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1, 49), ("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6, 46),
+            ("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7, 42), ("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5, 43),
+            ("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8, 44), ("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4, 48),
+            ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9, 47)]
+MEGATRON_VOCAB, MEGATRON_SEQ, MEGATRON_DP = 131072, 4096, 48
+LLAMA_3_1 = {"70B": dict(hidden=8192, intermediate=28672, layers=80, heads=64),
+             "405B": dict(hidden=16384, intermediate=53248, layers=126, heads=128)}
+# torchtitan: (label, model, tp, pp, dp, local batch, published tokens/s per GPU, schedule or None for the search's)
+TORCHTITAN = [("Llama 3.1 70B, FSDP 32 x TP 8, bf16 (torchtitan asyncTP, vanilla TP)", "70B", 8, 1, 32, 16, 597.3, None),
+              ("Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, 1F1B (torchtitan table 5, Float8)", "405B", 8, 8, 8, 32, 100, "1f1b")]
+# Not a row: table 5's interleaved run (128 tokens/s per GPU): 126 layers do not split into equal chunks over
+# pp 8, so the search (Megatron's rule) has no interleaved layout for it.
 
 
 def _config(gpus: int, batch: int):
@@ -56,7 +94,77 @@ def _config(gpus: int, batch: int):
     return load_config(ROOT / "recipes" / "qwen2p5_7b.toml", [f"--{k}={v}" for k, v in overrides.items()])
 
 
-def main() -> None:
+def megatron_flops_per_token(hidden: int, layers: int) -> float:
+    """Megatron's count for its GPT models (MHA, 4h GeLU MLP): 12 L h^2 (2 + s / h + 4 + V / (2 L h))."""
+    h, s, v = hidden, MEGATRON_SEQ, MEGATRON_VOCAB
+    return 12 * layers * h * h * (2 + s / h + 4 + v / (2 * layers * h))
+
+
+def _model_config(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int, seq: int,
+                  batch: int):
+    overrides = {"model.vocab_size": vocab, "model.hidden_size": hidden, "model.intermediate_size": intermediate,
+                 "model.num_hidden_layers": layers, "model.num_attention_heads": heads,
+                 "model.num_key_value_heads": kv_heads, "model.attention_bias": "false",
+                 "model.tie_word_embeddings": "false", "model.max_position_embeddings": seq, "train.seq_len": seq,
+                 "train.dtype": "bfloat16", "train.global_batch_size": batch, "parallel.data_parallel": "fsdp"}
+    return load_config(ROOT / "recipes" / "qwen2p5_7b.toml", [f"--{k}={v}" for k, v in overrides.items()])
+
+
+def megatron_config(row: tuple):
+    _, heads, hidden, layers, _, _, _, batch, _, _ = row
+    return _model_config(hidden, 8 * round(hidden / 3), layers, heads, heads, MEGATRON_VOCAB, MEGATRON_SEQ, batch)
+
+
+def planned(cfg, tp: int, pp: int, dp: int, schedule: str | None = None) -> Plan:
+    """The search's layout on exactly tp x pp x dp (FSDP over dp, SP with tp), optionally one schedule."""
+    shape = dict(pp=pp, dp=dp, cp=1, ep=1, tp=tp, etp=1, fold_ep=False)
+    return best_variant(cfg, shape, tp * pp * dp, Hardware(), schedule=schedule)
+
+
+def terms(plan: Plan) -> dict[str, float]:
+    """The step's seconds by term: compute, exposed tp / dp / pp (and any other group's) communication, bubble."""
+    t = plan.time
+    out = {"compute": t.compute}
+    out.update({f"exposed {dims}": seconds for dims, seconds in t.exposed_by.items()})
+    out["bubble"] = t.seconds * t.bubble
+    return out
+
+
+def planner_row(label: str, plan: Plan, gpus: int, published: float) -> str:
+    p, t = plan.cfg.parallel, plan.time
+    per_gpu = t.tokens_per_second / gpus
+    parts = terms(plan)
+    shown = ", ".join(f"{k} {v:.2f}" for k, v in parts.items() if v > 0.0005 or k in ("compute", "bubble"))
+    layout = (f"{p.schedule}{f' v {p.virtual_stages}' if p.virtual_stages > 1 else ''}, mb {p.microbatches}, "
+              f"ac {p.activation_checkpointing}, {plan.memory.total / 2**30:.1f} GiB{'' if plan.fits else ' (does not fit)'}")
+    return (f"| {label} | {layout} | {published:,.0f} | {per_gpu:,.0f} | {per_gpu / published:.2f} | "
+            f"{t.seconds:.2f} | {shown} |")
+
+
+def planner_section() -> list[str]:
+    lines = [PLANNER_HEADING, "",
+             "`meshtron.plan.search.best_variant` on the published tp x pp x dp (H100 SXM datasheet, 80 GiB, 8 per node, "
+             "40 % MFU, 450 GB/s NVLink, 50 GB/s InfiniBand per GPU); tokens/s per GPU; ratio = predicted / published; "
+             "terms in seconds of the predicted step (they add up to it). Megatron's published figure is its TFLOP/s "
+             "per GPU over its FLOP count per token (`benchmarks/published_speed.py`).", "",
+             "| published run | meshtron's layout | published | predicted | ratio | step s | terms (s) |",
+             "|---|---|---:|---:|---:|---:|---|"]
+    for row in MEGATRON:
+        name, _, hidden, layers, tp, pp, gpus, batch, tflops, mfu = row
+        published = tflops * 1e12 / megatron_flops_per_token(hidden, layers)
+        label = f"Megatron GPT {name}, tp {tp} x pp {pp} x dp {MEGATRON_DP}, {gpus:,} GPUs, batch {batch} ({mfu} % MFU)"
+        lines.append(planner_row(label, planned(megatron_config(row), tp, pp, MEGATRON_DP), gpus, published))
+        print(lines[-1], flush=True)
+    for label, model, tp, pp, dp, local, published, schedule in TORCHTITAN:
+        shape = LLAMA_3_1[model]
+        cfg = _model_config(shape["hidden"], shape["intermediate"], shape["layers"], shape["heads"], 8, 128256, 8192,
+                            local * dp)
+        lines.append(planner_row(label, planned(cfg, tp, pp, dp, schedule), tp * pp * dp, published))
+        print(lines[-1], flush=True)
+    return lines
+
+
+def dry_run_section() -> list[str]:
     lines = ["# Predicted against published throughput", "",
              "Models of other people's runs, not measurements of meshtron (`benchmarks/published_speed.py`"
              " explains the rows and what differs). Tokens/s per GPU; error = predicted / published - 1.", "",
@@ -77,8 +185,16 @@ def main() -> None:
     peak, bandwidth = datasheet("H100")
     lines += ["", f"H100 SXM datasheet: {peak:g} TFLOP/s dense bf16, {bandwidth:g} TB/s (`meshtron.metrics.DATASHEET`); "
               "inter-node 50 GB/s per GPU (400 Gb/s, as in torchtitan's cluster)."]
-    OUT.write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def main(argv: list[str]) -> None:
+    if "--planner" in argv:  # keep the dry-run table as last written
+        first = OUT.read_text().split(PLANNER_HEADING)[0].rstrip().splitlines()
+    else:
+        first = dry_run_section()
+    OUT.write_text("\n".join(first + [""] + planner_section()) + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -4,6 +4,7 @@ the published ZeRO figures, the memory terms' behaviour, the CLI, inferred dp an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -588,7 +589,7 @@ def test_search_gathers_once_per_step_where_it_is_faster_and_fits():
     micro-batch."""
     import dataclasses
 
-    from meshtron.plan.search import _variants, best_variant
+    from meshtron.plan.search import _variant_groups, best_variant
 
     cfg = load_config(RECIPES / "qwen2p5_7b.toml", ["--parallel.dp", "48", "--parallel.tp", "2",
                                                      "--train.global_batch_size", "384", "--train.seq_len", "4096"])
@@ -600,5 +601,70 @@ def test_search_gathers_once_per_step_where_it_is_faster_and_fits():
     tight = Hardware(inter_gbps=10.0, memory_gib=18.0)
     chosen = best_variant(cfg, shape, 96, tight)
     assert chosen.fits and chosen.cfg.parallel.fsdp_gather == "per_microbatch", chosen.layout()
-    held = [predict_memory(v).total for v in _variants(cfg, shape, 96) if v.parallel.fsdp_gather == "per_step"]
+    held = [predict_memory(v).total for group in _variant_groups(cfg, shape, 96, None) for v in group
+            if v.parallel.fsdp_gather == "per_step"]
     assert held and min(held) > 18 * GIB, min(held) / GIB
+
+
+def test_search_chooses_interleaved_where_its_bubble_is_smallest():
+    """Qwen2.5-0.5B (24 layers) on pp 4 with 4 micro-batches: 1F1B idles (p - 1) / (m + p - 1) = 3 / 7
+    of the step, interleaving over v chunks (p - 1) / (v m + p - 1): 3 / 27 at v = 6, the most that
+    divides 24 / 4; the memory fits 80 GiB many times over, so the search must pick it."""
+    from meshtron.plan.search import best_variant, evaluate, rank_layouts
+
+    cfg = load_config(RECIPES / "qwen2p5_0p5b.toml", ["--train.global_batch_size", "4"])
+    shape = dict(pp=4, dp=1, cp=1, ep=1, tp=1, etp=1, fold_ep=False)
+    plan = best_variant(cfg, shape, 4, Hardware())
+    p = plan.cfg.parallel
+    assert plan.fits and (p.schedule, p.virtual_stages, p.microbatches) == ("interleaved", 6, 4)
+    assert plan.time.bubble == pytest.approx(3 / 27)
+    one_f_one_b = evaluate(dataclasses.replace(plan.cfg, parallel=dataclasses.replace(p, schedule="1f1b",
+                                                                                     virtual_stages=1)), Hardware())
+    assert one_f_one_b.time.bubble == pytest.approx(3 / 7)
+    assert one_f_one_b.time.tokens_per_second < plan.time.tokens_per_second
+    ranked = rank_layouts(cfg, 4, Hardware())
+    assert next(q for q in ranked if q.cfg.parallel.pp == 4).cfg.parallel.schedule == "interleaved"
+
+
+def test_search_evaluates_a_bounded_number_of_variants():
+    """Memory is evaluated at most once per checkpointing mode of each group the search forms: with
+    pp = 1 one group per micro-batch count (the divisors of the per-rank batch), with pp > 1 one per
+    schedule and virtual-stage count at the largest micro-batch count it runs. The bound counts every
+    group as if all of it were evaluated; the full product (every micro-batch count with every
+    schedule) is what the search used to evaluate."""
+    from meshtron.plan.search import _divisors, mesh_shapes, pipeline_schedules, rank_layouts
+
+    cfg = load_config(RECIPES / "qwen2p5_0p5b.toml", ["--train.global_batch_size", "64"])
+    bound = full = 0
+    for shape in mesh_shapes(cfg, 64, 8):
+        if 64 % shape["dp"]:
+            continue
+        counts = len(_divisors(64 // shape["dp"]))
+        modes = sum(len(ac) for _, _, ac in pipeline_schedules(cfg, shape["pp"]))
+        bound += counts * modes if shape["pp"] == 1 else modes
+        full += counts * modes
+    evaluated = sum(plan.evaluated for plan in rank_layouts(cfg, 64, Hardware()))
+    assert 0 < evaluated <= bound < full / 3
+
+
+def test_published_speed_rows_come_from_the_planner():
+    """benchmarks/published_speed.py's Megatron 1.7B row: the search's plan on tp 1 x pp 1 x dp 48, its terms
+    adding up to the step, the published figure Megatron's 408.8 TFLOP/s over its own FLOP count per token
+    (12 L h^2 (2 + s / h + 4 + V / (2 L h)), computed here), the ratio predicted / published."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import published_speed as bench
+
+    row = bench.MEGATRON[0]
+    assert row[:8] == ("1.7B", 16, 2048, 24, 1, 1, 48, 192)
+    plan = bench.planned(bench.megatron_config(row), 1, 1, 48)
+    assert sum(bench.terms(plan).values()) == pytest.approx(plan.time.seconds, rel=1e-9)
+    per_token = 12 * 24 * 2048**2 * (2 + 4096 / 2048 + 4 + 131072 / (2 * 24 * 2048))
+    published = 408.8e12 / per_token
+    text = bench.planner_row("1.7B", plan, 48, published)
+    cells = [c.strip() for c in text.split("|")[1:-1]]
+    predicted = plan.time.tokens_per_second / 48
+    assert cells[2] == f"{published:,.0f}" and cells[3] == f"{predicted:,.0f}"
+    assert cells[4] == f"{predicted / published:.2f}"
+    assert f"| {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {cells[4]} |" in "".join(
+        line.replace("Megatron GPT 1.7B, tp 1 x pp 1 x dp 48, 48 GPUs, batch 192 (41 % MFU)", "1.7B")
+        for line in (ROOT / "benchmarks" / "results" / "published_speed.md").read_text().splitlines())

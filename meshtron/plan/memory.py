@@ -870,10 +870,20 @@ def phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[str, float]:
     backward: saved activations, its working set, the gradients reduced so far, reduction buffers) or
     ``"backward end"`` (every gradient, the last unit's reduction, no activations). Pipelines: the
     largest of the phase's moments in the rank's schedule (:func:`pipeline_moments`)."""
-    terms: dict[str, float] = dict(state_bytes(cfg, coords))
+    return all_phase_terms(cfg, coords)[phase]
+
+
+def all_phase_terms(cfg: Config, coords: Coords) -> dict[str, dict[str, float]]:
+    """:func:`phase_terms` of every phase; a pipeline rank's schedule is walked once for all three."""
     if cfg.parallel.pp > 1:
-        terms.update(max(pipeline_moments(cfg, coords)[phase], key=lambda t: sum(t.values())))
-        return terms
+        state = state_bytes(cfg, coords)
+        moments = pipeline_moments(cfg, coords)
+        return {phase: {**state, **max(moments[phase], key=lambda t: sum(t.values()))} for phase in PHASES}
+    return {phase: _unpipelined_phase_terms(cfg, coords, phase) for phase in PHASES}
+
+
+def _unpipelined_phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[str, float]:
+    terms: dict[str, float] = dict(state_bytes(cfg, coords))
     if phase != "backward end" and not sharded_grads_before_backward(cfg):
         terms["grads"] = 0
     terms.update(data_parallel_bytes(cfg, coords.pp, phase))
@@ -903,7 +913,7 @@ def _recomputes_every_layer(cfg: Config) -> bool:
 
 def rank_breakdown(cfg: Config, coords: Coords, assumptions: Assumptions = Assumptions()) -> Breakdown:
     """Every term for the rank at ``coords``, at the larger of its forward and backward peaks."""
-    phases = {phase: phase_terms(cfg, coords, phase) for phase in PHASES}
+    phases = all_phase_terms(cfg, coords)
     phase = max(PHASES, key=lambda k: sum(phases[k].values()))
     terms = phases[phase]
     terms["other"] = assumptions.reserved_gib * GIB + assumptions.fragmentation * sum(terms.values())

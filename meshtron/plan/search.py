@@ -5,16 +5,32 @@ pp x dp x cp x ep x tp = N (tp inside one node, SP whenever tp > 1) or, for MoE 
 pp x dp x cp x tp = N with the experts folded over it (ep x etp dividing dp x cp x tp, etp dividing
 tp), then the micro-batch count,
 activation-checkpointing mode and, when pp > 1, schedule that fit with the best predicted
-throughput (the lowest-memory choice when none fits). Schedules: 1F1B with every checkpointing
-mode; the zero-bubble ``zb1p`` and ``zbv`` without checkpointing only, since with it the executor
-runs every backward whole at ``B`` (1F1B's bubble, more held activations). Without a pipeline, FSDP
-and HSDP also try both ``fsdp_gather`` modes: gathering per micro-batch, or once per step holding the
-unsharded weights and gradients (pipelines always hold them).
+throughput (the lowest-memory choice when none fits). Schedules: 1F1B and interleaved 1F1B at every
+virtual-stage count v > 1 with pp x v dividing the layers (Megatron's rule: equal chunks), with
+every checkpointing mode; the zero-bubble ``zb1p`` and ``zbv`` without checkpointing only, since
+with it the executor runs every backward whole at ``B`` (1F1B's bubble, more held activations).
+Without a pipeline, FSDP and HSDP also try both ``fsdp_gather`` modes: gathering per micro-batch, or
+once per step holding the unsharded weights and gradients (pipelines always hold them).
+
+What is not evaluated, because under the models it cannot win (so the search answers within a minute
+for 16,384 devices on two CPU cores; docs/planner.md has the times):
+
+- speed, for a variant that does not fit (memory is evaluated first);
+- a checkpointing mode once a lighter one fits at the same micro-batch count and schedule: it only
+  adds compute (and, recomputed, tp transfers) and holds fewer activations that are not needed;
+- with pp > 1, micro-batch counts below the largest each schedule runs: every other term of the step
+  is the same for any count (tp, cp, ep and pipeline traffic scale with the tokens, the gathered
+  weights are held over the step), the bubble only shrinks as the count grows, and fewer, larger
+  micro-batches hold at least as many activations. (MoE layers reduce their routers' gradients and
+  statistics once per micro-batch: a few bytes per expert, not modelled as a reason to pipeline
+  fewer.) With pp = 1 every count is tried: fewer micro-batches gather the FSDP weights fewer times
+  but hold more activations.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from meshtron.config import FSDP_GATHERS, Config, ConfigError
@@ -24,7 +40,8 @@ from meshtron.plan.memory import GIB, Assumptions, Breakdown, predict_memory
 from meshtron.plan.speed import Hardware, StepTime, predict_step_time
 
 AC_MODES = ("none", "selective", "full")
-# (schedule, virtual stages, checkpointing modes) tried when pp > 1.
+# (schedule, virtual stages, checkpointing modes) tried when pp > 1, besides interleaved 1F1B
+# (:func:`pipeline_schedules`).
 PIPELINE_SCHEDULES = (("1f1b", 1, AC_MODES), ("zb1p", 1, ("none",)), ("zbv", 2, ("none",)))
 
 
@@ -34,6 +51,7 @@ class Plan:
     memory: Breakdown
     time: StepTime
     fits: bool
+    evaluated: int = 1  # memory models the search evaluated to choose this variant of its mesh shape
 
     def layout(self) -> dict:
         p = self.cfg.parallel
@@ -101,42 +119,111 @@ def folded_splits(cfg: Config, stage_ranks: int, tp: int) -> list[dict]:
             for ep in _divisors(stage_ranks // etp) if ep > 1 and m.num_experts % ep == 0]
 
 
-def _variants(cfg: Config, shape: dict[str, int], world_size: int) -> list[Config]:
-    """The shape with each valid micro-batch count, schedule and checkpointing mode."""
+def pipeline_schedules(cfg: Config, pp: int) -> tuple[tuple[str, int, tuple[str, ...]], ...]:
+    """(schedule, virtual stages, checkpointing modes) the search tries on ``pp`` stages, interleaved
+    1F1B last, by ascending virtual stages."""
+    if pp == 1:
+        return (("1f1b", 1, AC_MODES),)
+    layers = cfg.model.num_hidden_layers
+    chunks = layers // pp if layers % pp == 0 else 1
+    return PIPELINE_SCHEDULES + tuple(("interleaved", v, AC_MODES) for v in _divisors(chunks) if v > 1)
+
+
+def _variant(cfg: Config, shape: dict, micro: int, schedule: str, virtual: int, ac: str,
+             gather: str | None = None) -> Config:
+    parallel = dataclasses.replace(cfg.parallel, **shape, sp=shape["tp"] > 1, microbatches=micro, schedule=schedule,
+                                   virtual_stages=virtual, activation_checkpointing=ac,
+                                   fsdp_gather=gather or cfg.parallel.fsdp_gather)
+    return dataclasses.replace(cfg, parallel=parallel)
+
+
+def _runs(variant: Config, world_size: int) -> bool:
+    """Whether the layout is valid (micro-batches against stages per schedule, when pp > 1)."""
+    try:
+        validate_layout(variant, world_size)
+        if variant.parallel.pp > 1:
+            check_pipeline(variant)
+    except ConfigError:
+        return False
+    return True
+
+
+def _variant_groups(cfg: Config, shape: dict, world_size: int, schedule: str | None) -> Iterator[list[Config]]:
+    """The shape's variants in groups, each ordered by checkpointing from none to full: a group's first
+    fitting variant is its fastest (module docstring). With pp = 1 a group per micro-batch count (and
+    ``fsdp_gather`` mode, unless replicated); with
+    pp > 1 a group per schedule and virtual-stage count (:func:`pipeline_schedules`' order), at the
+    largest micro-batch count it runs; ``schedule``: only that one's."""
     t = cfg.train
     readers = shape["dp"] * (1 if shape["fold_ep"] else shape["ep"])
     if t.global_batch_size % readers:
-        return []
-    schedules = PIPELINE_SCHEDULES if shape["pp"] > 1 else (("1f1b", 1, AC_MODES),)
-    gathers = FSDP_GATHERS if shape["pp"] == 1 and cfg.parallel.data_parallel != "replicate" else \
-        (cfg.parallel.fsdp_gather,)
-    out = []
-    for micro in _divisors(t.global_batch_size // readers):
-        for schedule, virtual, ac_modes in schedules:
-            parallel = dataclasses.replace(cfg.parallel, **shape, sp=shape["tp"] > 1, microbatches=micro,
-                                           schedule=schedule, virtual_stages=virtual)
-            variant = dataclasses.replace(cfg, parallel=parallel)
-            try:  # checkpointing does not change validity: once per schedule
-                validate_layout(variant, world_size)
-                if shape["pp"] > 1:
-                    check_pipeline(variant)  # micro-batches against stages, per schedule
-            except ConfigError:
-                continue
-            out += [dataclasses.replace(variant, parallel=dataclasses.replace(parallel, activation_checkpointing=ac,
-                                                                              fsdp_gather=gather))
-                    for ac in ac_modes for gather in gathers]
-    return out
+        return
+    counts = _divisors(t.global_batch_size // readers)
+    if shape["pp"] == 1:
+        gathers = FSDP_GATHERS if cfg.parallel.data_parallel != "replicate" else (cfg.parallel.fsdp_gather,)
+        for micro in counts:
+            if _runs(_variant(cfg, shape, micro, "1f1b", 1, "none"), world_size):
+                for gather in gathers:
+                    yield [_variant(cfg, shape, micro, "1f1b", 1, ac, gather) for ac in AC_MODES]
+        return
+    for name, virtual, ac_modes in pipeline_schedules(cfg, shape["pp"]):
+        micro = next((m for m in reversed(counts) if _runs(_variant(cfg, shape, m, name, virtual, "none"),
+                                                           world_size)), None)
+        if micro is not None and schedule in (None, name):
+            yield [_variant(cfg, shape, micro, name, virtual, ac) for ac in ac_modes]
+
+
+class _ShapeSearch:
+    """One mesh shape's evaluations: memory first, the step time only of a variant that fits."""
+
+    def __init__(self, hw: Hardware, assumptions: Assumptions):
+        self.hw, self.assumptions = hw, assumptions
+        self.fitting: list[Plan] = []
+        self.smallest: tuple[Config, Breakdown] | None = None
+        self.evaluated = 0
+
+    def first_fitting(self, group: list[Config]) -> Plan | None:
+        """The group's first variant that fits, timed; None when none does."""
+        for variant in group:
+            memory = predict_memory(variant, self.assumptions)
+            self.evaluated += 1
+            if memory.total <= self.hw.memory_gib * GIB:
+                self.fitting.append(Plan(variant, memory, predict_step_time(variant, self.hw), True))
+                return self.fitting[-1]
+            if self.smallest is None or memory.total < self.smallest[1].total:
+                self.smallest = (variant, memory)
+        return None
+
+    def best(self) -> Plan | None:
+        """The fitting variant with the best throughput, else the smallest."""
+        if self.fitting:
+            best = max(self.fitting, key=lambda p: p.time.tokens_per_second)
+        elif self.smallest is not None:
+            best = Plan(*self.smallest, predict_step_time(self.smallest[0], self.hw), False)
+        else:
+            return None
+        return dataclasses.replace(best, evaluated=self.evaluated)
 
 
 def best_variant(
-    cfg: Config, shape: dict[str, int], world_size: int, hw: Hardware, assumptions: Assumptions = Assumptions()
+    cfg: Config, shape: dict[str, int], world_size: int, hw: Hardware, assumptions: Assumptions = Assumptions(),
+    schedule: str | None = None,
 ) -> Plan | None:
-    """The fitting variant with the best throughput, else the smallest; None when the shape is invalid."""
-    plans = [evaluate(variant, hw, assumptions) for variant in _variants(cfg, shape, world_size)]
-    fitting = [p for p in plans if p.fits]
-    if fitting:
-        return max(fitting, key=lambda p: p.time.tokens_per_second)
-    return min(plans, key=lambda p: p.memory.total, default=None)
+    """The fitting variant with the best throughput, else the smallest; None when the shape is invalid
+    (``schedule``: with pp > 1, of that schedule only, as a published run fixed it).
+    Interleaved 1F1B stops at the first virtual-stage count that does not fit or is not faster than
+    the one before: each step of v cuts a smaller share of bubble ((p - 1) / (v m + p - 1)) and adds
+    as much pipeline traffic and more held activations than the one before."""
+    search = _ShapeSearch(hw, assumptions)
+    previous: Plan | None = None
+    for group in _variant_groups(cfg, shape, world_size, schedule):
+        plan = search.first_fitting(group)
+        if group[0].parallel.schedule != "interleaved":
+            continue
+        if plan is None or (previous is not None and plan.time.tokens_per_second <= previous.time.tokens_per_second):
+            break
+        previous = plan
+    return search.best()
 
 
 def rank_layouts(cfg: Config, world_size: int, hw: Hardware, assumptions: Assumptions = Assumptions()) -> list[Plan]:

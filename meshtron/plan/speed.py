@@ -77,6 +77,7 @@ class StepTime:
     exposed_comm: float
     bubble: float
     comm_bytes: dict[str, float] = field(default_factory=dict)  # "kind/dim" -> bytes per rank per step
+    exposed_by: dict[str, float] = field(default_factory=dict)  # dims -> exposed seconds (exposed_communication)
 
 
 def group_is_intra_node(cfg: Config, dims: tuple[str, ...], gpus_per_node: int) -> bool:
@@ -385,16 +386,30 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware(), compute_seconds: f
     recompute = _recompute_factor(cfg)
     compute = compute_seconds if compute_seconds is not None else matmul_seconds(cfg, tokens * recompute / world, hw)
     comm = communication(cfg)
-    critical = sum(_seconds(cfg, k, v, hw) for k, v in comm.items() if not _is_data_parallel(k) and k != "p2p/tp")
-    if "p2p/tp" in comm:  # tp_overlap: only what the rings' GEMMs do not hide
-        critical += overlapped_tp_seconds(cfg, hw)
-    overlapped = sum(_seconds(cfg, k, v, hw) for k, v in comm.items() if _is_data_parallel(k))
-    exposed = critical + max(0.0, overlapped - compute)
+    exposed_by = exposed_communication(cfg, comm, compute, hw)
+    exposed = sum(exposed_by.values())
     # Backward costs twice a forward, plus the recomputed forward of the checkpointed share of layers.
     bubble = pipeline_bubble(p.schedule, p.pp, p.microbatches, p.virtual_stages, 2 + 3 * (recompute - 1),
                              split=not unsplit_stages(cfg))
     seconds = (compute + exposed) / (1 - bubble)
-    return StepTime(seconds, tokens / seconds, compute, exposed, bubble, comm)
+    return StepTime(seconds, tokens / seconds, compute, exposed, bubble, comm, exposed_by)
+
+
+def exposed_communication(cfg: Config, comm: dict[str, float], compute: float, hw: Hardware) -> dict[str, float]:
+    """Seconds of ``comm`` on the critical path, by the mesh dimensions of each group (``"tp"``, ``"pp"``,
+    ...): every tp, cp, ep and pp transfer, of tp_overlap's rings only what their GEMMs do not hide; of
+    the data-parallel ones, overlapping compute, only their excess over ``compute``, under ``"dp"``."""
+    out: dict[str, float] = {}
+    overlapped = 0.0
+    for key, nbytes in comm.items():
+        seconds = overlapped_tp_seconds(cfg, hw) if key == "p2p/tp" else _seconds(cfg, key, nbytes, hw)
+        if _is_data_parallel(key):
+            overlapped += seconds
+        else:
+            dims = key.split("/")[1]
+            out[dims] = out.get(dims, 0.0) + seconds
+    out["dp"] = max(0.0, overlapped - compute)
+    return out
 
 
 def fp8_weights(cfg: Config, params) -> list:
@@ -434,5 +449,6 @@ def _is_data_parallel(key: str) -> bool:
     return key.split("/")[1] in ("dp", "dp_ep_cp", "cp_ep", "edp", "edp_shard", "edp_replicate")
 
 
-__all__ = ["COMM_DIMS", "Hardware", "StepTime", "communication", "fp8_flops_per_token", "group_is_intra_node",
-           "matmul_seconds", "overlapped_rings", "overlapped_tp_seconds", "pipeline_bubble", "predict_step_time"]
+__all__ = ["COMM_DIMS", "Hardware", "StepTime", "communication", "exposed_communication", "fp8_flops_per_token",
+           "group_is_intra_node", "matmul_seconds", "overlapped_rings", "overlapped_tp_seconds", "pipeline_bubble",
+           "predict_step_time"]
