@@ -83,10 +83,15 @@ def _copy_waits(source, target, non_blocking: bool) -> bool:
     return torch.device(target).type == "cpu" or not non_blocking
 
 
+# Modules that wait on the host's behalf, not where a wait is asked for: this one and the dry run's
+# stand-ins for the CUDA runtime.
+_NOT_CALLERS = (__file__, __file__.replace("syncs.py", "fake_cuda.py"))
+
+
 def _caller() -> str:
-    """The innermost frame outside torch and this module: where the sync was asked for."""
+    """The innermost frame outside torch and :data:`_NOT_CALLERS`: where the sync was asked for."""
     for frame in reversed(traceback.extract_stack()):
-        if "/torch/" not in frame.filename and frame.filename != __file__:
+        if "/torch/" not in frame.filename and frame.filename not in _NOT_CALLERS:
             return f"{frame.filename}:{frame.lineno} in {frame.name}"
     return "?"
 
@@ -117,6 +122,17 @@ class _MethodRecorder(TorchFunctionMode):
         self.counter._record(func.__name__)
         with self.counter._muted():  # on a GPU the same read also copies to the host: count it once
             return func(*args, **kwargs)
+
+
+_active: list[HostSyncCounter] = []  # the counters entered, innermost last
+
+
+def record(op: str) -> None:
+    """A host sync no dispatched op shows: a wait for the device (``torch.cuda.synchronize``) or, in a dry
+    run, a read :mod:`meshtron.host` answers with its assumption where a real step reads the device.
+    Recorded by every counter entered."""
+    for counter in _active:
+        counter._record(op)
 
 
 class HostSyncCounter:
@@ -156,9 +172,11 @@ class HostSyncCounter:
     def __enter__(self) -> HostSyncCounter:
         for mode in self._modes:
             mode.__enter__()
+        _active.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _active.remove(self)
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
 
