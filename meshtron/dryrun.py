@@ -39,12 +39,16 @@ from torch.utils.flop_counter import flop_registry
 from meshtron import env
 from meshtron.config import Config, ConfigError, infer_dp, load_config
 from meshtron.fake_cuda import cuda_build, driver_environment, fake_cuda, fake_factories, guard, refusal
-from meshtron.host import fake_tensors, simulated
+from meshtron.host import declared, fake_tensors, simulated
 from meshtron.mesh import batch_mesh, expert_hsdp_mesh, expert_meshes, group_names, recipe_mesh
+from meshtron.nccl_rules import NcclRules, unmatched_p2p
 from meshtron.parallel.step import training_step
 from meshtron.plan.memory import GIB, Assumptions, Coords, rank_breakdown, state_bytes
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
 from meshtron.plan.speed import COMM_DIMS, Hardware, communication, predict_step_time
+from meshtron.syncs import HostSyncCounter
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # call sites are named relative to it
 
 # The trace holds what the step allocates: no CUDA context, no allocator slack.
 TRACE_ASSUMPTIONS = Assumptions(reserved_gib=0.0, fragmentation=0.0)
@@ -64,6 +68,8 @@ class RankTrace:
     compute_seconds: float  # the traced step's roofline on the target device
     step_seconds: float  # meshtron.plan's step time with that compute time
     seconds: float  # the dry run's own wall time for this rank
+    syncs: dict[str, int] = dataclasses.field(default_factory=dict)  # "op at file:line in function" -> per step
+    p2p: list = dataclasses.field(default_factory=list)  # (direction, peer, shape, dtype) in order (nccl_rules)
 
     @property
     def ratio(self) -> float:
@@ -125,9 +131,9 @@ class StepCounter(TorchDispatchMode):
     former's keep every activation of the step alive (3.2 x the true peak of a 7B step under
     MemTracker), the latter's fail on a module called once per micro-batch. This mode tracks none."""
 
-    def __init__(self, peak_flops: float, memory_bandwidth: float):
+    def __init__(self, peak_flops: float, memory_bandwidth: float, rules: NcclRules | None = None):
         super().__init__()
-        self.peak_flops, self.memory_bandwidth = peak_flops, memory_bandwidth
+        self.peak_flops, self.memory_bandwidth, self.rules = peak_flops, memory_bandwidth, rules
         self.flops = 0
         self.roofline_seconds = 0.0
         self.calls: dict[str, int] = {}
@@ -152,6 +158,8 @@ class StepCounter(TorchDispatchMode):
         return out
 
     def _count_collective(self, name: str, args) -> None:
+        if self.rules is not None:
+            self.rules.check(name, args, _group(args))
         self.calls[name] = self.calls.get(name, 0) + 1
         kind, nbytes, group = sent_bytes(name, args)
         if kind is not None:
@@ -298,42 +306,74 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
         try:
             mesh = recipe_mesh(cfg)
             coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-            peak, counter = _traced_step(cfg, mesh, routing, hw)
+            peak, counter, syncs = _traced_step(cfg, mesh, routing, hw)
             comm = compare_comm(counter.sent, planned_comm(cfg, mesh), group_names(mesh))
         finally:
             dist.destroy_process_group()
     planned = rank_breakdown(cfg, Coords(**coords), TRACE_ASSUMPTIONS).total
     step = predict_step_time(cfg, hw, counter.roofline_seconds).seconds
+    per_site: dict[str, int] = {}
+    for sync in syncs.syncs:
+        site = f"{sync.op} at {sync.where.removeprefix(_ROOT)}"
+        per_site[site] = per_site.get(site, 0) + 1
     return RankTrace(rank, coords, peak / GIB, planned / GIB, counter.calls, comm, counter.flops,
-                     counter.roofline_seconds, step, time.perf_counter() - start)
+                     counter.roofline_seconds, step, time.perf_counter() - start, per_site, counter.rules.p2p)
 
 
-def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[int, StepCounter]:
-    """This rank's runner and optimizer built on fake tensors, a warm-up step, then the traced one:
-    (its peak bytes, its counter)."""
+def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[int, StepCounter, HostSyncCounter]:
+    """This rank's runner and optimizer built on fake tensors, a warm-up step, then the traced one under
+    NCCL's rules: (its peak bytes, its counter, its host syncs, only those :mod:`meshtron.host` declares)."""
     from meshtron.hf.runner import build_runner
     from meshtron.optim import build_optimizer
 
     device = env.local_device()
+    rules = NcclRules(device, group_names(mesh))  # names read from the mesh's real rank table
     with simulated(routing):
         with fake_factories(fake_tensors()) if device.type == "cuda" else contextlib.nullcontext():
             runner = build_runner(cfg, mesh, device)
         with fake_tensors():
             optimizer = build_optimizer(runner.module, cfg.train)
             ids, labels = _local_batch(cfg, mesh, device)
-            _warm_up(cfg, runner, optimizer, ids, labels)
+            with checked_syncs():
+                _warm_up(cfg, runner, optimizer, ids, labels)
             memory = storage_tracker()
             memory.track_external(runner.module, optimizer, ids, labels)
-            counter = StepCounter(hw.peak_tflops * 1e12, hw.memory_tbps * 1e12)
-            # The memory tracker, entered last, sees each op first: DTensor ops whole, as it always
-            # has; the counter, below it, declines those and counts their local ops.
-            with ShapeInferences() as inferred, counter, memory:
+            counter = StepCounter(hw.peak_tflops * 1e12, hw.memory_tbps * 1e12, rules)
+            # The memory tracker, entered after the counter, sees each op before it: DTensor ops whole, as
+            # it always has; the counter declines those and counts their local ops. The sync counter,
+            # entered last, sees a host read before the fake tensors refuse it.
+            with ShapeInferences() as inferred, counter, memory, checked_syncs() as syncs:
                 training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
             if inferred.count:
                 raise RuntimeError(f"the traced step of rank {dist.get_rank()} inferred {inferred.count} DTensor output "
                                    "shapes its warm-up did not: its peak would count their placeholders")
     peak = sum(per_device.get("Total", 0) for per_device in memory.get_tracker_snapshot("peak").values())
-    return peak, counter
+    return peak, counter, syncs
+
+
+class HostSyncRefusal(RuntimeError):
+    """The traced step waits for the device where :mod:`meshtron.host` declares no read."""
+
+
+@contextlib.contextmanager
+def checked_syncs():
+    """A :class:`HostSyncCounter` over the block that refuses the host syncs :mod:`meshtron.host` does not
+    declare, naming each call site; a failure they precede (the fake tensors' refusal of ``.item()``)
+    is chained to the refusal."""
+    with HostSyncCounter() as syncs:
+        try:
+            yield syncs
+        except Exception as err:
+            _refuse_undeclared(syncs, err)
+            raise
+    _refuse_undeclared(syncs)
+
+
+def _refuse_undeclared(syncs: HostSyncCounter, failure: Exception | None = None) -> None:
+    undeclared = [sync for sync in syncs.syncs if not declared(sync)]
+    if undeclared:
+        raise HostSyncRefusal(f"the training step waits for the device {len(undeclared)} times where meshtron.host "
+                              "declares no read: " + "; ".join(f"{s.op} at {s.where}" for s in undeclared)) from failure
 
 
 @contextlib.contextmanager
@@ -466,6 +506,9 @@ def dry_run(cfg: Config, world_size: int, routing: str = "balanced", hw: Hardwar
             raise result
         if isinstance(result, str):
             raise DryRunError(f"rank {rank} of the dry run failed:\n{result}")
+    unmatched = unmatched_p2p({t.rank: t.p2p for t in results})
+    if unmatched:
+        raise DryRunError("point-to-point messages NCCL would leave waiting: " + "; ".join(unmatched))
     return results
 
 
@@ -524,7 +567,7 @@ def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool,
             "tokens_per_second_per_device": round(speed, 1),
             "ranks": [{"rank": t.rank, "coords": t.coords, "traced_gib": round(t.traced_gib, 3),
                        "planned_gib": round(t.planned_gib, 3), "ratio": round(t.ratio, 3),
-                       "collectives": t.collectives, "flops": t.flops,
+                       "collectives": t.collectives, "host_syncs": t.syncs, "flops": t.flops,
                        "compute_seconds": round(t.compute_seconds, 4), "step_seconds": round(t.step_seconds, 4),
                        "comm_bytes": {key: {"traced": traced, "planned": planned}
                                       for key, (traced, planned) in t.comm.items()}} for t in traces],
@@ -541,6 +584,8 @@ def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool,
                      f"{t.flops / 1e12:>8.1f} {t.compute_seconds:>10.3f} {t.step_seconds:>7.3f}  {calls}")
         lines += [f"{'':>11} sent {key}: {traced / GIB:.3f} GiB traced, {planned / GIB:.3f} planned"
                   for key, (traced, planned) in t.comm.items()]
+        lines.append(f"{'':>11} host syncs per step: {sum(t.syncs.values())}"
+                     + "".join(f"; {n} x {where}" for where, n in t.syncs.items()))
     lines.append(f"predicted: {speed:,.0f} tokens/s per device (roofline compute on {_device_text()}, the planner's "
                  f"exposed communication and bubble)")
     lines.append(f"planned: meshtron.plan's terms without the reserve and slack; {seconds:.0f} s in all")

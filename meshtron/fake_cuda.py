@@ -255,17 +255,22 @@ class FakeStream:
 
 
 class _Runtime:
-    """The fake devices' state: how many there are, the current one and each one's current stream."""
+    """The fake devices' state: how many there are, the current one, each one's default and current stream."""
 
     def __init__(self):
         self.count, self.current = 1, 0
+        self.defaults: dict[int, FakeStream] = {}
         self.streams: dict[int, FakeStream] = {}
 
     def default_stream(self, device=None) -> FakeStream:
         index = self.index(device)
-        if index not in self.streams:
-            self.streams[index] = FakeStream(index)
-        return self.streams[index]
+        if index not in self.defaults:
+            self.defaults[index] = FakeStream(index)
+        return self.defaults[index]
+
+    def current_stream(self, device=None) -> FakeStream:
+        index = self.index(device)
+        return self.streams.get(index) or self.default_stream(index)
 
     def index(self, device) -> int:
         if device is None:
@@ -282,7 +287,7 @@ class _Runtime:
         self.current = index
 
     def set_stream(self, stream: FakeStream | None) -> FakeStream:
-        previous = self.default_stream()
+        previous = self.current_stream()
         if stream is not None:
             self.streams[stream.device.index] = stream
         return previous
@@ -311,12 +316,15 @@ def _stand_ins() -> dict[str, object]:
         "is_available": lambda: True, "is_initialized": lambda: True, "_lazy_init": lambda: None,
         "device_count": lambda: _runtime.count, "current_device": lambda: _runtime.current,
         "set_device": _runtime.set_device, "Stream": FakeStream, "Event": FakeEvent,
-        "current_stream": _runtime.default_stream, "default_stream": _runtime.default_stream,
+        "current_stream": _runtime.current_stream, "default_stream": _runtime.default_stream,
         "set_stream": _runtime.set_stream, "stream": _runtime.stream,
         "synchronize": lambda device=None: record("torch.cuda.synchronize"),
         "memory_allocated": _memory_statistic, "max_memory_allocated": _memory_statistic,
         "memory_reserved": _memory_statistic, "max_memory_reserved": _memory_statistic,
         "reset_peak_memory_stats": lambda device=None: None,
+        # Seeding: torch.manual_seed seeds every CUDA generator, of which a driverless torch has none
+        # (fake tensors draw no random numbers).
+        "manual_seed": lambda seed: None, "manual_seed_all": lambda seed: None,
     }
 
 
@@ -328,8 +336,9 @@ def fake_cuda(devices: int, local_rank: int) -> Iterator[None]:
         raise RuntimeError(refusal())
     stand_ins = _stand_ins()
     originals = {name: getattr(torch.cuda, name) for name in stand_ins}
-    saved = (_runtime.count, _runtime.current, dict(_runtime.streams))
-    _runtime.count, _runtime.current, _runtime.streams = devices, 0, {}
+    saved = vars(_runtime).copy()
+    _runtime.__init__()
+    _runtime.count = devices
     for name, value in stand_ins.items():
         setattr(torch.cuda, name, value)
     guard().install(devices, local_rank)
@@ -341,7 +350,7 @@ def fake_cuda(devices: int, local_rank: int) -> Iterator[None]:
         guard().restore()
         for name, value in originals.items():
             setattr(torch.cuda, name, value)
-        _runtime.count, _runtime.current, _runtime.streams = saved[0], saved[1], saved[2]
+        vars(_runtime).update(saved)
 
 
 class _FakeFactories(TorchDispatchMode):

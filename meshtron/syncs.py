@@ -83,13 +83,15 @@ def _copy_waits(source, target, non_blocking: bool) -> bool:
     return torch.device(target).type == "cpu" or not non_blocking
 
 
-# Modules that wait on the host's behalf, not where a wait is asked for: this one and the dry run's
-# stand-ins for the CUDA runtime.
-_NOT_CALLERS = (__file__, __file__.replace("syncs.py", "fake_cuda.py"))
+# Modules that wait on the host's behalf, not where a wait is asked for: this one, and the dry run's
+# tracer, its stand-ins for the CUDA runtime and its collective checks.
+_NOT_CALLERS = tuple(__file__.replace("syncs.py", name) for name in ("syncs.py", "dryrun.py", "fake_cuda.py",
+                                                                     "nccl_rules.py"))
 
 
-def _caller() -> str:
-    """The innermost frame outside torch and :data:`_NOT_CALLERS`: where the sync was asked for."""
+def call_site() -> str:
+    """The innermost frame outside torch and :data:`_NOT_CALLERS` (``file:line in function``): where a
+sync, or a collective, was asked for."""
     for frame in reversed(traceback.extract_stack()):
         if "/torch/" not in frame.filename and frame.filename not in _NOT_CALLERS:
             return f"{frame.filename}:{frame.lineno} in {frame.name}"
@@ -159,7 +161,7 @@ class HostSyncCounter:
 
     def _record(self, op: str) -> None:
         if not self._mute:
-            self.syncs.append(Sync(op, _caller()))
+            self.syncs.append(Sync(op, call_site()))
 
     @contextlib.contextmanager
     def _muted(self):

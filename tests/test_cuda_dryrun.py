@@ -59,9 +59,10 @@ def test_a_cpu_build_refuses_a_cuda_dry_run(capsys, monkeypatch):
 def test_shipped_recipe_traces_on_fake_cuda():
     """Qwen2.5-0.5B at its stated 8 GPUs (FSDP over 8, 2 micro-batches) on fake ``cuda:0``: FSDP2's streams
     and events, the device guard and SDPA's kernel choice answered by the stand-ins; within 5 % of the plan
-    (45.16 GiB traced, 46.38 planned: the CPU trace's figures) and the bytes sent equal to it."""
+    (45.16 GiB traced, 46.38 planned: the CPU trace's figures) and the bytes sent equal to it; every collective
+    on ``cuda:0`` as NCCL takes it (the dry run refuses any other) and no host sync."""
     report = cuda_dry_run("--recipe", "recipes/qwen2p5_0p5b.toml", "--dry-run", "8")
     (rank,) = report["ranks"]
-    assert 0.95 <= rank["ratio"] <= 1.05, rank
+    assert 0.95 <= rank["ratio"] <= 1.05 and rank["host_syncs"] == {}, rank
     for key, sent in rank["comm_bytes"].items():
         assert abs(sent["traced"] - sent["planned"]) <= 64, (key, sent)
