@@ -9,6 +9,9 @@ appears there) and traces the second under ``MemTracker`` (peak bytes) and :clas
 (collectives by op, FLOPs), and sets the peak next to :mod:`meshtron.plan`'s prediction for the
 same rank without its reserve and slack terms (the trace has no CUDA context and no allocator).
 
+With ``MESHTRON_DEVICE=cuda`` and a CUDA build of torch the ranks run on fake CUDA devices, their
+device runtime answered by :mod:`meshtron.fake_cuda` (no GPU needed); a CPU build refuses that in one line.
+
 Where the real step reads device values on the host, :mod:`meshtron.host` supplies the dry run's
 assumption; ``--dry-run-routing skewed`` replaces balanced MoE routing by the worst case (every
 rank's token copies sent to the first ep rank, which the traced rank is).
@@ -16,6 +19,7 @@ rank's token copies sent to the first ep rank, which the traced rank is).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -34,12 +38,17 @@ from torch.utils.flop_counter import flop_registry
 
 from meshtron import env
 from meshtron.config import Config, ConfigError, infer_dp, load_config
-from meshtron.host import fake_tensors, simulated
+from meshtron.fake_cuda import cuda_build, driver_environment, fake_cuda, fake_factories, guard, refusal
+from meshtron.host import declared, fake_tensors, simulated
 from meshtron.mesh import batch_mesh, expert_hsdp_mesh, expert_meshes, group_names, recipe_mesh
+from meshtron.nccl_rules import NcclRules, unmatched_p2p
 from meshtron.parallel.step import training_step
 from meshtron.plan.memory import GIB, Assumptions, Coords, rank_breakdown, state_bytes
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
 from meshtron.plan.speed import COMM_DIMS, Hardware, communication, predict_step_time
+from meshtron.syncs import HostSyncCounter
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # call sites are named relative to it
 
 # The trace holds what the step allocates: no CUDA context, no allocator slack.
 TRACE_ASSUMPTIONS = Assumptions(reserved_gib=0.0, fragmentation=0.0)
@@ -59,6 +68,8 @@ class RankTrace:
     compute_seconds: float  # the traced step's roofline on the target device
     step_seconds: float  # meshtron.plan's step time with that compute time
     seconds: float  # the dry run's own wall time for this rank
+    syncs: dict[str, int] = dataclasses.field(default_factory=dict)  # "op at file:line in function" -> per step
+    p2p: list = dataclasses.field(default_factory=list)  # (direction, peer, shape, dtype) in order (nccl_rules)
 
     @property
     def ratio(self) -> float:
@@ -120,9 +131,9 @@ class StepCounter(TorchDispatchMode):
     former's keep every activation of the step alive (3.2 x the true peak of a 7B step under
     MemTracker), the latter's fail on a module called once per micro-batch. This mode tracks none."""
 
-    def __init__(self, peak_flops: float, memory_bandwidth: float):
+    def __init__(self, peak_flops: float, memory_bandwidth: float, rules: NcclRules | None = None):
         super().__init__()
-        self.peak_flops, self.memory_bandwidth = peak_flops, memory_bandwidth
+        self.peak_flops, self.memory_bandwidth, self.rules = peak_flops, memory_bandwidth, rules
         self.flops = 0
         self.roofline_seconds = 0.0
         self.calls: dict[str, int] = {}
@@ -147,6 +158,8 @@ class StepCounter(TorchDispatchMode):
         return out
 
     def _count_collective(self, name: str, args) -> None:
+        if self.rules is not None:
+            self.rules.check(name, args, _group(args))
         self.calls[name] = self.calls.get(name, 0) + 1
         kind, nbytes, group = sent_bytes(name, args)
         if kind is not None:
@@ -283,44 +296,106 @@ def _local_batch(cfg: Config, mesh, device: torch.device) -> tuple[torch.Tensor,
 
 
 def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced",
-               hw: Hardware = Hardware()) -> RankTrace:
+               hw: Hardware = Hardware(), per_node: int = 8) -> RankTrace:
     """Build and step rank ``rank`` of a ``world_size``-rank run of ``cfg`` on fake tensors, MoE routing
-    assumed ``routing`` (``meshtron.host.ROUTINGS``), its roofline on ``hw``."""
+    assumed ``routing`` (``meshtron.host.ROUTINGS``), its roofline on ``hw``; on CUDA
+    (``env.device_type()``) on fake devices, ``per_node`` of them per node."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    start = time.perf_counter()
+    with device_runtime(rank % per_node, per_node):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            mesh = recipe_mesh(cfg)
+            coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
+            peak, counter, syncs = _traced_step(cfg, mesh, routing, hw)
+            comm = compare_comm(counter.sent, planned_comm(cfg, mesh), group_names(mesh))
+        finally:
+            dist.destroy_process_group()
+    planned = rank_breakdown(cfg, Coords(**coords), TRACE_ASSUMPTIONS).total
+    step = predict_step_time(cfg, hw, counter.roofline_seconds).seconds
+    per_site: dict[str, int] = {}
+    for sync in syncs.syncs:
+        site = f"{sync.op} at {sync.where.removeprefix(_ROOT)}"
+        per_site[site] = per_site.get(site, 0) + 1
+    return RankTrace(rank, coords, peak / GIB, planned / GIB, counter.calls, comm, counter.flops,
+                     counter.roofline_seconds, step, time.perf_counter() - start, per_site, counter.rules.p2p)
+
+
+def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[int, StepCounter, HostSyncCounter]:
+    """This rank's runner and optimizer built on fake tensors, a warm-up step, then the traced one under
+    NCCL's rules: (its peak bytes, its counter, its host syncs, only those :mod:`meshtron.host` declares)."""
     from meshtron.hf.runner import build_runner
     from meshtron.optim import build_optimizer
 
-    start = time.perf_counter()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        mesh = recipe_mesh(cfg)
-        coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-        device = torch.device(env.device_type())
-        with simulated(routing):
+    device = env.local_device()
+    rules = NcclRules(device, group_names(mesh))  # names read from the mesh's real rank table
+    with simulated(routing):
+        with fake_factories(fake_tensors()) if device.type == "cuda" else contextlib.nullcontext():
             runner = build_runner(cfg, mesh, device)
-            with fake_tensors():
-                optimizer = build_optimizer(runner.module, cfg.train)
-                ids, labels = _local_batch(cfg, mesh, device)
+        with fake_tensors():
+            optimizer = build_optimizer(runner.module, cfg.train)
+            ids, labels = _local_batch(cfg, mesh, device)
+            with checked_syncs():
                 _warm_up(cfg, runner, optimizer, ids, labels)
-                memory = storage_tracker()
-                memory.track_external(runner.module, optimizer, ids, labels)
-                counter = StepCounter(hw.peak_tflops * 1e12, hw.memory_tbps * 1e12)
-                # The memory tracker, entered last, sees each op first: DTensor ops whole, as it always
-                # has; the counter, below it, declines those and counts their local ops.
-                with ShapeInferences() as inferred, counter, memory:
-                    training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
-                if inferred.count:
-                    raise RuntimeError(f"the traced step of rank {rank} inferred {inferred.count} DTensor output shapes "
-                                       "its warm-up did not: its peak would count their placeholders")
-        peak = sum(per_device.get("Total", 0) for per_device in memory.get_tracker_snapshot("peak").values())
-        comm = compare_comm(counter.sent, planned_comm(cfg, mesh), group_names(mesh))
+            memory = storage_tracker()
+            memory.track_external(runner.module, optimizer, ids, labels)
+            counter = StepCounter(hw.peak_tflops * 1e12, hw.memory_tbps * 1e12, rules)
+            # The memory tracker, entered after the counter, sees each op before it: DTensor ops whole, as
+            # it always has; the counter declines those and counts their local ops. The sync counter,
+            # entered last, sees a host read before the fake tensors refuse it.
+            with ShapeInferences() as inferred, counter, memory, checked_syncs() as syncs:
+                training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
+            if inferred.count:
+                raise RuntimeError(f"the traced step of rank {dist.get_rank()} inferred {inferred.count} DTensor output "
+                                   "shapes its warm-up did not: its peak would count their placeholders")
+    peak = sum(per_device.get("Total", 0) for per_device in memory.get_tracker_snapshot("peak").values())
+    return peak, counter, syncs
+
+
+class HostSyncRefusal(RuntimeError):
+    """The traced step waits for the device where :mod:`meshtron.host` declares no read."""
+
+
+@contextlib.contextmanager
+def checked_syncs():
+    """A :class:`HostSyncCounter` over the block that refuses the host syncs :mod:`meshtron.host` does not
+    declare, naming each call site; a failure they precede (the fake tensors' refusal of ``.item()``)
+    is chained to the refusal."""
+    with HostSyncCounter() as syncs:
+        try:
+            yield syncs
+        except Exception as err:
+            _refuse_undeclared(syncs, err)
+            raise
+    _refuse_undeclared(syncs)
+
+
+def _refuse_undeclared(syncs: HostSyncCounter, failure: Exception | None = None) -> None:
+    undeclared = [sync for sync in syncs.syncs if not declared(sync)]
+    if undeclared:
+        raise HostSyncRefusal(f"the training step waits for the device {len(undeclared)} times where meshtron.host "
+                              "declares no read: " + "; ".join(f"{s.op} at {s.where}" for s in undeclared)) from failure
+
+
+@contextlib.contextmanager
+def device_runtime(local_rank: int, per_node: int):
+    """The device a dry-run rank sees: on CUDA, ``cuda:local_rank`` of a node of ``per_node`` fake GPUs
+    whose runtime :func:`meshtron.fake_cuda.fake_cuda` answers (``LOCAL_RANK`` set as torchrun sets
+    it, so the step finds its device as a real run does); the CPU as it is."""
+    if env.device_type() != "cuda":
+        yield
+        return
+    previous = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    try:
+        with fake_cuda(per_node, local_rank):
+            yield
     finally:
-        dist.destroy_process_group()
-    planned = rank_breakdown(cfg, Coords(**coords), TRACE_ASSUMPTIONS).total
-    step = predict_step_time(cfg, hw, counter.roofline_seconds).seconds
-    return RankTrace(rank, coords, peak / GIB, planned / GIB, counter.calls, comm, counter.flops,
-                     counter.roofline_seconds, step, time.perf_counter() - start)
+        if previous is None:
+            del os.environ["LOCAL_RANK"]
+        else:
+            os.environ["LOCAL_RANK"] = previous
 
 
 def _warm_up(cfg: Config, runner, optimizer, ids: torch.Tensor, labels: torch.Tensor) -> None:
@@ -415,10 +490,11 @@ def compare_comm(traced: dict[tuple[str, tuple[int, ...]], int], planned: dict[t
     return {f"{kind}/{names.get(group, list(group))}": (int(t), round(p)) for (kind, group), (t, p) in sorted(totals.items())}
 
 
-def dry_run(cfg: Config, world_size: int, routing: str = "balanced", hw: Hardware = Hardware()) -> list[RankTrace]:
+def dry_run(cfg: Config, world_size: int, routing: str = "balanced", hw: Hardware = Hardware(),
+            per_node: int = 8) -> list[RankTrace]:
     """Every distinct rank of ``cfg`` (validated for ``world_size`` ranks) traced, each in a process of
     its own (a process holds one default process group, and meshes cache its sub-groups), as many at a
-    time as there are CPUs."""
+    time as there are CPUs; on CUDA, nodes of ``per_node`` fake devices."""
     ranks = distinct_ranks(cfg)
     workers = min(len(ranks), os.cpu_count() or 1)
     context = multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
@@ -426,25 +502,47 @@ def dry_run(cfg: Config, world_size: int, routing: str = "balanced", hw: Hardwar
         context.set_forkserver_preload(["torch", "torch.distributed", "meshtron.dryrun"])
     # A fresh process per rank: a pool's task is a chunk of its inputs, so chunks of one (more than 8
     # pipeline stages on 2 CPUs made chunks of 2, whose second rank found the first one's groups gone).
-    with context.Pool(workers, maxtasksperchild=1) as pool:
-        results = pool.starmap(_trace_or_error, [(cfg, world_size, rank, routing, hw) for rank in ranks], chunksize=1)
+    with rank_environment(per_node), context.Pool(workers, maxtasksperchild=1) as pool:
+        results = pool.starmap(_trace_or_error, [(cfg, world_size, rank, routing, hw, per_node) for rank in ranks], chunksize=1)
     for rank, result in zip(ranks, results):
         if isinstance(result, ConfigError):
             raise result
         if isinstance(result, str):
             raise DryRunError(f"rank {rank} of the dry run failed:\n{result}")
+    unmatched = unmatched_p2p({t.rank: t.p2p for t in results})
+    if unmatched:
+        raise DryRunError("point-to-point messages NCCL would leave waiting: " + "; ".join(unmatched))
     return results
+
+
+@contextlib.contextmanager
+def rank_environment(per_node: int):
+    """The environment the rank processes start in: on CUDA, the fake driver's
+    (:func:`meshtron.fake_cuda.driver_environment`), its device guard built here first, once; the
+    parent's own environment restored after."""
+    if env.device_type() != "cuda":
+        yield
+        return
+    guard()
+    saved = dict(os.environ)
+    os.environ.update(driver_environment(per_node))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 class DryRunError(RuntimeError):
     """A simulated rank failed; the message holds its traceback."""
 
 
-def _trace_or_error(cfg: Config, world_size: int, rank: int, routing: str, hw: Hardware) -> RankTrace | ConfigError | str:
+def _trace_or_error(cfg: Config, world_size: int, rank: int, routing: str, hw: Hardware,
+                    per_node: int) -> RankTrace | ConfigError | str:
     """:func:`trace_rank` in a worker: an error comes back as a value (a ConfigError as it is, anything
     else as its traceback text), since not every exception crosses a process boundary."""
     try:
-        return trace_rank(cfg, world_size, rank, routing, hw)
+        return trace_rank(cfg, world_size, rank, routing, hw, per_node)
     except ConfigError as err:
         return ConfigError(str(err))
     except Exception:  # noqa: BLE001 - reported by the parent, naming the rank
@@ -472,7 +570,7 @@ def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool,
             "tokens_per_second_per_device": round(speed, 1),
             "ranks": [{"rank": t.rank, "coords": t.coords, "traced_gib": round(t.traced_gib, 3),
                        "planned_gib": round(t.planned_gib, 3), "ratio": round(t.ratio, 3),
-                       "collectives": t.collectives, "flops": t.flops,
+                       "collectives": t.collectives, "host_syncs": t.syncs, "flops": t.flops,
                        "compute_seconds": round(t.compute_seconds, 4), "step_seconds": round(t.step_seconds, 4),
                        "comm_bytes": {key: {"traced": traced, "planned": planned}
                                       for key, (traced, planned) in t.comm.items()}} for t in traces],
@@ -489,6 +587,8 @@ def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool,
                      f"{t.flops / 1e12:>8.1f} {t.compute_seconds:>10.3f} {t.step_seconds:>7.3f}  {calls}")
         lines += [f"{'':>11} sent {key}: {traced / GIB:.3f} GiB traced, {planned / GIB:.3f} planned"
                   for key, (traced, planned) in t.comm.items()]
+        lines.append(f"{'':>11} host syncs per step: {sum(t.syncs.values())}"
+                     + "".join(f"; {n} x {where}" for where, n in t.syncs.items()))
     lines.append(f"predicted: {speed:,.0f} tokens/s per device (roofline compute on {_device_text()}, the planner's "
                  f"exposed communication and bubble)")
     lines.append(f"planned: meshtron.plan's terms without the reserve and slack; {seconds:.0f} s in all")
@@ -500,7 +600,10 @@ def _device_text(hw: Hardware = Hardware()) -> str:
 
 
 def _check_traceable(cfg: Config) -> None:
-    """What the fake tensors cannot run: torch's shape function of grouped_mm (the experts) takes bf16 only."""
+    """What the fake tensors cannot run: fake CUDA devices without a CUDA build of torch; torch's shape
+    function of grouped_mm (the experts) in another dtype than bf16."""
+    if env.device_type() == "cuda" and not cuda_build():
+        raise ConfigError(refusal())
     if cfg.model.is_moe and cfg.train.dtype != "bfloat16":
         raise ConfigError(f"--dry-run traces MoE experts in bfloat16 only (torch's grouped_mm shape check), but [train] "
                           f"dtype = '{cfg.train.dtype}'. Add --train.dtype bfloat16.")
@@ -536,7 +639,7 @@ def main(recipe: str, overrides: list[str], *, world_size: int, as_json: bool, g
         print(f"meshtron: {err}", file=sys.stderr)
         return 2
     try:
-        traces = dry_run(cfg, world_size, routing, hardware.hardware())
+        traces = dry_run(cfg, world_size, routing, hardware.hardware(), hardware.per_node)
     except ConfigError as err:
         print(f"meshtron: {err}", file=sys.stderr)
         return 2

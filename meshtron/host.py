@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from meshtron.syncs import Sync, record
+
 _fake_mode = None  # the dry run's FakeTensorMode, while one runs
 _routing = "balanced"  # the dry run's assumption of how the routers spread token copies
 ROUTINGS = ("balanced", "skewed")
@@ -54,7 +56,10 @@ def split_sizes(sizes: torch.Tensor, assumed: Callable[[str], list[int]]) -> lis
     routing: ``balanced`` (every expert gets as many copies, see :func:`even_split`) or ``skewed`` (every
     rank sends all its copies to the first ep rank's experts: the most any rank can receive, since
     capacity drops copies only after computing them). A real run never calls ``assumed``."""
-    return list(assumed(_routing)) if simulating() else sizes.tolist()
+    if simulating():
+        record("tolist")  # the real step's read, counted where it is made
+        return list(assumed(_routing))
+    return sizes.tolist()
 
 
 def document_starts(bounds: torch.Tensor) -> list[list[int]]:
@@ -62,7 +67,16 @@ def document_starts(bounds: torch.Tensor) -> list[list[int]]:
     chunk: the one host read of context parallelism over packed documents. A dry run's batch is one
     document per window (its ``position_ids`` are each window's ``0 .. S - 1``, as without document
     masks), so every document starts at 0: every causal block runs, none needs a mask."""
-    return [[0] * bounds.shape[1]] * 2 if simulating() else bounds.tolist()
+    if simulating():
+        record("tolist")  # the real step's read, counted where it is made
+        return [[0] * bounds.shape[1]] * 2
+    return bounds.tolist()
+
+
+def declared(sync: Sync) -> bool:
+    """Whether a host sync of the training step is one this module declares: the step may read the
+    device only through it (the log step's reads of loss and grad norm come after the step)."""
+    return sync.where.startswith(__file__)
 
 
 def even_split(total: int, peers: int) -> list[int]:
@@ -70,7 +84,7 @@ def even_split(total: int, peers: int) -> list[int]:
     return [total // peers + (i < total % peers) for i in range(peers)]
 
 
-__all__ = ["ROUTINGS", "completed", "document_starts", "even_split", "fake_tensors", "simulated", "simulating", "split_sizes"]
+__all__ = ["ROUTINGS", "completed", "declared", "document_starts", "even_split", "fake_tensors", "simulated", "simulating", "split_sizes"]
 
 
 def completed(work) -> bool:

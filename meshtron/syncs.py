@@ -83,10 +83,17 @@ def _copy_waits(source, target, non_blocking: bool) -> bool:
     return torch.device(target).type == "cpu" or not non_blocking
 
 
-def _caller() -> str:
-    """The innermost frame outside torch and this module: where the sync was asked for."""
+# Modules that wait on the host's behalf, not where a wait is asked for: this one, and the dry run's
+# tracer, its stand-ins for the CUDA runtime and its collective checks.
+_NOT_CALLERS = tuple(__file__.replace("syncs.py", name) for name in ("syncs.py", "dryrun.py", "fake_cuda.py",
+                                                                     "nccl_rules.py"))
+
+
+def call_site() -> str:
+    """The innermost frame outside torch and :data:`_NOT_CALLERS` (``file:line in function``): where a
+sync, or a collective, was asked for."""
     for frame in reversed(traceback.extract_stack()):
-        if "/torch/" not in frame.filename and frame.filename != __file__:
+        if "/torch/" not in frame.filename and frame.filename not in _NOT_CALLERS:
             return f"{frame.filename}:{frame.lineno} in {frame.name}"
     return "?"
 
@@ -119,6 +126,17 @@ class _MethodRecorder(TorchFunctionMode):
             return func(*args, **kwargs)
 
 
+_active: list[HostSyncCounter] = []  # the counters entered, innermost last
+
+
+def record(op: str) -> None:
+    """A host sync no dispatched op shows: a wait for the device (``torch.cuda.synchronize``) or, in a dry
+    run, a read :mod:`meshtron.host` answers with its assumption where a real step reads the device.
+    Recorded by every counter entered."""
+    for counter in _active:
+        counter._record(op)
+
+
 class HostSyncCounter:
     """Context manager recording every host sync (see the module docstring) issued inside it.
 
@@ -143,7 +161,7 @@ class HostSyncCounter:
 
     def _record(self, op: str) -> None:
         if not self._mute:
-            self.syncs.append(Sync(op, _caller()))
+            self.syncs.append(Sync(op, call_site()))
 
     @contextlib.contextmanager
     def _muted(self):
@@ -156,9 +174,11 @@ class HostSyncCounter:
     def __enter__(self) -> HostSyncCounter:
         for mode in self._modes:
             mode.__enter__()
+        _active.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _active.remove(self)
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
 

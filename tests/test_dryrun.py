@@ -225,10 +225,29 @@ def test_every_shipped_recipe_matches_the_plan(shipped):
     on_gpus = {path.stem for path in (ROOT / "recipes").glob("*.toml") if recipe_hardware(path).device == "cuda"}
     assert on_gpus == {*SHIPPED, "qwen2p5_7b"}, on_gpus
     for recipe in SHIPPED:
+        cfg, _ = _config(recipe)
         for rank in shipped[recipe]["ranks"]:
             assert 0.95 <= rank["ratio"] <= 1.05, (recipe, rank)
             _check_comm(rank)
+            _check_host_syncs(cfg, rank, "split_sizes", _moe_forwards(cfg) * shipped[recipe]["microbatches"])
         _assert_documented_memory(recipe, shipped[recipe])
+
+
+def _moe_forwards(cfg) -> int:
+    """Forwards of MoE layers per micro-batch: each once, and once more in the backward where checkpointed
+    (the recomputation dispatches again, reading its split sizes again, as a real run does)."""
+    p = cfg.parallel
+    recomputed = {"none": lambda i: False, "full": lambda i: True,
+                  "selective": lambda i: i % p.ac_every == 0}[p.activation_checkpointing]
+    return sum(1 + recomputed(i) for i in range(cfg.model.num_hidden_layers) if cfg.model.is_moe_layer(i))
+
+
+def _check_host_syncs(cfg, rank: dict, read: str, count: int) -> None:
+    """The traced step's host syncs: ``count`` reads of meshtron.host's ``read`` (the dry run refuses any
+    other), the number tests/test_syncs.py counts on real CPU ranks."""
+    assert sum(rank["host_syncs"].values()) == count, (rank["host_syncs"], count)
+    assert all(where.startswith(f"tolist at meshtron/host.py:") and where.endswith(f"in {read}")
+               for where in rank["host_syncs"]), rank["host_syncs"]
 
 
 def test_document_masks_match_the_plan(shipped):
@@ -239,6 +258,8 @@ def test_document_masks_match_the_plan(shipped):
         (rank,) = shipped[name]["ranks"]
         assert 0.95 <= rank["ratio"] <= 1.05, (name, rank)
         _check_comm(rank)
+        cfg, _ = _config(name)
+        _check_host_syncs(cfg, rank, "document_starts", shipped[name]["microbatches"] if cfg.parallel.cp > 1 else 0)
 
 
 def test_hsdp_and_replicate_match_the_plan(shipped):
@@ -522,3 +543,67 @@ def test_dry_run_pipeline_moe_and_hf_folder(capsys, tmp_path):
     assert report["layout"].endswith("(experts: ep4 x etp1, folded)"), report["layout"]
     (rank,) = report["ranks"]
     assert rank["collectives"]["alltoall_base_"] > 0 and rank["traced_gib"] > 0, rank
+
+
+def test_collectives_are_held_to_nccls_rules():
+    """Every traced collective as ProcessGroupNCCL would take it (meshtron.nccl_rules), on a fake process group
+    of 2 ranks: a tensor off the rank's device, a dtype NCCL has no type for, ReduceOp.BAND, AVG of bools and a
+    reduction of a fnuz float8 are refused naming the op, its mesh dimension and the call site; what NCCL
+    takes (bf16 SUM, AVG, int64 MAX, an all-gather) passes and is counted."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshtron.dryrun import StepCounter
+    from meshtron.nccl_rules import NcclRefusal, NcclRules
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        counter = StepCounter(1e15, 1e12, NcclRules(torch.device("cpu"), {(0, 1): "dp"}))
+        with counter:
+            dist.all_reduce(torch.ones(4, dtype=torch.bfloat16))
+            dist.all_reduce(torch.ones(4), op=dist.ReduceOp.AVG)
+            dist.all_reduce(torch.ones(4, dtype=torch.int64), op=dist.ReduceOp.MAX)
+            dist.all_gather_into_tensor(torch.empty(8, dtype=torch.float8_e4m3fn), torch.empty(4, dtype=torch.float8_e4m3fn))
+        assert counter.calls == {"allreduce_": 3, "_allgather_base_": 1}, counter.calls
+        refused = {"on meta": lambda: dist.all_reduce(torch.ones(4, device="meta")),
+                   "torch.int16": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int16)),
+                   "ReduceOp.BAND": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BAND),
+                   "AVG of a bool": lambda: dist.all_reduce(torch.ones(4, dtype=torch.bool), op=dist.ReduceOp.AVG),
+                   "float8_e5m2fnuz": lambda: dist.all_reduce(torch.ones(4).to(torch.float8_e5m2fnuz))}
+        for reason, call in refused.items():
+            with StepCounter(1e15, 1e12, NcclRules(torch.device("cpu"), {(0, 1): "dp"})), \
+                    pytest.raises(NcclRefusal, match=reason) as refusal:
+                call()
+            assert "allreduce_ over dp at " in str(refusal.value) and __file__ in str(refusal.value), refusal.value
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unmatched_point_to_point_messages_are_named():
+    """A send whose peer receives another shape (or nothing) is named; matched pairs and peers not traced pass."""
+    from meshtron.nccl_rules import unmatched_p2p
+
+    send = ("send", 4, (2, 8), "torch.bfloat16")
+    recv = ("recv", 0, (2, 8), "torch.bfloat16")
+    assert unmatched_p2p({0: [send, ("send", 6, (1,), "torch.float32")], 4: [recv]}) == []
+    (problem,) = unmatched_p2p({0: [send], 4: [("recv", 0, (2, 4), "torch.bfloat16")]})
+    assert problem.startswith("rank 0 sends rank 4 1 messages"), problem
+
+
+def test_an_undeclared_host_sync_is_refused(monkeypatch):
+    """A ``.item()`` added to the step stops the dry run naming itself and its call site, not the fake
+    tensors' bare DataDependentOutputException."""
+    from meshtron import dryrun
+    from meshtron.config import load_config
+
+    def step_that_reads(runner, optimizer, ids, labels, max_grad_norm):
+        loss, norm = dryrun.training_step.__wrapped__(runner, optimizer, ids, labels, max_grad_norm)
+        loss.item()
+        return loss, norm
+
+    step_that_reads.__wrapped__ = dryrun.training_step
+    monkeypatch.setattr(dryrun, "training_step", step_that_reads)
+    cfg = load_config(ROOT / "recipes" / "debug_dense.toml", ["--parallel.dp", "2", "--model.num_hidden_layers", "1"])
+    with pytest.raises(dryrun.HostSyncRefusal, match="_local_scalar_dense at .*test_dryrun.py:.* in step_that_reads"):
+        dryrun.trace_rank(cfg, 2, 0)

@@ -1,0 +1,140 @@
+"""The dry run on fake CUDA devices over the shipped recipes and one layout of each parallelism
+(issue 44's coverage): run by benchmarks/cuda_dry_run.sh with a CUDA build of torch.
+
+Per case and distinct rank: the traced peak, the planner's figure for the rank, the host syncs of the
+traced step and its collectives by kind; a case that fails is listed with its error's last line.
+
+    MESHTRON_DEVICE=cuda PYTHONPATH=. V/bin/python benchmarks/cuda_dry_run.py [NAME ...]
+
+Writes benchmarks/results/cuda_dry_run.json (merged by case name) and cuda_dry_run.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from meshtron.config import infer_dp, load_config  # noqa: E402
+from meshtron.dryrun import _check_traceable, dry_run, layout_text  # noqa: E402
+from meshtron.hf.runner import with_hf_model  # noqa: E402
+from meshtron.parallel.layout import validate_layout  # noqa: E402
+from meshtron.plan.recipes import recipe_hardware  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+SHIPPED = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b",
+           "qwen1p5_moe_a2p7b", "qwen2_57b_a14b")
+_SMALL = ["--train.seq_len", "1024", "--train.global_batch_size", "16"]
+# name -> (recipe, world size, overrides): one layout of each parallelism the recipes do not state.
+LAYOUTS = {
+    "pp zbv": ("qwen2p5_0p5b", 8, ["--parallel.pp", "2", "--parallel.dp", "4", "--parallel.schedule", "zbv",
+                                   "--parallel.virtual_stages", "2", "--parallel.microbatches", "4", *_SMALL]),
+    "cp p2p documents": ("qwen2p5_0p5b", 8, ["--parallel.dp", "2", "--parallel.cp", "2", "--parallel.tp", "2",
+                                             "--parallel.sp", "true", "--parallel.cp_comm_type", "p2p",
+                                             "--data.document_mask", "true", *_SMALL]),
+    "cp a2a": ("qwen2p5_0p5b", 8, ["--parallel.dp", "4", "--parallel.cp", "2", "--parallel.cp_comm_type", "a2a",
+                                   *_SMALL]),
+    "folded ep x etp": ("debug_moe", 8, ["--train.dtype", "bfloat16", "--parallel.dp", "4", "--parallel.tp", "2",
+                                         "--parallel.sp", "true", "--parallel.ep", "4", "--parallel.etp", "2",
+                                         "--parallel.fold_ep", "true", "--parallel.microbatches", "2",
+                                         "--train.seq_len", "512"]),
+    "hsdp": ("qwen2p5_0p5b", 8, ["--parallel.dp", "2", "--parallel.cp", "2", "--parallel.tp", "2",
+                                 "--parallel.data_parallel", "hsdp", "--parallel.microbatches", "4", *_SMALL]),
+    "hf model": ("debug_dense", 4, ["--model.hf_model", "{hf}", "--parallel.dp", "2", "--parallel.tp", "2",
+                                    "--train.seq_len", "256"]),
+}
+
+
+def _hf_folder() -> str:
+    """A small transformers Qwen2 config (config.json is all a dry run reads)."""
+    import tempfile
+
+    import transformers
+
+    folder = Path(tempfile.mkdtemp()) / "qwen2"
+    transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2).save_pretrained(folder)
+    return str(folder)
+
+
+def measure(name: str) -> list[dict]:
+    recipe, world, overrides = LAYOUTS.get(name, (name, None, []))
+    overrides = [_hf_folder() if value == "{hf}" else value for value in overrides]
+    path = ROOT / "recipes" / f"{recipe}.toml"
+    hardware = recipe_hardware(path)
+    world = world or hardware.world_size
+    cfg = with_hf_model(infer_dp(load_config(path, overrides), world))
+    validate_layout(cfg, world)
+    _check_traceable(cfg)
+    start = time.perf_counter()
+    traces = dry_run(cfg, world, hw=hardware.hardware(), per_node=hardware.per_node)
+    seconds = time.perf_counter() - start
+    return [{"case": name, "world_size": world, "layout": layout_text(cfg), "rank": t.rank, "pp": t.coords["pp"],
+             "traced_gib": t.traced_gib, "planned_gib": t.planned_gib, "ratio": t.ratio,
+             "syncs": getattr(t, "syncs", None), "collectives": t.collectives, "seconds": seconds} for t in traces]
+
+
+def _kinds(collectives: dict[str, int]) -> str:
+    return ", ".join(f"{op} {n}" for op, n in sorted(collectives.items()))
+
+
+def _syncs(syncs) -> str:
+    if syncs is None:
+        return "not counted"
+    return ", ".join(f"{n} x {where}" for where, n in syncs.items()) or "0"
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| case | ranks | layout | rank (stage) | traced GiB | planned GiB | traced / planned | host syncs per step "
+             "| collectives by op | dry run s |", "|---" * 10 + "|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | | | | | | | | FAILED: {r['error']} | |")
+            continue
+        lines.append(f"| {r['case']} | {r['world_size']} | {r['layout']} | {r['rank']} ({r['pp']}) | {r['traced_gib']:.2f} "
+                     f"| {r['planned_gib']:.2f} | {r['ratio']:.3f} | {_syncs(r['syncs'])} | {_kinds(r['collectives'])} "
+                     f"| {r['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def _error_line(text: str) -> str:
+    """The line of a rank's traceback that says what failed: its last ``...Error: ...`` line."""
+    lines = [line for line in text.strip().splitlines() if "Error: " in line or "Refusal: " in line]
+    return (lines or text.strip().splitlines())[-1].strip()[:300]
+
+
+def main(names: list[str]) -> None:
+    """Runs the named cases (all by default; ``--table``: none) and writes the table of every stored one."""
+    assert os.environ.get("MESHTRON_DEVICE") == "cuda", "run with MESHTRON_DEVICE=cuda (benchmarks/cuda_dry_run.sh)"
+    store = RESULTS / "cuda_dry_run.json"
+    results = json.loads(store.read_text()) if store.exists() else {}
+    for name in [] if names == ["--table"] else names or [*SHIPPED, *LAYOUTS]:
+        try:
+            results[name] = measure(name)
+        except Exception as err:  # noqa: BLE001 - listed in the table, the next case still runs
+            traceback.print_exc()
+            results[name] = [{"case": name, "error": _error_line(str(err))}]
+        print(table(results[name]), flush=True)
+        store.write_text(json.dumps(results, indent=1) + "\n")
+    order = [*SHIPPED, *LAYOUTS]
+    rows = [row for name in sorted(results, key=lambda n: order.index(n) if n in order else len(order))
+            for row in results[name]]
+    (RESULTS / "cuda_dry_run.md").write_text(
+        "# The dry run on fake CUDA devices\n\n"
+        "`benchmarks/cuda_dry_run.sh` (torch 2.14.1+cu130 in a separate environment, no GPU): every shipped recipe "
+        "at its stated hardware and one layout of each parallelism, each distinct rank on fake `cuda:LOCAL_RANK` "
+        "(meshtron/fake_cuda.py). Planned: meshtron.plan's figure for the rank without its reserve and slack. "
+        "Every collective passed NCCL's rules (meshtron/nccl_rules.py) and every host sync is one meshtron/host.py "
+        "declares: the dry run stops otherwise. Host syncs per step: the reads a real step makes there (the dry "
+        "run answers them with its assumption).\n\n"
+        + table(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
