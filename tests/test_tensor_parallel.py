@@ -31,6 +31,7 @@ from meshtron.parallel.tensor import (
     name_tp_gradients,
     parallel_token_loss_sum,
 )
+from meshtron.parallel.tensor_overlap import apply_overlapped_tensor_parallel
 from meshtron.testing import count_calls, fresh_seed, random_model, rel_err, run_checks
 
 DENSE = dict(
@@ -47,11 +48,12 @@ def _tp_mesh(tp: int):
 
 def _parallel_copy(ref, tp_mesh, sp: bool, on_meta: bool, overlap: bool = False):
     """The TP model with the reference weights, built either on meta (the training path) or by copy."""
+    apply = apply_overlapped_tensor_parallel if overlap else apply_tensor_parallel
     if not on_meta:
-        return apply_tensor_parallel(copy.deepcopy(ref), tp_mesh, sp, overlap)
+        return apply(copy.deepcopy(ref), tp_mesh, sp)
     with torch.device("meta"):
         model = build_model(ref.config)
-    apply_tensor_parallel(model, tp_mesh, sp, overlap)
+    apply(model, tp_mesh, sp)
     model.to_empty(device=env.local_device())
     model.tie_weights()
     with torch.no_grad():
@@ -146,7 +148,7 @@ def check_tp_overlap(seed):
     with torch.device("meta"):
         model = build_model(cfg)
     with pytest.raises(ConfigError, match=r"tp_overlap = true .* set sp = true"):
-        apply_tensor_parallel(model, _tp_mesh(2), sp=False, overlap=True)
+        apply_overlapped_tensor_parallel(model, _tp_mesh(2), sp=False)
 
 
 def check_parity_dense(seed):

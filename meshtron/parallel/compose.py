@@ -33,6 +33,7 @@ from meshtron.parallel.data import apply_data_parallel
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.tensor import apply_tensor_parallel
+from meshtron.parallel.tensor_overlap import apply_overlapped_tensor_parallel
 
 
 class Steps(Protocol):
@@ -72,7 +73,8 @@ class NativeSteps:
         apply_float8(model, self.cfg.train.fp8)
 
     def tensor(self, model: nn.Module) -> None:
-        apply_tensor_parallel(model, self.mesh["tp"], self.p.sp, self.p.tp_overlap)
+        apply = apply_overlapped_tensor_parallel if self.p.tp_overlap else apply_tensor_parallel
+        apply(model, self.mesh["tp"], self.p.sp)
 
     def expert(self, model: nn.Module) -> None:
         # Under SP the MoE blocks keep their sequence shards, so tp ranks hold different tokens there.

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import types
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -560,15 +561,17 @@ def _default_positions_hook(tp: int):
     return hook
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool = False, overlap: bool = False) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool = False,
+                          restyle: Callable[[dict[str, ParallelStyle]], dict[str, ParallelStyle]] | None = None
+                          ) -> nn.Module:
     """Shard ``model`` (a meshtron ``Transformer`` or a pipeline stage of one) over ``tp_mesh``.
 
     Works on meta-device models (then ``to_empty``, ``tie_weights`` and fill, e.g. with
     ``meshtron.checkpoint.fill_local_slices`` as ``materialize_sharded`` does) and on materialised
     ones (the full weights are split; the first tp rank's copy wins). The model's logits come out as a vocab-sharded DTensor
-    (``Shard(-1)``); compute the loss with :func:`parallel_token_loss_sum`. ``overlap`` (needs ``sp``): the
-    blocks' gathers and reduce-scatters run as rings overlapped with their GEMMs
-    (``meshtron/parallel/tensor_overlap.py``).
+    (``Shard(-1)``); compute the loss with :func:`parallel_token_loss_sum`. ``restyle`` rewrites each
+    block's plan (``meshtron.parallel.tensor_overlap.apply_overlapped_tensor_parallel`` overlaps the SP
+    collectives with their GEMMs).
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel expects the 1-D tp mesh (mesh['tp']), got {tp_mesh.ndim} dims")
@@ -579,16 +582,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool = Fals
         return model
     if model.embed_tokens is not None:
         parallelize_module(model.embed_tokens, tp_mesh, VocabParallelEmbedding(residual_layout(sp)))
-    if overlap and not sp:
-        raise ConfigError("[parallel] tp_overlap = true overlaps sequence parallelism's collectives; set sp = true.")
     for block in model.layers.values():
         plan = _block_plan(block, cfg.kv_heads, cfg.head_size, tp, sp)
-        if overlap:
-            # Imported here: the overlapped styles build on this module's.
-            from meshtron.parallel.tensor_overlap import overlap_plan
-
-            plan = overlap_plan(plan)
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, restyle(plan) if restyle else plan)
     if model.norm is not None and sp:
         parallelize_module(model.norm, tp_mesh, SequenceParallel())
     if model.lm_head is not None:

@@ -38,7 +38,13 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from meshtron.parallel.context.comm import RingExchange
-from meshtron.parallel.tensor import SequenceParallelColwise, _pass_wants, save_packed_projections
+from meshtron.config import ConfigError
+from meshtron.parallel.tensor import (
+    SequenceParallelColwise,
+    _pass_wants,
+    apply_tensor_parallel,
+    save_packed_projections,
+)
 
 _TAG = 0  # one exchange of a ring is in flight at a time, and rings run one after another
 
@@ -199,6 +205,14 @@ class OverlappedRowwise(ParallelStyle):
         return module
 
 
+def apply_overlapped_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> nn.Module:
+    """:func:`~meshtron.parallel.tensor.apply_tensor_parallel` with every block's SP collectives overlapped
+    (:func:`overlap_plan`); ``[parallel] tp_overlap``."""
+    if not sp:
+        raise ConfigError("[parallel] tp_overlap = true overlaps sequence parallelism's collectives; set sp = true.")
+    return apply_tensor_parallel(model, tp_mesh, sp, restyle=overlap_plan)
+
+
 def overlap_plan(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """A block's SP plan (``meshtron.parallel.tensor``) with its sequence-parallel projections
     overlapped: every :class:`SequenceParallelColwise` and every rowwise projection whose output is
@@ -213,4 +227,4 @@ def overlap_plan(plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     return out
 
 
-__all__ = ["OverlappedColwise", "OverlappedRowwise", "overlap_plan", "ring_gather", "ring_reduce_scatter"]
+__all__ = ["OverlappedColwise", "OverlappedRowwise", "apply_overlapped_tensor_parallel", "overlap_plan", "ring_gather", "ring_reduce_scatter"]
