@@ -36,6 +36,7 @@ from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import ModelConfig
 from meshtron.models import InitialWeights, build_model
 from meshtron.parallel.tensor import apply_tensor_parallel
+from meshtron.parallel.tensor_overlap import apply_overlapped_tensor_parallel
 from meshtron.testing import count_calls, run_checks
 
 TPS = (2, 4)
@@ -52,7 +53,8 @@ def _block(tp: int, overlap: bool):
     cfg = ModelConfig(**CFG)
     with torch.device("meta"):
         model = build_model(cfg)
-    apply_tensor_parallel(model, init_device_mesh(env.device_type(), (tp,), mesh_dim_names=("tp",))["tp"], True, overlap)
+    apply = apply_overlapped_tensor_parallel if overlap else apply_tensor_parallel
+    apply(model, init_device_mesh(env.device_type(), (tp,), mesh_dim_names=("tp",))["tp"], True)
     model.to_empty(device=env.local_device())
     with torch.no_grad():
         load_full_state_dict(model, InitialWeights(cfg, seed=0))
