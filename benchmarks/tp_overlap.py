@@ -20,7 +20,6 @@ Run: ``PYTHONPATH=. python benchmarks/tp_overlap.py`` (writes benchmarks/results
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 import time
