@@ -177,7 +177,7 @@ def check_pipeline_matches_single_process(_folder, layouts=LAYOUTS):
         assert len(runner.module.layers) < cfg.model.num_hidden_layers, "a stage holds the whole model"
         ids, labels = _batch(cfg)
         dp_rank = mesh["dp"].get_local_rank()
-        ref, ref_loss, ref_aux, ref_norm = _reference(cfg, ids, labels)
+        reference = _reference(cfg, ids, labels)
         load_full_state_dict(runner.module, _random_model(cfg).state_dict())
         tracker = SavedTensorTracker()
         tracker.install(runner.executor)
@@ -187,12 +187,18 @@ def check_pipeline_matches_single_process(_folder, layouts=LAYOUTS):
         assert not whole, f"{layout}: W re-ran the whole backward for {whole}"
         assert tracker.checked == p.microbatches * p.virtual_stages and len(tracker.live) == 0
         assert runner.executor.peak_live == peak_in_flight(runner.executor.steps)
-        assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5, (layout, loss, ref_loss)
-        if ref_aux is not None:
-            assert abs(runner.aux_loss() - ref_aux) / ref_aux < 1e-5, (layout, runner.aux_loss(), ref_aux)
-        _check_grads(runner.module, ref, dense_data_mesh(mesh).get_group(), layout)
-        norm = runner.clip_grad_norm(1e9)
-        assert abs(norm - ref_norm) / ref_norm < 1e-5, (layout, norm, ref_norm)
+        _check_matches_reference(runner, mesh, loss, reference, layout)
+
+
+def _check_matches_reference(runner, mesh, loss, reference, layout) -> None:
+    """The step's loss, aux loss, gradients and gradient norm against :func:`_reference`'s, to 1e-5."""
+    ref, ref_loss, ref_aux, ref_norm = reference
+    assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5, (layout, loss, ref_loss)
+    if ref_aux is not None:
+        assert abs(runner.aux_loss() - ref_aux) / ref_aux < 1e-5, (layout, runner.aux_loss(), ref_aux)
+    _check_grads(runner.module, ref, dense_data_mesh(mesh).get_group(), layout)
+    norm = runner.clip_grad_norm(1e9)
+    assert abs(norm - ref_norm) / ref_norm < 1e-5, (layout, norm, ref_norm)
 
 
 def _reduced_by_data_parallelism(grad) -> bool:
@@ -297,7 +303,7 @@ def check_fsdp_gathers_once_per_step_without_pipeline(_folder):
         model, pp, dp, *rest = layout
         readers = _config(model, pp, dp * ep, *rest)  # ep ranks read samples of their own, as dp ranks do
         ids, labels = _batch(readers)
-        ref, ref_loss, ref_aux, ref_norm = _reference(readers, ids, labels)
+        reference = _reference(readers, ids, labels)
         cfg = _config(*layout)
         cfg.parallel.ep, cfg.train.global_batch_size = ep, readers.train.global_batch_size
         for gather in ("per_microbatch", "per_step"):
@@ -312,12 +318,7 @@ def check_fsdp_gathers_once_per_step_without_pipeline(_folder):
             for step in range(2 if gather == "per_step" else 1):
                 *counts, loss = _counted_step(runner, mesh, *local)
                 assert tuple(counts) == expected, (layout, mode, gather, step, counts, expected)
-        assert abs(loss - ref_loss) / abs(ref_loss) < 1e-5, (layout, loss, ref_loss)
-        if ref_aux is not None:
-            assert abs(runner.aux_loss() - ref_aux) / ref_aux < 1e-5, (layout, runner.aux_loss(), ref_aux)
-        _check_grads(runner.module, ref, dense_data_mesh(mesh).get_group(), layout)
-        norm = runner.clip_grad_norm(1e9)
-        assert abs(norm - ref_norm) / ref_norm < 1e-5, (layout, norm, ref_norm)
+            _check_matches_reference(runner, mesh, loss, reference, (layout, gather))
 
 
 def check_zero_bubble_accumulates_in_fp32_under_bf16(_folder):
