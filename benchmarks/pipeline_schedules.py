@@ -534,7 +534,7 @@ def real_benchmark(args) -> dict:
     from meshtron.models import build_model, token_loss_sum
     from meshtron.parallel.runner import build_step_runner
 
-    pp, m, rank = args.pp, args.real_microbatches, dist.get_rank()
+    pp, m = args.pp, args.real_microbatches
     model_cfg = ModelConfig(**REAL_MODEL)
     seq, mb = 128, 1
     mesh = build_mesh(pp=pp)

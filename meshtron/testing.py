@@ -211,7 +211,6 @@ def rel_err(actual, expected) -> float:
 
     A reference that is all zeros fails: a comparison against zeros would prove nothing.
     """
-    import torch
     from torch.distributed.tensor import DTensor
 
     actual = actual.full_tensor() if isinstance(actual, DTensor) else actual

@@ -246,7 +246,7 @@ def _check_host_syncs(cfg, rank: dict, read: str, count: int) -> None:
     """The traced step's host syncs: ``count`` reads of meshtron.host's ``read`` (the dry run refuses any
     other), the number tests/test_syncs.py counts on real CPU ranks."""
     assert sum(rank["host_syncs"].values()) == count, (rank["host_syncs"], count)
-    assert all(where.startswith(f"tolist at meshtron/host.py:") and where.endswith(f"in {read}")
+    assert all(where.startswith("tolist at meshtron/host.py:") and where.endswith(f"in {read}")
                for where in rank["host_syncs"]), rank["host_syncs"]
 
 

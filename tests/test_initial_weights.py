@@ -95,6 +95,7 @@ LAYOUTS = [
     # (model, pp, dp, ep, tp, data_parallel)
     (DENSE, 1, 1, 1, 8, "fsdp"),  # vocab 97 over 8: uneven shards
     (DENSE, 1, 2, 1, 4, "fsdp"),  # FSDP Shard(0) on top of tp's Shard(0) / Shard(1)
+    (DENSE, 1, 4, 1, 2, "fsdp"),  # vocab 97 over tp 2 is uneven: FSDP shards the hidden dim instead
     (DENSE, 1, 8, 1, 1, "fsdp"),
     (MOE, 1, 2, 4, 1, "fsdp"),  # experts split over ep, then FSDP over dp
     (MOE, 1, 2, 2, 2, "hsdp"),

@@ -29,9 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
 
 # (recipe, overrides) on 8 ranks: every mesh dimension, the three data-parallel modes, KV heads
-# replicated over tp, tied embeddings split over stages, and a vocabulary 8 does not divide.
+# replicated over tp, tied embeddings split over stages, and a vocabulary 8 (or tp: FSDP shards the
+# hidden dim then) does not divide.
 STATE_LAYOUTS = [
     ("debug_dense", dict(dp=8, vocab_size=300)),
+    ("debug_dense", dict(dp=4, tp=2, vocab_size=257)),
     ("debug_dense", dict(dp=2, tp=4, sp=True)),
     ("debug_dense", dict(pp=2, dp=2, tp=2, vocab_size=300, tie_word_embeddings=True)),
     ("debug_dense", dict(pp=2, cp=2, tp=2, schedule="interleaved", virtual_stages=2, microbatches=2)),

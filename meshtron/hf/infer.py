@@ -39,7 +39,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from meshtron.config import ConfigError
 from meshtron.hf.discover import HFParts
 
 _ATTENTION_NAMES = ("attn", "attention")

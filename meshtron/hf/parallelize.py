@@ -76,7 +76,7 @@ from meshtron.models.loss import DEFAULT_CHUNK_TOKENS
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.checkpointing import checkpointed_layers
 from meshtron.parallel.compose import compose
-from meshtron.parallel.data import data_meshes, even_shard_dim, mixed_precision, wrap_data_parallel
+from meshtron.parallel.data import data_meshes, mixed_precision, wrap_data_parallel
 
 
 def _no_cache_in_training(model, args, kwargs):
@@ -95,9 +95,8 @@ def _apply_dp(model: nn.Module, parts: HFParts, mesh: DeviceMesh, mode: str, dty
     model's own dtype like the rest."""
     dense_mesh, expert_mesh = data_meshes(mesh, mode)
     policy = mixed_precision(dtype if dense_mesh.size() > 1 else "float32")
-    placement = even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))
     for module in experts:
-        wrap_data_parallel(module, expert_mesh, mode, policy, placement)
+        wrap_data_parallel(module, expert_mesh, mode, policy, prefer_even=True)
     if dense_mesh.size() == 1:
         return
     for _, layer in parts.block_items():

@@ -61,7 +61,7 @@ no policy.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import nn
@@ -99,29 +99,49 @@ def data_meshes(mesh: DeviceMesh, mode: str) -> tuple[DeviceMesh, DeviceMesh]:
     return DeviceMesh._concatenate([mesh["dp"], shard]), expert_hsdp_mesh(mesh)
 
 
-def even_shard_dim(shards: int):
-    """FSDP placement: the first dim of the local tensor that ``shards`` divides, else dim 0.
+def data_shard_dim(shape: Sequence[int], split_unevenly: Collection[int], shards: int, prefer_even: bool) -> int:
+    """The dim of a parameter's local ``shape`` that FSDP shards over ``shards`` ranks: dim 0 (with
+    ``prefer_even``, the first dim ``shards`` divides), never a dim a model-parallel split left uneven.
 
-    Experts split by EP are DTensors Shard(0) with E/ep local experts, often fewer than the expert
-    data ranks (e.g. 64 experts, ep = 8, dp x cp = 16). Sharding that dim again would be uneven and
-    strided, which DTensor cannot redistribute; the hidden dims are even in practice.
+    Experts split by EP hold E/ep local experts, often fewer than the expert data ranks (e.g. 64
+    experts, ep = 8, dp x cp = 16): sharding that dim again would be uneven and strided, which DTensor
+    cannot redistribute, so they prefer an even dim. A vocabulary tp does not divide (GPT-2's 50,257 at
+    tp 2) must not be sharded again either: torch's offsets for such a strided shard are wrong, which
+    would misplace initial weights and checkpoint slices.
     """
+    dims = [d for d in range(len(shape)) if d not in split_unevenly] or [0]
+    if prefer_even:
+        return next((d for d in dims if shape[d] % shards == 0), dims[0])
+    return dims[0]
+
+
+def uneven_split_dims(param: torch.Tensor) -> set[int]:
+    """Dims of a DTensor ``param`` that a Shard placement splits unevenly over its mesh dimension."""
+    if not isinstance(param, DTensor):
+        return set()
+    return {p.dim for p, n in zip(param.placements, param.device_mesh.shape)
+            if isinstance(p, Shard) and param.shape[p.dim] % n}
+
+
+def shard_placement(shards: int, prefer_even: bool = False):
+    """FSDP's ``shard_placement_fn``: Shard(:func:`data_shard_dim`) of each parameter."""
 
     def placement(param: nn.Parameter) -> Shard:
         local = param.to_local() if isinstance(param, DTensor) else param
-        return Shard(next((d for d, size in enumerate(local.shape) if size % shards == 0), 0))
+        return Shard(data_shard_dim(local.shape, uneven_split_dims(param), shards, prefer_even))
 
     return placement
 
 
 def wrap_data_parallel(
-    module: nn.Module, data_mesh: DeviceMesh, mode: str, policy: MixedPrecisionPolicy, placement=None
+    module: nn.Module, data_mesh: DeviceMesh, mode: str, policy: MixedPrecisionPolicy, prefer_even: bool = False
 ) -> FSDPModule:
     """One FSDP2 (or replicate) unit whose gradients are summed over ``data_mesh``, not averaged:
     each rank's loss is already its share of the global loss."""
     if mode == "replicate":
         unit = replicate(module, mesh=data_mesh, mp_policy=policy)
     else:
+        placement = shard_placement(data_mesh.size(data_mesh.ndim - 1), prefer_even)  # the shard dim (last for HSDP)
         unit = fully_shard(module, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement)
     unit.set_gradient_divide_factor(1.0)
     unit.set_force_sum_reduction_for_comms(True)  # a factor alone becomes PREMUL_SUM, which gloo lacks
@@ -281,10 +301,9 @@ def apply_data_parallel(
     policy = mixed_precision(dtype)
     _check_experts_split(model, mesh)
     dense_mesh, expert_mesh = data_meshes(mesh, mode)
-    expert_placement = even_shard_dim(expert_mesh.size(expert_mesh.ndim - 1))  # the shard dim (last for HSDP)
     for block in model.layers.values():
         for moe in moe_layers(block):
-            wrap_data_parallel(moe.experts, expert_mesh, mode, policy, expert_placement)
+            wrap_data_parallel(moe.experts, expert_mesh, mode, policy, prefer_even=True)
         wrap_data_parallel(block, dense_mesh, mode, policy)
     for module in _untied_vocab_modules(model):
         wrap_data_parallel(module, dense_mesh, mode, policy)

@@ -77,7 +77,7 @@ def ring_reduce_scatter(part: Callable[[int], torch.Tensor], ring: RingExchange)
     """The sum over tp ranks of their ``part(this rank)``: each rank computes ``part(dest)`` (a fresh
     tensor) for every destination, one per step, adding it to the running sum that arrives from the
     previous rank, and passes the sum on while it computes the next: a reduce-scatter in tp - 1 exchanges."""
-    reqs = sent = None
+    reqs = sent = incoming = None
     for step in range(ring.size):
         total = part((ring.rank - step - 1) % ring.size)
         if reqs is not None:

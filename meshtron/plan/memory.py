@@ -67,7 +67,7 @@ from typing import NamedTuple
 
 from meshtron.config import Config, ModelConfig
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
-from meshtron.parallel.data import gathers_once_per_step, reduces_gradients
+from meshtron.parallel.data import data_shard_dim, gathers_once_per_step, reduces_gradients
 from meshtron.parallel.pipeline.schedules import (
     B,
     F,
@@ -286,12 +286,20 @@ def model_parallel_shape(param: Param, cfg: Config, coords: Coords) -> list[int]
     return shape
 
 
+def _uneven_split_dims(param: Param, cfg: Config) -> set[int]:
+    """The dim tp (experts: ep, etp) splits unevenly, as ``parallel.data.uneven_split_dims`` finds it."""
+    p = cfg.parallel
+    splits = {0: p.ep} if param.expert else {}
+    if param.tp_dim is not None:
+        splits[param.tp_dim] = p.etp if param.expert else p.tp
+    return {d for d, n in splits.items() if param.shape[d] % n}
+
+
 def local_numel(param: Param, cfg: Config, coords: Coords) -> int:
     """Elements of ``param``'s DTensor local shard on the rank at ``coords``."""
     shape = model_parallel_shape(param, cfg, coords)
     shards, index = data_shards(cfg, coords, param.expert)
-    # Experts shard the first dim the shard count divides (data.even_shard_dim); the rest dim 0.
-    dim = next((d for d, n in enumerate(shape) if n % shards == 0), 0) if param.expert else 0
+    dim = data_shard_dim(shape, _uneven_split_dims(param, cfg), shards, prefer_even=param.expert)
     shape[dim] = chunk_size(shape[dim], shards, index)
     return math.prod(shape)
 

@@ -336,7 +336,7 @@ def _data_parallel_group_bytes(cfg: Config, shapes: list[list[int]], replicas: i
 
 def _padded(shapes: list[list[int]], shards: int, even: bool = False) -> int:
     """Elements of ``shapes`` with dim 0 padded to a multiple of ``shards`` (what FSDP gathers); ``even``:
-    unpadded where any dim divides (``parallel.data.even_shard_dim`` shards that one)."""
+    unpadded where any dim divides (``parallel.data.data_shard_dim`` shards that one)."""
     return sum(math.prod(shape) if even and any(n % shards == 0 for n in shape)
                else -(-shape[0] // shards) * shards * math.prod(shape[1:]) for shape in shapes)
 
