@@ -138,15 +138,19 @@ def test_hf_tp_style_table_lists_every_style():
     assert sorted(named) == sorted([*_STYLES, *_REFUSED])
 
 
-@pytest.mark.parametrize("key,choices", [
-    ("parallel.schedule", config.SCHEDULES),
-    ("parallel.data_parallel", config.DATA_PARALLEL_MODES),
-    ("parallel.activation_checkpointing", config.ACTIVATION_CHECKPOINTING),
-    ("train.dtype", config.DTYPES),
-    ("train.on_nonfinite", config.NONFINITE_POLICIES),
-    ("train.memory_check", config.MEMORY_CHECKS),
-    ("data.format", config.DATA_FORMATS),
-])
+def _choice_keys() -> list[tuple[str, tuple[str, ...]]]:
+    """Every key config.py checks with ``_require_choice`` (found in its source, so a new one is
+    covered without a list to keep), and cp_comm_type, which the context layout checks."""
+    from meshtron.parallel.context import CP_COMM_TYPES
+
+    source = Path(config.__file__).read_text()
+    found = re.findall(r'_require_choice\(source, "\[(\w+)\] (\w+)", [^,]+, (\w+)\)', source)
+    assert len(found) >= 9, found  # the pattern still matches the calls
+    return [(f"{section}.{name}", getattr(config, const)) for section, name, const in found] + [
+        ("parallel.cp_comm_type", CP_COMM_TYPES)]
+
+
+@pytest.mark.parametrize("key,choices", _choice_keys())
 def test_choice_keys_name_every_choice(key, choices):
     section, name = key.split(".")
     (f,) = [f for f in dataclasses.fields(_SECTION_TYPES[section]) if f.name == name]
