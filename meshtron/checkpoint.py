@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshtron.config import Config, ModelConfig, model_differences
+from meshtron.torch_private import compute_local_shape_and_global_offset
 
 MARKER = "meshtron.json"
 # Optimizer state and param-group hyperparameters keyed by parameter name: pipeline stages hold

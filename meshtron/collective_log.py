@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
+
+from meshtron.torch_private import default_group, funcol, resolve_group
 
 LOG_SIZE = 32
 
@@ -288,13 +289,13 @@ def _process_group(group):
     from torch.distributed.device_mesh import DeviceMesh
 
     if group is None:
-        return c10d._get_default_group()
+        return default_group()
     if isinstance(group, tuple):
         return group[0].get_group(group[1])
     if isinstance(group, DeviceMesh):
         return group.get_group()
     if isinstance(group, str):
-        return c10d._resolve_process_group(group)
+        return resolve_group(group)
     return group
 
 

@@ -32,8 +32,6 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.flop_counter import flop_registry
 
 from meshtron import env
@@ -47,6 +45,26 @@ from meshtron.plan.memory import GIB, Assumptions, Coords, rank_breakdown, state
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
 from meshtron.plan.speed import COMM_DIMS, Hardware, communication, predict_step_time
 from meshtron.syncs import HostSyncCounter
+from meshtron.torch_private import (
+    ATTENTION_KERNELS,
+    FLASH_ATTENTION,
+    FLASH_ATTENTION_BACKWARD,
+    FLASH_ATTENTION_CPU,
+    FLASH_ATTENTION_CPU_BACKWARD,
+    GROUPED_MM,
+    UNSAFE_VIEW,
+    TorchDispatchMode,
+    counting_sharding_propagations,
+    fake_store_class,
+    is_traceable_wrapper_subclass,
+    mem_tracker,
+    op_argument_names,
+    op_name,
+    op_packet,
+    process_group_class,
+    pytree,
+    resolve_group,
+)
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # call sites are named relative to it
 
@@ -106,11 +124,7 @@ class _NoModules:
 def storage_tracker():
     """torch's MemTracker with its per-storage accounting and peak (updated after every op, FSDP2's
     ``resize_`` frees included) and no per-module tracking (:class:`_NoModules`)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker._mod_tracker = _NoModules()
-    return tracker
+    return mem_tracker(_NoModules())
 
 
 class StepCounter(TorchDispatchMode):
@@ -145,13 +159,13 @@ class StepCounter(TorchDispatchMode):
             return NotImplemented  # the subclass runs the op on plain tensors, counted as they come
         out = func(*args, **kwargs)
         if func.namespace in ("c10d", "_c10d_functional"):
-            if func._opname not in ("wait_tensor", "barrier"):
-                self._count_collective(func._opname, args)
+            if op_name(func) not in ("wait_tensor", "barrier"):
+                self._count_collective(op_name(func), args)
             return out
-        count = flop_registry.get(func._overloadpacket) or _MORE_FLOPS.get(func._overloadpacket)
+        count = flop_registry.get(op_packet(func)) or _MORE_FLOPS.get(op_packet(func))
         flops = 0 if count is None else round(count(*args, **kwargs, out_val=out) * _causal_share(func, args, kwargs))
         self.flops += flops
-        if func.namespace in ("aten", "fsdp") and not func.is_view and func._overloadpacket not in _NO_DATA:
+        if func.namespace in ("aten", "fsdp") and not func.is_view and op_packet(func) not in _NO_DATA:
             moved = sum(t.numel() * t.element_size() for t in pytree.tree_leaves((args, kwargs, out))
                         if isinstance(t, torch.Tensor))
             self.roofline_seconds += max(flops / self.peak_flops, moved / self.memory_bandwidth)
@@ -167,7 +181,7 @@ class StepCounter(TorchDispatchMode):
 
 
 def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, out_val=None, **kwargs) -> int:
-    """``torch._grouped_mm``: the groups' matmuls, whichever operand is split into groups."""
+    """The grouped matmul: the groups' matmuls, whichever operand is split into groups."""
     if a.dim() == 2 and b.dim() == 3:  # rows grouped, a weight per group: [T, K] x [G, K, N]
         return 2 * a.shape[0] * a.shape[1] * b.shape[2]
     if a.dim() == 2 and b.dim() == 2:  # the contracted rows grouped (weight gradients): [K, T] x [T, N]
@@ -180,24 +194,21 @@ def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, out_val=None, **k
 # accumulate their weight gradients chunk by chunk with it).
 _MORE_FLOPS = {
     torch.ops.aten.addmm_: flop_registry[torch.ops.aten.addmm],
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-        flop_registry[torch.ops.aten._scaled_dot_product_flash_attention],
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        flop_registry[torch.ops.aten._scaled_dot_product_flash_attention_backward],
-    torch.ops.aten._grouped_mm: _grouped_mm_flops,
+    FLASH_ATTENTION_CPU: flop_registry[FLASH_ATTENTION],
+    FLASH_ATTENTION_CPU_BACKWARD: flop_registry[FLASH_ATTENTION_BACKWARD],
+    GROUPED_MM: _grouped_mm_flops,
 }
 # Attention kernels, which under a causal mask compute only the query-key pairs it leaves (they skip the
 # masked blocks; torch's formulas count the whole square, 2 x the FLOPs for a sequence attending to itself).
-_ATTENTION = {getattr(torch.ops.aten, f"_scaled_dot_product_{kernel}{suffix}") for suffix in ("", "_backward")
-              for kernel in ("flash_attention", "flash_attention_for_cpu", "efficient_attention", "cudnn_attention")}
+_ATTENTION = ATTENTION_KERNELS
 
 
 def _causal_share(func, args, kwargs) -> float:
     """The share of its query-key pairs an op computes: all but for an :data:`_ATTENTION` op with
     ``is_causal``, whose mask (top-left aligned, as torch's) leaves query i its first i + 1 keys."""
-    if func._overloadpacket not in _ATTENTION:
+    if op_packet(func) not in _ATTENTION:
         return 1.0
-    given = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+    given = {**dict(zip(op_argument_names(func), args)), **kwargs}
     if not given.get("is_causal"):
         return 1.0
     queries, keys = given["query"].shape[-2], given["key"].shape[-2]
@@ -206,7 +217,7 @@ def _causal_share(func, args, kwargs) -> float:
 
 
 # Ops that allocate or reinterpret without moving data (views are skipped by their schema).
-_NO_DATA = {torch.ops.aten._unsafe_view, torch.ops.aten.empty, torch.ops.aten.empty_strided,
+_NO_DATA = {UNSAFE_VIEW, torch.ops.aten.empty, torch.ops.aten.empty_strided,
             torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided, torch.ops.aten.lift_fresh}
 
 
@@ -244,15 +255,14 @@ def sent_bytes(op: str, args) -> tuple[str | None, int, tuple[int, ...]]:
 
 def _group(args) -> dist.ProcessGroup:
     """The process group of a c10d op (a boxed ProcessGroup argument) or a functional one (its name)."""
-    from torch._C._distributed_c10d import ProcessGroup
-
+    ProcessGroup = process_group_class()
     for arg in args:
         if isinstance(arg, torch.ScriptObject):
             try:
                 return ProcessGroup.unbox(arg)
             except RuntimeError:  # the op's other boxed argument (a ReduceOp)
                 continue
-    return dist.distributed_c10d._resolve_process_group(next(a for a in reversed(args) if isinstance(a, str)))
+    return resolve_group(next(a for a in reversed(args) if isinstance(a, str)))
 
 
 def _tensors(args) -> list[torch.Tensor]:
@@ -300,8 +310,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
     """Build and step rank ``rank`` of a ``world_size``-rank run of ``cfg`` on fake tensors, MoE routing
     assumed ``routing`` (``meshtron.host.ROUTINGS``), its roofline on ``hw``; on CUDA
     (``env.device_type()``) on fake devices, ``per_node`` of them per node."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+    FakeStore = fake_store_class()
     start = time.perf_counter()
     with device_runtime(rank % per_node, per_node):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -425,28 +434,19 @@ class ShapeInferences:
     phantom at the 7B recipe's peak when its warm-up ran other shapes): a traced step must find every
     one done by its warm-up, as a real second step does. torch without the hook counts nothing."""
 
-    _HOOK = "_propagate_tensor_meta_non_cached"
-
     def __init__(self):
         self.count = 0
+        self._hooked = counting_sharding_propagations(self._add)
+
+    def _add(self) -> None:
+        self.count += 1
 
     def __enter__(self):
-        from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-        self._original = getattr(ShardingPropagator, self._HOOK, None)
-        if self._original is not None:
-            def counted(propagator, *args, **kwargs):
-                self.count += 1
-                return self._original(propagator, *args, **kwargs)
-
-            setattr(ShardingPropagator, self._HOOK, counted)
+        self._hooked.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
-        if self._original is not None:
-            setattr(ShardingPropagator, self._HOOK, self._original)
+        self._hooked.__exit__(*exc)
 
 
 # The planner's collective kinds, as the trace's are summed into them.

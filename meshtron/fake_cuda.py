@@ -29,9 +29,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtron.syncs import record
+from meshtron.torch_private import TorchDispatchMode
 
 
 def cuda_build() -> bool:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from meshtron.syncs import Sync, record
+from meshtron.torch_private import fake_tensor_mode_class
 
 _fake_mode = None  # the dry run's FakeTensorMode, while one runs
 _routing = "balanced"  # the dry run's assumption of how the routers spread token copies
@@ -31,8 +32,7 @@ def simulating() -> bool:
 def simulated(routing: str = "balanced") -> Iterator[None]:
     """A dry run: :func:`fake_tensors` allocates fake tensors (shapes, dtypes, devices; no storage);
     MoE routers are assumed to spread token copies as ``routing`` (:data:`ROUTINGS`) says."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    FakeTensorMode = fake_tensor_mode_class()
     global _fake_mode, _routing
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")

@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from meshtron import env
 from meshtron.config import Config, ConfigError
 from meshtron.report import launch_store
+from meshtron.torch_private import concatenate_meshes, flatten_mesh, unflatten_mesh
 
 DIMS = ("pp", "dp", "cp", "ep", "tp")
 
@@ -162,7 +163,7 @@ def build_mesh(
     init_default_group(timeout)
     mesh = init_device_mesh(device_type or env.device_type(), tuple(sizes.values()), mesh_dim_names=DIMS)
     for name, dims in DERIVED.items():
-        mesh[dims]._flatten(name)
+        flatten_mesh(mesh[dims], name)
     mesh.meshtron_expert_split = split  # read by expert_meshes; DeviceMesh has no place for it
     return mesh
 
@@ -175,7 +176,7 @@ def recipe_mesh(cfg: Config, timeout: timedelta | None = None):
 
 def _derived(mesh: DeviceMesh, name: str) -> DeviceMesh:
     # Flattening again is a lookup (same layout, same name); unlike mesh[name], torch does not warn.
-    return mesh[DERIVED[name]]._flatten(name)
+    return flatten_mesh(mesh[DERIVED[name]], name)
 
 
 def batch_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -204,14 +205,14 @@ def expert_meshes(mesh: DeviceMesh) -> ExpertMeshes:
 
 def _build_expert_meshes(mesh: DeviceMesh, split: ExpertSplit) -> ExpertMeshes:
     if split.fold:
-        stage = mesh[("dp", "cp", "ep", "tp")]._flatten("stage")
+        stage = flatten_mesh(mesh[("dp", "cp", "ep", "tp")], "stage")
         edp = stage.size() // (split.ep * split.etp)
-        experts = stage._unflatten(0, (edp, split.ep, split.etp), ("edp", "ep", "etp"))
+        experts = unflatten_mesh(stage, 0, (edp, split.ep, split.etp), ("edp", "ep", "etp"))
         return ExpertMeshes(experts[("ep", "etp")], experts["edp"])
     tp = mesh["tp"].size()
-    parts = mesh._unflatten("tp", (tp // split.etp, split.etp), ("tp_rest", "etp"))
-    model = DeviceMesh._concatenate([parts["ep"], parts["etp"]])
-    return ExpertMeshes(model, parts[("dp", "cp", "tp_rest")]._flatten("edp"))
+    parts = unflatten_mesh(mesh, "tp", (tp // split.etp, split.etp), ("tp_rest", "etp"))
+    model = concatenate_meshes([parts["ep"], parts["etp"]])
+    return ExpertMeshes(model, flatten_mesh(parts[("dp", "cp", "tp_rest")], "edp"))
 
 
 def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -237,7 +238,7 @@ def expert_hsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """edp as (replicate, shard) for HSDP: shard inside a dp slice, replicate across dp slices."""
     edp = expert_data_mesh(mesh)
     shard = expert_hsdp_shards({d: mesh[d].size() for d in DIMS}, expert_split(mesh))
-    return edp._unflatten(0, (edp.size() // shard, shard), ("edp_replicate", "edp_shard"))
+    return unflatten_mesh(edp, 0, (edp.size() // shard, shard), ("edp_replicate", "edp_shard"))
 
 def group_names(mesh: DeviceMesh) -> dict[tuple[int, ...], str]:
     """{global ranks of a group: the mesh dimension(s) it spans} for naming collectives in reports: every

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.syncs import call_site
+from meshtron.torch_private import script_method
 
 # The dtypes ProcessGroupNCCL maps to an NCCL type (bool as uint8; float8 as NCCL's float8 types).
 DTYPES = {torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64,
@@ -77,8 +78,8 @@ class NcclRules:
 def _reduce_op(args) -> str:
     """The reduce op's name: a c10d op's boxed ReduceOp, a functional op's string."""
     for arg in args:
-        if isinstance(arg, torch.ScriptObject) and arg._has_method("op"):
-            return _OP_NAMES[int(arg._get_method("op")())]
+        if isinstance(arg, torch.ScriptObject) and (op := script_method(arg, "op")) is not None:
+            return _OP_NAMES[int(op())]
     return next(a for a in args if isinstance(a, str)).upper()
 
 

@@ -17,6 +17,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from meshtron.torch_private import default_store
+
 _PRINTED = "meshtron/report/printed"
 _CLAIMS = "meshtron/report/claims"
 _CAUSE = "meshtron/report/cause"
@@ -35,7 +37,7 @@ def launch_store(timeout: timedelta):
 def _job_store(timeout: timedelta = timedelta(seconds=60)):
     """The store of the running job: the process group's, else the launcher's; None if unreachable."""
     if dist.is_initialized():
-        return dist.distributed_c10d._get_default_store()
+        return default_store()
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return None
     try:

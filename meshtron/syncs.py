@@ -27,12 +27,13 @@ from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshtron.torch_private import LOCAL_SCALAR_DENSE, TO_COPY, UNIQUE2, TorchDispatchMode
 
 aten = torch.ops.aten
 
-_READS = {aten._local_scalar_dense, aten.equal}
-_DATA_DEPENDENT = {aten.nonzero, aten.masked_select, aten._unique2, aten.unique_dim, aten.unique_consecutive,
+_READS = {LOCAL_SCALAR_DENSE, aten.equal}
+_DATA_DEPENDENT = {aten.nonzero, aten.masked_select, UNIQUE2, aten.unique_dim, aten.unique_consecutive,
                    aten.bincount}
 _MASK_INDEXED = {aten.index, aten.index_put, aten.index_put_}
 _HOST_READS = {torch.Tensor.tolist, torch.Tensor.numpy}  # no dispatched op on a CPU tensor
@@ -70,7 +71,7 @@ def _waits(func, args, kwargs) -> bool:
         return func is not aten.repeat_interleave.self_int and kwargs.get("output_size") is None
     if packet in _MASK_INDEXED:
         return any(_is_mask(t) for t in (args[1] or ())) and not _masked_fill(packet, args)
-    if packet is aten._to_copy:
+    if packet is TO_COPY:
         return _copy_waits(_device_of(args[0]), kwargs.get("device"), kwargs.get("non_blocking", False))
     if packet is aten.copy_:
         return _copy_waits(_device_of(args[1]), _device_of(args[0]), kwargs.get("non_blocking", False))

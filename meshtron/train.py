@@ -40,6 +40,7 @@ from meshtron.config import Config, ConfigError, config_to_dict, infer_dp, load_
 from meshtron.hf import CheckpointError, save_hf
 from meshtron.hf.runner import build_runner, export_hf_model, with_hf_model
 from meshtron.host import ROUTINGS
+from meshtron.torch_private import default_store
 from meshtron.data import SourceSpec, to_device
 from meshtron.mesh import batch_mesh, exit_process, group_names, init_default_group, recipe_mesh
 from meshtron.parallel.float8 import high_precision_note
@@ -322,7 +323,7 @@ class Trainer:
 
     def _watchdog(self) -> Watchdog:
         t = self.cfg.train
-        return Watchdog(dist.distributed_c10d._get_default_store(), self.rank, dist.get_world_size(),
+        return Watchdog(default_store(), self.rank, dist.get_world_size(),
                         t.output_dir, t.hang_timeout_s, t.collective_timeout_s, group_names(self.mesh))
 
     def _run_step(self, step: int) -> None:

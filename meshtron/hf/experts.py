@@ -58,6 +58,7 @@ from meshtron.hf.discover import hf_parts
 from meshtron.mesh import expert_meshes, expert_split
 from meshtron.models.moe import grouped_matmul, grouped_swiglu
 from meshtron.parallel.expert import ExpertDispatch, check_expert_divisible
+from meshtron.torch_private import CONV_BASE
 
 _FUSED = ("gate_up_proj", "down_proj")
 _FUSED_BIASED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -235,7 +236,7 @@ def _holds_stacked_experts(module: nn.Module, config) -> bool:
     """A 3-D parameter whose first dim is the config's expert count, in a model whose config has experts: a
     convolution's 3-D kernel (Qwen3-Next's linear attention, Lfm2's short convolutions) is not, nor are
     recurrent or gating weights [heads, d, d] of a model without experts."""
-    if isinstance(module, nn.modules.conv._ConvNd):
+    if isinstance(module, CONV_BASE):
         return False
     counts = {n for key in _EXPERT_COUNT_KEYS if isinstance(n := getattr(config, key, None), int) and n > 0}
     return any(p.dim() == 3 and p.shape[0] in counts for p in module.parameters(recurse=False))

@@ -32,7 +32,6 @@ GPT-2's ``Conv1D`` stores its weight ``[in, out]``: :class:`TransposedColwise` /
 from __future__ import annotations
 
 import warnings
-from functools import partial
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,6 +39,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module, distri
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from meshtron.hf.discover import HFParts
+from meshtron.torch_private import style_io
 
 _ATTENTION_NAMES = ("attn", "attention")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn")
@@ -73,11 +73,7 @@ class TransposedColwise(ColwiseParallel):
             if mod is module:
                 _distribute_params(mod, mesh, {"weight": [Shard(1)], "bias": [Shard(0)]}, self.src_data_rank)
 
-        return distribute_module(
-            module, device_mesh, partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return distribute_module(module, device_mesh, partition, *style_io(self))
 
 
 class TransposedRowwise(RowwiseParallel):
@@ -89,11 +85,7 @@ class TransposedRowwise(RowwiseParallel):
                 _distribute_params(mod, mesh, {"weight": [Shard(0)], "bias": [Replicate()]}, self.src_data_rank)
 
         self.desired_input_layouts = (Shard(-1),)
-        return distribute_module(
-            module, device_mesh, partition,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return distribute_module(module, device_mesh, partition, *style_io(self))
 
 
 def _features(module: nn.Module) -> tuple[int, int] | None:

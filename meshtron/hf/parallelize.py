@@ -56,7 +56,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron import env
@@ -77,6 +76,7 @@ from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.checkpointing import checkpointed_layers
 from meshtron.parallel.compose import compose
 from meshtron.parallel.data import data_meshes, mixed_precision, wrap_data_parallel
+from meshtron.torch_private import checkpoint
 
 
 def _no_cache_in_training(model, args, kwargs):
@@ -250,8 +250,8 @@ def _shared_parameters(model: nn.Module) -> list[list[tuple[str, nn.Module, str]
     reused by several decoder layers)."""
     owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        for name, param in module._parameters.items():
-            if param is not None and all(m is not module or n != name for _, m, n in owners.get(id(param), ())):
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            if all(m is not module or n != name for _, m, n in owners.get(id(param), ())):
                 owners.setdefault(id(param), []).append((path, module, name))
     return [group for group in owners.values() if len(group) > 1]
 

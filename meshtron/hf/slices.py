@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshtron.config import ConfigError
 from meshtron.hf.convert import hf_name
 from meshtron.hf.io import open_safetensors, weight_map
+from meshtron.torch_private import compute_local_shape_and_global_offset
 
 
 def _local_slice(param: torch.Tensor) -> tuple[slice, ...]:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import contextlib
 
 from torch import nn
-from torch.distributed._composable import checkpoint
 
 from meshtron.config import ACTIVATION_CHECKPOINTING, not_one_of
 from meshtron.models.moe import replaying
+from meshtron.torch_private import checkpoint
 
 
 def checkpointed_layers(layer_ids: list[int], mode: str, every: int) -> list[int]:

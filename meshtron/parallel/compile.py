@@ -37,6 +37,7 @@ from torch import nn
 
 from meshtron.models.moe import moe_layers
 from meshtron.models.qwen2 import CausalAttention
+from meshtron.torch_private import is_view
 
 
 def _single_graph(block: nn.Module) -> bool:
@@ -68,7 +69,7 @@ def _compiled_forward(block: nn.Module, backend: str):
         # tensor parallelism's ``to_local()`` of the embedding output: we saw the embedding gradient
         # come back as zeros (under FSDP) or as a plain tensor where the DTensor redistribution's
         # backward expects a DTensor. A copy of the [B, S, H] input, cheap next to a block, avoids it.
-        return compiled(x.clone() if x._is_view() else x, *args, **kwargs)
+        return compiled(x.clone() if is_view(x) else x, *args, **kwargs)
 
     forward.compiled = True
     return forward

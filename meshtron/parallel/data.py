@@ -65,7 +65,6 @@ from collections.abc import Collection, Sequence
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -74,6 +73,14 @@ from meshtron.config import DATA_PARALLEL_MODES, DTYPES, ParallelConfig, not_one
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_hsdp_mesh, expert_split
 from meshtron.models.moe import MoE, moe_layers
 from meshtron.parallel.expert import ExpertDispatch
+from meshtron.torch_private import (
+    ReplicateModule,
+    concatenate_meshes,
+    flatten_mesh,
+    fsdp_post_backward,
+    fsdp_root_final_callback,
+    replicate,
+)
 
 _DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
@@ -95,8 +102,8 @@ def data_meshes(mesh: DeviceMesh, mode: str) -> tuple[DeviceMesh, DeviceMesh]:
         return dense_data_mesh(mesh), expert_data_mesh(mesh)
     # Joining dp with the flattened (cp, ep) mesh; slicing a flattened dim out of the root mesh
     # is deprecated. DeviceMesh flattens dims in mesh order (pp, dp, cp, ep, tp), hence "cp_ep".
-    shard = mesh[("cp", "ep")]._flatten("cp_ep")
-    return DeviceMesh._concatenate([mesh["dp"], shard]), expert_hsdp_mesh(mesh)
+    shard = flatten_mesh(mesh[("cp", "ep")], "cp_ep")
+    return concatenate_meshes([mesh["dp"], shard]), expert_hsdp_mesh(mesh)
 
 
 def data_shard_dim(shape: Sequence[int], split_unevenly: Collection[int], shards: int, prefer_even: bool) -> int:
@@ -277,16 +284,10 @@ def finish_split_backward(units: Sequence[nn.Module], released: Sequence[nn.Modu
     once released, reduce-scatters them; after a release, the root's final callback waits for those
     reductions, as it does after a whole backward. FSDP2 has no public call for this; these are the
     private methods ``torch.distributed.pipelining``'s stages call for their own split backward."""
-    states = {id(u): _unit_state(u) for u in [*units, *released]}
-    for state in states.values():
-        for group in state._fsdp_param_groups:
-            group.post_backward()
+    for unit in {id(u): u for u in [*units, *released]}.values():
+        fsdp_post_backward(unit)
     if released:
-        _unit_state(released[0])._root_post_backward_final_callback()
-
-
-def _unit_state(unit: nn.Module):
-    return (replicate if isinstance(unit, ReplicateModule) else fully_shard).state(unit)
+        fsdp_root_final_callback(released[0])
 
 
 def apply_data_parallel(

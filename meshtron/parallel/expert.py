@@ -70,6 +70,7 @@ from torch.distributed.tensor import DTensor, Shard
 from meshtron.config import ConfigError
 from meshtron.host import even_split, split_sizes
 from meshtron.mesh import batch_mesh, dense_data_mesh, expert_meshes, expert_split
+from meshtron.torch_private import flatten_mesh
 from meshtron.models.moe import (
     GroupedExperts,
     SharedWork,
@@ -385,7 +386,7 @@ def router_stats_reducer(group) -> StatsReducer:
 def token_mesh(mesh: DeviceMesh, sequence_parallel: bool = False) -> DeviceMesh:
     """The ranks holding different tokens of one step: dp x cp x ep, and tp when it splits the sequence."""
     if sequence_parallel and mesh["tp"].size() > 1:
-        return mesh[("dp", "cp", "ep", "tp")]._flatten("dp_cp_ep_tp")
+        return flatten_mesh(mesh[("dp", "cp", "ep", "tp")], "dp_cp_ep_tp")
     return dense_data_mesh(mesh)
 
 

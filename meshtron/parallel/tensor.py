@@ -44,7 +44,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -62,6 +61,7 @@ from meshtron.config import ConfigError
 from meshtron.host import simulating
 from meshtron.models.moe import MoE
 from meshtron.models.loss import cross_entropy_sum, linear_cross_entropy_sum
+from meshtron.torch_private import engine_will_execute, funcol, own_parameters
 
 # Error messages list valid tp values up to one 8-GPU node (or tp itself when larger).
 _SUGGEST_UP_TO = 8
@@ -296,7 +296,7 @@ class ReplicateParallel(ParallelStyle):
         names = self.params if self.params is not None else [n for n, _ in module.named_parameters(recurse=False)]
         for name in names:
             owner, leaf = _owner(module, name)
-            param = owner._parameters[leaf]
+            param = own_parameters(owner)[leaf]
             dist_param = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
             owner.register_parameter(leaf, nn.Parameter(dist_param, requires_grad=param.requires_grad))
         module.tp_gradients = {name: TpGradient(self.grad, name) for name in names}
@@ -316,15 +316,15 @@ def _forward_on_local_params(module: nn.Module, names: list[str]):
 
     def forward(*args, **kwargs):
         # Swapped only for this call: FSDP may install other parameter objects between calls.
-        held = [(owner, leaf, owner._parameters[leaf]) for _, owner, leaf in owners]
+        held = [(owner, leaf, own_parameters(owner)[leaf]) for _, owner, leaf in owners]
         for (name, owner, leaf), (_, _, param) in zip(owners, held):
             if param is not None:
-                owner._parameters[leaf] = _LocalView.apply(param, module.tp_gradients[name])
+                own_parameters(owner)[leaf] = _LocalView.apply(param, module.tp_gradients[name])
         try:
             return run(*args, **kwargs)
         finally:
             for owner, leaf, param in held:
-                owner._parameters[leaf] = param
+                own_parameters(owner)[leaf] = param
 
     return forward
 
@@ -366,7 +366,7 @@ def _pass_wants(ctx) -> tuple[bool, bool]:
         if node is None:  # the input needs no gradient
             return False
         try:
-            return torch._C._will_engine_execute_node(node)
+            return engine_will_execute(node)
         except RuntimeError:
             return True
 

@@ -16,6 +16,12 @@ import torch
 from meshtron.host import document_starts
 from meshtron.models.layers import document_causal_mask
 from meshtron.parallel.context.layout import chunk_ids
+from meshtron.torch_private import (
+    FLASH_ATTENTION,
+    FLASH_ATTENTION_BACKWARD,
+    FLASH_ATTENTION_CPU,
+    FLASH_ATTENTION_CPU_BACKWARD,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,9 +134,9 @@ def attention_block(q, k, v, causal: bool, scale: float, kernel: str = "auto", m
         return out.reshape(b, h, sq, d), lse.reshape(b, h, sq)
     q, k, v = q.contiguous(), _expand_kv(k, h), _expand_kv(v, h)
     if q.is_cuda:
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        out, lse, *_ = FLASH_ATTENTION(q, k, v, 0.0, causal, False, scale=scale)
     else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = FLASH_ATTENTION_CPU(q, k, v, 0.0, causal, scale=scale)
     return out.float(), lse.float()
 
 
@@ -162,13 +168,11 @@ def attention_block_backward(
         # Undefined cumulative lengths select the dense (not varlen) kernel, as the forward
         # returns them; without dropout the RNG state is never read.
         rng = torch.zeros((), dtype=torch.int64, device=q.device)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dq, dk, dv = FLASH_ATTENTION_BACKWARD(
             *args, lse, None, None, sq, sk, 0.0, causal, rng, rng, scale=scale
         )
     else:
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            *args, lse, 0.0, causal, scale=scale
-        )
+        dq, dk, dv = FLASH_ATTENTION_CPU_BACKWARD(*args, lse, 0.0, causal, scale=scale)
     fold = lambda t: t.float().reshape(b, hkv, h // hkv, sk, d).sum(2)  # noqa: E731 - GQA: sum each group
     return dq.float(), fold(dk), fold(dv)
 

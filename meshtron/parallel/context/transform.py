@@ -30,6 +30,7 @@ from meshtron.parallel.context.layout import (
     cp_ranks_per_node,
     local_heads,
 )
+from meshtron.torch_private import unflatten_mesh
 
 
 def _repeat_kv_heads(t: torch.Tensor, ranks: int) -> torch.Tensor:
@@ -121,7 +122,7 @@ def cp_groups(mesh: DeviceMesh, comm_type: str = "p2p", a2a_size: int = 0, heads
         return cp, None
     if a == size:
         return None, cp
-    split = cp._unflatten(0, (size // a, a), ("cp_ring", "cp_a2a"))
+    split = unflatten_mesh(cp, 0, (size // a, a), ("cp_ring", "cp_a2a"))
     return split["cp_ring"], split["cp_a2a"]
 
 

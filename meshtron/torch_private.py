@@ -1,0 +1,215 @@
+"""The one door to torch's private and version-dependent API.
+
+Every name below is private in torch (a leading underscore, or a ``_``-module): any torch release may
+rename or remove it without notice. Keeping them here shows at a glance what a torch upgrade must
+re-check; tests/test_structure.py fails if any other meshtron module reaches a private torch name.
+Each entry says why no public API serves. Checked on torch 2.13.0 (CPU, the project's pin), 2.14.1
+(the CUDA wheel of the fake-CUDA dry run) and 2.11 (the lent GPU machines' image).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+__all__ = [
+    # Composable APIs public in all but module name (torchtitan and torch's own tests use them).
+    "checkpoint", "replicate", "ReplicateModule", "funcol", "pytree", "TorchDispatchMode",
+    "is_traceable_wrapper_subclass", "compute_local_shape_and_global_offset",
+]
+
+# --- Device meshes -------------------------------------------------------------------------------
+# DeviceMesh has no public way to treat several dims as one (flatten), to split one into several
+# (unflatten) or to join slices of different roots into one mesh (concatenate): meshtron's derived
+# meshes (FSDP over dp x cp x ep, expert meshes, cp's a2a+p2p groups) need all three.
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh``'s dims as one dim called ``name`` (registered on the root, so ``root[name]`` works)."""
+    return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: DeviceMesh, dim: int | str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """Dim ``dim`` of ``mesh`` split into dims ``names`` of ``sizes`` (row-major)."""
+    return mesh._unflatten(dim, sizes, names)
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose dims are the dims of ``meshes``, in order."""
+    return DeviceMesh._concatenate(meshes)
+
+
+# --- c10d ----------------------------------------------------------------------------------------
+# The launcher's TCPStore carries meshtron's print-once keys and the watchdog's heartbeats: the store
+# torchrun made is only reachable through the default group's private accessor. Collectives logged by
+# name (functional collectives pass group names, not groups) need the name -> group resolution.
+
+
+def default_store() -> dist.Store:
+    """The store the default process group was initialised with (torchrun's TCPStore)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def default_group() -> dist.ProcessGroup:
+    return dist.distributed_c10d._get_default_group()
+
+
+def resolve_group(name: str) -> dist.ProcessGroup:
+    """The process group a functional collective names by string."""
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+def process_group_class() -> type:
+    """The C++ ProcessGroup type (collectives dispatched as ops carry it as an argument)."""
+    from torch._C._distributed_c10d import ProcessGroup
+
+    return ProcessGroup
+
+
+def fake_store_class() -> type:
+    """torch's in-memory store for fake process groups (the dry run's ranks never meet)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore
+
+
+def script_method(obj: torch.ScriptObject, name: str):
+    """Method ``name`` of a TorchScript object (a ReduceOp passed to a dispatched collective), or None."""
+    return obj._get_method(name) if obj._has_method(name) else None
+
+
+# --- Autograd and modules ------------------------------------------------------------------------
+
+
+def engine_will_execute(node) -> bool:
+    """Whether the running backward pass will execute autograd ``node`` (tp's gradient hooks ask, to
+    reduce only what this pass computes); raises RuntimeError outside a backward."""
+    return torch._C._will_engine_execute_node(node)
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of another (compiled blocks must not receive one to edit in place)."""
+    return tensor._is_view()
+
+
+def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module``'s own parameter slots, writable: assigning a plain tensor there swaps a parameter for
+    one call without re-registering it (``setattr`` refuses a non-Parameter under a parameter's name)."""
+    return module._parameters
+
+
+CONV_BASE = nn.modules.conv._ConvNd  # every convolution class derives from it
+
+
+# --- FSDP2 internals -----------------------------------------------------------------------------
+# FSDP2 has no public call to finish a backward that restarted autograd inside the graph (the
+# zero-bubble W); torch.distributed.pipelining's own stages call these same private methods.
+
+
+def fsdp_post_backward(unit: nn.Module) -> None:
+    """Every param group of ``unit`` folds its new gradients in (or reduce-scatters them once released)."""
+    for group in _unit_state(unit)._fsdp_param_groups:
+        group.post_backward()
+
+
+def fsdp_root_final_callback(unit: nn.Module) -> None:
+    """The root's end-of-backward callback: waits for the reductions the units started."""
+    _unit_state(unit)._root_post_backward_final_callback()
+
+
+def _unit_state(unit: nn.Module):
+    return (replicate if isinstance(unit, ReplicateModule) else fully_shard).state(unit)
+
+
+# --- Tensor-parallel style internals -------------------------------------------------------------
+
+
+def style_io(style) -> tuple[Callable, Callable]:
+    """A Colwise / Rowwise ParallelStyle's input and output preparation bound to its layouts, for a
+    subclass that distributes its parameters its own way (a transposed weight)."""
+    return (functools.partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+            functools.partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
+
+
+# --- Private ops ---------------------------------------------------------------------------------
+# The flash-attention kernels return the log-sum-exp the ring attention merges with; SDPA's public
+# entry does not. The rest are op identities the dry run and the sync counter recognise.
+aten = torch.ops.aten
+FLASH_ATTENTION = aten._scaled_dot_product_flash_attention
+FLASH_ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_backward
+FLASH_ATTENTION_CPU = aten._scaled_dot_product_flash_attention_for_cpu
+FLASH_ATTENTION_CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward
+GROUPED_MM = aten._grouped_mm
+UNSAFE_VIEW = aten._unsafe_view
+LOCAL_SCALAR_DENSE = aten._local_scalar_dense  # .item(), float(t), bool(t)
+TO_COPY = aten._to_copy
+UNIQUE2 = aten._unique2
+# The attention kernels SDPA dispatches to (their FLOP formulas count the whole square, causal or not).
+ATTENTION_KERNELS = {getattr(aten, f"_scaled_dot_product_{kernel}{suffix}") for suffix in ("", "_backward")
+                     for kernel in ("flash_attention", "flash_attention_for_cpu", "efficient_attention", "cudnn_attention")}
+
+
+def op_name(func) -> str:
+    """An op overload's name without namespace or overload (``all_gather_into_tensor``)."""
+    return func._opname
+
+
+def op_packet(func):
+    """The overload packet of an op overload (``aten.mm`` for ``aten.mm.default``)."""
+    return func._overloadpacket
+
+
+def op_argument_names(func) -> list[str]:
+    """An op overload's argument names, in schema order."""
+    return [a.name for a in func._schema.arguments]
+
+
+def fake_tensor_mode_class() -> type:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode
+
+
+def mem_tracker(module_tracker):
+    """torch's MemTracker (per-storage accounting and peak) with its module tracker replaced by
+    ``module_tracker`` (MemTracker has no public switch for per-module tracking)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker._mod_tracker = module_tracker
+    return tracker
+
+
+@contextlib.contextmanager
+def counting_sharding_propagations(count: Callable[[], None]) -> Iterator[None]:
+    """Calls ``count()`` at each uncached DTensor sharding propagation while entered; counts nothing on
+    a torch without that method."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = getattr(ShardingPropagator, "_propagate_tensor_meta_non_cached", None)
+    if original is None:
+        yield
+        return
+
+    def counted(propagator, *args, **kwargs):
+        count()
+        return original(propagator, *args, **kwargs)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = counted
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
