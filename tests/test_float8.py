@@ -223,7 +223,7 @@ def test_planner_runs_the_fp8_gemms_at_the_fp8_peak(recipe, gemms):
     from meshtron.models import flops_per_token
     from meshtron.plan.speed import Hardware, fp8_flops_per_token, matmul_seconds
 
-    cfg, hw = _plan_7b(recipe), Hardware()
+    cfg, hw = _plan_7b(recipe), Hardware(mfu=0.4)
     assert fp8_flops_per_token(cfg) == 2 * gemms * QWEN_7B_BLOCK_LINEARS
     assert fp8_flops_per_token(_plan_7b("none")) == 0
     total = flops_per_token(cfg.model, cfg.train.seq_len)

@@ -21,7 +21,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--gpus", type=int, required=True, help="devices in the job")
     parser.add_argument("--gpus-per-node", type=int, default=Hardware.gpus_per_node)
     parser.add_argument("--gpu-memory", type=float, default=Hardware.memory_gib, help="GiB per device")
-    parser.add_argument("--mfu", type=float, default=Hardware.mfu, help="assumed model FLOPs utilization")
+    parser.add_argument("--mfu", type=float, default=Hardware.mfu,
+                        help="pin compute at this model FLOPs utilization (default: the GEMM-size model)")
     parser.add_argument("--peak-tflops", type=float, default=Hardware.peak_tflops, help="per device, dense")
     parser.add_argument("--intra-gbps", type=float, default=Hardware.intra_gbps, help="GB/s inside a node")
     parser.add_argument("--inter-gbps", type=float, default=Hardware.inter_gbps, help="GB/s between nodes")
@@ -82,8 +83,10 @@ def ranking_text(plans: list[Plan]) -> list[str]:
 
 def header(recipe: str, gpus: int, hw: Hardware) -> str:
     """Every hardware figure the predictions rest on, as the flags set them, so a misread flag shows."""
-    return (f"{recipe} on {gpus} x {hw.memory_gib:g} GiB ({hw.gpus_per_node} per node), MFU {hw.mfu:g} of "
-            f"{hw.peak_tflops:g} TFLOP/s, {hw.intra_gbps:g} GB/s inside a node, {hw.inter_gbps:g} between nodes assumed")
+    compute = "GEMM-size compute model" if hw.mfu is None else f"MFU {hw.mfu:g}"
+    return (f"{recipe} on {gpus} x {hw.memory_gib:g} GiB ({hw.gpus_per_node} per node), {compute} on "
+            f"{hw.peak_tflops:g} TFLOP/s and {hw.memory_tbps:g} TB/s, {hw.intra_gbps:g} GB/s inside a node, "
+            f"{hw.inter_gbps:g} between nodes assumed")
 
 
 def report(recipe: str, cfg: Config, gpus: int, hw: Hardware, as_json: bool) -> str:

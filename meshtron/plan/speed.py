@@ -3,9 +3,11 @@ and the pipeline bubble from the schedule simulator.
 
 step time = (compute + exposed communication) / (1 - bubble)
 
-- compute: ``flops_per_token`` x the step's tokens / devices / (peak x MFU), times 4/3 for every
-  checkpointed block (its forward runs twice); or, given the dry run's traced step, its roofline time
-  (every op at the larger of its FLOPs over the peak and its bytes over the memory bandwidth);
+- compute: each GEMM of the rank's layers at its shape, the attention kernel's blocks and the
+  elementwise bytes (:mod:`meshtron.plan.gemm`), a checkpointed layer's forward twice; with ``hw.mfu``
+  pinned, ``flops_per_token`` x the step's tokens / devices / (peak x MFU), times 4/3 for every
+  checkpointed block; or, given the dry run's traced step, its roofline time (every op at the larger
+  of its FLOPs over the peak and its bytes over the memory bandwidth);
 - communication: bytes each rank sends per step for each (collective, mesh dimension), at the
   intra-node bandwidth when the group fits in one node (tp is innermost, pp outermost), else the
   inter-node one. tp, cp, ep and pp transfers sit on the critical path; FSDP / HSDP / replicate
@@ -29,10 +31,11 @@ from meshtron.models.qwen2 import flops_per_token
 from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule
 from meshtron.parallel.pipeline.simulate import simulate
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
-from meshtron.metrics import datasheet
 from meshtron.parallel.data import gathers_once_per_step, reduces_gradients
 from meshtron.parallel.float8 import FP8_ALL_GATHER_RECIPES, FP8_DIM_MULTIPLE
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
+from meshtron.plan.gemm import gemm_efficiency, step_compute_seconds
+from meshtron.plan.hardware import Hardware
 from meshtron.plan.memory import (
     FP32,
     Coords,
@@ -48,25 +51,6 @@ from meshtron.plan.memory import (
 
 INT64 = FP64 = 8
 FP8 = 1
-# NVIDIA H100 SXM datasheet (nvidia.com/en-us/data-center/h100): FP8 Tensor Core 3,958 TFLOP/s "with
-# sparsity", half of it dense; twice the dense bf16 989.
-H100_FP8_TFLOPS = 1979.0
-
-
-# Keyword-only: CLIs build it from flags, and a field inserted later must not shift their values into
-# its neighbours (an inserted memory_tbps once took --mfu's value in meshtron.plan).
-@dataclass(frozen=True, kw_only=True)
-class Hardware:
-    """Per-device figures (defaults: an H100 SXM node with 400 Gb/s InfiniBand per GPU)."""
-
-    gpus_per_node: int = 8
-    memory_gib: float = 80.0
-    peak_tflops: float = datasheet("H100")[0]  # dense bf16
-    memory_tbps: float = datasheet("H100")[1]  # the dry run's roofline
-    mfu: float = 0.40  # assumed fraction of peak the matmuls reach (without a traced compute time)
-    fp8_peak_tflops: float = H100_FP8_TFLOPS  # dense FP8, the GEMMs of [train] fp8
-    intra_gbps: float = 450.0  # GB/s per direction per GPU inside a node (NVLink)
-    inter_gbps: float = 50.0  # GB/s per GPU between nodes
 
 
 @dataclass
@@ -231,11 +215,14 @@ def overlapped_tp_seconds(cfg: Config, hw: Hardware) -> float:
     """Exposed time per step of pipeline rank 0's tp rings (``tp_overlap``): per ring, one chunk's
     transfer (what a device does not hide: the issue's model of the ring's start, and of NCCL's kernels
     taking SMs from the GEMM) plus, at each of its ``tp - 1`` steps, the chunk's transfer time beyond
-    the GEMM of one chunk it overlaps (GEMMs at ``hw.mfu`` of the peak)."""
+    the GEMM of one chunk it overlaps (GEMMs at ``hw.mfu`` of the peak, or at the efficiency
+    :mod:`meshtron.plan.gemm` gives a layer's GEMMs of one chunk's rows)."""
     p = cfg.parallel
-    chunk = microbatch_tokens(cfg) // p.tp * cfg.model.hidden_size * compute_bytes(cfg)
+    rows = microbatch_tokens(cfg) // p.tp
+    chunk = rows * cfg.model.hidden_size * compute_bytes(cfg)
     send = _seconds(cfg, "p2p/tp", chunk, hw)
-    gemm_rate = hw.peak_tflops * 1e12 * hw.mfu * p.tp  # a chunk is 1/tp of the ring's GEMM
+    efficiency = hw.mfu if hw.mfu is not None else gemm_efficiency(cfg, rows, hw)
+    gemm_rate = hw.peak_tflops * 1e12 * efficiency * p.tp  # a chunk is 1/tp of the ring's GEMM
     layers = [i for chunk_index in _stage_chunks(cfg, None) for i in chunk_layers(cfg, chunk_index)]
     rings = [flops for i in layers for flops in overlapped_rings(cfg, i)]
     return p.microbatches * sum(send + (p.tp - 1) * max(0.0, send - flops / gemm_rate) for flops in rings)
@@ -378,13 +365,12 @@ def _recompute_factor(cfg: Config) -> float:
 
 
 def predict_step_time(cfg: Config, hw: Hardware = Hardware(), compute_seconds: float | None = None) -> StepTime:
-    """``compute_seconds``: a rank's traced compute time (the dry run's roofline) instead of the FLOPs
-    at ``hw.mfu`` of the peak."""
+    """``compute_seconds``: a rank's traced compute time (the dry run's roofline) instead of the
+    model's (:func:`compute_time`)."""
     p, t = cfg.parallel, cfg.train
-    world = p.pp * p.dp * p.cp * p.mesh_ep * p.tp
     tokens = t.global_batch_size * t.seq_len
     recompute = _recompute_factor(cfg)
-    compute = compute_seconds if compute_seconds is not None else matmul_seconds(cfg, tokens * recompute / world, hw)
+    compute = compute_seconds if compute_seconds is not None else compute_time(cfg, hw)
     comm = communication(cfg)
     exposed_by = exposed_communication(cfg, comm, compute, hw)
     exposed = sum(exposed_by.values())
@@ -437,6 +423,16 @@ def fp8_flops_per_token(cfg: Config) -> float:
     return 2 * gemms * sum(math.prod(q.shape) for q in fp8_weights(cfg, params))
 
 
+def compute_time(cfg: Config, hw: Hardware) -> float:
+    """A rank's compute seconds per step: :func:`meshtron.plan.gemm.step_compute_seconds`, or with
+    ``hw.mfu`` pinned the step's training FLOPs per rank (checkpointed forwards included) at that MFU."""
+    if hw.mfu is None:
+        return step_compute_seconds(cfg, hw)
+    p, t = cfg.parallel, cfg.train
+    world = p.pp * p.dp * p.cp * p.mesh_ep * p.tp
+    return matmul_seconds(cfg, t.global_batch_size * t.seq_len * _recompute_factor(cfg) / world, hw)
+
+
 def matmul_seconds(cfg: Config, tokens: float, hw: Hardware) -> float:
     """Compute time of ``tokens`` tokens' training FLOPs at ``hw.mfu`` of the peak: the FP8 GEMMs' share at
     the FP8 peak, the rest at the training dtype's."""
@@ -449,6 +445,6 @@ def _is_data_parallel(key: str) -> bool:
     return key.split("/")[1] in ("dp", "dp_ep_cp", "cp_ep", "edp", "edp_shard", "edp_replicate")
 
 
-__all__ = ["COMM_DIMS", "Hardware", "StepTime", "communication", "exposed_communication", "fp8_flops_per_token",
-           "group_is_intra_node", "matmul_seconds", "overlapped_rings", "overlapped_tp_seconds", "pipeline_bubble",
+__all__ = ["COMM_DIMS", "Hardware", "StepTime", "communication", "compute_time", "exposed_communication",
+           "fp8_flops_per_token", "group_is_intra_node", "matmul_seconds", "overlapped_rings", "overlapped_tp_seconds", "pipeline_bubble",
            "predict_step_time"]

@@ -1,0 +1,35 @@
+"""The device and network figures the step-time model reads (:class:`Hardware`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtron.metrics import datasheet
+
+# NVIDIA H100 SXM datasheet (nvidia.com/en-us/data-center/h100): FP8 Tensor Core 3,958 TFLOP/s "with
+# sparsity", half of it dense; twice the dense bf16 989. The H200 SXM lists the same compute.
+H100_FP8_TFLOPS = 1979.0
+
+
+# Keyword-only: CLIs build it from flags, and a field inserted later must not shift their values into
+# its neighbours (an inserted memory_tbps once took --mfu's value in meshtron.plan).
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """Per-device figures (defaults: an H100 SXM node with 400 Gb/s InfiniBand per GPU). ``mfu``: None
+    times compute with :mod:`meshtron.plan.gemm`'s model (each GEMM by its shape, attention as the
+    kernel runs it, elementwise work at the memory bandwidth); a number pins every training FLOP
+    (``flops_per_token``) at that fraction of the peak instead."""
+
+    gpus_per_node: int = 8
+    memory_gib: float = 80.0
+    peak_tflops: float = datasheet("H100")[0]  # dense bf16
+    memory_tbps: float = datasheet("H100")[1]
+    mfu: float | None = None
+    fp8_peak_tflops: float = H100_FP8_TFLOPS  # dense FP8, the GEMMs of [train] fp8
+    intra_gbps: float = 450.0  # GB/s per direction per GPU inside a node (NVLink)
+    inter_gbps: float = 50.0  # GB/s per GPU between nodes
+
+
+H200 = Hardware(memory_gib=141.0, memory_tbps=datasheet("H200")[1])
+
+__all__ = ["H100_FP8_TFLOPS", "H200", "Hardware"]
