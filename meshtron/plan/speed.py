@@ -4,7 +4,8 @@ and the pipeline bubble from the schedule simulator.
 step time = (compute + exposed communication) / (1 - bubble)
 
 - compute: ``flops_per_token`` x the step's tokens / devices / (peak x MFU), times 4/3 for every
-  checkpointed block (its forward runs twice); or, given the dry run's traced step, its roofline time
+  checkpointed block (its forward runs twice; under ``op`` one third of the share of its forward it
+  recomputes, :func:`recomputed_share`); or, given the dry run's traced step, its roofline time
   (every op at the larger of its FLOPs over the peak and its bytes over the memory bandwidth);
 - communication: bytes each rank sends per step for each (collective, mesh dimension), at the
   intra-node bandwidth when the group fits in one node (tp is innermost, pp outermost), else the
@@ -39,7 +40,9 @@ from meshtron.plan.memory import (
     compute_bytes,
     holds_last_stage,
     kv_split,
+    block_matmuls,
     layer_checkpointed,
+    op_kept_matmuls,
     microbatch_tokens,
     model_parallel_shape,
     stage_params,
@@ -123,7 +126,9 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
     out: dict[str, float] = {}
     if p.tp > 1:
         act = tokens * h * c * _ring(p.tp)
-        counts = [(_tp_transfers(cfg, i, p.sp), layer_checkpointed(cfg, i)) for i in layers]
+        # ``op`` keeps DTensor's (functional) collectives' outputs: its recomputation sends nothing over tp.
+        counts = [(_tp_transfers(cfg, i, p.sp), layer_checkpointed(cfg, i) and p.activation_checkpointing != "op")
+                  for i in layers]
         step = sum(n.step for n, _ in counts)
         recomputed = sum(n.recomputed for n, checkpointed in counts if checkpointed)
         if p.sp and p.tp_overlap:  # the blocks' as rings of sends (same bytes); the embedding and head as before
@@ -367,14 +372,27 @@ def pipeline_bubble(schedule: str, pp: int, microbatches: int, virtual: int, bac
     return simulate(steps, 1, backward_cost - w, w_cost=w, rendezvous=False).bubble
 
 
-def _recompute_factor(cfg: Config) -> float:
-    """Forward + backward cost 3 units per layer; each checkpointed layer adds one forward."""
-    m, p = cfg.model, cfg.parallel
-    if p.activation_checkpointing == "none":
+def recompute_factor(cfg: Config) -> float:
+    """Forward + backward cost 3 units per layer; each checkpointed layer adds the share of its forward
+    it recomputes (:func:`recomputed_share`)."""
+    layers = cfg.model.num_hidden_layers
+    return 1 + sum(recomputed_share(cfg, i) for i in range(layers)) / layers / 3
+
+
+def recomputed_share(cfg: Config, layer: int) -> float:
+    """The share of one layer's forward FLOPs its backward recomputes: 1 for a checkpointed block, 0
+    without checkpointing; under ``op`` the matmuls the policy does not keep (:func:`memory.op_kept_matmuls`)
+    over the layer's matmuls and causal attention (kept: its output is saved)."""
+    if not layer_checkpointed(cfg, layer):
+        return 0.0
+    if cfg.parallel.activation_checkpointing != "op":
         return 1.0
-    every = 1 if p.activation_checkpointing == "full" else p.ac_every
-    checkpointed = len(range(0, m.num_hidden_layers, every))
-    return 1 + checkpointed / m.num_hidden_layers / 3
+    m = cfg.model
+    flops = [2 * out * width for out, width in block_matmuls(cfg, layer)]
+    recomputed = sum(f for f, keep in zip(flops, op_kept_matmuls(cfg, layer)) if not keep)
+    # QK^T and AV over half the (causal) keys: 2 * 2 * S / 2 FLOPs per head dimension, per token.
+    attention = 2 * cfg.train.seq_len * m.head_size * m.num_attention_heads / cfg.parallel.tp
+    return recomputed / (sum(flops) + attention)
 
 
 def predict_step_time(cfg: Config, hw: Hardware = Hardware(), compute_seconds: float | None = None) -> StepTime:
@@ -383,7 +401,7 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware(), compute_seconds: f
     p, t = cfg.parallel, cfg.train
     world = p.pp * p.dp * p.cp * p.mesh_ep * p.tp
     tokens = t.global_batch_size * t.seq_len
-    recompute = _recompute_factor(cfg)
+    recompute = recompute_factor(cfg)
     compute = compute_seconds if compute_seconds is not None else matmul_seconds(cfg, tokens * recompute / world, hw)
     comm = communication(cfg)
     exposed_by = exposed_communication(cfg, comm, compute, hw)
