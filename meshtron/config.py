@@ -202,7 +202,7 @@ class ParallelConfig:
         "none",
         "recompute blocks in backward: `none`, `full` (every block), `selective` (every `ac_every`-th block) "
         "or `op` (every block keeps the op outputs `ac_policy` names and recomputes the rest; "
-        "[activation checkpointing](parallelism.md#activation-checkpointing))",
+        "[activation checkpointing](training.md#activation-checkpointing))",
     )
     ac_every: int = recipe_key(2, "with `selective`, checkpoint blocks whose global index is a multiple of this")
     ac_policy: str = recipe_key(
