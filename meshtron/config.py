@@ -200,9 +200,17 @@ class ParallelConfig:
     )
     activation_checkpointing: str = recipe_key(
         "none",
-        "recompute blocks in backward: `none`, `full` (every block) or `selective` (every `ac_every`-th block)",
+        "recompute blocks in backward: `none`, `full` (every block), `selective` (every `ac_every`-th block) "
+        "or `op` (every block keeps the op outputs `ac_policy` names and recomputes the rest; "
+        "[activation checkpointing](training.md#activation-checkpointing))",
     )
     ac_every: int = recipe_key(2, "with `selective`, checkpoint blocks whose global index is a multiple of this")
+    ac_policy: str = recipe_key(
+        "save_matmuls",
+        "with `op`: `save_matmuls` keeps every matmul's, attention's and collective's output and recomputes "
+        "norms, RoPE, SwiGLU's activation and residual adds; `alternate_matmuls` (torchtitan's) also "
+        "recomputes every second matmul of a block",
+    )
     compile: bool = recipe_key(
         False,
         "`torch.compile` each transformer block's forward (inductor), after TP/EP/CP/activation checkpointing "
@@ -539,7 +547,8 @@ DTYPES = ("float32", "bfloat16")
 FP8_RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's names; meshtron/parallel/float8.py
 DATA_PARALLEL_MODES = ("fsdp", "hsdp", "replicate")
 FSDP_GATHERS = ("per_microbatch", "per_step")  # how often FSDP gathers a unit under accumulation
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "op")
+AC_POLICIES = ("save_matmuls", "alternate_matmuls")
 NONFINITE_POLICIES = ("stop", "skip")
 MEMORY_CHECKS = ("error", "warn", "off")
 
@@ -585,6 +594,11 @@ def _validate_data_parallel(p: ParallelConfig, source: str) -> None:
         p.ac_every >= 1,
         f"{source}: [parallel] ac_every must be >= 1 (checkpoint every N-th block), got {p.ac_every}.",
     )
+    _require_choice(source, "[parallel] ac_policy", p.ac_policy, AC_POLICIES)
+    _require(not (p.compile and p.activation_checkpointing == "op"),
+             f"{source}: [parallel] activation_checkpointing = 'op' does not compose with compile = true yet (a "
+             "compiled block's recomputation runs its whole graph again, keeping the op outputs as well); use "
+             "activation_checkpointing = 'full' or compile = false.")
 
 
 def _check_numbers(section: str, obj: Any, source: str) -> None:

@@ -158,8 +158,10 @@ LOCAL_SCALAR_DENSE = aten._local_scalar_dense  # .item(), float(t), bool(t)
 TO_COPY = aten._to_copy
 UNIQUE2 = aten._unique2
 # The attention kernels SDPA dispatches to (their FLOP formulas count the whole square, causal or not).
-ATTENTION_KERNELS = {getattr(aten, f"_scaled_dot_product_{kernel}{suffix}") for suffix in ("", "_backward")
-                     for kernel in ("flash_attention", "flash_attention_for_cpu", "efficient_attention", "cudnn_attention")}
+_ATTENTION_KERNEL_NAMES = ("flash_attention", "flash_attention_for_cpu", "efficient_attention", "cudnn_attention")
+ATTENTION_FORWARD_KERNELS = {getattr(aten, f"_scaled_dot_product_{kernel}") for kernel in _ATTENTION_KERNEL_NAMES}
+ATTENTION_KERNELS = ATTENTION_FORWARD_KERNELS | {getattr(aten, f"_scaled_dot_product_{kernel}_backward")
+                                                 for kernel in _ATTENTION_KERNEL_NAMES}
 
 
 def op_name(func) -> str:

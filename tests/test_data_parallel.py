@@ -47,7 +47,7 @@ MOE = dict(
 BATCH, SEQ, STEPS, MAX_NORM = 8, 16, 3, 0.5
 
 
-def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32", sp=False):
+def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32", sp=False, ac_policy="save_matmuls"):
     """The training path: meta model -> TP -> EP -> CP -> AC -> data parallel -> materialise -> load ``full``."""
     with torch.device("meta"):
         model = build_model(cfg)
@@ -56,7 +56,7 @@ def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32", sp=False
     if cfg.is_moe:
         apply_expert_parallel(model, mesh, sequence_parallel=sp)
     apply_context_parallel(model, mesh)
-    apply_activation_checkpointing(model, ac, every=2)
+    apply_activation_checkpointing(model, ac, every=2, policy=ac_policy)
     apply_data_parallel(model, mesh, mode, dtype)
     model.to_empty(device=env.local_device())
     if cfg.tie_word_embeddings and model.lm_head.weight is not model.embed_tokens.weight:
@@ -194,22 +194,29 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+AC_RUNS = (("none", "save_matmuls"), ("full", "save_matmuls"), ("selective", "save_matmuls"), ("op", "save_matmuls"),
+           ("op", "alternate_matmuls"))
+
+
 def check_checkpointing_is_bit_identical():
-    """Recomputation must not change a single bit of the loss or the (local) gradients."""
-    cfg = ModelConfig(**CFG)
-    ref = random_model(cfg, seed=1)
-    mesh = cached_mesh(dp=2, ep=2, tp=2)
-    runs = {}
-    for ac in ("none", "full", "selective"):
-        model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", ac)
-        tokens, labels = next(_batches())
-        loss = parallel_token_loss_sum(model(tokens), labels)
-        loss.backward()
-        runs[ac] = (loss.detach(), {n: _local(p.grad).clone() for n, p in model.named_parameters()})
-    for ac in ("full", "selective"):
-        assert torch.equal(runs[ac][0], runs["none"][0]), f"{ac} checkpointing changed the loss"
-        for name, grad in runs["none"][1].items():
-            assert torch.equal(runs[ac][1][name], grad), f"{ac} checkpointing changed the gradient of {name}"
+    """Recomputation must not change a single bit of the loss or the (local) gradients: every mode and
+    op policy, on a dense model over dp x ep x tp with SP and on a MoE one with its experts over ep."""
+    for cfg, sp in ((ModelConfig(**CFG), True), (ModelConfig(**MOE), False)):
+        ref = random_model(cfg, seed=1)
+        mesh = cached_mesh(dp=2, ep=2, tp=2)
+        runs = {}
+        for ac, policy in AC_RUNS:
+            model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", ac, sp=sp, ac_policy=policy)
+            tokens, labels = next(_batches())
+            loss = parallel_token_loss_sum(model(tokens), labels)
+            loss.backward()
+            runs[ac, policy] = (loss.detach(), {n: _local(p.grad).clone() for n, p in model.named_parameters()})
+        plain = runs[AC_RUNS[0]]
+        for key in AC_RUNS[1:]:
+            where = f"{key} checkpointing (moe {cfg.is_moe})"
+            assert torch.equal(runs[key][0], plain[0]), f"{where} changed the loss"
+            for name, grad in plain[1].items():
+                assert torch.equal(runs[key][1][name], grad), f"{where} changed the gradient of {name}"
 
 
 # bf16 noise of the first step against the same model run in bf16 on one process, measured over 16 draws
@@ -308,6 +315,61 @@ def test_checkpointing_keeps_parameter_names():
     assert list(model.state_dict()) == names and [n for n, _ in model.named_parameters()] == names
 
 
+def test_op_checkpointing_refuses_compiled_blocks():
+    cfg = Config(parallel=ParallelConfig(activation_checkpointing="op", compile=True))
+    with pytest.raises(ConfigError, match="activation_checkpointing = 'op' does not compose with compile = true"):
+        validate(cfg)
+
+
+def _matmul_flops_in_backward(model, tokens, labels) -> tuple[torch.Tensor, dict, float]:
+    """Loss, gradients and the matmul FLOPs of the backward (recomputation included), counted per op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtron.parallel.checkpointing import MATMULS
+
+    class Count(TorchDispatchMode):
+        flops = 0.0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in MATMULS:  # 2 x output elements x the reduced width (addmm's: of its second argument)
+                lhs = args[1] if func in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default) else args[0]
+                Count.flops += 2 * out.numel() * lhs.shape[-1]
+            return out
+
+    loss = token_loss_sum(model(tokens), labels)
+    with Count():
+        loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, Count.flops
+
+
+@pytest.mark.parametrize("model_cfg", [CFG, MOE], ids=["dense", "moe"])
+def test_op_checkpointing_is_exact_and_recomputes_what_the_planner_counts(model_cfg):
+    """On one process each op policy gives the loss and gradients of no checkpointing bit for bit, and
+    its backward runs the matmul FLOPs of none plus exactly the matmuls the planner says it drops
+    (``save_matmuls``: none; ``alternate_matmuls``: the 2nd, 4th, ...), fewer than full checkpointing."""
+    from meshtron.plan.memory import block_matmuls, op_kept_matmuls
+
+    cfg = ModelConfig(**model_cfg)
+    ref = random_model(cfg, seed=3)
+    tokens, labels = next(_batches())
+    runs = {}
+    for ac, policy in AC_RUNS:
+        model = copy.deepcopy(ref)
+        apply_activation_checkpointing(model, ac, 2, policy)
+        runs[ac, policy] = _matmul_flops_in_backward(model, tokens, labels)
+    plain = runs[AC_RUNS[0]]
+    for key, (loss, grads, _) in runs.items():
+        assert torch.equal(loss, plain[0]) and all(torch.equal(grads[n], g) for n, g in plain[1].items()), key
+    for policy in ("save_matmuls", "alternate_matmuls"):
+        planned = Config(model=cfg, parallel=ParallelConfig(activation_checkpointing="op", ac_policy=policy))
+        dropped = sum(2 * out * width for layer in range(cfg.num_hidden_layers)
+                      for (out, width), kept in zip(block_matmuls(planned, layer), op_kept_matmuls(planned, layer))
+                      if not kept)
+        assert runs["op", policy][2] - plain[2] == pytest.approx(tokens.numel() * dropped, rel=1e-9), policy
+    assert plain[2] == runs["op", "save_matmuls"][2] < runs["op", "alternate_matmuls"][2] < runs["full", "save_matmuls"][2]
+
+
 def test_unknown_mode_fails_before_any_collective():
     with pytest.raises(ValueError, match="data_parallel must be one of fsdp, hsdp, replicate, got 'zero3'"):
         data_meshes(None, "zero3")
@@ -317,8 +379,9 @@ def test_unknown_mode_fails_before_any_collective():
     "key, value, message",
     [
         ("data_parallel", "fsdp2", "data_parallel must be one of fsdp, hsdp, replicate, got 'fsdp2'. Did you mean 'fsdp'"),
-        ("activation_checkpointing", "ful", "activation_checkpointing must be one of none, full, selective"),
+        ("activation_checkpointing", "ful", "activation_checkpointing must be one of none, full, selective, op"),
         ("ac_every", 0, "ac_every must be >= 1"),
+        ("ac_policy", "every_other", "ac_policy must be one of save_matmuls, alternate_matmuls, got 'every_other'"),
     ],
 )
 def test_config_errors(key, value, message):

@@ -343,10 +343,10 @@ def check_zero_bubble_accumulates_in_fp32_under_bf16(_folder):
 def check_zero_bubble_with_checkpointing_replays_each_block_once(_folder):
     """With activation checkpointing a zero-bubble step replays each block's forward once per
     micro-batch, as 1F1B does (a W restarted per weight pass would replay it once per pass), and
-    still equals the single-process step."""
-    for schedule, v in (("zb1p", 1), ("zbv", 2)):
+    still equals the single-process step; so does op-level checkpointing (it too runs unsplit)."""
+    for schedule, v, ac in (("zb1p", 1, "full"), ("zbv", 2, "full"), ("zbv", 2, "op")):
         cfg = _config(DENSE, 2, 4, schedule, 4, v)
-        cfg.parallel.activation_checkpointing = "full"
+        cfg.parallel.activation_checkpointing, cfg.parallel.ac_policy = ac, "alternate_matmuls"
         mesh = cached_mesh(pp=2, dp=4)
         runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
         load_full_state_dict(runner.module, _random_model(cfg).state_dict())

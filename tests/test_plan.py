@@ -554,6 +554,48 @@ def test_layer_figures_match_what_autograd_holds(recipe, dtype):
     assert captured_gradient_bytes(cfg, 0) * tokens == pytest.approx(sum(recorded.values()), rel=0.01)
 
 
+@pytest.mark.parametrize("recipe", ["debug_dense", "debug_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("policy", ["save_matmuls", "alternate_matmuls"])
+def test_op_checkpointing_figure_matches_what_a_block_keeps(recipe, dtype, policy):
+    """``activation_checkpointing = "op"``: what a layer keeps per token (its input and the op outputs the
+    policy keeps) within 1 % of the storages a checkpointed block leaves alive after its forward
+    (``kept_tensor_bytes``, which sees a selective checkpoint's cache), between a fully checkpointed block's
+    (its input) and the plain block's."""
+    import dataclasses
+
+    from meshtron.parallel.checkpointing import checkpoint_blocks
+    from meshtron.plan.measure import kept_tensor_bytes
+    from meshtron.plan.memory import layer_kept_bytes
+
+    cfg, block, x, rope = _one_block(recipe, dtype)
+    tokens, outside = x.shape[0] * x.shape[1], [*block.parameters(), x, *rope]
+    plain = kept_tensor_bytes(lambda: block(x, rope), exclude=outside)
+    checkpoint_blocks({0: block}, "op", 1, policy)
+    kept = kept_tensor_bytes(lambda: block(x, rope), exclude=outside) + x.nbytes  # the input, kept by reference
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpointing="op",
+                                                                 ac_policy=policy))
+    assert layer_kept_bytes(cfg, 0) * tokens == pytest.approx(kept, rel=0.01)
+    assert x.nbytes < kept < plain
+
+
+def test_op_checkpointing_sits_between_none_and_full():
+    """Qwen2.5-7B on dp 8 (tp 1): activations and step time ordered none, op (save_matmuls, then
+    alternate_matmuls), full: each keeps less and recomputes more; save_matmuls recomputes no matmul, so
+    its step takes as long as none's. (Under tp with SP, op keeps the row-parallel matmuls' [H] partial
+    sums and the gathered inputs, more than none's sequence shards: the search then skips it.)"""
+    base = ["--parallel.tp=1", "--parallel.sp=false", "--parallel.dp=8", "--train.global_batch_size=8"]
+    modes = [["--parallel.activation_checkpointing=none"],
+             ["--parallel.activation_checkpointing=op", "--parallel.ac_policy=save_matmuls"],
+             ["--parallel.activation_checkpointing=op", "--parallel.ac_policy=alternate_matmuls"],
+             ["--parallel.activation_checkpointing=full"]]
+    cfgs = [load_config(RECIPES / "qwen2p5_7b.toml", base + mode) for mode in modes]
+    held = [activation_bytes(cfg, 0) for cfg in cfgs]
+    seconds = [predict_step_time(cfg, Hardware()).seconds for cfg in cfgs]
+    assert held[0] > held[1] > held[2] > held[3], held
+    assert seconds[0] == pytest.approx(seconds[1]) and seconds[1] < seconds[2] < seconds[3], seconds
+
+
 def _debug_dense_elements(m) -> int:
     """Parameters of the (untied) debug dense model from its shapes: embedding and LM head, per layer
     q / o (H x H, q with its bias), k / v (H x KV heads x head size, with biases), gate / up / down

@@ -73,7 +73,7 @@ from meshtron.hf.tp_plan import apply_hf_tensor_parallel, replicate_plain_params
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.models.loss import DEFAULT_CHUNK_TOKENS
 from meshtron.models.qwen2 import LMHead
-from meshtron.parallel.checkpointing import checkpointed_layers
+from meshtron.parallel.checkpointing import checkpoint_blocks
 from meshtron.parallel.compose import compose
 from meshtron.parallel.data import data_meshes, mixed_precision, wrap_data_parallel
 from meshtron.torch_private import checkpoint
@@ -112,10 +112,11 @@ class HFSteps:
     """:class:`~meshtron.parallel.compose.Steps` for a transformers model (the whole model, or a pipeline
     stage's), composed in :func:`~meshtron.parallel.compose.compose`'s order like meshtron's own models."""
 
-    def __init__(self, mesh: DeviceMesh, sp: bool, data_parallel: str, ac: str, ac_every: int, dtype: str,
+    def __init__(self, mesh: DeviceMesh, sp: bool, data_parallel: str, ac: tuple[str, int, str], dtype: str,
                  cp_comm: tuple[str, int], pipelined: bool, references: list):
+        """``ac``: the checkpointing mode, ``ac_every`` and ``ac_policy``."""
         self.mesh, self.sp, self.data_parallel, self.dtype = mesh, sp, data_parallel, dtype
-        self.ac, self.ac_every, self.cp_comm, self.pipelined = ac, ac_every, cp_comm, pipelined
+        self.ac, self.cp_comm, self.pipelined = ac, cp_comm, pipelined
         self.references = references  # the block check's (meshtron.hf.prove), recorded on the whole model
         self.tp_mesh = mesh["tp"]
         self.experts: list[nn.Module] = []
@@ -147,10 +148,8 @@ class HFSteps:
             apply_hf_context_parallel(model, self.mesh, not self.pipelined, *self.cp_comm)
 
     def checkpointing(self, model: nn.Module) -> None:
-        layers = dict(self.parts.block_items())
-        for index in checkpointed_layers(list(layers), self.ac, self.ac_every):
-            checkpoint(layers[index])
-        if self.ac != "none":
+        checkpoint_blocks(dict(self.parts.block_items()), *self.ac)
+        if self.ac[0] != "none":
             model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
 
     def compile(self, model: nn.Module) -> None:
@@ -178,6 +177,7 @@ def parallelize_hf_model(
     data_parallel: str = "fsdp",
     ac: str = "none",
     ac_every: int = 2,
+    ac_policy: str = "save_matmuls",
     dtype: str = "float32",
     schedule: str = "1f1b",
     microbatches: int = 1,
@@ -193,7 +193,8 @@ def parallelize_hf_model(
     the MoE shared expert and optional SP); MoE experts are split over ep by ``base_model_ep_plan`` and
     fed by all-to-all (:mod:`meshtron.hf.experts`); the batch is split over dp x ep, where dense
     parameters are FSDP-sharded (``data_parallel="fsdp"``), replicated or HSDP-sharded, and experts
-    over dp. ``ac`` is ``none``, ``full`` or ``selective`` (every ``ac_every``-th layer);
+    over dp. ``ac`` is ``none``, ``full``, ``selective`` (every ``ac_every``-th layer) or ``op`` (every
+    layer keeps the op outputs ``ac_policy`` names, :mod:`meshtron.parallel.checkpointing`);
     ``dtype="bfloat16"`` makes the data-parallel wrapper compute in bf16 with fp32 master weights (only
     when the data mesh has more than one rank). Works on meta-device models (then ``to_empty`` and
     :func:`meshtron.hf.load_sharded_weights`, as :func:`load_hf_checkpoint` does). Each rank of dp x ep
@@ -225,7 +226,7 @@ def parallelize_hf_model(
     references = _block_references(model, mesh, stage) if prove_blocks else []
     if pipelined:
         cut_to_stage(model, stage)
-    compose(model, HFSteps(mesh, sp, data_parallel, ac, ac_every, dtype, (cp_comm_type, cp_a2a_size),
+    compose(model, HFSteps(mesh, sp, data_parallel, (ac, ac_every, ac_policy), dtype, (cp_comm_type, cp_a2a_size),
                            pipelined=pipelined, references=references))
     _check_still_shared(model, shared)
     if pipelined:

@@ -170,7 +170,7 @@ def _options(cfg: Config) -> dict:
     """:func:`parallelize_hf_model`'s options from the recipe's keys."""
     p = cfg.parallel
     return dict(sp=p.sp, data_parallel=p.data_parallel, ac=p.activation_checkpointing, ac_every=p.ac_every,
-                dtype=cfg.train.dtype, schedule=p.schedule, microbatches=p.microbatches,
+                ac_policy=p.ac_policy, dtype=cfg.train.dtype, schedule=p.schedule, microbatches=p.microbatches,
                 virtual_stages=p.virtual_stages, cp_comm_type=p.cp_comm_type, cp_a2a_size=p.cp_a2a_size,
                 prove_blocks=p.prove_blocks)
 

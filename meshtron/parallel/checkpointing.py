@@ -7,23 +7,47 @@ checkpoint and ``fully_shard`` on the same block is the combination PyTorch test
 
 Recomputation replays the block's forward in backward with the same RNG state, so a checkpointed
 run gives bit-identical losses and gradients to a plain one on the same layout.
+
+``op`` mode checkpoints every block but keeps some op outputs (torch's selective checkpointing: a
+dispatch-mode policy, ``create_selective_checkpoint_contexts``, passed as the checkpoint's
+``context_fn``), so backward recomputes only the rest. ``[parallel] ac_policy`` names the policy:
+
+* ``save_matmuls``: every matmul's output, attention's outputs (with its log-sum-exp) and functional
+  collectives' outputs are kept; norms, RoPE, SwiGLU's activation and product, residual adds are
+  recomputed (cheap elementwise work, most of a block's saved bytes in fp32 norms);
+* ``alternate_matmuls`` (torchtitan's op-level policy): as ``save_matmuls`` but every second matmul
+  of a block (the 2nd, 4th, ... in its forward order) is recomputed too.
+
+Functional collectives (DTensor's tp redistributions) are kept, so recomputation sends nothing over
+tp; in-place ``torch.distributed`` calls (expert dispatch, ring attention) are recomputed, as under
+``full``. The policy runs in the forward only, per block call (a fresh count of its matmuls each
+time); torch records its choice per op and invocation, and the recomputation replays that record.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from meshtron.config import ACTIVATION_CHECKPOINTING, not_one_of
+from meshtron.config import AC_POLICIES, ACTIVATION_CHECKPOINTING, not_one_of
 from meshtron.models.moe import replaying
-from meshtron.torch_private import checkpoint
+from meshtron.torch_private import ATTENTION_FORWARD_KERNELS, GROUPED_MM, checkpoint
+
+aten = torch.ops.aten
+MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                     GROUPED_MM.default})
+# Fused attention kernels (CPU, flash, memory-efficient, cuDNN): their outputs include the log-sum-exp.
+ATTENTION = frozenset(kernel.default for kernel in ATTENTION_FORWARD_KERNELS)
 
 
 def checkpointed_layers(layer_ids: list[int], mode: str, every: int) -> list[int]:
     """Which global layer indices to checkpoint.
 
-    ``full``: all of them; ``selective``: layers whose global index is a multiple of ``every``
+    ``full`` and ``op``: all of them; ``selective``: layers whose global index is a multiple of ``every``
     (0, N, 2N, ...), so the choice does not change when a pipeline stage holds only some layers.
     """
     if mode not in ACTIVATION_CHECKPOINTING:
@@ -32,19 +56,66 @@ def checkpointed_layers(layer_ids: list[int], mode: str, every: int) -> list[int
         raise ValueError(f"ac_every must be >= 1, got {every}.")
     if mode == "none":
         return []
-    if mode == "full":
+    if mode in ("full", "op"):
         return list(layer_ids)
     return [i for i in layer_ids if i % every == 0]
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str = "none", every: int = 2) -> list[int]:
-    """Checkpoint the blocks in ``model.layers`` chosen by ``mode``; returns their global indices."""
-    layers = model.layers
-    chosen = checkpointed_layers([int(key) for key in layers], mode, every)
+class OpPolicy:
+    """Which op outputs one call of a checkpointed block keeps (module doc); a fresh one per call."""
+
+    def __init__(self, policy: str):
+        if policy not in AC_POLICIES:
+            raise ValueError(not_one_of("ac_policy", policy, AC_POLICIES))
+        self.policy = policy
+        self.matmuls = 0  # seen so far in this block call's forward
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in ATTENTION or op.namespace == "_c10d_functional":
+            return CheckpointPolicy.MUST_SAVE
+        if op not in MATMULS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        self.matmuls += 1
+        if self.policy == "alternate_matmuls" and self.matmuls % 2 == 0:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+
+def recompute_contexts(mode: str, policy: str) -> Callable[[], tuple]:
+    """The composable checkpoint's ``context_fn``: (forward context, recomputation context). The
+    recomputation must not count MoE router statistics a second time (``replaying``)."""
+    if mode != "op":
+        return lambda: (contextlib.nullcontext(), replaying())
+    OpPolicy(policy)  # an unknown policy fails here, not in the first backward
+
+    def contexts():
+        forward, recompute = create_selective_checkpoint_contexts(OpPolicy(policy))
+        return forward, _together(recompute, replaying())
+
+    return contexts
+
+
+@contextlib.contextmanager
+def _together(*managers):
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
+
+
+def checkpoint_blocks(blocks: dict[int, nn.Module], mode: str, every: int, policy: str = "save_matmuls") -> list[int]:
+    """Checkpoint the blocks (global index -> block) chosen by ``mode``; returns their indices."""
+    chosen = checkpointed_layers(list(blocks), mode, every)
     for index in chosen:
-        # The recomputation must not count MoE router statistics a second time.
-        checkpoint(layers[str(index)], context_fn=lambda: (contextlib.nullcontext(), replaying()))
+        checkpoint(blocks[index], context_fn=recompute_contexts(mode, policy))
     return chosen
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str = "none", every: int = 2,
+                                   policy: str = "save_matmuls") -> list[int]:
+    """Checkpoint the blocks in ``model.layers`` chosen by ``mode`` (``op``: what ``policy`` keeps);
+    returns their global indices."""
+    return checkpoint_blocks({int(key): block for key, block in model.layers.items()}, mode, every, policy)
 
 
 def is_checkpointed(module: nn.Module) -> bool:

@@ -84,7 +84,7 @@ class NativeSteps:
         apply_context_parallel(model, self.mesh, comm_type=self.p.cp_comm_type, a2a_size=self.p.cp_a2a_size)
 
     def checkpointing(self, model: nn.Module) -> None:
-        apply_activation_checkpointing(model, self.p.activation_checkpointing, self.p.ac_every)
+        apply_activation_checkpointing(model, self.p.activation_checkpointing, self.p.ac_every, self.p.ac_policy)
 
     def compile(self, model: nn.Module) -> None:
         if self.p.compile:

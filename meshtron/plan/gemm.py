@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 from meshtron.config import Config
 from meshtron.plan.hardware import Hardware
-from meshtron.plan.memory import FP32, compute_bytes, kv_split, layer_checkpointed, microbatch_tokens
+from meshtron.plan.memory import FP32, compute_bytes, kv_split, microbatch_tokens, recomputed_share
 
 SMS = 132  # H100 / H200 SXM5 streaming multiprocessors (NVIDIA H100 Tensor Core GPU Architecture whitepaper)
 TILE = 128  # output tile edge (assumption: cuBLAS's Hopper bf16 kernels use 128 x 128 to 128 x 256)
@@ -222,7 +222,7 @@ def step_compute_seconds(cfg: Config, hw: Hardware) -> float:
     total = head_seconds(cfg, rows, hw)
     for layer in range(cfg.model.num_hidden_layers):
         forward, grads = layer_seconds(cfg, layer, rows, hw)
-        total += forward * (2 if layer_checkpointed(cfg, layer) else 1) + grads
+        total += forward * (1 + recomputed_share(cfg, layer)) + grads
     return total * p.microbatches / p.pp * STEP_OVERHEAD
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 def saved_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
@@ -22,3 +26,27 @@ def saved_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return sum(seen.values())
+
+
+def kept_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the storages that ops create while ``fn()`` runs and that are still alive once it has
+    returned, besides its result's and ``exclude``'s: what the autograd graph keeps for backward,
+    whoever keeps it (autograd's saved tensors, or a selective checkpoint's cache of op outputs, which
+    ``saved_tensor_bytes`` cannot see: the checkpoint's own hooks take those tensors first)."""
+    created: list[tuple[StorageWeakRef, int, int]] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    created.append((StorageWeakRef(storage), storage.data_ptr(), storage.nbytes()))
+            return out
+
+    with Record():
+        result = fn()
+    skip = {t.untyped_storage().data_ptr() for t in [*tree_flatten(result)[0], *exclude] if isinstance(t, torch.Tensor)}
+    gc.collect()
+    alive = {ptr: size for ref, ptr, size in created if not ref.expired() and ptr not in skip}
+    return sum(alive.values())

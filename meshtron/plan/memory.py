@@ -510,7 +510,7 @@ def _stage_bytes(cfg: Config, stage: int) -> tuple[float, float]:
     p, m = cfg.parallel, cfg.model
     c, h, sp = compute_bytes(cfg), m.hidden_size, _sp_split(cfg)
     layers = chunk_layer_ranges(m.num_hidden_layers, p.pp, p.virtual_stages)[stage]
-    kept = sum(c * h / sp if layer_checkpointed(cfg, i) else layer_activation_bytes(cfg, i) for i in layers)
+    kept = sum(layer_kept_bytes(cfg, i) for i in layers)
     if stage == p.pp * p.virtual_stages - 1:
         kept += (4 + c) * h / sp  # the final norm's fp32 input and normalized value
     if stage > 0:
@@ -528,10 +528,89 @@ def unsplit_stages(cfg: Config) -> frozenset[int]:
 
 
 def layer_checkpointed(cfg: Config, layer: int) -> bool:
+    """Whether the layer's backward replays its forward (``op``: in part)."""
     p = cfg.parallel
-    return p.activation_checkpointing == "full" or (
+    return p.activation_checkpointing in ("full", "op") or (
         p.activation_checkpointing == "selective" and layer % p.ac_every == 0
     )
+
+
+def layer_kept_bytes(cfg: Config, layer: int) -> float:
+    """Per token, what one layer keeps from its forward to its backward: its saved tensors; checkpointed,
+    its input; under ``op`` its input and the op outputs the policy keeps (:func:`op_kept_bytes`)."""
+    if not layer_checkpointed(cfg, layer):
+        return layer_activation_bytes(cfg, layer)
+    input_bytes = compute_bytes(cfg) * cfg.model.hidden_size / _sp_split(cfg)
+    return input_bytes + (op_kept_bytes(cfg, layer) if cfg.parallel.activation_checkpointing == "op" else 0.0)
+
+
+def layer_recomputed_bytes(cfg: Config, layer: int) -> float:
+    """Per token, the saved tensors a layer's recomputation rebuilds in its backward: none without
+    checkpointing, all of them for a checkpointed block, under ``op`` those the kept outputs do not
+    stand for (estimate: the plain block's less the kept op outputs)."""
+    if not layer_checkpointed(cfg, layer):
+        return 0.0
+    full = layer_activation_bytes(cfg, layer)
+    return max(full - op_kept_bytes(cfg, layer), 0.0) if cfg.parallel.activation_checkpointing == "op" else full
+
+
+def block_matmuls(cfg: Config, layer: int) -> list[tuple[float, float]]:
+    """Per token, (output elements, input width) of each matmul of one layer's forward on one rank, in
+    the order it runs them (``models/qwen2.py``, ``models/moe.py``): q, k, v, o (o's partial sums: [H]
+    on every tp rank), then gate, up, down; MoE layers: the router, per routed copy grouped gate, up and
+    down (tokens split over tp, down's rows gathered over etp), the shared expert's gate and its gate,
+    up and down."""
+    m, p = cfg.model, cfg.parallel
+    h, tp = m.hidden_size, p.tp
+    q = m.head_size * m.num_attention_heads / tp
+    kv = m.head_size * (m.kv_heads / tp if kv_split(m, tp) else 1)
+    attention = [(q, h), (kv, h), (kv, h), (h, q)]
+    if not m.is_moe_layer(layer):
+        inner = m.intermediate_size / tp
+        return attention + [(inner, h), (inner, h), (h, inner)]
+    k, inner, shared = m.num_experts_per_tok, m.moe_intermediate_size, m.shared_expert_intermediate_size / tp
+    routed = [(k * inner / tp, h)] * 2 + [(k * h * p.etp / tp, inner / p.etp)]
+    shared_expert = [(1, h), (shared, h), (shared, h), (h, shared)] if shared else []
+    return attention + [(m.num_experts, h)] + routed + shared_expert
+
+
+def op_kept_matmuls(cfg: Config, layer: int) -> list[bool]:
+    """Which of :func:`block_matmuls` the ``op`` policy keeps (``alternate_matmuls``: the 1st, 3rd, ...)."""
+    count = len(block_matmuls(cfg, layer))
+    return [cfg.parallel.ac_policy != "alternate_matmuls" or i % 2 == 0 for i in range(count)]
+
+
+def recomputed_share(cfg: Config, layer: int) -> float:
+    """The share of one layer's forward FLOPs its backward recomputes: 1 for a checkpointed block, 0
+    without checkpointing; under ``op`` the matmuls the policy does not keep (:func:`op_kept_matmuls`)
+    over the layer's matmuls and causal attention (kept: its output is saved)."""
+    if not layer_checkpointed(cfg, layer):
+        return 0.0
+    if cfg.parallel.activation_checkpointing != "op":
+        return 1.0
+    m = cfg.model
+    flops = [2 * out * width for out, width in block_matmuls(cfg, layer)]
+    recomputed = sum(f for f, keep in zip(flops, op_kept_matmuls(cfg, layer)) if not keep)
+    # QK^T and AV over half the (causal) keys: 2 * 2 * S / 2 FLOPs per head dimension, per token.
+    attention = 2 * cfg.train.seq_len * m.head_size * m.num_attention_heads / cfg.parallel.tp
+    return recomputed / (sum(flops) + attention)
+
+
+def op_kept_bytes(cfg: Config, layer: int) -> float:
+    """Per token, the op outputs ``activation_checkpointing = "op"`` keeps for one layer
+    (``parallel/checkpointing.py``): attention's output and fp32 log-sum-exp per head (ring attention:
+    one per ring step), the tp collectives' outputs (DTensor's: per attention and MLP half, with SP the
+    gathered input [H] and the reduce-scattered output [H / tp], without SP the all-reduced output
+    [H]) and the matmul outputs the policy keeps (:func:`op_kept_matmuls`). ``tests/test_plan.py`` compares it with what a checkpointed block keeps."""
+    m, p = cfg.model, cfg.parallel
+    c, h, tp = compute_bytes(cfg), m.hidden_size, p.tp
+    heads = m.num_attention_heads / tp
+    ring_steps = p.cp if p.cp_comm_type in ("p2p", "a2a+p2p") else 1
+    attention = ring_steps * (c * m.head_size * heads + FP32 * heads)
+    halves = 1 + (not m.is_moe_layer(layer) or bool(m.shared_expert_intermediate_size))
+    collectives = halves * (c * h + c * h / tp if p.sp else c * h) if tp > 1 else 0.0
+    kept = zip(block_matmuls(cfg, layer), op_kept_matmuls(cfg, layer))
+    return attention + collectives + c * sum(out for (out, _), keep in kept if keep)
 
 
 def saved_activation_bytes(cfg: Config, pp_rank: int) -> float:
@@ -641,17 +720,14 @@ def _chunk_backward_peak(cfg: Config, layers: range, grads: dict[str, float],
     """:func:`backward_peak` over one chunk's ``layers``, with the sharded gradient bytes ``grads`` of
     the units that reduce as the backward goes (empty: none) and the reduce-scatter input ``in_flight``
     during its first layer's backward and each later one's (pipelines reduce at their release: none)."""
-    c, h, sp = compute_bytes(cfg), cfg.model.hidden_size, _sp_split(cfg)
     tokens = microbatch_tokens(cfg)
     best = BackwardPeak(0.0, 0.0, 0.0)
     freed, reduced, buffer = 0.0, grads.get("head", 0.0), in_flight[0]
     for i in reversed(layers):
-        ckpt = layer_checkpointed(cfg, i)
-        full = layer_activation_bytes(cfg, i)
-        rise = tokens * ((full if ckpt else 0) + layer_gradient_bytes(cfg, i) - freed)
+        rise = tokens * (layer_recomputed_bytes(cfg, i) + layer_gradient_bytes(cfg, i) - freed)
         if rise + reduced + buffer > sum(best):
             best = BackwardPeak(rise, reduced, buffer)
-        freed += c * h / sp if ckpt else full
+        freed += layer_kept_bytes(cfg, i)
         reduced += grads.get(f"block.{i}", 0.0) + grads.get(f"experts.{i}", 0.0)
         buffer = in_flight[1]
     return best
@@ -916,7 +992,7 @@ def _recomputes_every_layer(cfg: Config) -> bool:
     """Full checkpointing: a MoE layer's backward re-runs its forward, whose dispatched copies are then
     its recomputed saved tensors (in :func:`backward_peak`'s rise, not again beside it; the A2.7B dry
     run's rise over its last layer's backward is 16.1 GiB, the layer's tensors and gradients 16.3)."""
-    return cfg.parallel.activation_checkpointing == "full"
+    return cfg.parallel.activation_checkpointing in ("full", "op")
 
 
 def rank_breakdown(cfg: Config, coords: Coords, assumptions: Assumptions = Assumptions()) -> Breakdown:

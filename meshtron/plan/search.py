@@ -37,12 +37,15 @@ from meshtron.config import FSDP_GATHERS, Config, ConfigError
 from meshtron.parallel.layout import validate_layout
 from meshtron.parallel.pipeline.stage import check_pipeline
 from meshtron.plan.memory import GIB, Assumptions, Breakdown, predict_memory
-from meshtron.plan.speed import Hardware, StepTime, predict_step_time
+from meshtron.plan.speed import Hardware, StepTime, recompute_factor, predict_step_time
 
-AC_MODES = ("none", "selective", "full")
+# (activation_checkpointing, ac_policy) pairs, from the least recomputation to the most (a group is
+# ordered by the predicted recomputation, ``_by_recomputation``: with a large ac_every selective
+# recomputes less than alternate_matmuls).
+AC_MODES = (("none", None), ("op", "save_matmuls"), ("op", "alternate_matmuls"), ("selective", None), ("full", None))
 # (schedule, virtual stages, checkpointing modes) tried when pp > 1, besides interleaved 1F1B
 # (:func:`pipeline_schedules`).
-PIPELINE_SCHEDULES = (("1f1b", 1, AC_MODES), ("zb1p", 1, ("none",)), ("zbv", 2, ("none",)))
+PIPELINE_SCHEDULES = (("1f1b", 1, AC_MODES), ("zb1p", 1, AC_MODES[:1]), ("zbv", 2, AC_MODES[:1]))
 
 
 @dataclass
@@ -57,7 +60,10 @@ class Plan:
         p = self.cfg.parallel
         keys = ("pp", "dp", "cp", "ep", "tp", "sp", "etp", "fold_ep", "schedule", "virtual_stages", "microbatches",
                 "activation_checkpointing", "data_parallel", "fsdp_gather")
-        return {k: getattr(p, k) for k in keys}
+        layout = {k: getattr(p, k) for k in keys}
+        if p.activation_checkpointing == "op":
+            layout["ac_policy"] = p.ac_policy
+        return layout
 
     def overrides(self) -> str:
         """The ``--parallel.key value`` flags that select this layout."""
@@ -119,7 +125,7 @@ def folded_splits(cfg: Config, stage_ranks: int, tp: int) -> list[dict]:
             for ep in _divisors(stage_ranks // etp) if ep > 1 and m.num_experts % ep == 0]
 
 
-def pipeline_schedules(cfg: Config, pp: int) -> tuple[tuple[str, int, tuple[str, ...]], ...]:
+def pipeline_schedules(cfg: Config, pp: int) -> tuple[tuple[str, int, tuple[tuple[str, str | None], ...]], ...]:
     """(schedule, virtual stages, checkpointing modes) the search tries on ``pp`` stages, interleaved
     1F1B last, by ascending virtual stages."""
     if pp == 1:
@@ -129,10 +135,13 @@ def pipeline_schedules(cfg: Config, pp: int) -> tuple[tuple[str, int, tuple[str,
     return PIPELINE_SCHEDULES + tuple(("interleaved", v, AC_MODES) for v in _divisors(chunks) if v > 1)
 
 
-def _variant(cfg: Config, shape: dict, micro: int, schedule: str, virtual: int, ac: str,
-             gather: str | None = None) -> Config:
+def _variant(cfg: Config, shape: dict, micro: int, schedule: str, virtual: int,
+             ac: tuple[str, str | None] = AC_MODES[0], gather: str | None = None) -> Config:
+    """``ac``: (activation_checkpointing, ac_policy; None keeps the recipe's)."""
+    mode, policy = ac
     parallel = dataclasses.replace(cfg.parallel, **shape, sp=shape["tp"] > 1, microbatches=micro, schedule=schedule,
-                                   virtual_stages=virtual, activation_checkpointing=ac,
+                                   virtual_stages=virtual, activation_checkpointing=mode,
+                                   ac_policy=policy or cfg.parallel.ac_policy,
                                    fsdp_gather=gather or cfg.parallel.fsdp_gather)
     return dataclasses.replace(cfg, parallel=parallel)
 
@@ -162,15 +171,19 @@ def _variant_groups(cfg: Config, shape: dict, world_size: int, schedule: str | N
     if shape["pp"] == 1:
         gathers = FSDP_GATHERS if cfg.parallel.data_parallel != "replicate" else (cfg.parallel.fsdp_gather,)
         for micro in counts:
-            if _runs(_variant(cfg, shape, micro, "1f1b", 1, "none"), world_size):
+            if _runs(_variant(cfg, shape, micro, "1f1b", 1), world_size):
                 for gather in gathers:
-                    yield [_variant(cfg, shape, micro, "1f1b", 1, ac, gather) for ac in AC_MODES]
+                    yield _by_recomputation([_variant(cfg, shape, micro, "1f1b", 1, ac, gather) for ac in AC_MODES])
         return
     for name, virtual, ac_modes in pipeline_schedules(cfg, shape["pp"]):
-        micro = next((m for m in reversed(counts) if _runs(_variant(cfg, shape, m, name, virtual, "none"),
-                                                           world_size)), None)
+        micro = next((m for m in reversed(counts) if _runs(_variant(cfg, shape, m, name, virtual), world_size)), None)
         if micro is not None and schedule in (None, name):
-            yield [_variant(cfg, shape, micro, name, virtual, ac) for ac in ac_modes]
+            yield _by_recomputation([_variant(cfg, shape, micro, name, virtual, ac) for ac in ac_modes])
+
+
+def _by_recomputation(group: list[Config]) -> list[Config]:
+    """The variants ordered by the compute their recomputation adds (stable: ties keep AC_MODES' order)."""
+    return sorted(group, key=recompute_factor)
 
 
 class _ShapeSearch:

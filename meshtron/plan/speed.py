@@ -4,10 +4,12 @@ and the pipeline bubble from the schedule simulator.
 step time = (compute + exposed communication) / (1 - bubble)
 
 - compute: each GEMM of the rank's layers at its shape, the attention kernel's blocks and the
-  elementwise bytes (:mod:`meshtron.plan.gemm`), a checkpointed layer's forward twice; with ``hw.mfu``
-  pinned, ``flops_per_token`` x the step's tokens / devices / (peak x MFU), times 4/3 for every
-  checkpointed block; or, given the dry run's traced step, its roofline time (every op at the larger
-  of its FLOPs over the peak and its bytes over the memory bandwidth);
+  elementwise bytes (:mod:`meshtron.plan.gemm`), plus the share of a checkpointed layer's forward its
+  backward recomputes (all of it; under ``op`` what the policy does not keep,
+  :func:`meshtron.plan.memory.recomputed_share`); with ``hw.mfu`` pinned, ``flops_per_token`` x the
+  step's tokens / devices / (peak x MFU), with the same recomputed share; or, given the dry run's traced
+  step, its roofline time (every op at the larger of its FLOPs over the peak and its bytes over the
+  memory bandwidth);
 - communication: bytes each rank sends per step for each (collective, mesh dimension), at the
   intra-node bandwidth when the group fits in one node (tp is innermost, pp outermost), else the
   inter-node one. tp, cp, ep and pp transfers sit on the critical path; FSDP / HSDP / replicate
@@ -43,6 +45,7 @@ from meshtron.plan.memory import (
     holds_last_stage,
     kv_split,
     layer_checkpointed,
+    recomputed_share,
     microbatch_tokens,
     model_parallel_shape,
     stage_params,
@@ -107,7 +110,9 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
     out: dict[str, float] = {}
     if p.tp > 1:
         act = tokens * h * c * _ring(p.tp)
-        counts = [(_tp_transfers(cfg, i, p.sp), layer_checkpointed(cfg, i)) for i in layers]
+        # ``op`` keeps DTensor's (functional) collectives' outputs: its recomputation sends nothing over tp.
+        counts = [(_tp_transfers(cfg, i, p.sp), layer_checkpointed(cfg, i) and p.activation_checkpointing != "op")
+                  for i in layers]
         step = sum(n.step for n, _ in counts)
         recomputed = sum(n.recomputed for n, checkpointed in counts if checkpointed)
         if p.sp and p.tp_overlap:  # the blocks' as rings of sends (same bytes); the embedding and head as before
@@ -354,14 +359,11 @@ def pipeline_bubble(schedule: str, pp: int, microbatches: int, virtual: int, bac
     return simulate(steps, 1, backward_cost - w, w_cost=w, rendezvous=False).bubble
 
 
-def _recompute_factor(cfg: Config) -> float:
-    """Forward + backward cost 3 units per layer; each checkpointed layer adds one forward."""
-    m, p = cfg.model, cfg.parallel
-    if p.activation_checkpointing == "none":
-        return 1.0
-    every = 1 if p.activation_checkpointing == "full" else p.ac_every
-    checkpointed = len(range(0, m.num_hidden_layers, every))
-    return 1 + checkpointed / m.num_hidden_layers / 3
+def recompute_factor(cfg: Config) -> float:
+    """Forward + backward cost 3 units per layer; each checkpointed layer adds the share of its forward
+    it recomputes (:func:`recomputed_share`)."""
+    layers = cfg.model.num_hidden_layers
+    return 1 + sum(recomputed_share(cfg, i) for i in range(layers)) / layers / 3
 
 
 def predict_step_time(cfg: Config, hw: Hardware = Hardware(), compute_seconds: float | None = None) -> StepTime:
@@ -369,7 +371,7 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware(), compute_seconds: f
     model's (:func:`compute_time`)."""
     p, t = cfg.parallel, cfg.train
     tokens = t.global_batch_size * t.seq_len
-    recompute = _recompute_factor(cfg)
+    recompute = recompute_factor(cfg)
     compute = compute_seconds if compute_seconds is not None else compute_time(cfg, hw)
     comm = communication(cfg)
     exposed_by = exposed_communication(cfg, comm, compute, hw)
@@ -430,7 +432,7 @@ def compute_time(cfg: Config, hw: Hardware) -> float:
         return step_compute_seconds(cfg, hw)
     p, t = cfg.parallel, cfg.train
     world = p.pp * p.dp * p.cp * p.mesh_ep * p.tp
-    return matmul_seconds(cfg, t.global_batch_size * t.seq_len * _recompute_factor(cfg) / world, hw)
+    return matmul_seconds(cfg, t.global_batch_size * t.seq_len * recompute_factor(cfg) / world, hw)
 
 
 def matmul_seconds(cfg: Config, tokens: float, hw: Hardware) -> float:

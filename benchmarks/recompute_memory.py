@@ -1,0 +1,108 @@
+"""Activation checkpointing modes on one process: what a step's forward keeps for backward, and the
+matmul FLOPs its backward runs, against the planner.
+
+A small native dense model (debug_dense widened: hidden 256, 4 layers, seq 512, batch 4, fp32) runs one
+forward + backward per mode (none, op with each policy, selective every 2nd block, full). Measured:
+the bytes of the storages still alive after the forward that the graph keeps for backward
+(``meshtron.plan.measure.kept_tensor_bytes``: autograd's saved tensors and a selective checkpoint's
+cache; the loss's own tensors included) and the backward's matmul FLOPs (recomputation included,
+counted per aten matmul). Planned: the layers' ``layer_kept_bytes`` x tokens and the step FLOP factor
+``recompute_factor`` (the planner's 3-forward-units step; compare the ratio to none).
+
+    PYTHONPATH=. python benchmarks/recompute_memory.py   # ~1 minute on 2 CPU cores
+
+Writes benchmarks/results/recompute_memory.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from meshtron.config import load_config  # noqa: E402
+from meshtron.models import build_model  # noqa: E402
+from meshtron.parallel.checkpointing import MATMULS, apply_activation_checkpointing  # noqa: E402
+from meshtron.plan.measure import kept_tensor_bytes  # noqa: E402
+from meshtron.plan.memory import layer_kept_bytes  # noqa: E402
+from meshtron.plan.speed import recompute_factor  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results" / "recompute_memory.md"
+BATCH, SEQ = 4, 512
+MODES = [("none", "save_matmuls"), ("op", "save_matmuls"), ("op", "alternate_matmuls"), ("selective", "save_matmuls"),
+         ("full", "save_matmuls")]
+ADDMM = (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)
+
+
+class MatmulFlops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.flops = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in MATMULS:
+            self.flops += 2 * out.numel() * (args[1] if func in ADDMM else args[0]).shape[-1]
+        return out
+
+
+def config(mode: str, policy: str):
+    return load_config(ROOT / "recipes" / "debug_dense.toml", [
+        "--model.hidden_size=256", "--model.intermediate_size=768", "--model.num_attention_heads=8",
+        f"--train.seq_len={SEQ}", f"--parallel.activation_checkpointing={mode}", f"--parallel.ac_policy={policy}"])
+
+
+def measure(base: torch.nn.Module, mode: str, policy: str, tokens, labels) -> tuple[int, float]:
+    model = copy.deepcopy(base)
+    apply_activation_checkpointing(model, mode, 2, policy)
+    holder = {}
+
+    def forward():
+        holder["loss"] = model(tokens, labels=labels)
+        return holder["loss"]
+
+    kept = kept_tensor_bytes(forward, exclude=list(model.parameters()))
+    counter = MatmulFlops()
+    with counter:
+        holder.pop("loss").backward()
+    return kept, counter.flops
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    base = build_model(config("none", "save_matmuls").model)
+    base.init_weights(0)
+    tokens = torch.randint(0, 256, (BATCH, SEQ))
+    labels = torch.randint(0, 256, (BATCH, SEQ))
+    rows, reference = [], None
+    for mode, policy in MODES:
+        cfg = config(mode, policy)
+        kept, flops = measure(base, mode, policy, tokens, labels)
+        planned = sum(layer_kept_bytes(cfg, i) for i in range(cfg.model.num_hidden_layers)) * BATCH * SEQ
+        reference = reference or (kept, flops)
+        name = mode + (f" ({policy})" if mode == "op" else "")
+        rows.append(f"| {name} | {kept / 2**20:.2f} | {planned / 2**20:.2f} | {kept / reference[0]:.3f} | "
+                    f"{flops / 1e9:.3f} | {flops / reference[1]:.3f} | {recompute_factor(cfg):.3f} |")
+        print(rows[-1], flush=True)
+    OUT.write_text("\n".join([
+        "# Activation checkpointing: kept activations and recomputed matmuls (one process, CPU)",
+        "",
+        f"`PYTHONPATH=. python benchmarks/recompute_memory.py`: debug_dense widened to hidden 256, "
+        f"intermediate 768, 8 heads, 4 layers; batch {BATCH} x seq {SEQ}, fp32. Kept: bytes alive after the "
+        "forward for backward (whole model, loss included); planned: the layers' `layer_kept_bytes` x tokens "
+        "(layers only). Backward matmul GFLOP counted per aten matmul (recomputation included); the "
+        "planner's step factor is its forward + backward + recomputation over 3 forward units.",
+        "",
+        "| mode | kept MiB | planned layers MiB | kept / none | backward matmul GFLOP | / none | planned step factor |",
+        "|---|---|---|---|---|---|---|",
+        *rows, ""]))
+
+
+if __name__ == "__main__":
+    main()
