@@ -76,7 +76,6 @@ from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.checkpointing import checkpoint_blocks
 from meshtron.parallel.compose import compose
 from meshtron.parallel.data import data_meshes, mixed_precision, wrap_data_parallel
-from meshtron.torch_private import checkpoint
 
 
 def _no_cache_in_training(model, args, kwargs):
