@@ -19,8 +19,7 @@ import torch.distributed as dist
 
 from meshtron.torch_private import default_store
 
-_PRINTED = "meshtron/report/printed"
-_CLAIMS = "meshtron/report/claims"
+_REPORT = "meshtron/report"
 _CAUSE = "meshtron/report/cause"
 # How long a rank that lost the claim waits for the winner to print before exiting anyway.
 _WAIT = timedelta(seconds=30)
@@ -46,23 +45,44 @@ def _job_store(timeout: timedelta = timedelta(seconds=60)):
         return None
 
 
+class OncePerJob:
+    """One rank of the job does something (prints a report) once: the first to claim it. The others wait
+    until it is done, since exiting first could get the launcher to stop that rank mid-way. Keys under
+    ``prefix`` on the job's ``store``."""
+
+    def __init__(self, store: dist.Store, prefix: str):
+        self.store, self.prefix = store, prefix
+
+    def claim(self) -> bool:
+        """True for the first rank to ask (it does the thing, then calls :meth:`done`)."""
+        return self.store.add(f"{self.prefix}/claims", 1) == 1
+
+    def done(self) -> None:
+        self.store.set(f"{self.prefix}/printed", "1")
+
+    def wait(self, timeout: timedelta) -> None:
+        """Until the claiming rank is done; raises if it does not finish within ``timeout``."""
+        self.store.wait([f"{self.prefix}/printed"], timeout)
+
+
 def report_once(message: str) -> None:
     """Print ``message`` (the same on every rank) once for the job: the first rank to claim it prints."""
     store = _job_store()
     if store is None:
         _print(message)
         return
+    once = OncePerJob(store, _REPORT)
     try:
-        first = store.add(_CLAIMS, 1) == 1
+        first = once.claim()
     except Exception:  # noqa: BLE001 - the store went away with its host: say it ourselves
         _print(message)
         return
     if first:
         _print(message)
-        store.set(_PRINTED, "1")
+        once.done()
         return
     try:
-        store.wait([_PRINTED], _WAIT)  # exiting now could get the printing rank stopped mid-way
+        once.wait(_WAIT)
     except Exception:  # noqa: BLE001 - the winner died first: its message may be lost, ours is the same
         _print(message)
 

@@ -25,18 +25,17 @@ from datetime import timedelta
 from pathlib import Path
 
 from meshtron.collective_log import LOG, LOG_SIZE, CollectiveLog, Entry
-from meshtron.report import record_cause
+from meshtron.report import OncePerJob, record_cause
 
 HANG_EXIT_CODE = 1
-_DETECTED = "meshtron/hang/detected"
-_DETECTORS = "meshtron/hang/detectors"
-_CLAIMS = "meshtron/hang/claims"
-_PRINTED = "meshtron/hang/printed"
+_HANG = "meshtron/hang"  # the store keys' prefix
+_DETECTED = f"{_HANG}/detected"
+_DETECTORS = f"{_HANG}/detectors"
 _GATHER_S = 15.0  # how long the reporting rank waits for its peers' summaries
 
 
 def _state_key(rank: int) -> str:
-    return f"meshtron/hang/rank-{rank}"
+    return f"{_HANG}/rank-{rank}"
 
 
 def hang_limit(configured_s: float, collective_timeout_s: float, step_seconds: list[float]) -> float:
@@ -105,14 +104,15 @@ class Watchdog:
         self.folder.mkdir(parents=True, exist_ok=True)
         path.write_text(self._rank_file(entries, counts))
         self.store.set(_state_key(self.rank), json.dumps(self._state(entries, counts)))
-        if self.store.add(_CLAIMS, 1) == 1:
+        once = OncePerJob(self.store, _HANG)
+        if once.claim():
             states = self._gather_states()
             why = self.store.get(_DETECTED).decode()
             record_cause(hang_summary(states, self.world_size, why, self.folder))  # peers' failures stay quiet
-            self.store.set(_PRINTED, "1")
+            once.done()
         else:
             try:
-                self.store.wait([_PRINTED], timedelta(seconds=_GATHER_S + 15))
+                once.wait(timedelta(seconds=_GATHER_S + 15))
             except Exception:  # noqa: BLE001 - the reporting rank died: exit anyway, the files are written
                 pass
         sys.stdout.flush()
