@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import meshtron.parallel.context.comm as cp_comm
+from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.parallel.context import (
     CP_COMM_TYPES,
     RingAttention,
@@ -40,6 +41,7 @@ from meshtron.parallel.context import (
     sequence_index,
     shard_sequence,
 )
+from meshtron.plan.speed import cp_attention_bytes
 from meshtron.testing import run_checks
 
 RESULTS = Path(__file__).parent / "results"
@@ -50,24 +52,13 @@ CPS = (2, 4, 8)
 
 
 def analytic_bytes(comm: str, cp: int, seq: int, heads: int, kv_heads: int, head_dim: int, elem: int) -> float:
-    """Bytes one rank sends per layer, forward + backward (batch 1; dK/dV travel in fp32).
-
-    p2p: cp - 1 K/V hops forward, cp - 1 K/V hops and cp dK/dV hops backward. allgather: K/V
-    gathered (ring cost: cp - 1 local shards out), fp32 dK/dV reduce-scattered (the same). a2a:
-    q, k, v and out, and their gradients, each sends (a-1)/a of its local tensor, with K/V heads
-    repeated up to a when fewer. a2a+p2p: that inside groups of a, then the p2p ring over cp / a
-    members holding a x the tokens and 1/a of the heads.
-    """
-    a = a2a_group_size(comm, cp, heads=heads)
-    ring = cp // a
-    tokens = seq // cp
-    kv_a = max(kv_heads, a)  # heads sent through the all-to-all after repetition
-    a2a = 2 * (2 * heads + 2 * kv_a) * tokens * head_dim * elem * (a - 1) / a  # q, out, k, v; fwd + bwd
-    # After the all-to-all a ring member holds a x tokens of kv_a / a heads.
-    kv_local = 2 * (kv_a // a if a > 1 else kv_heads) * tokens * a * head_dim
-    if comm == "allgather":
-        return (cp - 1) * kv_local * elem + (cp - 1) * kv_local * 4
-    return a2a + (ring - 1) * kv_local * elem * 2 + (ring * kv_local * 4 if ring > 1 else 0)
+    """Bytes one rank sends per layer, forward + backward, batch 1: the planner's count
+    (``meshtron.plan.speed.cp_attention_bytes``, which says how each comm type moves them)."""
+    model = ModelConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                        max_position_embeddings=seq)
+    cfg = Config(model=model, parallel=ParallelConfig(cp=cp, cp_comm_type=comm),
+                 train=TrainConfig(global_batch_size=1, seq_len=seq, dtype="float32" if elem == 4 else "bfloat16"))
+    return sum(forward + backward for forward, backward in cp_attention_bytes(cfg).values())
 
 
 class _CountingDist:
@@ -253,7 +244,7 @@ def write_markdown(path: Path, args, measured, work, steps) -> None:
         f"Counted on 8 CPU ranks from the collectives one layer issues (seq {args.seq}, heads {args.heads}, "
         f"KV heads {args.kv_heads}, head dim {args.head_dim}, fp32, batch 1): every send of the ring, "
         "(n-1)/n of an all-to-all's input, (n-1) x the local shard for the all-gather and the "
-        "reduce-scatter (ring algorithms). `analytic` is `analytic_bytes` in the script. a2a+p2p uses "
+        "reduce-scatter (ring algorithms). `analytic` is the planner's count (`meshtron.plan.speed.cp_attention_bytes`). a2a+p2p uses "
         "the auto group size (largest divisor of cp below cp on one node that divides the heads: "
         "1 at cp 2, 2 at cp 4, 4 at cp 8).",
         "",

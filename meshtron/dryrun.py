@@ -43,7 +43,7 @@ from meshtron.nccl_rules import NcclRules, unmatched_p2p
 from meshtron.parallel.step import training_step
 from meshtron.plan.memory import GIB, Assumptions, Coords, rank_breakdown, state_bytes
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
-from meshtron.plan.speed import COMM_DIMS, Hardware, communication, predict_step_time
+from meshtron.plan.speed import COMM_DIMS, Hardware, communication, cp_a2a_ranks, predict_step_time
 from meshtron.syncs import HostSyncCounter
 from meshtron.torch_private import (
     ATTENTION_KERNELS,
@@ -459,12 +459,12 @@ def planned_comm(cfg: Config, mesh) -> dict[tuple[str, tuple[int, ...]], float]:
     out: dict[tuple[str, tuple[int, ...]], float] = {}
     for key, nbytes in communication(cfg, mesh["pp"].get_local_rank()).items():
         kind, dims = key.split("/")
-        group = _group_of(mesh, COMM_DIMS[dims])
+        group = _group_of(cfg, mesh, COMM_DIMS[dims])
         out[kind, group] = out.get((kind, group), 0.0) + nbytes
     return out
 
 
-def _group_of(mesh, dims: tuple[str, ...]) -> tuple[int, ...]:
+def _group_of(cfg: Config, mesh, dims: tuple[str, ...]) -> tuple[int, ...]:
     """Global ranks of this rank's group over ``dims`` (the experts' groups: from their own meshes)."""
     if dims in (("ep",), ("etp",)):
         sub = expert_meshes(mesh).model[dims[0]]
@@ -472,6 +472,10 @@ def _group_of(mesh, dims: tuple[str, ...]) -> tuple[int, ...]:
         sub = expert_meshes(mesh).data
     elif dims[0].startswith("edp_"):
         sub = expert_hsdp_mesh(mesh)[dims[0]]
+    elif dims in (("cp_ring",), ("cp_a2a",)):  # a2a+p2p's split of cp: groups of a consecutive ranks, rings across
+        ranks, index, a = mesh["cp"].mesh.flatten().tolist(), mesh["cp"].get_local_rank(), cp_a2a_ranks(cfg)
+        start = index // a * a
+        return tuple(ranks[start:start + a] if dims == ("cp_a2a",) else ranks[index % a::a])
     else:
         sub = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
     return tuple(sub.mesh.flatten().tolist())

@@ -776,3 +776,26 @@ def test_h200_bandwidth_speeds_only_what_memory_bounds():
         cfg = load_config(RECIPES / f"{name}.toml")
         h100, h200 = compute_time(cfg, Hardware()), compute_time(cfg, H200)
         assert h100 * 3.35 / 4.8 < h200 < h100, name
+
+
+def test_cp_bytes_of_every_comm_type_equal_the_counted_ones():
+    """The planner costs every cp comm type (issue 47: it costed only the ring): its bytes per layer equal
+    those counted on 8 CPU ranks from the collectives one attention layer issues
+    (benchmarks/results/cp_comm_types.md: seq 256, 8 heads, 2 KV heads, head dim 16, fp32, batch 1), and
+    a cp layout's step carries them under the groups they run on (a2a+p2p: the all-to-all inside groups
+    of consecutive cp ranks, the ring across them)."""
+    from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
+    from meshtron.plan.speed import communication, cp_attention_bytes
+
+    table = (ROOT / "benchmarks/results/cp_comm_types.md").read_text()
+    rows = re.findall(r"^\| (\d) \| (p2p|a2a|allgather|a2a\+p2p) \| \d \| ([\d.]+) \| ([\d.]+) \|", table, re.M)
+    assert len(rows) == 12, rows
+    for cp, comm, most, least in rows:
+        model = ModelConfig(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+        cfg = Config(model=model, parallel=ParallelConfig(cp=int(cp), cp_comm_type=comm),
+                     train=TrainConfig(global_batch_size=1, seq_len=256))
+        planned = sum(f + b for f, b in cp_attention_bytes(cfg).values())
+        assert planned == float(most) * 1024 == float(least) * 1024, (cp, comm, planned, most)
+    cfg = _config("debug_dense", dict(cp=8, cp_comm_type="a2a+p2p"))
+    keys = {k for k in communication(cfg) if k.split("/")[1].startswith("cp")}
+    assert keys == {"all_to_all/cp_a2a", "p2p/cp_ring"}, keys

@@ -33,6 +33,7 @@ from meshtron.models.qwen2 import flops_per_token
 from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule
 from meshtron.parallel.pipeline.simulate import simulate
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
+from meshtron.parallel.context import a2a_group_size
 from meshtron.parallel.data import gathers_once_per_step, reduces_gradients
 from meshtron.parallel.float8 import FP8_ALL_GATHER_RECIPES, FP8_DIM_MULTIPLE
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
@@ -73,6 +74,9 @@ def group_is_intra_node(cfg: Config, dims: tuple[str, ...], gpus_per_node: int) 
     p = cfg.parallel
     if dims[0].startswith("edp"):  # the experts' data groups: spread over the whole stage
         return p.dp * p.cp * p.mesh_ep * p.tp <= gpus_per_node
+    if dims in (("cp_ring",), ("cp_a2a",)):  # a2a+p2p's groups: the all-to-all over consecutive cp ranks
+        span = cp_a2a_ranks(cfg, gpus_per_node) if dims == ("cp_a2a",) else p.cp
+        return span * p.mesh_ep * p.tp <= gpus_per_node
     if dims in (("ep",), ("etp",)):  # the experts' groups: etp innermost, ep next when folded
         span = p.etp if dims == ("etp",) else p.ep * (p.etp if p.fold_ep else p.tp)
         return span <= gpus_per_node
@@ -80,6 +84,49 @@ def group_is_intra_node(cfg: Config, dims: tuple[str, ...], gpus_per_node: int) 
     order = tuple(sizes)
     outer = min(order.index(d) for d in dims)
     return math.prod(sizes[d] for d in order[outer:]) <= gpus_per_node
+
+
+def cp_a2a_ranks(cfg: Config, gpus_per_node: int = 8) -> int:
+    """The cp ranks of one all-to-all group (``a2a_group_size``; 1 for p2p and allgather), with
+    ``gpus_per_node`` GPUs a node."""
+    m, p = cfg.model, cfg.parallel
+    return a2a_group_size(p.cp_comm_type, p.cp, p.cp_a2a_size, m.num_attention_heads // p.tp,
+                          gpus_per_node // (p.tp * p.mesh_ep))
+
+
+def cp_attention_bytes(cfg: Config, gpus_per_node: int = 8) -> dict[str, tuple[float, float]]:
+    """Bytes one rank sends for one attention layer and micro-batch over cp, ``{"kind/dims": (forward,
+    backward)}`` (a recomputation repeats the forward), as each ``[parallel] cp_comm_type`` moves them
+    (``parallel/context``; dK / dV travel in fp32):
+
+    - ``p2p``: cp - 1 K/V hops forward; cp - 1 K/V hops and cp dK/dV hops backward.
+    - ``allgather``: K/V all-gathered forward, dK/dV reduce-scattered backward (ring algorithms: cp - 1
+      local shards each).
+    - ``a2a``: q, k, v and the output forward, their gradients backward, each (a - 1) / a of the local
+      tensor, the K/V heads repeated up to a when fewer.
+    - ``a2a+p2p``: that inside groups of a (``cp_a2a``), then the p2p ring over cp / a members
+      (``cp_ring``) holding a x the tokens and 1 / a of the heads; a as ``a2a_group_size`` picks it
+      (``gpus_per_node`` GPUs a node).
+
+    ``benchmarks/results/cp_comm_types.md`` holds these against bytes counted on 8 CPU ranks."""
+    m, p = cfg.model, cfg.parallel
+    c, tokens = compute_bytes(cfg), microbatch_tokens(cfg)
+    heads = m.num_attention_heads // p.tp
+    kv_heads = m.kv_heads // p.tp if kv_split(m, p.tp) else m.kv_heads
+    a = cp_a2a_ranks(cfg, gpus_per_node)
+    ring = p.cp // a
+    ring_dims, a2a_dims = ("cp_ring", "cp_a2a") if 1 < a < p.cp else ("cp", "cp")
+    kv_a = max(kv_heads, a)  # heads the all-to-all sends after repetition
+    kv = 2 * (kv_a // a if a > 1 else kv_heads) * tokens * a * m.head_size  # K and V elements a ring member holds
+    out: dict[str, tuple[float, float]] = {}
+    if a > 1:
+        moved = (2 * heads + 2 * kv_a) * tokens * m.head_size * c * (a - 1) / a
+        out[f"all_to_all/{a2a_dims}"] = (moved, moved)
+    if p.cp_comm_type == "allgather":
+        out["all_gather+reduce_scatter/cp"] = ((p.cp - 1) * kv * c, (p.cp - 1) * kv * FP32)
+    elif ring > 1:
+        out[f"p2p/{ring_dims}"] = ((ring - 1) * kv * c, (ring - 1) * kv * c + ring * kv * FP32)
+    return out
 
 
 def _ring(n: int) -> float:
@@ -135,12 +182,10 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
             reduced += norms * (FP32 if p.pp > 1 else c * mb) + routers * c * mb
         if reduced:
             out["all_reduce/tp"] = out.get("all_reduce/tp", 0.0) + 2 * reduced * _ring(p.tp)
-    if p.cp > 1 and p.cp_comm_type == "p2p":
-        # The ring's k and v: cp - 1 sends forward (again in a recomputation), cp - 1 backward and cp
-        # more carrying dk and dv with them (as traced).
-        kv = tokens * 2 * (m.kv_heads // p.tp if kv_split(m, p.tp) else m.kv_heads) * m.head_size * c
+    if p.cp > 1:
         recomputed = sum(layer_checkpointed(cfg, i) for i in layers)
-        out["p2p/cp"] = kv * ((4 * p.cp - 2) * len(layers) + (p.cp - 1) * recomputed) * mb
+        for key, (forward, backward) in cp_attention_bytes(cfg).items():
+            out[key] = out.get(key, 0.0) + (forward * (len(layers) + recomputed) + backward * len(layers)) * mb
     moe = sum(m.is_moe_layer(i) for i in layers) if m.is_moe else 0
     rows = tokens * m.num_experts_per_tok / p.tp if m.is_moe else 0  # every rank's own token copies
     rerun = sum(m.is_moe_layer(i) and layer_checkpointed(cfg, i) for i in layers) if m.is_moe else 0
@@ -334,7 +379,7 @@ def _padded(shapes: list[list[int]], shards: int, even: bool = False) -> int:
 
 
 # The mesh dimensions each key's group spans.
-COMM_DIMS = {"tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "etp": ("etp",), "pp": ("pp",), "dp": ("dp",),
+COMM_DIMS = {"tp": ("tp",), "cp": ("cp",), "cp_ring": ("cp_ring",), "cp_a2a": ("cp_a2a",), "ep": ("ep",), "etp": ("etp",), "pp": ("pp",), "dp": ("dp",),
              "dp_ep_cp": ("dp", "cp", "ep"), "dp_cp_ep_tp": ("dp", "cp", "ep", "tp"), "cp_ep": ("cp", "ep"), "edp": ("edp",),
              "edp_shard": ("edp_shard",), "edp_replicate": ("edp_replicate",)}
 
