@@ -398,15 +398,43 @@ def _tp_refusals(tp_mesh_of) -> None:
             apply_tensor_parallel(model, tp_mesh_of(tp), sp=False)
 
 
+# The SP sequence all-gathers (funcol.all_gather_single) of one step of the 2-layer model, by dtype, against
+# the model without FP8: per layer the attention and MLP inputs are gathered in forward and again in
+# backward (for the weight gradient); those 8 float32 gathers become float8 bytes (uint8) plus, where the scale
+# is per token (rowwise forward), the float32 scales; rowwise_with_gw_hp's weight gradient keeps the
+# training dtype (float32 here). The other gathers (the head's input, DTensor's) stay as they are.
+SP_GATHERS = {"tensorwise": {torch.uint8: 8, torch.float32: -8}, "rowwise": {torch.uint8: 8, torch.float32: -4},
+              "rowwise_with_gw_hp": {torch.uint8: 4, torch.float32: 0}}
+
+
+def _sp_gathers(recipe: str, tp_mesh) -> dict[torch.dtype, int]:
+    """dtype -> count of the sequence all-gathers in one training step of the FP8 model under SP."""
+    import torch.distributed._functional_collectives as funcol
+
+    from meshtron.testing import count_calls
+
+    model = _tp_model(recipe, tp_mesh, True, random_model(ModelConfig(**TP_CFG), seed=1))
+    tokens, labels = _batches(5)[0]
+    with count_calls(funcol, "all_gather_single") as calls:
+        model(tokens, labels=labels).backward()
+    dtypes: dict[torch.dtype, int] = {}
+    for tensor, *_ in calls:
+        dtypes[tensor.dtype] = dtypes.get(tensor.dtype, 0) + 1
+    return dtypes
+
+
 def check_tp_matches_one_rank_fp8(tp_mesh_of):
     """Each recipe split over tp (2 with SP, 4 without) against its 1-rank FP8 model: single split linears
     exactly (bounds above) with the counted amax all-reduces; the model's losses and gradients over TP_STEPS
-    steps within FP8's rounding noise; the refusals. ``tp_mesh_of(tp)``: this rank's tp mesh of that size."""
+    steps within FP8's rounding noise; SP's all-gathers in float8 (SP_GATHERS); the refusals. ``tp_mesh_of(tp)``: this rank's tp mesh of that size."""
     _tp_refusals(tp_mesh_of)
     cfg = ModelConfig(**TP_CFG)
     for recipe in RECIPES:
         for tp in (2, 4):
             _split_linear_matches(recipe, tp_mesh_of(tp))
+        fp8, plain = _sp_gathers(recipe, tp_mesh_of(2)), _sp_gathers("none", tp_mesh_of(2))
+        change = {dtype: fp8.get(dtype, 0) - plain.get(dtype, 0) for dtype in {*fp8, *plain}}
+        assert change == SP_GATHERS[recipe], (recipe, fp8, plain)
         one_rank = apply_float8(random_model(cfg, seed=1), recipe)
         ref_losses, ref_grads = _tp_steps(one_rank, seed=5)
         noise = _ulp_noise(recipe, cfg, ref_grads)

@@ -166,7 +166,8 @@ class Float8Gemms:
             raise ValueError(f"split must be one of {TP_SPLITS}, got {split!r}")
         self.config, self.mm_config = linear.config, linear.linear_mm_config
         self.mesh, self.split = mesh, split
-        self.roles = torchao_float8("torchao.float8.float8_training_tensor").GemmInputRole
+        training_tensor = torchao_float8("torchao.float8.float8_training_tensor")
+        self.roles, self.Float8Tensor = training_tensor.GemmInputRole, training_tensor.Float8TrainingTensor
         self.ao_config = torchao_float8("torchao.float8.config")
         self.convert = torchao_float8("torchao.float8.float8_scaling_utils").hp_tensor_to_float8_dynamic
 
@@ -175,18 +176,27 @@ class Float8Gemms:
         return {("x", "in"): (1,), ("wt", "in"): (0,), ("wt", "out"): (1,), ("dy", "out"): (1,)}.get(
             (operand, self.split), ())
 
-    def _cast(self, t: torch.Tensor, operand: str, cast, role, axis: int):
+    def _cast(self, t: torch.Tensor, operand: str, cast, role, axis: int, split: tuple[int, ...] | None = None):
         """``t`` in float8 per ``cast`` (scaled along ``axis`` when rowwise), or as it is if the recipe keeps
-        this GEMM's operand in high precision."""
-        if cast.scaling_type is self.ao_config.ScalingType.DISABLED:
+        this GEMM's operand in high precision or ``t`` is cast already (:meth:`cast_sequence_shard`).
+        ``split``: the dims of ``t`` split over tp, default those of ``operand``."""
+        if cast.scaling_type is self.ao_config.ScalingType.DISABLED or isinstance(t, self.Float8Tensor):
             return t
         rowwise = cast.scaling_granularity is self.ao_config.ScalingGranularity.AXISWISE
-        split = self._split_dims(operand)
+        split = self._split_dims(operand) if split is None else split
         spans_split = bool(split) and (not rowwise or axis % 2 in split)
         return self.convert(t, cast.target_dtype, self.mm_config, reduce_amax=spans_split, gemm_input_role=role,
-                       device_mesh=self.mesh, scaling_granularity=cast.scaling_granularity,
-                       axiswise_dim=axis if rowwise else None,
-                       round_scales_to_power_of_2=self.config.round_scales_to_power_of_2)
+                            device_mesh=self.mesh, scaling_granularity=cast.scaling_granularity,
+                            axiswise_dim=axis if rowwise else None,
+                            round_scales_to_power_of_2=self.config.round_scales_to_power_of_2)
+
+    def cast_sequence_shard(self, rows: torch.Tensor, for_grad_weight: bool) -> torch.Tensor:
+        """This rank's [tokens / tp, K] sequence shard of a column-parallel linear's input, cast for the
+        output GEMM (or the weight-gradient one) with the whole sequence's scale (the amax all-reduced over tp
+        where the scale spans tokens), ready to be all-gathered in float8 (:func:`float8_parts`)."""
+        c = self.config
+        cast, axis = (c.cast_config_input_for_grad_weight, 0) if for_grad_weight else (c.cast_config_input, -1)
+        return self._cast(rows, "x", cast, self.roles.INPUT, axis, split=(0,))
 
     def output(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         c, r = self.config, self.roles
@@ -233,6 +243,20 @@ def float8_split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return out if bias is None else out + bias.to(out.dtype)
 
 
+def float8_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A float8 cast's bytes (``uint8``: gloo has no float8 type) and scale; None for a high-precision tensor."""
+    training_tensor = sys.modules.get("torchao.float8.float8_training_tensor")
+    if training_tensor is None or not isinstance(t, training_tensor.Float8TrainingTensor):
+        return None
+    return t._data.view(torch.uint8), t._scale
+
+
+def float8_from_parts(like: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float8 cast of ``data`` (``uint8`` bytes, as :func:`float8_parts` gives) and ``scale``, cast as ``like``."""
+    return type(like)(data.view(like._data.dtype), scale, like._orig_dtype, like._linear_mm_config,
+                      like._gemm_input_role, like._axiswise_dim)
+
+
 def is_float8_linear(module: nn.Module) -> bool:
     converted = sys.modules.get("torchao.float8.float8_linear")  # not imported: no Float8Linear exists
     return converted is not None and isinstance(module, converted.Float8Linear)
@@ -261,6 +285,8 @@ __all__ = [
     "float8_all_gather",
     "float8_split_linear",
     "float8_config",
+    "float8_from_parts",
+    "float8_parts",
     "fp8_linear_names",
     "high_precision_linears",
     "high_precision_note",

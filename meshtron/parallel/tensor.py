@@ -60,7 +60,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshtron.config import ConfigError
 from meshtron.host import simulating
-from meshtron.parallel.float8 import float8_split_linear, is_float8_linear, split_gemms
+from meshtron.parallel.float8 import float8_from_parts, float8_parts, float8_split_linear, is_float8_linear, split_gemms
 from meshtron.models.moe import MoE
 from meshtron.models.loss import cross_entropy_sum, linear_cross_entropy_sum
 
@@ -441,19 +441,44 @@ def save_packed_projections(ctx, shard: torch.Tensor, mesh: DeviceMesh, projecti
 class PackedProjections:
     """The GEMMs of column-parallel projections of one input, packed along the output features: one GEMM
     over the packed weights in the training dtype, or, where ``[train] fp8`` converted any of them, one per
-    projection (each float8 one with its own whole-tensor scales, ``linear.tp_gemms``), as on one rank."""
+    projection (each float8 one with its own whole-tensor scales, ``linear.tp_gemms``), as on one rank.
+    Where all are float8 they share one cast of the input, and under SP its all-gather carries the float8
+    bytes (and per-token scales) instead of the training dtype (:meth:`start_input_gather`)."""
 
     def __init__(self, linears: list[nn.Module]):
         self.gemms = [getattr(linear, "tp_gemms", None) for linear in linears]
         self.packed = all(gemms is None for gemms in self.gemms)
+        self.float8_input = all(gemms is not None for gemms in self.gemms)
 
-    def output(self, x: torch.Tensor, weights: tuple, biases: tuple) -> torch.Tensor:
+    def start_input_gather(self, shard: torch.Tensor, mesh: DeviceMesh, for_grad_weight: bool = False):
+        """Start all-gathering the [B, S/tp, in] ``shard`` over the sequence; returns the function that waits
+        and gives the [B * S, in] input of the output GEMM (or the weight-gradient GEMM): float8 where every
+        projection is (cast once, the scale of the whole sequence), else the training dtype."""
+        tp = mesh.size()
+        rows = self.gemms[0].cast_sequence_shard(shard.flatten(0, -2), for_grad_weight) if self.float8_input else shard
+        parts = float8_parts(rows)
+        if parts is None:  # the training dtype (the recipe keeps this GEMM's input in it)
+            gathering = _start_sequence_gather(shard, mesh)
+            return lambda: _in_sequence_order(_waited(gathering), tp).flatten(0, -2)
+        data, scale = parts
+        data_gathering = _start_sequence_gather(data.view(shard.shape), mesh)
+        per_token = scale.dim() > 0 and scale.shape[0] == data.shape[0] and scale.numel() > 1
+        scale_gathering = _start_sequence_gather(scale.view(*shard.shape[:-1], 1), mesh) if per_token else None
+
+        def finish() -> torch.Tensor:
+            full = _in_sequence_order(_waited(data_gathering), tp).flatten(0, -2)
+            full_scale = _in_sequence_order(_waited(scale_gathering), tp).flatten(0, -2) if per_token else scale
+            return float8_from_parts(rows, full, full_scale)
+
+        return finish
+
+    def output(self, rows: torch.Tensor, lead: torch.Size, weights: tuple, biases: tuple) -> torch.Tensor:
+        """The packed projections of the [tokens, in] ``rows`` (float8 or not), shaped ``lead`` + [packed]."""
         bias = torch.cat(biases) if biases[0] is not None else None
         if self.packed:
-            return F.linear(x, torch.cat(weights), bias)
-        rows = x.flatten(0, -2)
+            return F.linear(rows, torch.cat(weights), bias).unflatten(0, lead)
         out = torch.cat([g.output(rows, w) if g else rows @ w.t() for g, w in zip(self.gemms, weights)], -1)
-        out = out.unflatten(0, x.shape[:-1])
+        out = out.unflatten(0, lead)
         return out if bias is None else out + bias.to(out.dtype)
 
     def grad_input(self, grad_packed: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
@@ -487,15 +512,16 @@ class _SequenceParallelLinears(torch.autograd.Function):
     def forward(ctx, shard: torch.Tensor, mesh: DeviceMesh, projections: PackedProjections,
                 *weights_and_biases: torch.Tensor | None):
         weights, biases = save_packed_projections(ctx, shard, mesh, projections, weights_and_biases)
-        full = _in_sequence_order(_start_sequence_gather(shard, mesh), mesh.size())
-        return projections.output(full, weights, biases)
+        full = projections.start_input_gather(shard, mesh)()
+        lead = (shard.shape[0], shard.shape[1] * mesh.size(), *shard.shape[2:-1])
+        return projections.output(full, torch.Size(lead), weights, biases)
 
     @staticmethod
     def backward(ctx, grad_packed: torch.Tensor):
         shard, *weights = ctx.saved_tensors
         count = len(weights)
         want_input, want_params = _pass_wants(ctx)
-        gathering = _start_sequence_gather(shard, ctx.mesh) if want_params else None
+        gathered = ctx.projections.start_input_gather(shard, ctx.mesh, for_grad_weight=True) if want_params else None
         grad_shard = None
         if want_input:
             grad_full = ctx.projections.grad_input(grad_packed, weights)
@@ -503,8 +529,7 @@ class _SequenceParallelLinears(torch.autograd.Function):
         grad_weights = grad_biases = (None,) * count
         if want_params:
             rows = grad_packed.flatten(0, -2)
-            full = _in_sequence_order(_waited(gathering), ctx.mesh.size())
-            grad_weights = ctx.projections.grad_weights(rows, full.flatten(0, -2), ctx.widths)
+            grad_weights = ctx.projections.grad_weights(rows, gathered(), ctx.widths)
             if ctx.has_bias:
                 grad_biases = rows.sum(0).split(ctx.widths)
         return _waited(grad_shard), None, None, *grad_weights, *grad_biases
