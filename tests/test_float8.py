@@ -234,6 +234,8 @@ def test_planner_runs_the_fp8_gemms_at_the_fp8_peak(recipe, gemms):
 
     cfg, hw = _plan_7b(recipe), Hardware()
     assert fp8_flops_per_token(cfg) == 2 * gemms * QWEN_7B_BLOCK_LINEARS
+    # Per token, whatever the layout: tp splits each GEMM, not the FLOPs a token needs.
+    assert fp8_flops_per_token(_plan_7b(recipe, tp=4)) == 2 * gemms * QWEN_7B_BLOCK_LINEARS
     assert fp8_flops_per_token(_plan_7b("none")) == 0
     total = flops_per_token(cfg.model, cfg.train.seq_len)
     fp8 = 2 * gemms * QWEN_7B_BLOCK_LINEARS
@@ -297,10 +299,11 @@ TP_GRAD = 1.0
 LINEAR_EXACT = 1e-6
 LINEAR_ROWWISE_SPLIT_K = 1e-2
 # Amax all-reduces over tp per split linear and step (forward, backward), from Float8Gemms' rule (an operand
-# split along a dim its scale spans): tensorwise column-parallel w | dy dy w, row-parallel x w | w x;
+# split along a dim its scale spans; dy cast once where both backward GEMMs scale it alike): tensorwise
+# column-parallel w | dy w, row-parallel x w | w x;
 # rowwise column-parallel - | dy w, row-parallel x w | -; rowwise_with_gw_hp as rowwise plus the
 # tensorwise weight of the input gradient in row-parallel.
-AMAX_REDUCES = {"tensorwise": {"out": (1, 3), "in": (2, 2)}, "rowwise": {"out": (0, 2), "in": (2, 0)},
+AMAX_REDUCES = {"tensorwise": {"out": (1, 2), "in": (2, 2)}, "rowwise": {"out": (0, 2), "in": (2, 0)},
                 "rowwise_with_gw_hp": {"out": (0, 2), "in": (2, 1)}}
 
 

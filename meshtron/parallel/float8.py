@@ -203,6 +203,17 @@ class Float8Gemms:
         return torch.mm(self._cast(x, "x", c.cast_config_input, r.INPUT, -1),
                         self._cast(weight.t(), "wt", c.cast_config_weight, r.WEIGHT, 0))
 
+    def cast_grad_output(self, dy: torch.Tensor, for_input: bool, for_weight: bool) -> tuple:
+        """``dy`` cast for the input-gradient GEMM and for the weight-gradient GEMM (None where that GEMM
+        does not run): one cast, and one amax all-reduce, where both scale it alike (one tensorwise config)."""
+        c, role = self.config, self.roles.GRAD_OUTPUT
+        to_input = self._cast(dy, "dy", c.cast_config_grad_output, role, -1) if for_input else None
+        tensorwise = c.cast_config_grad_output.scaling_granularity is self.ao_config.ScalingGranularity.TENSORWISE
+        if to_input is not None and tensorwise and c.cast_config_grad_output == c.cast_config_grad_output_for_grad_weight:
+            return to_input, to_input
+        to_weight = self._cast(dy, "dy", c.cast_config_grad_output_for_grad_weight, role, 0) if for_weight else None
+        return to_input, to_weight
+
     def grad_input(self, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         c = self.config
         return torch.mm(self._cast(dy, "dy", c.cast_config_grad_output, self.roles.GRAD_OUTPUT, -1),
@@ -226,12 +237,13 @@ class _Float8SplitLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        dy = grad.reshape(-1, grad.shape[-1])
+        want_input, want_weight = ctx.needs_input_grad[:2]
+        dy_input, dy_weight = ctx.gemms.cast_grad_output(grad.reshape(-1, grad.shape[-1]), want_input, want_weight)
         grad_x = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_x = ctx.gemms.grad_input(dy, weight).unflatten(0, x.shape[:-1])
-        if ctx.needs_input_grad[1]:
-            grad_weight = ctx.gemms.grad_weight(dy, x.reshape(-1, x.shape[-1]))
+        if want_input:
+            grad_x = ctx.gemms.grad_input(dy_input, weight).unflatten(0, x.shape[:-1])
+        if want_weight:
+            grad_weight = ctx.gemms.grad_weight(dy_weight, x.reshape(-1, x.shape[-1]))
         return grad_x, grad_weight, None
 
 

@@ -481,21 +481,29 @@ class PackedProjections:
         out = out.unflatten(0, lead)
         return out if bias is None else out + bias.to(out.dtype)
 
-    def grad_input(self, grad_packed: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-        """The summed input gradient of the projections (this rank's columns: a partial sum over tp)."""
+    def grad_outputs(self, grad_packed: torch.Tensor, widths: list[int], for_input: bool, for_weight: bool):
+        """Per projection its [tokens, width] output gradient for the input- and the weight-gradient GEMM (a
+        float8 one cast once where both scale it alike); None where one packed GEMM serves them all."""
+        if self.packed:
+            return None
+        dys = grad_packed.flatten(0, -2).split(widths, -1)
+        return [g.cast_grad_output(dy.contiguous(), for_input, for_weight) if g else (dy, dy)
+                for g, dy in zip(self.gemms, dys)]
+
+    def grad_input(self, grad_packed: torch.Tensor, weights: list[torch.Tensor], dys) -> torch.Tensor:
+        """The summed input gradient of the projections (this rank's columns: a partial sum over tp); ``dys``
+        from :meth:`grad_outputs`."""
         if self.packed:
             return grad_packed @ torch.cat(weights)
-        dys = grad_packed.flatten(0, -2).split([w.shape[0] for w in weights], -1)
-        parts = [g.grad_input(dy.contiguous(), w) if g else dy @ w for g, dy, w in zip(self.gemms, dys, weights)]
+        parts = [g.grad_input(dy, w) if g else dy @ w for g, (dy, _), w in zip(self.gemms, dys, weights)]
         return sum(parts[1:], parts[0]).unflatten(0, grad_packed.shape[:-1])
 
-    def grad_weights(self, rows: torch.Tensor, inputs: torch.Tensor, widths: list[int]) -> tuple:
-        """Each projection's weight gradient from the [tokens, packed] output gradient ``rows`` and the
-        [tokens, in] ``inputs``."""
+    def grad_weights(self, rows: torch.Tensor, inputs: torch.Tensor, widths: list[int], dys) -> tuple:
+        """Each projection's weight gradient from the [tokens, packed] output gradient ``rows`` (``dys``, from
+        :meth:`grad_outputs`, per projection) and the [tokens, in] ``inputs``."""
         if self.packed:
             return (rows.t() @ inputs).split(widths)
-        dys = rows.split(widths, -1)
-        return tuple(g.grad_weight(dy.contiguous(), inputs) if g else dy.t() @ inputs for g, dy in zip(self.gemms, dys))
+        return tuple(g.grad_weight(dy, inputs) if g else dy.t() @ inputs for g, (_, dy) in zip(self.gemms, dys))
 
 
 class _SequenceParallelLinears(torch.autograd.Function):
@@ -522,14 +530,15 @@ class _SequenceParallelLinears(torch.autograd.Function):
         count = len(weights)
         want_input, want_params = _pass_wants(ctx)
         gathered = ctx.projections.start_input_gather(shard, ctx.mesh, for_grad_weight=True) if want_params else None
+        dys = ctx.projections.grad_outputs(grad_packed, ctx.widths, want_input, want_params)
         grad_shard = None
         if want_input:
-            grad_full = ctx.projections.grad_input(grad_packed, weights)
+            grad_full = ctx.projections.grad_input(grad_packed, weights, dys)
             grad_shard = funcol.reduce_scatter_single(grad_full, "sum", 1, ctx.mesh)
         grad_weights = grad_biases = (None,) * count
         if want_params:
             rows = grad_packed.flatten(0, -2)
-            grad_weights = ctx.projections.grad_weights(rows, gathered(), ctx.widths)
+            grad_weights = ctx.projections.grad_weights(rows, gathered(), ctx.widths, dys)
             if ctx.has_bias:
                 grad_biases = rows.sum(0).split(ctx.widths)
         return _waited(grad_shard), None, None, *grad_weights, *grad_biases
