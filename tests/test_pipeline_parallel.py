@@ -172,8 +172,9 @@ def check_zero_bubble_schedules_match_single_process(_folder):
 
 
 # [train] fp8 split into 8 stages (every converted linear's dims are multiples of 16 here): each stage runs
-# its linears on the micro-batches the single process runs, so every float8 scale is the same.
-FP8_LAYOUTS = [(DENSE, 8, 1, "1f1b", 8, 1, 1, 1, False, recipe) for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp")]
+# its linears on the micro-batches the single process runs, so every float8 scale is the same. Both scale
+# granularities (rowwise_with_gw_hp differs from rowwise only in its weight-gradient GEMM, in bf16).
+FP8_LAYOUTS = [(DENSE, 8, 1, "1f1b", 8, 1, 1, 1, False, recipe) for recipe in ("tensorwise", "rowwise")]
 
 
 def check_fp8_pipeline_matches_single_process(_folder):
@@ -411,7 +412,7 @@ def test_pipeline_matches_single_process_on_8_ranks():
             ],
             8,
             f"{tmp}/hf",
-            timeout=420,
+            timeout=480,
         )
 
 

@@ -21,6 +21,11 @@ sequence parallelism from Korthikanti et al. 2022):
   As in Megatron, q/k/v (gate/up) keep only the sequence shard of their input for backward and
   gather it again there (:class:`SequenceParallelColwise`), so every activation a dense block saves
   is split over tp.
+* ``[train] fp8``: a float8 linear (torchao ``Float8Linear``) keeps its placement; :class:`Colwise`,
+  :class:`Rowwise` and :class:`SequenceParallelColwise` (:class:`PackedProjections`) run its GEMMs on the
+  local shards with the scales of the whole tensors (``meshtron.parallel.float8.Float8Gemms``: an amax
+  all-reduce over tp where a scale spans a split dim); under SP the packed projections' input is gathered
+  in float8. KV heads replicated over tp are refused with FP8 (no rank holds their whole output gradient).
 * MoE: the block routes the tokens its rank holds (under SP its sequence shard, never gathered);
   the router is replicated and the shared expert follows the dense MLP plan. The routed experts and
   the router statistics are left to :func:`meshtron.parallel.expert.apply_expert_parallel` (apply
