@@ -448,7 +448,7 @@ def test_tensor_parallel_8_ranks():
               check_split_backward_computes_each_gradient_once,
               check_pipeline_stages_and_uneven_vocab,
               check_parity_dense, check_tp_overlap] + ([check_fp8] if HAS_TORCHAO else [])
-    run_checks(checks, 8, seed, timeout=360)
+    run_checks(checks, 8, seed, timeout=420)
 
 
 def test_tp_gradient_decision():
