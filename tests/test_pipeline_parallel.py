@@ -18,6 +18,7 @@ from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, Tr
 from meshtron.hf import from_hf
 from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh
 from meshtron.models import aux_loss, build_model, token_loss_sum
+from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.layout import validate_layout
 from meshtron.parallel.runner import build_step_runner
 from meshtron.parallel.step import average_router_losses_over_microbatches
@@ -26,6 +27,7 @@ from meshtron.parallel.pipeline import peak_in_flight, prune_to_stage
 from meshtron.parallel.pipeline.runner import PipelineRunner
 from meshtron.testing import cached_mesh, count_calls, rel_err, run_checks, units_with_parameters, whole_weight_passes
 from meshtron.train import export_hf
+from test_float8 import HAS_TORCHAO
 
 DENSE = dict(
     vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=8,
@@ -40,12 +42,12 @@ SEQ, MB_SIZE = 8, 2
 
 
 def _config(model: dict, pp: int, dp: int, schedule: str, m: int, v: int = 1, tp: int = 1, cp: int = 1,
-            sp: bool = False) -> Config:
+            sp: bool = False, fp8: str = "none") -> Config:
     return Config(
         model=ModelConfig(**model),
         parallel=ParallelConfig(pp=pp, dp=dp, tp=tp, cp=cp, sp=sp, schedule=schedule, virtual_stages=v,
                                 microbatches=m),
-        train=TrainConfig(global_batch_size=dp * m * MB_SIZE, seq_len=SEQ, seed=3),
+        train=TrainConfig(global_batch_size=dp * m * MB_SIZE, seq_len=SEQ, seed=3, fp8=fp8),
     )
 
 
@@ -69,8 +71,8 @@ def _batch(cfg: Config):
 
 def _reference(cfg: Config, ids, labels):
     """Single process on the same micro-batches: micro-batch i is every dp shard's i-th one (router
-    statistics are global over the data ranks, so that is the batch each aux loss sees)."""
-    model = _random_model(cfg)
+    statistics are global over the data ranks, so that is the batch each aux loss sees); FP8 as the recipe says."""
+    model = apply_float8(_random_model(cfg), cfg.train.fp8)
     m = cfg.parallel.microbatches
     average_router_losses_over_microbatches(model, m)
     tokens = (labels != -100).sum()
@@ -79,7 +81,9 @@ def _reference(cfg: Config, ids, labels):
     for mb in range(m):
         i = torch.cat([shard[0][mb] for shard in shards])
         lab = torch.cat([shard[1][mb] for shard in shards])
-        loss = token_loss_sum(model(i), lab) / tokens
+        # FP8 takes the fused head and loss the last stage runs: float8 casts would turn the other path's
+        # last-bit differences into whole float8 steps.
+        loss = (token_loss_sum(model(i), lab) if cfg.train.fp8 == "none" else model(i, labels=lab)) / tokens
         loss.backward()
         total += loss.item()
         if cfg.model.num_experts:
@@ -165,6 +169,17 @@ ZERO_BUBBLE_LAYOUTS = [
 
 def check_zero_bubble_schedules_match_single_process(_folder):
     check_pipeline_matches_single_process(_folder, ZERO_BUBBLE_LAYOUTS)
+
+
+# [train] fp8 split into 8 stages (every converted linear's dims are multiples of 16 here): each stage runs
+# its linears on the micro-batches the single process runs, so every float8 scale is the same. Both scale
+# granularities (rowwise_with_gw_hp differs from rowwise only in its weight-gradient GEMM, in bf16).
+FP8_LAYOUTS = [(DENSE, 8, 1, "1f1b", 8, 1, 1, 1, False, recipe) for recipe in ("tensorwise", "rowwise")]
+
+
+def check_fp8_pipeline_matches_single_process(_folder):
+    if HAS_TORCHAO:
+        check_pipeline_matches_single_process(_folder, FP8_LAYOUTS)
 
 
 def check_pipeline_matches_single_process(_folder, layouts=LAYOUTS):
@@ -388,6 +403,7 @@ def test_pipeline_matches_single_process_on_8_ranks():
             [
                 check_pipeline_matches_single_process,
                 check_zero_bubble_schedules_match_single_process,
+                check_fp8_pipeline_matches_single_process,
                 check_fsdp_gathers_and_reduces_once_per_step,
                 check_fsdp_gathers_once_per_step_without_pipeline,
                 check_zero_bubble_accumulates_in_fp32_under_bf16,
@@ -396,7 +412,7 @@ def test_pipeline_matches_single_process_on_8_ranks():
             ],
             8,
             f"{tmp}/hf",
-            timeout=420,
+            timeout=480,
         )
 
 

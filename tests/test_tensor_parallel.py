@@ -33,6 +33,7 @@ from meshtron.parallel.tensor import (
 )
 from meshtron.parallel.tensor_overlap import apply_overlapped_tensor_parallel
 from meshtron.testing import count_calls, fresh_seed, random_model, rel_err, run_checks
+from test_float8 import HAS_TORCHAO, check_tp_matches_one_rank_fp8
 
 DENSE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
@@ -435,14 +436,19 @@ def check_replicated_gradients(seed):
         assert model[1].tp_gradients["gain"].decided.is_partial()
 
 
+def check_fp8(seed):
+    """[train] fp8 split over tp (tests/test_float8.py): against the 1-rank FP8 model."""
+    check_tp_matches_one_rank_fp8(_tp_mesh)
+
+
 def test_tensor_parallel_8_ranks():
     seed = fresh_seed()
     checks = [check_heads_error, check_replicated_gradients, check_collectives_per_layer, check_sp_saves_activations_over_tp,
               check_loss_never_gathers_logits,
               check_split_backward_computes_each_gradient_once,
               check_pipeline_stages_and_uneven_vocab,
-              check_parity_dense, check_tp_overlap]
-    run_checks(checks, 8, seed, timeout=240)
+              check_parity_dense, check_tp_overlap] + ([check_fp8] if HAS_TORCHAO else [])
+    run_checks(checks, 8, seed, timeout=420)
 
 
 def test_tp_gradient_decision():

@@ -26,12 +26,20 @@ type ("Invalid scalar type" for an all-gather of float8 alone), but no FSDP unit
 every block unit also holds its norms (and biases) in the training dtype, and FSDP2 gathers a unit
 whose inputs mix dtypes as one ``uint8`` buffer of their bytes, bit-exact on gloo and NCCL alike
 (``tests/test_float8.py`` counts those bytes).
+
+Under tensor parallelism (:class:`Float8Gemms`) each split linear runs its three GEMMs on this rank's
+pieces of the operands, every operand cast with the scale of the whole operand: where tp splits it along
+a dim its scale spans (any dim of a tensorwise scale; a rowwise scale's GEMM contraction dim) the amax is
+all-reduced (MAX) over tp before the cast, so each element becomes the float8 value it has on one rank
+and a tp layout differs from one rank only by the order of its sums. FSDP then gathers the weights in the
+training dtype: torchao's float8 gather computes the weight's scale over the FSDP shards only, not over tp.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 
 import torch
 from torch import nn
@@ -110,21 +118,27 @@ def high_precision_note(cfg: ModelConfig, recipe: str) -> str | None:
             f"(dims not multiples of {FP8_DIM_MULTIPLE}): {', '.join(names)}")
 
 
-def float8_config(recipe: str):
-    """torchao's config for ``recipe``, with the float8 FSDP all-gather where the recipe allows it."""
+def float8_all_gather(recipe: str, tp: int) -> bool:
+    """Whether FSDP all-gathers the float8 weights of ``recipe`` in float8: torchao's gather scales a weight
+    over the FSDP shards, which under tp hold only a tp slice of it (the scale would depend on tp)."""
+    return recipe in FP8_ALL_GATHER_RECIPES and tp == 1
+
+
+def float8_config(recipe: str, tp: int = 1):
+    """torchao's config for ``recipe``, with the float8 FSDP all-gather where :func:`float8_all_gather` allows it."""
     if recipe not in FP8_RECIPES[1:]:
         raise ValueError(f"no FP8 recipe '{recipe}'; one of {', '.join(FP8_RECIPES[1:])}")
     config = torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
-    return dataclasses.replace(config, enable_fsdp_float8_all_gather=recipe in FP8_ALL_GATHER_RECIPES)
+    return dataclasses.replace(config, enable_fsdp_float8_all_gather=float8_all_gather(recipe, tp))
 
 
-def apply_float8(model: nn.Module, recipe: str) -> nn.Module:
+def apply_float8(model: nn.Module, recipe: str, tp: int = 1) -> nn.Module:
     """Swap the FP8-capable block linears of ``model`` (a meshtron ``Transformer`` or a pipeline stage,
     meta or real) for ``Float8Linear`` in place; ``recipe`` "none" leaves the model as it is. The
-    parameters keep their names, values and dtype."""
+    parameters keep their names, values and dtype. ``tp``: the tensor-parallel size the model is split over next."""
     if recipe == "none":
         return model
-    config = float8_config(recipe)
+    config = float8_config(recipe, tp)
     Float8Linear = torchao_float8("torchao.float8.float8_linear").Float8Linear
     for name, linear in list(_candidates(model)):
         if fits_fp8(linear) and type(linear) is nn.Linear:
@@ -133,13 +147,162 @@ def apply_float8(model: nn.Module, recipe: str) -> nn.Module:
     return model
 
 
+# A linear's feature dim tensor parallelism splits: "out" (column-parallel: the weight's rows, the output's
+# features) or "in" (row-parallel: the weight's columns, the input's features).
+TP_SPLITS = ("out", "in")
+
+
+class Float8Gemms:
+    """The three GEMMs of one ``Float8Linear`` split over ``mesh`` (tp) along ``split`` (:data:`TP_SPLITS`),
+    on this rank's pieces of their operands: ``x`` [T, K], ``weight`` [N, K], ``dy`` [T, N] (2-D).
+
+    Each operand is cast as ``Float8Linear`` casts it on one rank (torchao's ``matmul_with_hp_or_float8_args``:
+    the same cast configs, roles and scaled dims), with the scale of the whole operand: an operand split
+    along a dim its scale spans gets its amax all-reduced (MAX) over ``mesh`` first (:meth:`_cast`).
+    """
+
+    def __init__(self, linear: nn.Linear, mesh, split: str):
+        if split not in TP_SPLITS:
+            raise ValueError(f"split must be one of {TP_SPLITS}, got {split!r}")
+        self.config, self.mm_config = linear.config, linear.linear_mm_config
+        self.mesh, self.split = mesh, split
+        training_tensor = torchao_float8("torchao.float8.float8_training_tensor")
+        self.roles, self.Float8Tensor = training_tensor.GemmInputRole, training_tensor.Float8TrainingTensor
+        self.ao_config = torchao_float8("torchao.float8.config")
+        self.convert = torchao_float8("torchao.float8.float8_scaling_utils").hp_tensor_to_float8_dynamic
+
+    def _split_dims(self, operand: str) -> tuple[int, ...]:
+        """Dims of ``operand`` (x [T, K], wt = weight.t() [K, N], dy [T, N]) split over tp."""
+        return {("x", "in"): (1,), ("wt", "in"): (0,), ("wt", "out"): (1,), ("dy", "out"): (1,)}.get(
+            (operand, self.split), ())
+
+    def _cast(self, t: torch.Tensor, operand: str, cast, role, axis: int, split: tuple[int, ...] | None = None):
+        """``t`` in float8 per ``cast`` (scaled along ``axis`` when rowwise), or as it is if the recipe keeps
+        this GEMM's operand in high precision or ``t`` is cast already (:meth:`cast_sequence_shard`).
+        ``split``: the dims of ``t`` split over tp, default those of ``operand``."""
+        if cast.scaling_type is self.ao_config.ScalingType.DISABLED or isinstance(t, self.Float8Tensor):
+            return t
+        rowwise = cast.scaling_granularity is self.ao_config.ScalingGranularity.AXISWISE
+        split = self._split_dims(operand) if split is None else split
+        spans_split = bool(split) and (not rowwise or axis % 2 in split)
+        return self.convert(t, cast.target_dtype, self.mm_config, reduce_amax=spans_split, gemm_input_role=role,
+                            device_mesh=self.mesh, scaling_granularity=cast.scaling_granularity,
+                            axiswise_dim=axis if rowwise else None,
+                            round_scales_to_power_of_2=self.config.round_scales_to_power_of_2)
+
+    def cast_sequence_shard(self, rows: torch.Tensor, for_grad_weight: bool) -> torch.Tensor:
+        """This rank's [tokens / tp, K] sequence shard of a column-parallel linear's input, cast for the
+        output GEMM (or the weight-gradient one) with the whole sequence's scale (the amax all-reduced over tp
+        where the scale spans tokens), ready to be all-gathered in float8 (:func:`float8_parts`)."""
+        c = self.config
+        cast, axis = (c.cast_config_input_for_grad_weight, 0) if for_grad_weight else (c.cast_config_input, -1)
+        return self._cast(rows, "x", cast, self.roles.INPUT, axis, split=(0,))
+
+    def output(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        c, r = self.config, self.roles
+        return torch.mm(self._cast(x, "x", c.cast_config_input, r.INPUT, -1),
+                        self._cast(weight.t(), "wt", c.cast_config_weight, r.WEIGHT, 0))
+
+    def cast_grad_output(self, dy: torch.Tensor, for_input: bool, for_weight: bool) -> tuple:
+        """``dy`` cast for the input-gradient GEMM and for the weight-gradient GEMM (None where that GEMM
+        does not run): one cast, and one amax all-reduce, where both scale it alike (one tensorwise config)."""
+        c, role = self.config, self.roles.GRAD_OUTPUT
+        to_input = self._cast(dy, "dy", c.cast_config_grad_output, role, -1) if for_input else None
+        tensorwise = c.cast_config_grad_output.scaling_granularity is self.ao_config.ScalingGranularity.TENSORWISE
+        if to_input is not None and tensorwise and c.cast_config_grad_output == c.cast_config_grad_output_for_grad_weight:
+            return to_input, to_input
+        to_weight = self._cast(dy, "dy", c.cast_config_grad_output_for_grad_weight, role, 0) if for_weight else None
+        return to_input, to_weight
+
+    def grad_input(self, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        return torch.mm(self._cast(dy, "dy", c.cast_config_grad_output, self.roles.GRAD_OUTPUT, -1),
+                        self._cast(weight.t(), "wt", c.cast_config_weight_for_grad_input, self.roles.WEIGHT, -1).t())
+
+    def grad_weight(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        return torch.mm(self._cast(dy, "dy", c.cast_config_grad_output_for_grad_weight, self.roles.GRAD_OUTPUT, 0).t(),
+                        self._cast(x, "x", c.cast_config_input_for_grad_weight, self.roles.INPUT, 0))
+
+
+class _Float8SplitLinear(torch.autograd.Function):
+    """``x @ weight.t()`` through :class:`Float8Gemms` (local pieces in, this rank's output piece out)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, gemms: Float8Gemms) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.gemms = gemms
+        return gemms.output(x.reshape(-1, x.shape[-1]), weight).unflatten(0, x.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        want_input, want_weight = ctx.needs_input_grad[:2]
+        dy_input, dy_weight = ctx.gemms.cast_grad_output(grad.reshape(-1, grad.shape[-1]), want_input, want_weight)
+        grad_x = grad_weight = None
+        if want_input:
+            grad_x = ctx.gemms.grad_input(dy_input, weight).unflatten(0, x.shape[:-1])
+        if want_weight:
+            grad_weight = ctx.gemms.grad_weight(dy_weight, x.reshape(-1, x.shape[-1]))
+        return grad_x, grad_weight, None
+
+
+def float8_split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        gemms: Float8Gemms) -> torch.Tensor:
+    """This rank's piece of a tp-split float8 linear's output (a partial sum for a row-parallel one);
+    the bias is added in the output dtype, as ``Float8Linear`` adds it."""
+    out = _Float8SplitLinear.apply(x, weight, gemms)
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+def float8_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A float8 cast's bytes (``uint8``: gloo has no float8 type) and scale; None for a high-precision tensor."""
+    training_tensor = sys.modules.get("torchao.float8.float8_training_tensor")
+    if training_tensor is None or not isinstance(t, training_tensor.Float8TrainingTensor):
+        return None
+    return t._data.view(torch.uint8), t._scale
+
+
+def float8_from_parts(like: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float8 cast of ``data`` (``uint8`` bytes, as :func:`float8_parts` gives) and ``scale``, cast as ``like``."""
+    return type(like)(data.view(like._data.dtype), scale, like._orig_dtype, like._linear_mm_config,
+                      like._gemm_input_role, like._axiswise_dim)
+
+
+def is_float8_linear(module: nn.Module) -> bool:
+    converted = sys.modules.get("torchao.float8.float8_linear")  # not imported: no Float8Linear exists
+    return converted is not None and isinstance(module, converted.Float8Linear)
+
+
+def split_gemms(linear: nn.Module, mesh, split: str, local_shape: tuple[int, int]) -> Float8Gemms | None:
+    """The :class:`Float8Gemms` of ``linear`` split over ``mesh``, or None for a linear that is no
+    ``Float8Linear``. ``local_shape``: the weight rows and columns this rank computes with, which a float8
+    GEMM needs in multiples of 16 (:class:`ConfigError` naming the linear otherwise, before any collective)."""
+    if not is_float8_linear(linear):
+        return None
+    if any(dim % FP8_DIM_MULTIPLE for dim in local_shape):
+        raise ConfigError(
+            f"[train] fp8: a {linear.out_features} x {linear.in_features} block linear split over tp = {mesh.size()} "
+            f"holds a {local_shape[0]} x {local_shape[1]} weight per rank; a float8 GEMM needs both dims in multiples "
+            f"of {FP8_DIM_MULTIPLE}. Use a smaller tp or fp8 = 'none'.")
+    return Float8Gemms(linear, mesh, split)
+
+
 __all__ = [
     "FP8_ALL_GATHER_RECIPES",
     "FP8_DIM_MULTIPLE",
+    "TP_SPLITS",
+    "Float8Gemms",
     "apply_float8",
+    "float8_all_gather",
+    "float8_split_linear",
     "float8_config",
+    "float8_from_parts",
+    "float8_parts",
     "fp8_linear_names",
     "high_precision_linears",
     "high_precision_note",
+    "is_float8_linear",
+    "split_gemms",
     "torchao_float8",
 ]

@@ -21,6 +21,11 @@ sequence parallelism from Korthikanti et al. 2022):
   As in Megatron, q/k/v (gate/up) keep only the sequence shard of their input for backward and
   gather it again there (:class:`SequenceParallelColwise`), so every activation a dense block saves
   is split over tp.
+* ``[train] fp8``: a float8 linear (torchao ``Float8Linear``) keeps its placement; :class:`Colwise`,
+  :class:`Rowwise` and :class:`SequenceParallelColwise` (:class:`PackedProjections`) run its GEMMs on the
+  local shards with the scales of the whole tensors (``meshtron.parallel.float8.Float8Gemms``: an amax
+  all-reduce over tp where a scale spans a split dim); under SP the packed projections' input is gathered
+  in float8. KV heads replicated over tp are refused with FP8 (no rank holds their whole output gradient).
 * MoE: the block routes the tokens its rank holds (under SP its sequence shard, never gathered);
   the router is replicated and the shared expert follows the dense MLP plan. The routed experts and
   the router statistics are left to :func:`meshtron.parallel.expert.apply_expert_parallel` (apply
@@ -59,6 +64,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshtron.config import ConfigError
 from meshtron.host import simulating
+from meshtron.parallel.float8 import float8_from_parts, float8_parts, float8_split_linear, is_float8_linear, split_gemms
 from meshtron.models.moe import MoE
 from meshtron.models.loss import cross_entropy_sum, linear_cross_entropy_sum
 from meshtron.torch_private import engine_will_execute, funcol, own_parameters
@@ -233,13 +239,20 @@ def _local_linear(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]
     return linear.weight.to_local(), linear.bias.to_local() if linear.bias is not None else None
 
 
-def _replicated_head_forward(self: nn.Linear, x: torch.Tensor | DTensor) -> torch.Tensor:
+def _split_linear(linear: nn.Linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear`` on this rank's pieces: in float8 with whole-tensor scales where FP8 converted it
+    (``linear.tp_gemms``, :func:`meshtron.parallel.float8.split_gemms`), else ``F.linear``."""
+    gemms = getattr(linear, "tp_gemms", None)
+    return F.linear(x, weight, bias) if gemms is None else float8_split_linear(x, weight, bias, gemms)
+
+
+def _local_colwise_forward(self: nn.Linear, x: torch.Tensor | DTensor) -> torch.Tensor:
     if not isinstance(x, DTensor):
         x = DTensor.from_local(x, self.tp_mesh, [Replicate()])
     # This rank's input gradient covers only its heads; labelling it partial lets DTensor sum it
     # with the other projections' partial gradients before the single reduction.
     x = x.to_local(grad_placements=[Partial()])
-    return F.linear(x, *_local_linear(self))
+    return _split_linear(self, x, *_local_linear(self))
 
 
 class ReplicatedKVHeads(ParallelStyle):
@@ -265,10 +278,53 @@ class ReplicatedKVHeads(ParallelStyle):
         # The replica weight gradients are summed over tp in backward (one all-reduce per tensor).
         module.tp_mesh = device_mesh
         module.tp_rows = (head * self.head_dim, (head + 1) * self.head_dim)
+        if is_float8_linear(module):
+            raise ConfigError(
+                f"[train] fp8 with tp = {tp} > num_key_value_heads = {self.kv_heads}: the ranks that share a KV head "
+                "each hold part of its projection's output gradient, which no rank can cast with the whole tensor's "
+                f"scale. Use a tp that divides {self.kv_heads} or fp8 = 'none'.")
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.split_weights(module, device_mesh)
-        module.forward = types.MethodType(_replicated_head_forward, module)
+        module.forward = types.MethodType(_local_colwise_forward, module)
+        return module
+
+
+def _float8_colwise_forward(self: nn.Linear, x: DTensor) -> DTensor:
+    return DTensor.from_local(_local_colwise_forward(self, x), self.tp_mesh, [Shard(-1)], run_check=False)
+
+
+class Colwise(ColwiseParallel):
+    """``ColwiseParallel``; a float8 linear (``[train] fp8``) computes on the local shards through
+    :func:`meshtron.parallel.float8.float8_split_linear` (its scales those of the whole tensors)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        gemms = split_gemms(module, device_mesh, "out", tuple(module.weight.to_local().shape))
+        if gemms is not None:
+            module.tp_mesh, module.tp_gemms = device_mesh, gemms
+            module.forward = types.MethodType(_float8_colwise_forward, module)
+        return module
+
+
+def _float8_rowwise_forward(self: nn.Linear, x: DTensor) -> DTensor:
+    part = float8_split_linear(x.to_local(), self.weight.to_local(), None, self.tp_gemms)
+    return DTensor.from_local(part, self.weight.device_mesh, [Partial()], run_check=False)
+
+
+class Rowwise(RowwiseParallel):
+    """``RowwiseParallel``; a float8 linear (``[train] fp8``) computes its partial product from the local
+    shards through :func:`meshtron.parallel.float8.float8_split_linear` (its scales those of the whole
+    tensors), then reduces as ``RowwiseParallel`` does. meshtron's blocks have no bias there."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        gemms = split_gemms(module, device_mesh, "in", tuple(module.weight.to_local().shape))
+        if gemms is not None:
+            if module.bias is not None:
+                raise TypeError(f"Rowwise computes a float8 linear without bias, got {module}")
+            module.tp_gemms = gemms
+            module.forward = types.MethodType(_float8_rowwise_forward, module)
         return module
 
 
@@ -374,16 +430,85 @@ def _pass_wants(ctx) -> tuple[bool, bool]:
     return reached(first), any(map(reached, rest))
 
 
-def save_packed_projections(ctx, shard: torch.Tensor, mesh: DeviceMesh, count: int,
-                            weights_and_biases: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What the backward of packed column-parallel projections needs (the input shard, the ``count``
-    weights, their widths, the mesh), saved on ``ctx``; returns the packed weight and bias."""
+def save_packed_projections(ctx, shard: torch.Tensor, mesh: DeviceMesh, projections: PackedProjections,
+                            weights_and_biases: tuple) -> tuple[tuple, tuple]:
+    """What the backward of packed column-parallel projections needs (the input shard, their weights and
+    widths, the mesh, ``projections``), saved on ``ctx``; returns the weights and the biases."""
+    count = len(projections.gemms)
     weights, biases = weights_and_biases[:count], weights_and_biases[count:]
-    ctx.mesh = mesh
+    ctx.mesh, ctx.projections = mesh, projections
     ctx.widths = [w.shape[0] for w in weights]
     ctx.has_bias = biases[0] is not None
     ctx.save_for_backward(shard, *weights)
-    return torch.cat(weights), torch.cat(biases) if ctx.has_bias else None
+    return weights, biases
+
+
+class PackedProjections:
+    """The GEMMs of column-parallel projections of one input, packed along the output features: one GEMM
+    over the packed weights in the training dtype, or, where ``[train] fp8`` converted any of them, one per
+    projection (each float8 one with its own whole-tensor scales, ``linear.tp_gemms``), as on one rank.
+    Where all are float8 they share one cast of the input, and under SP its all-gather carries the float8
+    bytes (and per-token scales) instead of the training dtype (:meth:`start_input_gather`)."""
+
+    def __init__(self, linears: list[nn.Module]):
+        self.gemms = [getattr(linear, "tp_gemms", None) for linear in linears]
+        self.packed = all(gemms is None for gemms in self.gemms)
+        self.float8_input = all(gemms is not None for gemms in self.gemms)
+
+    def start_input_gather(self, shard: torch.Tensor, mesh: DeviceMesh, for_grad_weight: bool = False):
+        """Start all-gathering the [B, S/tp, in] ``shard`` over the sequence; returns the function that waits
+        and gives the [B * S, in] input of the output GEMM (or the weight-gradient GEMM): float8 where every
+        projection is (cast once, the scale of the whole sequence), else the training dtype."""
+        tp = mesh.size()
+        rows = self.gemms[0].cast_sequence_shard(shard.flatten(0, -2), for_grad_weight) if self.float8_input else shard
+        parts = float8_parts(rows)
+        if parts is None:  # the training dtype (the recipe keeps this GEMM's input in it)
+            gathering = _start_sequence_gather(shard, mesh)
+            return lambda: _in_sequence_order(_waited(gathering), tp).flatten(0, -2)
+        data, scale = parts
+        data_gathering = _start_sequence_gather(data.view(shard.shape), mesh)
+        per_token = scale.dim() > 0 and scale.shape[0] == data.shape[0] and scale.numel() > 1
+        scale_gathering = _start_sequence_gather(scale.view(*shard.shape[:-1], 1), mesh) if per_token else None
+
+        def finish() -> torch.Tensor:
+            full = _in_sequence_order(_waited(data_gathering), tp).flatten(0, -2)
+            full_scale = _in_sequence_order(_waited(scale_gathering), tp).flatten(0, -2) if per_token else scale
+            return float8_from_parts(rows, full, full_scale)
+
+        return finish
+
+    def output(self, rows: torch.Tensor, lead: torch.Size, weights: tuple, biases: tuple) -> torch.Tensor:
+        """The packed projections of the [tokens, in] ``rows`` (float8 or not), shaped ``lead`` + [packed]."""
+        bias = torch.cat(biases) if biases[0] is not None else None
+        if self.packed:
+            return F.linear(rows, torch.cat(weights), bias).unflatten(0, lead)
+        out = torch.cat([g.output(rows, w) if g else rows @ w.t() for g, w in zip(self.gemms, weights)], -1)
+        out = out.unflatten(0, lead)
+        return out if bias is None else out + bias.to(out.dtype)
+
+    def grad_outputs(self, grad_packed: torch.Tensor, widths: list[int], for_input: bool, for_weight: bool):
+        """Per projection its [tokens, width] output gradient for the input- and the weight-gradient GEMM (a
+        float8 one cast once where both scale it alike); None where one packed GEMM serves them all."""
+        if self.packed:
+            return None
+        dys = grad_packed.flatten(0, -2).split(widths, -1)
+        return [g.cast_grad_output(dy.contiguous(), for_input, for_weight) if g else (dy, dy)
+                for g, dy in zip(self.gemms, dys)]
+
+    def grad_input(self, grad_packed: torch.Tensor, weights: list[torch.Tensor], dys) -> torch.Tensor:
+        """The summed input gradient of the projections (this rank's columns: a partial sum over tp); ``dys``
+        from :meth:`grad_outputs`."""
+        if self.packed:
+            return grad_packed @ torch.cat(weights)
+        parts = [g.grad_input(dy, w) if g else dy @ w for g, (dy, _), w in zip(self.gemms, dys, weights)]
+        return sum(parts[1:], parts[0]).unflatten(0, grad_packed.shape[:-1])
+
+    def grad_weights(self, rows: torch.Tensor, inputs: torch.Tensor, widths: list[int], dys) -> tuple:
+        """Each projection's weight gradient from the [tokens, packed] output gradient ``rows`` (``dys``, from
+        :meth:`grad_outputs`, per projection) and the [tokens, in] ``inputs``."""
+        if self.packed:
+            return (rows.t() @ inputs).split(widths)
+        return tuple(g.grad_weight(dy, inputs) if g else dy.t() @ inputs for g, (_, dy) in zip(self.gemms, dys))
 
 
 class _SequenceParallelLinears(torch.autograd.Function):
@@ -393,30 +518,32 @@ class _SequenceParallelLinears(torch.autograd.Function):
     only the shard is saved. Backward re-gathers it (in flight while the input gradient is computed),
     reduce-scatters the summed input gradient of all projections (in flight while the weight
     gradients are computed), as Megatron-LM's sequence-parallel linear layers do. A pass of a split
-    backward gets only the half it wants (:func:`_pass_wants`).
+    backward gets only the half it wants (:func:`_pass_wants`). The GEMMs are ``projections``'.
     """
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, mesh: DeviceMesh, count: int, *weights_and_biases: torch.Tensor | None):
-        weight, bias = save_packed_projections(ctx, shard, mesh, count, weights_and_biases)
-        full = _in_sequence_order(_start_sequence_gather(shard, mesh), mesh.size())
-        return F.linear(full, weight, bias)
+    def forward(ctx, shard: torch.Tensor, mesh: DeviceMesh, projections: PackedProjections,
+                *weights_and_biases: torch.Tensor | None):
+        weights, biases = save_packed_projections(ctx, shard, mesh, projections, weights_and_biases)
+        full = projections.start_input_gather(shard, mesh)()
+        lead = (shard.shape[0], shard.shape[1] * mesh.size(), *shard.shape[2:-1])
+        return projections.output(full, torch.Size(lead), weights, biases)
 
     @staticmethod
     def backward(ctx, grad_packed: torch.Tensor):
         shard, *weights = ctx.saved_tensors
         count = len(weights)
         want_input, want_params = _pass_wants(ctx)
-        gathering = _start_sequence_gather(shard, ctx.mesh) if want_params else None
+        gathered = ctx.projections.start_input_gather(shard, ctx.mesh, for_grad_weight=True) if want_params else None
+        dys = ctx.projections.grad_outputs(grad_packed, ctx.widths, want_input, want_params)
         grad_shard = None
         if want_input:
-            grad_full = grad_packed @ torch.cat(weights)  # this rank's columns only: a partial sum over tp
+            grad_full = ctx.projections.grad_input(grad_packed, weights, dys)
             grad_shard = funcol.reduce_scatter_single(grad_full, "sum", 1, ctx.mesh)
         grad_weights = grad_biases = (None,) * count
         if want_params:
             rows = grad_packed.flatten(0, -2)
-            full = _in_sequence_order(_waited(gathering), ctx.mesh.size())
-            grad_weights = (rows.t() @ full.flatten(0, -2)).split(ctx.widths)
+            grad_weights = ctx.projections.grad_weights(rows, gathered(), ctx.widths, dys)
             if ctx.has_bias:
                 grad_biases = rows.sum(0).split(ctx.widths)
         return _waited(grad_shard), None, None, *grad_weights, *grad_biases
@@ -455,6 +582,7 @@ class SequenceParallelColwise(ParallelStyle):
             style.split_weights(linear, mesh)
         elif isinstance(style, ColwiseParallel):
             _distribute_params(linear, mesh, Shard(0), self.src_data_rank)
+            linear.tp_gemms = split_gemms(linear, mesh, "out", tuple(linear.weight.to_local().shape))
         else:
             raise TypeError(f"SequenceParallelColwise splits weights like ColwiseParallel or ReplicatedKVHeads, "
                             f"got {type(style).__name__}")
@@ -470,11 +598,12 @@ class SequenceParallelColwise(ParallelStyle):
             linear.tp_columns = (start, start + width)
             linear.forward = types.MethodType(_packed_columns_forward, linear)
             start += width
+        projections = PackedProjections(linears)
 
         def project(_module, args):
             shard = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
             weights, biases = zip(*(_local_linear(linear) for linear in linears))
-            packed = self.function.apply(shard, device_mesh, len(linears), *weights, *biases)
+            packed = self.function.apply(shard, device_mesh, projections, *weights, *biases)
             return (packed, *args[1:])
 
         module.register_forward_pre_hook(project)
@@ -503,10 +632,10 @@ def _colwise_group_plan(prefix: str, projections: dict[str, ParallelStyle], sp: 
 
 
 def _mlp_plan(prefix: str, sp: bool) -> dict[str, ParallelStyle]:
-    projections = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel()}
+    projections = {"gate_proj": Colwise(), "up_proj": Colwise()}
     return {
         **_colwise_group_plan(prefix, projections, sp, inputs=1),
-        f"{prefix}.down_proj": RowwiseParallel(output_layouts=residual_layout(sp)),
+        f"{prefix}.down_proj": Rowwise(output_layouts=residual_layout(sp)),
     }
 
 
@@ -527,10 +656,10 @@ def _moe_plan(prefix: str, moe: MoE, sp: bool) -> dict[str, ParallelStyle]:
 
 
 def _block_plan(block: nn.Module, kv_heads: int, head_dim: int, tp: int, sp: bool) -> dict[str, ParallelStyle]:
-    kv_style = ColwiseParallel() if kv_heads % tp == 0 else ReplicatedKVHeads(kv_heads, head_dim)
-    projections = {"q_proj": ColwiseParallel(), "k_proj": kv_style, "v_proj": kv_style}
+    kv_style = Colwise() if kv_heads % tp == 0 else ReplicatedKVHeads(kv_heads, head_dim)
+    projections = {"q_proj": Colwise(), "k_proj": kv_style, "v_proj": kv_style}
     plan = _colwise_group_plan("self_attn", projections, sp, inputs=2)  # (hidden states, rope)
-    plan["self_attn.o_proj"] = RowwiseParallel(output_layouts=residual_layout(sp))
+    plan["self_attn.o_proj"] = Rowwise(output_layouts=residual_layout(sp))
     if sp:
         plan["input_layernorm"] = SequenceParallel()
         plan["post_attention_layernorm"] = SequenceParallel()
@@ -775,4 +904,7 @@ __all__ = [
     "local_view",
     "name_tp_gradients",
     "owned",
+    "Colwise",
+    "PackedProjections",
+    "Rowwise",
 ]

@@ -39,7 +39,9 @@ from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from meshtron.parallel.context.comm import RingExchange
 from meshtron.config import ConfigError
+from meshtron.parallel.float8 import is_float8_linear
 from meshtron.parallel.tensor import (
+    PackedProjections,
     SequenceParallelColwise,
     _pass_wants,
     apply_tensor_parallel,
@@ -95,8 +97,10 @@ class _RingGatherLinears(torch.autograd.Function):
     gathers and the reduce-scatter done as rings overlapped with the GEMMs, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, mesh: DeviceMesh, count: int, *weights_and_biases: torch.Tensor | None):
-        weight, bias = save_packed_projections(ctx, shard, mesh, count, weights_and_biases)
+    def forward(ctx, shard: torch.Tensor, mesh: DeviceMesh, projections: PackedProjections,
+                *weights_and_biases: torch.Tensor | None):
+        weights, biases = save_packed_projections(ctx, shard, mesh, projections, weights_and_biases)
+        weight, bias = torch.cat(weights), torch.cat(biases) if ctx.has_bias else None
         blocks: list[torch.Tensor | None] = [None] * mesh.size()
 
         def project(chunk: torch.Tensor, source: int) -> None:
@@ -210,6 +214,9 @@ def apply_overlapped_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: 
     (:func:`overlap_plan`); ``[parallel] tp_overlap``."""
     if not sp:
         raise ConfigError("[parallel] tp_overlap = true overlaps sequence parallelism's collectives; set sp = true.")
+    if any(map(is_float8_linear, model.modules())):
+        raise ConfigError("[parallel] tp_overlap = true computes its rings' GEMMs in the training dtype, not in "
+                          "float8; set tp_overlap = false or [train] fp8 = 'none'.")
     return apply_tensor_parallel(model, tp_mesh, sp, restyle=overlap_plan)
 
 

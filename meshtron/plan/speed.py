@@ -35,7 +35,7 @@ from meshtron.parallel.pipeline.simulate import simulate
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.parallel.context import a2a_group_size
 from meshtron.parallel.data import gathers_once_per_step, reduces_gradients
-from meshtron.parallel.float8 import FP8_ALL_GATHER_RECIPES, FP8_DIM_MULTIPLE
+from meshtron.parallel.float8 import FP8_DIM_MULTIPLE, float8_all_gather
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
 from meshtron.plan.gemm import gemm_efficiency, step_compute_seconds
 from meshtron.plan.hardware import Hardware
@@ -457,8 +457,8 @@ def fp8_weights(cfg: Config, params) -> list:
 
 def fp8_gathered_weights(cfg: Config, params) -> list:
     """The :func:`fp8_weights` FSDP all-gathers in float8 (1 byte an element): those of the recipes with
-    torchao's float8 all-gather."""
-    return fp8_weights(cfg, params) if cfg.train.fp8 in FP8_ALL_GATHER_RECIPES else []
+    torchao's float8 all-gather, at tp 1 (``meshtron.parallel.float8.float8_all_gather``)."""
+    return fp8_weights(cfg, params) if float8_all_gather(cfg.train.fp8, cfg.parallel.tp) else []
 
 
 def fp8_flops_per_token(cfg: Config) -> float:
