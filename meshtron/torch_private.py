@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -215,3 +216,22 @@ def counting_sharding_propagations(count: Callable[[], None]) -> Iterator[None]:
         yield
     finally:
         ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+# --- torchao's float8 training tensor --------------------------------------------------------------
+# Its fields have no public accessors; the tp all-gather in float8 sends the bytes and scale and rebuilds
+# the tensor on the other side (checked with torchao 0.18). Looked up in sys.modules: torchao is optional.
+
+
+def float8_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A float8 cast's bytes (``uint8``: gloo has no float8 type) and scale; None for a high-precision tensor."""
+    training_tensor = sys.modules.get("torchao.float8.float8_training_tensor")
+    if training_tensor is None or not isinstance(t, training_tensor.Float8TrainingTensor):
+        return None
+    return t._data.view(torch.uint8), t._scale
+
+
+def float8_from_parts(like: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float8 cast of ``data`` (``uint8`` bytes, as :func:`float8_parts` gives) and ``scale``, cast as ``like``."""
+    return type(like)(data.view(like._data.dtype), scale, like._orig_dtype, like._linear_mm_config,
+                      like._gemm_input_role, like._axiswise_dim)

@@ -193,7 +193,7 @@ class Float8Gemms:
     def cast_sequence_shard(self, rows: torch.Tensor, for_grad_weight: bool) -> torch.Tensor:
         """This rank's [tokens / tp, K] sequence shard of a column-parallel linear's input, cast for the
         output GEMM (or the weight-gradient one) with the whole sequence's scale (the amax all-reduced over tp
-        where the scale spans tokens), ready to be all-gathered in float8 (:func:`float8_parts`)."""
+        where the scale spans tokens), ready to be all-gathered in float8 (``torch_private.float8_parts``)."""
         c = self.config
         cast, axis = (c.cast_config_input_for_grad_weight, 0) if for_grad_weight else (c.cast_config_input, -1)
         return self._cast(rows, "x", cast, self.roles.INPUT, axis, split=(0,))
@@ -255,20 +255,6 @@ def float8_split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return out if bias is None else out + bias.to(out.dtype)
 
 
-def float8_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A float8 cast's bytes (``uint8``: gloo has no float8 type) and scale; None for a high-precision tensor."""
-    training_tensor = sys.modules.get("torchao.float8.float8_training_tensor")
-    if training_tensor is None or not isinstance(t, training_tensor.Float8TrainingTensor):
-        return None
-    return t._data.view(torch.uint8), t._scale
-
-
-def float8_from_parts(like: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The float8 cast of ``data`` (``uint8`` bytes, as :func:`float8_parts` gives) and ``scale``, cast as ``like``."""
-    return type(like)(data.view(like._data.dtype), scale, like._orig_dtype, like._linear_mm_config,
-                      like._gemm_input_role, like._axiswise_dim)
-
-
 def is_float8_linear(module: nn.Module) -> bool:
     converted = sys.modules.get("torchao.float8.float8_linear")  # not imported: no Float8Linear exists
     return converted is not None and isinstance(module, converted.Float8Linear)
@@ -297,8 +283,6 @@ __all__ = [
     "float8_all_gather",
     "float8_split_linear",
     "float8_config",
-    "float8_from_parts",
-    "float8_parts",
     "fp8_linear_names",
     "high_precision_linears",
     "high_precision_note",

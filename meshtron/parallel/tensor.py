@@ -64,10 +64,10 @@ from torch.distributed.tensor.parallel import (
 
 from meshtron.config import ConfigError
 from meshtron.host import simulating
-from meshtron.parallel.float8 import float8_from_parts, float8_parts, float8_split_linear, is_float8_linear, split_gemms
+from meshtron.parallel.float8 import float8_split_linear, is_float8_linear, split_gemms
 from meshtron.models.moe import MoE
 from meshtron.models.loss import cross_entropy_sum, linear_cross_entropy_sum
-from meshtron.torch_private import engine_will_execute, funcol, own_parameters
+from meshtron.torch_private import engine_will_execute, float8_from_parts, float8_parts, funcol, own_parameters
 
 # Error messages list valid tp values up to one 8-GPU node (or tp itself when larger).
 _SUGGEST_UP_TO = 8
