@@ -33,13 +33,15 @@ _STARTUP = "process group start-up"
 
 def _context():
     # A forkserver that has already imported torch turns an 8-rank launch from ~20 s of imports
-    # into a few forks. A process has one forkserver, which the suite's dry runs (meshtron.dryrun's
-    # rank processes) share once a launch has started it: it imports what their ranks need too.
+    # into a few forks; transformers' model base classes (~1 s a rank, in every launch that builds
+    # a transformers model) likewise. A process has one forkserver, which the suite's dry runs
+    # (meshtron.dryrun's rank processes) share once a launch has started it: it imports what their
+    # ranks need too.
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
         _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "meshtron",
-                                         "meshtron.dryrun"])
+                                         "meshtron.dryrun", "transformers.modeling_layers"])
     return _CONTEXT
 
 
