@@ -17,6 +17,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -98,6 +99,18 @@ def run_checks(
         if f"check '{_STARTUP}'" not in str(err):
             raise
         _launch(checks, world_size, args, timeout)
+
+
+@contextmanager
+def launched_beside(checks: Sequence[Callable[..., Any]], world_size: int, *args: Any,
+                    timeout: float = 300.0) -> Iterator[None]:
+    """:func:`run_checks` of ``checks`` running while the block runs (its failure raised when the block
+    ends): a small launch (a 1-rank reference run) beside a large one uses the CPUs the small one alone
+    leaves idle."""
+    with ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(run_checks, checks, world_size, *args, timeout=timeout)
+        yield
+        beside.result()
 
 
 def _launch(checks, world_size: int, args, timeout: float) -> None:

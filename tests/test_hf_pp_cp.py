@@ -38,8 +38,8 @@ from meshtron.mesh import batch_mesh
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.pipeline.schedules import VIRTUAL
 from meshtron.testing import (
-    HF_TINY_FAMILIES, HF_TINY_SIZES, cached_mesh, cached_recipe_mesh, count_calls, rel_err, run_checks,
-    units_with_parameters, whole_weight_passes,
+    HF_TINY_FAMILIES, HF_TINY_SIZES, cached_mesh, cached_recipe_mesh, count_calls, launched_beside, rel_err,
+    run_checks, units_with_parameters, whole_weight_passes,
 )
 
 SMALL = dict(HF_TINY_SIZES, num_hidden_layers=4)
@@ -441,8 +441,8 @@ def _losses(out: Path, key: str = "loss") -> list[float]:
 def recipe_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_recipe")
     folders = _recipe_folders(root)
-    run_checks([recipe_single_rank], 1, str(root), folders, timeout=600)
-    run_checks([recipe_layouts, recipe_resume], 4, str(root), folders, timeout=900)
+    with launched_beside([recipe_single_rank], 1, str(root), folders, timeout=600):
+        run_checks([recipe_layouts, recipe_resume], 4, str(root), folders, timeout=900)
     run_checks([recipe_layouts, recipe_gathers_once_per_step], 8, str(root), folders, timeout=900)
     return root
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from meshtron.config import load_config
-from meshtron.testing import assert_step_metrics_sound, cached_recipe_mesh, rel_err, run_checks
+from meshtron.testing import assert_step_metrics_sound, cached_recipe_mesh, launched_beside, rel_err, run_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
@@ -159,9 +159,9 @@ def runs(tmp_path_factory):
     hf = Qwen2ForCausalLM(Qwen2Config.from_dict(hf_config_dict(cfg)))
     hf.save_pretrained(root / "hf" / "source")
     (root / "heldout.txt").write_text((ROOT / "README.md").read_text())  # text the models never train on
-    run_checks([single_rank_references], 1, str(root), timeout=600)
-    run_checks([eight_rank_layouts, eight_rank_eval_before_training, eight_rank_resume, eight_rank_hf_round_trip],
-               8, str(root), timeout=1200)
+    with launched_beside([single_rank_references], 1, str(root), timeout=600):
+        run_checks([eight_rank_layouts, eight_rank_eval_before_training, eight_rank_resume, eight_rank_hf_round_trip],
+                   8, str(root), timeout=1200)
     return root
 
 
