@@ -17,8 +17,8 @@ from meshtron.config import load_config
 from meshtron.testing import assert_step_metrics_sound, cached_recipe_mesh, launched_beside, rel_err, run_checks
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 8
-EVAL_EVERY = 4  # also where the resume tests restart
+STEPS = 4
+EVAL_EVERY = 2  # also where the resume tests restart
 # Same micro-batch split everywhere: the MoE aux loss is per global micro-batch.
 COMMON = ["--train.steps", str(STEPS), "--parallel.microbatches", "2", "--train.log_every", "1",
           "--train.eval_every", str(EVAL_EVERY), "--train.eval_steps", "2"]
@@ -122,12 +122,12 @@ def eight_rank_eval_before_training(root: str) -> None:
 
 
 def eight_rank_resume(root: str) -> None:
-    """Resume from the step-4 checkpoint of an uninterrupted 8-step run (the layout runs of RESUMED), in a
-    fresh trainer on the same layout and, resharded, on tp8; both finish steps 5-8."""
+    """Resume from the step-EVAL_EVERY checkpoint of an uninterrupted run (the layout runs of RESUMED), in a
+    fresh trainer on the same layout and, resharded, on tp8; both finish the remaining steps."""
     root = Path(root)
     saved = _saved(root, "dense")
     if torch.distributed.get_rank() == 0:
-        for recipe in RESUMED:  # as if the runs had stopped after step 4
+        for recipe in RESUMED:  # as if the runs had stopped after step EVAL_EVERY
             shutil.rmtree(_saved(root, recipe) / f"step-{STEPS:08d}")
     torch.distributed.barrier()
     for name, resumed_layout in (("split", LAYOUTS["dense"][RESUMED["dense"]]), ("reshard", dict(tp=8))):
