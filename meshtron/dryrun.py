@@ -37,9 +37,11 @@ from torch.utils.flop_counter import flop_registry
 from meshtron import env
 from meshtron.config import Config, ConfigError, infer_dp, load_config
 from meshtron.fake_cuda import cuda_build, driver_environment, fake_cuda, fake_factories, guard, refusal
+from meshtron.hf.runner import build_runner, with_hf_model
 from meshtron.host import declared, fake_tensors, simulated
 from meshtron.mesh import batch_mesh, expert_hsdp_mesh, expert_meshes, group_names, recipe_mesh
 from meshtron.nccl_rules import NcclRules, unmatched_p2p
+from meshtron.optim import build_optimizer
 from meshtron.parallel.step import training_step
 from meshtron.plan.memory import GIB, Assumptions, Coords, rank_breakdown, state_bytes
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
@@ -58,6 +60,7 @@ from meshtron.torch_private import (
     fake_store_class,
     is_traceable_wrapper_subclass,
     mem_tracker,
+    mem_tracker_class,
     op_argument_names,
     op_name,
     op_packet,
@@ -66,6 +69,9 @@ from meshtron.torch_private import (
     resolve_group,
 )
 
+# Imported now, not where they are used: each rank's process forks from a server that has imported this
+# module (dry_run, meshtron.testing), and would otherwise import them itself (~0.5 s a rank on 2 CPUs).
+FakeStore, _ = fake_store_class(), mem_tracker_class()
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # call sites are named relative to it
 
 # The trace holds what the step allocates: no CUDA context, no allocator slack.
@@ -310,7 +316,6 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
     """Build and step rank ``rank`` of a ``world_size``-rank run of ``cfg`` on fake tensors, MoE routing
     assumed ``routing`` (``meshtron.host.ROUTINGS``), its roofline on ``hw``; on CUDA
     (``env.device_type()``) on fake devices, ``per_node`` of them per node."""
-    FakeStore = fake_store_class()
     start = time.perf_counter()
     with device_runtime(rank % per_node, per_node):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -334,9 +339,6 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
 def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[int, StepCounter, HostSyncCounter]:
     """This rank's runner and optimizer built on fake tensors, a warm-up step, then the traced one under
     NCCL's rules: (its peak bytes, its counter, its host syncs, only those :mod:`meshtron.host` declares)."""
-    from meshtron.hf.runner import build_runner
-    from meshtron.optim import build_optimizer
-
     device = env.local_device()
     rules = NcclRules(device, group_names(mesh))  # names read from the mesh's real rank table
     with simulated(routing):
@@ -626,7 +628,6 @@ def main(recipe: str, overrides: list[str], *, world_size: int, as_json: bool, g
     """The ``--dry-run`` command: bad input gets the training launch's one-line error and exit 2 before
     anything is traced; a layout that would not fit ``gpu_memory_gib`` (default: the recipe's stated
     hardware) ends with the pre-flight refusal and exit 2 after the report."""
-    from meshtron.hf.runner import with_hf_model
     from meshtron.parallel.layout import validate_layout
     from meshtron.plan.fit import check_memory
 

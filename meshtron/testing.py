@@ -17,6 +17,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -33,11 +34,15 @@ _STARTUP = "process group start-up"
 
 def _context():
     # A forkserver that has already imported torch turns an 8-rank launch from ~20 s of imports
-    # into a few forks.
+    # into a few forks; transformers' model base classes (~1 s a rank, in every launch that builds
+    # a transformers model) likewise. A process has one forkserver, which the suite's dry runs
+    # (meshtron.dryrun's rank processes) share once a launch has started it: it imports what their
+    # ranks need too.
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "meshtron"])
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "meshtron",
+                                         "meshtron.dryrun", "transformers.modeling_layers"])
     return _CONTEXT
 
 
@@ -94,6 +99,18 @@ def run_checks(
         if f"check '{_STARTUP}'" not in str(err):
             raise
         _launch(checks, world_size, args, timeout)
+
+
+@contextmanager
+def launched_beside(checks: Sequence[Callable[..., Any]], world_size: int, *args: Any,
+                    timeout: float = 300.0) -> Iterator[None]:
+    """:func:`run_checks` of ``checks`` running while the block runs (its failure raised when the block
+    ends): a small launch (a 1-rank reference run) beside a large one uses the CPUs the small one alone
+    leaves idle."""
+    with ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(run_checks, checks, world_size, *args, timeout=timeout)
+        yield
+        beside.result()
 
 
 def _launch(checks, world_size: int, args, timeout: float) -> None:

@@ -186,12 +186,17 @@ def fake_tensor_mode_class() -> type:
     return FakeTensorMode
 
 
-def mem_tracker(module_tracker):
-    """torch's MemTracker (per-storage accounting and peak) with its module tracker replaced by
-    ``module_tracker`` (MemTracker has no public switch for per-module tracking)."""
+def mem_tracker_class() -> type:
+    """torch's MemTracker (imported on first use: it pulls in torch._inductor)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
+    return MemTracker
+
+
+def mem_tracker(module_tracker):
+    """A MemTracker (per-storage accounting and peak) with its module tracker replaced by
+    ``module_tracker`` (MemTracker has no public switch for per-module tracking)."""
+    tracker = mem_tracker_class()()
     tracker._mod_tracker = module_tracker
     return tracker
 

@@ -38,8 +38,8 @@ from meshtron.mesh import batch_mesh
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.pipeline.schedules import VIRTUAL
 from meshtron.testing import (
-    HF_TINY_FAMILIES, HF_TINY_SIZES, cached_mesh, cached_recipe_mesh, count_calls, rel_err, run_checks,
-    units_with_parameters, whole_weight_passes,
+    HF_TINY_FAMILIES, HF_TINY_SIZES, cached_mesh, cached_recipe_mesh, count_calls, launched_beside, rel_err,
+    run_checks, units_with_parameters, whole_weight_passes,
 )
 
 SMALL = dict(HF_TINY_SIZES, num_hidden_layers=4)
@@ -287,7 +287,8 @@ def test_hf_pp_cp_4_ranks(tmp_path):
 
 # ---- [model] hf_model: a transformers folder trained by meshtron.train on every layout ----
 
-RECIPE_STEPS = 6
+RECIPE_STEPS = 4
+RECIPE_HALF = RECIPE_STEPS // 2  # evaluated after it and the last step; the resume test restarts there
 # model -> layouts, run by the launch of their world size; the 1-rank run is the reference
 RECIPE_LAYOUTS = {
     "llama": {"pp2_cp2": dict(pp=2, cp=2), "cp2_tp2_sp": dict(cp=2, tp=2, sp="true"), "dp2_tp2": dict(dp=2, tp=2),
@@ -306,7 +307,7 @@ RECIPE_LAYOUTS = {
     "gemma2": {"pp2_dp2_tp2": dict(pp=2, dp=2, tp=2)},
     "gemma3": {"pp2_dp2_tp2": dict(pp=2, dp=2, tp=2)},
 }
-EVAL = ["--data.eval_source", "builtin", "--train.eval_every", "3", "--train.eval_steps", "1"]
+EVAL = ["--data.eval_source", "builtin", "--train.eval_every", str(RECIPE_HALF), "--train.eval_steps", "1"]
 
 
 def _ranks(sizes: dict) -> int:
@@ -364,14 +365,14 @@ def recipe_single_rank(root: str, folders: dict) -> None:
 
 
 def recipe_layouts(root: str, folders: dict) -> None:
-    """Every layout of this launch's world size; the dp2 x tp2 Llama run checkpoints at step 3 and exports."""
+    """Every layout of this launch's world size; the dp2 x tp2 Llama run checkpoints at RECIPE_HALF and exports."""
     root = Path(root)
     for name, folder in folders.items():
         for layout, sizes in RECIPE_LAYOUTS[name].items():
             if _ranks(sizes) != torch.distributed.get_world_size():
                 continue
             exports = layout == "dp2_tp2"
-            extra = ["--checkpoint.every", "3", "--checkpoint.dir", str(root / "ckpt"),
+            extra = ["--checkpoint.every", str(RECIPE_HALF), "--checkpoint.dir", str(root / "ckpt"),
                      "--checkpoint.export_hf", str(root / "export")] if exports else []
             trainer = _train_hf(folder, root / name / layout, sizes, extra)
             if exports:
@@ -399,10 +400,11 @@ def _assert_exported(trained: dict[str, torch.Tensor], folder: Path) -> None:
 
 
 def recipe_resume(root: str, folders: dict) -> None:
-    """A fresh trainer resumes dp2 x tp2's step-3 checkpoint resharded onto pp2 x tp2 and runs steps 4-6."""
+    """A fresh trainer resumes dp2 x tp2's step-RECIPE_HALF checkpoint resharded onto pp2 x tp2 and runs the
+    remaining steps."""
     root = Path(root)
     if torch.distributed.get_rank() == 0:
-        shutil.rmtree(root / "ckpt" / "step-00000006")  # as if the run had stopped after step 3
+        shutil.rmtree(root / "ckpt" / f"step-{RECIPE_STEPS:08d}")  # as if the run had stopped after RECIPE_HALF
     torch.distributed.barrier()
     _train_hf(folders["llama"], root / "llama" / "resumed", dict(pp=2, tp=2),
               ["--checkpoint.resume", "true", "--checkpoint.dir", str(root / "ckpt")])
@@ -441,8 +443,8 @@ def _losses(out: Path, key: str = "loss") -> list[float]:
 def recipe_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_recipe")
     folders = _recipe_folders(root)
-    run_checks([recipe_single_rank], 1, str(root), folders, timeout=600)
-    run_checks([recipe_layouts, recipe_resume], 4, str(root), folders, timeout=900)
+    with launched_beside([recipe_single_rank], 1, str(root), folders, timeout=600):
+        run_checks([recipe_layouts, recipe_resume], 4, str(root), folders, timeout=900)
     run_checks([recipe_layouts, recipe_gathers_once_per_step], 8, str(root), folders, timeout=900)
     return root
 
@@ -453,7 +455,7 @@ def test_hf_model_recipe_loss_curve_is_layout_invariant(recipe_runs, model):
     reference = _losses(recipe_runs / model / "single")
     assert len(reference) == RECIPE_STEPS and reference[-1] < reference[0] - 0.05, reference
     eval_reference = _losses(recipe_runs / model / "single", "eval_loss")
-    assert len(eval_reference) == 2, eval_reference  # after steps 3 and 6
+    assert len(eval_reference) == 2, eval_reference  # after RECIPE_HALF and RECIPE_STEPS
     for layout in RECIPE_LAYOUTS[model]:
         for key, ref in (("loss", reference), ("eval_loss", eval_reference)):
             got = _losses(recipe_runs / model / layout, key)
@@ -467,8 +469,8 @@ def test_hf_model_recipe_resumes_and_exports(recipe_runs):
 
     full = _losses(recipe_runs / "llama" / "dp2_tp2")
     resumed = _losses(recipe_runs / "llama" / "resumed")
-    assert len(resumed) == RECIPE_STEPS - 3
-    for step, (a, b) in enumerate(zip(resumed, full[3:]), start=4):
+    assert len(resumed) == RECIPE_STEPS - RECIPE_HALF
+    for step, (a, b) in enumerate(zip(resumed, full[RECIPE_HALF:]), start=RECIPE_HALF + 1):
         assert abs(a - b) / abs(b) < 1e-4, f"step {step}: resumed on pp2 x tp2 {a} vs uninterrupted {b}"
     exported = AutoModelForCausalLM.from_pretrained(recipe_runs / "export")
     source = AutoModelForCausalLM.from_pretrained(recipe_runs / "llama")

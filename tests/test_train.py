@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from meshtron.config import load_config
-from meshtron.testing import assert_step_metrics_sound, cached_recipe_mesh, rel_err, run_checks
+from meshtron.testing import assert_step_metrics_sound, cached_recipe_mesh, launched_beside, rel_err, run_checks
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 8
-EVAL_EVERY = 4  # also where the resume tests restart
+STEPS = 4
+EVAL_EVERY = 2  # also where the resume tests restart
 # Same micro-batch split everywhere: the MoE aux loss is per global micro-batch.
 COMMON = ["--train.steps", str(STEPS), "--parallel.microbatches", "2", "--train.log_every", "1",
           "--train.eval_every", str(EVAL_EVERY), "--train.eval_steps", "2"]
@@ -38,10 +38,15 @@ LAYOUTS = {
         "pp2_cp2_ep2_zb1p": dict(pp=2, cp=2, ep=2, schedule='"zb1p"'),
         # Experts folded over the dense ranks (issue 30's command): dense tp 4 x dp 2, experts ep 8.
         "dp2_tp4_fold_ep8": dict(dp=2, tp=4, ep=8, fold_ep="true"),
+        # Folded and split over etp: the checkpoint the MoE resume test reshards.
+        "dp2_tp4_sp_fold_ep4_etp2": dict(dp=2, tp=4, sp="true", ep=4, etp=2, fold_ep="true"),
     },
 }
 SINGLE = dict(pp=1, dp=1, cp=1, ep=1, tp=1)
 PROFILED = "dp2_tp4_sp"  # traces steps 2-3 on every rank
+# The layout runs that also checkpoint every EVAL_EVERY steps: the uninterrupted runs the resume tests
+# restart (a run of its own would repeat them step for step).
+RESUMED = {"dense": "pp2_dp2_tp2_1f1b", "moe": "dp2_tp4_sp_fold_ep4_etp2"}
 # Extra keys of some runs (observability only: the numbers stay comparable with the others).
 EXTRA = {"single": ["--train.tensorboard", "true"], PROFILED: ["--train.profile_steps", "[2, 3]"]}
 
@@ -83,11 +88,18 @@ def single_rank_references(root: str) -> None:
         _train(f"debug_{recipe}", root / recipe / "single", SINGLE, EXTRA["single"])
 
 
+def _saved(root: Path, recipe: str) -> Path:
+    """Where the layout run ``RESUMED[recipe]`` writes its checkpoints."""
+    return root / "checkpoints" / recipe
+
+
 def eight_rank_layouts(root: str) -> None:
     root = Path(root)
     for recipe, layouts in LAYOUTS.items():
         for name, layout in layouts.items():
-            _train(f"debug_{recipe}", root / recipe / name, layout, EXTRA.get(name, []))
+            saves = ["--checkpoint.every", str(EVAL_EVERY), "--checkpoint.dir", str(_saved(root, recipe))]
+            _train(f"debug_{recipe}", root / recipe / name, layout,
+                   EXTRA.get(name, []) + (saves if RESUMED[recipe] == name else []))
 
 
 def eight_rank_eval_before_training(root: str) -> None:
@@ -109,32 +121,21 @@ def eight_rank_eval_before_training(root: str) -> None:
         (out / "eval_before.json").write_text(json.dumps(before))
 
 
-MOE_RESUME_LAYOUT = dict(dp=2, tp=4, sp="true", ep=4, etp=2, fold_ep="true")
-
-
 def eight_rank_resume(root: str) -> None:
-    """Resume from the step-4 checkpoint of an uninterrupted 8-step run (same schedule), in a fresh
-    trainer on the same layout and, resharded, on tp8; both finish steps 5-8."""
+    """Resume from the step-EVAL_EVERY checkpoint of an uninterrupted run (the layout runs of RESUMED), in a
+    fresh trainer on the same layout and, resharded, on tp8; both finish the remaining steps."""
     root = Path(root)
-    layout = LAYOUTS["dense"]["pp2_dp2_tp2_1f1b"]
-    saved = root / "resume" / "checkpoints"
-    _train("debug_dense", root / "resume" / "uninterrupted", layout,
-           ["--checkpoint.every", str(EVAL_EVERY), "--checkpoint.dir", str(saved)])
+    saved = _saved(root, "dense")
     if torch.distributed.get_rank() == 0:
-        shutil.rmtree(saved / f"step-{STEPS:08d}")  # as if the run had stopped after step 4
+        for recipe in RESUMED:  # as if the runs had stopped after step EVAL_EVERY
+            shutil.rmtree(_saved(root, recipe) / f"step-{STEPS:08d}")
     torch.distributed.barrier()
-    for name, resumed_layout in (("split", layout), ("reshard", dict(tp=8))):
+    for name, resumed_layout in (("split", LAYOUTS["dense"][RESUMED["dense"]]), ("reshard", dict(tp=8))):
         _train("debug_dense", root / "resume" / name, resumed_layout,
                ["--checkpoint.resume", "true", "--checkpoint.dir", str(saved)])
     # MoE: experts folded and split over etp, resumed unfolded (ep a mesh dimension, experts whole).
-    saved = root / "resume_moe" / "checkpoints"
-    _train("debug_moe", root / "resume_moe" / "uninterrupted", MOE_RESUME_LAYOUT,
-           ["--checkpoint.every", str(EVAL_EVERY), "--checkpoint.dir", str(saved)])
-    if torch.distributed.get_rank() == 0:
-        shutil.rmtree(saved / f"step-{STEPS:08d}")
-    torch.distributed.barrier()
     _train("debug_moe", root / "resume_moe" / "reshard", dict(dp=4, ep=2),
-           ["--checkpoint.resume", "true", "--checkpoint.dir", str(saved)])
+           ["--checkpoint.resume", "true", "--checkpoint.dir", str(_saved(root, "moe"))])
 
 
 def eight_rank_hf_round_trip(root: str) -> None:
@@ -158,9 +159,9 @@ def runs(tmp_path_factory):
     hf = Qwen2ForCausalLM(Qwen2Config.from_dict(hf_config_dict(cfg)))
     hf.save_pretrained(root / "hf" / "source")
     (root / "heldout.txt").write_text((ROOT / "README.md").read_text())  # text the models never train on
-    run_checks([single_rank_references], 1, str(root), timeout=600)
-    run_checks([eight_rank_layouts, eight_rank_eval_before_training, eight_rank_resume, eight_rank_hf_round_trip],
-               8, str(root), timeout=1200)
+    with launched_beside([single_rank_references], 1, str(root), timeout=600):
+        run_checks([eight_rank_layouts, eight_rank_eval_before_training, eight_rank_resume, eight_rank_hf_round_trip],
+                   8, str(root), timeout=1200)
     return root
 
 
@@ -274,7 +275,7 @@ def test_plot_draws_every_run(runs, tmp_path):
 
 
 def test_resume_reproduces_the_uninterrupted_run(runs):
-    full = _losses(runs / "resume" / "uninterrupted")
+    full = _losses(runs / "dense" / RESUMED["dense"])
     assert len(full) == STEPS
     for name in ("split", "reshard"):  # same layout, then resharded onto tp8
         resumed = _losses(runs / "resume" / name)
@@ -283,7 +284,7 @@ def test_resume_reproduces_the_uninterrupted_run(runs):
             assert abs(a - b) / abs(b) < 1e-4, f"step {step}: {name} resume {a} vs uninterrupted {b}"
     assert _losses(runs / "resume" / "split") == full[EVAL_EVERY:], "same-layout resume must be bit-exact"
     # The folded ep 4 x etp 2 checkpoint resumed on dp 4 x ep 2: DCP reshards the experts.
-    full, resumed = _losses(runs / "resume_moe" / "uninterrupted"), _losses(runs / "resume_moe" / "reshard")
+    full, resumed = _losses(runs / "moe" / RESUMED["moe"]), _losses(runs / "resume_moe" / "reshard")
     assert len(resumed) == STEPS - EVAL_EVERY
     for step, (a, b) in enumerate(zip(resumed, full[EVAL_EVERY:]), start=EVAL_EVERY + 1):
         assert abs(a - b) / abs(b) < 1e-4, f"step {step}: MoE resume unfolded {a} vs folded uninterrupted {b}"
