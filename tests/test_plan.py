@@ -752,3 +752,23 @@ def test_check_memory_refuses_a_node_without_the_host_memory(monkeypatch):
     with pytest.raises(ConfigError, match=r"GiB of host memory per rank, \d+\.\d GiB for the node's 8 ranks, but "
                                           r"512\.0 GiB of host memory is available"):
         fit.check_memory(cfg, 8, "cuda", host_available=512 * GIB)
+
+
+def test_offload_variants_are_the_valid_ones_the_recipe_lacks():
+    """The search's fallbacks pass the recipe's own checks: no optimizer offload under replicate, no
+    activation offload with compiled blocks, nothing the recipe already sets."""
+    from meshtron.config import validate
+    from meshtron.plan.search import offload_variants
+
+    def kinds(*overrides: str) -> set:
+        # The recipe's full checkpointing leaves activation offload nothing: the search sets lighter modes.
+        base = ["--parallel.activation_checkpointing", "selective", *overrides]
+        variants = offload_variants(load_config(RECIPES / "qwen2p5_7b.toml", base))
+        for variant in variants:
+            validate(variant)
+        return {(v.parallel.offload, v.parallel.offload_activations) for v in variants}
+
+    assert kinds() == {("optimizer", False), ("none", True), ("optimizer", True)}
+    assert kinds("--parallel.data_parallel", "replicate") == {("none", True)}
+    assert kinds("--parallel.compile", "true") == {("optimizer", False)}
+    assert kinds("--parallel.offload", "optimizer") == {("none", True), ("optimizer", True)}

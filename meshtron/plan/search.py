@@ -263,11 +263,12 @@ def rank_layouts(cfg: Config, world_size: int, hw: Hardware, assumptions: Assump
 
 def offload_variants(cfg: Config) -> list[Config]:
     """The recipe with each host offload it does not set already: the optimizer state (FSDP and HSDP
-    only), the saved activations, both."""
+    only), the saved activations (not with compiled blocks), both."""
     p = cfg.parallel
     optimizer = ("none", "optimizer") if p.data_parallel in ("fsdp", "hsdp") else ("none",)
+    activations = (False,) if p.compile else (False, True)
     return [dataclasses.replace(cfg, parallel=dataclasses.replace(p, offload=o, offload_activations=a))
-            for o in optimizer for a in (False, True)
+            for o in optimizer for a in activations
             if (o, a) != ("none", False) and (o, a) != (p.offload, p.offload_activations)]
 
 
