@@ -14,7 +14,8 @@ device runtime answered by :mod:`meshtron.fake_cuda` (no GPU needed); a CPU buil
 
 Host offload (``[parallel] offload = "optimizer"``): each rank also reports the bytes the offload keeps in
 host memory, counted on the traced step's own objects (every parameter's local shard, its gradient and
-the optimizer's state tensors), beside the planner's ``Breakdown.host``. On CPU ranks host and device are
+the optimizer's state tensors), beside the planner's ``Breakdown.host`` of the same (offloaded saved
+activations are not traced apart: on CPU their copies land in the one memory). On CPU ranks host and device are
 one memory and FSDP's offload moves nothing, so the traced peak is compared with the plan of the same
 layout without offload; on fake CUDA devices, with the offloaded plan.
 
@@ -78,7 +79,7 @@ class RankTrace:
     syncs: dict[str, int] = dataclasses.field(default_factory=dict)  # "op at file:line in function" -> per step
     p2p: list = dataclasses.field(default_factory=list)  # (direction, peer, shape, dtype) in order (nccl_rules)
     host_gib: float = 0.0  # what [parallel] offload keeps in host memory, counted on the step's objects
-    planned_host_gib: float = 0.0  # meshtron.plan's offloaded state (Breakdown.host without the process's own)
+    planned_host_gib: float = 0.0  # meshtron.plan's offloaded fp32 state (Breakdown.host's params, grads, optimizer)
 
     @property
     def ratio(self) -> float:
@@ -322,7 +323,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
         finally:
             dist.destroy_process_group()
     plan = rank_breakdown(cfg, Coords(**coords), TRACE_ASSUMPTIONS)
-    planned_host = plan.host_total - plan.host["other"]
+    planned_host = sum(plan.host[k] for k in ("params", "grads", "optimizer"))  # what offloaded_bytes counts
     # On CPU ranks the offloaded state stays in the one memory the trace measures.
     planned = rank_breakdown(_one_memory(cfg), Coords(**coords), TRACE_ASSUMPTIONS).total \
         if env.device_type() == "cpu" else plan.total
