@@ -229,6 +229,19 @@ class ParallelConfig:
         "until the last backward reduces once (more memory, fewer collectives: `meshtron.plan` tries both); no "
         "effect with `replicate`",
     )
+    offload: str = recipe_key(
+        "none",
+        "`optimizer`: keep the fp32 sharded parameters, their gradients and the AdamW state in host memory and "
+        "step the optimizer there (FSDP2's `CPUOffloadPolicy`: each unit's shard is copied to the device for its "
+        "all-gather, gradients copied back after their reduce-scatter); needs `data_parallel` `fsdp` or `hsdp` "
+        "and pp = 1; `none`: all on the device (see [Training](training.md#host-memory-offload))",
+    )
+    offload_activations: bool = recipe_key(
+        False,
+        "send the tensors each block saves for backward to host memory after its forward and back in its "
+        "backward (on CUDA on a side stream, overlapping compute); blocks recomputed by "
+        "`activation_checkpointing` keep their inputs on the device instead; pp = 1",
+    )
     prove_blocks: bool = recipe_key(
         True,
         "with `[model] hf_model`: before training, run the first block of each kind split and whole on a probe "
@@ -549,6 +562,7 @@ DATA_PARALLEL_MODES = ("fsdp", "hsdp", "replicate")
 FSDP_GATHERS = ("per_microbatch", "per_step")  # how often FSDP gathers a unit under accumulation
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "op")
 AC_POLICIES = ("save_matmuls", "alternate_matmuls")
+OFFLOADS = ("none", "optimizer")  # [parallel] offload; meshtron/parallel/data.py
 NONFINITE_POLICIES = ("stop", "skip")
 MEMORY_CHECKS = ("error", "warn", "off")
 
@@ -600,6 +614,34 @@ def _validate_data_parallel(p: ParallelConfig, source: str) -> None:
              f"{source}: [parallel] activation_checkpointing = 'op' does not compose with compile = true yet (a "
              "compiled block's recomputation runs its whole graph again, keeping the op outputs as well); use "
              "activation_checkpointing = 'full' or compile = false.")
+
+
+def _validate_offload(cfg: Config, source: str) -> None:
+    """Host-memory offload: FSDP2's CPU offload of the sharded state, per-block activation offload."""
+    p, where = cfg.parallel, f"{source}: [parallel]"
+    _require_choice(source, "[parallel] offload", p.offload, OFFLOADS)
+    # (key, its value, the value that turns it off) of each offload the recipe sets
+    offloads = [("offload", f"'{p.offload}'", "'none'")] if p.offload != "none" else []
+    offloads += [("offload_activations", "true", "false")] if p.offload_activations else []
+    for key, value, off in offloads:
+        _require(p.pp == 1, f"{where} {key} = {value} runs without a pipeline (pp = 1), got pp = {p.pp}; "
+                 f"set pp = 1 or {key} = {off}.")
+        _require(not cfg.model.hf_model, f"{where} {key} = {value} is built for meshtron's own models; "
+                 f"[model] hf_model trains without it; set {key} = {off}.")
+    if p.offload != "none":
+        _require(p.data_parallel in ("fsdp", "hsdp"),
+                 f"{where} offload = '{p.offload}' keeps FSDP's parameter shards in host memory: it needs "
+                 f"data_parallel = 'fsdp' or 'hsdp', got '{p.data_parallel}'.")
+        _require(cfg.train.fp8 == "none",
+                 f"{where} offload = '{p.offload}' does not compose with [train] fp8 = '{cfg.train.fp8}' (float8 "
+                 "all-gathers of host shards); set fp8 = 'none' or offload = 'none'.")
+    _require(not p.offload_activations or p.activation_checkpointing != "full",
+             f"{where} offload_activations = true offloads the blocks activation checkpointing does not recompute, "
+             "and activation_checkpointing = 'full' recomputes every block: nothing would move. Use "
+             "activation_checkpointing = 'none' or 'selective', or offload_activations = false.")
+    _require(not (p.offload_activations and p.compile),
+             f"{where} offload_activations = true hooks each block's saved tensors, which compile = true would trace "
+             "into the compiled graph; set one of them false.")
 
 
 def _check_numbers(section: str, obj: Any, source: str) -> None:
@@ -665,6 +707,7 @@ def _validate_layout(cfg: Config, source: str) -> None:
         f"{where} schedule = '{p.schedule}' {needs_two_virtual_stages(p.virtual_stages)}.",
     )
     _validate_data_parallel(p, source)
+    _validate_offload(cfg, source)
     _require(
         not p.tp_overlap or (p.sp and p.tp > 1 and not cfg.model.hf_model),
         f"{where} tp_overlap = true overlaps sequence parallelism's collectives with meshtron's own blocks: it "

@@ -12,6 +12,13 @@ same rank without its reserve and slack terms (the trace has no CUDA context and
 With ``MESHTRON_DEVICE=cuda`` and a CUDA build of torch the ranks run on fake CUDA devices, their
 device runtime answered by :mod:`meshtron.fake_cuda` (no GPU needed); a CPU build refuses that in one line.
 
+Host offload (``[parallel] offload = "optimizer"``): each rank also reports the bytes the offload keeps in
+host memory, counted on the traced step's own objects (every parameter's local shard, its gradient and
+the optimizer's state tensors), beside the planner's ``Breakdown.host`` of the same (offloaded saved
+activations are not traced apart: on CPU their copies land in the one memory). On CPU ranks host and device are
+one memory and FSDP's offload moves nothing, so the traced peak is compared with the plan of the same
+layout without offload; on fake CUDA devices, with the offloaded plan.
+
 Where the real step reads device values on the host, :mod:`meshtron.host` supplies the dry run's
 assumption; ``--dry-run-routing skewed`` replaces balanced MoE routing by the worst case (every
 rank's token copies sent to the first ep rank, which the traced rank is).
@@ -32,6 +39,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import flop_registry
 
 from meshtron import env
@@ -94,6 +102,8 @@ class RankTrace:
     seconds: float  # the dry run's own wall time for this rank
     syncs: dict[str, int] = dataclasses.field(default_factory=dict)  # "op at file:line in function" -> per step
     p2p: list = dataclasses.field(default_factory=list)  # (direction, peer, shape, dtype) in order (nccl_rules)
+    host_gib: float = 0.0  # what [parallel] offload keeps in host memory, counted on the step's objects
+    planned_host_gib: float = 0.0  # meshtron.plan's offloaded fp32 state (Breakdown.host's params, grads, optimizer)
 
     @property
     def ratio(self) -> float:
@@ -322,23 +332,49 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
         try:
             mesh = recipe_mesh(cfg)
             coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-            peak, counter, syncs = _traced_step(cfg, mesh, routing, hw)
+            peak, counter, syncs, host = _traced_step(cfg, mesh, routing, hw)
             comm = compare_comm(counter.sent, planned_comm(cfg, mesh), group_names(mesh))
         finally:
             dist.destroy_process_group()
-    planned = rank_breakdown(cfg, Coords(**coords), TRACE_ASSUMPTIONS).total
+    plan = rank_breakdown(cfg, Coords(**coords), TRACE_ASSUMPTIONS)
+    planned_host = sum(plan.host[k] for k in ("params", "grads", "optimizer"))  # what offloaded_bytes counts
+    # On CPU ranks the offloaded state stays in the one memory the trace measures.
+    planned = rank_breakdown(_one_memory(cfg), Coords(**coords), TRACE_ASSUMPTIONS).total \
+        if env.device_type() == "cpu" else plan.total
     step = predict_step_time(cfg, hw, counter.roofline_seconds).seconds
     per_site: dict[str, int] = {}
     for sync in syncs.syncs:
         site = f"{sync.op} at {sync.where.removeprefix(_ROOT)}"
         per_site[site] = per_site.get(site, 0) + 1
     return RankTrace(rank, coords, peak / GIB, planned / GIB, counter.calls, comm, counter.flops,
-                     counter.roofline_seconds, step, time.perf_counter() - start, per_site, counter.rules.p2p)
+                     counter.roofline_seconds, step, time.perf_counter() - start, per_site, counter.rules.p2p,
+                     host / GIB, planned_host / GIB)
 
 
-def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[int, StepCounter, HostSyncCounter]:
+def _one_memory(cfg: Config) -> Config:
+    """``cfg`` without host offload: what a rank whose host and device are one memory holds."""
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload="none",
+                                                                 offload_activations=False))
+
+
+def offloaded_bytes(cfg: Config, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes ``[parallel] offload = "optimizer"`` keeps in host memory after a step: each parameter's local
+    shard and gradient and the optimizer's state tensors (0 without offload)."""
+    if cfg.parallel.offload != "optimizer":
+        return 0
+    held = [t for p in module.parameters() for t in (p, p.grad) if t is not None]
+    held += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    return sum(_local(t).numel() * _local(t).element_size() for t in held)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[int, StepCounter, HostSyncCounter, int]:
     """This rank's runner and optimizer built on fake tensors, a warm-up step, then the traced one under
-    NCCL's rules: (its peak bytes, its counter, its host syncs, only those :mod:`meshtron.host` declares)."""
+    NCCL's rules: (its peak bytes, its counter, its host syncs, only those :mod:`meshtron.host` declares,
+    the bytes its host offload holds)."""
     device = env.local_device()
     rules = NcclRules(device, group_names(mesh))  # names read from the mesh's real rank table
     with simulated(routing):
@@ -361,7 +397,7 @@ def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[int, St
                 raise RuntimeError(f"the traced step of rank {dist.get_rank()} inferred {inferred.count} DTensor output "
                                    "shapes its warm-up did not: its peak would count their placeholders")
     peak = sum(per_device.get("Total", 0) for per_device in memory.get_tracker_snapshot("peak").values())
-    return peak, counter, syncs
+    return peak, counter, syncs, offloaded_bytes(cfg, runner.module, optimizer)
 
 
 class HostSyncRefusal(RuntimeError):
@@ -576,6 +612,7 @@ def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool,
             "tokens_per_second_per_device": round(speed, 1),
             "ranks": [{"rank": t.rank, "coords": t.coords, "traced_gib": round(t.traced_gib, 3),
                        "planned_gib": round(t.planned_gib, 3), "ratio": round(t.ratio, 3),
+                       "host_gib": round(t.host_gib, 3), "planned_host_gib": round(t.planned_host_gib, 3),
                        "collectives": t.collectives, "host_syncs": t.syncs, "flops": t.flops,
                        "compute_seconds": round(t.compute_seconds, 4), "step_seconds": round(t.step_seconds, 4),
                        "comm_bytes": {key: {"traced": traced, "planned": planned}
@@ -593,6 +630,8 @@ def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool,
                      f"{t.flops / 1e12:>8.1f} {t.compute_seconds:>10.3f} {t.step_seconds:>7.3f}  {calls}")
         lines += [f"{'':>11} sent {key}: {traced / GIB:.3f} GiB traced, {planned / GIB:.3f} planned"
                   for key, (traced, planned) in t.comm.items()]
+        if t.host_gib or t.planned_host_gib:
+            lines.append(f"{'':>11} host memory (offload): {t.host_gib:.2f} GiB traced, {t.planned_host_gib:.2f} planned")
         lines.append(f"{'':>11} host syncs per step: {sum(t.syncs.values())}"
                      + "".join(f"; {n} x {where}" for where, n in t.syncs.items()))
     lines.append(f"predicted: {speed:,.0f} tokens/s per device (roofline compute on {_device_text()}, the planner's "

@@ -276,7 +276,8 @@ PLAN_7B = ["-m", "meshtron.plan", "--recipe", "recipes/qwen2p5_7b.toml", "--gpus
 # Every hardware flag at a value unlike its default and its neighbours', so a value landing in another
 # field shows in the header.
 ODD_HARDWARE = {"--gpu-memory": "141", "--gpus-per-node": "4", "--mfu": "0.35", "--peak-tflops": "835",
-                "--intra-gbps": "900", "--inter-gbps": "25"}
+                "--intra-gbps": "900", "--inter-gbps": "25", "--host-link-gbps": "450", "--host-memory": "480",
+                "--host-memory-gbps": "60"}
 
 
 def qwen2_parameters(model: dict) -> tuple[int, int]:
@@ -357,9 +358,11 @@ def test_plan_command_as_typed_obeys_physical_and_published_bounds():
     plan, half = json.loads(as_json), json.loads(at_half)
 
     assert text.splitlines()[0] == ("recipes/qwen2p5_7b.toml on 8 x 80 GiB (8 per node), GEMM-size compute model "
-                                    "on 989 TFLOP/s and 3.35 TB/s, 450 GB/s inside a node, 50 between nodes assumed")
+                                    "on 989 TFLOP/s and 3.35 TB/s, 450 GB/s inside a node, 50 between nodes; host: "
+                                    "2048 GiB per node, 50 GB/s to each device, 40 GB/s of memory per rank assumed")
     assert odd_text.splitlines()[0] == ("recipes/qwen2p5_7b.toml on 8 x 141 GiB (4 per node), MFU 0.35 on 835 "
-                                        "TFLOP/s and 3.35 TB/s, 900 GB/s inside a node, 25 between nodes assumed")
+                                        "TFLOP/s and 3.35 TB/s, 900 GB/s inside a node, 25 between nodes; host: 480 GiB "
+                                        "per node, 450 GB/s to each device, 60 GB/s of memory per rank assumed")
     assert "recipe layout: dp 2 x tp 4" in text and "<- largest" in text and "fits in 80 GiB" in text
     assert "fits in 141 GiB" in odd_text
     assert half["hardware"]["mfu"] == 0.5 and plan["hardware"]["mfu"] is None
@@ -432,15 +435,29 @@ def test_recipe_hardware_line_is_required(tmp_path):
         recipe_hardware(bare)
 
 
-def test_72b_does_not_fit_one_node_but_fits_four():
+def test_72b_fits_one_node_only_with_offload_but_four_without():
+    """Qwen2.5-72B on one node of 8 x 80 GiB: nothing fits on the devices alone; the search then offloads the
+    optimizer state, and its layout's node needs less than the node's 2 TiB of host memory (not 512 GiB).
+    Four nodes need no offload."""
+    from meshtron.plan.search import fits
+
     cfg = load_config(RECIPES / "qwen2p5_72b.toml")
-    assert not any(p.fits for p in rank_layouts(cfg, 8, Hardware()))
-    assert rank_layouts(cfg, 32, Hardware())[0].fits
+    hw = Hardware()
+    ranked = rank_layouts(cfg, 8, hw)
+    assert not any(p.fits and p.cfg.parallel.offload == "none" and not p.cfg.parallel.offload_activations
+                   for p in ranked)
+    best = ranked[0]
+    assert best.fits and best.cfg.parallel.offload == "optimizer"
+    assert best.memory.total <= 80 * GIB and 8 * best.memory.host_total <= 2048 * GIB
+    assert not fits(best.cfg, best.memory, dataclasses.replace(hw, host_memory_gib=512))
+    best = rank_layouts(cfg, 32, hw)[0]
+    assert best.fits and best.cfg.parallel.offload == "none"
 
 
 def test_check_memory_modes(monkeypatch, capsys):
     cfg = load_config(RECIPES / "qwen2p5_7b.toml")
     monkeypatch.setattr(fit, "available_per_rank", lambda device: (28 * GIB, "test device"))
+    monkeypatch.setattr(fit, "host_available_bytes", lambda: 2048 * GIB)  # a GPU node's, not this machine's
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with pytest.raises(ConfigError) as err:
         fit.check_memory(cfg, 8, "cuda")
@@ -799,3 +816,90 @@ def test_cp_bytes_of_every_comm_type_equal_the_counted_ones():
     cfg = _config("debug_dense", dict(cp=8, cp_comm_type="a2a+p2p"))
     keys = {k for k in communication(cfg) if k.split("/")[1].startswith("cp")}
     assert keys == {"all_to_all/cp_a2a", "p2p/cp_ring"}, keys
+
+
+# Qwen2.5-72B's parameters (recipes/qwen2p5_72b.toml's header) and tensors: 80 layers of 12 (q, k, v with
+# biases, o, 3 MLP, 2 norms), the embedding, the final norm, the LM head.
+QWEN72B_PARAMS, QWEN72B_TENSORS = 72_706_203_648, 80 * 12 + 3
+
+
+def _offloaded_72b(*extra: str):
+    return load_config(RECIPES / "qwen2p5_72b.toml", ["--parallel.dp", "8", "--parallel.tp", "1", "--parallel.sp",
+                                                      "false", "--parallel.offload", "optimizer", *extra])
+
+
+def test_offloaded_state_is_counted_in_host_memory_not_on_the_device():
+    """offload = "optimizer" on dp 8: each rank's host holds its eighth of the fp32 parameters, gradients
+    and both Adam moments (16 bytes a parameter, one fp32 step count per tensor; FSDP's padding of uneven
+    rows is below 0.01 %), the device none of them."""
+    memory = predict_memory(_offloaded_72b())
+    analytic = QWEN72B_PARAMS * 16 / 8 + 4 * QWEN72B_TENSORS
+    host = memory.host["params"] + memory.host["grads"] + memory.host["optimizer"]
+    assert abs(host - analytic) / analytic < 1e-4, (host / GIB, analytic / GIB)
+    assert memory.terms["params"] == memory.terms["grads"] == memory.terms["optimizer"] == 0
+    assert memory.host["other"] == Assumptions().host_reserved_gib * GIB and memory.host["activations"] == 0
+    plain = predict_memory(load_config(RECIPES / "qwen2p5_72b.toml", ["--parallel.dp", "8", "--parallel.tp", "1",
+                                                                      "--parallel.sp", "false"]))
+    assert plain.terms["optimizer"] > 0 and plain.host_total == Assumptions().host_reserved_gib * GIB
+
+
+def test_offloaded_activations_are_the_saved_tensors_of_the_blocks_not_recomputed():
+    """offload_activations: the host holds every block's saved tensors but the recomputed ones' (selective:
+    every second block), the device only the checkpointed blocks' inputs and the final norm's tensors."""
+    from meshtron.plan.memory import layer_activation_bytes, microbatch_tokens, saved_activation_bytes
+
+    for ac, offloaded in (("none", range(80)), ("selective", range(1, 80, 2))):
+        cfg = _offloaded_72b("--parallel.offload_activations", "true", "--parallel.activation_checkpointing", ac)
+        tokens = microbatch_tokens(cfg)
+        assert predict_memory(cfg).host["activations"] == tokens * sum(layer_activation_bytes(cfg, i) for i in offloaded)
+        kept = tokens * 2 * 8192 * (40 if ac == "selective" else 0) + tokens * (4 + 2) * 8192  # inputs, final norm
+        assert saved_activation_bytes(cfg, 0) == kept
+
+
+def test_host_offload_time_counts_the_copies_and_the_host_optimizer_step():
+    """The optimizer step on the host reads and writes 28 bytes a parameter at the stated host bandwidth;
+    per micro-batch each fp32 shard crosses the host link twice (gathered forward and backward) and its
+    gradient once."""
+    from meshtron.plan.speed import host_transfer_bytes
+
+    cfg = _offloaded_72b("--parallel.microbatches", "4")
+    hw = Hardware()
+    shard = QWEN72B_PARAMS / 8
+    step = predict_step_time(cfg, hw)
+    assert abs(step.host_optimizer - 28 * shard / (hw.host_memory_gbps * 1e9)) / step.host_optimizer < 1e-4
+    moved = host_transfer_bytes(cfg)
+    assert abs(moved["parameters"] - 2 * 4 * 4 * shard) / moved["parameters"] < 1e-4
+    assert abs(moved["gradients"] - 4 * 4 * shard) / moved["gradients"] < 1e-4
+    plain = predict_step_time(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload="none")), hw)
+    # Copies hide behind this layout's compute; the step grows by the host optimizer step alone.
+    assert step.seconds == pytest.approx(plain.seconds + step.host_optimizer)
+
+
+def test_check_memory_refuses_a_node_without_the_host_memory(monkeypatch):
+    cfg = load_config(RECIPES / "qwen2p5_72b_8gpu.toml")
+    monkeypatch.setattr(fit, "available_per_rank", lambda device: (80 * GIB, "test device"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    fit.check_memory(cfg, 8, "cuda", host_available=2048 * GIB)
+    with pytest.raises(ConfigError, match=r"GiB of host memory per rank, \d+\.\d GiB for the node's 8 ranks, but "
+                                          r"512\.0 GiB of host memory is available"):
+        fit.check_memory(cfg, 8, "cuda", host_available=512 * GIB)
+
+
+def test_offload_variants_are_the_valid_ones_the_recipe_lacks():
+    """The search's fallbacks pass the recipe's own checks: no optimizer offload under replicate, no
+    activation offload with compiled blocks, nothing the recipe already sets."""
+    from meshtron.config import validate
+    from meshtron.plan.search import offload_variants
+
+    def kinds(*overrides: str) -> set:
+        # The recipe's full checkpointing leaves activation offload nothing: the search sets lighter modes.
+        base = ["--parallel.activation_checkpointing", "selective", *overrides]
+        variants = offload_variants(load_config(RECIPES / "qwen2p5_7b.toml", base))
+        for variant in variants:
+            validate(variant)
+        return {(v.parallel.offload, v.parallel.offload_activations) for v in variants}
+
+    assert kinds() == {("optimizer", False), ("none", True), ("optimizer", True)}
+    assert kinds("--parallel.data_parallel", "replicate") == {("none", True)}
+    assert kinds("--parallel.compile", "true") == {("optimizer", False)}
+    assert kinds("--parallel.offload", "optimizer") == {("none", True), ("optimizer", True)}

@@ -54,6 +54,12 @@ layer indices only, so a pipeline stage with several model chunks never gathers 
 block early. 0 leaves FSDP2's own (implicit) prefetching; larger values gather further ahead at the
 cost of that many more unsharded blocks in memory. ``replicate`` gathers nothing and ignores it.
 
+Host offload (``[parallel] offload = "optimizer"``, ``fsdp`` and ``hsdp``): FSDP2's ``CPUOffloadPolicy``
+keeps every unit's fp32 shard, its gradient and so the optimizer state in host memory; the shard is
+copied to the device for each all-gather and the reduce-scattered gradient copied back, and the
+optimizer steps on the host. Pinned host memory (asynchronous copies) on CUDA only; CPU ranks over gloo
+copy nothing (host and device are the same memory) but run the same code.
+
 Mixed precision (``[train] dtype``): ``bfloat16`` keeps fp32 master parameters and optimizer state,
 computes in bf16 (parameters all-gathered in bf16) and reduces gradients in fp32; ``float32`` uses
 no policy.
@@ -66,10 +72,10 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from meshtron.config import DATA_PARALLEL_MODES, DTYPES, ParallelConfig, not_one_of
+from meshtron.config import DATA_PARALLEL_MODES, DTYPES, OFFLOADS, ParallelConfig, not_one_of
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_hsdp_mesh, expert_split
 from meshtron.models.moe import MoE, moe_layers
 from meshtron.parallel.expert import ExpertDispatch
@@ -92,6 +98,17 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
     if dtype == "float32":
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=_DTYPES[dtype], reduce_dtype=torch.float32)
+
+
+def offload_policy(offload: str, mode: str, device_type: str) -> OffloadPolicy:
+    """FSDP2's policy for ``[parallel] offload`` (module docstring): pinned host memory on CUDA only."""
+    if offload not in OFFLOADS:
+        raise ValueError(not_one_of("[parallel] offload", offload, OFFLOADS))
+    if offload == "none":
+        return OffloadPolicy()
+    if mode == "replicate":
+        raise ValueError("[parallel] offload = 'optimizer' needs sharded data parallelism (fsdp or hsdp), not replicate.")
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda")
 
 
 def data_meshes(mesh: DeviceMesh, mode: str) -> tuple[DeviceMesh, DeviceMesh]:
@@ -141,7 +158,8 @@ def shard_placement(shards: int, prefer_even: bool = False):
 
 
 def wrap_data_parallel(
-    module: nn.Module, data_mesh: DeviceMesh, mode: str, policy: MixedPrecisionPolicy, prefer_even: bool = False
+    module: nn.Module, data_mesh: DeviceMesh, mode: str, policy: MixedPrecisionPolicy, prefer_even: bool = False,
+    offload: OffloadPolicy = OffloadPolicy(),
 ) -> FSDPModule:
     """One FSDP2 (or replicate) unit whose gradients are summed over ``data_mesh``, not averaged:
     each rank's loss is already its share of the global loss."""
@@ -149,7 +167,8 @@ def wrap_data_parallel(
         unit = replicate(module, mesh=data_mesh, mp_policy=policy)
     else:
         placement = shard_placement(data_mesh.size(data_mesh.ndim - 1), prefer_even)  # the shard dim (last for HSDP)
-        unit = fully_shard(module, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement)
+        unit = fully_shard(module, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement,
+                           offload_policy=offload)
     unit.set_gradient_divide_factor(1.0)
     unit.set_force_sum_reduction_for_comms(True)  # a factor alone becomes PREMUL_SUM, which gloo lacks
     return unit
@@ -291,24 +310,27 @@ def finish_split_backward(units: Sequence[nn.Module], released: Sequence[nn.Modu
 
 
 def apply_data_parallel(
-    model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp", dtype: str = "float32", prefetch: int = 1
+    model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp", dtype: str = "float32", prefetch: int = 1,
+    offload: str = "none",
 ) -> nn.Module:
     """Shard or replicate ``model`` (a full model or a pipeline stage) over the data meshes, in place.
 
     Call last, after TP/EP/CP, activation checkpointing and compilation; works on meta-device and
     materialised models. Gradients are summed over data ranks (see the module docstring).
-    ``prefetch``: blocks all-gathered ahead of use (see the module docstring).
+    ``prefetch``: blocks all-gathered ahead of use; ``offload``: ``[parallel] offload`` (see the
+    module docstring).
     """
     policy = mixed_precision(dtype)
+    host = offload_policy(offload, mode, mesh.device_type)
     _check_experts_split(model, mesh)
     dense_mesh, expert_mesh = data_meshes(mesh, mode)
     for block in model.layers.values():
         for moe in moe_layers(block):
-            wrap_data_parallel(moe.experts, expert_mesh, mode, policy, prefer_even=True)
-        wrap_data_parallel(block, dense_mesh, mode, policy)
+            wrap_data_parallel(moe.experts, expert_mesh, mode, policy, prefer_even=True, offload=host)
+        wrap_data_parallel(block, dense_mesh, mode, policy, offload=host)
     for module in _untied_vocab_modules(model):
-        wrap_data_parallel(module, dense_mesh, mode, policy)
-    wrap_data_parallel(model, dense_mesh, mode, policy)
+        wrap_data_parallel(module, dense_mesh, mode, policy, offload=host)
+    wrap_data_parallel(model, dense_mesh, mode, policy, offload=host)
     if mode != "replicate":
         set_prefetch(model, prefetch)
     return model

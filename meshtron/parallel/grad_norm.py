@@ -78,10 +78,11 @@ def global_grad_norm(
     is_max = math.isinf(norm_type)
     op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
     grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else env.local_device()
+    # The collectives' device: host-offloaded gradients ([parallel] offload) sum on the host first.
+    device = env.local_device()
     total = torch.zeros((), device=device, dtype=torch.float32)
     for (mesh, dims), pieces in _local_pieces(grads).items():
-        part = _power_sum(pieces, norm_type)
+        part = _power_sum(pieces, norm_type).to(device)
         for dim in dims:
             dist.all_reduce(part, op=op, group=mesh.get_group(dim))
         total = torch.maximum(total, part) if is_max else total + part

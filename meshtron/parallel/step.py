@@ -67,11 +67,18 @@ def training_step(
     optimizer.zero_grad(set_to_none=True)
     loss = runner.forward_backward(input_ids, labels, position_ids)
     grad_norm = runner.clip_grad_norm(max_grad_norm)
-    optimizer.found_inf = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
+    skip = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
+    optimizer.found_inf = skip.to(_parameter_device(optimizer))  # the host's with [parallel] offload
     optimizer.step()
     for moe in runner.moes:  # aux-loss-free balancing (a no-op unless configured), skipped with the update
-        moe.update_expert_bias(skip=optimizer.found_inf)
+        moe.update_expert_bias(skip=skip)
     return loss, grad_norm
+
+
+def _parameter_device(optimizer: torch.optim.Optimizer) -> torch.device:
+    """Where the optimizer's parameters (so its fused kernel) live: the host when offloaded."""
+    param = optimizer.param_groups[0]["params"][0]
+    return (param.to_local() if isinstance(param, DTensor) else param).device
 
 
 def split_microbatches(input_ids: torch.Tensor, labels: torch.Tensor, mesh, micro: int, positions=None):

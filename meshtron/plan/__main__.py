@@ -11,7 +11,7 @@ from meshtron.config import Config, ConfigError, infer_dp, load_config
 from meshtron.plan.memory import GIB
 from meshtron.parallel.data import gathers_once_per_step
 from meshtron.parallel.layout import validate_layout
-from meshtron.plan.search import Plan, evaluate, rank_layouts
+from meshtron.plan.search import Plan, evaluate, rank_layouts, ranks_per_node
 from meshtron.plan.speed import Hardware
 
 
@@ -26,13 +26,20 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--peak-tflops", type=float, default=Hardware.peak_tflops, help="per device, dense")
     parser.add_argument("--intra-gbps", type=float, default=Hardware.intra_gbps, help="GB/s inside a node")
     parser.add_argument("--inter-gbps", type=float, default=Hardware.inter_gbps, help="GB/s between nodes")
+    parser.add_argument("--host-link-gbps", type=float, default=Hardware.host_link_gbps,
+                        help="GB/s per direction between host and device (offload)")
+    parser.add_argument("--host-memory", type=float, default=Hardware.host_memory_gib, help="GiB of host memory per node")
+    parser.add_argument("--host-memory-gbps", type=float, default=Hardware.host_memory_gbps,
+                        help="GB/s of host memory bandwidth per rank (the offloaded optimizer step)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return parser.parse_known_args(argv)
 
 
 def hardware(args: argparse.Namespace) -> Hardware:
     return Hardware(gpus_per_node=args.gpus_per_node, memory_gib=args.gpu_memory, peak_tflops=args.peak_tflops,
-                    mfu=args.mfu, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps)
+                    mfu=args.mfu, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
+                    host_link_gbps=args.host_link_gbps, host_memory_gib=args.host_memory,
+                    host_memory_gbps=args.host_memory_gbps)
 
 
 def recipe_plan(cfg: Config, gpus: int, hw: Hardware) -> Plan | str:
@@ -57,6 +64,9 @@ def _layout_text(plan: Plan) -> str:
         extras.insert(0, "SP")
     if p.pp > 1:
         extras.append(p.schedule)
+    offloaded = [what for what, on in (("optimizer", p.offload == "optimizer"), ("activations", p.offload_activations)) if on]
+    if offloaded:
+        extras.append(f"offload {' + '.join(offloaded)}")
     return f"{sizes} ({', '.join(extras)})"
 
 
@@ -67,9 +77,16 @@ def breakdown_text(plan: Plan, hw: Hardware) -> list[str]:
     verdict = "fits" if plan.fits else "does NOT fit"
     lines.append(f"  {'total':<16}{plan.memory.total / GIB:9.2f}  {verdict} in {hw.memory_gib:g} GiB "
                  f"(busiest pipeline rank {plan.memory.pp_rank}, peak in {plan.memory.phase})")
+    host = plan.memory.host_total
+    ranks = ranks_per_node(plan.cfg, hw)
+    lines.append(f"  host memory {host / GIB:.2f} GiB per rank, {ranks * host / GIB:.1f} GiB per node of "
+                 f"{hw.host_memory_gib:g} ({', '.join(f'{k} {v / GIB:.2f}' for k, v in plan.memory.host.items() if v)})")
     t = plan.time
     lines.append(f"  step {t.seconds:.2f} s, {t.tokens_per_second:,.0f} tokens/s (compute {t.compute:.2f} s, "
-                 f"exposed communication {t.exposed_comm:.2f} s, pipeline bubble {t.bubble:.0%})")
+                 f"exposed communication {t.exposed_comm:.2f} s"
+                 + (f", of it host copies {t.exposed_by.get('host', 0.0):.2f} s, optimizer on the host "
+                    f"{t.host_optimizer:.2f} s" if t.host_optimizer or "host" in t.exposed_by else "")
+                 + f", pipeline bubble {t.bubble:.0%})")
     return lines
 
 
@@ -86,7 +103,8 @@ def header(recipe: str, gpus: int, hw: Hardware) -> str:
     compute = "GEMM-size compute model" if hw.mfu is None else f"MFU {hw.mfu:g}"
     return (f"{recipe} on {gpus} x {hw.memory_gib:g} GiB ({hw.gpus_per_node} per node), {compute} on "
             f"{hw.peak_tflops:g} TFLOP/s and {hw.memory_tbps:g} TB/s, {hw.intra_gbps:g} GB/s inside a node, "
-            f"{hw.inter_gbps:g} between nodes assumed")
+            f"{hw.inter_gbps:g} between nodes; host: {hw.host_memory_gib:g} GiB per node, {hw.host_link_gbps:g} "
+            f"GB/s to each device, {hw.host_memory_gbps:g} GB/s of memory per rank assumed")
 
 
 def report(recipe: str, cfg: Config, gpus: int, hw: Hardware, as_json: bool) -> str:

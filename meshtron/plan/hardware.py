@@ -28,6 +28,13 @@ class Hardware:
     fp8_peak_tflops: float = H100_FP8_TFLOPS  # dense FP8, the GEMMs of [train] fp8
     intra_gbps: float = 450.0  # GB/s per direction per GPU inside a node (NVLink)
     inter_gbps: float = 50.0  # GB/s per GPU between nodes
+    # Host offload ([parallel] offload, offload_activations). The host link: PCIe Gen5 x16 per H100 is
+    # 64 GB/s per direction nominal, about 50 in practice (a GH200's NVLink-C2C: 450). Host memory: a DGX
+    # H100's 2 TiB; its two Xeon 8480C read DDR5-4800 over 16 channels, 614 GB/s nominal, 77 per GPU's
+    # share of a node of 8, of which a fused AdamW on the host reaches about half (assumed, not measured).
+    host_link_gbps: float = 50.0  # GB/s per direction per GPU between host and device
+    host_memory_gib: float = 2048.0  # host memory per node
+    host_memory_gbps: float = 40.0  # GB/s of host memory bandwidth one rank's optimizer step reaches
 
 
 H200 = Hardware(memory_gib=141.0, memory_tbps=datasheet("H200")[1])

@@ -42,6 +42,15 @@ Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 
   backward only without full checkpointing, whose recomputed copies are the layer's saved tensors);
 - ``other``: CUDA context, communicator buffers and allocator fragmentation (:class:`Assumptions`).
 
+Host offload (``[parallel] offload``, ``offload_activations``; pp = 1): ``Breakdown.host`` holds the
+rank's host-memory bytes by term (:func:`host_bytes`). ``offload = "optimizer"`` moves ``params``,
+``grads`` and ``optimizer`` there whole (FSDP2's CPU offload keeps the fp32 shards, their gradients
+and so AdamW's moments on the host; a unit's shard visits the device only for its all-gather, a
+transient not counted); ``offload_activations`` moves the saved tensors of every block not recomputed
+(:func:`layer_offloaded`): on the device remain, at the end of the forward, one block's tensors whose
+copy is still in flight and, in backward, the block whose tensors are copied back (counted as a
+recomputed block is). A node needs the sum of its ranks' host bytes.
+
 The peak (:func:`rank_breakdown`) is the largest of three moments, as torch's ``MemTracker`` finds
 them (8 CPU ranks: ``benchmarks/plan_whole_step.py``; one rank with real Qwen2.5 shapes:
 ``benchmarks/plan_single_rank.py``): the end of the forward (all saved activations and the loss's
@@ -105,6 +114,9 @@ class Assumptions:
 
     reserved_gib: float = 1.0
     fragmentation: float = 0.05
+    # Host memory of each rank's own process (Python, torch and the CUDA libraries, the data loader):
+    # an estimate, counted in ``Breakdown.host`` beside what offload puts there.
+    host_reserved_gib: float = 4.0
 
 
 class Coords(NamedTuple):
@@ -135,10 +147,15 @@ class Breakdown:
     terms: dict[str, float] = field(default_factory=dict)
     pp_rank: int = 0
     phase: str = "backward"  # where the peak is: "forward" (end of forward, the loss), "backward" or "backward end"
+    host: dict[str, float] = field(default_factory=dict)  # host-memory bytes by term (:func:`host_bytes`)
 
     @property
     def total(self) -> float:
         return sum(self.terms.values())
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
 
     @property
     def dominant(self) -> str:
@@ -510,7 +527,7 @@ def _stage_bytes(cfg: Config, stage: int) -> tuple[float, float]:
     p, m = cfg.parallel, cfg.model
     c, h, sp = compute_bytes(cfg), m.hidden_size, _sp_split(cfg)
     layers = chunk_layer_ranges(m.num_hidden_layers, p.pp, p.virtual_stages)[stage]
-    kept = sum(layer_kept_bytes(cfg, i) for i in layers)
+    kept = sum(0.0 if layer_offloaded(cfg, i) else layer_kept_bytes(cfg, i) for i in layers)
     if stage == p.pp * p.virtual_stages - 1:
         kept += (4 + c) * h / sp  # the final norm's fp32 input and normalized value
     if stage > 0:
@@ -525,6 +542,28 @@ def unsplit_stages(cfg: Config) -> frozenset[int]:
     p = cfg.parallel
     ranges = chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
     return frozenset(s for s, r in enumerate(ranges) if p.compile or any(layer_checkpointed(cfg, i) for i in r))
+
+
+def layer_offloaded(cfg: Config, layer: int) -> bool:
+    """Whether the layer's saved tensors go to host memory (``offload_activations``, not recomputed)."""
+    return cfg.parallel.offload_activations and not layer_checkpointed(cfg, layer)
+
+
+def offloads_optimizer(cfg: Config) -> bool:
+    return cfg.parallel.offload == "optimizer"
+
+
+def offloaded_activation_bytes(cfg: Config) -> float:
+    """pp = 1: host bytes of one micro-batch's offloaded saved tensors (every offloaded layer's)."""
+    layers = range(cfg.model.num_hidden_layers)
+    return microbatch_tokens(cfg) * sum(layer_activation_bytes(cfg, i) for i in layers if layer_offloaded(cfg, i))
+
+
+def host_bytes(cfg: Config, coords: Coords, assumptions: Assumptions) -> dict[str, float]:
+    """The rank's host memory by term (module docstring): the offloaded fp32 state, the offloaded saved
+    tensors and the process's own (``assumptions.host_reserved_gib``)."""
+    state = state_bytes(cfg, coords) if offloads_optimizer(cfg) else dict.fromkeys(("params", "grads", "optimizer"), 0)
+    return {**state, "activations": offloaded_activation_bytes(cfg), "other": assumptions.host_reserved_gib * GIB}
 
 
 def layer_checkpointed(cfg: Config, layer: int) -> bool:
@@ -724,10 +763,13 @@ def _chunk_backward_peak(cfg: Config, layers: range, grads: dict[str, float],
     best = BackwardPeak(0.0, 0.0, 0.0)
     freed, reduced, buffer = 0.0, grads.get("head", 0.0), in_flight[0]
     for i in reversed(layers):
-        rise = tokens * (layer_recomputed_bytes(cfg, i) + layer_gradient_bytes(cfg, i) - freed)
+        offloaded = layer_offloaded(cfg, i)
+        # A recomputed or copied-back layer's tensors come back for its backward only.
+        back = layer_activation_bytes(cfg, i) if offloaded else layer_recomputed_bytes(cfg, i)
+        rise = tokens * (back + layer_gradient_bytes(cfg, i) - freed)
         if rise + reduced + buffer > sum(best):
             best = BackwardPeak(rise, reduced, buffer)
-        freed += layer_kept_bytes(cfg, i)
+        freed += 0.0 if offloaded else layer_kept_bytes(cfg, i)
         reduced += grads.get(f"block.{i}", 0.0) + grads.get(f"experts.{i}", 0.0)
         buffer = in_flight[1]
     return best
@@ -963,7 +1005,7 @@ def all_phase_terms(cfg: Config, coords: Coords) -> dict[str, dict[str, float]]:
         state = state_bytes(cfg, coords)
         moments = pipeline_moments(cfg, coords)
         return {phase: {**state, **max(moments[phase], key=lambda t: sum(t.values()))} for phase in PHASES}
-    return {phase: _unpipelined_phase_terms(cfg, coords, phase) for phase in PHASES}
+    return {phase: _without_offloaded_state(cfg, _unpipelined_phase_terms(cfg, coords, phase)) for phase in PHASES}
 
 
 def _unpipelined_phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[str, float]:
@@ -975,7 +1017,7 @@ def _unpipelined_phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[st
     if phase == "backward end":
         return terms
     if phase == "forward":
-        terms["activations"] = saved_activation_bytes(cfg, coords.pp)
+        terms["activations"] = saved_activation_bytes(cfg, coords.pp) + offload_in_flight_bytes(cfg)
         terms["loss"] = loss_bytes(cfg, coords.pp)
     else:
         rise, reduced, terms["reduce_scatter"] = backward_peak(cfg, coords)
@@ -986,6 +1028,18 @@ def _unpipelined_phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[st
         terms["loss"] = 0.0
     terms["ep_dispatch"] = ep_dispatch_bytes(cfg) if phase == "forward" or not _recomputes_every_layer(cfg) else 0.0
     return terms
+
+
+def _without_offloaded_state(cfg: Config, terms: dict[str, float]) -> dict[str, float]:
+    """``terms`` less the fp32 state ``offload = "optimizer"`` keeps in host memory."""
+    return {**terms, **dict.fromkeys(("params", "grads", "optimizer"), 0.0)} if offloads_optimizer(cfg) else terms
+
+
+def offload_in_flight_bytes(cfg: Config) -> float:
+    """At the end of the forward, the last offloaded block's saved tensors, still on the device while
+    their copies run (the largest such block)."""
+    layers = [i for i in range(cfg.model.num_hidden_layers) if layer_offloaded(cfg, i)]
+    return microbatch_tokens(cfg) * max((layer_activation_bytes(cfg, i) for i in layers), default=0.0)
 
 
 def _recomputes_every_layer(cfg: Config) -> bool:
@@ -1001,7 +1055,7 @@ def rank_breakdown(cfg: Config, coords: Coords, assumptions: Assumptions = Assum
     phase = max(PHASES, key=lambda k: sum(phases[k].values()))
     terms = phases[phase]
     terms["other"] = assumptions.reserved_gib * GIB + assumptions.fragmentation * sum(terms.values())
-    return Breakdown({k: terms[k] for k in TERMS}, coords.pp, phase)
+    return Breakdown({k: terms[k] for k in TERMS}, coords.pp, phase, host_bytes(cfg, coords, assumptions))
 
 
 def predict_memory(cfg: Config, assumptions: Assumptions = Assumptions()) -> Breakdown:

@@ -12,6 +12,12 @@ with it the executor runs every backward whole at ``B`` (1F1B's bubble, more hel
 Without a pipeline, FSDP and HSDP also try both ``fsdp_gather`` modes: gathering per micro-batch, or
 once per step holding the unsharded weights and gradients (pipelines always hold them).
 
+Host offload (``[parallel] offload``, ``offload_activations``): when no layout fits without it, the
+layouts without a pipeline are tried again with the optimizer state in host memory, the saved
+activations, or both (a layout fits when each rank fits its device and the node's ranks together fit
+its host memory, ``Hardware.host_memory_gib``); the host's copies and optimizer step make them slower,
+so they are the last resort.
+
 What is not evaluated, because under the models it cannot win (so the search answers within a minute
 for 16,384 devices on two CPU cores; docs/planner.md has the times):
 
@@ -59,7 +65,7 @@ class Plan:
     def layout(self) -> dict:
         p = self.cfg.parallel
         keys = ("pp", "dp", "cp", "ep", "tp", "sp", "etp", "fold_ep", "schedule", "virtual_stages", "microbatches",
-                "activation_checkpointing", "data_parallel", "fsdp_gather")
+                "activation_checkpointing", "data_parallel", "fsdp_gather", "offload", "offload_activations")
         layout = {k: getattr(p, k) for k in keys}
         if p.activation_checkpointing == "op":
             layout["ac_policy"] = p.ac_policy
@@ -74,6 +80,8 @@ class Plan:
             "layout": self.layout(),
             "memory_gib": {k: round(v, 3) for k, v in self.memory.gib().items()},
             "total_gib": round(self.memory.total / GIB, 3),
+            "host_gib_per_rank": round(self.memory.host_total / GIB, 3),
+            "host_optimizer_seconds": self.time.host_optimizer,
             "dominant": self.memory.dominant,
             "busiest_pp_rank": self.memory.pp_rank,
             "peak_phase": self.memory.phase,
@@ -89,7 +97,18 @@ class Plan:
 
 def evaluate(cfg: Config, hw: Hardware, assumptions: Assumptions = Assumptions()) -> Plan:
     memory = predict_memory(cfg, assumptions)
-    return Plan(cfg, memory, predict_step_time(cfg, hw), memory.total <= hw.memory_gib * GIB)
+    return Plan(cfg, memory, predict_step_time(cfg, hw), fits(cfg, memory, hw))
+
+
+def ranks_per_node(cfg: Config, hw: Hardware) -> int:
+    p = cfg.parallel
+    return min(hw.gpus_per_node, p.pp * p.dp * p.cp * p.mesh_ep * p.tp)
+
+
+def fits(cfg: Config, memory: Breakdown, hw: Hardware) -> bool:
+    """Whether each rank fits its device and a node's ranks together its host memory."""
+    host = memory.host_total * ranks_per_node(cfg, hw)
+    return memory.total <= hw.memory_gib * GIB and host <= hw.host_memory_gib * GIB
 
 
 def _divisors(n: int) -> list[int]:
@@ -170,10 +189,14 @@ def _variant_groups(cfg: Config, shape: dict, world_size: int, schedule: str | N
     counts = _divisors(t.global_batch_size // readers)
     if shape["pp"] == 1:
         gathers = FSDP_GATHERS if cfg.parallel.data_parallel != "replicate" else (cfg.parallel.fsdp_gather,)
+        # Activation offload moves the blocks checkpointing keeps whole: none under full checkpointing.
+        ac_modes = AC_MODES[:-1] if cfg.parallel.offload_activations else AC_MODES
         for micro in counts:
             if _runs(_variant(cfg, shape, micro, "1f1b", 1), world_size):
                 for gather in gathers:
-                    yield _by_recomputation([_variant(cfg, shape, micro, "1f1b", 1, ac, gather) for ac in AC_MODES])
+                    yield _by_recomputation([_variant(cfg, shape, micro, "1f1b", 1, ac, gather) for ac in ac_modes])
+        return
+    if cfg.parallel.offload != "none" or cfg.parallel.offload_activations:  # offload runs without a pipeline
         return
     for name, virtual, ac_modes in pipeline_schedules(cfg, shape["pp"]):
         micro = next((m for m in reversed(counts) if _runs(_variant(cfg, shape, m, name, virtual), world_size)), None)
@@ -200,7 +223,7 @@ class _ShapeSearch:
         for variant in group:
             memory = predict_memory(variant, self.assumptions)
             self.evaluated += 1
-            if memory.total <= self.hw.memory_gib * GIB:
+            if fits(variant, memory, self.hw):
                 self.fitting.append(Plan(variant, memory, predict_step_time(variant, self.hw), True))
                 return self.fitting[-1]
             if self.smallest is None or memory.total < self.smallest[1].total:
@@ -240,11 +263,26 @@ def best_variant(
 
 
 def rank_layouts(cfg: Config, world_size: int, hw: Hardware, assumptions: Assumptions = Assumptions()) -> list[Plan]:
-    """Valid layouts for ``world_size`` devices, fitting ones first, each group by predicted throughput."""
+    """Valid layouts for ``world_size`` devices, fitting ones first, each group by predicted throughput;
+    with host offload only when none fits without it (module docstring)."""
     shapes = mesh_shapes(cfg, world_size, hw.gpus_per_node)
     plans = [best_variant(cfg, shape, world_size, hw, assumptions) for shape in shapes]
+    if not any(p is not None and p.fits for p in plans):
+        plans += [best_variant(variant, shape, world_size, hw, assumptions)
+                  for variant in offload_variants(cfg) for shape in shapes if shape["pp"] == 1]
     plans = [p for p in plans if p is not None]
     return sorted(plans, key=lambda p: (not p.fits, -p.time.tokens_per_second))
+
+
+def offload_variants(cfg: Config) -> list[Config]:
+    """The recipe with each host offload it does not set already: the optimizer state (FSDP and HSDP
+    only), the saved activations (not with compiled blocks), both."""
+    p = cfg.parallel
+    optimizer = ("none", "optimizer") if p.data_parallel in ("fsdp", "hsdp") else ("none",)
+    activations = (False,) if p.compile else (False, True)
+    return [dataclasses.replace(cfg, parallel=dataclasses.replace(p, offload=o, offload_activations=a))
+            for o in optimizer for a in activations
+            if (o, a) != ("none", False) and (o, a) != (p.offload, p.offload_activations)]
 
 
 def fitting_layout(

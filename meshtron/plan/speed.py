@@ -15,6 +15,8 @@ step time = (compute + exposed communication) / (1 - bubble)
   inter-node one. tp, cp, ep and pp transfers sit on the critical path; FSDP / HSDP / replicate
   traffic overlaps compute and only its excess is exposed, as does tp's with ``tp_overlap`` beyond one
   chunk per ring (:func:`overlapped_tp_seconds`);
+- host offload (:func:`host_offload_seconds`): the copies between host and device over the host link
+  and, with ``offload = "optimizer"``, AdamW stepping the host shards at the host's memory bandwidth;
 - bubble: idle fraction of the simulated schedule (backward twice a forward, three times with
   recomputation; of it a split backward's ``W`` one forward, its ``B`` the rest; with activation
   checkpointing or compiled blocks the executor runs every backward whole at ``B``).
@@ -49,7 +51,10 @@ from meshtron.plan.memory import (
     recomputed_share,
     microbatch_tokens,
     model_parallel_shape,
+    offloaded_activation_bytes,
+    offloads_optimizer,
     stage_params,
+    state_bytes,
     unsplit_stages,
 )
 
@@ -66,6 +71,7 @@ class StepTime:
     bubble: float
     comm_bytes: dict[str, float] = field(default_factory=dict)  # "kind/dim" -> bytes per rank per step
     exposed_by: dict[str, float] = field(default_factory=dict)  # dims -> exposed seconds (exposed_communication)
+    host_optimizer: float = 0.0  # seconds of the optimizer step on the host (``offload = "optimizer"``)
 
 
 def group_is_intra_node(cfg: Config, dims: tuple[str, ...], gpus_per_node: int) -> bool:
@@ -420,12 +426,62 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware(), compute_seconds: f
     compute = compute_seconds if compute_seconds is not None else compute_time(cfg, hw)
     comm = communication(cfg)
     exposed_by = exposed_communication(cfg, comm, compute, hw)
+    host = host_offload_seconds(cfg, compute / recompute, hw)
+    if host.link:
+        exposed_by["host"] = host.link
     exposed = sum(exposed_by.values())
     # Backward costs twice a forward, plus the recomputed forward of the checkpointed share of layers.
     bubble = pipeline_bubble(p.schedule, p.pp, p.microbatches, p.virtual_stages, 2 + 3 * (recompute - 1),
                              split=not unsplit_stages(cfg))
-    seconds = (compute + exposed) / (1 - bubble)
-    return StepTime(seconds, tokens / seconds, compute, exposed, bubble, comm, exposed_by)
+    seconds = (compute + exposed + host.optimizer) / (1 - bubble)
+    return StepTime(seconds, tokens / seconds, compute, exposed, bubble, comm, exposed_by, host.optimizer)
+
+
+# AdamW on fp32 state reads the parameter, its gradient and both moments and writes the parameter and
+# the moments: 7 fp32 values, 28 bytes per parameter (torch's fused kernel, one pass).
+ADAM_BYTES_PER_PARAM = 7 * FP32
+
+
+class HostSeconds(NamedTuple):
+    link: float  # exposed seconds of host-device copies
+    optimizer: float  # seconds of the optimizer step on the host
+
+
+def host_transfer_bytes(cfg: Config) -> dict[str, float]:
+    """Bytes one rank copies per step between host and device (pp = 1): with ``offload = "optimizer"``
+    each unit's fp32 shard to the device for every all-gather (FSDP2 copies the shard, then casts it)
+    and each reduce-scattered fp32 gradient shard back; with ``offload_activations`` every offloaded
+    block's saved tensors out in forward and back in backward, per micro-batch."""
+    p = cfg.parallel
+    out: dict[str, float] = {}
+    if offloads_optimizer(cfg):
+        shard = state_bytes(cfg)["params"]
+        gathers = 1 if gathers_once_per_step(p) else 2 * p.microbatches
+        reduces = p.microbatches if reduces_gradients(p, 0, p.microbatches) else 1
+        out["parameters"] = gathers * shard
+        out["gradients"] = reduces * shard
+    if p.offload_activations:
+        out["activations"] = 2 * p.microbatches * offloaded_activation_bytes(cfg)
+    return out
+
+
+def host_offload_seconds(cfg: Config, compute: float, hw: Hardware) -> HostSeconds:
+    """Host offload's cost per step, with ``compute`` the step's compute time without recomputation.
+    Parameter and gradient copies run on FSDP's copy streams, the saved tensors' outbound copies on the
+    offload side stream: together they hide behind compute and only their excess over it is exposed.
+    The saved tensors' copies back run on the compute stream when backward needs them: exposed whole.
+    The optimizer steps after the backward, on the host, before the next forward: exposed whole, at
+    :data:`ADAM_BYTES_PER_PARAM` over ``hw.host_memory_gbps``."""
+    moved = host_transfer_bytes(cfg)
+    if not moved:
+        return HostSeconds(0.0, 0.0)
+    link = hw.host_link_gbps * 1e9
+    back = moved.get("activations", 0.0) / 2
+    overlapped = (sum(moved.values()) - back) / link
+    optimizer = 0.0
+    if offloads_optimizer(cfg):
+        optimizer = state_bytes(cfg)["params"] / FP32 * ADAM_BYTES_PER_PARAM / (hw.host_memory_gbps * 1e9)
+    return HostSeconds(back / link + max(0.0, overlapped - compute), optimizer)
 
 
 def exposed_communication(cfg: Config, comm: dict[str, float], compute: float, hw: Hardware) -> dict[str, float]:
@@ -492,6 +548,7 @@ def _is_data_parallel(key: str) -> bool:
     return key.split("/")[1] in ("dp", "dp_ep_cp", "cp_ep", "edp", "edp_shard", "edp_replicate")
 
 
-__all__ = ["COMM_DIMS", "Hardware", "StepTime", "communication", "compute_time", "exposed_communication",
-           "fp8_flops_per_token", "group_is_intra_node", "matmul_seconds", "overlapped_rings", "overlapped_tp_seconds", "pipeline_bubble",
+__all__ = ["ADAM_BYTES_PER_PARAM", "COMM_DIMS", "Hardware", "StepTime", "communication", "compute_time",
+           "exposed_communication", "fp8_flops_per_token", "group_is_intra_node", "host_offload_seconds",
+           "host_transfer_bytes", "matmul_seconds", "overlapped_rings", "overlapped_tp_seconds", "pipeline_bubble",
            "predict_step_time"]

@@ -1,0 +1,87 @@
+"""Host-memory offload: the recipe keys' refusals and the activation offload's hooks on one process.
+
+The numerics on data-parallel layouts (bit-identical losses, gradients and parameters with the optimizer
+state and the saved tensors on the host) are checked in ``test_data_parallel.py``'s 4-rank launch, and a
+1-rank training run with a save and resume in ``test_train.py``'s single-rank launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
+from meshtron.models import token_loss_sum
+from meshtron.parallel.checkpointing import apply_activation_checkpointing
+from meshtron.parallel.offload import BlockOffload, apply_activation_offload
+from meshtron.testing import random_model
+
+CFG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, rope_theta=10000.0)
+
+
+def _loss_and_grads(model, tokens):
+    loss = token_loss_sum(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_activation_offload_copies_every_saved_activation_and_changes_no_bit(monkeypatch):
+    """Every block not recomputed hands its saved tensors (not its weights) to the hooks, which keep a copy
+    in other memory; the loss and every gradient stay bit-identical."""
+    tokens = torch.randint(0, CFG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    expected = _loss_and_grads(random_model(CFG, seed=1), tokens)
+    model = random_model(CFG, seed=1)
+    assert apply_activation_checkpointing(model, "selective", 2) == [0, 2]
+    assert apply_activation_offload(model) == [1, 3]
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    packed = []
+
+    def pack(self, tensor):
+        out = original(self, tensor)
+        packed.append((tensor, out))
+        return out
+
+    original = BlockOffload.pack
+    monkeypatch.setattr(BlockOffload, "pack", pack)
+    loss, grads = _loss_and_grads(model, tokens)
+    copies = [(t, out[2]) for t, out in packed if not isinstance(out, torch.Tensor)]
+    kept = [t for t, out in packed if isinstance(out, torch.Tensor)]
+    assert len(copies) >= 2 * 10, "two blocks' norms, attention and MLP tensors must be offloaded"
+    assert all(t.untyped_storage().data_ptr() in weights for t in kept), "only weights stay where they are"
+    assert all(h.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() and torch.equal(h, t)
+               for t, h in copies)
+    assert torch.equal(loss, expected[0])
+    for name, grad in expected[1].items():
+        assert torch.equal(grads[name], grad), name
+
+
+@pytest.mark.parametrize(
+    "parallel, train, message",
+    [
+        (dict(offload="cpu"), {}, "offload must be one of none, optimizer, got 'cpu'"),
+        (dict(offload="optimizer", data_parallel="replicate"), {},
+         "offload = 'optimizer' keeps FSDP's parameter shards in host memory: it needs data_parallel = 'fsdp' or "
+         "'hsdp', got 'replicate'"),
+        (dict(offload="optimizer", pp=2), {}, "offload = 'optimizer' runs without a pipeline (pp = 1), got pp = 2; "
+         "set pp = 1 or offload = 'none'"),
+        (dict(offload_activations=True, pp=2), {}, "offload_activations = true runs without a pipeline"),
+        (dict(offload_activations=True, activation_checkpointing="full"), {},
+         "activation_checkpointing = 'full' recomputes every block: nothing would move"),
+        (dict(offload_activations=True, compile=True), {}, "set one of them false"),
+        (dict(offload="optimizer"), dict(fp8="rowwise"), "does not compose with [train] fp8 = 'rowwise'"),
+    ],
+)
+def test_offload_config_errors(parallel, train, message):
+    cfg = Config(parallel=ParallelConfig(**parallel), train=TrainConfig(**train))
+    if train.get("fp8"):
+        pytest.importorskip("torchao")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        validate(cfg)
+
+
+def test_offload_refuses_hf_models():
+    cfg = Config(model=ModelConfig(hf_model="some/folder"), parallel=ParallelConfig(offload="optimizer"))
+    with pytest.raises(ConfigError, match="built for meshtron's own models; \\[model\\] hf_model trains without it; "
+                                          "set offload = 'none'"):
+        validate(cfg)
