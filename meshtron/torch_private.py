@@ -115,6 +115,12 @@ def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
 CONV_BASE = nn.modules.conv._ConvNd  # every convolution class derives from it
 
 
+def dtensor_local(tensor) -> torch.Tensor:
+    """A DTensor's local tensor itself, with no autograd edge (``to_local()`` records one; a saved-tensor
+    hook must hand autograd back the very tensor it packed)."""
+    return tensor._local_tensor
+
+
 # --- FSDP2 internals -----------------------------------------------------------------------------
 # FSDP2 has no public call to finish a backward that restarted autograd inside the graph (the
 # zero-bubble W); torch.distributed.pipelining's own stages call these same private methods.

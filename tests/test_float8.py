@@ -23,7 +23,7 @@ from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, Tr
 from meshtron.mesh import batch_mesh
 from meshtron.models import build_model
 from meshtron.parallel.compose import parallelize
-from meshtron.testing import cached_mesh, random_model
+from meshtron.testing import cached_mesh, random_model, rel_err
 
 from meshtron.parallel.float8 import (
     apply_float8,

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshtron.parallel.checkpointing import is_checkpointed
+from meshtron.torch_private import dtensor_local
 
 
 class BlockOffload:
@@ -53,7 +54,7 @@ class BlockOffload:
             return tensor
         if isinstance(tensor, DTensor):
             layout = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
-            return (layout, *_to_host(tensor._local_tensor))
+            return (layout, *_to_host(dtensor_local(tensor)))
         return (None, *_to_host(tensor))
 
     @staticmethod
