@@ -178,7 +178,9 @@ def check_parity_and_training(folders: dict[str, str], out: str) -> None:
         mesh = cached_mesh(**sizes)
         readers = batch_mesh(mesh).size()
         ref = _reference(folders[arch])
-        model, _ = load_hf_checkpoint(folders[arch], mesh, sp=sp, data_parallel=mode, ac=ac)
+        with _recorded_twin_proof() as proof:
+            model, _ = load_hf_checkpoint(folders[arch], mesh, sp=sp, data_parallel=mode, ac=ac)
+        figures.setdefault("twin_bytes", {})[where] = _check_twin_proof(proof, ref, where)
         ref_params = dict(ref.named_parameters())
         for name, p in model.named_parameters():  # sharded streaming load == full load, bit for bit
             assert torch.equal(_full(p), ref_params[name].detach()), f"{where}: loaded {name} differs"
@@ -216,6 +218,43 @@ def check_parity_and_training(folders: dict[str, str], out: str) -> None:
             _check_saved(model, Path(out) / f"saved_{arch}", ids, mask, mesh, where)
     if dist.get_rank() == 0:
         (Path(out) / "expert_comms.json").write_text(json.dumps({k: v for k, v in figures.items() if v}))
+
+
+@contextlib.contextmanager
+def _recorded_twin_proof():
+    """What load_hf_checkpoint's block check proved (the references' block indices) and the bytes its twin
+    read whole."""
+    from unittest import mock
+
+    from meshtron.hf import parallelize, prove
+
+    record = {"blocks": [], "bytes": []}
+    real_prove, real_twin = prove.prove_blocks, parallelize._prove_twin
+
+    def proving(*args, **kwargs):
+        record["blocks"].append([ref.index for ref in args[3]])
+        return real_prove(*args, **kwargs)
+
+    def twin(*args, **kwargs):
+        record["bytes"].append(real_twin(*args, **kwargs))
+        return record["bytes"][-1]
+
+    with mock.patch.object(prove, "prove_blocks", proving), mock.patch.object(parallelize, "_prove_twin", twin):
+        yield record
+
+
+def _check_twin_proof(proof: dict, ref, where: str) -> dict:
+    """The loaded model's block check ran: each kind's first block proved (Qwen2-MoE's layer 0 sparse and
+    layer 1 dense), its twin having read whole exactly the tensors up to the last kind's block: all but later
+    blocks and an untied head, 4 bytes each."""
+    kinds = [0, 1] if "qwen2_moe" in where else [0]
+    assert proof["blocks"] == [kinds], f"{where}: block check proved {proof['blocks']}"
+    later = tuple(f"model.layers.{i}." for i in range(kinds[-1] + 1, ref.config.num_hidden_layers))
+    read = [p for name, p in ref.named_parameters()  # a tied head is listed once, as the embedding
+            if not name.startswith(later) and (name != "lm_head.weight" or ref.config.tie_word_embeddings)]
+    expected = 4 * sum(p.numel() for p in read)
+    assert proof["bytes"] == [expected], f"{where}: the twin read {proof['bytes']} bytes, expected {expected}"
+    return {"twin": expected, "checkpoint": 4 * sum(p.numel() for p in ref.parameters())}
 
 
 def check_from_pretrained_then_parallelize(folders: dict[str, str], out: str) -> None:
@@ -618,6 +657,16 @@ def check_block_proof_refuses(folders: dict[str, str], out: str) -> None:
                 parallelize_hf_model(_family_model(name), cached_mesh(**sizes), sp=sp)
     with controls[0][0]:  # the check off: the wrong split is accepted
         parallelize_hf_model(_family_model("minimax"), cached_mesh(dp=2, ep=2, tp=2), sp=True, prove_blocks=False)
+    # load_hf_checkpoint's model is split on the meta device: its check runs on a twin with the folder's weights.
+    folder = Path(out) / "olmo"
+    if dist.get_rank() == 0:
+        _family_model("olmo").save_pretrained(folder)
+    dist.barrier()
+    switched_off, _, (sizes, sp), message = controls[2]
+    with switched_off:
+        with pytest.raises(ConfigError, match=message):
+            load_hf_checkpoint(folder, cached_mesh(**sizes), sp=sp)
+        load_hf_checkpoint(folder, cached_mesh(**sizes), sp=sp, prove_blocks=False)
     # Not a control: cp's ring serves softmax attention only; MiniMax's lightning attention would see only
     # this rank's chunks.
     with pytest.raises(ConfigError, match=refusal.format(cls="MiniMaxDecoderLayer", layout="dp 4 x cp 2",
@@ -743,7 +792,10 @@ def test_hf_parallelize_8_ranks(tmp_path):
     run_checks(checks, 8, folders, str(tmp_path), timeout=900)
     for arch, report in json.loads((tmp_path / "bytes.json").read_text()).items():
         print(f"{arch}: bytes read per rank: {report['per_rank']} of {report['total']}")
-    print(f"expert all-to-alls: {(tmp_path / 'expert_comms.json').read_text()}")
+    comms = json.loads((tmp_path / "expert_comms.json").read_text())
+    for where, read in comms.pop("twin_bytes").items():
+        print(f"{where}: load_hf_checkpoint's block check read {read['twin']} of {read['checkpoint']} bytes whole")
+    print(f"expert all-to-alls: {comms}")
 
 
 # family config class, extra config -> (decoder, blocks, embed, head, final norm, rotary) paths

@@ -49,6 +49,7 @@ safetensors files only the slice of every tensor that this rank holds.
 
 from __future__ import annotations
 
+import inspect
 import json
 from functools import partial
 from pathlib import Path
@@ -154,12 +155,16 @@ class HFSteps:
     def compile(self, model: nn.Module) -> None:
         """transformers models run eagerly: ``[parallel] compile`` applies to meshtron's own models."""
 
-    def data(self, model: nn.Module) -> None:
-        """The loss and aux loss of the global batch (:mod:`meshtron.hf.loss`), then the data-parallel units."""
-        if self.references:  # the split blocks, before the data-parallel wrappers take their gradients
+    def prove(self, model: nn.Module) -> None:
+        """The block check (:mod:`meshtron.hf.prove`) of the split blocks against the recorded references."""
+        if self.references:
             run_block = partial(stage_block, model) if self.pipelined else None
             prove.prove_blocks(model, self.parts, self.mesh, self.references, self.sp, self.experts, run_block)
             self.references = []
+
+    def data(self, model: nn.Module) -> None:
+        """The loss and aux loss of the global batch (:mod:`meshtron.hf.loss`), then the data-parallel units."""
+        self.prove(model)  # the split blocks, before the data-parallel wrappers take their gradients
         data_mesh = dense_data_mesh(self.mesh)
         model.loss_function = hf_loss_function(data_mesh)
         if data_mesh.size() > 1:
@@ -167,6 +172,17 @@ class HFSteps:
         # Experts also sum gradients over their edp ranks, which include tp ranks holding other tokens.
         if data_mesh.size() > 1 or (self.experts and expert_data_mesh(self.mesh).size() > 1):
             _apply_dp(model, self.parts, self.mesh, self.data_parallel, self.dtype, self.experts)
+
+
+class _TwinSteps(HFSteps):
+    """:func:`load_hf_checkpoint`'s twin (:func:`_prove_twin`): split as the model will be and proved;
+    neither checkpointed nor wrapped for data parallelism (it is dropped after the check)."""
+
+    def checkpointing(self, model: nn.Module) -> None:
+        """The probe needs no recomputation."""
+
+    def data(self, model: nn.Module) -> None:
+        self.prove(model)
 
 
 def parallelize_hf_model(
@@ -210,8 +226,8 @@ def parallelize_hf_model(
     ``prove_blocks`` (on by default; ``[parallel] prove_blocks``): before returning, the first block of each
     kind (under pp: of each kind in each stage) is run split and whole on a probe batch and compared
     (:mod:`meshtron.hf.prove`); a block that differs is a ConfigError on every rank naming it, the layout
-    and the first part that differs. Layouts with tp, ep or cp, on a model with weights (not the meta
-    device).
+    and the first part that differs. Layouts with tp, ep or cp, on a model with weights; a model on the meta
+    device is not probed here (:func:`load_hf_checkpoint` proves a twin with the checkpoint's weights).
 
     pp > 1 (:mod:`meshtron.hf.pipeline`): the model is pruned in place to this rank's stage(s) (for
     ``schedule`` ``1f1b``, ``interleaved``, ``gpipe`` ..., ``microbatches``, ``virtual_stages``) and that
@@ -279,6 +295,48 @@ def _as_meshtron_head(head: nn.Module | None) -> None:
         head.chunk_tokens = DEFAULT_CHUNK_TOKENS
 
 
+def _materialize(model: nn.Module, parts: HFParts, leave: list[nn.Module] = ()) -> None:
+    """A meta model's tensors made real (uninitialised) on this rank's device, except those of ``leave``'s
+    modules; a tied head re-tied (``to_empty`` gives each module its own tensor); RoPE frequencies rebuilt."""
+    tied = parts.tied  # a property: false once to_empty has untied them
+    if leave:
+        left = {id(m) for module in leave for m in module.modules()}
+        for module in model.modules():
+            if id(module) not in left:
+                module.to_empty(device=env.local_device(), recurse=False)
+    else:  # in one call: an FSDP unit re-registers its sharded parameters after its whole subtree
+        model.to_empty(device=env.local_device())
+    if tied:
+        parts.head.weight = parts.embed.weight
+    with torch.no_grad():
+        _reset_rotary(model)
+
+
+def _prove_twin(folder: str | Path, config, mesh: DeviceMesh, options: dict) -> int:
+    """:func:`load_hf_checkpoint`'s block check, which its model (split on the meta device, weights read
+    after) cannot run: a twin built from the same config holds the checkpoint's weights whole up to the
+    first block of the last kind (embedding and preceding blocks included: the probe forward reaches it
+    through them; later blocks and an untied head stay on the meta device), records the references
+    (:func:`meshtron.hf.prove.record_references`), is split by the same options and proved as
+    :func:`parallelize_hf_model` proves a model with weights, then dropped. Returns the bytes read here."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        twin = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    parts = hf_parts(twin)
+    kinds = prove.block_kinds(parts.block_items())
+    later = [block for index, block in parts.block_items() if index > kinds[-1][0]]
+    _materialize(twin, parts, later + ([parts.head] if parts.head is not None and not parts.tied else []))
+    read = load_sharded_weights(twin, folder, {name for name, t in twin.state_dict().items() if not t.is_meta})
+    references = prove.record_references(twin, kinds, mesh)
+    kw = inspect.signature(parallelize_hf_model).bind(twin, mesh, **options)
+    kw.apply_defaults()
+    kw = kw.arguments
+    compose(twin, _TwinSteps(mesh, kw["sp"], kw["data_parallel"], ("none", 1, kw["ac_policy"]), kw["dtype"],
+                             (kw["cp_comm_type"], kw["cp_a2a_size"]), pipelined=False, references=references))
+    return read
+
+
 def _reset_rotary(model: nn.Module) -> None:
     """Non-persistent buffers (RoPE frequencies) are not in checkpoints: rebuild them after to_empty."""
     for module in model.modules():
@@ -292,23 +350,20 @@ def load_hf_checkpoint(folder: str | Path, mesh: DeviceMesh, **options) -> tuple
     """Build the folder's model on the meta device, parallelize it (``options`` as
     :func:`parallelize_hf_model`) and stream this rank's slices in. Returns (model, bytes read here).
 
-    Per-rank peak memory is about the rank's share of the weights, never the whole model.
+    Per-rank peak memory is about the rank's share of the weights, never the whole model; the block check
+    (``prove_blocks``, on by default) reads the weights it needs whole first (:func:`_prove_twin`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if mesh["pp"].size() > 1:
         raise ConfigError("load_hf_checkpoint: pp > 1 is not supported yet; use from_pretrained, then parallelize_hf_model.")
     config = AutoConfig.from_pretrained(folder)
+    if options.get("prove_blocks", True) and prove.split_layout(mesh):  # before the model: refused early, lower peak
+        _prove_twin(folder, config, mesh, options)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     parallelize_hf_model(model, mesh, **options)
-    parts = hf_parts(model)
-    tied = parts.tied
-    model.to_empty(device=env.local_device())
-    if tied:
-        parts.head.weight = parts.embed.weight
-    with torch.no_grad():
-        _reset_rotary(model)
+    _materialize(model, hf_parts(model))
     return model, load_sharded_weights(model, folder)
 
 

@@ -24,8 +24,12 @@ The ranks of a stage compare the same things in the same order; every rank's err
 the largest of each over its stage's ranks is taken, and all ranks raise the same :class:`ConfigError`,
 naming the stage's block, the layout and the first part that differs (of the first stage with one), or
 none does: a stage that would train on while another stops would hang in the first collective. The probe
-runs in eval mode without a KV cache (dropout would differ). Models on the meta device
-(:func:`load_hf_checkpoint` before its weights are read) are not probed yet.
+runs in eval mode without a KV cache (dropout would differ).
+
+A model on the meta device has nothing to run; :func:`meshtron.hf.load_hf_checkpoint`, which splits one and
+reads its weights after, first proves a twin built from the same config: the checkpoint's weights read
+whole up to the first block of the last kind, references recorded, split by the same options, compared as
+above (:func:`meshtron.hf.parallelize._prove_twin`).
 """
 
 from __future__ import annotations
@@ -322,11 +326,16 @@ def _first_failure(found: list[tuple[int, str, list[tuple[str, float, float]]]],
     return None
 
 
-def provable(model: nn.Module, mesh: DeviceMesh) -> bool:
-    """Whether this layout is probed: something split over tp, ep or cp, and weights to run (not the meta
-    device, not a dry run's fake tensors)."""
+def split_layout(mesh: DeviceMesh) -> bool:
+    """Whether this layout is probed: something split over tp, ep or cp, not a dry run's fake tensors."""
     split = mesh["tp"].size() > 1 or expert_split(mesh).ep > 1 or mesh["cp"].size() > 1
-    return split and not simulating() and not any(p.is_meta for p in model.parameters())
+    return split and not simulating()
 
 
-__all__ = ["block_kinds", "probe_length", "provable", "prove_blocks", "record_references"]
+def provable(model: nn.Module, mesh: DeviceMesh) -> bool:
+    """Whether this model is probed here: a layout :func:`split_layout` probes, and weights to run (not the
+    meta device: :func:`meshtron.hf.load_hf_checkpoint` proves a twin holding the checkpoint's weights)."""
+    return split_layout(mesh) and not any(p.is_meta for p in model.parameters())
+
+
+__all__ = ["block_kinds", "probe_length", "provable", "prove_blocks", "record_references", "split_layout"]
