@@ -175,7 +175,7 @@ class HFSteps:
 
 
 class _TwinSteps(HFSteps):
-    """:func:`load_hf_checkpoint`'s twin (:func:`_prove_twin`): split as the model will be and proved;
+    """:func:`load_hf_checkpoint`'s twin (:func:`_check_twin`): split as the model will be and proved;
     neither checkpointed nor wrapped for data parallelism (it is dropped after the check)."""
 
     def checkpointing(self, model: nn.Module) -> None:
@@ -234,7 +234,7 @@ def parallelize_hf_model(
     stage model is returned; ``HFPipelineRunner(model, mesh)`` runs its steps
     (``forward_backward(input_ids, next_token_labels)``).
     """
-    hf_parts(model)  # a layout we can find the pieces of
+    prove.check_sequence_dim(model, hf_parts(model), mesh, sp)  # also: a layout we can find the pieces of
     shared = _shared_parameters(model)
     pipelined = mesh["pp"].size() > 1
     stage = plan_stage(model, mesh, schedule, microbatches, virtual_stages, sp, dtype) if pipelined else None
@@ -312,28 +312,35 @@ def _materialize(model: nn.Module, parts: HFParts, leave: list[nn.Module] = ()) 
         _reset_rotary(model)
 
 
-def _prove_twin(folder: str | Path, config, mesh: DeviceMesh, options: dict) -> int:
-    """:func:`load_hf_checkpoint`'s block check, which its model (split on the meta device, weights read
-    after) cannot run: a twin built from the same config holds the checkpoint's weights whole up to the
-    first block of the last kind (embedding and preceding blocks included: the probe forward reaches it
-    through them; later blocks and an untied head stay on the meta device), records the references
-    (:func:`meshtron.hf.prove.record_references`), is split by the same options and proved as
-    :func:`parallelize_hf_model` proves a model with weights, then dropped. Returns the bytes read here."""
+def _check_twin(folder: str | Path, config, mesh: DeviceMesh, options: dict) -> int:
+    """What :func:`load_hf_checkpoint`'s model (split on the meta device, weights read after) cannot check
+    itself, checked on a twin built from the same config with the checkpoint's weights, read whole up to what
+    the checks run, then dropped: the residual stream's layout under SP or cp
+    (:func:`meshtron.hf.prove.check_sequence_dim`: the embedding) and the block check (up to the first block
+    of the last kind, whose forward runs through the blocks before it; later blocks and an untied head stay on
+    the meta device): references recorded, split by the same options, proved as :func:`parallelize_hf_model`
+    proves a model with weights. Returns the bytes read here."""
     from transformers import AutoModelForCausalLM
 
+    kw = inspect.signature(parallelize_hf_model).bind(None, mesh, **options)
+    kw.apply_defaults()
+    kw = kw.arguments
+    proving = kw["prove_blocks"] and prove.split_layout(mesh)
+    if not (proving or kw["sp"] or mesh["cp"].size() > 1):
+        return 0
     with torch.device("meta"):
         twin = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     parts = hf_parts(twin)
     kinds = prove.block_kinds(parts.block_items())
-    later = [block for index, block in parts.block_items() if index > kinds[-1][0]]
+    last = kinds[-1][0] if proving else -1
+    later = [block for index, block in parts.block_items() if index > last]
     _materialize(twin, parts, later + ([parts.head] if parts.head is not None and not parts.tied else []))
     read = load_sharded_weights(twin, folder, {name for name, t in twin.state_dict().items() if not t.is_meta})
-    references = prove.record_references(twin, kinds, mesh)
-    kw = inspect.signature(parallelize_hf_model).bind(twin, mesh, **options)
-    kw.apply_defaults()
-    kw = kw.arguments
-    compose(twin, _TwinSteps(mesh, kw["sp"], kw["data_parallel"], ("none", 1, kw["ac_policy"]), kw["dtype"],
-                             (kw["cp_comm_type"], kw["cp_a2a_size"]), pipelined=False, references=references))
+    prove.check_sequence_dim(twin, parts, mesh, kw["sp"])
+    if proving:
+        references = prove.record_references(twin, kinds, mesh)
+        compose(twin, _TwinSteps(mesh, kw["sp"], kw["data_parallel"], ("none", 1, kw["ac_policy"]), kw["dtype"],
+                                 (kw["cp_comm_type"], kw["cp_a2a_size"]), pipelined=False, references=references))
     return read
 
 
@@ -351,15 +358,14 @@ def load_hf_checkpoint(folder: str | Path, mesh: DeviceMesh, **options) -> tuple
     :func:`parallelize_hf_model`) and stream this rank's slices in. Returns (model, bytes read here).
 
     Per-rank peak memory is about the rank's share of the weights, never the whole model; the block check
-    (``prove_blocks``, on by default) reads the weights it needs whole first (:func:`_prove_twin`).
+    (``prove_blocks``, on by default) reads the weights it needs whole first (:func:`_check_twin`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if mesh["pp"].size() > 1:
         raise ConfigError("load_hf_checkpoint: pp > 1 is not supported yet; use from_pretrained, then parallelize_hf_model.")
     config = AutoConfig.from_pretrained(folder)
-    if options.get("prove_blocks", True) and prove.split_layout(mesh):  # before the model: refused early, lower peak
-        _prove_twin(folder, config, mesh, options)
+    _check_twin(folder, config, mesh, options)  # before the model: refused early, at a lower peak
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     parallelize_hf_model(model, mesh, **options)
