@@ -697,9 +697,10 @@ def check_block_proof_refuses(folders: dict[str, str], out: str) -> None:
         parallelize_hf_model(_family_model("minimax"), cached_mesh(dp=4, cp=2))
 
 
-def _check_stream_refused() -> None:
+def _check_stream_refused(out: str) -> None:
     """DeepSeek-V4's blocks take [batch, sequence, hc_mult, hidden] streams: SP, cp and pp, which assume
-    [batch, sequence, hidden], are refused naming the block class and the shape, before any collective."""
+    [batch, sequence, hidden], are refused naming the block class and the shape, before any collective; by
+    load_hf_checkpoint too (its model has no weights to probe: checked on its twin)."""
     refusal = (r"DeepseekV4DecoderLayer takes hidden states of shape \[1, {n}, 2, 64\] for one row of {n} tokens "
                r"\(the sequence at dim 1\), not \[batch, sequence, hidden\]; {what} that layout of the residual "
                r"stream. Set \[parallel\] {fix} ")
@@ -708,10 +709,14 @@ def _check_stream_refused() -> None:
                                     (dict(pp=2, dp=4), False, 2, "pp assumes", "pp = 1")]:
         with pytest.raises(ConfigError, match=refusal.format(n=n, what=what, fix=fix)):
             parallelize_hf_model(_family_model("deepseek_v4"), cached_mesh(**sizes), sp=sp)
+    folder = Path(out) / "deepseek_v4"  # meshtron's writer keeps the model's names (save_pretrained converts V4's)
+    save_hf_checkpoint(_family_model("deepseek_v4"), folder)
+    with pytest.raises(ConfigError, match=refusal.format(n=4, what="SP assumes", fix="sp = false")):
+        load_hf_checkpoint(folder, cached_mesh(dp=4, tp=2), sp=True)
 
 
 def check_errors(folders: dict[str, str], out: str) -> None:
-    _check_stream_refused()
+    _check_stream_refused(out)
     mesh = cached_mesh(dp=2, tp=4)
     model = _reference(folders["llama"])
     model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "local_packed_rowwise"}

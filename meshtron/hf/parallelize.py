@@ -326,7 +326,7 @@ def _check_twin(folder: str | Path, config, mesh: DeviceMesh, options: dict) -> 
     kw.apply_defaults()
     kw = kw.arguments
     proving = kw["prove_blocks"] and prove.split_layout(mesh)
-    if not (proving or kw["sp"] or mesh["cp"].size() > 1):
+    if not (proving or (kw["sp"] and mesh["tp"].size() > 1) or mesh["cp"].size() > 1):
         return 0
     with torch.device("meta"):
         twin = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
