@@ -3,6 +3,8 @@
 tiny Qwen2 block and for one Qwen2.5-7B-size block (hidden 3584, intermediate 18944, 28 heads, 4 KV heads;
 one decoder layer and a 1,024-token vocabulary, since only the block is probed). Each case is built fresh,
 parallelized once with the check and once without, alternately, three times; the fastest of each is kept.
+The same for ``load_hf_checkpoint`` of the case saved to a folder (its check runs on a twin holding the
+checkpoint's tensors whole up to the block: ``_check_twin`` in ``meshtron/hf/parallelize.py``).
 
     python benchmarks/hf_block_proof.py    # writes benchmarks/results/hf_block_proof.md
 """
@@ -27,32 +29,47 @@ CASES = {
 REPEATS = 3
 
 
-def _seconds(config: dict, prove: bool, mesh) -> float:
+def _model(config: dict):
     import transformers
 
-    from meshtron import parallelize_hf_model
-
     torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config, max_position_embeddings=64)).train()
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config, max_position_embeddings=64)).train()
+
+
+def _slowest_seconds(run) -> float:
+    """Wall seconds of ``run()``, the slowest rank's."""
     dist.barrier()
     start = time.perf_counter()
-    parallelize_hf_model(model, mesh, sp=True, prove_blocks=prove)
+    run()
     elapsed = torch.tensor(time.perf_counter() - start)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()
 
 
+def _fastest(run) -> dict[str, float]:
+    """The fastest of REPEATS of ``run(prove)`` with the check and without, alternately."""
+    times = {True: [], False: []}
+    for _ in range(REPEATS):
+        for prove in (True, False):
+            times[prove].append(run(prove))
+    return {"with": min(times[True]), "without": min(times[False])}
+
+
 def measure(out: str) -> None:
+    from meshtron import load_hf_checkpoint, parallelize_hf_model
     from meshtron.testing import cached_mesh
 
     mesh = cached_mesh(tp=2)
     rows = {}
     for name, config in CASES.items():
-        times = {True: [], False: []}
-        for _ in range(REPEATS):
-            for prove in (True, False):
-                times[prove].append(_seconds(config, prove, mesh))
-        rows[name] = {"with": min(times[True]), "without": min(times[False])}
+        folder = Path(out).parent / name.split()[0]
+        if dist.get_rank() == 0:
+            _model(config).save_pretrained(folder)
+        rows[name] = {
+            "parallelize": _fastest(lambda prove: _slowest_seconds(
+                lambda: parallelize_hf_model(_model(config), mesh, sp=True, prove_blocks=prove))),
+            "load": _fastest(lambda prove: _slowest_seconds(
+                lambda: load_hf_checkpoint(folder, mesh, sp=True, prove_blocks=prove)))}
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(rows))
 
@@ -65,12 +82,16 @@ def main() -> None:
         run_checks([measure], 2, out, timeout=1800)
         rows = json.loads(Path(out).read_text())
     lines = ["# The block check's cost (`parallelize_hf_model(..., prove_blocks=True)`)", "",
-             "Wall seconds of `parallelize_hf_model` on 2 CPU gloo ranks, tp = 2 + SP, float32; slowest rank, fastest "
+             "Wall seconds of `parallelize_hf_model` (on a model with weights) and of `load_hf_checkpoint` (of the "
+             "same model saved, float32) on 2 CPU gloo ranks, tp = 2 + SP; slowest rank, fastest "
              f"of {REPEATS} (`python benchmarks/hf_block_proof.py`). The check runs the first block of each kind "
-             "whole and split on one probe row of 16 tokens per rank, forward and backward.", "",
-             "| block | with the check (s) | without (s) | the check (s) |", "|---|---|---|---|"]
-    for name, row in rows.items():
-        lines.append(f"| {name} | {row['with']:.2f} | {row['without']:.2f} | {row['with'] - row['without']:.2f} |")
+             "whole and split on one probe row of 16 tokens per rank, forward and backward; `load_hf_checkpoint` "
+             "first reads the tensors up to that block whole into a twin of the model, and proves the twin.", "",
+             "| block | entry | with the check (s) | without (s) | the check (s) |", "|---|---|---|---|---|"]
+    for name, entries in rows.items():
+        for entry, row in entries.items():
+            lines.append(f"| {name} | `{entry}` | {row['with']:.2f} | {row['without']:.2f} | "
+                         f"{row['with'] - row['without']:.2f} |")
     RESULT.write_text("\n".join(lines) + "\n")
     print(RESULT.read_text())
 

@@ -16,7 +16,9 @@ plans leaving parts whole under SP (MiniMax, GraniteMoe/-Shared, Jamba at dp2 x 
 all split features (BitNet), in-place edits of split outputs (Olmo's clip_qkv), plans naming only the input
 embedding (CodeGen, HunYuan, FalconH1, Bamba), and a Parameter shared by two layers refused.
 The block check (meshtron.hf.prove, on by default) runs on the parity models and issue 41's families; its
-negative controls switch each of those fixes off and see the family refused.
+negative controls switch each of those fixes off and see the family refused, on load_hf_checkpoint's path too
+(a twin holding the checkpoint's weights is proved; each loaded parity case records what it proved and read).
+DeepSeek-V4's [batch, sequence, hc_mult, hidden] streams train at dp and tp, and SP, cp and pp are refused.
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ CANCELLING_GRADS = {"linear_attn.A_log": 3e-4, "linear_attn.dt_bias": 3e-4}
 def _check_grads(model, ref, where: str) -> None:
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
+        if ref_params[name].grad is None:  # unused by this forward (DeepSeek-V4's indexer: too few tokens to index)
+            assert p.grad is None or not _full(p.grad).any(), f"{where}: grad {name} of an unused parameter"
+            continue
         err = rel_err(_full(p.grad), ref_params[name].grad)
         limit = next((v for k, v in CANCELLING_GRADS.items() if name.endswith(k)), 1e-4)
         assert err < limit, f"{where}: grad {name} rel err {err:.2e}"
@@ -178,7 +183,9 @@ def check_parity_and_training(folders: dict[str, str], out: str) -> None:
         mesh = cached_mesh(**sizes)
         readers = batch_mesh(mesh).size()
         ref = _reference(folders[arch])
-        model, _ = load_hf_checkpoint(folders[arch], mesh, sp=sp, data_parallel=mode, ac=ac)
+        with _recorded_twin_proof() as proof:
+            model, _ = load_hf_checkpoint(folders[arch], mesh, sp=sp, data_parallel=mode, ac=ac)
+        figures.setdefault("twin_bytes", {})[where] = _check_twin_proof(proof, ref, where)
         ref_params = dict(ref.named_parameters())
         for name, p in model.named_parameters():  # sharded streaming load == full load, bit for bit
             assert torch.equal(_full(p), ref_params[name].detach()), f"{where}: loaded {name} differs"
@@ -216,6 +223,43 @@ def check_parity_and_training(folders: dict[str, str], out: str) -> None:
             _check_saved(model, Path(out) / f"saved_{arch}", ids, mask, mesh, where)
     if dist.get_rank() == 0:
         (Path(out) / "expert_comms.json").write_text(json.dumps({k: v for k, v in figures.items() if v}))
+
+
+@contextlib.contextmanager
+def _recorded_twin_proof():
+    """What load_hf_checkpoint's block check proved (the references' block indices) and the bytes its twin
+    read whole."""
+    from unittest import mock
+
+    from meshtron.hf import parallelize, prove
+
+    record = {"blocks": [], "bytes": []}
+    real_prove, real_twin = prove.prove_blocks, parallelize._check_twin
+
+    def proving(*args, **kwargs):
+        record["blocks"].append([ref.index for ref in args[3]])
+        return real_prove(*args, **kwargs)
+
+    def twin(*args, **kwargs):
+        record["bytes"].append(real_twin(*args, **kwargs))
+        return record["bytes"][-1]
+
+    with mock.patch.object(prove, "prove_blocks", proving), mock.patch.object(parallelize, "_check_twin", twin):
+        yield record
+
+
+def _check_twin_proof(proof: dict, ref, where: str) -> dict:
+    """The loaded model's block check ran: each kind's first block proved (Qwen2-MoE's layer 0 sparse and
+    layer 1 dense), its twin having read whole exactly the tensors up to the last kind's block: all but later
+    blocks and an untied head, 4 bytes each."""
+    kinds = [0, 1] if "qwen2_moe" in where else [0]
+    assert proof["blocks"] == [kinds], f"{where}: block check proved {proof['blocks']}"
+    later = tuple(f"model.layers.{i}." for i in range(kinds[-1] + 1, ref.config.num_hidden_layers))
+    read = [p for name, p in ref.named_parameters()  # a tied head is listed once, as the embedding
+            if not name.startswith(later) and (name != "lm_head.weight" or ref.config.tie_word_embeddings)]
+    expected = 4 * sum(p.numel() for p in read)
+    assert proof["bytes"] == [expected], f"{where}: the twin read {proof['bytes']} bytes, expected {expected}"
+    return {"twin": expected, "checkpoint": 4 * sum(p.numel() for p in ref.parameters())}
 
 
 def check_from_pretrained_then_parallelize(folders: dict[str, str], out: str) -> None:
@@ -340,6 +384,19 @@ FAMILIES = {
                                   mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_conv=4,
                                   mamba_expand=2),
               "attention only in layer 1 (found there, not in block 0); mamba layers whole over tp"),
+    # Residual streams of another shape: [batch, sequence, hc_mult, hidden] hyper-connection streams, layer 0
+    # hash-routed, layer 1 top-k routed with a compressed sparse attention; its own plan names only the experts,
+    # which meshtron cannot dispatch (swiglu_limit) and leaves whole. SP, cp and pp are refused (check_errors).
+    "deepseek_v4": ("DeepseekV4Config", dict(TINY, moe_intermediate_size=32, num_key_value_heads=1, head_dim=16,
+                                             q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=4, hc_mult=2,
+                                             hc_sinkhorn_iters=3, sliding_window=8, o_groups=2, o_lora_rank=16,
+                                             index_n_heads=2, index_head_dim=16, index_topk=4, partial_rotary_factor=0.5,
+                                             max_position_embeddings=64,
+                                             layer_types=["sliding_attention", "compressed_sparse_attention"],
+                                             mlp_layer_types=["hash_moe", "moe"],
+                                             compress_rates={"compressed_sparse_attention": 4,
+                                                             "heavily_compressed_attention": 8}),
+                    "mHC streams [B, S, 2, H], hash and top-k routed MoE, compressed sparse attention; dp, tp"),
 }
 DENSE_LAYOUTS = [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), True)]
 EP_LAYOUTS = [(dict(dp=2, ep=4), False), (dict(dp=2, ep=2, tp=2), True)]
@@ -359,15 +416,17 @@ FAMILY_LAYOUTS = {"mixtral": [*EP_LAYOUTS, FOLDED_LAYOUT], "qwen3_moe": [FOLDED_
                   "deepseek_v2": SPLIT_ACTIVATION_LAYOUTS, "deepseek_v3": SPLIT_ACTIVATION_LAYOUTS,
                   **{name: [(dict(dp=2, ep=2, tp=2), True)] for name in ("minimax", "granitemoe", "granitemoeshared", "jamba")},
                   "bitnet": [(dict(dp=4, tp=2), False), (dict(dp=2, tp=4), True)],
-                  "olmo": [(dict(dp=4, tp=2), False), (dict(dp=2, tp=4), True)]}
+                  "olmo": [(dict(dp=4, tp=2), False), (dict(dp=2, tp=4), True)],
+                  "deepseek_v4": [(dict(dp=8), False), (dict(dp=2, tp=4), False)]}
 # MLA families: projection -> its tp placement (the down projection replicated, the others split by heads).
 MLA_PLACEMENTS = {"q_proj": Shard(0), "q_b_proj": Shard(0), "q_a_proj": Replicate(), "kv_a_proj_with_mqa": Replicate(),
                   "kv_b_proj": Shard(0), "o_proj": Shard(1)}
 # Issue 41's families (and the two whose SP used to be refused): check_families runs the block check on these.
 PROVED_FAMILIES = ("minimax", "granitemoe", "granitemoeshared", "jamba", "bitnet", "olmo", "codegen", "hunyuan",
-                   "falcon_h1", "bamba", "lfm2", "qwen3_next")
-# Own plans naming only the experts: over ep x tp nothing else in their blocks is split (it runs whole).
-EXPERTS_ONLY_PLANS = ("granitemoe", "granitemoeshared", "jamba")
+                   "falcon_h1", "bamba", "lfm2", "qwen3_next", "deepseek_v4")
+# Own plans naming only the experts: over ep x tp nothing else in their blocks is split (it runs whole; so
+# do DeepSeek-V4's experts).
+EXPERTS_ONLY_PLANS = ("granitemoe", "granitemoeshared", "jamba", "deepseek_v4")
 # MoE family -> the class that runs its experts.
 EXPERT_CLASSES = {"mixtral": "FusedExpertParallel", "qwen3_moe": "FusedExpertParallel", "gpt_oss": "ClampedExpertParallel",
                   "aria": "TransposedExpertParallel", "llama4": "ScaledInputExpertParallel"}
@@ -396,6 +455,9 @@ def _family_model(name: str):
     with torch.no_grad():  # default init has constant norms and zero biases
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+        if name == "deepseek_v4":  # the hash table starts all zeros: every token's two picks are expert 0
+            router = model.model.layers[0].mlp.gate
+            router.tid2eid.copy_(torch.rand(router.tid2eid.shape[0], router.num_experts).argsort(-1)[:, :2])
     return model.train()
 
 
@@ -415,7 +477,7 @@ def check_families(folders: dict[str, str], out: str) -> None:
             model = parallelize_hf_model(_family_model(name), mesh, sp=sp, prove_blocks=name in PROVED_FAMILIES)
             if name in EXPERT_CLASSES:
                 _check_expert_split(model, name, mesh, where)
-            if name.startswith("deepseek"):
+            if name in ("deepseek_v2", "deepseek_v3"):
                 _check_mla_split(model, where)
             if name not in EXPERTS_ONLY_PLANS:
                 _check_blocks_split(model, mesh, where)
@@ -618,6 +680,16 @@ def check_block_proof_refuses(folders: dict[str, str], out: str) -> None:
                 parallelize_hf_model(_family_model(name), cached_mesh(**sizes), sp=sp)
     with controls[0][0]:  # the check off: the wrong split is accepted
         parallelize_hf_model(_family_model("minimax"), cached_mesh(dp=2, ep=2, tp=2), sp=True, prove_blocks=False)
+    # load_hf_checkpoint's model is split on the meta device: its check runs on a twin with the folder's weights.
+    folder = Path(out) / "olmo"
+    if dist.get_rank() == 0:
+        _family_model("olmo").save_pretrained(folder)
+    dist.barrier()
+    switched_off, _, (sizes, sp), message = controls[2]
+    with switched_off:
+        with pytest.raises(ConfigError, match=message):
+            load_hf_checkpoint(folder, cached_mesh(**sizes), sp=sp)
+        load_hf_checkpoint(folder, cached_mesh(**sizes), sp=sp, prove_blocks=False)
     # Not a control: cp's ring serves softmax attention only; MiniMax's lightning attention would see only
     # this rank's chunks.
     with pytest.raises(ConfigError, match=refusal.format(cls="MiniMaxDecoderLayer", layout="dp 4 x cp 2",
@@ -625,7 +697,26 @@ def check_block_proof_refuses(folders: dict[str, str], out: str) -> None:
         parallelize_hf_model(_family_model("minimax"), cached_mesh(dp=4, cp=2))
 
 
+def _check_stream_refused(out: str) -> None:
+    """DeepSeek-V4's blocks take [batch, sequence, hc_mult, hidden] streams: SP, cp and pp, which assume
+    [batch, sequence, hidden], are refused naming the block class and the shape, before any collective; by
+    load_hf_checkpoint too (its model has no weights to probe: checked on its twin)."""
+    refusal = (r"DeepseekV4DecoderLayer takes hidden states of shape \[1, {n}, 2, 64\] for one row of {n} tokens "
+               r"\(the sequence at dim 1\), not \[batch, sequence, hidden\]; {what} that layout of the residual "
+               r"stream. Set \[parallel\] {fix} ")
+    for sizes, sp, n, what, fix in [(dict(dp=4, tp=2), True, 4, "SP assumes", "sp = false"),
+                                    (dict(dp=2, tp=2, cp=2), True, 8, "SP and cp assume", "sp = false and cp = 1"),
+                                    (dict(pp=2, dp=4), False, 2, "pp assumes", "pp = 1")]:
+        with pytest.raises(ConfigError, match=refusal.format(n=n, what=what, fix=fix)):
+            parallelize_hf_model(_family_model("deepseek_v4"), cached_mesh(**sizes), sp=sp)
+    folder = Path(out) / "deepseek_v4"  # meshtron's writer keeps the model's names (save_pretrained converts V4's)
+    save_hf_checkpoint(_family_model("deepseek_v4"), folder)
+    with pytest.raises(ConfigError, match=refusal.format(n=4, what="SP assumes", fix="sp = false")):
+        load_hf_checkpoint(folder, cached_mesh(dp=4, tp=2), sp=True)
+
+
 def check_errors(folders: dict[str, str], out: str) -> None:
+    _check_stream_refused(out)
     mesh = cached_mesh(dp=2, tp=4)
     model = _reference(folders["llama"])
     model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "local_packed_rowwise"}
@@ -743,7 +834,10 @@ def test_hf_parallelize_8_ranks(tmp_path):
     run_checks(checks, 8, folders, str(tmp_path), timeout=900)
     for arch, report in json.loads((tmp_path / "bytes.json").read_text()).items():
         print(f"{arch}: bytes read per rank: {report['per_rank']} of {report['total']}")
-    print(f"expert all-to-alls: {(tmp_path / 'expert_comms.json').read_text()}")
+    comms = json.loads((tmp_path / "expert_comms.json").read_text())
+    for where, read in comms.pop("twin_bytes").items():
+        print(f"{where}: load_hf_checkpoint's block check read {read['twin']} of {read['checkpoint']} bytes whole")
+    print(f"expert all-to-alls: {comms}")
 
 
 # family config class, extra config -> (decoder, blocks, embed, head, final norm, rotary) paths

@@ -49,6 +49,7 @@ safetensors files only the slice of every tensor that this rank holds.
 
 from __future__ import annotations
 
+import inspect
 import json
 from functools import partial
 from pathlib import Path
@@ -154,12 +155,16 @@ class HFSteps:
     def compile(self, model: nn.Module) -> None:
         """transformers models run eagerly: ``[parallel] compile`` applies to meshtron's own models."""
 
-    def data(self, model: nn.Module) -> None:
-        """The loss and aux loss of the global batch (:mod:`meshtron.hf.loss`), then the data-parallel units."""
-        if self.references:  # the split blocks, before the data-parallel wrappers take their gradients
+    def prove(self, model: nn.Module) -> None:
+        """The block check (:mod:`meshtron.hf.prove`) of the split blocks against the recorded references."""
+        if self.references:
             run_block = partial(stage_block, model) if self.pipelined else None
             prove.prove_blocks(model, self.parts, self.mesh, self.references, self.sp, self.experts, run_block)
             self.references = []
+
+    def data(self, model: nn.Module) -> None:
+        """The loss and aux loss of the global batch (:mod:`meshtron.hf.loss`), then the data-parallel units."""
+        self.prove(model)  # the split blocks, before the data-parallel wrappers take their gradients
         data_mesh = dense_data_mesh(self.mesh)
         model.loss_function = hf_loss_function(data_mesh)
         if data_mesh.size() > 1:
@@ -167,6 +172,17 @@ class HFSteps:
         # Experts also sum gradients over their edp ranks, which include tp ranks holding other tokens.
         if data_mesh.size() > 1 or (self.experts and expert_data_mesh(self.mesh).size() > 1):
             _apply_dp(model, self.parts, self.mesh, self.data_parallel, self.dtype, self.experts)
+
+
+class _TwinSteps(HFSteps):
+    """:func:`load_hf_checkpoint`'s twin (:func:`_check_twin`): split as the model will be and proved;
+    neither checkpointed nor wrapped for data parallelism (it is dropped after the check)."""
+
+    def checkpointing(self, model: nn.Module) -> None:
+        """The probe needs no recomputation."""
+
+    def data(self, model: nn.Module) -> None:
+        self.prove(model)
 
 
 def parallelize_hf_model(
@@ -210,15 +226,15 @@ def parallelize_hf_model(
     ``prove_blocks`` (on by default; ``[parallel] prove_blocks``): before returning, the first block of each
     kind (under pp: of each kind in each stage) is run split and whole on a probe batch and compared
     (:mod:`meshtron.hf.prove`); a block that differs is a ConfigError on every rank naming it, the layout
-    and the first part that differs. Layouts with tp, ep or cp, on a model with weights (not the meta
-    device).
+    and the first part that differs. Layouts with tp, ep or cp, on a model with weights; a model on the meta
+    device is not probed here (:func:`load_hf_checkpoint` proves a twin with the checkpoint's weights).
 
     pp > 1 (:mod:`meshtron.hf.pipeline`): the model is pruned in place to this rank's stage(s) (for
     ``schedule`` ``1f1b``, ``interleaved``, ``gpipe`` ..., ``microbatches``, ``virtual_stages``) and that
     stage model is returned; ``HFPipelineRunner(model, mesh)`` runs its steps
     (``forward_backward(input_ids, next_token_labels)``).
     """
-    hf_parts(model)  # a layout we can find the pieces of
+    prove.check_sequence_dim(model, hf_parts(model), mesh, sp)  # also: a layout we can find the pieces of
     shared = _shared_parameters(model)
     pipelined = mesh["pp"].size() > 1
     stage = plan_stage(model, mesh, schedule, microbatches, virtual_stages, sp, dtype) if pipelined else None
@@ -279,6 +295,55 @@ def _as_meshtron_head(head: nn.Module | None) -> None:
         head.chunk_tokens = DEFAULT_CHUNK_TOKENS
 
 
+def _materialize(model: nn.Module, parts: HFParts, leave: list[nn.Module] = ()) -> None:
+    """A meta model's tensors made real (uninitialised) on this rank's device, except those of ``leave``'s
+    modules; a tied head re-tied (``to_empty`` gives each module its own tensor); RoPE frequencies rebuilt."""
+    tied = parts.tied  # a property: false once to_empty has untied them
+    if leave:
+        left = {id(m) for module in leave for m in module.modules()}
+        for module in model.modules():
+            if id(module) not in left:
+                module.to_empty(device=env.local_device(), recurse=False)
+    else:  # in one call: an FSDP unit re-registers its sharded parameters after its whole subtree
+        model.to_empty(device=env.local_device())
+    if tied:
+        parts.head.weight = parts.embed.weight
+    with torch.no_grad():
+        _reset_rotary(model)
+
+
+def _check_twin(folder: str | Path, config, mesh: DeviceMesh, options: dict) -> int:
+    """What :func:`load_hf_checkpoint`'s model (split on the meta device, weights read after) cannot check
+    itself, checked on a twin built from the same config with the checkpoint's weights, read whole up to what
+    the checks run, then dropped: the residual stream's layout under SP or cp
+    (:func:`meshtron.hf.prove.check_sequence_dim`: the embedding) and the block check (up to the first block
+    of the last kind, whose forward runs through the blocks before it; later blocks and an untied head stay on
+    the meta device): references recorded, split by the same options, proved as :func:`parallelize_hf_model`
+    proves a model with weights. Returns the bytes read here."""
+    from transformers import AutoModelForCausalLM
+
+    kw = inspect.signature(parallelize_hf_model).bind(None, mesh, **options)
+    kw.apply_defaults()
+    kw = kw.arguments
+    proving = kw["prove_blocks"] and prove.split_layout(mesh)
+    if not (proving or (kw["sp"] and mesh["tp"].size() > 1) or mesh["cp"].size() > 1):
+        return 0
+    with torch.device("meta"):
+        twin = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    parts = hf_parts(twin)
+    kinds = prove.block_kinds(parts.block_items())
+    last = kinds[-1][0] if proving else -1
+    later = [block for index, block in parts.block_items() if index > last]
+    _materialize(twin, parts, later + ([parts.head] if parts.head is not None and not parts.tied else []))
+    read = load_sharded_weights(twin, folder, {name for name, t in twin.state_dict().items() if not t.is_meta})
+    prove.check_sequence_dim(twin, parts, mesh, kw["sp"])
+    if proving:
+        references = prove.record_references(twin, kinds, mesh)
+        compose(twin, _TwinSteps(mesh, kw["sp"], kw["data_parallel"], ("none", 1, kw["ac_policy"]), kw["dtype"],
+                                 (kw["cp_comm_type"], kw["cp_a2a_size"]), pipelined=False, references=references))
+    return read
+
+
 def _reset_rotary(model: nn.Module) -> None:
     """Non-persistent buffers (RoPE frequencies) are not in checkpoints: rebuild them after to_empty."""
     for module in model.modules():
@@ -292,23 +357,19 @@ def load_hf_checkpoint(folder: str | Path, mesh: DeviceMesh, **options) -> tuple
     """Build the folder's model on the meta device, parallelize it (``options`` as
     :func:`parallelize_hf_model`) and stream this rank's slices in. Returns (model, bytes read here).
 
-    Per-rank peak memory is about the rank's share of the weights, never the whole model.
+    Per-rank peak memory is about the rank's share of the weights, never the whole model; the block check
+    (``prove_blocks``, on by default) reads the weights it needs whole first (:func:`_check_twin`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if mesh["pp"].size() > 1:
         raise ConfigError("load_hf_checkpoint: pp > 1 is not supported yet; use from_pretrained, then parallelize_hf_model.")
     config = AutoConfig.from_pretrained(folder)
+    _check_twin(folder, config, mesh, options)  # before the model: refused early, at a lower peak
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     parallelize_hf_model(model, mesh, **options)
-    parts = hf_parts(model)
-    tied = parts.tied
-    model.to_empty(device=env.local_device())
-    if tied:
-        parts.head.weight = parts.embed.weight
-    with torch.no_grad():
-        _reset_rotary(model)
+    _materialize(model, hf_parts(model))
     return model, load_sharded_weights(model, folder)
 
 

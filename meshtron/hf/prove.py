@@ -24,8 +24,12 @@ The ranks of a stage compare the same things in the same order; every rank's err
 the largest of each over its stage's ranks is taken, and all ranks raise the same :class:`ConfigError`,
 naming the stage's block, the layout and the first part that differs (of the first stage with one), or
 none does: a stage that would train on while another stops would hang in the first collective. The probe
-runs in eval mode without a KV cache (dropout would differ). Models on the meta device
-(:func:`load_hf_checkpoint` before its weights are read) are not probed yet.
+runs in eval mode without a KV cache (dropout would differ).
+
+A model on the meta device has nothing to run; :func:`meshtron.hf.load_hf_checkpoint`, which splits one and
+reads its weights after, first proves a twin built from the same config: the checkpoint's weights read
+whole up to the first block of the last kind, references recorded, split by the same options, compared as
+above (:func:`meshtron.hf.parallelize._check_twin`).
 """
 
 from __future__ import annotations
@@ -322,11 +326,52 @@ def _first_failure(found: list[tuple[int, str, list[tuple[str, float, float]]]],
     return None
 
 
-def provable(model: nn.Module, mesh: DeviceMesh) -> bool:
-    """Whether this layout is probed: something split over tp, ep or cp, and weights to run (not the meta
-    device, not a dry run's fake tensors)."""
+def _first_block_input(model: nn.Module, parts: HFParts, length: int) -> tuple[nn.Module, torch.Size]:
+    """The first block and the shape of the hidden states the model's forward hands it for one row of
+    ``length`` tokens (the forward stops there: only the embedding runs)."""
+    index, block = parts.block_items()[0]
+    ids = torch.zeros(1, length, dtype=torch.long, device=parts.embed.weight.device)
+    with _eval_mode(model):
+        args, kwargs = _capture_inputs([(index, block)], lambda: model(input_ids=ids, use_cache=False))[index]
+    return block, _hidden_of(args, kwargs).shape
+
+
+def check_sequence_dim(model: nn.Module, parts: HFParts, mesh: DeviceMesh, sp: bool) -> None:
+    """SP and cp split the residual stream along dim 1, features last (SP's slices, its norms' tokens at dim
+    -2, cp's chunks), and pp sends it between stages as [batch, sequence, hidden_size]; families whose blocks
+    carry more (DeepSeek-V4's [batch, sequence, hc_mult, hidden] hyper-connection streams) are refused those:
+    a ConfigError naming the block class and the shape. The sequence dims are those that change between two
+    probe lengths, so no other dim of the same size can pass for one. Needs the embedding's weights (on the
+    meta device nothing runs: :func:`meshtron.hf.load_hf_checkpoint` checks its twin)."""
+    tp, cp, pp = mesh["tp"].size(), mesh["cp"].size(), mesh["pp"].size()
+    splits = {name: fix for name, fix, on in (("SP", "sp = false", sp and tp > 1), ("cp", "cp = 1", cp > 1),
+                                              ("pp", "pp = 1", pp > 1)) if on}
+    if not splits or simulating() or parts.embed is None or parts.embed.weight.is_meta:
+        return
+    step = 2 * tp * cp  # lengths every split divides
+    (block, shape), (_, longer) = (_first_block_input(model, parts, n * step) for n in (1, 2))
+    seq = [dim for dim, (a, b) in enumerate(zip(shape, longer)) if a != b]
+    if len(shape) == 3 and seq == [1]:
+        return
+    names = " and ".join(splits)
+    raise ConfigError(
+        f"parallelize_hf_model: {type(block).__name__} takes hidden states of shape {list(shape)} for one row of "
+        f"{step} tokens (the sequence at dim {', '.join(map(str, seq)) or 'none'}), not [batch, sequence, hidden]; "
+        f"{names} {'assume' if len(splits) > 1 else 'assumes'} that layout of the residual stream. Set "
+        f"[parallel] {' and '.join(splits.values())} (tp without SP, ep and dp do not split the stream).")
+
+
+def split_layout(mesh: DeviceMesh) -> bool:
+    """Whether this layout is probed: something split over tp, ep or cp, not a dry run's fake tensors."""
     split = mesh["tp"].size() > 1 or expert_split(mesh).ep > 1 or mesh["cp"].size() > 1
-    return split and not simulating() and not any(p.is_meta for p in model.parameters())
+    return split and not simulating()
 
 
-__all__ = ["block_kinds", "probe_length", "provable", "prove_blocks", "record_references"]
+def provable(model: nn.Module, mesh: DeviceMesh) -> bool:
+    """Whether this model is probed here: a layout :func:`split_layout` probes, and weights to run (not the
+    meta device: :func:`meshtron.hf.load_hf_checkpoint` proves a twin holding the checkpoint's weights)."""
+    return split_layout(mesh) and not any(p.is_meta for p in model.parameters())
+
+
+__all__ = ["block_kinds", "check_sequence_dim", "probe_length", "provable", "prove_blocks", "record_references",
+           "split_layout"]

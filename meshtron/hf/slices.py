@@ -12,6 +12,7 @@ both read checkpoints with per-expert (``save_pretrained``) or fused expert tens
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -112,14 +113,17 @@ def _copy_local(param: torch.Tensor, part: torch.Tensor, name: str, folder) -> N
 
 
 @torch.no_grad()
-def load_sharded_weights(model: nn.Module, folder: str | Path) -> int:
-    """Fill ``model``'s (sharded) parameters from an HF safetensors folder, reading only local slices.
+def load_sharded_weights(model: nn.Module, folder: str | Path, names: Collection[str] | None = None) -> int:
+    """Fill ``model``'s (sharded) parameters from an HF safetensors folder, reading only local slices;
+    ``names``: only those (state-dict names), not all.
 
     Returns the number of tensor bytes read on this rank. A tied lm_head is filled through the
     embedding. No communication.
     """
     wanted = dict(model.named_parameters())  # duplicates (tied weights) listed once
     wanted.update((n, b) for n, b in model.named_buffers() if n in model.state_dict())
+    if names is not None:
+        wanted = {n: t for n, t in wanted.items() if n in names}
     reader = _SliceReader(folder)
     missing = [n for n in wanted if not reader.has(n)]
     if missing:
