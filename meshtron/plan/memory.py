@@ -70,6 +70,7 @@ from meshtron.config import Config, ModelConfig
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.parallel.data import gathers_once_per_step, reduces_gradients
 from meshtron.parallel.pipeline.schedules import (
+    SPLIT_BACKWARD,
     B,
     F,
     V_SHAPED,
@@ -432,7 +433,9 @@ def _moments(cfg: Config, pp_rank: int) -> tuple[tuple[int, dict[int, tuple[int,
 
 def _rank_actions(cfg: Config, pp_rank: int) -> tuple[tuple, dict]:
     p = cfg.parallel
-    return _actions_by_rank(p.schedule, p.pp, p.microbatches, p.virtual_stages, unsplit_stages(cfg))[pp_rank]
+    # Unsplit stages matter only where a schedule splits backwards: one walk for every checkpointing mode.
+    unsplit = unsplit_stages(cfg) if p.schedule in SPLIT_BACKWARD else frozenset()
+    return _actions_by_rank(p.schedule, p.pp, p.microbatches, p.virtual_stages, unsplit)[pp_rank]
 
 
 class StageSpan(NamedTuple):

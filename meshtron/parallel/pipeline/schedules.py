@@ -70,11 +70,12 @@ from meshtron.parallel.pipeline.split import chunk_rank
 
 __all__ = [
     "B", "F", "W", "P2P", "RECV_B", "RECV_F", "SEND_B", "SEND_F", "SCHEDULES", "V_SHAPED", "VIRTUAL",
-    "Action", "Schedule", "Step", "build_schedule", "built_schedule", "dualpipev", "gpipe", "held_by_stage", "held_counts",
+    "SPLIT_BACKWARD", "Action", "Schedule", "Step", "build_schedule", "built_schedule", "dualpipev", "gpipe", "held_by_stage", "held_counts",
     "interleaved_1f1b", "last_weight_passes", "one_f_one_b", "peak_in_flight", "split_backwards", "zb1p", "zbv",
 ]
 
 F, B, W = "F", "B", "W"
+SPLIT_BACKWARD = ("zb1p", "zbv", "dualpipev")  # the schedules with ``W`` steps (split backwards)
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 
 
