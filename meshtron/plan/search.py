@@ -12,8 +12,8 @@ with it the executor runs every backward whole at ``B`` (1F1B's bubble, more hel
 Without a pipeline, FSDP and HSDP also try both ``fsdp_gather`` modes: gathering per micro-batch, or
 once per step holding the unsharded weights and gradients (pipelines always hold them).
 
-What is not evaluated, because under the models it cannot win (so the search answers within a minute
-for 16,384 devices on two CPU cores; docs/planner.md has the times):
+What is not evaluated, because under the models it cannot win (to keep the search short; docs/planner.md
+has the times, ``benchmarks/plan_search_time.py`` measures them):
 
 - speed, for a variant that does not fit (memory is evaluated first);
 - a checkpointing mode once a lighter one fits at the same micro-batch count and schedule: it only
