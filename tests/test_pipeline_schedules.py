@@ -337,6 +337,17 @@ def test_zero_bubble_memory_is_one_f_one_bs_peak(pp):
     assert [peak_in_flight(s) for s in build_schedule("dualpipev", pp, m, 2)] == [2 * pp + 1] * pp
 
 
+def test_split_backward_names_the_schedules_with_weight_passes():
+    """The planner walks one schedule for every checkpointing mode of a schedule without ``W`` steps."""
+    from meshtron.parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, built_schedule, split_backwards
+
+    for name in SCHEDULES:
+        v = 1 if name in ("gpipe", "1f1b", "zb1p") else 2
+        steps = built_schedule(name, 4, 8, v)
+        assert any(split_backwards(rank) for rank in steps) == (name in SPLIT_BACKWARD), name
+        assert steps == tuple(map(tuple, build_schedule(name, 4, 8, v)))
+
+
 def test_zb1p_passes_the_strict_rendezvous_model_too():
     for pp in (2, 4, 8):
         assert simulate(build_schedule("zb1p", pp, 2 * pp), 1, 1, 0, w_cost=1).bubble == pytest.approx(

@@ -69,6 +69,7 @@ which put the old whole-step model 25 % high).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from dataclasses import dataclass, field
@@ -78,11 +79,12 @@ from meshtron.config import Config, ModelConfig
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.parallel.data import data_shard_dim, gathers_once_per_step, reduces_gradients
 from meshtron.parallel.pipeline.schedules import (
+    SPLIT_BACKWARD,
     B,
     F,
     V_SHAPED,
     W,
-    build_schedule,
+    built_schedule,
     held_by_stage,
     last_weight_passes,
     split_backwards,
@@ -446,7 +448,7 @@ class Moment(NamedTuple):
 
 
 def _moments(cfg: Config, pp_rank: int) -> tuple[tuple[int, dict[int, tuple[int, int]]], ...]:
-    """(action index, {stage: (held, waiting)}) after each of the rank's actions (``held_by_stage``);
+    """(action index, {stage: (held, waiting)}) after each of the rank's distinct actions (``held_by_stage``);
     stages with checkpointed or compiled layers run their backward whole (the executor's ``unsplit``)."""
     p = cfg.parallel
     if p.pp == 1:
@@ -456,7 +458,9 @@ def _moments(cfg: Config, pp_rank: int) -> tuple[tuple[int, dict[int, tuple[int,
 
 def _rank_actions(cfg: Config, pp_rank: int) -> tuple[tuple, dict]:
     p = cfg.parallel
-    return _actions_by_rank(p.schedule, p.pp, p.microbatches, p.virtual_stages, unsplit_stages(cfg))[pp_rank]
+    # Unsplit stages matter only where a schedule splits backwards: one walk for every checkpointing mode.
+    unsplit = unsplit_stages(cfg) if p.schedule in SPLIT_BACKWARD else frozenset()
+    return _actions_by_rank(p.schedule, p.pp, p.microbatches, p.virtual_stages, unsplit)[pp_rank]
 
 
 class StageSpan(NamedTuple):
@@ -469,30 +473,61 @@ class StageSpan(NamedTuple):
 
 
 class Action(NamedTuple):
-    """One compute action of a rank's schedule and the micro-batches its stages hold after it."""
+    """One compute action of a rank's schedule and the micro-batches its stages hold before and after it."""
 
     index: int
     kind: str  # "F", "B" or "W"
     stage: int
     split: bool  # a ``B`` computing input gradients only, its graph kept for the ``W``
     held: dict[int, tuple[int, int]]  # as :class:`Moment`'s
+    prior: dict[int, tuple[int, int]]  # ``held`` of the rank's action before it (none before the first)
 
 
 @functools.lru_cache(maxsize=256)
 def _actions_by_rank(schedule: str, pp: int, microbatches: int, virtual: int, unsplit: frozenset[int]):
-    """Per rank: (its :class:`Action` s, {stage: :class:`StageSpan`})."""
+    """Per rank: (its distinct :class:`Action` s, :func:`_distinct_actions`, {stage: :class:`StageSpan`})."""
     out = []
-    for steps in build_schedule(schedule, pp, microbatches, virtual):
+    for steps in built_schedule(schedule, pp, microbatches, virtual):
         split = {key for key in split_backwards(steps) if key[0] not in unsplit}
-        actions = tuple(Action(i, steps[i].kind, steps[i].stage, (steps[i].stage, steps[i].mb) in split, held)
-                        for i, held in held_by_stage(steps, unsplit))
-        spans = {}
-        for stage, last in last_weight_passes(steps).items():
-            mine = [(i, steps[i]) for i, *_ in actions if steps[i].stage == stage]
-            first_f = min(i for i, a in mine if a.kind == F)
-            weight = min(i for i, a in mine if a.kind == W or (a.kind == B and (stage, a.mb) not in split))
-            spans[stage] = StageSpan(first_f, weight, min(i for i, a in mine if a.kind == B), last)
-        out.append((actions, spans))
+        actions, prior = [], {}
+        for i, held in held_by_stage(steps, unsplit):
+            actions.append(Action(i, steps[i].kind, steps[i].stage, (steps[i].stage, steps[i].mb) in split, held, prior))
+            prior = held
+        spans = _stage_spans(steps, actions, split)
+        out.append((_distinct_actions(actions, spans), spans))
+    return tuple(out)
+
+
+def _stage_spans(steps, actions: list[Action], split: set[tuple[int, int]]) -> dict[int, StageSpan]:
+    """{stage: :class:`StageSpan`} of one rank. A release is at the rank's last action at or before the
+    stage's last weight pass: an unsplit stage's ``W`` is no action here (its ``B`` ran the whole
+    backward), and no action falls between the two."""
+    first: dict[tuple[str, int], int] = {}
+    for a in actions:
+        weight = a.kind == W or (a.kind == B and (a.stage, steps[a.index].mb) not in split)
+        for kind in (a.kind, "weight") if weight else (a.kind,):
+            first.setdefault((kind, a.stage), a.index)
+    indices = [a.index for a in actions]
+    return {stage: StageSpan(first[(F, stage)], first[("weight", stage)], first[(B, stage)],
+                             indices[bisect.bisect_right(indices, last) - 1])
+            for stage, last in last_weight_passes(steps).items()}
+
+
+def _distinct_actions(actions: list[Action], spans: dict[int, StageSpan]) -> tuple[Action, ...]:
+    """The first of the actions that :func:`pipeline_moments` gives equal terms: same kind, stage and
+    split, same micro-batches held before and after, and the same side of every span boundary (where
+    units are gathered, gain gradients or are released; a boundary's own action is the only one there).
+    A 1F1B steady state of thousands of micro-batches repeats a few such states, which the layout
+    search would otherwise walk for every pp rank of every candidate."""
+    bounds = sorted({i for span in spans.values() for i in span})
+    seen, out = set(), []
+    for a in actions:
+        below = bisect.bisect_left(bounds, a.index)
+        at = bounds[below] if below < len(bounds) and bounds[below] == a.index else None
+        key = (a.kind, a.stage, a.split, tuple(sorted(a.held.items())), tuple(sorted(a.prior.items())), below, at)
+        if key not in seen:
+            seen.add(key)
+            out.append(a)
     return tuple(out)
 
 
@@ -708,10 +743,16 @@ def backward_working_bytes(cfg: Config, pp_rank: int) -> float:
 
 def _unit_grad_bytes(cfg: Config, coords: Coords) -> dict[str, float]:
     """Sharded fp32 gradient bytes of each FSDP unit on the rank at ``coords``."""
+    return dict(_unit_shard_bytes((_layout_key(cfg), coords), cfg))
+
+
+@_memo_by_key
+def _unit_shard_bytes(key: tuple, cfg: Config) -> tuple[tuple[str, float], ...]:
+    coords = key[1]
     out: dict[str, float] = {}
     for param in stage_params(cfg, coords.pp):
         out[param.unit] = out.get(param.unit, 0) + FP32 * local_numel(param, cfg, coords)
-    return out
+    return tuple(out.items())
 
 
 class BackwardPeak(NamedTuple):
@@ -948,7 +989,6 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
     ranges = chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
     rises = {s: _chunk_backward_peak(cfg, ranges[s], {}).rise for s in spans}
     weight_grads = _chunk_weight_gradient_bytes(cfg, coords.pp, ranges, spans)
-    releases = {g: max(a.index for a in actions if a.index <= g.span.released) for g in groups}
     dispatch = ep_dispatch_bytes(cfg)
     backward_dispatch = 0.0 if _recomputes_every_layer(cfg) else dispatch
     c = compute_bytes(cfg)
@@ -957,9 +997,8 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
     # (Qwen2.5-7B pp16 x tp4 zb1p, stage 0: a 0.25 GiB gradient; the trace held 0.23 GiB above the plan).
     fresh_embedding = c * unit_elements(cfg, coords.pp).get("embed", 0)
     out: dict[str, list[dict[str, float]]] = {phase: [] for phase in PHASES}
-    after = _moment(cfg, per_stage, -1, {})  # before the first action: nothing held
     for a in actions:
-        prior, after = after, _moment(cfg, per_stage, a.index, a.held)
+        prior, after = _moment(cfg, per_stage, a.index - 1, a.prior), _moment(cfg, per_stage, a.index, a.held)
         units = _units_at(groups, a.index)
         if a.kind == F:
             chunk = loss_chunk_bytes(cfg, coords.pp) if a.stage == last else 0.0
@@ -983,7 +1022,7 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
             out["backward"].append({**units, "activations": held, "loss": max(0.0, prior.loss - consumed),
                                     "reduce_scatter": 0.0, "ep_dispatch": backward_dispatch if a.kind == B else 0.0})
         for g in groups:
-            if releases[g] == a.index:
+            if g.span.released == a.index:
                 out["backward end"].append({**_reducing_largest(units, g, a.kind == W and a.stage > 0, c),
                                             "activations": after.saved, "loss": after.loss,
                                             "reduce_scatter": g.largest, "ep_dispatch": 0.0})

@@ -18,8 +18,8 @@ activations, or both (a layout fits when each rank fits its device and the node'
 its host memory, ``Hardware.host_memory_gib``); the host's copies and optimizer step make them slower,
 so they are the last resort.
 
-What is not evaluated, because under the models it cannot win (so the search answers within a minute
-for 16,384 devices on two CPU cores; docs/planner.md has the times):
+What is not evaluated, because under the models it cannot win (to keep the search short; docs/planner.md
+has the times, ``benchmarks/plan_search_time.py`` measures them):
 
 - speed, for a variant that does not fit (memory is evaluated first);
 - a checkpointing mode once a lighter one fits at the same micro-batch count and schedule: it only

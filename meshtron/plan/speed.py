@@ -32,7 +32,7 @@ from typing import NamedTuple
 from meshtron.config import Config
 from meshtron.models.moe import router_stats_size
 from meshtron.models.qwen2 import flops_per_token
-from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule
+from meshtron.parallel.pipeline.schedules import V_SHAPED, built_schedule
 from meshtron.parallel.pipeline.simulate import simulate
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.parallel.context import a2a_group_size
@@ -404,7 +404,7 @@ def pipeline_bubble(schedule: str, pp: int, microbatches: int, virtual: int, bac
     ``memory.unsplit_stages``) every backward runs whole at ``B``."""
     if pp == 1:
         return 0.0
-    steps = build_schedule(schedule, pp, microbatches, virtual)
+    steps = built_schedule(schedule, pp, microbatches, virtual)
     w = 1 if split else 0
     # Waits as the executor does, only for what an action consumes (the V schedules need it).
     return simulate(steps, 1, backward_cost - w, w_cost=w, rendezvous=False).bubble

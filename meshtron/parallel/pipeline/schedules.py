@@ -50,6 +50,7 @@ of virtual stages (the simulator finds it for pp=2, 4, 8 with v=2, and gloo hang
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
@@ -69,11 +70,12 @@ from meshtron.parallel.pipeline.split import chunk_rank
 
 __all__ = [
     "B", "F", "W", "P2P", "RECV_B", "RECV_F", "SEND_B", "SEND_F", "SCHEDULES", "V_SHAPED", "VIRTUAL",
-    "Action", "Schedule", "Step", "build_schedule", "dualpipev", "gpipe", "held_by_stage", "held_counts",
+    "SPLIT_BACKWARD", "Action", "Schedule", "Step", "build_schedule", "built_schedule", "dualpipev", "gpipe", "held_by_stage", "held_counts",
     "interleaved_1f1b", "last_weight_passes", "one_f_one_b", "peak_in_flight", "split_backwards", "zb1p", "zbv",
 ]
 
 F, B, W = "F", "B", "W"
+SPLIT_BACKWARD = ("zb1p", "zbv", "dualpipev")  # the schedules with ``W`` steps (split backwards)
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 
 
@@ -143,8 +145,13 @@ def _interleaved_slots(pp: int, m: int, v: int, rank: int) -> list[list[Action]]
     return slots + [[nth(k, B)] for k in range(total - warmup, total)]
 
 
-def _peer_ops(a: Action, pp: int, num_stages: int, v_shape: bool, sending: bool) -> list[Action]:
-    """The p2p op that brings ``a`` its input (``sending`` False) or carries its output away.
+# The p2p op kind by (the action is a forward, the op carries its output away).
+_P2P_KINDS = {(True, True): SEND_F, (True, False): RECV_F, (False, True): SEND_B, (False, False): RECV_B}
+
+
+def _peer_ops(a: Action, ranks: list[int], sending: bool) -> list[Action]:
+    """The p2p op that brings ``a`` its input (``sending`` False) or carries its output away;
+    ``ranks[s]``: the pp-rank of stage ``s``.
 
     Stages on the same rank (the turn of a V) exchange nothing: the executor hands over locally.
     """
@@ -152,15 +159,9 @@ def _peer_ops(a: Action, pp: int, num_stages: int, v_shape: bool, sending: bool)
         return []
     forward = a.kind == F
     other = a.stage + (1 if forward == sending else -1)
-    if not 0 <= other < num_stages:
+    if not 0 <= other < len(ranks) or ranks[other] == ranks[a.stage]:
         return []
-    peer, own = chunk_rank(other, pp, v_shape), chunk_rank(a.stage, pp, v_shape)
-    if peer == own:
-        return []
-    kind = {(True, True): SEND_F, (True, False): RECV_F, (False, True): SEND_B, (False, False): RECV_B}[
-        (forward, sending)
-    ]
-    return [Action(kind, a.mb, a.stage, peer)]
+    return [Action(_P2P_KINDS[(forward, sending)], a.mb, a.stage, ranks[other])]
 
 
 def _with_p2p(slots: list[list[Action]], pp: int, num_stages: int, v_shape: bool = False) -> list[Step]:
@@ -169,16 +170,17 @@ def _with_p2p(slots: list[list[Action]], pp: int, num_stages: int, v_shape: bool
     The batch between two slots holds the sends of the slot before and the receives of the
     slot after, so neighbours meet in matching batches.
     """
+    ranks = [chunk_rank(s, pp, v_shape) for s in range(num_stages)]
     steps: list[Step] = []
     before: list[Action] = []
     for slot in slots:
-        ops = [op for a in before for op in _peer_ops(a, pp, num_stages, v_shape, True)]
-        ops += [op for a in slot for op in _peer_ops(a, pp, num_stages, v_shape, False)]
+        ops = [op for a in before for op in _peer_ops(a, ranks, True)]
+        ops += [op for a in slot for op in _peer_ops(a, ranks, False)]
         if ops:
             steps.append(P2P(tuple(ops)))
         steps += slot
         before = slot
-    tail = [op for a in before for op in _peer_ops(a, pp, num_stages, v_shape, True)]
+    tail = [op for a in before for op in _peer_ops(a, ranks, True)]
     if tail:
         steps.append(P2P(tuple(tail)))
     return steps
@@ -364,6 +366,14 @@ def build_schedule(name: str, pp: int, m: int, v: int = 1) -> Schedule:
     if name == "dualpipev":
         return dualpipev(pp, m, v)
     return interleaved_1f1b(pp, m, v)
+
+
+@functools.lru_cache(maxsize=8)
+def built_schedule(name: str, pp: int, m: int, v: int = 1) -> tuple[tuple[Step, ...], ...]:
+    """:func:`build_schedule`, read-only and kept: the layout search checks, simulates and walks each
+    schedule of a mesh shape several times (every checkpointing mode; thousands of micro-batches at
+    a large batch over few data-parallel ranks), one shape after another."""
+    return tuple(tuple(steps) for steps in build_schedule(name, pp, m, v))
 
 
 def split_backwards(steps: list[Step]) -> set[tuple[int, int]]:

@@ -124,6 +124,7 @@ def simulate(
     pending: list[list[tuple[int, int, int]]] = [[] for _ in range(pp)]
     inbox: list[dict[tuple[int, int], tuple[int, int, int]]] = [{} for _ in range(pp)]
     done: list[set[tuple[str, int, int]]] = [set() for _ in range(pp)]
+    forwarded: list[set[int]] = [set() for _ in range(pp)]  # stages with a forward done, per rank
     posted: dict[tuple[int, int, int], float] = {}
     timelines: list[list[Span]] = [[] for _ in range(pp)]
 
@@ -156,13 +157,15 @@ def simulate(
                 if not ready(rank, step):
                     break
                 if isinstance(step, Action):
-                    _check_local_order(step, done[rank], split[rank])
+                    _check_local_order(step, done[rank], forwarded[rank])
                     cost = {F: f_cost, W: w_cost}.get(step.kind, b_cost)
                     if step.kind == B and (step.stage, step.mb) not in split[rank]:
                         cost += w_cost
                     end = clock[rank] + cost
                     timelines[rank].append(Span(rank, step.kind, step.mb, clock[rank], end, step.stage))
                     done[rank].add((step.kind, step.stage, step.mb))
+                    if step.kind == F:
+                        forwarded[rank].add(step.stage)
                     clock[rank] = end
                 else:
                     pending[rank] = [(rank, i, j) for j in range(len(step.ops))]
@@ -185,13 +188,15 @@ def simulate(
     return SimResult(timelines, makespan, 1 - busy / (pp * makespan) if makespan else 0.0)
 
 
-def _check_local_order(a: Action, done: set[tuple[str, int, int]], split: set[tuple[int, int]]) -> None:
+def _check_local_order(a: Action, done: set[tuple[str, int, int]], forwarded: set[int]) -> None:
     """A rank's own order must respect the data flow through its stages (the turn of a V runs two
-    neighbouring stages on one rank, with no p2p op to wait on)."""
+    neighbouring stages on one rank, with no p2p op to wait on); ``forwarded``: the rank's stages
+    with a forward done (whether a neighbouring stage runs here, in constant time: the search
+    simulates schedules of thousands of micro-batches)."""
     needs = {F: [], B: [(F, a.stage, a.mb)], W: [(B, a.stage, a.mb)]}[a.kind]
-    if a.kind == F and (F, a.stage - 1, a.mb) not in done and any(k == F and s == a.stage - 1 for k, s, _ in done):
+    if a.kind == F and a.stage - 1 in forwarded:
         needs.append((F, a.stage - 1, a.mb))
-    if a.kind == B and any(k == F and s == a.stage + 1 for k, s, _ in done):
+    if a.kind == B and a.stage + 1 in forwarded:
         needs.append((B, a.stage + 1, a.mb))
     missing = [n for n in needs if n not in done]
     if missing:
