@@ -12,7 +12,7 @@ Two entry points share one per-chunk computation:
   fp32 log-sum-exp per token; backward rebuilds each chunk's softmax from the saved logits.
 
 Each chunk works in one fp32 buffer of chunk x V_local values: the logits become their exponentials,
-then the softmax, then the logit gradient, in place.
+then the logit gradient (normalised, masked and scaled in one pass), in place.
 
 Vocabulary-parallel use: ``weight`` / ``logits`` may hold only columns ``[vocab_start, vocab_start +
 V_local)`` of the vocabulary. Per-token maxima and sums must then cover every shard: the caller
@@ -71,10 +71,14 @@ def _loss_sum(lse: torch.Tensor, target: torch.Tensor, t: _Targets) -> torch.Ten
     return ((lse - target) * t.counted).sum()
 
 
-def _minus_target_(probs: torch.Tensor, t: _Targets) -> torch.Tensor:
-    """d(summed loss)/d logits from the softmax, in place: minus the one-hot target, zero for ignored tokens."""
-    probs.mul_(t.counted.unsqueeze(-1))
-    return probs.scatter_add_(-1, t.index, -(t.mine & t.counted).to(probs.dtype).unsqueeze(-1))
+def _logit_gradient_(probs: torch.Tensor, t: _Targets, row_scale: torch.Tensor, scale=1.0) -> torch.Tensor:
+    """``scale`` x d(summed loss)/d logits, in place, from ``probs`` that ``row_scale`` [n] turns into the
+    softmax times ``scale`` (zero for ignored tokens): minus ``scale`` at each counted target.
+
+    Folding the normalisation, the ignored-token mask and the incoming gradient into one row scale
+    makes this one pass over the chunk x V buffer instead of one per factor."""
+    probs.mul_(row_scale.unsqueeze(-1))
+    return probs.scatter_add_(-1, t.index, -((t.mine & t.counted) * scale).to(probs.dtype).unsqueeze(-1))
 
 
 def _softcap_(logits: torch.Tensor, cap: float, slope: bool) -> torch.Tensor | None:
@@ -107,14 +111,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             lse, target, exp_sum = _exp_and_log_sum_exp_(logits, t, reduce)
             total += _loss_sum(lse, target, t)
             if want_h or want_w:
-                g = _minus_target_(logits.div_(exp_sum.unsqueeze(-1)), t)
+                g = _logit_gradient_(logits, t, t.counted / exp_sum)
                 if slope is not None:
                     g = g.mul_(slope)
                 g = g.to(hidden.dtype)
                 if want_h:
                     torch.matmul(g, weight, out=grad_h[rows])
                 if want_w:
-                    grad_w.add_(g.t() @ h)  # fp32 accumulation over chunks
+                    _accumulate_(grad_w, g.t(), h)
                 del g  # else it lives on while the next chunk's logits are computed (chunk x V more)
             del logits, slope
         ctx.save_for_backward(grad_h, grad_w)
@@ -127,6 +131,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h = grad_h * grad.to(grad_h.dtype) if grad_h is not None else None
         grad_w = _scaled(grad_w, grad, ctx.weight_dtype) if grad_w is not None else None
         return grad_h, grad_w, None, None, None, None, None, None
+
+
+def _accumulate_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b``, accumulated over chunks in fp32; in fp32 without a weight-sized temporary."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(a @ b)  # the compute-dtype product, as the unfused head's weight gradient rounds it
 
 
 def _scaled(acc: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: int = 4096) -> torch.Tensor:
@@ -186,7 +198,7 @@ class _CrossEntropy(torch.autograd.Function):
         for rows in _chunks(logits.shape[0], chunk):
             t = _Targets(labels[rows], vocab_start, logits.shape[-1], ignore_index)
             probs = logits[rows].to(torch.float32, copy=True).sub_(lse[rows].unsqueeze(-1)).exp_()
-            grad_logits[rows] = _minus_target_(probs, t).mul_(grad)
+            grad_logits[rows] = _logit_gradient_(probs, t, t.counted * grad, grad)
         return grad_logits, None, None, None, None, None
 
 
