@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from meshtron.torch_private import TorchDispatchMode, pytree
 
 
 def saved_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
@@ -38,7 +38,7 @@ def kept_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            for t in tree_flatten(out)[0]:
+            for t in pytree.tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     storage = t.untyped_storage()
                     created.append((StorageWeakRef(storage), storage.data_ptr(), storage.nbytes()))
@@ -46,7 +46,7 @@ def kept_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] 
 
     with Record():
         result = fn()
-    skip = {t.untyped_storage().data_ptr() for t in [*tree_flatten(result)[0], *exclude] if isinstance(t, torch.Tensor)}
+    skip = {t.untyped_storage().data_ptr() for t in [*pytree.tree_flatten(result)[0], *exclude] if isinstance(t, torch.Tensor)}
     gc.collect()
     alive = {ptr: size for ref, ptr, size in created if not ref.expired() and ptr not in skip}
     return sum(alive.values())
