@@ -87,6 +87,7 @@ class RankTrace:
     step_seconds: float  # meshtron.plan's step time with that compute time
     seconds: float  # the dry run's own wall time for this rank
     syncs: dict[str, int] = dataclasses.field(default_factory=dict)  # "op at file:line in function" -> per step
+    host_gib: float = 0.0  # on a CUDA device: the peak of the tensors the step keeps on the host, apart
     p2p: list = dataclasses.field(default_factory=list)  # (direction, peer, shape, dtype) in order (nccl_rules)
 
     @property
@@ -317,7 +318,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
         try:
             mesh = recipe_mesh(cfg)
             coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-            peak, counter, syncs = _traced_step(cfg, mesh, routing, hw)
+            peaks, counter, syncs = _traced_step(cfg, mesh, routing, hw)
             comm = compare_comm(counter.sent, planned_comm(cfg, mesh), group_names(mesh))
         finally:
             dist.destroy_process_group()
@@ -327,13 +328,16 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
     for sync in syncs.syncs:
         site = f"{sync.op} at {sync.where.removeprefix(_ROOT)}"
         per_site[site] = per_site.get(site, 0) + 1
-    return RankTrace(rank, coords, peak / GIB, planned / GIB, counter.calls, comm, counter.flops,
-                     counter.roofline_seconds, step, time.perf_counter() - start, per_site, counter.rules.p2p)
+    device, host = peaks
+    return RankTrace(rank, coords, device / GIB, planned / GIB, counter.calls, comm, counter.flops,
+                     counter.roofline_seconds, step, time.perf_counter() - start, syncs=per_site, p2p=counter.rules.p2p,
+                     host_gib=host / GIB)
 
 
-def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[int, StepCounter, HostSyncCounter]:
+def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[tuple[int, int], StepCounter, HostSyncCounter]:
     """This rank's runner and optimizer built on fake tensors, a warm-up step, then the traced one under
-    NCCL's rules: (its peak bytes, its counter, its host syncs, only those :mod:`meshtron.host` declares)."""
+    NCCL's rules: ((its peak bytes on its device, on the host apart: :func:`device_and_host_peaks`), its
+    counter, its host syncs, only those :mod:`meshtron.host` declares)."""
     from meshtron.hf.runner import build_runner
     from meshtron.optim import build_optimizer
 
@@ -358,8 +362,15 @@ def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[int, St
             if inferred.count:
                 raise RuntimeError(f"the traced step of rank {dist.get_rank()} inferred {inferred.count} DTensor output "
                                    "shapes its warm-up did not: its peak would count their placeholders")
-    peak = sum(per_device.get("Total", 0) for per_device in memory.get_tracker_snapshot("peak").values())
-    return peak, counter, syncs
+    return device_and_host_peaks(memory.get_tracker_snapshot("peak"), device), counter, syncs
+
+
+def device_and_host_peaks(peaks: dict[torch.device, dict[str, int]], device: torch.device) -> tuple[int, int]:
+    """(peak bytes on ``device``, on any other) of a memory tracker's per-device peaks. On a CPU rank both
+    are one; on a CUDA rank a tensor the step keeps on the host does not take the GPU's memory, which the
+    planner predicts (the shipped recipes' steps keep none: the fused AdamW's step counts are on the device)."""
+    other = sum(per_device.get("Total", 0) for where, per_device in peaks.items() if where != device)
+    return peaks.get(device, {}).get("Total", 0), other
 
 
 class HostSyncRefusal(RuntimeError):
@@ -570,6 +581,7 @@ def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool,
             "tokens_per_second_per_device": round(speed, 1),
             "ranks": [{"rank": t.rank, "coords": t.coords, "traced_gib": round(t.traced_gib, 3),
                        "planned_gib": round(t.planned_gib, 3), "ratio": round(t.ratio, 3),
+                       "host_gib": round(t.host_gib, 4),
                        "collectives": t.collectives, "host_syncs": t.syncs, "flops": t.flops,
                        "compute_seconds": round(t.compute_seconds, 4), "step_seconds": round(t.step_seconds, 4),
                        "comm_bytes": {key: {"traced": traced, "planned": planned}
@@ -589,6 +601,8 @@ def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool,
                   for key, (traced, planned) in t.comm.items()]
         lines.append(f"{'':>11} host syncs per step: {sum(t.syncs.values())}"
                      + "".join(f"; {n} x {where}" for where, n in t.syncs.items()))
+        if t.host_gib:
+            lines.append(f"{'':>11} kept on the host: {t.host_gib:.3f} GiB at its peak (apart from the traced GiB)")
     lines.append(f"predicted: {speed:,.0f} tokens/s per device (roofline compute on {_device_text()}, the planner's "
                  f"exposed communication and bubble)")
     lines.append(f"planned: meshtron.plan's terms without the reserve and slack; {seconds:.0f} s in all")
