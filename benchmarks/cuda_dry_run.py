@@ -1,8 +1,10 @@
 """The dry run on fake CUDA devices over the shipped recipes and one layout of each parallelism
 (issue 44's coverage): run by benchmarks/cuda_dry_run.sh with a CUDA build of torch.
 
-Per case and distinct rank: the traced peak, the planner's figure for the rank, the host syncs of the
-traced step and its collectives by kind; a case that fails is listed with its error's last line.
+Per case and distinct rank: the traced peak on the fake GPU (and on the host apart), the CPU dry run's
+peak for the same rank (benchmarks/results/dry_run.json, shipped recipes), the planner's figure for the
+rank, the host syncs of the traced step and its collectives by kind, every one checked against NCCL's
+rules; a case that fails is listed with its error's last line.
 
     MESHTRON_DEVICE=cuda PYTHONPATH=. V/bin/python benchmarks/cuda_dry_run.py [NAME ...]
 
@@ -75,9 +77,17 @@ def measure(name: str) -> list[dict]:
     start = time.perf_counter()
     traces = dry_run(cfg, world, hw=hardware.hardware(), per_node=hardware.per_node)
     seconds = time.perf_counter() - start
-    return [{"case": name, "world_size": world, "layout": layout_text(cfg), "rank": t.rank, "pp": t.coords["pp"],
-             "traced_gib": t.traced_gib, "planned_gib": t.planned_gib, "ratio": t.ratio,
-             "syncs": getattr(t, "syncs", None), "collectives": t.collectives, "seconds": seconds} for t in traces]
+    cpu = _cpu_traces(name) if name in SHIPPED else {}
+    return [{"case": name, "world_size": world, "layout": layout_text(cfg), "rank": t.rank, "coords": t.coords,
+             "pp": t.coords["pp"],
+             "traced_gib": t.traced_gib, "host_peak_gib": t.host_peak_gib, "cpu_gib": cpu.get(t.rank), "planned_gib": t.planned_gib,
+             "ratio": t.ratio, "syncs": t.syncs, "collectives": t.collectives, "seconds": seconds} for t in traces]
+
+
+def _cpu_traces(recipe: str) -> dict[int, float]:
+    """Rank -> traced peak GiB of the CPU dry run of ``recipe`` at its stated layout (benchmarks/dry_run_recipes.py)."""
+    rows = json.loads((RESULTS / "dry_run.json").read_text())
+    return {r["rank"]: r["traced_gib"] for r in rows if r["recipe"] == recipe and not r["overrides"]}
 
 
 def _kinds(collectives: dict[str, int]) -> str:
@@ -90,15 +100,20 @@ def _syncs(syncs) -> str:
     return ", ".join(f"{n} x {where}" for where, n in syncs.items()) or "0"
 
 
+def _gib(value: float | None, digits: int = 2) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| case | ranks | layout | rank (stage) | traced GiB | planned GiB | traced / planned | host syncs per step "
-             "| collectives by op | dry run s |", "|---" * 10 + "|"]
+    lines = ["| case | ranks | layout | rank (stage) | GPU GiB (traced on CUDA) | host GiB | CPU dry run GiB | planned GiB "
+             "| GPU / planned | host syncs per step | collectives checked | collectives by op | dry run s |", "|---" * 13 + "|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | | | | | | | | FAILED: {r['error']} | |")
+            lines.append(f"| {r['case']} | | | | | | | | | | | FAILED: {r['error']} | |")
             continue
         lines.append(f"| {r['case']} | {r['world_size']} | {r['layout']} | {r['rank']} ({r['pp']}) | {r['traced_gib']:.2f} "
-                     f"| {r['planned_gib']:.2f} | {r['ratio']:.3f} | {_syncs(r['syncs'])} | {_kinds(r['collectives'])} "
+                     f"| {_gib(r.get('host_peak_gib'), 4)} | {_gib(r.get('cpu_gib'))} | {r['planned_gib']:.2f} | {r['ratio']:.3f} "
+                     f"| {_syncs(r['syncs'])} | {sum(r['collectives'].values())} | {_kinds(r['collectives'])} "
                      f"| {r['seconds']:.0f} |")
     return "\n".join(lines)
 
@@ -129,10 +144,14 @@ def main(names: list[str]) -> None:
         "# The dry run on fake CUDA devices\n\n"
         "`benchmarks/cuda_dry_run.sh` (torch 2.14.1+cu130 in a separate environment, no GPU): every shipped recipe "
         "at its stated hardware and one layout of each parallelism, each distinct rank on fake `cuda:LOCAL_RANK` "
-        "(meshtron/fake_cuda.py). Planned: meshtron.plan's figure for the rank without its reserve and slack. "
+        "(meshtron/fake_cuda.py). GPU GiB: the traced step's peak on the rank's fake GPU; host GiB: on the host, "
+        "counted apart; CPU dry run GiB: the same rank traced on the CPU path (benchmarks/results/dry_run.json). "
+        "Planned: meshtron.plan's figure for the rank without its reserve and slack (of a transformers model it "
+        "models meshtron's own blocks, hence the hf model's ratio). "
         "Every collective passed NCCL's rules (meshtron/nccl_rules.py) and every host sync is one meshtron/host.py "
         "declares: the dry run stops otherwise. Host syncs per step: the reads a real step makes there (the dry "
-        "run answers them with its assumption).\n\n"
+        "run answers them with its assumption). Dry run s: wall time on a 2-core machine shared with other jobs "
+        "(load average 10-160 while these ran).\n\n"
         + table(rows) + "\n")
 
 

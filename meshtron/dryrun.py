@@ -101,6 +101,7 @@ class RankTrace:
     step_seconds: float  # meshtron.plan's step time with that compute time
     seconds: float  # the dry run's own wall time for this rank
     syncs: dict[str, int] = dataclasses.field(default_factory=dict)  # "op at file:line in function" -> per step
+    host_peak_gib: float = 0.0  # on a CUDA device: the peak of the tensors the step keeps on the host, apart
     p2p: list = dataclasses.field(default_factory=list)  # (direction, peer, shape, dtype) in order (nccl_rules)
     host_gib: float = 0.0  # what [parallel] offload keeps in host memory, counted on the step's objects
     planned_host_gib: float = 0.0  # meshtron.plan's offloaded fp32 state (Breakdown.host's params, grads, optimizer)
@@ -332,7 +333,7 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
         try:
             mesh = recipe_mesh(cfg)
             coords = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate()))
-            peak, counter, syncs, host = _traced_step(cfg, mesh, routing, hw)
+            (peak, host_peak), counter, syncs, host = _traced_step(cfg, mesh, routing, hw)
             comm = compare_comm(counter.sent, planned_comm(cfg, mesh), group_names(mesh))
         finally:
             dist.destroy_process_group()
@@ -347,8 +348,9 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
         site = f"{sync.op} at {sync.where.removeprefix(_ROOT)}"
         per_site[site] = per_site.get(site, 0) + 1
     return RankTrace(rank, coords, peak / GIB, planned / GIB, counter.calls, comm, counter.flops,
-                     counter.roofline_seconds, step, time.perf_counter() - start, per_site, counter.rules.p2p,
-                     host / GIB, planned_host / GIB)
+                     counter.roofline_seconds, step, time.perf_counter() - start, syncs=per_site,
+                     host_peak_gib=host_peak / GIB, p2p=counter.rules.p2p, host_gib=host / GIB,
+                     planned_host_gib=planned_host / GIB)
 
 
 def _one_memory(cfg: Config) -> Config:
@@ -371,10 +373,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[int, StepCounter, HostSyncCounter, int]:
+def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[tuple[int, int], StepCounter, HostSyncCounter, int]:
     """This rank's runner and optimizer built on fake tensors, a warm-up step, then the traced one under
-    NCCL's rules: (its peak bytes, its counter, its host syncs, only those :mod:`meshtron.host` declares,
-    the bytes its host offload holds)."""
+    NCCL's rules: ((its peak bytes on its device, on the host apart: :func:`device_and_host_peaks`), its
+    counter, its host syncs, only those :mod:`meshtron.host` declares, the bytes its host offload holds)."""
     device = env.local_device()
     rules = NcclRules(device, group_names(mesh))  # names read from the mesh's real rank table
     with simulated(routing):
@@ -396,8 +398,16 @@ def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[int, St
             if inferred.count:
                 raise RuntimeError(f"the traced step of rank {dist.get_rank()} inferred {inferred.count} DTensor output "
                                    "shapes its warm-up did not: its peak would count their placeholders")
-    peak = sum(per_device.get("Total", 0) for per_device in memory.get_tracker_snapshot("peak").values())
-    return peak, counter, syncs, offloaded_bytes(cfg, runner.module, optimizer)
+    peaks = device_and_host_peaks(memory.get_tracker_snapshot("peak"), device)
+    return peaks, counter, syncs, offloaded_bytes(cfg, runner.module, optimizer)
+
+
+def device_and_host_peaks(peaks: dict[torch.device, dict[str, int]], device: torch.device) -> tuple[int, int]:
+    """(peak bytes on ``device``, on any other) of a memory tracker's per-device peaks. On a CPU rank both
+    are one; on a CUDA rank a tensor the step keeps on the host does not take the GPU's memory, which the
+    planner predicts (the shipped recipes' steps keep none: the fused AdamW's step counts are on the device)."""
+    other = sum(per_device.get("Total", 0) for where, per_device in peaks.items() if where != device)
+    return peaks.get(device, {}).get("Total", 0), other
 
 
 class HostSyncRefusal(RuntimeError):
@@ -613,6 +623,7 @@ def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool,
             "ranks": [{"rank": t.rank, "coords": t.coords, "traced_gib": round(t.traced_gib, 3),
                        "planned_gib": round(t.planned_gib, 3), "ratio": round(t.ratio, 3),
                        "host_gib": round(t.host_gib, 3), "planned_host_gib": round(t.planned_host_gib, 3),
+                       "host_peak_gib": round(t.host_peak_gib, 4),
                        "collectives": t.collectives, "host_syncs": t.syncs, "flops": t.flops,
                        "compute_seconds": round(t.compute_seconds, 4), "step_seconds": round(t.step_seconds, 4),
                        "comm_bytes": {key: {"traced": traced, "planned": planned}
@@ -634,6 +645,8 @@ def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool,
             lines.append(f"{'':>11} host memory (offload): {t.host_gib:.2f} GiB traced, {t.planned_host_gib:.2f} planned")
         lines.append(f"{'':>11} host syncs per step: {sum(t.syncs.values())}"
                      + "".join(f"; {n} x {where}" for where, n in t.syncs.items()))
+        if t.host_peak_gib:
+            lines.append(f"{'':>11} kept on the host: {t.host_peak_gib:.3f} GiB at its peak (apart from the traced GiB)")
     lines.append(f"predicted: {speed:,.0f} tokens/s per device (roofline compute on {_device_text()}, the planner's "
                  f"exposed communication and bubble)")
     lines.append(f"planned: meshtron.plan's terms without the reserve and slack; {seconds:.0f} s in all")

@@ -315,6 +315,8 @@ def _stand_ins() -> dict[str, object]:
     return {
         "is_available": lambda: True, "is_initialized": lambda: True, "_lazy_init": lambda: None,
         "device_count": lambda: _runtime.count, "current_device": lambda: _runtime.current,
+        # An H100's, as the preloaded driver answers C++ (c10d's broadcast asks it from Python).
+        "get_device_capability": lambda device=None: (9, 0),
         "set_device": _runtime.set_device, "Stream": FakeStream, "Event": FakeEvent,
         "current_stream": _runtime.current_stream, "default_stream": _runtime.default_stream,
         "set_stream": _runtime.set_stream, "stream": _runtime.stream,

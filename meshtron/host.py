@@ -11,6 +11,7 @@ window: :func:`document_starts`, no metrics to read, posted sends complete by th
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -50,6 +51,54 @@ def fake_tensors() -> contextlib.AbstractContextManager:
     return _fake_mode if _fake_mode is not None else contextlib.nullcontext()
 
 
+class KeptReads:
+    """The host reads of one call of a checkpointed block, kept by its forward (:meth:`keeping`) for its
+    recomputations in backward (:meth:`replaying`): a recomputation replays the same tokens through the
+    same routing (same inputs, same RNG state), so the values it would read are those the forward read,
+    and reading them again would wait for the device a second time (per MoE layer)."""
+
+    def __init__(self):
+        self.values: list = []
+
+    @contextlib.contextmanager
+    def keeping(self) -> Iterator[None]:
+        global _kept
+        outer, _kept = _kept, self.values
+        try:
+            yield
+        finally:
+            _kept = outer
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        global _replayed
+        outer, _replayed = _replayed, iter(self.values)  # each recomputation reads from the first again
+        try:
+            yield
+        finally:
+            _replayed = outer
+
+
+_kept: list | None = None  # where a checkpointed forward keeps its reads (KeptReads.keeping)
+_replayed: Iterator | None = None  # what a recomputation takes in their place (KeptReads.replaying)
+
+
+def _kept_for_recomputation(read: Callable) -> Callable:
+    """``read`` kept by a checkpointed forward and answered from that in its recomputation (:class:`KeptReads`)."""
+
+    @functools.wraps(read)
+    def kept_or_read(*args):
+        if _replayed is not None:
+            return next(_replayed)
+        values = read(*args)
+        if _kept is not None:
+            _kept.append(values)
+        return values
+
+    return kept_or_read
+
+
+@_kept_for_recomputation
 def split_sizes(sizes: torch.Tensor, assumed: Callable[[str], list[int]]) -> list[int]:
     """Host ints of the 1-D ``sizes`` (split sizes of uneven collectives): the one device-to-host read
     of the expert dispatch. A dry run has no values and takes ``assumed(routing)``, the sizes under its
@@ -62,6 +111,7 @@ def split_sizes(sizes: torch.Tensor, assumed: Callable[[str], list[int]]) -> lis
     return sizes.tolist()
 
 
+@_kept_for_recomputation
 def document_starts(bounds: torch.Tensor) -> list[list[int]]:
     """Host ints of ``bounds`` ``[2, chunks]``, the earliest and latest document start of each local query
     chunk: the one host read of context parallelism over packed documents. A dry run's batch is one
@@ -84,7 +134,7 @@ def even_split(total: int, peers: int) -> list[int]:
     return [total // peers + (i < total % peers) for i in range(peers)]
 
 
-__all__ = ["ROUTINGS", "completed", "declared", "document_starts", "even_split", "fake_tensors", "simulated", "simulating", "split_sizes"]
+__all__ = ["ROUTINGS", "KeptReads", "completed", "declared", "document_starts", "even_split", "fake_tensors", "simulated", "simulating", "split_sizes"]
 
 
 def completed(work) -> bool:

@@ -240,12 +240,9 @@ def test_every_shipped_recipe_matches_the_plan(shipped):
 
 
 def _moe_forwards(cfg) -> int:
-    """Forwards of MoE layers per micro-batch: each once, and once more in the backward where checkpointed
-    (the recomputation dispatches again, reading its split sizes again, as a real run does)."""
-    p = cfg.parallel
-    recomputed = {"none": lambda i: False, "full": lambda i: True,
-                  "selective": lambda i: i % p.ac_every == 0}[p.activation_checkpointing]
-    return sum(1 + recomputed(i) for i in range(cfg.model.num_hidden_layers) if cfg.model.is_moe_layer(i))
+    """Split-size reads of MoE layers per micro-batch: one per layer; a checkpointed layer's recomputation
+    takes its forward's (it read them again, as many syncs more, until meshtron.host.KeptReads)."""
+    return sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_hidden_layers))
 
 
 def _check_host_syncs(cfg, rank: dict, read: str, count: int) -> None:

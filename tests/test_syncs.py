@@ -5,7 +5,7 @@ What is allowed, exactly:
 * ``meshtron.train.training_step`` (forward, backward, clipping, optimizer update) of a dense model: none,
   pipelined or not;
 * with expert parallelism: one per MoE layer and micro-batch, the dispatch's split sizes (the
-  backward reuses them and adds none);
+  backward reuses them and adds none, a checkpointed layer's recomputation included);
 * with context parallelism over packed documents (``[data] document_mask``): one per micro-batch, the
   document-start bounds that decide which attention blocks run (every layer reuses them);
 * ``Trainer.train_step`` adds one read after the step is queued (loss, grad norm, aux loss in one
@@ -101,13 +101,17 @@ def pipelined_step_has_no_sync(root: str) -> None:
 
 
 def moe_step_syncs_once_per_moe_layer(root: str) -> None:
-    trainer = _trainer("debug_moe", root, {"dp": 2, "ep": 2, "tp": 1, "sp": False})
-    trainer.train_step(0)
-    inner, _ = _counted_step(trainer, 1)
-    moe_layers = sum(trainer.cfg.model.is_moe_layer(i) for i in range(trainer.cfg.model.num_hidden_layers))
-    assert moe_layers > 0 and inner.count == moe_layers * trainer.cfg.parallel.microbatches, inner
-    # The dispatch's split sizes, read where every host read of the step is named (meshtron.host).
-    assert all("split_sizes" in s.where for s in inner.syncs), inner
+    # Checkpointed layers too: their recomputation takes the split sizes its forward read (it read them
+    # again, a second sync per layer, until meshtron.host.KeptReads).
+    for checkpointing in ("none", "full"):
+        trainer = _trainer("debug_moe", root, {"dp": 2, "ep": 2, "tp": 1, "sp": False,
+                                               "activation_checkpointing": f'"{checkpointing}"'})
+        trainer.train_step(0)
+        inner, _ = _counted_step(trainer, 1)
+        moe_layers = sum(trainer.cfg.model.is_moe_layer(i) for i in range(trainer.cfg.model.num_hidden_layers))
+        assert moe_layers > 0 and inner.count == moe_layers * trainer.cfg.parallel.microbatches, (checkpointing, inner)
+        # The dispatch's split sizes, read where every host read of the step is named (meshtron.host).
+        assert all("split_sizes" in s.where for s in inner.syncs), inner
 
 
 def document_masked_cp_step_syncs_once_per_microbatch(root: str) -> None:

@@ -80,10 +80,12 @@ from meshtron.parallel.data import data_meshes, mixed_precision, wrap_data_paral
 
 
 def _no_cache_in_training(model, args, kwargs):
-    """A KV cache would take the recomputed keys a second time (the recomputation's attention then sees
-    2 x S keys); like transformers' own checkpointing, training forwards run without one."""
+    """Training forwards run without a KV cache, as under transformers' own checkpointing: nothing reads it,
+    a checkpointed block's recomputation would add its keys a second time (its attention then sees 2 x S
+    keys), and its first keys are ``torch.tensor([])`` copied from the host (which a fake CUDA device, with
+    no driver, cannot take)."""
     if model.training:
-        return args, {**kwargs, "use_cache": False, "past_key_values": None}
+        return args, {**kwargs, "use_cache": False}
     return None
 
 
@@ -149,8 +151,7 @@ class HFSteps:
 
     def checkpointing(self, model: nn.Module) -> None:
         checkpoint_blocks(dict(self.parts.block_items()), *self.ac)
-        if self.ac[0] != "none":
-            model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+        model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
 
     def compile(self, model: nn.Module) -> None:
         """transformers models run eagerly: ``[parallel] compile`` applies to meshtron's own models."""

@@ -97,13 +97,25 @@ def build_hf_model(cfg: Config, device: torch.device) -> nn.Module:
     folder = Path(cfg.model.hf_model)
     torch.manual_seed(cfg.train.seed)
     if simulating():  # a dry run builds the model's shapes only (config.json is enough)
-        with fake_tensors(), torch.device(device):
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32).train()
+        return _fake_hf_model(AutoConfig.from_pretrained(folder), device)
     if _has_weights(folder):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
     return model.to(device).train()
+
+
+def _fake_hf_model(config, device: torch.device) -> nn.Module:
+    """The transformers model of ``config`` on the meta device, then as fake tensors on ``device``. Built
+    under the fake mode in a ``torch.device(device)`` context, transformers finds that context's device by
+    making ``torch.tensor([])`` in it, made on the host and copied to the real device: a fake CUDA device
+    has no driver to take the copy."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with fake_tensors():
+        return model.to_empty(device=device).train()
 
 
 class HFStepRunner:

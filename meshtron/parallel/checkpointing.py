@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from meshtron.config import AC_POLICIES, ACTIVATION_CHECKPOINTING, not_one_of
+from meshtron.host import KeptReads
 from meshtron.models.moe import replaying
 from meshtron.torch_private import ATTENTION_FORWARD_KERNELS, GROUPED_MM, checkpoint
 
@@ -82,15 +83,18 @@ class OpPolicy:
 
 
 def recompute_contexts(mode: str, policy: str) -> Callable[[], tuple]:
-    """The composable checkpoint's ``context_fn``: (forward context, recomputation context). The
-    recomputation must not count MoE router statistics a second time (``replaying``)."""
-    if mode != "op":
-        return lambda: (contextlib.nullcontext(), replaying())
-    OpPolicy(policy)  # an unknown policy fails here, not in the first backward
+    """The composable checkpoint's ``context_fn``: (forward context, recomputation context), fresh per
+    block call. The recomputation must not count MoE router statistics a second time (``replaying``)
+    and takes the host reads of the forward it replays (``meshtron.host.KeptReads``) instead of waiting
+    for the device again."""
+    if mode == "op":
+        OpPolicy(policy)  # an unknown policy fails here, not in the first backward
 
     def contexts():
-        forward, recompute = create_selective_checkpoint_contexts(OpPolicy(policy))
-        return forward, _together(recompute, replaying())
+        reads = KeptReads()
+        forward, recompute = (create_selective_checkpoint_contexts(OpPolicy(policy)) if mode == "op"
+                              else (contextlib.nullcontext(), contextlib.nullcontext()))
+        return _together(forward, reads.keeping()), _together(recompute, reads.replaying(), replaying())
 
     return contexts
 
