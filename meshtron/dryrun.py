@@ -702,8 +702,11 @@ def main(recipe: str, overrides: list[str], *, world_size: int, as_json: bool, g
         return 2
     print(report(cfg, world_size, traces, as_json, time.perf_counter() - start, routing), flush=True)
     try:
+        # The stated hardware's host memory, not this machine's, for a CUDA target (a node of 8 ranks each
+        # planned to keep 4 GiB of their own on the host found no layout fitting 20 GiB of this machine).
+        host = hardware.hardware().host_memory_gib * GIB if hardware.device == "cuda" else None
         check_memory(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, memory_check="error")), world_size,
-                     hardware.device, (memory * GIB, source), hardware.per_node)
+                     hardware.device, (memory * GIB, source), hardware.per_node, host)
     except ConfigError as err:
         print(f"meshtron: {err}", file=sys.stderr)
         return 2
