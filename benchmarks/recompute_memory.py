@@ -21,15 +21,14 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from meshtron.config import load_config  # noqa: E402
 from meshtron.models import build_model  # noqa: E402
-from meshtron.parallel.checkpointing import MATMULS, apply_activation_checkpointing  # noqa: E402
-from meshtron.plan.measure import kept_tensor_bytes  # noqa: E402
+from meshtron.parallel.checkpointing import apply_activation_checkpointing  # noqa: E402
+from meshtron.plan.measure import MatmulFlops, kept_tensor_bytes  # noqa: E402
 from meshtron.plan.memory import layer_kept_bytes  # noqa: E402
 from meshtron.plan.speed import recompute_factor  # noqa: E402
 
@@ -37,19 +36,6 @@ OUT = ROOT / "benchmarks" / "results" / "recompute_memory.md"
 BATCH, SEQ = 4, 512
 MODES = [("none", "save_matmuls"), ("op", "save_matmuls"), ("op", "alternate_matmuls"), ("selective", "save_matmuls"),
          ("full", "save_matmuls")]
-ADDMM = (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)
-
-
-class MatmulFlops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.flops = 0.0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in MATMULS:
-            self.flops += 2 * out.numel() * (args[1] if func in ADDMM else args[0]).shape[-1]
-        return out
 
 
 def config(mode: str, policy: str):

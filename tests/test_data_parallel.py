@@ -363,24 +363,12 @@ def test_op_checkpointing_refuses_moe_models_and_the_search_skips_it():
 
 def _matmul_flops_in_backward(model, tokens, labels) -> tuple[torch.Tensor, dict, float]:
     """Loss, gradients and the matmul FLOPs of the backward (recomputation included), counted per op."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from meshtron.parallel.checkpointing import MATMULS
-
-    class Count(TorchDispatchMode):
-        flops = 0.0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in MATMULS:  # 2 x output elements x the reduced width (addmm's: of its second argument)
-                lhs = args[1] if func in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default) else args[0]
-                Count.flops += 2 * out.numel() * lhs.shape[-1]
-            return out
+    from meshtron.plan.measure import MatmulFlops
 
     loss = token_loss_sum(model(tokens), labels)
-    with Count():
+    with MatmulFlops() as counted:
         loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, Count.flops
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, counted.flops
 
 
 @pytest.mark.parametrize("model_cfg", [CFG, MOE], ids=["dense", "moe"])

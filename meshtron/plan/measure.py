@@ -1,4 +1,5 @@
-"""Measurements the memory model is checked against (CPU is fine): bytes autograd saves for backward."""
+"""Measurements the planner is checked against (CPU is fine): bytes autograd saves for backward, the
+matmul FLOPs a pass runs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from meshtron.parallel.checkpointing import MATMULS
 from meshtron.torch_private import TorchDispatchMode, pytree
+
+_ADDMM = (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)  # the reduced width is their 2nd argument's
 
 
 def saved_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
@@ -50,3 +54,18 @@ def kept_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] 
     gc.collect()
     alive = {ptr: size for ref, ptr, size in created if not ref.expired() and ptr not in skip}
     return sum(alive.values())
+
+
+class MatmulFlops(TorchDispatchMode):
+    """The FLOPs of the matmuls (``checkpointing.MATMULS``) run while entered: 2 x output elements x the
+    reduced width."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in MATMULS:
+            self.flops += 2 * out.numel() * (args[1] if func in _ADDMM else args[0]).shape[-1]
+        return out
