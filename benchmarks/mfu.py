@@ -32,6 +32,7 @@ runs it with the CUDA tests in one device call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import time
@@ -85,18 +86,44 @@ def _peak_memory_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
-def timed(step, steps: int, warmup: int, device: torch.device, sync_check: bool) -> tuple[float, list]:
-    """Seconds per step over ``steps`` after ``warmup``; the step's outputs are read only afterwards."""
+def timed(step, steps: int, warmup: int, device: torch.device, sync_check: bool,
+          profile: tuple[Path, str] | None = None) -> tuple[float, list]:
+    """Seconds per step over ``steps`` after ``warmup``; the step's outputs are read only afterwards.
+    ``profile`` (file, label): the timed steps also run under torch.profiler, whose table is appended there."""
     for _ in range(warmup):
         step()
     synchronize(device)
     outputs = []
+    with _profiled(device, profile):
+        start = time.perf_counter()
+        with no_host_syncs(device, sync_check):
+            for _ in range(steps):
+                outputs.append(step())
+            synchronize(device)
+        seconds = (time.perf_counter() - start) / steps
+    return seconds, outputs
+
+
+@contextlib.contextmanager
+def _profiled(device: torch.device, profile: tuple[Path, str] | None):
+    """torch.profiler around the block; its kernels by device time (the busiest first) appended to the file,
+    under the label and the device's busy share of the wall time (below 1: the host does not keep it fed)."""
+    if profile is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     start = time.perf_counter()
-    with no_host_syncs(device, sync_check):
-        for _ in range(steps):
-            outputs.append(step())
-        synchronize(device)
-    return (time.perf_counter() - start) / steps, outputs
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    path, label = profile
+    with path.open("a") as out:
+        out.write(f"\n## {label}: wall {wall:.3f} s, device busy {busy:.3f} s ({busy / wall:.0%})\n")
+        out.write(events.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
+                               row_limit=25, max_name_column_width=70))
 
 
 def step_config(model_cfg: ModelConfig, dtype: str, batch: int, seq: int, compile: bool = False, **parallel) -> Config:
@@ -106,7 +133,7 @@ def step_config(model_cfg: ModelConfig, dtype: str, batch: int, seq: int, compil
 
 
 def run_meshtron(cfg: Config, batch: torch.Tensor, device: torch.device, steps: int, warmup: int,
-                 sync_check: bool = True) -> dict:
+                 sync_check: bool = True, profile: tuple[Path, str] | None = None) -> dict:
     """Trains ``cfg`` on one rank (a process group must exist): seconds per step, the timed steps'
     losses, the peak allocated memory and the planner's prediction of it."""
     _reset_memory(device)
@@ -123,7 +150,7 @@ def run_meshtron(cfg: Config, batch: torch.Tensor, device: torch.device, steps: 
         with env.fused_attention_only(device):
             return training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
 
-    seconds, outputs = timed(step, steps, warmup, device, sync_check)
+    seconds, outputs = timed(step, steps, warmup, device, sync_check, profile)
     losses = [read_scalars(loss)[0] for loss, _ in outputs]
     del runner, optimizer, model, outputs
     return {"seconds_per_step": seconds, "losses": losses, "last_loss": losses[-1],
@@ -132,7 +159,7 @@ def run_meshtron(cfg: Config, batch: torch.Tensor, device: torch.device, steps: 
 
 
 def run_transformers(model_cfg: ModelConfig, dtype: str, batch: torch.Tensor, device: torch.device, steps: int,
-                     warmup: int) -> dict:
+                     warmup: int, profile: tuple[Path, str] | None = None) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from meshtron.hf import hf_config_dict
@@ -154,7 +181,7 @@ def run_transformers(model_cfg: ModelConfig, dtype: str, batch: torch.Tensor, de
         return loss.detach()
 
     # Its own code may sync (mask building, loss bookkeeping): not checked.
-    seconds, outputs = timed(step, steps, warmup, device, sync_check=False)
+    seconds, outputs = timed(step, steps, warmup, device, sync_check=False, profile=profile)
     loss = outputs[-1].item()
     del model, optimizer, outputs
     return {"seconds_per_step": seconds, "last_loss": loss, "peak_memory_gib": _peak_memory_gib(device)}
@@ -174,10 +201,14 @@ def measure(name: str, model_cfg: ModelConfig, args, device: torch.device, peaks
     tokens = args.batch * args.seq
     flops = flops_per_token(model_cfg, args.seq)
     batch = torch.randint(0, model_cfg.vocab_size, (args.batch, args.seq + 1), device=device)
+    def profile(impl: str) -> tuple[Path, str] | None:
+        return (args.profile, f"{name} {impl}") if args.profile else None
+
     runs = {f"meshtron {mode}": lambda mode=mode: run_meshtron(
         step_config(model_cfg, args.dtype, args.batch, args.seq, compile=mode == "compiled"), batch, device,
-        args.steps, args.warmup, args.sync_check) for mode in args.modes}
-    runs["transformers"] = lambda: run_transformers(model_cfg, args.dtype, batch, device, args.steps, args.warmup)
+        args.steps, args.warmup, args.sync_check, profile(f"meshtron {mode}")) for mode in args.modes}
+    runs["transformers"] = lambda: run_transformers(model_cfg, args.dtype, batch, device, args.steps, args.warmup,
+                                                    profile("transformers"))
     rows = []
     for impl, run in runs.items():
         row = {"shape": name, "layers": model_cfg.num_hidden_layers, "batch": args.batch, "seq": args.seq,
@@ -265,6 +296,8 @@ def parse_args(argv=None):
     parser.add_argument("--no-sync-check", dest="sync_check", action="store_false",
                         help="do not run meshtron's timed steps under torch.cuda.set_sync_debug_mode('error')")
     parser.add_argument("--out", type=Path, default=RESULTS / "mfu", help="results path without suffix")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="also profile the timed steps: each run's busiest kernels appended to this file")
     args = parser.parse_args(argv)
     defaults = {"seq": (64, 4096), "steps": (2, 10), "warmup": (1, 3)}
     for key, (tiny, full) in defaults.items():

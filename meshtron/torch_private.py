@@ -44,8 +44,10 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
 
 
 def unflatten_mesh(mesh: DeviceMesh, dim: int | str, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """Dim ``dim`` of ``mesh`` split into dims ``names`` of ``sizes`` (row-major)."""
-    return mesh._unflatten(dim, sizes, names)
+    """Dim ``dim`` of ``mesh`` split into dims ``names`` of ``sizes`` (row-major). Passed by index: torch
+    2.11 refuses every dim given by name (its check is inverted; 2.13 takes both), seen on a lent H100."""
+    index = mesh.mesh_dim_names.index(dim) if isinstance(dim, str) else dim
+    return mesh._unflatten(index, sizes, names)
 
 
 def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:

@@ -93,16 +93,28 @@ def _routes(model, ids: torch.Tensor) -> list[torch.Tensor]:
     return chosen
 
 
+def _routed_as_in_fp32(ours, ours16, cfg: ModelConfig, seq: int, device: torch.device, tries: int = 20) -> torch.Tensor:
+    """Random token ids that the bf16 model routes exactly as the fp32 one (the first of ``tries`` draws):
+    bf16 rounding flips a near-tie between experts at random (seen on an H100 at 128 tokens), and the
+    gradients compare expert by expert only under the same routes."""
+    for _ in range(tries):
+        ids = torch.randint(0, cfg.vocab_size, (2, seq), device=device)
+        fp32_routes = _routes(ours, ids)  # fp32 GQA attention has no fused CUDA kernel: the math one runs it
+        with env.fused_attention_only(device):
+            if all(torch.equal(a, b) for a, b in zip(_routes(ours16, ids), fp32_routes)):
+                return ids
+    pytest.fail(f"no draw of {tries} was routed alike in bf16 and fp32")
+
+
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_bf16_model_matches_transformers(device, kind):
     """In bf16 meshtron departs from the fp32 result no further than transformers does in bf16 (MoE:
     with every token routed as in fp32, so that gradients compare expert by expert)."""
     hf, ours, cfg = _pair(kind, device)
-    ids = torch.randint(0, cfg.vocab_size, (2, pick(device, 1024, 128) if kind == "dense" else 128), device=device)
-    ref_loss, ref_logits, ref_grads = _loss_and_grads(hf, ids, True, cfg)
     ours16 = copy.deepcopy(ours).to(BF16)
+    ids = _routed_as_in_fp32(ours, ours16, cfg, pick(device, 1024, 128) if kind == "dense" else 128, device)
+    ref_loss, ref_logits, ref_grads = _loss_and_grads(hf, ids, True, cfg)
     with env.fused_attention_only(device):
-        assert all(torch.equal(a, b) for a, b in zip(_routes(ours16, ids), _routes(ours, ids)))
         hf_loss, hf_logits, hf_grads = _loss_and_grads(copy.deepcopy(hf).to(BF16), ids, True, cfg)
         our_loss, our_logits, our_grads = _loss_and_grads(ours16, ids, False, cfg)
     assert rel_err(our_loss, ref_loss) <= 2 * rel_err(hf_loss, ref_loss) + 1e-3
