@@ -126,10 +126,11 @@ def _profiled(device: torch.device, profile: tuple[Path, str] | None):
                                row_limit=25, max_name_column_width=70))
 
 
-def step_config(model_cfg: ModelConfig, dtype: str, batch: int, seq: int, compile: bool = False, **parallel) -> Config:
+def step_config(model_cfg: ModelConfig, dtype: str, batch: int, seq: int, compile: bool = False, fp8: str = "none",
+                **parallel) -> Config:
     """The one-rank recipe this benchmark trains (``parallel``: further ParallelConfig fields)."""
     return Config(model=model_cfg, parallel=ParallelConfig(compile=compile, **parallel),
-                  train=TrainConfig(dtype=dtype, seq_len=seq, global_batch_size=batch))
+                  train=TrainConfig(dtype=dtype, seq_len=seq, global_batch_size=batch, fp8=fp8))
 
 
 def run_meshtron(cfg: Config, batch: torch.Tensor, device: torch.device, steps: int, warmup: int,
@@ -204,9 +205,10 @@ def measure(name: str, model_cfg: ModelConfig, args, device: torch.device, peaks
     def profile(impl: str) -> tuple[Path, str] | None:
         return (args.profile, f"{name} {impl}") if args.profile else None
 
-    runs = {f"meshtron {mode}": lambda mode=mode: run_meshtron(
-        step_config(model_cfg, args.dtype, args.batch, args.seq, compile=mode == "compiled"), batch, device,
-        args.steps, args.warmup, args.sync_check, profile(f"meshtron {mode}")) for mode in args.modes}
+    fp8 = "" if args.fp8 == "none" else f" fp8 {args.fp8}"
+    runs = {f"meshtron {mode}{fp8}": lambda mode=mode: run_meshtron(
+        step_config(model_cfg, args.dtype, args.batch, args.seq, compile=mode == "compiled", fp8=args.fp8), batch,
+        device, args.steps, args.warmup, args.sync_check, profile(f"meshtron {mode}{fp8}")) for mode in args.modes}
     runs["transformers"] = lambda: run_transformers(model_cfg, args.dtype, batch, device, args.steps, args.warmup,
                                                     profile("transformers"))
     rows = []
@@ -296,6 +298,7 @@ def parse_args(argv=None):
     parser.add_argument("--no-sync-check", dest="sync_check", action="store_false",
                         help="do not run meshtron's timed steps under torch.cuda.set_sync_debug_mode('error')")
     parser.add_argument("--out", type=Path, default=RESULTS / "mfu", help="results path without suffix")
+    parser.add_argument("--fp8", default="none", help="meshtron's runs with [train] fp8 set to this recipe")
     parser.add_argument("--profile", type=Path, default=None,
                         help="also profile the timed steps: each run's busiest kernels appended to this file")
     args = parser.parse_args(argv)
