@@ -7,7 +7,7 @@ fly and runs ``torch._scaled_mm``; the parameters, the optimizer state and every
 converted linears and experts stay in the training dtype, as torchtitan and Megatron-Core do: the
 embedding, the LM head, the MoE router, norms. The experts' grouped GEMM casts its operands by the same
 rules, an expert's rows taking the place of a linear's tensor, and is emulated (``torch._scaled_grouped_mm``
-has no CPU kernel): the float8 values, dequantized, through ``torch._grouped_mm``. Expert tensor
+has no CPU kernel): the float8 values, dequantized, through ``F.grouped_mm``. Expert tensor
 parallelism (etp > 1) is refused with FP8 (``meshtron.config``): it splits the operands the scales span.
 
 Recipes (torchao's names, ``torchao.float8.Float8LinearConfig.from_recipe_name``):
@@ -46,6 +46,7 @@ import logging
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config import FP8_RECIPES, ConfigError, ModelConfig
@@ -172,7 +173,7 @@ def apply_float8(model: nn.Module, recipe: str, tp: int = 1) -> nn.Module:
 class Float8GroupedMatmul:
     """The routed experts' grouped GEMM (``meshtron.models.moe.grouped_matmul``: rows [T, K] sorted into
     groups of ``counts`` rows, stacked weights [G, K, N]) in float8 under ``recipe``, emulated: each operand
-    is quantized to float8 and dequantized in float32 (:meth:`_quantize`), then ``torch._grouped_mm`` runs on
+    is quantized to float8 and dequantized in float32 (:meth:`_quantize`), then ``F.grouped_mm`` runs on
     those exact float8 values, since ``torch._scaled_grouped_mm`` has no CPU kernel. Per the recipe's cast
     configs, as ``Float8Linear`` casts a linear's operands, with an expert's group in place of the tensor:
     a rowwise scale along a GEMM's contraction dim is per token row and per (expert, column) of its weight, a
@@ -239,7 +240,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         ctx.save_for_backward(x, w, counts, offs)
         ctx.mm = mm
         c = mm.config
-        out = torch._grouped_mm(mm.tokens(x, c.cast_config_input, counts, False),
+        out = F.grouped_mm(mm.tokens(x, c.cast_config_input, counts, False),
                                 mm.weights(w, c.cast_config_weight, 1), offs=offs)
         return mm.result(out, (c.cast_config_input, c.cast_config_weight), x.dtype)
 
@@ -250,12 +251,12 @@ class _Float8GroupedMM(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             casts = (c.cast_config_grad_output, c.cast_config_weight_for_grad_input)
-            grad_x = torch._grouped_mm(mm.tokens(grad, casts[0], counts, False),
+            grad_x = F.grouped_mm(mm.tokens(grad, casts[0], counts, False),
                                        mm.weights(w, casts[1], 2).transpose(1, 2), offs=offs)
             grad_x = mm.result(grad_x, casts, x.dtype)
         if ctx.needs_input_grad[1]:
             casts = (c.cast_config_input_for_grad_weight, c.cast_config_grad_output_for_grad_weight)
-            grad_w = torch._grouped_mm(mm.tokens(x, casts[0], counts, True).t(),
+            grad_w = F.grouped_mm(mm.tokens(x, casts[0], counts, True).t(),
                                        mm.tokens(grad, casts[1], counts, True), offs=offs)
             grad_w = mm.result(grad_w, casts, w.dtype)
         return grad_x, grad_w, None, None
