@@ -127,22 +127,23 @@ def test_expert_dims_fp8_cannot_take_stay_high_precision():
 GROUP_ROWS = (5, 0, 17, 10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_expert_grouped_gemm_is_a_float8_linear_per_expert(recipe):
+def test_expert_grouped_gemm_is_a_float8_linear_per_expert(recipe, dtype):
     """The emulated grouped GEMM gives, per expert, what torchao's Float8Linear (torch._scaled_mm) gives for
-    that expert's rows: output, input and weight gradients exact for the rowwise recipes (power-of-two
-    scales), to float32 rounding of the dequantized values for tensorwise."""
+    that expert's rows, in float32 and bfloat16: output, input and weight gradients exact for the rowwise
+    recipes (power-of-two scales), to float32 rounding of the dequantized values for tensorwise."""
     gen = torch.Generator().manual_seed(0)
     counts = torch.tensor(GROUP_ROWS)
-    x = torch.randn(int(counts.sum()), 64, generator=gen, requires_grad=True)
-    w = torch.randn(len(GROUP_ROWS), 64, 32, generator=gen, requires_grad=True)
-    dy = torch.randn(x.shape[0], 32, generator=gen)
+    x = torch.randn(int(counts.sum()), 64, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(len(GROUP_ROWS), 64, 32, generator=gen).to(dtype).requires_grad_()
+    dy = torch.randn(x.shape[0], 32, generator=gen).to(dtype)
     out = Float8GroupedMatmul(recipe)(x, w, counts)
     (out * dy).sum().backward()
-    assert out.dtype == torch.float32 and not torch.equal(out, grouped_matmul(x, w, counts))
+    assert out.dtype == dtype and w.grad.dtype == dtype and not torch.equal(out, grouped_matmul(x, w, counts))
     outputs, input_grads, weight_grads = [], [], []
     for rows, weight, grad in zip(x.detach().split(GROUP_ROWS), w.detach(), dy.split(GROUP_ROWS)):
-        linear = nn.Linear(64, 32, bias=False)
+        linear = nn.Linear(64, 32, bias=False, dtype=dtype)
         linear.weight = nn.Parameter(weight.t().contiguous())
         linear = _float8_linear().from_float(linear, config=float8_config(recipe))
         rows = rows.clone().requires_grad_()
@@ -150,7 +151,7 @@ def test_expert_grouped_gemm_is_a_float8_linear_per_expert(recipe):
             (linear(rows) * grad).sum().backward()
         outputs.append(linear(rows).detach() if len(rows) else rows.new_zeros(0, 32))
         input_grads.append(rows.grad if len(rows) else rows.new_zeros(0, 64))
-        weight_grads.append(linear.weight.grad.t() if len(rows) else torch.zeros(64, 32))
+        weight_grads.append(linear.weight.grad.t() if len(rows) else torch.zeros(64, 32, dtype=dtype))
     bound = 0.0 if recipe != "tensorwise" else 1e-6
     errors = [rel_err(out, torch.cat(outputs)), rel_err(x.grad, torch.cat(input_grads)),
               rel_err(w.grad, torch.stack(weight_grads))]
