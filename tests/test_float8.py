@@ -1,8 +1,10 @@
-"""FP8 training (``[train] fp8``, meshtron/parallel/float8.py): which linears convert, the loss against the
-training dtype on one rank, FSDP layouts against their own 1-rank FP8 run, and the refusals.
+"""FP8 training (``[train] fp8``, meshtron/parallel/float8.py): which linears convert, the experts' emulated
+grouped GEMM against a Float8Linear per expert, the loss against the training dtype on one rank, layouts
+against their own 1-rank FP8 run, and the refusals.
 
-The multi-rank checks run inside test_data_parallel.py's 2- and 4-rank launches (FSDP) and
-test_tensor_parallel.py's 8-rank launch (tp 2 with SP, tp 4).
+The multi-rank checks run inside test_data_parallel.py's 2- and 4-rank launches (FSDP),
+test_tensor_parallel.py's 8-rank launch (tp 2 with SP, tp 4) and test_expert_parallel.py's 8-rank launch
+(the debug recipes on ep, folded ep x cp and pp layouts).
 """
 
 from __future__ import annotations
