@@ -241,7 +241,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         ctx.mm = mm
         c = mm.config
         out = F.grouped_mm(mm.tokens(x, c.cast_config_input, counts, False),
-                                mm.weights(w, c.cast_config_weight, 1), offs=offs)
+                           mm.weights(w, c.cast_config_weight, 1), offs=offs)
         return mm.result(out, (c.cast_config_input, c.cast_config_weight), x.dtype)
 
     @staticmethod
@@ -252,12 +252,12 @@ class _Float8GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             casts = (c.cast_config_grad_output, c.cast_config_weight_for_grad_input)
             grad_x = F.grouped_mm(mm.tokens(grad, casts[0], counts, False),
-                                       mm.weights(w, casts[1], 2).transpose(1, 2), offs=offs)
+                                  mm.weights(w, casts[1], 2).transpose(1, 2), offs=offs)
             grad_x = mm.result(grad_x, casts, x.dtype)
         if ctx.needs_input_grad[1]:
             casts = (c.cast_config_input_for_grad_weight, c.cast_config_grad_output_for_grad_weight)
             grad_w = F.grouped_mm(mm.tokens(x, casts[0], counts, True).t(),
-                                       mm.tokens(grad, casts[1], counts, True), offs=offs)
+                                  mm.tokens(grad, casts[1], counts, True), offs=offs)
             grad_w = mm.result(grad_w, casts, w.dtype)
         return grad_x, grad_w, None, None
 
