@@ -264,9 +264,9 @@ class TrainConfig:
     dtype: str = recipe_key("float32", "training dtype: `float32` or `bfloat16`")
     fp8: str = recipe_key(
         "none",
-        "FP8 GEMMs in the blocks' attention and MLP linears (torchao, the `meshtron[fp8]` extra): `none`, "
-        "`tensorwise`, `rowwise` or `rowwise_with_gw_hp`; parameters, embedding, LM head, router and norms stay "
-        "in `dtype` (see [FP8](fp8.md))",
+        "FP8 GEMMs in the blocks' attention and MLP linears and routed experts (torchao, the `meshtron[fp8]` "
+        "extra): `none`, `tensorwise`, `rowwise` or `rowwise_with_gw_hp`; parameters, embedding, LM head, router "
+        "and norms stay in `dtype` (see [FP8](fp8.md))",
     )
     global_batch_size: int = recipe_key(8, "sequences per step over all ranks; divisible by dp × ep × microbatches")
     seq_len: int = recipe_key(128, "tokens per sequence")
@@ -599,6 +599,9 @@ def _validate_fp8(cfg: Config, source: str) -> None:
              "GEMMs in the training dtype, not in float8; set tp_overlap = false or fp8 = 'none'.")
     _require(not cfg.model.hf_model, f"{source}: [train] fp8 = '{fp8}' is built for meshtron's own models; "
              "[model] hf_model trains without it (fp8 = 'none').")
+    _require(cfg.parallel.etp == 1,
+             f"{source}: [train] fp8 = '{fp8}' with [parallel] etp = {cfg.parallel.etp}: the experts' float8 GEMMs "
+             "scale an operand over a whole expert, which etp splits; set etp = 1 or fp8 = 'none'.")
 
 
 def _validate_data_parallel(p: ParallelConfig, source: str) -> None:

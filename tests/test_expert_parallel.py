@@ -30,6 +30,8 @@ from meshtron.models.qwen2 import InitialWeights
 from meshtron.parallel.expert import ExpertParallelExperts, apply_expert_parallel, token_mesh
 from meshtron.testing import cached_mesh, random_model, random_moe, rel_err, run_checks
 
+from test_float8 import HAS_TORCHAO, check_debug_recipes_match_one_rank_fp8
+
 BLOCK = dict(
     vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_experts=8,
     num_experts_per_tok=2, moe_intermediate_size=18, shared_expert_intermediate_size=40,
@@ -475,9 +477,15 @@ def check_folded_experts(refs: dict):
             assert tuple(moe.experts.gate_proj.device_mesh.shape)[-2:] == (p.ep, p.etp), layout
 
 
+def check_fp8_debug_recipes(refs: dict):
+    """[train] fp8 on the debug recipes' ep, folded-ep, cp and pp layouts (tests/test_float8.py)."""
+    check_debug_recipes_match_one_rank_fp8()
+
+
 def test_expert_parallel_8_ranks():
     checks = [
         check_block_parity, check_fsdp_composes, check_dispatch_bytes, check_router_options_under_ep, check_meta_init_and_errors,
         check_model_parity_with_transformers, check_moe_under_tp, check_capacity_is_global, check_folded_experts,
     ]
-    run_checks(checks, 8, _references(seed=11), timeout=300)
+    fp8 = [check_fp8_debug_recipes] if HAS_TORCHAO else []
+    run_checks(checks + fp8, 8, _references(seed=11), timeout=420)

@@ -109,10 +109,16 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
     return _ContiguousGrad.apply(out[:, :n] if out.shape[-1] != n else out)
 
 
-def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+# (rows [T, K], stacked weights [G, K, N], rows per group [G]) -> [T, N]: grouped_matmul, or its FP8
+# form (``meshtron.parallel.float8.Float8GroupedMatmul``) on a model that ``[train] fp8`` converted.
+GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                   matmul: GroupedMatmul = grouped_matmul):
     """SwiGLU experts on tokens already sorted by expert: ``counts[g]`` rows go to expert g."""
-    h = F.silu(grouped_matmul(x, gate, counts)) * grouped_matmul(x, up, counts)
-    return grouped_matmul(h, down, counts)
+    h = F.silu(matmul(x, gate, counts)) * matmul(x, up, counts)
+    return matmul(h, down, counts)
 
 
 def count_ids(ids: torch.Tensor, groups: int) -> torch.Tensor:
@@ -195,6 +201,7 @@ class GroupedExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(e, h, i))
         self.up_proj = nn.Parameter(torch.empty(e, h, i))
         self.down_proj = nn.Parameter(torch.empty(e, i, h))
+        self.matmul: GroupedMatmul = grouped_matmul
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, shared: SharedWork | None = None
@@ -202,7 +209,7 @@ class GroupedExperts(nn.Module):
         """Weighted sum of each token's experts, plus ``shared()`` (work that does not depend on the
         routed experts; an expert-parallel replacement runs it while tokens are in flight)."""
         sorted_x, order, counts = permute_tokens(x, experts, self.num_experts)
-        y = grouped_swiglu(sorted_x, counts, self.gate_proj, self.up_proj, self.down_proj)
+        y = grouped_swiglu(sorted_x, counts, self.gate_proj, self.up_proj, self.down_proj, self.matmul)
         out = unpermute_tokens(y, order, weights)
         return out + shared() if shared is not None else out
 

@@ -76,6 +76,7 @@ from meshtron.models.moe import (
     SharedWork,
     StatsReducer,
     count_ids,
+    grouped_matmul,
     grouped_swiglu,
     moe_layers,
     permute_tokens,
@@ -230,6 +231,8 @@ class ExpertDispatch(nn.Module):
         self.last_dispatch_bytes = 0
         # Token copies this rank's experts computed in the last forward.
         self.last_rows = 0
+        # The experts' grouped GEMM: in float8 where [train] fp8 converted the experts (GroupedExperts.matmul).
+        self.matmul = grouped_matmul
 
     def own(self, full: torch.Tensor, etp_dim: int | None = None) -> torch.Tensor:
         """A full ``[E, ...]`` expert weight as this module holds it: split over ep (dim 0) and etp
@@ -249,7 +252,7 @@ class ExpertDispatch(nn.Module):
 
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """This rank's experts on rows sorted by local expert (``counts[g]`` rows for expert g): SwiGLU."""
-        return grouped_swiglu(x, counts, *self.local_weights())
+        return grouped_swiglu(x, counts, *self.local_weights(), matmul=self.matmul)
 
     @staticmethod
     def local(param: torch.Tensor) -> torch.Tensor:
@@ -359,6 +362,7 @@ class ExpertParallelExperts(ExpertDispatch):
         split_tokens_over_tp: bool = True,
     ):
         super().__init__(experts.num_experts, mesh, tp_mesh, split_tokens_over_tp)
+        self.matmul = experts.matmul
         for name in _PROJECTIONS:
             setattr(self, name, self.own(getattr(experts, name), _ETP_DIM[name]))
 

@@ -1,10 +1,14 @@
-"""FP8 training (``[train] fp8``): the blocks' attention and MLP linears as torchao ``Float8Linear``.
+"""FP8 training (``[train] fp8``): the blocks' attention and MLP linears as torchao ``Float8Linear``, the
+routed experts' grouped GEMMs through :class:`Float8GroupedMatmul`.
 
 Each GEMM of a converted linear (forward, input gradient, and for every recipe but
 ``rowwise_with_gw_hp`` the weight gradient) casts its operands to float8 with scales computed on the
 fly and runs ``torch._scaled_mm``; the parameters, the optimizer state and everything outside the
-converted linears stay in the training dtype, as torchtitan and Megatron-Core do: the embedding, the
-LM head, the MoE router and the routed experts (their grouped GEMM is a later slice), norms.
+converted linears and experts stay in the training dtype, as torchtitan and Megatron-Core do: the
+embedding, the LM head, the MoE router, norms. The experts' grouped GEMM casts its operands by the same
+rules, an expert's rows taking the place of a linear's tensor, and is emulated (``torch._scaled_grouped_mm``
+has no CPU kernel): the float8 values, dequantized, through ``F.grouped_mm``. Expert tensor
+parallelism (etp > 1) is refused with FP8 (``meshtron.config``): it splits the operands the scales span.
 
 Recipes (torchao's names, ``torchao.float8.Float8LinearConfig.from_recipe_name``):
 
@@ -42,12 +46,13 @@ import logging
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config import FP8_RECIPES, ConfigError, ModelConfig
 from meshtron.extras import MissingExtra, require
 from meshtron.models import build_model
-from meshtron.models.moe import MoE
+from meshtron.models.moe import GroupedExperts, MoE
 
 # torch._scaled_mm's constraint on both dims of the weight (the GEMM's K and N).
 FP8_DIM_MULTIPLE = 16
@@ -84,8 +89,8 @@ def fp8_linear_names(block: nn.Module) -> list[str]:
     return [name for name, module in block.named_modules() if isinstance(module, nn.Linear) and name not in gates]
 
 
-def fits_fp8(linear: nn.Linear) -> bool:
-    return linear.in_features % FP8_DIM_MULTIPLE == 0 and linear.out_features % FP8_DIM_MULTIPLE == 0
+def fits_fp8(dims: tuple[int, ...]) -> bool:
+    return not any(dim % FP8_DIM_MULTIPLE for dim in dims)
 
 
 def _candidates(model: nn.Module):
@@ -94,15 +99,28 @@ def _candidates(model: nn.Module):
             yield f"layers.{key}.{name}", block.get_submodule(name)
 
 
+def _routed_experts(model: nn.Module):
+    for key, block in model.layers.items():
+        for name, module in block.named_modules():
+            if isinstance(module, GroupedExperts):
+                yield f"layers.{key}.{name}", module
+
+
+def _expert_dims(experts: GroupedExperts) -> tuple[int, int]:
+    """(hidden, intermediate): the K and N of the gate and up GEMMs, the N and K of the down one."""
+    return tuple(experts.gate_proj.shape[1:])
+
+
 def high_precision_linears(model: nn.Module) -> list[str]:
-    """The block linears FP8 would take but whose shape it cannot (a dim not a multiple of 16), one
-    entry per distinct name and shape: ``layers.*.self_attn.k_proj [64 -> 8]``."""
+    """The block linears (and routed experts) FP8 would take but whose shape it cannot (a dim not a multiple
+    of 16), one entry per distinct name and shape: ``layers.*.self_attn.k_proj [64 -> 8]``."""
+    shapes = [(name, (linear.in_features, linear.out_features)) for name, linear in _candidates(model)]
+    shapes += [(name, _expert_dims(experts)) for name, experts in _routed_experts(model)]
     seen: dict[str, None] = {}
-    for name, linear in _candidates(model):
-        if not fits_fp8(linear):
-            parts = name.split(".")
-            pattern = ".".join(["layers", "*", *parts[2:]])
-            seen[f"{pattern} [{linear.in_features} -> {linear.out_features}]"] = None
+    for name, dims in shapes:
+        if not fits_fp8(dims):
+            pattern = ".".join(["layers", "*", *name.split(".")[2:]])
+            seen[f"{pattern} [{dims[0]} -> {dims[1]}]"] = None
     return list(seen)
 
 
@@ -141,10 +159,107 @@ def apply_float8(model: nn.Module, recipe: str, tp: int = 1) -> nn.Module:
     config = float8_config(recipe, tp)
     Float8Linear = torchao_float8("torchao.float8.float8_linear").Float8Linear
     for name, linear in list(_candidates(model)):
-        if fits_fp8(linear) and type(linear) is nn.Linear:
+        if fits_fp8((linear.in_features, linear.out_features)) and type(linear) is nn.Linear:
             owner, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(owner), leaf, Float8Linear.from_float(linear, config=config))
+    fitting = [experts for _, experts in _routed_experts(model) if fits_fp8(_expert_dims(experts))]
+    if fitting:
+        matmul = Float8GroupedMatmul(recipe)
+        for experts in fitting:
+            experts.matmul = matmul
     return model
+
+
+class Float8GroupedMatmul:
+    """The routed experts' grouped GEMM (``meshtron.models.moe.grouped_matmul``: rows [T, K] sorted into
+    groups of ``counts`` rows, stacked weights [G, K, N]) in float8 under ``recipe``, emulated: each operand
+    is quantized to float8 and dequantized in float32 (:meth:`_quantize`), then ``F.grouped_mm`` runs on
+    those exact float8 values, since ``torch._scaled_grouped_mm`` has no CPU kernel. Per the recipe's cast
+    configs, as ``Float8Linear`` casts a linear's operands, with an expert's group in place of the tensor:
+    a rowwise scale along a GEMM's contraction dim is per token row and per (expert, column) of its weight, a
+    weight-gradient operand's along the tokens is per (expert group, column) (torchao's
+    ``_Float8GroupedMM``), and a tensorwise scale is per expert group (tokens) or per expert (weights): a
+    loop of ``Float8Linear`` over the experts computes the same (``tests/test_float8.py``). A GEMM with a
+    rowwise-scaled operand comes out in bfloat16, as torch's rowwise kernels give it."""
+
+    def __init__(self, recipe: str):
+        self.config = float8_config(recipe)
+        utils = torchao_float8("torchao.float8.float8_utils")
+        self.amax_to_scale, self.saturate = utils.amax_to_scale, utils.to_fp8_saturated
+        self.ao_config = torchao_float8("torchao.float8.config")
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return _Float8GroupedMM.apply(x, w, counts, self)
+
+    def _rowwise(self, cast) -> bool:
+        return cast.scaling_granularity is self.ao_config.ScalingGranularity.AXISWISE
+
+    def _off(self, cast) -> bool:
+        return cast.scaling_type is self.ao_config.ScalingType.DISABLED
+
+    def _quantize(self, t: torch.Tensor, amax: torch.Tensor, cast) -> torch.Tensor:
+        """``t``'s float8 values (scaled by ``amax``'s scale, saturated) back in float32."""
+        scale = self.amax_to_scale(amax, cast.target_dtype, self.config.round_scales_to_power_of_2)
+        return self.saturate(t.float() * scale, cast.target_dtype).float() / scale
+
+    def tokens(self, t: torch.Tensor, cast, counts: torch.Tensor, along_tokens: bool) -> torch.Tensor:
+        """Rows ``t`` [T, C] in groups of ``counts`` rows as float8 values: scaled per row along C, or
+        ``along_tokens`` per (group, column); tensorwise per group."""
+        if self._off(cast):
+            return t.float().contiguous()
+        magnitude = t.detach().abs().float()
+        if self._rowwise(cast) and not along_tokens:
+            return self._quantize(t, magnitude.amax(-1, keepdim=True), cast)
+        if not self._rowwise(cast):
+            magnitude = magnitude.amax(-1)
+        groups = torch.repeat_interleave(torch.arange(counts.numel(), device=t.device), counts, output_size=t.shape[0])
+        rows = groups.view(-1, *[1] * (magnitude.dim() - 1)).expand_as(magnitude)
+        amax = magnitude.new_zeros((counts.numel(), *magnitude.shape[1:])).scatter_reduce_(0, rows, magnitude, "amax")
+        return self._quantize(t, amax[groups].view(t.shape[0], -1), cast)
+
+    def weights(self, w: torch.Tensor, cast, dim: int) -> torch.Tensor:
+        """Stacked weights ``w`` [G, K, N] as float8 values: rowwise scaled along ``dim`` per expert,
+        tensorwise one scale per expert."""
+        dims = (dim,) if self._rowwise(cast) else (1, 2)
+        return self._quantize(w, w.detach().abs().float().amax(dims, keepdim=True), cast)
+
+    def result(self, out: torch.Tensor, casts: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A GEMM's float32 result in ``dtype``, through bfloat16 where either operand is rowwise-scaled (torchao
+        then runs the rowwise kernel, whose output is bfloat16, the tensorwise scale repeated along the axis)."""
+        if not any(self._off(c) for c in casts) and any(self._rowwise(c) for c in casts):
+            out = out.to(torch.bfloat16)
+        return out.to(dtype)
+
+
+class _Float8GroupedMM(torch.autograd.Function):
+    """``grouped_matmul`` with every operand of its three GEMMs cast per :class:`Float8GroupedMatmul`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, mm: Float8GroupedMatmul):
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        ctx.save_for_backward(x, w, counts, offs)
+        ctx.mm = mm
+        c = mm.config
+        out = F.grouped_mm(mm.tokens(x, c.cast_config_input, counts, False),
+                           mm.weights(w, c.cast_config_weight, 1), offs=offs)
+        return mm.result(out, (c.cast_config_input, c.cast_config_weight), x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w, counts, offs = ctx.saved_tensors
+        mm, c = ctx.mm, ctx.mm.config
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            casts = (c.cast_config_grad_output, c.cast_config_weight_for_grad_input)
+            grad_x = F.grouped_mm(mm.tokens(grad, casts[0], counts, False),
+                                  mm.weights(w, casts[1], 2).transpose(1, 2), offs=offs)
+            grad_x = mm.result(grad_x, casts, x.dtype)
+        if ctx.needs_input_grad[1]:
+            casts = (c.cast_config_input_for_grad_weight, c.cast_config_grad_output_for_grad_weight)
+            grad_w = F.grouped_mm(mm.tokens(x, casts[0], counts, True).t(),
+                                  mm.tokens(grad, casts[1], counts, True), offs=offs)
+            grad_w = mm.result(grad_w, casts, w.dtype)
+        return grad_x, grad_w, None, None
 
 
 # A linear's feature dim tensor parallelism splits: "out" (column-parallel: the weight's rows, the output's
@@ -266,7 +381,7 @@ def split_gemms(linear: nn.Module, mesh, split: str, local_shape: tuple[int, int
     GEMM needs in multiples of 16 (:class:`ConfigError` naming the linear otherwise, before any collective)."""
     if not is_float8_linear(linear):
         return None
-    if any(dim % FP8_DIM_MULTIPLE for dim in local_shape):
+    if not fits_fp8(local_shape):
         raise ConfigError(
             f"[train] fp8: a {linear.out_features} x {linear.in_features} block linear split over tp = {mesh.size()} "
             f"holds a {local_shape[0]} x {local_shape[1]} weight per rank; a float8 GEMM needs both dims in multiples "
