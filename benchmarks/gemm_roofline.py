@@ -17,7 +17,8 @@ Each row gives the measured TFLOP/s, the planner's rate for the same kernel (the
 the planner is asked for the H100 SXM's figures, so on another card the ratio includes the cards' difference.
 
 Run on a GPU: ``PYTHONPATH=. python benchmarks/gemm_roofline.py --out benchmarks/results/gemm_roofline``
-(writes ``.md`` and ``.json``). ``--tiny`` times three small GEMMs on the CPU in fp32 (a smoke test of the
+(writes ``.md`` and ``.json``); ``--fit benchmarks/results/gemm_roofline.json`` prints the constants
+``meshtron.plan.gemm.FIT`` holds, fitted to that run (no GPU needed). ``--tiny`` times three small GEMMs on the CPU in fp32 (a smoke test of the
 script; its ratios mean nothing, as the planner models an H100).
 """
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -93,14 +95,22 @@ def distinct_gemms(seq: int) -> list[tuple[str, str, gemm.Gemm]]:
     return rows
 
 
-def time_gemm(g: gemm.Gemm, device: torch.device, dtype: torch.dtype, fp8: bool, iters: int) -> float:
-    a = torch.randn(g.m, g.k, device=device).to(dtype)
-    b = torch.randn(g.n, g.k, device=device).to(dtype)
+def operands(g: gemm.Gemm, kind: str, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[m, k]`` and ``[k, n]`` laid out as the training step's pass has them (cuBLAS's speed depends on the
+    leading dimensions): forward ``x @ W.t()`` (W stored ``[n, k]``); input gradient ``dy @ W`` (W stored
+    ``[k, n]`` here); weight gradient ``dy.t() @ x`` (dy stored ``[k, m]``: tokens first)."""
+    a = torch.randn(g.k, g.m, device=device).to(dtype).t() if kind == "wgrad" else torch.randn(g.m, g.k, device=device).to(dtype)
+    b = torch.randn(g.n, g.k, device=device).to(dtype).t() if kind == "fwd" else torch.randn(g.k, g.n, device=device).to(dtype)
+    return a, b
+
+
+def time_gemm(g: gemm.Gemm, kind: str, device: torch.device, dtype: torch.dtype, fp8: bool, iters: int) -> float:
+    a, b = operands(g, kind, device, dtype)
     if not fp8:
-        return _timed(lambda: torch.mm(a, b.t()), iters)
+        return _timed(lambda: torch.mm(a, b), iters)
     scale = torch.ones((), device=device)
-    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)  # b.t() is column-major, as _scaled_mm needs
-    return _timed(lambda: torch._scaled_mm(a8, b8.t(), scale, scale, out_dtype=torch.bfloat16), iters)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()  # _scaled_mm: b column-major
+    return _timed(lambda: torch._scaled_mm(a8, b8, scale, scale, out_dtype=torch.bfloat16), iters)
 
 
 def time_attention(seq: int, heads: int, device: torch.device, iters: int) -> tuple[float, float]:
@@ -117,7 +127,7 @@ def time_attention(seq: int, heads: int, device: torch.device, iters: int) -> tu
         return forward, _timed(both, iters) - forward
 
 
-def gemm_rows(args, device, hw: Hardware) -> list[dict]:
+def gemm_rows(args, device) -> list[dict]:
     out = []
     shapes = distinct_gemms(args.seq)
     if args.tiny:
@@ -129,29 +139,75 @@ def gemm_rows(args, device, hw: Hardware) -> list[dict]:
             if fp8 and (kind != "fwd" or g.m % 16 or g.n % 16 or g.k % 16):  # _scaled_mm's rule
                 continue
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-            seconds = time_gemm(g, device, dtype, fp8, args.iters)
-            shape = g._replace(fp8=fp8)
-            planned = shape.flops / gemm.gemm_seconds(shape, hw) / 1e12
-            measured = shape.flops / seconds / 1e12
+            seconds = time_gemm(g, kind, device, dtype, fp8, args.iters)
             out.append({"model": name, "pass": kind, "dtype": label, "m": g.m, "n": g.n, "k": g.k,
-                        "measured_tflops": measured, "planned_tflops": planned, "ratio": measured / planned})
+                        "measured_tflops": g.flops / seconds / 1e12})
     return out
 
 
-def attention_rows(args, device, hw: Hardware) -> list[dict]:
+def _attention_flops(seq: int) -> dict[str, float]:
+    forward = 4.0 * seq * seq * 32 * HEAD_DIM * gemm.causal_block_share(seq)
+    return {"fwd": forward, "bwd": gemm.FLASH_BACKWARD_FLOPS * forward}
+
+
+def attention_rows(args, device) -> list[dict]:
     out = []
     for seq in ATTENTION_SEQS:
+        seconds = dict(zip(("fwd", "bwd"), time_attention(seq, 32, device, args.iters)))
+        out += [{"seq": seq, "pass": kind, "measured_tflops": work / seconds[kind] / 1e12}
+                for kind, work in _attention_flops(seq).items()]
+    return out
+
+
+def with_plan(result: dict) -> dict:
+    """``result``'s rows with the rate ``meshtron.plan.gemm`` gives each kernel (an H100 SXM) and the ratio."""
+    hw = Hardware()
+    for r in result["gemms"]:
+        shape = gemm.Gemm(r["m"], r["n"], r["k"], fp8=r["dtype"] == "fp8")
+        r["planned_tflops"] = shape.flops / gemm.gemm_seconds(shape, hw) / 1e12
+    for r in result["attention"]:
         cfg = _config("qwen2p5_7b.toml", {"parallel.tp": 1, "model.num_attention_heads": 32,
                                           "model.num_key_value_heads": 32, "model.hidden_size": 32 * HEAD_DIM},
-                      seq)
-        forward, backward = time_attention(seq, 32, device, args.iters)
-        planned_forward, planned_backward = gemm.attention_seconds(cfg, seq, hw)
-        flops = 4.0 * seq * seq * 32 * HEAD_DIM * gemm.causal_block_share(seq)
-        for kind, seconds, planned, work in (("fwd", forward, planned_forward, flops),
-                                             ("bwd", backward, planned_backward, gemm.FLASH_BACKWARD_FLOPS * flops)):
-            out.append({"seq": seq, "pass": kind, "measured_tflops": work / seconds / 1e12,
-                        "planned_tflops": work / planned / 1e12, "ratio": planned / seconds})
-    return out
+                      r["seq"])
+        seconds = dict(zip(("fwd", "bwd"), gemm.attention_seconds(cfg, r["seq"], hw)))[r["pass"]]
+        r["planned_tflops"] = _attention_flops(r["seq"])[r["pass"]] / seconds / 1e12
+    for r in result["gemms"] + result["attention"]:
+        r["ratio"] = r["measured_tflops"] / r["planned_tflops"]
+    return result
+
+
+TILES, SPLITS, FILLS = (128, 192, 256), (512, 1024, 2048, 4096, 8192), (128, 256, 512, 1024)
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def fit(gemms: list[dict]) -> gemm.KernelFit:
+    """The shape constants of ``meshtron.plan.gemm`` that predict ``gemms`` (this script's JSON rows) with
+    the least mean absolute log error, over a grid; for each candidate the ceilings are the median ratio of
+    measured to modelled rate over the aligned GEMMs of the dtype, and the misaligned factor the median over
+    the others (rounded to 2 figures: the fit is a model, not a table of the measurements)."""
+    peaks = {"bf16": Hardware().peak_tflops, "fp8": Hardware().fp8_peak_tflops}
+
+    def aligned(r: dict) -> bool:
+        return gemm.aligned(r["m"], r["n"], r["k"])
+
+    def shape(r: dict, candidate: gemm.KernelFit) -> float:
+        return r["measured_tflops"] / (peaks[r["dtype"]] * gemm.shape_efficiency(r["m"], r["n"], r["k"], fit=candidate))
+
+    best = None
+    for tile, split_k, k_fill in ((t, s, f) for t in TILES for s in SPLITS for f in FILLS):
+        candidate = gemm.KernelFit(tile, split_k, k_fill, 1.0, {})
+        ceiling = {d: round(_median([shape(r, candidate) for r in gemms if r["dtype"] == d and aligned(r)]), 2)
+                   for d in peaks}
+        rest = [shape(r, candidate) / ceiling["bf16"] for r in gemms if r["dtype"] == "bf16" and not aligned(r)]
+        candidate = candidate._replace(misaligned=round(_median(rest), 2) if rest else 1.0, ceiling=ceiling)
+        error = sum(abs(math.log(shape(r, candidate) / candidate.ceiling[r["dtype"]])) for r in gemms) / len(gemms)
+        if best is None or error < best[0]:
+            best = (error, candidate)
+    return best[1]
 
 
 def markdown(device_name: str, gemms: list[dict], attention: list[dict], seq: int) -> str:
@@ -181,16 +237,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gemm_roofline"))
+    parser.add_argument("--fit", metavar="JSON", help="print the model constants fitted to a stored run; time nothing")
+    parser.add_argument("--replan", metavar="JSON",
+                        help="rewrite a stored run's planned rates with today's model (and its .md); time nothing")
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    hw = Hardware()
-    gemms = gemm_rows(args, device, hw)
-    attention = attention_rows(args, device, hw) if device.type == "cuda" else []
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "the CPU (smoke test)"
-    text = markdown(name, gemms, attention, args.seq)
+    if args.fit:
+        print(fit(json.loads(Path(args.fit).read_text())["gemms"]))
+        return
+    if args.replan:
+        args.out = args.replan.removesuffix(".json")
+        result = json.loads(Path(args.replan).read_text())
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+        result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "the CPU (smoke test)",
+                  "torch": torch.__version__, "seq": args.seq, "gemms": gemm_rows(args, device),
+                  "attention": attention_rows(args, device) if device.type == "cuda" else []}
+    result = with_plan(result)
+    text = markdown(result["device"], result["gemms"], result["attention"], result.get("seq", args.seq))
     Path(args.out + ".md").write_text(text)
-    Path(args.out + ".json").write_text(json.dumps({"device": name, "torch": torch.__version__, "gemms": gemms,
-                                                    "attention": attention}, indent=1))
+    Path(args.out + ".json").write_text(json.dumps(result, indent=1))
     print(text)
 
 

@@ -32,8 +32,8 @@ at core_r0.8.0: 12 L h^2 (2 + s / h + 4 + V / (2 L h)) per token for these GPT m
 halved for the mask); tokens/s per GPU is that over this count. meshtron's decoder is not Megatron's
 GPT (SwiGLU, RMSNorm, RoPE): each GPT model is run as meshtron's with the same heads, hidden size,
 layers and vocabulary (untied: the table's parameter counts include both), and a SwiGLU width of
-8 x round(h / 3), whose three matrices hold the parameters and FLOPs of GPT's two 4h-wide ones to within
-0.05 %. Each row gives the predicted step's terms: compute, the exposed tp / dp / pp communication and
+8 h / 3 rounded to a multiple of 8 x tp (``swiglu_width``), whose three matrices hold the parameters and FLOPs
+of GPT's two 4h-wide ones to within 0.1 %. Each row gives the predicted step's terms: compute, the exposed tp / dp / pp communication and
 the bubble's share, which add up to the step. The compute model's one fitted figure
 (``meshtron.plan.gemm.STEP_OVERHEAD``) is set so that the median of Megatron's nine rows is predicted at 1.0:
 their level is calibration, their spread across model sizes and torchtitan's rows are what the table checks.
@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 from meshtron.config import load_config  # noqa: E402
 from meshtron.dryrun import dry_run, tokens_per_second_per_device  # noqa: E402
 from meshtron.metrics import datasheet  # noqa: E402
+from meshtron.plan.gemm import ALIGN  # noqa: E402
 from meshtron.plan.search import Plan, best_variant  # noqa: E402
 from meshtron.plan.speed import Hardware, predict_step_time  # noqa: E402
 
@@ -111,9 +112,17 @@ def _model_config(hidden: int, intermediate: int, layers: int, heads: int, kv_he
     return load_config(ROOT / "recipes" / "qwen2p5_7b.toml", [f"--{k}={v}" for k, v in overrides.items()])
 
 
+def swiglu_width(hidden: int, tp: int) -> int:
+    """SwiGLU's width holding GPT's two 4h-wide matrices' parameters, 8 h / 3, rounded so that each tp shard
+    is a multiple of ``meshtron.plan.gemm.ALIGN``: GPT's 4 h is, and a misaligned shard runs cuBLAS's slow
+    kernels (a third of the rate on an H100: benchmarks/results/gemm_roofline.md), which Megatron never paid."""
+    step = ALIGN * tp
+    return step * round(8 * hidden / 3 / step)
+
+
 def megatron_config(row: tuple):
-    _, heads, hidden, layers, _, _, _, batch, _, _ = row
-    return _model_config(hidden, 8 * round(hidden / 3), layers, heads, heads, MEGATRON_VOCAB, MEGATRON_SEQ, batch)
+    _, heads, hidden, layers, tp, _, _, batch, _, _ = row
+    return _model_config(hidden, swiglu_width(hidden, tp), layers, heads, heads, MEGATRON_VOCAB, MEGATRON_SEQ, batch)
 
 
 def planned(cfg, tp: int, pp: int, dp: int, schedule: str | None = None) -> Plan:

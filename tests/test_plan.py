@@ -747,7 +747,7 @@ def test_gemm_model_within_physical_and_published_bounds(device):
     """meshtron.plan.gemm on H100 and H200: no GEMM beyond the peak or faster than its bytes over the memory
     bandwidth; square tile-aligned GEMMs no less efficient as they grow; 8192^3 within the published
     rates; a decode-shaped GEMV (one row) memory-bound, under 1 % of the peak."""
-    from meshtron.plan.gemm import Gemm, efficiency, gemm_seconds
+    from meshtron.plan.gemm import FIT, Gemm, efficiency, gemm_seconds
 
     hw = GEMM_DEVICES[device]
     sizes = (1, 7, 64, 128, 1000, 2048, 4096, 5464, 8192, 32768)
@@ -756,13 +756,32 @@ def test_gemm_model_within_physical_and_published_bounds(device):
         element = 1 if fp8 else 2
         moved = (m * k + k * n) * element + m * n * 2
         assert 0 < efficiency(g, hw) <= 1 and gemm_seconds(g, hw) >= moved / (hw.memory_tbps * 1e12), g
-    square = [efficiency(Gemm(s, s, s), hw) for s in range(128, 16384 + 1, 128)]
+    square = [efficiency(Gemm(s, s, s), hw) for s in range(FIT.tile, 16384 + 1, FIT.tile)]
     assert square == sorted(square)
     assert BF16_LARGE_GEMM[0] <= efficiency(Gemm(8192, 8192, 8192), hw) * 989 <= BF16_LARGE_GEMM[1]
     assert FP8_LARGE_GEMM[0] <= efficiency(Gemm(8192, 8192, 8192, fp8=True), hw) * 1979 <= FP8_LARGE_GEMM[1]
     gemv, moved = Gemm(1, 4096, 4096), 2 * (4096 + 4096 * 4096 + 4096)
     assert moved / (hw.memory_tbps * 1e12) <= gemm_seconds(gemv, hw) <= moved / (0.8 * hw.memory_tbps * 1e12)
     assert efficiency(gemv, hw) < 0.01
+
+
+def test_gemm_model_is_the_fit_to_the_timed_h100_gemms():
+    """meshtron.plan.gemm.FIT is what ``benchmarks/gemm_roofline.py --fit`` gives on the committed H100 run,
+    and with it the planner's rate is within 0.6-1.7 of every timed GEMM (median 0.95-1.05): a change of
+    the model or of the figures shows here."""
+    import importlib.util
+    import json
+    import statistics
+
+    from meshtron.plan import gemm
+
+    spec = importlib.util.spec_from_file_location("gemm_roofline", ROOT / "benchmarks" / "gemm_roofline.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = json.loads((ROOT / "benchmarks" / "results" / "gemm_roofline.json").read_text())
+    assert "H100" in result["device"] and bench.fit(result["gemms"]) == gemm.FIT
+    ratios = [r["ratio"] for r in bench.with_plan(result)["gemms"]]
+    assert 0.6 <= min(ratios) and max(ratios) <= 1.7 and 0.95 <= statistics.median(ratios) <= 1.05
 
 
 def test_attention_runs_the_kernels_blocks():

@@ -8,12 +8,17 @@ whose compute roof follows the GEMM's size:
 
     seconds = max(2 m n k / (peak x ceiling x occupancy(m, n, k) x depth(k)), bytes moved / (bandwidth x 0.9))
 
-- ``occupancy``: output tiles of 128 x 128 (a partial tile padded; a dimension under 128 gets a tile of
-  its size rounded up to 16) and, with fewer tiles than the 132 SMs take (each split along k into pieces
-  of at least 512, as split-K kernels do), the idle SMs' share. Hopper's persistent / stream-K kernels even out a partial last wave, so tails
-  of larger GEMMs are not charged (an assumption; it keeps the curve monotone in size);
-- ``depth``: ``k / (k + 128)``, the main loop's prologue and epilogue per output tile (assumption);
-- ``ceiling``: set so that the published best shape reproduces its published rate (see ``SOURCES``).
+- ``occupancy``: output tiles of ``FIT.tile`` (a partial tile padded; a dimension under a tile gets a tile
+  of its size rounded up to 16) and, with fewer tiles than the 132 SMs take (each split along k into pieces
+  of at least ``FIT.split_k``, as split-K kernels do), the idle SMs' share. Hopper's persistent / stream-K
+  kernels even out a partial last wave, so tails of larger GEMMs are not charged (it keeps the curve
+  monotone in size);
+- ``depth``: ``k / (k + FIT.k_fill)``, the main loop's prologue and epilogue per output tile;
+- a dimension not a multiple of ``ALIGN`` leaves cuBLAS's vectorized kernels: ``FIT.misaligned`` of the rate;
+- ``ceiling``: per dtype, what a full, deep, aligned GEMM reaches.
+Those five figures are fitted to every distinct layer GEMM of the shipped and published models timed on an
+H100 in the layouts the training step uses (``benchmarks/gemm_roofline.py``; measured / modelled median 1.00,
+0.64-1.65 over 41 bf16 GEMMs); the published rates in ``SOURCES`` bound the fitted ceilings.
 
 Attention (``torch.nn.functional.scaled_dot_product_attention``'s flash kernel) computes whole
 128 x 128 query-key blocks: with the causal mask the ``T (T + 1) / 2`` blocks of ``T = S / 128`` on and
@@ -39,14 +44,28 @@ from meshtron.plan.hardware import Hardware
 from meshtron.plan.memory import FP32, compute_bytes, kv_split, microbatch_tokens, recomputed_share
 
 SMS = 132  # H100 / H200 SXM5 streaming multiprocessors (NVIDIA H100 Tensor Core GPU Architecture whitepaper)
-TILE = 128  # output tile edge (assumption: cuBLAS's Hopper bf16 kernels use 128 x 128 to 128 x 256)
-SPLIT_K = 512  # the shortest piece of k a split-K / stream-K kernel gives one SM (assumption)
-K_FILL = 128  # main-loop depth lost per output tile to prologue and epilogue (assumption)
+ALIGN = 8  # elements: a dimension not a multiple of this (16 bytes in bf16) leaves cuBLAS's vectorized kernels
+
+
+class KernelFit(NamedTuple):
+    """The GEMM model's shape constants (module docstring), fitted to GEMMs timed on an H100 by
+    ``benchmarks/gemm_roofline.py --fit`` (grid search, least mean absolute log error; the committed
+    ``benchmarks/results/gemm_roofline.json`` reproduces these values, tests/test_plan.py checks that)."""
+
+    tile: int  # output tile edge
+    split_k: int  # the shortest piece of k a split-K / stream-K kernel gives one SM
+    k_fill: int  # main-loop depth lost per output tile to prologue and epilogue
+    misaligned: float  # the rate left when a dimension is not a multiple of ALIGN
+    ceiling: dict  # dtype -> the fraction of the datasheet peak a full, deep, aligned GEMM reaches
+
+
+FIT = KernelFit(tile=192, split_k=4096, k_fill=512, misaligned=0.19, ceiling={"bf16": 0.87, "fp8": 0.67})
 HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth a streaming kernel sustains (assumption)
 ATTENTION_BLOCK = 128  # FlashAttention-2's query and key block for head dim 128
 FP8_BYTES = 1
 
-# Published rates the model reproduces; every other figure above is an assumption.
+# Published rates the fitted ceilings are checked against (tests/test_plan.py), beside the H100 run they were
+# fitted to (benchmarks/results/gemm_roofline.md: one H100 80GB HBM3, torch 2.11 + cuBLAS of CUDA 13.0).
 SOURCES = {
     "bf16": (792.1, 989.0, (6144, 17920, 2816),
              "stas00/ml-engineering compute/accelerator/README.md, Maximum Achievable Matmul FLOPS table: "
@@ -64,8 +83,8 @@ FLASH_BACKWARD_FLOPS = 2.5  # the backward's FLOPs per forward FLOP, as those fi
 # The step's compute over the sum of its kernels' times: what launch gaps, host work, clocks under sustained
 # power and the kernels left out (optimizer, casts) add. Fitted, not sourced: the one figure set so that the
 # median of Megatron-LM's nine published H100 rows is predicted at 1.0 (benchmarks/published_speed.py); the
-# kernel figures above alone predict those rows 1.13-1.51 x too fast.
-STEP_OVERHEAD = 1.34
+# kernel rates above alone (fitted to GEMMs timed on an H100) predict those rows 1.06-1.43 x too fast.
+STEP_OVERHEAD = 1.25
 
 
 class Gemm(NamedTuple):
@@ -82,39 +101,45 @@ class Gemm(NamedTuple):
         return 2.0 * self.m * self.n * self.k * self.count
 
 
-def _edge(size: int) -> int:
-    """A tile's edge along a dimension: 128, or for a shorter one its size rounded up to 16 (assumption)."""
-    return min(TILE, -(-size // 16) * 16)
+def _edge(size: int, tile: int) -> int:
+    """A tile's edge along a dimension: ``tile``, or for a shorter one its size rounded up to 16 (assumption)."""
+    return min(tile, -(-size // 16) * 16)
 
 
-def occupancy(m: int, n: int, k: int, count: int = 1) -> float:
+def occupancy(m: int, n: int, k: int, count: int = 1, fit: KernelFit = FIT) -> float:
     """Share of the SMs' tensor-core throughput the GEMM keeps busy: its output padded to whole tiles,
-    and, when its tiles (split along k in pieces of ``SPLIT_K``) are fewer than the SMs hold, the rest idle."""
-    padded = count * math.ceil(m / _edge(m)) * _edge(m) * math.ceil(n / _edge(n)) * _edge(n)
-    units = padded * math.ceil(k / SPLIT_K) / (SMS * TILE * TILE)
+    and, when its tiles (split along k in pieces of ``split_k``) are fewer than the SMs hold, the rest idle."""
+    em, en = _edge(m, fit.tile), _edge(n, fit.tile)
+    padded = count * math.ceil(m / em) * em * math.ceil(n / en) * en
+    units = padded * math.ceil(k / fit.split_k) / (SMS * fit.tile * fit.tile)
     return count * m * n / padded * min(1.0, units)
 
 
-def depth(k: int) -> float:
-    return k / (k + K_FILL)
+def depth(k: int, fit: KernelFit = FIT) -> float:
+    return k / (k + fit.k_fill)
 
 
-def _ceiling(dtype: str) -> float:
-    rate, peak, (m, n, k), _ = SOURCES[dtype]
-    return rate / peak / (occupancy(m, n, k) * depth(k))
+def aligned(m: int, n: int, k: int) -> bool:
+    """No dimension runs cuBLAS's unvectorized kernels: each a multiple of ``ALIGN`` or shorter than it (a
+    GEMV's one row is not a misaligned leading dimension)."""
+    return all(d <= ALIGN or d % ALIGN == 0 for d in (m, n, k))
 
 
-CEILING = {dtype: _ceiling(dtype) for dtype in SOURCES}
+def shape_efficiency(m: int, n: int, k: int, count: int = 1, fit: KernelFit = FIT) -> float:
+    """The shape's share of a full, deep, aligned GEMM's rate (the ceiling aside)."""
+    return occupancy(m, n, k, count, fit) * depth(k, fit) * (1.0 if aligned(m, n, k) else fit.misaligned)
 
 
 def gemm_seconds(g: Gemm, hw: Hardware, out_bytes: int = 2) -> float:
     """One (grouped) GEMM on the size-dependent roofline (the module docstring)."""
     dtype = "fp8" if g.fp8 else "bf16"
     peak = (hw.fp8_peak_tflops if g.fp8 else hw.peak_tflops) * 1e12
-    compute = g.flops / (peak * CEILING[dtype] * occupancy(g.m, g.n, g.k, g.count) * depth(g.k))
     element = FP8_BYTES if g.fp8 else out_bytes
     moved = g.count * ((g.m * g.k + g.k * g.n) * element + g.m * g.n * out_bytes)
-    return max(compute, moved / (hw.memory_tbps * 1e12 * HBM_EFFICIENCY))
+    streamed = moved / (hw.memory_tbps * 1e12 * HBM_EFFICIENCY)
+    if min(g.m, g.n) <= ALIGN:  # a matrix-vector product: cuBLAS runs a GEMV kernel, bound by the bytes
+        return streamed
+    return max(g.flops / (peak * FIT.ceiling[dtype] * shape_efficiency(g.m, g.n, g.k, g.count)), streamed)
 
 
 def efficiency(g: Gemm, hw: Hardware) -> float:
@@ -232,5 +257,5 @@ def gemm_efficiency(cfg: Config, rows: int, hw: Hardware) -> float:
     return sum(g.flops for g in gemms) / sum(gemm_seconds(g, hw) * (hw.peak_tflops * 1e12) for g in gemms)
 
 
-__all__ = ["CEILING", "Gemm", "SOURCES", "attention_seconds", "causal_block_share", "efficiency", "gemm_efficiency",
-           "gemm_seconds", "layer_gemms", "occupancy", "step_compute_seconds"]
+__all__ = ["FIT", "Gemm", "aligned", "KernelFit", "SOURCES", "attention_seconds", "causal_block_share", "efficiency", "gemm_efficiency",
+           "gemm_seconds", "layer_gemms", "occupancy", "shape_efficiency", "step_compute_seconds"]
