@@ -616,21 +616,6 @@ def _validate_data_parallel(p: ParallelConfig, source: str) -> None:
              "activation_checkpointing = 'full' or compile = false.")
 
 
-def op_recompute_trains(model: ModelConfig) -> bool:
-    """Whether ``activation_checkpointing = "op"`` trains ``model``: not MoE models yet. A debug_moe step at
-    dp 2 x ep 2 fails in backward ("profiler._record_function_enter_new invocation index 3 ... not found in
-    storage"): FSDP's hooks on the experts' own unit run inside the checkpointed block a different number
-    of times when it recomputes."""
-    return not model.is_moe
-
-
-def _validate_op_recompute(cfg: Config, source: str) -> None:
-    _require(op_recompute_trains(cfg.model) or cfg.parallel.activation_checkpointing != "op",
-             f"{source}: [parallel] activation_checkpointing = 'op' does not train MoE models yet (FSDP's hooks on "
-             "the experts' own unit run a different number of times in the recomputation, which torch's selective "
-             "checkpointing refuses); use activation_checkpointing = 'selective' or 'full'.")
-
-
 def _validate_offload(cfg: Config, source: str) -> None:
     """Host-memory offload: FSDP2's CPU offload of the sharded state, per-block activation offload."""
     p, where = cfg.parallel, f"{source}: [parallel]"
@@ -722,7 +707,6 @@ def _validate_layout(cfg: Config, source: str) -> None:
         f"{where} schedule = '{p.schedule}' {needs_two_virtual_stages(p.virtual_stages)}.",
     )
     _validate_data_parallel(p, source)
-    _validate_op_recompute(cfg, source)
     _validate_offload(cfg, source)
     _require(
         not p.tp_overlap or (p.sp and p.tp > 1 and not cfg.model.hf_model),

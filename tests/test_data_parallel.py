@@ -30,7 +30,7 @@ from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.offload import apply_activation_offload
 from meshtron.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
-from meshtron.testing import cached_mesh, random_model, rel_err, run_checks
+from meshtron.testing import cached_mesh, cached_recipe_mesh, random_model, rel_err, run_checks
 from test_float8 import HAS_TORCHAO, check_fsdp_matches_one_rank_fp8
 
 FP8_CHECKS = [check_fsdp_matches_one_rank_fp8] if HAS_TORCHAO else []
@@ -245,6 +245,36 @@ def check_offload_is_bit_identical():
             assert torch.equal(_local(p), _local(q)), f"ac {ac}: {name} after {STEPS} steps changed"
 
 
+def check_op_checkpointing_trains_moe():
+    """The trainer's step (its runner: TP, EP, FSDP with the experts' own unit inside each checkpointed block)
+    of the debug MoE recipe under ``op`` gives the loss and the gradients of no checkpointing bit for bit: at
+    dp 2 x ep 2 in fp32 and with ep 4 folded over dp 2 x tp 2 (SP) in bf16 (FSDP casting the blocks' inputs).
+    Both failed in backward while FSDP's hooks ran inside op's record of the block's ops."""
+    from meshtron.config import load_config
+    from meshtron.parallel.runner import build_step_runner
+
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "debug_moe.toml"
+    start = None
+    for layout, dtype in (("dp=2 ep=2", "float32"), ("dp=2 tp=2 sp=true ep=4 fold_ep=true", "bfloat16")):
+        runs = {}
+        for ac in ("none", "op"):
+            flags = [f"--parallel.{flag}" for flag in layout.split()]
+            cfg = load_config(recipe, flags + [f"--parallel.activation_checkpointing={ac}", f"--train.dtype={dtype}"])
+            with torch.device("meta"):
+                model = build_model(cfg.model)
+            runner = build_step_runner(model, cached_recipe_mesh(cfg), cfg, env.local_device())
+            start = start or random_model(cfg.model, seed=5).state_dict()
+            load_full_state_dict(runner.module, start)
+            tokens, labels = next(_batches())
+            rows = slice(2 * batch_mesh(runner.mesh).get_local_rank(), 2 * batch_mesh(runner.mesh).get_local_rank() + 2)
+            loss = runner.forward_backward(tokens[rows], labels[rows])
+            runs[ac] = loss.detach(), {n: _local(p.grad).clone() for n, p in runner.module.named_parameters()}
+        where = f"op on {layout} in {dtype}"
+        assert torch.equal(runs["op"][0], runs["none"][0]), f"{where} changed the loss"
+        for name, grad in runs["none"][1].items():
+            assert torch.equal(runs["op"][1][name], grad), f"{where} changed the gradient of {name}"
+
+
 # bf16 noise of the first step against the same model run in bf16 on one process, measured over 16 draws
 # (weight seeds 1-8 on dp4 x tp2 and on dp2 x tp4 + SP): loss within 1.0e-4, every gradient within 3.4e-2
 # (rel_err: its worst element; against fp32 the same draws give 1.6e-4 and 5.6e-2). What the former check,
@@ -315,7 +345,8 @@ def test_data_parallel_2_ranks():
 
 
 def test_data_parallel_4_ranks():
-    run_checks([check_dp4_and_dp_tp, check_offload_is_bit_identical, *FP8_CHECKS], 4, timeout=120)
+    run_checks([check_dp4_and_dp_tp, check_offload_is_bit_identical, check_op_checkpointing_trains_moe, *FP8_CHECKS], 4,
+               timeout=180)
 
 
 def test_data_parallel_8_ranks():
@@ -347,18 +378,23 @@ def test_op_checkpointing_refuses_compiled_blocks():
         validate(cfg)
 
 
-def test_op_checkpointing_refuses_moe_models_and_the_search_skips_it():
-    """The trainer's MoE step under ``op`` fails in backward (FSDP's hooks on the experts' unit run a
-    different number of times in the recomputation; found by the CUDA dry-run work), so it is refused
-    before anything runs, and the layout search never proposes it for a MoE model."""
+def test_op_checkpointing_trains_moe_models_and_the_search_tries_it():
+    """``op`` trains MoE models (the trainer step of ``check_op_checkpointing_trains_moe``), so the debug MoE
+    recipe takes it and, on devices where no checkpointing does not fit but ``op`` does, the layout search
+    proposes it."""
     from meshtron.config import load_config
     from meshtron.plan import Hardware, rank_layouts
+    from meshtron.plan.memory import GIB
+    from meshtron.plan.search import evaluate
 
     moe = Path(__file__).resolve().parent.parent / "recipes" / "debug_moe.toml"
-    with pytest.raises(ConfigError, match="activation_checkpointing = 'op' does not train MoE models yet"):
-        load_config(moe, ["--parallel.activation_checkpointing", "op"])
-    plans = rank_layouts(load_config(moe), 8, Hardware())
-    assert plans and all(plan.cfg.parallel.activation_checkpointing != "op" for plan in plans)
+    layout = ["--parallel.ep", "8", "--parallel.dp", "1", "--train.seq_len", "256"]
+    none, op = (evaluate(load_config(moe, layout + ["--parallel.activation_checkpointing", ac]), Hardware())
+                for ac in ("none", "op"))
+    assert op.memory.total < none.memory.total
+    between = Hardware(memory_gib=(op.memory.total + none.memory.total) / 2 / GIB)
+    plans = rank_layouts(load_config(moe, layout[-2:]), 8, between)
+    assert any(plan.fits and plan.cfg.parallel.activation_checkpointing == "op" for plan in plans)
 
 
 def _matmul_flops_in_backward(model, tokens, labels) -> tuple[torch.Tensor, dict, float]:

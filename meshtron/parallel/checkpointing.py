@@ -21,7 +21,10 @@ dispatch-mode policy, ``create_selective_checkpoint_contexts``, passed as the ch
 Functional collectives (DTensor's tp redistributions) are kept, so recomputation sends nothing over
 tp; in-place ``torch.distributed`` calls (expert dispatch, ring attention) are recomputed, as under
 ``full``. The policy runs in the forward only, per block call (a fresh count of its matmuls each
-time); torch records its choice per op and invocation, and the recomputation replays that record.
+time); torch records its choice per op and invocation, and the recomputation replays that record. So
+an op must run as often in the recomputation as in the forward: FSDP's hooks do not (a unit nested in
+the block, the experts', repeats its root pre-forward there; a block's unit casts its input there only)
+and run outside the record (:func:`hooks_outside_op_record`, applied by the data-parallel module).
 """
 
 from __future__ import annotations
@@ -31,12 +34,13 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy
 
 from meshtron.config import AC_POLICIES, ACTIVATION_CHECKPOINTING, not_one_of
 from meshtron.host import KeptReads
 from meshtron.models.moe import replaying
-from meshtron.torch_private import ATTENTION_FORWARD_KERNELS, GROUPED_MM, checkpoint
+from meshtron.torch_private import (ATTENTION_FORWARD_KERNELS, GROUPED_MM, SacBypass, checkpoint,
+                                    selective_checkpoint_contexts)
 
 aten = torch.ops.aten
 MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
@@ -92,7 +96,7 @@ def recompute_contexts(mode: str, policy: str) -> Callable[[], tuple]:
 
     def contexts():
         reads = KeptReads()
-        forward, recompute = (create_selective_checkpoint_contexts(OpPolicy(policy)) if mode == "op"
+        forward, recompute = (selective_checkpoint_contexts(OpPolicy(policy)) if mode == "op"
                               else (contextlib.nullcontext(), contextlib.nullcontext()))
         return _together(forward, reads.keeping()), _together(recompute, reads.replaying(), replaying())
 
@@ -120,6 +124,24 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "none", every: 
     """Checkpoint the blocks in ``model.layers`` chosen by ``mode`` (``op``: what ``policy`` keeps);
     returns their global indices."""
     return checkpoint_blocks({int(key): block for key, block in model.layers.items()}, mode, every, policy)
+
+
+def hooks_outside_op_record(module: nn.Module) -> None:
+    """The forward hooks ``module`` has so far (FSDP's: call after ``fully_shard``) run outside ``op``'s
+    record of the ops a block calls: such hooks may call other ops, or as often, in the recomputation
+    than in the forward (``meshtron.torch_private.SacBypass``). What they do is not the block's
+    computation; it runs again in the recomputation as under ``full``."""
+
+    def enter(*_):
+        SacBypass.active = True
+
+    def leave(*_):
+        SacBypass.active = False
+
+    module.register_forward_pre_hook(enter, prepend=True)
+    module.register_forward_pre_hook(leave)
+    module.register_forward_hook(enter, prepend=True)
+    module.register_forward_hook(leave)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
