@@ -50,7 +50,7 @@ BATCH, SEQ, STEPS, MAX_NORM = 8, 16, 3, 0.5
 
 
 def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32", sp=False, ac_policy="save_matmuls",
-              offload="none", offload_activations=False):
+              offload="none", offload_activations=False, ac_parts=()):
     """The training path: meta model -> TP -> EP -> CP -> AC (activation offload) -> data parallel (host offload)
     -> materialise -> load ``full``."""
     with torch.device("meta"):
@@ -60,7 +60,7 @@ def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32", sp=False
     if cfg.is_moe:
         apply_expert_parallel(model, mesh, sequence_parallel=sp)
     apply_context_parallel(model, mesh)
-    apply_activation_checkpointing(model, ac, every=2, policy=ac_policy)
+    apply_activation_checkpointing(model, ac, every=2, policy=ac_policy, parts=ac_parts)
     if offload_activations:
         apply_activation_offload(model)
     apply_data_parallel(model, mesh, mode, dtype, offload=offload)
@@ -200,8 +200,10 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-AC_RUNS = (("none", "save_matmuls"), ("full", "save_matmuls"), ("selective", "save_matmuls"), ("op", "save_matmuls"),
-           ("op", "alternate_matmuls"))
+# (activation_checkpointing, ac_policy, ac_parts)
+AC_RUNS = (("none", "save_matmuls", ()), ("full", "save_matmuls", ()), ("selective", "save_matmuls", ()),
+           ("op", "save_matmuls", ()), ("op", "alternate_matmuls", ()), ("op", "parts", ("core_attn",)),
+           ("op", "parts", ("mlp", "moe_experts")))
 
 
 def check_checkpointing_is_bit_identical():
@@ -211,12 +213,12 @@ def check_checkpointing_is_bit_identical():
         ref = random_model(cfg, seed=1)
         mesh = cached_mesh(dp=2, ep=2, tp=2)
         runs = {}
-        for ac, policy in AC_RUNS:
-            model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", ac, sp=sp, ac_policy=policy)
+        for ac, policy, parts in AC_RUNS:
+            model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", ac, sp=sp, ac_policy=policy, ac_parts=parts)
             tokens, labels = next(_batches())
             loss = parallel_token_loss_sum(model(tokens), labels)
             loss.backward()
-            runs[ac, policy] = (loss.detach(), {n: _local(p.grad).clone() for n, p in model.named_parameters()})
+            runs[ac, policy, parts] = (loss.detach(), {n: _local(p.grad).clone() for n, p in model.named_parameters()})
         plain = runs[AC_RUNS[0]]
         for key in AC_RUNS[1:]:
             where = f"{key} checkpointing (moe {cfg.is_moe})"
@@ -397,41 +399,63 @@ def test_op_checkpointing_trains_moe_models_and_the_search_tries_it():
     assert any(plan.fits and plan.cfg.parallel.activation_checkpointing == "op" for plan in plans)
 
 
-def _matmul_flops_in_backward(model, tokens, labels) -> tuple[torch.Tensor, dict, float]:
-    """Loss, gradients and the matmul FLOPs of the backward (recomputation included), counted per op."""
+def _matmul_flops_in_backward(model, tokens, labels) -> tuple[torch.Tensor, dict, float, int]:
+    """Loss, gradients, the matmul FLOPs of the backward (recomputation included), counted per op, and its
+    attention forward kernel calls."""
     from meshtron.plan.measure import MatmulFlops
 
     loss = token_loss_sum(model(tokens), labels)
     with MatmulFlops() as counted:
         loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, counted.flops
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, counted.flops, counted.attention_calls
 
 
 @pytest.mark.parametrize("model_cfg", [CFG, MOE], ids=["dense", "moe"])
 def test_op_checkpointing_is_exact_and_recomputes_what_the_planner_counts(model_cfg):
     """On one process each op policy gives the loss and gradients of no checkpointing bit for bit, and
     its backward runs the matmul FLOPs of none plus exactly the matmuls the planner says it drops
-    (``save_matmuls``: none; ``alternate_matmuls``: the 2nd, 4th, ...), fewer than full checkpointing."""
-    from meshtron.plan.memory import block_matmuls, op_kept_matmuls
+    (``save_matmuls``: none; ``alternate_matmuls``: the 2nd, 4th, ...; ``parts``: the named parts'), fewer
+    than full checkpointing; recomputing ``core_attn`` runs each attention kernel once more."""
+    from meshtron.plan.memory import block_matmuls, op_recomputed_matmuls
 
     cfg = ModelConfig(**model_cfg)
     ref = random_model(cfg, seed=3)
     tokens, labels = next(_batches())
     runs = {}
-    for ac, policy in AC_RUNS:
+    for ac, policy, parts in AC_RUNS:
         model = copy.deepcopy(ref)
-        apply_activation_checkpointing(model, ac, 2, policy)
-        runs[ac, policy] = _matmul_flops_in_backward(model, tokens, labels)
+        apply_activation_checkpointing(model, ac, 2, policy, parts)
+        runs[ac, policy, parts] = _matmul_flops_in_backward(model, tokens, labels)
     plain = runs[AC_RUNS[0]]
-    for key, (loss, grads, _) in runs.items():
+    for key, (loss, grads, _, _) in runs.items():
         assert torch.equal(loss, plain[0]) and all(torch.equal(grads[n], g) for n, g in plain[1].items()), key
-    for policy in ("save_matmuls", "alternate_matmuls"):
-        planned = Config(model=cfg, parallel=ParallelConfig(activation_checkpointing="op", ac_policy=policy))
-        dropped = sum(2 * out * width for layer in range(cfg.num_hidden_layers)
-                      for (out, width), kept in zip(block_matmuls(planned, layer), op_kept_matmuls(planned, layer))
-                      if not kept)
-        assert runs["op", policy][2] - plain[2] == pytest.approx(tokens.numel() * dropped, rel=1e-9), policy
-    assert plain[2] == runs["op", "save_matmuls"][2] < runs["op", "alternate_matmuls"][2] < runs["full", "save_matmuls"][2]
+    for ac, policy, parts in AC_RUNS[3:]:
+        planned = Config(model=cfg, parallel=ParallelConfig(activation_checkpointing=ac, ac_policy=policy,
+                                                            ac_parts=list(parts)))
+        again = sum(2 * out * width for layer in range(cfg.num_hidden_layers)
+                    for (out, width), rerun in zip(block_matmuls(planned, layer), op_recomputed_matmuls(planned, layer))
+                    if rerun)
+        assert runs[ac, policy, parts][2] - plain[2] == pytest.approx(tokens.numel() * again, rel=1e-9), (policy, parts)
+        attention_calls = cfg.num_hidden_layers * ("core_attn" in parts)
+        assert runs[ac, policy, parts][3] - plain[3] == attention_calls, (policy, parts)
+    saved, alternate, full = (runs[key][2] for key in (AC_RUNS[3], AC_RUNS[4], AC_RUNS[1]))
+    assert plain[2] == saved < alternate < full and plain[2] < runs[AC_RUNS[-1]][2] < full
+    assert runs[AC_RUNS[-2]][2] == plain[2]  # core_attn recomputes no matmul
+
+
+@pytest.mark.parametrize("policy, parts, message", [
+    ("save_matmuls", ["mlp"], "[parallel] ac_parts = ['mlp'] is read with ac_policy = 'parts' only (got 'save_matmuls'); "
+                              "set ac_policy = 'parts' or ac_parts = []."),
+    ("parts", [], "[parallel] ac_parts is empty: ac_policy = 'parts' recomputes the parts it names; name some of "
+                  "core_attn, mlp, moe_experts or use ac_policy = 'save_matmuls'."),
+    ("parts", ["norms"], "[parallel] ac_parts entry must be one of core_attn, mlp, moe_experts, got 'norms'."),
+    ("parts", ["mlp", "mlp"], "[parallel] ac_parts = ['mlp', 'mlp'] names a part twice."),
+])
+def test_ac_parts_errors(policy, parts, message):
+    cfg = Config(parallel=ParallelConfig(activation_checkpointing="op", ac_policy=policy, ac_parts=parts))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert message in str(err.value)
 
 
 def test_unknown_mode_fails_before_any_collective():
@@ -445,7 +469,7 @@ def test_unknown_mode_fails_before_any_collective():
         ("data_parallel", "fsdp2", "data_parallel must be one of fsdp, hsdp, replicate, got 'fsdp2'. Did you mean 'fsdp'"),
         ("activation_checkpointing", "ful", "activation_checkpointing must be one of none, full, selective, op"),
         ("ac_every", 0, "ac_every must be >= 1"),
-        ("ac_policy", "every_other", "ac_policy must be one of save_matmuls, alternate_matmuls, got 'every_other'"),
+        ("ac_policy", "every_other", "ac_policy must be one of save_matmuls, alternate_matmuls, parts, got 'every_other'"),
     ],
 )
 def test_config_errors(key, value, message):
