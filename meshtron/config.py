@@ -209,7 +209,14 @@ class ParallelConfig:
         "save_matmuls",
         "with `op`: `save_matmuls` keeps every matmul's, attention's and collective's output and recomputes "
         "norms, RoPE, SwiGLU's activation and residual adds; `alternate_matmuls` (torchtitan's) also "
-        "recomputes every second matmul of a block",
+        "recomputes every second matmul of a block; `parts`: as `save_matmuls`, but the parts `ac_parts` "
+        "names are recomputed whole (Megatron's `recompute_modules`)",
+    )
+    ac_parts: list[str] = recipe_key(
+        [],
+        "with `ac_policy = \"parts\"`: the parts of each block recomputed whole, of `core_attn` (the attention "
+        "kernel), `mlp` (the dense MLPs' and the shared expert's matmuls), `moe_experts` (the routed experts' "
+        "grouped matmuls); norms, RoPE and SwiGLU's activation are recomputed under every `op` policy",
     )
     compile: bool = recipe_key(
         False,
@@ -561,7 +568,8 @@ FP8_RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao
 DATA_PARALLEL_MODES = ("fsdp", "hsdp", "replicate")
 FSDP_GATHERS = ("per_microbatch", "per_step")  # how often FSDP gathers a unit under accumulation
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "op")
-AC_POLICIES = ("save_matmuls", "alternate_matmuls")
+AC_POLICIES = ("save_matmuls", "alternate_matmuls", "parts")
+AC_PARTS = ("core_attn", "mlp", "moe_experts")  # [parallel] ac_parts; meshtron/parallel/checkpointing.py
 OFFLOADS = ("none", "optimizer")  # [parallel] offload; meshtron/parallel/data.py
 NONFINITE_POLICIES = ("stop", "skip")
 MEMORY_CHECKS = ("error", "warn", "off")
@@ -619,19 +627,19 @@ def _validate_data_parallel(p: ParallelConfig, source: str) -> None:
              "activation_checkpointing = 'full' or compile = false.")
 
 
-def op_recompute_trains(model: ModelConfig) -> bool:
-    """Whether ``activation_checkpointing = "op"`` trains ``model``: not MoE models yet. A debug_moe step at
-    dp 2 x ep 2 fails in backward ("profiler._record_function_enter_new invocation index 3 ... not found in
-    storage"): FSDP's hooks on the experts' own unit run inside the checkpointed block a different number
-    of times when it recomputes."""
-    return not model.is_moe
-
-
-def _validate_op_recompute(cfg: Config, source: str) -> None:
-    _require(op_recompute_trains(cfg.model) or cfg.parallel.activation_checkpointing != "op",
-             f"{source}: [parallel] activation_checkpointing = 'op' does not train MoE models yet (FSDP's hooks on "
-             "the experts' own unit run a different number of times in the recomputation, which torch's selective "
-             "checkpointing refuses); use activation_checkpointing = 'selective' or 'full'.")
+def _validate_ac_parts(cfg: Config, source: str) -> None:
+    p, where = cfg.parallel, f"{source}: [parallel] ac_parts"
+    if p.ac_policy != "parts":
+        _require(not p.ac_parts, f"{where} = {p.ac_parts} is read with ac_policy = 'parts' only (got "
+                                 f"'{p.ac_policy}'); set ac_policy = 'parts' or ac_parts = [].")
+        return
+    _require(bool(p.ac_parts), f"{where} is empty: ac_policy = 'parts' recomputes the parts it names; name "
+                               f"some of {', '.join(AC_PARTS)} or use ac_policy = 'save_matmuls'.")
+    for part in p.ac_parts:
+        _require_choice(source, "[parallel] ac_parts entry", part, AC_PARTS)
+    _require(len(set(p.ac_parts)) == len(p.ac_parts), f"{where} = {p.ac_parts} names a part twice.")
+    _require(not cfg.model.hf_model, f"{source}: [parallel] ac_policy = 'parts' is built for meshtron's own "
+                                     "models; [model] hf_model trains without it (ac_policy = 'save_matmuls').")
 
 
 def _validate_offload(cfg: Config, source: str) -> None:
@@ -725,7 +733,7 @@ def _validate_layout(cfg: Config, source: str) -> None:
         f"{where} schedule = '{p.schedule}' {needs_two_virtual_stages(p.virtual_stages)}.",
     )
     _validate_data_parallel(p, source)
-    _validate_op_recompute(cfg, source)
+    _validate_ac_parts(cfg, source)
     _validate_offload(cfg, source)
     _require(
         not p.tp_overlap or (p.sp and p.tp > 1 and not cfg.model.hf_model),

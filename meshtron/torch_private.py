@@ -9,6 +9,7 @@ Each entry says why no public API serves. Checked on torch 2.13.0 (CPU, the proj
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import sys
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 import torch.distributed._functional_collectives as funcol
 import torch.utils._pytree as pytree
 from torch import nn
@@ -141,6 +143,46 @@ def fsdp_root_final_callback(unit: nn.Module) -> None:
 
 def _unit_state(unit: nn.Module):
     return (replicate if isinstance(unit, ReplicateModule) else fully_shard).state(unit)
+
+
+# --- Selective activation checkpointing ------------------------------------------------------------
+# torch's selective checkpointing numbers each op's calls in a block's forward and, in the recomputation,
+# looks every call up by that number (the saved output, or "recompute"). So every op inside the block
+# must run as often in the recomputation as in the forward. FSDP's module hooks do not: a unit nested in
+# a checkpointed block (the experts' own unit over edp) runs its full pre-forward in the recomputation
+# (it takes itself for the forward's root: one more profiler record, maybe an all-gather), and the
+# block's own unit casts its inputs there but not in the forward (its hook ran before the checkpoint's).
+# torch has no public way to leave ops out of that record (pytorch PR 196862 proposes a scoped bypass
+# around FSDP's internals); these subclasses of its two modes let ops run while ``SacBypass.active``
+# go straight through, neither numbered nor replayed, with the other dispatch modes still active.
+
+
+class SacBypass:
+    """Set while ops must bypass selective checkpointing (meshtron.parallel.checkpointing's hooks)."""
+
+    active = False
+
+
+class _Bypassable:
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if SacBypass.active:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _RecordingMode(_Bypassable, torch.utils.checkpoint._CachingTorchDispatchMode):
+    pass
+
+
+class _ReplayingMode(_Bypassable, torch.utils.checkpoint._CachedTorchDispatchMode):
+    pass
+
+
+def selective_checkpoint_contexts(policy: Callable) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """``torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)`` whose modes skip the ops
+    run while ``SacBypass.active``."""
+    storage: dict = collections.defaultdict(dict)
+    return _RecordingMode(policy, storage), _ReplayingMode(None, storage)
 
 
 # --- Tensor-parallel style internals -------------------------------------------------------------

@@ -30,7 +30,7 @@ from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.offload import apply_activation_offload
 from meshtron.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
-from meshtron.testing import cached_mesh, random_model, rel_err, run_checks
+from meshtron.testing import cached_mesh, cached_recipe_mesh, random_model, rel_err, run_checks
 from test_float8 import HAS_TORCHAO, check_fsdp_matches_one_rank_fp8
 
 FP8_CHECKS = [check_fsdp_matches_one_rank_fp8] if HAS_TORCHAO else []
@@ -50,7 +50,7 @@ BATCH, SEQ, STEPS, MAX_NORM = 8, 16, 3, 0.5
 
 
 def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32", sp=False, ac_policy="save_matmuls",
-              offload="none", offload_activations=False):
+              offload="none", offload_activations=False, ac_parts=()):
     """The training path: meta model -> TP -> EP -> CP -> AC (activation offload) -> data parallel (host offload)
     -> materialise -> load ``full``."""
     with torch.device("meta"):
@@ -60,7 +60,7 @@ def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32", sp=False
     if cfg.is_moe:
         apply_expert_parallel(model, mesh, sequence_parallel=sp)
     apply_context_parallel(model, mesh)
-    apply_activation_checkpointing(model, ac, every=2, policy=ac_policy)
+    apply_activation_checkpointing(model, ac, every=2, policy=ac_policy, parts=ac_parts)
     if offload_activations:
         apply_activation_offload(model)
     apply_data_parallel(model, mesh, mode, dtype, offload=offload)
@@ -200,8 +200,10 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-AC_RUNS = (("none", "save_matmuls"), ("full", "save_matmuls"), ("selective", "save_matmuls"), ("op", "save_matmuls"),
-           ("op", "alternate_matmuls"))
+# (activation_checkpointing, ac_policy, ac_parts)
+AC_RUNS = (("none", "save_matmuls", ()), ("full", "save_matmuls", ()), ("selective", "save_matmuls", ()),
+           ("op", "save_matmuls", ()), ("op", "alternate_matmuls", ()), ("op", "parts", ("core_attn",)),
+           ("op", "parts", ("mlp", "moe_experts")))
 
 
 def check_checkpointing_is_bit_identical():
@@ -211,12 +213,12 @@ def check_checkpointing_is_bit_identical():
         ref = random_model(cfg, seed=1)
         mesh = cached_mesh(dp=2, ep=2, tp=2)
         runs = {}
-        for ac, policy in AC_RUNS:
-            model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", ac, sp=sp, ac_policy=policy)
+        for ac, policy, parts in AC_RUNS:
+            model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", ac, sp=sp, ac_policy=policy, ac_parts=parts)
             tokens, labels = next(_batches())
             loss = parallel_token_loss_sum(model(tokens), labels)
             loss.backward()
-            runs[ac, policy] = (loss.detach(), {n: _local(p.grad).clone() for n, p in model.named_parameters()})
+            runs[ac, policy, parts] = (loss.detach(), {n: _local(p.grad).clone() for n, p in model.named_parameters()})
         plain = runs[AC_RUNS[0]]
         for key in AC_RUNS[1:]:
             where = f"{key} checkpointing (moe {cfg.is_moe})"
@@ -243,6 +245,36 @@ def check_offload_is_bit_identical():
                 assert torch.equal(_local(grads[name]), _local(grad)), f"ac {ac} step {step}: gradient of {name} changed"
         for (name, p), q in zip(model.named_parameters(), plain.parameters()):
             assert torch.equal(_local(p), _local(q)), f"ac {ac}: {name} after {STEPS} steps changed"
+
+
+def check_op_checkpointing_trains_moe():
+    """The trainer's step (its runner: TP, EP, FSDP with the experts' own unit inside each checkpointed block)
+    of the debug MoE recipe under ``op`` gives the loss and the gradients of no checkpointing bit for bit: at
+    dp 2 x ep 2 in fp32 and with ep 4 folded over dp 2 x tp 2 (SP) in bf16 (FSDP casting the blocks' inputs).
+    Both failed in backward while FSDP's hooks ran inside op's record of the block's ops."""
+    from meshtron.config import load_config
+    from meshtron.parallel.runner import build_step_runner
+
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "debug_moe.toml"
+    start = None
+    for layout, dtype in (("dp=2 ep=2", "float32"), ("dp=2 tp=2 sp=true ep=4 fold_ep=true", "bfloat16")):
+        runs = {}
+        for ac in ("none", "op"):
+            flags = [f"--parallel.{flag}" for flag in layout.split()]
+            cfg = load_config(recipe, flags + [f"--parallel.activation_checkpointing={ac}", f"--train.dtype={dtype}"])
+            with torch.device("meta"):
+                model = build_model(cfg.model)
+            runner = build_step_runner(model, cached_recipe_mesh(cfg), cfg, env.local_device())
+            start = start or random_model(cfg.model, seed=5).state_dict()
+            load_full_state_dict(runner.module, start)
+            tokens, labels = next(_batches())
+            rows = slice(2 * batch_mesh(runner.mesh).get_local_rank(), 2 * batch_mesh(runner.mesh).get_local_rank() + 2)
+            loss = runner.forward_backward(tokens[rows], labels[rows])
+            runs[ac] = loss.detach(), {n: _local(p.grad).clone() for n, p in runner.module.named_parameters()}
+        where = f"op on {layout} in {dtype}"
+        assert torch.equal(runs["op"][0], runs["none"][0]), f"{where} changed the loss"
+        for name, grad in runs["none"][1].items():
+            assert torch.equal(runs["op"][1][name], grad), f"{where} changed the gradient of {name}"
 
 
 # bf16 noise of the first step against the same model run in bf16 on one process, measured over 16 draws
@@ -315,7 +347,8 @@ def test_data_parallel_2_ranks():
 
 
 def test_data_parallel_4_ranks():
-    run_checks([check_dp4_and_dp_tp, check_offload_is_bit_identical, *FP8_CHECKS], 4, timeout=120)
+    run_checks([check_dp4_and_dp_tp, check_offload_is_bit_identical, check_op_checkpointing_trains_moe, *FP8_CHECKS], 4,
+               timeout=180)
 
 
 def test_data_parallel_8_ranks():
@@ -347,55 +380,82 @@ def test_op_checkpointing_refuses_compiled_blocks():
         validate(cfg)
 
 
-def test_op_checkpointing_refuses_moe_models_and_the_search_skips_it():
-    """The trainer's MoE step under ``op`` fails in backward (FSDP's hooks on the experts' unit run a
-    different number of times in the recomputation; found by the CUDA dry-run work), so it is refused
-    before anything runs, and the layout search never proposes it for a MoE model."""
+def test_op_checkpointing_trains_moe_models_and_the_search_tries_it():
+    """``op`` trains MoE models (the trainer step of ``check_op_checkpointing_trains_moe``), so the debug MoE
+    recipe takes it and, on devices where no checkpointing does not fit but ``op`` does, the layout search
+    proposes it."""
     from meshtron.config import load_config
     from meshtron.plan import Hardware, rank_layouts
+    from meshtron.plan.memory import GIB
+    from meshtron.plan.search import evaluate
 
     moe = Path(__file__).resolve().parent.parent / "recipes" / "debug_moe.toml"
-    with pytest.raises(ConfigError, match="activation_checkpointing = 'op' does not train MoE models yet"):
-        load_config(moe, ["--parallel.activation_checkpointing", "op"])
-    plans = rank_layouts(load_config(moe), 8, Hardware())
-    assert plans and all(plan.cfg.parallel.activation_checkpointing != "op" for plan in plans)
+    layout = ["--parallel.ep", "8", "--parallel.dp", "1", "--train.seq_len", "256"]
+    none, op = (evaluate(load_config(moe, layout + ["--parallel.activation_checkpointing", ac]), Hardware())
+                for ac in ("none", "op"))
+    assert op.memory.total < none.memory.total
+    between = Hardware(memory_gib=(op.memory.total + none.memory.total) / 2 / GIB)
+    plans = rank_layouts(load_config(moe, layout[-2:]), 8, between)
+    assert any(plan.fits and plan.cfg.parallel.activation_checkpointing == "op" for plan in plans)
 
 
-def _matmul_flops_in_backward(model, tokens, labels) -> tuple[torch.Tensor, dict, float]:
-    """Loss, gradients and the matmul FLOPs of the backward (recomputation included), counted per op."""
+def _matmul_flops_in_backward(model, tokens, labels) -> tuple[torch.Tensor, dict, float, int]:
+    """Loss, gradients, the matmul FLOPs of the backward (recomputation included), counted per op, and its
+    attention forward kernel calls."""
     from meshtron.plan.measure import MatmulFlops
 
     loss = token_loss_sum(model(tokens), labels)
     with MatmulFlops() as counted:
         loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, counted.flops
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, counted.flops, counted.attention_calls
 
 
 @pytest.mark.parametrize("model_cfg", [CFG, MOE], ids=["dense", "moe"])
 def test_op_checkpointing_is_exact_and_recomputes_what_the_planner_counts(model_cfg):
     """On one process each op policy gives the loss and gradients of no checkpointing bit for bit, and
     its backward runs the matmul FLOPs of none plus exactly the matmuls the planner says it drops
-    (``save_matmuls``: none; ``alternate_matmuls``: the 2nd, 4th, ...), fewer than full checkpointing."""
-    from meshtron.plan.memory import block_matmuls, op_kept_matmuls
+    (``save_matmuls``: none; ``alternate_matmuls``: the 2nd, 4th, ...; ``parts``: the named parts'), fewer
+    than full checkpointing; recomputing ``core_attn`` runs each attention kernel once more."""
+    from meshtron.plan.memory import block_matmuls, op_recomputed_matmuls
 
     cfg = ModelConfig(**model_cfg)
     ref = random_model(cfg, seed=3)
     tokens, labels = next(_batches())
     runs = {}
-    for ac, policy in AC_RUNS:
+    for ac, policy, parts in AC_RUNS:
         model = copy.deepcopy(ref)
-        apply_activation_checkpointing(model, ac, 2, policy)
-        runs[ac, policy] = _matmul_flops_in_backward(model, tokens, labels)
+        apply_activation_checkpointing(model, ac, 2, policy, parts)
+        runs[ac, policy, parts] = _matmul_flops_in_backward(model, tokens, labels)
     plain = runs[AC_RUNS[0]]
-    for key, (loss, grads, _) in runs.items():
+    for key, (loss, grads, _, _) in runs.items():
         assert torch.equal(loss, plain[0]) and all(torch.equal(grads[n], g) for n, g in plain[1].items()), key
-    for policy in ("save_matmuls", "alternate_matmuls"):
-        planned = Config(model=cfg, parallel=ParallelConfig(activation_checkpointing="op", ac_policy=policy))
-        dropped = sum(2 * out * width for layer in range(cfg.num_hidden_layers)
-                      for (out, width), kept in zip(block_matmuls(planned, layer), op_kept_matmuls(planned, layer))
-                      if not kept)
-        assert runs["op", policy][2] - plain[2] == pytest.approx(tokens.numel() * dropped, rel=1e-9), policy
-    assert plain[2] == runs["op", "save_matmuls"][2] < runs["op", "alternate_matmuls"][2] < runs["full", "save_matmuls"][2]
+    for ac, policy, parts in AC_RUNS[3:]:
+        planned = Config(model=cfg, parallel=ParallelConfig(activation_checkpointing=ac, ac_policy=policy,
+                                                            ac_parts=list(parts)))
+        again = sum(2 * out * width for layer in range(cfg.num_hidden_layers)
+                    for (out, width), rerun in zip(block_matmuls(planned, layer), op_recomputed_matmuls(planned, layer))
+                    if rerun)
+        assert runs[ac, policy, parts][2] - plain[2] == pytest.approx(tokens.numel() * again, rel=1e-9), (policy, parts)
+        attention_calls = cfg.num_hidden_layers * ("core_attn" in parts)
+        assert runs[ac, policy, parts][3] - plain[3] == attention_calls, (policy, parts)
+    saved, alternate, full = (runs[key][2] for key in (AC_RUNS[3], AC_RUNS[4], AC_RUNS[1]))
+    assert plain[2] == saved < alternate < full and plain[2] < runs[AC_RUNS[-1]][2] < full
+    assert runs[AC_RUNS[-2]][2] == plain[2]  # core_attn recomputes no matmul
+
+
+@pytest.mark.parametrize("policy, parts, message", [
+    ("save_matmuls", ["mlp"], "[parallel] ac_parts = ['mlp'] is read with ac_policy = 'parts' only (got 'save_matmuls'); "
+                              "set ac_policy = 'parts' or ac_parts = []."),
+    ("parts", [], "[parallel] ac_parts is empty: ac_policy = 'parts' recomputes the parts it names; name some of "
+                  "core_attn, mlp, moe_experts or use ac_policy = 'save_matmuls'."),
+    ("parts", ["norms"], "[parallel] ac_parts entry must be one of core_attn, mlp, moe_experts, got 'norms'."),
+    ("parts", ["mlp", "mlp"], "[parallel] ac_parts = ['mlp', 'mlp'] names a part twice."),
+])
+def test_ac_parts_errors(policy, parts, message):
+    cfg = Config(parallel=ParallelConfig(activation_checkpointing="op", ac_policy=policy, ac_parts=parts))
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert message in str(err.value)
 
 
 def test_unknown_mode_fails_before_any_collective():
@@ -409,7 +469,7 @@ def test_unknown_mode_fails_before_any_collective():
         ("data_parallel", "fsdp2", "data_parallel must be one of fsdp, hsdp, replicate, got 'fsdp2'. Did you mean 'fsdp'"),
         ("activation_checkpointing", "ful", "activation_checkpointing must be one of none, full, selective, op"),
         ("ac_every", 0, "ac_every must be >= 1"),
-        ("ac_policy", "every_other", "ac_policy must be one of save_matmuls, alternate_matmuls, got 'every_other'"),
+        ("ac_policy", "every_other", "ac_policy must be one of save_matmuls, alternate_matmuls, parts, got 'every_other'"),
     ],
 )
 def test_config_errors(key, value, message):

@@ -227,9 +227,10 @@ def test_every_shipped_recipe_matches_the_plan(shipped):
     from meshtron.plan.recipes import recipe_hardware
 
     on_gpus = {path.stem for path in (ROOT / "recipes").glob("*.toml") if recipe_hardware(path).device == "cuda"}
-    # The 72B fine-tuning recipe keeps its optimizer state in host memory, which a CPU trace cannot tell
-    # from the device's: its host bytes are traced on "0.5B offload" (test_offload_host_bytes_match_the_plan).
-    assert on_gpus == {*SHIPPED, "qwen2p5_7b", "qwen2p5_72b_8gpu"}, on_gpus
+    # The 72B and 57B-A14B fine-tuning recipes keep their optimizer state in host memory, which a CPU trace
+    # cannot tell from the device's: its host bytes are traced on "0.5B offload"
+    # (test_offload_host_bytes_match_the_plan).
+    assert on_gpus == {*SHIPPED, "qwen2p5_7b", "qwen2p5_72b_8gpu", "qwen2_57b_a14b_8gpu"}, on_gpus
     for recipe in SHIPPED:
         cfg, _ = _config(recipe)
         for rank in shipped[recipe]["ranks"]:

@@ -573,12 +573,13 @@ def test_layer_figures_match_what_autograd_holds(recipe, dtype):
 
 @pytest.mark.parametrize("recipe", ["debug_dense", "debug_moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("policy", ["save_matmuls", "alternate_matmuls"])
-def test_op_checkpointing_figure_matches_what_a_block_keeps(recipe, dtype, policy):
+@pytest.mark.parametrize("policy, parts", [("save_matmuls", ()), ("alternate_matmuls", ()), ("parts", ("core_attn",)),
+                                           ("parts", ("mlp",)), ("parts", ("moe_experts",))])
+def test_op_checkpointing_figure_matches_what_a_block_keeps(recipe, dtype, policy, parts):
     """``activation_checkpointing = "op"``: what a layer keeps per token (its input and the op outputs the
-    policy keeps) within 1 % of the storages a checkpointed block leaves alive after its forward
-    (``kept_tensor_bytes``, which sees a selective checkpoint's cache), between a fully checkpointed block's
-    (its input) and the plain block's."""
+    policy keeps; ``parts``: but the named parts') within 1 % of the storages a checkpointed block leaves
+    alive after its forward (``kept_tensor_bytes``, which sees a selective checkpoint's cache), between a
+    fully checkpointed block's (its input) and the plain block's."""
     import dataclasses
 
     from meshtron.parallel.checkpointing import checkpoint_blocks
@@ -588,10 +589,10 @@ def test_op_checkpointing_figure_matches_what_a_block_keeps(recipe, dtype, polic
     cfg, block, x, rope = _one_block(recipe, dtype)
     tokens, outside = x.shape[0] * x.shape[1], [*block.parameters(), x, *rope]
     plain = kept_tensor_bytes(lambda: block(x, rope), exclude=outside)
-    checkpoint_blocks({0: block}, "op", 1, policy)
+    checkpoint_blocks({0: block}, "op", 1, policy, parts)
     kept = kept_tensor_bytes(lambda: block(x, rope), exclude=outside) + x.nbytes  # the input, kept by reference
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpointing="op",
-                                                                 ac_policy=policy))
+                                                                 ac_policy=policy, ac_parts=list(parts)))
     assert layer_kept_bytes(cfg, 0) * tokens == pytest.approx(kept, rel=0.01)
     assert x.nbytes < kept < plain
 
@@ -892,6 +893,27 @@ def test_host_offload_time_counts_the_copies_and_the_host_optimizer_step():
     plain = predict_step_time(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload="none")), hw)
     # Copies hide behind this layout's compute; the step grows by the host optimizer step alone.
     assert step.seconds == pytest.approx(plain.seconds + step.host_optimizer)
+
+
+def test_57b_on_one_node_is_the_searchs_pick_and_fits(monkeypatch):
+    """recipes/qwen2_57b_a14b_8gpu.toml is the layout ``meshtron.plan`` ranks first for the 57B-A14B on 8 x 80 GiB
+    (cp 4 x tp 2 + SP, experts folded ep 8, FSDP gathered per step, the optimizer state in host memory), which
+    fits 80 GiB with the reserve and slack, and the pre-flight check accepts it on a node of 2 TiB; at 2
+    micro-batches (the dry run's) its peak is the same (the forward of one sequence with the gathered weights
+    and the step's fp32 gradients held)."""
+    from meshtron.plan.search import evaluate
+
+    cfg = infer_dp(load_config(RECIPES / "qwen2_57b_a14b_8gpu.toml"), 8)
+    plan = evaluate(cfg, Hardware())
+    assert plan.fits and plan.memory.total / GIB < 80, plan.memory.total / GIB
+    best = rank_layouts(load_config(RECIPES / "qwen2_57b_a14b.toml"), 8, Hardware())[0]
+    assert best.layout() == plan.layout() and best.memory.total == plan.memory.total
+    monkeypatch.setattr(fit, "available_per_rank", lambda device: (80 * GIB, "test device"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    fit.check_memory(cfg, 8, "cuda", host_available=2048 * GIB)
+    short = load_config(RECIPES / "qwen2_57b_a14b_8gpu.toml", ["--train.global_batch_size", "2",
+                                                               "--parallel.microbatches", "2"])
+    assert predict_memory(short).total == plan.memory.total
 
 
 def test_check_memory_refuses_a_node_without_the_host_memory(monkeypatch):

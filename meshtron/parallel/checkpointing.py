@@ -16,27 +16,37 @@ dispatch-mode policy, ``create_selective_checkpoint_contexts``, passed as the ch
   collectives' outputs are kept; norms, RoPE, SwiGLU's activation and product, residual adds are
   recomputed (cheap elementwise work, most of a block's saved bytes in fp32 norms);
 * ``alternate_matmuls`` (torchtitan's op-level policy): as ``save_matmuls`` but every second matmul
-  of a block (the 2nd, 4th, ... in its forward order) is recomputed too.
+  of a block (the 2nd, 4th, ... in its forward order) is recomputed too;
+* ``parts`` (Megatron's ``recompute_modules``, by name): as ``save_matmuls`` but the parts
+  ``[parallel] ac_parts`` names are recomputed whole: ``core_attn`` the attention kernel (its output and
+  log-sum-exp not kept), ``mlp`` the matmuls run inside an ``MLP`` (dense MLPs, the shared expert;
+  told by hooks on those modules), ``moe_experts`` the routed experts' grouped matmuls. The cheap parts
+  Megatron names (norms, the MLP's activation) are recomputed under every policy here.
 
 Functional collectives (DTensor's tp redistributions) are kept, so recomputation sends nothing over
 tp; in-place ``torch.distributed`` calls (expert dispatch, ring attention) are recomputed, as under
 ``full``. The policy runs in the forward only, per block call (a fresh count of its matmuls each
-time); torch records its choice per op and invocation, and the recomputation replays that record.
+time); torch records its choice per op and invocation, and the recomputation replays that record. So
+an op must run as often in the recomputation as in the forward: FSDP's hooks do not (a unit nested in
+the block, the experts', repeats its root pre-forward there; a block's unit casts its input there only)
+and run outside the record (:func:`hooks_outside_op_record`, applied by the data-parallel module).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy
 
-from meshtron.config import AC_POLICIES, ACTIVATION_CHECKPOINTING, not_one_of
+from meshtron.config import AC_PARTS, AC_POLICIES, ACTIVATION_CHECKPOINTING, not_one_of
 from meshtron.host import KeptReads
+from meshtron.models.layers import MLP
 from meshtron.models.moe import replaying
-from meshtron.torch_private import ATTENTION_FORWARD_KERNELS, GROUPED_MM, checkpoint
+from meshtron.torch_private import (ATTENTION_FORWARD_KERNELS, GROUPED_MM, SacBypass, checkpoint,
+                                    selective_checkpoint_contexts)
 
 aten = torch.ops.aten
 MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
@@ -63,36 +73,68 @@ def checkpointed_layers(layer_ids: list[int], mode: str, every: int) -> list[int
 
 
 class OpPolicy:
-    """Which op outputs one call of a checkpointed block keeps (module doc); a fresh one per call."""
+    """Which op outputs one call of a checkpointed block keeps (module doc); a fresh one per call.
+    ``parts``: with the ``parts`` policy, those recomputed whole (``config.AC_PARTS``)."""
 
-    def __init__(self, policy: str):
+    def __init__(self, policy: str, parts: Collection[str] = ()):
         if policy not in AC_POLICIES:
             raise ValueError(not_one_of("ac_policy", policy, AC_POLICIES))
-        self.policy = policy
+        for part in parts:
+            if part not in AC_PARTS:
+                raise ValueError(not_one_of("ac_parts entry", part, AC_PARTS))
+        self.policy, self.parts = policy, frozenset(parts)
         self.matmuls = 0  # seen so far in this block call's forward
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op in ATTENTION or op.namespace == "_c10d_functional":
+        if op in ATTENTION:
+            return self._unless_recomputed("core_attn")
+        if op.namespace == "_c10d_functional":
             return CheckpointPolicy.MUST_SAVE
         if op not in MATMULS:
             return CheckpointPolicy.PREFER_RECOMPUTE
         self.matmuls += 1
         if self.policy == "alternate_matmuls" and self.matmuls % 2 == 0:
             return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE
+        if op == GROUPED_MM.default:
+            return self._unless_recomputed("moe_experts")
+        return self._unless_recomputed("mlp") if _InMLP.depth else CheckpointPolicy.MUST_SAVE
+
+    def _unless_recomputed(self, part: str) -> CheckpointPolicy:
+        return CheckpointPolicy.PREFER_RECOMPUTE if part in self.parts else CheckpointPolicy.MUST_SAVE
 
 
-def recompute_contexts(mode: str, policy: str) -> Callable[[], tuple]:
+class _InMLP:
+    depth = 0  # MLP forwards running (the ``mlp`` part's matmuls are theirs)
+
+
+def _mark_mlps(block: nn.Module) -> None:
+    """Count the block's MLP forwards (dense MLPs, the shared expert) in ``_InMLP`` while they run."""
+
+    def enter(*_):
+        _InMLP.depth += 1
+
+    def leave(*_):
+        _InMLP.depth -= 1
+
+    for module in block.modules():
+        if isinstance(module, MLP):
+            module.register_forward_pre_hook(enter)
+            # also when the forward raises: a recomputation stops (by an exception) once it has rebuilt
+            # what backward needs, inside a block's last MLP
+            module.register_forward_hook(leave, always_call=True)
+
+
+def recompute_contexts(mode: str, policy: str, parts: Collection[str] = ()) -> Callable[[], tuple]:
     """The composable checkpoint's ``context_fn``: (forward context, recomputation context), fresh per
     block call. The recomputation must not count MoE router statistics a second time (``replaying``)
     and takes the host reads of the forward it replays (``meshtron.host.KeptReads``) instead of waiting
     for the device again."""
     if mode == "op":
-        OpPolicy(policy)  # an unknown policy fails here, not in the first backward
+        OpPolicy(policy, parts)  # an unknown policy or part fails here, not in the first backward
 
     def contexts():
         reads = KeptReads()
-        forward, recompute = (create_selective_checkpoint_contexts(OpPolicy(policy)) if mode == "op"
+        forward, recompute = (selective_checkpoint_contexts(OpPolicy(policy, parts)) if mode == "op"
                               else (contextlib.nullcontext(), contextlib.nullcontext()))
         return _together(forward, reads.keeping()), _together(recompute, reads.replaying(), replaying())
 
@@ -107,19 +149,40 @@ def _together(*managers):
         yield
 
 
-def checkpoint_blocks(blocks: dict[int, nn.Module], mode: str, every: int, policy: str = "save_matmuls") -> list[int]:
+def checkpoint_blocks(blocks: dict[int, nn.Module], mode: str, every: int, policy: str = "save_matmuls",
+                      parts: Collection[str] = ()) -> list[int]:
     """Checkpoint the blocks (global index -> block) chosen by ``mode``; returns their indices."""
     chosen = checkpointed_layers(list(blocks), mode, every)
     for index in chosen:
-        checkpoint(blocks[index], context_fn=recompute_contexts(mode, policy))
+        checkpoint(blocks[index], context_fn=recompute_contexts(mode, policy, parts))
+        if mode == "op" and "mlp" in parts:
+            _mark_mlps(blocks[index])
     return chosen
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str = "none", every: int = 2,
-                                   policy: str = "save_matmuls") -> list[int]:
+                                   policy: str = "save_matmuls", parts: Collection[str] = ()) -> list[int]:
     """Checkpoint the blocks in ``model.layers`` chosen by ``mode`` (``op``: what ``policy`` keeps);
     returns their global indices."""
-    return checkpoint_blocks({int(key): block for key, block in model.layers.items()}, mode, every, policy)
+    return checkpoint_blocks({int(key): block for key, block in model.layers.items()}, mode, every, policy, parts)
+
+
+def hooks_outside_op_record(module: nn.Module) -> None:
+    """The forward hooks ``module`` has so far (FSDP's: call after ``fully_shard``) run outside ``op``'s
+    record of the ops a block calls: such hooks may call other ops, or as often, in the recomputation
+    than in the forward (``meshtron.torch_private.SacBypass``). What they do is not the block's
+    computation; it runs again in the recomputation as under ``full``."""
+
+    def enter(*_):
+        SacBypass.active = True
+
+    def leave(*_):
+        SacBypass.active = False
+
+    module.register_forward_pre_hook(enter, prepend=True)
+    module.register_forward_pre_hook(leave)
+    module.register_forward_hook(enter, prepend=True)
+    module.register_forward_hook(leave)
 
 
 def is_checkpointed(module: nn.Module) -> bool:

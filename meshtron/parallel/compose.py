@@ -85,7 +85,8 @@ class NativeSteps:
         apply_context_parallel(model, self.mesh, comm_type=self.p.cp_comm_type, a2a_size=self.p.cp_a2a_size)
 
     def checkpointing(self, model: nn.Module) -> None:
-        apply_activation_checkpointing(model, self.p.activation_checkpointing, self.p.ac_every, self.p.ac_policy)
+        apply_activation_checkpointing(model, self.p.activation_checkpointing, self.p.ac_every, self.p.ac_policy,
+                                       self.p.ac_parts)
         if self.p.offload_activations:  # the blocks checkpointing left alone
             apply_activation_offload(model)
 

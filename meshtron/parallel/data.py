@@ -78,6 +78,7 @@ from torch.distributed.tensor import DTensor, Shard
 from meshtron.config import DATA_PARALLEL_MODES, DTYPES, OFFLOADS, ParallelConfig, not_one_of
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_hsdp_mesh, expert_split
 from meshtron.models.moe import MoE, moe_layers
+from meshtron.parallel.checkpointing import hooks_outside_op_record
 from meshtron.parallel.expert import ExpertDispatch
 from meshtron.torch_private import (
     ReplicateModule,
@@ -171,6 +172,7 @@ def wrap_data_parallel(
                            offload_policy=offload)
     unit.set_gradient_divide_factor(1.0)
     unit.set_force_sum_reduction_for_comms(True)  # a factor alone becomes PREMUL_SUM, which gloo lacks
+    hooks_outside_op_record(unit)  # a unit in (or of) a checkpointed block: its hooks replay unevenly
     return unit
 
 

@@ -59,7 +59,8 @@ def _layout_text(plan: Plan) -> str:
     if p.fold_ep or p.etp > 1:  # the experts' own split of each stage
         sizes += f"; experts {'folded ' if p.fold_ep else ''}ep {p.ep} x etp {p.etp}"
     gather = " gathered per step" if p.pp == 1 and gathers_once_per_step(p) else ""
-    extras = [p.data_parallel + gather, f"ac {p.activation_checkpointing}" + (f" {p.ac_policy}" if p.activation_checkpointing == "op" else ""), f"mb {p.microbatches}"]
+    extras = [p.data_parallel + gather, f"ac {p.activation_checkpointing}" + (f" {p.ac_policy}" if p.activation_checkpointing == "op" else "")
+              + (f" {'+'.join(p.ac_parts)}" if p.ac_parts else ""), f"mb {p.microbatches}"]
     if p.sp and p.tp > 1:
         extras.insert(0, "SP")
     if p.pp > 1:

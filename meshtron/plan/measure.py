@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from meshtron.parallel.checkpointing import MATMULS
+from meshtron.parallel.checkpointing import ATTENTION, MATMULS
 from meshtron.torch_private import TorchDispatchMode, pytree
 
 _ADDMM = (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)  # the reduced width is their 2nd argument's
@@ -58,14 +58,16 @@ def kept_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] 
 
 class MatmulFlops(TorchDispatchMode):
     """The FLOPs of the matmuls (``checkpointing.MATMULS``) run while entered: 2 x output elements x the
-    reduced width."""
+    reduced width; and the calls of attention's forward kernels (``checkpointing.ATTENTION``)."""
 
     def __init__(self):
         super().__init__()
         self.flops = 0.0
+        self.attention_calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in MATMULS:
             self.flops += 2 * out.numel() * (args[1] if func in _ADDMM else args[0]).shape[-1]
+        self.attention_calls += func in ATTENTION
         return out

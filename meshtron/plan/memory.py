@@ -634,53 +634,78 @@ def block_matmuls(cfg: Config, layer: int) -> list[tuple[float, float]]:
     on every tp rank), then gate, up, down; MoE layers: the router, per routed copy grouped gate, up and
     down (tokens split over tp, down's rows gathered over etp), the shared expert's gate and its gate,
     up and down."""
+    return [shape for shape, _ in _block_matmul_parts(cfg, layer)]
+
+
+def _block_matmul_parts(cfg: Config, layer: int) -> list[tuple[tuple[float, float], str]]:
+    """:func:`block_matmuls` with the part each belongs to (``[parallel] ac_parts``' names; ``attention``
+    and ``router`` for the projections and gates no part recomputes)."""
     m, p = cfg.model, cfg.parallel
     h, tp = m.hidden_size, p.tp
     q = m.head_size * m.num_attention_heads / tp
     kv = m.head_size * (m.kv_heads / tp if kv_split(m, tp) else 1)
-    attention = [(q, h), (kv, h), (kv, h), (h, q)]
+    attention = [((q, h), "attention"), ((kv, h), "attention"), ((kv, h), "attention"), ((h, q), "attention")]
     if not m.is_moe_layer(layer):
         inner = m.intermediate_size / tp
-        return attention + [(inner, h), (inner, h), (h, inner)]
+        return attention + [((inner, h), "mlp"), ((inner, h), "mlp"), ((h, inner), "mlp")]
     k, inner, shared = m.num_experts_per_tok, m.moe_intermediate_size, m.shared_expert_intermediate_size / tp
-    routed = [(k * inner / tp, h)] * 2 + [(k * h * p.etp / tp, inner / p.etp)]
-    shared_expert = [(1, h), (shared, h), (shared, h), (h, shared)] if shared else []
-    return attention + [(m.num_experts, h)] + routed + shared_expert
+    routed = [((k * inner / tp, h), "moe_experts")] * 2 + [((k * h * p.etp / tp, inner / p.etp), "moe_experts")]
+    shared_expert = [((1, h), "router"), ((shared, h), "mlp"), ((shared, h), "mlp"), ((h, shared), "mlp")] if shared else []
+    return attention + [((m.num_experts, h), "router")] + routed + shared_expert
 
 
 def op_kept_matmuls(cfg: Config, layer: int) -> list[bool]:
-    """Which of :func:`block_matmuls` the ``op`` policy keeps (``alternate_matmuls``: the 1st, 3rd, ...)."""
-    count = len(block_matmuls(cfg, layer))
-    return [cfg.parallel.ac_policy != "alternate_matmuls" or i % 2 == 0 for i in range(count)]
+    """Which of :func:`block_matmuls` the ``op`` policy keeps (``alternate_matmuls``: the 1st, 3rd, ...;
+    ``parts``: those of no part ``ac_parts`` names)."""
+    p = cfg.parallel
+    parts = [part for _, part in _block_matmul_parts(cfg, layer)]
+    if p.ac_policy == "parts":
+        return [part not in p.ac_parts for part in parts]
+    return [p.ac_policy != "alternate_matmuls" or i % 2 == 0 for i in range(len(parts))]
+
+
+def op_recomputed_matmuls(cfg: Config, layer: int) -> list[bool]:
+    """Which of :func:`block_matmuls` the backward of an ``op`` block runs again: those the policy does not
+    keep, but a dense layer's down projection, the block's last op whose output only the residual add
+    takes (which keeps nothing): torch's recomputation stops once it has rebuilt every saved tensor."""
+    recomputed = [not kept for kept in op_kept_matmuls(cfg, layer)]
+    if not cfg.model.is_moe_layer(layer):
+        recomputed[-1] = False
+    return recomputed
+
+
+def _attention_recomputed(cfg: Config) -> bool:
+    """Whether the ``op`` policy recomputes the attention kernel (``ac_parts`` naming ``core_attn``)."""
+    return cfg.parallel.ac_policy == "parts" and "core_attn" in cfg.parallel.ac_parts
 
 
 def recomputed_share(cfg: Config, layer: int) -> float:
     """The share of one layer's forward FLOPs its backward recomputes: 1 for a checkpointed block, 0
     without checkpointing; under ``op`` the matmuls the policy does not keep (:func:`op_kept_matmuls`)
-    over the layer's matmuls and causal attention (kept: its output is saved)."""
+    over the layer's matmuls and causal attention (kept: its output is saved, but with ``core_attn``)."""
     if not layer_checkpointed(cfg, layer):
         return 0.0
     if cfg.parallel.activation_checkpointing != "op":
         return 1.0
     m = cfg.model
     flops = [2 * out * width for out, width in block_matmuls(cfg, layer)]
-    recomputed = sum(f for f, keep in zip(flops, op_kept_matmuls(cfg, layer)) if not keep)
+    recomputed = sum(f for f, again in zip(flops, op_recomputed_matmuls(cfg, layer)) if again)
     # QK^T and AV over half the (causal) keys: 2 * 2 * S / 2 FLOPs per head dimension, per token.
     attention = 2 * cfg.train.seq_len * m.head_size * m.num_attention_heads / cfg.parallel.tp
-    return recomputed / (sum(flops) + attention)
+    return (recomputed + attention * _attention_recomputed(cfg)) / (sum(flops) + attention)
 
 
 def op_kept_bytes(cfg: Config, layer: int) -> float:
     """Per token, the op outputs ``activation_checkpointing = "op"`` keeps for one layer
     (``parallel/checkpointing.py``): attention's output and fp32 log-sum-exp per head (ring attention:
-    one per ring step), the tp collectives' outputs (DTensor's: per attention and MLP half, with SP the
+    one per ring step; none when ``ac_parts`` recomputes ``core_attn``), the tp collectives' outputs (DTensor's: per attention and MLP half, with SP the
     gathered input [H] and the reduce-scattered output [H / tp], without SP the all-reduced output
     [H]) and the matmul outputs the policy keeps (:func:`op_kept_matmuls`). ``tests/test_plan.py`` compares it with what a checkpointed block keeps."""
     m, p = cfg.model, cfg.parallel
     c, h, tp = compute_bytes(cfg), m.hidden_size, p.tp
     heads = m.num_attention_heads / tp
     ring_steps = p.cp if p.cp_comm_type in ("p2p", "a2a+p2p") else 1
-    attention = ring_steps * (c * m.head_size * heads + FP32 * heads)
+    attention = 0.0 if _attention_recomputed(cfg) else ring_steps * (c * m.head_size * heads + FP32 * heads)
     halves = 1 + (not m.is_moe_layer(layer) or bool(m.shared_expert_intermediate_size))
     collectives = halves * (c * h + c * h / tp if p.sp else c * h) if tp > 1 else 0.0
     kept = zip(block_matmuls(cfg, layer), op_kept_matmuls(cfg, layer))

@@ -39,7 +39,7 @@ import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from meshtron.config import FSDP_GATHERS, Config, ConfigError, op_recompute_trains
+from meshtron.config import FSDP_GATHERS, Config, ConfigError
 from meshtron.parallel.layout import validate_layout
 from meshtron.parallel.pipeline.stage import check_pipeline
 from meshtron.plan.memory import GIB, Assumptions, Breakdown, predict_memory
@@ -205,10 +205,8 @@ def _variant_groups(cfg: Config, shape: dict, world_size: int, schedule: str | N
 
 
 def _by_recomputation(group: list[Config]) -> list[Config]:
-    """The variants ordered by the compute their recomputation adds (stable: ties keep AC_MODES' order),
-    without ``op`` where it does not train the model (:func:`config.op_recompute_trains`)."""
-    trained = [v for v in group if v.parallel.activation_checkpointing != "op" or op_recompute_trains(v.model)]
-    return sorted(trained, key=recompute_factor)
+    """The variants ordered by the compute their recomputation adds (stable: ties keep AC_MODES' order)."""
+    return sorted(group, key=recompute_factor)
 
 
 class _ShapeSearch:
