@@ -185,7 +185,16 @@ def main(names: list[str]) -> None:
         "Every collective passed NCCL's rules (meshtron/nccl_rules.py) and every host sync is one meshtron/host.py "
         "declares: the dry run stops otherwise. Host syncs per step: the reads a real step makes there (the dry "
         "run answers them with its assumption). Dry run s: wall time on a 2-core machine shared with other jobs "
-        "(load average 10-160 while these ran).\n\n"
+        "(load average 10-220 while these ran).\n\n"
+        "The levers (2026-11-26): optimizer offload traces with the host's state equal to the plan's and the GPU "
+        "at 1.054 x the plan (72B, one micro-batch); the 72B offload recipe's own 8 micro-batches are refused: "
+        "each micro-batch after the first reduce-scatters into gradients already on the host, which FSDP2 copies "
+        "blocking and adds on the host (963 waits in the warm-up's second micro-batch, 7 x 963 a step). "
+        "Activation offload: GPU 1.023 x the plan (7B), its host peak 114.9 GiB against the plan's 99.4 GiB of "
+        "offloaded activations. fp8 tensorwise: GPU 1.210 x the plan (the plan has no fp8 term). Op recompute "
+        "fails under torch 2.14 (this environment; 2.13 trains it): FSDP2's pre-forward casts its inputs inside "
+        "the recomputation but not in the forward, a record_function that selective checkpointing's storage "
+        "lacks. compile: refused (meshtron.dryrun.COMPILE_REFUSAL).\n\n"
         + table(rows) + "\n")
 
 
