@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshtron.config import infer_dp, load_config  # noqa: E402
+from meshtron.config import ConfigError, infer_dp, load_config  # noqa: E402
 from meshtron.dryrun import _check_traceable, dry_run, layout_text  # noqa: E402
 from meshtron.hf.runner import with_hf_model  # noqa: E402
 from meshtron.parallel.layout import validate_layout  # noqa: E402
@@ -31,7 +31,7 @@ from meshtron.plan.recipes import recipe_hardware  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SHIPPED = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b",
-           "qwen1p5_moe_a2p7b", "qwen2_57b_a14b")
+           "qwen2p5_72b_8gpu", "qwen1p5_moe_a2p7b", "qwen2_57b_a14b")
 _SMALL = ["--train.seq_len", "1024", "--train.global_batch_size", "16"]
 # name -> (recipe, world size, overrides): one layout of each parallelism the recipes do not state.
 LAYOUTS = {
@@ -48,6 +48,19 @@ LAYOUTS = {
                                          "--train.seq_len", "512"]),
     "hsdp": ("qwen2p5_0p5b", 8, ["--parallel.dp", "2", "--parallel.cp", "2", "--parallel.tp", "2",
                                  "--parallel.data_parallel", "hsdp", "--parallel.microbatches", "4", *_SMALL]),
+    # The levers, each on a real-size recipe at its stated layout (compile: refused, meshtron.dryrun.COMPILE_REFUSAL).
+    # The 72B offload recipe's 8 micro-batches each reduce-scatter into the host's gradients, each copy a
+    # blocking one (FSDP2 adds it on the host): one micro-batch of its size traces the offload's bytes.
+    "72b 8gpu offload, 1 micro-batch": ("qwen2p5_72b_8gpu", 8, ["--parallel.microbatches", "1",
+                                                                 "--train.global_batch_size", "4"]),
+    "72b 8gpu op recompute, 1 micro-batch": ("qwen2p5_72b_8gpu", 8, ["--parallel.activation_checkpointing", "op",
+                                                                      "--parallel.microbatches", "1",
+                                                                      "--train.global_batch_size", "4"]),
+    "7b op recompute": ("qwen2p5_7b", 8, ["--parallel.activation_checkpointing", "op"]),
+    "7b fp8 tensorwise": ("qwen2p5_7b", 8, ["--train.fp8", "tensorwise"]),
+    "7b activation offload": ("qwen2p5_7b", 8, ["--parallel.activation_checkpointing", "selective",
+                                                "--parallel.offload_activations", "true"]),
+    "0.5b compile": ("qwen2p5_0p5b", 8, ["--parallel.compile", "true"]),
     "hf model": ("debug_dense", 4, ["--model.hf_model", "{hf}", "--parallel.dp", "2", "--parallel.tp", "2",
                                     "--train.seq_len", "256"]),
 }
@@ -78,10 +91,22 @@ def measure(name: str) -> list[dict]:
     traces = dry_run(cfg, world, hw=hardware.hardware(), per_node=hardware.per_node)
     seconds = time.perf_counter() - start
     cpu = _cpu_traces(name) if name in SHIPPED else {}
-    return [{"case": name, "world_size": world, "layout": layout_text(cfg), "rank": t.rank, "coords": t.coords,
-             "pp": t.coords["pp"],
+    return [{"case": name, "world_size": world, "layout": layout_text(cfg), "levers": levers(cfg), "rank": t.rank,
+             "coords": t.coords, "pp": t.coords["pp"], "host_gib": t.host_gib, "planned_host_gib": t.planned_host_gib,
              "traced_gib": t.traced_gib, "host_peak_gib": t.host_peak_gib, "cpu_gib": cpu.get(t.rank), "planned_gib": t.planned_gib,
              "ratio": t.ratio, "syncs": t.syncs, "collectives": t.collectives, "seconds": seconds} for t in traces]
+
+
+def levers(cfg) -> str:
+    """The recipe's memory and speed levers: activation checkpointing, compile, fp8, host offload."""
+    p = cfg.parallel
+    out = [f"ac {p.activation_checkpointing}" + (f"/{p.ac_every}" if p.activation_checkpointing == "selective" else "")
+           + (f" {p.ac_policy}" if p.activation_checkpointing == "op" else "")]
+    out += ["compile"] if p.compile else []
+    out += [f"fp8 {cfg.train.fp8}"] if cfg.train.fp8 != "none" else []
+    out += [f"offload {p.offload}"] if p.offload != "none" else []
+    out += ["offload activations"] if p.offload_activations else []
+    return ", ".join(out)
 
 
 def _cpu_traces(recipe: str) -> dict[int, float]:
@@ -105,14 +130,18 @@ def _gib(value: float | None, digits: int = 2) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| case | ranks | layout | rank (stage) | GPU GiB (traced on CUDA) | host GiB | CPU dry run GiB | planned GiB "
-             "| GPU / planned | host syncs per step | collectives checked | collectives by op | dry run s |", "|---" * 13 + "|"]
+    lines = ["| case | ranks | layout | levers | rank (stage) | GPU GiB (traced on CUDA) | host GiB at peak "
+             "| offload host GiB traced / planned | CPU dry run GiB | planned GiB "
+             "| GPU / planned | host syncs per step | collectives checked | collectives by op | dry run s |", "|---" * 15 + "|"]
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['case']} | | | | | | | | | | | FAILED: {r['error']} | |")
+        if "error" in r or "refused" in r:
+            what = f"refused: {r['refused']}" if "refused" in r else f"FAILED: {r['error']}"
+            lines.append(f"| {r['case']} | | | | | | | | | | | | | {what} | |")
             continue
-        lines.append(f"| {r['case']} | {r['world_size']} | {r['layout']} | {r['rank']} ({r['pp']}) | {r['traced_gib']:.2f} "
-                     f"| {_gib(r.get('host_peak_gib'), 4)} | {_gib(r.get('cpu_gib'))} | {r['planned_gib']:.2f} | {r['ratio']:.3f} "
+        offload = f"{r['host_gib']:.2f} / {r['planned_host_gib']:.2f}" if r.get("planned_host_gib") else ""
+        lines.append(f"| {r['case']} | {r['world_size']} | {r['layout']} | {r.get('levers', '')} | {r['rank']} ({r['pp']}) "
+                     f"| {r['traced_gib']:.2f} | {_gib(r.get('host_peak_gib'), 4)} | {offload} | {_gib(r.get('cpu_gib'))} "
+                     f"| {r['planned_gib']:.2f} | {r['ratio']:.3f} "
                      f"| {_syncs(r['syncs'])} | {sum(r['collectives'].values())} | {_kinds(r['collectives'])} "
                      f"| {r['seconds']:.0f} |")
     return "\n".join(lines)
@@ -132,6 +161,8 @@ def main(names: list[str]) -> None:
     for name in [] if names == ["--table"] else names or [*SHIPPED, *LAYOUTS]:
         try:
             results[name] = measure(name)
+        except ConfigError as err:  # what the dry run refuses to trace, in its one line
+            results[name] = [{"case": name, "refused": str(err)}]
         except Exception as err:  # noqa: BLE001 - listed in the table, the next case still runs
             traceback.print_exc()
             results[name] = [{"case": name, "error": _error_line(str(err))}]
@@ -143,15 +174,27 @@ def main(names: list[str]) -> None:
     (RESULTS / "cuda_dry_run.md").write_text(
         "# The dry run on fake CUDA devices\n\n"
         "`benchmarks/cuda_dry_run.sh` (torch 2.14.1+cu130 in a separate environment, no GPU): every shipped recipe "
-        "at its stated hardware and one layout of each parallelism, each distinct rank on fake `cuda:LOCAL_RANK` "
-        "(meshtron/fake_cuda.py). GPU GiB: the traced step's peak on the rank's fake GPU; host GiB: on the host, "
-        "counted apart; CPU dry run GiB: the same rank traced on the CPU path (benchmarks/results/dry_run.json). "
+        "at its stated hardware, one layout of each parallelism and each lever (op recompute, fp8, activation and "
+        "optimizer offload; compile is refused, meshtron.dryrun.COMPILE_REFUSAL says why), each distinct rank on fake "
+        "`cuda:LOCAL_RANK` (meshtron/fake_cuda.py). GPU GiB: the traced step's peak on the rank's fake GPU; host GiB "
+        "at peak: the peak of what the step holds on the host, counted apart; offload host GiB: what "
+        "`[parallel] offload = \"optimizer\"` keeps on the host after the step (each parameter's fp32 shard, its "
+        "gradient, AdamW's moments), counted on the step's objects, against meshtron.plan's host figure; CPU dry run GiB: the same rank traced on the CPU path (benchmarks/results/dry_run.json). "
         "Planned: meshtron.plan's figure for the rank without its reserve and slack (of a transformers model it "
         "models meshtron's own blocks, hence the hf model's ratio). "
         "Every collective passed NCCL's rules (meshtron/nccl_rules.py) and every host sync is one meshtron/host.py "
         "declares: the dry run stops otherwise. Host syncs per step: the reads a real step makes there (the dry "
         "run answers them with its assumption). Dry run s: wall time on a 2-core machine shared with other jobs "
-        "(load average 10-160 while these ran).\n\n"
+        "(load average 10-220 while these ran).\n\n"
+        "The levers (2026-11-26): optimizer offload traces with the host's state equal to the plan's and the GPU "
+        "at 1.054 x the plan (72B, one micro-batch); the 72B offload recipe's own 8 micro-batches are refused: "
+        "each micro-batch after the first reduce-scatters into gradients already on the host, which FSDP2 copies "
+        "blocking and adds on the host (963 waits in the warm-up's second micro-batch, 7 x 963 a step). "
+        "Activation offload: GPU 1.023 x the plan (7B), its host peak 114.9 GiB against the plan's 99.4 GiB of "
+        "offloaded activations. fp8 tensorwise: GPU 1.210 x the plan (the plan has no fp8 term). Op recompute "
+        "fails under torch 2.14 (this environment; 2.13 trains it): FSDP2's pre-forward casts its inputs inside "
+        "the recomputation but not in the forward, a record_function that selective checkpointing's storage "
+        "lacks. compile: refused (meshtron.dryrun.COMPILE_REFUSAL).\n\n"
         + table(rows) + "\n")
 
 

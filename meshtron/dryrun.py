@@ -379,9 +379,9 @@ def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[tuple[i
     counter, its host syncs, only those :mod:`meshtron.host` declares, the bytes its host offload holds)."""
     device = env.local_device()
     rules = NcclRules(device, group_names(mesh))  # names read from the mesh's real rank table
-    with simulated(routing):
-        with fake_factories(fake_tensors()) if device.type == "cuda" else contextlib.nullcontext():
-            runner = build_runner(cfg, mesh, device)
+    # On CUDA the fake factories stay for the steps too: FSDP2's lazy init pins the offloaded shards again.
+    with simulated(routing), fake_factories(fake_tensors()) if device.type == "cuda" else contextlib.nullcontext():
+        runner = build_runner(cfg, mesh, device)
         with fake_tensors():
             optimizer = build_optimizer(runner.module, cfg.train)
             ids, labels = _local_batch(cfg, mesh, device)
@@ -429,10 +429,13 @@ def checked_syncs():
 
 
 def _refuse_undeclared(syncs: HostSyncCounter, failure: Exception | None = None) -> None:
-    undeclared = [sync for sync in syncs.syncs if not declared(sync)]
-    if undeclared:
-        raise HostSyncRefusal(f"the training step waits for the device {len(undeclared)} times where meshtron.host "
-                              "declares no read: " + "; ".join(f"{s.op} at {s.where}" for s in undeclared)) from failure
+    sites: dict[str, int] = {}
+    for sync in syncs.syncs:
+        if not declared(sync):
+            sites[f"{sync.op} at {sync.where}"] = sites.get(f"{sync.op} at {sync.where}", 0) + 1
+    if sites:
+        raise HostSyncRefusal(f"the training step waits for the device {sum(sites.values())} times where meshtron.host "
+                              "declares no read: " + "; ".join(f"{n} x {site}" for site, n in sites.items())) from failure
 
 
 @contextlib.contextmanager
@@ -657,11 +660,25 @@ def _device_text(hw: Hardware = Hardware()) -> str:
     return f"{hw.peak_tflops:g} TFLOP/s, {hw.memory_tbps:g} TB/s"
 
 
+# Why a dry run cannot trace torch.compile, found on torch 2.14.1 (CUDA) and 2.13 (CPU): dynamo skips every
+# frame while a dispatch mode that is not one of torch's own is active ("non-infra torch dispatch mode
+# present"), and the trace's memory tracker, collective counter and host-sync recorder are such modes, so a
+# block compiled with fullgraph fails ("found no compiled frames"); without them, dynamo itself asks the CUDA
+# runtime for its RNG state, graph capture and device properties, and inductor's kernels would run on memory
+# that fake tensors do not have.
+COMPILE_REFUSAL = ("--dry-run cannot trace [parallel] compile = true: torch.compile skips every frame under the "
+                   "dry run's memory, collective and host-sync tracers (dispatch modes) and its kernels need real "
+                   "device memory. Add --parallel.compile false (meshtron.plan counts a compiled block's memory as "
+                   "the eager one's).")
+
+
 def _check_traceable(cfg: Config) -> None:
-    """What the fake tensors cannot run: fake CUDA devices without a CUDA build of torch; torch's shape
-    function of grouped_mm (the experts) in another dtype than bf16."""
+    """What the fake tensors cannot run: fake CUDA devices without a CUDA build of torch; compiled blocks
+    (:data:`COMPILE_REFUSAL`); torch's shape function of grouped_mm (the experts) in another dtype than bf16."""
     if env.device_type() == "cuda" and not cuda_build():
         raise ConfigError(refusal())
+    if cfg.parallel.compile:
+        raise ConfigError(COMPILE_REFUSAL)
     if cfg.model.is_moe and cfg.train.dtype != "bfloat16":
         raise ConfigError(f"--dry-run traces MoE experts in bfloat16 only (torch's grouped_mm shape check), but [train] "
                           f"dtype = '{cfg.train.dtype}'. Add --train.dtype bfloat16.")

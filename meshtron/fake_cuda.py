@@ -25,13 +25,14 @@ import contextlib
 import functools
 import os
 import subprocess
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from meshtron.syncs import record
-from meshtron.torch_private import TorchDispatchMode
+from meshtron.torch_private import PIN_MEMORY, TorchDispatchMode
 
 
 def cuda_build() -> bool:
@@ -310,13 +311,21 @@ def _memory_statistic(device=None) -> int:
     return 0
 
 
+# What torch.cuda.get_device_properties answers for each fake device: the preloaded driver's H100 (_DRIVER).
+_H100 = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3 (meshtron dry run)", major=9, minor=0,
+                              total_memory=85520809984, multi_processor_count=132, warp_size=32,
+                              L2_cache_size=52428800, is_integrated=False, is_multi_gpu_board=False)
+
+
 def _stand_ins() -> dict[str, object]:
     """``torch.cuda`` attribute -> what answers it in a dry run."""
     return {
         "is_available": lambda: True, "is_initialized": lambda: True, "_lazy_init": lambda: None,
         "device_count": lambda: _runtime.count, "current_device": lambda: _runtime.current,
-        # An H100's, as the preloaded driver answers C++ (c10d's broadcast asks it from Python).
+        # An H100's, as the preloaded driver answers C++ (c10d's broadcast asks it from Python; torch's Triton
+        # check, which transformers' import of torchao runs, asks for the properties).
         "get_device_capability": lambda device=None: (9, 0),
+        "get_device_properties": lambda device=None: _H100,
         "set_device": _runtime.set_device, "Stream": FakeStream, "Event": FakeEvent,
         "current_stream": _runtime.current_stream, "default_stream": _runtime.default_stream,
         "set_stream": _runtime.set_stream, "stream": _runtime.stream,
@@ -330,6 +339,12 @@ def _stand_ins() -> dict[str, object]:
     }
 
 
+def _record_stream(tensor: torch.Tensor, stream: FakeStream) -> None:
+    """``Tensor.record_stream`` (the activation offload's side-stream copies): it keeps a tensor's memory from
+    reuse until ``stream``'s queued work is done; a fake tensor has no memory and a fake stream no work (and
+    torch's own takes only its C++ streams)."""
+
+
 @contextlib.contextmanager
 def fake_cuda(devices: int, local_rank: int) -> Iterator[None]:
     """Within: ``torch.cuda``'s runtime calls answered for a node of ``devices`` fake GPUs whose current
@@ -338,11 +353,13 @@ def fake_cuda(devices: int, local_rank: int) -> Iterator[None]:
         raise RuntimeError(refusal())
     stand_ins = _stand_ins()
     originals = {name: getattr(torch.cuda, name) for name in stand_ins}
+    record_stream = torch.Tensor.record_stream
     saved = vars(_runtime).copy()
     _runtime.__init__()
     _runtime.count = devices
     for name, value in stand_ins.items():
         setattr(torch.cuda, name, value)
+    torch.Tensor.record_stream = _record_stream
     guard().install(devices, local_rank)
     _set_driver_device(local_rank)
     try:
@@ -352,12 +369,15 @@ def fake_cuda(devices: int, local_rank: int) -> Iterator[None]:
         guard().restore()
         for name, value in originals.items():
             setattr(torch.cuda, name, value)
+        torch.Tensor.record_stream = record_stream
         vars(_runtime).update(saved)
 
 
 class _FakeFactories(TorchDispatchMode):
     """Without a driver no real CUDA tensor can exist: an op outside the fake mode that would make one
-    (FSDP2's empty buffers, made when it wraps the meta model) makes a fake one instead."""
+    (FSDP2's empty buffers, made when it wraps the meta model) makes a fake one instead. Pinning host
+    memory (FSDP2's ``CPUOffloadPolicy`` pins each offloaded shard) is answered with a copy of the same
+    bytes: fake tensors have no memory to pin (the fake mode raises "NYI: aten._pin_memory")."""
 
     def __init__(self, fake_mode):
         super().__init__()
@@ -365,6 +385,8 @@ class _FakeFactories(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is PIN_MEMORY:
+            return args[0].clone()
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "cuda":
             with self.fake_mode:

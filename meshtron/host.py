@@ -125,8 +125,23 @@ def document_starts(bounds: torch.Tensor) -> list[list[int]]:
 
 def declared(sync: Sync) -> bool:
     """Whether a host sync of the training step is one this module declares: the step may read the
-    device only through it (the log step's reads of loss and grad norm come after the step)."""
-    return sync.where.startswith(__file__)
+    device only through it (the log step's reads of loss and grad norm come after the step), or one of
+    torch's own that :data:`TORCH_WAITS` names."""
+    return sync.where.startswith(__file__) or any(sync.where.startswith(place) and sync.where.endswith(function)
+                                                  for place, function in TORCH_WAITS)
+
+
+# (file, function) of the waits torch makes on the step's behalf: with [parallel] offload = "optimizer",
+# FSDP2 waits at the end of backward for each gradient's copy to the host, which the host's optimizer
+# step reads (one wait for the device; the rest find their copies done).
+TORCH_WAITS = (("torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "in finalize_backward"),)
+
+
+def across(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``. With ``[parallel] offload = "optimizer"`` the step's values that cross between
+    the device and the host's optimizer come here (its skip flag and clipping coefficient, the host's
+    gradient sums for the norm's all-reduce): each such copy waits for the device. On one device: ``t``."""
+    return t.to(device)
 
 
 def even_split(total: int, peers: int) -> list[int]:
@@ -134,7 +149,7 @@ def even_split(total: int, peers: int) -> list[int]:
     return [total // peers + (i < total % peers) for i in range(peers)]
 
 
-__all__ = ["ROUTINGS", "KeptReads", "completed", "declared", "document_starts", "even_split", "fake_tensors", "simulated", "simulating", "split_sizes"]
+__all__ = ["ROUTINGS", "TORCH_WAITS", "KeptReads", "across", "completed", "declared", "document_starts", "even_split", "fake_tensors", "simulated", "simulating", "split_sizes"]
 
 
 def completed(work) -> bool:

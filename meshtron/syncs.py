@@ -71,17 +71,21 @@ def _waits(func, args, kwargs) -> bool:
         return func is not aten.repeat_interleave.self_int and kwargs.get("output_size") is None
     if packet in _MASK_INDEXED:
         return any(_is_mask(t) for t in (args[1] or ())) and not _masked_fill(packet, args)
-    if packet is TO_COPY:
-        return _copy_waits(_device_of(args[0]), kwargs.get("device"), kwargs.get("non_blocking", False))
+    if packet is TO_COPY:  # a non-blocking copy to the host lands in pinned memory torch allocates for it
+        return _copy_waits(_device_of(args[0]), kwargs.get("device"), kwargs.get("non_blocking", False), True)
     if packet is aten.copy_:
         return _copy_waits(_device_of(args[1]), _device_of(args[0]), kwargs.get("non_blocking", False))
     return False
 
 
-def _copy_waits(source, target, non_blocking: bool) -> bool:
+def _copy_waits(source, target, non_blocking: bool, pinned_result: bool = False) -> bool:
+    """Whether a copy waits for the device: one to the host unless it is non-blocking into pinned memory
+    (then the wait is the reader's synchronize, counted there), one to the device unless non-blocking."""
     if source is None or target is None or torch.device(target) == source:
         return False
-    return torch.device(target).type == "cpu" or not non_blocking
+    if torch.device(target).type == "cpu":
+        return not (non_blocking and pinned_result)
+    return not non_blocking
 
 
 # Modules that wait on the host's behalf, not where a wait is asked for: this one, and the dry run's
@@ -92,10 +96,17 @@ _NOT_CALLERS = tuple(__file__.replace("syncs.py", name) for name in ("syncs.py",
 
 def call_site() -> str:
     """The innermost frame outside torch and :data:`_NOT_CALLERS` (``file:line in function``): where a
-sync, or a collective, was asked for."""
-    for frame in reversed(traceback.extract_stack()):
-        if "/torch/" not in frame.filename and frame.filename not in _NOT_CALLERS:
+sync, or a collective, was asked for. Where torch asks on its own, from a callback the autograd engine
+runs (FSDP2's end of backward), its own innermost frame outside its dispatch machinery, named from
+``torch/``."""
+    stack = [frame for frame in reversed(traceback.extract_stack()) if frame.filename not in _NOT_CALLERS]
+    for frame in stack:
+        if "/torch/" not in frame.filename:
             return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    for frame in stack:
+        inside = frame.filename[frame.filename.rindex("/torch/") + 1:]
+        if not inside.startswith(("torch/_", "torch/utils/")):
+            return f"{inside}:{frame.lineno} in {frame.name}"
     return "?"
 
 

@@ -208,6 +208,7 @@ UNSAFE_VIEW = aten._unsafe_view
 LOCAL_SCALAR_DENSE = aten._local_scalar_dense  # .item(), float(t), bool(t)
 TO_COPY = aten._to_copy
 UNIQUE2 = aten._unique2
+PIN_MEMORY = aten._pin_memory.default  # Tensor.pin_memory(); the fake CUDA run answers it
 # The attention kernels SDPA dispatches to (their FLOP formulas count the whole square, causal or not).
 _ATTENTION_KERNEL_NAMES = ("flash_attention", "flash_attention_for_cpu", "efficient_attention", "cudnn_attention")
 ATTENTION_FORWARD_KERNELS = {getattr(aten, f"_scaled_dot_product_{kernel}") for kernel in _ATTENTION_KERNEL_NAMES}

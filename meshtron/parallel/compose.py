@@ -106,9 +106,22 @@ def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
 
 def materialize_sharded(model: nn.Module, device: torch.device, cfg: Config) -> None:
     """Allocate a parallelized meta-device model and fill it with the layout-independent initial
-    weights, each rank computing only its own slices on ``device``."""
+    weights, each rank computing only its own slices on ``device``. With ``[parallel] offload =
+    "optimizer"`` the parameters are allocated on the host, where FSDP2 keeps their shards: allocated on a
+    GPU, its first forward refuses them ("FSDP parameters should be materialized on CPU", found by the dry
+    run on fake CUDA); the buffers stay on ``device``, where the step reads them."""
+    on_host = cfg.parallel.offload == "optimizer"
     with fake_tensors():
-        model.to_empty(device=device)
+        model.to_empty(device="cpu" if on_host else device)
+        if on_host:
+            _buffers_to(model, device)
     model.tie_weights()  # to_empty replaces tied parameters one module at a time
     if not simulating():  # a dry run's tensors hold no values
         fill_local_slices(model, InitialWeights(cfg.model, cfg.train.seed))
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Every buffer of ``model`` reallocated (empty) on ``device``."""
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            setattr(module, name, torch.empty_like(buffer, device=device))

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshtron.checkpoint import gather_full_state_dict
+from meshtron.host import across
 from meshtron.models import moe_layers
 from meshtron.models.moe import MoE
 from meshtron.parallel.context import shard_batch
@@ -68,7 +69,7 @@ def training_step(
     loss = runner.forward_backward(input_ids, labels, position_ids)
     grad_norm = runner.clip_grad_norm(max_grad_norm)
     skip = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
-    optimizer.found_inf = skip.to(_parameter_device(optimizer))  # the host's with [parallel] offload
+    optimizer.found_inf = across(skip, _parameter_device(optimizer))  # the host's with [parallel] offload
     optimizer.step()
     for moe in runner.moes:  # aux-loss-free balancing (a no-op unless configured), skipped with the update
         moe.update_expert_bias(skip=skip)
