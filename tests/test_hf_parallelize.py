@@ -18,7 +18,9 @@ embedding (CodeGen, HunYuan, FalconH1, Bamba), and a Parameter shared by two lay
 The block check (meshtron.hf.prove, on by default) runs on the parity models and issue 41's families; its
 negative controls switch each of those fixes off and see the family refused, on load_hf_checkpoint's path too
 (a twin holding the checkpoint's weights is proved; each loaded parity case records what it proved and read).
-DeepSeek-V4's [batch, sequence, hc_mult, hidden] streams train at dp and tp, and SP, cp and pp are refused.
+DeepSeek-V4's [batch, sequence, hc_mult, hidden] streams train at dp and tp, and SP, cp and pp are refused; its
+save_pretrained folder (converted by transformers on load) loads. HY-V4's per-head attention sinks split with
+its heads (left whole: refused by the block check), Qwen4-Exp's decoder-level hyper-connection mixer runs whole.
 """
 
 from __future__ import annotations
@@ -119,7 +121,10 @@ def _full(t):
 # Qwen3-Next's gated delta-net decay parameters get gradients of ~1e-5 out of large cancellations: the
 # single-process model with meshtron's chunked cross-entropy instead of transformers' is already 1.4e-4
 # (A_log) / 1.0e-4 (dt_bias) from transformers' own, with no parallelism at all. A wrong reduction is O(1).
-CANCELLING_GRADS = {"linear_attn.A_log": 3e-4, "linear_attn.dt_bias": 3e-4}
+# HY-V4's output hyper-connection head: its scalar scale's gradient (-4.6e-5 in the tp 2 case) is a sum of
+# terms up to 1.8 x larger per token; the vocab-parallel head's rounding moves it by 5e-9 (1.1e-4 relative),
+# while every block parameter and the loss agree within 1e-5.
+CANCELLING_GRADS = {"linear_attn.A_log": 3e-4, "linear_attn.dt_bias": 3e-4, "hc_head.hc_scale": 5e-4}
 
 
 def _check_grads(model, ref, where: str) -> None:
@@ -397,6 +402,30 @@ FAMILIES = {
                                              compress_rates={"compressed_sparse_attention": 4,
                                                              "heavily_compressed_attention": 8}),
                     "mHC streams [B, S, 2, H], hash and top-k routed MoE, compressed sparse attention; dp, tp"),
+    # Learned per-head attention sinks split with the heads ("sinks": "colwise" under "local_params"), MLA with a
+    # gated output, [B, S, hc_mult, H] streams; layer 0 dense, layer 1 MoE.
+    "hy_v4": ("HYV4Config", dict(TINY, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
+                                 num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=24, kv_lora_rank=16,
+                                 qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, index_topk=4, index_head_dim=16,
+                                 index_n_heads=2, hc_mult=2, max_position_embeddings=64, pad_token_id=0,
+                                 bos_token_id=1, eos_token_id=2),
+              "learned attention sinks split with the heads, gated MLA, hyper-connection streams; dp, tp"),
+    # One transformer block shared by the hybrid layers (its weights reused, not copied), mamba layers whole.
+    "zamba2": ("Zamba2Config", dict(TINY, num_key_value_heads=8, intermediate_size=96, mamba_d_state=8,
+                                    mamba_headdim=16, n_mamba_heads=8, mamba_ngroups=1,
+                                    layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1], num_mem_blocks=1,
+                                    max_position_embeddings=64),
+               "a transformer block shared by the hybrid layers; mamba layers whole"),
+    # Hyper-connection streams mixed back into one by a decoder-level mixer in place of a final norm; gated
+    # delta-net and indexed attention layers, fused experts.
+    "qwen4_exp": ("Qwen4ExpTextConfig", dict(TINY, num_key_value_heads=4, head_dim=8, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                             layer_types=["linear_attention", "full_attention"],
+                                             linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                                             linear_value_head_dim=16, hc_count=2, hc_lowrank=16,
+                                             max_position_embeddings=64, indexer_n_heads=2, indexer_kv_heads=1,
+                                             indexer_head_dim=8, indexer_budget=8, indexer_compress_ratio=4),
+                  "hyper-connection streams mixed by a decoder-level mixer; linear and indexed attention; experts"),
 }
 DENSE_LAYOUTS = [(dict(dp=2, tp=4), False), (dict(dp=4, tp=2), True)]
 EP_LAYOUTS = [(dict(dp=2, ep=4), False), (dict(dp=2, ep=2, tp=2), True)]
@@ -417,13 +446,16 @@ FAMILY_LAYOUTS = {"mixtral": [*EP_LAYOUTS, FOLDED_LAYOUT], "qwen3_moe": [FOLDED_
                   **{name: [(dict(dp=2, ep=2, tp=2), True)] for name in ("minimax", "granitemoe", "granitemoeshared", "jamba")},
                   "bitnet": [(dict(dp=4, tp=2), False), (dict(dp=2, tp=4), True)],
                   "olmo": [(dict(dp=4, tp=2), False), (dict(dp=2, tp=4), True)],
-                  "deepseek_v4": [(dict(dp=8), False), (dict(dp=2, tp=4), False)]}
+                  "deepseek_v4": [(dict(dp=8), False), (dict(dp=2, tp=4), False)],
+                  "hy_v4": [(dict(dp=2, tp=4), False)], "qwen4_exp": [(dict(dp=4, tp=2), False)],
+                  # Battery only (benchmarks/hf_families.py): its inferred plan splits nothing over tp.
+                  "zamba2": []}
 # MLA families: projection -> its tp placement (the down projection replicated, the others split by heads).
 MLA_PLACEMENTS = {"q_proj": Shard(0), "q_b_proj": Shard(0), "q_a_proj": Replicate(), "kv_a_proj_with_mqa": Replicate(),
                   "kv_b_proj": Shard(0), "o_proj": Shard(1)}
 # Issue 41's families (and the two whose SP used to be refused): check_families runs the block check on these.
 PROVED_FAMILIES = ("minimax", "granitemoe", "granitemoeshared", "jamba", "bitnet", "olmo", "codegen", "hunyuan",
-                   "falcon_h1", "bamba", "lfm2", "qwen3_next", "deepseek_v4")
+                   "falcon_h1", "bamba", "lfm2", "qwen3_next", "deepseek_v4", "hy_v4", "qwen4_exp")
 # Own plans naming only the experts: over ep x tp nothing else in their blocks is split (it runs whole; so
 # do DeepSeek-V4's experts).
 EXPERTS_ONLY_PLANS = ("granitemoe", "granitemoeshared", "jamba", "deepseek_v4")
@@ -673,6 +705,10 @@ def check_block_proof_refuses(folders: dict[str, str], out: str) -> None:
                                                   what=r"forward and backward \(the split block raised RuntimeError")),
         (mock.patch.object(tp_plan, "_own_split_outputs", lambda *_: None), "olmo", (dict(dp=4, tp=2), False),
          refusal.format(cls="OlmoDecoderLayer", layout="dp 4 x tp 2", what=r"forward and backward .* is a view")),
+        # HY-V4's per-head attention sinks left whole while its heads are split.
+        (mock.patch.object(tp_plan, "_head_split_params", lambda *_: {}), "hy_v4", (dict(dp=4, tp=2), False),
+         refusal.format(cls="HYV4DecoderLayer", layout="dp 4 x tp 2",
+                        what=r"forward and backward \(the split block raised RuntimeError")),
     ]
     for switched_off, name, (sizes, sp), message in controls:
         with switched_off:
@@ -713,6 +749,24 @@ def _check_stream_refused(out: str) -> None:
     save_hf_checkpoint(_family_model("deepseek_v4"), folder)
     with pytest.raises(ConfigError, match=refusal.format(n=4, what="SP assumes", fix="sp = false")):
         load_hf_checkpoint(folder, cached_mesh(dp=4, tp=2), sp=True)
+    _check_converted_folder(Path(out) / "deepseek_v4_pretrained")
+
+
+def _check_converted_folder(folder: Path) -> None:
+    """DeepSeek-V4's save_pretrained folder (its original per-expert names, converted by transformers on load)
+    loads through from_pretrained on every rank: the same weights and loss as the model that wrote it, the
+    whole folder's bytes read."""
+    source = _family_model("deepseek_v4")
+    if dist.get_rank() == 0:
+        source.save_pretrained(folder)
+    dist.barrier()
+    mesh = cached_mesh(dp=2, tp=4)
+    model, read = load_hf_checkpoint(folder, mesh)
+    assert read == sum(f.stat().st_size for f in folder.glob("*.safetensors")), read
+    ids, labels, mask = _batch(batch_mesh(mesh).size(), seed=0)
+    loss = model(input_ids=_local(ids, mesh), labels=_local(labels, mesh), attention_mask=_local(mask, mesh)).loss
+    err = rel_err(loss, source(input_ids=ids, labels=labels, attention_mask=mask).loss)
+    assert err < 1e-5, f"deepseek_v4 from its save_pretrained folder: loss rel err {err:.2e}"
 
 
 def check_errors(folders: dict[str, str], out: str) -> None:
@@ -802,7 +856,9 @@ def test_tp_plan_styles():
     from meshtron.hf.experts import _EP_STYLES
     from meshtron.hf.tp_plan import _REFUSED, _STYLES, _base_plan
 
-    parts = SimpleNamespace(plan_embed="embed_tokens")
+    layer = torch.nn.Module()
+    layer.mlp = torch.nn.ModuleDict({"x": torch.nn.Linear(1, 1), "up_embed": torch.nn.Embedding(2, 1)})
+    parts = SimpleNamespace(plan_embed="embed_tokens", plan_blocks="layers", block_items=lambda: [(0, layer)])
 
     def plan_of(plan):
         return _base_plan(SimpleNamespace(config=SimpleNamespace(base_model_tp_plan=plan)), parts)
@@ -823,6 +879,9 @@ def test_tp_plan_styles():
     assert plan_of({"embed_tokens": "embedding_rowwise", "layers.*.mlp.up_proj": "colwise"}) == {"layers.*.mlp.up_proj": "colwise"}
     with pytest.raises(ConfigError, match=r"'embedding_rowwise' \(for module 'layers.<i>.mlp.up_embed'\) is not supported"):
         plan_of({"layers.*.mlp.up_embed": "embedding_rowwise"})
+    # An entry for a part this model lacks refuses nothing (Qwen4-Exp's n-gram embeddings without ple_layer_ids).
+    assert plan_of({"layers.*.ple.ngram_embedding": "embedding_colwise", "layers.*.mlp.x": "colwise"}) == {
+        "layers.*.mlp.x": "colwise"}
 
 
 def test_hf_parallelize_8_ranks(tmp_path):
@@ -883,6 +942,28 @@ def test_hf_parts_discovery():
         model._no_split_modules = ["SomethingElse"]
         with pytest.raises(ConfigError, match=f"cannot find the decoder blocks of {type(model).__name__}: 0 nn.ModuleLists"):
             hf_parts(model)
+
+
+def test_parts_found_by_what_they_do():
+    """cp's ring serves every module that calls transformers' attention interface, whatever its name (CodeGen's
+    `attn`, GPT-NeoX's `attention`; Jamba and Lfm2 only in their attention layers): looked up as `self_attn`, cp
+    crashed on these families (AttributeError). Qwen4-Exp's decoder ends in a hyper-connection mixer, no norm:
+    that is the part run on the blocks' output."""
+    import transformers
+
+    from meshtron.hf.context import _attention_modules
+    from meshtron.hf.discover import hf_parts
+
+    def meta_family(name):
+        cls, cfg, _ = FAMILIES[name]
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**cfg))
+
+    expected = {"codegen": ["CodeGenAttention"] * 2, "gpt_neox": ["GPTNeoXAttention"] * 2, "jamba": ["JambaAttention"],
+                "lfm2": ["Lfm2Attention"], "olmo": ["OlmoAttention"] * 2}
+    for name, classes in expected.items():
+        assert [type(m).__name__ for m in _attention_modules(meta_family(name))] == classes, name
+    assert hf_parts(meta_family("qwen4_exp")).norm_path == "model.hyper_connection_mixer"
 
 
 def test_inferred_tp_plans():

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.config import ConfigError
-from meshtron.hf.discover import hf_parts, key_value_heads
+from meshtron.hf.discover import calls_attention_interface, hf_parts, key_value_heads
 from meshtron.parallel.context import RingAttention, cp_groups, local_heads, shard_batch
 
 RING = "meshtron_ring"
@@ -57,7 +57,10 @@ def _register() -> None:
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    return [block.self_attn for _, block in hf_parts(model).block_items()]
+    """Every module of the blocks that runs transformers' attention function, found by what its forward
+    calls, not by its name; blocks without one (mamba, convolution layers) have nothing the ring serves."""
+    return [module for _, block in hf_parts(model).block_items() for module in block.modules()
+            if calls_attention_interface(module)]
 
 
 def check_hf_context_parallel(model: nn.Module) -> None:

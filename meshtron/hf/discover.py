@@ -133,6 +133,13 @@ def _forward_source(module: nn.Module) -> str | None:
         return None
 
 
+def calls_attention_interface(module: nn.Module) -> bool:
+    """Whether ``module``'s forward computes attention through transformers' attention interface (an
+    attention module whatever its name: ``self_attn``, CodeGen's ``attn``, GPT-NeoX's ``attention``; mamba,
+    convolution and lightning-attention mixers do not)."""
+    return "ALL_ATTENTION_FUNCTIONS" in (_forward_source(module) or "")
+
+
 def _first_uses(source: str | None) -> dict[str, int] | None:
     """Where a ``forward``'s ``source`` first reads each ``self.<name>`` (character offset): the order
     the forward runs its children in. None when the source cannot be read."""
@@ -146,12 +153,18 @@ def _first_uses(source: str | None) -> dict[str, int] | None:
 
 def _final_norm(model: nn.Module, decoder: nn.Module, blocks_rel: str) -> tuple[str, nn.Module]:
     """The decoder's direct child norm its forward runs after the blocks (Bloom also normalises its
-    embeddings before them; Lfm2 names its final norm ``embedding_norm``)."""
+    embeddings before them; Lfm2 names its final norm ``embedding_norm``); where no norm runs there, the
+    one module with parameters that does (Qwen4-Exp's ``hyper_connection_mixer`` folds its
+    hyper-connection streams into the head's input)."""
     norms = [(name, m) for name, m in decoder.named_children() if is_norm(m)]
     uses = _first_uses(_forward_source(decoder))
     top = blocks_rel.split(".", 1)[0]
     if uses is not None and top in uses:
-        after = [(n, m) for n, m in norms if uses.get(n, -1) > uses[top]]
+        def runs_after(name: str) -> bool:
+            return uses.get(name, -1) > uses[top]
+
+        after = [(n, m) for n, m in norms if runs_after(n)] or [
+            (n, m) for n, m in decoder.named_children() if runs_after(n) and any(True for _ in m.parameters())]
         why = f"of its {len(norms)} direct child norms, {len(after)} run after '{top}' in its forward"
     else:  # no source to read: by name, the embedding norms excluded
         after = [(n, m) for n, m in norms if "emb" not in n]
@@ -231,4 +244,4 @@ def hf_parts(model: nn.Module) -> HFParts:
     )
 
 
-__all__ = ["HFParts", "embedding_rescaling", "hf_parts", "is_norm", "is_rotary", "key_value_heads", "set_stage_parts"]
+__all__ = ["HFParts", "calls_attention_interface", "embedding_rescaling", "hf_parts", "is_norm", "is_rotary", "key_value_heads", "set_stage_parts"]

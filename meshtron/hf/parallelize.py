@@ -66,10 +66,10 @@ from meshtron.hf import prove
 from meshtron.hf.discover import HFParts, hf_parts, is_rotary
 from meshtron.hf.context import apply_hf_context_parallel
 from meshtron.hf.experts import adopt_router_scaled_blocks, apply_hf_expert_parallel, hf_expert_modules
-from meshtron.hf.io import write_safetensors_folder
+from meshtron.hf.io import weight_map, write_safetensors_folder
 from meshtron.hf.loss import global_aux_loss, hf_loss_function
 from meshtron.hf.pipeline import HFStage, cut_to_stage, plan_stage, run_as_stage, stage_block
-from meshtron.hf.slices import load_sharded_weights
+from meshtron.hf.slices import load_sharded_weights, missing_tensors
 from meshtron.hf.tp_plan import apply_hf_tensor_parallel, replicate_plain_params
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.models.loss import DEFAULT_CHUNK_TOKENS
@@ -354,18 +354,48 @@ def _reset_rotary(model: nn.Module) -> None:
                 getattr(module, name).copy_(buf)
 
 
+def _converted_on_load(folder: str | Path, config) -> bool:
+    """Whether the folder stores the model's tensors under other names or layouts that transformers converts
+    on load (DeepSeek-V4's ``save_pretrained`` writes its original per-expert ``attn.wq_a`` ... names): some
+    state-dict name missing from the folder, and a conversion mapping for the model type. Without one, the
+    slice reader refuses the folder naming what is missing."""
+    from transformers import AutoModelForCausalLM
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    parts = hf_parts(model)
+    tied = f"{parts.head_path}.weight" if parts.tied else None
+    missing = missing_tensors(folder, [name for name in model.state_dict() if name != tied])
+    return bool(missing) and bool(get_checkpoint_conversion_mapping(config.model_type))
+
+
+def _whole_then_parallelize(folder: str | Path, mesh: DeviceMesh, options: dict) -> tuple[nn.Module, int]:
+    """transformers' ``from_pretrained`` (its own conversion) on every rank, then :func:`parallelize_hf_model`
+    (block check included): each rank reads and holds the whole checkpoint once, as that path does."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    parallelize_hf_model(model, mesh, **options)
+    return model, sum(path.stat().st_size for path in set(weight_map(folder).values()))
+
+
 def load_hf_checkpoint(folder: str | Path, mesh: DeviceMesh, **options) -> tuple[nn.Module, int]:
     """Build the folder's model on the meta device, parallelize it (``options`` as
     :func:`parallelize_hf_model`) and stream this rank's slices in. Returns (model, bytes read here).
 
     Per-rank peak memory is about the rank's share of the weights, never the whole model; the block check
-    (``prove_blocks``, on by default) reads the weights it needs whole first (:func:`_check_twin`).
+    (``prove_blocks``, on by default) reads the weights it needs whole first (:func:`_check_twin`). A folder
+    transformers converts on load (:func:`_converted_on_load`) is read whole on every rank by
+    ``from_pretrained`` instead (bytes read: the folder's files).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if mesh["pp"].size() > 1:
         raise ConfigError("load_hf_checkpoint: pp > 1 is not supported yet; use from_pretrained, then parallelize_hf_model.")
     config = AutoConfig.from_pretrained(folder)
+    if _converted_on_load(folder, config):
+        return _whole_then_parallelize(folder, mesh, options)
     _check_twin(folder, config, mesh, options)  # before the model: refused early, at a lower peak
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

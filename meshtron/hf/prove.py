@@ -114,6 +114,10 @@ def _first_output(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+def _raised(err: Exception) -> str:
+    return f"forward and backward (the split block raised {type(err).__name__}: {str(err).splitlines()[0][:200]})"
+
+
 def _capture_inputs(blocks: list[tuple[int, nn.Module]], forward: Callable[[], object]) -> dict[int, tuple]:
     """(args, kwargs) ``forward()`` (the model's, or a stage's) hands each of ``blocks``."""
     captured: dict[int, tuple] = {}
@@ -233,7 +237,7 @@ def _comparisons(block: nn.Module, ref: _Reference, inputs: tuple, mesh: DeviceM
         out, hidden_grad = _run(block, *inputs, hidden, grad_out)
     except Exception as err:  # noqa: BLE001 - a split that cannot run is refused like one that computes wrong
         block.zero_grad(set_to_none=True)
-        what = f"forward and backward (the split block raised {type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        what = _raised(err)
         return [(what, math.inf, act_tol)] + [("output", math.inf, act_tol)] * (1 + len(named))
     expected_out, expected_hidden_grad = _held(ref.out, mesh, sp), _held(ref.hidden_grad, mesh, shard_in)
     found = [("output", _error(out, expected_out, 0.0), act_tol),
@@ -263,13 +267,33 @@ def _gradients_summed(named: list[tuple[str, torch.Tensor | None]], experts: set
     return summed
 
 
+def _capture_or_refuse(model: nn.Module, blocks: dict[int, nn.Module], targets: list[tuple[int, nn.Module]],
+                       forward: Callable[[], object], mesh: DeviceMesh, sp: bool) -> dict[int, tuple]:
+    """:func:`_capture_inputs` of the split model; a split block that raises on the way to a later kind's block
+    (HY-V4's dense block 0 before its MoE block 1) is refused naming it, as a proved block that raises is."""
+    entered: list[int] = []
+    handles = [block.register_forward_pre_hook(lambda *_, i=index: entered.append(i)) for index, block in blocks.items()]
+    try:
+        return _capture_inputs(targets, forward)
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any error of a split block is the layout's refusal
+        if not entered:  # before the blocks: not theirs to explain
+            raise
+        index = entered[-1]
+        _refuse(model, index, type(blocks[index]).__name__, mesh, sp, _raised(err), "failed")
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _split_inputs(model: nn.Module, blocks: dict[int, nn.Module], references: list[_Reference], mesh: DeviceMesh,
                   sp: bool, first: int | None, run_block: Callable | None) -> dict[int, tuple]:
     """(args, kwargs) the split model hands each reference's block: from the model's own forward, or under
     pp from ``run_block(index, hidden, position_ids)`` on the hidden states as the stage holds them."""
     targets = [(ref.index, blocks[ref.index]) for ref in references]
     if run_block is None:
-        return _capture_inputs(targets, _model_forward(model, mesh))
+        return _capture_or_refuse(model, blocks, targets, _model_forward(model, mesh), mesh, sp)
     rows, length = references[0].hidden.shape[:2]
     positions = _held(torch.arange(length).expand(rows, length), mesh, sp_shard=False)
     found = {}
@@ -299,11 +323,15 @@ def prove_blocks(model: nn.Module, parts: HFParts, mesh: DeviceMesh, references:
     if failure is not None:
         index, cls, what, err, tolerance = failure
         how = "failed" if math.isinf(err) else f"differs by {err:.2e} (relative; tolerance {tolerance:g})"
-        raise ConfigError(
-            f"parallelize_hf_model: {type(model).__name__} block {index} ({cls}) split at {_layout_text(mesh, sp)} "
-            f"does not compute what it computes whole: its {what} {how} on a probe batch. How this layout splits "
-            "the block is wrong for this family (its tp plan or meshtron's translation of it, SP, ep or cp); use "
-            "another layout (e.g. without SP, tp = 1 or cp = 1), or prove_blocks=False to train anyway.")
+        _refuse(model, index, cls, mesh, sp, what, how)
+
+
+def _refuse(model: nn.Module, index: int, cls: str, mesh: DeviceMesh, sp: bool, what: str, how: str):
+    raise ConfigError(
+        f"parallelize_hf_model: {type(model).__name__} block {index} ({cls}) split at {_layout_text(mesh, sp)} "
+        f"does not compute what it computes whole: its {what} {how} on a probe batch. How this layout splits "
+        "the block is wrong for this family (its tp plan or meshtron's translation of it, SP, ep or cp); use "
+        "another layout (e.g. without SP, tp = 1 or cp = 1), or prove_blocks=False to train anyway.")
 
 
 def _first_failure(found: list[tuple[int, str, list[tuple[str, float, float]]]],

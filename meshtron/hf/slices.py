@@ -112,6 +112,13 @@ def _copy_local(param: torch.Tensor, part: torch.Tensor, name: str, folder) -> N
     local.copy_(part)
 
 
+def missing_tensors(folder: str | Path, names: Collection[str]) -> list[str]:
+    """The state-dict ``names`` the folder cannot give (fused experts count as there when their per-expert
+    tensors are)."""
+    reader = _SliceReader(folder)
+    return [name for name in names if not reader.has(name)]
+
+
 @torch.no_grad()
 def load_sharded_weights(model: nn.Module, folder: str | Path, names: Collection[str] | None = None) -> int:
     """Fill ``model``'s (sharded) parameters from an HF safetensors folder, reading only local slices;
@@ -125,7 +132,7 @@ def load_sharded_weights(model: nn.Module, folder: str | Path, names: Collection
     if names is not None:
         wanted = {n: t for n, t in wanted.items() if n in names}
     reader = _SliceReader(folder)
-    missing = [n for n in wanted if not reader.has(n)]
+    missing = missing_tensors(folder, wanted)
     if missing:
         raise ConfigError(f"{folder} lacks {missing[:3]} ({len(missing)} tensors): not a checkpoint of this model.")
     try:

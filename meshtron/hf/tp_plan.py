@@ -14,6 +14,7 @@ and every parameter no entry splits replicated with its gradient decided on the 
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -35,6 +36,7 @@ from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.tensor import (
     ReplicatedKVHeads,
     ReplicateParallel,
+    SplitParams,
     TpGradient,
     VocabParallelEmbedding,
     VocabParallelHead,
@@ -65,8 +67,11 @@ _REPLICATE = ("replicate",)
 _SEQUENCE = ("sequence_parallel",)
 # MLA's kv down projection (DeepSeek-V2/V3): replicated, its rope key's gradient summed over tp.
 _MLA_KV_A = ("mla_kv_a_proj",)
+# A module whose bare parameters have their own entries (HY-V4's ``self_attn.sinks``: "colwise", one
+# learned logit per head): the module is unchanged, its 'colwise' parameters split with its heads.
+_LOCAL_PARAMS = ("local_params",)
 _STYLES = (*_COLWISE, *_COLWISE_GATHERED, *_ROWWISE, *_ROWWISE_REPLICATED_INPUT, *_REPLICATED_PARTIAL_GRAD,
-           *_REPLICATE, *_SEQUENCE, *_MLA_KV_A)
+           *_REPLICATE, *_SEQUENCE, *_MLA_KV_A, *_LOCAL_PARAMS)
 # Styles transformers defines that meshtron does not translate (outside fused experts): why.
 _REFUSED = {
     "embedding_rowwise": "embeddings other than the input embedding are not split; meshtron splits only the input embedding",
@@ -74,7 +79,6 @@ _REFUSED = {
     "all_reduce": "partial module outputs outside fused experts are not supported yet",
     "moe_tp_experts": "per-expert tp outside a fused 'experts' module is not supported",
     "moe_identity_expert": "identity (zero-compute) experts are not supported yet",
-    "local_params": "bare parameters split by their own plan entry (attention sinks) are not supported yet",
 }
 
 
@@ -215,7 +219,7 @@ def _style(style: str, name: str, module: nn.Module, heads: _Heads, tp: int, sp:
         return ReplicateParallel(grad="infer")
     if style in _SEQUENCE:
         return SequenceParallel() if sp else None
-    if style in _REPLICATE:
+    if style in _REPLICATE + _LOCAL_PARAMS:
         return None
     if style in _MLA_KV_A:
         return _SharedRopeKey(heads.rope_dim)
@@ -255,9 +259,9 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
         if "experts" in parts:
             continue
         if not _exists(layer, rel):
-            if _exists(layer, rel, parameter=True):
+            if _exists(layer, rel, parameter=True) and not _split_with_heads(base_plan, pattern, style):
                 raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' ('{style}') names a parameter, "
-                                  "not a module; per-parameter plan entries are not supported.")
+                                  "not a module; only 'colwise' parameters of a 'local_params' module are supported.")
             continue
         # Inside a MoE block (Aria's shared experts) the tokens are already gathered under SP.
         split_seq = sp and not (moe is not None and rel.startswith(f"{moe}."))
@@ -290,6 +294,22 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
     return plan
 
 
+def _split_with_heads(base_plan: dict[str, str], pattern: str, style: str) -> bool:
+    """A 'colwise' entry naming a bare parameter of a 'local_params' module (HY-V4's attention sinks)."""
+    return style in _COLWISE and base_plan.get(pattern.rpartition(".")[0]) in _LOCAL_PARAMS
+
+
+def _head_split_params(base_plan: dict[str, str], blocks: str, layer: nn.Module) -> dict[str, list[str]]:
+    """This layer's modules (relative paths) -> their bare parameters split with the heads."""
+    split: dict[str, list[str]] = {}
+    for pattern, style in base_plan.items():
+        rel = pattern.removeprefix(f"{blocks}.*.")
+        if _split_with_heads(base_plan, pattern, style) and _exists(layer, rel, parameter=True):
+            module, _, name = rel.rpartition(".")
+            split.setdefault(module, []).append(name)
+    return split
+
+
 def _left_whole(layer: nn.Module, plan: dict[str, ParallelStyle]) -> list[str]:
     """Children of ``layer`` with parameters that no plan entry reaches (MiniMax's lightning attention in
     the layers its plan skips, an attention or mamba mixer a plan naming only the experts leaves out).
@@ -320,7 +340,8 @@ def _base_plan(model: nn.Module, parts: HFParts) -> dict[str, str]:
     """The config's ``base_model_tp_plan``, every style checked to be translatable. An entry for the
     input embedding (transformers 5.24's ``embedding_rowwise``) is dropped: meshtron splits the input
     embedding itself, vocab-parallel, whatever the plan says of it."""
-    plan = {pattern: style for pattern, style in model.config.base_model_tp_plan.items() if pattern != parts.plan_embed}
+    plan = {pattern: style for pattern, style in model.config.base_model_tp_plan.items() if pattern != parts.plan_embed
+            and not _refused_for_nothing(parts, pattern, style)}
     for pattern, style in plan.items():
         if "experts" in pattern.split(".") or style in _STYLES:
             continue
@@ -337,11 +358,39 @@ def _base_plan(model: nn.Module, parts: HFParts) -> dict[str, str]:
     return plan
 
 
+def _whole_outside_blocks(model: nn.Module, parts: HFParts, plan: dict[str, str], sp: bool) -> dict[str, str]:
+    """Entries for modules outside the blocks (Qwen4-Exp's ``hyper_connection_mixer``, run on the blocks'
+    output in place of a final norm) are dropped: those modules run whole on every tp rank, on the stream
+    that is whole there without SP (one warning). Under SP each rank holds only its tokens there, so
+    they are refused naming the module."""
+    outside = [pattern for pattern in plan if not pattern.startswith(f"{parts.plan_blocks}.")]
+    if outside and sp:
+        raise ConfigError(f"parallelize_hf_model: tp plan entries {outside} name modules outside '{parts.plan_blocks}', "
+                          "which run whole over tp on the sequence-split stream under SP; set [parallel] sp = false.")
+    if outside:
+        warnings.warn(f"parallelize_hf_model: {type(model).__name__}'s tp plan entries {outside} are outside "
+                      f"'{parts.plan_blocks}'; those modules run whole on every tp rank (FSDP still shards them).",
+                      stacklevel=4)
+    return {pattern: style for pattern, style in plan.items() if pattern not in outside}
+
+
+def _refused_for_nothing(parts: HFParts, pattern: str, style: str) -> bool:
+    """A style meshtron refuses, in an entry for a block part this model lacks (Qwen4-Exp's per-layer n-gram
+    embeddings when the config sets no ``ple_layer_ids``): it would split nothing, so it refuses nothing.
+    Fused experts follow ``base_model_ep_plan`` whatever their tp style."""
+    prefix = f"{parts.plan_blocks}.*."
+    if style not in _REFUSED or "experts" in pattern.split(".") or not pattern.startswith(prefix):
+        return False
+    rel = pattern.removeprefix(prefix)
+    return not any(_exists(layer, rel) or _exists(layer, rel, parameter=True) for _, layer in parts.block_items())
+
+
 def _tp_plan(model: nn.Module, parts: HFParts, tp: int, sp: bool) -> dict[str, str]:
     """The config's plan (its heads must split over tp), else one inferred from the module types (also
     when the config's names nothing inside the blocks: HunYuan's lists only the input embedding); then
     :func:`_gather_spanning_norms`."""
     own = _base_plan(model, parts) if getattr(model.config, "base_model_tp_plan", None) else {}
+    own = _whole_outside_blocks(model, parts, own, sp)
     if not any(pattern.startswith(f"{parts.plan_blocks}.") for pattern in own):
         plan = infer_tp_plan(model, parts, tp, key_value_heads(model.config))
     else:
@@ -442,6 +491,8 @@ def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMe
     blocks = parts.block_items()  # a pipeline stage holds some blocks, and the embedding / head only at its ends
     for i, layer in blocks:
         parallelize_module(layer, tp_mesh, _layer_plan(base, parts.plan_blocks, layer, i, heads, tp, sp))
+        for rel, names in _head_split_params(base, parts.plan_blocks, layer).items():
+            parallelize_module(layer.get_submodule(rel), tp_mesh, SplitParams(names))
     _set_local_head_groups(parts, base, model.config.num_attention_heads, heads.kv_heads, tp)
     _own_split_outputs(parts, base)
     if parts.embed is not None:

@@ -356,7 +356,32 @@ class ReplicateParallel(ParallelStyle):
             dist_param = distribute_tensor(param, device_mesh, [Replicate()], src_data_rank=self.src_data_rank)
             owner.register_parameter(leaf, nn.Parameter(dist_param, requires_grad=param.requires_grad))
         module.tp_gradients = {name: TpGradient(self.grad, name) for name in names}
-        module.forward = _forward_on_local_params(module, names)
+        module.forward = _forward_on_local_params(
+            module, names, lambda name, p: _LocalView.apply(p, module.tp_gradients[name]))
+        return module
+
+
+class SplitParams(ParallelStyle):
+    """Bare parameters of a module split over tp along dim 0, one value per head (HY-V4's learned
+    attention sinks), run on plain local shards: the module's heads are split by its projections, so
+    this rank's shard is the values of its own heads. Each rank's gradient is its own heads' whole, so
+    the shard's gradient is nothing more (no communication)."""
+
+    def __init__(self, params: list[str]):
+        super().__init__()
+        self.params = params
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in self.params:
+            owner, leaf = _owner(module, name)
+            param = own_parameters(owner)[leaf]
+            if param.shape[0] % device_mesh.size():
+                raise ConfigError(f"tp = {device_mesh.size()} does not divide the {param.shape[0]} heads of "
+                                  f"{type(module).__name__}.{name}; use a tp that divides them.")
+            dist_param = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            owner.register_parameter(leaf, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+        module.forward = _forward_on_local_params(
+            module, self.params, lambda _, p: p.to_local(grad_placements=[Shard(0)]))
         return module
 
 
@@ -366,7 +391,8 @@ def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(path) if path else module), leaf
 
 
-def _forward_on_local_params(module: nn.Module, names: list[str]):
+def _forward_on_local_params(module: nn.Module, names: list[str], view: Callable[[str, DTensor], torch.Tensor]):
+    """``module``'s forward with each parameter of ``names`` swapped for ``view(name, parameter)``."""
     run = module.forward
     owners = [(name, *_owner(module, name)) for name in names]
 
@@ -375,7 +401,7 @@ def _forward_on_local_params(module: nn.Module, names: list[str]):
         held = [(owner, leaf, own_parameters(owner)[leaf]) for _, owner, leaf in owners]
         for (name, owner, leaf), (_, _, param) in zip(owners, held):
             if param is not None:
-                own_parameters(owner)[leaf] = _LocalView.apply(param, module.tp_gradients[name])
+                own_parameters(owner)[leaf] = view(name, param)
         try:
             return run(*args, **kwargs)
         finally:
@@ -898,6 +924,7 @@ __all__ = [
     "ReplicatedKVHeads",
     "ReplicateParallel",
     "SequenceParallelColwise",
+    "SplitParams",
     "TpGradient",
     "VocabParallelEmbedding",
     "VocabParallelHead",
