@@ -897,23 +897,20 @@ def test_host_offload_time_counts_the_copies_and_the_host_optimizer_step():
 
 def test_57b_on_one_node_is_the_searchs_pick_and_fits(monkeypatch):
     """recipes/qwen2_57b_a14b_8gpu.toml is the layout ``meshtron.plan`` ranks first for the 57B-A14B on 8 x 80 GiB
-    (cp 4 x tp 2 + SP, experts folded ep 8, FSDP gathered per step, the optimizer state in host memory), which
-    fits 80 GiB with the reserve and slack, and the pre-flight check accepts it on a node of 2 TiB; at 2
-    micro-batches (the dry run's) its peak is the same (the forward of one sequence with the gathered weights
-    and the step's fp32 gradients held)."""
+    among those within the recipes' 90 % headroom (dp 8 FSDP, experts folded ep 2, op-level recompute of
+    every other matmul, the optimizer state in host memory), and the pre-flight check accepts it on a node
+    of 2 TiB."""
     from meshtron.plan.search import evaluate
 
     cfg = infer_dp(load_config(RECIPES / "qwen2_57b_a14b_8gpu.toml"), 8)
     plan = evaluate(cfg, Hardware())
-    assert plan.fits and plan.memory.total / GIB < 80, plan.memory.total / GIB
-    best = rank_layouts(load_config(RECIPES / "qwen2_57b_a14b.toml"), 8, Hardware())[0]
+    assert plan.fits and plan.memory.total / GIB < 0.9 * 80, plan.memory.total / GIB
+    ranked = rank_layouts(load_config(RECIPES / "qwen2_57b_a14b.toml"), 8, Hardware())
+    best = next(p for p in ranked if p.fits and p.memory.total <= 0.9 * 80 * GIB)
     assert best.layout() == plan.layout() and best.memory.total == plan.memory.total
     monkeypatch.setattr(fit, "available_per_rank", lambda device: (80 * GIB, "test device"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     fit.check_memory(cfg, 8, "cuda", host_available=2048 * GIB)
-    short = load_config(RECIPES / "qwen2_57b_a14b_8gpu.toml", ["--train.global_batch_size", "2",
-                                                               "--parallel.microbatches", "2"])
-    assert predict_memory(short).total == plan.memory.total
 
 
 def test_check_memory_refuses_a_node_without_the_host_memory(monkeypatch):
