@@ -660,3 +660,48 @@ def check_debug_recipes_match_one_rank_fp8():
             where = f"{name} {layout}: loss gaps {gaps}, one-ulp gaps {noise}"
             assert gaps[0] < FIRST_STEP_EXACT, where
             assert max(gaps) < LAYOUT_VS_ULP_NOISE * max(noise), where
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-rank gloo process group in this process (FSDP needs one even on one rank)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _one_rank_amax_outside_compiled(recipe: str) -> tuple[int, int]:
+    """aten::max calls (one per float8 cast, and the model's own) of one forward and backward of the one-rank
+    parallelized model (FSDP over one rank, compiled blocks) that run outside a compiled region; dynamo's
+    graph breaks. ``aot_eager`` traces forward and backward as inductor would, without its minutes of CPU codegen."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import profile
+
+    cfg = _config(recipe, compile=True)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    torch._dynamo.reset()
+    counters.clear()
+    parallelize(model, cached_mesh.__wrapped__(), cfg)
+    model.to_empty(device=torch.device("cpu"))
+    load_full_state_dict(model, random_model(cfg.model, seed=1).state_dict())
+    tokens, labels = _batches(3)[0]
+    model(tokens, labels=labels).backward()  # compiles outside the profile
+    with profile() as prof:
+        model(tokens, labels=labels).backward()
+    regions = [e.time_range for e in prof.events() if "Compiled" in e.name]
+    outside = [e for e in prof.events() if e.name == "aten::max"
+               and not any(r.start <= e.time_range.start <= r.end for r in regions)]
+    return len(outside), sum(counters["graph_break"].values())
+
+
+def test_one_rank_fp8_casts_inside_the_compiled_blocks(one_rank_group, monkeypatch):
+    """On one data rank FSDP gathers no float8 (``float8_all_gather``): every float8 cast (amax, scale, cast)
+    runs in a converted linear, inside its block's compiled forward or backward, none in FSDP's eager hooks,
+    and FP8 adds no graph break."""
+    from meshtron.parallel import compile as compile_module
+    monkeypatch.setattr("meshtron.parallel.compose.apply_compile",
+                        functools.partial(compile_module.apply_compile, backend="aot_eager"))
+    base, base_breaks = _one_rank_amax_outside_compiled("none")
+    fp8, breaks = _one_rank_amax_outside_compiled("tensorwise")
+    assert (fp8, breaks) == (base, base_breaks), (fp8, breaks, base, base_breaks)

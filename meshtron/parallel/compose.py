@@ -25,6 +25,7 @@ from torch import nn
 from meshtron.checkpoint import fill_local_slices
 from meshtron.config import Config
 from meshtron.host import fake_tensors, simulating
+from meshtron.mesh import dense_data_mesh
 from meshtron.models import InitialWeights
 from meshtron.parallel.checkpointing import apply_activation_checkpointing
 from meshtron.parallel.compile import apply_compile
@@ -71,7 +72,7 @@ class NativeSteps:
         model.document_mask = self.cfg.data.document_mask
         if model.lm_head is not None:
             model.lm_head.chunk_tokens = self.cfg.train.loss_chunk_tokens
-        apply_float8(model, self.cfg.train.fp8, self.p.tp)
+        apply_float8(model, self.cfg.train.fp8, self.p.tp, dense_data_mesh(self.mesh).size())
 
     def tensor(self, model: nn.Module) -> None:
         apply = apply_overlapped_tensor_parallel if self.p.tp_overlap else apply_tensor_parallel

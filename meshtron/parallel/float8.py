@@ -12,9 +12,10 @@ parallelism (etp > 1) is refused with FP8 (``meshtron.config``): it splits the o
 
 Recipes (torchao's names, ``torchao.float8.Float8LinearConfig.from_recipe_name``):
 
-- ``tensorwise``: one scale per tensor. Under FSDP the weights are all-gathered in float8 (half the
-  bf16 bytes); the weight's scale is the amax over all shards (an all-reduce inside the gather), so it
-  is the unsharded weight's. Activation and gradient scales are the amax of the tokens a rank holds.
+- ``tensorwise``: one scale per tensor. Under FSDP over more than one rank the weights are all-gathered
+  in float8 (half the bf16 bytes); the weight's scale is the amax over all shards (an all-reduce inside the
+  gather), so it is the unsharded weight's (on one rank ``Float8Linear`` casts it in the block's forward,
+  inside a compiled block's graph: :func:`float8_all_gather`). Activation and gradient scales are the amax of the tokens a rank holds.
 - ``rowwise``: one scale per row of each operand (power-of-two scales); the weight-gradient GEMM
   scales along the tokens, so it depends on which tokens a rank holds.
 - ``rowwise_with_gw_hp``: per-token activation and gradient scales, per-output-row weight scales, the
@@ -136,27 +137,32 @@ def high_precision_note(cfg: ModelConfig, recipe: str) -> str | None:
             f"(dims not multiples of {FP8_DIM_MULTIPLE}): {', '.join(names)}")
 
 
-def float8_all_gather(recipe: str, tp: int) -> bool:
+def float8_all_gather(recipe: str, tp: int, data_ranks: int) -> bool:
     """Whether FSDP all-gathers the float8 weights of ``recipe`` in float8: torchao's gather scales a weight
-    over the FSDP shards, which under tp hold only a tp slice of it (the scale would depend on tp)."""
-    return recipe in FP8_ALL_GATHER_RECIPES and tp == 1
+    over the FSDP shards, which under tp hold only a tp slice of it (the scale would depend on tp). Not on
+    one data rank (``data_ranks``: the ranks FSDP spans): there the gather moves no bytes, and the weight's
+    cast would run eagerly in FSDP's pre-forward hook, outside a compiled block, a handful of kernels per
+    weight in forward and again in backward; without it ``Float8Linear`` casts the weight inside the block's
+    graph, the same values (the amax of the same whole weight)."""
+    return recipe in FP8_ALL_GATHER_RECIPES and tp == 1 and data_ranks > 1
 
 
-def float8_config(recipe: str, tp: int = 1):
+def float8_config(recipe: str, tp: int = 1, data_ranks: int = 1):
     """torchao's config for ``recipe``, with the float8 FSDP all-gather where :func:`float8_all_gather` allows it."""
     if recipe not in FP8_RECIPES[1:]:
         raise ValueError(f"no FP8 recipe '{recipe}'; one of {', '.join(FP8_RECIPES[1:])}")
     config = torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
-    return dataclasses.replace(config, enable_fsdp_float8_all_gather=float8_all_gather(recipe, tp))
+    return dataclasses.replace(config, enable_fsdp_float8_all_gather=float8_all_gather(recipe, tp, data_ranks))
 
 
-def apply_float8(model: nn.Module, recipe: str, tp: int = 1) -> nn.Module:
+def apply_float8(model: nn.Module, recipe: str, tp: int = 1, data_ranks: int = 1) -> nn.Module:
     """Swap the FP8-capable block linears of ``model`` (a meshtron ``Transformer`` or a pipeline stage,
     meta or real) for ``Float8Linear`` in place; ``recipe`` "none" leaves the model as it is. The
-    parameters keep their names, values and dtype. ``tp``: the tensor-parallel size the model is split over next."""
+    parameters keep their names, values and dtype. ``tp``: the tensor-parallel size the model is split over
+    next; ``data_ranks``: the ranks data parallelism then spans (:func:`float8_all_gather`)."""
     if recipe == "none":
         return model
-    config = float8_config(recipe, tp)
+    config = float8_config(recipe, tp, data_ranks)
     Float8Linear = torchao_float8("torchao.float8.float8_linear").Float8Linear
     for name, linear in list(_candidates(model)):
         if fits_fp8((linear.in_features, linear.out_features)) and type(linear) is nn.Linear:
