@@ -418,8 +418,9 @@ class HostSyncRefusal(RuntimeError):
 def checked_syncs():
     """A :class:`HostSyncCounter` over the block that refuses the host syncs :mod:`meshtron.host` does not
     declare, naming each call site; a failure they precede (the fake tensors' refusal of ``.item()``)
-    is chained to the refusal."""
-    with HostSyncCounter() as syncs:
+    is chained to the refusal. Every tensor a real step would read on its device is fake here, so every
+    such read is a dispatched op (``HostSyncCounter(methods=False)``)."""
+    with HostSyncCounter(methods=False) as syncs:
         try:
             yield syncs
         except Exception as err:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from meshtron.config import load_config
@@ -48,6 +49,23 @@ def test_counter_sees_every_kind_of_sync():
         "_local_scalar_dense": 3, "nonzero": 1, "index": 1, "tolist": 1, "repeat_interleave": 1, "_unique2": 1,
     }, syncs
     assert all(s.where.startswith(__file__) for s in syncs.syncs), syncs
+
+
+def test_a_counter_without_methods_sees_every_read_of_a_fake_tensor():
+    """The dry run's counter (``methods=False``, no torch-function mode): a fake tensor's ``tolist`` and ``item``
+    reach the dispatcher, where it counts them before the fake tensor refuses them; its ``numpy`` fails
+    outright."""
+    from meshtron.host import fake_tensors, simulated
+
+    with simulated(), fake_tensors():
+        x = torch.ones(4, dtype=torch.long)
+        with HostSyncCounter(methods=False) as syncs:
+            for read in (x.tolist, x[0].item):
+                with pytest.raises(Exception, match="_local_scalar_dense"):
+                    read()
+            with pytest.raises(RuntimeError, match=r"\.numpy\(\) is not supported for tensor subclasses"):
+                x.numpy()
+    assert syncs.by_op() == {"_local_scalar_dense": 2}, syncs
 
 
 def _trainer(recipe: str, root: str, layout: dict, extra: list[str] = ()):
