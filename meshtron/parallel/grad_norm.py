@@ -11,7 +11,7 @@ which DTensor refuses across meshes, so we compute the norm ourselves:
 3. add the groups, then sum over pipeline stages.
 
 Every rank ends with the norm of the full model's gradient, equal to the single-process norm.
-Collectives per call: one small all-reduce per (group, sharded dim), plus one over pp.
+Collectives per call: one small all-reduce per (group, sharded dim of more than one rank), plus one over pp.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def _sharded_dims(grad: DTensor) -> tuple[int, ...]:
                 f"a gradient is a Partial DTensor on {grad.device_mesh}; reduce it (e.g. redistribute to "
                 "Replicate) before taking the norm: partial sums cannot be squared locally."
             )
-        if not isinstance(placement, Replicate):
-            dims.append(dim)  # Shard or _StridedShard: the ranks hold disjoint pieces
+        if not isinstance(placement, Replicate) and grad.device_mesh.size(dim) > 1:
+            dims.append(dim)  # Shard or _StridedShard: the ranks hold disjoint pieces (one rank: all of it)
     return tuple(dims)
 
 
@@ -53,14 +53,27 @@ def _local_pieces(grads: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Tenso
     return groups
 
 
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` split into lists of one device and dtype each: what one foreach kernel takes."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
 def _power_sum(pieces: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """sum |x|^p (or max |x| for p = inf) over local pieces, in fp32.
 
+    One foreach norm per device and dtype rather than a norm per tensor: on one GPU the per-tensor
+    kernels and their dispatch were a visible share of the step (benchmarks/results/mfu_profile.txt).
     Uneven FSDP sharding leaves some ranks empty pieces; they add nothing (and have no inf-norm).
     """
     zero = torch.zeros((), device=pieces[0].device)
-    norms = torch.stack([zero] + [torch.linalg.vector_norm(t.float(), norm_type) for t in pieces if t.numel()])
-    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+    norms = [zero]
+    for same in _by_device_and_dtype([t for t in pieces if t.numel()]):
+        norms.extend(torch._foreach_norm(same, norm_type, dtype=torch.float32))
+    stacked = torch.stack(norms)
+    return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
 
 
 def global_grad_norm(
@@ -102,10 +115,9 @@ def scale_grads_(params, max_norm: float, total_norm: torch.Tensor) -> None:
     """
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
-    for p in params:
-        if p.grad is not None:
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            grad.mul_(coef.to(grad.device, grad.dtype))
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    for same in _by_device_and_dtype(grads):
+        torch._foreach_mul_(same, coef.to(same[0].device, same[0].dtype))
 
 
 @torch.no_grad()
