@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from meshtron import env
+from meshtron.torch_private import foreach_mul_, foreach_norm
 
 _GroupKey = tuple[DeviceMesh | None, tuple[int, ...]]
 
@@ -71,7 +72,7 @@ def _power_sum(pieces: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     zero = torch.zeros((), device=pieces[0].device)
     norms = [zero]
     for same in _by_device_and_dtype([t for t in pieces if t.numel()]):
-        norms.extend(torch._foreach_norm(same, norm_type, dtype=torch.float32))
+        norms.extend(foreach_norm(same, norm_type, dtype=torch.float32))
     stacked = torch.stack(norms)
     return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
 
@@ -117,7 +118,7 @@ def scale_grads_(params, max_norm: float, total_norm: torch.Tensor) -> None:
     coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
     for same in _by_device_and_dtype(grads):
-        torch._foreach_mul_(same, coef.to(same[0].device, same[0].dtype))
+        foreach_mul_(same, coef.to(same[0].device, same[0].dtype))
 
 
 @torch.no_grad()
