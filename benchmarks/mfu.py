@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron import env
-from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig, load_config
+from meshtron.config import FSDP_GATHERS, Config, ModelConfig, ParallelConfig, TrainConfig, load_config
 from meshtron.mesh import build_mesh, exit_process, init_default_group
 from meshtron.metrics import datasheet_peak_flops, matmul_flops, synchronize
 from meshtron.models import build_model, flops_per_token
@@ -207,7 +207,8 @@ def measure(name: str, model_cfg: ModelConfig, args, device: torch.device, peaks
 
     fp8 = "" if args.fp8 == "none" else f" fp8 {args.fp8}"
     runs = {f"meshtron {mode}{fp8}": lambda mode=mode: run_meshtron(
-        step_config(model_cfg, args.dtype, args.batch, args.seq, compile=mode == "compiled", fp8=args.fp8), batch,
+        step_config(model_cfg, args.dtype, args.batch, args.seq, compile=mode == "compiled", fp8=args.fp8,
+                    fsdp_gather=args.fsdp_gather), batch,
         device, args.steps, args.warmup, args.sync_check, profile(f"meshtron {mode}{fp8}")) for mode in args.modes}
     runs["transformers"] = lambda: run_transformers(model_cfg, args.dtype, batch, device, args.steps, args.warmup,
                                                     profile("transformers"))
@@ -255,7 +256,8 @@ def _table_line(r: dict) -> str:
 
 def write_results(rows: list[dict], args, device: torch.device, peaks: dict, out: Path) -> str:
     label = device_name(device)
-    settings = (f"dtype {args.dtype}, {args.steps} timed steps after {args.warmup} warm-up, host-sync check "
+    settings = (f"dtype {args.dtype}, fsdp_gather {args.fsdp_gather}, {args.steps} timed steps after "
+                f"{args.warmup} warm-up, host-sync check "
                 f"{'on' if args.sync_check and device.type == 'cuda' else 'off'}")
     datasheet = peaks["datasheet"]
     lines = [
@@ -293,6 +295,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 2 with --tiny)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; 1 with --tiny)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--fsdp-gather", default="per_microbatch", choices=FSDP_GATHERS,
+                        help="meshtron's [parallel] fsdp_gather: per_step keeps each unit gathered from forward to "
+                             "backward (on one rank: no second cast and copy of every parameter in the backward)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="datasheet dense bf16 peak of a card meshtron.metrics does not list")
     parser.add_argument("--no-sync-check", dest="sync_check", action="store_false",

@@ -216,6 +216,12 @@ ATTENTION_KERNELS = ATTENTION_FORWARD_KERNELS | {getattr(aten, f"_scaled_dot_pro
                                                  for kernel in _ATTENTION_KERNEL_NAMES}
 
 
+# Multi-tensor kernels: one launch (and one dispatch) for a list of tensors; torch's own gradient
+# clipping and optimizers use them, but they have no public name.
+foreach_norm = torch._foreach_norm
+foreach_mul_ = torch._foreach_mul_
+
+
 def op_name(func) -> str:
     """An op overload's name without namespace or overload (``all_gather_into_tensor``)."""
     return func._opname

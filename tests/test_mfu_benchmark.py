@@ -19,8 +19,10 @@ def test_mfu_benchmark_tiny_run(tmp_path):
     mfu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mfu)
     profile = tmp_path / "profile.txt"
-    text = mfu.main(["--tiny", "--modes", "eager", "compiled", "--out", str(tmp_path / "mfu"), "--profile", str(profile)])
+    text = mfu.main(["--tiny", "--modes", "eager", "compiled", "--out", str(tmp_path / "mfu"), "--profile", str(profile),
+                     "--fsdp-gather", "per_step"])
     assert ("CPU smoke run" in text) == (env.device_type() != "cuda")
+    assert "fsdp_gather per_step" in text
     rows = json.loads((tmp_path / "mfu.json").read_text())["rows"]
     assert [r["impl"] for r in rows] == ["meshtron eager", "meshtron compiled", "transformers"]
     for row in rows:

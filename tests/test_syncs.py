@@ -13,18 +13,25 @@ What is allowed, exactly:
 
 On CUDA, ``benchmarks/mfu.py`` runs the step under ``torch.cuda.set_sync_debug_mode("error")``,
 which also catches host/device copies (every tensor is a host tensor on CPU).
+
+Also here: the ops the trainer adds on one rank to the model's own step, bounded per parameter, per
+FSDP unit and per step (on one GPU each op is host dispatch and a kernel launch).
 """
 
 from __future__ import annotations
 
+import collections
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from meshtron.config import load_config
 from meshtron.syncs import HostSyncCounter
 from meshtron.testing import run_checks
+from meshtron.torch_private import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,3 +153,57 @@ def document_masked_cp_step_syncs_once_per_microbatch(root: str) -> None:
 def test_training_step_syncs(tmp_path):
     run_checks([dense_step_has_no_sync, pipelined_step_has_no_sync, moe_step_syncs_once_per_moe_layer,
                 document_masked_cp_step_syncs_once_per_microbatch], 4, str(tmp_path), timeout=300)
+
+
+class _OpCounter(TorchDispatchMode):
+    """aten (and c10d, fsdp) ops dispatched while entered, by name; a DTensor op counts once."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_step(step) -> collections.Counter:
+    step()  # warm-up: the optimizer state is created in the first step
+    with _OpCounter() as counter:
+        step()
+    return counter.ops
+
+
+def test_one_rank_trainer_adds_few_ops_to_the_models_step():
+    """``training_step`` on one rank against the bare model's step (forward / token count, backward,
+    fused AdamW, under autocast for bf16), both from ``benchmarks/cpu_step_vs_transformers.py``.
+
+    Allowed extra ops: per parameter 3 (FSDP2's one-rank unshard copies the cast parameter into its
+    unsharded buffer in the forward and again in the backward; its gradient is a view of the unit's
+    reduce buffer); per FSDP unit 20 (its hooks' record_function pairs, the reduce buffer filled and
+    copied once); per step 100 (micro-batch split, token count, loss sum, clipping with one foreach norm
+    and one foreach scale per dtype, the non-finite guard). Clipping per tensor (a norm and a scale per
+    parameter) or dividing every gradient by a factor of 1 exceeds it."""
+    spec = importlib.util.spec_from_file_location("cpu_step", ROOT / "benchmarks" / "cpu_step_vs_transformers.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from meshtron.mesh import init_default_group
+
+    args = bench.parse_args(["--tiny"])
+    cfg = bench.model_config(args)
+    own_group = not dist.is_initialized()
+    init_default_group()
+    try:
+        for dtype in ("bfloat16", "float32"):
+            batch = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+            steps = bench.contestants(cfg, dtype, batch, seed=0)
+            trainer, model = _ops_per_step(steps["meshtron trainer"]), _ops_per_step(steps["meshtron model"])
+            params = sum(1 for _ in bench.transformers_model(cfg, 0).parameters())
+            units = cfg.num_hidden_layers + 3  # each block, the embedding, the LM head, the root
+            extra = sum(trainer.values()) - sum(model.values())
+            assert extra <= 3 * params + 20 * units + 100, (dtype, extra, trainer - model)
+            assert trainer["aten._foreach_norm"] == 1 and "aten.linalg_vector_norm" not in trainer, (dtype, trainer)
+            assert "aten.div" not in trainer - model, (dtype, trainer - model)  # no divide by one data rank
+    finally:
+        if own_group:
+            dist.destroy_process_group()

@@ -29,7 +29,8 @@ the global token count of the step, so every rank's gradient is already its shar
 loss; FSDP2 would divide by the data-mesh size (an average), so we set its divide factor to 1 and
 force plain SUM collectives (a factor alone becomes NCCL's PREMUL_SUM, which gloo lacks; with SUM
 and factor 1 no scaling kernel runs at all). With HSDP this covers the reduce-scatter and the
-all-reduce.
+all-reduce. A one-rank data mesh sets no factor: FSDP2 then divides by its size, 1, which it skips,
+while its one-rank path divides every gradient by a factor that is set, even 1.
 
 Micro-batches (pp = 1, :class:`MicrobatchSync`; pipelines: ``pipeline/executor.py``). Reducing in
 every backward or once per step is equally exact (sums of sums). ``[parallel] fsdp_gather``:
@@ -170,7 +171,10 @@ def wrap_data_parallel(
         placement = shard_placement(data_mesh.size(data_mesh.ndim - 1), prefer_even)  # the shard dim (last for HSDP)
         unit = fully_shard(module, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement,
                            offload_policy=offload)
-    unit.set_gradient_divide_factor(1.0)
+    if data_mesh.size() > 1:
+        # On one rank the sum is the gradient itself, and the factor would cost a pass: FSDP2's one-rank
+        # path copies the gradient divided by any factor set, even 1 (benchmarks/results/mfu_profile.txt).
+        unit.set_gradient_divide_factor(1.0)
     unit.set_force_sum_reduction_for_comms(True)  # a factor alone becomes PREMUL_SUM, which gloo lacks
     hooks_outside_op_record(unit)  # a unit in (or of) a checkpointed block: its hooks replay unevenly
     return unit

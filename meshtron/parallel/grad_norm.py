@@ -11,7 +11,7 @@ which DTensor refuses across meshes, so we compute the norm ourselves:
 3. add the groups, then sum over pipeline stages.
 
 Every rank ends with the norm of the full model's gradient, equal to the single-process norm.
-Collectives per call: one small all-reduce per (group, sharded dim), plus one over pp.
+Collectives per call: one small all-reduce per (group, sharded dim of more than one rank), plus one over pp.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from meshtron import env
 from meshtron.host import across
+from meshtron.torch_private import foreach_mul_, foreach_norm
 
 _GroupKey = tuple[DeviceMesh | None, tuple[int, ...]]
 
@@ -37,8 +38,8 @@ def _sharded_dims(grad: DTensor) -> tuple[int, ...]:
                 f"a gradient is a Partial DTensor on {grad.device_mesh}; reduce it (e.g. redistribute to "
                 "Replicate) before taking the norm: partial sums cannot be squared locally."
             )
-        if not isinstance(placement, Replicate):
-            dims.append(dim)  # Shard or _StridedShard: the ranks hold disjoint pieces
+        if not isinstance(placement, Replicate) and grad.device_mesh.size(dim) > 1:
+            dims.append(dim)  # Shard or _StridedShard: the ranks hold disjoint pieces (one rank: all of it)
     return tuple(dims)
 
 
@@ -54,14 +55,27 @@ def _local_pieces(grads: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Tenso
     return groups
 
 
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` split into lists of one device and dtype each: what one foreach kernel takes."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
 def _power_sum(pieces: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     """sum |x|^p (or max |x| for p = inf) over local pieces, in fp32.
 
+    One foreach norm per device and dtype rather than a norm per tensor: on one GPU the per-tensor
+    kernels and their dispatch were a visible share of the step (benchmarks/results/mfu_profile.txt).
     Uneven FSDP sharding leaves some ranks empty pieces; they add nothing (and have no inf-norm).
     """
     zero = torch.zeros((), device=pieces[0].device)
-    norms = torch.stack([zero] + [torch.linalg.vector_norm(t.float(), norm_type) for t in pieces if t.numel()])
-    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+    norms = [zero]
+    for same in _by_device_and_dtype([t for t in pieces if t.numel()]):
+        norms.extend(foreach_norm(same, norm_type, dtype=torch.float32))
+    stacked = torch.stack(norms)
+    return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
 
 
 def global_grad_norm(
@@ -103,16 +117,12 @@ def scale_grads_(params, max_norm: float, total_norm: torch.Tensor) -> None:
     """
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
-    # Copied once per device and dtype, not per gradient: host-offloaded gradients each made a copy to the
-    # host, a wait for the device (963 a step of the 72B offload recipe, found by the dry run on fake CUDA).
-    coefs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-    for p in params:
-        if p.grad is not None:
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            key = (grad.device, grad.dtype)
-            if key not in coefs:
-                coefs[key] = across(coef, grad.device).to(grad.dtype)
-            grad.mul_(coefs[key])
+    # One copy of the coefficient per device and dtype, not per gradient: host-offloaded gradients each made a
+    # copy to the host, a wait for the device (963 a step of the 72B offload recipe, found by the dry run on
+    # fake CUDA); one foreach multiply per group, as one launch.
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    for same in _by_device_and_dtype(grads):
+        foreach_mul_(same, across(coef, same[0].device).to(same[0].dtype))
 
 
 @torch.no_grad()
