@@ -449,6 +449,10 @@ def test_72b_fits_one_node_only_with_offload_but_four_without():
     best = ranked[0]
     assert best.fits and best.cfg.parallel.offload == "optimizer"
     assert best.memory.total <= 80 * GIB and 8 * best.memory.host_total <= 2048 * GIB
+    # No activation offload where checkpointing recomputes every block (it offloads nothing): no row twice.
+    assert not any(p.cfg.parallel.offload_activations and p.cfg.parallel.activation_checkpointing in ("op", "full")
+                   for p in ranked)
+    assert len({(tuple(p.memory.terms.values()), p.time.seconds) for p in ranked}) == len(ranked)
     assert not fits(best.cfg, best.memory, dataclasses.replace(hw, host_memory_gib=512))
     best = rank_layouts(cfg, 32, hw)[0]
     assert best.fits and best.cfg.parallel.offload == "none"
