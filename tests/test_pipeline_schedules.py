@@ -391,3 +391,32 @@ def test_show_draws_zero_bubble_schedules_with_weight_passes(tmp_path, capsys):
     with pytest.raises(SystemExit):
         show_main(["--pp", "4", "--microbatches", "6", "--schedule", "dualpipev"])
     assert "microbatches >= 8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("zb1p", 1), ("interleaved", 2), ("interleaved", 3), ("zbv", 2),
+                                     ("dualpipev", 2)])
+def test_past_the_steady_count_a_schedule_only_repeats_its_steady_state(name, v):
+    """``steady_microbatches``: more micro-batches than 4 pp hold no state the steady count's schedule does
+    not (each rank's distinct per-stage held counts, before and after each action) and idle no longer (the
+    simulated idle time, any backward cost, split or whole)."""
+    from meshtron.parallel.pipeline.schedules import held_by_stage, steady_microbatches
+
+    def states(schedule):
+        return [{(tuple(sorted(before.items())), tuple(sorted(after.items())))
+                 for (_, before), (_, after) in zip([(0, {})] + list(held_by_stage(steps)), held_by_stage(steps))}
+                for steps in schedule]
+
+    def idle(schedule, b, w):
+        result = simulate(schedule, 1, b, w_cost=w, rendezvous=False)
+        return result.bubble * len(schedule) * result.makespan
+
+    for pp in (2, 3, 4):
+        steady = steady_microbatches(name, pp, 10 * pp)
+        assert steady == 4 * pp and steady_microbatches(name, pp, 3 * pp) == 3 * pp
+        base = build_schedule(name, pp, steady, v)
+        for m in (steady + pp, 7 * pp):
+            longer = build_schedule(name, pp, m, v)
+            assert states(longer) == states(base), (pp, m)
+            for b, w in ((2.0, 0.0), (1.37, 1.0), (2.9, 0.0)):
+                assert idle(longer, b, w) == pytest.approx(idle(base, b, w), rel=1e-9, abs=1e-9), (pp, m, b, w)
+    assert steady_microbatches("gpipe", 4, 100) == 100  # gpipe holds every micro-batch

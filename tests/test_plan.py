@@ -449,6 +449,10 @@ def test_72b_fits_one_node_only_with_offload_but_four_without():
     best = ranked[0]
     assert best.fits and best.cfg.parallel.offload == "optimizer"
     assert best.memory.total <= 80 * GIB and 8 * best.memory.host_total <= 2048 * GIB
+    # No activation offload where checkpointing recomputes every block (it offloads nothing): no row twice.
+    assert not any(p.cfg.parallel.offload_activations and p.cfg.parallel.activation_checkpointing in ("op", "full")
+                   for p in ranked)
+    assert len({(tuple(p.memory.terms.values()), p.time.seconds) for p in ranked}) == len(ranked)
     assert not fits(best.cfg, best.memory, dataclasses.replace(hw, host_memory_gib=512))
     best = rank_layouts(cfg, 32, hw)[0]
     assert best.fits and best.cfg.parallel.offload == "none"
@@ -711,6 +715,75 @@ def test_search_evaluates_a_bounded_number_of_variants():
         full += counts * modes
     evaluated = sum(plan.evaluated for plan in rank_layouts(cfg, 64, Hardware()))
     assert 0 < evaluated <= bound < full / 3
+
+
+def _plain_evaluation(monkeypatch) -> None:
+    """The planner without the search's shortcuts: every layer's figures evaluated, every schedule built,
+    walked and simulated at its full micro-batch count."""
+    from meshtron.plan import gemm, memory, speed
+
+    def every_layer(cfg, fn, layers):
+        return [fn(cfg, i) for i in layers]
+
+    for module in (memory, speed, gemm):
+        monkeypatch.setattr(module, "by_kind", every_layer)
+    for module in (memory, speed):
+        monkeypatch.setattr(module, "steady_microbatches", lambda name, pp, m: m)
+    memory._actions_by_rank.cache_clear()
+    speed.pipeline_bubble.cache_clear()
+
+
+def test_search_shortcuts_change_no_figure(monkeypatch):
+    """The layout search evaluates per-layer figures once per layer kind (``memory.by_kind``: a MoE model
+    with dense layers, every other layer checkpointed) and walks and simulates a pipeline schedule at its
+    steady micro-batch count (``schedules.steady_microbatches``, 16 of the 64 here): the same memory
+    to the byte, the same step time to rounding, the same ranking row for row."""
+    def cfg(recipe, *args):
+        return load_config(RECIPES / f"{recipe}.toml", list(args))
+
+    piped = ["--parallel.pp=4", "--parallel.dp=1", "--parallel.tp=2", "--parallel.microbatches=64",
+             "--train.global_batch_size=64"]
+    configs = [cfg("qwen2p5_0p5b", *piped, f"--parallel.schedule={s}", f"--parallel.virtual_stages={v}",
+                   f"--parallel.activation_checkpointing={ac}")
+               for s, v in (("1f1b", 1), ("zb1p", 1), ("zbv", 2), ("interleaved", 3), ("dualpipev", 2))
+               for ac in ("none", "selective")]
+    configs.append(cfg("debug_moe", "--model.mlp_only_layers=[0, 3]", "--parallel.dp=1", "--parallel.ep=1",
+                       "--parallel.activation_checkpointing=selective", "--parallel.tp_overlap=true",
+                       "--parallel.tp=2", "--parallel.sp=true"))
+    ranked_cfg = cfg("qwen2p5_0p5b", "--train.global_batch_size=128")
+
+    def figures():
+        plans = [(predict_memory(c), predict_step_time(c)) for c in configs]
+        table = [(p.layout(), p.memory.terms, p.time.seconds) for p in rank_layouts(ranked_cfg, 16, Hardware())]
+        return plans, table
+
+    fast, fast_table = figures()
+    _plain_evaluation(monkeypatch)
+    plain, plain_table = figures()
+    for (memory, step), (memory_plain, step_plain) in zip(fast, plain):
+        assert (memory.terms, memory.pp_rank, memory.phase) == (memory_plain.terms, memory_plain.pp_rank,
+                                                                 memory_plain.phase)
+        assert step.comm_bytes == step_plain.comm_bytes and step.compute == step_plain.compute
+        assert step.bubble == pytest.approx(step_plain.bubble, rel=1e-9)
+    assert [row[:2] for row in fast_table] == [row[:2] for row in plain_table]
+    assert [row[2] for row in fast_table] == pytest.approx([row[2] for row in plain_table], rel=1e-9)
+
+
+def test_fsdp_traffic_pads_the_dim_fsdp_shards():
+    """What FSDP gathers of a parameter is its largest local shard (rank 0's, ``torch.chunk``) times the
+    shard count, whichever dim it shards: with a vocabulary tp splits unevenly (257 at tp 2) the
+    embedding and LM head are sharded on the hidden dim (``parallel.data.data_shard_dim``), so the
+    planner's padded elements are the exact local shards' (``local_numel``, held to DTensor's above),
+    not the vocabulary rows padded."""
+    from meshtron.plan.memory import local_numel, stage_params
+    from meshtron.plan.speed import _padded
+
+    cfg = _config("debug_dense", dict(dp=4, tp=2, vocab_size=257))
+    params = stage_params(cfg, 0)
+    assert {q.name for q in params if q.unit in ("embed", "head")} == {"embed_tokens.weight", "lm_head.weight"}
+    for group in ((False, False), (True, False)):
+        members = [q for q in params if (q.unit == "root") == group[0]]
+        assert _padded(cfg, 0, group, 4) == sum(4 * local_numel(q, cfg, Coords()) for q in members), group
 
 
 def test_published_speed_rows_come_from_the_planner():

@@ -36,12 +36,13 @@ twice the forward; the loss reads and writes the fp32 logits three times.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
 from meshtron.config import Config
 from meshtron.plan.hardware import Hardware
-from meshtron.plan.memory import FP32, compute_bytes, kv_split, microbatch_tokens, recomputed_share
+from meshtron.plan.memory import FP32, by_kind, compute_bytes, kv_split, microbatch_tokens, recomputed_share
 
 SMS = 132  # H100 / H200 SXM5 streaming multiprocessors (NVIDIA H100 Tensor Core GPU Architecture whitepaper)
 ALIGN = 8  # elements: a dimension not a multiple of this (16 bytes in bf16) leaves cuBLAS's vectorized kernels
@@ -245,10 +246,16 @@ def step_compute_seconds(cfg: Config, hw: Hardware) -> float:
     p = cfg.parallel
     rows = microbatch_tokens(cfg)
     total = head_seconds(cfg, rows, hw)
-    for layer in range(cfg.model.num_hidden_layers):
-        forward, grads = layer_seconds(cfg, layer, rows, hw)
-        total += forward * (1 + recomputed_share(cfg, layer)) + grads
+    trained = functools.partial(_trained_layer_seconds, rows=rows, hw=hw)
+    for seconds in by_kind(cfg, trained, range(cfg.model.num_hidden_layers)):
+        total += seconds
     return total * p.microbatches / p.pp * STEP_OVERHEAD
+
+
+def _trained_layer_seconds(cfg: Config, layer: int, rows: int, hw: Hardware) -> float:
+    """One layer's forward, the share of it recomputed, and its backward, for one micro-batch."""
+    forward, grads = layer_seconds(cfg, layer, rows, hw)
+    return forward * (1 + recomputed_share(cfg, layer)) + grads
 
 
 def gemm_efficiency(cfg: Config, rows: int, hw: Hardware) -> float:

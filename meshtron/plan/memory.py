@@ -72,8 +72,9 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from meshtron.config import Config, ModelConfig
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
@@ -88,11 +89,13 @@ from meshtron.parallel.pipeline.schedules import (
     held_by_stage,
     last_weight_passes,
     split_backwards,
+    steady_microbatches,
 )
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank, split_layers
 
 GIB = 2**30
 FP32 = 4
+T = TypeVar("T")
 
 TERMS = (
     "params",
@@ -167,7 +170,7 @@ class Breakdown:
         return {k: v / GIB for k, v in self.terms.items()}
 
 
-def _memo_by_key(fn):
+def memo_by_key(fn):
     """Cache ``fn(key, *args)`` by ``key`` alone: configs are unhashable dataclasses, and the planner
     evaluates hundreds of layouts of one model, so inventories are built once per key."""
     cache: dict = {}
@@ -236,7 +239,7 @@ def stage_params(cfg: Config, pp_rank: int) -> tuple[Param, ...]:
     return _stage_params((repr(cfg.model), p.tp, p.pp, p.virtual_stages, _v_shape(cfg), pp_rank), cfg.model)
 
 
-@_memo_by_key
+@memo_by_key
 def _stage_params(key: tuple, m: ModelConfig) -> tuple[Param, ...]:
     _, tp, pp, virtual, v_shape, pp_rank = key
     vocab = (m.vocab_size, m.hidden_size)
@@ -318,14 +321,20 @@ def local_numel(param: Param, cfg: Config, coords: Coords) -> int:
     """Elements of ``param``'s DTensor local shard on the rank at ``coords``."""
     shape = model_parallel_shape(param, cfg, coords)
     shards, index = data_shards(cfg, coords, param.expert)
-    dim = data_shard_dim(shape, _uneven_split_dims(param, cfg), shards, prefer_even=param.expert)
+    dim = fsdp_shard_dim(param, cfg, shape, shards)
     shape[dim] = chunk_size(shape[dim], shards, index)
     return math.prod(shape)
 
 
+def fsdp_shard_dim(param: Param, cfg: Config, shape: list[int], shards: int) -> int:
+    """The dim of ``param``'s model-parallel ``shape`` FSDP shards over ``shards`` ranks
+    (``parallel.data.data_shard_dim``: not one tp / ep left uneven; experts the first ``shards`` divides)."""
+    return data_shard_dim(shape, _uneven_split_dims(param, cfg), shards, prefer_even=param.expert)
+
+
 def state_bytes(cfg: Config, coords: Coords = Coords()) -> dict[str, int]:
     """Exact fp32 ``params``, ``grads`` and AdamW ``optimizer`` bytes of the rank at ``coords``."""
-    elements, tensors = _local_elements((_layout_key(cfg), coords), cfg)
+    elements, tensors = _local_elements((layout_key(cfg), coords), cfg)
     return {
         "params": FP32 * elements,
         "grads": FP32 * elements,
@@ -333,7 +342,7 @@ def state_bytes(cfg: Config, coords: Coords = Coords()) -> dict[str, int]:
     }
 
 
-def _layout_key(cfg: Config) -> tuple:
+def layout_key(cfg: Config) -> tuple:
     """What the parameter figures depend on (the planner caches them by it)."""
     p = cfg.parallel
     return (repr(cfg.model), p.pp, p.dp, p.cp, p.ep, p.tp, p.etp, p.fold_ep, p.virtual_stages, _v_shape(cfg),
@@ -359,7 +368,7 @@ def _stage_chunks(cfg: Config, pp_rank: int) -> list[range]:
     return split_layers(cfg.model.num_hidden_layers, p.pp, p.virtual_stages, _v_shape(cfg))[pp_rank]
 
 
-@_memo_by_key
+@memo_by_key
 def _local_elements(key: tuple, cfg: Config) -> tuple[int, int]:
     coords = key[1]
     params = stage_params(cfg, coords.pp)
@@ -368,10 +377,10 @@ def _local_elements(key: tuple, cfg: Config) -> tuple[int, int]:
 
 def unit_elements(cfg: Config, pp_rank: int) -> dict[str, int]:
     """Unsharded elements (after tp / ep) of each FSDP unit on ``pp_rank``."""
-    return dict(_unit_elements((_layout_key(cfg), pp_rank), cfg))
+    return dict(_unit_elements((layout_key(cfg), pp_rank), cfg))
 
 
-@_memo_by_key
+@memo_by_key
 def _unit_elements(key: tuple, cfg: Config) -> tuple[tuple[str, int], ...]:
     pp_rank = key[1]
     units: dict[str, int] = {}
@@ -460,7 +469,9 @@ def _rank_actions(cfg: Config, pp_rank: int) -> tuple[tuple, dict]:
     p = cfg.parallel
     # Unsplit stages matter only where a schedule splits backwards: one walk for every checkpointing mode.
     unsplit = unsplit_stages(cfg) if p.schedule in SPLIT_BACKWARD else frozenset()
-    return _actions_by_rank(p.schedule, p.pp, p.microbatches, p.virtual_stages, unsplit)[pp_rank]
+    # Past the steady state's micro-batch count more only repeat the same states: walk that count.
+    microbatches = steady_microbatches(p.schedule, p.pp, p.microbatches)
+    return _actions_by_rank(p.schedule, p.pp, microbatches, p.virtual_stages, unsplit)[pp_rank]
 
 
 class StageSpan(NamedTuple):
@@ -562,13 +573,17 @@ def _stage_bytes(cfg: Config, stage: int) -> tuple[float, float]:
     p, m = cfg.parallel, cfg.model
     c, h, sp = compute_bytes(cfg), m.hidden_size, _sp_split(cfg)
     layers = chunk_layer_ranges(m.num_hidden_layers, p.pp, p.virtual_stages)[stage]
-    kept = sum(0.0 if layer_offloaded(cfg, i) else layer_kept_bytes(cfg, i) for i in layers)
+    kept = sum(by_kind(cfg, _layer_kept_on_device, layers))
     if stage == p.pp * p.virtual_stages - 1:
         kept += (4 + c) * h / sp  # the final norm's fp32 input and normalized value
     if stage > 0:
         kept += c * h / sp  # the stage input received from the previous stage
-    waiting = sum(captured_gradient_bytes(cfg, i) for i in layers) if stage > 0 else c * h / sp
+    waiting = sum(by_kind(cfg, captured_gradient_bytes, layers)) if stage > 0 else c * h / sp
     return kept, waiting
+
+
+def _layer_kept_on_device(cfg: Config, layer: int) -> float:
+    return 0.0 if layer_offloaded(cfg, layer) else layer_kept_bytes(cfg, layer)
 
 
 def unsplit_stages(cfg: Config) -> frozenset[int]:
@@ -590,8 +605,11 @@ def offloads_optimizer(cfg: Config) -> bool:
 
 def offloaded_activation_bytes(cfg: Config) -> float:
     """pp = 1: host bytes of one micro-batch's offloaded saved tensors (every offloaded layer's)."""
-    layers = range(cfg.model.num_hidden_layers)
-    return microbatch_tokens(cfg) * sum(layer_activation_bytes(cfg, i) for i in layers if layer_offloaded(cfg, i))
+    return microbatch_tokens(cfg) * sum(by_kind(cfg, _offloaded_bytes, range(cfg.model.num_hidden_layers)))
+
+
+def _offloaded_bytes(cfg: Config, layer: int) -> float:
+    return layer_activation_bytes(cfg, layer) if layer_offloaded(cfg, layer) else 0.0
 
 
 def host_bytes(cfg: Config, coords: Coords, assumptions: Assumptions) -> dict[str, float]:
@@ -607,6 +625,25 @@ def layer_checkpointed(cfg: Config, layer: int) -> bool:
     return p.activation_checkpointing in ("full", "op") or (
         p.activation_checkpointing == "selective" and layer % p.ac_every == 0
     )
+
+
+def layer_kind(cfg: Config, layer: int) -> tuple[bool, bool]:
+    """What the per-layer figures (bytes, FLOPs, transfers, GEMM times) depend on besides the config:
+    whether the layer is a MoE layer and whether it is checkpointed."""
+    return cfg.model.is_moe_layer(layer), layer_checkpointed(cfg, layer)
+
+
+def by_kind(cfg: Config, fn: Callable[[Config, int], T], layers: Iterable[int]) -> list[T]:
+    """``fn(cfg, i)`` of each of ``layers``, evaluated once per :func:`layer_kind` (the layout search
+    evaluates thousands of variants of models a hundred layers deep)."""
+    values: dict[tuple[bool, bool], T] = {}
+    out = []
+    for i in layers:
+        kind = layer_kind(cfg, i)
+        if kind not in values:
+            values[kind] = fn(cfg, i)
+        out.append(values[kind])
+    return out
 
 
 def layer_kept_bytes(cfg: Config, layer: int) -> float:
@@ -768,10 +805,10 @@ def backward_working_bytes(cfg: Config, pp_rank: int) -> float:
 
 def _unit_grad_bytes(cfg: Config, coords: Coords) -> dict[str, float]:
     """Sharded fp32 gradient bytes of each FSDP unit on the rank at ``coords``."""
-    return dict(_unit_shard_bytes((_layout_key(cfg), coords), cfg))
+    return dict(_unit_shard_bytes((layout_key(cfg), coords), cfg))
 
 
-@_memo_by_key
+@memo_by_key
 def _unit_shard_bytes(key: tuple, cfg: Config) -> tuple[tuple[str, float], ...]:
     coords = key[1]
     out: dict[str, float] = {}
@@ -828,17 +865,23 @@ def _chunk_backward_peak(cfg: Config, layers: range, grads: dict[str, float],
     tokens = microbatch_tokens(cfg)
     best = BackwardPeak(0.0, 0.0, 0.0)
     freed, reduced, buffer = 0.0, grads.get("head", 0.0), in_flight[0]
-    for i in reversed(layers):
-        offloaded = layer_offloaded(cfg, i)
-        # A recomputed or copied-back layer's tensors come back for its backward only.
-        back = layer_activation_bytes(cfg, i) if offloaded else layer_recomputed_bytes(cfg, i)
-        rise = tokens * (back + layer_gradient_bytes(cfg, i) - freed)
+    backward = by_kind(cfg, _layer_backward_bytes, reversed(layers))
+    for i, (back, gradients, kept) in zip(reversed(layers), backward):
+        rise = tokens * (back + gradients - freed)
         if rise + reduced + buffer > sum(best):
             best = BackwardPeak(rise, reduced, buffer)
-        freed += 0.0 if offloaded else layer_kept_bytes(cfg, i)
+        freed += kept
         reduced += grads.get(f"block.{i}", 0.0) + grads.get(f"experts.{i}", 0.0)
         buffer = in_flight[1]
     return best
+
+
+def _layer_backward_bytes(cfg: Config, layer: int) -> tuple[float, float, float]:
+    """Per token, a layer's saved tensors back for its backward (a recomputed or copied-back layer's come
+    back for it only), its gradient temporaries, and what it kept on the device until then."""
+    offloaded = layer_offloaded(cfg, layer)
+    back = layer_activation_bytes(cfg, layer) if offloaded else layer_recomputed_bytes(cfg, layer)
+    return back, layer_gradient_bytes(cfg, layer), 0.0 if offloaded else layer_kept_bytes(cfg, layer)
 
 
 def activation_bytes(cfg: Config, pp_rank: int) -> float:
@@ -1102,8 +1145,7 @@ def _without_offloaded_state(cfg: Config, terms: dict[str, float]) -> dict[str, 
 def offload_in_flight_bytes(cfg: Config) -> float:
     """At the end of the forward, the last offloaded block's saved tensors, still on the device while
     their copies run (the largest such block)."""
-    layers = [i for i in range(cfg.model.num_hidden_layers) if layer_offloaded(cfg, i)]
-    return microbatch_tokens(cfg) * max((layer_activation_bytes(cfg, i) for i in layers), default=0.0)
+    return microbatch_tokens(cfg) * max(by_kind(cfg, _offloaded_bytes, range(cfg.model.num_hidden_layers)), default=0.0)
 
 
 def _recomputes_every_layer(cfg: Config) -> bool:

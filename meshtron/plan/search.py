@@ -41,8 +41,7 @@ from dataclasses import dataclass
 
 from meshtron.config import FSDP_GATHERS, Config, ConfigError
 from meshtron.parallel.layout import validate_layout
-from meshtron.parallel.pipeline.stage import check_pipeline
-from meshtron.plan.memory import GIB, Assumptions, Breakdown, predict_memory
+from meshtron.plan.memory import GIB, Assumptions, Breakdown, layer_offloaded, predict_memory
 from meshtron.plan.speed import Hardware, StepTime, recompute_factor, predict_step_time
 
 # (activation_checkpointing, ac_policy) pairs, from the least recomputation to the most (a group is
@@ -169,8 +168,6 @@ def _runs(variant: Config, world_size: int) -> bool:
     """Whether the layout is valid (micro-batches against stages per schedule, when pp > 1)."""
     try:
         validate_layout(variant, world_size)
-        if variant.parallel.pp > 1:
-            check_pipeline(variant)
     except ConfigError:
         return False
     return True
@@ -189,12 +186,11 @@ def _variant_groups(cfg: Config, shape: dict, world_size: int, schedule: str | N
     counts = _divisors(t.global_batch_size // readers)
     if shape["pp"] == 1:
         gathers = FSDP_GATHERS if cfg.parallel.data_parallel != "replicate" else (cfg.parallel.fsdp_gather,)
-        # Activation offload moves the blocks checkpointing keeps whole: none under full checkpointing.
-        ac_modes = AC_MODES[:-1] if cfg.parallel.offload_activations else AC_MODES
         for micro in counts:
             if _runs(_variant(cfg, shape, micro, "1f1b", 1), world_size):
                 for gather in gathers:
-                    yield _by_recomputation([_variant(cfg, shape, micro, "1f1b", 1, ac, gather) for ac in ac_modes])
+                    group = [_variant(cfg, shape, micro, "1f1b", 1, ac, gather) for ac in AC_MODES]
+                    yield _by_recomputation([v for v in group if _offloads_what_it_sets(v)])
         return
     if cfg.parallel.offload != "none" or cfg.parallel.offload_activations:  # offload runs without a pipeline
         return
@@ -202,6 +198,14 @@ def _variant_groups(cfg: Config, shape: dict, world_size: int, schedule: str | N
         micro = next((m for m in reversed(counts) if _runs(_variant(cfg, shape, m, name, virtual), world_size)), None)
         if micro is not None and schedule in (None, name):
             yield _by_recomputation([_variant(cfg, shape, micro, name, virtual, ac) for ac in ac_modes])
+
+
+def _offloads_what_it_sets(variant: Config) -> bool:
+    """False for an ``offload_activations`` variant whose checkpointing recomputes every block (full,
+    ``op``, selective at every layer): activation offload moves only the blocks kept whole, so it offloads
+    nothing and would rank the variant without it a second time."""
+    layers = range(variant.model.num_hidden_layers)
+    return not variant.parallel.offload_activations or any(layer_offloaded(variant, i) for i in layers)
 
 
 def _by_recomputation(group: list[Config]) -> list[Config]:

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from meshtron.config import Config
 from meshtron.models.moe import router_stats_size
 from meshtron.models.qwen2 import flops_per_token
-from meshtron.parallel.pipeline.schedules import V_SHAPED, built_schedule
+from meshtron.parallel.pipeline.schedules import V_SHAPED, built_schedule, steady_microbatches
 from meshtron.parallel.pipeline.simulate import simulate
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.parallel.context import a2a_group_size
@@ -44,6 +45,10 @@ from meshtron.plan.hardware import Hardware
 from meshtron.plan.memory import (
     FP32,
     Coords,
+    by_kind,
+    fsdp_shard_dim,
+    layout_key,
+    memo_by_key,
     compute_bytes,
     holds_last_stage,
     kv_split,
@@ -163,13 +168,11 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
     out: dict[str, float] = {}
     if p.tp > 1:
         act = tokens * h * c * _ring(p.tp)
-        # ``op`` keeps DTensor's (functional) collectives' outputs: its recomputation sends nothing over tp.
-        counts = [(_tp_transfers(cfg, i, p.sp), layer_checkpointed(cfg, i) and p.activation_checkpointing != "op")
-                  for i in layers]
+        counts = by_kind(cfg, _tp_transfers_recomputed, layers)
         step = sum(n.step for n, _ in counts)
         recomputed = sum(n.recomputed for n, checkpointed in counts if checkpointed)
         if p.sp and p.tp_overlap:  # the blocks' as rings of sends (same bytes); the embedding and head as before
-            out["p2p/tp"] = sum(len(overlapped_rings(cfg, i)) for i in layers) * mb * act
+            out["p2p/tp"] = sum(len(rings) for rings in by_kind(cfg, overlapped_rings, layers)) * mb * act
             if ends:
                 out["all_gather+reduce_scatter/tp"] = 2 * ends * mb * act
         elif p.sp:
@@ -227,6 +230,13 @@ class Transfers(NamedTuple):
     recomputed: int
 
 
+def _tp_transfers_recomputed(cfg: Config, layer: int) -> tuple[Transfers, bool]:
+    """The layer's tp transfers and whether its recomputation repeats them (``op`` keeps DTensor's
+    (functional) collectives' outputs: its recomputation sends nothing over tp)."""
+    checkpointed = layer_checkpointed(cfg, layer) and cfg.parallel.activation_checkpointing != "op"
+    return _tp_transfers(cfg, layer, cfg.parallel.sp), checkpointed
+
+
 def _tp_transfers(cfg: Config, layer: int, sp: bool) -> Transfers:
     """With SP (all-gathers and reduce-scatters), attention gathers its input and reduce-scatters its
     output forward, both again backward, and re-gathers the q/k/v input for their weight gradients:
@@ -280,7 +290,7 @@ def overlapped_tp_seconds(cfg: Config, hw: Hardware) -> float:
     efficiency = hw.mfu if hw.mfu is not None else gemm_efficiency(cfg, rows, hw)
     gemm_rate = hw.peak_tflops * 1e12 * efficiency * p.tp  # a chunk is 1/tp of the ring's GEMM
     layers = [i for chunk_index in _stage_chunks(cfg, None) for i in chunk_layers(cfg, chunk_index)]
-    rings = [flops for i in layers for flops in overlapped_rings(cfg, i)]
+    rings = [flops for layer_rings in by_kind(cfg, overlapped_rings, layers) for flops in layer_rings]
     return p.microbatches * sum(send + (p.tp - 1) * max(0.0, send - flops / gemm_rate) for flops in rings)
 
 
@@ -327,61 +337,75 @@ def _data_parallel_bytes(cfg: Config, stage: int) -> dict[str, float]:
     once per step and keep it; FSDP reduce-scatters the fp32 gradients per micro-batch (pp > 1 or
     ``per_step``: once), HSDP reduce-scatters and all-reduces them once per step, replicate all-reduces
     them once. The dense parameters over the dense data mesh (dp x cp x ep), the routed
-    experts over theirs (edp). Each parameter's dim 0 is padded to a multiple of the shard count, as
-    FSDP shards it."""
+    experts over theirs (edp). Each parameter's sharded dim is padded to a multiple of the shard count,
+    as FSDP shards it (:func:`_padded`)."""
     p = cfg.parallel
-    params = stage_params(cfg, stage)
     out: dict[str, float] = {}
-    float8 = {q.name for q in fp8_gathered_weights(cfg, params)}
     for root, in_fp8 in ((False, False), (True, False), (False, True)):
-        shapes = [model_parallel_shape(q, cfg, Coords()) for q in params
-                  if not q.expert and (q.unit == "root") == root and (q.name in float8) == in_fp8]
-        for key, nbytes in _data_parallel_group_bytes(cfg, shapes, p.dp, p.cp * p.mesh_ep, "dp_ep_cp", "cp_ep",
+        padded = functools.partial(_padded, cfg, stage, (root, in_fp8))
+        for key, nbytes in _data_parallel_group_bytes(cfg, padded, p.dp, p.cp * p.mesh_ep, "dp_ep_cp", "cp_ep",
                                                       root, gather_bytes=FP8 if in_fp8 else None).items():
             out[key] = out.get(key, 0.0) + nbytes
-    experts = [model_parallel_shape(q, cfg, Coords()) for q in params if q.expert]
-    if experts:
+    experts = functools.partial(_padded, cfg, stage, "experts")
+    if experts(1):
         edp = p.dp * p.cp * p.mesh_ep * p.tp // (p.ep * p.etp)
         shard = expert_hsdp_shards(dict(cp=p.cp, ep=p.mesh_ep, tp=p.tp), ExpertSplit(p.ep, p.etp, p.fold_ep))
-        for key, nbytes in _data_parallel_group_bytes(cfg, experts, edp // shard, shard, "edp", "edp_shard",
-                                                      even=True).items():
+        for key, nbytes in _data_parallel_group_bytes(cfg, experts, edp // shard, shard, "edp", "edp_shard").items():
             out[key] = out.get(key, 0.0) + nbytes
     return out
 
 
-def _data_parallel_group_bytes(cfg: Config, shapes: list[list[int]], replicas: int, shard: int, whole: str,
-                               sharded: str, root: bool = False, even: bool = False,
-                               gather_bytes: int | None = None) -> dict[str, float]:
-    """Bytes for parameters of ``shapes``, data-parallel over ``replicas x shard`` ranks (hsdp: replicated
-    over ``replicas``, sharded over ``shard``; fsdp / replicate: over all of them, keyed ``whole``);
-    ``even``: sharded on their first dim the shard count divides, as the experts are; ``gather_bytes``:
-    bytes an element all-gathers (default: the compute dtype's; float8 weights: 1)."""
+def _data_parallel_group_bytes(cfg: Config, padded: Callable[[int], int], replicas: int, shard: int, whole: str,
+                               sharded: str, root: bool = False, gather_bytes: int | None = None) -> dict[str, float]:
+    """Bytes for parameters of ``padded(shards)`` elements as FSDP gathers them over ``shards`` ranks,
+    data-parallel over ``replicas x shard`` ranks (hsdp: replicated over ``replicas``, sharded over
+    ``shard``; fsdp / replicate: over all of them, keyed ``whole``); ``gather_bytes``: bytes an element
+    all-gathers (default: the compute dtype's; float8 weights: 1)."""
     p = cfg.parallel
     ranks = replicas * shard
-    if ranks == 1 or not shapes:
+    if ranks == 1 or not padded(1):
         return {}
     if p.data_parallel == "replicate":
-        return {f"all_reduce/{whole}": 2 * FP32 * _padded(shapes, 1) * _ring(ranks)}
+        return {f"all_reduce/{whole}": 2 * FP32 * padded(1) * _ring(ranks)}
     sharding = ranks if p.data_parallel == "fsdp" else shard
     once = p.pp > 1 or gathers_once_per_step(p)
     gathers = 1 if once else (1 if root else 2) * p.microbatches
     reduces = 1 if p.pp > 1 or not reduces_gradients(p, 0, p.microbatches) else p.microbatches
     gathered = gather_bytes or compute_bytes(cfg)
-    moved = _padded(shapes, sharding, even) * (gathers * gathered + reduces * FP32) * _ring(sharding)
+    moved = padded(sharding) * (gathers * gathered + reduces * FP32) * _ring(sharding)
     if p.data_parallel == "fsdp":
         return {f"all_gather+reduce_scatter/{whole}": moved}
     out = {f"all_gather+reduce_scatter/{sharded}": moved} if shard > 1 else {}
     if replicas > 1:
         replica_key = "dp" if whole == "dp_ep_cp" else "edp_replicate"
-        out[f"all_reduce/{replica_key}"] = 2 * FP32 * _padded(shapes, shard, even) / shard * _ring(replicas)
+        out[f"all_reduce/{replica_key}"] = 2 * FP32 * padded(shard) / shard * _ring(replicas)
     return out
 
 
-def _padded(shapes: list[list[int]], shards: int, even: bool = False) -> int:
-    """Elements of ``shapes`` with dim 0 padded to a multiple of ``shards`` (what FSDP gathers); ``even``:
-    unpadded where any dim divides (``parallel.data.data_shard_dim`` shards that one)."""
-    return sum(math.prod(shape) if even and any(n % shards == 0 for n in shape)
-               else -(-shape[0] // shards) * shards * math.prod(shape[1:]) for shape in shapes)
+def _padded(cfg: Config, stage: int, group: tuple[bool, bool] | str, shards: int) -> int:
+    """Elements of pipeline rank ``stage``'s parameters of ``group`` ((in the root unit, gathered in
+    float8) of the dense ones, or ``"experts"``) as FSDP gathers them over ``shards`` ranks: each one's
+    sharded dim (``memory.fsdp_shard_dim``: not a vocabulary tp splits unevenly, the experts' first
+    ``shards`` divides) padded to a multiple of ``shards``."""
+    return _padded_elements((layout_key(cfg), cfg.train.fp8, stage, group, shards), cfg)
+
+
+@memo_by_key
+def _padded_elements(key: tuple, cfg: Config) -> int:
+    _, _, stage, group, shards = key
+    params = stage_params(cfg, stage)
+    if group == "experts":
+        members = [q for q in params if q.expert]
+    else:
+        root, in_fp8 = group
+        float8 = {q.name for q in fp8_gathered_weights(cfg, params)}
+        members = [q for q in params if not q.expert and (q.unit == "root") == root and (q.name in float8) == in_fp8]
+    total = 0
+    for q in members:
+        shape = model_parallel_shape(q, cfg, Coords())
+        dim = fsdp_shard_dim(q, cfg, shape, shards)
+        total += -(-shape[dim] // shards) * shards * math.prod(shape[:dim] + shape[dim + 1:])
+    return total
 
 
 # The mesh dimensions each key's group spans.
@@ -404,17 +428,23 @@ def pipeline_bubble(schedule: str, pp: int, microbatches: int, virtual: int, bac
     ``memory.unsplit_stages``) every backward runs whole at ``B``."""
     if pp == 1:
         return 0.0
-    steps = built_schedule(schedule, pp, microbatches, virtual)
+    steady = steady_microbatches(schedule, pp, microbatches)
     w = 1 if split else 0
     # Waits as the executor does, only for what an action consumes (the V schedules need it).
-    return simulate(steps, 1, backward_cost - w, w_cost=w, rendezvous=False).bubble
+    result = simulate(built_schedule(schedule, pp, steady, virtual), 1, backward_cost - w, w_cost=w, rendezvous=False)
+    if steady == microbatches:
+        return result.bubble
+    # Each micro-batch past the steady count adds a steady-state pattern, in which no rank idles: the
+    # idle time stays, the busy time (every chunk's forward and backward) grows.
+    idle = pp * result.makespan - pp * virtual * steady * (1 + backward_cost)
+    return idle / (pp * virtual * microbatches * (1 + backward_cost) + idle)
 
 
 def recompute_factor(cfg: Config) -> float:
     """Forward + backward cost 3 units per layer; each checkpointed layer adds the share of its forward
     it recomputes (:func:`recomputed_share`)."""
     layers = cfg.model.num_hidden_layers
-    return 1 + sum(recomputed_share(cfg, i) for i in range(layers)) / layers / 3
+    return 1 + sum(by_kind(cfg, recomputed_share, range(layers))) / layers / 3
 
 
 def predict_step_time(cfg: Config, hw: Hardware = Hardware(), compute_seconds: float | None = None) -> StepTime:

@@ -70,8 +70,9 @@ from meshtron.parallel.pipeline.split import chunk_rank
 
 __all__ = [
     "B", "F", "W", "P2P", "RECV_B", "RECV_F", "SEND_B", "SEND_F", "SCHEDULES", "V_SHAPED", "VIRTUAL",
-    "SPLIT_BACKWARD", "Action", "Schedule", "Step", "build_schedule", "built_schedule", "dualpipev", "gpipe", "held_by_stage", "held_counts",
-    "interleaved_1f1b", "last_weight_passes", "one_f_one_b", "peak_in_flight", "split_backwards", "zb1p", "zbv",
+    "SPLIT_BACKWARD", "Action", "Schedule", "Step", "build_schedule", "built_schedule", "check_schedule", "dualpipev", "gpipe", "held_by_stage", "held_counts",
+    "interleaved_1f1b", "last_weight_passes", "one_f_one_b", "peak_in_flight", "split_backwards", "steady_microbatches",
+    "zb1p", "zbv",
 ]
 
 F, B, W = "F", "B", "W"
@@ -204,6 +205,11 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
     Needs ``pp >= 2``, ``v >= 1`` and ``m`` a multiple of ``pp`` (microbatches enter each chunk
     in groups of ``pp``).
     """
+    _check_interleaved(pp, m, v)
+    return [_with_p2p(_interleaved_slots(pp, m, v, r), pp, pp * v) for r in range(pp)]
+
+
+def _check_interleaved(pp: int, m: int, v: int) -> None:
     name = "interleaved"
     if v < 1:
         raise ValueError(f"{name}: virtual_stages must be >= 1, got {v}")
@@ -216,7 +222,6 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
             f"{name}: microbatches = {m} is not a multiple of pp = {pp}; the interleaved schedule "
             f"feeds each chunk microbatches in groups of pp: use microbatches = {lower} or {upper}."
         )
-    return [_with_p2p(_interleaved_slots(pp, m, v, r), pp, pp * v) for r in range(pp)]
 
 
 def _zb1p_slots(pp: int, m: int, rank: int) -> list[list[Action]]:
@@ -319,11 +324,18 @@ def _dualpipev_slots(pp: int, m: int, rank: int) -> list[list[Action]]:
     return slots + [[w] for w in deferred]
 
 
-def _check_v_shape(name: str, pp: int, m: int, v: int, min_m: int, why: str) -> None:
+# Why a V-shaped schedule needs its fewest micro-batches ({n}: ``fewest_microbatches``).
+_V_FEWEST_WHY = {"zbv": "2 * pp = {n} (zbv's warm-up fills both chunks of every rank)",
+                 "dualpipev": "the {n} stages (dualpipev needs a micro-batch per stage)"}
+
+
+def _check_v_shape(name: str, pp: int, m: int, v: int) -> None:
     if v != 2:
         raise ValueError(f"{name}: {needs_two_virtual_stages(v)}: set [parallel] virtual_stages = 2")
-    if m < min_m:
-        raise ValueError(f"{name}: microbatches = {m} is fewer than {why}: set [parallel] microbatches >= {min_m}")
+    fewest = fewest_microbatches(name, pp)
+    if m < fewest:
+        why = _V_FEWEST_WHY[name].format(n=fewest)
+        raise ValueError(f"{name}: microbatches = {m} is fewer than {why}: set [parallel] microbatches >= {fewest}")
 
 
 def zb1p(pp: int, m: int) -> Schedule:
@@ -336,25 +348,20 @@ def zb1p(pp: int, m: int) -> Schedule:
 def zbv(pp: int, m: int, v: int = 2) -> Schedule:
     """ZB-V: two chunks per rank in a V; 1F1B's activation memory and, for ``F = B = W`` and
     ``m >= 2 pp``, no bubble beyond the fill of one chunk. Needs ``m >= 2 pp``."""
-    fewest = fewest_microbatches("zbv", pp)
-    _check_v_shape("zbv", pp, m, v, fewest, f"2 * pp = {fewest} (zbv's warm-up fills both chunks of every rank)")
+    _check_v_shape("zbv", pp, m, v)
     return [_with_p2p(_zbv_slots(pp, m, r), pp, 2 * pp, v_shape=True) for r in range(pp)]
 
 
 def dualpipev(pp: int, m: int, v: int = 2) -> Schedule:
     """DualPipeV: V placement, forward and backward of two micro-batches paired in one slot.
     Needs ``m >= 2 pp`` (as many micro-batches as stages)."""
-    fewest = fewest_microbatches("dualpipev", pp)
-    _check_v_shape("dualpipev", pp, m, v, fewest, f"the {fewest} stages (dualpipev needs a micro-batch per stage)")
+    _check_v_shape("dualpipev", pp, m, v)
     return [_with_p2p(_dualpipev_slots(pp, m, r), pp, 2 * pp, v_shape=True) for r in range(pp)]
 
 
 def build_schedule(name: str, pp: int, m: int, v: int = 1) -> Schedule:
     """Schedule by its recipe name (one of ``SCHEDULES``)."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule '{name}': use {', '.join(SCHEDULES)}")
-    if v != 1 and name not in VIRTUAL:
-        raise ValueError(f"{name}: {needs_virtual_schedule(v)}")
+    check_schedule(name, pp, m, v)
     if name == "gpipe":
         return gpipe(pp, m)
     if name == "1f1b":
@@ -366,6 +373,35 @@ def build_schedule(name: str, pp: int, m: int, v: int = 1) -> Schedule:
     if name == "dualpipev":
         return dualpipev(pp, m, v)
     return interleaved_1f1b(pp, m, v)
+
+
+def check_schedule(name: str, pp: int, m: int, v: int = 1) -> None:
+    """Raise ``ValueError`` for a schedule :func:`build_schedule` refuses, without building it (the layout
+    search checks schedules of thousands of micro-batches it then walks at fewer, :func:`steady_microbatches`)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule '{name}': use {', '.join(SCHEDULES)}")
+    if v != 1 and name not in VIRTUAL:
+        raise ValueError(f"{name}: {needs_virtual_schedule(v)}")
+    if name == "interleaved":
+        _check_interleaved(pp, m, v)
+    elif name in V_SHAPED:
+        _check_v_shape(name, pp, m, v)
+    else:
+        _check_microbatches(name, pp, m)
+
+
+# From this many micro-batches per stage on, a schedule's steady state repeats (:func:`steady_microbatches`).
+STEADY_MICROBATCHES_PER_STAGE = 4
+
+
+def steady_microbatches(name: str, pp: int, m: int) -> int:
+    """A micro-batch count whose schedule holds what ``m``'s holds and idles as long: every schedule but
+    ``gpipe`` fills the pipeline, repeats one steady-state pattern (each rank busy, the same micro-batches
+    of each stage held) and drains it, so past 4 pp micro-batches (a multiple of interleaved's group of
+    pp; a V's and dualpipev's fill and drain end within 3 pp + 1) more only repeat that pattern:
+    ``min(m, 4 pp)``. ``gpipe`` holds all of them: ``m``. The layout search walks and simulates that
+    count instead of thousands (``tests/test_pipeline_schedules.py`` holds both to the full schedule's)."""
+    return m if name == "gpipe" else min(m, STEADY_MICROBATCHES_PER_STAGE * pp)
 
 
 @functools.lru_cache(maxsize=8)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from meshtron.config import Config, ConfigError, ParallelConfig
-from meshtron.parallel.pipeline.schedules import built_schedule
+from meshtron.parallel.pipeline.schedules import check_schedule
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
 
 
@@ -26,7 +26,7 @@ def check_pipeline(cfg: Config) -> None:
 def check_pipeline_layout(p: ParallelConfig, num_layers: int, where: str) -> None:
     """:func:`check_pipeline` for ``num_layers`` blocks; ``where`` starts the message."""
     try:
-        built_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)  # the search reuses it
+        check_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)
         chunk_layer_ranges(num_layers, p.pp, p.virtual_stages)
     except ValueError as err:
         raise ConfigError(f"{where} {err}") from None
