@@ -79,7 +79,7 @@ def _comm_run(mesh, comm_type, q, k, v, dout, positions):
     cp = mesh["cp"]
     rank, size = cp.get_local_rank(), cp.size()
     ring, a2a = cp_groups(mesh, comm_type, heads=q.shape[1], kv_heads=k.shape[1])
-    attn = RingAttention(ring, a2a=a2a, allgather=comm_type == "allgather", kernel="math")
+    attn = RingAttention(ring, a2a=a2a, allgather=CP_COMM_TYPES[comm_type].allgather, kernel="math")
     local = [shard_sequence(t, rank, size, dim=2).requires_grad_() for t in (q, k, v)]
     docs = shard_sequence(positions, rank, size) if positions is not None else None
     out = attn(*local, docs)

@@ -159,7 +159,7 @@ def test_one_f_one_b_keeps_at_most_pp_microbatches_in_flight(pp):
 @settings(max_examples=40, deadline=None)
 @given(
     pp=st.integers(2, 6),
-    v=st.integers(1, 4),
+    v=st.integers(2, 4),
     groups=st.integers(1, 4),
     f=st.integers(1, 3),
     b=st.integers(1, 4),

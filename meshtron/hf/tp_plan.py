@@ -39,6 +39,8 @@ from meshtron.parallel.tensor import (
     VocabParallelEmbedding,
     VocabParallelHead,
     check_tensor_parallel,
+    kv_heads_split,
+    local_heads,
     local_view,
     name_tp_gradients,
     owned,
@@ -201,7 +203,7 @@ def _style(style: str, name: str, module: nn.Module, heads: _Heads, tp: int, sp:
     """One entry of transformers' plan as a training ParallelStyle (None: the module stays unchanged)."""
     kv_proj = name.endswith(("k_proj", "v_proj"))
     colwise, rowwise = (TransposedColwise, TransposedRowwise) if is_transposed(module) else (ColwiseParallel, RowwiseParallel)
-    if style in _COLWISE and kv_proj and heads.kv_heads % tp:
+    if style in _COLWISE and kv_proj and not kv_heads_split(heads.kv_heads, tp):
         return ReplicatedKVHeads(heads.kv_heads, heads.head_dim)
     if style in _COLWISE:
         return colwise()
@@ -407,14 +409,14 @@ def _check_shape(model: nn.Module, tp: int) -> _Heads:
 def _set_local_head_groups(parts: HFParts, base: dict[str, str], heads: int, kv_heads: int, tp: int) -> None:
     """HF attention repeats KV heads ``num_key_value_groups`` times: make that the local ratio when the
     heads are split (``colwise`` q/k/v); gathered projections keep every head on every rank."""
-    local_kv = max(kv_heads // tp, 1)
+    local_q, local_kv = local_heads(heads, kv_heads, tp)
     for pattern, style in base.items():
         attention, _, proj = pattern.split(".", 2)[2].rpartition(".")
         if proj != "k_proj" or style not in _COLWISE:
             continue
         for _, layer in parts.block_items():
             if _exists(layer, attention):
-                layer.get_submodule(attention).num_key_value_groups = heads // tp // local_kv
+                layer.get_submodule(attention).num_key_value_groups = local_q // local_kv
 
 
 def _owned_output(_module, _args, out):

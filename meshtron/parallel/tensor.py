@@ -73,9 +73,26 @@ from meshtron.torch_private import engine_will_execute, float8_from_parts, float
 _SUGGEST_UP_TO = 8
 
 
+def kv_heads_split(kv_heads: int, tp: int) -> bool:
+    """Whether tp splits the KV heads (it divides them); if not, each rank computes one, replicated over
+    tp / kv_heads ranks (:class:`ReplicatedKVHeads`). The rule's one owner: the native and HF tp plans,
+    context parallelism and the planner call it."""
+    return kv_heads % tp == 0
+
+
+def local_kv_heads(kv_heads: int, tp: int) -> int:
+    """KV heads each tp rank computes: its share, or one when they are replicated."""
+    return kv_heads // tp if kv_heads_split(kv_heads, tp) else 1
+
+
+def local_heads(heads: int, kv_heads: int, tp: int) -> tuple[int, int]:
+    """Attention heads and KV heads per tp rank."""
+    return heads // tp, local_kv_heads(kv_heads, tp)
+
+
 def tp_fits(heads: int, kv_heads: int, tp: int) -> bool:
     """Query heads split evenly; KV heads split evenly or each replicated over tp / kv_heads ranks."""
-    return heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
+    return heads % tp == 0 and (kv_heads_split(kv_heads, tp) or tp % kv_heads == 0)
 
 
 def check_tensor_parallel(heads: int, kv_heads: int, tp: int) -> None:
@@ -656,7 +673,7 @@ def _moe_plan(prefix: str, moe: MoE, sp: bool) -> dict[str, ParallelStyle]:
 
 
 def _block_plan(block: nn.Module, kv_heads: int, head_dim: int, tp: int, sp: bool) -> dict[str, ParallelStyle]:
-    kv_style = Colwise() if kv_heads % tp == 0 else ReplicatedKVHeads(kv_heads, head_dim)
+    kv_style = Colwise() if kv_heads_split(kv_heads, tp) else ReplicatedKVHeads(kv_heads, head_dim)
     projections = {"q_proj": Colwise(), "k_proj": kv_style, "v_proj": kv_style}
     plan = _colwise_group_plan("self_attn", projections, sp, inputs=2)  # (hidden states, rope)
     plan["self_attn.o_proj"] = Rowwise(output_layouts=residual_layout(sp))
@@ -892,6 +909,9 @@ def parallel_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_i
 __all__ = [
     "apply_tensor_parallel",
     "check_tensor_parallel",
+    "kv_heads_split",
+    "local_heads",
+    "local_kv_heads",
     "parallel_token_loss_sum",
     "residual_layout",
     "tp_fits",
