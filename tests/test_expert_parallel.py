@@ -324,7 +324,8 @@ def check_moe_under_tp(refs: dict):
     etp 2 under tp 4 + SP): the same parity, each rank's own tokens dispatched once."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
+    from meshtron.parallel.tensor import apply_tensor_parallel
+    from meshtron.parallel.vocab_loss import parallel_token_loss_sum
     from meshtron.testing import module_collectives
 
     cases = [(dict(dp=4, tp=2), False), (dict(dp=4, tp=2), True), (dict(dp=2, tp=4), False), (dict(dp=2, tp=4), True),

@@ -481,7 +481,7 @@ def test_a_hang_inside_a_pipeline_step_is_reported_and_restarted(tmp_path):
     only), it resumes from step 4 and the loss curve equals an uninterrupted run's. metrics.jsonl names
     rank 1 as the slowest rank of the steps before the hang, and the console no other rank; the
     uninterrupted run names none. Every step's timing figures are consistent."""
-    from meshtron.train import SLOW_FAULT_S
+    from meshtron.faults import SLOW_FAULT_S
 
     layout = {"pp": 2, "dp": 2, "microbatches": 2}
     steps = ["--train.steps", "8", "--checkpoint.every", "2", "--checkpoint.resume", "true"]

@@ -35,7 +35,7 @@ an ep plan, whose router scores scale the experts' inputs), whenever ep > 1 or t
   the dispatch and over dp by their own FSDP unit on the expert data mesh;
 * the shared expert is split over tp like a dense MLP (colwise gate/up, rowwise down, output
   all-reduced); the router (E x H) and the shared-expert gate (1 x H) run replicated over tp, on
-  identical tokens (their gradients then agree without communication; :class:`~meshtron.parallel.tensor.TpGradient` decides it
+  identical tokens (their gradients then agree without communication; :class:`~meshtron.parallel.tp_gradient.TpGradient` decides it
   on the first backward, as for every parameter no plan entry places);
 * the batch is split over dp x ep (ep ranks are data parallel for everything but the experts);
 * with ``output_router_logits``, ``aux_loss`` is the load-balancing loss of the global batch (router

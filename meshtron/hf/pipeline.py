@@ -58,7 +58,7 @@ from meshtron.parallel.pipeline.runner import PipelineRunner
 from meshtron.parallel.pipeline.schedules import V_SHAPED
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
 from meshtron.parallel.pipeline.stage import check_pipeline_layout
-from meshtron.parallel.tensor import parallel_token_loss_sum
+from meshtron.parallel.vocab_loss import parallel_token_loss_sum
 
 
 def _replace(model: nn.Module, old: nn.Module, new: nn.Module | None) -> None:

@@ -35,17 +35,15 @@ from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.tensor import (
     ReplicatedKVHeads,
     ReplicateParallel,
-    TpGradient,
     VocabParallelEmbedding,
-    VocabParallelHead,
     check_tensor_parallel,
     kv_heads_split,
     local_heads,
-    local_view,
-    name_tp_gradients,
     owned,
     residual_layout,
 )
+from meshtron.parallel.tp_gradient import TpGradient, local_view, name_tp_gradients
+from meshtron.parallel.vocab_loss import VocabParallelHead
 
 # transformers' tp-plan styles (``transformers.distributed.tensor_parallel.ALL_PARALLEL_STYLES``, 5.23) by
 # what they become here. Output features split over tp (the attention then runs on its local heads):
