@@ -20,7 +20,7 @@ LEVELS = {
     "mesh": 1, "config_reference": 1, "checkpoint": 1, "data": 1, "metrics": 1, "optim": 1, "fake_cuda": 1, "nccl_rules": 1, "host": 1,
     "models": 2, "watchdog": 2,
     "parallel": 3, "faults": 3,
-    "hf": 4, "pipeline": 4, "testing": 4, "plan": 4, "plot": 4,
+    "hf": 4, "testing": 4, "plan": 4, "plot": 4,
     "dryrun": 5,
     "train": 6, "__init__": 6,
 }

@@ -41,7 +41,8 @@ parameters must be *summed* over cp (not averaged): with a gradient reduction th
 reduction. Labels must be shifted to next-token targets *before* sharding, because a chunk's last
 target lives on another rank.
 
-Files: ``layout.py`` (chunks, sharding, the layout checks: what the rest of meshtron imports),
+Files: ``sharding.py`` (chunks, sharding, the comm types and layout checks: what the rest of meshtron
+imports),
 ``blocks.py`` (block schedule, kernels and engine: compute only), ``comm.py`` (every collective and
 its autograd function), ``transform.py`` (:class:`RingAttention`, the cp groups, the model transform).
 """
@@ -58,7 +59,7 @@ from meshtron.parallel.context.blocks import (
     ring_schedule,
 )
 from meshtron.parallel.context.comm import _KV_TAG, RingExchange, RingStats, unshard_sequence
-from meshtron.parallel.context.layout import (
+from meshtron.parallel.context.sharding import (
     CP_COMM_TYPES,
     CpCommType,
     a2a_group_size,

@@ -21,7 +21,7 @@ from meshtron.parallel.context.comm import (
     _SequenceHeadAllToAll,
     _gather_sequence,
 )
-from meshtron.parallel.context.layout import (
+from meshtron.parallel.context.sharding import (
     _cp_group,
     _held_chunks,
     _mesh_cp,

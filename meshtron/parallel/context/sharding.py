@@ -1,5 +1,6 @@
 """Where each token and head of context parallelism lives: the load-balanced chunks of every cp rank,
-sharding a batch to match, and the layout rules checked before any collective.
+sharding a batch to match, the comm types (:data:`CP_COMM_TYPES`) and the layout rules checked before
+any collective.
 
 Kept apart from the attention itself because the rest of meshtron (the step runner, expert
 parallelism, the layout checks of ``parallel/layout.py``, the HF adapter) needs only these answers,
