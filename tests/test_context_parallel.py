@@ -263,7 +263,7 @@ def check_composed_layouts_match_single_process():
     with and without documents; 8 heads and 2 KV heads, so the all-to-all types repeat KV heads."""
     from meshtron.config import Config, DataConfig, ParallelConfig, TrainConfig
     from meshtron.mesh import batch_mesh
-    from meshtron.parallel.runner import StepRunner
+    from meshtron.parallel.step_runner import StepRunner
 
     dense = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=8, num_key_value_heads=2, rope_theta=10_000.0)

@@ -65,7 +65,7 @@ def _module_name(path: Path) -> str:
 
 
 def test_no_import_cycles_between_modules():
-    """Not even through a lazy import (parallel.runner and parallel.pipeline.runner had one)."""
+    """Not even through a lazy import (parallel.step_runner and parallel.pipeline.pipelined_runner had one)."""
     graph = {_module_name(p): _imports(p) for p in PACKAGE.rglob("*.py")}
 
     def owner(target: str) -> str:  # `from meshtron.parallel import x` names a package or a module

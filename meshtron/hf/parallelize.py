@@ -72,7 +72,7 @@ from meshtron.hf.pipeline import HFStage, cut_to_stage, plan_stage, run_as_stage
 from meshtron.hf.slices import load_sharded_weights
 from meshtron.hf.tp_plan import apply_hf_tensor_parallel, replicate_plain_params
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
-from meshtron.models.loss import DEFAULT_CHUNK_TOKENS
+from meshtron.models.chunked_loss import DEFAULT_CHUNK_TOKENS
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.checkpointing import checkpoint_blocks
 from meshtron.parallel.compose import compose

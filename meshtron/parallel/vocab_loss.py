@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from meshtron.models.loss import cross_entropy_sum, linear_cross_entropy_sum
+from meshtron.models.chunked_loss import cross_entropy_sum, linear_cross_entropy_sum
 
 
 def shard_start(size: int, mesh: DeviceMesh) -> int:
@@ -56,7 +56,7 @@ class VocabParallelHead(ParallelStyle):
     """The LM head split over the vocabulary (weight ``Shard(0)``, as ``ColwiseParallel``).
 
     ``head(h)`` returns vocab-sharded logits (a ``Shard(-1)`` DTensor); ``head(h, labels)`` the summed
-    token loss from the fused, chunked lm_head + cross-entropy (``meshtron.models.loss``): each rank
+    token loss from the fused, chunked lm_head + cross-entropy (``meshtron.models.chunked_loss``): each rank
     computes its vocabulary columns chunk by chunk and all-reduces two per-token values per chunk, so
     no rank ever holds a whole micro-batch's logits. The input (the residual stream, sequence-sharded
     under SP) is gathered once.
@@ -92,7 +92,7 @@ def parallel_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_i
 
     With sharded logits only per-token maxima, exp-sums and target logits are all-reduced over tp;
     the result is a plain scalar, identical on every tp rank. Backward needs no communication. The
-    computation goes chunk by chunk of tokens (:func:`meshtron.models.loss.cross_entropy_sum`), so no
+    computation goes chunk by chunk of tokens (:func:`meshtron.models.chunked_loss.cross_entropy_sum`), so no
     fp32 copy of the logits is made. Training uses the fused head instead and never has logits.
     """
     if not isinstance(logits, DTensor):

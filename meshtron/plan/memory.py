@@ -819,7 +819,7 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
 
 
 def loss_held_bytes(cfg: Config, pp_rank: int) -> float:
-    """What the fused loss (``models/loss.py``) saves for backward per in-flight micro-batch of the last
+    """What the fused loss (``models/chunked_loss.py``) saves for backward per in-flight micro-batch of the last
     stage at the rank's peak: the hidden-state gradient [tokens, H] and the fp32 weight-gradient
     accumulator [V/tp, H]."""
     return _peak_moment(cfg, pp_rank).loss
