@@ -186,9 +186,9 @@ def _untied_vocab_modules(embed: nn.Module | None, head: nn.Module | None) -> li
 
 
 def wrap_units(
-    model: nn.Module, blocks: Sequence[nn.Module], experts: Sequence[nn.Module], vocab: tuple[nn.Module | None, nn.Module | None],
-    meshes: tuple[DeviceMesh, DeviceMesh], mode: str, policy: MixedPrecisionPolicy, offload: OffloadPolicy = OffloadPolicy(),
-    dense: bool = True,
+    model: nn.Module, blocks: Sequence[nn.Module], experts: Sequence[nn.Module],
+    vocab: tuple[nn.Module | None, nn.Module | None], meshes: tuple[DeviceMesh, DeviceMesh], mode: str,
+    policy: MixedPrecisionPolicy, offload: OffloadPolicy = OffloadPolicy(), dense: bool = True,
 ) -> None:
     """The data-parallel units of ``model`` (meshtron's or a transformers model, whole or a pipeline
     stage), innermost first since a unit takes the parameters no unit inside it holds: the ``experts``
