@@ -254,10 +254,9 @@ def test_show_writes_png_and_prints_bubble(tmp_path, capsys):
     assert "bubble 0.1579 (simulated), 0.1579 (analytic" in printed
 
 
-@pytest.mark.parametrize("command", ["meshtron.parallel.pipeline.show", "meshtron.pipeline.show"])  # new, old
-def test_show_command_line(tmp_path, command):
+def test_show_command_line(tmp_path):
     out = tmp_path / "t.png"
-    cmd = [sys.executable, "-m", command, "--pp", "2", "--out", str(out)]
+    cmd = [sys.executable, "-m", "meshtron.parallel.pipeline.show", "--pp", "2", "--out", str(out)]
     run = subprocess.run(cmd + ["--microbatches", "4"], capture_output=True, text=True, check=True)
     assert "bubble 0.2000" in run.stdout and out.read_bytes()[:8] == PNG_HEADER
 
