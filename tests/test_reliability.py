@@ -425,7 +425,7 @@ def test_a_failing_or_stuck_rank_ends_the_job(tmp_path):
     report = _hang_report(err, tmp_path / "stall", 4)
     print(report)
     assert "step 3 has run" in report and "(hang limit 15 s)" in report, report
-    assert "Behind: rank 2 (outside any collective: rank 2 at meshtron/train.py" in report, report
+    assert "Behind: rank 2 (outside any collective: rank 2 at meshtron/faults.py" in report, report
     assert "in stall" in report and "Rank 3 waits in all_to_all_single over ep [2, 3]" in report, report
     assert time.monotonic() - started < 150
 
