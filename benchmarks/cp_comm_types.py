@@ -190,7 +190,7 @@ def check_step_times(seq: int, repeats: int, out_path: str):
     from meshtron.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
     from meshtron.mesh import build_mesh
     from meshtron.models import build_model
-    from meshtron.parallel.runner import StepRunner
+    from meshtron.parallel.step_runner import StepRunner
 
     model_cfg = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                             num_attention_heads=8, num_key_value_heads=2, rope_theta=10_000.0)

@@ -43,7 +43,7 @@ from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.mesh import build_mesh, exit_process, init_default_group
 from meshtron.models import build_model
-from meshtron.parallel.runner import StepRunner
+from meshtron.parallel.step_runner import StepRunner
 from meshtron.parallel.step import training_step
 
 RESULTS = Path(__file__).parent / "results"

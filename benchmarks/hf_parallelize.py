@@ -167,7 +167,7 @@ def _time_alternating(steps: dict) -> dict[str, float]:
 def _measure_step_time(part: str, out: str) -> None:
     from meshtron import build_mesh
     from meshtron.mesh import batch_mesh, dense_data_mesh
-    from meshtron.parallel.tensor import parallel_token_loss_sum
+    from meshtron.parallel.vocab_loss import parallel_token_loss_sum
 
     case = STEP_CASES[part]
     mesh = build_mesh(**case["mesh"])

@@ -45,7 +45,7 @@ def one(method: str, tokens: int, vocab: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from meshtron.models.loss import linear_cross_entropy_sum
+    from meshtron.models.chunked_loss import linear_cross_entropy_sum
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)

@@ -47,7 +47,7 @@ from meshtron.mesh import build_mesh, exit_process, init_default_group
 from meshtron.metrics import datasheet_peak_flops, matmul_flops, synchronize
 from meshtron.models import build_model, flops_per_token
 from meshtron.optim import build_optimizer
-from meshtron.parallel.runner import StepRunner
+from meshtron.parallel.step_runner import StepRunner
 from meshtron.plan import Assumptions, predict_memory
 from meshtron.syncs import no_host_syncs
 from meshtron.train import read_scalars, training_step

@@ -36,7 +36,8 @@ from meshtron.config import ModelConfig, load_config  # noqa: E402
 from meshtron.mesh import batch_mesh, build_mesh  # noqa: E402
 from meshtron.models import build_model, materialize  # noqa: E402
 from meshtron.parallel.expert import apply_expert_parallel  # noqa: E402
-from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum  # noqa: E402
+from meshtron.parallel.tensor import apply_tensor_parallel  # noqa: E402
+from meshtron.parallel.vocab_loss import parallel_token_loss_sum  # noqa: E402
 from meshtron.plan.memory import GIB, Coords, _stage_params, model_parallel_shape  # noqa: E402
 from meshtron.testing import module_collectives, run_checks  # noqa: E402
 

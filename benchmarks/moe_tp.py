@@ -23,7 +23,8 @@ from meshtron.config import ModelConfig
 from meshtron.mesh import batch_mesh, build_mesh
 from meshtron.models import build_model, materialize, token_loss_sum
 from meshtron.parallel.expert import apply_expert_parallel
-from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
+from meshtron.parallel.tensor import apply_tensor_parallel
+from meshtron.parallel.vocab_loss import parallel_token_loss_sum
 from meshtron.testing import module_collectives, run_checks
 
 MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,

@@ -25,7 +25,7 @@ from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.mesh import build_mesh
 from meshtron.models import build_model
 from meshtron.parallel.pipeline import prune_to_stage
-from meshtron.parallel.runner import build_step_runner
+from meshtron.parallel.step_runner import build_step_runner
 from meshtron.testing import count_calls, run_checks, units_with_parameters
 
 RESULTS = Path(__file__).parent / "results"

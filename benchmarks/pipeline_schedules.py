@@ -532,7 +532,7 @@ def real_benchmark(args) -> dict:
     from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from meshtron.mesh import build_mesh
     from meshtron.models import build_model, token_loss_sum
-    from meshtron.parallel.runner import build_step_runner
+    from meshtron.parallel.step_runner import build_step_runner
 
     pp, m = args.pp, args.real_microbatches
     model_cfg = ModelConfig(**REAL_MODEL)

@@ -53,7 +53,7 @@ def measure(name: str) -> int:
     from meshtron.mesh import build_mesh
     from meshtron.models import build_model
     from meshtron.optim import build_optimizer
-    from meshtron.parallel.runner import StepRunner
+    from meshtron.parallel.step_runner import StepRunner
     from meshtron.train import training_step
 
     cfg = shape_config(name)

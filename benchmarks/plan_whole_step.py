@@ -103,7 +103,7 @@ def measure_layouts(out_path: str, layouts: list | None = None) -> None:
     from meshtron.mesh import batch_mesh
     from meshtron.models import build_model
     from meshtron.optim import build_optimizer
-    from meshtron.parallel.runner import build_step_runner
+    from meshtron.parallel.step_runner import build_step_runner
     from meshtron.train import recipe_mesh, training_step
 
     rows = []

@@ -304,7 +304,7 @@ class TrainConfig:
     loss_chunk_tokens: int = recipe_key(
         1024,
         "tokens per chunk of the fused lm_head + cross-entropy; its extra memory is about chunk × vocab / tp "
-        "fp32 values (`meshtron/models/loss.py`)",
+        "fp32 values (`meshtron/models/chunked_loss.py`)",
     )
     memory_check: str = recipe_key(
         "error",

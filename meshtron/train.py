@@ -42,13 +42,13 @@ from meshtron.hf.runner import build_runner, export_hf_model, with_hf_model
 from meshtron.host import ROUTINGS
 from meshtron.torch_private import default_store
 from meshtron.data import SourceSpec, to_device
+from meshtron.faults import inject_fault, install_stall, slow_down
 from meshtron.mesh import batch_mesh, exit_process, group_names, init_default_group, recipe_mesh
 from meshtron.parallel.float8 import high_precision_note
 from meshtron.parallel.layout import validate_layout
 from meshtron.metrics import MetricsLogger, StepProfiler, peak_flops_per_device
 from meshtron.models import flops_per_token
 from meshtron.models.moe import MoE
-from meshtron.models.qwen2 import Block
 from meshtron.optim import build_optimizer, lr_at, set_lr
 from meshtron.parallel.step import training_step
 from meshtron.plan.fit import check_memory
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return dry_run_main(recipe, overrides, world_size=args.dry_run, as_json=args.json,
                             gpu_memory_gib=args.gpu_memory, routing=args.dry_run_routing)
-    _inject_fault(int(os.environ.get("RANK", "0")), 0)
+    inject_fault(int(os.environ.get("RANK", "0")), 0)
     try:
         cfg = with_hf_model(infer_dp(load_config(recipe, overrides), _world_size()))
         validate_layout(cfg, _world_size())
@@ -210,52 +210,6 @@ def _write_pid_file(cfg: Config) -> None:
     (folder / f"rank-{dist.get_rank()}.pid").write_text(f"{os.getpid()}\n")
 
 
-# Failure injection for tests, a comma-separated list of KIND:RANK:STEP acting on that rank:
-# "raise" / "hang" before that step; "delay:RANK:0" holds the rank 5 s before its start-up checks (another
-# rank finishes them first); "stall" hangs inside that step, in the forward of the rank's last MoE layer
-# or else its last block; "slow:RANK:*" (or a step) adds SLOW_FAULT_S of work to each of its steps.
-# Faults act in the launcher's first attempt only: a restart (torchrun --max-restarts) runs clean.
-FAULT_ENV = "MESHTRON_FAULT"
-SLOW_FAULT_S = 1.0
-
-
-def _faults(rank: int, kind: str) -> list[str]:
-    """The steps (as written) of this rank's injected faults of ``kind``."""
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return []
-    specs = [spec.split(":") for spec in os.environ.get(FAULT_ENV, "").split(",") if spec]
-    return [step for k, r, step in specs if k == kind and int(r) == rank]
-
-
-def _inject_fault(rank: int, step: int) -> None:
-    if str(step) in _faults(rank, "raise"):
-        raise RuntimeError(f"{FAULT_ENV} injected a failure on rank {rank} before step {step}")
-    if str(step) in _faults(rank, "hang"):
-        time.sleep(10**6)
-    if str(step) in _faults(rank, "delay"):
-        time.sleep(5)
-
-
-def _slow_down(rank: int, step: int) -> None:
-    if {"*", str(step)} & set(_faults(rank, "slow")):
-        time.sleep(SLOW_FAULT_S)
-
-
-def _install_stall(trainer: "Trainer") -> None:
-    """The "stall" fault: a forward pre-hook that never returns in the given step."""
-    steps = {int(step) for step in _faults(trainer.rank, "stall")}
-    if not steps:
-        return
-    blocks = [m for m in trainer.runner.module.modules() if isinstance(m, MoE)] or [
-        m for m in trainer.runner.module.modules() if isinstance(m, Block)]
-
-    def stall(module, args):
-        if trainer.step in steps:
-            time.sleep(10**6)
-
-    blocks[-1].register_forward_pre_hook(stall)
-
-
 class Trainer:
     def __init__(self, cfg: Config, mesh):
         from meshtron.data import TokenDataset
@@ -284,7 +238,7 @@ class Trainer:
         collective_log.install()
         self.step = self.start_step
         self.own_seconds: list[float] = []  # since the last log: step time less the time waited in collectives
-        _install_stall(self)
+        install_stall(self.runner.module, self.rank, lambda: self.step)
 
     def _restore(self) -> int:
         """Initial weights: latest checkpoint (resume), else an HF folder, else seeded random init."""
@@ -329,7 +283,7 @@ class Trainer:
     def _run_step(self, step: int) -> None:
         t = self.cfg.train
         self.step = step + 1
-        _inject_fault(self.rank, step + 1)
+        inject_fault(self.rank, step + 1)
         with self.profiler.step(step + 1):
             record = self.train_step(step)
             if self._eval_due(step + 1):
@@ -396,7 +350,7 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         t = self.cfg.train
         start, waited_before = time.perf_counter(), collective_log.LOG.waited()
-        _slow_down(self.rank, step + 1)
+        slow_down(self.rank, step + 1)
         lr = lr_at(step, t)
         set_lr(self.optimizer, lr)
         batch = self.dataset.batch_for_step(

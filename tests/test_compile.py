@@ -18,7 +18,7 @@ from meshtron.models import build_model, token_loss_sum
 from meshtron.optim import build_optimizer
 from meshtron.parallel import compose
 from meshtron.parallel.compile import apply_compile
-from meshtron.parallel.runner import build_step_runner
+from meshtron.parallel.step_runner import build_step_runner
 from meshtron.testing import cached_mesh, fresh_seed, random_model, rel_err, run_checks
 
 CFG = ModelConfig(

@@ -79,7 +79,7 @@ def _comm_run(mesh, comm_type, q, k, v, dout, positions):
     cp = mesh["cp"]
     rank, size = cp.get_local_rank(), cp.size()
     ring, a2a = cp_groups(mesh, comm_type, heads=q.shape[1], kv_heads=k.shape[1])
-    attn = RingAttention(ring, a2a=a2a, allgather=comm_type == "allgather", kernel="math")
+    attn = RingAttention(ring, a2a=a2a, allgather=CP_COMM_TYPES[comm_type].allgather, kernel="math")
     local = [shard_sequence(t, rank, size, dim=2).requires_grad_() for t in (q, k, v)]
     docs = shard_sequence(positions, rank, size) if positions is not None else None
     out = attn(*local, docs)
@@ -263,7 +263,7 @@ def check_composed_layouts_match_single_process():
     with and without documents; 8 heads and 2 KV heads, so the all-to-all types repeat KV heads."""
     from meshtron.config import Config, DataConfig, ParallelConfig, TrainConfig
     from meshtron.mesh import batch_mesh
-    from meshtron.parallel.runner import StepRunner
+    from meshtron.parallel.step_runner import StepRunner
 
     dense = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=8, num_key_value_heads=2, rope_theta=10_000.0)

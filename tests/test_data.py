@@ -829,7 +829,7 @@ def check_sft_loss_counts_only_responses(root: str) -> None:
     from meshtron.checkpoint import load_full_state_dict
     from meshtron.mesh import batch_mesh
     from meshtron.models import build_model
-    from meshtron.parallel.runner import build_step_runner
+    from meshtron.parallel.step_runner import build_step_runner
     from meshtron.train import recipe_mesh
 
     empty_shares = 0

@@ -29,7 +29,8 @@ from meshtron.parallel.data import apply_data_parallel, data_meshes
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.offload import apply_activation_offload
 from meshtron.parallel.grad_norm import clip_grad_norm_, global_grad_norm
-from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
+from meshtron.parallel.tensor import apply_tensor_parallel
+from meshtron.parallel.vocab_loss import parallel_token_loss_sum
 from meshtron.testing import cached_mesh, cached_recipe_mesh, random_model, rel_err, run_checks
 from test_float8 import HAS_TORCHAO, check_fsdp_matches_one_rank_fp8
 

@@ -326,7 +326,8 @@ def check_moe_under_tp(refs: dict):
     etp 2 under tp 4 + SP): the same parity, each rank's own tokens dispatched once."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from meshtron.parallel.tensor import apply_tensor_parallel, parallel_token_loss_sum
+    from meshtron.parallel.tensor import apply_tensor_parallel
+    from meshtron.parallel.vocab_loss import parallel_token_loss_sum
     from meshtron.testing import module_collectives
 
     cases = [(dict(dp=4, tp=2), False), (dict(dp=4, tp=2), True), (dict(dp=2, tp=4), False), (dict(dp=2, tp=4), True),
@@ -367,7 +368,7 @@ def check_moe_under_tp(refs: dict):
 def _step_matches(cfg, mesh, ids, labels, start: dict, loss_ref, ref_params: dict, where: str):
     """One step of the layout's runner from the reference's ``start`` weights on this rank's rows; its loss
     and every (gathered) gradient equal the single-process ones. Returns the runner."""
-    from meshtron.parallel.runner import build_step_runner
+    from meshtron.parallel.step_runner import build_step_runner
 
     with torch.device("meta"):
         model = build_model(cfg.model)

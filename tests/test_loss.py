@@ -17,7 +17,7 @@ from meshtron import env
 from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import ModelConfig
 from meshtron.models import build_model, materialize, token_loss_sum
-from meshtron.models.loss import cross_entropy_sum, linear_cross_entropy_sum
+from meshtron.models.chunked_loss import cross_entropy_sum, linear_cross_entropy_sum
 from meshtron.parallel.tensor import apply_tensor_parallel
 from meshtron.testing import fresh_seed, random_model, rel_err, run_checks
 

@@ -225,7 +225,7 @@ INVALID = [
     (1, _cfg(parallel=dict(schedule="interleaved", virtual_stages=2)),
      ["got pp = 1"]),
     (2, _cfg(dict(num_hidden_layers=3), dict(pp=2, schedule="interleaved", virtual_stages=2)),
-     ["num_hidden_layers = 3", "2 x 2 = 4 stages"]),
+     ["[model] num_hidden_layers = 3", "pp * virtual_stages = 4 pipeline stages"]),
     (8, _cfg(parallel=dict(cp=4, dp=2), train=dict(seq_len=100)),
      ["seq_len = 100", "2 x cp = 8", "Use seq_len = 104"]),
     (8, _cfg(dict(num_attention_heads=16, num_key_value_heads=4), dict(cp=2, tp=4, sp=True), dict(seq_len=20)),

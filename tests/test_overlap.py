@@ -26,7 +26,7 @@ from meshtron.models import build_model, materialize
 from meshtron.parallel import context
 from meshtron.parallel.context import blocks
 from meshtron.parallel.expert import apply_expert_parallel
-from meshtron.parallel.runner import StepRunner
+from meshtron.parallel.step_runner import StepRunner
 from meshtron.testing import fresh_seed, random_model, run_checks
 
 DENSE = ModelConfig(

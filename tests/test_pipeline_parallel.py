@@ -20,11 +20,11 @@ from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh
 from meshtron.models import aux_loss, build_model, token_loss_sum
 from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.layout import validate_layout
-from meshtron.parallel.runner import build_step_runner
+from meshtron.parallel.step_runner import build_step_runner
 from meshtron.parallel.step import average_router_losses_over_microbatches
 from meshtron.parallel.grad_norm import global_grad_norm
 from meshtron.parallel.pipeline import peak_in_flight, prune_to_stage
-from meshtron.parallel.pipeline.runner import PipelineRunner
+from meshtron.parallel.pipeline.pipelined_runner import PipelineRunner
 from meshtron.testing import cached_mesh, count_calls, rel_err, run_checks, units_with_parameters, whole_weight_passes
 from meshtron.train import export_hf
 from test_float8 import HAS_TORCHAO

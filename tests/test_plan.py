@@ -71,7 +71,7 @@ def state_matches_local_shards() -> None:
     from meshtron.models import build_model
     from meshtron.parallel.pipeline.schedules import V_SHAPED
     from meshtron.parallel.pipeline.stage import prune_to_stage
-    from meshtron.parallel.runner import parallelize
+    from meshtron.parallel.step_runner import parallelize
     from meshtron.train import recipe_mesh
 
     for recipe, layout in STATE_LAYOUTS:

@@ -196,7 +196,7 @@ def test_the_readme_links_every_docs_page():
 
 
 # A code span on docs/extending.md naming a repository path, with ``: NAME[, NAME]`` (or pytest's ``::NAME``)
-# for what that file defines: `meshtron/parallel/context/layout.py: CP_COMM_TYPES`.
+# for what that file defines: `meshtron/parallel/context/sharding.py: CP_COMM_TYPES`.
 _CITATION = re.compile(r"`([\w./<>-]+?)(?:(?::\s*|::)([A-Za-z_]\w*(?:,\s*[A-Za-z_]\w*)*))?`")
 _CITED_ROOTS = ("meshtron/", "tests/", "benchmarks/")
 

@@ -425,7 +425,7 @@ def test_a_failing_or_stuck_rank_ends_the_job(tmp_path):
     report = _hang_report(err, tmp_path / "stall", 4)
     print(report)
     assert "step 3 has run" in report and "(hang limit 15 s)" in report, report
-    assert "Behind: rank 2 (outside any collective: rank 2 at meshtron/train.py" in report, report
+    assert "Behind: rank 2 (outside any collective: rank 2 at meshtron/faults.py" in report, report
     assert "in stall" in report and "Rank 3 waits in all_to_all_single over ep [2, 3]" in report, report
     assert time.monotonic() - started < 150
 
@@ -481,7 +481,7 @@ def test_a_hang_inside_a_pipeline_step_is_reported_and_restarted(tmp_path):
     only), it resumes from step 4 and the loss curve equals an uninterrupted run's. metrics.jsonl names
     rank 1 as the slowest rank of the steps before the hang, and the console no other rank; the
     uninterrupted run names none. Every step's timing figures are consistent."""
-    from meshtron.train import SLOW_FAULT_S
+    from meshtron.faults import SLOW_FAULT_S
 
     layout = {"pp": 2, "dp": 2, "microbatches": 2}
     steps = ["--train.steps", "8", "--checkpoint.every", "2", "--checkpoint.resume", "true"]

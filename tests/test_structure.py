@@ -19,8 +19,8 @@ LEVELS = {
     "config": 0, "env": 0, "extras": 0, "report": 0, "collective_log": 0, "syncs": 0,
     "mesh": 1, "config_reference": 1, "checkpoint": 1, "data": 1, "metrics": 1, "optim": 1, "fake_cuda": 1, "nccl_rules": 1, "host": 1,
     "models": 2, "watchdog": 2,
-    "parallel": 3,
-    "hf": 4, "pipeline": 4, "testing": 4, "plan": 4, "plot": 4,
+    "parallel": 3, "faults": 3,
+    "hf": 4, "testing": 4, "plan": 4, "plot": 4,
     "dryrun": 5,
     "train": 6, "__init__": 6,
 }
@@ -65,7 +65,7 @@ def _module_name(path: Path) -> str:
 
 
 def test_no_import_cycles_between_modules():
-    """Not even through a lazy import (parallel.runner and parallel.pipeline.runner had one)."""
+    """Not even through a lazy import (parallel.step_runner and parallel.pipeline.pipelined_runner had one)."""
     graph = {_module_name(p): _imports(p) for p in PACKAGE.rglob("*.py")}
 
     def owner(target: str) -> str:  # `from meshtron.parallel import x` names a package or a module

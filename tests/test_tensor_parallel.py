@@ -25,12 +25,11 @@ from meshtron.models import build_model, token_loss_sum
 from meshtron.parallel.checkpointing import apply_activation_checkpointing
 from meshtron.parallel.tensor import (
     ReplicateParallel,
-    TpGradient,
     apply_tensor_parallel,
     check_tensor_parallel,
-    name_tp_gradients,
-    parallel_token_loss_sum,
 )
+from meshtron.parallel.tp_gradient import TpGradient, name_tp_gradients
+from meshtron.parallel.vocab_loss import parallel_token_loss_sum
 from meshtron.parallel.tensor_overlap import apply_overlapped_tensor_parallel
 from meshtron.testing import count_calls, fresh_seed, random_model, rel_err, run_checks
 from test_float8 import HAS_TORCHAO, check_tp_matches_one_rank_fp8

@@ -33,7 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.config import ConfigError
 from meshtron.hf.discover import calls_attention_interface, hf_parts, key_value_heads
-from meshtron.parallel.context import RingAttention, cp_groups, local_heads, shard_batch
+from meshtron.parallel.context import RingAttention, cp_comm, cp_groups, shard_batch
+from meshtron.parallel.tensor import local_heads
 
 RING = "meshtron_ring"
 
@@ -95,7 +96,7 @@ def use_ring_attention(model: nn.Module, mesh: DeviceMesh, comm_type: str = "p2p
     heads, kv = local_heads(model.config.num_attention_heads, key_value_heads(model.config), mesh["tp"].size())
     ring, a2a = cp_groups(mesh, comm_type, a2a_size, heads, kv)
     for attn in _attention_modules(model):
-        attn.cp_ring = RingAttention(ring, a2a=a2a, allgather=comm_type == "allgather")
+        attn.cp_ring = RingAttention(ring, a2a=a2a, allgather=cp_comm(comm_type).allgather)
     model.set_attn_implementation(RING)
 
 

@@ -39,6 +39,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module, distri
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from meshtron.hf.discover import HFParts
+from meshtron.parallel.tensor import tp_fits
 from meshtron.torch_private import style_io
 
 _ATTENTION_NAMES = ("attn", "attention")
@@ -159,7 +160,7 @@ def _attention_plan(name: str, attn: nn.Module, hidden: int, heads: int, kv_head
         return {}, f"tp = {tp} does not divide the features of '{bad}' {projections[bad]}"
     by_heads = ({n.rsplit(".", 1)[-1] for n in inputs} in _SEPARATE_QKV and hasattr(attn, "num_key_value_groups")
                 and not any(hasattr(attn, a) for a in _FULL_HEAD_COUNTS)
-                and not any(True for _ in attn.parameters(recurse=False)) and (kv_heads % tp == 0 or tp % kv_heads == 0))
+                and not any(True for _ in attn.parameters(recurse=False)) and tp_fits(heads, kv_heads, tp))
     col, row = ("colwise", "rowwise") if by_heads else ("colwise_gather_output", "rowwise_split_input")
     return {**{f"{name}.{n}": col for n in inputs}, f"{name}.{out}": row}, None
 

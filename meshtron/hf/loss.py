@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.hf.router import aux_loss_share
 from meshtron.parallel.step import sum_over_ranks
-from meshtron.parallel.tensor import parallel_token_loss_sum
+from meshtron.parallel.vocab_loss import parallel_token_loss_sum
 
 
 def hf_loss_function(data_mesh: DeviceMesh):

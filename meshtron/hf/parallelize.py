@@ -35,7 +35,7 @@ an ep plan, whose router scores scale the experts' inputs), whenever ep > 1 or t
   the dispatch and over dp by their own FSDP unit on the expert data mesh;
 * the shared expert is split over tp like a dense MLP (colwise gate/up, rowwise down, output
   all-reduced); the router (E x H) and the shared-expert gate (1 x H) run replicated over tp, on
-  identical tokens (their gradients then agree without communication; :class:`~meshtron.parallel.tensor.TpGradient` decides it
+  identical tokens (their gradients then agree without communication; :class:`~meshtron.parallel.tp_gradient.TpGradient` decides it
   on the first backward, as for every parameter no plan entry places);
 * the batch is split over dp x ep (ep ranks are data parallel for everything but the experts);
 * with ``output_router_logits``, ``aux_loss`` is the load-balancing loss of the global batch (router
@@ -72,11 +72,11 @@ from meshtron.hf.pipeline import HFStage, cut_to_stage, plan_stage, run_as_stage
 from meshtron.hf.slices import load_sharded_weights, missing_tensors
 from meshtron.hf.tp_plan import apply_hf_tensor_parallel, replicate_plain_params
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
-from meshtron.models.loss import DEFAULT_CHUNK_TOKENS
+from meshtron.models.chunked_loss import DEFAULT_CHUNK_TOKENS
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.checkpointing import checkpoint_blocks
 from meshtron.parallel.compose import compose
-from meshtron.parallel.data import data_meshes, mixed_precision, wrap_data_parallel
+from meshtron.parallel.data import data_meshes, mixed_precision, wrap_units
 
 
 def _no_cache_in_training(model, args, kwargs):
@@ -91,23 +91,16 @@ def _no_cache_in_training(model, args, kwargs):
 
 def _apply_dp(model: nn.Module, parts: HFParts, mesh: DeviceMesh, mode: str, dtype: str,
               experts: list[nn.Module]) -> None:
-    """FSDP / replicate units: ``experts`` (split over ep) on the expert data mesh, every layer, the
-    untied embedding and lm_head, and the root, on the dense data mesh. With one dense data rank
+    """FSDP / replicate units (:func:`~meshtron.parallel.data.wrap_units`): ``experts`` (split over ep) on
+    the expert data mesh, every layer, the untied embedding and lm_head, and the root, on the dense data
+    mesh. With one dense data rank
     only the experts are wrapped (their edp ranks are tp ranks holding other tokens), in the
     model's own dtype like the rest."""
-    dense_mesh, expert_mesh = data_meshes(mesh, mode)
-    policy = mixed_precision(dtype if dense_mesh.size() > 1 else "float32")
-    for module in experts:
-        wrap_data_parallel(module, expert_mesh, mode, policy, prefer_even=True)
-    if dense_mesh.size() == 1:
-        return
-    for _, layer in parts.block_items():
-        wrap_data_parallel(layer, dense_mesh, mode, policy)
-    if not parts.tied:  # one parameter needs one unit
-        for m in (parts.embed, parts.head):
-            if m is not None:
-                wrap_data_parallel(m, dense_mesh, mode, policy)
-    wrap_data_parallel(model, dense_mesh, mode, policy)
+    meshes = data_meshes(mesh, mode)
+    dense = meshes[0].size() > 1
+    policy = mixed_precision(dtype if dense else "float32")
+    blocks = [layer for _, layer in parts.block_items()]
+    wrap_units(model, blocks, experts, (parts.embed, parts.head), meshes, mode, policy, dense=dense)
 
 
 class HFSteps:

@@ -21,7 +21,7 @@ The HF path adds only what is model-specific; the rest is :mod:`meshtron.paralle
   :class:`HFPipelineRunner` runs it;
 * schedules (1F1B, interleaved 1F1B, GPipe), the executor, micro-batching, the global token count,
   cp sharding of the micro-batches, tied-embedding gradient sums and the gradient norm over stages
-  are :class:`~meshtron.parallel.pipeline.runner.PipelineRunner`'s, reused as they are;
+  are :class:`~meshtron.parallel.pipeline.pipelined_runner.PipelineRunner`'s, reused as they are;
 * MoE router aux losses (``output_router_logits``): transformers pools the router statistics of all
   layers, so they travel with the boundary tensors (:class:`~meshtron.hf.router.PipelineRouterLoss`,
   the executor's relay) and the loss includes ``router_aux_loss_coef`` x the aux loss of every
@@ -54,11 +54,11 @@ from meshtron.hf.discover import embedding_rescaling, hf_parts, set_stage_parts
 from meshtron.hf.router import PipelineRouterLoss, check_router_loss
 from meshtron.mesh import dense_data_mesh
 from meshtron.models.qwen2 import LMHead
-from meshtron.parallel.pipeline.runner import PipelineRunner
+from meshtron.parallel.pipeline.pipelined_runner import PipelineRunner
 from meshtron.parallel.pipeline.schedules import V_SHAPED
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
 from meshtron.parallel.pipeline.stage import check_pipeline_layout
-from meshtron.parallel.tensor import parallel_token_loss_sum
+from meshtron.parallel.vocab_loss import parallel_token_loss_sum
 
 
 def _replace(model: nn.Module, old: nn.Module, new: nn.Module | None) -> None:

@@ -8,7 +8,7 @@ FLOP count read). Weights come from the folder's safetensors when it has any, el
 own initialisation seeded with ``[train] seed``. The runner implements the trainer's
 :class:`~meshtron.parallel.step.Runner` interface: :class:`HFStepRunner` without a pipeline, the
 :class:`~meshtron.hf.pipeline.HFPipelineRunner` with one; both on :func:`parallelize_hf_model`'s model,
-chosen by :func:`~meshtron.parallel.runner.build_step_runner` from :data:`HF_RUNNERS` as for native models.
+chosen by :func:`~meshtron.parallel.step_runner.build_step_runner` from :data:`HF_RUNNERS` as for native models.
 Checkpoints are meshtron's (DCP, any layout); ``export_hf`` writes the model's own transformers folder.
 """
 
@@ -31,7 +31,7 @@ from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.mesh import batch_mesh
 from meshtron.models import build_model
 from meshtron.parallel.grad_norm import clip_grad_norm_
-from meshtron.parallel.runner import Runners, build_step_runner
+from meshtron.parallel.step_runner import Runners, build_step_runner
 from meshtron.parallel.data import MicrobatchSync
 from meshtron.parallel.step import Runner, full_state_dict, global_token_count
 
@@ -202,7 +202,7 @@ HF_RUNNERS = Runners(step=_step_runner, pipeline=_pipeline_runner)
 def build_runner(cfg: Config, mesh, device: torch.device) -> Runner:
     """The recipe's model as its layout's step runner (the trainer's and the dry run's): meshtron's own
     model built on the meta device, or with ``[model] hf_model`` the folder's transformers model; either
-    way :func:`~meshtron.parallel.runner.build_step_runner` picks the runner."""
+    way :func:`~meshtron.parallel.step_runner.build_step_runner` picks the runner."""
     if cfg.model.hf_model:
         return build_step_runner(build_hf_model(cfg, device), mesh, cfg, device, HF_RUNNERS)
     with torch.device("meta"):

@@ -37,15 +37,15 @@ from meshtron.parallel.tensor import (
     ReplicatedKVHeads,
     ReplicateParallel,
     SplitParams,
-    TpGradient,
     VocabParallelEmbedding,
-    VocabParallelHead,
     check_tensor_parallel,
-    local_view,
-    name_tp_gradients,
+    kv_heads_split,
+    local_heads,
     owned,
     residual_layout,
 )
+from meshtron.parallel.tp_gradient import TpGradient, local_view, name_tp_gradients
+from meshtron.parallel.vocab_loss import VocabParallelHead
 
 # transformers' tp-plan styles (``transformers.distributed.tensor_parallel.ALL_PARALLEL_STYLES``, 5.23) by
 # what they become here. Output features split over tp (the attention then runs on its local heads):
@@ -205,7 +205,7 @@ def _style(style: str, name: str, module: nn.Module, heads: _Heads, tp: int, sp:
     """One entry of transformers' plan as a training ParallelStyle (None: the module stays unchanged)."""
     kv_proj = name.endswith(("k_proj", "v_proj"))
     colwise, rowwise = (TransposedColwise, TransposedRowwise) if is_transposed(module) else (ColwiseParallel, RowwiseParallel)
-    if style in _COLWISE and kv_proj and heads.kv_heads % tp:
+    if style in _COLWISE and kv_proj and not kv_heads_split(heads.kv_heads, tp):
         return ReplicatedKVHeads(heads.kv_heads, heads.head_dim)
     if style in _COLWISE:
         return colwise()
@@ -456,14 +456,14 @@ def _check_shape(model: nn.Module, tp: int) -> _Heads:
 def _set_local_head_groups(parts: HFParts, base: dict[str, str], heads: int, kv_heads: int, tp: int) -> None:
     """HF attention repeats KV heads ``num_key_value_groups`` times: make that the local ratio when the
     heads are split (``colwise`` q/k/v); gathered projections keep every head on every rank."""
-    local_kv = max(kv_heads // tp, 1)
+    local_q, local_kv = local_heads(heads, kv_heads, tp)
     for pattern, style in base.items():
         attention, _, proj = pattern.split(".", 2)[2].rpartition(".")
         if proj != "k_proj" or style not in _COLWISE:
             continue
         for _, layer in parts.block_items():
             if _exists(layer, attention):
-                layer.get_submodule(attention).num_key_value_groups = heads // tp // local_kv
+                layer.get_submodule(attention).num_key_value_groups = local_q // local_kv
 
 
 def _owned_output(_module, _args, out):

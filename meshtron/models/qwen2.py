@@ -24,7 +24,7 @@ from torch import nn
 from meshtron.config import ModelConfig
 from meshtron.models.counter_rng import normal_slice_, tensor_key
 from meshtron.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rotary, document_causal_mask
-from meshtron.models.loss import DEFAULT_CHUNK_TOKENS, linear_cross_entropy_sum
+from meshtron.models.chunked_loss import DEFAULT_CHUNK_TOKENS, linear_cross_entropy_sum
 from meshtron.models.moe import MoE
 
 
@@ -88,7 +88,7 @@ class Block(nn.Module):
 class LMHead(nn.Linear):
     """Output projection. ``forward(h)`` gives logits; ``forward(h, labels)`` gives the summed token
     cross-entropy computed ``chunk_tokens`` tokens at a time, so training never holds the logits of a
-    whole micro-batch (:func:`meshtron.models.loss.linear_cross_entropy_sum`)."""
+    whole micro-batch (:func:`meshtron.models.chunked_loss.linear_cross_entropy_sum`)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
         super().__init__(hidden_size, vocab_size, bias=False)

@@ -55,21 +55,21 @@ MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten
 ATTENTION = frozenset(kernel.default for kernel in ATTENTION_FORWARD_KERNELS)
 
 
-def checkpointed_layers(layer_ids: list[int], mode: str, every: int) -> list[int]:
-    """Which global layer indices to checkpoint.
+def checkpoints_layer(layer: int, mode: str, every: int) -> bool:
+    """Whether ``mode`` checkpoints global layer ``layer`` (``op``: in part). ``full`` and ``op``: every
+    layer; ``selective``: layers whose global index is a multiple of ``every`` (0, N, 2N, ...), so the
+    choice does not change when a pipeline stage holds only some layers. The rule's one owner:
+    :func:`checkpointed_layers` and the planner (``plan/memory.py``) call it."""
+    return mode in ("full", "op") or (mode == "selective" and layer % every == 0)
 
-    ``full`` and ``op``: all of them; ``selective``: layers whose global index is a multiple of ``every``
-    (0, N, 2N, ...), so the choice does not change when a pipeline stage holds only some layers.
-    """
+
+def checkpointed_layers(layer_ids: list[int], mode: str, every: int) -> list[int]:
+    """Which global layer indices to checkpoint (:func:`checkpoints_layer`)."""
     if mode not in ACTIVATION_CHECKPOINTING:
         raise ValueError(not_one_of("activation_checkpointing", mode, ACTIVATION_CHECKPOINTING))
     if every < 1:
         raise ValueError(f"ac_every must be >= 1, got {every}.")
-    if mode == "none":
-        return []
-    if mode in ("full", "op"):
-        return list(layer_ids)
-    return [i for i in layer_ids if i % every == 0]
+    return [i for i in layer_ids if checkpoints_layer(i, mode, every)]
 
 
 class OpPolicy:

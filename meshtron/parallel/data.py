@@ -180,16 +180,33 @@ def wrap_data_parallel(
     return unit
 
 
-def _untied_vocab_modules(model: nn.Module) -> list[nn.Module]:
+def _untied_vocab_modules(embed: nn.Module | None, head: nn.Module | None) -> list[nn.Module]:
     """Embedding and lm_head as units of their own, unless tied (one parameter needs one unit).
 
     The root unit stays gathered from forward to the end of backward; keeping the two largest
     matrices out of it frees them between uses (about 2 GiB of bf16 for Qwen2.5-7B).
     """
-    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
     if embed is not None and head is not None and embed.weight is head.weight:
         return []
     return [m for m in (embed, head) if m is not None]
+
+
+def wrap_units(
+    model: nn.Module, blocks: Sequence[nn.Module], experts: Sequence[nn.Module],
+    vocab: tuple[nn.Module | None, nn.Module | None], meshes: tuple[DeviceMesh, DeviceMesh], mode: str,
+    policy: MixedPrecisionPolicy, offload: OffloadPolicy = OffloadPolicy(), dense: bool = True,
+) -> None:
+    """The data-parallel units of ``model`` (meshtron's or a transformers model, whole or a pipeline
+    stage), innermost first since a unit takes the parameters no unit inside it holds: the ``experts``
+    modules on the expert data mesh of ``meshes`` (dense, expert), then, with ``dense``, the ``blocks``,
+    the ``vocab`` (embedding, lm_head) unless tied and the root on the dense one. Which modules are
+    units is decided here only: :func:`apply_data_parallel` and the HF path (``hf/parallelize.py``) call it."""
+    dense_mesh, expert_mesh = meshes
+    for module in experts:
+        wrap_data_parallel(module, expert_mesh, mode, policy, prefer_even=True, offload=offload)
+    if dense:
+        for module in (*blocks, *_untied_vocab_modules(*vocab), model):
+            wrap_data_parallel(module, dense_mesh, mode, policy, offload=offload)
 
 
 def _check_experts_split(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -215,7 +232,7 @@ def _execution_order(model: nn.Module) -> list[list[FSDPModule]]:
     """FSDP units in forward order, one entry per step of the chain: [embedding], each block with its
     experts' units, [LM head]. A new run starts wherever the layer index does not follow on."""
     runs: list[list[list[FSDPModule]]] = []
-    separate = {id(m) for m in _untied_vocab_modules(model)}  # tied ones live in the root unit
+    separate = {id(m) for m in _untied_vocab_modules(model.embed_tokens, model.lm_head)}  # tied ones live in the root unit
     embed = model.embed_tokens if id(model.embed_tokens) in separate else None
     head = model.lm_head if id(model.lm_head) in separate else None
     last_layer = model.config.num_hidden_layers - 1
@@ -329,14 +346,10 @@ def apply_data_parallel(
     policy = mixed_precision(dtype)
     host = offload_policy(offload, mode, mesh.device_type)
     _check_experts_split(model, mesh)
-    dense_mesh, expert_mesh = data_meshes(mesh, mode)
-    for block in model.layers.values():
-        for moe in moe_layers(block):
-            wrap_data_parallel(moe.experts, expert_mesh, mode, policy, prefer_even=True, offload=host)
-        wrap_data_parallel(block, dense_mesh, mode, policy, offload=host)
-    for module in _untied_vocab_modules(model):
-        wrap_data_parallel(module, dense_mesh, mode, policy, offload=host)
-    wrap_data_parallel(model, dense_mesh, mode, policy, offload=host)
+    blocks = list(model.layers.values())
+    experts = [moe.experts for block in blocks for moe in moe_layers(block)]
+    vocab = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    wrap_units(model, blocks, experts, vocab, data_meshes(mesh, mode), mode, policy, host)
     if mode != "replicate":
         set_prefetch(model, prefetch)
     return model

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from meshtron.config import Config, ConfigError, expert_keys_without_experts, rank_batch, round_up
 from meshtron.mesh import ExpertSplit, check_expert_split, check_sizes, expert_hsdp_shards
-from meshtron.parallel.context import check_context_parallel, cp_ranks_per_node, local_heads, unbalanced_seq_len
+from meshtron.parallel.context import check_context_parallel, cp_ranks_per_node, unbalanced_seq_len
 from meshtron.parallel.expert import check_expert_tp_divisible, ep_does_not_divide
+from meshtron.parallel.pipeline.schedules import interleaving_refused
+from meshtron.parallel.pipeline.split import too_few_layers
 from meshtron.parallel.pipeline.stage import check_pipeline
-from meshtron.parallel.tensor import check_tensor_parallel
+from meshtron.parallel.tensor import check_tensor_parallel, local_heads
 
 # Error messages list valid tp/ep choices up to one 8-GPU node, or the world size if larger.
 _SUGGEST_UP_TO = 8
@@ -56,17 +58,12 @@ def validate_layout(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"{ep_does_not_divide(m.num_experts, p.ep)}. Valid ep up to {limit}: {valid}.")
     if m.is_moe:
         check_expert_tp_divisible(m.moe_intermediate_size, p.etp)
-    if p.schedule == "interleaved" and (p.pp < 2 or p.virtual_stages < 2):
-        raise ConfigError(
-            f"[parallel] schedule = 'interleaved' needs pp >= 2 and virtual_stages >= 2, got pp = {p.pp}, "
-            f"virtual_stages = {p.virtual_stages}. Raise them or use schedule = '1f1b'."
-        )
-    stages = p.pp * p.virtual_stages
-    if m.num_hidden_layers < stages:
-        raise ConfigError(
-            f"[model] num_hidden_layers = {m.num_hidden_layers} is fewer than pp x virtual_stages = "
-            f"{p.pp} x {p.virtual_stages} = {stages} stages; every stage needs a layer. Lower pp or virtual_stages."
-        )
+    refused = interleaving_refused(p.pp, p.virtual_stages) if p.schedule == "interleaved" else None
+    if refused:
+        raise ConfigError(f"[parallel] schedule = 'interleaved' {refused}. Raise them or use schedule = '1f1b'.")
+    refused = too_few_layers(m.num_hidden_layers, p.pp * p.virtual_stages)
+    if refused:
+        raise ConfigError(f"[model] {refused}")
     heads, kv_heads = local_heads(m.num_attention_heads, m.kv_heads, p.tp)
     check_context_parallel(p.cp_comm_type, p.cp, heads, kv_heads, None, p.cp_a2a_size, None,
                            cp_ranks_per_node(p.tp, p.mesh_ep))

@@ -1,8 +1,8 @@
 """The step-runner interface the trainer drives, what both runners share, and one training step.
 
 A runner owns one rank's parallelized model and runs forward and backward of a whole global-batch
-step: :class:`meshtron.parallel.runner.StepRunner` without a pipeline, :class:`meshtron.parallel.
-pipeline.runner.PipelineRunner` with one. Both split the rank's batch into the same micro-batches,
+step: :class:`meshtron.parallel.step_runner.StepRunner` without a pipeline, :class:`meshtron.parallel.
+pipeline.pipelined_runner.PipelineRunner` with one. Both split the rank's batch into the same micro-batches,
 divide every micro-batch's summed token loss by the global token count of the step (so the loss
 and gradients are the same on every layout), and scale the MoE router losses the same way.
 """

@@ -11,10 +11,10 @@ sequence parallelism from Korthikanti et al. 2022):
   heads read (:class:`ReplicatedKVHeads`); the replicas' weight gradients are summed over tp.
 * embedding split over the vocabulary (:class:`VocabParallelEmbedding`: local lookups, one all-reduce,
   or reduce-scatter under SP, and a weight gradient for the local rows only), lm_head colwise
-  (:class:`VocabParallelHead`); in training
-  the head and the loss are fused and chunked over tokens (no rank holds a micro-batch's logits);
-  for inference logits stay vocab-sharded and :func:`parallel_token_loss_sum` computes the loss from
-  the shards (full logits are never gathered).
+  (:class:`~meshtron.parallel.vocab_loss.VocabParallelHead`); in training the head and the loss are
+  fused and chunked over tokens (no rank holds a micro-batch's logits); for inference logits stay
+  vocab-sharded and :func:`~meshtron.parallel.vocab_loss.parallel_token_loss_sum` computes the loss
+  from the shards (full logits are never gathered). Both live in ``parallel/vocab_loss.py``.
   Tied embeddings share one ``Shard(0)`` parameter.
 * ``sp=True``: norms and the residual stream are split along the sequence; the all-reduce after
   o_proj/down_proj becomes a reduce-scatter and the one before q/k/v (gate/up) an all-gather.
@@ -43,16 +43,14 @@ all-gather or reduce-scatter left in the block. The tests count all of these; th
 
 from __future__ import annotations
 
-import math
 import types
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -63,19 +61,36 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshtron.config import ConfigError
-from meshtron.host import simulating
 from meshtron.parallel.float8 import float8_split_linear, is_float8_linear, split_gemms
+from meshtron.parallel.tp_gradient import TpGradient, local_view, name_tp_gradients
+from meshtron.parallel.vocab_loss import VocabParallelHead, shard_start
 from meshtron.models.moe import MoE
-from meshtron.models.loss import cross_entropy_sum, linear_cross_entropy_sum
 from meshtron.torch_private import engine_will_execute, float8_from_parts, float8_parts, funcol, own_parameters
 
 # Error messages list valid tp values up to one 8-GPU node (or tp itself when larger).
 _SUGGEST_UP_TO = 8
 
 
+def kv_heads_split(kv_heads: int, tp: int) -> bool:
+    """Whether tp splits the KV heads (it divides them); if not, each rank computes one, replicated over
+    tp / kv_heads ranks (:class:`ReplicatedKVHeads`). The rule's one owner: the native and HF tp plans,
+    context parallelism and the planner call it."""
+    return kv_heads % tp == 0
+
+
+def local_kv_heads(kv_heads: int, tp: int) -> int:
+    """KV heads each tp rank computes: its share, or one when they are replicated."""
+    return kv_heads // tp if kv_heads_split(kv_heads, tp) else 1
+
+
+def local_heads(heads: int, kv_heads: int, tp: int) -> tuple[int, int]:
+    """Attention heads and KV heads per tp rank."""
+    return heads // tp, local_kv_heads(kv_heads, tp)
+
+
 def tp_fits(heads: int, kv_heads: int, tp: int) -> bool:
     """Query heads split evenly; KV heads split evenly or each replicated over tp / kv_heads ranks."""
-    return heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
+    return heads % tp == 0 and (kv_heads_split(kv_heads, tp) or tp % kv_heads == 0)
 
 
 def check_tensor_parallel(heads: int, kv_heads: int, tp: int) -> None:
@@ -91,136 +106,7 @@ def check_tensor_parallel(heads: int, kv_heads: int, tp: int) -> None:
     raise ConfigError(f"[parallel] {problem}. Valid tp up to {limit} for this model: {valid}.")
 
 
-class TpGradient:
-    """How the per-rank gradients of one parameter replicated over tp combine, for a module that runs on
-    its local view.
-
-    ``"replicate"``: every rank computed the whole gradient (same tokens, same features), so nothing
-    is communicated; it is verified on the first backward: tp ranks whose gradients differ raise a
-    :class:`ConfigError` naming the parameter (it acts on a tp-split activation and would drift apart).
-    ``"partial"``: each rank computed its part (its tokens under SP, its heads or features after a
-    column-split projection): summed over tp. ``"infer"`` (parameters no plan names): decided on the first
-    backward with nonzero gradients from what the ranks computed: identical gradients mean the module
-    ran replicated, pairwise different ones that each rank ran on its own part of the activation.
-    Equal gradients on some ranks and different on others fit neither and are refused by name.
-    Deciding and verifying cost one all-gather of three numbers per parameter, once. ``what`` names the
-    tensor's kind in errors: a replicated activation's local view (a module input) follows the same rule.
-    """
-
-    def __init__(self, mode: str, name: str = "", what: str = "parameter"):
-        if mode not in ("replicate", "partial", "infer"):
-            raise ValueError(f"TpGradient mode must be replicate, partial or infer, got {mode!r}")
-        self.mode, self.name, self.what = mode, name, what
-        self.decided: Placement | None = {"replicate": Replicate(), "partial": Partial()}.get(mode)
-        self.verified = mode != "replicate"
-
-    def placement(self, grad: torch.Tensor, mesh: DeviceMesh) -> Placement:
-        if self.decided is not None and self.verified:
-            return self.decided
-        if simulating():  # a dry run has no values to compare: it assumes a part (one all-reduce)
-            return self.decided or Partial()
-        if torch.compiler.is_compiling():  # traced once ahead of time: no data to look at
-            if self.decided is None:
-                raise ConfigError(f"{self.what} '{self.name}': how its gradient combines over tp is decided on an eager "
-                                  "first step; run one step without torch.compile first.")
-            return self.decided
-        ranks = _gradient_classes(grad, mesh)
-        if self.mode == "replicate":
-            return self._verify(ranks)
-        return self._infer(ranks, mesh.size())
-
-    def _verify(self, ranks: list[list[int]]) -> Placement:
-        if ranks and ranks[0][0] == -1:
-            return self.decided  # no gradient on any rank yet: verified on a later backward
-        if len(ranks) > 1:
-            raise ConfigError(
-                f"parameter '{self.name}' is declared replicated over tp with a complete gradient on every rank, but "
-                f"the tp ranks computed different gradients (ranks with equal ones: {ranks}): it acts on a tp-split "
-                "activation, and its copies would drift apart after one optimizer step. Declare it partial "
-                "(ReplicateParallel(grad='partial'), plan style 'replicated_with_grad_allreduce') or leave it "
-                "unplanned (parallelize_hf_model then decides).")
-        self.verified = True
-        return self.decided
-
-    def _infer(self, ranks: list[list[int]], tp: int) -> Placement:
-        nonzero = [group for group in ranks if group[0] >= 0]
-        if not nonzero:
-            return Replicate()  # no gradient anywhere yet: either rule gives zero
-        if len(nonzero) == 1 and len(nonzero[0]) == tp:
-            self.decided = Replicate()
-        elif all(len(group) == 1 for group in nonzero):
-            if sum(map(len, nonzero)) < tp:
-                return Partial()  # some ranks hold none of it yet: sum this one, decide later
-            self.decided = Partial()
-        else:
-            raise ConfigError(
-                f"{self.what} '{self.name}' (replicated over tp, no tp plan entry): cannot decide how its gradient "
-                f"combines over tp: ranks {nonzero} computed equal gradients within each group and different ones "
-                "across groups (a replicated computation on part of a tp-split activation). Give it a plan entry "
-                "or run it with tp = 1.")
-        return self.decided
-
-
 _PARTIAL = TpGradient("partial")
-# Relative difference below which two ranks' gradient fingerprints count as the same gradient:
-# replicated computations agree to the bit, parts of a split activation differ in every figure.
-_SAME_GRADIENT = 1e-6
-
-
-def _gradient_classes(grad: torch.Tensor, mesh: DeviceMesh) -> list[list[int]]:
-    """tp ranks grouped by equal gradients (one all-gather of three float64 numbers per rank); ranks
-    whose gradient is all zero form a group listed as ``[-1, ...ranks]``."""
-    flat = grad.detach().flatten().double()
-    weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=flat.dtype, device=flat.device)
-    mine = torch.stack([flat.abs().sum(), flat.square().sum(), (flat * weights).sum()])
-    gathered = [torch.empty_like(mine) for _ in range(mesh.size())]
-    dist.all_gather(gathered, mine, group=mesh.get_group())
-    prints = torch.stack(gathered).cpu()
-    groups: list[list[int]] = []
-    zero = [r for r in range(mesh.size()) if prints[r, 0] == 0]
-    for rank in range(mesh.size()):
-        if rank in zero:
-            continue
-        for group in groups:
-            ref = prints[group[0]]
-            if ((prints[rank] - ref).abs() <= _SAME_GRADIENT * (prints[rank].abs() + ref.abs())).all():
-                group.append(rank)
-                break
-        else:
-            groups.append([rank])
-    return groups + ([[-1, *zero]] if zero else [])
-
-
-class _LocalView(torch.autograd.Function):
-    """Local view of a replicated DTensor parameter; backward labels this rank's gradient as its
-    :class:`TpGradient` says (``Partial()``: summed over the mesh; ``Replicate()``: already whole)."""
-
-    @staticmethod
-    def forward(ctx, param: DTensor, rule: TpGradient) -> torch.Tensor:
-        ctx.mesh, ctx.rule = param.device_mesh, rule
-        local = param.to_local()
-        return local.view_as(local)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        placement = ctx.rule.placement(grad, ctx.mesh)
-        return DTensor.from_local(grad, ctx.mesh, [placement]).redistribute(ctx.mesh, [Replicate()]), None
-
-
-def local_view(tensor: DTensor, rule: TpGradient) -> torch.Tensor:
-    """The local view of a Replicate DTensor (a parameter, or an activation), its gradient combined
-    over tp as ``rule`` says."""
-    return _LocalView.apply(tensor, rule)
-
-
-def name_tp_gradients(model: nn.Module) -> None:
-    """Label every :class:`TpGradient` of ``model`` with its parameter's (or input's module's) name, for
-    the errors it raises."""
-    for path, module in model.named_modules():
-        for pname, rule in getattr(module, "tp_gradients", {}).items():
-            rule.name = f"{path}.{pname}" if path else pname
-        if (rule := getattr(module, "tp_input_gradient", None)) is not None:
-            rule.name = path
 
 
 def _distribute_params(module: nn.Module, mesh: DeviceMesh, placement: Placement, src_data_rank: int | None) -> None:
@@ -234,8 +120,8 @@ def _local_linear(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]
     parameters: a ``Shard(0)`` split, or the rows of the KV head a :class:`ReplicatedKVHeads` rank computes."""
     if hasattr(linear, "tp_rows"):
         rows = slice(*linear.tp_rows)
-        weight = _LocalView.apply(linear.weight, _PARTIAL)[rows]
-        return weight, _LocalView.apply(linear.bias, _PARTIAL)[rows] if linear.bias is not None else None
+        weight = local_view(linear.weight, _PARTIAL)[rows]
+        return weight, local_view(linear.bias, _PARTIAL)[rows] if linear.bias is not None else None
     return linear.weight.to_local(), linear.bias.to_local() if linear.bias is not None else None
 
 
@@ -682,7 +568,7 @@ def _moe_plan(prefix: str, moe: MoE, sp: bool) -> dict[str, ParallelStyle]:
 
 
 def _block_plan(block: nn.Module, kv_heads: int, head_dim: int, tp: int, sp: bool) -> dict[str, ParallelStyle]:
-    kv_style = Colwise() if kv_heads % tp == 0 else ReplicatedKVHeads(kv_heads, head_dim)
+    kv_style = Colwise() if kv_heads_split(kv_heads, tp) else ReplicatedKVHeads(kv_heads, head_dim)
     projections = {"q_proj": Colwise(), "k_proj": kv_style, "v_proj": kv_style}
     plan = _colwise_group_plan("self_attn", projections, sp, inputs=2)  # (hidden states, rope)
     plan["self_attn.o_proj"] = Rowwise(output_layouts=residual_layout(sp))
@@ -724,7 +610,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool = Fals
     Works on meta-device models (then ``to_empty``, ``tie_weights`` and fill, e.g. with
     ``meshtron.checkpoint.fill_local_slices`` as ``materialize_sharded`` does) and on materialised
     ones (the full weights are split; the first tp rank's copy wins). The model's logits come out as a vocab-sharded DTensor
-    (``Shard(-1)``); compute the loss with :func:`parallel_token_loss_sum`. ``restyle`` rewrites each
+    (``Shard(-1)``); compute the loss with :func:`~meshtron.parallel.vocab_loss.parallel_token_loss_sum`. ``restyle`` rewrites each
     block's plan (``meshtron.parallel.tensor_overlap.apply_overlapped_tensor_parallel`` overlaps the SP
     collectives with their GEMMs).
     """
@@ -750,12 +636,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool = Fals
     if sp:
         model.register_forward_pre_hook(_default_positions_hook(tp), with_kwargs=True)
     return model
-
-
-def _shard_start(size: int, mesh: DeviceMesh) -> int:
-    """First index of this rank's ``Shard`` of a dim of ``size`` (torch.chunk layout, as DTensor uses)."""
-    chunk = math.ceil(size / mesh.size())
-    return min(mesh.get_local_rank() * chunk, size)
 
 
 class _VocabShardLookup(torch.autograd.Function):
@@ -806,7 +686,7 @@ def owned(local: torch.Tensor) -> torch.Tensor:
 def _vocab_parallel_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     mesh = self.weight.device_mesh
     ids = ids.to_local() if isinstance(ids, DTensor) else ids
-    start = _shard_start(self.weight.shape[0], mesh)
+    start = shard_start(self.weight.shape[0], mesh)
     part = _VocabShardLookup.apply(ids, self.weight.to_local(), start, self.padding_idx)
     # Each rank holds its vocabulary rows' share: summed over tp (reduce-scattered along the sequence under SP).
     out = DTensor.from_local(part, mesh, [Partial()], run_check=False).redistribute(mesh, [self.output_layout])
@@ -836,100 +716,19 @@ class VocabParallelEmbedding(ParallelStyle):
         return module
 
 
-def _vocab_reducer(mesh: DeviceMesh):
-    """Per-token max / sum over the vocabulary shards: the loss's only communication."""
-    ops = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
-    group = mesh.get_group()
-
-    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
-        dist.all_reduce(tensor, op=ops[op], group=group)
-        return tensor
-
-    return reduce
-
-
-def _vocab_parallel_head_forward(self: nn.Linear, h: DTensor, labels: torch.Tensor | None = None,
-                                 softcap: float | None = None):
-    if labels is None:
-        return F.linear(h, self.weight)  # vocab-sharded logits, Shard(-1)
-    # This rank's hidden-state gradient covers only its vocabulary columns: a partial sum, reduced
-    # (or reduce-scattered under SP) once by DTensor in backward.
-    local = h.to_local(grad_placements=[Partial()])
-    weight = self.weight.to_local()
-    start = _shard_start(self.weight.shape[0], self.weight.device_mesh)
-    return linear_cross_entropy_sum(local, weight, labels, self.chunk_tokens, start, self.vocab_reduce, softcap=softcap)
-
-
-class VocabParallelHead(ParallelStyle):
-    """The LM head split over the vocabulary (weight ``Shard(0)``, as ``ColwiseParallel``).
-
-    ``head(h)`` returns vocab-sharded logits (a ``Shard(-1)`` DTensor); ``head(h, labels)`` the summed
-    token loss from the fused, chunked lm_head + cross-entropy (``meshtron.models.loss``): each rank
-    computes its vocabulary columns chunk by chunk and all-reduces two per-token values per chunk, so
-    no rank ever holds a whole micro-batch's logits. The input (the residual stream, sequence-sharded
-    under SP) is gathered once.
-    """
-
-    def __init__(self, input_layout: Placement):
-        super().__init__()
-        self.input_layout = input_layout
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not hasattr(module, "chunk_tokens"):
-            raise TypeError(f"VocabParallelHead expects meshtron's LMHead, got {type(module).__name__}")
-
-        def shard_rows(_name, mod, mesh):
-            for name, param in list(mod.named_parameters(recurse=False)):
-                dist_param = distribute_tensor(param, mesh, [Shard(0)], src_data_rank=self.src_data_rank)
-                mod.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
-
-        def gather_input(_mod, inputs, mesh):
-            h, *rest = inputs
-            if not isinstance(h, DTensor):
-                h = DTensor.from_local(h, mesh, [self.input_layout], run_check=False)
-            return (h.redistribute(mesh, [Replicate()]), *rest)
-
-        distribute_module(module, device_mesh, shard_rows, input_fn=gather_input)
-        module.vocab_reduce = _vocab_reducer(device_mesh)
-        module.forward = types.MethodType(_vocab_parallel_head_forward, module)
-        return module
-
-
-def parallel_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Summed token cross-entropy of plain or vocab-sharded (``Shard(-1)`` DTensor) logits.
-
-    With sharded logits only per-token maxima, exp-sums and target logits are all-reduced over tp;
-    the result is a plain scalar, identical on every tp rank. Backward needs no communication. The
-    computation goes chunk by chunk of tokens (:func:`meshtron.models.loss.cross_entropy_sum`), so no
-    fp32 copy of the logits is made. Training uses the fused head instead and never has logits.
-    """
-    if not isinstance(logits, DTensor):
-        return cross_entropy_sum(logits, labels, ignore_index=ignore_index)
-    (placement,) = logits.placements if logits.device_mesh.ndim == 1 else (None,)
-    if not (isinstance(placement, Shard) and placement.dim in (-1, logits.ndim - 1)):
-        raise ValueError(f"parallel_token_loss_sum expects logits sharded on the vocab dim, got {logits.placements}")
-    mesh = logits.device_mesh
-    local = logits.to_local()
-    start = _shard_start(logits.shape[-1], mesh)
-    return cross_entropy_sum(local, labels.to(local.device), vocab_start=start, reduce=_vocab_reducer(mesh),
-                             ignore_index=ignore_index)
-
-
 __all__ = [
     "apply_tensor_parallel",
     "check_tensor_parallel",
-    "parallel_token_loss_sum",
+    "kv_heads_split",
+    "local_heads",
+    "local_kv_heads",
     "residual_layout",
     "tp_fits",
     "ReplicatedKVHeads",
     "ReplicateParallel",
     "SequenceParallelColwise",
     "SplitParams",
-    "TpGradient",
     "VocabParallelEmbedding",
-    "VocabParallelHead",
-    "local_view",
-    "name_tp_gradients",
     "owned",
     "Colwise",
     "PackedProjections",

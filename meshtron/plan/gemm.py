@@ -41,8 +41,9 @@ import math
 from typing import NamedTuple
 
 from meshtron.config import Config
+from meshtron.parallel.tensor import local_kv_heads
 from meshtron.plan.hardware import Hardware
-from meshtron.plan.memory import FP32, by_kind, compute_bytes, kv_split, microbatch_tokens, recomputed_share
+from meshtron.plan.memory import FP32, by_kind, compute_bytes, microbatch_tokens, recomputed_share
 
 SMS = 132  # H100 / H200 SXM5 streaming multiprocessors (NVIDIA H100 Tensor Core GPU Architecture whitepaper)
 ALIGN = 8  # elements: a dimension not a multiple of this (16 bytes in bf16) leaves cuBLAS's vectorized kernels
@@ -160,7 +161,7 @@ def layer_gemms(cfg: Config, layer: int, rows: int) -> list[Gemm]:
     m, p = cfg.model, cfg.parallel
     h, d, tp = m.hidden_size, m.head_size, p.tp
     fp8 = cfg.train.fp8 != "none"
-    kv = (m.kv_heads // tp if kv_split(m, tp) else 1) * d  # a replicated KV head: each rank computes one
+    kv = local_kv_heads(m.kv_heads, tp) * d
     q = m.num_attention_heads // tp * d
     out = [Gemm(rows, q, h, fp8=fp8), Gemm(rows, kv, h, fp8=fp8), Gemm(rows, kv, h, fp8=fp8), Gemm(rows, h, q, fp8=fp8)]
     if not m.is_moe_layer(layer):
@@ -212,7 +213,7 @@ def elementwise_bytes(cfg: Config, layer: int, rows: int) -> float:
     m, p = cfg.model, cfg.parallel
     tp, h, d = p.tp, m.hidden_size, m.head_size
     norm_rows = rows // tp if p.sp else rows
-    kv = (m.kv_heads // tp if kv_split(m, tp) else 1) * d
+    kv = local_kv_heads(m.kv_heads, tp) * d
     width = m.intermediate_size // tp
     if m.is_moe_layer(layer):
         width = m.num_experts_per_tok * m.moe_intermediate_size // tp + m.shared_expert_intermediate_size // tp

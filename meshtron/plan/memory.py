@@ -78,6 +78,8 @@ from typing import NamedTuple, TypeVar
 
 from meshtron.config import Config, ModelConfig
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
+from meshtron.parallel.checkpointing import checkpoints_layer
+from meshtron.parallel.context import cp_comm
 from meshtron.parallel.data import data_shard_dim, gathers_once_per_step, reduces_gradients
 from meshtron.parallel.pipeline.schedules import (
     SPLIT_BACKWARD,
@@ -92,6 +94,7 @@ from meshtron.parallel.pipeline.schedules import (
     steady_microbatches,
 )
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank, split_layers
+from meshtron.parallel.tensor import kv_heads_split, local_kv_heads
 
 GIB = 2**30
 FP32 = 4
@@ -190,14 +193,9 @@ def chunk_size(n: int, parts: int, index: int) -> int:
     return max(0, min(step, n - index * step))
 
 
-def kv_split(m: ModelConfig, tp: int) -> bool:
-    """KV heads are split over tp when tp divides them; otherwise each tp rank keeps them whole."""
-    return m.kv_heads % tp == 0
-
-
 def _layer_params(m: ModelConfig, layer: int, tp: int) -> list[Param]:
     h, d = m.hidden_size, m.head_size
-    kv_dim = 0 if kv_split(m, tp) else None
+    kv_dim = 0 if kv_heads_split(m.kv_heads, tp) else None
     unit = f"block.{layer}"
     p = f"layers.{layer}."
     out = [Param(p + "input_layernorm.weight", (h,), unit=unit)]
@@ -363,7 +361,8 @@ def _last_stage_rank(pp: int, virtual: int, v_shape: bool) -> int:
     return chunk_rank(pp * virtual - 1, pp, v_shape)
 
 
-def _stage_chunks(cfg: Config, pp_rank: int) -> list[range]:
+def _stage_layer_ranges(cfg: Config, pp_rank: int) -> list[range]:
+    """The layer range of each chunk (virtual stage) pipeline rank ``pp_rank`` runs, in its order."""
     p = cfg.parallel
     return split_layers(cfg.model.num_hidden_layers, p.pp, p.virtual_stages, _v_shape(cfg))[pp_rank]
 
@@ -411,7 +410,7 @@ def layer_activation_bytes(cfg: Config, layer: int) -> float:
     m, p = cfg.model, cfg.parallel
     c, h, tp, sp = compute_bytes(cfg), m.hidden_size, p.tp, _sp_split(cfg)
     heads = m.num_attention_heads / tp
-    kv = m.kv_heads / tp if kv_split(m, tp) else 1
+    kv = local_kv_heads(m.kv_heads, tp)
     norms = 2 * (4 + c) * h / sp
     attention = c * h / sp + c * m.head_size * (3 * heads + 2 * kv) + FP32 * heads + document_mask_bytes(cfg)
     if not m.is_moe_layer(layer):
@@ -621,10 +620,7 @@ def host_bytes(cfg: Config, coords: Coords, assumptions: Assumptions) -> dict[st
 
 def layer_checkpointed(cfg: Config, layer: int) -> bool:
     """Whether the layer's backward replays its forward (``op``: in part)."""
-    p = cfg.parallel
-    return p.activation_checkpointing in ("full", "op") or (
-        p.activation_checkpointing == "selective" and layer % p.ac_every == 0
-    )
+    return checkpoints_layer(layer, cfg.parallel.activation_checkpointing, cfg.parallel.ac_every)
 
 
 def layer_kind(cfg: Config, layer: int) -> tuple[bool, bool]:
@@ -680,7 +676,7 @@ def _block_matmul_parts(cfg: Config, layer: int) -> list[tuple[tuple[float, floa
     m, p = cfg.model, cfg.parallel
     h, tp = m.hidden_size, p.tp
     q = m.head_size * m.num_attention_heads / tp
-    kv = m.head_size * (m.kv_heads / tp if kv_split(m, tp) else 1)
+    kv = m.head_size * local_kv_heads(m.kv_heads, tp)
     attention = [((q, h), "attention"), ((kv, h), "attention"), ((kv, h), "attention"), ((h, q), "attention")]
     if not m.is_moe_layer(layer):
         inner = m.intermediate_size / tp
@@ -741,7 +737,7 @@ def op_kept_bytes(cfg: Config, layer: int) -> float:
     m, p = cfg.model, cfg.parallel
     c, h, tp = compute_bytes(cfg), m.hidden_size, p.tp
     heads = m.num_attention_heads / tp
-    ring_steps = p.cp if p.cp_comm_type in ("p2p", "a2a+p2p") else 1
+    ring_steps = p.cp if cp_comm(p.cp_comm_type).ring else 1
     attention = 0.0 if _attention_recomputed(cfg) else ring_steps * (c * m.head_size * heads + FP32 * heads)
     halves = 1 + (not m.is_moe_layer(layer) or bool(m.shared_expert_intermediate_size))
     collectives = halves * (c * h + c * h / tp if p.sp else c * h) if tp > 1 else 0.0
@@ -764,7 +760,7 @@ def captured_gradient_bytes(cfg: Config, layer: int) -> float:
     shared expert. ``tests/test_plan.py`` compares it with what ``B`` records for a block."""
     m, p = cfg.model, cfg.parallel
     c, h, tp, sp = compute_bytes(cfg), m.hidden_size, p.tp, _sp_split(cfg)
-    kv = m.kv_heads / tp if kv_split(m, tp) else 1
+    kv = local_kv_heads(m.kv_heads, tp)
     common = 2 * h / sp + h + m.head_size * (m.num_attention_heads / tp + 2 * kv)
     if not m.is_moe_layer(layer):
         return c * (common + h + 2 * m.intermediate_size / tp)
@@ -838,7 +834,7 @@ def backward_peak(cfg: Config, coords: Coords, reducing: bool | None = None) -> 
         reducing = not sharded_grads_before_backward(cfg)
     grads = _unit_grad_bytes(cfg, coords) if reducing else {}
     in_flight = reduce_scatter_in_flight(cfg, coords.pp)
-    return max((_chunk_backward_peak(cfg, r, grads, in_flight) for r in _stage_chunks(cfg, coords.pp)), key=sum)
+    return max((_chunk_backward_peak(cfg, r, grads, in_flight) for r in _stage_layer_ranges(cfg, coords.pp)), key=sum)
 
 
 def reduce_scatter_in_flight(cfg: Config, pp_rank: int) -> tuple[float, float]:
@@ -891,7 +887,7 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
 
 
 def loss_held_bytes(cfg: Config, pp_rank: int) -> float:
-    """What the fused loss (``models/loss.py``) saves for backward per in-flight micro-batch of the last
+    """What the fused loss (``models/chunked_loss.py``) saves for backward per in-flight micro-batch of the last
     stage at the rank's peak: the hidden-state gradient [tokens, H] and the fp32 weight-gradient
     accumulator [V/tp, H]."""
     return _peak_moment(cfg, pp_rank).loss

@@ -36,10 +36,11 @@ from meshtron.models.qwen2 import flops_per_token
 from meshtron.parallel.pipeline.schedules import V_SHAPED, built_schedule, steady_microbatches
 from meshtron.parallel.pipeline.simulate import simulate
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
-from meshtron.parallel.context import a2a_group_size
+from meshtron.parallel.context import a2a_group_size, cp_comm
 from meshtron.parallel.data import gathers_once_per_step, reduces_gradients
 from meshtron.parallel.float8 import FP8_DIM_MULTIPLE, float8_all_gather
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
+from meshtron.parallel.tensor import local_heads, local_kv_heads
 from meshtron.plan.gemm import gemm_efficiency, step_compute_seconds
 from meshtron.plan.hardware import Hardware
 from meshtron.plan.memory import (
@@ -51,7 +52,6 @@ from meshtron.plan.memory import (
     memo_by_key,
     compute_bytes,
     holds_last_stage,
-    kv_split,
     layer_checkpointed,
     recomputed_share,
     microbatch_tokens,
@@ -122,8 +122,7 @@ def cp_attention_bytes(cfg: Config, gpus_per_node: int = 8) -> dict[str, tuple[f
     ``benchmarks/results/cp_comm_types.md`` holds these against bytes counted on 8 CPU ranks."""
     m, p = cfg.model, cfg.parallel
     c, tokens = compute_bytes(cfg), microbatch_tokens(cfg)
-    heads = m.num_attention_heads // p.tp
-    kv_heads = m.kv_heads // p.tp if kv_split(m, p.tp) else m.kv_heads
+    heads, kv_heads = local_heads(m.num_attention_heads, m.kv_heads, p.tp)
     a = cp_a2a_ranks(cfg, gpus_per_node)
     ring = p.cp // a
     ring_dims, a2a_dims = ("cp_ring", "cp_a2a") if 1 < a < p.cp else ("cp", "cp")
@@ -133,7 +132,7 @@ def cp_attention_bytes(cfg: Config, gpus_per_node: int = 8) -> dict[str, tuple[f
     if a > 1:
         moved = (2 * heads + 2 * kv_a) * tokens * m.head_size * c * (a - 1) / a
         out[f"all_to_all/{a2a_dims}"] = (moved, moved)
-    if p.cp_comm_type == "allgather":
+    if cp_comm(p.cp_comm_type).allgather:
         out["all_gather+reduce_scatter/cp"] = ((p.cp - 1) * kv * c, (p.cp - 1) * kv * FP32)
     elif ring > 1:
         out[f"p2p/{ring_dims}"] = ((ring - 1) * kv * c, (ring - 1) * kv * c + ring * kv * FP32)
@@ -265,7 +264,7 @@ def overlapped_rings(cfg: Config, layer: int) -> list[float]:
     its gradients 4tkh; a checkpointed layer's recomputation repeats the forward two."""
     m, p = cfg.model, cfg.parallel
     t, h, tp = microbatch_tokens(cfg), m.hidden_size, p.tp
-    kv = m.kv_heads // tp if kv_split(m, tp) else 1  # a replicated KV head: each rank computes one
+    kv = local_kv_heads(m.kv_heads, tp)
     groups = [((m.num_attention_heads // tp + 2 * kv) * m.head_size, m.num_attention_heads // tp * m.head_size)]
     width = m.shared_expert_intermediate_size if m.is_moe_layer(layer) else m.intermediate_size
     if width:

@@ -19,7 +19,7 @@ from meshtron import env
 from meshtron.config import ModelConfig, load_config
 from meshtron.hf import from_hf
 from meshtron.models import build_model, token_loss_sum
-from meshtron.models.loss import linear_cross_entropy_sum
+from meshtron.models.chunked_loss import linear_cross_entropy_sum
 from meshtron.models.moe import Router, grouped_swiglu
 from meshtron.models.qwen2 import CausalAttention
 from meshtron.parallel import context

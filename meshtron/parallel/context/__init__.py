@@ -20,7 +20,8 @@ sees keys ``i - p .. i``. A (query chunk, key chunk) pair whose keys all lie bef
 document start is skipped, one whose keys all lie inside every query's document is computed
 unmasked, and only the rest builds an explicit mask (:func:`document_blocks`).
 
-Communication types (``[parallel] cp_comm_type``, Megatron's names), one block engine for all:
+Communication types (``[parallel] cp_comm_type``, Megatron's names; one table, :data:`CP_COMM_TYPES`,
+read by the checks, both apply paths and the planner), one block engine for all:
 
 * ``p2p``: the ring above.
 * ``a2a`` (Ulysses): an all-to-all turns this rank's sequence shard of all heads into all tokens of
@@ -40,7 +41,8 @@ parameters must be *summed* over cp (not averaged): with a gradient reduction th
 reduction. Labels must be shifted to next-token targets *before* sharding, because a chunk's last
 target lives on another rank.
 
-Files: ``layout.py`` (chunks, sharding, the layout checks: what the rest of meshtron imports),
+Files: ``sharding.py`` (chunks, sharding, the comm types and layout checks: what the rest of meshtron
+imports),
 ``blocks.py`` (block schedule, kernels and engine: compute only), ``comm.py`` (every collective and
 its autograd function), ``transform.py`` (:class:`RingAttention`, the cp groups, the model transform).
 """
@@ -57,13 +59,14 @@ from meshtron.parallel.context.blocks import (
     ring_schedule,
 )
 from meshtron.parallel.context.comm import _KV_TAG, RingExchange, RingStats, unshard_sequence
-from meshtron.parallel.context.layout import (
+from meshtron.parallel.context.sharding import (
     CP_COMM_TYPES,
+    CpCommType,
     a2a_group_size,
     check_context_parallel,
     chunk_ids,
+    cp_comm,
     cp_ranks_per_node,
-    local_heads,
     sequence_index,
     shard_batch,
     shard_sequence,
@@ -73,6 +76,7 @@ from meshtron.parallel.context.transform import RingAttention, apply_context_par
 
 __all__ = [
     "CP_COMM_TYPES",
+    "CpCommType",
     "RingAttention",
     "RingExchange",
     "RingStats",
@@ -84,10 +88,10 @@ __all__ = [
     "causal_score_elements",
     "check_context_parallel",
     "chunk_ids",
+    "cp_comm",
     "cp_groups",
     "cp_ranks_per_node",
     "document_blocks",
-    "local_heads",
     "ring_schedule",
     "sequence_index",
     "shard_batch",

@@ -15,7 +15,7 @@ import torch
 
 from meshtron.host import document_starts
 from meshtron.models.layers import document_causal_mask
-from meshtron.parallel.context.layout import chunk_ids
+from meshtron.parallel.context.sharding import chunk_ids
 from meshtron.torch_private import (
     FLASH_ATTENTION,
     FLASH_ATTENTION_BACKWARD,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.parallel.context.blocks import _Blocks, _empty_result
-from meshtron.parallel.context.layout import _cp_group, chunk_ids
+from meshtron.parallel.context.sharding import _cp_group, chunk_ids
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,7 +199,7 @@ def _gather_sequence(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# The whole sequence gathered back (the inverse of layout.shard_sequence)
+# The whole sequence gathered back (the inverse of sharding.shard_sequence)
 # --------------------------------------------------------------------------------------------
 
 

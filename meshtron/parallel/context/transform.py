@@ -21,15 +21,16 @@ from meshtron.parallel.context.comm import (
     _SequenceHeadAllToAll,
     _gather_sequence,
 )
-from meshtron.parallel.context.layout import (
+from meshtron.parallel.context.sharding import (
     _cp_group,
     _held_chunks,
     _mesh_cp,
     check_context_parallel,
     chunk_ids,
+    cp_comm,
     cp_ranks_per_node,
-    local_heads,
 )
+from meshtron.parallel.tensor import local_heads
 from meshtron.torch_private import unflatten_mesh
 
 
@@ -142,7 +143,8 @@ def apply_context_parallel(
     labels and global or packed position ids).
     """
     heads = kv_heads = 1  # only the all-to-all types split heads
-    if comm_type in ("a2a", "a2a+p2p"):
+    kind = cp_comm(comm_type)
+    if kind.a2a != "none":
         tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
         heads, kv_heads = local_heads(model.config.num_attention_heads, model.config.kv_heads, tp)
     if _mesh_cp(mesh).size() == 1:
@@ -154,6 +156,6 @@ def apply_context_parallel(
     ring, a2a = cp_groups(mesh, comm_type, a2a_size, heads, kv_heads)
     for parent in parents:
         parent.core_attention = RingAttention(
-            ring, balanced=balanced, kernel=kernel, a2a=a2a, allgather=comm_type == "allgather"
+            ring, balanced=balanced, kernel=kernel, a2a=a2a, allgather=kind.allgather
         )
     return model

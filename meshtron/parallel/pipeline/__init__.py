@@ -1,7 +1,7 @@
 """Hand-written pipeline parallelism: stage split, schedules as data, a clock simulator, the executor.
 
-The step runner for ``pp > 1`` is ``meshtron.parallel.pipeline.runner.PipelineRunner`` (built by
-``meshtron.parallel.runner.build_step_runner``; not imported here: it composes the other parallelisms).
+The step runner for ``pp > 1`` is ``meshtron.parallel.pipeline.pipelined_runner.PipelineRunner`` (built by
+``meshtron.parallel.step_runner.build_step_runner``; not imported here: it composes the other parallelisms).
 
 ``torch.distributed.pipelining`` is a peer to measure against, not a dependency.
 """

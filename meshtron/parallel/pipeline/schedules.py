@@ -70,9 +70,9 @@ from meshtron.parallel.pipeline.split import chunk_rank
 
 __all__ = [
     "B", "F", "W", "P2P", "RECV_B", "RECV_F", "SEND_B", "SEND_F", "SCHEDULES", "V_SHAPED", "VIRTUAL",
-    "SPLIT_BACKWARD", "Action", "Schedule", "Step", "build_schedule", "built_schedule", "check_schedule", "dualpipev", "gpipe", "held_by_stage", "held_counts",
-    "interleaved_1f1b", "last_weight_passes", "one_f_one_b", "peak_in_flight", "split_backwards", "steady_microbatches",
-    "zb1p", "zbv",
+    "SPLIT_BACKWARD", "Action", "Schedule", "Step", "build_schedule", "built_schedule", "check_schedule", "dualpipev",
+    "gpipe", "held_by_stage", "held_counts", "interleaved_1f1b", "interleaving_refused", "last_weight_passes",
+    "one_f_one_b", "peak_in_flight", "split_backwards", "steady_microbatches", "zb1p", "zbv",
 ]
 
 F, B, W = "F", "B", "W"
@@ -199,11 +199,19 @@ def one_f_one_b(pp: int, m: int) -> Schedule:
     return [_with_p2p(_one_f_one_b_slots(pp, m, r), pp, pp) for r in range(pp)]
 
 
+def interleaving_refused(pp: int, v: int) -> str | None:
+    """Why ``interleaved`` cannot run ``v`` virtual stages per rank on ``pp`` ranks (None: it can). The
+    rule's one owner: the builder below and the recipe check (``parallel/layout.py``) call it."""
+    if pp >= 2 and v >= 2:
+        return None
+    return f"needs pp >= 2 and virtual_stages >= 2, got pp = {pp}, virtual_stages = {v}"
+
+
 def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
     """Megatron's interleaved 1F1B over ``v`` virtual stages (model chunks) per rank.
 
-    Needs ``pp >= 2``, ``v >= 1`` and ``m`` a multiple of ``pp`` (microbatches enter each chunk
-    in groups of ``pp``).
+    Needs ``pp >= 2``, ``v >= 2`` (:func:`interleaving_refused`) and ``m`` a multiple of ``pp``
+    (microbatches enter each chunk in groups of ``pp``).
     """
     _check_interleaved(pp, m, v)
     return [_with_p2p(_interleaved_slots(pp, m, v, r), pp, pp * v) for r in range(pp)]
@@ -211,10 +219,9 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
 
 def _check_interleaved(pp: int, m: int, v: int) -> None:
     name = "interleaved"
-    if v < 1:
-        raise ValueError(f"{name}: virtual_stages must be >= 1, got {v}")
-    if pp < 2:
-        raise ValueError(f"{name}: interleaving needs pp >= 2, got pp = {pp}; use schedule = '1f1b'.")
+    refused = interleaving_refused(pp, v)
+    if refused:
+        raise ValueError(f"{name}: {refused}; use schedule = '1f1b'.")
     _check_microbatches(name, pp, m)
     if m % microbatch_multiple(name, pp):
         lower, upper = m - m % pp, m + pp - m % pp

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    parser.add_argument("--virtual", type=int, help="virtual stages per rank (interleaved; zbv and dualpipev: 2)")
+    parser.add_argument("--virtual", type=int, help="virtual stages per rank (interleaved: 2 or more, default 2; zbv and dualpipev: 2)")
     parser.add_argument("--out", default="timeline.png", help="PNG path")
     parser.add_argument("--f", type=float, default=1.0, help="forward cost of one chunk")
     parser.add_argument("--b", type=float, help="backward cost of one chunk (input-gradient part when --w > 0; "
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--p2p", type=float, default=0.0, help="cost of one p2p batch")
     args = parser.parse_args(argv)
     if args.virtual is None:
-        args.virtual = 2 if args.schedule in V_SHAPED else 1
+        args.virtual = 2 if args.schedule in VIRTUAL else 1
     costs = _default_costs(args)
     if args.virtual != 1 and args.schedule not in VIRTUAL:
         parser.error(f"--virtual {args.virtual} needs --schedule interleaved, zbv or dualpipev")

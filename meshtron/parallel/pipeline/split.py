@@ -26,16 +26,22 @@ def chunk_rank(chunk: int, pp: int, v_shape: bool = False) -> int:
     return chunk % pp
 
 
+def too_few_layers(num_layers: int, num_chunks: int) -> str | None:
+    """Why ``num_layers`` layers cannot fill ``num_chunks`` chunks (None: they can). The rule's one owner:
+    :func:`chunk_sizes` and the recipe check (``parallel/layout.py``) call it."""
+    if num_layers >= num_chunks:
+        return None
+    return (f"num_hidden_layers = {num_layers} is fewer than pp * virtual_stages = {num_chunks} pipeline stages; "
+            "every stage needs at least one layer: lower pp or virtual_stages, or use a deeper model.")
+
+
 def chunk_sizes(num_layers: int, num_chunks: int) -> list[int]:
     """Layers per chunk for ``num_layers`` layers over ``num_chunks`` chunks (rule in the module doc)."""
     if num_chunks < 1:
         raise ValueError(f"number of pipeline chunks must be >= 1, got {num_chunks}")
-    if num_layers < num_chunks:
-        raise ValueError(
-            f"num_hidden_layers = {num_layers} is fewer than pp * virtual_stages = {num_chunks} "
-            "pipeline chunks; every chunk needs at least one layer: lower pp or virtual_stages, "
-            "or use a deeper model."
-        )
+    refused = too_few_layers(num_layers, num_chunks)
+    if refused:
+        raise ValueError(refused)
     sizes = [num_layers // num_chunks] * num_chunks
     receivers = list(range(1, num_chunks - 1)) + [0]
     for chunk in receivers[: num_layers % num_chunks]:

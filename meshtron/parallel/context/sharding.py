@@ -1,5 +1,6 @@
 """Where each token and head of context parallelism lives: the load-balanced chunks of every cp rank,
-sharding a batch to match, and the layout rules checked before any collective.
+sharding a batch to match, the comm types (:data:`CP_COMM_TYPES`) and the layout rules checked before
+any collective.
 
 Kept apart from the attention itself because the rest of meshtron (the step runner, expert
 parallelism, the layout checks of ``parallel/layout.py``, the HF adapter) needs only these answers,
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 from itertools import chain
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -94,7 +96,29 @@ def shard_batch(batch, mesh: DeviceMesh, balanced: bool = True):
     return type(batch)(shard(t) for t in batch)
 
 
-CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+class CpCommType(NamedTuple):
+    """What one ``[parallel] cp_comm_type`` does with attention's inputs (the package docstring)."""
+
+    a2a: str  # cp ranks trading sequence shards for head shards: "none", "cp" (all) or "group" (a2a_group_size)
+    ring: bool  # K/V pass around a ring of p2p exchanges
+    allgather: bool  # K/V are all-gathered once (their gradients reduce-scattered)
+
+
+# The one table of cp comm types (Megatron's names): the checks below, both apply paths
+# (``transform.py``, ``hf/context.py``) and the planner (``plan/``) read it.
+CP_COMM_TYPES = {
+    "p2p": CpCommType(a2a="none", ring=True, allgather=False),
+    "a2a": CpCommType(a2a="cp", ring=False, allgather=False),
+    "allgather": CpCommType(a2a="none", ring=False, allgather=True),
+    "a2a+p2p": CpCommType(a2a="group", ring=True, allgather=False),
+}
+
+
+def cp_comm(comm_type: str) -> CpCommType:
+    """``comm_type``'s row of :data:`CP_COMM_TYPES`; a :class:`ConfigError` naming the key for another name."""
+    if comm_type not in CP_COMM_TYPES:
+        raise ConfigError(f"[parallel] cp_comm_type = {comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}.")
+    return CP_COMM_TYPES[comm_type]
 
 
 def unbalanced_seq_len(seq_len: int, cp: int) -> str:
@@ -112,9 +136,10 @@ def a2a_group_size(comm_type: str, cp: int, a2a_size: int = 0, heads: int = 0, r
     fits on one node (``ranks_per_node``, the cp ranks of a node) and divides the local heads, so
     the all-to-all stays inside a node and the ring crosses nodes.
     """
-    if comm_type in ("p2p", "allgather"):
+    a2a = cp_comm(comm_type).a2a
+    if a2a == "none":
         return 1
-    if comm_type == "a2a":
+    if a2a == "cp":
         return cp
     if a2a_size:
         return a2a_size
@@ -136,8 +161,7 @@ def check_context_parallel(
     """Raise :class:`ConfigError` (before any collective) for a layout the cp type cannot run;
     returns the all-to-all group size. ``heads`` / ``kv_heads`` are the per-tp-rank counts;
     ``ranks_per_node`` the cp ranks sharing a node (for the a2a+p2p rule)."""
-    if comm_type not in CP_COMM_TYPES:
-        raise ConfigError(f"[parallel] cp_comm_type = {comm_type!r} is not one of {', '.join(CP_COMM_TYPES)}.")
+    kind = cp_comm(comm_type)
     if cp == 1:
         return 1
     if sliding_window:
@@ -148,7 +172,7 @@ def check_context_parallel(
     if seq_len is not None and seq_len % (2 * cp):
         raise ConfigError(unbalanced_seq_len(seq_len, cp))
     a = a2a_group_size(comm_type, cp, a2a_size, heads, ranks_per_node)
-    if a2a_size and comm_type != "a2a+p2p":
+    if a2a_size and kind.a2a != "group":
         raise ConfigError(f"[parallel] cp_a2a_size = {a2a_size} is only used with cp_comm_type = 'a2a+p2p'.")
     if cp % a:
         raise ConfigError(f"[parallel] cp_a2a_size = {a} does not divide cp = {cp}; pick a divisor of cp.")
@@ -163,11 +187,6 @@ def check_context_parallel(
             f"{a} cp ranks of the all-to-all do not divide one another; use 'p2p' or 'allgather'."
         )
     return a
-
-
-def local_heads(heads: int, kv_heads: int, tp: int) -> tuple[int, int]:
-    """Attention heads and KV heads per tp rank (KV heads fewer than tp: one per rank, replicated)."""
-    return heads // tp, kv_heads // tp if kv_heads % tp == 0 else 1
 
 
 def cp_ranks_per_node(tp: int, ep: int) -> int:

@@ -16,7 +16,7 @@ from meshtron.models.moe import replaying
 from meshtron.parallel.compose import materialize_sharded, parallelize
 from meshtron.parallel.data import MicrobatchSync
 from meshtron.parallel.grad_norm import clip_grad_norm_
-from meshtron.parallel.pipeline.runner import PipelineRunner
+from meshtron.parallel.pipeline.pipelined_runner import PipelineRunner
 from meshtron.parallel.step import (
     Runner,
     average_router_losses_over_microbatches,
