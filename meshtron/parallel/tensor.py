@@ -243,7 +243,7 @@ class ReplicateParallel(ParallelStyle):
             owner.register_parameter(leaf, nn.Parameter(dist_param, requires_grad=param.requires_grad))
         module.tp_gradients = {name: TpGradient(self.grad, name) for name in names}
         module.forward = _forward_on_local_params(
-            module, names, lambda name, p: _LocalView.apply(p, module.tp_gradients[name]))
+            module, names, lambda name, p: local_view(p, module.tp_gradients[name]))
         return module
 
 
