@@ -254,7 +254,7 @@ def check_op_checkpointing_trains_moe():
     dp 2 x ep 2 in fp32 and with ep 4 folded over dp 2 x tp 2 (SP) in bf16 (FSDP casting the blocks' inputs).
     Both failed in backward while FSDP's hooks ran inside op's record of the block's ops."""
     from meshtron.config import load_config
-    from meshtron.parallel.runner import build_step_runner
+    from meshtron.parallel.step_runner import build_step_runner
 
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "debug_moe.toml"
     start = None

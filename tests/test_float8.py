@@ -610,7 +610,7 @@ def _one_rank_recipe_losses(cfg: Config, start: dict, readers: int, ulp: bool = 
 
 def _layout_recipe_losses(cfg: Config, start: dict) -> list[float]:
     from meshtron.optim import build_optimizer, lr_at, set_lr
-    from meshtron.parallel.runner import build_step_runner
+    from meshtron.parallel.step_runner import build_step_runner
 
     mesh = cached_recipe_mesh(cfg)
     with torch.device("meta"):
