@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -78,7 +79,8 @@ def _timed(fn, iters: int) -> float:
 
 
 def _config(recipe: str, overrides: dict, seq: int):
-    args = [f"--{k}={v}" for k, v in {**overrides, "train.seq_len": seq, "parallel.sp": "true" if overrides.get("parallel.tp", 1) > 1 else "false"}.items()]
+    sp = "true" if overrides.get("parallel.tp", 1) > 1 else "false"  # SP needs tp > 1
+    args = [f"--{k}={v}" for k, v in {**overrides, "train.seq_len": seq, "parallel.sp": sp}.items()]
     return load_config(ROOT / "recipes" / recipe, args)
 
 
@@ -99,8 +101,11 @@ def operands(g: gemm.Gemm, kind: str, device: torch.device, dtype: torch.dtype) 
     """``[m, k]`` and ``[k, n]`` laid out as the training step's pass has them (cuBLAS's speed depends on the
     leading dimensions): forward ``x @ W.t()`` (W stored ``[n, k]``); input gradient ``dy @ W`` (W stored
     ``[k, n]`` here); weight gradient ``dy.t() @ x`` (dy stored ``[k, m]``: tokens first)."""
-    a = torch.randn(g.k, g.m, device=device).to(dtype).t() if kind == "wgrad" else torch.randn(g.m, g.k, device=device).to(dtype)
-    b = torch.randn(g.n, g.k, device=device).to(dtype).t() if kind == "fwd" else torch.randn(g.k, g.n, device=device).to(dtype)
+    def random(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, device=device).to(dtype)
+
+    a = random(g.k, g.m).t() if kind == "wgrad" else random(g.m, g.k)
+    b = random(g.n, g.k).t() if kind == "fwd" else random(g.k, g.n)
     return a, b
 
 
@@ -179,9 +184,8 @@ def with_plan(result: dict) -> dict:
 TILES, SPLITS, FILLS = (128, 192, 256), (512, 1024, 2048, 4096, 8192), (128, 256, 512, 1024)
 
 
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2]
+def _aligned(row: dict) -> bool:
+    return gemm.aligned(row["m"], row["n"], row["k"])
 
 
 def fit(gemms: list[dict]) -> gemm.KernelFit:
@@ -191,19 +195,18 @@ def fit(gemms: list[dict]) -> gemm.KernelFit:
     the others (rounded to 2 figures: the fit is a model, not a table of the measurements)."""
     peaks = {"bf16": Hardware().peak_tflops, "fp8": Hardware().fp8_peak_tflops}
 
-    def aligned(r: dict) -> bool:
-        return gemm.aligned(r["m"], r["n"], r["k"])
-
     def shape(r: dict, candidate: gemm.KernelFit) -> float:
         return r["measured_tflops"] / (peaks[r["dtype"]] * gemm.shape_efficiency(r["m"], r["n"], r["k"], fit=candidate))
 
     best = None
     for tile, split_k, k_fill in ((t, s, f) for t in TILES for s in SPLITS for f in FILLS):
         candidate = gemm.KernelFit(tile, split_k, k_fill, 1.0, {})
-        ceiling = {d: round(_median([shape(r, candidate) for r in gemms if r["dtype"] == d and aligned(r)]), 2)
+        ceiling = {d: round(statistics.median_high([shape(r, candidate) for r in gemms
+                                                   if r["dtype"] == d and _aligned(r)]), 2)
                    for d in peaks}
-        rest = [shape(r, candidate) / ceiling["bf16"] for r in gemms if r["dtype"] == "bf16" and not aligned(r)]
-        candidate = candidate._replace(misaligned=round(_median(rest), 2) if rest else 1.0, ceiling=ceiling)
+        rest = [shape(r, candidate) / ceiling["bf16"] for r in gemms if r["dtype"] == "bf16" and not _aligned(r)]
+        misaligned = round(statistics.median_high(rest), 2) if rest else 1.0
+        candidate = candidate._replace(misaligned=misaligned, ceiling=ceiling)
         error = sum(abs(math.log(shape(r, candidate) / candidate.ceiling[r["dtype"]])) for r in gemms) / len(gemms)
         if best is None or error < best[0]:
             best = (error, candidate)

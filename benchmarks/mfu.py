@@ -32,7 +32,6 @@ runs it with the CUDA tests in one device call.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import time
@@ -89,41 +88,39 @@ def _peak_memory_gib(device: torch.device) -> float | None:
 def timed(step, steps: int, warmup: int, device: torch.device, sync_check: bool,
           profile: tuple[Path, str] | None = None) -> tuple[float, list]:
     """Seconds per step over ``steps`` after ``warmup``; the step's outputs are read only afterwards.
-    ``profile`` (file, label): the timed steps also run under torch.profiler, whose table is appended there."""
+    ``profile`` (file, label): as many further steps, untimed, run under torch.profiler (its overhead would
+    distort the timed ones), whose table is appended there."""
     for _ in range(warmup):
         step()
     synchronize(device)
     outputs = []
-    with _profiled(device, profile):
-        start = time.perf_counter()
-        with no_host_syncs(device, sync_check):
-            for _ in range(steps):
-                outputs.append(step())
-            synchronize(device)
-        seconds = (time.perf_counter() - start) / steps
+    start = time.perf_counter()
+    with no_host_syncs(device, sync_check):
+        for _ in range(steps):
+            outputs.append(step())
+        synchronize(device)
+    seconds = (time.perf_counter() - start) / steps
+    if profile is not None:
+        _profiled(step, steps, device, *profile)
     return seconds, outputs
 
 
-@contextlib.contextmanager
-def _profiled(device: torch.device, profile: tuple[Path, str] | None):
-    """torch.profiler around the block; its kernels by device time (the busiest first) appended to the file,
-    under the label and the device's busy share of the wall time (below 1: the host does not keep it fed)."""
-    if profile is None:
-        yield
-        return
+def _profiled(step, steps: int, device: torch.device, path: Path, label: str) -> None:
+    """``steps`` steps under torch.profiler; their kernels by device time (the busiest first) appended to
+    ``path`` under ``label`` and the steps' wall time (profiled, so longer than the timed steps')."""
     from torch.profiler import ProfilerActivity
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     start = time.perf_counter()
     with torch.profiler.profile(activities=activities) as prof:
-        yield
+        for _ in range(steps):
+            step()
+        synchronize(device)
     wall = time.perf_counter() - start
-    events = prof.key_averages()
-    busy = sum(e.self_device_time_total for e in events) / 1e6
-    path, label = profile
     with path.open("a") as out:
-        out.write(f"\n## {label}: wall {wall:.3f} s, device busy {busy:.3f} s ({busy / wall:.0%})\n")
-        out.write(events.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
-                               row_limit=25, max_name_column_width=70))
+        out.write(f"\n## {label}: wall {wall:.3f} s for {steps} profiled steps\n")
+        out.write(prof.key_averages().table(
+            sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
+            row_limit=25, max_name_column_width=70))
 
 
 def step_config(model_cfg: ModelConfig, dtype: str, batch: int, seq: int, compile: bool = False, fp8: str = "none",
