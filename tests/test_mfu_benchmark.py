@@ -7,6 +7,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from meshtron import env
@@ -32,6 +33,19 @@ def test_mfu_benchmark_tiny_run(tmp_path):
     assert (tmp_path / "mfu.md").read_text() == text
     labels = re.findall(r"^## (.+): wall [0-9.]+ s", profile.read_text(), re.MULTILINE)
     assert labels == [f"tiny (hidden 128, 2 layers) {r['impl']}" for r in rows]
+
+
+def test_mfu_benchmark_tiny_fp8_run(tmp_path):
+    """``benchmarks/mfu.py --tiny --fp8 tensorwise``, as docs/benchmarks.md gives it: meshtron's runs train
+    with ``[train] fp8`` and are labelled so."""
+    pytest.importorskip("torchao")
+    spec = importlib.util.spec_from_file_location("mfu", ROOT / "benchmarks" / "mfu.py")
+    mfu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mfu)
+    mfu.main(["--tiny", "--fp8", "tensorwise", "--modes", "compiled", "--out", str(tmp_path / "mfu")])
+    rows = json.loads((tmp_path / "mfu.json").read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["meshtron compiled fp8 tensorwise", "transformers"]
+    assert 4 < rows[0]["last_loss"] < 8 and rows[0]["tokens_per_s"] > 0, rows[0]
 
 
 def test_gemm_roofline_tiny_run(tmp_path):
