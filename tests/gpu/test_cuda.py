@@ -119,9 +119,14 @@ def test_bf16_model_matches_transformers(device, kind):
         our_loss, our_logits, our_grads = _loss_and_grads(ours16, ids, False, cfg)
     assert rel_err(our_loss, ref_loss) <= 2 * rel_err(hf_loss, ref_loss) + 1e-3
     assert rel_err(our_logits, ref_logits) <= 1.5 * rel_err(hf_logits, ref_logits) + 1e-3
+    # Two correct bf16 backwards differ by roundings of their own: each gradient's error (relative to its
+    # largest entry) is ~bf16's epsilon either way, and which of the two is larger is chance (the router
+    # gate's ratio was 2.0 on an AVX2-only CPU, the other gradients' 0.6-1.6). Allowed: transformers' error
+    # x 1.5 plus one bf16 epsilon.
+    eps = torch.finfo(BF16).eps
     for name, ref in ref_grads.items():
         ours_err, theirs_err = rel_err(our_grads[name], ref), rel_err(hf_grads[name], ref)
-        assert ours_err <= 1.5 * theirs_err + 2e-3, f"{name}: meshtron {ours_err:.2e}, transformers {theirs_err:.2e}"
+        assert ours_err <= 1.5 * theirs_err + eps, f"{name}: meshtron {ours_err:.2e}, transformers {theirs_err:.2e}"
 
 
 # --------------------------------------------------------------------------------------------
