@@ -14,6 +14,7 @@ One launch per family, so a crash that leaves ranks out of step costs only that 
 
     python benchmarks/hf_families.py                   # writes benchmarks/results/hf_families.md
     python benchmarks/hf_families.py --families olmo bitnet   # a subset, printed only
+    python benchmarks/hf_families.py --layouts "dp2 x cp2"    # some layouts, printed only
 """
 
 from __future__ import annotations
@@ -106,12 +107,12 @@ def _case(name: str, index: int, sizes: dict, sp: bool) -> tuple[str, str]:
     return verdict, f"worst {worst[0]} rel {worst[1]:.1e}"
 
 
-def check_family(name: str, index: int, out: str) -> None:
+def check_family(name: str, index: int, out: str, only: list[str]) -> None:
     import torch.distributed as dist
 
     from test_hf_parallelize import _family_model
 
-    layouts = DENSE + (EXPERT if _has_experts(_family_model(name)) else [])
+    layouts = [case for case in DENSE + (EXPERT if _has_experts(_family_model(name)) else []) if case[0] in only]
     rows = {}
     for label, sizes, sp in layouts:
         start = time.perf_counter()
@@ -124,14 +125,14 @@ def check_family(name: str, index: int, out: str) -> None:
         Path(out, f"{name}.json").write_text(json.dumps(rows))
 
 
-def _run_family(name: str, index: int, out: str) -> dict:
+def _run_family(name: str, index: int, out: str, only: list[str]) -> dict:
     from meshtron.testing import DistributedCheckFailed, run_checks
 
     try:
-        run_checks([check_family], RANKS, name, index, out, timeout=900)
+        run_checks([check_family], RANKS, name, index, out, only, timeout=900)
     except DistributedCheckFailed as err:
         last = str(err).strip().splitlines()[-1][:200]
-        return {label: ("crash", f"launch failed: {last}", 0.0) for label in LAYOUTS}
+        return {label: ("crash", f"launch failed: {last}", 0.0) for label in only}
     return json.loads(Path(out, f"{name}.json").read_text())
 
 
@@ -157,12 +158,13 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--families", nargs="*", default=list(BATTERY))
+    parser.add_argument("--layouts", nargs="*", default=LAYOUTS, choices=LAYOUTS)
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as out:
         for name in args.families:
             start = time.perf_counter()
-            results[name] = _run_family(name, list(FAMILIES).index(name), out)
+            results[name] = _run_family(name, list(FAMILIES).index(name), out, args.layouts)
             print(name, {k: v[0] for k, v in results[name].items()}, f"{time.perf_counter() - start:.0f} s", flush=True)
     counts = Counter(verdict for rows in results.values() for verdict, _, _ in rows.values())
     import transformers
@@ -174,7 +176,7 @@ def main() -> None:
             + f"{sum(counts.values())} cases: " + ", ".join(f"{counts[k]} {k}" for k in ("ok", "refused", "WRONG", "crash"))
             + ". Every case not ok:\n\n" + _details(results) + "\n\n" + NOTES + "\n")
     print(text)
-    if args.families == list(BATTERY):
+    if args.families == list(BATTERY) and args.layouts == LAYOUTS:
         RESULT.write_text(text)
 
 

@@ -17,7 +17,9 @@ all split features (BitNet), in-place edits of split outputs (Olmo's clip_qkv), 
 embedding (CodeGen, HunYuan, FalconH1, Bamba), and a Parameter shared by two layers refused.
 The block check (meshtron.hf.prove, on by default) runs on the parity models and issue 41's families; its
 negative controls switch each of those fixes off and see the family refused, on load_hf_checkpoint's path too
-(a twin holding the checkpoint's weights is proved; each loaded parity case records what it proved and read).
+(a twin holding the checkpoint's weights is proved; each loaded parity case records what it proved and read);
+its refusals name what the layout cannot serve (MiniMax's lightning attention under cp, Zamba2's second
+whole-sequence input under SP).
 DeepSeek-V4's [batch, sequence, hc_mult, hidden] streams train at dp and tp, and SP, cp and pp are refused; its
 save_pretrained folder (converted by transformers on load) loads. HY-V4's per-head attention sinks split with
 its heads (left whole: refused by the block check), Qwen4-Exp's decoder-level hyper-connection mixer runs whole.
@@ -727,10 +729,19 @@ def check_block_proof_refuses(folders: dict[str, str], out: str) -> None:
             load_hf_checkpoint(folder, cached_mesh(**sizes), sp=sp)
         load_hf_checkpoint(folder, cached_mesh(**sizes), sp=sp, prove_blocks=False)
     # Not a control: cp's ring serves softmax attention only; MiniMax's lightning attention would see only
-    # this rank's chunks.
+    # this rank's chunks, and the refusal names it (found by what it does: token 0 moves its later outputs).
     with pytest.raises(ConfigError, match=refusal.format(cls="MiniMaxDecoderLayer", layout="dp 4 x cp 2",
-                                                         what="output differs by")):
+                                                         what="output differs by") +
+                       r".* on a probe batch. 'self_attn' \(MiniMaxLightningAttention\) mixes tokens along the "
+                       r"sequence and is not softmax attention, the only mixer cp's ring attention serves: .* Set "
+                       r"\[parallel\] cp = 1 for this family"):
         parallelize_hf_model(_family_model("minimax"), cached_mesh(dp=4, cp=2))
+    # Nor this: Zamba2's hybrid layers take the whole-sequence embedding output beside the SP-split stream.
+    with pytest.raises(ConfigError, match=r"block 1 \(Zamba2HybridLayer\) split at dp 4 x tp 2 \+ SP .* Zamba2HybridLayer "
+                                          r"takes 'original_hidden_states' beside its hidden states, of the same shape "
+                                          r"\[1, 16, 64\]: under SP the stream is split along the sequence, that input "
+                                          r"is not. Set \[parallel\] sp = false for this family"):
+        parallelize_hf_model(_family_model("zamba2"), cached_mesh(dp=4, tp=2), sp=True)
 
 
 def _check_stream_refused(out: str) -> None:
@@ -964,6 +975,26 @@ def test_parts_found_by_what_they_do():
     for name, classes in expected.items():
         assert [type(m).__name__ for m in _attention_modules(meta_family(name))] == classes, name
     assert hf_parts(meta_family("qwen4_exp")).norm_path == "model.hyper_connection_mixer"
+
+
+def test_token_mixers_found_by_what_they_do():
+    """The parts cp's ring cannot serve, named in the block check's cp refusal, are found by running each part
+    again with its first token changed (no names, no classes): mamba, convolution and linear-attention mixers
+    are found, a softmax attention (served by the ring) and per-token parts (MLPs, norms, projections) are not."""
+    from meshtron.hf import prove
+
+    expected = {"olmo": {0: [], 1: []}, "lfm2": {0: ["'conv' (Lfm2ShortConv)"], 1: []},
+                "falcon_h1": {0: ["'mamba' (FalconH1Mixer)"]}, "minimax": {0: ["'self_attn' (MiniMaxLightningAttention)"]},
+                "jamba": {0: ["'mamba' (JambaMambaMixer)"], 1: []}}
+    for name, per_block in expected.items():
+        model = _family_model(name).eval()
+        blocks = list(enumerate(hf_parts(model).blocks))
+        ids = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+        inputs = prove._capture_inputs(blocks, lambda: model(input_ids=ids, use_cache=False))
+        for index, mixers in per_block.items():
+            args, kwargs = inputs[index]
+            found = prove._unserved_mixers(blocks[index][1], args, kwargs, prove._hidden_of(args, kwargs))
+            assert found == mixers, (name, index, found)
 
 
 def test_inferred_tp_plans():

@@ -232,7 +232,7 @@ def parallelize_hf_model(
     shared = _shared_parameters(model)
     pipelined = mesh["pp"].size() > 1
     stage = plan_stage(model, mesh, schedule, microbatches, virtual_stages, sp, dtype) if pipelined else None
-    references = _block_references(model, mesh, stage) if prove_blocks else []
+    references = _block_references(model, mesh, stage, sp) if prove_blocks else []
     if pipelined:
         cut_to_stage(model, stage)
     compose(model, HFSteps(mesh, sp, data_parallel, (ac, ac_every, ac_policy), dtype, (cp_comm_type, cp_a2a_size),
@@ -243,7 +243,7 @@ def parallelize_hf_model(
     return model
 
 
-def _block_references(model: nn.Module, mesh: DeviceMesh, stage: HFStage | None) -> list:
+def _block_references(model: nn.Module, mesh: DeviceMesh, stage: HFStage | None, sp: bool) -> list:
     """The block check's references (:func:`meshtron.hf.prove.record_references`): the first block of each kind
     this rank will run (under pp, among its stage's blocks), run whole as transformers runs it."""
     if not prove.provable(model, mesh):
@@ -252,7 +252,7 @@ def _block_references(model: nn.Module, mesh: DeviceMesh, stage: HFStage | None)
     if stage is not None:
         mine = {i for layers in stage.chunks.values() for i in layers}
         blocks = [(i, block) for i, block in blocks if i in mine]
-    return prove.record_references(model, prove.block_kinds(blocks), mesh)
+    return prove.record_references(model, prove.block_kinds(blocks), mesh, sp)
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
@@ -332,7 +332,7 @@ def _check_twin(folder: str | Path, config, mesh: DeviceMesh, options: dict) -> 
     read = load_sharded_weights(twin, folder, {name for name, t in twin.state_dict().items() if not t.is_meta})
     prove.check_sequence_dim(twin, parts, mesh, kw["sp"])
     if proving:
-        references = prove.record_references(twin, kinds, mesh)
+        references = prove.record_references(twin, kinds, mesh, kw["sp"])
         compose(twin, _TwinSteps(mesh, kw["sp"], kw["data_parallel"], ("none", 1, kw["ac_policy"]), kw["dtype"],
                                  (kw["cp_comm_type"], kw["cp_a2a_size"]), pipelined=False, references=references))
     return read

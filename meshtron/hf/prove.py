@@ -34,6 +34,7 @@ above (:func:`meshtron.hf.parallelize._check_twin`).
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -46,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from meshtron.config import ConfigError
-from meshtron.hf.discover import HFParts
+from meshtron.hf.discover import HFParts, calls_attention_interface
 from meshtron.host import simulating
 from meshtron.mesh import batch_mesh, dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.parallel.context import shard_sequence
@@ -71,6 +72,7 @@ class _Reference:
     out: torch.Tensor = None
     hidden_grad: torch.Tensor = None
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    causes: list[str] = field(default_factory=list)  # what the layout cannot serve: :func:`_known_causes`
 
 
 def block_kinds(blocks: list[tuple[int, nn.Module]]) -> list[tuple[int, nn.Module]]:
@@ -108,6 +110,12 @@ def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple
     if args:
         return (hidden, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": hidden}
+
+
+def _call(module: nn.Module, args: tuple, kwargs: dict, hidden: torch.Tensor):
+    """``module`` called as it was with ``args`` / ``kwargs``, on ``hidden`` in place of their hidden states."""
+    args, kwargs = _with_hidden(args, kwargs, hidden)
+    return module(*args, **kwargs)
 
 
 def _first_output(out) -> torch.Tensor:
@@ -155,8 +163,7 @@ def _eval_mode(model: nn.Module):
 def _run(block: nn.Module, args: tuple, kwargs: dict, hidden: torch.Tensor, grad_out: torch.Tensor):
     """Forward and backward of ``block`` on ``hidden`` (a fresh leaf): (output, input gradient)."""
     leaf = hidden.detach().clone().requires_grad_()
-    args, kwargs = _with_hidden(args, kwargs, leaf)
-    out = _first_output(block(*args, **kwargs))
+    out = _first_output(_call(block, args, kwargs, leaf))
     out.backward(grad_out)
     return out.detach(), leaf.grad
 
@@ -167,7 +174,8 @@ def _model_forward(model: nn.Module, mesh: DeviceMesh) -> Callable[[], object]:
     return lambda: model(input_ids=ids, use_cache=False)
 
 
-def record_references(model: nn.Module, kinds: list[tuple[int, nn.Module]], mesh: DeviceMesh) -> list[_Reference]:
+def record_references(model: nn.Module, kinds: list[tuple[int, nn.Module]], mesh: DeviceMesh,
+                      sp: bool) -> list[_Reference]:
     """Each of ``kinds`` (:func:`block_kinds`) run whole on this rank's probe rows (see the module docstring)."""
     with _eval_mode(model):
         captured = _capture_inputs(kinds, _model_forward(model, mesh))
@@ -180,8 +188,86 @@ def record_references(model: nn.Module, kinds: list[tuple[int, nn.Module]], mesh
             ref.out, ref.hidden_grad = _run(block, args, kwargs, hidden, ref.grad_out)
             ref.grads = {name: p.grad.detach().clone() for name, p in block.named_parameters() if p.grad is not None}
             block.zero_grad(set_to_none=True)
+            ref.causes = _known_causes(block, args, kwargs, hidden, mesh, sp)
             references.append(ref)
     return references
+
+
+def _known_causes(block: nn.Module, args: tuple, kwargs: dict, hidden: torch.Tensor, mesh: DeviceMesh,
+                  sp: bool) -> list[str]:
+    """What in ``block`` this layout is known not to serve, for the block check's refusal to name when the
+    split block differs: under SP a second input shaped like the residual stream (SP splits the stream
+    only), under cp the token mixers the ring does not serve."""
+    causes = []
+    if sp and mesh["tp"].size() > 1 and (streams := _stream_twins(block, args, kwargs, hidden)):
+        causes.append(f"{type(block).__name__} takes {', '.join(streams)} beside its hidden states, of the same "
+                      f"shape {list(hidden.shape)}: under SP the stream is split along the sequence, that input is "
+                      "not. Set [parallel] sp = false for this family")
+    if mesh["cp"].size() > 1 and (mixers := _unserved_mixers(block, args, kwargs, hidden)):
+        causes.append(f"{', '.join(mixers)} {'mix' if len(mixers) > 1 else 'mixes'} tokens along the sequence and "
+                      f"{'are' if len(mixers) > 1 else 'is'} not softmax attention, the only mixer cp's ring "
+                      "attention serves: under cp it would see only this rank's chunks of each sequence. Set "
+                      "[parallel] cp = 1 for this family")
+    return causes
+
+
+def _stream_twins(block: nn.Module, args: tuple, kwargs: dict, hidden: torch.Tensor) -> list[str]:
+    """The names of ``block``'s inputs other than its hidden states (the first argument, or ``hidden_states``)
+    with their shape: Zamba2's hybrid layers also take the embedding output, ``original_hidden_states``."""
+    names = list(inspect.signature(block.forward).parameters)
+    named = [(names[i] if i < len(names) else f"argument {i}", a) for i, a in enumerate(args)][1:]
+    named += [(k, v) for k, v in kwargs.items() if args or k != "hidden_states"]
+    return [f"'{name}'" for name, value in named if isinstance(value, torch.Tensor)
+            and value.is_floating_point() and value.shape == hidden.shape]
+
+
+def _unserved_mixers(block: nn.Module, args: tuple, kwargs: dict, hidden: torch.Tensor) -> list[str]:
+    """The outermost parts of ``block`` ("path (Class)") that mix tokens along the sequence and are not
+    attention cp's ring serves (a module calling transformers' attention interface, or one holding such):
+    mamba, convolution and linear-attention mixers, which under cp would see only this rank's chunks.
+    Found by what they do, not by name: each part is run again on the input the block handed it with its
+    first token changed; a part whose output at a later token moves mixes tokens."""
+    calls: dict[int, tuple] = {}
+
+    def record(module, a, kw):
+        calls.setdefault(id(module), (a, kw))
+
+    parts = [(path, m) for path, m in block.named_modules() if path]
+    handles = [m.register_forward_pre_hook(record, with_kwargs=True) for _, m in parts]
+    try:
+        with torch.no_grad():
+            _call(block, args, kwargs, hidden)
+    finally:
+        for handle in handles:
+            handle.remove()
+    served = {id(m) for _, m in parts if any(calls_attention_interface(sub) for sub in m.modules())}
+    found: list[tuple[str, nn.Module]] = []
+    for path, module in parts:
+        inside_found = any(path.startswith(f"{outer}.") for outer, _ in found)
+        if id(module) in served or id(module) not in calls or inside_found:
+            continue
+        if _mixes_tokens(module, *calls[id(module)], hidden.shape[1]):
+            found.append((path, module))
+    return [f"'{path}' ({type(module).__name__})" for path, module in found]
+
+
+def _mixes_tokens(module: nn.Module, args: tuple, kwargs: dict, length: int) -> bool:
+    """Whether ``module``'s output at tokens 1.. changes with its input's token 0 (inputs [rows, length, ...]
+    only: a part called on anything else, or that cannot run again alone, is not judged)."""
+    x = args[0] if args else kwargs.get("hidden_states")
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 2 and x.shape[1] == length > 1):
+        return False
+    changed = x.clone()
+    changed[:, 0] += 1.0 + changed[:, 0].abs()
+    try:
+        with torch.no_grad():
+            outs = [_first_output(_call(module, args, kwargs, t)) for t in (x.clone(), changed)]
+    except Exception:  # noqa: BLE001 - a part that only runs inside its parent's forward is not judged
+        return False
+    a, b = outs
+    if not (isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[1] == length):
+        return False
+    return bool((a[:, 1:] - b[:, 1:]).abs().max() > 1e-6 * a[:, 1:].abs().max().clamp_min(1e-30))
 
 
 def _held(t: torch.Tensor, mesh: DeviceMesh, sp_shard: bool) -> torch.Tensor:
@@ -267,21 +353,21 @@ def _gradients_summed(named: list[tuple[str, torch.Tensor | None]], experts: set
     return summed
 
 
-def _capture_or_refuse(model: nn.Module, blocks: dict[int, nn.Module], targets: list[tuple[int, nn.Module]],
+def _capture_or_refuse(model: nn.Module, blocks: dict[int, nn.Module], references: list[_Reference],
                        forward: Callable[[], object], mesh: DeviceMesh, sp: bool) -> dict[int, tuple]:
     """:func:`_capture_inputs` of the split model; a split block that raises on the way to a later kind's block
     (HY-V4's dense block 0 before its MoE block 1) is refused naming it, as a proved block that raises is."""
     entered: list[int] = []
     handles = [block.register_forward_pre_hook(lambda *_, i=index: entered.append(i)) for index, block in blocks.items()]
     try:
-        return _capture_inputs(targets, forward)
+        return _capture_inputs([(ref.index, blocks[ref.index]) for ref in references], forward)
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 - any error of a split block is the layout's refusal
         if not entered:  # before the blocks: not theirs to explain
             raise
         index = entered[-1]
-        _refuse(model, index, type(blocks[index]).__name__, mesh, sp, _raised(err), "failed")
+        _refuse(model, index, type(blocks[index]).__name__, mesh, sp, _raised(err), "failed", _cause(references, index))
     finally:
         for handle in handles:
             handle.remove()
@@ -293,7 +379,7 @@ def _split_inputs(model: nn.Module, blocks: dict[int, nn.Module], references: li
     pp from ``run_block(index, hidden, position_ids)`` on the hidden states as the stage holds them."""
     targets = [(ref.index, blocks[ref.index]) for ref in references]
     if run_block is None:
-        return _capture_or_refuse(model, blocks, targets, _model_forward(model, mesh), mesh, sp)
+        return _capture_or_refuse(model, blocks, references, _model_forward(model, mesh), mesh, sp)
     rows, length = references[0].hidden.shape[:2]
     positions = _held(torch.arange(length).expand(rows, length), mesh, sp_shard=False)
     found = {}
@@ -323,15 +409,24 @@ def prove_blocks(model: nn.Module, parts: HFParts, mesh: DeviceMesh, references:
     if failure is not None:
         index, cls, what, err, tolerance = failure
         how = "failed" if math.isinf(err) else f"differs by {err:.2e} (relative; tolerance {tolerance:g})"
-        _refuse(model, index, cls, mesh, sp, what, how)
+        _refuse(model, index, cls, mesh, sp, what, how, _cause(references, index))
 
 
-def _refuse(model: nn.Module, index: int, cls: str, mesh: DeviceMesh, sp: bool, what: str, how: str):
+def _cause(references: list[_Reference], index: int) -> str | None:
+    """What :func:`_known_causes` found in block ``index`` (None when nothing, or not a reference's block)."""
+    return "; ".join(next((ref.causes for ref in references if ref.index == index), [])) or None
+
+
+def _refuse(model: nn.Module, index: int, cls: str, mesh: DeviceMesh, sp: bool, what: str, how: str,
+            cause: str | None = None):
+    """The block check's ConfigError; ``cause``: what the check found splits the block wrong, when it knows."""
+    fix = (f"{cause}, or prove_blocks=False to train anyway." if cause else
+           "How this layout splits the block is wrong for this family (its tp plan or meshtron's translation of "
+           "it, SP, ep or cp); use another layout (e.g. without SP, tp = 1 or cp = 1), or prove_blocks=False to "
+           "train anyway.")
     raise ConfigError(
         f"parallelize_hf_model: {type(model).__name__} block {index} ({cls}) split at {_layout_text(mesh, sp)} "
-        f"does not compute what it computes whole: its {what} {how} on a probe batch. How this layout splits "
-        "the block is wrong for this family (its tp plan or meshtron's translation of it, SP, ep or cp); use "
-        "another layout (e.g. without SP, tp = 1 or cp = 1), or prove_blocks=False to train anyway.")
+        f"does not compute what it computes whole: its {what} {how} on a probe batch. {fix}")
 
 
 def _first_failure(found: list[tuple[int, str, list[tuple[str, float, float]]]],
