@@ -14,7 +14,7 @@ dp2 x ep2 x tp2 ± SP and dp4 x tp2 + SP), DeepSeek-V2/V3's MLA at tp 2 and 4 wi
 OPT's unsplit MLP warning (and its per-token MLP under SP). Issue 41's classes join the same launch:
 plans leaving parts whole under SP (MiniMax, GraniteMoe/-Shared, Jamba at dp2 x ep2 x tp2 + SP), norms over
 all split features (BitNet), in-place edits of split outputs (Olmo's clip_qkv), plans naming only the input
-embedding (CodeGen, HunYuan, FalconH1, Bamba), and a Parameter shared by two layers refused.
+embedding (CodeGen, HunYuan, FalconH1, Bamba), and a Parameter shared by two layers kept one (refused over pp stages).
 The block check (meshtron.hf.prove, on by default) runs on the parity models and issue 41's families; its
 negative controls switch each of those fixes off and see the family refused, on load_hf_checkpoint's path too
 (a twin holding the checkpoint's weights is proved; each loaded parity case records what it proved and read);
@@ -680,14 +680,40 @@ def _check_unsplit_warning(mesh) -> None:
     assert rel_err(split, whole) < 1e-5, f"OPT tp 8 + SP: loss rel err {rel_err(split, whole):.2e}"
 
 
-def _check_shared_parameter_refused(mesh) -> None:
-    """A Parameter shared by two decoder layers (not the tied embedding / head) would get one copy per
-    layer under tp: refused, naming both owners."""
-    model = _family_model("gain_llama")
-    model.model.layers[1].mlp.down_proj.weight = model.model.layers[0].mlp.down_proj.weight
+def _check_shared_parameter_kept() -> None:
+    """A Parameter shared by two decoder layers (not the tied embedding / head) stays one Parameter: tp splits
+    each owner's reference alike and they are tied again, FSDP takes both layers as one unit (replicate: the
+    root). The loss and gradients are the unparallelized model's, and after two AdamW steps the layers still
+    hold one Parameter. Layers on different pipeline stages would train two copies: refused, naming both."""
+    def shared_model():
+        model = _family_model("gain_llama")
+        model.model.layers[1].mlp.down_proj.weight = model.model.layers[0].mlp.down_proj.weight
+        return model
+
+    for sizes, sp, data_parallel in [(dict(dp=4, tp=2), True, "fsdp"), (dict(dp=8), False, "replicate")]:
+        mesh, where = cached_mesh(**sizes), f"shared down_proj {sizes} sp={sp} {data_parallel}"
+        ref, model = shared_model(), shared_model()
+        distinct = len(list(model.parameters()))
+        model = parallelize_hf_model(model, mesh, sp=sp, data_parallel=data_parallel)
+        layers = model.model.layers
+        assert len(list(model.parameters())) == distinct, where
+        ids, labels, mask = _batch(batch_mesh(mesh).size(), seed=3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(2):
+            out = model(input_ids=_local(ids, mesh), labels=_local(labels, mesh), attention_mask=_local(mask, mesh))
+            out.loss.backward()
+            if step == 0:
+                ref_out = ref(input_ids=ids, labels=labels, attention_mask=mask)
+                ref_out.loss.backward()
+                assert rel_err(out.loss, ref_out.loss) < 1e-5, where
+                _check_grads(model, ref, where)
+            opt.step()
+            opt.zero_grad()
+        assert layers[1].mlp.down_proj.weight is layers[0].mlp.down_proj.weight, where
     with pytest.raises(ConfigError, match=r"'model.layers.0.mlp.down_proj.weight', 'model.layers.1.mlp.down_proj.weight' "
-                                          r"share one Parameter, but parallelizing gave them separate copies"):
-        parallelize_hf_model(model, mesh)
+                                          r"share one Parameter, but pp = 2 puts their layers \[0, 1\] on different "
+                                          r"pipeline stages \(each stage would train its own copy\)"):
+        parallelize_hf_model(shared_model(), cached_mesh(pp=2, dp=4), microbatches=2)
 
 
 def check_block_proof_refuses(folders: dict[str, str], out: str) -> None:
@@ -793,7 +819,7 @@ def check_errors(folders: dict[str, str], out: str) -> None:
     with pytest.raises(ConfigError, match="ep = 2 needs a MoE model"):
         parallelize_hf_model(_reference(folders["llama"]), cached_mesh(dp=2, ep=2, tp=2))
     _check_unsplit_warning(cached_mesh(tp=8))
-    _check_shared_parameter_refused(cached_mesh(dp=4, tp=2))
+    _check_shared_parameter_kept()
     moe = _reference(folders["qwen2_moe"])
     moe.config.base_model_ep_plan = None
     with pytest.raises(ConfigError, match="no base_model_ep_plan entry .* is not a MoE whose router scores scale"):

@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from meshtron import env
 from meshtron.checkpoint import gather_full_state_dict
@@ -68,7 +69,7 @@ from meshtron.hf.context import apply_hf_context_parallel
 from meshtron.hf.experts import adopt_router_scaled_blocks, apply_hf_expert_parallel, hf_expert_modules
 from meshtron.hf.io import weight_map, write_safetensors_folder
 from meshtron.hf.loss import global_aux_loss, hf_loss_function
-from meshtron.hf.pipeline import HFStage, cut_to_stage, plan_stage, run_as_stage, stage_block
+from meshtron.hf.pipeline import HFStage, cut_to_stage, plan_stage, run_as_stage, stage_block, stage_chunks
 from meshtron.hf.slices import load_sharded_weights, missing_tensors
 from meshtron.hf.tp_plan import apply_hf_tensor_parallel, replicate_plain_params
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
@@ -77,6 +78,7 @@ from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.checkpointing import checkpoint_blocks
 from meshtron.parallel.compose import compose
 from meshtron.parallel.data import data_meshes, mixed_precision, wrap_units
+from meshtron.parallel.pipeline.schedules import V_SHAPED
 
 
 def _no_cache_in_training(model, args, kwargs):
@@ -120,6 +122,7 @@ class HFSteps:
         """The bias-free head becomes meshtron's fused one; the fused experts are found (before tp splits
         the blocks around them)."""
         self.parts = hf_parts(model)
+        self.shared = _shared_parameters(model)
         _as_meshtron_head(self.parts.head)
         ep = expert_split(self.mesh).ep
         self.expert_modules = hf_expert_modules(model, ep) if ep > 1 or self.tp_mesh.size() > 1 else {}
@@ -137,6 +140,7 @@ class HFSteps:
         self.experts = apply_hf_expert_parallel(model, self.mesh, self.expert_modules)
         if self.tp_mesh.size() > 1:
             replicate_plain_params(model, self.parts, self.tp_mesh, self.experts)
+        _share_again(self.shared)
 
     def context(self, model: nn.Module) -> None:
         if self.mesh["cp"].size() > 1:
@@ -232,6 +236,8 @@ def parallelize_hf_model(
     shared = _shared_parameters(model)
     pipelined = mesh["pp"].size() > 1
     stage = plan_stage(model, mesh, schedule, microbatches, virtual_stages, sp, dtype) if pipelined else None
+    if pipelined:
+        _check_shared_in_one_stage(model, shared, stage)
     references = _block_references(model, mesh, stage, sp) if prove_blocks else []
     if pipelined:
         cut_to_stage(model, stage)
@@ -264,6 +270,45 @@ def _shared_parameters(model: nn.Module) -> list[list[tuple[str, nn.Module, str]
             if all(m is not module or n != name for _, m, n in owners.get(id(param), ())):
                 owners.setdefault(id(param), []).append((path, module, name))
     return [group for group in owners.values() if len(group) > 1]
+
+
+def _share_again(shared: list[list[tuple[str, nn.Module, str]]]) -> None:
+    """Each shared Parameter one Parameter again after tp and ep: their styles distribute each owner's
+    reference to it on its own, into equal copies where the owners are split alike (the same layer class,
+    the same plan entry). Owners split otherwise keep their copies, and :func:`_check_still_shared` refuses."""
+    for group in shared:
+        (_, first, name), *others = group
+        kept = getattr(first, name)
+        if all(_split_alike(getattr(module, n), kept) for _, module, n in others):
+            for _, module, n in others:
+                setattr(module, n, kept)
+
+
+def _split_alike(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if isinstance(a, DTensor) != isinstance(b, DTensor) or a.shape != b.shape:
+        return False
+    return not isinstance(a, DTensor) or (a.placements == b.placements and a.device_mesh == b.device_mesh)
+
+
+def _check_shared_in_one_stage(model: nn.Module, shared: list[list[tuple[str, nn.Module, str]]],
+                               stage: HFStage) -> None:
+    """Weights reused by decoder layers that pp puts on different stages would be two copies, each trained
+    by its stage's share of the gradient: refused on every rank alike, before any collective (a tied
+    embedding and head is the pipeline's own case: it sums their gradients)."""
+    blocks = hf_parts(model).blocks_path
+    p = stage.parallel
+    stage_of = {index: pp_rank for pp_rank in range(p.pp) for layers in
+                stage_chunks(len(hf_parts(model).blocks), pp_rank, p.pp, p.virtual_stages,
+                             p.schedule in V_SHAPED).values() for index in layers}
+    for group in shared:
+        indices = sorted({int(path.removeprefix(f"{blocks}.").split(".")[0]) for path, _, _ in group
+                          if path.startswith(f"{blocks}.")})
+        if len({stage_of[i] for i in indices}) > 1:
+            names = ", ".join(f"'{path}.{name}'" for path, _, name in group)
+            raise ConfigError(
+                f"parallelize_hf_model: {names} share one Parameter, but pp = {p.pp} puts their layers "
+                f"{indices} on different pipeline stages (each stage would train its own copy). Use pp = 1, or "
+                "a pipeline split that keeps those layers in one stage.")
 
 
 def _check_still_shared(model: nn.Module, shared: list[list[tuple[str, nn.Module, str]]]) -> None:

@@ -160,23 +160,26 @@ def shard_placement(shards: int, prefer_even: bool = False):
 
 
 def wrap_data_parallel(
-    module: nn.Module, data_mesh: DeviceMesh, mode: str, policy: MixedPrecisionPolicy, prefer_even: bool = False,
-    offload: OffloadPolicy = OffloadPolicy(),
+    module: nn.Module | list[nn.Module], data_mesh: DeviceMesh, mode: str, policy: MixedPrecisionPolicy,
+    prefer_even: bool = False, offload: OffloadPolicy = OffloadPolicy(),
 ) -> FSDPModule:
     """One FSDP2 (or replicate) unit whose gradients are summed over ``data_mesh``, not averaged:
-    each rank's loss is already its share of the global loss."""
+    each rank's loss is already its share of the global loss. A list of modules (FSDP only) is one unit:
+    gathered before the first of them runs, freed after the last."""
     if mode == "replicate":
         unit = replicate(module, mesh=data_mesh, mp_policy=policy)
     else:
         placement = shard_placement(data_mesh.size(data_mesh.ndim - 1), prefer_even)  # the shard dim (last for HSDP)
         unit = fully_shard(module, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement,
                            offload_policy=offload)
+    members = unit if isinstance(unit, list) else [unit]
     if data_mesh.size() > 1:
         # On one rank the sum is the gradient itself, and the factor would cost a pass: FSDP2's one-rank
         # path copies the gradient divided by any factor set, even 1 (benchmarks/results/mfu_profile.txt).
-        unit.set_gradient_divide_factor(1.0)
-    unit.set_force_sum_reduction_for_comms(True)  # a factor alone becomes PREMUL_SUM, which gloo lacks
-    hooks_outside_op_record(unit)  # a unit in (or of) a checkpointed block: its hooks replay unevenly
+        members[0].set_gradient_divide_factor(1.0)  # the members of a list share one state
+    members[0].set_force_sum_reduction_for_comms(True)  # a factor alone becomes PREMUL_SUM, which gloo lacks
+    for member in members:
+        hooks_outside_op_record(member)  # a unit in (or of) a checkpointed block: its hooks replay unevenly
     return unit
 
 
@@ -205,8 +208,24 @@ def wrap_units(
     for module in experts:
         wrap_data_parallel(module, expert_mesh, mode, policy, prefer_even=True, offload=offload)
     if dense:
-        for module in (*blocks, *_untied_vocab_modules(*vocab), model):
-            wrap_data_parallel(module, dense_mesh, mode, policy, offload=offload)
+        for unit in _sharing_groups([*blocks, *_untied_vocab_modules(*vocab)]):
+            if len(unit) == 1 or mode != "replicate":  # replicate takes one module: the root holds the group
+                wrap_data_parallel(unit if len(unit) > 1 else unit[0], dense_mesh, mode, policy, offload=offload)
+        wrap_data_parallel(model, dense_mesh, mode, policy, offload=offload)
+
+
+def _sharing_groups(modules: Sequence[nn.Module]) -> list[list[nn.Module]]:
+    """``modules`` grouped so that those sharing a Parameter (weights reused by several decoder layers, as
+    Zamba2's hybrid layers reuse their transformer block) are one unit: a Parameter in two units would become
+    two copies whose gradients are split and which drift apart."""
+    groups: list[tuple[list[nn.Module], set[int]]] = []  # (members, ids of their parameters)
+    for module in modules:
+        members, ids = [module], {id(p) for p in module.parameters()}
+        for group in [g for g in groups if g[1] & ids]:
+            groups.remove(group)
+            members, ids = group[0] + members, group[1] | ids
+        groups.append((members, ids))
+    return [members for members, _ in groups]
 
 
 def _check_experts_split(model: nn.Module, mesh: DeviceMesh) -> None:
