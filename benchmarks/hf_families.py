@@ -35,7 +35,7 @@ RESULT = Path(__file__).parent / "results" / "hf_families.md"
 RANKS = 4
 # Issue 41's families (its classes, item 6's streams, sinks and shared blocks) and the two whose SP was refused.
 BATTERY = ("minimax", "granitemoe", "granitemoeshared", "jamba", "bitnet", "olmo", "codegen", "hunyuan", "falcon_h1",
-           "bamba", "gpt_neox", "lfm2", "deepseek_v4", "hy_v4", "qwen4_exp", "zamba2")
+           "bamba", "gpt_neox", "lfm2", "deepseek_v4", "hy_v4", "qwen4_exp", "zamba2", "kimi_linear")
 DENSE = [("dp2 x tp2", dict(dp=2, tp=2), False), ("tp4", dict(tp=4), False), ("dp2 x tp2 + SP", dict(dp=2, tp=2), True),
          ("tp4 + SP", dict(tp=4), True), ("dp2 x cp2", dict(dp=2, cp=2), False)]
 EXPERT = [("dp2 x ep2", dict(dp=2, ep=2), False), ("ep2 x tp2 + SP", dict(ep=2, tp=2), True)]

@@ -418,6 +418,16 @@ FAMILIES = {
                                     layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1], num_mem_blocks=1,
                                     max_position_embeddings=64),
                "a transformer block shared by the hybrid layers; mamba layers whole"),
+    # MLA only in its full-attention layers (one in four in the released model), Kimi delta attention in the
+    # others, under one decoder-layer class; the plan names only the MLPs.
+    "kimi_linear": ("KimiLinearConfig", dict(TINY, num_key_value_heads=8, intermediate_size=96, moe_intermediate_size=32,
+                                             num_experts=4, num_experts_per_token=2, num_shared_experts=1,
+                                             kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, v_head_dim=8,
+                                             qk_nope_head_dim=8, linear_head_dim=8, linear_num_heads=8,
+                                             layer_types=["linear_attention", "full_attention"],
+                                             mlp_layer_types=["dense", "dense"], max_position_embeddings=64,
+                                             pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                    "MLA in the full-attention layers only, delta attention in the others; plan names the MLPs"),
     # Hyper-connection streams mixed back into one by a decoder-level mixer in place of a final norm; gated
     # delta-net and indexed attention layers, fused experts.
     "qwen4_exp": ("Qwen4ExpTextConfig", dict(TINY, num_key_value_heads=4, head_dim=8, moe_intermediate_size=32,
@@ -450,6 +460,7 @@ FAMILY_LAYOUTS = {"mixtral": [*EP_LAYOUTS, FOLDED_LAYOUT], "qwen3_moe": [FOLDED_
                   "olmo": [(dict(dp=4, tp=2), False), (dict(dp=2, tp=4), True)],
                   "deepseek_v4": [(dict(dp=8), False), (dict(dp=2, tp=4), False)],
                   "hy_v4": [(dict(dp=2, tp=4), False)], "qwen4_exp": [(dict(dp=4, tp=2), False)],
+                  "kimi_linear": [(dict(dp=2, tp=4), True)],
                   # Battery only (benchmarks/hf_families.py): its inferred plan splits nothing over tp.
                   "zamba2": []}
 # MLA families: projection -> its tp placement (the down projection replicated, the others split by heads).
@@ -457,7 +468,7 @@ MLA_PLACEMENTS = {"q_proj": Shard(0), "q_b_proj": Shard(0), "q_a_proj": Replicat
                   "kv_b_proj": Shard(0), "o_proj": Shard(1)}
 # Issue 41's families (and the two whose SP used to be refused): check_families runs the block check on these.
 PROVED_FAMILIES = ("minimax", "granitemoe", "granitemoeshared", "jamba", "bitnet", "olmo", "codegen", "hunyuan",
-                   "falcon_h1", "bamba", "lfm2", "qwen3_next", "deepseek_v4", "hy_v4", "qwen4_exp")
+                   "falcon_h1", "bamba", "lfm2", "qwen3_next", "deepseek_v4", "hy_v4", "qwen4_exp", "kimi_linear")
 # Own plans naming only the experts: over ep x tp nothing else in their blocks is split (it runs whole; so
 # do DeepSeek-V4's experts).
 EXPERTS_ONLY_PLANS = ("granitemoe", "granitemoeshared", "jamba", "deepseek_v4")
@@ -511,7 +522,7 @@ def check_families(folders: dict[str, str], out: str) -> None:
             model = parallelize_hf_model(_family_model(name), mesh, sp=sp, prove_blocks=name in PROVED_FAMILIES)
             if name in EXPERT_CLASSES:
                 _check_expert_split(model, name, mesh, where)
-            if name in ("deepseek_v2", "deepseek_v3"):
+            if name in ("deepseek_v2", "deepseek_v3", "kimi_linear"):
                 _check_mla_split(model, where)
             if name not in EXPERTS_ONLY_PLANS:
                 _check_blocks_split(model, mesh, where)
@@ -550,10 +561,18 @@ def _check_blocks_split(model, mesh, where: str) -> None:
 
 
 def _check_mla_split(model, where: str) -> None:
-    """MLA runs split, not whole on every tp rank: the parity alone would not tell (without SP)."""
+    """MLA runs split, not whole on every tp rank, in every layer that has it (Kimi Linear's layer 1; its layer
+    0's delta attention stays whole): the parity alone would not tell."""
+    mla = [layer for layer in model.model.layers if hasattr(layer.self_attn, "kv_b_proj")]
+    assert mla, where
     for layer in model.model.layers:
+        if layer not in mla:
+            weight = layer.self_attn.o_proj.weight
+            assert not isinstance(weight, DTensor) or not isinstance(
+                dict(zip(weight.device_mesh.mesh_dim_names, weight.placements)).get("tp"), Shard), where
+    for layer in mla:
         for proj, placement in MLA_PLACEMENTS.items():
-            if (module := getattr(layer.self_attn, proj)) is not None:
+            if (module := getattr(layer.self_attn, proj, None)) is not None:
                 weight = module.weight
                 assert dict(zip(weight.device_mesh.mesh_dim_names, weight.placements))["tp"] == placement, \
                     f"{where}: {proj} {weight.placements}"
@@ -1040,9 +1059,11 @@ def test_inferred_tp_plans():
         model = meta_model(name, **change)
         return infer_tp_plan(model, hf_parts(model), tp, kv_heads=4)
 
-    def config_plan(name):
+    def config_plan(name, layer=0):
         model = meta_model(name)
-        return model.config.base_model_tp_plan, with_mla_attention(model.config.base_model_tp_plan, hf_parts(model))
+        parts = hf_parts(model)
+        given = model.config.base_model_tp_plan
+        return given, with_mla_attention(given, parts.plan_blocks, parts.blocks[layer])
 
     assert plan("gpt2") == {"h.*.attn.c_attn": "colwise_gather_output", "h.*.attn.c_proj": "rowwise_split_input",
                             "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"}
@@ -1058,6 +1079,13 @@ def test_inferred_tp_plans():
     given, completed = config_plan("deepseek_v3")  # a config plan naming nothing of the MLA attention gets it
     assert completed == given | mla
     given, completed = config_plan("deepseek_v2")  # one naming it stays as it is
+    assert completed == given
+    # Found in each layer that has it: Kimi Linear's layer 1 (MLA) gets the entries, its layer 0's delta
+    # attention (q_proj and o_proj of its own) gets none.
+    given, completed = config_plan("kimi_linear", layer=1)
+    assert completed == given | {f"layers.*.self_attn.{p}": style for p, style in [
+        ("q_proj", "colwise"), ("kv_a_proj_with_mqa", "mla_kv_a_proj"), ("kv_b_proj", "colwise"), ("o_proj", "rowwise")]}
+    given, completed = config_plan("kimi_linear", layer=0)
     assert completed == given
     assert plan("gpt_oss") == {f"layers.*.self_attn.{p}": "colwise_gather_output" for p in ("q_proj", "k_proj", "v_proj")} | {
         "layers.*.self_attn.o_proj": "rowwise_split_input"}  # sinks: per-head parameters; experts elsewhere

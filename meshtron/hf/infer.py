@@ -15,7 +15,8 @@ transformers' own vocabulary (``colwise``, ``rowwise``, ``colwise_gather_output`
   output projection ``rowwise_split_input``;
 * MLA attention (DeepSeek-V2/V3: low-rank down projections ``q_a_proj`` / ``kv_a_proj_with_mqa``):
   DeepSeek-V2's own plan entries; a config plan that names nothing of
-  such an attention (DeepSeek-V3's lists only its MLPs) gets them too (:func:`with_mla_attention`);
+  such an attention (DeepSeek-V3's lists only its MLPs) gets them too, in each layer whose attention is
+  MLA (:func:`with_mla_attention`: Kimi Linear has it in one layer in four);
 * MLP in its own submodule: projections reading the hidden size ``colwise``, the one writing it
   ``rowwise``; a single fused gate/up (twice the down projection's input) gathered instead;
 * norms, learned position embeddings (GPT-2's ``wpe``) and everything else stay replicated (norms
@@ -129,17 +130,27 @@ def _mla_attention_plan(name: str, attn: nn.Module) -> dict[str, str]:
     return {f"{name}.{proj}": style for proj, style in _MLA.items() if getattr(attn, proj, None) is not None}
 
 
-def with_mla_attention(plan: dict[str, str], parts: HFParts) -> dict[str, str]:
-    """``plan`` plus the MLA entries of the blocks' attention when it names nothing of it: left out, the
-    attention would run whole on every tp rank (under SP on the rank's sequence shard only)."""
-    block = parts.block_items()[0][1]
-    child = _child(block, _ATTENTION_NAMES)
+def with_mla_attention(plan: dict[str, str], blocks: str, layer: nn.Module) -> dict[str, str]:
+    """``plan`` plus the MLA entries of ``layer``'s attention when that is MLA and the plan splits nothing of
+    it: left out, the attention would run whole on every tp rank. Decided layer by layer, since MLA may be in
+    some layers only (Kimi Linear's full-attention layers, delta attention with its own q_proj / o_proj in
+    the others, under one decoder-layer class), and applied to this layer only."""
+    child = _child(layer, _ATTENTION_NAMES)
     if child is None or not _is_mla(child[1]):
         return plan
-    prefix = f"{parts.plan_blocks}.*.{child[0]}"
-    if any(pattern.startswith(f"{prefix}.") for pattern in plan):
+    name, attn = child
+    prefix = f"{blocks}.*.{name}."
+    if any(pattern.startswith(prefix) and _reaches(attn, pattern.removeprefix(prefix)) for pattern in plan):
         return plan
-    return {**plan, **_mla_attention_plan(prefix, child[1])}
+    return {**plan, **_mla_attention_plan(f"{blocks}.*.{name}", attn)}
+
+
+def _reaches(module: nn.Module, rel: str) -> bool:
+    try:
+        module.get_submodule(rel)
+    except AttributeError:
+        return False
+    return True
 
 
 def _attention_plan(name: str, attn: nn.Module, hidden: int, heads: int, kv_heads: int,

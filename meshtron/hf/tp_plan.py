@@ -395,7 +395,7 @@ def _tp_plan(model: nn.Module, parts: HFParts, tp: int, sp: bool) -> dict[str, s
         plan = infer_tp_plan(model, parts, tp, key_value_heads(model.config))
     else:
         check_tensor_parallel(model.config.num_attention_heads, key_value_heads(model.config), tp)
-        plan = with_mla_attention(own, parts)
+        plan = own
     return _gather_spanning_norms(plan, parts)
 
 
@@ -453,17 +453,14 @@ def _check_shape(model: nn.Module, tp: int) -> _Heads:
     return _Heads(kv_heads, head_dim, getattr(cfg, "qk_rope_head_dim", None) or 0)
 
 
-def _set_local_head_groups(parts: HFParts, base: dict[str, str], heads: int, kv_heads: int, tp: int) -> None:
+def _set_local_head_groups(layer: nn.Module, plan: dict[str, str], heads: int, kv_heads: int, tp: int) -> None:
     """HF attention repeats KV heads ``num_key_value_groups`` times: make that the local ratio when the
     heads are split (``colwise`` q/k/v); gathered projections keep every head on every rank."""
     local_q, local_kv = local_heads(heads, kv_heads, tp)
-    for pattern, style in base.items():
+    for pattern, style in plan.items():
         attention, _, proj = pattern.split(".", 2)[2].rpartition(".")
-        if proj != "k_proj" or style not in _COLWISE:
-            continue
-        for _, layer in parts.block_items():
-            if _exists(layer, attention):
-                layer.get_submodule(attention).num_key_value_groups = local_q // local_kv
+        if proj == "k_proj" and style in _COLWISE and _exists(layer, attention):
+            layer.get_submodule(attention).num_key_value_groups = local_q // local_kv
 
 
 def _owned_output(_module, _args, out):
@@ -472,16 +469,13 @@ def _owned_output(_module, _args, out):
     return owned(out) if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else None
 
 
-def _own_split_outputs(parts: HFParts, plan: dict[str, str]) -> None:
-    """Every split projection of every block (its plan the config's or the inferred one) hands out an
-    output the model may edit in place (:func:`~meshtron.parallel.tensor.owned`)."""
+def _own_split_outputs(layer: nn.Module, plan: dict[str, str]) -> None:
+    """Every split projection of a block (its plan the config's or the inferred one) hands out an output
+    the model may edit in place (:func:`~meshtron.parallel.tensor.owned`)."""
     for pattern, style in plan.items():
         rel = pattern.split(".", 2)[2]
-        if style not in _COLWISE + _COLWISE_GATHERED + _ROWWISE + _ROWWISE_REPLICATED_INPUT:
-            continue
-        for _, layer in parts.block_items():
-            if _exists(layer, rel):
-                layer.get_submodule(rel).register_forward_hook(_owned_output)
+        if style in _COLWISE + _COLWISE_GATHERED + _ROWWISE + _ROWWISE_REPLICATED_INPUT and _exists(layer, rel):
+            layer.get_submodule(rel).register_forward_hook(_owned_output)
 
 
 def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, sp: bool) -> None:
@@ -490,11 +484,12 @@ def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMe
     base, tied = _tp_plan(model, parts, tp, sp), parts.tied
     blocks = parts.block_items()  # a pipeline stage holds some blocks, and the embedding / head only at its ends
     for i, layer in blocks:
-        parallelize_module(layer, tp_mesh, _layer_plan(base, parts.plan_blocks, layer, i, heads, tp, sp))
-        for rel, names in _head_split_params(base, parts.plan_blocks, layer).items():
+        plan = with_mla_attention(base, parts.plan_blocks, layer)
+        parallelize_module(layer, tp_mesh, _layer_plan(plan, parts.plan_blocks, layer, i, heads, tp, sp))
+        for rel, names in _head_split_params(plan, parts.plan_blocks, layer).items():
             parallelize_module(layer.get_submodule(rel), tp_mesh, SplitParams(names))
-    _set_local_head_groups(parts, base, model.config.num_attention_heads, heads.kv_heads, tp)
-    _own_split_outputs(parts, base)
+        _set_local_head_groups(layer, plan, model.config.num_attention_heads, heads.kv_heads, tp)
+        _own_split_outputs(layer, plan)
     if parts.embed is not None:
         # Embedding output replicated: HF computes positions and the causal mask from its length. A
         # family's own embedding class (Gemma 3 scales in its forward) keeps DTensor's rowwise split.
