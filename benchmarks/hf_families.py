@@ -50,12 +50,16 @@ attention sinks now split with the heads) and Qwen4-Exp at discovery (no final n
 hyper-connection mixer, now taken as the final part) and then by plan entries for parts its config lacks
 (n-gram embeddings) or outside the blocks (the mixer, now run whole). The remaining refusals: the
 [batch, sequence, hc_mult, hidden] streams of DeepSeek-V4 and HY-V4 under SP and cp; their clamped SwiGLU
-experts under ep; mamba, convolution and lightning-attention mixers under cp (the ring serves softmax
-attention only); Zamba2 under SP (its hybrid layer concatenates the whole-sequence embedding output,
-`original_hidden_states`, with the sequence-split stream); Qwen4-Exp under SP (the mixer outside the blocks
-would see only the rank's tokens). Zamba2's tp cases are ok with nothing split (its transformer block,
-shared by the hybrid layers, sits inside them: the inferred plan finds no attention or MLP to split and
-says so in one warning; FSDP alone shards it). HY-V4 at tp4: its `hc_head.hc_scale` gradient (-4.6e-5 at tp 2) is a
+experts under ep; mamba, convolution, lightning-, delta- and gated-delta-attention mixers under cp (the ring
+serves softmax attention only; the refusal names each such part, found by running it again with its first
+token changed); Zamba2 under SP (its hybrid layer takes the whole-sequence embedding output,
+`original_hidden_states`, beside the sequence-split stream: the refusal names it); Qwen4-Exp under SP (the
+mixer outside the blocks would see only the rank's tokens). Zamba2's tp cases are ok with nothing split (its
+transformer block sits inside the hybrid layers: the inferred plan finds no attention or MLP to split and
+says so in one warning; FSDP alone shards it); with several hybrid layers reusing one block's weights the
+layers sharing them are one FSDP unit (before the shared-parameter fix: refused at every data-parallel
+layout). Kimi Linear's MLA, in its full-attention layers only, is split by heads in those layers (before: run
+whole, as only block 0 was asked whether its attention is MLA). HY-V4 at tp4: its `hc_head.hc_scale` gradient (-4.6e-5 at tp 2) is a
 cancelling sum the vocab-parallel head's rounding moves by 5e-9 (1.1e-4 relative); it is held to the
 suite's `CANCELLING_GRADS` bound (5e-4), every block parameter and the loss agree within 1e-5. GLM5-next is
 not in the battery: transformers 5.24 has no causal-LM class for it (only the image-and-text
