@@ -1,7 +1,7 @@
 """The recipe key reference, docs/reference.md, generated from the config schema itself.
 
-Every recipe key is a field of a section dataclass in :mod:`meshtron.config`, declared with
-:func:`meshtron.config.recipe_key`: its name, type and default are the field's, its one-line meaning the
+Every recipe key is a field of a section dataclass in :mod:`meshtron.config.schema`, declared with
+:func:`meshtron.config.schema.recipe_key`: its name, type and default are the field's, its one-line meaning the
 field's ``metadata["meaning"]``, and each section's introduction its class docstring. So the page cannot
 drift from the code; ``tests/test_readme.py`` fails when the committed page differs from :func:`render`.
 
@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshtron.config import _SECTION_TYPES, Config
+from meshtron.config import SECTION_TYPES, Config
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
 COMMAND = "python -m meshtron.config_reference --write"
@@ -51,7 +51,7 @@ def _doc(cls: type) -> str:
 def section_rows(section: str) -> list[tuple[str, str, str, str]]:
     """(key, type, default, meaning) of every key of ``[section]``, in declaration order."""
     rows = []
-    for f in dataclasses.fields(_SECTION_TYPES[section]):
+    for f in dataclasses.fields(SECTION_TYPES[section]):
         meaning = f.metadata.get("meaning", "")
         if not meaning or "\n" in meaning:
             raise ValueError(f"[{section}] {f.name}: declare it with recipe_key(default, one-line meaning)")
@@ -64,11 +64,11 @@ def render() -> str:
     lines = [
         "# Recipe key reference",
         "",
-        f"<!-- Generated from meshtron/config.py by `{COMMAND}`; edit the schema there, not this page. -->",
+        f"<!-- Generated from meshtron/config/schema.py by `{COMMAND}`; edit the schema there, not this page. -->",
         "",
         _doc(Config),
     ]
-    for section, cls in _SECTION_TYPES.items():
+    for section, cls in SECTION_TYPES.items():
         lines += ["", f"## `[{section}]`", "", _doc(cls), "", "| key | type | default | meaning |", "|---|---|---|---|"]
         lines += [f"| `{key}` | {type_} | `{default}` | {meaning} |" for key, type_, default, meaning in section_rows(section)]
     return "\n".join(lines) + "\n"

@@ -22,6 +22,7 @@ that live on the host on every device (e.g. CPU-side counters) count too; keep t
 from __future__ import annotations
 
 import contextlib
+import os
 import traceback
 from dataclasses import dataclass
 
@@ -90,8 +91,9 @@ def _copy_waits(source, target, non_blocking: bool, pinned_result: bool = False)
 
 # Modules that wait on the host's behalf, not where a wait is asked for: this one, and the dry run's
 # tracer, its stand-ins for the CUDA runtime and its collective checks.
-_NOT_CALLERS = tuple(__file__.replace("syncs.py", name) for name in ("syncs.py", "dryrun.py", "fake_cuda.py",
-                                                                     "nccl_rules.py"))
+_NOT_CALLERS = tuple(__file__.replace("syncs.py", name) for name in (
+    "syncs.py", os.path.join("dryrun", "__init__.py"), os.path.join("dryrun", "counting.py"), "fake_cuda.py",
+    "nccl_rules.py"))
 
 
 def call_site() -> str:

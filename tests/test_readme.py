@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from meshtron import config
-from meshtron.config import _SECTION_TYPES, infer_dp, load_config
+from meshtron.config import SECTION_TYPES, checks, infer_dp, load_config
 from meshtron.config_reference import COMMAND, render
 from meshtron.plan import predict_memory
 from meshtron.plan.recipes import recipe_hardware
@@ -48,10 +48,10 @@ def test_key_reference_is_generated_from_the_schema():
     assert committed == render(), f"docs/reference.md differs from the config schema; run `{COMMAND}`"
 
 
-@pytest.mark.parametrize("section", list(_SECTION_TYPES))
+@pytest.mark.parametrize("section", list(SECTION_TYPES))
 def test_key_reference_lists_exactly_the_dataclass_fields(section):
     rows = table_after(f"## `[{section}]`", "docs/reference.md")
-    fields = dataclasses.fields(_SECTION_TYPES[section])
+    fields = dataclasses.fields(SECTION_TYPES[section])
     assert [unquote(r[0]) for r in rows] == [f.name for f in fields]
     for row, f in zip(rows, fields):
         key, type_, default, meaning = row
@@ -139,11 +139,11 @@ def test_hf_tp_style_table_lists_every_style():
 
 
 def _choice_keys() -> list[tuple[str, tuple[str, ...]]]:
-    """Every key config.py checks with ``_require_choice`` (found in its source, so a new one is
+    """Every key meshtron/config/checks.py checks with ``_require_choice`` (found in its source, so a new one is
     covered without a list to keep), and cp_comm_type, which the context layout checks."""
     from meshtron.parallel.context import CP_COMM_TYPES
 
-    source = Path(config.__file__).read_text()
+    source = Path(checks.__file__).read_text()
     found = re.findall(r'_require_choice\(source, "\[(\w+)\] (\w+)", [^,]+, (\w+)\)', source)
     assert len(found) >= 9, found  # the pattern still matches the calls
     return [(f"{section}.{name}", getattr(config, const)) for section, name, const in found] + [
@@ -153,9 +153,9 @@ def _choice_keys() -> list[tuple[str, tuple[str, ...]]]:
 @pytest.mark.parametrize("key,choices", _choice_keys())
 def test_choice_keys_name_every_choice(key, choices):
     section, name = key.split(".")
-    (f,) = [f for f in dataclasses.fields(_SECTION_TYPES[section]) if f.name == name]
+    (f,) = [f for f in dataclasses.fields(SECTION_TYPES[section]) if f.name == name]
     missing = [c for c in choices if f"`{c}`" not in f.metadata["meaning"]]
-    assert not missing, f"[{section}] {name}: its meaning in meshtron/config.py does not name {missing}"
+    assert not missing, f"[{section}] {name}: its meaning in meshtron/config/schema.py does not name {missing}"
 
 
 def _slug(heading: str) -> str:
