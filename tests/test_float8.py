@@ -368,7 +368,7 @@ def _split_linear_matches(recipe: str, tp_mesh) -> None:
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from meshtron.parallel.tensor import Colwise, Rowwise
+    from meshtron.parallel.tp_styles import Colwise, Rowwise
     from meshtron.testing import count_calls
 
     gen = torch.Generator().manual_seed(3)

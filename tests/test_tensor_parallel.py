@@ -23,11 +23,8 @@ from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import ConfigError, ModelConfig
 from meshtron.models import build_model, token_loss_sum
 from meshtron.parallel.checkpointing import apply_activation_checkpointing
-from meshtron.parallel.tensor import (
-    ReplicateParallel,
-    apply_tensor_parallel,
-    check_tensor_parallel,
-)
+from meshtron.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
+from meshtron.parallel.tp_styles import ReplicateParallel
 from meshtron.parallel.tp_gradient import TpGradient, name_tp_gradients
 from meshtron.parallel.vocab_loss import parallel_token_loss_sum
 from meshtron.parallel.tensor_overlap import apply_overlapped_tensor_parallel

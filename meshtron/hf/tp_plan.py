@@ -33,17 +33,8 @@ from meshtron.config import ConfigError
 from meshtron.hf.discover import HFParts, is_norm, key_value_heads
 from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_plan, is_transposed, with_mla_attention
 from meshtron.models.qwen2 import LMHead
-from meshtron.parallel.tensor import (
-    ReplicatedKVHeads,
-    ReplicateParallel,
-    SplitParams,
-    VocabParallelEmbedding,
-    check_tensor_parallel,
-    kv_heads_split,
-    local_heads,
-    owned,
-    residual_layout,
-)
+from meshtron.parallel.tensor import check_tensor_parallel, kv_heads_split, local_heads, residual_layout
+from meshtron.parallel.tp_styles import ReplicatedKVHeads, ReplicateParallel, SplitParams, VocabParallelEmbedding, owned
 from meshtron.parallel.tp_gradient import TpGradient, local_view, name_tp_gradients
 from meshtron.parallel.vocab_loss import VocabParallelHead
 

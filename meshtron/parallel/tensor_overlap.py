@@ -8,7 +8,7 @@ torch's async TP do the same with symmetric memory). Plain ``batch_isend_irecv``
 runs on NCCL and gloo alike.
 
 * all-gather + matmul (:class:`OverlappedColwise`, q/k/v and gate/up packed as
-  :class:`~meshtron.parallel.tensor.SequenceParallelColwise` packs them): step s multiplies the shard
+  :class:`~meshtron.parallel.sp_projections.SequenceParallelColwise` packs them): step s multiplies the shard
   of rank r - s while the next one travels; tp - 1 exchanges of one shard each.
 * matmul + reduce-scatter (:class:`OverlappedRowwise`, o_proj and down_proj): step s computes this
   rank's partial product of the chunk that ends on rank r - s - 1 and adds it to the running sum
@@ -40,13 +40,13 @@ from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 from meshtron.parallel.context.comm import RingExchange
 from meshtron.config import ConfigError
 from meshtron.parallel.float8 import is_float8_linear
-from meshtron.parallel.tensor import (
+from meshtron.parallel.sp_projections import (
     PackedProjections,
     SequenceParallelColwise,
-    _pass_wants,
-    apply_tensor_parallel,
+    pass_wants,
     save_packed_projections,
 )
+from meshtron.parallel.tensor import apply_tensor_parallel
 
 _TAG = 0  # one exchange of a ring is in flight at a time, and rings run one after another
 
@@ -93,7 +93,7 @@ def ring_reduce_scatter(part: Callable[[int], torch.Tensor], ring: RingExchange)
 
 
 class _RingGatherLinears(torch.autograd.Function):
-    """:class:`~meshtron.parallel.tensor._SequenceParallelLinears` (same inputs and output) with the
+    """:class:`~meshtron.parallel.sp_projections._SequenceParallelLinears` (same inputs and output) with the
     gathers and the reduce-scatter done as rings overlapped with the GEMMs, chunk by chunk."""
 
     @staticmethod
@@ -113,7 +113,7 @@ class _RingGatherLinears(torch.autograd.Function):
     def backward(ctx, grad_packed: torch.Tensor):
         shard, *weights = ctx.saved_tensors
         count, tp = len(weights), ctx.mesh.size()
-        want_input, want_params = _pass_wants(ctx)
+        want_input, want_params = pass_wants(ctx)
         ring = _ring(ctx.mesh)
         grad_weights = grad_biases = (None,) * count
         if want_params:
@@ -137,7 +137,7 @@ class _RingGatherLinears(torch.autograd.Function):
 
 
 class OverlappedColwise(SequenceParallelColwise):
-    """:class:`~meshtron.parallel.tensor.SequenceParallelColwise` with its gathers and reduce-scatter
+    """:class:`~meshtron.parallel.sp_projections.SequenceParallelColwise` with its gathers and reduce-scatter
     overlapped with the projections' GEMMs (:class:`_RingGatherLinears`)."""
 
     function = _RingGatherLinears
@@ -163,7 +163,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx, grad_shard: torch.Tensor):
         x, weight = ctx.saved_tensors
         tp = ctx.mesh.size()
-        want_input, want_params = _pass_wants(ctx)
+        want_input, want_params = pass_wants(ctx)
         blocks: list[torch.Tensor | None] = [None] * tp
         grad_weight = torch.zeros_like(weight) if want_params else None
         # The B pass of a split backward keeps the gathered gradient for its W pass (so does the

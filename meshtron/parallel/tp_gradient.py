@@ -2,7 +2,7 @@
 on its local view (:class:`TpGradient`: whole on every rank, a partial sum, or decided on the first
 backward from what the ranks computed), and the local view that applies it (:func:`local_view`).
 
-Used by the tp styles of ``parallel/tensor.py`` and by the HF path (``hf/tp_plan.py``), whose modules
+Used by the tp styles of ``parallel/tp_styles.py`` and by the HF path (``hf/tp_plan.py``), whose modules
 the plan does not name.
 """
 

@@ -3,7 +3,7 @@
 inference and transformers models). Each rank holds ``V / tp`` vocabulary rows; the only communication
 is per-token maxima and sums over tp, never the logits themselves.
 
-Kept apart from the tp styles of ``parallel/tensor.py``, which apply this head with the rest of the plan.
+Kept apart from the tp plan of ``parallel/tensor.py``, which applies this head with the rest of the plan.
 """
 
 from __future__ import annotations

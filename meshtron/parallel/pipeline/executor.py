@@ -29,7 +29,7 @@ on the path from the output to the input that also has an edge off that path (in
 gradient: a linear, a norm, a router) gets a pre-hook that records the gradient it receives. ``W``
 restarts autograd at those nodes with the recorded gradients and asks only for the weights below
 them, accumulating into ``.grad``; it re-runs no input-gradient work. A custom Function computing
-both kinds together (SP's linears, :mod:`meshtron.parallel.tensor`) asks the engine which its pass
+both kinds together (SP's linears, :mod:`meshtron.parallel.sp_projections`) asks the engine which its pass
 wants, so ``B`` computes no weight gradient (nor re-gathers SP's input) and ``W`` neither the input
 gradient nor its reduce-scatter. The first stage has no input
 gradient, so its ``B`` is empty and its ``W`` the whole backward. Memory: a micro-batch's saved
