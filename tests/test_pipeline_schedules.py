@@ -347,6 +347,19 @@ def test_split_backward_names_the_schedules_with_weight_passes():
         assert steps == tuple(map(tuple, build_schedule(name, 4, 8, v)))
 
 
+
+def test_a_stage_with_a_checkpointed_or_compiled_part_runs_backward_whole():
+    """The rule's one owner, asked of modules by the pipelined runner and of layer indices by the planner."""
+    from meshtron.parallel.pipeline.schedules import runs_backward_whole
+
+    def never(_):
+        return False
+
+    assert not runs_backward_whole(range(4), never, never)
+    assert runs_backward_whole(range(4), lambda layer: layer == 3, never)
+    assert runs_backward_whole(range(4), never, lambda _: True)
+    assert not runs_backward_whole([], never, lambda _: True)  # nothing compiled in a stage with no parts
+
 def test_zb1p_passes_the_strict_rendezvous_model_too():
     for pp in (2, 4, 8):
         assert simulate(build_schedule("zb1p", pp, 2 * pp), 1, 1, 0, w_cost=1).bubble == pytest.approx(

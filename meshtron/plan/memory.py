@@ -90,6 +90,7 @@ from meshtron.parallel.pipeline.schedules import (
     built_schedule,
     held_by_stage,
     last_weight_passes,
+    runs_backward_whole,
     split_backwards,
     steady_microbatches,
 )
@@ -590,7 +591,8 @@ def unsplit_stages(cfg: Config) -> frozenset[int]:
     those with checkpointed or compiled layers."""
     p = cfg.parallel
     ranges = chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
-    return frozenset(s for s, r in enumerate(ranges) if p.compile or any(layer_checkpointed(cfg, i) for i in r))
+    return frozenset(s for s, r in enumerate(ranges)
+                     if runs_backward_whole(r, lambda i: layer_checkpointed(cfg, i), lambda _: p.compile))
 
 
 def layer_offloaded(cfg: Config, layer: int) -> bool:

@@ -46,7 +46,7 @@ from meshtron.parallel.step import (
     split_microbatches,
 )
 from meshtron.parallel.pipeline.executor import PipelineExecutor
-from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule
+from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule, runs_backward_whole
 from meshtron.parallel.pipeline.stage import build_chunks, check_pipeline, prune_to_stage
 
 
@@ -72,10 +72,10 @@ def _fsdp_units(chunk) -> list[nn.Module]:
 
 
 def _fused_backward(chunk) -> bool:
-    """Whether a chunk holds modules whose backward cannot be split into B and W cheaply: checkpointed
-    ones replay their forward once per restarted W pass, compiled ones run one fused backward node
-    (input and weight gradients together) in B and again in W. The executor runs them unsplit."""
-    return any(is_checkpointed(sub) or is_compiled(sub) for mod in chunk.modules() for sub in mod.modules())
+    """Whether the executor runs a chunk's backwards whole (``schedules.runs_backward_whole`` asked of
+    every module the chunk holds)."""
+    modules = (sub for mod in chunk.modules() for sub in mod.modules())
+    return runs_backward_whole(modules, is_checkpointed, is_compiled)
 
 
 def _pipelines(mesh) -> list[list[int]]:

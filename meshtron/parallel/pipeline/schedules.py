@@ -52,8 +52,9 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 # The schedules' recipe names are defined in meshtron.config (which checks a recipe against them and
 # cannot import this module) and re-exported here.
@@ -72,7 +73,7 @@ __all__ = [
     "B", "F", "W", "P2P", "RECV_B", "RECV_F", "SEND_B", "SEND_F", "SCHEDULES", "V_SHAPED", "VIRTUAL",
     "SPLIT_BACKWARD", "Action", "Schedule", "Step", "build_schedule", "built_schedule", "check_schedule", "dualpipev",
     "gpipe", "held_by_stage", "held_counts", "interleaved_1f1b", "interleaving_refused", "last_weight_passes",
-    "one_f_one_b", "peak_in_flight", "split_backwards", "steady_microbatches", "zb1p", "zbv",
+    "one_f_one_b", "peak_in_flight", "runs_backward_whole", "split_backwards", "steady_microbatches", "zb1p", "zbv",
 ]
 
 F, B, W = "F", "B", "W"
@@ -422,6 +423,22 @@ def built_schedule(name: str, pp: int, m: int, v: int = 1) -> tuple[tuple[Step, 
 def split_backwards(steps: list[Step]) -> set[tuple[int, int]]:
     """(stage, mb) whose backward is split: the ``B`` computes input gradients only."""
     return {(s.stage, s.mb) for s in steps if isinstance(s, Action) and s.kind == W}
+
+
+_Part = TypeVar("_Part")
+
+
+def runs_backward_whole(parts: Iterable[_Part], checkpointed: Callable[[_Part], bool],
+                        compiled: Callable[[_Part], bool]) -> bool:
+    """Whether a stage made of ``parts`` runs each backward whole at ``B`` even where its schedule splits it
+    into ``B`` and ``W`` (the executor's ``unsplit``): it does when any part is checkpointed or compiled.
+
+    Splitting would cost those parts their backward twice: a checkpointed one replays its forward once per
+    restarted ``W`` pass, and a compiled one is one fused backward node (input and weight gradients
+    together) that ``B`` and ``W`` would each run. The rule's one owner: the pipelined runner asks it of a
+    chunk's modules, the planner (``plan/memory.py: unsplit_stages``) of a stage's layers under a recipe.
+    """
+    return any(checkpointed(part) or compiled(part) for part in parts)
 
 
 def peak_in_flight(steps: list[Step]) -> int:
