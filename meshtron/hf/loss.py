@@ -2,7 +2,7 @@
 
 transformers computes the loss through the model's ``loss_function(logits, labels, ...)`` and the aux
 loss (``output_router_logits``) from this rank's router logits. :func:`hf_loss_function` replaces the
-first with the vocab-parallel token-loss sum (:func:`meshtron.parallel.tensor.parallel_token_loss_sum`)
+first with the vocab-parallel token-loss sum (:func:`meshtron.parallel.vocab_loss.parallel_token_loss_sum`)
 summed over the data ranks (:func:`meshtron.parallel.step.sum_over_ranks`); :func:`global_aux_loss`
 swaps the second for the global batch's (:func:`meshtron.hf.router.aux_loss_share`). Each rank
 back-propagates only its own share, so gradients summed over the data ranks (the data-parallel

@@ -7,7 +7,7 @@ style into a DTensor ``ParallelStyle`` (:mod:`meshtron.hf.tp_plan`); what transf
 plan lacks for training is added:
 
 * vocab-parallel embedding and lm_head: the logits stay ``Shard(-1)`` and the model's
-  ``loss_function`` is replaced by the vocab-parallel cross-entropy of :mod:`meshtron.parallel.tensor`
+  ``loss_function`` is replaced by the vocab-parallel cross-entropy of :mod:`meshtron.parallel.vocab_loss`
   (:mod:`meshtron.hf.loss`), so ``model(input_ids=..., labels=...).loss`` never gathers the full logits;
 * the loss is the mean over the non-ignored tokens of the GLOBAL batch (all data ranks): each rank
   back-propagates only its own share and the data-parallel wrapper sums gradients (as in the rest of

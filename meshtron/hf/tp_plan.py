@@ -462,7 +462,7 @@ def _owned_output(_module, _args, out):
 
 def _own_split_outputs(layer: nn.Module, plan: dict[str, str]) -> None:
     """Every split projection of a block (its plan the config's or the inferred one) hands out an output
-    the model may edit in place (:func:`~meshtron.parallel.tensor.owned`)."""
+    the model may edit in place (:func:`~meshtron.parallel.tp_styles.owned`)."""
     for pattern, style in plan.items():
         rel = pattern.split(".", 2)[2]
         if style in _COLWISE + _COLWISE_GATHERED + _ROWWISE + _ROWWISE_REPLICATED_INPUT and _exists(layer, rel):
