@@ -38,7 +38,6 @@ from meshtron.parallel.pipeline.simulate import simulate
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.parallel.context import a2a_group_size, cp_comm
 from meshtron.parallel.data import gathers_once_per_step, reduces_gradients
-from meshtron.parallel.float8 import FP8_DIM_MULTIPLE, float8_all_gather
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
 from meshtron.parallel.tensor import local_heads, local_kv_heads
 from meshtron.plan.gemm import gemm_efficiency, step_compute_seconds
@@ -51,6 +50,8 @@ from meshtron.plan.memory import (
     layout_key,
     memo_by_key,
     compute_bytes,
+    fp8_gathered_weights,
+    fp8_weights,
     holds_last_stage,
     layer_checkpointed,
     recomputed_share,
@@ -528,24 +529,6 @@ def exposed_communication(cfg: Config, comm: dict[str, float], compute: float, h
             out[dims] = out.get(dims, 0.0) + seconds
     out["dp"] = max(0.0, overlapped - compute)
     return out
-
-
-def fp8_weights(cfg: Config, params) -> list:
-    """Of ``params`` (``memory.Param``), the weights ``[train] fp8`` computes with in float8
-    (``meshtron.parallel.float8``): the blocks' attention and MLP projections (the shared expert's too;
-    not the routed experts, the router or the gates) whose dims are multiples of 16."""
-    if cfg.train.fp8 == "none":
-        return []
-    return [q for q in params if q.unit.startswith("block") and not q.expert and q.name.endswith("_proj.weight")
-            and all(n % FP8_DIM_MULTIPLE == 0 for n in q.shape)]
-
-
-def fp8_gathered_weights(cfg: Config, params) -> list:
-    """The :func:`fp8_weights` FSDP all-gathers in float8 (1 byte an element): those of the recipes with
-    torchao's float8 all-gather, at tp 1 over more than one data rank (``meshtron.parallel.float8.float8_all_gather``)."""
-    p = cfg.parallel
-    gathered = float8_all_gather(cfg.train.fp8, p.tp, p.dp * p.cp * p.mesh_ep)
-    return fp8_weights(cfg, params) if gathered else []
 
 
 def fp8_flops_per_token(cfg: Config) -> float:
