@@ -81,7 +81,7 @@ from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.parallel.checkpointing import checkpoints_layer
 from meshtron.parallel.context import cp_comm
 from meshtron.parallel.data import data_shard_dim, gathers_once_per_step, reduces_gradients
-from meshtron.parallel.float8 import FP8_DIM_MULTIPLE, float8_all_gather
+from meshtron.parallel.float8 import fits_fp8, float8_all_gather
 from meshtron.parallel.pipeline.schedules import (
     SPLIT_BACKWARD,
     B,
@@ -217,6 +217,11 @@ def _layer_params(m: ModelConfig, layer: int, tp: int) -> list[Param]:
         out += _mlp_params(p + "mlp.shared_expert.", h, m.shared_expert_intermediate_size, unit)
         out.append(Param(p + "mlp.shared_expert_gate.weight", (1, h), unit=unit))
     return out
+
+
+def layer_params(cfg: Config, layer: int) -> list[Param]:
+    """Decoder layer ``layer``'s parameters: full shapes, and how tp / ep split them."""
+    return _layer_params(cfg.model, layer, cfg.parallel.tp)
 
 
 def _mlp_params(prefix: str, h: int, inner: int, unit: str) -> list[Param]:
@@ -419,7 +424,7 @@ def fp8_weights(cfg: Config, params) -> list:
     if cfg.train.fp8 == "none":
         return []
     return [q for q in params if q.unit.startswith("block") and not q.expert and q.name.endswith("_proj.weight")
-            and all(n % FP8_DIM_MULTIPLE == 0 for n in q.shape)]
+            and fits_fp8(q.shape)]
 
 
 def fp8_gathered_weights(cfg: Config, params) -> list:
@@ -839,7 +844,7 @@ def fp8_operand_width(cfg: Config, layer: int) -> float:
     gather). 0 for a layer without any (``[train] fp8 = "none"``)."""
     sp = _sp_split(cfg)
     widths = [0.0]
-    for q in fp8_weights(cfg, _layer_params(cfg.model, layer, cfg.parallel.tp)):
+    for q in fp8_weights(cfg, layer_params(cfg, layer)):
         rows, columns = model_parallel_shape(q, cfg, Coords())
         widths += [rows, columns if q.tp_dim == 1 else columns / sp]
     return max(widths)
