@@ -855,8 +855,8 @@ def fp8_cast_gradient_bytes(cfg: Config, layer: int) -> float:
     widest operand (:func:`fp8_operand_width`) for the weight gradient: the incoming hidden-state
     gradient and its float8 copy, that GEMM's input gradient already computed, and the cast's
     :data:`FP8_CAST_BYTES`. The dry runs of Qwen2.5-7B (4 layers, tensorwise) peak there at dp 8 (the
-    down projection's input, [I] a token, cast after its input gradient) and, at the same bytes within
-    0.1 %, at dp 2 x tp 4 + SP in the recomputed forward's cast of that input (beside the packed gate /
+    down projection's input, [I / tp] a token, cast after its input gradient) and, at the same bytes within
+    1 %, at dp 2 x tp 4 + SP in the recomputed forward's cast of that input (beside the packed gate /
     up output SP feeds the MLP, [2 I / tp]). Not counted: a weight's cast (at most 9 bytes an element of
     one local weight; 0.14 GiB for the 7B's gate at tp 4) and the fp32 copies of the routed experts'
     emulated grouped GEMM (``Float8GroupedMatmul``), which the dry run cannot trace."""
