@@ -839,6 +839,36 @@ def test_gemm_model_within_physical_and_published_bounds(device):
     assert efficiency(gemv, hw) < 0.01
 
 
+def test_routed_experts_gemms_take_the_fp8_rate_only_with_a_float8_kernel(monkeypatch):
+    """Qwen2-57B-A14B with ``[train] fp8``: the attention and shared-expert GEMMs run at the FP8 rate; the routed
+    experts' grouped GEMMs at bf16's while ``Float8GroupedMatmul`` emulates them (float32 operands through
+    F.grouped_mm, no float8 kernel), and at the FP8 rate once a float8 kernel runs them: a large, compute-bound
+    grouped GEMM then takes bf16's time x (989 x 0.87) / (1979 x 0.67), the datasheet peaks times the fitted
+    ceilings (1,229 against 860 TFLOP/s)."""
+    from meshtron.plan import gemm
+
+    fp8, bf16 = (_config("qwen2_57b_a14b", {"ep": 8}, 8 * 4) for _ in range(2))
+    fp8 = dataclasses.replace(fp8, train=dataclasses.replace(fp8.train, fp8="tensorwise"))
+    rows, hw, m = 4096, Hardware(), fp8.model
+    experts = m.num_experts // fp8.parallel.ep
+
+    def grouped(cfg) -> list:
+        return [g for g in gemm.layer_gemms(cfg, 0, rows) if g.count == experts]
+
+    dense = [g for g in gemm.layer_gemms(fp8, 0, rows) if g.count == 1 and g.n > 1 and g.n != m.num_experts]
+    assert dense and all(g.fp8 for g in dense), dense  # q, k, v, o and the shared expert: float8
+    assert len(grouped(fp8)) == 3 and not any(g.fp8 for g in grouped(fp8))
+    assert gemm.layer_seconds(fp8, 0, rows, hw)[0] < gemm.layer_seconds(bf16, 0, rows, hw)[0]
+    monkeypatch.setattr(gemm, "EXPERTS_RUN_FLOAT8_KERNEL", True)
+    assert all(g.fp8 for g in grouped(fp8)) and not any(g.fp8 for g in grouped(bf16))
+    rate = (989 * 0.87) / (1979 * 0.67)
+    for g8, g16 in zip(grouped(fp8), grouped(bf16)):
+        assert gemm.gemm_seconds(g8, hw) == pytest.approx(gemm.gemm_seconds(g16, hw) * rate, rel=1e-9), (g8, g16)
+    # An expert width that is no multiple of 16 stays in bf16, as apply_float8 leaves it.
+    odd = dataclasses.replace(fp8, model=dataclasses.replace(m, moe_intermediate_size=2568))
+    assert not any(g.fp8 for g in grouped(odd))
+
+
 def test_gemm_model_is_the_fit_to_the_timed_h100_gemms():
     """meshtron.plan.gemm.FIT is what ``benchmarks/gemm_roofline.py --fit`` gives on the committed H100 run,
     and with it the planner's rate is within 0.6-1.7 of every timed GEMM (median 0.95-1.05): a change of

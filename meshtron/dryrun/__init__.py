@@ -50,6 +50,7 @@ from meshtron.host import declared, fake_tensors, simulated
 from meshtron.mesh import batch_mesh, expert_hsdp_mesh, expert_meshes, group_names, recipe_mesh
 from meshtron.nccl_rules import NcclRules, unmatched_p2p
 from meshtron.optim import build_optimizer
+from meshtron.parallel.float8 import fits_fp8
 from meshtron.parallel.step import training_step
 from meshtron.plan.memory import GIB, Assumptions, Coords, rank_breakdown, state_bytes
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
@@ -473,7 +474,8 @@ COMPILE_REFUSAL = ("--dry-run cannot trace [parallel] compile = true: torch.comp
 
 def _check_traceable(cfg: Config) -> None:
     """What the fake tensors cannot run: fake CUDA devices without a CUDA build of torch; compiled blocks
-    (:data:`COMPILE_REFUSAL`); torch's shape function of grouped_mm (the experts) in another dtype than bf16."""
+    (:data:`COMPILE_REFUSAL`); torch's shape function of grouped_mm (the experts) in another dtype than bf16, as
+    the experts' emulated FP8 GEMM hands it (float32)."""
     if env.device_type() == "cuda" and not cuda_build():
         raise ConfigError(refusal())
     if cfg.parallel.compile:
@@ -481,6 +483,12 @@ def _check_traceable(cfg: Config) -> None:
     if cfg.model.is_moe and cfg.train.dtype != "bfloat16":
         raise ConfigError(f"--dry-run traces MoE experts in bfloat16 only (torch's grouped_mm shape check), but [train] "
                           f"dtype = '{cfg.train.dtype}'. Add --train.dtype bfloat16.")
+    m = cfg.model
+    if m.is_moe and cfg.train.fp8 != "none" and fits_fp8((m.hidden_size, m.moe_intermediate_size)):
+        # Float8GroupedMatmul hands grouped_mm the float8 values dequantized to float32 (it emulates the kernel).
+        raise ConfigError(f"--dry-run traces MoE experts in bfloat16 only (torch's grouped_mm shape check), but [train] "
+                          f"fp8 = '{cfg.train.fp8}' runs them through an emulated float8 GEMM on float32 operands. "
+                          "Add --train.fp8 none, or trace an expert width FP8 leaves in bfloat16 (not a multiple of 16).")
 
 
 def _hardware(recipe: str) -> RecipeHardware:

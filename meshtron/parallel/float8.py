@@ -59,6 +59,10 @@ from meshtron.models.moe import GroupedExperts, MoE
 FP8_DIM_MULTIPLE = 16
 # The recipe whose FSDP all-gather can carry float8 weights (torchao supports tensorwise weight scales only).
 FP8_ALL_GATHER_RECIPES = ("tensorwise",)
+# Whether the routed experts' grouped GEMM runs a float8 kernel: not yet, Float8GroupedMatmul emulates it on
+# every device (the float8 values, dequantized to float32, through F.grouped_mm), so the planner prices
+# those GEMMs at the training dtype's rate (meshtron.plan.gemm), not at the FP8 peak.
+EXPERTS_RUN_FLOAT8_KERNEL = False
 
 
 # Loggers that torchao's import writes to on a CPU build of torch: a warning per CUDA kernel library it cannot
@@ -396,6 +400,7 @@ def split_gemms(linear: nn.Module, mesh, split: str, local_shape: tuple[int, int
 
 
 __all__ = [
+    "EXPERTS_RUN_FLOAT8_KERNEL",
     "FP8_ALL_GATHER_RECIPES",
     "FP8_DIM_MULTIPLE",
     "TP_SPLITS",

@@ -41,6 +41,7 @@ import math
 from typing import NamedTuple
 
 from meshtron.config import Config
+from meshtron.parallel.float8 import EXPERTS_RUN_FLOAT8_KERNEL, fits_fp8
 from meshtron.parallel.tensor import local_kv_heads
 from meshtron.plan.hardware import Hardware
 from meshtron.plan.memory import FP32, by_kind, compute_bytes, microbatch_tokens, recomputed_share
@@ -160,21 +161,30 @@ def layer_gemms(cfg: Config, layer: int, rows: int) -> list[Gemm]:
     SP's gather), at the rank's tp / ep / etp shards."""
     m, p = cfg.model, cfg.parallel
     h, d, tp = m.hidden_size, m.head_size, p.tp
-    fp8 = cfg.train.fp8 != "none"
     kv = local_kv_heads(m.kv_heads, tp) * d
     q = m.num_attention_heads // tp * d
-    out = [Gemm(rows, q, h, fp8=fp8), Gemm(rows, kv, h, fp8=fp8), Gemm(rows, kv, h, fp8=fp8), Gemm(rows, h, q, fp8=fp8)]
+    heads, kv_rows = m.num_attention_heads * d, m.kv_heads * d
+    out = [Gemm(rows, q, h, fp8=_fp8(cfg, heads, h)), Gemm(rows, kv, h, fp8=_fp8(cfg, kv_rows, h)),
+           Gemm(rows, kv, h, fp8=_fp8(cfg, kv_rows, h)), Gemm(rows, h, q, fp8=_fp8(cfg, h, heads))]
     if not m.is_moe_layer(layer):
-        return out + _mlp(rows, h, m.intermediate_size // tp, fp8=fp8)
+        return out + _mlp(rows, h, m.intermediate_size // tp, fp8=_fp8(cfg, m.intermediate_size, h))
     local_rows = rows // tp if p.sp else rows  # the router runs on the rank's own tokens
     out.append(Gemm(local_rows, m.num_experts, h))
     local_experts = m.num_experts // p.ep
     # Each rank's token copies (balanced routing), gathered over etp, spread over its local experts.
     expert_rows = max(1, rows * m.num_experts_per_tok // tp * p.etp // local_experts)
-    out += _mlp(expert_rows, h, m.moe_intermediate_size // p.etp, count=local_experts)
+    experts_fp8 = EXPERTS_RUN_FLOAT8_KERNEL and _fp8(cfg, m.moe_intermediate_size, h)
+    out += _mlp(expert_rows, h, m.moe_intermediate_size // p.etp, count=local_experts, fp8=experts_fp8)
     if m.shared_expert_intermediate_size:
-        out += _mlp(rows, h, m.shared_expert_intermediate_size // tp, fp8=fp8) + [Gemm(rows, 1, h)]
+        width = m.shared_expert_intermediate_size
+        out += _mlp(rows, h, width // tp, fp8=_fp8(cfg, width, h)) + [Gemm(rows, 1, h)]
     return out
+
+
+def _fp8(cfg: Config, *dims: int) -> bool:
+    """Whether ``[train] fp8`` runs the GEMMs of a weight of (whole, unsplit) ``dims`` in float8: both a
+    multiple of 16, as ``meshtron.parallel.float8.apply_float8`` converts (the routed experts' pair too)."""
+    return cfg.train.fp8 != "none" and fits_fp8(dims)
 
 
 def _mlp(rows: int, h: int, width: int, count: int = 1, fp8: bool = False) -> list[Gemm]:

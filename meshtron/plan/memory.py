@@ -81,6 +81,7 @@ from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.parallel.checkpointing import checkpoints_layer
 from meshtron.parallel.context import cp_comm
 from meshtron.parallel.data import data_shard_dim, gathers_once_per_step, reduces_gradients
+from meshtron.parallel.float8 import fits_fp8, float8_all_gather
 from meshtron.parallel.pipeline.schedules import (
     SPLIT_BACKWARD,
     B,
@@ -217,6 +218,11 @@ def _layer_params(m: ModelConfig, layer: int, tp: int) -> list[Param]:
         out += _mlp_params(p + "mlp.shared_expert.", h, m.shared_expert_intermediate_size, unit)
         out.append(Param(p + "mlp.shared_expert_gate.weight", (1, h), unit=unit))
     return out
+
+
+def layer_params(cfg: Config, layer: int) -> list[Param]:
+    """Decoder layer ``layer``'s parameters: full shapes, and how tp / ep split them."""
+    return _layer_params(cfg.model, layer, cfg.parallel.tp)
 
 
 def _mlp_params(prefix: str, h: int, inner: int, unit: str) -> list[Param]:
@@ -389,8 +395,45 @@ def _unit_elements(key: tuple, cfg: Config) -> tuple[tuple[str, int], ...]:
     return tuple(units.items())
 
 
+def unit_gathered_bytes(cfg: Config, pp_rank: int) -> dict[str, float]:
+    """Bytes of each FSDP unit on ``pp_rank`` once all-gathered: the compute dtype's per element, 1 for the
+    weights FSDP gathers in float8 (:func:`fp8_gathered_weights`), which torchao's float8 all-gather hands
+    the block as float8 tensors (the dry run of Qwen2.5-7B at dp 8, tensorwise: 0.217 GiB per gathered
+    block where bf16 holds 0.434)."""
+    return dict(_unit_gathered_bytes((layout_key(cfg), cfg.train.dtype, cfg.train.fp8, pp_rank), cfg))
+
+
+@memo_by_key
+def _unit_gathered_bytes(key: tuple, cfg: Config) -> tuple[tuple[str, float], ...]:
+    pp_rank, c = key[-1], compute_bytes(cfg)
+    params = stage_params(cfg, pp_rank)
+    float8 = {q.name for q in fp8_gathered_weights(cfg, params)}
+    units: dict[str, float] = {}
+    for q in params:
+        units[q.unit] = units.get(q.unit, 0) + (1 if q.name in float8 else c) * math.prod(model_parallel_shape(q, cfg, Coords()))
+    return tuple(units.items())
+
+
 def compute_bytes(cfg: Config) -> int:
     return 2 if cfg.train.dtype == "bfloat16" else 4
+
+
+def fp8_weights(cfg: Config, params) -> list:
+    """Of ``params`` (``memory.Param``), the weights ``[train] fp8`` computes with in float8
+    (``meshtron.parallel.float8``): the blocks' attention and MLP projections (the shared expert's too;
+    not the routed experts, the router or the gates) whose dims are multiples of 16."""
+    if cfg.train.fp8 == "none":
+        return []
+    return [q for q in params if q.unit.startswith("block") and not q.expert and q.name.endswith("_proj.weight")
+            and fits_fp8(q.shape)]
+
+
+def fp8_gathered_weights(cfg: Config, params) -> list:
+    """The :func:`fp8_weights` FSDP all-gathers in float8 (1 byte an element): those of the recipes with
+    torchao's float8 all-gather, at tp 1 over more than one data rank (``meshtron.parallel.float8.float8_all_gather``)."""
+    p = cfg.parallel
+    gathered = float8_all_gather(cfg.train.fp8, p.tp, p.dp * p.cp * p.mesh_ep)
+    return fp8_weights(cfg, params) if gathered else []
 
 
 def _sp_split(cfg: Config) -> int:
@@ -791,6 +834,41 @@ def layer_gradient_bytes(cfg: Config, layer: int) -> float:
     return hidden + routed + shared
 
 
+# An eager float8 cast (torchao's ``hp_tensor_and_scale_to_float8``: the operand times its scale in fp32,
+# clamped to the float8 range in fp32, then converted) holds all three at once: 9 bytes an element.
+FP8_CAST_BYTES = FP32 + FP32 + 1
+
+
+def fp8_operand_width(cfg: Config, layer: int) -> float:
+    """Per token, the widest operand the layer's float8 GEMMs cast (those of :func:`fp8_weights`): a
+    linear's output gradient (its local rows; a row-parallel one's whole [H], gathered under SP) or its
+    input (its local columns; a column-parallel one's under SP cast on the sequence shard before the
+    gather). 0 for a layer without any (``[train] fp8 = "none"``)."""
+    sp = _sp_split(cfg)
+    widths = [0.0]
+    for q in fp8_weights(cfg, layer_params(cfg, layer)):
+        rows, columns = model_parallel_shape(q, cfg, Coords())
+        widths += [rows, columns if q.tp_dim == 1 else columns / sp]
+    return max(widths)
+
+
+def fp8_cast_gradient_bytes(cfg: Config, layer: int) -> float:
+    """Per token, what a layer's backward holds beside its saved tensors while a float8 GEMM casts its
+    widest operand (:func:`fp8_operand_width`) for the weight gradient: the incoming hidden-state
+    gradient and its float8 copy, that GEMM's input gradient already computed, and the cast's
+    :data:`FP8_CAST_BYTES`. The dry runs of Qwen2.5-7B (4 layers, tensorwise) peak there at dp 8 (the
+    down projection's input, [I / tp] a token, cast after its input gradient) and, at the same bytes within
+    1 %, at dp 2 x tp 4 + SP in the recomputed forward's cast of that input (beside the packed gate /
+    up output SP feeds the MLP, [2 I / tp]). Not counted: a weight's cast (at most 9 bytes an element of
+    one local weight; 0.14 GiB for the 7B's gate at tp 4) and the fp32 copies of the routed experts'
+    emulated grouped GEMM (``Float8GroupedMatmul``), which the dry run cannot trace."""
+    width = fp8_operand_width(cfg, layer)
+    if not width:
+        return 0.0
+    c = compute_bytes(cfg)
+    return (c + 1) * cfg.model.hidden_size + (c + FP8_CAST_BYTES) * width
+
+
 def backward_working_bytes(cfg: Config, pp_rank: int) -> float:
     """The rise over the saved activations while one layer runs backward (last layer first), at the
     layer where :func:`backward_peak` finds the backward's peak: its gradient temporaries and, if
@@ -879,7 +957,8 @@ def _layer_backward_bytes(cfg: Config, layer: int) -> tuple[float, float, float]
     back for it only), its gradient temporaries, and what it kept on the device until then."""
     offloaded = layer_offloaded(cfg, layer)
     back = layer_activation_bytes(cfg, layer) if offloaded else layer_recomputed_bytes(cfg, layer)
-    return back, layer_gradient_bytes(cfg, layer), 0.0 if offloaded else layer_kept_bytes(cfg, layer)
+    gradients = max(layer_gradient_bytes(cfg, layer), fp8_cast_gradient_bytes(cfg, layer))
+    return back, gradients, 0.0 if offloaded else layer_kept_bytes(cfg, layer)
 
 
 def activation_bytes(cfg: Config, pp_rank: int) -> float:
@@ -940,28 +1019,30 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
     p = cfg.parallel
     c = compute_bytes(cfg)
     units = unit_elements(cfg, pp_rank)
+    gathered = unit_gathered_bytes(cfg, pp_rank)
     largest = max(units.values())
     root = units.get("root", 0)
     accumulate = p.microbatches > 1 and not reduces_gradients(p, 0, p.microbatches)
-    held = c * sum(units.values()) if gathers_once_per_step(p) else 0  # fsdp_gather = "per_step"
+    held = sum(gathered.values()) if gathers_once_per_step(p) else 0  # fsdp_gather = "per_step"
     if phase == "forward":
         unsharded = FP32 * sum(units.values()) if accumulate else 0
-        return {"gathered": held or c * (root + units.get("head", 0)), "unsharded_grads": unsharded,
+        return {"gathered": held or gathered.get("root", 0) + gathered.get("head", 0), "unsharded_grads": unsharded,
                 "reduce_scatter": 0}
     if phase == "backward end":
         # The embedding's unit and the root (final norm; a tied embedding) are reduced last, after
         # every block's gradient has been reduce-scattered and freed.
         last = max(root, units.get("embed", 0))
-        return {"gathered": c * root, "unsharded_grads": (FP32 if accumulate else c) * last,
+        return {"gathered": gathered.get("root", 0), "unsharded_grads": (FP32 if accumulate else c) * last,
                 "reduce_scatter": FP32 * last}
     # The unit in use, the blocks prefetched ahead (their all-gather outputs: a unit's output is
     # copied into its parameters and freed before the next prefetch is issued) and the root unit;
     # the unit whose gradients it computes is a layer's (the embedding's and LM head's are outside the
     # layers). The reduce-scatter input beside it depends on the layer: :func:`backward_peak`.
     block = largest_layer_unit(cfg, pp_rank) or largest
-    ahead = p.fsdp_prefetch * block if p.data_parallel != "replicate" else 0
+    in_use = max((b for u, b in gathered.items() if u.startswith(("block.", "experts."))), default=max(gathered.values()))
+    ahead = p.fsdp_prefetch * in_use if p.data_parallel != "replicate" else 0
     unsharded = FP32 * sum(units.values()) if accumulate else c * block
-    return {"gathered": held or c * (block + ahead + root), "unsharded_grads": unsharded}
+    return {"gathered": held or in_use + ahead + gathered.get("root", 0), "unsharded_grads": unsharded}
 
 
 def sharded_grads_before_backward(cfg: Config) -> bool:
@@ -992,14 +1073,14 @@ def _unit_groups(cfg: Config, coords: Coords, spans: dict[int, StageSpan]) -> li
     stage_of = {i: s for s, r in enumerate(chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages))
                 for i in r}
     special = {"embed": [0], "head": [p.pp * p.virtual_stages - 1], "root": list(spans)}
-    c, shards = compute_bytes(cfg), _unit_grad_bytes(cfg, coords)
+    shards, gathered = _unit_grad_bytes(cfg, coords), unit_gathered_bytes(cfg, coords.pp)
     groups: dict[StageSpan, list[float]] = {}
     for unit, elements in unit_elements(cfg, coords.pp).items():
         used = special.get(unit) or [stage_of[int(unit.split(".")[1])]]
         grads = min(spans[s].backward if unit == "head" else spans[s].grads for s in used)
         span = StageSpan(min(spans[s].gathered for s in used), grads, grads, max(spans[s].released for s in used))
         g = groups.setdefault(span, [0.0, 0.0, 0.0, 0.0, False])
-        g[0] += c * elements
+        g[0] += gathered[unit]
         g[1] += FP32 * elements
         g[2] += shards.get(unit, 0.0)
         if FP32 * elements > g[3]:
