@@ -159,7 +159,8 @@ def test_clipping_copies_its_coefficient_once_per_device_and_dtype():
 def test_host_sync_counting_of_copies_to_the_host_and_torch_waits():
     """A non-blocking copy to the host lands in pinned memory torch allocates: no wait until the reader
     synchronizes (FSDP2's offloaded gradients), a blocking one waits; FSDP2's wait for them at the end of
-    backward is the one torch wait meshtron.host declares, named by torch's own frame."""
+    backward and its blocking copy of a micro-batch's gradient shard that accumulates on the host are the torch
+waits meshtron.host declares, each named by torch's own frame and op."""
     from meshtron.host import declared
     from meshtron.syncs import HostSyncCounter, Sync
     from meshtron.torch_private import fake_tensor_mode_class
@@ -173,6 +174,13 @@ def test_host_sync_counting_of_copies_to_the_host_and_torch_waits():
     fsdp = "torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py:797 in finalize_backward"
     assert declared(Sync("Event.synchronize", fsdp))
     assert not declared(Sync("Event.synchronize", fsdp.replace("finalize_backward", "post_backward")))
+    assert not declared(Sync("_to_copy", fsdp))  # only the wait torch makes there
+    # A micro-batch after the first: FSDP2 copies its reduce-scattered shard to the host blocking, to add it
+    # to the gradient there (issue 46); declared in foreach_reduce for that copy only.
+    reduce = "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:737 in foreach_reduce"
+    assert declared(Sync("_to_copy", reduce))
+    assert not declared(Sync("_local_scalar_dense", reduce))
+    assert not declared(Sync("_to_copy", reduce.replace("foreach_reduce", "foreach_all_gather")))
 
 
 def test_stored_offload_trace_holds_the_planned_host_bytes():
