@@ -90,6 +90,22 @@ def test_shipped_recipe_traces_on_fake_cuda():
 
 
 @needs_cuda_python
+def test_offload_with_two_microbatches_traces_with_its_declared_host_accumulation():
+    """The same offloaded 0.5B (4 layers) with 2 micro-batches: the second accumulates its reduce-scattered
+    gradient shards into those already on the host, which FSDP2 copies there blocking (issue 46), one wait per
+    parameter tensor of the rank (50: 4 layers x 12 and the tied embedding and final norm), declared in
+    meshtron.host.TORCH_WAITS; the other waits as with one micro-batch, nothing undeclared."""
+    report = cuda_dry_run("--recipe", "recipes/qwen2p5_0p5b.toml", "--dry-run", "8", "--model.num_hidden_layers", "4",
+                          "--train.seq_len", "2048", "--parallel.offload", "optimizer", "--parallel.microbatches", "2",
+                          "--train.global_batch_size", "16")
+    (rank,) = report["ranks"]
+    waits = {site.split(" at ")[1].split(":")[0]: n for site, n in rank["host_syncs"].items()}
+    assert waits == {"torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py": 50,
+                     "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py": 50, "meshtron/host.py": 3}, rank
+    assert abs(rank["host_gib"] - rank["planned_host_gib"]) <= 0.01 * rank["planned_host_gib"], rank
+
+
+@needs_cuda_python
 def test_transformers_model_traces_on_fake_cuda(tmp_path):
     """``[model] hf_model`` on fake CUDA (dp 2 x tp 2): transformers' model is built on the meta device and then
     faked on ``cuda:0`` (built under the fake mode, its constants were copied from the host to the real device,
