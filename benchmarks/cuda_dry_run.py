@@ -49,8 +49,8 @@ LAYOUTS = {
     "hsdp": ("qwen2p5_0p5b", 8, ["--parallel.dp", "2", "--parallel.cp", "2", "--parallel.tp", "2",
                                  "--parallel.data_parallel", "hsdp", "--parallel.microbatches", "4", *_SMALL]),
     # The levers, each on a real-size recipe at its stated layout (compile: refused, meshtron.dryrun.COMPILE_REFUSAL).
-    # The 72B offload recipe's 8 micro-batches each reduce-scatter into the host's gradients, each copy a
-    # blocking one (FSDP2 adds it on the host): one micro-batch of its size traces the offload's bytes.
+    # One micro-batch of the 72B offload recipe's size: the offload without the later micro-batches' blocking
+    # accumulation on the host (the recipe's own 8 trace it, in 1,770 s here against 333 s).
     "72b 8gpu offload, 1 micro-batch": ("qwen2p5_72b_8gpu", 8, ["--parallel.microbatches", "1",
                                                                  "--train.global_batch_size", "4"]),
     "72b 8gpu op recompute, 1 micro-batch": ("qwen2p5_72b_8gpu", 8, ["--parallel.activation_checkpointing", "op",
@@ -187,9 +187,9 @@ def main(names: list[str]) -> None:
         "run answers them with its assumption). Dry run s: wall time on a 2-core machine shared with other jobs "
         "(load average 10-220 while these ran).\n\n"
         "The levers (2026-11-26): optimizer offload traces with the host's state equal to the plan's and the GPU "
-        "at 1.054 x the plan (72B, one micro-batch); the 72B offload recipe's own 8 micro-batches are refused: "
-        "each micro-batch after the first reduce-scatters into gradients already on the host, which FSDP2 copies "
-        "blocking and adds on the host (963 waits in the warm-up's second micro-batch, 7 x 963 a step). "
+        "at 1.054 x the plan (72B, its own 8 micro-batches and one); each micro-batch after the first "
+        "reduce-scatters into gradients already on the host, which FSDP2 copies blocking and adds on the host: "
+        "7 x 963 waits a step, declared (meshtron.host.TORCH_WAITS) and costed exposed by meshtron.plan (2026-11-28). "
         "Activation offload: GPU 1.023 x the plan (7B), its host peak 114.9 GiB against the plan's 99.4 GiB of "
         "offloaded activations. fp8 tensorwise: GPU 1.210 x the plan of that day, which had no fp8 term (today's "
         "plan counts the float8 casts: 1.028, tests/test_cuda_dryrun.py). Op recompute "

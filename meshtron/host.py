@@ -127,14 +127,27 @@ def declared(sync: Sync) -> bool:
     """Whether a host sync of the training step is one this module declares: the step may read the
     device only through it (the log step's reads of loss and grad norm come after the step), or one of
     torch's own that :data:`TORCH_WAITS` names."""
-    return sync.where.startswith(__file__) or any(sync.where.startswith(place) and sync.where.endswith(function)
-                                                  for place, function in TORCH_WAITS)
+    return sync.where.startswith(__file__) or any(_torch_wait(sync, *wait) for wait in TORCH_WAITS)
 
 
-# (file, function) of the waits torch makes on the step's behalf: with [parallel] offload = "optimizer",
-# FSDP2 waits at the end of backward for each gradient's copy to the host, which the host's optimizer
-# step reads (one wait for the device; the rest find their copies done).
-TORCH_WAITS = (("torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "in finalize_backward"),)
+def _torch_wait(sync: Sync, place: str, function: str, op: str) -> bool:
+    """Whether ``sync`` is the wait ``op`` torch makes in ``function`` of its file ``place`` (any line: the
+    line moves between torch versions, the function and the op do not)."""
+    return sync.op == op and sync.where.startswith(place) and sync.where.endswith(function)
+
+
+# (file, function, op) of the waits torch makes on the step's behalf, each with [parallel] offload =
+# "optimizer" (FSDP2's CPUOffloadPolicy, pinned host memory):
+TORCH_WAITS = (
+    # At the end of backward FSDP2 waits for each gradient's copy to the host, which the host's optimizer
+    # step reads (one wait for the device; the rest find their copies done).
+    ("torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "in finalize_backward", "Event.synchronize"),
+    # Each micro-batch after the first: FSDP2 accumulates the micro-batch's reduce-scattered gradient shard
+    # into the gradient already on the host, and the host's add needs the shard there first, so foreach_reduce
+    # copies it device-to-host blocking (non_blocking only when nothing accumulates): one wait per parameter.
+    # meshtron.plan.speed.accumulation_seconds costs it (exposed, not hidden behind compute).
+    ("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "in foreach_reduce", "_to_copy"),
+)
 
 
 def across(t: torch.Tensor, device: torch.device) -> torch.Tensor:

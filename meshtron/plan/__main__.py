@@ -87,6 +87,8 @@ def breakdown_text(plan: Plan, hw: Hardware) -> list[str]:
                  f"exposed communication {t.exposed_comm:.2f} s"
                  + (f", of it host copies {t.exposed_by.get('host', 0.0):.2f} s, optimizer on the host "
                     f"{t.host_optimizer:.2f} s" if t.host_optimizer or "host" in t.exposed_by else "")
+                 + (f", adding later micro-batches' gradients on the host {t.host_accumulate:.2f} s"
+                    if t.host_accumulate else "")
                  + f", pipeline bubble {t.bubble:.0%})")
     return lines
 

@@ -81,6 +81,7 @@ class Plan:
             "total_gib": round(self.memory.total / GIB, 3),
             "host_gib_per_rank": round(self.memory.host_total / GIB, 3),
             "host_optimizer_seconds": self.time.host_optimizer,
+            "host_accumulate_seconds": self.time.host_accumulate,
             "dominant": self.memory.dominant,
             "busiest_pp_rank": self.memory.pp_rank,
             "peak_phase": self.memory.phase,

@@ -16,7 +16,9 @@ step time = (compute + exposed communication) / (1 - bubble)
   traffic overlaps compute and only its excess is exposed, as does tp's with ``tp_overlap`` beyond one
   chunk per ring (:func:`overlapped_tp_seconds`);
 - host offload (:func:`host_offload_seconds`): the copies between host and device over the host link
-  and, with ``offload = "optimizer"``, AdamW stepping the host shards at the host's memory bandwidth;
+  and, with ``offload = "optimizer"``, AdamW stepping the host shards at the host's memory bandwidth, and
+  each micro-batch after the first waiting for its gradients to be added on the host
+  (:func:`accumulation_seconds`);
 - bubble: idle fraction of the simulated schedule (backward twice a forward, three times with
   recomputation; of it a split backward's ``W`` one forward, its ``B`` the rest; with activation
   checkpointing or compiled blocks the executor runs every backward whole at ``B``).
@@ -79,6 +81,7 @@ class StepTime:
     comm_bytes: dict[str, float] = field(default_factory=dict)  # "kind/dim" -> bytes per rank per step
     exposed_by: dict[str, float] = field(default_factory=dict)  # dims -> exposed seconds (exposed_communication)
     host_optimizer: float = 0.0  # seconds of the optimizer step on the host (``offload = "optimizer"``)
+    host_accumulate: float = 0.0  # seconds of adding later micro-batches' gradient shards on the host
 
 
 def group_is_intra_node(cfg: Config, dims: tuple[str, ...], gpus_per_node: int) -> bool:
@@ -485,16 +488,16 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware(), compute_seconds: f
     recompute = recompute_factor(cfg)
     compute = compute_seconds if compute_seconds is not None else compute_time(cfg, hw)
     comm = communication(cfg)
-    exposed_by = exposed_communication(cfg, comm, compute, hw)
     host = host_offload_seconds(cfg, compute / recompute, hw)
+    exposed_by = exposed_communication(cfg, comm, compute, hw, waited=host.reduce_scatter)
     if host.link:
         exposed_by["host"] = host.link
     exposed = sum(exposed_by.values())
     # Backward costs twice a forward, plus the recomputed forward of the checkpointed share of layers.
     bubble = pipeline_bubble(p.schedule, p.pp, p.microbatches, p.virtual_stages, 2 + 3 * (recompute - 1),
                              split=not unsplit_stages(cfg))
-    seconds = (compute + exposed + host.optimizer) / (1 - bubble)
-    return StepTime(seconds, tokens / seconds, compute, exposed, bubble, comm, exposed_by, host.optimizer)
+    seconds = (compute + exposed + host.optimizer + host.add) / (1 - bubble)
+    return StepTime(seconds, tokens / seconds, compute, exposed, bubble, comm, exposed_by, host.optimizer, host.add)
 
 
 # AdamW on fp32 state reads the parameter, its gradient and both moments and writes the parameter and
@@ -505,21 +508,41 @@ ADAM_BYTES_PER_PARAM = 7 * FP32
 class HostSeconds(NamedTuple):
     link: float  # exposed seconds of host-device copies
     optimizer: float  # seconds of the optimizer step on the host
+    add: float = 0.0  # seconds of the host adding later micro-batches' gradient shards (accumulation_seconds)
+    reduce_scatter: float = 0.0  # seconds of those micro-batches' gradient reduce-scatters, which the host waits for
+
+
+# Of host_transfer_bytes: the gradient shards of the micro-batches after the first, copied blocking.
+ACCUMULATED = "accumulated gradients"
+
+
+def accumulated_reductions(cfg: Config) -> int:
+    """Micro-batches per step whose reduce-scattered gradient shards FSDP2 adds into gradients already on
+    the host (``offload = "optimizer"``, pp = 1, a reduce-scatter every micro-batch): all but the first.
+    Their copy to the host blocks the host thread (``meshtron.host.TORCH_WAITS``)."""
+    p = cfg.parallel
+    if not offloads_optimizer(cfg) or p.pp > 1 or not reduces_gradients(p, 0, p.microbatches):
+        return 0
+    return p.microbatches - 1
 
 
 def host_transfer_bytes(cfg: Config) -> dict[str, float]:
     """Bytes one rank copies per step between host and device (pp = 1): with ``offload = "optimizer"``
     each unit's fp32 shard to the device for every all-gather (FSDP2 copies the shard, then casts it)
-    and each reduce-scattered fp32 gradient shard back; with ``offload_activations`` every offloaded
-    block's saved tensors out in forward and back in backward, per micro-batch."""
+    and each reduce-scattered fp32 gradient shard back (the first micro-batch's under ``"gradients"``,
+    the later ones, which accumulate on the host, under :data:`ACCUMULATED`); with ``offload_activations``
+    every offloaded block's saved tensors out in forward and back in backward, per micro-batch."""
     p = cfg.parallel
     out: dict[str, float] = {}
     if offloads_optimizer(cfg):
         shard = state_bytes(cfg)["params"]
         gathers = 1 if gathers_once_per_step(p) else 2 * p.microbatches
         reduces = p.microbatches if reduces_gradients(p, 0, p.microbatches) else 1
+        accumulated = accumulated_reductions(cfg)
         out["parameters"] = gathers * shard
-        out["gradients"] = reduces * shard
+        out["gradients"] = (reduces - accumulated) * shard
+        if accumulated:
+            out[ACCUMULATED] = accumulated * shard
     if p.offload_activations:
         out["activations"] = 2 * p.microbatches * offloaded_activation_bytes(cfg)
     return out
@@ -527,27 +550,73 @@ def host_transfer_bytes(cfg: Config) -> dict[str, float]:
 
 def host_offload_seconds(cfg: Config, compute: float, hw: Hardware) -> HostSeconds:
     """Host offload's cost per step, with ``compute`` the step's compute time without recomputation.
-    Parameter and gradient copies run on FSDP's copy streams, the saved tensors' outbound copies on the
-    offload side stream: together they hide behind compute and only their excess over it is exposed.
-    The saved tensors' copies back run on the compute stream when backward needs them: exposed whole.
-    The optimizer steps after the backward, on the host, before the next forward: exposed whole, at
-    :data:`ADAM_BYTES_PER_PARAM` over ``hw.host_memory_gbps``."""
+    Parameter copies, the first micro-batch's gradient copies (non-blocking, into pinned memory) and the
+    saved tensors' outbound copies (offload side stream) run beside compute: together they hide behind it
+    and only their excess over it is exposed. The saved tensors' copies back run on the compute stream when
+    backward needs them: exposed whole. So are the later micro-batches' gradient copies, which block the
+    host (:func:`accumulation_seconds`). The optimizer steps after the backward, on the host, before the
+    next forward: exposed whole, at :data:`ADAM_BYTES_PER_PARAM` over ``hw.host_memory_gbps``."""
     moved = host_transfer_bytes(cfg)
     if not moved:
         return HostSeconds(0.0, 0.0)
     link = hw.host_link_gbps * 1e9
     back = moved.get("activations", 0.0) / 2
-    overlapped = (sum(moved.values()) - back) / link
+    blocking = moved.get(ACCUMULATED, 0.0)
+    overlapped = (sum(moved.values()) - back - blocking) / link
     optimizer = 0.0
     if offloads_optimizer(cfg):
         optimizer = state_bytes(cfg)["params"] / FP32 * ADAM_BYTES_PER_PARAM / (hw.host_memory_gbps * 1e9)
-    return HostSeconds(back / link + max(0.0, overlapped - compute), optimizer)
+    accumulation = accumulation_seconds(cfg, hw)
+    return HostSeconds((back + blocking) / link + max(0.0, overlapped - compute), optimizer, accumulation.add,
+                       accumulation.reduce_scatter)
 
 
-def exposed_communication(cfg: Config, comm: dict[str, float], compute: float, hw: Hardware) -> dict[str, float]:
+# Adding a gradient shard into the one on the host reads both and writes the sum: 3 fp32 values a parameter.
+HOST_ADD_BYTES_PER_PARAM = 3 * FP32
+
+
+class Accumulation(NamedTuple):
+    add: float  # seconds of the host's adds
+    reduce_scatter: float  # seconds of the reduce-scatters the host waits for before copying
+
+
+def accumulation_seconds(cfg: Config, hw: Hardware) -> Accumulation:
+    """The exposed cost of the micro-batches after the first under ``offload = "optimizer"``
+    (:func:`accumulated_reductions`): FSDP2 adds each one's reduce-scattered gradient shard into the gradient
+    already on the host, so it copies the shard to the host blocking (torch's ``foreach_reduce``) and adds it
+    on the host thread. While the host waits for a unit's reduce-scatter and copy and then adds, it queues
+    no further kernel and the device idles once the unit's backward is done: the reduce-scatter, the copy
+    (:func:`host_offload_seconds` counts it, :data:`ACCUMULATED`) and the add, at
+    :data:`HOST_ADD_BYTES_PER_PARAM` over ``hw.host_memory_gbps``, are all exposed."""
+    accumulated = accumulated_reductions(cfg)
+    if not accumulated:
+        return Accumulation(0.0, 0.0)
+    parameters = state_bytes(cfg)["params"] / FP32
+    add = accumulated * parameters * HOST_ADD_BYTES_PER_PARAM / (hw.host_memory_gbps * 1e9)
+    return Accumulation(add, accumulated * _gradient_reduce_scatter_seconds(cfg, hw))
+
+
+def _gradient_reduce_scatter_seconds(cfg: Config, hw: Hardware) -> float:
+    """Seconds of one micro-batch's fp32 gradient reduce-scatters under full sharding (the only mode that
+    reduces every micro-batch, ``data.reduces_gradients``): the dense units over the dense data ranks,
+    the experts over theirs, as :func:`_data_parallel_bytes` counts each."""
+    p = cfg.parallel
+    dense = p.dp * p.cp * p.mesh_ep
+    elements = sum(_padded(cfg, 0, group, dense) for group in ((False, False), (True, False), (False, True)))
+    seconds = _seconds(cfg, "reduce_scatter/dp_ep_cp", FP32 * elements * _ring(dense), hw)
+    edp = p.dp * p.cp * p.mesh_ep * p.tp // (p.ep * p.etp)
+    experts = _padded(cfg, 0, "experts", edp)
+    if experts and edp > 1:
+        seconds += _seconds(cfg, "reduce_scatter/edp", FP32 * experts * _ring(edp), hw)
+    return seconds
+
+
+def exposed_communication(cfg: Config, comm: dict[str, float], compute: float, hw: Hardware,
+                          waited: float = 0.0) -> dict[str, float]:
     """Seconds of ``comm`` on the critical path, by the mesh dimensions of each group (``"tp"``, ``"pp"``,
     ...): every tp, cp, ep and pp transfer, of tp_overlap's rings only what their GEMMs do not hide; of
-    the data-parallel ones, overlapping compute, only their excess over ``compute``, under ``"dp"``."""
+    the data-parallel ones, overlapping compute, only their excess over ``compute``, under ``"dp"``, but for
+    ``waited`` seconds of them the host waits for (:func:`accumulation_seconds`), exposed whole."""
     out: dict[str, float] = {}
     overlapped = 0.0
     for key, nbytes in comm.items():
@@ -557,7 +626,7 @@ def exposed_communication(cfg: Config, comm: dict[str, float], compute: float, h
         else:
             dims = key.split("/")[1]
             out[dims] = out.get(dims, 0.0) + seconds
-    out["dp"] = max(0.0, overlapped - compute)
+    out["dp"] = waited + max(0.0, overlapped - waited - compute)
     return out
 
 
@@ -592,7 +661,8 @@ def _is_data_parallel(key: str) -> bool:
     return key.split("/")[1] in ("dp", "dp_ep_cp", "cp_ep", "edp", "edp_shard", "edp_replicate")
 
 
-__all__ = ["ADAM_BYTES_PER_PARAM", "COMM_DIMS", "Hardware", "StepTime", "communication", "compute_time",
+__all__ = ["ACCUMULATED", "ADAM_BYTES_PER_PARAM", "COMM_DIMS", "HOST_ADD_BYTES_PER_PARAM", "accumulated_reductions",
+           "accumulation_seconds", "Hardware", "StepTime", "communication", "compute_time",
            "exposed_communication", "fp8_flops_per_token", "group_is_intra_node", "host_offload_seconds",
            "host_transfer_bytes", "matmul_seconds", "overlapped_rings", "overlapped_tp_seconds", "pipeline_bubble",
            "predict_step_time"]
