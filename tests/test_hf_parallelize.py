@@ -729,6 +729,18 @@ def _check_shared_parameter_kept() -> None:
             opt.step()
             opt.zero_grad()
         assert layers[1].mlp.down_proj.weight is layers[0].mlp.down_proj.weight, where
+    from unittest import mock
+
+    from meshtron.hf import parallelize as hf_parallelize
+
+    from meshtron.parallel import data
+
+    # Controls: not tied again after tp, or each layer its own FSDP unit: the copies are caught.
+    for switched_off in (mock.patch.object(hf_parallelize, "_share_again", lambda *_: None),
+                         mock.patch.object(data, "_sharing_groups", lambda modules: [[m] for m in modules])):
+        with switched_off, pytest.raises(ConfigError, match=r"'model.layers.0.mlp.down_proj.weight', 'model.layers.1."
+                                         r"mlp.down_proj.weight' share one Parameter, but parallelizing gave them separate"):
+            parallelize_hf_model(shared_model(), cached_mesh(dp=4, tp=2))
     with pytest.raises(ConfigError, match=r"'model.layers.0.mlp.down_proj.weight', 'model.layers.1.mlp.down_proj.weight' "
                                           r"share one Parameter, but pp = 2 puts their layers \[0, 1\] on different "
                                           r"pipeline stages \(each stage would train its own copy\)"):
