@@ -295,10 +295,10 @@ def _check_shared_in_one_stage(model: nn.Module, shared: list[list[tuple[str, nn
     """Weights reused by decoder layers that pp puts on different stages would be two copies, each trained
     by its stage's share of the gradient: refused on every rank alike, before any collective (a tied
     embedding and head is the pipeline's own case: it sums their gradients)."""
-    blocks = hf_parts(model).blocks_path
-    p = stage.parallel
+    parts, p = hf_parts(model), stage.parallel
+    blocks = parts.blocks_path
     stage_of = {index: pp_rank for pp_rank in range(p.pp) for layers in
-                stage_chunks(len(hf_parts(model).blocks), pp_rank, p.pp, p.virtual_stages,
+                stage_chunks(len(parts.blocks), pp_rank, p.pp, p.virtual_stages,
                              p.schedule in V_SHAPED).values() for index in layers}
     for group in shared:
         indices = sorted({int(path.removeprefix(f"{blocks}.").split(".")[0]) for path, _, _ in group
