@@ -132,7 +132,8 @@ def replan_rows(rows: list[dict], layouts: list[tuple[str, int | None, list[str]
     """``rows`` (from a full run over ``layouts``, in order) with the current planner's figures: memory
     and ratio, bytes sent, and the predicted tokens/s from the stored roofline times."""
     from meshtron.dryrun import TRACE_ASSUMPTIONS
-    from meshtron.plan.memory import Coords, rank_breakdown
+    from meshtron.plan.memory import rank_breakdown
+    from meshtron.plan.parameters import Coords
     from meshtron.plan.speed import Hardware, communication, predict_step_time
 
     out, rest = [], iter(rows)

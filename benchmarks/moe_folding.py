@@ -38,7 +38,8 @@ from meshtron.models import build_model, materialize  # noqa: E402
 from meshtron.parallel.expert import apply_expert_parallel  # noqa: E402
 from meshtron.parallel.tensor import apply_tensor_parallel  # noqa: E402
 from meshtron.parallel.vocab_loss import parallel_token_loss_sum  # noqa: E402
-from meshtron.plan.memory import GIB, Coords, _stage_params, model_parallel_shape  # noqa: E402
+from meshtron.plan.memory import GIB  # noqa: E402
+from meshtron.plan.parameters import Coords, _stage_params, model_parallel_shape  # noqa: E402
 from meshtron.testing import module_collectives, run_checks  # noqa: E402
 
 MODEL = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,

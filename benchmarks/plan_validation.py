@@ -17,7 +17,7 @@ from meshtron.config import load_config
 from meshtron.models.layers import RotaryEmbedding
 from meshtron.models.qwen2 import Block
 from meshtron.plan.measure import saved_tensor_bytes
-from meshtron.plan.memory import layer_activation_bytes
+from meshtron.plan.activations import layer_activation_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {

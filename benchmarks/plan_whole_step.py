@@ -163,7 +163,8 @@ def matmul_tflops() -> float:
 def compare(rows: list[dict], tflops: float) -> list[dict]:
     from meshtron.plan import Hardware, predict_step_time
     from meshtron.plan.fit import CPU_ASSUMPTIONS
-    from meshtron.plan.memory import Coords, rank_breakdown, state_bytes
+    from meshtron.plan.memory import rank_breakdown
+    from meshtron.plan.parameters import Coords, state_bytes
 
     cores = os.cpu_count() or 1
     hw = Hardware(gpus_per_node=WORLD, memory_gib=1e9, peak_tflops=tflops * min(1.0, cores / WORLD), mfu=1.0,

@@ -29,7 +29,7 @@ from meshtron.config import load_config  # noqa: E402
 from meshtron.models import build_model  # noqa: E402
 from meshtron.parallel.checkpointing import apply_activation_checkpointing  # noqa: E402
 from meshtron.plan.measure import MatmulFlops, kept_tensor_bytes  # noqa: E402
-from meshtron.plan.memory import layer_kept_bytes  # noqa: E402
+from meshtron.plan.activations import layer_kept_bytes  # noqa: E402
 from meshtron.plan.speed import recompute_factor  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "recompute_memory.md"

@@ -133,7 +133,8 @@ def test_plan_holds_to_the_stored_cuda_traces():
     AdamW's step counts are on the device). Reads the stored traces: runs without the CUDA environment."""
     from meshtron.config import infer_dp, load_config
     from meshtron.dryrun import TRACE_ASSUMPTIONS
-    from meshtron.plan.memory import GIB, Coords, rank_breakdown
+    from meshtron.plan.memory import GIB, rank_breakdown
+    from meshtron.plan.parameters import Coords
     from meshtron.plan.recipes import recipe_hardware
 
     store = json.loads(TRACED_CUDA.read_text())
@@ -153,7 +154,8 @@ def test_plan_holds_to_the_stored_cuda_fp8_trace():
     (1.028; 1.210 before the plan had an FP8 term)."""
     from meshtron.config import infer_dp, load_config
     from meshtron.dryrun import TRACE_ASSUMPTIONS
-    from meshtron.plan.memory import GIB, Coords, rank_breakdown
+    from meshtron.plan.memory import GIB, rank_breakdown
+    from meshtron.plan.parameters import Coords
 
     cfg = infer_dp(load_config(ROOT / "recipes" / "qwen2p5_7b.toml", ["--train.fp8", "tensorwise"]), 8)
     (row,) = json.loads(TRACED_CUDA.read_text())["7b fp8 tensorwise"]
@@ -169,7 +171,8 @@ def test_stored_offload_recipe_trace_has_only_declared_waits():
     run refuses an undeclared wait). The host's offloaded state within 1 % of today's plan."""
     from meshtron.config import infer_dp, load_config
     from meshtron.dryrun import TRACE_ASSUMPTIONS
-    from meshtron.plan.memory import GIB, Coords, rank_breakdown
+    from meshtron.plan.memory import GIB, rank_breakdown
+    from meshtron.plan.parameters import Coords
 
     rows = json.loads(TRACED_CUDA.read_text())["qwen2p5_72b_8gpu"]
     cfg = infer_dp(load_config(ROOT / "recipes" / "qwen2p5_72b_8gpu.toml"), 8)
@@ -242,7 +245,8 @@ def test_stored_offload_trace_holds_the_planned_host_bytes():
     offload keeps on the host, counted on the step's objects, within 1 % of today's plan for the rank."""
     from meshtron.config import infer_dp, load_config
     from meshtron.dryrun import TRACE_ASSUMPTIONS
-    from meshtron.plan.memory import GIB, Coords, rank_breakdown
+    from meshtron.plan.memory import GIB, rank_breakdown
+    from meshtron.plan.parameters import Coords
 
     (row,) = json.loads(TRACED_CUDA.read_text())["72b 8gpu offload, 1 micro-batch"]
     cfg = infer_dp(load_config(ROOT / "recipes" / "qwen2p5_72b_8gpu.toml", ["--parallel.microbatches", "1",

@@ -417,7 +417,7 @@ def test_op_checkpointing_is_exact_and_recomputes_what_the_planner_counts(model_
     its backward runs the matmul FLOPs of none plus exactly the matmuls the planner says it drops
     (``save_matmuls``: none; ``alternate_matmuls``: the 2nd, 4th, ...; ``parts``: the named parts'), fewer
     than full checkpointing; recomputing ``core_attn`` runs each attention kernel once more."""
-    from meshtron.plan.memory import block_matmuls, op_recomputed_matmuls
+    from meshtron.plan.activations import block_matmuls, op_recomputed_matmuls
 
     cfg = ModelConfig(**model_cfg)
     ref = random_model(cfg, seed=3)

@@ -352,7 +352,8 @@ def test_fp8_steps_match_the_plan(shipped):
     1.398, 1.174 and 0.999 x the plan. The all-gathers' bytes equal the plan's: FSDP's of float8 weights,
     SP's of float8 inputs (6 of a 7B layer's 13 tp transfers at tp 4: 28.875 GiB, where the plan said 36.75
     before it counted them). Not compared: the all-reduces of each cast's amax, a few bytes each."""
-    from meshtron.plan.memory import Coords, rank_breakdown, unit_gathered_bytes
+    from meshtron.plan.memory import rank_breakdown
+    from meshtron.plan.parameters import Coords, unit_gathered_bytes
 
     for name in ("7B fp8 tp4", "7B fp8 dp8", "57B fp8"):
         for rank in shipped[name]["ranks"]:
@@ -538,7 +539,8 @@ def test_plan_holds_to_the_stored_1024_rank_7b_trace():
     layer's), and the dry run would still trace those ranks."""
     from meshtron.config import load_config
     from meshtron.dryrun import TRACE_ASSUMPTIONS, distinct_ranks
-    from meshtron.plan.memory import GIB, Coords, rank_breakdown
+    from meshtron.plan.memory import GIB, rank_breakdown
+    from meshtron.plan.parameters import Coords
 
     cfg = load_config(ROOT / "recipes" / "qwen2p5_7b.toml", list(LAYOUT_1024))
     report = json.loads(TRACED_1024.read_text())

@@ -120,7 +120,7 @@ def test_fused_loss_peak_is_the_planners_loss_term():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from meshtron.config import Config, TrainConfig
-    from meshtron.plan.memory import loss_bytes
+    from meshtron.plan.moments import loss_bytes
 
     n, hidden, vocab, chunk = 512, 256, 4096, 128
     h, w, labels = _problem(n, hidden, vocab, torch.bfloat16)

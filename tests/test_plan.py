@@ -22,7 +22,8 @@ from meshtron.config import ConfigError, infer_dp, load_config
 from meshtron.plan import Assumptions, Coords, Hardware, predict_memory, predict_step_time, rank_layouts, state_bytes
 from meshtron.plan import fit
 from meshtron.plan.__main__ import main as plan_main
-from meshtron.plan.memory import GIB, activation_bytes, loss_bytes
+from meshtron.plan.memory import GIB, activation_bytes
+from meshtron.plan.moments import loss_bytes
 from meshtron.testing import run_checks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,7 +127,9 @@ def test_loss_memory_has_no_tokens_by_vocab_term():
 
 def test_peak_is_the_larger_of_forward_end_and_backward():
     """The loss's chunk buffers (forward only) and one layer's backward working set never add up."""
-    from meshtron.plan.memory import PHASES, backward_working_bytes, loss_chunk_bytes, phase_terms, rank_breakdown
+    from meshtron.plan.activations import loss_chunk_bytes
+    from meshtron.plan.memory import backward_working_bytes, phase_terms, rank_breakdown
+    from meshtron.plan.moments import PHASES
 
     for args in ([], ["--parallel.activation_checkpointing=none"], ["--parallel.pp=2", "--parallel.dp=1",
                                                                      "--parallel.microbatches=4"]):
@@ -182,7 +185,8 @@ def test_zero_bubble_schedules_place_and_hold_what_the_executor_does():
     """zbv puts the loss on rank 0 (the turn of the V); a split backward holds its micro-batches until
     W, plus the gradients W restarts from; W filling the bubble shows in the step time. With
     activation checkpointing the backward runs whole at B: 1F1B's memory and bubble."""
-    from meshtron.plan.memory import holds_last_stage, in_flight, saved_activation_bytes, stage_params
+    from meshtron.plan.moments import in_flight, saved_activation_bytes
+    from meshtron.plan.parameters import holds_last_stage, stage_params
 
     def cfg(schedule, virtual=1, ac="none"):
         return load_config(RECIPES / "qwen2p5_7b.toml", [
@@ -541,7 +545,7 @@ def test_document_mask_figure_matches_what_autograd_holds(dtype):
     import torch
 
     from meshtron.plan.measure import saved_tensor_bytes
-    from meshtron.plan.memory import document_mask_bytes
+    from meshtron.plan.activations import document_mask_bytes
 
     cfg, block, x, rope = _one_block("debug_dense", dtype)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, document_mask=True),
@@ -561,7 +565,7 @@ def test_layer_figures_match_what_autograd_holds(recipe, dtype):
 
     from meshtron.parallel.pipeline.executor import _backward_input
     from meshtron.plan.measure import saved_tensor_bytes
-    from meshtron.plan.memory import captured_gradient_bytes, layer_activation_bytes
+    from meshtron.plan.activations import captured_gradient_bytes, layer_activation_bytes
 
     cfg, block, x, rope = _one_block(recipe, dtype)
     tokens = x.shape[0] * x.shape[1]
@@ -588,7 +592,7 @@ def test_op_checkpointing_figure_matches_what_a_block_keeps(recipe, dtype, polic
 
     from meshtron.parallel.checkpointing import checkpoint_blocks
     from meshtron.plan.measure import kept_tensor_bytes
-    from meshtron.plan.memory import layer_kept_bytes
+    from meshtron.plan.activations import layer_kept_bytes
 
     cfg, block, x, rope = _one_block(recipe, dtype)
     tokens, outside = x.shape[0] * x.shape[1], [*block.parameters(), x, *rope]
@@ -720,21 +724,21 @@ def test_search_evaluates_a_bounded_number_of_variants():
 def _plain_evaluation(monkeypatch) -> None:
     """The planner without the search's shortcuts: every layer's figures evaluated, every schedule built,
     walked and simulated at its full micro-batch count."""
-    from meshtron.plan import gemm, memory, speed
+    from meshtron.plan import activations, gemm, moments, speed
 
     def every_layer(cfg, fn, layers):
         return [fn(cfg, i) for i in layers]
 
-    for module in (memory, speed, gemm):
+    for module in (activations, moments, speed, gemm):
         monkeypatch.setattr(module, "by_kind", every_layer)
-    for module in (memory, speed):
+    for module in (moments, speed):
         monkeypatch.setattr(module, "steady_microbatches", lambda name, pp, m: m)
-    memory._actions_by_rank.cache_clear()
+    moments._actions_by_rank.cache_clear()
     speed.pipeline_bubble.cache_clear()
 
 
 def test_search_shortcuts_change_no_figure(monkeypatch):
-    """The layout search evaluates per-layer figures once per layer kind (``memory.by_kind``: a MoE model
+    """The layout search evaluates per-layer figures once per layer kind (``activations.by_kind``: a MoE model
     with dense layers, every other layer checkpointed) and walks and simulates a pipeline schedule at its
     steady micro-batch count (``schedules.steady_microbatches``, 16 of the 64 here): the same memory
     to the byte, the same step time to rounding, the same ranking row for row."""
@@ -775,7 +779,7 @@ def test_fsdp_traffic_pads_the_dim_fsdp_shards():
     embedding and LM head are sharded on the hidden dim (``parallel.data.data_shard_dim``), so the
     planner's padded elements are the exact local shards' (``local_numel``, held to DTensor's above),
     not the vocabulary rows padded."""
-    from meshtron.plan.memory import local_numel, stage_params
+    from meshtron.plan.parameters import local_numel, stage_params
     from meshtron.plan.speed import _padded
 
     cfg = _config("debug_dense", dict(dp=4, tp=2, vocab_size=257))
@@ -969,7 +973,8 @@ def test_offloaded_state_is_counted_in_host_memory_not_on_the_device():
 def test_offloaded_activations_are_the_saved_tensors_of_the_blocks_not_recomputed():
     """offload_activations: the host holds every block's saved tensors but the recomputed ones' (selective:
     every second block), the device only the checkpointed blocks' inputs and the final norm's tensors."""
-    from meshtron.plan.memory import layer_activation_bytes, microbatch_tokens, saved_activation_bytes
+    from meshtron.plan.activations import layer_activation_bytes, microbatch_tokens
+    from meshtron.plan.moments import saved_activation_bytes
 
     for ac, offloaded in (("none", range(80)), ("selective", range(1, 80, 2))):
         cfg = _offloaded_72b("--parallel.offload_activations", "true", "--parallel.activation_checkpointing", ac)

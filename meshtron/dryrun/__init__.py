@@ -52,7 +52,8 @@ from meshtron.nccl_rules import NcclRules, unmatched_p2p
 from meshtron.optim import build_optimizer
 from meshtron.parallel.float8 import fits_fp8
 from meshtron.parallel.step import training_step
-from meshtron.plan.memory import GIB, Assumptions, Coords, rank_breakdown, state_bytes
+from meshtron.plan.memory import GIB, Assumptions, rank_breakdown
+from meshtron.plan.parameters import Coords, state_bytes
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
 from meshtron.plan.speed import COMM_DIMS, Hardware, communication, cp_a2a_ranks, predict_step_time
 from meshtron.syncs import HostSyncCounter

@@ -59,7 +59,7 @@ def checkpoints_layer(layer: int, mode: str, every: int) -> bool:
     """Whether ``mode`` checkpoints global layer ``layer`` (``op``: in part). ``full`` and ``op``: every
     layer; ``selective``: layers whose global index is a multiple of ``every`` (0, N, 2N, ...), so the
     choice does not change when a pipeline stage holds only some layers. The rule's one owner:
-    :func:`checkpointed_layers` and the planner (``plan/memory.py``) call it."""
+    :func:`checkpointed_layers` and the planner (``plan/activations.py``) call it."""
     return mode in ("full", "op") or (mode == "selective" and layer % every == 0)
 
 

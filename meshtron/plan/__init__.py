@@ -8,7 +8,8 @@ Sits above ``meshtron.parallel`` (it reads the pipeline schedules and the simula
 ``meshtron.train``.
 """
 
-from meshtron.plan.memory import TERMS, Assumptions, Breakdown, Coords, predict_memory, state_bytes
+from meshtron.plan.memory import TERMS, Assumptions, Breakdown, predict_memory
+from meshtron.plan.parameters import Coords, state_bytes
 from meshtron.plan.search import Plan, evaluate, fitting_layout, rank_layouts
 from meshtron.plan.speed import Hardware, StepTime, predict_step_time
 

@@ -44,7 +44,8 @@ from meshtron.config import Config
 from meshtron.parallel.float8 import EXPERTS_RUN_FLOAT8_KERNEL, fits_fp8
 from meshtron.parallel.tensor import local_kv_heads
 from meshtron.plan.hardware import Hardware
-from meshtron.plan.memory import FP32, by_kind, compute_bytes, microbatch_tokens, recomputed_share
+from meshtron.plan.activations import by_kind, microbatch_tokens, recomputed_share
+from meshtron.plan.parameters import FP32, compute_bytes
 
 SMS = 132  # H100 / H200 SXM5 streaming multiprocessors (NVIDIA H100 Tensor Core GPU Architecture whitepaper)
 ALIGN = 8  # elements: a dimension not a multiple of this (16 bytes in bf16) leaves cuBLAS's vectorized kernels

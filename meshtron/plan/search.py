@@ -41,7 +41,8 @@ from dataclasses import dataclass
 
 from meshtron.config import FSDP_GATHERS, Config, ConfigError
 from meshtron.parallel.layout import validate_layout
-from meshtron.plan.memory import GIB, Assumptions, Breakdown, layer_offloaded, predict_memory
+from meshtron.plan.activations import layer_offloaded
+from meshtron.plan.memory import GIB, Assumptions, Breakdown, predict_memory
 from meshtron.plan.speed import Hardware, StepTime, recompute_factor, predict_step_time
 
 # (activation_checkpointing, ac_policy) pairs, from the least recomputation to the most (a group is

@@ -6,7 +6,7 @@ step time = (compute + exposed communication) / (1 - bubble)
 - compute: each GEMM of the rank's layers at its shape, the attention kernel's blocks and the
   elementwise bytes (:mod:`meshtron.plan.gemm`), plus the share of a checkpointed layer's forward its
   backward recomputes (all of it; under ``op`` what the policy does not keep,
-  :func:`meshtron.plan.memory.recomputed_share`); with ``hw.mfu`` pinned, ``flops_per_token`` x the
+  :func:`meshtron.plan.activations.recomputed_share`); with ``hw.mfu`` pinned, ``flops_per_token`` x the
   step's tokens / devices / (peak x MFU), with the same recomputed share; or, given the dry run's traced
   step, its roofline time (every op at the larger of its FLOPs over the peak and its bytes over the
   memory bandwidth);
@@ -42,29 +42,31 @@ from meshtron.parallel.context import a2a_group_size, cp_comm
 from meshtron.parallel.data import gathers_once_per_step, reduces_gradients
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
 from meshtron.parallel.tensor import local_heads, local_kv_heads
+from meshtron.plan.activations import (
+    by_kind,
+    layer_checkpointed,
+    microbatch_tokens,
+    offloaded_activation_bytes,
+    recomputed_share,
+)
 from meshtron.plan.gemm import gemm_efficiency, step_compute_seconds
 from meshtron.plan.hardware import Hardware
-from meshtron.plan.memory import (
+from meshtron.plan.moments import unsplit_stages
+from meshtron.plan.parameters import (
     FP32,
     Coords,
-    by_kind,
-    fsdp_shard_dim,
-    layout_key,
-    memo_by_key,
     compute_bytes,
     fp8_gathered_weights,
     fp8_weights,
+    fsdp_shard_dim,
     holds_last_stage,
-    layer_checkpointed,
     layer_params,
-    recomputed_share,
-    microbatch_tokens,
+    layout_key,
+    memo_by_key,
     model_parallel_shape,
-    offloaded_activation_bytes,
     offloads_optimizer,
     stage_params,
     state_bytes,
-    unsplit_stages,
 )
 
 INT64 = FP64 = 8

@@ -271,9 +271,9 @@ def test_training_step_has_no_host_sync(device, one_rank, compiled):
 def test_fused_loss_at_7b_vocabulary(device):
     """Qwen2.5-7B's head (vocabulary 152064, hidden 3584) over 4096 bf16 tokens: loss and gradients
     as cross-entropy of the bf16 logits in fp32, and on CUDA the allocator's peak over the inputs is
-    the planner's loss term (``meshtron.plan.memory.loss_bytes``), not the logits."""
+    the planner's loss term (``meshtron.plan.moments.loss_bytes``), not the logits."""
     from meshtron.config import Config, TrainConfig
-    from meshtron.plan.memory import loss_bytes
+    from meshtron.plan.moments import loss_bytes
 
     torch.manual_seed(0)
     seven = load_config(ROOT / "recipes" / "qwen2p5_7b.toml").model

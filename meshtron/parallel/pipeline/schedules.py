@@ -436,7 +436,7 @@ def runs_backward_whole(parts: Iterable[_Part], checkpointed: Callable[[_Part], 
     Splitting would cost those parts their backward twice: a checkpointed one replays its forward once per
     restarted ``W`` pass, and a compiled one is one fused backward node (input and weight gradients
     together) that ``B`` and ``W`` would each run. The rule's one owner: the pipelined runner asks it of a
-    chunk's modules, the planner (``plan/memory.py: unsplit_stages``) of a stage's layers under a recipe.
+    chunk's modules, the planner (``plan/moments.py: unsplit_stages``) of a stage's layers under a recipe.
     """
     return any(checkpointed(part) or compiled(part) for part in parts)
 
