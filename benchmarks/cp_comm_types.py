@@ -41,7 +41,7 @@ from meshtron.parallel.context import (
     sequence_index,
     shard_sequence,
 )
-from meshtron.plan.speed import cp_attention_bytes
+from meshtron.plan.communication import cp_attention_bytes
 from meshtron.testing import run_checks
 
 RESULTS = Path(__file__).parent / "results"
@@ -53,7 +53,7 @@ CPS = (2, 4, 8)
 
 def analytic_bytes(comm: str, cp: int, seq: int, heads: int, kv_heads: int, head_dim: int, elem: int) -> float:
     """Bytes one rank sends per layer, forward + backward, batch 1: the planner's count
-    (``meshtron.plan.speed.cp_attention_bytes``, which says how each comm type moves them)."""
+    (``meshtron.plan.communication.cp_attention_bytes``, which says how each comm type moves them)."""
     model = ModelConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
                         max_position_embeddings=seq)
     cfg = Config(model=model, parallel=ParallelConfig(cp=cp, cp_comm_type=comm),
@@ -244,7 +244,7 @@ def write_markdown(path: Path, args, measured, work, steps) -> None:
         f"Counted on 8 CPU ranks from the collectives one layer issues (seq {args.seq}, heads {args.heads}, "
         f"KV heads {args.kv_heads}, head dim {args.head_dim}, fp32, batch 1): every send of the ring, "
         "(n-1)/n of an all-to-all's input, (n-1) x the local shard for the all-gather and the "
-        "reduce-scatter (ring algorithms). `analytic` is the planner's count (`meshtron.plan.speed.cp_attention_bytes`). a2a+p2p uses "
+        "reduce-scatter (ring algorithms). `analytic` is the planner's count (`meshtron.plan.communication.cp_attention_bytes`). a2a+p2p uses "
         "the auto group size (largest divisor of cp below cp on one node that divides the heads: "
         "1 at cp 2, 2 at cp 4, 4 at cp 8).",
         "",

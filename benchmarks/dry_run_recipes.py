@@ -134,7 +134,8 @@ def replan_rows(rows: list[dict], layouts: list[tuple[str, int | None, list[str]
     from meshtron.dryrun import TRACE_ASSUMPTIONS
     from meshtron.plan.memory import rank_breakdown
     from meshtron.plan.parameters import Coords
-    from meshtron.plan.speed import Hardware, communication, predict_step_time
+    from meshtron.plan.communication import communication
+    from meshtron.plan.speed import Hardware, predict_step_time
 
     out, rest = [], iter(rows)
     for recipe, _, overrides in layouts:

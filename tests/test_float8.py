@@ -298,7 +298,7 @@ def test_planner_runs_the_fp8_gemms_at_the_fp8_peak(recipe, gemms):
 
 
 def test_planner_halves_the_fsdp_gathers_of_float8_weights():
-    from meshtron.plan.speed import communication
+    from meshtron.plan.communication import communication
 
     key = "all_gather+reduce_scatter/dp_ep_cp"
     saved = communication(_plan_7b("none"))[key] - communication(_plan_7b("tensorwise"))[key]

@@ -640,7 +640,7 @@ def test_fsdp_gathered_once_per_step_holds_the_model_and_gathers_once():
     step, where per micro-batch it gathers every unit 8 times (the root unit, the final norm, 4) and
     reduce-scatters 4 times. Ring traffic (n - 1) / n; every dim 0 divides by 4 (no padding)."""
     from meshtron.plan.memory import data_parallel_bytes
-    from meshtron.plan.speed import communication
+    from meshtron.plan.communication import communication
 
     cfg = _config("debug_dense", dict(dp=4, microbatches=4, fsdp_gather="per_step", tie_word_embeddings=False))
     cfg.train.dtype = "bfloat16"
@@ -724,12 +724,12 @@ def test_search_evaluates_a_bounded_number_of_variants():
 def _plain_evaluation(monkeypatch) -> None:
     """The planner without the search's shortcuts: every layer's figures evaluated, every schedule built,
     walked and simulated at its full micro-batch count."""
-    from meshtron.plan import activations, gemm, moments, speed
+    from meshtron.plan import activations, communication, gemm, moments, speed
 
     def every_layer(cfg, fn, layers):
         return [fn(cfg, i) for i in layers]
 
-    for module in (activations, moments, speed, gemm):
+    for module in (activations, moments, communication, speed, gemm):
         monkeypatch.setattr(module, "by_kind", every_layer)
     for module in (moments, speed):
         monkeypatch.setattr(module, "steady_microbatches", lambda name, pp, m: m)
@@ -780,7 +780,7 @@ def test_fsdp_traffic_pads_the_dim_fsdp_shards():
     planner's padded elements are the exact local shards' (``local_numel``, held to DTensor's above),
     not the vocabulary rows padded."""
     from meshtron.plan.parameters import local_numel, stage_params
-    from meshtron.plan.speed import _padded
+    from meshtron.plan.communication import _padded
 
     cfg = _config("debug_dense", dict(dp=4, tp=2, vocab_size=257))
     params = stage_params(cfg, 0)
@@ -929,7 +929,7 @@ def test_cp_bytes_of_every_comm_type_equal_the_counted_ones():
     a cp layout's step carries them under the groups they run on (a2a+p2p: the all-to-all inside groups
     of consecutive cp ranks, the ring across them)."""
     from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
-    from meshtron.plan.speed import communication, cp_attention_bytes
+    from meshtron.plan.communication import communication, cp_attention_bytes
 
     table = (ROOT / "benchmarks/results/cp_comm_types.md").read_text()
     rows = re.findall(r"^\| (\d) \| (p2p|a2a|allgather|a2a\+p2p) \| \d \| ([\d.]+) \| ([\d.]+) \|", table, re.M)

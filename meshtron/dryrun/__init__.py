@@ -55,7 +55,8 @@ from meshtron.parallel.step import training_step
 from meshtron.plan.memory import GIB, Assumptions, rank_breakdown
 from meshtron.plan.parameters import Coords, state_bytes
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
-from meshtron.plan.speed import COMM_DIMS, Hardware, communication, cp_a2a_ranks, predict_step_time
+from meshtron.plan.communication import COMM_DIMS, communication, cp_a2a_ranks
+from meshtron.plan.speed import Hardware, predict_step_time
 from meshtron.syncs import HostSyncCounter
 from meshtron.torch_private import counting_sharding_propagations, fake_store_class, mem_tracker_class
 
