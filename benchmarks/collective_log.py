@@ -1,4 +1,4 @@
-"""What recording every collective (meshtron.collective_log, the hang report's evidence) costs per step.
+"""What recording every collective (meshtron.watch.collective_log, the hang report's evidence) costs per step.
 
 4 CPU ranks (gloo), the debug recipes on four layouts: each rank builds the recipe's Trainer in-process
 and runs steps in alternating blocks with the recording off (``collective_log.uninstall()``) and on
@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 
-from meshtron import collective_log  # noqa: E402
+from meshtron.watch import collective_log  # noqa: E402
 from meshtron.testing import run_checks  # noqa: E402
 
 LAYOUTS = [

@@ -6,7 +6,7 @@ path) for ``--steps`` steps per recipe, the same data and initial weights each t
 - ``benchmarks/results/fp8_curves.md``: per recipe the final loss (mean of the last 20 logged steps) and
   its gap to the bf16 run (``fp8 = "none"``);
 - ``benchmarks/results/fp8_curves.json``: every run's loss per step;
-- ``benchmarks/results/fp8_curves.png``: the curves (``meshtron.plot``).
+- ``benchmarks/results/fp8_curves.png``: the curves (``meshtron.watch.plot``).
 
     python benchmarks/fp8_curves.py --steps 200
 
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from meshtron.config import FP8_RECIPES
-from meshtron.plot import draw, read_records
+from meshtron.watch.plot import draw, read_records
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"

@@ -13,7 +13,7 @@ paper's FlashAttention-2 curves), never from a run of its own. This script runs 
   sequence lengths of the published curves.
 
 Each row gives the measured TFLOP/s, the planner's rate for the same kernel (the roofline it uses, before
-``STEP_OVERHEAD``) and measured / planned. The device's peak is read from ``meshtron.metrics.datasheet``;
+``STEP_OVERHEAD``) and measured / planned. The device's peak is read from ``meshtron.watch.metrics.datasheet``;
 the planner is asked for the H100 SXM's figures, so on another card the ratio includes the cards' difference.
 
 Run on a GPU: ``PYTHONPATH=. python benchmarks/gemm_roofline.py --out benchmarks/results/gemm_roofline``

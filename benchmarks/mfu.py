@@ -17,7 +17,7 @@ For each shape (Qwen2.5-0.5B, 1.5B, and 7B truncated to ``--layers-7b`` layers s
 
 Reported per run: tokens/s; MFU = training FLOPs per token (``meshtron.models.flops_per_token``:
 6 x matmul parameters + causal attention) x tokens/s / the card's datasheet dense bf16 peak
-(``meshtron.metrics.datasheet_peak_flops``; ``--peak-tflops`` for an unlisted card), and the same
+(``meshtron.watch.metrics.datasheet_peak_flops``; ``--peak-tflops`` for an unlisted card), and the same
 against the bf16 matmul peak measured on this device; peak allocated memory
 (``torch.cuda.max_memory_allocated``) next to ``meshtron.plan``'s prediction for the same
 configuration (allocated bytes: no CUDA context or allocator slack); meshtron's speed-up over
@@ -43,12 +43,12 @@ import torch.distributed as dist
 from meshtron import env
 from meshtron.config import FSDP_GATHERS, Config, ModelConfig, ParallelConfig, TrainConfig, load_config
 from meshtron.mesh import build_mesh, exit_process, init_default_group
-from meshtron.metrics import datasheet_peak_flops, matmul_flops, synchronize
+from meshtron.watch.metrics import datasheet_peak_flops, matmul_flops, synchronize
 from meshtron.models import build_model, flops_per_token
 from meshtron.optim import build_optimizer
 from meshtron.parallel.step_runner import StepRunner
 from meshtron.plan import Assumptions, predict_memory
-from meshtron.syncs import no_host_syncs
+from meshtron.watch.syncs import no_host_syncs
 from meshtron.train import read_scalars, training_step
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -296,7 +296,7 @@ def parse_args(argv=None):
                         help="meshtron's [parallel] fsdp_gather: per_step keeps each unit gathered from forward to "
                              "backward (on one rank: no second cast and copy of every parameter in the backward)")
     parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="datasheet dense bf16 peak of a card meshtron.metrics does not list")
+                        help="datasheet dense bf16 peak of a card meshtron.watch.metrics does not list")
     parser.add_argument("--no-sync-check", dest="sync_check", action="store_false",
                         help="do not run meshtron's timed steps under torch.cuda.set_sync_debug_mode('error')")
     parser.add_argument("--out", type=Path, default=RESULTS / "mfu", help="results path without suffix")

@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from meshtron.config import load_config  # noqa: E402
 from meshtron.dryrun import dry_run, tokens_per_second_per_device  # noqa: E402
-from meshtron.metrics import datasheet  # noqa: E402
+from meshtron.watch.metrics import datasheet  # noqa: E402
 from meshtron.plan.gemm import ALIGN  # noqa: E402
 from meshtron.plan.search import Plan, best_variant  # noqa: E402
 from meshtron.plan.speed import Hardware, predict_step_time  # noqa: E402
@@ -194,7 +194,7 @@ def dry_run_section() -> list[str]:
                          f"{modelled:,.0f} | {100 * (modelled / eager - 1):+.0f} % |")
             print(lines[-1], flush=True)
     peak, bandwidth = datasheet("H100")
-    lines += ["", f"H100 SXM datasheet: {peak:g} TFLOP/s dense bf16, {bandwidth:g} TB/s (`meshtron.metrics.DATASHEET`); "
+    lines += ["", f"H100 SXM datasheet: {peak:g} TFLOP/s dense bf16, {bandwidth:g} TB/s (`meshtron.watch.metrics.DATASHEET`); "
               "inter-node 50 GB/s per GPU (400 Gb/s, as in torchtitan's cluster)."]
     return lines
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from meshtron.config import load_config  # noqa: E402
 from meshtron.models import build_model  # noqa: E402
-from meshtron.parallel.checkpointing import apply_activation_checkpointing  # noqa: E402
+from meshtron.parallel.recompute import apply_activation_checkpointing  # noqa: E402
 from meshtron.plan.measure import MatmulFlops, kept_tensor_bytes  # noqa: E402
 from meshtron.plan.activations import layer_kept_bytes  # noqa: E402
 from meshtron.plan.speed import recompute_factor  # noqa: E402

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from meshtron.syncs import Sync, record
+from meshtron.watch.syncs import Sync, record
 from meshtron.torch_private import fake_tensor_mode_class
 
 _fake_mode = None  # the dry run's FakeTensorMode, while one runs

@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshtron import env
 from meshtron.config import Config, ConfigError
-from meshtron.report import launch_store
+from meshtron.watch.report import launch_store
 from meshtron.torch_private import concatenate_meshes, flatten_mesh, unflatten_mesh
 
 DIMS = ("pp", "dp", "cp", "ep", "tp")

@@ -158,7 +158,7 @@ def _unit_state(unit: nn.Module):
 
 
 class SacBypass:
-    """Set while ops must bypass selective checkpointing (meshtron.parallel.checkpointing's hooks)."""
+    """Set while ops must bypass selective checkpointing (meshtron.parallel.recompute's hooks)."""
 
     active = False
 

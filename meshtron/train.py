@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshtron import collective_log, env
+from meshtron import env
+from meshtron.watch import collective_log
 from meshtron.checkpoint import (
     CheckpointMismatch,
     CheckpointWriter,
@@ -46,14 +47,14 @@ from meshtron.faults import inject_fault, install_stall, slow_down
 from meshtron.mesh import batch_mesh, exit_process, group_names, init_default_group, recipe_mesh
 from meshtron.parallel.float8 import high_precision_note
 from meshtron.parallel.layout import validate_layout
-from meshtron.metrics import MetricsLogger, StepProfiler, peak_flops_per_device
+from meshtron.watch.metrics import MetricsLogger, StepProfiler, peak_flops_per_device
 from meshtron.models import flops_per_token
 from meshtron.models.moe import MoE
 from meshtron.optim import build_optimizer, lr_at, set_lr
 from meshtron.parallel.step import training_step
 from meshtron.plan.fit import check_memory
-from meshtron.report import record_cause, report_consequence, report_once
-from meshtron.watchdog import Watchdog
+from meshtron.watch.report import record_cause, report_consequence, report_once
+from meshtron.watch.watchdog import Watchdog
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

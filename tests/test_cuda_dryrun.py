@@ -218,7 +218,7 @@ def test_host_sync_counting_of_copies_to_the_host_and_torch_waits():
     backward and its blocking copy of a micro-batch's gradient shard that accumulates on the host are the torch
 waits meshtron.host declares, each named by torch's own frame and op."""
     from meshtron.host import declared
-    from meshtron.syncs import HostSyncCounter, Sync
+    from meshtron.watch.syncs import HostSyncCounter, Sync
     from meshtron.torch_private import fake_tensor_mode_class
 
     with fake_tensor_mode_class()():

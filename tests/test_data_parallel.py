@@ -23,7 +23,7 @@ from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
 from meshtron.mesh import batch_mesh, dense_data_mesh
 from meshtron.models import build_model, token_loss_sum
-from meshtron.parallel.checkpointing import apply_activation_checkpointing, checkpointed_layers
+from meshtron.parallel.recompute import apply_activation_checkpointing, checkpointed_layers
 from meshtron.parallel.context import apply_context_parallel, shard_batch
 from meshtron.parallel.data import apply_data_parallel, data_meshes
 from meshtron.parallel.expert import apply_expert_parallel

@@ -600,7 +600,7 @@ def test_dry_run_pipeline_moe_and_hf_folder(capsys, tmp_path):
 
 
 def test_collectives_are_held_to_nccls_rules():
-    """Every traced collective as ProcessGroupNCCL would take it (meshtron.nccl_rules), on a fake process group
+    """Every traced collective as ProcessGroupNCCL would take it (meshtron.dryrun.nccl_rules), on a fake process group
     of 2 ranks: a tensor off the rank's device, a dtype NCCL has no type for, ReduceOp.BAND, AVG of bools and a
     reduction of a fnuz float8 are refused naming the op, its mesh dimension and the call site; what NCCL
     takes (bf16 SUM, AVG, int64 MAX, an all-gather) passes and is counted."""
@@ -609,7 +609,7 @@ def test_collectives_are_held_to_nccls_rules():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from meshtron.dryrun import StepCounter
-    from meshtron.nccl_rules import NcclRefusal, NcclRules
+    from meshtron.dryrun.nccl_rules import NcclRefusal, NcclRules
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
@@ -636,7 +636,7 @@ def test_collectives_are_held_to_nccls_rules():
 
 def test_unmatched_point_to_point_messages_are_named():
     """A send whose peer receives another shape (or nothing) is named; matched pairs and peers not traced pass."""
-    from meshtron.nccl_rules import unmatched_p2p
+    from meshtron.dryrun.nccl_rules import unmatched_p2p
 
     send = ("send", 4, (2, 8), "torch.bfloat16")
     recv = ("recv", 0, (2, 8), "torch.bfloat16")

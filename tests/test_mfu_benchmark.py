@@ -66,7 +66,7 @@ def test_gemm_roofline_tiny_run(tmp_path):
 
 
 def test_datasheet_peaks_name_the_card():
-    from meshtron.metrics import datasheet_peak_flops
+    from meshtron.watch.metrics import datasheet_peak_flops
 
     assert datasheet_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
     assert datasheet_peak_flops("NVIDIA H100 PCIe") == 756e12

@@ -121,7 +121,7 @@ def test_activation_checkpointing_counts_router_statistics_once():
     """The recomputation in backward replays the MoE forward; the load behind the aux-free bias and
     the last_* statistics still count the training forward once, and gradients are unchanged."""
     from meshtron.models import moe_layers
-    from meshtron.parallel.checkpointing import apply_activation_checkpointing
+    from meshtron.parallel.recompute import apply_activation_checkpointing
 
     ids = torch.randint(0, 32, (2, 9))
     plain, checkpointed = _model(), _model()

@@ -12,7 +12,7 @@ import torch
 
 from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
 from meshtron.models import token_loss_sum
-from meshtron.parallel.checkpointing import apply_activation_checkpointing
+from meshtron.parallel.recompute import apply_activation_checkpointing
 from meshtron.parallel.offload import BlockOffload, apply_activation_offload
 from meshtron.testing import random_model
 

@@ -590,7 +590,7 @@ def test_op_checkpointing_figure_matches_what_a_block_keeps(recipe, dtype, polic
     fully checkpointed block's (its input) and the plain block's."""
     import dataclasses
 
-    from meshtron.parallel.checkpointing import checkpoint_blocks
+    from meshtron.parallel.recompute import checkpoint_blocks
     from meshtron.plan.measure import kept_tensor_bytes
     from meshtron.plan.activations import layer_kept_bytes
 

@@ -15,7 +15,7 @@ import pytest
 
 from meshtron import config
 from meshtron.config import SECTION_TYPES, checks, infer_dp, load_config
-from meshtron.config_reference import COMMAND, render
+from meshtron.config.reference import COMMAND, render
 from meshtron.plan import predict_memory
 from meshtron.plan.recipes import recipe_hardware
 
@@ -114,7 +114,7 @@ def test_ci_runs_the_readme_test_command():
 WITHOUT_MATPLOTLIB = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
                       "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
 DRAWING_COMMANDS = [["meshtron.parallel.pipeline.show", "--pp", "2", "--microbatches", "4"],
-                    ["meshtron.plot", "runs/a", "-o", "curves.png"]]
+                    ["meshtron.watch.plot", "runs/a", "-o", "curves.png"]]
 
 
 def test_drawing_commands_without_matplotlib_name_the_extra_in_one_line(tmp_path):

@@ -182,7 +182,7 @@ LATE_S = 0.5  # how late rank 0 joins each collective of waits_counted_once
 def waits_counted_once(root: str) -> None:
     """Rank 0 joins a blocking all-reduce (c10d waits inside it) LATE_S late, then two asynchronous
     ones, whose Works two threads wait for at once; each rank writes its waited and wall seconds."""
-    from meshtron import collective_log
+    from meshtron.watch import collective_log
 
     collective_log.install()
     start, waited = time.perf_counter(), collective_log.LOG.waited()
@@ -444,7 +444,7 @@ def _hang_report(err: str, out: Path, ranks: int) -> str:
 def test_hang_limit_and_summary():
     """The automatic limit, and the summary when no rank is outside a collective (ranks wait in
     different collectives): the rank that issued fewer collectives on a shared group is behind."""
-    from meshtron.watchdog import hang_limit, hang_summary
+    from meshtron.watch.watchdog import hang_limit, hang_summary
 
     assert hang_limit(20, 600, [100.0]) == 20
     assert hang_limit(0, 600, []) == 300 and hang_limit(0, 600, [40.0, 41.0, 90.0]) == 300
@@ -462,7 +462,7 @@ def test_hang_limit_and_summary():
 
 def test_a_straggler_is_named_once_it_stays_behind(tmp_path):
     """Behind means over the median by 20 % and 0.25 s, at two logs in a row on the same rank."""
-    from meshtron.metrics import MetricsLogger
+    from meshtron.watch.metrics import MetricsLogger
 
     logger = MetricsLogger(tmp_path, 5, enabled=False)
     logs = [(3, 0.05, 0.03),  # 67 % over the median, but 0.02 s: a healthy CPU step

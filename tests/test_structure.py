@@ -15,12 +15,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "meshtron"
 
 # Lower levels never import higher ones; a package may import itself.
 LEVELS = {
-    "torch_private": -1,
-    "config": 0, "env": 0, "extras": 0, "report": 0, "collective_log": 0, "syncs": 0,
-    "mesh": 1, "config_reference": 1, "checkpoint": 1, "data": 1, "metrics": 1, "optim": 1, "fake_cuda": 1, "nccl_rules": 1, "host": 1,
-    "models": 2, "watchdog": 2,
+    "torch_private": -2,
+    "env": -1, "extras": -1,
+    "config": 0, "watch": 0,
+    "mesh": 1, "checkpoint": 1, "data": 1, "optim": 1, "host": 1,
+    "models": 2,
     "parallel": 3, "faults": 3,
-    "hf": 4, "testing": 4, "plan": 4, "plot": 4,
+    "hf": 4, "testing": 4, "plan": 4,
     "dryrun": 5,
     "train": 6, "__init__": 6,
 }

@@ -1,4 +1,4 @@
-"""Host syncs of a training step, counted on CPU ranks (``meshtron.syncs.HostSyncCounter``).
+"""Host syncs of a training step, counted on CPU ranks (``meshtron.watch.syncs.HostSyncCounter``).
 
 What is allowed, exactly:
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.config import load_config
-from meshtron.syncs import HostSyncCounter
+from meshtron.watch.syncs import HostSyncCounter
 from meshtron.testing import run_checks
 from meshtron.torch_private import TorchDispatchMode
 

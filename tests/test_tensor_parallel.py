@@ -22,7 +22,7 @@ from meshtron import env
 from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import ConfigError, ModelConfig
 from meshtron.models import build_model, token_loss_sum
-from meshtron.parallel.checkpointing import apply_activation_checkpointing
+from meshtron.parallel.recompute import apply_activation_checkpointing
 from meshtron.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 from meshtron.parallel.tp_styles import ReplicateParallel
 from meshtron.parallel.tp_gradient import TpGradient, name_tp_gradients

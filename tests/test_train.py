@@ -272,7 +272,7 @@ def test_step_metrics_of_every_run_are_sound(runs):
 
 
 def test_plot_draws_every_run(runs, tmp_path):
-    from meshtron.plot import draw, main
+    from meshtron.watch.plot import draw, main
 
     chosen = [runs / "dense" / "single", runs / "dense" / "tp8"]
     fig = draw(chosen)

@@ -1,7 +1,7 @@
 """The values of the recipe's choice keys, and the rules and messages that go with a choice.
 
 Defined once here, below every other module: :mod:`meshtron.config.checks` checks a recipe against them,
-and the modules that implement the choices (the pipeline schedules, data parallelism, checkpointing,
+and the modules that implement the choices (the pipeline schedules, data parallelism, recomputation,
 FP8) import them from :mod:`meshtron.config`.
 """
 
@@ -18,7 +18,7 @@ DATA_PARALLEL_MODES = ("fsdp", "hsdp", "replicate")
 FSDP_GATHERS = ("per_microbatch", "per_step")  # how often FSDP gathers a unit under accumulation
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "op")
 AC_POLICIES = ("save_matmuls", "alternate_matmuls", "parts")
-AC_PARTS = ("core_attn", "mlp", "moe_experts")  # [parallel] ac_parts; meshtron/parallel/checkpointing.py
+AC_PARTS = ("core_attn", "mlp", "moe_experts")  # [parallel] ac_parts; meshtron/parallel/recompute.py
 OFFLOADS = ("none", "optimizer")  # [parallel] offload; meshtron/parallel/data.py
 NONFINITE_POLICIES = ("stop", "skip")
 MEMORY_CHECKS = ("error", "warn", "off")

@@ -16,7 +16,7 @@ from typing import Any
 
 def recipe_key(default: Any, meaning: str) -> Any:
     """A recipe key's dataclass field: its default and its one-line meaning (Markdown; links are relative to
-    docs/), which ``python -m meshtron.config_reference --write`` renders into docs/reference.md."""
+    docs/), which ``python -m meshtron.config.reference --write`` renders into docs/reference.md."""
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata={"meaning": meaning})
     return field(default=default, metadata={"meaning": meaning})
@@ -276,7 +276,7 @@ class TrainConfig:
     )
     hang_timeout_s: float = recipe_key(
         0.0,
-        "a step running longer is reported as a hang (`meshtron/watchdog.py`: which rank is behind, in which "
+        "a step running longer is reported as a hang (`meshtron/watch/watchdog.py`: which rank is behind, in which "
         "collective the others wait, stacks under `<output_dir>/hang/`; see "
         "[Failures and restarts](failures.md)); 0: the larger of 300 s and 10 x the median step, at most half "
         "of `collective_timeout_s`; must be shorter than `collective_timeout_s`",

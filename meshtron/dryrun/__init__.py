@@ -10,7 +10,7 @@ appears there) and traces the second under ``MemTracker`` (peak bytes) and :clas
 same rank without its reserve and slack terms (the trace has no CUDA context and no allocator).
 
 With ``MESHTRON_DEVICE=cuda`` and a CUDA build of torch the ranks run on fake CUDA devices, their
-device runtime answered by :mod:`meshtron.fake_cuda` (no GPU needed); a CPU build refuses that in one line.
+device runtime answered by :mod:`meshtron.dryrun.fake_cuda` (no GPU needed); a CPU build refuses that in one line.
 
 Host offload (``[parallel] offload = "optimizer"``): each rank also reports the bytes the offload keeps in
 host memory, counted on the traced step's own objects (every parameter's local shard, its gradient and
@@ -44,11 +44,11 @@ from torch.distributed.tensor import DTensor
 from meshtron import env
 from meshtron.config import Config, ConfigError, infer_dp, load_config
 from meshtron.dryrun.counting import StepCounter, storage_tracker
-from meshtron.fake_cuda import cuda_build, driver_environment, fake_cuda, fake_factories, guard, refusal
+from meshtron.dryrun.fake_cuda import cuda_build, driver_environment, fake_cuda, fake_factories, guard, refusal
 from meshtron.hf.runner import build_runner, with_hf_model
 from meshtron.host import declared, fake_tensors, simulated
 from meshtron.mesh import batch_mesh, expert_hsdp_mesh, expert_meshes, group_names, recipe_mesh
-from meshtron.nccl_rules import NcclRules, unmatched_p2p
+from meshtron.dryrun.nccl_rules import NcclRules, unmatched_p2p
 from meshtron.optim import build_optimizer
 from meshtron.parallel.float8 import fits_fp8
 from meshtron.parallel.step import training_step
@@ -57,7 +57,7 @@ from meshtron.plan.parameters import Coords, state_bytes
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
 from meshtron.plan.communication import COMM_DIMS, communication, cp_a2a_ranks
 from meshtron.plan.speed import Hardware, predict_step_time
-from meshtron.syncs import HostSyncCounter
+from meshtron.watch.syncs import HostSyncCounter
 from meshtron.torch_private import counting_sharding_propagations, fake_store_class, mem_tracker_class
 
 # Imported now, not where they are used: each rank's process forks from a server that has imported this
@@ -243,7 +243,7 @@ def _refuse_undeclared(syncs: HostSyncCounter, failure: Exception | None = None)
 @contextlib.contextmanager
 def device_runtime(local_rank: int, per_node: int):
     """The device a dry-run rank sees: on CUDA, ``cuda:local_rank`` of a node of ``per_node`` fake GPUs
-    whose runtime :func:`meshtron.fake_cuda.fake_cuda` answers (``LOCAL_RANK`` set as torchrun sets
+    whose runtime :func:`meshtron.dryrun.fake_cuda.fake_cuda` answers (``LOCAL_RANK`` set as torchrun sets
     it, so the step finds its device as a real run does); the CPU as it is."""
     if env.device_type() != "cuda":
         yield
@@ -375,7 +375,7 @@ def dry_run(cfg: Config, world_size: int, routing: str = "balanced", hw: Hardwar
 @contextlib.contextmanager
 def rank_environment(per_node: int):
     """The environment the rank processes start in: on CUDA, the fake driver's
-    (:func:`meshtron.fake_cuda.driver_environment`), its device guard built here first, once; the
+    (:func:`meshtron.dryrun.fake_cuda.driver_environment`), its device guard built here first, once; the
     parent's own environment restored after."""
     if env.device_type() != "cuda":
         yield

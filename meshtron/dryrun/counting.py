@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import flop_registry
 
-from meshtron.nccl_rules import NcclRules
+from meshtron.dryrun.nccl_rules import NcclRules
 from meshtron.torch_private import (
     ATTENTION_KERNELS,
     FLASH_ATTENTION,

@@ -75,7 +75,7 @@ from meshtron.hf.tp_plan import apply_hf_tensor_parallel, replicate_plain_params
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.models.chunked_loss import DEFAULT_CHUNK_TOKENS
 from meshtron.models.qwen2 import LMHead
-from meshtron.parallel.checkpointing import checkpoint_blocks
+from meshtron.parallel.recompute import checkpoint_blocks
 from meshtron.parallel.compose import compose
 from meshtron.parallel.data import data_meshes, mixed_precision, wrap_units
 from meshtron.parallel.pipeline.schedules import V_SHAPED
@@ -207,7 +207,7 @@ def parallelize_hf_model(
     fed by all-to-all (:mod:`meshtron.hf.experts`); the batch is split over dp x ep, where dense
     parameters are FSDP-sharded (``data_parallel="fsdp"``), replicated or HSDP-sharded, and experts
     over dp. ``ac`` is ``none``, ``full``, ``selective`` (every ``ac_every``-th layer) or ``op`` (every
-    layer keeps the op outputs ``ac_policy`` names, :mod:`meshtron.parallel.checkpointing`);
+    layer keeps the op outputs ``ac_policy`` names, :mod:`meshtron.parallel.recompute`);
     ``dtype="bfloat16"`` makes the data-parallel wrapper compute in bf16 with fp32 master weights (only
     when the data mesh has more than one rank). Works on meta-device models (then ``to_empty`` and
     :func:`meshtron.hf.load_sharded_weights`, as :func:`load_hf_checkpoint` does). Each rank of dp x ep

@@ -27,7 +27,7 @@ from meshtron.config import Config
 from meshtron.host import fake_tensors, simulating
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import InitialWeights
-from meshtron.parallel.checkpointing import apply_activation_checkpointing
+from meshtron.parallel.recompute import apply_activation_checkpointing
 from meshtron.parallel.compile import apply_compile
 from meshtron.parallel.context import apply_context_parallel
 from meshtron.parallel.data import apply_data_parallel

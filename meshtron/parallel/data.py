@@ -79,7 +79,7 @@ from torch.distributed.tensor import DTensor, Shard
 from meshtron.config import DATA_PARALLEL_MODES, DTYPES, OFFLOADS, ParallelConfig, not_one_of
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_hsdp_mesh, expert_split
 from meshtron.models.moe import MoE, moe_layers
-from meshtron.parallel.checkpointing import hooks_outside_op_record
+from meshtron.parallel.recompute import hooks_outside_op_record
 from meshtron.parallel.expert import ExpertDispatch
 from meshtron.torch_private import (
     ReplicateModule,

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshtron.parallel.checkpointing import is_checkpointed
+from meshtron.parallel.recompute import is_checkpointed
 from meshtron.torch_private import dtensor_local
 
 

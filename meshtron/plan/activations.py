@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple, TypeVar
 
 from meshtron.config import Config
-from meshtron.parallel.checkpointing import checkpoints_layer
+from meshtron.parallel.recompute import checkpoints_layer
 from meshtron.parallel.context import cp_comm
 from meshtron.parallel.tensor import local_kv_heads
 from meshtron.plan.parameters import (
@@ -204,7 +204,7 @@ def recomputed_share(cfg: Config, layer: int) -> float:
 
 def op_kept_bytes(cfg: Config, layer: int) -> float:
     """Per token, the op outputs ``activation_checkpointing = "op"`` keeps for one layer
-    (``parallel/checkpointing.py``): attention's output and fp32 log-sum-exp per head (ring attention:
+    (``parallel/recompute.py``): attention's output and fp32 log-sum-exp per head (ring attention:
     one per ring step; none when ``ac_parts`` recomputes ``core_attn``), the tp collectives' outputs (DTensor's: per attention and MLP half, with SP the
     gathered input [H] and the reduce-scattered output [H / tp], without SP the all-reduced output
     [H]) and the matmul outputs the policy keeps (:func:`op_kept_matmuls`). ``tests/test_plan.py`` compares it with what a checkpointed block keeps."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtron.metrics import datasheet
+from meshtron.watch.metrics import datasheet
 
 # NVIDIA H100 SXM datasheet (nvidia.com/en-us/data-center/h100): FP8 Tensor Core 3,958 TFLOP/s "with
 # sparsity", half of it dense; twice the dense bf16 989. The H200 SXM lists the same compute.

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from meshtron.parallel.checkpointing import ATTENTION, MATMULS
+from meshtron.parallel.recompute import ATTENTION, MATMULS
 from meshtron.torch_private import TorchDispatchMode, pytree
 
 _ADDMM = (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)  # the reduced width is their 2nd argument's
@@ -57,8 +57,8 @@ def kept_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] 
 
 
 class MatmulFlops(TorchDispatchMode):
-    """The FLOPs of the matmuls (``checkpointing.MATMULS``) run while entered: 2 x output elements x the
-    reduced width; and the calls of attention's forward kernels (``checkpointing.ATTENTION``)."""
+    """The FLOPs of the matmuls (``recompute.MATMULS``) run while entered: 2 x output elements x the
+    reduced width; and the calls of attention's forward kernels (``recompute.ATTENTION``)."""
 
     def __init__(self):
         super().__init__()

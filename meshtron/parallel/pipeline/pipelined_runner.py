@@ -35,7 +35,7 @@ from meshtron.config import Config, ParallelConfig
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import moe_layers
 from meshtron.models.moe import replaying
-from meshtron.parallel.checkpointing import is_checkpointed
+from meshtron.parallel.recompute import is_checkpointed
 from meshtron.parallel.compile import is_compiled
 from meshtron.parallel.compose import materialize_sharded, parallelize
 from meshtron.parallel.grad_norm import global_grad_norm, scale_grads_

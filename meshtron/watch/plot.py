@@ -1,4 +1,4 @@
-"""``python -m meshtron.plot runs/X [runs/Y ...] [-o curves.png]``: loss, eval loss and throughput
+"""``python -m meshtron.watch.plot runs/X [runs/Y ...] [-o curves.png]``: loss, eval loss and throughput
 curves of one or more runs (their ``metrics.jsonl``) in one PNG, one line per run."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def draw(runs: list[str | Path]):
     """A matplotlib figure with one panel per entry of ``PANELS`` and one line per run."""
-    matplotlib = require("matplotlib", "python -m meshtron.plot")
+    matplotlib = require("matplotlib", "python -m meshtron.watch.plot")
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
@@ -52,17 +52,17 @@ def draw(runs: list[str | Path]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m meshtron.plot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m meshtron.watch.plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders (train.output_dir) holding metrics.jsonl")
     parser.add_argument("-o", "--output", default="curves.png", help="PNG to write (default: curves.png)")
     args = parser.parse_args(argv)
     try:
         fig = draw(args.runs)
     except (FileNotFoundError, MissingExtra) as err:
-        print(f"meshtron.plot: {err}", file=sys.stderr)
+        print(f"meshtron.watch.plot: {err}", file=sys.stderr)
         return 2
     fig.savefig(args.output, dpi=120)
-    print(f"meshtron.plot: wrote {args.output}")
+    print(f"meshtron.watch.plot: wrote {args.output}")
     return 0
 
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from meshtron.torch_private import default_store
 
-_REPORT = "meshtron/report"
-_CAUSE = "meshtron/report/cause"
+_REPORT = "meshtron/watch/report"
+_CAUSE = "meshtron/watch/report/cause"
 # How long a rank that lost the claim waits for the winner to print before exiting anyway.
 _WAIT = timedelta(seconds=30)
 

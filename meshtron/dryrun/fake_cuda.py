@@ -9,7 +9,7 @@ one is the runtime the step calls around them, on three levels, each answered he
   ``torch.cuda`` functions are stand-ins (one device per local rank, streams and events that order
   nothing, since fake kernels never run); every other one stays torch's own, so a call the dry run
   does not stand in for fails as it would without a driver and names itself. Waits of the host for
-  the device (``synchronize``) are host syncs, recorded like any other (:func:`meshtron.syncs.record`).
+  the device (``synchronize``) are host syncs, recorded like any other (:func:`meshtron.watch.syncs.record`).
 * C++: autograd records each CUDA tensor's current stream and runs the backward on per-device
   threads, through torch's device guard for CUDA, which asks the driver. Inside :func:`fake_cuda` a
   guard of fake devices (:data:`_GUARD`, compiled once with torch's extension loader) stands in.
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from meshtron.syncs import record
+from meshtron.watch.syncs import record
 from meshtron.torch_private import PIN_MEMORY, TorchDispatchMode
 
 
@@ -58,7 +58,7 @@ _DRIVER = """
 #include <string.h>
 #include <driver_types.h>
 
-int meshtron_device = 0;  /* set by meshtron.fake_cuda.fake_cuda */
+int meshtron_device = 0;  /* set by meshtron.dryrun.fake_cuda.fake_cuda */
 
 cudaError_t cudaGetDeviceCount(int *count) { *count = %d; return cudaSuccess; }
 cudaError_t cudaGetDevice(int *device) { *device = meshtron_device; return cudaSuccess; }

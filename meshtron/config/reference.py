@@ -5,8 +5,8 @@ Every recipe key is a field of a section dataclass in :mod:`meshtron.config.sche
 field's ``metadata["meaning"]``, and each section's introduction its class docstring. So the page cannot
 drift from the code; ``tests/test_readme.py`` fails when the committed page differs from :func:`render`.
 
-    python -m meshtron.config_reference            # print the page
-    python -m meshtron.config_reference --write    # rewrite docs/reference.md after a schema change
+    python -m meshtron.config.reference            # print the page
+    python -m meshtron.config.reference --write    # rewrite docs/reference.md after a schema change
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 from meshtron.config import SECTION_TYPES, Config
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
-COMMAND = "python -m meshtron.config_reference --write"
+COMMAND = "python -m meshtron.config.reference --write"
 
 
 def toml_value(value: Any) -> str:
@@ -75,7 +75,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m meshtron.config_reference", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m meshtron.config.reference", description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true", help=f"rewrite {PAGE.parent.name}/{PAGE.name} instead of printing")
     args = parser.parse_args(argv)
     if args.write:

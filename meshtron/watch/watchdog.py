@@ -4,7 +4,7 @@ the others wait in, plus a file per rank, instead of a silent wait until the col
 Each rank runs a watchdog thread (no collective of its own: it talks only to the job's key-value store).
 When this rank's step has run longer than the hang limit, or a peer's watchdog has said so on the store,
 it writes ``<output_dir>/hang/rank-K.txt`` (every thread's Python stack and the last collectives it
-issued, from :mod:`meshtron.collective_log`) and leaves a summary of its state on the store. The first
+issued, from :mod:`meshtron.watch.collective_log`) and leaves a summary of its state on the store. The first
 rank to claim the report gathers those summaries and prints one ``meshtron: hang ...`` line; then every
 rank exits with status 1, so ``torchrun --max-restarts N`` restarts the job from its last checkpoint.
 
@@ -24,8 +24,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-from meshtron.collective_log import LOG, LOG_SIZE, CollectiveLog, Entry
-from meshtron.report import OncePerJob, record_cause
+from meshtron.watch.collective_log import LOG, LOG_SIZE, CollectiveLog, Entry
+from meshtron.watch.report import OncePerJob, record_cause
 
 HANG_EXIT_CODE = 1
 _HANG = "meshtron/hang"  # the store keys' prefix

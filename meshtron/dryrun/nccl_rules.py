@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from meshtron.syncs import call_site
+from meshtron.watch.syncs import call_site
 from meshtron.torch_private import script_method
 
 # The dtypes ProcessGroupNCCL maps to an NCCL type (bool as uint8; float8 as NCCL's float8 types).
