@@ -38,8 +38,8 @@ from meshtron.checkpoint import (
     read_marker,
 )
 from meshtron.config import Config, ConfigError, config_to_dict, infer_dp, load_config, model_differences
-from meshtron.hf import CheckpointError, save_hf
-from meshtron.hf.runner import build_runner, export_hf_model, with_hf_model
+from meshtron.hf import CheckpointError
+from meshtron.hf.runner import build_runner, export_hf, with_hf_model
 from meshtron.host import ROUTINGS
 from meshtron.torch_private import default_store
 from meshtron.data import SourceSpec, to_device
@@ -272,8 +272,7 @@ class Trainer:
                                           {"data": self.dataset.state_dict()})
         self.checkpoints.wait()
         if self.cfg.checkpoint.export_hf:
-            export = export_hf_model if self.cfg.model.hf_model else export_hf
-            export(self.runner, self.cfg, self.cfg.checkpoint.export_hf)
+            export_hf(self.runner, self.cfg, self.cfg.checkpoint.export_hf)
         self.logger.close()
 
     def _watchdog(self) -> Watchdog:
@@ -425,14 +424,6 @@ def _layer_order(name: str) -> tuple:
 def eval_source(cfg: Config) -> SourceSpec:
     """The held-out data as one source, tokenized into its own cache the same way (never a mixture)."""
     return SourceSpec(path=cfg.data.eval_source, text_key=cfg.data.text_key)
-
-
-def export_hf(runner, cfg: Config, folder: str) -> None:
-    """Write the trained model as a transformers folder from rank 0 (collective: every rank calls it)."""
-    state = runner.full_state_dict()
-    if dist.get_rank() == 0:
-        save_hf(state, cfg.model, folder)
-    dist.barrier()
 
 
 def read_scalars(*values: torch.Tensor | float | None) -> list[float | None]:

@@ -26,7 +26,7 @@ from meshtron.parallel.grad_norm import global_grad_norm
 from meshtron.parallel.pipeline import peak_in_flight, prune_to_stage
 from meshtron.parallel.pipeline.pipelined_runner import PipelineRunner
 from meshtron.testing import cached_mesh, count_calls, rel_err, run_checks, units_with_parameters, whole_weight_passes
-from meshtron.train import export_hf
+from meshtron.hf.runner import export_hf
 from test_float8 import HAS_TORCHAO
 
 DENSE = dict(

@@ -25,7 +25,7 @@ from torch import nn
 from meshtron.config import Config, ConfigError, ModelConfig
 from meshtron.host import fake_tensors, simulating
 from meshtron.hf.discover import key_value_heads
-from meshtron.hf.io import write_safetensors_folder
+from meshtron.hf.io import save_hf, write_safetensors_folder
 from meshtron.hf.parallelize import parallelize_hf_model
 from meshtron.hf.pipeline import HFPipelineRunner
 from meshtron.mesh import batch_mesh
@@ -210,15 +210,20 @@ def build_runner(cfg: Config, mesh, device: torch.device) -> Runner:
     return build_step_runner(model, mesh, cfg, device)
 
 
-def export_hf_model(runner: Runner, cfg: Config, folder: str) -> None:
-    """Write the trained transformers model to ``folder`` from rank 0 (collective: every rank calls it)."""
+def export_hf(runner: Runner, cfg: Config, folder: str) -> None:
+    """Write the trained model to ``folder`` as a transformers folder from rank 0 (collective: every rank
+    calls it): a native model under transformers' names (:func:`meshtron.hf.io.save_hf`), a
+    transformers model (``[model] hf_model``) with its own config."""
     state = runner.full_state_dict()
     if dist.get_rank() == 0:
-        config = json.loads((Path(cfg.model.hf_model) / "config.json").read_text())
-        if config.get("tie_word_embeddings"):
-            state.pop("lm_head.weight", None)  # transformers folders of tied models store the embedding only
-        write_safetensors_folder(state, config, folder)
+        if not cfg.model.hf_model:
+            save_hf(state, cfg.model, folder)
+        else:
+            config = json.loads((Path(cfg.model.hf_model) / "config.json").read_text())
+            if config.get("tie_word_embeddings"):
+                state.pop("lm_head.weight", None)  # transformers folders of tied models store the embedding only
+            write_safetensors_folder(state, config, folder)
     dist.barrier()
 
 
-__all__ = ["HF_RUNNERS", "HFStepRunner", "build_hf_model", "build_runner", "export_hf_model", "hf_model_config", "with_hf_model"]
+__all__ = ["HF_RUNNERS", "HFStepRunner", "build_hf_model", "build_runner", "export_hf", "hf_model_config", "with_hf_model"]

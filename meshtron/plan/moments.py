@@ -96,8 +96,9 @@ class StageSpan(NamedTuple):
     released: int  # its last weight pass reduce-scatters those and frees both (``_release_points``)
 
 
-class Action(NamedTuple):
-    """One compute action of a rank's schedule and the micro-batches its stages hold before and after it."""
+class HeldAction(NamedTuple):
+    """One compute action of a rank's schedule (a ``schedules.Action``, by its index) and the micro-batches
+    its stages hold before and after it."""
 
     index: int
     kind: str  # "F", "B" or "W"
@@ -109,20 +110,20 @@ class Action(NamedTuple):
 
 @functools.lru_cache(maxsize=256)
 def _actions_by_rank(schedule: str, pp: int, microbatches: int, virtual: int, unsplit: frozenset[int]):
-    """Per rank: (its distinct :class:`Action` s, :func:`_distinct_actions`, {stage: :class:`StageSpan`})."""
+    """Per rank: (its distinct :class:`HeldAction` s, :func:`_distinct_actions`, {stage: :class:`StageSpan`})."""
     out = []
     for steps in built_schedule(schedule, pp, microbatches, virtual):
         split = {key for key in split_backwards(steps) if key[0] not in unsplit}
         actions, prior = [], {}
         for i, held in held_by_stage(steps, unsplit):
-            actions.append(Action(i, steps[i].kind, steps[i].stage, (steps[i].stage, steps[i].mb) in split, held, prior))
+            actions.append(HeldAction(i, steps[i].kind, steps[i].stage, (steps[i].stage, steps[i].mb) in split, held, prior))
             prior = held
         spans = _stage_spans(steps, actions, split)
         out.append((_distinct_actions(actions, spans), spans))
     return tuple(out)
 
 
-def _stage_spans(steps, actions: list[Action], split: set[tuple[int, int]]) -> dict[int, StageSpan]:
+def _stage_spans(steps, actions: list[HeldAction], split: set[tuple[int, int]]) -> dict[int, StageSpan]:
     """{stage: :class:`StageSpan`} of one rank. A release is at the rank's last action at or before the
     stage's last weight pass: an unsplit stage's ``W`` is no action here (its ``B`` ran the whole
     backward), and no action falls between the two."""
@@ -137,7 +138,7 @@ def _stage_spans(steps, actions: list[Action], split: set[tuple[int, int]]) -> d
             for stage, last in last_weight_passes(steps).items()}
 
 
-def _distinct_actions(actions: list[Action], spans: dict[int, StageSpan]) -> tuple[Action, ...]:
+def _distinct_actions(actions: list[HeldAction], spans: dict[int, StageSpan]) -> tuple[HeldAction, ...]:
     """The first of the actions that :func:`pipeline_moments` gives equal terms: same kind, stage and
     split, same micro-batches held before and after, and the same side of every span boundary (where
     units are gathered, gain gradients or are released; a boundary's own action is the only one there).
