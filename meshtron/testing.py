@@ -138,7 +138,8 @@ def _launch(checks, world_size: int, args, timeout: float) -> None:
 
 
 def _collect(procs, results, world_size: int, timeout: float, names: list[str]) -> None:
-    deadline = time.monotonic() + timeout
+    last = time.monotonic()
+    deadline = last + timeout
     exited: set[int] = set()
     passed: dict[str, int] = {}
     while len(exited) < world_size:
@@ -160,6 +161,10 @@ def _collect(procs, results, world_size: int, timeout: float, names: list[str]) 
             _raise_failures(results, [(rank, check, tb)], world_size, "")
         if kind == "ok":
             passed[check] = passed.get(check, 0) + 1
+            if passed[check] == world_size:  # the suite's time, check by check (pytest -s or -rP shows it)
+                now = time.monotonic()
+                print(f"run_checks: {check} passed on {world_size} ranks in {now - last:.1f} s", flush=True)
+                last = now
         else:
             exited.add(rank)
 

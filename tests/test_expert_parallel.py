@@ -478,7 +478,7 @@ def check_folded_experts(refs: dict):
             assert tuple(moe.experts.gate_proj.device_mesh.shape)[-2:] == (p.ep, p.etp), layout
 
 
-def check_fp8_debug_recipes(refs: dict):
+def check_fp8_debug_recipes(_):
     """[train] fp8 on the debug recipes' ep, folded-ep, cp and pp layouts (tests/test_float8.py)."""
     check_debug_recipes_match_one_rank_fp8()
 
@@ -488,5 +488,11 @@ def test_expert_parallel_8_ranks():
         check_block_parity, check_fsdp_composes, check_dispatch_bytes, check_router_options_under_ep, check_meta_init_and_errors,
         check_model_parity_with_transformers, check_moe_under_tp, check_capacity_is_global, check_folded_experts,
     ]
-    fp8 = [check_fp8_debug_recipes] if HAS_TORCHAO else []
-    run_checks(checks + fp8, 8, _references(seed=11), timeout=900)  # a hang guard: 329 s alone here, more under load
+    run_checks(checks, 8, _references(seed=11), timeout=900)  # a hang guard: 160 s alone here, more under load
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="[train] fp8 needs torchao (pip install -e '.[fp8]')")
+def test_fp8_debug_recipes_8_ranks():
+    """Its own launch: run after the checks above in their processes it took 340 s, in fresh ones 53 s (the
+    same steps and collectives, each op slower; measured on this 2-core machine, 2026-11-28)."""
+    run_checks([check_fp8_debug_recipes], 8, None, timeout=900)
