@@ -20,7 +20,7 @@ from typing import Any
 
 from meshtron.config import SECTION_TYPES, Config
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 COMMAND = "python -m meshtron.config.reference --write"
 
 

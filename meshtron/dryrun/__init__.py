@@ -22,6 +22,10 @@ layout without offload; on fake CUDA devices, with the offloaded plan.
 Where the real step reads device values on the host, :mod:`meshtron.host` supplies the dry run's
 assumption; ``--dry-run-routing skewed`` replaces balanced MoE routing by the worst case (every
 rank's token copies sent to the first ep rank, which the traced rank is).
+
+Beside this module: ``counting.py`` what the trace counts per op (FLOPs, roofline, collectives and their
+bytes, memory), ``nccl_rules.py`` the rules NCCL holds a collective to (gloo does not), which every traced
+collective must pass, and ``fake_cuda.py`` the fake CUDA runtime.
 """
 
 from __future__ import annotations

@@ -91,9 +91,9 @@ def _copy_waits(source, target, non_blocking: bool, pinned_result: bool = False)
 
 # Modules that wait on the host's behalf, not where a wait is asked for: this one, and the dry run's
 # tracer, its stand-ins for the CUDA runtime and its collective checks.
-_NOT_CALLERS = tuple(__file__.replace("syncs.py", name) for name in (
-    "syncs.py", os.path.join("dryrun", "__init__.py"), os.path.join("dryrun", "counting.py"), "fake_cuda.py",
-    "nccl_rules.py"))
+_PACKAGE = os.path.dirname(os.path.dirname(__file__))
+_NOT_CALLERS = (__file__, *(os.path.join(_PACKAGE, "dryrun", name) for name in (
+    "__init__.py", "counting.py", "fake_cuda.py", "nccl_rules.py")))
 
 
 def call_site() -> str:
