@@ -61,8 +61,10 @@ from meshtron.plan.parameters import Coords, state_bytes
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
 from meshtron.plan.communication import COMM_DIMS, communication, cp_a2a_ranks
 from meshtron.plan.speed import Hardware, predict_step_time
-from meshtron.watch.syncs import HostSyncCounter
+from meshtron.watch.syncs import HostSyncCounter, not_a_caller
 from meshtron.torch_private import counting_sharding_propagations, fake_store_class, mem_tracker_class
+
+not_a_caller(__file__)  # it waits on behalf of the code it traces or checks
 
 # Imported now, not where they are used: each rank's process forks from a server that has imported this
 # module (dry_run, meshtron.testing), and would otherwise import them itself (~0.5 s a rank on 2 CPUs).

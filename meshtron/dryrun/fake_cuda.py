@@ -31,8 +31,10 @@ from pathlib import Path
 
 import torch
 
-from meshtron.watch.syncs import record
+from meshtron.watch.syncs import not_a_caller, record
 from meshtron.torch_private import PIN_MEMORY, TorchDispatchMode
+
+not_a_caller(__file__)  # it waits on behalf of the code it traces or checks
 
 
 def cuda_build() -> bool:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from meshtron.watch.syncs import call_site
+from meshtron.watch.syncs import call_site, not_a_caller
 from meshtron.torch_private import script_method
+
+not_a_caller(__file__)  # it waits on behalf of the code it traces or checks
 
 # The dtypes ProcessGroupNCCL maps to an NCCL type (bool as uint8; float8 as NCCL's float8 types).
 DTYPES = {torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64,

@@ -259,11 +259,7 @@ def unit_elements(cfg: Config, pp_rank: int) -> dict[str, int]:
 
 @memo_by_key
 def _unit_elements(key: tuple, cfg: Config) -> tuple[tuple[str, int], ...]:
-    pp_rank = key[1]
-    units: dict[str, int] = {}
-    for param in stage_params(cfg, pp_rank):
-        units[param.unit] = units.get(param.unit, 0) + math.prod(model_parallel_shape(param, cfg, Coords()))
-    return tuple(units.items())
+    return _per_unit(stage_params(cfg, key[1]), lambda q: math.prod(model_parallel_shape(q, cfg, Coords())))
 
 
 def unit_gathered_bytes(cfg: Config, pp_rank: int) -> dict[str, float]:
@@ -279,10 +275,7 @@ def _unit_gathered_bytes(key: tuple, cfg: Config) -> tuple[tuple[str, float], ..
     pp_rank, c = key[-1], compute_bytes(cfg)
     params = stage_params(cfg, pp_rank)
     float8 = {q.name for q in fp8_gathered_weights(cfg, params)}
-    units: dict[str, float] = {}
-    for q in params:
-        units[q.unit] = units.get(q.unit, 0) + (1 if q.name in float8 else c) * math.prod(model_parallel_shape(q, cfg, Coords()))
-    return tuple(units.items())
+    return _per_unit(params, lambda q: (1 if q.name in float8 else c) * math.prod(model_parallel_shape(q, cfg, Coords())))
 
 
 def compute_bytes(cfg: Config) -> int:
@@ -319,10 +312,15 @@ def _unit_grad_bytes(cfg: Config, coords: Coords) -> dict[str, float]:
 @memo_by_key
 def _unit_shard_bytes(key: tuple, cfg: Config) -> tuple[tuple[str, float], ...]:
     coords = key[1]
-    out: dict[str, float] = {}
-    for param in stage_params(cfg, coords.pp):
-        out[param.unit] = out.get(param.unit, 0) + FP32 * local_numel(param, cfg, coords)
-    return tuple(out.items())
+    return _per_unit(stage_params(cfg, coords.pp), lambda q: FP32 * local_numel(q, cfg, coords))
+
+
+def _per_unit(params, value) -> tuple[tuple[str, float], ...]:
+    """``value(param)`` summed per FSDP unit, in the parameters' order (memoizable: a tuple of pairs)."""
+    units: dict[str, float] = {}
+    for q in params:
+        units[q.unit] = units.get(q.unit, 0) + value(q)
+    return tuple(units.items())
 
 
 def largest_layer_unit(cfg: Config, pp_rank: int) -> int:

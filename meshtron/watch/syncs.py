@@ -22,7 +22,6 @@ that live on the host on every device (e.g. CPU-side counters) count too; keep t
 from __future__ import annotations
 
 import contextlib
-import os
 import traceback
 from dataclasses import dataclass
 
@@ -89,11 +88,14 @@ def _copy_waits(source, target, non_blocking: bool, pinned_result: bool = False)
     return not non_blocking
 
 
-# Modules that wait on the host's behalf, not where a wait is asked for: this one, and the dry run's
-# tracer, its stand-ins for the CUDA runtime and its collective checks.
-_PACKAGE = os.path.dirname(os.path.dirname(__file__))
-_NOT_CALLERS = (__file__, *(os.path.join(_PACKAGE, "dryrun", name) for name in (
-    "__init__.py", "counting.py", "fake_cuda.py", "nccl_rules.py")))
+# Files that wait on the host's behalf, not where a wait is asked for: this one, and those that name
+# themselves with :func:`not_a_caller` (the dry run's tracer, its CUDA stand-ins, its collective checks).
+_NOT_CALLERS = {__file__}
+
+
+def not_a_caller(path: str) -> None:
+    """Leave the frames of file ``path`` (a module's ``__file__``) out of :func:`call_site`."""
+    _NOT_CALLERS.add(path)
 
 
 def call_site() -> str:
