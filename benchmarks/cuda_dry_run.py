@@ -193,9 +193,10 @@ def main(names: list[str]) -> None:
         "Activation offload: GPU 1.023 x the plan (7B), its host peak 114.9 GiB against the plan's 99.4 GiB of "
         "offloaded activations. fp8 tensorwise: GPU 1.210 x the plan of that day, which had no fp8 term (today's "
         "plan counts the float8 casts: 1.028, tests/test_cuda_dryrun.py). Op recompute "
-        "fails under torch 2.14 (this environment; 2.13 trains it): FSDP2's pre-forward casts its inputs inside "
-        "the recomputation but not in the forward, a record_function that selective checkpointing's storage "
-        "lacks. compile: refused (meshtron.dryrun.COMPILE_REFUSAL).\n\n"
+        "(save_matmuls) traces under torch 2.14: FSDP2's hooks run outside selective checkpointing's record of the "
+        "block's ops (meshtron.parallel.recompute.hooks_outside_op_record; the failure this table showed until "
+        "2026-11-28 was traced before that fix): 7B GPU 1.008 x the plan, 72B with optimizer offload 1.082 x (1.054 "
+        "without op). compile: refused (meshtron.dryrun.COMPILE_REFUSAL).\n\n"
         + table(rows) + "\n")
 
 
