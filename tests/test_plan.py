@@ -516,8 +516,8 @@ def test_torchrun_ranks_refuse_alike_and_report_once(tmp_path):
     assert not (tmp_path / "pids").exists()  # no rank got as far as the process group
 
 
-def _one_block(recipe: str, dtype: str):
-    """(config, a random decoder block of it, its input [2, 128, 256] and rotary embedding)."""
+def _one_block(recipe: str, dtype: str, seq: int = 128):
+    """(config, a random decoder block of it, its input [2, seq, 256] and rotary embedding)."""
     import torch
 
     from meshtron.models.layers import RotaryEmbedding
@@ -530,7 +530,7 @@ def _one_block(recipe: str, dtype: str):
     block = Block(cfg.model, 0).to(dt)
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.3)
-    batch, seq = 2, 128
+    batch = 2
     x = torch.randn(batch, seq, 256, dtype=dt, requires_grad=True)
     rope = RotaryEmbedding(cfg.model.head_size, 1e4)(torch.arange(seq).expand(batch, -1), dt)
     return cfg, block, x, rope
@@ -603,6 +603,26 @@ def test_op_checkpointing_figure_matches_what_a_block_keeps(recipe, dtype, polic
                                                                  ac_policy=policy, ac_parts=list(parts)))
     assert layer_kept_bytes(cfg, 0) * tokens == pytest.approx(kept, rel=0.01)
     assert x.nbytes < kept < plain
+
+
+def test_op_checkpointing_keeps_no_attention_scores():
+    """Attention's math kernels (SDPA's fallback; the ring's blocks off CUDA or under a document mask)
+    multiply two activations (bmm): ``op`` keeps none of those products, so what a block keeps per token
+    does not grow with the sequence: 8 KiB a token at 128 and 256 (the linears' outputs). Keeping the
+    fp32 scores, it was 11 and 13 KiB: 4 heads x 4 bytes x S more, and the output of their product with v."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from meshtron.parallel.recompute import checkpoint_blocks
+    from meshtron.plan.measure import kept_tensor_bytes
+
+    per_token = []
+    for seq in (128, 256):
+        _, block, x, rope = _one_block("debug_dense", "float32", seq)
+        checkpoint_blocks({0: block}, "op", 1, "save_matmuls")
+        with sdpa_kernel(SDPBackend.MATH):
+            kept = kept_tensor_bytes(lambda: block(x, rope), exclude=[*block.parameters(), x, *rope])
+        per_token.append(kept / (x.shape[0] * x.shape[1]))
+    assert per_token[1] == pytest.approx(per_token[0], rel=0.01), per_token
 
 
 def test_op_checkpointing_sits_between_none_and_full():

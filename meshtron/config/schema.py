@@ -192,7 +192,7 @@ class ParallelConfig:
     ac_every: int = recipe_key(2, "with `selective`, checkpoint blocks whose global index is a multiple of this")
     ac_policy: str = recipe_key(
         "save_matmuls",
-        "with `op`: `save_matmuls` keeps every matmul's, attention's and collective's output and recomputes "
+        "with `op`: `save_matmuls` keeps every weight GEMM's, fused attention's and collective's output and recomputes "
         "norms, RoPE, SwiGLU's activation and residual adds; `alternate_matmuls` (torchtitan's) also "
         "recomputes every second matmul of a block; `parts`: as `save_matmuls`, but the parts `ac_parts` "
         "names are recomputed whole (Megatron's `recompute_modules`)",

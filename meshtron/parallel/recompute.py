@@ -12,9 +12,11 @@ run gives bit-identical losses and gradients to a plain one on the same layout.
 dispatch-mode policy, ``create_selective_checkpoint_contexts``, passed as the checkpoint's
 ``context_fn``), so backward recomputes only the rest. ``[parallel] ac_policy`` names the policy:
 
-* ``save_matmuls``: every matmul's output, attention's outputs (with its log-sum-exp) and functional
-  collectives' outputs are kept; norms, RoPE, SwiGLU's activation and product, residual adds are
-  recomputed (cheap elementwise work, most of a block's saved bytes in fp32 norms);
+* ``save_matmuls``: every weight GEMM's output (linear layers, the experts' grouped GEMM), the fused
+  attention kernels' outputs (with their log-sum-exp) and functional collectives' outputs are kept;
+  norms, RoPE, SwiGLU's activation and product, residual adds are recomputed (cheap elementwise work,
+  most of a block's saved bytes in fp32 norms), and so is attention run by a math kernel (products of
+  two activations, whose S x S scores are not worth their bytes);
 * ``alternate_matmuls`` (torchtitan's op-level policy): as ``save_matmuls`` but every second matmul
   of a block (the 2nd, 4th, ... in its forward order) is recomputed too;
 * ``parts`` (Megatron's ``recompute_modules``, by name): as ``save_matmuls`` but the parts
@@ -49,8 +51,10 @@ from meshtron.torch_private import (ATTENTION_FORWARD_KERNELS, GROUPED_MM, SacBy
                                     selective_checkpoint_contexts)
 
 aten = torch.ops.aten
-MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-                     GROUPED_MM.default})
+# The GEMMs of weights (linear layers, the experts' grouped GEMM). Not bmm / baddbmm: those multiply two
+# activations, as attention's math kernels do (the ring's blocks off CUDA or under a document mask, SDPA's
+# math fallback), and keeping their outputs keeps an O(S^2) score matrix per block.
+MATMULS = frozenset({aten.mm.default, aten.addmm.default, GROUPED_MM.default})
 # Fused attention kernels (CPU, flash, memory-efficient, cuDNN): their outputs include the log-sum-exp.
 ATTENTION = frozenset(kernel.default for kernel in ATTENTION_FORWARD_KERNELS)
 
