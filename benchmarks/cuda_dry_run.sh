@@ -3,6 +3,7 @@
 # Makes the CUDA environment if missing (torch's CUDA wheel, ~5 GB, outside the project's own CPU-only one),
 # then runs benchmarks/cuda_dry_run.py with it: benchmarks/results/cuda_dry_run.{json,md}.
 #   benchmarks/cuda_dry_run.sh [CASE ...]     # default: every case; MESHTRON_CUDA_VENV picks the environment
+#   benchmarks/cuda_dry_run.sh --replan       # no tracing: the stored traces against today's planner
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${MESHTRON_CUDA_VENV:-$HOME/.cache/meshtron/venv-cuda}"

@@ -222,8 +222,9 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
     held = sum(gathered.values()) if gathers_once_per_step(p) else 0  # fsdp_gather = "per_step"
     if phase == "forward":
         unsharded = FP32 * sum(units.values()) if accumulate else 0
-        return {"gathered": held or gathered.get("root", 0) + gathered.get("head", 0), "unsharded_grads": unsharded,
-                "reduce_scatter": 0}
+        # Gathered per step, the loss of a later micro-batch follows no all-gather.
+        return {"gathered": held or gathered.get("root", 0) + gathered.get("head", 0) + _last_gather_output(gathered),
+                "unsharded_grads": unsharded, "reduce_scatter": 0}
     if phase == "backward end":
         # The embedding's unit and the root (final norm; a tied embedding) are reduced last, after
         # every block's gradient has been reduce-scattered and freed.
@@ -239,6 +240,17 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
     ahead = p.fsdp_prefetch * in_use if p.data_parallel != "replicate" else 0
     unsharded = FP32 * sum(units.values()) if accumulate else c * block
     return {"gathered": held or in_use + ahead + gathered.get("root", 0), "unsharded_grads": unsharded}
+
+
+def _last_gather_output(gathered: dict[str, float]) -> float:
+    """The output buffer of the forward's last all-gather, still held at the loss: FSDP2 frees one only at
+    the next all-gather's copy-in or at the root's post-forward (so that a copy-in can overlap the
+    all-gather before it). The last is the LM head's, or with the head tied into the root unit the last
+    layer's unit (72B's head at tp 1: 2.32 GiB the plan missed at the loss, against the dry run)."""
+    if "head" in gathered:
+        return gathered["head"]
+    layers = [u for u in gathered if u.startswith(("block.", "experts."))]
+    return gathered[layers[-1]] if layers else 0.0
 
 
 def sharded_grads_before_backward(cfg: Config) -> bool:
