@@ -127,40 +127,44 @@ SHIPPED = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_
            "qwen1p5_moe_a2p7b", "qwen2_57b_a14b")
 
 
-def test_plan_holds_to_the_stored_cuda_traces():
-    """Every shipped recipe's ranks as the CUDA dry run traced them: the GPU's peak within 5 % of today's plan
-    for the rank (the CPU dry run's tolerance, tests/test_dryrun.py) and nothing kept on the host (the fused
-    AdamW's step counts are on the device). Reads the stored traces: runs without the CUDA environment."""
-    from meshtron.config import infer_dp, load_config
-    from meshtron.dryrun import TRACE_ASSUMPTIONS
-    from meshtron.plan.memory import GIB, rank_breakdown
-    from meshtron.plan.parameters import Coords
-    from meshtron.plan.recipes import recipe_hardware
-
+def test_every_shipped_recipe_has_a_stored_cuda_trace():
+    """Every shipped recipe (without host offload) traced on fake CUDA (its GPU peak against the plan:
+    :func:`test_plan_holds_to_every_stored_cuda_trace`), nothing kept on the host (the fused AdamW's step
+    counts are on the device). Reads the stored traces: runs without the CUDA environment."""
     store = json.loads(TRACED_CUDA.read_text())
     for recipe in SHIPPED:
-        path = ROOT / "recipes" / f"{recipe}.toml"
-        cfg = infer_dp(load_config(path), recipe_hardware(path).world_size)
         assert store[recipe] and all("error" not in row for row in store[recipe]), (recipe, store[recipe])
-        for row in store[recipe]:
-            planned = rank_breakdown(cfg, Coords(**row["coords"]), TRACE_ASSUMPTIONS).total / GIB
-            assert 0.95 <= row["traced_gib"] / planned <= 1.05, (recipe, row["rank"], row["traced_gib"], planned)
-            assert row["host_peak_gib"] == 0, (recipe, row)
+        assert all(row["host_peak_gib"] == 0 for row in store[recipe]), (recipe, store[recipe])
 
 
-def test_plan_holds_to_the_stored_cuda_fp8_trace():
-    """Qwen2.5-7B at its recipe's layout (dp 2 x tp 4 + SP, 28 layers) with ``--train.fp8 tensorwise``, as the CUDA
-    dry run traced it (33.52 GiB): within 5 % of today's plan, which counts the eager float8 casts' working set
-    (1.028; 1.210 before the plan had an FP8 term)."""
-    from meshtron.config import infer_dp, load_config
+def _stored_cases() -> list[str]:
+    return sorted(json.loads(TRACED_CUDA.read_text()))
+
+
+@pytest.mark.parametrize("case", _stored_cases())
+def test_plan_holds_to_every_stored_cuda_trace(case):
+    """Every case benchmarks/cuda_dry_run.sh traced (recipes, layouts, levers), its configuration built as the
+    benchmark builds it: each rank's GPU peak within 5 % of today's plan (1 MiB for the debug models' 10 MiB).
+    The 72B offload recipe was at 1.054 and op recompute with it at 1.082 until the plan counted the LM head's
+    all-gather output FSDP2 holds through the loss. Not the transformers model (the plan models meshtron's own
+    blocks: 1.40) nor a case the dry run refuses (compile)."""
+    import importlib.util
+
     from meshtron.dryrun import TRACE_ASSUMPTIONS
     from meshtron.plan.memory import GIB, rank_breakdown
     from meshtron.plan.parameters import Coords
 
-    cfg = infer_dp(load_config(ROOT / "recipes" / "qwen2p5_7b.toml", ["--train.fp8", "tensorwise"]), 8)
-    (row,) = json.loads(TRACED_CUDA.read_text())["7b fp8 tensorwise"]
-    planned = rank_breakdown(cfg, Coords(**row["coords"]), TRACE_ASSUMPTIONS).total / GIB
-    assert 0.95 <= row["traced_gib"] / planned <= 1.05, (row["traced_gib"], planned)
+    rows = json.loads(TRACED_CUDA.read_text())[case]
+    if case == "hf model" or "refused" in rows[0]:
+        pytest.skip(f"{case}: {rows[0].get('refused', 'the plan models meshtron blocks, not a transformers model')}")
+    spec = importlib.util.spec_from_file_location("cuda_dry_run", ROOT / "benchmarks" / "cuda_dry_run.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    cfg = benchmark._case(case)[0]
+    assert all("error" not in row for row in rows), rows
+    for row in rows:
+        planned = rank_breakdown(cfg, Coords(**row["coords"]), TRACE_ASSUMPTIONS).total / GIB
+        assert abs(row["traced_gib"] - planned) <= max(0.05 * planned, 2 ** -10), (case, row["rank"], row["traced_gib"], planned)
 
 
 def test_stored_offload_recipe_trace_has_only_declared_waits():
