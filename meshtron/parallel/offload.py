@@ -2,7 +2,8 @@
 host memory between its forward and its backward (a memory/transfer trade, not a mesh dimension).
 
 While a block's forward runs, ``torch.autograd.graph.saved_tensors_hooks`` hands every tensor autograd
-saves to :meth:`BlockOffload.pack`, which copies it to the host and keeps only the copy; in backward
+saves to :meth:`BlockOffload.pack`, which copies it to the host (once per tensor, however many ops save
+it) and keeps only the copy; in backward
 :meth:`BlockOffload.unpack` copies it back. The hooks are entered by the block's forward pre-hook and
 left by its forward hook, so only that block's tensors move: the embedding, the final norm and the
 fused loss keep theirs on the device.
@@ -22,6 +23,7 @@ Copies change no value: losses and gradients are bit-identical to a run without 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -37,6 +39,10 @@ class BlockOffload:
 
     def __init__(self, block: nn.Module):
         self.context = None
+        # id -> (weak reference, packed) of the tensors this forward has packed: a tensor several ops save
+        # (a norm's output read by two linears, an activation's input) is copied to the host once, as
+        # autograd keeps it once on the device.
+        self.packed: dict[int, tuple[weakref.ref, Any]] = {}
         block.register_forward_pre_hook(self._enter)
         block.register_forward_hook(self._leave, always_call=True)
 
@@ -45,6 +51,7 @@ class BlockOffload:
         self.context.__enter__()
 
     def _leave(self, module: nn.Module, args, output) -> None:
+        self.packed.clear()
         if self.context is not None:
             self.context.__exit__(None, None, None)
             self.context = None
@@ -52,10 +59,16 @@ class BlockOffload:
     def pack(self, tensor: torch.Tensor) -> Any:
         if tensor.is_leaf and tensor.requires_grad:  # a parameter: FSDP re-gathers it for backward
             return tensor
+        seen = self.packed.get(id(tensor))
+        if seen is not None and seen[0]() is tensor:  # the same object, still alive: not a reused id
+            return seen[1]
         if isinstance(tensor, DTensor):
             layout = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
-            return (layout, *_to_host(dtensor_local(tensor)))
-        return (None, *_to_host(tensor))
+            packed = (layout, *_to_host(dtensor_local(tensor)))
+        else:
+            packed = (None, *_to_host(tensor))
+        self.packed[id(tensor)] = (weakref.ref(tensor), packed)
+        return packed
 
     @staticmethod
     def unpack(packed: Any) -> torch.Tensor:
