@@ -35,6 +35,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 SHIPPED = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b",
            "qwen2p5_72b_8gpu", "qwen1p5_moe_a2p7b", "qwen2_57b_a14b")
 _SMALL = ["--train.seq_len", "1024", "--train.global_batch_size", "16"]
+# recipes/qwen2p5_72b_8gpu.toml's layout until 2026-11-28 (its header says why it changed).
+OFFLOAD_72B_EARLIER = ("--parallel.dp", "4", "--parallel.cp", "2", "--parallel.activation_checkpointing", "selective",
+                       "--parallel.microbatches", "8")
 # name -> (recipe, world size, overrides): one layout of each parallelism the recipes do not state.
 LAYOUTS = {
     "pp zbv": ("qwen2p5_0p5b", 8, ["--parallel.pp", "2", "--parallel.dp", "4", "--parallel.schedule", "zbv",
@@ -51,11 +54,13 @@ LAYOUTS = {
     "hsdp": ("qwen2p5_0p5b", 8, ["--parallel.dp", "2", "--parallel.cp", "2", "--parallel.tp", "2",
                                  "--parallel.data_parallel", "hsdp", "--parallel.microbatches", "4", *_SMALL]),
     # The levers, each on a real-size recipe at its stated layout (compile: refused, meshtron.dryrun.COMPILE_REFUSAL).
-    # One micro-batch of the 72B offload recipe's size: the offload without the later micro-batches' blocking
-    # accumulation on the host (the recipe's own 8 trace it, in 1,770 s here against 333 s).
-    "72b 8gpu offload, 1 micro-batch": ("qwen2p5_72b_8gpu", 8, ["--parallel.microbatches", "1",
+    # The 72B offload recipe's earlier layout (dp 4 x cp 2, selective AC) at 8 micro-batches, whose later ones
+    # accumulate their gradients on the host blocking (1,770 s to trace here), and at one.
+    "72b 8gpu offload, 8 micro-batches": ("qwen2p5_72b_8gpu", 8, list(OFFLOAD_72B_EARLIER)),
+    "72b 8gpu offload, 1 micro-batch": ("qwen2p5_72b_8gpu", 8, [*OFFLOAD_72B_EARLIER, "--parallel.microbatches", "1",
                                                                  "--train.global_batch_size", "4"]),
-    "72b 8gpu op recompute, 1 micro-batch": ("qwen2p5_72b_8gpu", 8, ["--parallel.activation_checkpointing", "op",
+    "72b 8gpu op recompute, 1 micro-batch": ("qwen2p5_72b_8gpu", 8, [*OFFLOAD_72B_EARLIER,
+                                                                      "--parallel.activation_checkpointing", "op",
                                                                       "--parallel.microbatches", "1",
                                                                       "--train.global_batch_size", "4"]),
     "7b op recompute": ("qwen2p5_7b", 8, ["--parallel.activation_checkpointing", "op"]),
@@ -209,11 +214,13 @@ def main(names: list[str]) -> None:
         "run answers them with its assumption). Dry run s: wall time on a 2-core machine shared with other jobs "
         "(load average 10-220 while these ran).\n\n"
         "Planned figures: today's planner on the stored traces (`--replan`). The levers (2026-11-26): optimizer "
-        "offload traces with the host's state equal to the plan's and the GPU at 1.001 x the plan (72B, its own 8 "
-        "micro-batches and one; 1.054 until the plan counted FSDP2's last all-gather output, the LM head's, held "
+        "offload traces with the host's state equal to the plan's and the GPU at 1.001 x the plan (72B at the "
+        "recipe's earlier layout, dp 4 x cp 2 with selective recompute, at 8 micro-batches and one; 1.054 until the plan counted FSDP2's last all-gather output, the LM head's, held "
         "through the loss: 2.32 GiB at tp 1); each micro-batch after the first "
         "reduce-scatters into gradients already on the host, which FSDP2 copies blocking and adds on the host: "
         "7 x 963 waits a step, declared (meshtron.host.TORCH_WAITS) and costed exposed by meshtron.plan (2026-11-28). "
+        "The recipe now runs the search's pick, dp 8 with full recompute and one micro-batch (23.1 s a step "
+        "predicted against 50.2): GPU 0.956 x the plan. "
         "Activation offload: GPU 1.023 x the plan (7B), its host peak 102.6 GiB against the plan's 99.4 GiB of "
         "offloaded activations (114.9 until a tensor several ops save was copied to the host once). fp8 tensorwise: GPU 1.210 x the plan of that day, which had no fp8 term (today's "
         "plan counts the float8 casts: 1.028, tests/test_cuda_dryrun.py). Op recompute "

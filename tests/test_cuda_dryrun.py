@@ -141,6 +141,16 @@ def _stored_cases() -> list[str]:
     return sorted(json.loads(TRACED_CUDA.read_text()))
 
 
+def _case_config(case: str):
+    """The configuration benchmarks/cuda_dry_run.py traced ``case`` with (built by its own code)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cuda_dry_run", ROOT / "benchmarks" / "cuda_dry_run.py")
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    return benchmark._case(case)[0]
+
+
 @pytest.mark.parametrize("case", _stored_cases())
 def test_plan_holds_to_every_stored_cuda_trace(case):
     """Every case benchmarks/cuda_dry_run.sh traced (recipes, layouts, levers), its configuration built as the
@@ -148,8 +158,6 @@ def test_plan_holds_to_every_stored_cuda_trace(case):
     The 72B offload recipe was at 1.054 and op recompute with it at 1.082 until the plan counted the LM head's
     all-gather output FSDP2 holds through the loss. Not the transformers model (the plan models meshtron's own
     blocks: 1.40) nor a case the dry run refuses (compile)."""
-    import importlib.util
-
     from meshtron.dryrun import TRACE_ASSUMPTIONS
     from meshtron.plan.activations import offloaded_activation_bytes
     from meshtron.plan.memory import GIB, rank_breakdown
@@ -158,10 +166,7 @@ def test_plan_holds_to_every_stored_cuda_trace(case):
     rows = json.loads(TRACED_CUDA.read_text())[case]
     if case == "hf model" or "refused" in rows[0]:
         pytest.skip(f"{case}: {rows[0].get('refused', 'the plan models meshtron blocks, not a transformers model')}")
-    spec = importlib.util.spec_from_file_location("cuda_dry_run", ROOT / "benchmarks" / "cuda_dry_run.py")
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
-    cfg = benchmark._case(case)[0]
+    cfg = _case_config(case)
     assert all("error" not in row for row in rows), rows
     for row in rows:
         planned = rank_breakdown(cfg, Coords(**row["coords"]), TRACE_ASSUMPTIONS).total / GIB
@@ -173,18 +178,17 @@ def test_plan_holds_to_every_stored_cuda_trace(case):
 
 
 def test_stored_offload_recipe_trace_has_only_declared_waits():
-    """recipes/qwen2p5_72b_8gpu.toml at its own 8 micro-batches as the CUDA dry run traced it (issue 46): FSDP2's
+    """recipes/qwen2p5_72b_8gpu.toml at its earlier layout's 8 micro-batches as the CUDA dry run traced it (issue 46): FSDP2's
     end-of-backward wait per parameter tensor of the rank (963: 80 layers x 12, embedding, final norm, LM head),
     its blocking copy of each tensor's gradient shard in each of micro-batches 2-8 (7 x 963), which it adds into
     the gradient on the host, and the three values crossing to the host's optimizer; nothing else (the dry
     run refuses an undeclared wait). The host's offloaded state within 1 % of today's plan."""
-    from meshtron.config import infer_dp, load_config
     from meshtron.dryrun import TRACE_ASSUMPTIONS
     from meshtron.plan.memory import GIB, rank_breakdown
     from meshtron.plan.parameters import Coords
 
-    rows = json.loads(TRACED_CUDA.read_text())["qwen2p5_72b_8gpu"]
-    cfg = infer_dp(load_config(ROOT / "recipes" / "qwen2p5_72b_8gpu.toml"), 8)
+    rows = json.loads(TRACED_CUDA.read_text())["72b 8gpu offload, 8 micro-batches"]
+    cfg = _case_config("72b 8gpu offload, 8 micro-batches")
     assert cfg.parallel.microbatches == 8 and rows and all("error" not in row for row in rows), rows
     for row in rows:
         waits = {site.split(" at ")[1].split(":")[0]: n for site, n in row["syncs"].items()}
@@ -249,17 +253,15 @@ waits meshtron.host declares, each named by torch's own frame and op."""
 
 
 def test_stored_offload_trace_holds_the_planned_host_bytes():
-    """recipes/qwen2p5_72b_8gpu.toml's offload as the CUDA dry run traced it (one micro-batch of its size: its
-    own 8 wait on the host for each gradient they accumulate, benchmarks/results/cuda_dry_run.md): what the
+    """recipes/qwen2p5_72b_8gpu.toml's offload at its earlier layout as the CUDA dry run traced it (one
+    micro-batch of its size, benchmarks/results/cuda_dry_run.md): what the
     offload keeps on the host, counted on the step's objects, within 1 % of today's plan for the rank."""
-    from meshtron.config import infer_dp, load_config
     from meshtron.dryrun import TRACE_ASSUMPTIONS
     from meshtron.plan.memory import GIB, rank_breakdown
     from meshtron.plan.parameters import Coords
 
     (row,) = json.loads(TRACED_CUDA.read_text())["72b 8gpu offload, 1 micro-batch"]
-    cfg = infer_dp(load_config(ROOT / "recipes" / "qwen2p5_72b_8gpu.toml", ["--parallel.microbatches", "1",
-                                                                          "--train.global_batch_size", "4"]), 8)
+    cfg = _case_config("72b 8gpu offload, 1 micro-batch")
     host = rank_breakdown(cfg, Coords(**row["coords"]), TRACE_ASSUMPTIONS).host
     planned = sum(host[k] for k in ("params", "grads", "optimizer")) / GIB
     assert abs(row["host_gib"] - planned) <= 0.01 * planned, (row["host_gib"], planned)

@@ -292,7 +292,9 @@ def _unpipelined_phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[st
         terms["activations"] = saved_activation_bytes(cfg, coords.pp) + offload_in_flight_bytes(cfg)
         terms["loss"] = loss_bytes(cfg, coords.pp)
     else:
-        rise, reduced, terms["reduce_scatter"] = backward_peak(cfg, coords)
+        # With the optimizer offloaded the reduced gradient shards go to the host: the device's peak layer is
+        # the one where the rise and the reduce-scatter input alone sum highest.
+        rise, reduced, terms["reduce_scatter"] = backward_peak(cfg, coords, False if offloads_optimizer(cfg) else None)
         terms["grads"] += reduced  # nothing when they are counted whole
         # The micro-batch in backward has freed its final norm's saved tensors before its layers'
         # backward, and consumed its loss's saved gradients.
