@@ -231,21 +231,25 @@ def check_checkpointing_is_bit_identical():
 def check_offload_is_bit_identical():
     """Host offload of the optimizer state (the AdamW step on the host's shards) and of the blocks' saved
     tensors, with and without selective checkpointing, change no bit of the losses, gradients, clipped norms
-    or parameters of 3 steps on the same layout (dp 2 x tp 2 with SP: 2-D shards, DTensor activations)."""
-    cfg = ModelConfig(**CFG)
-    start = random_model(cfg, seed=1).state_dict()
-    mesh = cached_mesh(dp=2, tp=2)
-    plain = _parallel(cfg, start, mesh, sp=True)
-    expected = _run_parallel(plain, mesh)
-    for ac in ("none", "selective"):
-        model = _parallel(cfg, start, mesh, ac=ac, sp=True, offload="optimizer", offload_activations=True)
-        assert all(_local(p).device.type == "cpu" for p in model.parameters())
-        for step, ((loss, grads, norm), (want, want_grads, want_norm)) in enumerate(zip(_run_parallel(model, mesh), expected)):
-            assert torch.equal(loss, want) and torch.equal(norm, want_norm), f"ac {ac} step {step}: loss or norm changed"
-            for name, grad in want_grads.items():
-                assert torch.equal(_local(grads[name]), _local(grad)), f"ac {ac} step {step}: gradient of {name} changed"
-        for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-            assert torch.equal(_local(p), _local(q)), f"ac {ac}: {name} after {STEPS} steps changed"
+    or parameters of 3 steps on the same layout: dp 2 x tp 2 with SP (2-D shards, DTensor activations) and
+    the MoE at dp 2 x ep 2 (the experts' own FSDP unit on the expert data mesh, dispatch tensors saved)."""
+    for config, sizes, sp in ((CFG, dict(dp=2, tp=2), True), (MOE, dict(dp=2, ep=2), False)):
+        cfg = ModelConfig(**config)
+        start = random_model(cfg, seed=1).state_dict()
+        mesh = cached_mesh(**sizes)
+        plain = _parallel(cfg, start, mesh, sp=sp)
+        expected = _run_parallel(plain, mesh)
+        for ac in ("none", "selective"):
+            where = f"{sizes} ac {ac}"
+            model = _parallel(cfg, start, mesh, ac=ac, sp=sp, offload="optimizer", offload_activations=True)
+            assert all(_local(p).device.type == "cpu" for p in model.parameters())
+            for step, ((loss, grads, norm), (want, want_grads, want_norm)) in enumerate(
+                    zip(_run_parallel(model, mesh), expected)):
+                assert torch.equal(loss, want) and torch.equal(norm, want_norm), f"{where} step {step}: loss or norm"
+                for name, grad in want_grads.items():
+                    assert torch.equal(_local(grads[name]), _local(grad)), f"{where} step {step}: gradient of {name}"
+            for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+                assert torch.equal(_local(p), _local(q)), f"{where}: {name} after {STEPS} steps changed"
 
 
 def check_op_checkpointing_trains_moe():
