@@ -207,8 +207,8 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
 def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> dict[str, float]:
     """pp = 1: ``gathered``, ``unsharded_grads`` and ``reduce_scatter`` (module docstring) in backward
     (but ``reduce_scatter``, which depends on the layer at the peak: :func:`backward_peak`), at the end
-    of the forward (``phase="forward"``: only the root and LM-head units gathered, blocks reshard after
-    their forward, no gradient being reduced, unsharded gradients only when earlier micro-batches'
+    of the forward (``phase="forward"``: only the root and LM-head units gathered, with the last
+    all-gather's output buffer (:func:`_last_gather_output`), blocks reshard after their forward, no gradient being reduced, unsharded gradients only when earlier micro-batches'
     backward left them accumulating) or at the end of the backward (``phase="backward end"``: only the
     embedding and root units left to reduce). Gathered per step (``fsdp_gather``), every unit stays
     gathered through the forward and the backward. Pipelines: :func:`pipeline_moments`."""
