@@ -141,14 +141,19 @@ def _stored_cases() -> list[str]:
     return sorted(json.loads(TRACED_CUDA.read_text()))
 
 
-def _case_config(case: str):
-    """The configuration benchmarks/cuda_dry_run.py traced ``case`` with (built by its own code)."""
+def _benchmark():
+    """benchmarks/cuda_dry_run.py, whose own code builds each case's configuration and plans its traces."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("cuda_dry_run", ROOT / "benchmarks" / "cuda_dry_run.py")
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
-    return benchmark._case(case)[0]
+    return benchmark
+
+
+def _case_config(case: str):
+    """The configuration benchmarks/cuda_dry_run.py traced ``case`` with."""
+    return _benchmark()._case(case)[0]
 
 
 @pytest.mark.parametrize("case", _stored_cases())
@@ -158,18 +163,18 @@ def test_plan_holds_to_every_stored_cuda_trace(case):
     The 72B offload recipe was at 1.054 and op recompute with it at 1.082 until the plan counted the LM head's
     all-gather output FSDP2 holds through the loss. Not the transformers model (the plan models meshtron's own
     blocks: 1.40) nor a case the dry run refuses (compile)."""
-    from meshtron.dryrun import TRACE_ASSUMPTIONS
     from meshtron.plan.activations import offloaded_activation_bytes
-    from meshtron.plan.memory import GIB, rank_breakdown
-    from meshtron.plan.parameters import Coords
+    from meshtron.plan.memory import GIB
 
     rows = json.loads(TRACED_CUDA.read_text())[case]
     if case == "hf model" or "refused" in rows[0]:
         pytest.skip(f"{case}: {rows[0].get('refused', 'the plan models meshtron blocks, not a transformers model')}")
-    cfg = _case_config(case)
     assert all("error" not in row for row in rows), rows
+    benchmark = _benchmark()
+    cfg = benchmark._case(case)[0]
+    benchmark.replan(rows)  # today's plan for each traced rank, as the table's --replan sets it
     for row in rows:
-        planned = rank_breakdown(cfg, Coords(**row["coords"]), TRACE_ASSUMPTIONS).total / GIB
+        planned = row["planned_gib"]
         assert abs(row["traced_gib"] - planned) <= max(0.05 * planned, 2 ** -10), (case, row["rank"], row["traced_gib"], planned)
         if cfg.parallel.offload_activations:  # the host's peak: the offloaded activations (114.9 GiB of 99.4 when
             # a tensor several ops saved was copied once per op)

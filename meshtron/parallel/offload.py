@@ -23,12 +23,12 @@ Copies change no value: losses and gradients are bit-identical to a run without 
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from meshtron.parallel.recompute import is_checkpointed
 from meshtron.torch_private import dtensor_local
@@ -39,10 +39,9 @@ class BlockOffload:
 
     def __init__(self, block: nn.Module):
         self.context = None
-        # id -> (weak reference, packed) of the tensors this forward has packed: a tensor several ops save
-        # (a norm's output read by two linears, an activation's input) is copied to the host once, as
-        # autograd keeps it once on the device.
-        self.packed: dict[int, tuple[weakref.ref, Any]] = {}
+        # What this forward has packed, by tensor identity: a tensor several ops save (a norm's output read
+        # by two linears, an activation's input) is copied to the host once, as autograd keeps it once.
+        self.packed = WeakIdKeyDictionary()
         block.register_forward_pre_hook(self._enter)
         block.register_forward_hook(self._leave, always_call=True)
 
@@ -59,15 +58,14 @@ class BlockOffload:
     def pack(self, tensor: torch.Tensor) -> Any:
         if tensor.is_leaf and tensor.requires_grad:  # a parameter: FSDP re-gathers it for backward
             return tensor
-        seen = self.packed.get(id(tensor))
-        if seen is not None and seen[0]() is tensor:  # the same object, still alive: not a reused id
-            return seen[1]
+        if tensor in self.packed:
+            return self.packed[tensor]
         if isinstance(tensor, DTensor):
             layout = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
             packed = (layout, *_to_host(dtensor_local(tensor)))
         else:
             packed = (None, *_to_host(tensor))
-        self.packed[id(tensor)] = (weakref.ref(tensor), packed)
+        self.packed[tensor] = packed
         return packed
 
     @staticmethod

@@ -175,13 +175,14 @@ def backward_peak(cfg: Config, coords: Coords, reducing: bool | None = None) -> 
     """The layer of the backward where the rise, the gradients already reduced and the reduce-scatter
     input in flight (pp = 1) sum highest.
 
-    The rise is :func:`backward_working_bytes`'. When the backward reduces as it goes (``reducing``;
-    default: the step starts without sharded gradients, :func:`sharded_grads_before_backward`), those
-    of the LM head and of every layer already through its backward appear as the activations go: with
-    checkpointing the last layer's backward peaks with nearly all of them. Otherwise they are counted
-    whole elsewhere, or not yet there, and add nothing here."""
+    The rise is :func:`backward_working_bytes`'. When the backward reduces as it goes onto the device
+    (``reducing``; default: the step starts without sharded gradients, :func:`sharded_grads_before_backward`,
+    and they stay on the device: with the optimizer offloaded they go to the host), those of the LM head
+    and of every layer already through its backward appear as the activations go: with checkpointing the
+    last layer's backward peaks with nearly all of them. Otherwise they are counted whole elsewhere, or not
+    yet there, and add nothing here."""
     if reducing is None:
-        reducing = not sharded_grads_before_backward(cfg)
+        reducing = not sharded_grads_before_backward(cfg) and not offloads_optimizer(cfg)
     grads = _unit_grad_bytes(cfg, coords) if reducing else {}
     in_flight = reduce_scatter_in_flight(cfg, coords.pp)
     return max((_chunk_backward_peak(cfg, r, grads, in_flight) for r in _stage_layer_ranges(cfg, coords.pp)), key=sum)
@@ -292,9 +293,7 @@ def _unpipelined_phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[st
         terms["activations"] = saved_activation_bytes(cfg, coords.pp) + offload_in_flight_bytes(cfg)
         terms["loss"] = loss_bytes(cfg, coords.pp)
     else:
-        # With the optimizer offloaded the reduced gradient shards go to the host: the device's peak layer is
-        # the one where the rise and the reduce-scatter input alone sum highest.
-        rise, reduced, terms["reduce_scatter"] = backward_peak(cfg, coords, False if offloads_optimizer(cfg) else None)
+        rise, reduced, terms["reduce_scatter"] = backward_peak(cfg, coords)
         terms["grads"] += reduced  # nothing when they are counted whole
         # The micro-batch in backward has freed its final norm's saved tensors before its layers'
         # backward, and consumed its loss's saved gradients.
