@@ -67,6 +67,10 @@ LAYOUTS = {
     "7b fp8 tensorwise": ("qwen2p5_7b", 8, ["--train.fp8", "tensorwise"]),
     "7b activation offload": ("qwen2p5_7b", 8, ["--parallel.activation_checkpointing", "selective",
                                                 "--parallel.offload_activations", "true"]),
+    # Both offloads under a pipeline (1F1B, the 0.5B's tied embedding summed across the two stages from the host).
+    "pp offload": ("qwen2p5_0p5b", 8, ["--parallel.pp", "2", "--parallel.dp", "4", "--parallel.schedule", "1f1b",
+                                       "--parallel.microbatches", "4", "--parallel.offload", "optimizer",
+                                       "--parallel.offload_activations", "true"]),
     "0.5b compile": ("qwen2p5_0p5b", 8, ["--parallel.compile", "true"]),
     "hf model": ("debug_dense", 4, ["--model.hf_model", "{hf}", "--parallel.dp", "2", "--parallel.tp", "2",
                                     "--train.seq_len", "256"]),

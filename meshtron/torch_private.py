@@ -125,6 +125,13 @@ def dtensor_local(tensor) -> torch.Tensor:
     return tensor._local_tensor
 
 
+def view_base(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a view views (``Tensor._base``), or the tensor itself: a saved-tensor hook must tell a
+    parameter's view (a linear saves its weight transposed) from an activation, and no public API says
+    which tensor a view was made from."""
+    return tensor if tensor._base is None else tensor._base
+
+
 # --- FSDP2 internals -----------------------------------------------------------------------------
 # FSDP2 has no public call to finish a backward that restarted autograd inside the graph (the
 # zero-bubble W); torch.distributed.pipelining's own stages call these same private methods.

@@ -5,6 +5,7 @@ FSDP over the data ranks. The single-process reference runs the same micro-batch
 = every dp shard's i-th) because the MoE aux loss is defined per micro-batch.
 """
 
+import dataclasses
 import tempfile
 import weakref
 
@@ -21,7 +22,9 @@ from meshtron.models import aux_loss, build_model, token_loss_sum
 from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.layout import validate_layout
 from meshtron.parallel.step_runner import build_step_runner
-from meshtron.parallel.step import average_router_losses_over_microbatches
+from meshtron.optim import build_optimizer
+from meshtron.parallel.offload import BlockOffload
+from meshtron.parallel.step import average_router_losses_over_microbatches, training_step
 from meshtron.parallel.grad_norm import global_grad_norm
 from meshtron.parallel.pipeline import peak_in_flight, prune_to_stage
 from meshtron.parallel.pipeline.pipelined_runner import PipelineRunner
@@ -397,6 +400,55 @@ def check_clipping_and_export_cover_all_stages(folder):
             assert torch.equal(exported[name], value), name
 
 
+# (layout, [parallel] overrides): dp x tp with SP inside the stages; a zero-bubble split backward over MoE
+# stages, then its stages run whole under selective checkpointing; a tied LM head summed across the pipeline.
+OFFLOAD_LAYOUTS = [
+    ((DENSE, 2, 2, "1f1b", 2, 1, 2, 1, True), {}),
+    ((MOE, 2, 4, "zbv", 4, 2), {}),
+    ((MOE, 2, 4, "zbv", 4, 2), dict(activation_checkpointing="selective")),
+    ((TIED, 4, 2, "1f1b", 4, 1), {}),
+]
+OFFLOAD_STEPS = 2
+
+
+def _trained(cfg: Config, mesh) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+    """(loss, gradient norm) of each of OFFLOAD_STEPS optimizer steps from the reference weights, and this
+    rank's parameter shards after them."""
+    runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+    offloading = [b for b in runner.module.layers.values()
+                  if any(isinstance(getattr(h, "__self__", None), BlockOffload) for h in b._forward_pre_hooks.values())]
+    assert bool(offloading) == cfg.parallel.offload_activations, "the stage's blocks offload as the recipe says"
+    load_full_state_dict(runner.module, _random_model(cfg).state_dict())
+    optimizer = build_optimizer(runner.module, cfg.train)
+    ids, labels = _batch(cfg)
+    rows = mesh["dp"].get_local_rank()
+    steps = [tuple(t.clone() for t in training_step(runner, optimizer, ids.chunk(cfg.parallel.dp)[rows],
+                                                     labels.chunk(cfg.parallel.dp)[rows], 1.0))
+             for _ in range(OFFLOAD_STEPS)]
+    return steps, [q.to_local().detach().clone() for q in runner.module.parameters()]
+
+
+def check_offload_keeps_the_pipelines_numbers(_folder):
+    """Both host offloads under a pipeline (the optimizer state and step on the host, every block's saved
+    tensors there between its forward and backward) change no bit of 2 optimizer steps' losses, gradient
+    norms and parameters, and the first loss is the single process's."""
+    for layout, overrides in OFFLOAD_LAYOUTS:
+        plain = _config(*layout)
+        plain = dataclasses.replace(plain, parallel=dataclasses.replace(plain.parallel, **overrides))
+        offloaded = dataclasses.replace(plain, parallel=dataclasses.replace(
+            plain.parallel, offload="optimizer", offload_activations=True))
+        p = plain.parallel
+        mesh = cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
+        want, want_params = _trained(plain, mesh)
+        got, params = _trained(offloaded, mesh)
+        where = f"{layout[1:]} {overrides}"
+        assert [torch.equal(a, b) for step in zip(got, want) for a, b in zip(*step)] == [True] * 2 * OFFLOAD_STEPS, \
+            (where, got, want)
+        assert all(torch.equal(a, b) for a, b in zip(params, want_params)), f"{where}: parameters changed"
+        ref_loss = _reference(plain, *_batch(plain))[1]
+        assert abs(got[0][0].item() - ref_loss) / abs(ref_loss) < 1e-5, (where, got[0][0], ref_loss)
+
+
 def test_pipeline_matches_single_process_on_8_ranks():
     with tempfile.TemporaryDirectory() as tmp:
         run_checks(
@@ -409,6 +461,7 @@ def test_pipeline_matches_single_process_on_8_ranks():
                 check_zero_bubble_accumulates_in_fp32_under_bf16,
                 check_zero_bubble_with_checkpointing_replays_each_block_once,
                 check_clipping_and_export_cover_all_stages,
+                check_offload_keeps_the_pipelines_numbers,
             ],
             8,
             f"{tmp}/hf",

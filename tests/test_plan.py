@@ -1007,6 +1007,36 @@ def test_offloaded_activations_are_the_saved_tensors_of_the_blocks_not_recompute
         assert saved_activation_bytes(cfg, 0) == kept
 
 
+def test_offload_under_a_pipeline_holds_each_stages_micro_batches_on_the_host():
+    """Both offloads at pp 4 x dp 2 (1F1B, 8 micro-batches, 80 layers: 20 a stage): no rank keeps fp32 state on the
+    device at any moment of its schedule; 1F1B's stage r holds pp - r micro-batches at once, so its host keeps
+    that many micro-batches' saved tensors of its own 20 layers; each node's rank needs at most the first
+    stage's; each shard crosses the host link once a step each way (a pipeline gathers and reduces once)."""
+    from meshtron.plan.activations import layer_activation_bytes, microbatch_tokens
+    from meshtron.plan.memory import all_phase_terms, rank_breakdown
+    from meshtron.plan.speed import ACCUMULATED, host_transfer_bytes
+
+    cfg = load_config(RECIPES / "qwen2p5_72b.toml", ["--parallel.pp", "4", "--parallel.dp", "2", "--parallel.tp", "1",
+                                                      "--parallel.sp", "false", "--parallel.schedule", "1f1b",
+                                                      "--parallel.microbatches", "8", "--train.global_batch_size", "16",
+                                                      "--parallel.offload", "optimizer", "--parallel.offload_activations",
+                                                      "true", "--parallel.activation_checkpointing", "none"])
+    per_layer = microbatch_tokens(cfg) * layer_activation_bytes(cfg, 0)
+    hosts = []
+    for rank in range(4):
+        for phase, terms in all_phase_terms(cfg, Coords(pp=rank)).items():
+            assert terms["params"] == terms["grads"] == terms["optimizer"] == 0, (rank, phase)
+        breakdown = rank_breakdown(cfg, Coords(pp=rank))
+        assert breakdown.host["activations"] == pytest.approx((4 - rank) * 20 * per_layer, rel=1e-12), rank
+        assert breakdown.host["params"] == state_bytes(cfg, Coords(pp=rank))["params"]
+        hosts.append(breakdown.host_total)
+    assert predict_memory(cfg).host_total == max(hosts) == hosts[0]
+    moved = host_transfer_bytes(cfg)
+    shard = state_bytes(cfg, Coords(pp=0))["params"]
+    assert moved["parameters"] == moved["gradients"] == shard and ACCUMULATED not in moved
+    assert moved["activations"] == pytest.approx(2 * 8 * 20 * per_layer, rel=1e-12)
+
+
 def test_host_offload_time_counts_the_copies_and_the_host_optimizer_step():
     """The optimizer step on the host reads and writes 28 bytes a parameter at the stated host bandwidth;
     per micro-batch each fp32 shard crosses the host link twice (gathered forward and backward) and its

@@ -95,8 +95,6 @@ def _validate_offload(cfg: Config, source: str) -> None:
     offloads = [("offload", f"'{p.offload}'", "'none'")] if p.offload != "none" else []
     offloads += [("offload_activations", "true", "false")] if p.offload_activations else []
     for key, value, off in offloads:
-        _require(p.pp == 1, f"{where} {key} = {value} runs without a pipeline (pp = 1), got pp = {p.pp}; "
-                 f"set pp = 1 or {key} = {off}.")
         _require(not cfg.model.hf_model, f"{where} {key} = {value} is built for meshtron's own models; "
                  f"[model] hf_model trains without it; set {key} = {off}.")
     if p.offload != "none":

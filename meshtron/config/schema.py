@@ -225,14 +225,14 @@ class ParallelConfig:
         "none",
         "`optimizer`: keep the fp32 sharded parameters, their gradients and the AdamW state in host memory and "
         "step the optimizer there (FSDP2's `CPUOffloadPolicy`: each unit's shard is copied to the device for its "
-        "all-gather, gradients copied back after their reduce-scatter); needs `data_parallel` `fsdp` or `hsdp` "
-        "and pp = 1; `none`: all on the device (see [Training](training.md#host-memory-offload))",
+        "all-gather, gradients copied back after their reduce-scatter); needs `data_parallel` `fsdp` or `hsdp`; "
+        "`none`: all on the device (see [Training](training.md#host-memory-offload))",
     )
     offload_activations: bool = recipe_key(
         False,
         "send the tensors each block saves for backward to host memory after its forward and back in its "
         "backward (on CUDA on a side stream, overlapping compute); blocks recomputed by "
-        "`activation_checkpointing` keep their inputs on the device instead; pp = 1",
+        "`activation_checkpointing` keep their inputs on the device instead",
     )
     prove_blocks: bool = recipe_key(
         True,

@@ -341,12 +341,6 @@ def _stand_ins() -> dict[str, object]:
     }
 
 
-def _record_stream(tensor: torch.Tensor, stream: FakeStream) -> None:
-    """``Tensor.record_stream`` (the activation offload's side-stream copies): it keeps a tensor's memory from
-    reuse until ``stream``'s queued work is done; a fake tensor has no memory and a fake stream no work (and
-    torch's own takes only its C++ streams)."""
-
-
 @contextlib.contextmanager
 def fake_cuda(devices: int, local_rank: int) -> Iterator[None]:
     """Within: ``torch.cuda``'s runtime calls answered for a node of ``devices`` fake GPUs whose current
@@ -355,13 +349,11 @@ def fake_cuda(devices: int, local_rank: int) -> Iterator[None]:
         raise RuntimeError(refusal())
     stand_ins = _stand_ins()
     originals = {name: getattr(torch.cuda, name) for name in stand_ins}
-    record_stream = torch.Tensor.record_stream
     saved = vars(_runtime).copy()
     _runtime.__init__()
     _runtime.count = devices
     for name, value in stand_ins.items():
         setattr(torch.cuda, name, value)
-    torch.Tensor.record_stream = _record_stream
     guard().install(devices, local_rank)
     _set_driver_device(local_rank)
     try:
@@ -371,7 +363,6 @@ def fake_cuda(devices: int, local_rank: int) -> Iterator[None]:
         guard().restore()
         for name, value in originals.items():
             setattr(torch.cuda, name, value)
-        torch.Tensor.record_stream = record_stream
         vars(_runtime).update(saved)
 
 

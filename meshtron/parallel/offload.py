@@ -2,19 +2,26 @@
 host memory between its forward and its backward (a memory/transfer trade, not a mesh dimension).
 
 While a block's forward runs, ``torch.autograd.graph.saved_tensors_hooks`` hands every tensor autograd
-saves to :meth:`BlockOffload.pack`, which copies it to the host (once per tensor, however many ops save
-it) and keeps only the copy; in backward
-:meth:`BlockOffload.unpack` copies it back. The hooks are entered by the block's forward pre-hook and
+saves to :meth:`BlockOffload.pack`, which copies it to the host and keeps only the copy; in backward
+:meth:`BlockOffload.unpack` copies it back. Autograd saves views: several of one storage (a norm's output
+and the 2-D view each projection's matmul makes of it) share one host copy of the elements they read, and
+one copy back while any of them is in use (:class:`_HostCopy`). The hooks are entered by the block's forward pre-hook and
 left by its forward hook, so only that block's tensors move: the embedding, the final norm and the
 fused loss keep theirs on the device.
 
 - On CUDA the device-to-host copy runs on a side stream, after the tensor is produced, into pinned
-  memory, so it overlaps the rest of the forward; the device tensor is freed once the copy is done
-  (``record_stream``). The host-to-device copy runs on the compute stream when backward needs the
-  tensor, after the side stream's copy (an event): it is exposed, as ``meshtron.plan`` models it.
+  memory, so it overlaps the rest of the forward. The device tensors a block's copies read stay held
+  (:class:`CopiesInFlight`) until the next offloaded block's forward ends or a backward needs a copy
+  back: then the compute stream waits for the block's last copy and lets them go. So the device holds
+  at most the block in flight and the one running (at the end of the forward, the last block's: as
+  ``meshtron.plan`` counts it), deterministically, where ``record_stream`` would free each tensor
+  whenever the allocator next found its copy done; a copy slower than the next block's compute waits
+  there, the exposed excess the planner charges. The host-to-device copy runs on the compute stream
+  when backward needs the tensor, after the side stream's copy (an event): it is exposed, as
+  ``meshtron.plan`` models it.
 - On CPU the "host copy" is a copy in the same memory: no saving, the same code path (tests).
-- Parameters (leaves that require grad: FSDP's gathered weights, which it frees and gathers again
-  for backward) stay where they are; a DTensor moves its local tensor and keeps its placements.
+- Parameters and their views (leaves that require grad: FSDP's gathered weights, which it frees and
+  gathers again for backward; a linear saves its weight transposed) stay where they are; a DTensor moves its local tensor and keeps its placements.
 - Blocks that activation checkpointing recomputes save only their input (on the device) and are not
   offloaded: recomputation already frees their tensors. Apply after checkpointing, before FSDP.
 
@@ -23,6 +30,7 @@ Copies change no value: losses and gradients are bit-identical to a run without 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -31,17 +39,62 @@ from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from meshtron.parallel.recompute import is_checkpointed
-from meshtron.torch_private import dtensor_local
+from meshtron.torch_private import dtensor_local, view_base
+
+
+class CopiesInFlight:
+    """The device tensors whose asynchronous copies to the host (CUDA) may still be reading them, per
+    block, with the event after its last copy; shared by a model's :class:`BlockOffload` s."""
+
+    def __init__(self):
+        self.blocks: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
+
+    def hold(self, copied: torch.cuda.Event, tensors: list[torch.Tensor]) -> None:
+        """A block's forward has ended: release the blocks before it, hold its own ``tensors``."""
+        self.release()
+        self.blocks.append((copied, tensors))
+
+    def release(self) -> None:
+        """Let every held tensor go once the compute stream has waited for its copy."""
+        for copied, _ in self.blocks:
+            torch.cuda.current_stream().wait_event(copied)
+        self.blocks.clear()
+
+
+class _HostCopy:
+    """A span of one device storage's elements copied to the host, shared by every saved view inside it
+    (a norm's output, its flattened view one projection saves and the one another saves: one copy)."""
+
+    def __init__(self, start: int, end: int, dtype: torch.dtype, device: torch.device, host: torch.Tensor,
+                 copied: torch.cuda.Event | None):
+        self.start, self.end, self.dtype, self.device, self.host, self.copied = start, end, dtype, device, host, copied
+        self.back: weakref.ref | None = None  # its copy on the device while a backward uses one of its views
+
+    def covers(self, start: int, end: int, dtype: torch.dtype) -> bool:
+        return self.dtype == dtype and self.start <= start and end <= self.end
+
+    def on_device(self) -> torch.Tensor:
+        """The span back on the device: copied once while any of its views is in use."""
+        back = self.back() if self.back is not None else None
+        if back is None:
+            if self.copied is not None:  # the side stream's copy must be complete before the host copy is read
+                torch.cuda.current_stream().wait_event(self.copied)
+            back = self.host.to(self.device, non_blocking=True)
+            self.back = weakref.ref(back)
+        return back
 
 
 class BlockOffload:
     """The pack/unpack hooks of one block and the side stream its copies run on (CUDA)."""
 
-    def __init__(self, block: nn.Module):
+    def __init__(self, block: nn.Module, in_flight: CopiesInFlight):
         self.context = None
-        # What this forward has packed, by tensor identity: a tensor several ops save (a norm's output read
-        # by two linears, an activation's input) is copied to the host once, as autograd keeps it once.
+        self.in_flight = in_flight
+        # This forward's host copies by device storage: autograd saves several views of one storage (a norm's
+        # output, and the 2-D view each projection's matmul makes of it), which hold its elements once.
         self.packed = WeakIdKeyDictionary()
+        self.copying: list[torch.Tensor] = []  # device tensors of this forward's asynchronous copies
+        self.copied: torch.cuda.Event | None = None  # the event after the last of them
         block.register_forward_pre_hook(self._enter)
         block.register_forward_hook(self._leave, always_call=True)
 
@@ -51,35 +104,52 @@ class BlockOffload:
 
     def _leave(self, module: nn.Module, args, output) -> None:
         self.packed.clear()
+        if self.copied is not None:
+            self.in_flight.hold(self.copied, self.copying)
+            self.copying, self.copied = [], None
         if self.context is not None:
             self.context.__exit__(None, None, None)
             self.context = None
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        if tensor.is_leaf and tensor.requires_grad:  # a parameter: FSDP re-gathers it for backward
+        if _is_weight(tensor) or tensor.numel() == 0:
             return tensor
-        if tensor in self.packed:
-            return self.packed[tensor]
-        if isinstance(tensor, DTensor):
-            layout = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
-            packed = (layout, *_to_host(dtensor_local(tensor)))
-        else:
-            packed = (None, *_to_host(tensor))
-        self.packed[tensor] = packed
-        return packed
+        local = dtensor_local(tensor) if isinstance(tensor, DTensor) else tensor
+        start, end = _span(local)
+        copies = self.packed.setdefault(local.untyped_storage(), [])
+        copy = next((c for c in copies if c.covers(start, end, local.dtype)), None)
+        if copy is None:
+            span = local.as_strided((end - start,), (1,), start)
+            copy = _HostCopy(start, end, local.dtype, *_to_host(span))
+            copies.append(copy)
+            if copy.copied is not None:
+                self.copying.append(span)
+                self.copied = copy.copied
+        layout = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()) if isinstance(tensor, DTensor) else None
+        return layout, copy, (local.shape, local.stride(), local.storage_offset() - start)
 
-    @staticmethod
-    def unpack(packed: Any) -> torch.Tensor:
+    def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        layout, device, host, copied = packed
-        if copied is not None:  # the side stream's copy must be complete before the host copy is read
-            torch.cuda.current_stream().wait_event(copied)
-        local = host.to(device, non_blocking=True)
+        self.in_flight.release()  # the backward has begun: no forward copy is running any more
+        layout, copy, (shape, stride, offset) = packed
+        local = copy.on_device().as_strided(shape, stride, offset)
         if layout is None:
             return local
         mesh, placements, shape, stride = layout
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _is_weight(tensor: torch.Tensor) -> bool:
+    """A parameter or a view of one (a linear saves its weight transposed): FSDP gathers it again for backward."""
+    base = view_base(tensor)
+    return base.is_leaf and base.requires_grad
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The [start, end) of the storage elements a (non-empty) view reads."""
+    start = tensor.storage_offset()
+    return start, start + 1 + sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride()))
 
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -94,14 +164,14 @@ def _to_host(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor, torch.cu
     with torch.cuda.stream(stream):
         host = tensor.to("cpu", non_blocking=True)  # pinned, as non-blocking device-to-host copies are
         copied = stream.record_event()
-    tensor.record_stream(stream)  # its memory is reused only after the copy
     return tensor.device, host, copied
 
 
 def apply_activation_offload(model: nn.Module) -> list[int]:
     """Offload the saved tensors of every block of ``model.layers`` that checkpointing does not
-    recompute; returns their global indices."""
+    recompute, their copies in flight held together (:class:`CopiesInFlight`); returns their global indices."""
     chosen = [int(key) for key, block in model.layers.items() if not is_checkpointed(block)]
+    in_flight = CopiesInFlight()
     for index in chosen:
-        BlockOffload(model.layers[str(index)])
+        BlockOffload(model.layers[str(index)], in_flight)
     return chosen

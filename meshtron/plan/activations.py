@@ -83,9 +83,10 @@ def layer_offloaded(cfg: Config, layer: int) -> bool:
     return cfg.parallel.offload_activations and not layer_checkpointed(cfg, layer)
 
 
-def offloaded_activation_bytes(cfg: Config) -> float:
-    """pp = 1: host bytes of one micro-batch's offloaded saved tensors (every offloaded layer's)."""
-    return microbatch_tokens(cfg) * sum(by_kind(cfg, _offloaded_bytes, range(cfg.model.num_hidden_layers)))
+def offloaded_activation_bytes(cfg: Config, layers: range | None = None) -> float:
+    """Host bytes of one micro-batch's offloaded saved tensors in ``layers`` (default: every layer)."""
+    layers = range(cfg.model.num_hidden_layers) if layers is None else layers
+    return microbatch_tokens(cfg) * sum(by_kind(cfg, _offloaded_bytes, layers))
 
 
 def _offloaded_bytes(cfg: Config, layer: int) -> float:
@@ -356,10 +357,36 @@ def ep_dispatch_bytes(cfg: Config) -> float:
     return (exchanged + gathered) * rows * m.hidden_size * compute_bytes(cfg)
 
 
-def offload_in_flight_bytes(cfg: Config) -> float:
-    """At the end of the forward, the last offloaded block's saved tensors, still on the device while
-    their copies run (the largest such block)."""
-    return microbatch_tokens(cfg) * max(by_kind(cfg, _offloaded_bytes, range(cfg.model.num_hidden_layers)), default=0.0)
+def offload_in_flight_bytes(cfg: Config, layers: range | None = None) -> float:
+    """At the end of a forward over ``layers`` (default: every layer), the last offloaded block's saved
+    tensors, still on the device while their copies run (the largest such block)."""
+    layers = range(cfg.model.num_hidden_layers) if layers is None else layers
+    return microbatch_tokens(cfg) * max(by_kind(cfg, _offloaded_bytes, layers), default=0.0)
+
+
+def offload_window_bytes(cfg: Config, layers: Iterable[int] | None = None) -> float:
+    """While an offloaded block's forward runs, the device holds its saved tensors, their copies running,
+    those of the offloaded block before it, released when it ends (``parallel/offload.py``'s
+    ``CopiesInFlight``), and its forward's temporaries (:func:`layer_forward_transient_bytes`): at most the
+    two largest offloaded blocks of ``layers`` (default: every layer) and the largest temporaries. (Without
+    offload the forward peaks at the loss, after the last block, so no other moment counts them.)"""
+    layers = list(range(cfg.model.num_hidden_layers) if layers is None else layers)
+    offloaded = [i for i in layers if layer_offloaded(cfg, i)]
+    if not offloaded:
+        return 0.0
+    blocks = sorted(by_kind(cfg, _offloaded_bytes, offloaded), reverse=True)[:2]
+    return microbatch_tokens(cfg) * (sum(blocks) + max(by_kind(cfg, layer_forward_transient_bytes, offloaded)))
+
+
+def layer_forward_transient_bytes(cfg: Config, layer: int) -> float:
+    """Per token, the most a block's forward holds beside the tensors it saves: under SP a dense MLP's
+    all-gathered input and the packed gate/up output its two projections are cloned from
+    (``parallel/sp_projections.py``; Qwen2.5-7B at tp 4: 3.2 GiB of 131,072 tokens, which the dry run of
+    activation offload traced above the plan until counted); otherwise its output before the tp reduction."""
+    m, c = cfg.model, compute_bytes(cfg)
+    if cfg.parallel.sp and cfg.parallel.tp > 1 and not m.is_moe_layer(layer):
+        return c * (m.hidden_size + 2 * m.intermediate_size / cfg.parallel.tp)
+    return c * m.hidden_size
 
 
 def _recomputes_every_layer(cfg: Config) -> bool:

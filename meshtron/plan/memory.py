@@ -47,7 +47,7 @@ Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 
   backward only without full checkpointing, whose recomputed copies are the layer's saved tensors);
 - ``other``: CUDA context, communicator buffers and allocator fragmentation (:class:`Assumptions`).
 
-Host offload (``[parallel] offload``, ``offload_activations``; pp = 1): ``Breakdown.host`` holds the
+Host offload (``[parallel] offload``, ``offload_activations``): ``Breakdown.host`` holds the
 rank's host-memory bytes by term (:func:`host_bytes`). ``offload = "optimizer"`` moves ``params``,
 ``grads`` and ``optimizer`` there whole (FSDP2's CPU offload keeps the fp32 shards, their gradients
 and so AdamW's moments on the host; a unit's shard visits the device only for its all-gather, a
@@ -74,6 +74,7 @@ which put the old whole-step model 25 % high).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from meshtron.config import Config
@@ -85,9 +86,9 @@ from meshtron.plan.activations import (
     ep_dispatch_bytes,
     final_norm_bytes,
     offload_in_flight_bytes,
-    offloaded_activation_bytes,
+    offload_window_bytes,
 )
-from meshtron.plan.moments import PHASES, loss_bytes, pipeline_moments, saved_activation_bytes
+from meshtron.plan.moments import PHASES, loss_bytes, offloaded_held_bytes, pipeline_moments, saved_activation_bytes
 from meshtron.plan.parameters import (
     FP32,
     Coords,
@@ -158,7 +159,7 @@ def host_bytes(cfg: Config, coords: Coords, assumptions: Assumptions) -> dict[st
     """The rank's host memory by term (module docstring): the offloaded fp32 state, the offloaded saved
     tensors and the process's own (``assumptions.host_reserved_gib``)."""
     state = state_bytes(cfg, coords) if offloads_optimizer(cfg) else dict.fromkeys(("params", "grads", "optimizer"), 0)
-    return {**state, "activations": offloaded_activation_bytes(cfg), "other": assumptions.host_reserved_gib * GIB}
+    return {**state, "activations": offloaded_held_bytes(cfg, coords.pp), "other": assumptions.host_reserved_gib * GIB}
 
 
 def backward_working_bytes(cfg: Config, pp_rank: int) -> float:
@@ -277,7 +278,8 @@ def all_phase_terms(cfg: Config, coords: Coords) -> dict[str, dict[str, float]]:
     if cfg.parallel.pp > 1:
         state = state_bytes(cfg, coords)
         moments = pipeline_moments(cfg, coords)
-        return {phase: {**state, **max(moments[phase], key=lambda t: sum(t.values()))} for phase in PHASES}
+        return {phase: max((_without_offloaded_state(cfg, {**state, **t}) for t in moments[phase]),
+                           key=lambda t: sum(t.values())) for phase in PHASES}
     return {phase: _without_offloaded_state(cfg, _unpipelined_phase_terms(cfg, coords, phase)) for phase in PHASES}
 
 
@@ -290,8 +292,10 @@ def _unpipelined_phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[st
     if phase == "backward end":
         return terms
     if phase == "forward":
-        terms["activations"] = saved_activation_bytes(cfg, coords.pp) + offload_in_flight_bytes(cfg)
-        terms["loss"] = loss_bytes(cfg, coords.pp)
+        # Offloaded blocks: at the loss the last one's copies still run; inside one, it and the one before.
+        saved = saved_activation_bytes(cfg, coords.pp)
+        at_loss = (saved + offload_in_flight_bytes(cfg), loss_bytes(cfg, coords.pp))
+        terms["activations"], terms["loss"] = max(at_loss, (saved + offload_window_bytes(cfg), 0.0), key=sum)
     else:
         rise, reduced, terms["reduce_scatter"] = backward_peak(cfg, coords)
         terms["grads"] += reduced  # nothing when they are counted whole
@@ -319,6 +323,9 @@ def rank_breakdown(cfg: Config, coords: Coords, assumptions: Assumptions = Assum
 
 def predict_memory(cfg: Config, assumptions: Assumptions = Assumptions()) -> Breakdown:
     """The busiest rank's breakdown: the pipeline rank with the largest total (data and tp index 0,
-    which ``torch.chunk`` gives the largest shards)."""
-    ranks = (rank_breakdown(cfg, Coords(pp=r), assumptions) for r in range(cfg.parallel.pp))
-    return max(ranks, key=lambda b: b.total)
+    which ``torch.chunk`` gives the largest shards), with the host bytes of the pipeline rank that keeps
+    the most there: a node's ranks may hold any stage, and each needs at most that (with activation
+    offload the first stage holds the most micro-batches, the last the most device memory)."""
+    ranks = [rank_breakdown(cfg, Coords(pp=r), assumptions) for r in range(cfg.parallel.pp)]
+    busiest = max(ranks, key=lambda b: b.total)
+    return dataclasses.replace(busiest, host=max(ranks, key=lambda b: b.host_total).host)

@@ -41,6 +41,9 @@ from meshtron.plan.activations import (
     layer_offloaded,
     loss_chunk_bytes,
     microbatch_tokens,
+    offload_in_flight_bytes,
+    offload_window_bytes,
+    offloaded_activation_bytes,
 )
 from meshtron.plan.parameters import (
     FP32,
@@ -196,6 +199,18 @@ def _stage_bytes(cfg: Config, stage: int) -> tuple[float, float]:
     return kept, waiting
 
 
+def offloaded_held_bytes(cfg: Config, pp_rank: int) -> float:
+    """Host bytes of the saved tensors ``offload_activations`` holds at the rank's most: every in-flight
+    micro-batch's offloaded layers of its own stage (pp = 1: one micro-batch's, every offloaded layer's).
+    A micro-batch's copies stay on the host until its backward (with a split backward, its ``W``) is done."""
+    if not cfg.parallel.offload_activations:
+        return 0.0
+    p = cfg.parallel
+    ranges = chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
+    per_stage = {s: offloaded_activation_bytes(cfg, ranges[s]) for s in _rank_stage_bytes(cfg, pp_rank)}
+    return max(sum(n * per_stage[s] for s, (n, _) in held.items()) for _, held in _moments(cfg, pp_rank))
+
+
 def _layer_kept_on_device(cfg: Config, layer: int) -> float:
     return 0.0 if layer_offloaded(cfg, layer) else layer_kept_bytes(cfg, layer)
 
@@ -311,6 +326,7 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
     rises = {s: _chunk_backward_peak(cfg, ranges[s], {}).rise for s in spans}
     weight_grads = _chunk_weight_gradient_bytes(cfg, coords.pp, ranges, spans)
     dispatch = ep_dispatch_bytes(cfg)
+    window = offload_window_bytes(cfg, [i for s in spans for i in ranges[s]])  # across the rank's stages
     backward_dispatch = 0.0 if _recomputes_every_layer(cfg) else dispatch
     c = compute_bytes(cfg)
     # The embedding's backward ends the first stage's (its W, or an unsplit B), once the micro-batch's saved
@@ -323,8 +339,12 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
         units = _units_at(groups, a.index)
         if a.kind == F:
             chunk = loss_chunk_bytes(cfg, coords.pp) if a.stage == last else 0.0
-            out["forward"].append({**units, "activations": after.saved, "loss": after.loss + chunk,
+            copying = offload_in_flight_bytes(cfg, ranges[a.stage])  # its last offloaded block's, still on the device
+            out["forward"].append({**units, "activations": after.saved + copying, "loss": after.loss + chunk,
                                    "reduce_scatter": 0.0, "ep_dispatch": dispatch})
+            if window:  # inside an offloaded block: its copies and the previous offloaded block's
+                out["forward"].append({**units, "activations": after.saved + window, "loss": prior.loss,
+                                       "reduce_scatter": 0.0, "ep_dispatch": dispatch})
         else:
             # The first stage's split B is empty: its W runs the whole backward. A split B keeps the
             # graph for its W (the final norm's saved tensors too) and records the gradients W

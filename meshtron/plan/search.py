@@ -12,9 +12,8 @@ with it the executor runs every backward whole at ``B`` (1F1B's bubble, more hel
 Without a pipeline, FSDP and HSDP also try both ``fsdp_gather`` modes: gathering per micro-batch, or
 once per step holding the unsharded weights and gradients (pipelines always hold them).
 
-Host offload (``[parallel] offload``, ``offload_activations``): when no layout fits without it, the
-layouts without a pipeline are tried again with the optimizer state in host memory, the saved
-activations, or both (a layout fits when each rank fits its device and the node's ranks together fit
+Host offload (``[parallel] offload``, ``offload_activations``): when no layout fits without it, every
+layout is tried again with the optimizer state in host memory, the saved activations, or both (a layout fits when each rank fits its device and the node's ranks together fit
 its host memory, ``Hardware.host_memory_gib``); the host's copies and optimizer step make them slower,
 so they are the last resort.
 
@@ -194,12 +193,13 @@ def _variant_groups(cfg: Config, shape: dict, world_size: int, schedule: str | N
                     group = [_variant(cfg, shape, micro, "1f1b", 1, ac, gather) for ac in AC_MODES]
                     yield _by_recomputation([v for v in group if _offloads_what_it_sets(v)])
         return
-    if cfg.parallel.offload != "none" or cfg.parallel.offload_activations:  # offload runs without a pipeline
-        return
     for name, virtual, ac_modes in pipeline_schedules(cfg, shape["pp"]):
         micro = next((m for m in reversed(counts) if _runs(_variant(cfg, shape, m, name, virtual), world_size)), None)
         if micro is not None and schedule in (None, name):
-            yield _by_recomputation([_variant(cfg, shape, micro, name, virtual, ac) for ac in ac_modes])
+            variants = (_variant(cfg, shape, micro, name, virtual, ac) for ac in ac_modes)
+            group = [v for v in variants if _offloads_what_it_sets(v)]
+            if group:
+                yield _by_recomputation(group)
 
 
 def _offloads_what_it_sets(variant: Config) -> bool:
@@ -275,7 +275,7 @@ def rank_layouts(cfg: Config, world_size: int, hw: Hardware, assumptions: Assump
     plans = [best_variant(cfg, shape, world_size, hw, assumptions) for shape in shapes]
     if not any(p is not None and p.fits for p in plans):
         plans += [best_variant(variant, shape, world_size, hw, assumptions)
-                  for variant in offload_variants(cfg) for shape in shapes if shape["pp"] == 1]
+                  for variant in offload_variants(cfg) for shape in shapes]
     plans = [p for p in plans if p is not None]
     return sorted(plans, key=lambda p: (not p.fits, -p.time.tokens_per_second))
 

@@ -41,7 +41,7 @@ from meshtron.plan.communication import _padded, _ring, _seconds, communication,
 from meshtron.plan.gemm import step_compute_seconds
 from meshtron.plan.hardware import Hardware
 from meshtron.plan.moments import unsplit_stages
-from meshtron.plan.parameters import FP32, fp8_weights, offloads_optimizer, stage_params, state_bytes
+from meshtron.plan.parameters import FP32, _stage_layer_ranges, fp8_weights, offloads_optimizer, stage_params, state_bytes
 
 
 @dataclass
@@ -132,24 +132,27 @@ def accumulated_reductions(cfg: Config) -> int:
 
 
 def host_transfer_bytes(cfg: Config) -> dict[str, float]:
-    """Bytes one rank copies per step between host and device (pp = 1): with ``offload = "optimizer"``
-    each unit's fp32 shard to the device for every all-gather (FSDP2 copies the shard, then casts it)
-    and each reduce-scattered fp32 gradient shard back (the first micro-batch's under ``"gradients"``,
-    the later ones, which accumulate on the host, under :data:`ACCUMULATED`); with ``offload_activations``
-    every offloaded block's saved tensors out in forward and back in backward, per micro-batch."""
+    """Bytes the first pipeline rank copies per step between host and device: with ``offload =
+    "optimizer"`` each unit's fp32 shard to the device for every all-gather (FSDP2 copies the shard, then
+    casts it; a pipeline gathers once per step) and each reduce-scattered fp32 gradient shard back (the
+    first micro-batch's under ``"gradients"``, the later ones, which accumulate on the host, under
+    :data:`ACCUMULATED`); with ``offload_activations`` every offloaded block of its stages: its saved
+    tensors out in forward and back in backward, per micro-batch."""
     p = cfg.parallel
     out: dict[str, float] = {}
     if offloads_optimizer(cfg):
         shard = state_bytes(cfg)["params"]
-        gathers = 1 if gathers_once_per_step(p) else 2 * p.microbatches
-        reduces = p.microbatches if reduces_gradients(p, 0, p.microbatches) else 1
+        once = p.pp > 1 or gathers_once_per_step(p)
+        gathers = 1 if once else 2 * p.microbatches
+        reduces = p.microbatches if p.pp == 1 and reduces_gradients(p, 0, p.microbatches) else 1
         accumulated = accumulated_reductions(cfg)
         out["parameters"] = gathers * shard
         out["gradients"] = (reduces - accumulated) * shard
         if accumulated:
             out[ACCUMULATED] = accumulated * shard
     if p.offload_activations:
-        out["activations"] = 2 * p.microbatches * offloaded_activation_bytes(cfg)
+        stages = _stage_layer_ranges(cfg, 0)
+        out["activations"] = 2 * p.microbatches * sum(offloaded_activation_bytes(cfg, layers) for layers in stages)
     return out
 
 

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshtron.config import Config, ParallelConfig
+from meshtron.host import across
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import moe_layers
 from meshtron.models.moe import replaying
@@ -206,7 +207,12 @@ class PipelineRunner:
             # A vocab-parallel embedding's backward leaves its gradient replicated: take this rank's
             # slice (no communication) so that both copies reduce the same elements.
             grad = self._tied.grad = grad.redistribute(self._tied.device_mesh, self._tied.placements)
-        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self._tie_group)
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        # With [parallel] offload the gradient shard is on the host: NCCL sums on the device.
+        summed = across(local, self.device)
+        dist.all_reduce(summed, group=self._tie_group)
+        if summed is not local:
+            local.copy_(across(summed, local.device))
 
     def aux_loss(self) -> torch.Tensor | None:
         """Mean of the last step's aux losses over every MoE layer of every stage and micro-batch."""
