@@ -7,7 +7,10 @@ the bytes of the storages still alive after the forward that the graph keeps for
 (``meshtron.plan.measure.kept_tensor_bytes``: autograd's saved tensors and a selective checkpoint's
 cache; the loss's own tensors included) and the backward's matmul FLOPs (recomputation included,
 counted per aten matmul). Planned: the layers' ``layer_kept_bytes`` x tokens and the step FLOP factor
-``recompute_factor`` (the planner's 3-forward-units step; compare the ratio to none).
+``recompute_factor`` (the planner's 3-forward-units step; compare the ratio to none). And, each mode in a
+fresh process after a small warm-up step, the growth of the process's peak RSS over one forward + backward
+(Linux: the peak reset through ``/proc/self/clear_refs``, then ``VmHWM`` less the RSS before; the CPU
+allocator's real high-water mark, the parameters' gradients included).
 
     PYTHONPATH=. python benchmarks/recompute_memory.py   # ~1 minute on 2 CPU cores
 
@@ -17,6 +20,8 @@ Writes benchmarks/results/recompute_memory.md.
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,20 +65,52 @@ def measure(base: torch.nn.Module, mode: str, policy: str, tokens, labels) -> tu
     return kept, counter.flops
 
 
-def main() -> None:
+def inputs() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The model every mode starts from and the batch, the same in every process."""
     torch.manual_seed(0)
     base = build_model(config("none", "save_matmuls").model)
     base.init_weights(0)
-    tokens = torch.randint(0, 256, (BATCH, SEQ))
-    labels = torch.randint(0, 256, (BATCH, SEQ))
+    return base, torch.randint(0, 256, (BATCH, SEQ)), torch.randint(0, 256, (BATCH, SEQ))
+
+
+def peak_rss_growth(mode: str, policy: str) -> int:
+    """Runs in a fresh process: the growth of its peak RSS over one forward + backward under ``mode``, after a
+    warm-up step on one short sequence (allocator and kernels started)."""
+    base, tokens, labels = inputs()
+    model = copy.deepcopy(base)
+    apply_activation_checkpointing(model, mode, 2, policy)
+    model(tokens[:1, :64], labels=labels[:1, :64]).backward()
+    model.zero_grad(set_to_none=True)
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from the current RSS
+    start = _status_bytes("VmRSS")
+    model(tokens, labels=labels).backward()
+    return _status_bytes("VmHWM") - start
+
+
+def _status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (Linux), in bytes."""
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def _rss_in_fresh_process(mode: str, policy: str) -> int:
+    out = subprocess.run([sys.executable, __file__, "--rss", mode, policy], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    base, tokens, labels = inputs()
     rows, reference = [], None
     for mode, policy in MODES:
         cfg = config(mode, policy)
         kept, flops = measure(base, mode, policy, tokens, labels)
+        rss = _rss_in_fresh_process(mode, policy)
         planned = sum(layer_kept_bytes(cfg, i) for i in range(cfg.model.num_hidden_layers)) * BATCH * SEQ
-        reference = reference or (kept, flops)
+        reference = reference or (kept, flops, rss)
         name = mode + (f" ({policy})" if mode == "op" else "")
         rows.append(f"| {name} | {kept / 2**20:.2f} | {planned / 2**20:.2f} | {kept / reference[0]:.3f} | "
+                    f"{rss / 2**20:.1f} | {rss / reference[2]:.3f} | "
                     f"{flops / 1e9:.3f} | {flops / reference[1]:.3f} | {recompute_factor(cfg):.3f} |")
         print(rows[-1], flush=True)
     OUT.write_text("\n".join([
@@ -83,12 +120,18 @@ def main() -> None:
         f"intermediate 768, 8 heads, 4 layers; batch {BATCH} x seq {SEQ}, fp32. Kept: bytes alive after the "
         "forward for backward (whole model, loss included); planned: the layers' `layer_kept_bytes` x tokens "
         "(layers only). Backward matmul GFLOP counted per aten matmul (recomputation included); the "
-        "planner's step factor is its forward + backward + recomputation over 3 forward units.",
+        "planner's step factor is its forward + backward + recomputation over 3 forward units. Peak RSS "
+        "growth: each mode in a fresh process, the growth of its peak RSS (`VmHWM`, reset first) over one forward + "
+        "backward after a warm-up step (parameter gradients included).",
         "",
-        "| mode | kept MiB | planned layers MiB | kept / none | backward matmul GFLOP | / none | planned step factor |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | kept MiB | planned layers MiB | kept / none | peak RSS growth MiB | / none | backward matmul GFLOP "
+        "| / none | planned step factor |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows, ""]))
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--rss"]:
+        print(json.dumps(peak_rss_growth(*sys.argv[2:4])))
+    else:
+        main()
