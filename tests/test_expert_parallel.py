@@ -30,7 +30,11 @@ from meshtron.models.qwen2 import InitialWeights
 from meshtron.parallel.expert import ExpertParallelExperts, apply_expert_parallel, token_mesh
 from meshtron.testing import cached_mesh, random_model, random_moe, rel_err, run_checks
 
-from test_float8 import HAS_TORCHAO, check_debug_recipes_match_one_rank_fp8
+from test_float8 import (
+    HAS_TORCHAO,
+    check_debug_recipes_match_one_rank_fp8,
+    check_experts_split_over_etp_keep_every_float8_value,
+)
 
 BLOCK = dict(
     vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_experts=8,
@@ -479,7 +483,9 @@ def check_folded_experts(refs: dict):
 
 
 def check_fp8_debug_recipes(_):
-    """[train] fp8 on the debug recipes' ep, folded-ep, cp and pp layouts (tests/test_float8.py)."""
+    """[train] fp8 on the debug recipes' ep, folded-ep (with etp), cp and pp layouts, and the experts' float8
+    GEMM split over etp (tests/test_float8.py)."""
+    check_experts_split_over_etp_keep_every_float8_value()
     check_debug_recipes_match_one_rank_fp8()
 
 

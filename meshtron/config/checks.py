@@ -52,9 +52,6 @@ def _validate_fp8(cfg: Config, source: str) -> None:
              "GEMMs in the training dtype, not in float8; set tp_overlap = false or fp8 = 'none'.")
     _require(not cfg.model.hf_model, f"{source}: [train] fp8 = '{fp8}' is built for meshtron's own models; "
              "[model] hf_model trains without it (fp8 = 'none').")
-    _require(cfg.parallel.etp == 1,
-             f"{source}: [train] fp8 = '{fp8}' with [parallel] etp = {cfg.parallel.etp}: the experts' float8 GEMMs "
-             "scale an operand over a whole expert, which etp splits; set etp = 1 or fp8 = 'none'.")
 
 
 def _validate_data_parallel(p: ParallelConfig, source: str) -> None:

@@ -115,10 +115,11 @@ GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tenso
 
 
 def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                   matmul: GroupedMatmul = grouped_matmul):
-    """SwiGLU experts on tokens already sorted by expert: ``counts[g]`` rows go to expert g."""
+                   matmul: GroupedMatmul = grouped_matmul, down_matmul: GroupedMatmul | None = None):
+    """SwiGLU experts on tokens already sorted by expert: ``counts[g]`` rows go to expert g. ``down_matmul``
+    (default ``matmul``): the down projection's, where a split expert scales it otherwise than gate/up."""
     h = F.silu(matmul(x, gate, counts)) * matmul(x, up, counts)
-    return matmul(h, down, counts)
+    return (down_matmul or matmul)(h, down, counts)
 
 
 def count_ids(ids: torch.Tensor, groups: int) -> torch.Tensor:

@@ -231,8 +231,9 @@ class ExpertDispatch(nn.Module):
         self.last_dispatch_bytes = 0
         # Token copies this rank's experts computed in the last forward.
         self.last_rows = 0
-        # The experts' grouped GEMM: in float8 where [train] fp8 converted the experts (GroupedExperts.matmul).
-        self.matmul = grouped_matmul
+        # The experts' grouped GEMMs (gate/up, down): in float8 where [train] fp8 converted the experts
+        # (GroupedExperts.matmul).
+        self.matmul = self.down_matmul = grouped_matmul
 
     def own(self, full: torch.Tensor, etp_dim: int | None = None) -> torch.Tensor:
         """A full ``[E, ...]`` expert weight as this module holds it: split over ep (dim 0) and etp
@@ -252,7 +253,7 @@ class ExpertDispatch(nn.Module):
 
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """This rank's experts on rows sorted by local expert (``counts[g]`` rows for expert g): SwiGLU."""
-        return grouped_swiglu(x, counts, *self.local_weights(), matmul=self.matmul)
+        return grouped_swiglu(x, counts, *self.local_weights(), matmul=self.matmul, down_matmul=self.down_matmul)
 
     @staticmethod
     def local(param: torch.Tensor) -> torch.Tensor:
@@ -362,7 +363,10 @@ class ExpertParallelExperts(ExpertDispatch):
         split_tokens_over_tp: bool = True,
     ):
         super().__init__(experts.num_experts, mesh, tp_mesh, split_tokens_over_tp)
-        self.matmul = experts.matmul
+        self.matmul = self.down_matmul = experts.matmul
+        if self.etp > 1 and hasattr(experts.matmul, "split_over"):  # float8: scales over the whole expert
+            self.matmul = experts.matmul.split_over(self.etp_group, "out")  # gate/up: columns split
+            self.down_matmul = experts.matmul.split_over(self.etp_group, "in")  # down: rows split
         for name in _PROJECTIONS:
             setattr(self, name, self.own(getattr(experts, name), _ETP_DIM[name]))
 

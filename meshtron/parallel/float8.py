@@ -7,8 +7,9 @@ fly and runs ``torch._scaled_mm``; the parameters, the optimizer state and every
 converted linears and experts stay in the training dtype, as torchtitan and Megatron-Core do: the
 embedding, the LM head, the MoE router, norms. The experts' grouped GEMM casts its operands by the same
 rules, an expert's rows taking the place of a linear's tensor, and is emulated (``torch._scaled_grouped_mm``
-has no CPU kernel): the float8 values, dequantized, through ``F.grouped_mm``. Expert tensor
-parallelism (etp > 1) is refused with FP8 (``meshtron.config``): it splits the operands the scales span.
+has no CPU kernel): the float8 values, dequantized, through ``F.grouped_mm``. Under expert tensor
+parallelism (etp > 1) a scale that spans the dim etp splits (a gate/up column, a down row) is all-reduced
+(MAX) over the etp ranks, as tp does for the linears (:meth:`Float8GroupedMatmul.split_over`).
 
 Recipes (torchao's names, ``torchao.float8.Float8LinearConfig.from_recipe_name``):
 
@@ -47,6 +48,7 @@ import logging
 import sys
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -192,14 +194,32 @@ class Float8GroupedMatmul:
     loop of ``Float8Linear`` over the experts computes the same (``tests/test_float8.py``). A GEMM with a
     rowwise-scaled operand comes out in bfloat16, as torch's rowwise kernels give it."""
 
-    def __init__(self, recipe: str):
+    def __init__(self, recipe: str, group=None, split: str | None = None):
+        """``group``, ``split``: with expert tensor parallelism, the etp group and the feature dim of the
+        weights [G, K, N] it splits (:data:`TP_SPLITS`: ``out`` N, gate/up; ``in`` K, down): a scale that spans
+        that dim is computed over the whole expert (:meth:`_whole`)."""
+        if split not in (None, *TP_SPLITS):
+            raise ValueError(f"split must be one of {TP_SPLITS}, got {split!r}")
+        self.recipe, self.group, self.split = recipe, group, split
         self.config = float8_config(recipe)
         utils = torchao_float8("torchao.float8.float8_utils")
         self.amax_to_scale, self.saturate = utils.amax_to_scale, utils.to_fp8_saturated
         self.ao_config = torchao_float8("torchao.float8.config")
 
+    def split_over(self, group, split: str) -> Float8GroupedMatmul:
+        """This GEMM on an expert slice that etp's ``group`` splits along ``split``."""
+        return Float8GroupedMatmul(self.recipe, group, split)
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return _Float8GroupedMM.apply(x, w, counts, self)
+
+    def _whole(self, amax: torch.Tensor, operand_split: str) -> torch.Tensor:
+        """``amax`` over the whole expert where etp splits the dim it reduced (``operand_split``: the split
+        that cuts it, :data:`TP_SPLITS`): MAX over the etp ranks, each holding the same rows (the slice's
+        gathered tokens), so every element gets the scale, and the float8 value, it has at etp 1."""
+        if self.group is not None and self.split == operand_split:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        return amax
 
     def _rowwise(self, cast) -> bool:
         return cast.scaling_granularity is self.ao_config.ScalingGranularity.AXISWISE
@@ -212,16 +232,16 @@ class Float8GroupedMatmul:
         scale = self.amax_to_scale(amax, cast.target_dtype, self.config.round_scales_to_power_of_2)
         return self.saturate(t.float() * scale, cast.target_dtype).float() / scale
 
-    def tokens(self, t: torch.Tensor, cast, counts: torch.Tensor, along_tokens: bool) -> torch.Tensor:
+    def tokens(self, t: torch.Tensor, cast, counts: torch.Tensor, along_tokens: bool, split: str) -> torch.Tensor:
         """Rows ``t`` [T, C] in groups of ``counts`` rows as float8 values: scaled per row along C, or
-        ``along_tokens`` per (group, column); tensorwise per group."""
+        ``along_tokens`` per (group, column); tensorwise per group. ``split``: the etp split that cuts C."""
         if self._off(cast):
             return t.float().contiguous()
         magnitude = t.detach().abs().float()
         if self._rowwise(cast) and not along_tokens:
-            return self._quantize(t, magnitude.amax(-1, keepdim=True), cast)
+            return self._quantize(t, self._whole(magnitude.amax(-1, keepdim=True), split), cast)
         if not self._rowwise(cast):
-            magnitude = magnitude.amax(-1)
+            magnitude = self._whole(magnitude.amax(-1), split)
         groups = torch.repeat_interleave(torch.arange(counts.numel(), device=t.device), counts, output_size=t.shape[0])
         rows = groups.view(-1, *[1] * (magnitude.dim() - 1)).expand_as(magnitude)
         amax = magnitude.new_zeros((counts.numel(), *magnitude.shape[1:])).scatter_reduce_(0, rows, magnitude, "amax")
@@ -231,7 +251,10 @@ class Float8GroupedMatmul:
         """Stacked weights ``w`` [G, K, N] as float8 values: rowwise scaled along ``dim`` per expert,
         tensorwise one scale per expert."""
         dims = (dim,) if self._rowwise(cast) else (1, 2)
-        return self._quantize(w, w.detach().abs().float().amax(dims, keepdim=True), cast)
+        amax = w.detach().abs().float().amax(dims, keepdim=True)
+        for reduced in dims:  # etp splits N (out) or K (in)
+            amax = self._whole(amax, "out" if reduced == 2 else "in")
+        return self._quantize(w, amax, cast)
 
     def result(self, out: torch.Tensor, casts: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A GEMM's float32 result in ``dtype``, through bfloat16 where either operand is rowwise-scaled (torchao
@@ -250,7 +273,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         ctx.save_for_backward(x, w, counts, offs)
         ctx.mm = mm
         c = mm.config
-        out = F.grouped_mm(mm.tokens(x, c.cast_config_input, counts, False),
+        out = F.grouped_mm(mm.tokens(x, c.cast_config_input, counts, False, "in"),
                            mm.weights(w, c.cast_config_weight, 1), offs=offs)
         return mm.result(out, (c.cast_config_input, c.cast_config_weight), x.dtype)
 
@@ -261,13 +284,13 @@ class _Float8GroupedMM(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             casts = (c.cast_config_grad_output, c.cast_config_weight_for_grad_input)
-            grad_x = F.grouped_mm(mm.tokens(grad, casts[0], counts, False),
+            grad_x = F.grouped_mm(mm.tokens(grad, casts[0], counts, False, "out"),
                                   mm.weights(w, casts[1], 2).transpose(1, 2), offs=offs)
             grad_x = mm.result(grad_x, casts, x.dtype)
         if ctx.needs_input_grad[1]:
             casts = (c.cast_config_input_for_grad_weight, c.cast_config_grad_output_for_grad_weight)
-            grad_w = F.grouped_mm(mm.tokens(x, casts[0], counts, True).t(),
-                                  mm.tokens(grad, casts[1], counts, True), offs=offs)
+            grad_w = F.grouped_mm(mm.tokens(x, casts[0], counts, True, "in").t(),
+                                  mm.tokens(grad, casts[1], counts, True, "out"), offs=offs)
             grad_w = mm.result(grad_w, casts, w.dtype)
         return grad_x, grad_w, None, None
 
