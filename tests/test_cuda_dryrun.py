@@ -109,7 +109,9 @@ def test_offload_with_two_microbatches_traces_with_its_declared_host_accumulatio
 def test_transformers_model_traces_on_fake_cuda(tmp_path):
     """``[model] hf_model`` on fake CUDA (dp 2 x tp 2): transformers' model is built on the meta device and then
     faked on ``cuda:0`` (built under the fake mode, its constants were copied from the host to the real device,
-    which has no driver); every collective on ``cuda:0`` as NCCL takes it and no host sync."""
+    which has no driver); every collective on ``cuda:0`` as NCCL takes it and no host sync. With both host
+    offloads: FSDP2's pinned host shards and the blocks' saved tensors on the host, only the offload's declared
+    waits (FSDP2's for each gradient's copy to the host, meshtron.host.across)."""
     import transformers
 
     folder = tmp_path / "qwen2"
@@ -119,6 +121,13 @@ def test_transformers_model_traces_on_fake_cuda(tmp_path):
                           "--parallel.dp", "2", "--parallel.tp", "2", "--train.seq_len", "256")
     (rank,) = report["ranks"]
     assert rank["collectives"] and rank["host_syncs"] == {} and rank["traced_gib"] > 0, rank
+    report = cuda_dry_run("--recipe", "recipes/debug_dense.toml", "--model.hf_model", str(folder), "--dry-run", "4",
+                          "--parallel.dp", "2", "--parallel.tp", "2", "--train.seq_len", "256",
+                          "--parallel.offload", "optimizer", "--parallel.offload_activations", "true")
+    (rank,) = report["ranks"]
+    waits = {site.split(" at ")[1].split(":")[0] for site in rank["host_syncs"]}
+    assert waits == {"torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "meshtron/host.py"}, rank
+    assert rank["host_peak_gib"] > 0, rank
 
 # What benchmarks/cuda_dry_run.sh traced on fake CUDA devices: per case, each distinct rank's peak on its GPU
 # (the host's apart, ``host_peak_gib``), at the recipe's stated layout for the shipped recipes.

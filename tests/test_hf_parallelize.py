@@ -42,6 +42,7 @@ from meshtron.config import ConfigError
 from meshtron.hf.discover import hf_parts
 from meshtron.hf.experts import FusedExpertParallel
 from meshtron.mesh import batch_mesh, expert_split
+from meshtron.parallel.offload import BlockOffload
 from meshtron.testing import HF_TINY_FAMILIES, HF_TINY_SIZES, cached_mesh, rel_err, run_checks
 
 SMALL = HF_TINY_SIZES
@@ -55,18 +56,20 @@ MODELS = {
                                          mlp_only_layers=[1], output_router_logits=True, router_aux_loss_coef=0.1)),
 }
 # (model, mesh sizes, sp, data_parallel, ac)
+OFFLOADS = dict(offload="optimizer", offload_activations=True)
+# (family, mesh sizes, sp, data_parallel, activation checkpointing[, more parallelize_hf_model options])
 CASES = [
     ("llama", dict(dp=4, tp=2), False, "fsdp", "none"),
     ("llama", dict(dp=2, tp=4), True, "fsdp", "full"),  # KV heads replicated (2 heads, tp 4)
     ("qwen2", dict(dp=2, tp=4), False, "replicate", "none"),
     ("mistral", dict(dp=2, tp=4), False, "fsdp", "none"),
-    ("mistral", dict(dp=4, tp=2), True, "fsdp", "none"),
+    ("mistral", dict(dp=4, tp=2), True, "fsdp", "none", OFFLOADS),  # both host offloads change no number
     ("qwen3", dict(dp=2, tp=4), False, "fsdp", "none"),
     ("qwen3", dict(dp=4, tp=2), True, "fsdp", "none"),
     ("qwen2_moe", dict(dp=2, tp=4), False, "fsdp", "none"),  # experts whole, tokens split over tp
     ("qwen2_moe", dict(dp=4, tp=2), True, "fsdp", "none"),
     ("qwen2_moe", dict(dp=2, ep=4), False, "fsdp", "none"),  # one expert per ep rank
-    ("qwen2_moe", dict(dp=2, ep=2, tp=2), False, "fsdp", "none"),
+    ("qwen2_moe", dict(dp=2, ep=2, tp=2), False, "fsdp", "none", OFFLOADS),
     ("qwen2_moe", dict(dp=2, ep=2, tp=2), True, "hsdp", "full"),
     ("qwen2_moe", dict(dp=2, tp=4, ep=4, fold_ep=True), True, "fsdp", "none"),  # experts folded over the tp ranks
 ]
@@ -185,14 +188,19 @@ def check_parity_and_training(folders: dict[str, str], out: str) -> None:
     elements fall below eps; the others still take Adam's normalised, sign-like steps.
     """
     figures = {}
-    for index, (arch, sizes, sp, mode, ac) in enumerate(CASES):
-        where = f"{arch} {sizes} sp={sp} {mode} ac={ac} (weights seed {len(arch)}, batch seed {100 * index} + step)"
+    for index, (arch, sizes, sp, mode, ac, *more) in enumerate(CASES):
+        options = more[0] if more else {}
+        where = (f"{arch} {sizes} sp={sp} {mode} ac={ac} {options} (weights seed {len(arch)}, batch seed "
+                 f"{100 * index} + step)")
         mesh = cached_mesh(**sizes)
         readers = batch_mesh(mesh).size()
         ref = _reference(folders[arch])
         with _recorded_twin_proof() as proof:
-            model, _ = load_hf_checkpoint(folders[arch], mesh, sp=sp, data_parallel=mode, ac=ac)
+            model, _ = load_hf_checkpoint(folders[arch], mesh, sp=sp, data_parallel=mode, ac=ac, **options)
         figures.setdefault("twin_bytes", {})[where] = _check_twin_proof(proof, ref, where)
+        offloading = [m for m in model.modules() if any(isinstance(getattr(h, "__self__", None), BlockOffload)
+                                                          for h in m._forward_pre_hooks.values())]
+        assert len(offloading) == (ref.config.num_hidden_layers if options.get("offload_activations") else 0), where
         ref_params = dict(ref.named_parameters())
         for name, p in model.named_parameters():  # sharded streaming load == full load, bit for bit
             assert torch.equal(_full(p), ref_params[name].detach()), f"{where}: loaded {name} differs"

@@ -85,10 +85,3 @@ def test_offload_config_errors(parallel, train, message):
         pytest.importorskip("torchao")
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         validate(cfg)
-
-
-def test_offload_refuses_hf_models():
-    cfg = Config(model=ModelConfig(hf_model="some/folder"), parallel=ParallelConfig(offload="optimizer"))
-    with pytest.raises(ConfigError, match="built for meshtron's own models; \\[model\\] hf_model trains without it; "
-                                          "set offload = 'none'"):
-        validate(cfg)

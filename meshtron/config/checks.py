@@ -88,12 +88,6 @@ def _validate_offload(cfg: Config, source: str) -> None:
     """Host-memory offload: FSDP2's CPU offload of the sharded state, per-block activation offload."""
     p, where = cfg.parallel, f"{source}: [parallel]"
     _require_choice(source, "[parallel] offload", p.offload, OFFLOADS)
-    # (key, its value, the value that turns it off) of each offload the recipe sets
-    offloads = [("offload", f"'{p.offload}'", "'none'")] if p.offload != "none" else []
-    offloads += [("offload_activations", "true", "false")] if p.offload_activations else []
-    for key, value, off in offloads:
-        _require(not cfg.model.hf_model, f"{where} {key} = {value} is built for meshtron's own models; "
-                 f"[model] hf_model trains without it; set {key} = {off}.")
     if p.offload != "none":
         _require(p.data_parallel in ("fsdp", "hsdp"),
                  f"{where} offload = '{p.offload}' keeps FSDP's parameter shards in host memory: it needs "

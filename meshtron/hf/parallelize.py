@@ -76,8 +76,9 @@ from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.models.chunked_loss import DEFAULT_CHUNK_TOKENS
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.recompute import checkpoint_blocks
-from meshtron.parallel.compose import compose
-from meshtron.parallel.data import data_meshes, mixed_precision, wrap_units
+from meshtron.parallel.compose import buffers_to, compose
+from meshtron.parallel.data import data_meshes, mixed_precision, offload_policy, wrap_units
+from meshtron.parallel.offload import offload_blocks
 from meshtron.parallel.pipeline.schedules import V_SHAPED
 
 
@@ -92,17 +93,18 @@ def _no_cache_in_training(model, args, kwargs):
 
 
 def _apply_dp(model: nn.Module, parts: HFParts, mesh: DeviceMesh, mode: str, dtype: str,
-              experts: list[nn.Module]) -> None:
+              experts: list[nn.Module], offload: str = "none") -> None:
     """FSDP / replicate units (:func:`~meshtron.parallel.data.wrap_units`): ``experts`` (split over ep) on
     the expert data mesh, every layer, the untied embedding and lm_head, and the root, on the dense data
     mesh. With one dense data rank
     only the experts are wrapped (their edp ranks are tp ranks holding other tokens), in the
-    model's own dtype like the rest."""
+    model's own dtype like the rest; ``offload``: ``[parallel] offload`` (FSDP2's CPU offload)."""
     meshes = data_meshes(mesh, mode)
     dense = meshes[0].size() > 1
     policy = mixed_precision(dtype if dense else "float32")
     blocks = [layer for _, layer in parts.block_items()]
-    wrap_units(model, blocks, experts, (parts.embed, parts.head), meshes, mode, policy, dense=dense)
+    host = offload_policy(offload, mode, mesh.device_type)
+    wrap_units(model, blocks, experts, (parts.embed, parts.head), meshes, mode, policy, host, dense=dense)
 
 
 class HFSteps:
@@ -110,9 +112,12 @@ class HFSteps:
     stage's), composed in :func:`~meshtron.parallel.compose.compose`'s order like meshtron's own models."""
 
     def __init__(self, mesh: DeviceMesh, sp: bool, data_parallel: str, ac: tuple[str, int, str], dtype: str,
-                 cp_comm: tuple[str, int], pipelined: bool, references: list):
-        """``ac``: the checkpointing mode, ``ac_every`` and ``ac_policy``."""
+                 cp_comm: tuple[str, int], pipelined: bool, references: list,
+                 offload: tuple[str, bool] = ("none", False)):
+        """``ac``: the checkpointing mode, ``ac_every`` and ``ac_policy``; ``offload``: ``[parallel] offload``
+        and ``offload_activations``."""
         self.mesh, self.sp, self.data_parallel, self.dtype = mesh, sp, data_parallel, dtype
+        self.offload = offload
         self.ac, self.cp_comm, self.pipelined = ac, cp_comm, pipelined
         self.references = references  # the block check's (meshtron.hf.prove), recorded on the whole model
         self.tp_mesh = mesh["tp"]
@@ -148,6 +153,8 @@ class HFSteps:
 
     def checkpointing(self, model: nn.Module) -> None:
         checkpoint_blocks(dict(self.parts.block_items()), *self.ac)
+        if self.offload[1]:  # the blocks checkpointing left alone
+            offload_blocks(self.parts.block_items())
         model.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
 
     def compile(self, model: nn.Module) -> None:
@@ -167,9 +174,11 @@ class HFSteps:
         model.loss_function = hf_loss_function(data_mesh)
         if data_mesh.size() > 1:
             model.register_forward_hook(global_aux_loss(data_mesh), with_kwargs=True)
-        # Experts also sum gradients over their edp ranks, which include tp ranks holding other tokens.
-        if data_mesh.size() > 1 or (self.experts and expert_data_mesh(self.mesh).size() > 1):
-            _apply_dp(model, self.parts, self.mesh, self.data_parallel, self.dtype, self.experts)
+        # Experts also sum gradients over their edp ranks, which include tp ranks holding other tokens; the
+        # optimizer's host offload is FSDP2's, so it wraps one data rank too.
+        offload = self.offload[0]
+        if data_mesh.size() > 1 or (self.experts and expert_data_mesh(self.mesh).size() > 1) or offload != "none":
+            _apply_dp(model, self.parts, self.mesh, self.data_parallel, self.dtype, self.experts, offload)
 
 
 class _TwinSteps(HFSteps):
@@ -198,6 +207,8 @@ def parallelize_hf_model(
     cp_comm_type: str = "p2p",
     cp_a2a_size: int = 0,
     prove_blocks: bool = True,
+    offload: str = "none",
+    offload_activations: bool = False,
 ) -> nn.Module:
     """Parallelize a transformers decoder-only ``*ForCausalLM`` in place over ``mesh`` (from ``build_mesh``)
     and return it.
@@ -209,7 +220,9 @@ def parallelize_hf_model(
     over dp. ``ac`` is ``none``, ``full``, ``selective`` (every ``ac_every``-th layer) or ``op`` (every
     layer keeps the op outputs ``ac_policy`` names, :mod:`meshtron.parallel.recompute`);
     ``dtype="bfloat16"`` makes the data-parallel wrapper compute in bf16 with fp32 master weights (only
-    when the data mesh has more than one rank). Works on meta-device models (then ``to_empty`` and
+    when the data mesh has more than one rank). ``offload="optimizer"`` keeps the sharded parameters, their
+    gradients and the optimizer state on the host (FSDP2's CPU offload, one data rank included) and
+    ``offload_activations`` each block's saved tensors not recomputed (:mod:`meshtron.parallel.offload`). Works on meta-device models (then ``to_empty`` and
     :func:`meshtron.hf.load_sharded_weights`, as :func:`load_hf_checkpoint` does). Each rank of dp x ep
     passes its own part of the batch; ``.loss`` (and ``.aux_loss``) are the global batch's and
     ``.logits`` a vocab-sharded DTensor. The dimensions compose in :mod:`meshtron.parallel.compose`'s
@@ -242,7 +255,7 @@ def parallelize_hf_model(
     if pipelined:
         cut_to_stage(model, stage)
     compose(model, HFSteps(mesh, sp, data_parallel, (ac, ac_every, ac_policy), dtype, (cp_comm_type, cp_a2a_size),
-                           pipelined=pipelined, references=references))
+                           pipelined=pipelined, references=references, offload=(offload, offload_activations)))
     _check_still_shared(model, shared)
     if pipelined:
         run_as_stage(model)
@@ -334,11 +347,16 @@ def _as_meshtron_head(head: nn.Module | None) -> None:
         head.chunk_tokens = DEFAULT_CHUNK_TOKENS
 
 
-def _materialize(model: nn.Module, parts: HFParts, leave: list[nn.Module] = ()) -> None:
+def _materialize(model: nn.Module, parts: HFParts, leave: list[nn.Module] = (), on_host: bool = False) -> None:
     """A meta model's tensors made real (uninitialised) on this rank's device, except those of ``leave``'s
-    modules; a tied head re-tied (``to_empty`` gives each module its own tensor); RoPE frequencies rebuilt."""
+    modules; a tied head re-tied (``to_empty`` gives each module its own tensor); RoPE frequencies rebuilt.
+    ``on_host`` (``[parallel] offload = "optimizer"``): the parameters on the host, where FSDP2 keeps their
+    shards, and the buffers on the device (as ``meshtron.parallel.compose.materialize_sharded``)."""
     tied = parts.tied  # a property: false once to_empty has untied them
-    if leave:
+    if on_host:
+        model.to_empty(device="cpu")
+        buffers_to(model, env.local_device())
+    elif leave:
         left = {id(m) for module in leave for m in module.modules()}
         for module in model.modules():
             if id(module) not in left:
@@ -438,7 +456,7 @@ def load_hf_checkpoint(folder: str | Path, mesh: DeviceMesh, **options) -> tuple
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     parallelize_hf_model(model, mesh, **options)
-    _materialize(model, hf_parts(model))
+    _materialize(model, hf_parts(model), on_host=options.get("offload", "none") == "optimizer")
     return model, load_sharded_weights(model, folder)
 
 

@@ -184,7 +184,7 @@ def _options(cfg: Config) -> dict:
     return dict(sp=p.sp, data_parallel=p.data_parallel, ac=p.activation_checkpointing, ac_every=p.ac_every,
                 ac_policy=p.ac_policy, dtype=cfg.train.dtype, schedule=p.schedule, microbatches=p.microbatches,
                 virtual_stages=p.virtual_stages, cp_comm_type=p.cp_comm_type, cp_a2a_size=p.cp_a2a_size,
-                prove_blocks=p.prove_blocks)
+                prove_blocks=p.prove_blocks, offload=p.offload, offload_activations=p.offload_activations)
 
 
 def _step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> Runner:

@@ -115,13 +115,13 @@ def materialize_sharded(model: nn.Module, device: torch.device, cfg: Config) -> 
     with fake_tensors():
         model.to_empty(device="cpu" if on_host else device)
         if on_host:
-            _buffers_to(model, device)
+            buffers_to(model, device)
     model.tie_weights()  # to_empty replaces tied parameters one module at a time
     if not simulating():  # a dry run's tensors hold no values
         fill_local_slices(model, InitialWeights(cfg.model, cfg.train.seed))
 
 
-def _buffers_to(model: nn.Module, device: torch.device) -> None:
+def buffers_to(model: nn.Module, device: torch.device) -> None:
     """Every buffer of ``model`` reallocated (empty) on ``device``."""
     for module in model.modules():
         for name, buffer in module.named_buffers(recurse=False):

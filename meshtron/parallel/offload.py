@@ -31,6 +31,7 @@ Copies change no value: losses and gradients are bit-identical to a run without 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -169,9 +170,16 @@ def _to_host(tensor: torch.Tensor) -> tuple[torch.device, torch.Tensor, torch.cu
 
 def apply_activation_offload(model: nn.Module) -> list[int]:
     """Offload the saved tensors of every block of ``model.layers`` that checkpointing does not
-    recompute, their copies in flight held together (:class:`CopiesInFlight`); returns their global indices."""
-    chosen = [int(key) for key, block in model.layers.items() if not is_checkpointed(block)]
+    recompute; returns their global indices."""
+    return offload_blocks((int(key), block) for key, block in model.layers.items())
+
+
+def offload_blocks(blocks: Iterable[tuple[int, nn.Module]]) -> list[int]:
+    """Offload the saved tensors of every (index, block) that checkpointing does not recompute, their copies
+    in flight held together (:class:`CopiesInFlight`); returns their indices (a transformers model's blocks
+    too: ``meshtron.hf.parallelize``)."""
+    chosen = [(index, block) for index, block in blocks if not is_checkpointed(block)]
     in_flight = CopiesInFlight()
-    for index in chosen:
-        BlockOffload(model.layers[str(index)], in_flight)
-    return chosen
+    for _, block in chosen:
+        BlockOffload(block, in_flight)
+    return [index for index, _ in chosen]
