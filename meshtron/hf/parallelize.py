@@ -76,7 +76,7 @@ from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.models.chunked_loss import DEFAULT_CHUNK_TOKENS
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.recompute import checkpoint_blocks
-from meshtron.parallel.compose import buffers_to, compose
+from meshtron.parallel.compose import allocate_empty, compose
 from meshtron.parallel.data import data_meshes, mixed_precision, offload_policy, wrap_units
 from meshtron.parallel.offload import offload_blocks
 from meshtron.parallel.pipeline.schedules import V_SHAPED
@@ -222,8 +222,8 @@ def parallelize_hf_model(
     ``dtype="bfloat16"`` makes the data-parallel wrapper compute in bf16 with fp32 master weights (only
     when the data mesh has more than one rank). ``offload="optimizer"`` keeps the sharded parameters, their
     gradients and the optimizer state on the host (FSDP2's CPU offload, one data rank included) and
-    ``offload_activations`` each block's saved tensors not recomputed (:mod:`meshtron.parallel.offload`). Works on meta-device models (then ``to_empty`` and
-    :func:`meshtron.hf.load_sharded_weights`, as :func:`load_hf_checkpoint` does). Each rank of dp x ep
+    ``offload_activations`` each block's saved tensors not recomputed (:mod:`meshtron.parallel.offload`).
+    Works on meta-device models (then ``to_empty`` and :func:`meshtron.hf.load_sharded_weights`, as :func:`load_hf_checkpoint` does). Each rank of dp x ep
     passes its own part of the batch; ``.loss`` (and ``.aux_loss``) are the global batch's and
     ``.logits`` a vocab-sharded DTensor. The dimensions compose in :mod:`meshtron.parallel.compose`'s
     order, as for meshtron's own models.
@@ -350,19 +350,16 @@ def _as_meshtron_head(head: nn.Module | None) -> None:
 def _materialize(model: nn.Module, parts: HFParts, leave: list[nn.Module] = (), on_host: bool = False) -> None:
     """A meta model's tensors made real (uninitialised) on this rank's device, except those of ``leave``'s
     modules; a tied head re-tied (``to_empty`` gives each module its own tensor); RoPE frequencies rebuilt.
-    ``on_host`` (``[parallel] offload = "optimizer"``): the parameters on the host, where FSDP2 keeps their
-    shards, and the buffers on the device (as ``meshtron.parallel.compose.materialize_sharded``)."""
+    ``on_host`` (``[parallel] offload = "optimizer"``, without ``leave``): the parameters on the host
+    (:func:`~meshtron.parallel.compose.allocate_empty`)."""
     tied = parts.tied  # a property: false once to_empty has untied them
-    if on_host:
-        model.to_empty(device="cpu")
-        buffers_to(model, env.local_device())
-    elif leave:
+    if leave:
         left = {id(m) for module in leave for m in module.modules()}
         for module in model.modules():
             if id(module) not in left:
                 module.to_empty(device=env.local_device(), recurse=False)
     else:  # in one call: an FSDP unit re-registers its sharded parameters after its whole subtree
-        model.to_empty(device=env.local_device())
+        allocate_empty(model, env.local_device(), on_host)
     if tied:
         parts.head.weight = parts.embed.weight
     with torch.no_grad():

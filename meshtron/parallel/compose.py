@@ -111,17 +111,23 @@ def materialize_sharded(model: nn.Module, device: torch.device, cfg: Config) -> 
     "optimizer"`` the parameters are allocated on the host, where FSDP2 keeps their shards: allocated on a
     GPU, its first forward refuses them ("FSDP parameters should be materialized on CPU", found by the dry
     run on fake CUDA); the buffers stay on ``device``, where the step reads them."""
-    on_host = cfg.parallel.offload == "optimizer"
     with fake_tensors():
-        model.to_empty(device="cpu" if on_host else device)
-        if on_host:
-            buffers_to(model, device)
+        allocate_empty(model, device, on_host=cfg.parallel.offload == "optimizer")
     model.tie_weights()  # to_empty replaces tied parameters one module at a time
     if not simulating():  # a dry run's tensors hold no values
         fill_local_slices(model, InitialWeights(cfg.model, cfg.train.seed))
 
 
-def buffers_to(model: nn.Module, device: torch.device) -> None:
+def allocate_empty(model: nn.Module, device: torch.device, on_host: bool) -> None:
+    """A meta-device ``model``'s tensors made real (uninitialised) on ``device``; ``on_host`` (``[parallel]
+    offload = "optimizer"``): its parameters on the host, where FSDP2 keeps their shards, its buffers on
+    ``device``, where the step reads them."""
+    model.to_empty(device="cpu" if on_host else device)
+    if on_host:
+        _buffers_to(model, device)
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
     """Every buffer of ``model`` reallocated (empty) on ``device``."""
     for module in model.modules():
         for name, buffer in module.named_buffers(recurse=False):

@@ -5,8 +5,8 @@ While a block's forward runs, ``torch.autograd.graph.saved_tensors_hooks`` hands
 saves to :meth:`BlockOffload.pack`, which copies it to the host and keeps only the copy; in backward
 :meth:`BlockOffload.unpack` copies it back. Autograd saves views: several of one storage (a norm's output
 and the 2-D view each projection's matmul makes of it) share one host copy of the elements they read, and
-one copy back while any of them is in use (:class:`_HostCopy`). The hooks are entered by the block's forward pre-hook and
-left by its forward hook, so only that block's tensors move: the embedding, the final norm and the
+one copy back while any of them is in use (:class:`_HostCopy`). The hooks are entered by the block's
+forward pre-hook and left by its forward hook, so only that block's tensors move: the embedding, the final norm and the
 fused loss keep theirs on the device.
 
 - On CUDA the device-to-host copy runs on a side stream, after the tensor is produced, into pinned
@@ -21,7 +21,8 @@ fused loss keep theirs on the device.
   ``meshtron.plan`` models it.
 - On CPU the "host copy" is a copy in the same memory: no saving, the same code path (tests).
 - Parameters and their views (leaves that require grad: FSDP's gathered weights, which it frees and
-  gathers again for backward; a linear saves its weight transposed) stay where they are; a DTensor moves its local tensor and keeps its placements.
+  gathers again for backward; a linear saves its weight transposed) stay where they are; a DTensor moves
+  its local tensor and keeps its placements.
 - Blocks that activation checkpointing recomputes save only their input (on the device) and are not
   offloaded: recomputation already frees their tensors. Apply after checkpointing, before FSDP.
 
@@ -115,7 +116,11 @@ class BlockOffload:
     def pack(self, tensor: torch.Tensor) -> Any:
         if _is_weight(tensor) or tensor.numel() == 0:
             return tensor
-        local = dtensor_local(tensor) if isinstance(tensor, DTensor) else tensor
+        if isinstance(tensor, DTensor):  # its local tensor moves; placements rebuild it
+            layout = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride())
+            local = dtensor_local(tensor)
+        else:
+            local, layout = tensor, None
         start, end = _span(local)
         copies = self.packed.setdefault(local.untyped_storage(), [])
         copy = next((c for c in copies if c.covers(start, end, local.dtype)), None)
@@ -126,7 +131,6 @@ class BlockOffload:
             if copy.copied is not None:
                 self.copying.append(span)
                 self.copied = copy.copied
-        layout = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()) if isinstance(tensor, DTensor) else None
         return layout, copy, (local.shape, local.stride(), local.storage_offset() - start)
 
     def unpack(self, packed: Any) -> torch.Tensor:

@@ -83,9 +83,8 @@ def layer_offloaded(cfg: Config, layer: int) -> bool:
     return cfg.parallel.offload_activations and not layer_checkpointed(cfg, layer)
 
 
-def offloaded_activation_bytes(cfg: Config, layers: range | None = None) -> float:
-    """Host bytes of one micro-batch's offloaded saved tensors in ``layers`` (default: every layer)."""
-    layers = range(cfg.model.num_hidden_layers) if layers is None else layers
+def offloaded_activation_bytes(cfg: Config, layers: Iterable[int]) -> float:
+    """Host bytes of one micro-batch's offloaded saved tensors in ``layers``."""
     return microbatch_tokens(cfg) * sum(by_kind(cfg, _offloaded_bytes, layers))
 
 
@@ -357,20 +356,18 @@ def ep_dispatch_bytes(cfg: Config) -> float:
     return (exchanged + gathered) * rows * m.hidden_size * compute_bytes(cfg)
 
 
-def offload_in_flight_bytes(cfg: Config, layers: range | None = None) -> float:
-    """At the end of a forward over ``layers`` (default: every layer), the last offloaded block's saved
-    tensors, still on the device while their copies run (the largest such block)."""
-    layers = range(cfg.model.num_hidden_layers) if layers is None else layers
+def offload_in_flight_bytes(cfg: Config, layers: Iterable[int]) -> float:
+    """At the end of a forward over ``layers``, the last offloaded block's saved tensors, still on the device
+    while their copies run (the largest such block)."""
     return microbatch_tokens(cfg) * max(by_kind(cfg, _offloaded_bytes, layers), default=0.0)
 
 
-def offload_window_bytes(cfg: Config, layers: Iterable[int] | None = None) -> float:
+def offload_window_bytes(cfg: Config, layers: Iterable[int]) -> float:
     """While an offloaded block's forward runs, the device holds its saved tensors, their copies running,
     those of the offloaded block before it, released when it ends (``parallel/offload.py``'s
     ``CopiesInFlight``), and its forward's temporaries (:func:`layer_forward_transient_bytes`): at most the
-    two largest offloaded blocks of ``layers`` (default: every layer) and the largest temporaries. (Without
-    offload the forward peaks at the loss, after the last block, so no other moment counts them.)"""
-    layers = list(range(cfg.model.num_hidden_layers) if layers is None else layers)
+    two largest offloaded blocks of ``layers`` and the largest temporaries. (Without offload the forward
+    peaks at the loss, after the last block, so no other moment counts them.)"""
     offloaded = [i for i in layers if layer_offloaded(cfg, i)]
     if not offloaded:
         return 0.0

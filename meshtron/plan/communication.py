@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
-from meshtron.config import Config
+from meshtron.config import Config, ParallelConfig
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.models.moe import router_stats_size
 from meshtron.parallel.context import a2a_group_size, cp_comm
@@ -325,6 +325,18 @@ def chunk_layers(cfg: Config, chunk: int) -> range:
     return chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)[chunk]
 
 
+def fsdp_gathers_once(p: ParallelConfig) -> bool:
+    """Whether FSDP gathers each unit once per step and holds it: always under a pipeline (its executor
+    holds a stage's units through the step), and with ``fsdp_gather = "per_step"``."""
+    return p.pp > 1 or gathers_once_per_step(p)
+
+
+def fsdp_reductions(p: ParallelConfig) -> int:
+    """Gradient reductions per step: every micro-batch's where full sharding gathers per micro-batch
+    without a pipeline (``data.reduces_gradients``), else the step's last only."""
+    return p.microbatches if p.pp == 1 and reduces_gradients(p, 0, p.microbatches) else 1
+
+
 def _data_parallel_bytes(cfg: Config, stage: int) -> dict[str, float]:
     """FSDP and HSDP gather each unit twice per micro-batch (forward; backward; the root unit, which
     FSDP keeps from its forward to its backward, once), or with pp > 1 or ``fsdp_gather = "per_step"``
@@ -362,11 +374,9 @@ def _data_parallel_group_bytes(cfg: Config, padded: Callable[[int], int], replic
     if p.data_parallel == "replicate":
         return {f"all_reduce/{whole}": 2 * FP32 * padded(1) * _ring(ranks)}
     sharding = ranks if p.data_parallel == "fsdp" else shard
-    once = p.pp > 1 or gathers_once_per_step(p)
-    gathers = 1 if once else (1 if root else 2) * p.microbatches
-    reduces = 1 if p.pp > 1 or not reduces_gradients(p, 0, p.microbatches) else p.microbatches
+    gathers = 1 if fsdp_gathers_once(p) else (1 if root else 2) * p.microbatches
     gathered = gather_bytes or compute_bytes(cfg)
-    moved = padded(sharding) * (gathers * gathered + reduces * FP32) * _ring(sharding)
+    moved = padded(sharding) * (gathers * gathered + fsdp_reductions(p) * FP32) * _ring(sharding)
     if p.data_parallel == "fsdp":
         return {f"all_gather+reduce_scatter/{whole}": moved}
     out = {f"all_gather+reduce_scatter/{sharded}": moved} if shard > 1 else {}

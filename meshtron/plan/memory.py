@@ -293,9 +293,9 @@ def _unpipelined_phase_terms(cfg: Config, coords: Coords, phase: str) -> dict[st
         return terms
     if phase == "forward":
         # Offloaded blocks: at the loss the last one's copies still run; inside one, it and the one before.
-        saved = saved_activation_bytes(cfg, coords.pp)
-        at_loss = (saved + offload_in_flight_bytes(cfg), loss_bytes(cfg, coords.pp))
-        terms["activations"], terms["loss"] = max(at_loss, (saved + offload_window_bytes(cfg), 0.0), key=sum)
+        saved, layers = saved_activation_bytes(cfg, coords.pp), range(cfg.model.num_hidden_layers)
+        at_loss = (saved + offload_in_flight_bytes(cfg, layers), loss_bytes(cfg, coords.pp))
+        terms["activations"], terms["loss"] = max(at_loss, (saved + offload_window_bytes(cfg, layers), 0.0), key=sum)
     else:
         rise, reduced, terms["reduce_scatter"] = backward_peak(cfg, coords)
         terms["grads"] += reduced  # nothing when they are counted whole

@@ -174,11 +174,15 @@ def _moment(cfg: Config, per_stage: dict[int, tuple[float, float]], index: int,
     return Moment(index, held, saved, held.get(last, (0, 0))[0] * _loss_held_per_microbatch(cfg))
 
 
+def _rank_stages(cfg: Config, pp_rank: int) -> list[int]:
+    """The global stages the rank runs."""
+    p = cfg.parallel
+    return [s for s in range(p.pp * p.virtual_stages) if chunk_rank(s, p.pp, _v_shape(cfg)) == pp_rank]
+
+
 def _rank_stage_bytes(cfg: Config, pp_rank: int) -> dict[int, tuple[float, float]]:
     """:func:`_stage_bytes` of each global stage the rank runs."""
-    p = cfg.parallel
-    stages = range(p.pp * p.virtual_stages)
-    return {s: _stage_bytes(cfg, s) for s in stages if chunk_rank(s, p.pp, _v_shape(cfg)) == pp_rank}
+    return {s: _stage_bytes(cfg, s) for s in _rank_stages(cfg, pp_rank)}
 
 
 def _stage_bytes(cfg: Config, stage: int) -> tuple[float, float]:
@@ -207,7 +211,7 @@ def offloaded_held_bytes(cfg: Config, pp_rank: int) -> float:
         return 0.0
     p = cfg.parallel
     ranges = chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
-    per_stage = {s: offloaded_activation_bytes(cfg, ranges[s]) for s in _rank_stage_bytes(cfg, pp_rank)}
+    per_stage = {s: offloaded_activation_bytes(cfg, ranges[s]) for s in _rank_stages(cfg, pp_rank)}
     return max(sum(n * per_stage[s] for s, (n, _) in held.items()) for _, held in _moments(cfg, pp_rank))
 
 

@@ -13,8 +13,8 @@ Without a pipeline, FSDP and HSDP also try both ``fsdp_gather`` modes: gathering
 once per step holding the unsharded weights and gradients (pipelines always hold them).
 
 Host offload (``[parallel] offload``, ``offload_activations``): when no layout fits without it, every
-layout is tried again with the optimizer state in host memory, the saved activations, or both (a layout fits when each rank fits its device and the node's ranks together fit
-its host memory, ``Hardware.host_memory_gib``); the host's copies and optimizer step make them slower,
+layout is tried again with the optimizer state in host memory, the saved activations, or both (a layout
+fits when each rank fits its device and the node's ranks together fit its host memory, ``Hardware.host_memory_gib``); the host's copies and optimizer step make them slower,
 so they are the last resort.
 
 What is not evaluated, because under the models it cannot win (to keep the search short; docs/planner.md

@@ -33,11 +33,18 @@ from typing import NamedTuple
 
 from meshtron.config import Config
 from meshtron.models.qwen2 import flops_per_token
-from meshtron.parallel.data import gathers_once_per_step, reduces_gradients
 from meshtron.parallel.pipeline.schedules import built_schedule, steady_microbatches
 from meshtron.parallel.pipeline.simulate import simulate
 from meshtron.plan.activations import by_kind, offloaded_activation_bytes, recomputed_share
-from meshtron.plan.communication import _padded, _ring, _seconds, communication, overlapped_tp_seconds
+from meshtron.plan.communication import (
+    _padded,
+    _ring,
+    _seconds,
+    communication,
+    fsdp_gathers_once,
+    fsdp_reductions,
+    overlapped_tp_seconds,
+)
 from meshtron.plan.gemm import step_compute_seconds
 from meshtron.plan.hardware import Hardware
 from meshtron.plan.moments import unsplit_stages
@@ -125,10 +132,7 @@ def accumulated_reductions(cfg: Config) -> int:
     """Micro-batches per step whose reduce-scattered gradient shards FSDP2 adds into gradients already on
     the host (``offload = "optimizer"``, pp = 1, a reduce-scatter every micro-batch): all but the first.
     Their copy to the host blocks the host thread (``meshtron.host.TORCH_WAITS``)."""
-    p = cfg.parallel
-    if not offloads_optimizer(cfg) or p.pp > 1 or not reduces_gradients(p, 0, p.microbatches):
-        return 0
-    return p.microbatches - 1
+    return fsdp_reductions(cfg.parallel) - 1 if offloads_optimizer(cfg) else 0
 
 
 def host_transfer_bytes(cfg: Config) -> dict[str, float]:
@@ -142,9 +146,8 @@ def host_transfer_bytes(cfg: Config) -> dict[str, float]:
     out: dict[str, float] = {}
     if offloads_optimizer(cfg):
         shard = state_bytes(cfg)["params"]
-        once = p.pp > 1 or gathers_once_per_step(p)
-        gathers = 1 if once else 2 * p.microbatches
-        reduces = p.microbatches if p.pp == 1 and reduces_gradients(p, 0, p.microbatches) else 1
+        gathers = 1 if fsdp_gathers_once(p) else 2 * p.microbatches
+        reduces = fsdp_reductions(p)
         accumulated = accumulated_reductions(cfg)
         out["parameters"] = gathers * shard
         out["gradients"] = (reduces - accumulated) * shard
