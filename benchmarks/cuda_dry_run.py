@@ -33,7 +33,7 @@ from meshtron.plan.recipes import recipe_hardware  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SHIPPED = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b",
-           "qwen2p5_72b_8gpu", "qwen1p5_moe_a2p7b", "qwen2_57b_a14b")
+           "qwen2p5_72b_8gpu", "qwen1p5_moe_a2p7b", "qwen2_57b_a14b", "qwen2_57b_a14b_8gpu")
 _SMALL = ["--train.seq_len", "1024", "--train.global_batch_size", "16"]
 # recipes/qwen2p5_72b_8gpu.toml's layout until 2026-11-28 (its header says why it changed).
 OFFLOAD_72B_EARLIER = ("--parallel.dp", "4", "--parallel.cp", "2", "--parallel.activation_checkpointing", "selective",
@@ -74,25 +74,35 @@ LAYOUTS = {
     "0.5b compile": ("qwen2p5_0p5b", 8, ["--parallel.compile", "true"]),
     "hf model": ("debug_dense", 4, ["--model.hf_model", "{hf}", "--parallel.dp", "2", "--parallel.tp", "2",
                                     "--train.seq_len", "256"]),
+    # Qwen2.5-0.5B's shapes as a transformers model, at the 0.5B recipe's layout and at tp 2 + SP.
+    "hf model 0.5B": ("qwen2p5_0p5b", 8, ["--model.hf_model", "{hf 0.5B}"]),
+    "hf model 0.5B tp2 sp": ("qwen2p5_0p5b", 8, ["--model.hf_model", "{hf 0.5B}", "--parallel.dp", "4",
+                                                 "--parallel.tp", "2", "--parallel.sp", "true"]),
 }
 
 
-def _hf_folder() -> str:
-    """A small transformers Qwen2 config (config.json is all a dry run reads)."""
+# The transformers Qwen2 configs of the hf cases (config.json is all a dry run reads).
+HF_SIZES = {"{hf}": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2),
+            "{hf 0.5B}": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                              num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                              rope_theta=1000000.0, rms_norm_eps=1e-06)}
+
+
+def _hf_folder(size: str) -> str:
     import tempfile
 
     import transformers
 
     folder = Path(tempfile.mkdtemp()) / "qwen2"
-    transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2).save_pretrained(folder)
+    transformers.Qwen2Config(**HF_SIZES[size]).save_pretrained(folder)
     return str(folder)
 
 
 def _case(name: str):
     """(config, world size, recipe hardware) of a case."""
     recipe, world, overrides = LAYOUTS.get(name, (name, None, []))
-    overrides = [_hf_folder() if value == "{hf}" else value for value in overrides]
+    overrides = [_hf_folder(value) if value in HF_SIZES else value for value in overrides]
     path = ROOT / "recipes" / f"{recipe}.toml"
     hardware = recipe_hardware(path)
     world = world or hardware.world_size
@@ -214,8 +224,8 @@ def main(names: list[str]) -> None:
         "at peak: the peak of what the step holds on the host, counted apart; offload host GiB: what "
         "`[parallel] offload = \"optimizer\"` keeps on the host after the step (each parameter's fp32 shard, its "
         "gradient, AdamW's moments), counted on the step's objects, against meshtron.plan's host figure; CPU dry run GiB: the same rank traced on the CPU path (benchmarks/results/dry_run.json). "
-        "Planned: meshtron.plan's figure for the rank without its reserve and slack (of a transformers model it "
-        "models meshtron's own blocks, hence the hf model's ratio). "
+        "Planned: meshtron.plan's figure for the rank without its reserve and slack (of a transformers model: "
+        "meshtron's own block model, and the model's head and loss, meshtron.hf.loss: its logits and their gradient). "
         "Every collective passed NCCL's rules (meshtron/dryrun/nccl_rules.py) and every host sync is one meshtron/host.py "
         "declares: the dry run stops otherwise. Host syncs per step: the reads a real step makes there (the dry "
         "run answers them with its assumption). Dry run s: wall time on a 2-core machine shared with other jobs "
@@ -233,7 +243,14 @@ def main(names: list[str]) -> None:
         "plan counts the float8 casts: 1.028, tests/test_cuda_dryrun.py). Op recompute "
         "(save_matmuls) traces under torch 2.14: FSDP2's hooks run outside selective checkpointing's record of the "
         "block's ops (meshtron.parallel.recompute.hooks_outside_op_record; the failure this table showed until "
-        "2026-11-28 was traced before that fix): 7B GPU 1.008 x the plan, 72B with optimizer offload 1.028 x. compile: refused (meshtron.dryrun.COMPILE_REFUSAL).\n\n"
+        "2026-11-28 was traced before that fix): 7B GPU 1.008 x the plan, 72B with optimizer offload 1.028 x. compile: refused (meshtron.dryrun.COMPILE_REFUSAL). "
+        "Transformers models (2026-11-28): Qwen2.5-0.5B's shapes as a transformers Qwen2 traced 71.65 GiB at dp 8 and "
+        "77.38 at dp 4 x tp 2 + SP against a plan of 46.40 and 45.50 that counted meshtron's fused head and loss; the "
+        "traces also built a packed-sequence mask for every attention (transformers takes fake tensors for a traced "
+        "graph and skips its device read), which a real step does not build: the runner now answers that read itself "
+        "(meshtron.hf.pipeline.whole_sequences, one host sync per micro-batch fewer on a GPU) and the plan counts the "
+        "head's logits and their gradient: 63.40 traced against 64.48 planned, 65.38 against 63.81. "
+        "qwen2_57b_a14b_8gpu (optimizer offload, op recompute, folded ep 2): GPU 1.031 x the plan, host = plan.\n\n"
         + table(rows) + "\n")
 
 

@@ -39,9 +39,10 @@ without a rotary embedding module.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
-
+from collections.abc import Iterator
 from types import MethodType
 
 import torch
@@ -94,6 +95,29 @@ def prune_hf_to_stage(model: nn.Module, chunks: dict[int, range], num_stages: in
                                                norm=parts.norm if last else None, head=parts.head if last else None))
 
 
+@contextlib.contextmanager
+def whole_sequences() -> Iterator[None]:
+    """Within: transformers' mask builders take each row of a batch for one sequence without asking the device.
+
+    Given position_ids and no attention mask, they look for several sequences packed into a row
+    (``masking_utils.find_packed_sequence_indices``) and decide by reading the device: one host sync per
+    forward. On a dry run's fake tensors they cannot read, take the step for a traced graph and build a
+    packed-sequence mask [batch, 1, seq, seq] that every attention then applies, with GQA's key/value heads
+    repeated (Qwen2.5-0.5B at 8 x 4096 tokens: 0.36 GiB per layer a real step does not hold). meshtron hands
+    a transformers model whole sequences only (``with_hf_model`` refuses document masks): none is packed."""
+    from transformers import masking_utils
+
+    found = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if found is None:  # a transformers without the check: nothing to answer
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = found
+
+
 def _masks(model: nn.Module, h: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]) -> dict[str, torch.Tensor | None]:
     """The masks of ``kinds`` transformers builds for its blocks (None where sdpa's causal flag or the ring
     does it). Only shape, dtype and device of the stand-in embeddings are read: under SP ``h`` holds a slice."""
@@ -102,7 +126,8 @@ def _masks(model: nn.Module, h: torch.Tensor, position_ids: torch.Tensor, kinds:
     shape = dict(config=model.config, inputs_embeds=h.new_empty(*position_ids.shape, 0), attention_mask=None,
                  past_key_values=None, position_ids=position_ids)
     build = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-    return {kind: build[kind](**shape) for kind in kinds}
+    with whole_sequences():
+        return {kind: build[kind](**shape) for kind in kinds}
 
 
 def _mask_kind(model: nn.Module, block: nn.Module, index: int) -> str:
@@ -296,4 +321,4 @@ class HFPipelineRunner(PipelineRunner):
 
 
 __all__ = ["HFPipelineRunner", "HFStage", "HFStageChunk", "cut_to_stage", "plan_stage", "prune_hf_to_stage", "run_as_stage",
-           "stage_block", "stage_chunks"]
+           "stage_block", "stage_chunks", "whole_sequences"]

@@ -27,7 +27,7 @@ from meshtron.host import fake_tensors, simulating
 from meshtron.hf.discover import key_value_heads
 from meshtron.hf.io import save_hf, write_safetensors_folder
 from meshtron.hf.parallelize import parallelize_hf_model
-from meshtron.hf.pipeline import HFPipelineRunner
+from meshtron.hf.pipeline import HFPipelineRunner, whole_sequences
 from meshtron.mesh import batch_mesh
 from meshtron.models import build_model
 from meshtron.parallel.grad_norm import clip_grad_norm_
@@ -140,7 +140,9 @@ class HFStepRunner:
 
     def _loss(self, ids: torch.Tensor, targets: torch.Tensor, tokens, **options) -> torch.Tensor:
         # labels only switch the loss on: targets are already next-token labels (shift_labels).
-        return self.module(input_ids=ids, labels=targets, shift_labels=targets, num_items_in_batch=tokens, **options).loss
+        with whole_sequences():
+            return self.module(input_ids=ids, labels=targets, shift_labels=targets, num_items_in_batch=tokens,
+                               **options).loss
 
     def forward_backward(
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple, TypeVar
 
 from meshtron.config import Config
+from meshtron.models.chunked_loss import DEFAULT_CHUNK_TOKENS
 from meshtron.parallel.recompute import checkpoints_layer
 from meshtron.parallel.context import cp_comm
 from meshtron.parallel.tensor import local_kv_heads
@@ -328,19 +329,32 @@ def _layer_backward_bytes(cfg: Config, layer: int) -> tuple[float, float, float]
 
 
 def _loss_held_per_microbatch(cfg: Config) -> float:
+    """What a micro-batch's loss keeps for its backward. The fused head: the hidden states' gradient and the
+    head's fp32 weight gradient, both computed in the forward. A transformers model's head and loss
+    (``meshtron.hf.loss``: the head's logits, then the chunked cross-entropy over them): the head's input,
+    its compute-dtype logits [tokens, V/tp] and an fp32 log-sum-exp per token."""
     p, m = cfg.parallel, cfg.model
-    return microbatch_tokens(cfg) * m.hidden_size * compute_bytes(cfg) + m.vocab_size / p.tp * m.hidden_size * FP32
+    tokens, c = microbatch_tokens(cfg), compute_bytes(cfg)
+    if m.hf_model:
+        return tokens * (m.hidden_size * c + m.vocab_size / p.tp * c + FP32)
+    return tokens * m.hidden_size * c + m.vocab_size / p.tp * m.hidden_size * FP32
 
 
 def loss_chunk_bytes(cfg: Config, pp_rank: int) -> float:
-    """The fused loss's working buffers while it runs (forward only: backward just scales the saved
-    gradients): one chunk's fp32 logits [chunk, V/tp], which become the logit gradient in place, plus
-    its compute-dtype copy when that is not fp32, and the chunk's [V/tp, H] weight-gradient product."""
+    """The loss's working buffers at its most. The fused loss (forward only: backward just scales the saved
+    gradients): one chunk's fp32 logits [chunk, V/tp], which become the logit gradient in place, plus its
+    compute-dtype copy when that is not fp32, and the chunk's [V/tp, H] weight-gradient product. A
+    transformers model's loss, at its backward's start, the activations all still held: the logits' whole
+    compute-dtype gradient and two chunks of fp32 probabilities (a chunk's is made before the last one's
+    is dropped)."""
     p, m = cfg.parallel, cfg.model
     if not holds_last_stage(cfg, pp_rank):
         return 0
     c, vocab = compute_bytes(cfg), m.vocab_size / p.tp
-    chunk = min(cfg.train.loss_chunk_tokens, microbatch_tokens(cfg)) * vocab * (FP32 + (c if c != FP32 else 0))
+    tokens = microbatch_tokens(cfg)
+    if m.hf_model:  # meshtron.hf.loss chunks at cross_entropy_sum's default
+        return tokens * vocab * c + 2 * min(DEFAULT_CHUNK_TOKENS, tokens) * vocab * FP32
+    chunk = min(cfg.train.loss_chunk_tokens, tokens) * vocab * (FP32 + (c if c != FP32 else 0))
     return chunk + vocab * m.hidden_size * c
 
 
