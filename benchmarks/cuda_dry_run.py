@@ -65,6 +65,8 @@ LAYOUTS = {
                                                                       "--train.global_batch_size", "4"]),
     "7b op recompute": ("qwen2p5_7b", 8, ["--parallel.activation_checkpointing", "op"]),
     "7b fp8 tensorwise": ("qwen2p5_7b", 8, ["--train.fp8", "tensorwise"]),
+    # The experts' float8 GEMMs through torch._scaled_grouped_mm (fake CUDA: an H100's compute capability).
+    "57b fp8 rowwise": ("qwen2_57b_a14b", 32, ["--train.fp8", "rowwise"]),
     "7b activation offload": ("qwen2p5_7b", 8, ["--parallel.activation_checkpointing", "selective",
                                                 "--parallel.offload_activations", "true"]),
     # Both offloads under a pipeline (1F1B, the 0.5B's tied embedding summed across the two stages from the host).

@@ -92,9 +92,6 @@ def _validate_offload(cfg: Config, source: str) -> None:
         _require(p.data_parallel in ("fsdp", "hsdp"),
                  f"{where} offload = '{p.offload}' keeps FSDP's parameter shards in host memory: it needs "
                  f"data_parallel = 'fsdp' or 'hsdp', got '{p.data_parallel}'.")
-        _require(cfg.train.fp8 == "none",
-                 f"{where} offload = '{p.offload}' does not compose with [train] fp8 = '{cfg.train.fp8}' (float8 "
-                 "all-gathers of host shards); set fp8 = 'none' or offload = 'none'.")
     _require(not p.offload_activations or p.activation_checkpointing != "full",
              f"{where} offload_activations = true offloads the blocks activation checkpointing does not recompute, "
              "and activation_checkpointing = 'full' recomputes every block: nothing would move. Use "

@@ -483,7 +483,8 @@ COMPILE_REFUSAL = ("--dry-run cannot trace [parallel] compile = true: torch.comp
 def _check_traceable(cfg: Config) -> None:
     """What the fake tensors cannot run: fake CUDA devices without a CUDA build of torch; compiled blocks
     (:data:`COMPILE_REFUSAL`); torch's shape function of grouped_mm (the experts) in another dtype than bf16, as
-    the experts' emulated FP8 GEMM hands it (float32)."""
+    the experts' emulated FP8 GEMM hands it (float32) on the CPU path (fake CUDA devices, an H100's compute
+    capability, run the float8 kernel: ``meshtron.parallel.float8.runs_float8_kernel``)."""
     if env.device_type() == "cuda" and not cuda_build():
         raise ConfigError(refusal())
     if cfg.parallel.compile:
@@ -492,11 +493,13 @@ def _check_traceable(cfg: Config) -> None:
         raise ConfigError(f"--dry-run traces MoE experts in bfloat16 only (torch's grouped_mm shape check), but [train] "
                           f"dtype = '{cfg.train.dtype}'. Add --train.dtype bfloat16.")
     m = cfg.model
-    if m.is_moe and cfg.train.fp8 != "none" and fits_fp8((m.hidden_size, m.moe_intermediate_size)):
+    emulated = env.device_type() != "cuda"
+    if emulated and m.is_moe and cfg.train.fp8 != "none" and fits_fp8((m.hidden_size, m.moe_intermediate_size)):
         # Float8GroupedMatmul hands grouped_mm the float8 values dequantized to float32 (it emulates the kernel).
         raise ConfigError(f"--dry-run traces MoE experts in bfloat16 only (torch's grouped_mm shape check), but [train] "
                           f"fp8 = '{cfg.train.fp8}' runs them through an emulated float8 GEMM on float32 operands. "
-                          "Add --train.fp8 none, or trace an expert width FP8 leaves in bfloat16 (not a multiple of 16).")
+                          "Add --train.fp8 none, trace on fake CUDA devices (MESHTRON_DEVICE=cuda, which run the float8 "
+                          "kernel), or trace an expert width FP8 leaves in bfloat16 (not a multiple of 16).")
 
 
 def _hardware(recipe: str) -> RecipeHardware:

@@ -72,7 +72,7 @@ class NativeSteps:
         model.document_mask = self.cfg.data.document_mask
         if model.lm_head is not None:
             model.lm_head.chunk_tokens = self.cfg.train.loss_chunk_tokens
-        apply_float8(model, self.cfg.train.fp8, self.p.tp, dense_data_mesh(self.mesh).size())
+        apply_float8(model, self.cfg.train.fp8, self.p.tp, dense_data_mesh(self.mesh).size(), self.p.offload != "none")
 
     def tensor(self, model: nn.Module) -> None:
         apply = apply_overlapped_tensor_parallel if self.p.tp_overlap else apply_tensor_parallel

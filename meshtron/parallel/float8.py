@@ -6,8 +6,9 @@ Each GEMM of a converted linear (forward, input gradient, and for every recipe b
 fly and runs ``torch._scaled_mm``; the parameters, the optimizer state and everything outside the
 converted linears and experts stay in the training dtype, as torchtitan and Megatron-Core do: the
 embedding, the LM head, the MoE router, norms. The experts' grouped GEMM casts its operands by the same
-rules, an expert's rows taking the place of a linear's tensor, and is emulated (``torch._scaled_grouped_mm``
-has no CPU kernel): the float8 values, dequantized, through ``F.grouped_mm``. Under expert tensor
+rules, an expert's rows taking the place of a linear's tensor, and runs ``torch._scaled_grouped_mm`` on a
+GPU of compute capability 9.x (H100, H200: :func:`runs_float8_kernel`); elsewhere (the CPU, which has no
+such kernel) it is emulated: the same float8 values, dequantized, through ``F.grouped_mm``. Under expert tensor
 parallelism (etp > 1) a scale that spans the dim etp splits (a gate/up column, a down row) is all-reduced
 (MAX) over the etp ranks, as tp does for the linears (:meth:`Float8GroupedMatmul.split_over`).
 
@@ -46,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -61,10 +63,17 @@ from meshtron.models.moe import GroupedExperts, MoE
 FP8_DIM_MULTIPLE = 16
 # The recipe whose FSDP all-gather can carry float8 weights (torchao supports tensorwise weight scales only).
 FP8_ALL_GATHER_RECIPES = ("tensorwise",)
-# Whether the routed experts' grouped GEMM runs a float8 kernel: not yet, Float8GroupedMatmul emulates it on
-# every device (the float8 values, dequantized to float32, through F.grouped_mm), so the planner prices
-# those GEMMs at the training dtype's rate (meshtron.plan.gemm), not at the FP8 peak.
-EXPERTS_RUN_FLOAT8_KERNEL = False
+# The compute capability (major) torch builds its float8 grouped GEMM for (CUTLASS, rowwise float32 scales).
+FLOAT8_GROUPED_KERNEL_MAJOR = 9
+# Where the grouped GEMM contracts over tokens (the weight gradient) each expert's group of rows must start
+# 16 bytes (float8 values) apart: the groups are laid out padded to it (_aligned_groups).
+TOKEN_GROUP_ALIGN = 16
+
+
+def runs_float8_kernel(device: torch.device) -> bool:
+    """Whether the experts' float8 grouped GEMMs on ``device`` run ``torch._scaled_grouped_mm`` (a CUDA
+    device of compute capability 9.x) rather than the emulation (:class:`Float8GroupedMatmul`)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == FLOAT8_GROUPED_KERNEL_MAJOR
 
 
 # Loggers that torchao's import writes to on a CPU build of torch: a warning per CUDA kernel library it cannot
@@ -143,32 +152,36 @@ def high_precision_note(cfg: ModelConfig, recipe: str) -> str | None:
             f"(dims not multiples of {FP8_DIM_MULTIPLE}): {', '.join(names)}")
 
 
-def float8_all_gather(recipe: str, tp: int, data_ranks: int) -> bool:
+def float8_all_gather(recipe: str, tp: int, data_ranks: int, offload: bool = False) -> bool:
     """Whether FSDP all-gathers the float8 weights of ``recipe`` in float8: torchao's gather scales a weight
     over the FSDP shards, which under tp hold only a tp slice of it (the scale would depend on tp). Not on
     one data rank (``data_ranks``: the ranks FSDP spans): there the gather moves no bytes, and the weight's
     cast would run eagerly in FSDP's pre-forward hook, outside a compiled block, a handful of kernels per
     weight in forward and again in backward; without it ``Float8Linear`` casts the weight inside the block's
-    graph, the same values (the amax of the same whole weight)."""
-    return recipe in FP8_ALL_GATHER_RECIPES and tp == 1 and data_ranks > 1
+    graph, the same values (the amax of the same whole weight). Nor with the shards on the host
+    (``offload``: ``[parallel] offload = "optimizer"``): the gather's scale would all-reduce host tensors over
+    the device's collectives; the training dtype's gather then gives ``Float8Linear`` the same whole weight."""
+    return recipe in FP8_ALL_GATHER_RECIPES and tp == 1 and data_ranks > 1 and not offload
 
 
-def float8_config(recipe: str, tp: int = 1, data_ranks: int = 1):
+def float8_config(recipe: str, tp: int = 1, data_ranks: int = 1, offload: bool = False):
     """torchao's config for ``recipe``, with the float8 FSDP all-gather where :func:`float8_all_gather` allows it."""
     if recipe not in FP8_RECIPES[1:]:
         raise ValueError(f"no FP8 recipe '{recipe}'; one of {', '.join(FP8_RECIPES[1:])}")
     config = torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
-    return dataclasses.replace(config, enable_fsdp_float8_all_gather=float8_all_gather(recipe, tp, data_ranks))
+    gather = float8_all_gather(recipe, tp, data_ranks, offload)
+    return dataclasses.replace(config, enable_fsdp_float8_all_gather=gather)
 
 
-def apply_float8(model: nn.Module, recipe: str, tp: int = 1, data_ranks: int = 1) -> nn.Module:
+def apply_float8(model: nn.Module, recipe: str, tp: int = 1, data_ranks: int = 1, offload: bool = False) -> nn.Module:
     """Swap the FP8-capable block linears of ``model`` (a meshtron ``Transformer`` or a pipeline stage,
     meta or real) for ``Float8Linear`` in place; ``recipe`` "none" leaves the model as it is. The
     parameters keep their names, values and dtype. ``tp``: the tensor-parallel size the model is split over
-    next; ``data_ranks``: the ranks data parallelism then spans (:func:`float8_all_gather`)."""
+    next; ``data_ranks``, ``offload``: the ranks data parallelism then spans and whether it keeps the shards on
+    the host (:func:`float8_all_gather`)."""
     if recipe == "none":
         return model
-    config = float8_config(recipe, tp, data_ranks)
+    config = float8_config(recipe, tp, data_ranks, offload)
     Float8Linear = torchao_float8("torchao.float8.float8_linear").Float8Linear
     for name, linear in list(_candidates(model)):
         if fits_fp8((linear.in_features, linear.out_features)) and type(linear) is nn.Linear:
@@ -182,17 +195,38 @@ def apply_float8(model: nn.Module, recipe: str, tp: int = 1, data_ranks: int = 1
     return model
 
 
+class Scaled(NamedTuple):
+    """An operand cast to float8: ``data`` (float8) x ``scale`` (fp32, broadcast against it: per row [T, 1],
+    per (group, column) along the tokens [G, C], per expert [G, 1 | K, 1 | N]) is the operand, saturated;
+    ``data`` is the operand itself and ``scale`` None where the recipe keeps that GEMM's operand in high
+    precision. ``groups``: each row's group, for a per-group scale."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    groups: torch.Tensor | None = None
+
+    def values(self) -> torch.Tensor:
+        """The float8 values in float32 (the operand, for a high-precision one)."""
+        if self.scale is None:
+            return self.data.float().contiguous()
+        scale = self.scale if self.groups is None else self.scale[self.groups]
+        return self.data.float() / scale
+
+
 class Float8GroupedMatmul:
     """The routed experts' grouped GEMM (``meshtron.models.moe.grouped_matmul``: rows [T, K] sorted into
-    groups of ``counts`` rows, stacked weights [G, K, N]) in float8 under ``recipe``, emulated: each operand
-    is quantized to float8 and dequantized in float32 (:meth:`_quantize`), then ``F.grouped_mm`` runs on
-    those exact float8 values, since ``torch._scaled_grouped_mm`` has no CPU kernel. Per the recipe's cast
+    groups of ``counts`` rows, stacked weights [G, K, N]) in float8 under ``recipe``. Per the recipe's cast
     configs, as ``Float8Linear`` casts a linear's operands, with an expert's group in place of the tensor:
     a rowwise scale along a GEMM's contraction dim is per token row and per (expert, column) of its weight, a
     weight-gradient operand's along the tokens is per (expert group, column) (torchao's
     ``_Float8GroupedMM``), and a tensorwise scale is per expert group (tokens) or per expert (weights): a
     loop of ``Float8Linear`` over the experts computes the same (``tests/test_float8.py``). A GEMM with a
-    rowwise-scaled operand comes out in bfloat16, as torch's rowwise kernels give it."""
+    rowwise-scaled operand comes out in bfloat16, as torch's rowwise kernels give it.
+
+    Where :func:`runs_float8_kernel` says so the GEMMs run ``torch._scaled_grouped_mm`` on the float8
+    operands (every scale is per row or column of a group, the tensorwise ones repeated along them);
+    elsewhere (:meth:`emulated`) the float8 values, dequantized in float32, go through ``F.grouped_mm``,
+    since the CPU has no float8 grouped kernel."""
 
     def __init__(self, recipe: str, group=None, split: str | None = None):
         """``group``, ``split``: with expert tensor parallelism, the etp group and the feature dim of the
@@ -203,7 +237,7 @@ class Float8GroupedMatmul:
         self.recipe, self.group, self.split = recipe, group, split
         self.config = float8_config(recipe)
         utils = torchao_float8("torchao.float8.float8_utils")
-        self.amax_to_scale, self.saturate = utils.amax_to_scale, utils.to_fp8_saturated
+        self.amax_to_scale = utils.amax_to_scale
         self.ao_config = torchao_float8("torchao.float8.config")
 
     def split_over(self, group, split: str) -> Float8GroupedMatmul:
@@ -227,70 +261,142 @@ class Float8GroupedMatmul:
     def _off(self, cast) -> bool:
         return cast.scaling_type is self.ao_config.ScalingType.DISABLED
 
-    def _quantize(self, t: torch.Tensor, amax: torch.Tensor, cast) -> torch.Tensor:
-        """``t``'s float8 values (scaled by ``amax``'s scale, saturated) back in float32."""
-        scale = self.amax_to_scale(amax, cast.target_dtype, self.config.round_scales_to_power_of_2)
-        return self.saturate(t.float() * scale, cast.target_dtype).float() / scale
+    def _cast(self, t: torch.Tensor, amax: torch.Tensor, cast, groups: torch.Tensor | None = None) -> Scaled:
+        """``t`` in float8, scaled by ``amax``'s scale (per row of ``groups`` where given), saturated, through
+        one float32 buffer (torchao's ``to_fp8_saturated`` makes three). Where the kernel runs, in
+        float8_e4m3fn whatever the recipe says: torch's grouped kernel takes no other, so the tensorwise
+        recipe's float8_e5m2 gradients become e4m3 there (three mantissa bits instead of two, as torchao's own
+        MoE training casts them)."""
+        dtype = torch.float8_e4m3fn if runs_float8_kernel(t.device) else cast.target_dtype
+        scale = self.amax_to_scale(amax, dtype, self.config.round_scales_to_power_of_2)
+        rows = scale if groups is None else scale[groups]
+        limit = torch.finfo(dtype).max
+        data = t.detach().to(torch.float32, copy=True).mul_(rows).clamp_(-limit, limit).to(dtype)
+        return Scaled(data, scale, groups)
 
-    def tokens(self, t: torch.Tensor, cast, counts: torch.Tensor, along_tokens: bool, split: str) -> torch.Tensor:
-        """Rows ``t`` [T, C] in groups of ``counts`` rows as float8 values: scaled per row along C, or
+    def _token_amax(self, t: torch.Tensor, cast, counts: torch.Tensor, along_tokens: bool, split: str):
+        """(amax, each row's group or None) of rows ``t`` for :meth:`tokens`, the magnitudes in ``t``'s dtype
+        (an amax is one of them: exact) and freed before the cast."""
+        magnitude = t.detach().abs()
+        if self._rowwise(cast) and not along_tokens:
+            return self._whole(magnitude.amax(-1, keepdim=True).float(), split), None
+        if not self._rowwise(cast):
+            magnitude = self._whole(magnitude.amax(-1, keepdim=True).float(), split)
+        groups = torch.repeat_interleave(torch.arange(counts.numel(), device=t.device), counts, output_size=t.shape[0])
+        rows = groups.unsqueeze(-1).expand_as(magnitude)
+        amax = magnitude.new_zeros((counts.numel(), magnitude.shape[1])).scatter_reduce_(0, rows, magnitude, "amax")
+        return amax.float(), groups
+
+    def tokens(self, t: torch.Tensor, cast, counts: torch.Tensor, along_tokens: bool, split: str) -> Scaled:
+        """Rows ``t`` [T, C] in groups of ``counts`` rows in float8: scaled per row along C, or
         ``along_tokens`` per (group, column); tensorwise per group. ``split``: the etp split that cuts C."""
         if self._off(cast):
-            return t.float().contiguous()
-        magnitude = t.detach().abs().float()
-        if self._rowwise(cast) and not along_tokens:
-            return self._quantize(t, self._whole(magnitude.amax(-1, keepdim=True), split), cast)
-        if not self._rowwise(cast):
-            magnitude = self._whole(magnitude.amax(-1), split)
-        groups = torch.repeat_interleave(torch.arange(counts.numel(), device=t.device), counts, output_size=t.shape[0])
-        rows = groups.view(-1, *[1] * (magnitude.dim() - 1)).expand_as(magnitude)
-        amax = magnitude.new_zeros((counts.numel(), *magnitude.shape[1:])).scatter_reduce_(0, rows, magnitude, "amax")
-        return self._quantize(t, amax[groups].view(t.shape[0], -1), cast)
+            return Scaled(t, None)
+        amax, groups = self._token_amax(t, cast, counts, along_tokens, split)
+        return self._cast(t, amax, cast, groups)
 
-    def weights(self, w: torch.Tensor, cast, dim: int) -> torch.Tensor:
-        """Stacked weights ``w`` [G, K, N] as float8 values: rowwise scaled along ``dim`` per expert,
-        tensorwise one scale per expert."""
+    def weights(self, w: torch.Tensor, cast, dim: int) -> Scaled:
+        """Stacked weights ``w`` [G, K, N] in float8: rowwise scaled along ``dim`` per expert, tensorwise
+        one scale per expert."""
         dims = (dim,) if self._rowwise(cast) else (1, 2)
-        amax = w.detach().abs().float().amax(dims, keepdim=True)
+        amax = w.detach().abs().amax(dims, keepdim=True).float()
         for reduced in dims:  # etp splits N (out) or K (in)
             amax = self._whole(amax, "out" if reduced == 2 else "in")
-        return self._quantize(w, amax, cast)
+        return self._cast(w, amax, cast)
 
     def result(self, out: torch.Tensor, casts: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """A GEMM's float32 result in ``dtype``, through bfloat16 where either operand is rowwise-scaled (torchao
-        then runs the rowwise kernel, whose output is bfloat16, the tensorwise scale repeated along the axis)."""
+        """A GEMM's result in ``dtype``, through bfloat16 where either operand is rowwise-scaled (torchao then
+        runs the rowwise kernel, whose output is bfloat16, the tensorwise scale repeated along the axis)."""
         if not any(self._off(c) for c in casts) and any(self._rowwise(c) for c in casts):
             out = out.to(torch.bfloat16)
         return out.to(dtype)
 
 
+def _column_scales(w: Scaled, dim: int) -> torch.Tensor:
+    """The scales of weights ``w`` [G, K, N] cast along ``dim`` per (expert, column of the GEMM they enter):
+    [G, N] for the output GEMM (dim 1), [G, K] for the input gradient's (dim 2, the weights transposed)."""
+    G, K, N = w.data.shape
+    return w.scale.squeeze(dim).expand(G, N if dim == 1 else K)
+
+
+def _scaled_rows_by_experts(a: Scaled, weights: torch.Tensor, columns: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._scaled_grouped_mm`` of float8 rows ``a`` [T, K] (scaled per row) in groups ending at ``offs``
+    and float8 ``weights`` [G, K, N] scaled per (expert, column) by ``columns`` [G, N]: bfloat16 [T, N]. The
+    kernel takes the rows row-major, the weights column-major, and the reciprocal scales."""
+    rows = a.scale if a.groups is None else a.scale[a.groups]
+    if not (weights.stride(-2) == 1 and weights.stride(-1) > 1):
+        weights = weights.transpose(1, 2).contiguous().transpose(1, 2)
+    return torch._scaled_grouped_mm(a.data, weights, (1 / rows).reshape(-1), (1 / columns).contiguous(), offs=offs,
+                                    out_dtype=torch.bfloat16)
+
+
+def _aligned_groups(data: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``data`` [T, C] (float8) with each group of ``counts`` rows moved to start at a multiple of
+    :data:`TOKEN_GROUP_ALIGN`, zero rows between, in a buffer whose size needs no read of ``counts`` (T rounded
+    up, plus one alignment per group); and the padded groups' end offsets. The bytes move as ``uint8``."""
+    tokens, experts, align = data.shape[0], counts.numel(), TOKEN_GROUP_ALIGN
+    padded = (counts + align - 1) // align * align
+    ends = torch.cumsum(padded, 0, dtype=torch.int32)
+    first = torch.cumsum(counts, 0) - counts
+    dest = (ends - padded)[groups] + torch.arange(tokens, device=data.device) - first[groups]
+    out = torch.zeros((-(-tokens // align) * align + experts * align, data.shape[1]), dtype=torch.uint8,
+                      device=data.device)
+    return out.index_copy_(0, dest, data.view(torch.uint8)).view(data.dtype), ends
+
+
+def _scaled_weight_gradient(x: Scaled, grad: Scaled, counts: torch.Tensor) -> torch.Tensor:
+    """``torch._scaled_grouped_mm`` of each expert's rows of ``x`` [T, K] and ``grad`` [T, N], both scaled per
+    (group, column) along the tokens, contracted over its tokens: bfloat16 [G, K, N]. The kernel reads each
+    group's tokens from an aligned start (:func:`_aligned_groups`), ``x`` transposed row-major, ``grad``
+    column-major; a high-precision pair (``rowwise_with_gw_hp``) goes through ``F.grouped_mm``."""
+    if x.scale is None or grad.scale is None:
+        return F.grouped_mm(x.data.t(), grad.data, offs=torch.cumsum(counts, 0, dtype=torch.int32))
+    rows, ends = _aligned_groups(x.data, counts, x.groups)
+    grads, _ = _aligned_groups(grad.data, counts, grad.groups)
+    experts, k, n = counts.numel(), rows.shape[1], grads.shape[1]
+    return torch._scaled_grouped_mm(rows.t().contiguous(), grads.t().contiguous().t(),
+                                    (1 / x.scale).expand(experts, k).reshape(-1),
+                                    (1 / grad.scale).expand(experts, n).reshape(-1), offs=ends, out_dtype=torch.bfloat16)
+
+
 class _Float8GroupedMM(torch.autograd.Function):
-    """``grouped_matmul`` with every operand of its three GEMMs cast per :class:`Float8GroupedMatmul`."""
+    """``grouped_matmul`` with every operand of its three GEMMs cast per :class:`Float8GroupedMatmul`: the
+    float8 kernel where :func:`runs_float8_kernel`, else the float8 values in float32 through ``F.grouped_mm``."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, mm: Float8GroupedMatmul):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         ctx.save_for_backward(x, w, counts, offs)
         ctx.mm = mm
-        c = mm.config
-        out = F.grouped_mm(mm.tokens(x, c.cast_config_input, counts, False, "in"),
-                           mm.weights(w, c.cast_config_weight, 1), offs=offs)
-        return mm.result(out, (c.cast_config_input, c.cast_config_weight), x.dtype)
+        casts = (mm.config.cast_config_input, mm.config.cast_config_weight)
+        rows, weights = mm.tokens(x, casts[0], counts, False, "in"), mm.weights(w, casts[1], 1)
+        if runs_float8_kernel(x.device):
+            out = _scaled_rows_by_experts(rows, weights.data, _column_scales(weights, 1), offs)
+        else:
+            out = F.grouped_mm(rows.values(), weights.values(), offs=offs)
+        return mm.result(out, casts, x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, w, counts, offs = ctx.saved_tensors
         mm, c = ctx.mm, ctx.mm.config
+        kernel = runs_float8_kernel(x.device)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             casts = (c.cast_config_grad_output, c.cast_config_weight_for_grad_input)
-            grad_x = F.grouped_mm(mm.tokens(grad, casts[0], counts, False, "out"),
-                                  mm.weights(w, casts[1], 2).transpose(1, 2), offs=offs)
+            rows, weights = mm.tokens(grad, casts[0], counts, False, "out"), mm.weights(w, casts[1], 2)
+            if kernel:
+                grad_x = _scaled_rows_by_experts(rows, weights.data.transpose(1, 2), _column_scales(weights, 2), offs)
+            else:
+                grad_x = F.grouped_mm(rows.values(), weights.values().transpose(1, 2), offs=offs)
             grad_x = mm.result(grad_x, casts, x.dtype)
         if ctx.needs_input_grad[1]:
             casts = (c.cast_config_input_for_grad_weight, c.cast_config_grad_output_for_grad_weight)
-            grad_w = F.grouped_mm(mm.tokens(x, casts[0], counts, True, "in").t(),
-                                  mm.tokens(grad, casts[1], counts, True, "out"), offs=offs)
+            rows, grads = mm.tokens(x, casts[0], counts, True, "in"), mm.tokens(grad, casts[1], counts, True, "out")
+            if kernel:
+                grad_w = _scaled_weight_gradient(rows, grads, counts)
+            else:
+                grad_w = F.grouped_mm(rows.values().t(), grads.values(), offs=offs)
             grad_w = mm.result(grad_w, casts, w.dtype)
         return grad_x, grad_w, None, None
 
@@ -423,11 +529,14 @@ def split_gemms(linear: nn.Module, mesh, split: str, local_shape: tuple[int, int
 
 
 __all__ = [
-    "EXPERTS_RUN_FLOAT8_KERNEL",
+    "FLOAT8_GROUPED_KERNEL_MAJOR",
     "FP8_ALL_GATHER_RECIPES",
     "FP8_DIM_MULTIPLE",
+    "TOKEN_GROUP_ALIGN",
     "TP_SPLITS",
     "Float8Gemms",
+    "Float8GroupedMatmul",
+    "Scaled",
     "apply_float8",
     "float8_all_gather",
     "float8_split_linear",
@@ -436,6 +545,7 @@ __all__ = [
     "high_precision_linears",
     "high_precision_note",
     "is_float8_linear",
+    "runs_float8_kernel",
     "split_gemms",
     "torchao_float8",
 ]

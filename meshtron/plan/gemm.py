@@ -41,7 +41,7 @@ import math
 from typing import NamedTuple
 
 from meshtron.config import Config
-from meshtron.parallel.float8 import EXPERTS_RUN_FLOAT8_KERNEL, fits_fp8
+from meshtron.parallel.float8 import fits_fp8
 from meshtron.parallel.tensor import local_kv_heads
 from meshtron.plan.hardware import Hardware
 from meshtron.plan.activations import by_kind, microbatch_tokens, recomputed_share
@@ -174,7 +174,8 @@ def layer_gemms(cfg: Config, layer: int, rows: int) -> list[Gemm]:
     local_experts = m.num_experts // p.ep
     # Each rank's token copies (balanced routing), gathered over etp, spread over its local experts.
     expert_rows = max(1, rows * m.num_experts_per_tok // tp * p.etp // local_experts)
-    experts_fp8 = EXPERTS_RUN_FLOAT8_KERNEL and _fp8(cfg, m.moe_intermediate_size, h)
+    # In float8 on the GPUs planned for (compute capability 9.x: meshtron.parallel.float8.runs_float8_kernel).
+    experts_fp8 = _fp8(cfg, m.moe_intermediate_size, h)
     out += _mlp(expert_rows, h, m.moe_intermediate_size // p.etp, count=local_experts, fp8=experts_fp8)
     if m.shared_expert_intermediate_size:
         width = m.shared_expert_intermediate_size

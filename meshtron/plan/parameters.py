@@ -294,9 +294,10 @@ def fp8_weights(cfg: Config, params) -> list:
 
 def fp8_gathered_weights(cfg: Config, params) -> list:
     """The :func:`fp8_weights` FSDP all-gathers in float8 (1 byte an element): those of the recipes with
-    torchao's float8 all-gather, at tp 1 over more than one data rank (``meshtron.parallel.float8.float8_all_gather``)."""
+    torchao's float8 all-gather, at tp 1 over more than one data rank, the shards on the device
+    (``meshtron.parallel.float8.float8_all_gather``)."""
     p = cfg.parallel
-    gathered = float8_all_gather(cfg.train.fp8, p.tp, p.dp * p.cp * p.mesh_ep)
+    gathered = float8_all_gather(cfg.train.fp8, p.tp, p.dp * p.cp * p.mesh_ep, p.offload != "none")
     return fp8_weights(cfg, params) if gathered else []
 
 

@@ -173,6 +173,31 @@ def test_grouped_experts_bf16_forward_and_backward(device, counts):
         assert not leaf.grad[empty].any(), "an expert without tokens got a gradient"
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_experts_float8_kernel_matches_the_cpu_emulation(device, recipe):
+    """The experts' float8 grouped GEMMs through torch._scaled_grouped_mm on an H100 / H200 against the CPU's
+    emulation of the same float8 values (tests/test_float8.py holds both to their contract without a GPU):
+    uneven groups, an empty one, groups no multiple of 16 (the weight gradient's realigned)."""
+    pytest.importorskip("torchao")
+    from meshtron.parallel.float8 import Float8GroupedMatmul, runs_float8_kernel
+
+    if not runs_float8_kernel(device):
+        pytest.skip("torch._scaled_grouped_mm runs on compute capability 9.x only")
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.tensor([5, 0, 17, 10, 64, 1, 33, 0])
+    x = torch.randn(int(counts.sum()), 256, generator=gen).to(BF16)
+    w = torch.randn(len(counts), 256, 128, generator=gen).to(BF16) / 16
+    dy = torch.randn(x.shape[0], 128, generator=gen).to(BF16)
+    runs = []
+    for where in (device, torch.device("cpu")):
+        xr, wr = x.to(where).requires_grad_(), w.to(where).requires_grad_()
+        out = Float8GroupedMatmul(recipe)(xr, wr, counts.to(where))
+        out.backward(dy.to(where))
+        runs.append([t.float().cpu() for t in (out, xr.grad, wr.grad)])
+    for name, kernel, emulated in zip(("output", "input gradient", "weight gradient"), *runs):
+        assert rel_err(kernel, emulated) < 1e-2, (recipe, name, rel_err(kernel, emulated))
+
+
 # --------------------------------------------------------------------------------------------
 # Ring attention's block kernels against full SDPA
 # --------------------------------------------------------------------------------------------
