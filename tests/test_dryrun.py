@@ -553,8 +553,8 @@ def test_plan_holds_to_the_stored_1024_rank_7b_trace():
 def test_dry_run_pipeline_moe_and_hf_folder(capsys, tmp_path):
     """A pipeline (one traced rank per stage, p2p counted), MoE expert dispatch under balanced routing with
     tp 2 and SP (the routers' partial gradients all-reduced over tp in each backward, in bf16: the plan
-    had counted them once in fp32, as the norms' are with pp > 1), and a transformers folder holding
-    nothing but config.json."""
+    had counted them once in fp32, as the norms' are with pp > 1), a tied embedding's gradient summed
+    between the pipeline's ends, and a transformers folder holding nothing but config.json."""
     import transformers
 
     moe = ("--recipe", "recipes/debug_moe.toml", "--dry-run", "16", "--train.dtype", "bfloat16", "--parallel.pp", "2",
@@ -567,6 +567,16 @@ def test_dry_run_pipeline_moe_and_hf_folder(capsys, tmp_path):
         # 1F1B with 4 micro-batches: each stage sends 4 activations or 4 gradients and receives as many.
         assert rank["collectives"]["send"] == 4 and rank["collectives"]["recv_"] == 4, rank["collectives"]
         assert rank["collectives"]["alltoall_base_"] > 0, rank["collectives"]
+        _check_comm(rank)
+    # A tied embedding under 1F1B: the first and last stage all-reduce its fp32 gradient shard (vocabulary 256
+    # over dp 4: 64 rows of 64) once a step, which the plan left out until 2026-11-28 (0.127 GiB for the 0.5B
+    # at pp 2 x dp 4).
+    code, tied, err = _dry_run(capsys, "--recipe", "recipes/debug_dense.toml", "--dry-run", "8", "--parallel.pp", "2",
+                               "--parallel.dp", "4", "--parallel.tp", "1", "--parallel.schedule", "1f1b",
+                               "--parallel.microbatches", "2", "--model.tie_word_embeddings", "true")
+    assert code == 0, err
+    for rank in tied["ranks"]:
+        assert rank["comm_bytes"]["all_reduce/pp"]["traced"] >= 4 * 64 * 64, rank["comm_bytes"]
         _check_comm(rank)
     # Skewed routing: every rank's copies go to ep rank 0 (the traced one), which then receives, computes
     # and returns ep = 4 times the rows it would under balanced routing.

@@ -187,7 +187,21 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
             if stage is not None else 2 * p.virtual_stages
         out["p2p/pp"] = sends * tokens * h * c / (p.tp if p.sp else 1) * mb
     out.update(_data_parallel_bytes(cfg, 0 if stage is None else stage))
+    out.update(_tied_embedding_bytes(cfg, 0 if stage is None else stage))
     return out
+
+
+def _tied_embedding_bytes(cfg: Config, stage: int) -> dict[str, float]:
+    """A tied embedding under a pipeline whose two ends are on different ranks (not a V): the first and the
+    last pp rank each hold a copy (the embedding, the LM head) and all-reduce its gradient shard between them
+    once a step, in fp32 as the data-parallel reduction leaves it (``PipelineRunner._sum_tied_grads``): the
+    vocabulary's rows split over tp, then over the ranks FSDP shards over (padded, as it shards them)."""
+    p, m = cfg.parallel, cfg.model
+    if p.pp == 1 or not m.tie_word_embeddings or p.schedule in V_SHAPED or stage not in (0, p.pp - 1):
+        return {}
+    shards = {"fsdp": p.dp * p.cp * p.mesh_ep, "hsdp": p.cp * p.mesh_ep}.get(p.data_parallel, 1)
+    rows = math.ceil(math.ceil(m.vocab_size / p.tp) / shards)
+    return {"all_reduce/pp": 2 * FP32 * rows * m.hidden_size * _ring(2)}
 
 
 class Transfers(NamedTuple):
