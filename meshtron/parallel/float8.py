@@ -225,7 +225,7 @@ class Float8GroupedMatmul:
 
     Where :func:`runs_float8_kernel` says so the GEMMs run ``torch._scaled_grouped_mm`` on the float8
     operands (every scale is per row or column of a group, the tensorwise ones repeated along them);
-    elsewhere (:meth:`emulated`) the float8 values, dequantized in float32, go through ``F.grouped_mm``,
+    elsewhere the float8 values, dequantized in float32 (:meth:`Scaled.values`), go through ``F.grouped_mm``,
     since the CPU has no float8 grouped kernel."""
 
     def __init__(self, recipe: str, group=None, split: str | None = None):
