@@ -1143,3 +1143,24 @@ def test_offload_variants_are_the_valid_ones_the_recipe_lacks():
     assert kinds("--parallel.data_parallel", "replicate") == {("none", True)}
     assert kinds("--parallel.compile", "true") == {("optimizer", False)}
     assert kinds("--parallel.offload", "optimizer") == {("none", True), ("optimizer", True)}
+
+
+def test_fp8_speedups_documented_are_the_planners():
+    """docs/fp8.md's table of what FP8 buys: every recipe's step time at its stated layout and hardware, in bf16
+    and in each FP8 recipe, and the speed-up, as meshtron.plan predicts them today."""
+    from test_readme import table_after, unquote
+
+    from meshtron.plan.recipes import recipe_hardware
+    from meshtron.plan.speed import predict_step_time
+
+    rows = table_after("### What FP8 buys per recipe", "docs/fp8.md")
+    assert {unquote(row[0]) for row in rows} >= {"qwen2p5_7b", "qwen2p5_72b", "qwen2_57b_a14b"}, rows
+    for row in rows:
+        path = RECIPES / f"{unquote(row[0])}.toml"
+        hardware = recipe_hardware(path)
+        assert int(row[1]) == hardware.world_size, row
+        seconds = [predict_step_time(infer_dp(load_config(path, ["--train.fp8", fp8]), hardware.world_size),
+                                     hardware.hardware()).seconds
+                   for fp8 in ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")]
+        cells = [f"{seconds[0]:.2f}", *(f"{s:.2f} ({seconds[0] / s:.2f}x)" for s in seconds[1:])]
+        assert row[2:] == cells, (row, cells)
