@@ -223,6 +223,12 @@ ATTENTION_KERNELS = ATTENTION_FORWARD_KERNELS | {getattr(aten, f"_scaled_dot_pro
                                                  for kernel in _ATTENTION_KERNEL_NAMES}
 
 
+def scaled_grouped_mm(*args, **kwargs) -> torch.Tensor:
+    """``torch._scaled_grouped_mm``: the float8 grouped GEMM (CUTLASS, compute capability 9.x) torchao's MoE
+    training calls; no public name yet. Looked up at each call (a test stands a CPU version in for it)."""
+    return torch._scaled_grouped_mm(*args, **kwargs)
+
+
 # Multi-tensor kernels: one launch (and one dispatch) for a list of tensors; torch's own gradient
 # clipping and optimizers use them, but they have no public name.
 foreach_norm = torch._foreach_norm

@@ -58,6 +58,7 @@ from meshtron.config import FP8_RECIPES, ConfigError, ModelConfig
 from meshtron.extras import MissingExtra, require
 from meshtron.models import build_model
 from meshtron.models.moe import GroupedExperts, MoE
+from meshtron.torch_private import scaled_grouped_mm
 
 # torch._scaled_mm's constraint on both dims of the weight (the GEMM's K and N).
 FP8_DIM_MULTIPLE = 16
@@ -326,8 +327,8 @@ def _scaled_rows_by_experts(a: Scaled, weights: torch.Tensor, columns: torch.Ten
     rows = a.scale if a.groups is None else a.scale[a.groups]
     if not (weights.stride(-2) == 1 and weights.stride(-1) > 1):
         weights = weights.transpose(1, 2).contiguous().transpose(1, 2)
-    return torch._scaled_grouped_mm(a.data, weights, (1 / rows).reshape(-1), (1 / columns).contiguous(), offs=offs,
-                                    out_dtype=torch.bfloat16)
+    return scaled_grouped_mm(a.data, weights, (1 / rows).reshape(-1), (1 / columns).contiguous(), offs=offs,
+                             out_dtype=torch.bfloat16)
 
 
 def _aligned_groups(data: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,9 +355,9 @@ def _scaled_weight_gradient(x: Scaled, grad: Scaled, counts: torch.Tensor) -> to
     rows, ends = _aligned_groups(x.data, counts, x.groups)
     grads, _ = _aligned_groups(grad.data, counts, grad.groups)
     experts, k, n = counts.numel(), rows.shape[1], grads.shape[1]
-    return torch._scaled_grouped_mm(rows.t().contiguous(), grads.t().contiguous().t(),
-                                    (1 / x.scale).expand(experts, k).reshape(-1),
-                                    (1 / grad.scale).expand(experts, n).reshape(-1), offs=ends, out_dtype=torch.bfloat16)
+    return scaled_grouped_mm(rows.t().contiguous(), grads.t().contiguous().t(),
+                             (1 / x.scale).expand(experts, k).reshape(-1),
+                             (1 / grad.scale).expand(experts, n).reshape(-1), offs=ends, out_dtype=torch.bfloat16)
 
 
 class _Float8GroupedMM(torch.autograd.Function):
