@@ -67,7 +67,7 @@ FP8_ALL_GATHER_RECIPES = ("tensorwise",)
 # The compute capability (major) torch builds its float8 grouped GEMM for (CUTLASS, rowwise float32 scales).
 FLOAT8_GROUPED_KERNEL_MAJOR = 9
 # Where the grouped GEMM contracts over tokens (the weight gradient) each expert's group of rows must start
-# 16 bytes (float8 values) apart: the groups are laid out padded to it (_aligned_groups).
+# 16 bytes (float8 values) apart: the groups are laid out padded to it (_aligned_rows).
 TOKEN_GROUP_ALIGN = 16
 
 
@@ -331,29 +331,36 @@ def _scaled_rows_by_experts(a: Scaled, weights: torch.Tensor, columns: torch.Ten
                              out_dtype=torch.bfloat16)
 
 
-def _aligned_groups(data: torch.Tensor, counts: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``data`` [T, C] (float8) with each group of ``counts`` rows moved to start at a multiple of
-    :data:`TOKEN_GROUP_ALIGN`, zero rows between, in a buffer whose size needs no read of ``counts`` (T rounded
-    up, plus one alignment per group); and the padded groups' end offsets. The bytes move as ``uint8``."""
-    tokens, experts, align = data.shape[0], counts.numel(), TOKEN_GROUP_ALIGN
+def _aligned_rows(counts: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each of T rows in groups of ``counts`` (``groups``: each row's) goes when every group starts at a
+    multiple of :data:`TOKEN_GROUP_ALIGN` rows, zero rows between: (row destinations, the padded groups' end
+    offsets, the buffer's rows), the buffer sized without reading ``counts`` (T rounded up, one alignment more
+    per group)."""
+    tokens, align = groups.shape[0], TOKEN_GROUP_ALIGN
     padded = (counts + align - 1) // align * align
     ends = torch.cumsum(padded, 0, dtype=torch.int32)
     first = torch.cumsum(counts, 0) - counts
-    dest = (ends - padded)[groups] + torch.arange(tokens, device=data.device) - first[groups]
-    out = torch.zeros((-(-tokens // align) * align + experts * align, data.shape[1]), dtype=torch.uint8,
-                      device=data.device)
-    return out.index_copy_(0, dest, data.view(torch.uint8)).view(data.dtype), ends
+    dest = (ends - padded)[groups] + torch.arange(tokens, device=groups.device) - first[groups]
+    return dest, ends, -(-tokens // align) * align + counts.numel() * align
+
+
+def _placed(data: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tensor:
+    """Float8 rows ``data`` moved to ``dest`` in a zeroed buffer of ``rows`` (:func:`_aligned_rows`), the bytes
+    moved as ``uint8``."""
+    out = torch.zeros((rows, data.shape[1]), dtype=torch.uint8, device=data.device)
+    return out.index_copy_(0, dest, data.view(torch.uint8)).view(data.dtype)
 
 
 def _scaled_weight_gradient(x: Scaled, grad: Scaled, counts: torch.Tensor) -> torch.Tensor:
     """``torch._scaled_grouped_mm`` of each expert's rows of ``x`` [T, K] and ``grad`` [T, N], both scaled per
     (group, column) along the tokens, contracted over its tokens: bfloat16 [G, K, N]. The kernel reads each
-    group's tokens from an aligned start (:func:`_aligned_groups`), ``x`` transposed row-major, ``grad``
-    column-major; a high-precision pair (``rowwise_with_gw_hp``) goes through ``F.grouped_mm``."""
+    group's tokens from an aligned start (one layout for both operands, :func:`_aligned_rows`), ``x``
+    transposed row-major, ``grad`` column-major; a high-precision pair (``rowwise_with_gw_hp``) goes through
+    ``F.grouped_mm``."""
     if x.scale is None or grad.scale is None:
         return F.grouped_mm(x.data.t(), grad.data, offs=torch.cumsum(counts, 0, dtype=torch.int32))
-    rows, ends = _aligned_groups(x.data, counts, x.groups)
-    grads, _ = _aligned_groups(grad.data, counts, grad.groups)
+    dest, ends, size = _aligned_rows(counts, x.groups)
+    rows, grads = _placed(x.data, dest, size), _placed(grad.data, dest, size)
     experts, k, n = counts.numel(), rows.shape[1], grads.shape[1]
     return scaled_grouped_mm(rows.t().contiguous(), grads.t().contiguous().t(),
                              (1 / x.scale).expand(experts, k).reshape(-1),

@@ -30,6 +30,7 @@ from meshtron.plan.parameters import (
     FP32,
     Coords,
     compute_bytes,
+    data_shards,
     fp8_gathered_weights,
     fp8_weights,
     fsdp_shard_dim,
@@ -199,8 +200,7 @@ def _tied_embedding_bytes(cfg: Config, stage: int) -> dict[str, float]:
     p, m = cfg.parallel, cfg.model
     if p.pp == 1 or not m.tie_word_embeddings or p.schedule in V_SHAPED or stage not in (0, p.pp - 1):
         return {}
-    shards = {"fsdp": p.dp * p.cp * p.mesh_ep, "hsdp": p.cp * p.mesh_ep}.get(p.data_parallel, 1)
-    rows = math.ceil(math.ceil(m.vocab_size / p.tp) / shards)
+    rows = math.ceil(math.ceil(m.vocab_size / p.tp) / data_shards(cfg, Coords(), expert=False)[0])
     return {"all_reduce/pp": 2 * FP32 * rows * m.hidden_size * _ring(2)}
 
 
