@@ -39,13 +39,12 @@ from meshtron.checkpoint import (
 )
 from meshtron.config import Config, ConfigError, config_to_dict, infer_dp, load_config, model_differences
 from meshtron.hf import CheckpointError
-from meshtron.hf.runner import build_runner, export_hf, with_hf_model
+from meshtron.hf.runner import build_runner, export_hf, fp8_start_note, with_hf_model
 from meshtron.host import ROUTINGS
 from meshtron.torch_private import default_store
 from meshtron.data import SourceSpec, to_device
 from meshtron.faults import inject_fault, install_stall, slow_down
 from meshtron.mesh import batch_mesh, exit_process, group_names, init_default_group, recipe_mesh
-from meshtron.parallel.float8 import high_precision_note
 from meshtron.parallel.layout import validate_layout
 from meshtron.watch.metrics import MetricsLogger, StepProfiler, peak_flops_per_device
 from meshtron.models import flops_per_token
@@ -227,7 +226,7 @@ class Trainer:
             with naming_eval_source():
                 self.eval_dataset = TokenDataset.open(cfg, sources=[eval_source(cfg)], progress=sys.stdout)
         self.runner = build_runner(cfg, mesh, self.device)
-        if self.rank == 0 and (note := high_precision_note(cfg.model, cfg.train.fp8)):
+        if self.rank == 0 and (note := fp8_start_note(cfg)):
             print(note, flush=True)
         self.optimizer = build_optimizer(self.runner.module, cfg.train)
         self.start_step = self._restore()

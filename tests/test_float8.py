@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from meshtron import env
@@ -116,6 +117,53 @@ def test_dims_fp8_cannot_take_stay_high_precision_and_are_listed():
     assert high_precision_note(ModelConfig(**CFG), "tensorwise") is None
     assert type(model.layers["1"].self_attn.k_proj) is nn.Linear
     assert isinstance(model.layers["1"].self_attn.q_proj, _float8_linear())
+
+
+def test_transformers_model_converts_its_block_linears_and_lists_the_rest(tmp_path, one_rank_group):
+    """``[model] hf_model`` with fp8: the blocks' attention, MLP and shared-expert linears convert (through
+    ``parallelize_hf_model``'s ``fp8``, as the trainer runs it); the router and the shared expert's gate, the
+    embedding and head stay; the start-up line names the linears FP8 cannot take and the routed experts."""
+    from transformers import Qwen2MoeConfig
+
+    from meshtron.config import load_config
+    from meshtron.hf.parallelize import convert_float8
+    from meshtron.hf.runner import build_hf_model, fp8_start_note, with_hf_model
+
+    # 1 KV head of 8: k_proj / v_proj give 8 features; the shared expert's 48 and the experts' 32 fit.
+    Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                   num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=48, mlp_only_layers=[1]).save_pretrained(tmp_path)
+    recipe = Path(__file__).resolve().parent.parent / "recipes" / "debug_dense.toml"
+    cfg = with_hf_model(load_config(recipe, ["--model.hf_model", str(tmp_path), "--train.fp8", "rowwise"]))
+    assert fp8_start_note(cfg) == (
+        "meshtron: fp8 = 'rowwise' leaves 2 block linear(s) in the training dtype (dims not multiples of 16): "
+        "model.layers.*.self_attn.k_proj [64 -> 8], model.layers.*.self_attn.v_proj [64 -> 8]; the routed experts "
+        "of a transformers model stay in the training dtype: model.layers.*.mlp.experts")
+    model = build_hf_model(cfg, torch.device("cpu"))
+    convert_float8(model, cached_mesh(), "rowwise")
+    converted = sorted(name for name, m in model.named_modules() if isinstance(m, _float8_linear()))
+    assert converted == sorted(f"model.layers.{i}.{name}" for i in range(2) for name in (
+        "self_attn.q_proj", "self_attn.o_proj",
+        *(("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj") if i == 1 else
+          ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")))), converted
+    assert type(model.model.layers[0].mlp.shared_expert_gate) is nn.Linear
+
+
+def test_block_check_runs_float8_linears_in_the_training_dtype():
+    """The transformers block check proves a layout's split in the training dtype (gemms_in_training_dtype):
+    a Float8Linear then gives F.linear's values exactly, and float8's again after."""
+    from meshtron.parallel.float8 import gemms_in_training_dtype
+
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    x = torch.randn(16, 64)
+    fp8 = apply_float8(nn.ModuleDict({"layers": nn.ModuleDict({"0": nn.ModuleDict({"proj": linear})})}),
+                       "rowwise").layers["0"].proj
+    assert isinstance(fp8, _float8_linear())
+    with gemms_in_training_dtype():
+        assert torch.equal(fp8(x), F.linear(x, linear.weight, linear.bias))
+    after = fp8(x)
+    assert 1e-3 < rel_err(after, F.linear(x, linear.weight, linear.bias)) < 0.1
 
 
 def test_expert_dims_fp8_cannot_take_stay_high_precision():

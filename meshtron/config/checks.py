@@ -50,8 +50,6 @@ def _validate_fp8(cfg: Config, source: str) -> None:
     _require(not (cfg.parallel.tp_overlap and cfg.parallel.tp > 1),
              f"{source}: [train] fp8 = '{fp8}' with [parallel] tp_overlap = true: the overlapped rings compute their "
              "GEMMs in the training dtype, not in float8; set tp_overlap = false or fp8 = 'none'.")
-    _require(not cfg.model.hf_model, f"{source}: [train] fp8 = '{fp8}' is built for meshtron's own models; "
-             "[model] hf_model trains without it (fp8 = 'none').")
 
 
 def _validate_data_parallel(p: ParallelConfig, source: str) -> None:

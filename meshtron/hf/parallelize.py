@@ -77,6 +77,7 @@ from meshtron.models.chunked_loss import DEFAULT_CHUNK_TOKENS
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.recompute import checkpoint_blocks
 from meshtron.parallel.compose import allocate_empty, compose
+from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.data import data_meshes, mixed_precision, offload_policy, wrap_units
 from meshtron.parallel.offload import offload_blocks
 from meshtron.parallel.pipeline.schedules import V_SHAPED
@@ -209,6 +210,7 @@ def parallelize_hf_model(
     prove_blocks: bool = True,
     offload: str = "none",
     offload_activations: bool = False,
+    fp8: str = "none",
 ) -> nn.Module:
     """Parallelize a transformers decoder-only ``*ForCausalLM`` in place over ``mesh`` (from ``build_mesh``)
     and return it.
@@ -223,6 +225,9 @@ def parallelize_hf_model(
     when the data mesh has more than one rank). ``offload="optimizer"`` keeps the sharded parameters, their
     gradients and the optimizer state on the host (FSDP2's CPU offload, one data rank included) and
     ``offload_activations`` each block's saved tensors not recomputed (:mod:`meshtron.parallel.offload`).
+    ``fp8`` (``[train] fp8``'s recipes): the decoder blocks' linears as torchao ``Float8Linear`` (the MoE
+    block's own router and gates, the embedding and head stay in the training dtype), converted first, so that
+    the block check and every split run them in float8 (:func:`convert_float8`).
     Works on meta-device models (then ``to_empty`` and :func:`meshtron.hf.load_sharded_weights`, as :func:`load_hf_checkpoint` does). Each rank of dp x ep
     passes its own part of the batch; ``.loss`` (and ``.aux_loss``) are the global batch's and
     ``.logits`` a vocab-sharded DTensor. The dimensions compose in :mod:`meshtron.parallel.compose`'s
@@ -246,6 +251,7 @@ def parallelize_hf_model(
     (``forward_backward(input_ids, next_token_labels)``).
     """
     prove.check_sequence_dim(model, hf_parts(model), mesh, sp)  # also: a layout we can find the pieces of
+    convert_float8(model, mesh, fp8, offload)
     shared = _shared_parameters(model)
     pipelined = mesh["pp"].size() > 1
     stage = plan_stage(model, mesh, schedule, microbatches, virtual_stages, sp, dtype) if pipelined else None
@@ -260,6 +266,14 @@ def parallelize_hf_model(
     if pipelined:
         run_as_stage(model)
     return model
+
+
+def convert_float8(model: nn.Module, mesh: DeviceMesh, fp8: str, offload: str = "none") -> nn.Module:
+    """The FP8-capable linears of the model's decoder blocks as ``Float8Linear`` (in place, meta or real;
+    :func:`meshtron.parallel.float8.apply_float8` with the blocks :mod:`meshtron.hf.discover` finds), for the
+    tp and data split ``mesh`` will give them; ``fp8`` "none" leaves the model as it is."""
+    return apply_float8(model, fp8, mesh["tp"].size(), dense_data_mesh(mesh).size(), offload != "none",
+                        hf_parts(model).block_items())
 
 
 def _block_references(model: nn.Module, mesh: DeviceMesh, stage: HFStage | None, sp: bool) -> list:
@@ -384,6 +398,7 @@ def _check_twin(folder: str | Path, config, mesh: DeviceMesh, options: dict) -> 
         return 0
     with torch.device("meta"):
         twin = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    convert_float8(twin, mesh, kw["fp8"], kw["offload"])
     parts = hf_parts(twin)
     kinds = prove.block_kinds(parts.block_items())
     last = kinds[-1][0] if proving else -1
@@ -468,4 +483,4 @@ def save_hf_checkpoint(model: nn.Module, folder: str | Path, max_shard_bytes: in
     dist.barrier()
 
 
-__all__ = ["load_hf_checkpoint", "parallelize_hf_model", "save_hf_checkpoint"]
+__all__ = ["convert_float8", "load_hf_checkpoint", "parallelize_hf_model", "save_hf_checkpoint"]

@@ -24,7 +24,8 @@ The ranks of a stage compare the same things in the same order; every rank's err
 the largest of each over its stage's ranks is taken, and all ranks raise the same :class:`ConfigError`,
 naming the stage's block, the layout and the first part that differs (of the first stage with one), or
 none does: a stage that would train on while another stops would hang in the first collective. The probe
-runs in eval mode without a KV cache (dropout would differ).
+runs in eval mode without a KV cache (dropout would differ), and with ``[train] fp8`` its float8 linears compute
+in the training dtype: the check proves the layout's split, which FP8's casts (tested on their own) leave alone.
 
 A model on the meta device has nothing to run; :func:`meshtron.hf.load_hf_checkpoint`, which splits one and
 reads its weights after, first proves a twin built from the same config: the checkpoint's weights read
@@ -51,6 +52,7 @@ from meshtron.hf.discover import HFParts, calls_attention_interface
 from meshtron.host import simulating
 from meshtron.mesh import batch_mesh, dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.parallel.context import shard_sequence
+from meshtron.parallel.float8 import gemms_in_training_dtype
 
 # Errors are relative to the largest reference value; a gradient that is zero analytically (a key bias
 # under softmax) is compared against this share of the block's largest gradient instead.
@@ -151,11 +153,13 @@ def _capture_inputs(blocks: list[tuple[int, nn.Module]], forward: Callable[[], o
 
 @contextmanager
 def _eval_mode(model: nn.Module):
-    """Eval mode (no dropout) for the probe, the model's own mode restored after."""
+    """Eval mode (no dropout) for the probe, the model's own mode restored after; float8 linears ([train] fp8)
+    in the training dtype (:func:`~meshtron.parallel.float8.gemms_in_training_dtype`)."""
     training = model.training
     model.eval()
     try:
-        yield
+        with gemms_in_training_dtype():
+            yield
     finally:
         model.train(training)
 

@@ -24,12 +24,13 @@ from torch import nn
 
 from meshtron.config import Config, ConfigError, ModelConfig
 from meshtron.host import fake_tensors, simulating
-from meshtron.hf.discover import key_value_heads
+from meshtron.hf.discover import hf_parts, key_value_heads
 from meshtron.hf.io import save_hf, write_safetensors_folder
 from meshtron.hf.parallelize import parallelize_hf_model
 from meshtron.hf.pipeline import HFPipelineRunner, whole_sequences
 from meshtron.mesh import batch_mesh
 from meshtron.models import build_model
+from meshtron.parallel.float8 import fp8_note, high_precision_linears, high_precision_note
 from meshtron.parallel.grad_norm import clip_grad_norm_
 from meshtron.parallel.step_runner import Runners, build_step_runner
 from meshtron.parallel.data import MicrobatchSync
@@ -186,7 +187,8 @@ def _options(cfg: Config) -> dict:
     return dict(sp=p.sp, data_parallel=p.data_parallel, ac=p.activation_checkpointing, ac_every=p.ac_every,
                 ac_policy=p.ac_policy, dtype=cfg.train.dtype, schedule=p.schedule, microbatches=p.microbatches,
                 virtual_stages=p.virtual_stages, cp_comm_type=p.cp_comm_type, cp_a2a_size=p.cp_a2a_size,
-                prove_blocks=p.prove_blocks, offload=p.offload, offload_activations=p.offload_activations)
+                prove_blocks=p.prove_blocks, offload=p.offload, offload_activations=p.offload_activations,
+                fp8=cfg.train.fp8)
 
 
 def _step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> Runner:
@@ -212,6 +214,26 @@ def build_runner(cfg: Config, mesh, device: torch.device) -> Runner:
     return build_step_runner(model, mesh, cfg, device)
 
 
+def fp8_start_note(cfg: Config) -> str | None:
+    """The start-up line naming what ``[train] fp8`` leaves in the training dtype: block linears whose dims
+    FP8 cannot take, in meshtron's model or the ``[model] hf_model`` folder's (built on the meta device), and
+    a transformers model's routed experts, which run in the training dtype."""
+    if not cfg.model.hf_model or cfg.train.fp8 == "none":
+        return high_precision_note(cfg.model, cfg.train.fp8)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.hf_model), dtype=torch.float32)
+    parts = hf_parts(model)
+    note = fp8_note(cfg.train.fp8, high_precision_linears(model, parts.block_items(), parts.blocks_path))
+    experts = sorted({f"{parts.blocks_path}.*.{name}.experts" for _, block in parts.block_items()
+                      for name, module in block.named_modules() if isinstance(getattr(module, "experts", None), nn.Module)})
+    if experts:
+        kept = (f"the routed experts of a transformers model stay in the training dtype: {', '.join(experts)}")
+        note = f"{note}; {kept}" if note else f"meshtron: fp8 = '{cfg.train.fp8}': {kept}"
+    return note
+
+
 def export_hf(runner: Runner, cfg: Config, folder: str) -> None:
     """Write the trained model to ``folder`` as a transformers folder from rank 0 (collective: every rank
     calls it): a native model under transformers' names (:func:`meshtron.hf.io.save_hf`), a
@@ -228,4 +250,4 @@ def export_hf(runner: Runner, cfg: Config, folder: str) -> None:
     dist.barrier()
 
 
-__all__ = ["HF_RUNNERS", "HFStepRunner", "build_hf_model", "build_runner", "export_hf", "hf_model_config", "with_hf_model"]
+__all__ = ["HF_RUNNERS", "HFStepRunner", "build_hf_model", "build_runner", "export_hf", "fp8_start_note", "hf_model_config", "with_hf_model"]

@@ -21,20 +21,16 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel, parallelize_module
 
 from meshtron.config import ConfigError
 from meshtron.hf.discover import HFParts, is_norm, key_value_heads
 from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_plan, is_transposed, with_mla_attention
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.tensor import check_tensor_parallel, kv_heads_split, local_heads, residual_layout
-from meshtron.parallel.tp_styles import ReplicatedKVHeads, ReplicateParallel, SplitParams, VocabParallelEmbedding, owned
+from meshtron.parallel.tp_styles import (
+    Colwise, ReplicatedKVHeads, ReplicateParallel, Rowwise, SplitParams, VocabParallelEmbedding, owned,
+)
 from meshtron.parallel.tp_gradient import TpGradient, local_view, name_tp_gradients
 from meshtron.parallel.vocab_loss import VocabParallelHead
 
@@ -195,7 +191,7 @@ class _Heads(NamedTuple):
 def _style(style: str, name: str, module: nn.Module, heads: _Heads, tp: int, sp: bool) -> ParallelStyle | None:
     """One entry of transformers' plan as a training ParallelStyle (None: the module stays unchanged)."""
     kv_proj = name.endswith(("k_proj", "v_proj"))
-    colwise, rowwise = (TransposedColwise, TransposedRowwise) if is_transposed(module) else (ColwiseParallel, RowwiseParallel)
+    colwise, rowwise = (TransposedColwise, TransposedRowwise) if is_transposed(module) else (Colwise, Rowwise)
     if style in _COLWISE and kv_proj and not kv_heads_split(heads.kv_heads, tp):
         return ReplicatedKVHeads(heads.kv_heads, heads.head_dim)
     if style in _COLWISE:
@@ -321,9 +317,9 @@ def _shared_expert_plan(prefix: str) -> dict[str, ParallelStyle]:
     block holds every token of the tp group (gathered under SP), so its output is all-reduced."""
     return {
         prefix: _HiddenStatesInput(sp=False),
-        f"{prefix}.gate_proj": ColwiseParallel(),
-        f"{prefix}.up_proj": ColwiseParallel(),
-        f"{prefix}.down_proj": RowwiseParallel(output_layouts=Replicate()),
+        f"{prefix}.gate_proj": Colwise(),
+        f"{prefix}.up_proj": Colwise(),
+        f"{prefix}.down_proj": Rowwise(output_layouts=Replicate()),
     }
 
 
@@ -485,7 +481,7 @@ def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMe
         # Embedding output replicated: HF computes positions and the causal mask from its length. A
         # family's own embedding class (Gemma 3 scales in its forward) keeps DTensor's rowwise split.
         style = (VocabParallelEmbedding(Replicate()) if type(parts.embed) is nn.Embedding
-                 else RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+                 else Rowwise(input_layouts=Replicate(), output_layouts=Replicate()))
         parallelize_module(parts.embed, tp_mesh, style)
         if sp:
             parallelize_module(blocks[0][1], tp_mesh, _HiddenStatesInput(sp, Replicate(), Shard(1), local=True))
@@ -493,7 +489,7 @@ def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMe
         if sp:
             parallelize_module(parts.norm, tp_mesh, SequenceParallel())
         # Vocab-sharded logits either way; meshtron's head also computes the fused loss (pipeline stages).
-        style = VocabParallelHead(residual_layout(sp)) if isinstance(parts.head, LMHead) else ColwiseParallel(
+        style = VocabParallelHead(residual_layout(sp)) if isinstance(parts.head, LMHead) else Colwise(
             input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False)
         parallelize_module(parts.head, tp_mesh, style)
     if tied:  # both now hold a Shard(0) copy of the shared weight; make them one Parameter again

@@ -44,9 +44,11 @@ training dtype: torchao's float8 gather computes the weight's scale over the FSD
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -100,27 +102,43 @@ def torchao_float8(module: str = "torchao.float8"):
 
 def fp8_linear_names(block: nn.Module) -> list[str]:
     """The names (relative to ``block``) of a decoder block's linears that FP8 may take: attention and MLP
-    projections, the MoE's shared expert; not the MoE's gates (the router is no ``nn.Linear``, the shared
-    expert's gate is a one-column scalar gate: routing decisions stay in the training dtype)."""
-    gates = {f"{name}.shared_expert_gate".lstrip(".") for name, m in block.named_modules() if isinstance(m, MoE)}
-    return [name for name, module in block.named_modules() if isinstance(module, nn.Linear) and name not in gates]
+    projections, a MoE's shared expert; not the linears of a MoE block itself (any module holding routed
+    ``experts``: meshtron's ``MoE``, a transformers sparse block), its router and the shared expert's
+    one-column gate: routing decisions stay in the training dtype."""
+    routing = {f"{name}.{child}".lstrip(".") for name, module in block.named_modules() if _holds_experts(module)
+               for child, linear in module.named_children() if isinstance(linear, nn.Linear)}
+    return [name for name, module in block.named_modules() if isinstance(module, nn.Linear) and name not in routing]
+
+
+def _holds_experts(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "experts", None), nn.Module)
 
 
 def fits_fp8(dims: tuple[int, ...]) -> bool:
     return not any(dim % FP8_DIM_MULTIPLE for dim in dims)
 
 
-def _candidates(model: nn.Module):
-    for key, block in model.layers.items():
+# A model's decoder blocks as (key, block) pairs: meshtron's ``model.layers.items()`` by default, a
+# transformers model's from ``meshtron.hf.discover`` (``HFParts.block_items``).
+Blocks = Iterable[tuple[object, nn.Module]]
+
+
+def _blocks(model: nn.Module, blocks: Blocks | None) -> Blocks:
+    return model.layers.items() if blocks is None else blocks
+
+
+def _candidates(blocks: Blocks, prefix: str):
+    """(name, block, name in the block, linear) of every linear FP8 may take."""
+    for key, block in blocks:
         for name in fp8_linear_names(block):
-            yield f"layers.{key}.{name}", block.get_submodule(name)
+            yield f"{prefix}.{key}.{name}", block, name, block.get_submodule(name)
 
 
-def _routed_experts(model: nn.Module):
-    for key, block in model.layers.items():
+def _routed_experts(blocks: Blocks, prefix: str):
+    for key, block in blocks:
         for name, module in block.named_modules():
             if isinstance(module, GroupedExperts):
-                yield f"layers.{key}.{name}", module
+                yield f"{prefix}.{key}.{name}", module
 
 
 def _expert_dims(experts: GroupedExperts) -> tuple[int, int]:
@@ -128,29 +146,37 @@ def _expert_dims(experts: GroupedExperts) -> tuple[int, int]:
     return tuple(experts.gate_proj.shape[1:])
 
 
-def high_precision_linears(model: nn.Module) -> list[str]:
+def high_precision_linears(model: nn.Module, blocks: Blocks | None = None, prefix: str = "layers") -> list[str]:
     """The block linears (and routed experts) FP8 would take but whose shape it cannot (a dim not a multiple
-    of 16), one entry per distinct name and shape: ``layers.*.self_attn.k_proj [64 -> 8]``."""
-    shapes = [(name, (linear.in_features, linear.out_features)) for name, linear in _candidates(model)]
-    shapes += [(name, _expert_dims(experts)) for name, experts in _routed_experts(model)]
+    of 16), one entry per distinct name and shape: ``layers.*.self_attn.k_proj [64 -> 8]``. ``blocks`` (default
+    ``model.layers``) and ``prefix``, the path of the blocks, as :func:`apply_float8` takes them."""
+    blocks = list(_blocks(model, blocks))
+    shapes = [(name, (linear.in_features, linear.out_features)) for name, _, _, linear in _candidates(blocks, prefix)]
+    shapes += [(name, _expert_dims(experts)) for name, experts in _routed_experts(blocks, prefix)]
+    depth = len(prefix.split("."))
     seen: dict[str, None] = {}
     for name, dims in shapes:
         if not fits_fp8(dims):
-            pattern = ".".join(["layers", "*", *name.split(".")[2:]])
+            pattern = ".".join([prefix, "*", *name.split(".")[depth + 1:]])
             seen[f"{pattern} [{dims[0]} -> {dims[1]}]"] = None
     return list(seen)
 
 
-def high_precision_note(cfg: ModelConfig, recipe: str) -> str | None:
-    """The start-up line naming the block linears ``recipe`` leaves in the training dtype, if any."""
-    if recipe == "none":
-        return None
-    with torch.device("meta"):
-        names = high_precision_linears(build_model(cfg))
-    if not names:
+def fp8_note(recipe: str, names: list[str]) -> str | None:
+    """The start-up line naming the block linears (:func:`high_precision_linears`) ``recipe`` leaves in the
+    training dtype, if any."""
+    if recipe == "none" or not names:
         return None
     return (f"meshtron: fp8 = '{recipe}' leaves {len(names)} block linear(s) in the training dtype "
             f"(dims not multiples of {FP8_DIM_MULTIPLE}): {', '.join(names)}")
+
+
+def high_precision_note(cfg: ModelConfig, recipe: str) -> str | None:
+    """:func:`fp8_note` of meshtron's own model of ``cfg``."""
+    if recipe == "none":
+        return None
+    with torch.device("meta"):
+        return fp8_note(recipe, high_precision_linears(build_model(cfg)))
 
 
 def float8_all_gather(recipe: str, tp: int, data_ranks: int, offload: bool = False) -> bool:
@@ -174,21 +200,23 @@ def float8_config(recipe: str, tp: int = 1, data_ranks: int = 1, offload: bool =
     return dataclasses.replace(config, enable_fsdp_float8_all_gather=gather)
 
 
-def apply_float8(model: nn.Module, recipe: str, tp: int = 1, data_ranks: int = 1, offload: bool = False) -> nn.Module:
-    """Swap the FP8-capable block linears of ``model`` (a meshtron ``Transformer`` or a pipeline stage,
-    meta or real) for ``Float8Linear`` in place; ``recipe`` "none" leaves the model as it is. The
-    parameters keep their names, values and dtype. ``tp``: the tensor-parallel size the model is split over
-    next; ``data_ranks``, ``offload``: the ranks data parallelism then spans and whether it keeps the shards on
-    the host (:func:`float8_all_gather`)."""
+def apply_float8(model: nn.Module, recipe: str, tp: int = 1, data_ranks: int = 1, offload: bool = False,
+                 blocks: Blocks | None = None) -> nn.Module:
+    """Swap the FP8-capable block linears of ``model`` (a meshtron ``Transformer`` or a pipeline stage, or
+    with ``blocks`` any model's decoder blocks, meta or real) for ``Float8Linear`` in place; ``recipe``
+    "none" leaves the model as it is. The parameters keep their names, values and dtype. ``tp``: the
+    tensor-parallel size the model is split over next; ``data_ranks``, ``offload``: the ranks data
+    parallelism then spans and whether it keeps the shards on the host (:func:`float8_all_gather`)."""
     if recipe == "none":
         return model
     config = float8_config(recipe, tp, data_ranks, offload)
     Float8Linear = torchao_float8("torchao.float8.float8_linear").Float8Linear
-    for name, linear in list(_candidates(model)):
+    blocks = list(_blocks(model, blocks))
+    for _, block, name, linear in list(_candidates(blocks, "")):
         if fits_fp8((linear.in_features, linear.out_features)) and type(linear) is nn.Linear:
             owner, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(owner), leaf, Float8Linear.from_float(linear, config=config))
-    fitting = [experts for _, experts in _routed_experts(model) if fits_fp8(_expert_dims(experts))]
+            setattr(block.get_submodule(owner), leaf, Float8Linear.from_float(linear, config=config))
+    fitting = [experts for _, experts in _routed_experts(blocks, "") if fits_fp8(_expert_dims(experts))]
     if fitting:
         matmul = Float8GroupedMatmul(recipe)
         for experts in fitting:
@@ -512,9 +540,39 @@ class _Float8SplitLinear(torch.autograd.Function):
 def float8_split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         gemms: Float8Gemms) -> torch.Tensor:
     """This rank's piece of a tp-split float8 linear's output (a partial sum for a row-parallel one);
-    the bias is added in the output dtype, as ``Float8Linear`` adds it."""
+    the bias is added in the output dtype, as ``Float8Linear`` adds it. In the training dtype while
+    :func:`gemms_in_training_dtype` lasts."""
+    if _TRAINING_DTYPE_GEMMS:
+        return F.linear(x, weight, bias)
     out = _Float8SplitLinear.apply(x, weight, gemms)
     return out if bias is None else out + bias.to(out.dtype)
+
+
+# Set while gemms_in_training_dtype lasts (one probe at a time per process).
+_TRAINING_DTYPE_GEMMS: list[bool] = []
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, self.weight, self.bias)
+
+
+@contextlib.contextmanager
+def gemms_in_training_dtype():
+    """While it lasts, every float8 linear (``Float8Linear``, whole or split over tp) computes ``F.linear`` on
+    its weights in the training dtype: the transformers block check (``meshtron.hf.prove``) proves how a
+    layout splits a block, which FP8 does not change, and torch's rowwise float8 GEMM, returning bf16, would
+    bury a wrong split's error in bf16 rounding. That the float8 casts split exactly is tested on their own."""
+    converted = sys.modules.get("torchao.float8.float8_linear")
+    forward = converted.Float8Linear.forward if converted is not None else None
+    _TRAINING_DTYPE_GEMMS.append(True)
+    if converted is not None:
+        converted.Float8Linear.forward = _linear_forward
+    try:
+        yield
+    finally:
+        _TRAINING_DTYPE_GEMMS.pop()
+        if converted is not None:
+            converted.Float8Linear.forward = forward
 
 
 def is_float8_linear(module: nn.Module) -> bool:
@@ -550,6 +608,8 @@ __all__ = [
     "float8_split_linear",
     "float8_config",
     "fp8_linear_names",
+    "fp8_note",
+    "gemms_in_training_dtype",
     "high_precision_linears",
     "high_precision_note",
     "is_float8_linear",

@@ -122,20 +122,21 @@ class Colwise(ColwiseParallel):
 
 def _float8_rowwise_forward(self: nn.Linear, x: DTensor) -> DTensor:
     part = float8_split_linear(x.to_local(), self.weight.to_local(), None, self.tp_gemms)
-    return DTensor.from_local(part, self.weight.device_mesh, [Partial()], run_check=False)
+    out = DTensor.from_local(part, self.weight.device_mesh, [Partial()], run_check=False)
+    # A replicated bias joins the partial sums once (DTensor adds it on one rank), in the output dtype as
+    # Float8Linear adds it; its gradient is the whole output gradient's.
+    return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
 class Rowwise(RowwiseParallel):
     """``RowwiseParallel``; a float8 linear (``[train] fp8``) computes its partial product from the local
     shards through :func:`meshtron.parallel.float8.float8_split_linear` (its scales those of the whole
-    tensors), then reduces as ``RowwiseParallel`` does. meshtron's blocks have no bias there."""
+    tensors), adds its bias, if any, once, then reduces as ``RowwiseParallel`` does."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = super()._apply(module, device_mesh)
         gemms = split_gemms(module, device_mesh, "in", tuple(module.weight.to_local().shape))
         if gemms is not None:
-            if module.bias is not None:
-                raise TypeError(f"Rowwise computes a float8 linear without bias, got {module}")
             module.tp_gemms = gemms
             module.forward = types.MethodType(_float8_rowwise_forward, module)
         return module
