@@ -129,16 +129,16 @@ def test_transformers_model_converts_its_block_linears_and_lists_the_rest(tmp_pa
     from meshtron.hf.parallelize import convert_float8
     from meshtron.hf.runner import build_hf_model, fp8_start_note, with_hf_model
 
-    # 1 KV head of 8: k_proj / v_proj give 8 features; the shared expert's 48 and the experts' 32 fit.
+    # 1 KV head of 8: k_proj / v_proj give 8 features; the shared expert's 48 fits, the experts' 24 does not.
     Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-                   num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                    shared_expert_intermediate_size=48, mlp_only_layers=[1]).save_pretrained(tmp_path)
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "debug_dense.toml"
     cfg = with_hf_model(load_config(recipe, ["--model.hf_model", str(tmp_path), "--train.fp8", "rowwise"]))
     assert fp8_start_note(cfg) == (
-        "meshtron: fp8 = 'rowwise' leaves 2 block linear(s) in the training dtype (dims not multiples of 16): "
-        "model.layers.*.self_attn.k_proj [64 -> 8], model.layers.*.self_attn.v_proj [64 -> 8]; the routed experts "
-        "of a transformers model stay in the training dtype: model.layers.*.mlp.experts")
+        "meshtron: fp8 = 'rowwise' leaves 3 block linear(s) in the training dtype (dims not multiples of 16): "
+        "model.layers.*.self_attn.k_proj [64 -> 8], model.layers.*.self_attn.v_proj [64 -> 8], "
+        "model.layers.*.mlp.experts [64 -> 24]")
     model = build_hf_model(cfg, torch.device("cpu"))
     convert_float8(model, cached_mesh(), "rowwise")
     converted = sorted(name for name, m in model.named_modules() if isinstance(m, _float8_linear()))
@@ -147,6 +147,31 @@ def test_transformers_model_converts_its_block_linears_and_lists_the_rest(tmp_pa
         *(("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj") if i == 1 else
           ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")))), converted
     assert type(model.model.layers[0].mlp.shared_expert_gate) is nn.Linear
+
+
+def test_transformers_experts_run_float8_through_the_dispatch_on_one_rank(one_rank_group):
+    """With fp8 a transformers model's fused experts run meshtron's dispatch on one rank too, their grouped
+    GEMMs in float8 (Float8GroupedMatmul) where the dims fit: the loss moves off the training dtype's by FP8's
+    rounding, and the block check's training-dtype mode gives it back exactly."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    from meshtron import parallelize_hf_model
+    from meshtron.hf.experts import FusedExpertParallel
+    from meshtron.parallel.float8 import gemms_in_training_dtype
+
+    config = Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=8, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1])
+    torch.manual_seed(0)
+    whole = AutoModelForCausalLM.from_config(config)
+    model = parallelize_hf_model(copy.deepcopy(whole), cached_mesh(), fp8="rowwise_with_gw_hp")
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts, FusedExpertParallel) and isinstance(experts.matmul, Float8GroupedMatmul)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    expected = whole(input_ids=ids, labels=ids).loss
+    with gemms_in_training_dtype():
+        assert rel_err(model(input_ids=ids, labels=ids).loss, expected) < 1e-6
+    assert 1e-6 < rel_err(model(input_ids=ids, labels=ids).loss, expected) < 1e-2
 
 
 def test_block_check_runs_float8_linears_in_the_training_dtype():

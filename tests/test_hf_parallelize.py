@@ -872,6 +872,7 @@ def test_expert_layouts():
     class: Mixtral's SiLU experts, Aria's transposed ones and gpt-oss's clamped ones are dispatched; gpt-oss's experts with
     another activation are refused at ep > 1 naming what was found, and left whole at ep = 1."""
     from meshtron.hf.experts import hf_expert_modules
+    from meshtron.hf.runner import hf_fp8_note
 
     def classes(model, ep: int) -> dict[str, str]:
         return {name: cls.__name__ for name, (_, cls) in hf_expert_modules(model, ep).items()}
@@ -888,6 +889,10 @@ def test_expert_layouts():
         hf_expert_modules(other_activation, 2)
     with pytest.warns(UserWarning, match=r"1 experts modules stay whole on every tp rank .*'model.layers.1.mlp.experts'"):
         assert classes(other_activation, 1) == {names[0]: "ClampedExpertParallel"}
+    # Under [train] fp8 those run as transformers' own module, in the training dtype: the start-up line says so.
+    assert hf_fp8_note(other_activation, "rowwise") == (
+        "meshtron: fp8 = 'rowwise': experts meshtron's dispatch does not run stay in the training dtype: "
+        "model.layers.*.mlp.experts")
     _check_router_scaled_refusals()
     recurrent = _family_model("gain_llama")  # [heads, d, d] gating weights in a model without experts: not experts
     recurrent.model.layers[0].self_attn.gates = torch.nn.Parameter(torch.randn(8, 8, 8))

@@ -17,8 +17,9 @@ rank 0), and resumes the dp2 x tp2 checkpoint resharded onto pp2 x tp2; an 8-ran
 tp2 (Llama), dp2 x ep2 x tp2 (Qwen2-MoE) and, for each MoE family, pp2 x dp2 x ep2 and pp2 x ep2 x tp2
 (Qwen3-MoE + SP, Mixtral's pp2 x dp2 x ep2 interleaved), Gemma 2 and Gemma 3 (config.json only) on pp2 x dp2 x
 tp2. Losses within 1e-4. In the same launches a Qwen2 folder trains in FP8 (``[train] fp8 =
-"rowwise_with_gw_hp"``) on dp4, dp2 x tp2 + SP, pp2 x cp2 (zb1p) and pp2 x dp2 x tp2, against its single-rank
-FP8 run and that run's own one-ulp noise.
+"rowwise_with_gw_hp"``) on dp4, dp2 x tp2 + SP, pp2 x cp2 (zb1p) and pp2 x dp2 x tp2, and a Qwen2-MoE folder
+(experts in float8) on dp2 x ep2, ep4 folded over dp2 x tp2 + SP and pp2 x dp2 x ep2, each against its
+single-rank FP8 run and that run's own one-ulp noise.
 """
 
 from __future__ import annotations
@@ -313,15 +314,23 @@ RECIPE_LAYOUTS = {
     # measures FP8's own rounding noise.
     "qwen2_fp8": {"dp4": dict(dp=4), "dp2_tp2_sp": dict(dp=2, tp=2, sp="true"),
                   "pp2_cp2_zb1p": dict(pp=2, cp=2, schedule='"zb1p"'), "pp2_dp2_tp2": dict(pp=2, dp=2, tp=2)},
+    # Its routed experts in float8 through meshtron's dispatch (on the single rank too): ep, ep folded over
+    # dp x tp + SP, pp x dp x ep.
+    "qwen2_moe_fp8": {"dp2_ep2": dict(dp=2, ep=2), "dp2_tp2_ep4_folded_sp": dict(dp=2, tp=2, ep=4, fold_ep="true", sp="true"),
+                      "pp2_dp2_ep2": dict(pp=2, dp=2, ep=2)},
     "qwen2_fp8_ulp": {},
+    "qwen2_moe_fp8_ulp": {},
 }
-FP8_MODELS = {"qwen2_fp8", "qwen2_fp8_ulp"}
+# FP8 model -> its twin from weights one float32 ulp up (single rank only)
+FP8_TWINS = {"qwen2_fp8": "qwen2_fp8_ulp", "qwen2_moe_fp8": "qwen2_moe_fp8_ulp"}
+FP8_MODELS = {*FP8_TWINS, *FP8_TWINS.values()}
 FP8 = ["--train.fp8", "rowwise_with_gw_hp"]
 EVAL = ["--data.eval_source", "builtin", "--train.eval_every", str(RECIPE_HALF), "--train.eval_steps", "1"]
 
 
 def _ranks(sizes: dict) -> int:
-    return math.prod(sizes.get(dim, 1) for dim in ("pp", "dp", "cp", "ep", "tp"))
+    folded = sizes.get("fold_ep") == "true"  # ep reuses the dense ranks
+    return math.prod(sizes.get(dim, 1) for dim in ("pp", "dp", "cp", "ep", "tp") if not (folded and dim == "ep"))
 
 
 def _recipe_folders(root: Path) -> dict[str, str]:
@@ -350,18 +359,26 @@ def _recipe_folders(root: Path) -> dict[str, str]:
         else:
             cfg.save_pretrained(folders[name])
     # FP8: 4 KV heads of 8 keep k_proj / v_proj at 16 features per rank under tp 2 (a float8 GEMM's multiple).
-    cfg = transformers.Qwen2Config(**{**SMALL, "vocab_size": 256, "max_position_embeddings": 256}, num_key_value_heads=4,
-                                   tie_word_embeddings=True)
+    fp8 = {**SMALL, "vocab_size": 256, "max_position_embeddings": 256, "num_key_value_heads": 4}
+    _save_with_ulp_twin(transformers.Qwen2Config(**fp8, tie_word_embeddings=True), root, "qwen2_fp8", folders)
+    _save_with_ulp_twin(transformers.Qwen2MoeConfig(**fp8, **aux, num_experts=4, moe_intermediate_size=32,
+                                                    shared_expert_intermediate_size=64), root, "qwen2_moe_fp8", folders)
+    return folders
+
+
+def _save_with_ulp_twin(cfg, root: Path, name: str, folders: dict) -> None:
+    """A folder with seeded weights, and its FP8_TWINS twin with every weight one float32 ulp up."""
+    import transformers
+
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
-    folders["qwen2_fp8"] = str(root / "qwen2_fp8")
-    model.save_pretrained(folders["qwen2_fp8"])
+    folders[name] = str(root / name)
+    model.save_pretrained(folders[name])
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.nextafter(param, torch.full_like(param, torch.inf)))
-    folders["qwen2_fp8_ulp"] = str(root / "qwen2_fp8_ulp")
-    model.save_pretrained(folders["qwen2_fp8_ulp"])
-    return folders
+    folders[FP8_TWINS[name]] = str(root / FP8_TWINS[name])
+    model.save_pretrained(folders[FP8_TWINS[name]])
 
 
 def _train_hf(folder: str, out: Path, layout: dict, extra: list[str] = ()):
@@ -488,28 +505,29 @@ def test_hf_model_recipe_loss_curve_is_layout_invariant(recipe_runs, model):
 
 
 # rowwise_with_gw_hp scales every operand over the whole logical tensor, so the first step's loss is the single
-# rank's to float32 reassociation on dp and pp layouts (measured <= 1.7e-7). From the second step the weights
-# differ by reduction order and a float8 cast can turn that last bit into a whole float8 step: the single-rank
-# run from weights one ulp up departs as far (measured: dp4 6.8e-7 against one-ulp gaps up to 3.2e-5; bound
-# FP8_VS_ULP_NOISE times them). cp merges the ring's attention blocks in another order than
+# rank's to float32 reassociation on dp, ep and pp layouts (measured <= 1.7e-7). From the second step the
+# weights differ by reduction order and a float8 cast can turn that last bit into a whole float8 step: the
+# single-rank run from weights one ulp up departs as far (measured: dp4 6.8e-7, MoE dp2 x ep2 8.5e-6, pp2 x dp2 x
+# ep2 9.6e-6, against one-ulp gaps up to 3.2e-5 and 4.0e-5; bound FP8_VS_ULP_NOISE times them). cp merges the ring's attention blocks in another order than
 # transformers' attention, more than one float32 sum's reassociation, so its first step too is held to the
 # ulp-noise bound (measured 1.4e-5, max 4.8e-5). tp's row-parallel partial sums come out of torch's rowwise
 # float8 GEMM in bf16 (tests/test_float8.py, TP_LOSS: 3e-3 on meshtron's model; measured here 1.5e-4, with or
-# without pp).
+# without pp; MoE with its experts folded over dp x tp + SP 4.4e-5).
 FP8_FIRST_STEP = 1e-6
 FP8_VS_ULP_NOISE = 4.0
 FP8_TP_LOSS = 3e-3
 
 
-def test_hf_model_recipe_fp8_follows_its_single_rank_run(recipe_runs):
-    """A transformers model in FP8 (rowwise_with_gw_hp) on dp, tp + SP, pp (zb1p with cp, 1F1B with dp x tp):
-    the training losses against its single-rank FP8 run."""
-    reference = _losses(recipe_runs / "qwen2_fp8" / "single")
-    noise = [abs(a - b) / b for a, b in zip(_losses(recipe_runs / "qwen2_fp8_ulp" / "single"), reference)]
+@pytest.mark.parametrize("model", list(FP8_TWINS))
+def test_hf_model_recipe_fp8_follows_its_single_rank_run(recipe_runs, model):
+    """A transformers model in FP8 (rowwise_with_gw_hp) on dp, tp + SP, pp (zb1p with cp, 1F1B with dp x tp), and
+    a MoE one's experts in float8 on ep layouts: the training losses against the single-rank FP8 run."""
+    reference = _losses(recipe_runs / model / "single")
+    noise = [abs(a - b) / b for a, b in zip(_losses(recipe_runs / FP8_TWINS[model] / "single"), reference)]
     assert len(reference) == RECIPE_STEPS and reference[-1] < reference[0] - 0.05, reference
-    for layout, sizes in RECIPE_LAYOUTS["qwen2_fp8"].items():
-        gaps = [abs(a - b) / b for a, b in zip(_losses(recipe_runs / "qwen2_fp8" / layout), reference)]
-        where = f"fp8 {layout}: loss gaps {gaps}, one-ulp gaps {noise}"
+    for layout, sizes in RECIPE_LAYOUTS[model].items():
+        gaps = [abs(a - b) / b for a, b in zip(_losses(recipe_runs / model / layout), reference)]
+        where = f"{model} {layout}: loss gaps {gaps}, one-ulp gaps {noise}"
         print(where)
         assert len(gaps) == RECIPE_STEPS, where
         if sizes.get("tp", 1) > 1:

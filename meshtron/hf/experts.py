@@ -58,6 +58,7 @@ from meshtron.hf.discover import hf_parts
 from meshtron.mesh import expert_meshes, expert_split
 from meshtron.models.moe import grouped_matmul, grouped_swiglu
 from meshtron.parallel.expert import ExpertDispatch, check_expert_divisible
+from meshtron.parallel.float8 import Float8GroupedMatmul, fits_fp8
 from meshtron.torch_private import CONV_BASE
 
 _FUSED = ("gate_up_proj", "down_proj")
@@ -130,6 +131,13 @@ class FusedExpertParallel(ExpertDispatch):
         gate, up = self.local(self.gate_up_proj).transpose(1, 2).chunk(2, dim=2)
         return gate, up, self.local(self.down_proj).transpose(1, 2)
 
+    @classmethod
+    def dims(cls, experts: nn.Module) -> tuple[int, int]:
+        """(hidden, intermediate) of ``experts`` (transformers' module or this one, logical shapes): the K and N
+        of the gate and up GEMMs, the N and K of the down one."""
+        _, rows, columns = experts.down_proj.shape
+        return (columns, rows) if cls.LAYOUT["is_transposed"] else (rows, columns)
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         return self.dispatch(hidden_states, top_k_weights.to(hidden_states.dtype), top_k_index)
 
@@ -175,9 +183,9 @@ class ClampedExpertParallel(FusedExpertParallel):
     def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         gate_up, gate_up_bias, down, down_bias = self.local_weights()
         rows = x.shape[0]
-        h = grouped_matmul(x, gate_up, counts) + gate_up_bias.repeat_interleave(counts, dim=0, output_size=rows)
+        h = self.matmul(x, gate_up, counts) + gate_up_bias.repeat_interleave(counts, dim=0, output_size=rows)
         h = clamped_glu(h, self.alpha, self.limit)
-        return grouped_matmul(h, down, counts) + down_bias.repeat_interleave(counts, dim=0, output_size=rows)
+        return self.down_matmul(h, down, counts) + down_bias.repeat_interleave(counts, dim=0, output_size=rows)
 
 
 _LAYOUTS = (FusedExpertParallel, TransposedExpertParallel, ClampedExpertParallel)
@@ -413,6 +421,18 @@ def apply_hf_expert_parallel(
     return replaced
 
 
+def float8_experts(experts: list[FusedExpertParallel], recipe: str) -> None:
+    """``[train] fp8``: the grouped GEMMs of each of ``experts`` (from :func:`apply_hf_expert_parallel`) in
+    float8 (:class:`~meshtron.parallel.float8.Float8GroupedMatmul`, as meshtron's own experts run them) where
+    its dims fit a float8 GEMM."""
+    if recipe == "none":
+        return
+    matmul = Float8GroupedMatmul(recipe)
+    for module in experts:
+        if fits_fp8(module.dims(module)):
+            module.matmul = module.down_matmul = matmul
+
+
 __all__ = [
     "ClampedExpertParallel",
     "FusedExpertParallel",
@@ -422,6 +442,7 @@ __all__ = [
     "adopt_router_scaled_blocks",
     "apply_hf_expert_parallel",
     "clamped_glu",
+    "float8_experts",
     "hf_expert_modules",
     "swiglu_gate",
 ]

@@ -66,7 +66,7 @@ from meshtron.config import ConfigError
 from meshtron.hf import prove
 from meshtron.hf.discover import HFParts, hf_parts, is_rotary
 from meshtron.hf.context import apply_hf_context_parallel
-from meshtron.hf.experts import adopt_router_scaled_blocks, apply_hf_expert_parallel, hf_expert_modules
+from meshtron.hf.experts import adopt_router_scaled_blocks, apply_hf_expert_parallel, float8_experts, hf_expert_modules
 from meshtron.hf.io import weight_map, write_safetensors_folder
 from meshtron.hf.loss import global_aux_loss, hf_loss_function
 from meshtron.hf.pipeline import HFStage, cut_to_stage, plan_stage, run_as_stage, stage_block, stage_chunks
@@ -114,11 +114,12 @@ class HFSteps:
 
     def __init__(self, mesh: DeviceMesh, sp: bool, data_parallel: str, ac: tuple[str, int, str], dtype: str,
                  cp_comm: tuple[str, int], pipelined: bool, references: list,
-                 offload: tuple[str, bool] = ("none", False)):
+                 offload: tuple[str, bool] = ("none", False), fp8: str = "none"):
         """``ac``: the checkpointing mode, ``ac_every`` and ``ac_policy``; ``offload``: ``[parallel] offload``
-        and ``offload_activations``."""
+        and ``offload_activations``; ``fp8``: the recipe the fused experts' grouped GEMMs run (the block
+        linears are converted before, :func:`convert_float8`)."""
         self.mesh, self.sp, self.data_parallel, self.dtype = mesh, sp, data_parallel, dtype
-        self.offload = offload
+        self.offload, self.fp8 = offload, fp8
         self.ac, self.cp_comm, self.pipelined = ac, cp_comm, pipelined
         self.references = references  # the block check's (meshtron.hf.prove), recorded on the whole model
         self.tp_mesh = mesh["tp"]
@@ -126,12 +127,14 @@ class HFSteps:
 
     def setup(self, model: nn.Module) -> None:
         """The bias-free head becomes meshtron's fused one; the fused experts are found (before tp splits
-        the blocks around them)."""
+        the blocks around them): under ep or tp, or in FP8 on any layout (one rank too), where meshtron's
+        dispatch runs their grouped GEMMs in float8."""
         self.parts = hf_parts(model)
         self.shared = _shared_parameters(model)
         _as_meshtron_head(self.parts.head)
         ep = expert_split(self.mesh).ep
-        self.expert_modules = hf_expert_modules(model, ep) if ep > 1 or self.tp_mesh.size() > 1 else {}
+        dispatched = ep > 1 or self.tp_mesh.size() > 1 or self.fp8 != "none"
+        self.expert_modules = hf_expert_modules(model, ep) if dispatched else {}
         if ep > 1 and not self.expert_modules:
             raise ConfigError(f"parallelize_hf_model: ep = {ep} needs a MoE model with fused experts; "
                               f"{type(model).__name__} has none. Use ep = 1.")
@@ -144,6 +147,7 @@ class HFSteps:
     def expert(self, model: nn.Module) -> None:
         """The experts split over ep; then every parameter tp left plain becomes a Replicate DTensor."""
         self.experts = apply_hf_expert_parallel(model, self.mesh, self.expert_modules)
+        float8_experts(self.experts, self.fp8)
         if self.tp_mesh.size() > 1:
             replicate_plain_params(model, self.parts, self.tp_mesh, self.experts)
         _share_again(self.shared)
@@ -226,8 +230,9 @@ def parallelize_hf_model(
     gradients and the optimizer state on the host (FSDP2's CPU offload, one data rank included) and
     ``offload_activations`` each block's saved tensors not recomputed (:mod:`meshtron.parallel.offload`).
     ``fp8`` (``[train] fp8``'s recipes): the decoder blocks' linears as torchao ``Float8Linear`` (the MoE
-    block's own router and gates, the embedding and head stay in the training dtype), converted first, so that
-    the block check and every split run them in float8 (:func:`convert_float8`).
+    block's own router and gates, the embedding and head stay in the training dtype), converted first so that
+    every split takes them as float8 linears (:func:`convert_float8`), and the fused experts' grouped GEMMs in
+    float8 through meshtron's dispatch, on one rank too (:func:`meshtron.hf.experts.float8_experts`).
     Works on meta-device models (then ``to_empty`` and :func:`meshtron.hf.load_sharded_weights`, as :func:`load_hf_checkpoint` does). Each rank of dp x ep
     passes its own part of the batch; ``.loss`` (and ``.aux_loss``) are the global batch's and
     ``.logits`` a vocab-sharded DTensor. The dimensions compose in :mod:`meshtron.parallel.compose`'s
@@ -261,7 +266,8 @@ def parallelize_hf_model(
     if pipelined:
         cut_to_stage(model, stage)
     compose(model, HFSteps(mesh, sp, data_parallel, (ac, ac_every, ac_policy), dtype, (cp_comm_type, cp_a2a_size),
-                           pipelined=pipelined, references=references, offload=(offload, offload_activations)))
+                           pipelined=pipelined, references=references, offload=(offload, offload_activations),
+                           fp8=fp8))
     _check_still_shared(model, shared)
     if pipelined:
         run_as_stage(model)
@@ -409,7 +415,8 @@ def _check_twin(folder: str | Path, config, mesh: DeviceMesh, options: dict) -> 
     if proving:
         references = prove.record_references(twin, kinds, mesh, kw["sp"])
         compose(twin, _TwinSteps(mesh, kw["sp"], kw["data_parallel"], ("none", 1, kw["ac_policy"]), kw["dtype"],
-                                 (kw["cp_comm_type"], kw["cp_a2a_size"]), pipelined=False, references=references))
+                                 (kw["cp_comm_type"], kw["cp_a2a_size"]), pipelined=False, references=references,
+                                 fp8=kw["fp8"]))
     return read
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,12 +26,13 @@ from torch import nn
 from meshtron.config import Config, ConfigError, ModelConfig
 from meshtron.host import fake_tensors, simulating
 from meshtron.hf.discover import hf_parts, key_value_heads
+from meshtron.hf.experts import hf_expert_modules
 from meshtron.hf.io import save_hf, write_safetensors_folder
 from meshtron.hf.parallelize import parallelize_hf_model
 from meshtron.hf.pipeline import HFPipelineRunner, whole_sequences
 from meshtron.mesh import batch_mesh
 from meshtron.models import build_model
-from meshtron.parallel.float8 import fp8_note, high_precision_linears, high_precision_note
+from meshtron.parallel.float8 import fits_fp8, fp8_note, high_precision_linears, high_precision_note
 from meshtron.parallel.grad_norm import clip_grad_norm_
 from meshtron.parallel.step_runner import Runners, build_step_runner
 from meshtron.parallel.data import MicrobatchSync
@@ -215,23 +217,48 @@ def build_runner(cfg: Config, mesh, device: torch.device) -> Runner:
 
 
 def fp8_start_note(cfg: Config) -> str | None:
-    """The start-up line naming what ``[train] fp8`` leaves in the training dtype: block linears whose dims
-    FP8 cannot take, in meshtron's model or the ``[model] hf_model`` folder's (built on the meta device), and
-    a transformers model's routed experts, which run in the training dtype."""
+    """The start-up line naming what ``[train] fp8`` leaves in the training dtype: block linears and routed
+    experts whose dims FP8 cannot take, in meshtron's model or the ``[model] hf_model`` folder's (built on the
+    meta device), and a transformers model's experts in a layout meshtron's dispatch does not run (they run
+    as transformers' own module)."""
     if not cfg.model.hf_model or cfg.train.fp8 == "none":
         return high_precision_note(cfg.model, cfg.train.fp8)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.hf_model), dtype=torch.float32)
+    return hf_fp8_note(model, cfg.train.fp8)
+
+
+def hf_fp8_note(model: nn.Module, recipe: str) -> str | None:
+    """:func:`fp8_start_note` of a transformers ``model`` (meta or real) under ``recipe``."""
     parts = hf_parts(model)
-    note = fp8_note(cfg.train.fp8, high_precision_linears(model, parts.block_items(), parts.blocks_path))
-    experts = sorted({f"{parts.blocks_path}.*.{name}.experts" for _, block in parts.block_items()
-                      for name, module in block.named_modules() if isinstance(getattr(module, "experts", None), nn.Module)})
-    if experts:
-        kept = (f"the routed experts of a transformers model stay in the training dtype: {', '.join(experts)}")
-        note = f"{note}; {kept}" if note else f"meshtron: fp8 = '{cfg.train.fp8}': {kept}"
+    names = high_precision_linears(model, parts.block_items(), parts.blocks_path)
+    with warnings.catch_warnings():  # the dispatch's own warning names the experts it leaves out
+        warnings.simplefilter("ignore")
+        dispatched = hf_expert_modules(model, ep=1)
+    for name, (experts, cls) in dispatched.items():
+        hidden, intermediate = cls.dims(experts)
+        if not fits_fp8((hidden, intermediate)):
+            names.append(f"{_block_pattern(name, parts.blocks_path)} [{hidden} -> {intermediate}]")
+    note = fp8_note(recipe, list(dict.fromkeys(names)))
+    undispatched = sorted({_block_pattern(name, parts.blocks_path) for name, module in model.named_modules()
+                           if name.endswith(".experts") and name not in dispatched and _holds_weights(module)})
+    if undispatched:
+        kept = f"experts meshtron's dispatch does not run stay in the training dtype: {', '.join(undispatched)}"
+        note = f"{note}; {kept}" if note else f"meshtron: fp8 = '{recipe}': {kept}"
     return note
+
+
+def _block_pattern(name: str, blocks_path: str) -> str:
+    """``model.layers.3.mlp.experts`` as ``model.layers.*.mlp.experts``."""
+    _, _, rest = name.removeprefix(f"{blocks_path}.").partition(".")
+    return f"{blocks_path}.*.{rest}"
+
+
+def _holds_weights(module: nn.Module) -> bool:
+    """Parameters of its own: fused expert weights (a list of expert MLPs holds linears, which FP8 converts)."""
+    return any(True for _ in module.parameters(recurse=False))
 
 
 def export_hf(runner: Runner, cfg: Config, folder: str) -> None:
@@ -250,4 +277,4 @@ def export_hf(runner: Runner, cfg: Config, folder: str) -> None:
     dist.barrier()
 
 
-__all__ = ["HF_RUNNERS", "HFStepRunner", "build_hf_model", "build_runner", "export_hf", "fp8_start_note", "hf_model_config", "with_hf_model"]
+__all__ = ["HF_RUNNERS", "HFStepRunner", "build_hf_model", "build_runner", "export_hf", "fp8_start_note", "hf_fp8_note", "hf_model_config", "with_hf_model"]

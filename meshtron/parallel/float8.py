@@ -59,7 +59,7 @@ from torch import nn
 from meshtron.config import FP8_RECIPES, ConfigError, ModelConfig
 from meshtron.extras import MissingExtra, require
 from meshtron.models import build_model
-from meshtron.models.moe import GroupedExperts, MoE
+from meshtron.models.moe import GroupedExperts, grouped_matmul
 from meshtron.torch_private import scaled_grouped_mm
 
 # torch._scaled_mm's constraint on both dims of the weight (the GEMM's K and N).
@@ -274,6 +274,8 @@ class Float8GroupedMatmul:
         return Float8GroupedMatmul(self.recipe, group, split)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if _TRAINING_DTYPE_GEMMS:
+            return grouped_matmul(x, w, counts)
         return _Float8GroupedMM.apply(x, w, counts, self)
 
     def _whole(self, amax: torch.Tensor, operand_split: str) -> torch.Tensor:
@@ -559,7 +561,7 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def gemms_in_training_dtype():
     """While it lasts, every float8 linear (``Float8Linear``, whole or split over tp) computes ``F.linear`` on
-    its weights in the training dtype: the transformers block check (``meshtron.hf.prove``) proves how a
+    its weights in the training dtype, and the experts' float8 grouped GEMMs ``grouped_matmul``: the transformers block check (``meshtron.hf.prove``) proves how a
     layout splits a block, which FP8 does not change, and torch's rowwise float8 GEMM, returning bf16, would
     bury a wrong split's error in bf16 rounding. That the float8 casts split exactly is tested on their own."""
     converted = sys.modules.get("torchao.float8.float8_linear")
