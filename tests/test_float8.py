@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+from operator import itemgetter
 from pathlib import Path
 
 import pytest
@@ -367,10 +368,9 @@ def check_experts_split_over_etp_keep_every_float8_value():
             assert rel_err(mine[1].grad, ref[1].grad.chunk(size, dim)[rank]) < LINEAR_EXACT, where
 
 
-def test_fp8_with_tp_overlap_is_refused():
-    with pytest.raises(ConfigError, match=r"\[train\] fp8 = 'rowwise' with \[parallel\] tp_overlap = true: the "
-                                          r"overlapped rings compute their GEMMs in the training dtype"):
-        validate(_config("rowwise", tp=2, sp=True, tp_overlap=True))
+def test_fp8_composes_with_tp_overlap():
+    """The recipe check takes FP8 with tp_overlap (which runs it: check_tp_matches_one_rank_fp8)."""
+    validate(_config("rowwise", tp=2, sp=True, tp_overlap=True))
     validate(_config("rowwise", tp=2, sp=True))
 
 
@@ -578,13 +578,15 @@ def _split_linear_matches(recipe: str, tp_mesh) -> None:
         assert max(errors) < bound, f"{recipe} {split}-split over tp {tp}: output, input and weight gradients {errors}"
 
 
-def _tp_model(recipe: str, tp_mesh, sp: bool, reference):
-    """The FP8 model split over ``tp_mesh`` (built on meta as training builds it) with ``reference``'s weights."""
+def _tp_model(recipe: str, tp_mesh, sp: bool, reference, overlap: bool = False):
+    """The FP8 model split over ``tp_mesh`` (built on meta as training builds it) with ``reference``'s weights;
+    ``overlap``: SP's collectives as rings overlapped with the GEMMs ([parallel] tp_overlap)."""
     from meshtron.parallel.tensor import apply_tensor_parallel
+    from meshtron.parallel.tensor_overlap import apply_overlapped_tensor_parallel
 
     with torch.device("meta"):
         model = apply_float8(build_model(reference.config), recipe, tp_mesh.size())
-    apply_tensor_parallel(model, tp_mesh, sp)
+    (apply_overlapped_tensor_parallel if overlap else apply_tensor_parallel)(model, tp_mesh, sp)
     model.to_empty(device=env.local_device())
     model.tie_weights()
     load_full_state_dict(model, copy.deepcopy(reference.state_dict()))
@@ -620,9 +622,11 @@ def _ulp_noise(recipe: str, cfg: ModelConfig, ref_grads: list[dict[str, torch.Te
 
 
 def _tp_refusals(tp_mesh_of) -> None:
-    """What FP8 under tp refuses, by name, while the model is still on meta: KV heads shared by ranks, and
-    a per-rank weight a float8 GEMM cannot take."""
+    """What FP8 under tp refuses, by name, while the model is still on meta: KV heads shared by ranks, a
+    per-rank weight a float8 GEMM cannot take, and under tp_overlap a float8 projection packed with one in the
+    training dtype."""
     from meshtron.parallel.tensor import apply_tensor_parallel
+    from meshtron.parallel.tensor_overlap import apply_overlapped_tensor_parallel
 
     cases = [(dict(TP_CFG, num_key_value_heads=2), 4, r"\[train\] fp8 with tp = 4 > num_key_value_heads = 2: the "
               r"ranks that share a KV head each hold part of its projection's output gradient"),
@@ -633,6 +637,13 @@ def _tp_refusals(tp_mesh_of) -> None:
             model = apply_float8(build_model(ModelConfig(**config)), "tensorwise", tp)
         with pytest.raises(ConfigError, match=message):
             apply_tensor_parallel(model, tp_mesh_of(tp), sp=False)
+    # Under tp_overlap the ring casts q/k/v's input once for all three: a k_proj of 8 features (1 KV head of 8,
+    # left in the training dtype) beside a float8 q_proj is refused, naming them.
+    with torch.device("meta"):
+        model = apply_float8(build_model(ModelConfig(**dict(CFG, num_key_value_heads=1))), "rowwise", 2)
+    with pytest.raises(ConfigError, match=r"tp_overlap = true with \[train\] fp8: the ring casts the input of "
+                       r"\['q_proj', 'k_proj', 'v_proj'\] once for all of them, but \['k_proj', 'v_proj'\] stay"):
+        apply_overlapped_tensor_parallel(model, tp_mesh_of(2), sp=True)
 
 
 # The SP sequence all-gathers (funcol.all_gather_single) of one step of the 2-layer model, by dtype, against
@@ -658,6 +669,78 @@ def _sp_gathers(recipe: str, tp_mesh) -> dict[torch.dtype, int]:
     for tensor, *_ in calls:
         dtypes[tensor.dtype] = dtypes.get(tensor.dtype, 0) + 1
     return dtypes
+
+
+def _ring_gathered_bytes(recipe: str, tp_mesh) -> list[int]:
+    """Bytes per token each gathering ring of the overlapped model sends per step in one training step
+    ([parallel] tp_overlap), in the order they run."""
+    from meshtron.parallel import tensor_overlap
+
+    model = _tp_model(recipe, tp_mesh, True, random_model(ModelConfig(**TP_CFG), seed=1), overlap=True)
+    tokens, labels = _batches(5)[0]
+    sent = []
+    real = tensor_overlap.ring_gather
+
+    def recording(shard, ring, use):
+        sent.append(shard.nbytes // (tokens.numel() // tp_mesh.size()))
+        return real(shard, ring, use)
+
+    tensor_overlap.ring_gather = recording
+    try:
+        model(tokens, labels=labels).backward()
+    finally:
+        tensor_overlap.ring_gather = real
+    return sent
+
+
+# Bytes per token of tp_overlap's gathering rings (hidden 128, float32 training): forward, each layer's attention
+# and MLP input; backward, from the last layer, each row-parallel projection's output gradient (down_proj,
+# o_proj) then the column-parallel group's input re-gathered for its weight gradient. Without FP8 float32
+# (512); tensorwise one float8 byte a feature (one cast of the output gradient serves both its GEMMs);
+# rowwise a float32 scale per token beside the forward's and the input gradient's float8 rows, and the weight
+# gradient's own float8 rows; rowwise_with_gw_hp the training dtype wherever the weight gradient is in high
+# precision (the output gradient's input-gradient cast is per token, so its chunks are cast as they arrive).
+RING_GATHER_BYTES = {"none": (512, 512, 512), "tensorwise": (128, 128, 128), "rowwise": (132, 132 + 128, 128),
+                     "rowwise_with_gw_hp": (132, 512, 512)}
+
+
+def _expected_ring_bytes(recipe: str) -> list[int]:
+    forward, output_gradient, regather = RING_GATHER_BYTES[recipe]
+    groups = 2 * TP_CFG["num_hidden_layers"]  # attention and MLP
+    return [forward] * groups + [output_gradient, regather] * groups
+
+
+# tp_overlap against the unoverlapped split, both in FP8, at tp 2 + SP: the same float8 operands (every cast
+# whole before its ring), so the first step's loss is the split's to float32 noise (measured 0 for every
+# recipe) and its gradients too, but for rowwise's float8 weight gradient, which the ring sums over sequence
+# chunks, each chunk's GEMM rounded to bf16 (measured 4.6e-3; tensorwise 1.7e-6, rowwise_with_gw_hp 5.3e-7).
+# Later steps: FP8's rounding noise, held to the tp bound TP_LOSS (measured over 3 steps 6.5e-4, 7.5e-4, 0).
+OVERLAP_FIRST_STEP_GRAD = {"tensorwise": 1e-5, "rowwise": 1.5e-2, "rowwise_with_gw_hp": 1e-5}
+
+
+def _overlap_matches_the_split(recipe: str, tp_mesh, split_losses: list[float], split_grads: list[dict]) -> None:
+    """[parallel] tp_overlap in FP8: its rings send the float8 bytes (RING_GATHER_BYTES per token) and train as
+    the unoverlapped split does (OVERLAP_FIRST_STEP_GRAD, TP_LOSS)."""
+    from meshtron.plan.communication import overlapped_ring_bytes
+
+    for name in ("none", recipe):
+        sent = _ring_gathered_bytes(name, tp_mesh)
+        assert sent == _expected_ring_bytes(name), (name, sent)
+        # The planner's gathering rings (input, re-gather, output gradient of each group) send what the rings sent.
+        cfg = Config(model=ModelConfig(**TP_CFG), parallel=ParallelConfig(tp=tp_mesh.size(), sp=True, tp_overlap=True),
+                     train=TrainConfig(fp8=name, dtype="float32"))
+        rings = [overlapped_ring_bytes(cfg, layer) for layer in range(TP_CFG["num_hidden_layers"])]
+        # Per group: input gather, row reduce-scatter, input-gradient reduce-scatter, re-gather, output gradient.
+        planned = [nbytes for layer in rings for start in range(0, len(layer), 5) for nbytes in
+                   itemgetter(start, start + 3, start + 4)(layer)]
+        assert sorted(planned) == sorted(sent), (name, planned, sent)
+    losses, grads = _tp_steps(_tp_model(recipe, tp_mesh, True, random_model(ModelConfig(**TP_CFG), seed=1),
+                                        overlap=True), seed=5)
+    gaps = [abs(a - b) / b for a, b in zip(losses, split_losses)]
+    grad_gaps = [max(rel_err(g[n], r[n]) for n in r) for g, r in zip(grads, split_grads)]
+    where = f"{recipe} tp_overlap vs split: loss gaps {gaps}, gradient gaps {grad_gaps}"
+    assert gaps[0] < FLOAT32_NOISE and grad_gaps[0] < OVERLAP_FIRST_STEP_GRAD[recipe], where
+    assert max(gaps) < TP_LOSS[recipe], where
 
 
 def _composed_dp_tp_losses(recipe: str, dp: int, tp: int) -> list[float]:
@@ -706,6 +789,8 @@ def check_tp_matches_one_rank_fp8(tp_mesh_of):
         noise = _ulp_noise(recipe, cfg, ref_grads)
         for tp, sp in ((2, True), (4, False)):
             losses, grads = _tp_steps(_tp_model(recipe, tp_mesh_of(tp), sp, random_model(cfg, seed=1)), seed=5)
+            if sp:
+                _overlap_matches_the_split(recipe, tp_mesh_of(tp), losses, grads)
             loss_gaps = [abs(a - b) / b for a, b in zip(losses, ref_losses)]
             grad_gaps = [max(rel_err(g[n], r[n]) for n in r) for g, r in zip(grads, ref_grads)]
             where = f"{recipe} tp {tp} sp {sp}"
@@ -728,14 +813,18 @@ def check_tp_matches_one_rank_fp8(tp_mesh_of):
 # The MoE ones run the experts' grouped GEMMs in float8 (Float8GroupedMatmul). The debug recipes' 2 KV heads of
 # 8 give k/v shards of 8 rows at tp 2, which a float8 GEMM refuses (_tp_refusals): the tp layout (experts split
 # over etp) takes 4. Under tp, row-parallel GEMMs (the experts' down under etp) sum bf16 partial sums, so it is
-# held to TP_LOSS, as tp's own check is: measured over 8 steps 6.4e-5 at step 1, at most 1.0e-3.
+# held to TP_LOSS, as tp's own check is: measured over 8 steps 6.4e-5 at step 1, at most 1.0e-3; the dense
+# recipe at pp 2 x dp 2 x tp 2 + SP with tp_overlap's float8 rings under zb1p 1.8e-5 at step 1, at most 1.1e-3.
 LAYOUT_STEPS = 8
 RECIPE_LAYOUTS = {
     "debug_moe": [dict(dp=4, ep=2), dict(dp=4, cp=2, ep=8, fold_ep=True),
                   # etp splits experts over tp ranks; 4 KV heads so that tp 2 leaves k/v 16 features to cast
                   dict(dp=4, tp=2, sp=True, ep=4, etp=2, fold_ep=True, model=(("num_key_value_heads", 4),)),
                   dict(pp=2, dp=4, ep=4, fold_ep=True, microbatches=4, schedule="zbv", virtual_stages=2)],
-    "debug_dense": [dict(pp=2, dp=4, microbatches=4)],
+    "debug_dense": [dict(pp=2, dp=4, microbatches=4),
+                    # tp_overlap's float8 rings under a zero-bubble schedule (B and W split), 4 KV heads as above
+                    dict(pp=2, dp=2, tp=2, sp=True, tp_overlap=True, microbatches=4, schedule="zb1p",
+                         model=(("num_key_value_heads", 4),))],
 }
 # Step 1 starts every layout from the same weights, and rowwise_with_gw_hp's scales are the 1-rank ones: the
 # loss matches to float32 noise (measured <= 1.7e-7). From step 2 the weights differ by reduction order, and

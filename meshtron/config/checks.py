@@ -47,9 +47,6 @@ def _validate_fp8(cfg: Config, source: str) -> None:
         return
     _require(importlib.util.find_spec("torchao") is not None,
              f"{source}: [train] fp8 = '{fp8}' needs torchao: pip install 'meshtron[fp8]'.")
-    _require(not (cfg.parallel.tp_overlap and cfg.parallel.tp > 1),
-             f"{source}: [train] fp8 = '{fp8}' with [parallel] tp_overlap = true: the overlapped rings compute their "
-             "GEMMs in the training dtype, not in float8; set tp_overlap = false or fp8 = 'none'.")
 
 
 def _validate_data_parallel(p: ParallelConfig, source: str) -> None:

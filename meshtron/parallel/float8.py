@@ -470,7 +470,7 @@ class Float8Gemms:
 
     def _cast(self, t: torch.Tensor, operand: str, cast, role, axis: int, split: tuple[int, ...] | None = None):
         """``t`` in float8 per ``cast`` (scaled along ``axis`` when rowwise), or as it is if the recipe keeps
-        this GEMM's operand in high precision or ``t`` is cast already (:meth:`cast_sequence_shard`).
+        this GEMM's operand in high precision or ``t`` is cast already (:meth:`cast_input`).
         ``split``: the dims of ``t`` split over tp, default those of ``operand``."""
         if cast.scaling_type is self.ao_config.ScalingType.DISABLED or isinstance(t, self.Float8Tensor):
             return t
@@ -482,29 +482,41 @@ class Float8Gemms:
                             axiswise_dim=axis if rowwise else None,
                             round_scales_to_power_of_2=self.config.round_scales_to_power_of_2)
 
-    def cast_sequence_shard(self, rows: torch.Tensor, for_grad_weight: bool) -> torch.Tensor:
-        """This rank's [tokens / tp, K] sequence shard of a column-parallel linear's input, cast for the
-        output GEMM (or the weight-gradient one) with the whole sequence's scale (the amax all-reduced over tp
-        where the scale spans tokens), ready to be all-gathered in float8 (``torch_private.float8_parts``)."""
+    def cast_input(self, rows: torch.Tensor, for_grad_weight: bool = False, sequence_shard: bool = False) -> torch.Tensor:
+        """The [tokens, K] input ``rows`` cast for the output GEMM (or the weight-gradient one), once for all the
+        GEMMs that take pieces of its rows. ``sequence_shard``: ``rows`` is this rank's 1/tp of the sequence (a
+        column-parallel linear's input under SP), cast with the whole sequence's scale (the amax all-reduced over
+        tp where the scale spans tokens), ready to be all-gathered in float8 (``torch_private.float8_parts``)."""
         c = self.config
         cast, axis = (c.cast_config_input_for_grad_weight, 0) if for_grad_weight else (c.cast_config_input, -1)
-        return self._cast(rows, "x", cast, self.roles.INPUT, axis, split=(0,))
+        return self._cast(rows, "x", cast, self.roles.INPUT, axis, split=(0,) if sequence_shard else None)
 
     def output(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         c, r = self.config, self.roles
         return torch.mm(self._cast(x, "x", c.cast_config_input, r.INPUT, -1),
                         self._cast(weight.t(), "wt", c.cast_config_weight, r.WEIGHT, 0))
 
-    def cast_grad_output(self, dy: torch.Tensor, for_input: bool, for_weight: bool) -> tuple:
+    def cast_grad_output(self, dy: torch.Tensor, for_input: bool, for_weight: bool, sequence_shard: bool = False) -> tuple:
         """``dy`` cast for the input-gradient GEMM and for the weight-gradient GEMM (None where that GEMM
-        does not run): one cast, and one amax all-reduce, where both scale it alike (one tensorwise config)."""
+        does not run): one cast, and one amax all-reduce, where both scale it alike (one tensorwise config).
+        ``sequence_shard``: ``dy`` is this rank's 1/tp of the sequence (a row-parallel linear's output gradient
+        under SP), scaled as the whole sequence (:meth:`cast_input`)."""
         c, role = self.config, self.roles.GRAD_OUTPUT
-        to_input = self._cast(dy, "dy", c.cast_config_grad_output, role, -1) if for_input else None
+        split = (0,) if sequence_shard else None
+        to_input = self._cast(dy, "dy", c.cast_config_grad_output, role, -1, split) if for_input else None
         tensorwise = c.cast_config_grad_output.scaling_granularity is self.ao_config.ScalingGranularity.TENSORWISE
         if to_input is not None and tensorwise and c.cast_config_grad_output == c.cast_config_grad_output_for_grad_weight:
             return to_input, to_input
-        to_weight = self._cast(dy, "dy", c.cast_config_grad_output_for_grad_weight, role, 0) if for_weight else None
+        to_weight = self._cast(dy, "dy", c.cast_config_grad_output_for_grad_weight, role, 0, split) if for_weight else None
         return to_input, to_weight
+
+    def casts_grad_output_per_row(self) -> bool:
+        """Whether every cast of the output gradient scales each token row on its own (a rowwise input gradient
+        whose scales span no split dim, the weight gradient in high precision: ``rowwise_with_gw_hp`` in a
+        row-parallel linear): its rows, cast apart, take the float8 values of the whole's cast."""
+        c, granularity = self.config, self.ao_config.ScalingGranularity
+        per_row = c.cast_config_grad_output.scaling_granularity is granularity.AXISWISE and not self._split_dims("dy")
+        return per_row and c.cast_config_grad_output_for_grad_weight.scaling_type is self.ao_config.ScalingType.DISABLED
 
     def grad_input(self, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         c = self.config

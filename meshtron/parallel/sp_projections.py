@@ -99,7 +99,7 @@ class PackedProjections:
         and gives the [B * S, in] input of the output GEMM (or the weight-gradient GEMM): float8 where every
         projection is (cast once, the scale of the whole sequence), else the training dtype."""
         tp = mesh.size()
-        rows = self.gemms[0].cast_sequence_shard(shard.flatten(0, -2), for_grad_weight) if self.float8_input else shard
+        rows = self.input_rows(shard, for_grad_weight)
         parts = float8_parts(rows)
         if parts is None:  # the training dtype (the recipe keeps this GEMM's input in it)
             gathering = _start_sequence_gather(shard, mesh)
@@ -115,6 +115,12 @@ class PackedProjections:
             return float8_from_parts(rows, full, full_scale)
 
         return finish
+
+    def input_rows(self, shard: torch.Tensor, for_grad_weight: bool = False) -> torch.Tensor:
+        """The [B, S/tp, in] sequence ``shard`` as [tokens, in] rows for the output GEMM (or the weight-gradient
+        GEMM): cast to float8 once with the whole sequence's scale where every projection is float8."""
+        rows = shard.flatten(0, -2)
+        return self.gemms[0].cast_input(rows, for_grad_weight, sequence_shard=True) if self.float8_input else rows
 
     def output(self, rows: torch.Tensor, lead: torch.Size, weights: tuple, biases: tuple) -> torch.Tensor:
         """The packed projections of the [tokens, in] ``rows`` (float8 or not), shaped ``lead`` + [packed]."""

@@ -44,6 +44,8 @@ from meshtron.plan.parameters import (
 
 INT64 = FP64 = 8
 FP8 = 1
+# The output of torch's rowwise float8 GEMM, whatever the training dtype.
+BF16 = 2
 
 
 def group_is_intra_node(cfg: Config, dims: tuple[str, ...], gpus_per_node: int) -> bool:
@@ -138,8 +140,9 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
         counts = by_kind(cfg, _tp_transfers_recomputed, layers)
         step = sum(n.step for n, _ in counts)
         recomputed = sum(n.recomputed for n, checkpointed in counts if checkpointed)
-        if p.sp and p.tp_overlap:  # the blocks' as rings of sends (same bytes); the embedding and head as before
-            out["p2p/tp"] = sum(len(rings) for rings in by_kind(cfg, overlapped_rings, layers)) * mb * act
+        if p.sp and p.tp_overlap:  # the blocks' as rings of sends; the embedding and head as before
+            per_token = sum(sum(rings) for rings in by_kind(cfg, overlapped_ring_bytes, layers))
+            out["p2p/tp"] = per_token * tokens * _ring(p.tp) * mb
             if ends:
                 out["all_gather+reduce_scatter/tp"] = 2 * ends * mb * act
         elif p.sp:
@@ -285,6 +288,44 @@ def overlapped_rings(cfg: Config, layer: int) -> list[float]:
     return rings
 
 
+# Per overlapped group of a layer (overlapped_rings' order): its column-parallel projections and the
+# row-parallel projection after them.
+_RING_GROUPS = ((SP_COLUMN_GROUPS[0], "self_attn.o_proj"), (SP_COLUMN_GROUPS[1], "mlp.down_proj"),
+                (SP_COLUMN_GROUPS[2], "mlp.shared_expert.down_proj"))
+
+
+def overlapped_ring_bytes(cfg: Config, layer: int) -> list[float]:
+    """Bytes per token of each of :func:`overlapped_rings`' rings (each sends ``tp - 1`` shards of
+    ``tokens / tp`` rows, every row ``hidden`` wide): the compute dtype's, or under ``[train] fp8`` where the
+    ring's GEMMs are float8 (``parallel/tensor_overlap.py``: operands cast whole, float8 rows sent with their
+    per-token scales): the input gathers (forward, recomputation) 1 byte an element plus a float32 scale per
+    token under the rowwise recipes; the reduce-scatters of those recipes' partial sums bf16 (torch's rowwise
+    float8 GEMM returns it); the weight gradient's re-gather 1 byte (the compute dtype under
+    rowwise_with_gw_hp); the row projection's output-gradient gather 1 byte under tensorwise (one cast for both
+    GEMMs), a float8 input-gradient operand with its scales and a float8 weight-gradient one under rowwise,
+    the compute dtype under rowwise_with_gw_hp (cast chunk by chunk)."""
+    m, recipe = cfg.model, cfg.train.fp8
+    c, h = compute_bytes(cfg), m.hidden_size
+    float8 = {q.name.split(".", 2)[2].removesuffix(".weight") for q in fp8_weights(cfg, layer_params(cfg, layer))}
+    rowwise = recipe in ("rowwise", "rowwise_with_gw_hp")
+    scale, partial = (FP32, BF16) if rowwise else (0, c)
+    output_gradient = {"tensorwise": h, "rowwise": 2 * h + scale, "rowwise_with_gw_hp": c * h}
+    groups = [_RING_GROUPS[0]]
+    if m.intermediate_size and not m.is_moe_layer(layer):
+        groups.append(_RING_GROUPS[1])
+    elif m.is_moe_layer(layer) and m.shared_expert_intermediate_size:
+        groups.append(_RING_GROUPS[2])
+    rings = []
+    for columns, row in groups:
+        col8, row8 = all(name in float8 for name in columns), row in float8
+        gather = h + scale if col8 else c * h
+        row_sum = partial * h if row8 else c * h
+        regather = (c * h if recipe == "rowwise_with_gw_hp" else h) if col8 else c * h
+        rings += [gather, row_sum, partial * h if col8 else c * h, regather, output_gradient[recipe] if row8 else c * h]
+        rings += [gather, row_sum] if layer_checkpointed(cfg, layer) else []
+    return rings
+
+
 def overlapped_tp_seconds(cfg: Config, hw: Hardware) -> float:
     """Exposed time per step of pipeline rank 0's tp rings (``tp_overlap``): per ring, one chunk's
     transfer (what a device does not hide: the issue's model of the ring's start, and of NCCL's kernels
@@ -293,13 +334,13 @@ def overlapped_tp_seconds(cfg: Config, hw: Hardware) -> float:
     :mod:`meshtron.plan.gemm` gives a layer's GEMMs of one chunk's rows)."""
     p = cfg.parallel
     rows = microbatch_tokens(cfg) // p.tp
-    chunk = rows * cfg.model.hidden_size * compute_bytes(cfg)
-    send = _seconds(cfg, "p2p/tp", chunk, hw)
     efficiency = hw.mfu if hw.mfu is not None else gemm_efficiency(cfg, rows, hw)
     gemm_rate = hw.peak_tflops * 1e12 * efficiency * p.tp  # a chunk is 1/tp of the ring's GEMM
     layers = [i for chunk_index in _stage_chunks(cfg, None) for i in chunk_layers(cfg, chunk_index)]
-    rings = [flops for layer_rings in by_kind(cfg, overlapped_rings, layers) for flops in layer_rings]
-    return p.microbatches * sum(send + (p.tp - 1) * max(0.0, send - flops / gemm_rate) for flops in rings)
+    rings = [ring for flops, nbytes in zip(by_kind(cfg, overlapped_rings, layers), by_kind(cfg, overlapped_ring_bytes, layers))
+             for ring in zip(flops, nbytes)]
+    sends = [(flops, _seconds(cfg, "p2p/tp", rows * per_token, hw)) for flops, per_token in rings]
+    return p.microbatches * sum(send + (p.tp - 1) * max(0.0, send - flops / gemm_rate) for flops, send in sends)
 
 
 def _is_router(param) -> bool:
