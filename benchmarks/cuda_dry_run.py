@@ -65,6 +65,8 @@ LAYOUTS = {
                                                                       "--train.global_batch_size", "4"]),
     "7b op recompute": ("qwen2p5_7b", 8, ["--parallel.activation_checkpointing", "op"]),
     "7b fp8 tensorwise": ("qwen2p5_7b", 8, ["--train.fp8", "tensorwise"]),
+    # SP's rings overlapped with their float8 GEMMs (operands cast whole, float8 rows sent point-to-point).
+    "7b fp8 tp_overlap": ("qwen2p5_7b", 8, ["--train.fp8", "rowwise_with_gw_hp", "--parallel.tp_overlap", "true"]),
     # The experts' float8 GEMMs through torch._scaled_grouped_mm (fake CUDA: an H100's compute capability).
     "57b fp8 rowwise": ("qwen2_57b_a14b", 32, ["--train.fp8", "rowwise"]),
     "7b activation offload": ("qwen2p5_7b", 8, ["--parallel.activation_checkpointing", "selective",
@@ -136,12 +138,13 @@ def measure(name: str) -> list[dict]:
 
 
 def levers(cfg) -> str:
-    """The recipe's memory and speed levers: activation checkpointing, compile, fp8, host offload."""
+    """The recipe's memory and speed levers: activation checkpointing, compile, fp8, tp_overlap, host offload."""
     p = cfg.parallel
     out = [f"ac {p.activation_checkpointing}" + (f"/{p.ac_every}" if p.activation_checkpointing == "selective" else "")
            + (f" {p.ac_policy}" if p.activation_checkpointing == "op" else "")]
     out += ["compile"] if p.compile else []
     out += [f"fp8 {cfg.train.fp8}"] if cfg.train.fp8 != "none" else []
+    out += ["tp_overlap"] if p.tp_overlap and p.sp and p.tp > 1 else []
     out += [f"offload {p.offload}"] if p.offload != "none" else []
     out += ["offload activations"] if p.offload_activations else []
     return ", ".join(out)

@@ -114,7 +114,7 @@ class RowPayload:
             return [payload]
         pieces, start = [], 0
         for dtype, shape in self.specs:
-            width = shape.numel() * torch.empty((), dtype=dtype).element_size()
+            width = shape.numel() * dtype.itemsize
             pieces.append(payload[:, start:start + width].contiguous().view(dtype).view(payload.shape[0], *shape))
             start += width
         out = []
