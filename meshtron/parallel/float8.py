@@ -573,9 +573,10 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def gemms_in_training_dtype():
     """While it lasts, every float8 linear (``Float8Linear``, whole or split over tp) computes ``F.linear`` on
-    its weights in the training dtype, and the experts' float8 grouped GEMMs ``grouped_matmul``: the transformers block check (``meshtron.hf.prove``) proves how a
-    layout splits a block, which FP8 does not change, and torch's rowwise float8 GEMM, returning bf16, would
-    bury a wrong split's error in bf16 rounding. That the float8 casts split exactly is tested on their own."""
+    its weights in the training dtype, and the experts' float8 grouped GEMMs ``grouped_matmul``: the
+    transformers block check (``meshtron.hf.prove``) proves how a layout splits a block, which FP8 does not
+    change, and torch's rowwise float8 GEMM, returning bf16, would bury a wrong split's error in bf16 rounding.
+    That the float8 casts split exactly is tested on their own."""
     converted = sys.modules.get("torchao.float8.float8_linear")
     forward = converted.Float8Linear.forward if converted is not None else None
     _TRAINING_DTYPE_GEMMS.append(True)
@@ -587,6 +588,12 @@ def gemms_in_training_dtype():
         _TRAINING_DTYPE_GEMMS.pop()
         if converted is not None:
             converted.Float8Linear.forward = forward
+
+
+def scaled_per_row(data: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether a float8 cast's ``scale`` holds one value per row of its ``data`` [T, C] (per token, [T, 1]), so
+    that a piece of its rows travels or computes with the same rows of the scale."""
+    return scale.dim() == 2 and scale.shape == (data.shape[0], 1) and data.shape[0] > 1
 
 
 def is_float8_linear(module: nn.Module) -> bool:
@@ -628,6 +635,7 @@ __all__ = [
     "high_precision_note",
     "is_float8_linear",
     "runs_float8_kernel",
+    "scaled_per_row",
     "split_gemms",
     "torchao_float8",
 ]

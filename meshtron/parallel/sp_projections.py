@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
-from meshtron.parallel.float8 import split_gemms
+from meshtron.parallel.float8 import scaled_per_row, split_gemms
 from meshtron.parallel.tp_styles import ReplicatedKVHeads, distribute_params, local_linear
 from meshtron.torch_private import engine_will_execute, float8_from_parts, float8_parts, funcol
 
@@ -106,7 +106,7 @@ class PackedProjections:
             return lambda: _in_sequence_order(_waited(gathering), tp).flatten(0, -2)
         data, scale = parts
         data_gathering = _start_sequence_gather(data.view(shard.shape), mesh)
-        per_token = scale.dim() > 0 and scale.shape[0] == data.shape[0] and scale.numel() > 1
+        per_token = scaled_per_row(data, scale)
         scale_gathering = _start_sequence_gather(scale.view(*shard.shape[:-1], 1), mesh) if per_token else None
 
         def finish() -> torch.Tensor:

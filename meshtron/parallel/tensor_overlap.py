@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 from meshtron.parallel.context.comm import RingExchange
 from meshtron.config import ConfigError
-from meshtron.parallel.float8 import Float8Gemms, is_float8_linear, split_gemms
+from meshtron.parallel.float8 import Float8Gemms, is_float8_linear, scaled_per_row, split_gemms
 from meshtron.parallel.sp_projections import (
     PackedProjections,
     SequenceParallelColwise,
@@ -81,11 +81,7 @@ def _sequence_rows(t: torch.Tensor | None, batch: int, chunk: int, chunks: int) 
     if parts is None:
         return rows(t)
     data, scale = parts
-    return float8_from_parts(t, rows(data), rows(scale) if _per_row(scale, data) else scale)
-
-
-def _per_row(scale: torch.Tensor, data: torch.Tensor) -> bool:
-    return scale.dim() == 2 and scale.shape[0] == data.shape[0] and scale.shape[1] == 1 and data.shape[0] > 1
+    return float8_from_parts(t, rows(data), rows(scale) if scaled_per_row(data, scale) else scale)
 
 
 class RowPayload:
@@ -100,7 +96,7 @@ class RowPayload:
         for t in tensors:
             parts = float8_parts(t)
             data, scale = parts if parts is not None else (t, None)
-            per_row = scale is not None and _per_row(scale, data)
+            per_row = scale is not None and scaled_per_row(data, scale)
             self.likes.append((t, scale, per_row))
             pieces += [data, scale] if per_row else [data]
         self.specs = [(piece.dtype, piece.shape[1:]) for piece in pieces]
