@@ -491,10 +491,19 @@ class Float8Gemms:
         cast, axis = (c.cast_config_input_for_grad_weight, 0) if for_grad_weight else (c.cast_config_input, -1)
         return self._cast(rows, "x", cast, self.roles.INPUT, axis, split=(0,) if sequence_shard else None)
 
+    def weight_for_output(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` [N, K] cast for the output GEMM, shaped as it is: :meth:`output` takes it as cast, so
+        GEMMs on pieces of the input (a ring's chunks) share one cast, and one amax all-reduce."""
+        return self._cast(weight.t(), "wt", self.config.cast_config_weight, self.roles.WEIGHT, 0).t()
+
+    def weight_for_grad_input(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` cast for the input-gradient GEMM, shaped as it is (:meth:`weight_for_output`)."""
+        return self._cast(weight.t(), "wt", self.config.cast_config_weight_for_grad_input, self.roles.WEIGHT, -1).t()
+
     def output(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        c, r = self.config, self.roles
-        return torch.mm(self._cast(x, "x", c.cast_config_input, r.INPUT, -1),
-                        self._cast(weight.t(), "wt", c.cast_config_weight, r.WEIGHT, 0))
+        """``x @ weight.t()``; ``weight`` in the training dtype or from :meth:`weight_for_output`."""
+        return torch.mm(self._cast(x, "x", self.config.cast_config_input, self.roles.INPUT, -1),
+                        self.weight_for_output(weight).t())
 
     def cast_grad_output(self, dy: torch.Tensor, for_input: bool, for_weight: bool, sequence_shard: bool = False) -> tuple:
         """``dy`` cast for the input-gradient GEMM and for the weight-gradient GEMM (None where that GEMM
@@ -519,9 +528,9 @@ class Float8Gemms:
         return per_row and c.cast_config_grad_output_for_grad_weight.scaling_type is self.ao_config.ScalingType.DISABLED
 
     def grad_input(self, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        return torch.mm(self._cast(dy, "dy", c.cast_config_grad_output, self.roles.GRAD_OUTPUT, -1),
-                        self._cast(weight.t(), "wt", c.cast_config_weight_for_grad_input, self.roles.WEIGHT, -1).t())
+        """``dy @ weight``; ``weight`` in the training dtype or from :meth:`weight_for_grad_input`."""
+        return torch.mm(self._cast(dy, "dy", self.config.cast_config_grad_output, self.roles.GRAD_OUTPUT, -1),
+                        self.weight_for_grad_input(weight))
 
     def grad_weight(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         c = self.config

@@ -122,11 +122,25 @@ class PackedProjections:
         rows = shard.flatten(0, -2)
         return self.gemms[0].cast_input(rows, for_grad_weight, sequence_shard=True) if self.float8_input else rows
 
+    def output_weights(self, weights: tuple) -> tuple:
+        """``weights`` as :meth:`output` takes them, made once for every GEMM on pieces of the input: packed into
+        one, or each float8 projection's cast for its output GEMM."""
+        if self.packed:
+            return (torch.cat(weights),)
+        return tuple(g.weight_for_output(w) if g else w for g, w in zip(self.gemms, weights))
+
+    def grad_input_weights(self, weights: tuple) -> tuple:
+        """``weights`` as :meth:`grad_input` takes them (:meth:`output_weights`, for the input-gradient GEMMs)."""
+        if self.packed:
+            return (torch.cat(weights),)
+        return tuple(g.weight_for_grad_input(w) if g else w for g, w in zip(self.gemms, weights))
+
     def output(self, rows: torch.Tensor, lead: torch.Size, weights: tuple, biases: tuple) -> torch.Tensor:
-        """The packed projections of the [tokens, in] ``rows`` (float8 or not), shaped ``lead`` + [packed]."""
+        """The packed projections of the [tokens, in] ``rows`` (float8 or not), shaped ``lead`` + [packed];
+        ``weights`` from :meth:`output_weights`."""
         bias = torch.cat(biases) if biases[0] is not None else None
         if self.packed:
-            return F.linear(rows, torch.cat(weights), bias).unflatten(0, lead)
+            return F.linear(rows, weights[0], bias).unflatten(0, lead)
         out = torch.cat([g.output(rows, w) if g else rows @ w.t() for g, w in zip(self.gemms, weights)], -1)
         out = out.unflatten(0, lead)
         return out if bias is None else out + bias.to(out.dtype)
@@ -141,10 +155,10 @@ class PackedProjections:
                 for g, dy in zip(self.gemms, dys)]
 
     def grad_input(self, grad_packed: torch.Tensor, weights: list[torch.Tensor], dys) -> torch.Tensor:
-        """The summed input gradient of the projections (this rank's columns: a partial sum over tp); ``dys``
-        from :meth:`grad_outputs`."""
+        """The summed input gradient of the projections (this rank's columns: a partial sum over tp); ``weights``
+        from :meth:`grad_input_weights`, ``dys`` from :meth:`grad_outputs`."""
         if self.packed:
-            return grad_packed @ torch.cat(weights)
+            return grad_packed @ weights[0]
         parts = [g.grad_input(dy, w) if g else dy @ w for g, (dy, _), w in zip(self.gemms, dys, weights)]
         return sum(parts[1:], parts[0]).unflatten(0, grad_packed.shape[:-1])
 
@@ -172,7 +186,7 @@ class _SequenceParallelLinears(torch.autograd.Function):
         weights, biases = save_packed_projections(ctx, shard, mesh, projections, weights_and_biases)
         full = projections.start_input_gather(shard, mesh)()
         lead = (shard.shape[0], shard.shape[1] * mesh.size(), *shard.shape[2:-1])
-        return projections.output(full, torch.Size(lead), weights, biases)
+        return projections.output(full, torch.Size(lead), projections.output_weights(weights), biases)
 
     @staticmethod
     def backward(ctx, grad_packed: torch.Tensor):
@@ -183,7 +197,7 @@ class _SequenceParallelLinears(torch.autograd.Function):
         dys = ctx.projections.grad_outputs(grad_packed, ctx.widths, want_input, want_params)
         grad_shard = None
         if want_input:
-            grad_full = ctx.projections.grad_input(grad_packed, weights, dys)
+            grad_full = ctx.projections.grad_input(grad_packed, ctx.projections.grad_input_weights(weights), dys)
             grad_shard = funcol.reduce_scatter_single(grad_full, "sum", 1, ctx.mesh)
         grad_weights = grad_biases = (None,) * count
         if want_params:

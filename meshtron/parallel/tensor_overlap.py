@@ -28,7 +28,7 @@ With ``[train] fp8`` every operand a ring splits into chunks is cast once, whole
 that of the whole tensor, the amax all-reduced over tp where the scale spans a split dim, as the
 unoverlapped float8 path casts it: ``meshtron.parallel.float8.Float8Gemms``), and each chunk's GEMM takes the
 float8 rows of its chunk; what travels a gathering ring is those float8 bytes with their per-token scales
-(:class:`RowPayload`), half the bf16 bytes. The GEMMs' float8 weights are cast per chunk.
+(:class:`RowPayload`), half the bf16 bytes. Each GEMM's float8 weight is cast once per ring.
 """
 
 from __future__ import annotations
@@ -170,6 +170,7 @@ class _RingGatherLinears(torch.autograd.Function):
     def forward(ctx, shard: torch.Tensor, mesh: DeviceMesh, projections: PackedProjections,
                 *weights_and_biases: torch.Tensor | None):
         weights, biases = save_packed_projections(ctx, shard, mesh, projections, weights_and_biases)
+        weights = projections.output_weights(weights)  # once for the ring's chunks
         blocks: list[torch.Tensor | None] = [None] * mesh.size()
 
         def project(chunk: list[torch.Tensor], source: int) -> None:
@@ -209,8 +210,9 @@ class _RingGatherLinears(torch.autograd.Function):
         grad_shard = None
         if want_input:
             # This rank's columns only: a partial sum over tp, summed around the ring.
+            cast = projections.grad_input_weights(weights)
             grad_shard = ring_reduce_scatter(
-                lambda dest: projections.grad_input(_rows(grad_packed, dest, tp), weights, chunk_of(dest)), ring)
+                lambda dest: projections.grad_input(_rows(grad_packed, dest, tp), cast, chunk_of(dest)), ring)
         return grad_shard, None, None, *grad_weights, *grad_biases
 
 
@@ -245,9 +247,10 @@ class _MatmulReduceScatter(torch.autograd.Function):
         tp, batch = mesh.size(), x.shape[0]
         if gemms is None:
             return ring_reduce_scatter(lambda dest: F.linear(_rows(x, dest, tp), weight), _ring(mesh))
-        rows = gemms.cast_input(x.flatten(0, -2))  # whole: its per-token scales span the split K
+        # Whole, once for the ring's chunks: the input's per-token scales span the split K.
+        rows, cast = gemms.cast_input(x.flatten(0, -2)), gemms.weight_for_output(weight)
         return ring_reduce_scatter(
-            lambda dest: gemms.output(_sequence_rows(rows, batch, dest, tp), weight).unflatten(0, (batch, -1)),
+            lambda dest: gemms.output(_sequence_rows(rows, batch, dest, tp), cast).unflatten(0, (batch, -1)),
             _ring(mesh))
 
     @staticmethod
@@ -260,6 +263,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         inputs = x.flatten(0, -2)
         if want_params and gemms is not None:
             inputs = gemms.cast_input(inputs, for_grad_weight=True)  # whole: scaled along all its tokens
+        cast = gemms.weight_for_grad_input(weight) if want_input and gemms is not None else None  # once
         # The B pass of a split backward keeps the gathered gradient for its W pass (so does the
         # unoverlapped path: its gathered output gradient waits for W), which then sends nothing.
         gathered = ctx.__dict__.pop("gathered", None)
@@ -268,7 +272,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         def use(chunk: tuple, source: int) -> None:
             dy_input, dy_weight = chunk
             if want_input:
-                rows = dy_input @ weight if gemms is None else gemms.grad_input(dy_input, weight)
+                rows = dy_input @ weight if gemms is None else gemms.grad_input(dy_input, cast)
                 blocks[source] = rows.unflatten(0, (batch, -1))
             if want_params:
                 x_rows = _sequence_rows(inputs, batch, source, tp)
