@@ -47,11 +47,27 @@ def _train_plain(model, batches) -> list[tuple[torch.Tensor, dict[str, torch.Ten
     return out
 
 
-def _assert_steps_match(steps, ref_steps, where: str) -> None:
+def _ulp_noise(model_cfg: ModelConfig, seed: int) -> list[float]:
+    """Per step, the largest relative gap any gradient shows between two eager runs whose weights differ
+    by one float32 ulp: how far float32's own last-bit differences (a compiled kernel's reassociation is
+    one) carry. After the first step it can exceed 1e-4: Adam divides each update by the gradient's own
+    size, so a near-cancelling gradient (a key bias under RoPE) moves its weight by a whole step either way."""
+    runs = [random_model(model_cfg, seed, device="cpu") for _ in range(2)]
+    with torch.no_grad():
+        for p in runs[1].parameters():
+            p.copy_(torch.nextafter(p, torch.full_like(p, float("inf"))))
+    twin, ref = (_train_plain(model, _batches(seed)) for model in runs)
+    return [max(rel_err(grads[n], ref_grads[n]) for n in ref_grads) for (_, grads), (_, ref_grads) in zip(twin, ref)]
+
+
+def _assert_steps_match(steps, ref_steps, where: str, noise: list[float]) -> None:
+    """First step: the same weights, so only reassociation (1e-4). Later steps: also within 4x the one-ulp
+    noise of that step (``_ulp_noise``)."""
     for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(steps, ref_steps, strict=True)):
+        bound = 1e-4 if step == 0 else max(1e-4, 4 * noise[step])
         assert rel_err(loss, ref_loss) < 1e-5, (where, step, loss, ref_loss)
         for name, grad in grads.items():
-            assert rel_err(grad, ref_grads[name]) < 1e-4, (where, step, name)
+            assert rel_err(grad, ref_grads[name]) < bound, (where, step, name, f"one-ulp noise {noise[step]}")
 
 
 def test_compiled_blocks_match_eager_over_two_steps():
@@ -61,7 +77,8 @@ def test_compiled_blocks_match_eager_over_two_steps():
     assert apply_compile(compiled) == [0, 1]
     assert list(compiled.state_dict()) == list(eager.state_dict())  # names unchanged (no _orig_mod)
     batches = _batches(seed)
-    _assert_steps_match(_train_plain(compiled, batches), _train_plain(eager, batches), f"seed {seed}")
+    _assert_steps_match(_train_plain(compiled, batches), _train_plain(eager, batches), f"seed {seed}",
+                        _ulp_noise(CFG, seed))
 
 
 MOE = ModelConfig(
@@ -97,7 +114,7 @@ def _compiled_matches_eager(model_cfg: ModelConfig, layout: dict, seed: int) -> 
     # generating C++ kernels for each rank's graph would take minutes on a 2-core machine.
     compose.apply_compile = functools.partial(apply_compile, backend="aot_eager")
     (compiled, runner), (eager, eager_runner) = (_runner_steps(model_cfg, layout, c, seed) for c in (True, False))
-    _assert_steps_match(compiled, eager, f"seed {seed} {layout}")
+    _assert_steps_match(compiled, eager, f"seed {seed} {layout}", _ulp_noise(model_cfg, seed))
     return runner, eager_runner
 
 
