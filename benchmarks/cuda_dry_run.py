@@ -67,6 +67,8 @@ LAYOUTS = {
     "7b fp8 tensorwise": ("qwen2p5_7b", 8, ["--train.fp8", "tensorwise"]),
     # SP's rings overlapped with their float8 GEMMs (operands cast whole, float8 rows sent point-to-point).
     "7b fp8 tp_overlap": ("qwen2p5_7b", 8, ["--train.fp8", "rowwise_with_gw_hp", "--parallel.tp_overlap", "true"]),
+    # MXFP8 on an H100 (fake CUDA's compute capability 9: no MX GEMM), so emulated: MX casts, dequantized operands.
+    "7b mxfp8": ("qwen2p5_7b", 8, ["--train.fp8", "mxfp8"]),
     # The experts' float8 GEMMs through torch._scaled_grouped_mm (fake CUDA: an H100's compute capability).
     "57b fp8 rowwise": ("qwen2_57b_a14b", 32, ["--train.fp8", "rowwise"]),
     "7b activation offload": ("qwen2p5_7b", 8, ["--parallel.activation_checkpointing", "selective",

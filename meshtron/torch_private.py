@@ -298,8 +298,16 @@ def counting_sharding_propagations(count: Callable[[], None]) -> Iterator[None]:
 # the tensor on the other side (checked with torchao 0.18). Looked up in sys.modules: torchao is optional.
 
 
+def _mx_tensor(t: torch.Tensor) -> bool:
+    mx = sys.modules.get("torchao.prototype.mx_formats.mx_tensor")
+    return mx is not None and isinstance(t, mx.MXTensor)
+
+
 def float8_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A float8 cast's bytes (``uint8``: gloo has no float8 type) and scale; None for a high-precision tensor."""
+    """A float8 cast's bytes (``uint8``: gloo has no float8 type) and scale (an MX cast's E8M0 scales as ``uint8``
+    too); None for a high-precision tensor."""
+    if _mx_tensor(t):
+        return t.qdata.view(torch.uint8), t.scale.view(torch.uint8)
     training_tensor = sys.modules.get("torchao.float8.float8_training_tensor")
     if training_tensor is None or not isinstance(t, training_tensor.Float8TrainingTensor):
         return None
@@ -308,5 +316,9 @@ def float8_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def float8_from_parts(like: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float8 cast of ``data`` (``uint8`` bytes, as :func:`float8_parts` gives) and ``scale``, cast as ``like``."""
+    if _mx_tensor(like):
+        return type(like)(data.contiguous().view(like.qdata.dtype), scale.contiguous().view(like.scale.dtype),
+                          like.elem_dtype, like.block_size, like.orig_dtype, like.kernel_preference,
+                          like.act_quant_kwargs, like.is_swizzled_scales)
     return type(like)(data.view(like._data.dtype), scale, like._orig_dtype, like._linear_mm_config,
                       like._gemm_input_role, like._axiswise_dim)

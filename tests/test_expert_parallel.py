@@ -35,6 +35,7 @@ from test_float8 import (
     check_debug_recipes_match_one_rank_fp8,
     check_experts_split_over_etp_keep_every_float8_value,
 )
+from test_mxfp8 import check_debug_recipes_match_one_rank_mxfp8
 
 BLOCK = dict(
     vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_experts=8,
@@ -484,9 +485,11 @@ def check_folded_experts(refs: dict):
 
 def check_fp8_debug_recipes(_):
     """[train] fp8 on the debug recipes' ep, folded-ep (with etp), cp and pp layouts, and the experts' float8
-    GEMM split over etp (tests/test_float8.py)."""
+    GEMM split over etp (tests/test_float8.py); mxfp8 on tp + SP with tp_overlap under zb1p, cp and folded ep
+    with etp (tests/test_mxfp8.py)."""
     check_experts_split_over_etp_keep_every_float8_value()
     check_debug_recipes_match_one_rank_fp8()
+    check_debug_recipes_match_one_rank_mxfp8()
 
 
 def test_expert_parallel_8_ranks():
@@ -500,5 +503,6 @@ def test_expert_parallel_8_ranks():
 @pytest.mark.skipif(not HAS_TORCHAO, reason="[train] fp8 needs torchao (pip install -e '.[fp8]')")
 def test_fp8_debug_recipes_8_ranks():
     """Its own launch: run after the checks above in their processes it took 340 s, in fresh ones 53 s (the
-    same steps and collectives, each op slower; measured on this 2-core machine, 2026-11-28)."""
+    same steps and collectives, each op slower; measured on this 2-core machine, 2026-11-28); 140 s with the
+    tp_overlap and mxfp8 layouts (2026-11-29)."""
     run_checks([check_fp8_debug_recipes], 8, None, timeout=900)

@@ -23,7 +23,7 @@ from torch import nn
 
 from meshtron import env
 from meshtron.checkpoint import load_full_state_dict
-from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
+from meshtron.config import FP8_RECIPES, Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
 from meshtron.mesh import batch_mesh
 from meshtron.models import build_model
 from meshtron.models.moe import grouped_matmul
@@ -105,13 +105,13 @@ def test_block_linears_convert_and_the_rest_stays():
     assert type(model.layers["0"].mlp.shared_expert_gate) is nn.Linear  # a routing gate stays
     assert isinstance(model.layers["0"].mlp.experts.matmul, Float8GroupedMatmul)  # the routed experts' GEMMs
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    assert high_precision_linears(model) == []
+    assert high_precision_linears(model, "tensorwise") == []
 
 
 def test_dims_fp8_cannot_take_stay_high_precision_and_are_listed():
     # 1 KV head of 8: k_proj/v_proj give 8 features, not a multiple of 16.
     model = apply_float8(random_model(ModelConfig(**dict(CFG, num_key_value_heads=1)), seed=1), "tensorwise")
-    assert high_precision_linears(model) == ["layers.*.self_attn.k_proj [64 -> 8]", "layers.*.self_attn.v_proj [64 -> 8]"]
+    assert high_precision_linears(model, "tensorwise") == ["layers.*.self_attn.k_proj [64 -> 8]", "layers.*.self_attn.v_proj [64 -> 8]"]
     assert high_precision_note(ModelConfig(**dict(CFG, num_key_value_heads=1)), "tensorwise") == (
         "meshtron: fp8 = 'tensorwise' leaves 2 block linear(s) in the training dtype (dims not multiples of 16): "
         "layers.*.self_attn.k_proj [64 -> 8], layers.*.self_attn.v_proj [64 -> 8]")
@@ -150,25 +150,30 @@ def test_transformers_model_converts_its_block_linears_and_lists_the_rest(tmp_pa
     assert type(model.model.layers[0].mlp.shared_expert_gate) is nn.Linear
 
 
-def test_transformers_experts_run_float8_through_the_dispatch_on_one_rank(one_rank_group):
+@pytest.mark.parametrize("recipe", ["rowwise_with_gw_hp", "mxfp8"])
+def test_transformers_experts_run_float8_through_the_dispatch_on_one_rank(one_rank_group, recipe):
     """With fp8 a transformers model's fused experts run meshtron's dispatch on one rank too, their grouped
-    GEMMs in float8 (Float8GroupedMatmul) where the dims fit: the loss moves off the training dtype's by FP8's
-    rounding, and the block check's training-dtype mode gives it back exactly."""
+    GEMMs in float8 (Float8GroupedMatmul; under mxfp8 MXGroupedMatmul) where the dims fit: the loss moves off
+    the training dtype's by FP8's rounding, and the block check's training-dtype mode gives it back exactly."""
     from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
     from meshtron import parallelize_hf_model
     from meshtron.hf.experts import FusedExpertParallel
-    from meshtron.parallel.float8 import gemms_in_training_dtype
+    from meshtron.parallel.float8 import gemms_in_training_dtype, is_float8_linear
+    from meshtron.parallel.mxfp8 import MXGroupedMatmul
 
+    # 4 KV heads of 8: k / v give 32 features, which both recipes take.
     config = Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                            num_attention_heads=8, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                            num_attention_heads=8, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1])
     torch.manual_seed(0)
     whole = AutoModelForCausalLM.from_config(config)
-    model = parallelize_hf_model(copy.deepcopy(whole), cached_mesh(), fp8="rowwise_with_gw_hp")
+    model = parallelize_hf_model(copy.deepcopy(whole), cached_mesh(), fp8=recipe)
     experts = model.model.layers[0].mlp.experts
-    assert isinstance(experts, FusedExpertParallel) and isinstance(experts.matmul, Float8GroupedMatmul)
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    grouped = MXGroupedMatmul if recipe == "mxfp8" else Float8GroupedMatmul
+    assert isinstance(experts, FusedExpertParallel) and isinstance(experts.matmul, grouped)
+    assert is_float8_linear(model.model.layers[0].self_attn.k_proj)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     expected = whole(input_ids=ids, labels=ids).loss
     with gemms_in_training_dtype():
         assert rel_err(model(input_ids=ids, labels=ids).loss, expected) < 1e-6
@@ -195,7 +200,7 @@ def test_block_check_runs_float8_linears_in_the_training_dtype():
 def test_expert_dims_fp8_cannot_take_stay_high_precision():
     cfg = ModelConfig(**dict(MOE, moe_intermediate_size=24))
     model = apply_float8(random_model(cfg, seed=1), "rowwise")
-    assert high_precision_linears(model) == ["layers.*.mlp.experts [64 -> 24]"]
+    assert high_precision_linears(model, "rowwise") == ["layers.*.mlp.experts [64 -> 24]"]
     assert model.layers["0"].mlp.experts.matmul is grouped_matmul
 
 
@@ -321,8 +326,8 @@ def _config(recipe: str, **parallel) -> Config:
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("fp8", "rowwize", "[train] fp8 must be one of none, tensorwise, rowwise, rowwise_with_gw_hp, got 'rowwize'"),
-    ("fp8", "mxfp8", "[train] fp8 must be one of"),
+    ("fp8", "rowwize", "[train] fp8 must be one of none, tensorwise, rowwise, rowwise_with_gw_hp, mxfp8, got 'rowwize'"),
+    ("fp8", "mxfp4", "[train] fp8 must be one of"),
 ])
 def test_unknown_recipe_is_refused(key, value, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -497,7 +502,7 @@ def test_fp8_curves_table_is_its_runs():
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
     curves = json.loads((results / "fp8_curves.json").read_text())
     rows = re.findall(r"^\| `(\w+)` \| ([\d.]+) \| (\S+) \|", (results / "fp8_curves.md").read_text(), re.M)
-    assert [r[0] for r in rows] == ["none", *RECIPES]
+    assert [r[0] for r in rows] == list(FP8_RECIPES)
     final = {recipe: sum(losses[-20:]) / 20 for recipe, losses in curves.items()}
     assert all(len(losses) == len(curves["none"]) for losses in curves.values())
     for recipe, loss, gap in rows:
@@ -506,6 +511,44 @@ def test_fp8_curves_table_is_its_runs():
             measured = (final[recipe] - final["none"]) / final["none"]
             assert float(gap.rstrip("%")) / 100 == pytest.approx(measured, abs=1e-4)
             assert abs(measured) < 0.02, f"{recipe}: {measured:+.2%} from bf16"
+
+
+def test_fp8_gather_bytes_table_is_its_counts_and_the_analytic_bytes():
+    """benchmarks/results/fp8_gather_bytes.md is its stored counts, and each recipe's saving against bf16 is the
+    analytic one (debug_dense, 8 KV heads, bfloat16): FSDP at dp 4 gathers tensorwise's float8 weights at 1 byte
+    instead of 2, twice a step (forward, backward), the other recipes and every recipe under tp the training
+    dtype; SP at dp 2 x tp 2 gathers each layer's attention and MLP input in float8, in the forward (less the
+    scales: a float32 per token under the rowwise recipes, an E8M0 byte per 32 elements under mxfp8) and again
+    for the weight gradient (tensorwise and rowwise, whose weight gradients are float8 and scale no token row)."""
+    import json
+    import re
+
+    from meshtron.config import load_config
+
+    results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    counts = json.loads((results / "fp8_gather_bytes.json").read_text())
+    rows = re.findall(r"^\| (dp [^|]+?) \| `(\w+)` \| ([\d.]+) \| \S+ \| ([\d.]+) \|",
+                      (results / "fp8_gather_bytes.md").read_text(), re.M)
+    assert [row[:2] for row in rows] == [(layout, recipe) for layout in counts for recipe in FP8_RECIPES]
+    for layout, recipe, fsdp, tp in rows:
+        assert (float(fsdp), float(tp)) == tuple(round(counts[layout][recipe][k] / 1024, 1) for k in ("fsdp", "tp"))
+    cfg = load_config(Path(__file__).resolve().parent.parent / "recipes" / "debug_dense.toml",
+                      ["--model.num_key_value_heads", "8"])
+    m = cfg.model
+    h, layers, c = m.hidden_size, m.num_hidden_layers, 2
+    kv = m.num_key_value_heads * m.head_size
+    float8_weights = layers * (2 * h * h + 2 * kv * h + 3 * h * m.intermediate_size)
+    dp, sp = counts["dp 4"], counts["dp 2 x tp 2 + SP"]
+    assert dp["none"]["fsdp"] - dp["tensorwise"]["fsdp"] == 2 * float8_weights * (c - 1)
+    assert all(dp[r]["fsdp"] == dp["none"]["fsdp"] for r in ("rowwise", "rowwise_with_gw_hp", "mxfp8"))
+    assert all(sp[r]["fsdp"] == sp["none"]["fsdp"] for r in FP8_RECIPES)
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len // 2  # a dp rank's of the global batch, at dp 2
+    elements = tokens * h
+    scales = {"tensorwise": 0, "rowwise": 4 * tokens, "rowwise_with_gw_hp": 4 * tokens, "mxfp8": elements // 32}
+    regathered = {"tensorwise": True, "rowwise": True, "rowwise_with_gw_hp": False, "mxfp8": False}
+    for recipe in FP8_RECIPES[1:]:
+        saved = (elements * (c - 1) - scales[recipe]) + (elements * (c - 1) if regathered[recipe] else 0)
+        assert sp["none"]["tp"] - sp[recipe]["tp"] == 2 * layers * saved, recipe
 
 
 # Every block linear's dims stay multiples of 16 on each rank up to tp = 4: 8 query and 4 KV heads of 16, MLP 128.
@@ -522,7 +565,7 @@ TP_STEPS = 3
 # 0.09 at tp 2 and 4. Measured over 3 steps at tp 2 + SP and tp 4 (max): loss tensorwise 9.8e-4, rowwise
 # 1.5e-3, rowwise_with_gw_hp 9.5e-4 (bounds 3x); gradients after the first step 0.43, 0.36, 0.23, which
 # TP_GRAD bounds loosely: the exactness of the casts is checked on single linears (_split_linear_matches).
-TP_LOSS = {"tensorwise": 3e-3, "rowwise": 5e-3, "rowwise_with_gw_hp": 3e-3}
+TP_LOSS = {"tensorwise": 3e-3, "rowwise": 5e-3, "rowwise_with_gw_hp": 3e-3, "mxfp8": 3e-3}
 TP_FIRST_STEP_NOISE = 1.5  # tensorwise: first-step gradient gap in units of _ulp_noise
 TP_FIRST_STEP_ROWWISE = 0.3  # the rowwise recipes' first-step gradient gap (measured 0.09)
 TP_GRAD = 1.0
@@ -652,7 +695,9 @@ def _tp_refusals(tp_mesh_of) -> None:
 # is per token (rowwise forward), the float32 scales; rowwise_with_gw_hp's weight gradient keeps the
 # training dtype (float32 here). The other gathers (the head's input, DTensor's) stay as they are.
 SP_GATHERS = {"tensorwise": {torch.uint8: 8, torch.float32: -8}, "rowwise": {torch.uint8: 8, torch.float32: -4},
-              "rowwise_with_gw_hp": {torch.uint8: 4, torch.float32: 0}}
+              "rowwise_with_gw_hp": {torch.uint8: 4, torch.float32: 0},
+              # the forward's MX bytes and E8M0 scales (uint8 both); the weight gradient's re-gather in float32
+              "mxfp8": {torch.uint8: 8, torch.float32: -4}}
 
 
 def _sp_gathers(recipe: str, tp_mesh) -> dict[torch.dtype, int]:
@@ -701,7 +746,9 @@ def _ring_gathered_bytes(recipe: str, tp_mesh) -> list[int]:
 # gradient's own float8 rows; rowwise_with_gw_hp the training dtype wherever the weight gradient is in high
 # precision (the output gradient's input-gradient cast is per token, so its chunks are cast as they arrive).
 RING_GATHER_BYTES = {"none": (512, 512, 512), "tensorwise": (128, 128, 128), "rowwise": (132, 132 + 128, 128),
-                     "rowwise_with_gw_hp": (132, 512, 512)}
+                     "rowwise_with_gw_hp": (132, 512, 512),
+                     # MX bytes and an E8M0 scale per 32 of the input; the rest cast by the GEMM that reads it
+                     "mxfp8": (128 + 128 // 32, 512, 512)}
 
 
 def _expected_ring_bytes(recipe: str) -> list[int]:
@@ -715,7 +762,7 @@ def _expected_ring_bytes(recipe: str) -> list[int]:
 # recipe) and its gradients too, but for rowwise's float8 weight gradient, which the ring sums over sequence
 # chunks, each chunk's GEMM rounded to bf16 (measured 4.6e-3; tensorwise 1.7e-6, rowwise_with_gw_hp 5.3e-7).
 # Later steps: FP8's rounding noise, held to the tp bound TP_LOSS (measured over 3 steps 6.5e-4, 7.5e-4, 0).
-OVERLAP_FIRST_STEP_GRAD = {"tensorwise": 1e-5, "rowwise": 1.5e-2, "rowwise_with_gw_hp": 1e-5}
+OVERLAP_FIRST_STEP_GRAD = {"tensorwise": 1e-5, "rowwise": 1.5e-2, "rowwise_with_gw_hp": 1e-5, "mxfp8": 1e-5}
 
 
 def _overlap_matches_the_split(recipe: str, tp_mesh, split_losses: list[float], split_grads: list[dict]) -> None:

@@ -30,6 +30,7 @@ from meshtron.parallel.vocab_loss import parallel_token_loss_sum
 from meshtron.parallel.tensor_overlap import apply_overlapped_tensor_parallel
 from meshtron.testing import count_calls, fresh_seed, random_model, rel_err, run_checks
 from test_float8 import HAS_TORCHAO, check_tp_matches_one_rank_fp8
+from test_mxfp8 import check_tp_matches_one_rank_mxfp8
 
 DENSE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
@@ -433,8 +434,9 @@ def check_replicated_gradients(seed):
 
 
 def check_fp8(seed):
-    """[train] fp8 split over tp (tests/test_float8.py): against the 1-rank FP8 model."""
+    """[train] fp8 split over tp (tests/test_float8.py, tests/test_mxfp8.py): against the 1-rank FP8 model."""
     check_tp_matches_one_rank_fp8(_tp_mesh)
+    check_tp_matches_one_rank_mxfp8(_tp_mesh)
 
 
 def test_tensor_parallel_8_ranks():

@@ -257,7 +257,7 @@ class TrainConfig:
     fp8: str = recipe_key(
         "none",
         "FP8 GEMMs in the blocks' attention and MLP linears and routed experts (torchao, the `meshtron[fp8]` "
-        "extra): `none`, `tensorwise`, `rowwise` or `rowwise_with_gw_hp`; parameters, embedding, LM head, router "
+        "extra): `none`, `tensorwise`, `rowwise`, `rowwise_with_gw_hp` or `mxfp8`; parameters, embedding, LM head, router "
         "and norms stay in `dtype` (see [FP8](fp8.md))",
     )
     global_batch_size: int = recipe_key(8, "sequences per step over all ranks; divisible by dp × ep × microbatches")

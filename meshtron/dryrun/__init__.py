@@ -494,7 +494,8 @@ def _check_traceable(cfg: Config) -> None:
                           f"dtype = '{cfg.train.dtype}'. Add --train.dtype bfloat16.")
     m = cfg.model
     emulated = env.device_type() != "cuda"
-    if emulated and m.is_moe and cfg.train.fp8 != "none" and fits_fp8((m.hidden_size, m.moe_intermediate_size)):
+    fp8_experts = cfg.train.fp8 != "none" and fits_fp8((m.hidden_size, m.moe_intermediate_size), cfg.train.fp8)
+    if emulated and m.is_moe and fp8_experts:
         # Float8GroupedMatmul hands grouped_mm the float8 values dequantized to float32 (it emulates the kernel).
         raise ConfigError(f"--dry-run traces MoE experts in bfloat16 only (torch's grouped_mm shape check), but [train] "
                           f"fp8 = '{cfg.train.fp8}' runs them through an emulated float8 GEMM on float32 operands. "

@@ -58,7 +58,7 @@ from meshtron.hf.discover import hf_parts
 from meshtron.mesh import expert_meshes, expert_split
 from meshtron.models.moe import grouped_matmul, grouped_swiglu
 from meshtron.parallel.expert import ExpertDispatch, check_expert_divisible
-from meshtron.parallel.float8 import Float8GroupedMatmul, fits_fp8
+from meshtron.parallel.float8 import fits_fp8, grouped_matmul_for
 from meshtron.torch_private import CONV_BASE
 
 _FUSED = ("gate_up_proj", "down_proj")
@@ -423,13 +423,13 @@ def apply_hf_expert_parallel(
 
 def float8_experts(experts: list[FusedExpertParallel], recipe: str) -> None:
     """``[train] fp8``: the grouped GEMMs of each of ``experts`` (from :func:`apply_hf_expert_parallel`) in
-    float8 (:class:`~meshtron.parallel.float8.Float8GroupedMatmul`, as meshtron's own experts run them) where
+    float8 (:func:`~meshtron.parallel.float8.grouped_matmul_for`, as meshtron's own experts run them) where
     its dims fit a float8 GEMM."""
     if recipe == "none":
         return
-    matmul = Float8GroupedMatmul(recipe)
+    matmul = grouped_matmul_for(recipe)
     for module in experts:
-        if fits_fp8(module.dims(module)):
+        if fits_fp8(module.dims(module), recipe):
             module.matmul = module.down_matmul = matmul
 
 

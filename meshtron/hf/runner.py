@@ -233,13 +233,13 @@ def fp8_start_note(cfg: Config) -> str | None:
 def hf_fp8_note(model: nn.Module, recipe: str) -> str | None:
     """:func:`fp8_start_note` of a transformers ``model`` (meta or real) under ``recipe``."""
     parts = hf_parts(model)
-    names = high_precision_linears(model, parts.block_items(), parts.blocks_path)
+    names = high_precision_linears(model, recipe, parts.block_items(), parts.blocks_path)
     with warnings.catch_warnings():  # the dispatch's own warning names the experts it leaves out
         warnings.simplefilter("ignore")
         dispatched = hf_expert_modules(model, ep=1)
     for name, (experts, cls) in dispatched.items():
         hidden, intermediate = cls.dims(experts)
-        if not fits_fp8((hidden, intermediate)):
+        if not fits_fp8((hidden, intermediate), recipe):
             names.append(f"{_block_pattern(name, parts.blocks_path)} [{hidden} -> {intermediate}]")
     note = fp8_note(recipe, list(dict.fromkeys(names)))
     undispatched = sorted({_block_pattern(name, parts.blocks_path) for name, module in model.named_modules()

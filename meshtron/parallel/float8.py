@@ -1,5 +1,7 @@
 """FP8 training (``[train] fp8``): the blocks' attention and MLP linears as torchao ``Float8Linear``, the
-routed experts' grouped GEMMs through :class:`Float8GroupedMatmul`.
+routed experts' grouped GEMMs through :class:`Float8GroupedMatmul`; under ``mxfp8`` (the OCP MX format, scales
+per 32 elements: no collective on any layout) ``meshtron.parallel.mxfp8``'s ``MXLinear`` and ``MXGroupedMatmul``.
+What both share (torchao's import, the dims a recipe takes, the split linear) is ``meshtron.parallel.fp8_base``.
 
 Each GEMM of a converted linear (forward, input gradient, and for every recipe but
 ``rowwise_with_gw_hp`` the weight gradient) casts its operands to float8 with scales computed on the
@@ -46,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
+import functools
 import sys
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -57,47 +59,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config import FP8_RECIPES, ConfigError, ModelConfig
-from meshtron.extras import MissingExtra, require
 from meshtron.models import build_model
 from meshtron.models.moe import GroupedExperts, grouped_matmul
+from meshtron.parallel.fp8_base import (
+    FP8_DIM_MULTIPLE,
+    MX_BLOCK,
+    TOKEN_GROUP_ALIGN,
+    aligned_rows,
+    fits_fp8,
+    float8_split_linear,
+    fp8_dim_multiple,
+    torchao_float8,
+    training_dtype,
+    training_dtype_gemms,
+)
+from meshtron.parallel.mxfp8 import MXGroupedMatmul, MXLinear
 from meshtron.torch_private import scaled_grouped_mm
 
-# torch._scaled_mm's constraint on both dims of the weight (the GEMM's K and N).
-FP8_DIM_MULTIPLE = 16
 # The recipe whose FSDP all-gather can carry float8 weights (torchao supports tensorwise weight scales only).
 FP8_ALL_GATHER_RECIPES = ("tensorwise",)
 # The compute capability (major) torch builds its float8 grouped GEMM for (CUTLASS, rowwise float32 scales).
 FLOAT8_GROUPED_KERNEL_MAJOR = 9
-# Where the grouped GEMM contracts over tokens (the weight gradient) each expert's group of rows must start
-# 16 bytes (float8 values) apart: the groups are laid out padded to it (_aligned_rows).
-TOKEN_GROUP_ALIGN = 16
 
 
 def runs_float8_kernel(device: torch.device) -> bool:
     """Whether the experts' float8 grouped GEMMs on ``device`` run ``torch._scaled_grouped_mm`` (a CUDA
     device of compute capability 9.x) rather than the emulation (:class:`Float8GroupedMatmul`)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == FLOAT8_GROUPED_KERNEL_MAJOR
-
-
-# Loggers that torchao's import writes to on a CPU build of torch: a warning per CUDA kernel library it cannot
-# load (none is used here) and torch's deprecation note on how torchao registers an enum with pytree.
-_IMPORT_NOISE = ("torchao", "torch.utils._pytree")
-
-
-def torchao_float8(module: str = "torchao.float8"):
-    """``module`` of torchao, or :class:`ConfigError` naming the extra; its import's warnings that say
-    nothing about training (``_IMPORT_NOISE``) are silenced."""
-    loggers = [logging.getLogger(name) for name in _IMPORT_NOISE]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
-    try:
-        return require(module, "[train] fp8")
-    except MissingExtra as err:
-        raise ConfigError(str(err)) from None
-    finally:
-        for log, level in zip(loggers, levels):
-            log.setLevel(level)
 
 
 def fp8_linear_names(block: nn.Module) -> list[str]:
@@ -112,10 +100,6 @@ def fp8_linear_names(block: nn.Module) -> list[str]:
 
 def _holds_experts(module: nn.Module) -> bool:
     return isinstance(getattr(module, "experts", None), nn.Module)
-
-
-def fits_fp8(dims: tuple[int, ...]) -> bool:
-    return not any(dim % FP8_DIM_MULTIPLE for dim in dims)
 
 
 # A model's decoder blocks as (key, block) pairs: meshtron's ``model.layers.items()`` by default, a
@@ -146,17 +130,19 @@ def _expert_dims(experts: GroupedExperts) -> tuple[int, int]:
     return tuple(experts.gate_proj.shape[1:])
 
 
-def high_precision_linears(model: nn.Module, blocks: Blocks | None = None, prefix: str = "layers") -> list[str]:
-    """The block linears (and routed experts) FP8 would take but whose shape it cannot (a dim not a multiple
-    of 16), one entry per distinct name and shape: ``layers.*.self_attn.k_proj [64 -> 8]``. ``blocks`` (default
-    ``model.layers``) and ``prefix``, the path of the blocks, as :func:`apply_float8` takes them."""
+def high_precision_linears(model: nn.Module, recipe: str, blocks: Blocks | None = None,
+                           prefix: str = "layers") -> list[str]:
+    """The block linears (and routed experts) FP8 would take but whose shape ``recipe`` cannot (a dim not a
+    multiple of :func:`fp8_dim_multiple`), one entry per distinct name and shape: ``layers.*.self_attn.k_proj
+    [64 -> 8]``. ``blocks`` (default ``model.layers``) and ``prefix``, the path of the blocks, as
+    :func:`apply_float8` takes them."""
     blocks = list(_blocks(model, blocks))
     shapes = [(name, (linear.in_features, linear.out_features)) for name, _, _, linear in _candidates(blocks, prefix)]
     shapes += [(name, _expert_dims(experts)) for name, experts in _routed_experts(blocks, prefix)]
     depth = len(prefix.split("."))
     seen: dict[str, None] = {}
     for name, dims in shapes:
-        if not fits_fp8(dims):
+        if not fits_fp8(dims, recipe):
             pattern = ".".join([prefix, "*", *name.split(".")[depth + 1:]])
             seen[f"{pattern} [{dims[0]} -> {dims[1]}]"] = None
     return list(seen)
@@ -168,7 +154,7 @@ def fp8_note(recipe: str, names: list[str]) -> str | None:
     if recipe == "none" or not names:
         return None
     return (f"meshtron: fp8 = '{recipe}' leaves {len(names)} block linear(s) in the training dtype "
-            f"(dims not multiples of {FP8_DIM_MULTIPLE}): {', '.join(names)}")
+            f"(dims not multiples of {fp8_dim_multiple(recipe)}): {', '.join(names)}")
 
 
 def high_precision_note(cfg: ModelConfig, recipe: str) -> str | None:
@@ -176,7 +162,7 @@ def high_precision_note(cfg: ModelConfig, recipe: str) -> str | None:
     if recipe == "none":
         return None
     with torch.device("meta"):
-        return fp8_note(recipe, high_precision_linears(build_model(cfg)))
+        return fp8_note(recipe, high_precision_linears(build_model(cfg), recipe))
 
 
 def float8_all_gather(recipe: str, tp: int, data_ranks: int, offload: bool = False) -> bool:
@@ -193,8 +179,9 @@ def float8_all_gather(recipe: str, tp: int, data_ranks: int, offload: bool = Fal
 
 def float8_config(recipe: str, tp: int = 1, data_ranks: int = 1, offload: bool = False):
     """torchao's config for ``recipe``, with the float8 FSDP all-gather where :func:`float8_all_gather` allows it."""
-    if recipe not in FP8_RECIPES[1:]:
-        raise ValueError(f"no FP8 recipe '{recipe}'; one of {', '.join(FP8_RECIPES[1:])}")
+    recipes = [r for r in FP8_RECIPES if r not in ("none", "mxfp8")]  # torchao's Float8Linear recipes
+    if recipe not in recipes:
+        raise ValueError(f"no Float8Linear recipe '{recipe}'; one of {', '.join(recipes)}")
     config = torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
     gather = float8_all_gather(recipe, tp, data_ranks, offload)
     return dataclasses.replace(config, enable_fsdp_float8_all_gather=gather)
@@ -203,25 +190,42 @@ def float8_config(recipe: str, tp: int = 1, data_ranks: int = 1, offload: bool =
 def apply_float8(model: nn.Module, recipe: str, tp: int = 1, data_ranks: int = 1, offload: bool = False,
                  blocks: Blocks | None = None) -> nn.Module:
     """Swap the FP8-capable block linears of ``model`` (a meshtron ``Transformer`` or a pipeline stage, or
-    with ``blocks`` any model's decoder blocks, meta or real) for ``Float8Linear`` in place; ``recipe``
+    with ``blocks`` any model's decoder blocks, meta or real) for ``Float8Linear`` (``MXLinear`` under
+    ``mxfp8``) in place, and set the routed experts' grouped GEMM (:func:`grouped_matmul_for`); ``recipe``
     "none" leaves the model as it is. The parameters keep their names, values and dtype. ``tp``: the
     tensor-parallel size the model is split over next; ``data_ranks``, ``offload``: the ranks data
     parallelism then spans and whether it keeps the shards on the host (:func:`float8_all_gather`)."""
     if recipe == "none":
         return model
-    config = float8_config(recipe, tp, data_ranks, offload)
-    Float8Linear = torchao_float8("torchao.float8.float8_linear").Float8Linear
+    convert = _linear_converter(recipe, tp, data_ranks, offload)
     blocks = list(_blocks(model, blocks))
     for _, block, name, linear in list(_candidates(blocks, "")):
-        if fits_fp8((linear.in_features, linear.out_features)) and type(linear) is nn.Linear:
+        if fits_fp8((linear.in_features, linear.out_features), recipe) and type(linear) is nn.Linear:
             owner, _, leaf = name.rpartition(".")
-            setattr(block.get_submodule(owner), leaf, Float8Linear.from_float(linear, config=config))
-    fitting = [experts for _, experts in _routed_experts(blocks, "") if fits_fp8(_expert_dims(experts))]
+            setattr(block.get_submodule(owner), leaf, convert(linear))
+    fitting = [experts for _, experts in _routed_experts(blocks, "") if fits_fp8(_expert_dims(experts), recipe)]
     if fitting:
-        matmul = Float8GroupedMatmul(recipe)
+        matmul = grouped_matmul_for(recipe)
         for experts in fitting:
             experts.matmul = matmul
     return model
+
+
+def _linear_converter(recipe: str, tp: int, data_ranks: int, offload: bool):
+    """``nn.Linear`` -> its FP8 form under ``recipe``."""
+    if recipe == "mxfp8":
+        return MXLinear.from_linear
+    config = float8_config(recipe, tp, data_ranks, offload)
+    Float8Linear = torchao_float8("torchao.float8.float8_linear").Float8Linear
+    return functools.partial(Float8Linear.from_float, config=config)
+
+
+def grouped_matmul_for(recipe: str):
+    """The routed experts' grouped GEMM under ``recipe``: :class:`Float8GroupedMatmul`, or under ``mxfp8``
+    ``meshtron.parallel.mxfp8.MXGroupedMatmul``."""
+    if recipe == "mxfp8":
+        return MXGroupedMatmul()
+    return Float8GroupedMatmul(recipe)
 
 
 class Scaled(NamedTuple):
@@ -274,7 +278,7 @@ class Float8GroupedMatmul:
         return Float8GroupedMatmul(self.recipe, group, split)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if _TRAINING_DTYPE_GEMMS:
+        if training_dtype_gemms():
             return grouped_matmul(x, w, counts)
         return _Float8GroupedMM.apply(x, w, counts, self)
 
@@ -361,21 +365,8 @@ def _scaled_rows_by_experts(a: Scaled, weights: torch.Tensor, columns: torch.Ten
                              out_dtype=torch.bfloat16)
 
 
-def _aligned_rows(counts: torch.Tensor, groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Where each of T rows in groups of ``counts`` (``groups``: each row's) goes when every group starts at a
-    multiple of :data:`TOKEN_GROUP_ALIGN` rows, zero rows between: (row destinations, the padded groups' end
-    offsets, the buffer's rows), the buffer sized without reading ``counts`` (T rounded up, one alignment more
-    per group)."""
-    tokens, align = groups.shape[0], TOKEN_GROUP_ALIGN
-    padded = (counts + align - 1) // align * align
-    ends = torch.cumsum(padded, 0, dtype=torch.int32)
-    first = torch.cumsum(counts, 0) - counts
-    dest = (ends - padded)[groups] + torch.arange(tokens, device=groups.device) - first[groups]
-    return dest, ends, -(-tokens // align) * align + counts.numel() * align
-
-
 def _placed(data: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tensor:
-    """Float8 rows ``data`` moved to ``dest`` in a zeroed buffer of ``rows`` (:func:`_aligned_rows`), the bytes
+    """Float8 rows ``data`` moved to ``dest`` in a zeroed buffer of ``rows`` (:func:`aligned_rows`), the bytes
     moved as ``uint8``."""
     out = torch.zeros((rows, data.shape[1]), dtype=torch.uint8, device=data.device)
     return out.index_copy_(0, dest, data.view(torch.uint8)).view(data.dtype)
@@ -384,12 +375,12 @@ def _placed(data: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tensor:
 def _scaled_weight_gradient(x: Scaled, grad: Scaled, counts: torch.Tensor) -> torch.Tensor:
     """``torch._scaled_grouped_mm`` of each expert's rows of ``x`` [T, K] and ``grad`` [T, N], both scaled per
     (group, column) along the tokens, contracted over its tokens: bfloat16 [G, K, N]. The kernel reads each
-    group's tokens from an aligned start (one layout for both operands, :func:`_aligned_rows`), ``x``
+    group's tokens from an aligned start (one layout for both operands, :func:`aligned_rows`), ``x``
     transposed row-major, ``grad`` column-major; a high-precision pair (``rowwise_with_gw_hp``) goes through
     ``F.grouped_mm``."""
     if x.scale is None or grad.scale is None:
         return F.grouped_mm(x.data.t(), grad.data, offs=torch.cumsum(counts, 0, dtype=torch.int32))
-    dest, ends, size = _aligned_rows(counts, x.groups)
+    dest, ends, size = aligned_rows(counts, x.groups)
     rows, grads = _placed(x.data, dest, size), _placed(grad.data, dest, size)
     experts, k, n = counts.numel(), rows.shape[1], grads.shape[1]
     return scaled_grouped_mm(rows.t().contiguous(), grads.t().contiguous().t(),
@@ -538,43 +529,6 @@ class Float8Gemms:
                         self._cast(x, "x", c.cast_config_input_for_grad_weight, self.roles.INPUT, 0))
 
 
-class _Float8SplitLinear(torch.autograd.Function):
-    """``x @ weight.t()`` through :class:`Float8Gemms` (local pieces in, this rank's output piece out)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, gemms: Float8Gemms) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.gemms = gemms
-        return gemms.output(x.reshape(-1, x.shape[-1]), weight).unflatten(0, x.shape[:-1])
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        want_input, want_weight = ctx.needs_input_grad[:2]
-        dy_input, dy_weight = ctx.gemms.cast_grad_output(grad.reshape(-1, grad.shape[-1]), want_input, want_weight)
-        grad_x = grad_weight = None
-        if want_input:
-            grad_x = ctx.gemms.grad_input(dy_input, weight).unflatten(0, x.shape[:-1])
-        if want_weight:
-            grad_weight = ctx.gemms.grad_weight(dy_weight, x.reshape(-1, x.shape[-1]))
-        return grad_x, grad_weight, None
-
-
-def float8_split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        gemms: Float8Gemms) -> torch.Tensor:
-    """This rank's piece of a tp-split float8 linear's output (a partial sum for a row-parallel one);
-    the bias is added in the output dtype, as ``Float8Linear`` adds it. In the training dtype while
-    :func:`gemms_in_training_dtype` lasts."""
-    if _TRAINING_DTYPE_GEMMS:
-        return F.linear(x, weight, bias)
-    out = _Float8SplitLinear.apply(x, weight, gemms)
-    return out if bias is None else out + bias.to(out.dtype)
-
-
-# Set while gemms_in_training_dtype lasts (one probe at a time per process).
-_TRAINING_DTYPE_GEMMS: list[bool] = []
-
-
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
@@ -588,48 +542,56 @@ def gemms_in_training_dtype():
     That the float8 casts split exactly is tested on their own."""
     converted = sys.modules.get("torchao.float8.float8_linear")
     forward = converted.Float8Linear.forward if converted is not None else None
-    _TRAINING_DTYPE_GEMMS.append(True)
     if converted is not None:
         converted.Float8Linear.forward = _linear_forward
     try:
-        yield
+        with training_dtype():
+            yield
     finally:
-        _TRAINING_DTYPE_GEMMS.pop()
         if converted is not None:
             converted.Float8Linear.forward = forward
 
 
 def scaled_per_row(data: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether a float8 cast's ``scale`` holds one value per row of its ``data`` [T, C] (per token, [T, 1]), so
-    that a piece of its rows travels or computes with the same rows of the scale."""
-    return scale.dim() == 2 and scale.shape == (data.shape[0], 1) and data.shape[0] > 1
+    """Whether a float8 cast's ``scale`` holds one row per row of its ``data`` [T, C] (per token: [T, 1]; MXFP8's
+    blocks along C: [T, C / 32]), so that a piece of its rows travels or computes with the same rows of the scale."""
+    return scale.dim() == 2 and scale.shape[0] == data.shape[0] > 1
 
 
 def is_float8_linear(module: nn.Module) -> bool:
+    """Whether ``[train] fp8`` converted ``module``: a ``Float8Linear`` or an ``MXLinear``."""
     converted = sys.modules.get("torchao.float8.float8_linear")  # not imported: no Float8Linear exists
-    return converted is not None and isinstance(module, converted.Float8Linear)
+    return isinstance(module, MXLinear) or (converted is not None and isinstance(module, converted.Float8Linear))
+
+
+def _recipe_of(linear: nn.Module) -> str:
+    return getattr(linear, "recipe", "tensorwise")  # an MXLinear says so; every Float8Linear recipe takes 16
 
 
 def split_gemms(linear: nn.Module, mesh, split: str, local_shape: tuple[int, int]) -> Float8Gemms | None:
-    """The :class:`Float8Gemms` of ``linear`` split over ``mesh``, or None for a linear that is no
-    ``Float8Linear``. ``local_shape``: the weight rows and columns this rank computes with, which a float8
-    GEMM needs in multiples of 16 (:class:`ConfigError` naming the linear otherwise, before any collective)."""
+    """The :class:`Float8Gemms` of ``linear`` split over ``mesh`` (an ``MXLinear``'s own GEMMs, which need no
+    collective), or None for a linear FP8 did not convert. ``local_shape``: the weight rows and columns this
+    rank computes with, which a float8 GEMM needs in multiples of :func:`fp8_dim_multiple` (:class:`ConfigError`
+    naming the linear otherwise, before any collective)."""
     if not is_float8_linear(linear):
         return None
-    if not fits_fp8(local_shape):
+    recipe = _recipe_of(linear)
+    if not fits_fp8(local_shape, recipe):
         raise ConfigError(
             f"[train] fp8: a {linear.out_features} x {linear.in_features} block linear split over tp = {mesh.size()} "
-            f"holds a {local_shape[0]} x {local_shape[1]} weight per rank; a float8 GEMM needs both dims in multiples "
-            f"of {FP8_DIM_MULTIPLE}. Use a smaller tp or fp8 = 'none'.")
-    return Float8Gemms(linear, mesh, split)
+            f"holds a {local_shape[0]} x {local_shape[1]} weight per rank; a{'n MX' if recipe == 'mxfp8' else ''} float8 "
+            f"GEMM needs both dims in multiples of {fp8_dim_multiple(recipe)}. Use a smaller tp or fp8 = 'none'.")
+    return linear.gemms if recipe == "mxfp8" else Float8Gemms(linear, mesh, split)
 
 
 __all__ = [
     "FLOAT8_GROUPED_KERNEL_MAJOR",
     "FP8_ALL_GATHER_RECIPES",
     "FP8_DIM_MULTIPLE",
+    "MX_BLOCK",
     "TOKEN_GROUP_ALIGN",
     "TP_SPLITS",
+    "aligned_rows",
     "Float8Gemms",
     "Float8GroupedMatmul",
     "Scaled",
@@ -637,6 +599,8 @@ __all__ = [
     "float8_all_gather",
     "float8_split_linear",
     "float8_config",
+    "fp8_dim_multiple",
+    "grouped_matmul_for",
     "fp8_linear_names",
     "fp8_note",
     "gemms_in_training_dtype",
@@ -647,4 +611,5 @@ __all__ = [
     "scaled_per_row",
     "split_gemms",
     "torchao_float8",
+    "training_dtype_gemms",
 ]

@@ -107,7 +107,7 @@ class PackedProjections:
         data, scale = parts
         data_gathering = _start_sequence_gather(data.view(shard.shape), mesh)
         per_token = scaled_per_row(data, scale)
-        scale_gathering = _start_sequence_gather(scale.view(*shard.shape[:-1], 1), mesh) if per_token else None
+        scale_gathering = _start_sequence_gather(scale.view(*shard.shape[:-1], -1), mesh) if per_token else None
 
         def finish() -> torch.Tensor:
             full = _in_sequence_order(_waited(data_gathering), tp).flatten(0, -2)

@@ -229,8 +229,8 @@ class OverlappedColwise(SequenceParallelColwise):
         if len(set(float8.values())) > 1:
             raise ConfigError(
                 f"[parallel] tp_overlap = true with [train] fp8: the ring casts the input of {list(float8)} once for "
-                f"all of them, but {[n for n, f in float8.items() if not f]} stay in the training dtype (dims not "
-                "multiples of 16); use tp_overlap = false, or a model whose projections all take float8.")
+                f"all of them, but {[n for n, f in float8.items() if not f]} stay in the training dtype (dims the "
+                "recipe's float8 GEMM cannot take); use tp_overlap = false, or a model whose projections all take float8.")
         return module
 
 

@@ -16,6 +16,7 @@ from meshtron.config import Config
 from meshtron.models.chunked_loss import DEFAULT_CHUNK_TOKENS
 from meshtron.parallel.recompute import checkpoints_layer
 from meshtron.parallel.context import cp_comm
+from meshtron.parallel.fp8_base import MX_BLOCK
 from meshtron.parallel.tensor import local_kv_heads
 from meshtron.plan.parameters import (
     FP32,
@@ -260,6 +261,11 @@ def layer_gradient_bytes(cfg: Config, layer: int) -> float:
 # An eager float8 cast (torchao's ``hp_tensor_and_scale_to_float8``: the operand times its scale in fp32,
 # clamped to the float8 range in fp32, then converted) holds all three at once: 9 bytes an element.
 FP8_CAST_BYTES = FP32 + FP32 + 1
+# torchao's emulated MX cast (``mx_formats.mx_tensor.to_mx``, RCEIL: ``meshtron.parallel.mxfp8.to_mx`` where the
+# device has no MX kernel) holds the operand in float32, scaled and clamped at once (3 fp32 an element), and per
+# 32-element block its amax, scale, exponent and reciprocal (13 bytes): 12.41 bytes an element, as
+# tests/test_mxfp8.py measures it.
+MX_CAST_BYTES = 3 * FP32 + 13 / MX_BLOCK
 
 
 def fp8_operand_width(cfg: Config, layer: int) -> float:
@@ -284,12 +290,16 @@ def fp8_cast_gradient_bytes(cfg: Config, layer: int) -> float:
     1 %, at dp 2 x tp 4 + SP in the recomputed forward's cast of that input (beside the packed gate /
     up output SP feeds the MLP, [2 I / tp]). Not counted: a weight's cast (at most 9 bytes an element of
     one local weight; 0.14 GiB for the 7B's gate at tp 4) and the fp32 copies of the routed experts'
-    emulated grouped GEMM (``Float8GroupedMatmul``), which the dry run cannot trace."""
+    emulated grouped GEMM (``Float8GroupedMatmul``), which the dry run cannot trace. Under ``mxfp8`` (emulated on
+    the devices planned for) the weight gradient casts along the tokens: a transposed copy of the operand first
+    (``mxfp8.along_tokens``), then :data:`MX_CAST_BYTES`; the gradient's MX copy has a scale byte per 32."""
     width = fp8_operand_width(cfg, layer)
     if not width:
         return 0.0
-    c = compute_bytes(cfg)
-    return (c + 1) * cfg.model.hidden_size + (c + FP8_CAST_BYTES) * width
+    c, h = compute_bytes(cfg), cfg.model.hidden_size
+    if cfg.train.fp8 == "mxfp8":
+        return (c + 1 + 1 / MX_BLOCK) * h + (2 * c + MX_CAST_BYTES) * width
+    return (c + 1) * h + (c + FP8_CAST_BYTES) * width
 
 
 class BackwardPeak(NamedTuple):

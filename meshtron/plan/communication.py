@@ -20,6 +20,7 @@ from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.models.moe import router_stats_size
 from meshtron.parallel.context import a2a_group_size, cp_comm
 from meshtron.parallel.data import gathers_once_per_step, reduces_gradients
+from meshtron.parallel.fp8_base import MX_BLOCK
 from meshtron.parallel.pipeline.schedules import V_SHAPED
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank
 from meshtron.parallel.tensor import local_heads, local_kv_heads
@@ -243,14 +244,21 @@ SP_COLUMN_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
                     ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"))
 
 
+def _token_scale_bytes(recipe: str, hidden: int) -> float:
+    """Bytes of scales a float8 input row of ``hidden`` elements carries: a float32 per token under the rowwise
+    recipes, an E8M0 byte per :data:`MX_BLOCK` elements under ``mxfp8``, none under ``tensorwise``."""
+    return {"rowwise": FP32, "rowwise_with_gw_hp": FP32, "mxfp8": hidden / MX_BLOCK}.get(recipe, 0)
+
+
 def float8_sequence_gather_savings(cfg: Config, layer: int) -> float:
     """Bytes per micro-batch one layer's SP all-gathers send less where they carry float8
     (``tensor.PackedProjections.start_input_gather``): a column-parallel group whose projections are all
     float8 gathers its input at 1 byte an element (plus a float32 scale per token under the rowwise
-    recipes) instead of the compute dtype's, in the forward, again in a recomputation that repeats the
-    layer's transfers, and in the backward's re-gather for the weight gradients, which carries float8 too
-    but under ``rowwise_with_gw_hp`` (its weight gradient in high precision) and gathers no scales (the
-    rowwise ones are scaled along the tokens). Qwen2.5-7B, tensorwise, tp 4 + SP, checkpointed: 6 of a
+    recipes; under ``mxfp8`` an E8M0 byte per 32 elements) instead of the compute dtype's, in the forward,
+    again in a recomputation that repeats the layer's transfers, and in the backward's re-gather for the weight
+    gradients, which carries float8 too but under ``rowwise_with_gw_hp`` (its weight gradient in high
+    precision) and ``mxfp8`` (cast along the gathered tokens) and gathers no scales (the rowwise ones are
+    scaled along the tokens). Qwen2.5-7B, tensorwise, tp 4 + SP, checkpointed: 6 of a
     layer's 13 gathers and reduce-scatters in float8 (the dry run: 186.375 GiB a step, 241.5 in bf16)."""
     p, recipe = cfg.parallel, cfg.train.fp8
     if not (p.sp and p.tp > 1) or recipe == "none":
@@ -258,10 +266,10 @@ def float8_sequence_gather_savings(cfg: Config, layer: int) -> float:
     float8 = {q.name.split(".", 2)[2].removesuffix(".weight") for q in fp8_weights(cfg, layer_params(cfg, layer))}
     groups = sum(all(name in float8 for name in group) for group in SP_COLUMN_GROUPS)
     c, h = compute_bytes(cfg), cfg.model.hidden_size
-    scales = FP32 if recipe in ("rowwise", "rowwise_with_gw_hp") else 0
+    scales = _token_scale_bytes(recipe, h)
     recomputed = _tp_transfers_recomputed(cfg, layer)[1]
     forward = (1 + recomputed) * (c * h - h - scales)
-    regather = 0 if recipe == "rowwise_with_gw_hp" else c * h - h
+    regather = 0 if recipe in ("rowwise_with_gw_hp", "mxfp8") else c * h - h
     return groups * (forward + regather) * microbatch_tokens(cfg) * _ring(p.tp)
 
 
@@ -303,13 +311,14 @@ def overlapped_ring_bytes(cfg: Config, layer: int) -> list[float]:
     float8 GEMM returns it); the weight gradient's re-gather 1 byte (the compute dtype under
     rowwise_with_gw_hp); the row projection's output-gradient gather 1 byte under tensorwise (one cast for both
     GEMMs), a float8 input-gradient operand with its scales and a float8 weight-gradient one under rowwise,
-    the compute dtype under rowwise_with_gw_hp (cast chunk by chunk)."""
+    the compute dtype under rowwise_with_gw_hp (cast chunk by chunk). Under ``mxfp8`` the input gathers carry MX
+    bytes (:func:`_token_scale_bytes`) and every other ring the compute dtype (its GEMMs return it, and cast
+    along their own contraction dims)."""
     m, recipe = cfg.model, cfg.train.fp8
     c, h = compute_bytes(cfg), m.hidden_size
     float8 = {q.name.split(".", 2)[2].removesuffix(".weight") for q in fp8_weights(cfg, layer_params(cfg, layer))}
-    rowwise = recipe in ("rowwise", "rowwise_with_gw_hp")
-    scale, partial = (FP32, BF16) if rowwise else (0, c)
-    output_gradient = {"tensorwise": h, "rowwise": 2 * h + scale, "rowwise_with_gw_hp": c * h}
+    scale, partial = _token_scale_bytes(recipe, h), BF16 if recipe in ("rowwise", "rowwise_with_gw_hp") else c
+    output_gradient = {"tensorwise": h, "rowwise": 2 * h + scale, "rowwise_with_gw_hp": c * h, "mxfp8": c * h}
     groups = [_RING_GROUPS[0]]
     if m.intermediate_size and not m.is_moe_layer(layer):
         groups.append(_RING_GROUPS[1])
@@ -320,7 +329,7 @@ def overlapped_ring_bytes(cfg: Config, layer: int) -> list[float]:
         col8, row8 = all(name in float8 for name in columns), row in float8
         gather = h + scale if col8 else c * h
         row_sum = partial * h if row8 else c * h
-        regather = (c * h if recipe == "rowwise_with_gw_hp" else h) if col8 else c * h
+        regather = (c * h if recipe in ("rowwise_with_gw_hp", "mxfp8") else h) if col8 else c * h
         rings += [gather, row_sum, partial * h if col8 else c * h, regather, output_gradient[recipe] if row8 else c * h]
         rings += [gather, row_sum] if layer_checkpointed(cfg, layer) else []
     return rings

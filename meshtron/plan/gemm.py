@@ -43,7 +43,7 @@ from typing import NamedTuple
 from meshtron.config import Config
 from meshtron.parallel.float8 import fits_fp8
 from meshtron.parallel.tensor import local_kv_heads
-from meshtron.plan.hardware import Hardware
+from meshtron.plan.hardware import EMULATED_FP8_RECIPES, Hardware
 from meshtron.plan.activations import by_kind, microbatch_tokens, recomputed_share
 from meshtron.plan.parameters import FP32, compute_bytes
 
@@ -184,9 +184,11 @@ def layer_gemms(cfg: Config, layer: int, rows: int) -> list[Gemm]:
 
 
 def _fp8(cfg: Config, *dims: int) -> bool:
-    """Whether ``[train] fp8`` runs the GEMMs of a weight of (whole, unsplit) ``dims`` in float8: both a
-    multiple of 16, as ``meshtron.parallel.float8.apply_float8`` converts (the routed experts' pair too)."""
-    return cfg.train.fp8 != "none" and fits_fp8(dims)
+    """Whether ``[train] fp8`` runs the GEMMs of a weight of (whole, unsplit) ``dims`` in float8 on the planned
+    devices: both a multiple of the recipe's, as ``meshtron.parallel.float8.apply_float8`` converts (the routed
+    experts' pair too), and a recipe those devices have a kernel for (:data:`EMULATED_FP8_RECIPES`)."""
+    recipe = cfg.train.fp8
+    return recipe not in ("none", *EMULATED_FP8_RECIPES) and fits_fp8(dims, recipe)
 
 
 def _mlp(rows: int, h: int, width: int, count: int = 1, fp8: bool = False) -> list[Gemm]:

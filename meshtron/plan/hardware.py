@@ -9,6 +9,10 @@ from meshtron.watch.metrics import datasheet
 # NVIDIA H100 SXM datasheet (nvidia.com/en-us/data-center/h100): FP8 Tensor Core 3,958 TFLOP/s "with
 # sparsity", half of it dense; twice the dense bf16 989. The H200 SXM lists the same compute.
 H100_FP8_TFLOPS = 1979.0
+# Recipes whose GEMMs the devices planned for (H100, H200) have no kernel for: MXFP8's block-scaled GEMM needs
+# Blackwell (compute capability 10; meshtron.parallel.mxfp8.runs_mx_kernel), so elsewhere it is emulated, the
+# MX values dequantized into a GEMM in the training dtype, and planned as one (the casts around it not timed).
+EMULATED_FP8_RECIPES = ("mxfp8",)
 
 
 # Keyword-only: CLIs build it from flags, and a field inserted later must not shift their values into
@@ -39,4 +43,4 @@ class Hardware:
 
 H200 = Hardware(memory_gib=141.0, memory_tbps=datasheet("H200")[1])
 
-__all__ = ["H100_FP8_TFLOPS", "H200", "Hardware"]
+__all__ = ["EMULATED_FP8_RECIPES", "H100_FP8_TFLOPS", "H200", "Hardware"]

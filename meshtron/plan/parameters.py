@@ -289,7 +289,7 @@ def fp8_weights(cfg: Config, params) -> list:
     if cfg.train.fp8 == "none":
         return []
     return [q for q in params if q.unit.startswith("block") and not q.expert and q.name.endswith("_proj.weight")
-            and fits_fp8(q.shape)]
+            and fits_fp8(q.shape, cfg.train.fp8)]
 
 
 def fp8_gathered_weights(cfg: Config, params) -> list:

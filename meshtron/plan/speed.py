@@ -46,7 +46,7 @@ from meshtron.plan.communication import (
     overlapped_tp_seconds,
 )
 from meshtron.plan.gemm import step_compute_seconds
-from meshtron.plan.hardware import Hardware
+from meshtron.plan.hardware import EMULATED_FP8_RECIPES, Hardware
 from meshtron.plan.moments import unsplit_stages
 from meshtron.plan.parameters import FP32, _stage_layer_ranges, fp8_weights, offloads_optimizer, stage_params, state_bytes
 
@@ -243,7 +243,10 @@ def exposed_communication(cfg: Config, comm: dict[str, float], compute: float, h
 
 def fp8_flops_per_token(cfg: Config) -> float:
     """Training FLOPs per token that run as FP8 GEMMs: 2 per weight element in each of the forward, input-
-    gradient and weight-gradient GEMMs, the last in the training dtype under ``rowwise_with_gw_hp``."""
+    gradient and weight-gradient GEMMs, the last in the training dtype under ``rowwise_with_gw_hp``; none where the
+    planned devices emulate the recipe (:data:`EMULATED_FP8_RECIPES`)."""
+    if cfg.train.fp8 in EMULATED_FP8_RECIPES:
+        return 0.0
     p = cfg.parallel
     params = {q.name: q for rank in range(p.pp) for q in stage_params(cfg, rank)}.values()
     gemms = 2 if cfg.train.fp8 == "rowwise_with_gw_hp" else 3
