@@ -564,10 +564,6 @@ def is_float8_linear(module: nn.Module) -> bool:
     return isinstance(module, MXLinear) or (converted is not None and isinstance(module, converted.Float8Linear))
 
 
-def _recipe_of(linear: nn.Module) -> str:
-    return getattr(linear, "recipe", "tensorwise")  # an MXLinear says so; every Float8Linear recipe takes 16
-
-
 def split_gemms(linear: nn.Module, mesh, split: str, local_shape: tuple[int, int]) -> Float8Gemms | None:
     """The :class:`Float8Gemms` of ``linear`` split over ``mesh`` (an ``MXLinear``'s own GEMMs, which need no
     collective), or None for a linear FP8 did not convert. ``local_shape``: the weight rows and columns this
@@ -575,13 +571,14 @@ def split_gemms(linear: nn.Module, mesh, split: str, local_shape: tuple[int, int
     naming the linear otherwise, before any collective)."""
     if not is_float8_linear(linear):
         return None
-    recipe = _recipe_of(linear)
-    if not fits_fp8(local_shape, recipe):
+    mx = isinstance(linear, MXLinear)
+    multiple = MX_BLOCK if mx else FP8_DIM_MULTIPLE
+    if any(dim % multiple for dim in local_shape):
         raise ConfigError(
             f"[train] fp8: a {linear.out_features} x {linear.in_features} block linear split over tp = {mesh.size()} "
-            f"holds a {local_shape[0]} x {local_shape[1]} weight per rank; a{'n MX' if recipe == 'mxfp8' else ''} float8 "
-            f"GEMM needs both dims in multiples of {fp8_dim_multiple(recipe)}. Use a smaller tp or fp8 = 'none'.")
-    return linear.gemms if recipe == "mxfp8" else Float8Gemms(linear, mesh, split)
+            f"holds a {local_shape[0]} x {local_shape[1]} weight per rank; a{'n MX' if mx else ''} float8 "
+            f"GEMM needs both dims in multiples of {multiple}. Use a smaller tp or fp8 = 'none'.")
+    return linear.gemms if mx else Float8Gemms(linear, mesh, split)
 
 
 __all__ = [

@@ -121,8 +121,6 @@ class MXLinear(nn.Linear):
     """A block linear under ``mxfp8``: its three GEMMs through :class:`MXGemms`, the bias added in the output
     dtype. Its parameters are the ``nn.Linear``'s own (:meth:`from_linear`)."""
 
-    recipe = "mxfp8"
-
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> MXLinear:
         """``linear`` itself, its class swapped: parameters, hooks and device (meta too) kept."""

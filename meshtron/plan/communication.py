@@ -250,6 +250,12 @@ def _token_scale_bytes(recipe: str, hidden: int) -> float:
     return {"rowwise": FP32, "rowwise_with_gw_hp": FP32, "mxfp8": hidden / MX_BLOCK}.get(recipe, 0)
 
 
+def _weight_gradient_in_training_dtype_input(recipe: str) -> bool:
+    """Whether the weight gradient's re-gathered input travels in the compute dtype: ``rowwise_with_gw_hp``
+    computes that GEMM in high precision, ``mxfp8`` casts along the tokens it gathers."""
+    return recipe in ("rowwise_with_gw_hp", "mxfp8")
+
+
 def float8_sequence_gather_savings(cfg: Config, layer: int) -> float:
     """Bytes per micro-batch one layer's SP all-gathers send less where they carry float8
     (``tensor.PackedProjections.start_input_gather``): a column-parallel group whose projections are all
@@ -269,7 +275,7 @@ def float8_sequence_gather_savings(cfg: Config, layer: int) -> float:
     scales = _token_scale_bytes(recipe, h)
     recomputed = _tp_transfers_recomputed(cfg, layer)[1]
     forward = (1 + recomputed) * (c * h - h - scales)
-    regather = 0 if recipe in ("rowwise_with_gw_hp", "mxfp8") else c * h - h
+    regather = 0 if _weight_gradient_in_training_dtype_input(recipe) else c * h - h
     return groups * (forward + regather) * microbatch_tokens(cfg) * _ring(p.tp)
 
 
@@ -329,7 +335,7 @@ def overlapped_ring_bytes(cfg: Config, layer: int) -> list[float]:
         col8, row8 = all(name in float8 for name in columns), row in float8
         gather = h + scale if col8 else c * h
         row_sum = partial * h if row8 else c * h
-        regather = (c * h if recipe in ("rowwise_with_gw_hp", "mxfp8") else h) if col8 else c * h
+        regather = (c * h if _weight_gradient_in_training_dtype_input(recipe) else h) if col8 else c * h
         rings += [gather, row_sum, partial * h if col8 else c * h, regather, output_gradient[recipe] if row8 else c * h]
         rings += [gather, row_sum] if layer_checkpointed(cfg, layer) else []
     return rings
