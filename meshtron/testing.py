@@ -288,7 +288,8 @@ def assert_step_metrics_sound(records: list[dict], tokens_per_step: int, world_s
     """Each ``metrics.jsonl`` record's timing figures finite and consistent with each other and with the
     recipe: tokens/s x step time = the tokens of a global batch, every rank's own time (its step time
     less the time it waited in collectives) non-negative and at most the step time. Rank 0 measures
-    ``step_time``; the others' steps differ from it by when each started (rank 0 logs first), hence 10 %."""
+    ``step_time``; every rank's step opens as all leave one barrier, so the others' steps differ from it
+    only by the work each does after the step's last collective (its optimizer update), hence 10 %."""
     for r in records:
         figures = {k: r[k] for k in ("loss", "grad_norm", "tokens_per_sec", "step_time", "rank_time_max",
                                      "rank_time_median")}

@@ -203,11 +203,27 @@ def waits_counted_once(root: str) -> None:
     (Path(root) / f"waits-{dist.get_rank()}.json").write_text(json.dumps({"waited": waited, "wall": wall}))
 
 
+def step_clocks_open_together(root: str) -> None:
+    """Ranks 1-3 enter a step LATE_S x rank late (rank 0 logging, or a rank still loading, between steps):
+    every rank's step window opens at the step's barrier, so none of them counts the wait for the late ones
+    (without it rank 0's step time held 1.5 s of waiting) and each rank's own time lies inside its window."""
+    trainer = _trainer(Path(root) / "clock", DP2_TP2, ["--train.steps", "2"])
+    trainer.train_step(0)  # warm-up: first-step work is uneven across ranks
+    trainer.own_seconds.clear()
+    time.sleep(LATE_S * dist.get_rank())
+    record = trainer.train_step(1)
+    own = trainer.own_seconds[-1]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (record["step_time"], own))
+    if dist.get_rank() == 0:
+        (Path(root) / "clocks.json").write_text(json.dumps(every))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("reliability")
     run_checks([waits_counted_once, exact_resume, async_save_resumes_exactly, keep_and_final_save, different_configs_are_named, nonfinite_stops_with_the_parameter,
-                nonfinite_skips_the_update], 4, str(root), timeout=600)
+                nonfinite_skips_the_update, step_clocks_open_together], 4, str(root), timeout=600)
     return root
 
 
@@ -220,6 +236,15 @@ def test_time_waited_in_collectives_is_counted_once(runs):
         assert 0 <= figures["waited"] <= figures["wall"], (rank, figures)
         if rank:
             assert figures["waited"] >= 0.8 * 2 * LATE_S, (rank, figures)
+
+
+def test_every_rank_times_one_common_step_window(runs):
+    """Ranks 1-3 entered the step 0.5, 1.0 and 1.5 s late: the step times still agree (by far less than
+    the lateness), and each rank's own time is within its own step."""
+    every = json.loads((runs / "clocks.json").read_text())
+    times = [step_time for step_time, _ in every]
+    assert max(times) - min(times) < LATE_S, every
+    assert all(0 <= own <= step_time for step_time, own in every), every
 
 
 def test_resume_is_bit_exact_next_to_an_interrupted_save(runs):

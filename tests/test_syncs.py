@@ -9,7 +9,9 @@ What is allowed, exactly:
 * with context parallelism over packed documents (``[data] document_mask``): one per micro-batch, the
   document-start bounds that decide which attention blocks run (every layer reuses them);
 * ``Trainer.train_step`` adds one read after the step is queued (loss, grad norm, aux loss in one
-  copy), besides the data pipeline, which works on host tensors before they are copied to the device.
+  copy), besides the data pipeline, which works on host tensors before they are copied to the device,
+  and the barrier its step clock starts at (no tensor op: on CUDA it waits for a device the previous
+  step's read left idle).
 
 On CUDA, ``benchmarks/mfu.py`` runs the step under ``torch.cuda.set_sync_debug_mode("error")``,
 which also catches host/device copies (every tensor is a host tensor on CPU).
