@@ -162,8 +162,25 @@ def _row(dtype: str, name: str, s: dict) -> str:
             f"{ratio('ratio_min_cpu')} |")
 
 
+# CPU instructions for bfloat16 GEMMs: without them torch emulates bf16 matmuls in float32 (AVX2 only: an
+# AMD EPYC here ran one bf16 step in minutes against 3 s in float32), so the bf16 rows mean little there.
+BF16_GEMM_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_description() -> str:
+    """The CPU's model name and its bf16 GEMM instructions (from /proc/cpuinfo on Linux): the table's
+    ratios hold for that CPU only."""
+    info = Path("/proc/cpuinfo")
+    text = info.read_text() if info.is_file() else ""
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+                 platform.processor() or platform.machine())
+    flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+    bf16 = [flag for flag in BF16_GEMM_FLAGS if flag in flags]
+    return f"{model}, {platform.machine()}, bf16 GEMM instructions: {', '.join(bf16) or 'none'}"
+
+
 def write_results(runs: list[dict], cfg: ModelConfig, args) -> str:
-    cpu = f"{platform.processor() or platform.machine()}, torch.set_num_threads({args.threads})"
+    cpu = f"{cpu_description()}, torch.set_num_threads({args.threads})"
     lines = [
         f"# One-process CPU training step: meshtron vs transformers ({cpu})",
         "",

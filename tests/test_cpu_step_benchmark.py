@@ -30,3 +30,20 @@ def test_cpu_step_benchmark_tiny_run(tmp_path):
                 assert abs(row["ratio_median_wall"] * theirs["median_wall"] - row["median_wall"]) < 1e-9, name
     assert abs(runs[0]["first_step_loss"]["transformers"] - 5.5452) < 0.1  # ln(256): random weights and tokens
     assert f"| float32 | meshtron model | {runs[0]['summary']['meshtron model']['median_wall']:.3f} |" in text
+
+
+def test_stored_table_is_its_own_steps_summarised():
+    """benchmarks/results/cpu_step_vs_transformers.*: every median, min and ratio in the committed table is
+    recomputed from the step times stored beside it, and the CPU it names is the one the JSON records."""
+    spec = importlib.util.spec_from_file_location("cpu_step", ROOT / "benchmarks" / "cpu_step_vs_transformers.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    stored = json.loads((ROOT / "benchmarks" / "results" / "cpu_step_vs_transformers.json").read_text())
+    table = (ROOT / "benchmarks" / "results" / "cpu_step_vs_transformers.md").read_text()
+    assert f"({stored['cpu']})" in table.splitlines()[0]
+    for run in stored["runs"]:
+        summary = bench.summarise(run["times"])
+        assert summary == run["summary"], run["dtype"]
+        assert all(len(t["wall"]) == int(stored["settings"]["steps"]) for t in run["times"].values())
+        for name, row in summary.items():
+            assert bench._row(run["dtype"], name, row) in table, (run["dtype"], name)
