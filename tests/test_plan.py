@@ -834,6 +834,31 @@ def test_published_speed_rows_come_from_the_planner():
     assert f"| {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {cells[4]} |" in "".join(
         line.replace("Megatron GPT 1.7B, tp 1 x pp 1 x dp 48, 48 GPUs, batch 192 (41 % MFU)", "1.7B")
         for line in (ROOT / "benchmarks" / "results" / "published_speed.md").read_text().splitlines())
+    # MFU: 6 x matmul parameters (24 layers of q, k, v, o and a SwiGLU of width w; the untied head) + causal
+    # attention (6 h s per layer and token), over the H100's 989 TFLOP/s.
+    w = bench.swiglu_width(2048, 1)
+    flops = 6 * (24 * (4 * 2048**2 + 3 * 2048 * w) + 2048 * 131072) + 6 * 2048 * 4096 * 24
+    assert cells[7] == f"{100 * published * flops / 989e12:.1f} / {100 * predicted * flops / 989e12:.1f}"
+
+
+def test_published_rows_outside_the_band_are_each_explained():
+    """benchmarks/results/published_speed.md: every row of the search's table predicted outside 0.9-1.1 of its
+    published figure (read from the table's own cells) has its explanation below it, and no other row has one."""
+    text = (ROOT / "benchmarks" / "results" / "published_speed.md").read_text()
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.split("## The layout search")[1].splitlines()
+            if line.startswith("| ") and line[2:3] != "-" and not line.startswith("| published run")]
+    outside = {cells[0]: int(cells[3].replace(",", "")) / int(cells[2].replace(",", "")) for cells in rows
+               if not 0.9 <= int(cells[3].replace(",", "")) / int(cells[2].replace(",", "")) <= 1.1}
+    explained = {}  # label (each ends in ")") -> (the ratio stated, the explanation)
+    for line in text.splitlines():
+        if line.startswith("- "):
+            label, rest = line[2:].split("): ", 1)
+            stated, why = rest.split(". ", 1)
+            explained[label + ")"] = (float(stated), why)
+    assert len(rows) == 11 and set(explained) == set(outside), (sorted(outside), sorted(explained))
+    for label, ratio in outside.items():
+        stated, why = explained[label]
+        assert abs(stated - ratio) < 0.01 and "% MFU" in why, (label, ratio, stated, why)
 
 
 # Published GEMM rates on an H100 SXM (TFLOP/s): bf16 from the fastest square-ish matmuls published (700,
