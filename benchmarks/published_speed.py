@@ -58,7 +58,7 @@ from meshtron.config import load_config  # noqa: E402
 from meshtron.dryrun import dry_run, tokens_per_second_per_device  # noqa: E402
 from meshtron.models.qwen2 import flops_per_token  # noqa: E402
 from meshtron.watch.metrics import datasheet  # noqa: E402
-from meshtron.plan.gemm import ALIGN  # noqa: E402
+from meshtron.plan.gemm import ALIGN, STEP_OVERHEAD  # noqa: E402
 from meshtron.plan.search import Plan, best_variant  # noqa: E402
 from meshtron.plan.speed import Hardware, predict_step_time  # noqa: E402
 
@@ -177,21 +177,22 @@ def outside_band(results: list[tuple]) -> list[str]:
             continue
         figures = dict(published=mfu(published, plan.cfg), predicted=mfu(predicted, plan.cfg), **megatron,
                        bubble=plan.time.seconds * plan.time.bubble, step=plan.time.seconds,
-                       tp=terms(plan).get("exposed tp", 0.0), gap=megatron["70B"] / mfu(published, plan.cfg))
+                       tp=terms(plan).get("exposed tp", 0.0), gap=megatron["70B"] / mfu(published, plan.cfg),
+                       overhead=STEP_OVERHEAD)
         lines.append(f"- {label}: {predicted / published:.3f}. " + WHY[key].format(**figures))
     return lines
 
 
 MEGATRON_KEYS = tuple(row[0] for row in MEGATRON)
 # Why a row stays outside 0.9-1.1: filled in with the row's published and predicted MFU, Megatron's MFU per
-# model (its keys), the predicted step's bubble, exposed tp communication and length in seconds, and gap: Megatron's
-# 70B MFU over the row's published one.
+# model (its keys), the predicted step's bubble, exposed tp communication and length in seconds, gap: Megatron's
+# 70B MFU over the row's published one, and the compute model's fitted overhead.
 WHY = {
     "1.7B": "Published {published:.1f} % MFU, Megatron's lowest; predicted {predicted:.1f} %, the step all compute. "
             "Megatron's README puts its small models' lower MFU down to their smaller GEMMs; the planner's GEMM "
-            "model prices those, then adds the same 25 % of the GEMMs' time for the rest of the step at every size, "
-            "and this 2,048-wide model spent more outside its GEMMs. Likely why: a GEMM's FLOPs grow with the width "
-            "squared, the memory traffic of the norms, activations and optimizer with the width.",
+            "model prices those, then multiplies the kernels' time by the same fitted {overhead:.2f} at every size "
+            "(launch gaps, host work, the optimizer and casts), and this 2,048-wide model's step spent more beyond "
+            "its kernels. Likely why: those costs are per kernel, and its kernels are the shortest of the table.",
     "32B": "Published {published:.1f} % MFU, predicted {predicted:.1f} %: tp 8's communication is exposed for "
            "{tp:.2f} s of the {step:.2f} s step. Megatron's runs hid it behind the GEMMs (`--tp-comm-overlap`, as "
            "its README states); the search leaves `[parallel] tp_overlap` off, its default until a GPU has measured "
