@@ -69,6 +69,7 @@ from meshtron.parallel.fp8_base import (
     fits_fp8,
     float8_split_linear,
     fp8_dim_multiple,
+    placed_rows,
     torchao_float8,
     training_dtype,
     training_dtype_gemms,
@@ -365,13 +366,6 @@ def _scaled_rows_by_experts(a: Scaled, weights: torch.Tensor, columns: torch.Ten
                              out_dtype=torch.bfloat16)
 
 
-def _placed(data: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tensor:
-    """Float8 rows ``data`` moved to ``dest`` in a zeroed buffer of ``rows`` (:func:`aligned_rows`), the bytes
-    moved as ``uint8``."""
-    out = torch.zeros((rows, data.shape[1]), dtype=torch.uint8, device=data.device)
-    return out.index_copy_(0, dest, data.view(torch.uint8)).view(data.dtype)
-
-
 def _scaled_weight_gradient(x: Scaled, grad: Scaled, counts: torch.Tensor) -> torch.Tensor:
     """``torch._scaled_grouped_mm`` of each expert's rows of ``x`` [T, K] and ``grad`` [T, N], both scaled per
     (group, column) along the tokens, contracted over its tokens: bfloat16 [G, K, N]. The kernel reads each
@@ -381,7 +375,7 @@ def _scaled_weight_gradient(x: Scaled, grad: Scaled, counts: torch.Tensor) -> to
     if x.scale is None or grad.scale is None:
         return F.grouped_mm(x.data.t(), grad.data, offs=torch.cumsum(counts, 0, dtype=torch.int32))
     dest, ends, size = aligned_rows(counts, x.groups)
-    rows, grads = _placed(x.data, dest, size), _placed(grad.data, dest, size)
+    rows, grads = placed_rows(x.data, dest, size), placed_rows(grad.data, dest, size)
     experts, k, n = counts.numel(), rows.shape[1], grads.shape[1]
     return scaled_grouped_mm(rows.t().contiguous(), grads.t().contiguous().t(),
                              (1 / x.scale).expand(experts, k).reshape(-1),

@@ -65,6 +65,15 @@ def aligned_rows(counts: torch.Tensor, groups: torch.Tensor,
     return dest, ends, -(-tokens // align) * align + counts.numel() * align
 
 
+def placed_rows(data: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tensor:
+    """Rows ``data`` [T, C] moved to ``dest`` in a zeroed buffer of ``rows`` (:func:`aligned_rows`), the bytes
+    moved as ``uint8`` (index_copy_ has no float8 kernel), so any dtype, float8 included, is placed alike."""
+    data = data.contiguous()
+    raw = data.view(torch.uint8)
+    out = torch.zeros((rows, raw.shape[1]), dtype=torch.uint8, device=data.device)
+    return out.index_copy_(0, dest, raw).view(data.dtype)
+
+
 class _Float8SplitLinear(torch.autograd.Function):
     """``x @ weight.t()`` through a recipe's GEMMs (``meshtron.parallel.float8.Float8Gemms``,
     ``meshtron.parallel.mxfp8.MXGemms``): local pieces in, this rank's output piece out."""
@@ -120,6 +129,7 @@ def training_dtype_gemms() -> bool:
 
 
 __all__ = ["FP8_DIM_MULTIPLE", "MX_BLOCK", "TOKEN_GROUP_ALIGN", "aligned_rows", "fits_fp8", "float8_split_linear",
+           "placed_rows",
            "fp8_dim_multiple", "torchao_float8", "training_dtype", "training_dtype_gemms"]
 
 

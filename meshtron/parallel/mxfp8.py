@@ -27,7 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.models.moe import grouped_matmul
-from meshtron.parallel.fp8_base import MX_BLOCK, aligned_rows, float8_split_linear, torchao_float8, training_dtype_gemms
+from meshtron.parallel.fp8_base import (
+    MX_BLOCK,
+    aligned_rows,
+    float8_split_linear,
+    placed_rows,
+    torchao_float8,
+    training_dtype_gemms,
+)
 
 # The compute capability (major) whose tensor cores run MX block-scaled GEMMs (Blackwell).
 MX_KERNEL_MAJOR = 10
@@ -143,11 +150,8 @@ def _grouped_weight_gradient(x: torch.Tensor, dy: torch.Tensor, counts: torch.Te
     tokens only: every group padded with zero rows to a multiple of :data:`MX_BLOCK` (:func:`aligned_rows`)."""
     groups = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0])
     dest, ends, size = aligned_rows(counts, groups, MX_BLOCK)
-
-    def placed(rows: torch.Tensor) -> torch.Tensor:
-        return rows.new_zeros((size, rows.shape[1])).index_copy_(0, dest, rows)
-
-    return F.grouped_mm(mx_values(placed(x).t()), mx_values(placed(dy).t()).t(), offs=ends)
+    return F.grouped_mm(mx_values(placed_rows(x, dest, size).t()), mx_values(placed_rows(dy, dest, size).t()).t(),
+                        offs=ends)
 
 
 class _MXGroupedMM(torch.autograd.Function):
