@@ -26,8 +26,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 
-from meshtron.watch import collective_log  # noqa: E402
 from meshtron.testing import run_checks  # noqa: E402
+from meshtron.watch import collective_log  # noqa: E402
 
 LAYOUTS = [
     ("debug_dense", "dp 4 (FSDP)", {"dp": 4}),
@@ -46,8 +46,14 @@ def measure_layout(root: str, recipe: str, sizes: dict) -> None:
     from meshtron.train import Trainer
 
     layout = {"pp": 1, "dp": 1, "cp": 1, "ep": 1, "tp": 1, **sizes}
-    args = ["--train.output_dir", f"{root}/{recipe}", "--data.cache_dir", f"{root}/cache",
-            "--train.steps", str(WARMUP + 2 * BLOCKS * STEPS_PER_BLOCK)]
+    args = [
+        "--train.output_dir",
+        f"{root}/{recipe}",
+        "--data.cache_dir",
+        f"{root}/cache",
+        "--train.steps",
+        str(WARMUP + 2 * BLOCKS * STEPS_PER_BLOCK),
+    ]
     for key, value in layout.items():
         args += [f"--parallel.{key}", str(value)]
     cfg = load_config(ROOT / "recipes" / f"{recipe}.toml", args)
@@ -84,9 +90,11 @@ def measure_calls(root: str) -> None:
     of ROUNDS rounds of each (other processes only ever add time)."""
     x = torch.ones(())
     group = dist.new_group([0])
-    calls = {"dist.all_reduce (blocking)": lambda: dist.all_reduce(x, group=group),
-             "dist.all_reduce(async_op=True) + wait": lambda: dist.all_reduce(x, group=group, async_op=True).wait(),
-             "funcol.all_reduce + wait": lambda: funcol.all_reduce(x, "sum", group).wait()}
+    calls = {
+        "dist.all_reduce (blocking)": lambda: dist.all_reduce(x, group=group),
+        "dist.all_reduce(async_op=True) + wait": lambda: dist.all_reduce(x, group=group, async_op=True).wait(),
+        "funcol.all_reduce + wait": lambda: funcol.all_reduce(x, "sum", group).wait(),
+    }
     rows = {}
     for name, call in calls.items():
         bare, recorded = [], []
@@ -126,10 +134,17 @@ def main() -> None:
     ]
     for recipe, label, count, off, on in rows:
         bound = count * worst_us * 1e-6 / off
-        lines.append(f"| {recipe} | {label} | {count} | {1e3 * off:.1f} | {1e3 * on:.1f} | "
-                     f"{100 * (on / off - 1):+.1f} % | {100 * bound:.2f} % |")
-    lines += ["", f"One scalar collective on a 1-rank gloo group (fastest of {ROUNDS} rounds of 5000 calls each way):",
-              "", "| call | bare (us) | recorded (us) | recording adds (us) |", "|---|---|---|---|"]
+        lines.append(
+            f"| {recipe} | {label} | {count} | {1e3 * off:.1f} | {1e3 * on:.1f} | "
+            f"{100 * (on / off - 1):+.1f} % | {100 * bound:.2f} % |"
+        )
+    lines += [
+        "",
+        f"One scalar collective on a 1-rank gloo group (fastest of {ROUNDS} rounds of 5000 calls each way):",
+        "",
+        "| call | bare (us) | recorded (us) | recording adds (us) |",
+        "|---|---|---|---|",
+    ]
     for name, (bare, recorded) in calls.items():
         lines.append(f"| {name} | {bare:.1f} | {recorded:.1f} | {recorded - bare:.1f} |")
     OUT.write_text("\n".join(lines) + "\n")

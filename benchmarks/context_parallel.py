@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from meshtron.parallel.context import (
     RingAttention,
-    RingStats,
     RingExchange,
+    RingStats,
     causal_score_elements,
     ring_schedule,
     shard_sequence,

@@ -54,10 +54,17 @@ CPS = (2, 4, 8)
 def analytic_bytes(comm: str, cp: int, seq: int, heads: int, kv_heads: int, head_dim: int, elem: int) -> float:
     """Bytes one rank sends per layer, forward + backward, batch 1: the planner's count
     (``meshtron.plan.communication.cp_attention_bytes``, which says how each comm type moves them)."""
-    model = ModelConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                        max_position_embeddings=seq)
-    cfg = Config(model=model, parallel=ParallelConfig(cp=cp, cp_comm_type=comm),
-                 train=TrainConfig(global_batch_size=1, seq_len=seq, dtype="float32" if elem == 4 else "bfloat16"))
+    model = ModelConfig(
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=seq,
+    )
+    cfg = Config(
+        model=model,
+        parallel=ParallelConfig(cp=cp, cp_comm_type=comm),
+        train=TrainConfig(global_batch_size=1, seq_len=seq, dtype="float32" if elem == 4 else "bfloat16"),
+    )
     return sum(forward + backward for forward, backward in cp_attention_bytes(cfg).values())
 
 
@@ -130,8 +137,15 @@ def check_count_bytes(seq: int, heads: int, kv_heads: int, head_dim: int, out_pa
             dist.all_reduce(sent, op=dist.ReduceOp.MAX)
             low = torch.tensor([counter.sent], dtype=torch.float64)
             dist.all_reduce(low, op=dist.ReduceOp.MIN)
-            rows.append(dict(cp=cp, comm=comm, max=sent.item(), min=low.item(),
-                             analytic=analytic_bytes(comm, cp, seq, heads, kv_heads, head_dim, 4)))
+            rows.append(
+                dict(
+                    cp=cp,
+                    comm=comm,
+                    max=sent.item(),
+                    min=low.item(),
+                    analytic=analytic_bytes(comm, cp, seq, heads, kv_heads, head_dim, 4),
+                )
+            )
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(rows))
 
@@ -143,8 +157,11 @@ def document_lengths(seq: int, gen: torch.Generator, short: int, long: int) -> t
     """Packed positions of a window of mixed documents: mostly short ones and some long ones."""
     row = []
     while len(row) < seq:
-        n = int(torch.randint(1, long + 1, (1,), generator=gen)) if torch.rand(1, generator=gen) < 0.3 else \
-            int(torch.randint(1, short + 1, (1,), generator=gen))
+        n = (
+            int(torch.randint(1, long + 1, (1,), generator=gen))
+            if torch.rand(1, generator=gen) < 0.3
+            else int(torch.randint(1, short + 1, (1,), generator=gen))
+        )
         row += range(n)
     return torch.tensor(row[:seq]).unsqueeze(0)
 
@@ -169,17 +186,27 @@ def work_per_rank(positions: torch.Tensor, cp: int, balanced: bool) -> tuple[lis
 def work_rows(seq: int) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for label, short, long in (("short docs (1-512) + 30% long (1-8192)", 512, 8192),
-                               ("short docs only (1-1024)", 1024, 1024),
-                               ("one document (no masks)", seq, seq)):
+    for label, short, long in (
+        ("short docs (1-512) + 30% long (1-8192)", 512, 8192),
+        ("short docs only (1-1024)", 1024, 1024),
+        ("one document (no masks)", seq, seq),
+    ):
         positions = torch.arange(seq)[None] if long == seq else document_lengths(seq, gen, short, long)
         docs = int((positions == 0).sum())
         for cp in CPS:
             for balanced in (False, True):
                 visible, area = work_per_rank(positions, cp, balanced)
-                rows.append(dict(case=label, docs=docs, cp=cp, layout="load-balanced" if balanced else "contiguous",
-                                 visible=max(visible) / min(visible), area=max(area) / min(area),
-                                 total_area=sum(area) / seq**2))
+                rows.append(
+                    dict(
+                        case=label,
+                        docs=docs,
+                        cp=cp,
+                        layout="load-balanced" if balanced else "contiguous",
+                        visible=max(visible) / min(visible),
+                        area=max(area) / min(area),
+                        total_area=sum(area) / seq**2,
+                    )
+                )
     return rows
 
 
@@ -192,8 +219,15 @@ def check_step_times(seq: int, repeats: int, out_path: str):
     from meshtron.models import build_model
     from meshtron.parallel.step_runner import StepRunner
 
-    model_cfg = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                            num_attention_heads=8, num_key_value_heads=2, rope_theta=10_000.0)
+    model_cfg = ModelConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        rope_theta=10_000.0,
+    )
     world = dist.get_world_size()
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (1, seq), generator=gen)
@@ -202,8 +236,12 @@ def check_step_times(seq: int, repeats: int, out_path: str):
     runners = {}
     for comm in CP_COMM_TYPES:
         for documents in (False, True):
-            cfg = Config(model=model_cfg, parallel=ParallelConfig(cp=world, cp_comm_type=comm),
-                         train=TrainConfig(seq_len=seq), data=DataConfig(document_mask=documents))
+            cfg = Config(
+                model=model_cfg,
+                parallel=ParallelConfig(cp=world, cp_comm_type=comm),
+                train=TrainConfig(seq_len=seq),
+                data=DataConfig(document_mask=documents),
+            )
             with torch.device("meta"):
                 model = build_model(model_cfg)
             runners[f"{comm} {documents}"] = StepRunner(model, build_mesh(cp=world), cfg, torch.device("cpu"))
@@ -244,7 +282,8 @@ def write_markdown(path: Path, args, measured, work, steps) -> None:
         f"Counted on 8 CPU ranks from the collectives one layer issues (seq {args.seq}, heads {args.heads}, "
         f"KV heads {args.kv_heads}, head dim {args.head_dim}, fp32, batch 1): every send of the ring, "
         "(n-1)/n of an all-to-all's input, (n-1) x the local shard for the all-gather and the "
-        "reduce-scatter (ring algorithms). `analytic` is the planner's count (`meshtron.plan.communication.cp_attention_bytes`). a2a+p2p uses "
+        "reduce-scatter (ring algorithms). `analytic` is the planner's count "
+        "(`meshtron.plan.communication.cp_attention_bytes`). a2a+p2p uses "
         "the auto group size (largest divisor of cp below cp on one node that divides the heads: "
         "1 at cp 2, 2 at cp 4, 4 at cp 8).",
         "",
@@ -253,8 +292,10 @@ def write_markdown(path: Path, args, measured, work, steps) -> None:
     ]
     for r in measured:
         a = a2a_group_size(r["comm"], r["cp"], heads=args.heads)
-        lines.append(f"| {r['cp']} | {r['comm']} | {a} | {r['max'] / 1024:.1f} | {r['min'] / 1024:.1f} | "
-                     f"{r['analytic'] / 1024:.1f} | {r['max'] / r['analytic']:.2f} |")
+        lines.append(
+            f"| {r['cp']} | {r['comm']} | {a} | {r['max'] / 1024:.1f} | {r['min'] / 1024:.1f} | "
+            f"{r['analytic'] / 1024:.1f} | {r['max'] / r['analytic']:.2f} |"
+        )
     big = dict(seq=32768, heads=28, kv_heads=4, head_dim=128)
     lines += [
         "",
@@ -286,8 +327,10 @@ def write_markdown(path: Path, args, measured, work, steps) -> None:
         "|---|---:|---|---:|---:|---:|",
     ]
     for r in work:
-        lines.append(f"| {r['case']} ({r['docs']} docs) | {r['cp']} | {r['layout']} | {r['visible']:.2f} | "
-                     f"{r['area']:.2f} | {r['total_area']:.3f} |")
+        lines.append(
+            f"| {r['case']} ({r['docs']} docs) | {r['cp']} | {r['layout']} | {r['visible']:.2f} | "
+            f"{r['area']:.2f} | {r['total_area']:.3f} |"
+        )
     lines += [
         "",
         "## Step time of each mode (measured, CPU: 8 gloo ranks on a 2-core shared host, cp 8)",

@@ -43,8 +43,8 @@ from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.mesh import build_mesh, exit_process, init_default_group
 from meshtron.models import build_model
-from meshtron.parallel.step_runner import StepRunner
 from meshtron.parallel.step import training_step
+from meshtron.parallel.step_runner import StepRunner
 
 RESULTS = Path(__file__).parent / "results"
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}  # relative loss difference allowed at the first step
@@ -52,9 +52,15 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}  # relative loss difference allo
 
 def model_config(args) -> ModelConfig:
     return ModelConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.seq, 256), rope_theta=1e6, rms_norm_eps=1e-6,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.seq, 256),
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
     )
 
 
@@ -93,18 +99,23 @@ def contestants(cfg: ModelConfig, dtype: str, batch: torch.Tensor, seed: int) ->
             loss.backward()
             optimizer.step()
             return loss.detach()
+
         return step
 
-    trainer_cfg = Config(model=cfg, parallel=ParallelConfig(),
-                         train=TrainConfig(dtype=dtype, seq_len=batch.shape[1], global_batch_size=batch.shape[0]))
+    trainer_cfg = Config(
+        model=cfg,
+        parallel=ParallelConfig(),
+        train=TrainConfig(dtype=dtype, seq_len=batch.shape[1], global_batch_size=batch.shape[0]),
+    )
     with torch.device("meta"):
         model = build_model(cfg)
     runner = StepRunner(model, build_mesh(), trainer_cfg, torch.device("cpu"))
     load_full_state_dict(runner.module, weights)
     trainer_optimizer = adamw(runner.module.parameters())
     return {
-        "meshtron model": model_step(ours, adamw(ours.parameters()),
-                                     lambda m: m(batch, positions, labels=labels) / tokens),
+        "meshtron model": model_step(
+            ours, adamw(ours.parameters()), lambda m: m(batch, positions, labels=labels) / tokens
+        ),
         "meshtron trainer": lambda: training_step(runner, trainer_optimizer, batch, labels, 1e9)[0],
         "transformers": model_step(hf, adamw(hf.parameters()), lambda m: m(input_ids=batch, labels=batch).loss),
     }
@@ -116,8 +127,10 @@ def check_losses(losses: dict[str, float], dtype: str) -> dict[str, float]:
     diffs = {name: abs(loss - reference) / abs(reference) for name, loss in losses.items() if name != "transformers"}
     bad = {name: d for name, d in diffs.items() if d > TOLERANCE[dtype]}
     if bad:
-        raise AssertionError(f"{dtype}: first-step losses differ from transformers' {reference:.6f} by {bad} "
-                             f"(> {TOLERANCE[dtype]:g}): {losses}")
+        raise AssertionError(
+            f"{dtype}: first-step losses differ from transformers' {reference:.6f} by {bad} "
+            f"(> {TOLERANCE[dtype]:g}): {losses}"
+        )
     return diffs
 
 
@@ -135,8 +148,14 @@ def interleaved(steps: dict, rounds: int) -> dict[str, dict[str, list[float]]]:
 
 def summarise(times: dict) -> dict:
     """min and median per clock and contestant, and meshtron's ratios to transformers."""
-    rows = {name: {f"{stat}_{clock}": fn(t[clock]) for clock in ("wall", "cpu")
-                   for stat, fn in (("min", min), ("median", statistics.median))} for name, t in times.items()}
+    rows = {
+        name: {
+            f"{stat}_{clock}": fn(t[clock])
+            for clock in ("wall", "cpu")
+            for stat, fn in (("min", min), ("median", statistics.median))
+        }
+        for name, t in times.items()
+    }
     theirs = rows["transformers"]
     for name, row in rows.items():
         if name != "transformers":
@@ -151,15 +170,22 @@ def measure(cfg: ModelConfig, dtype: str, args) -> dict:
     diffs = check_losses(losses, dtype)
     print(f"{dtype}: first-step losses {losses}", flush=True)
     times = interleaved(steps, args.steps)
-    return {"dtype": dtype, "first_step_loss": losses, "loss_rel_diff": diffs, "times": times,
-            "summary": summarise(times)}
+    return {
+        "dtype": dtype,
+        "first_step_loss": losses,
+        "loss_rel_diff": diffs,
+        "times": times,
+        "summary": summarise(times),
+    }
 
 
 def _row(dtype: str, name: str, s: dict) -> str:
     ratio = lambda key: f"{s[key]:.3f}" if key in s else "1"  # noqa: E731
-    return (f"| {dtype} | {name} | {s['median_wall']:.3f} | {s['min_wall']:.3f} | {ratio('ratio_median_wall')} | "
-            f"{ratio('ratio_min_wall')} | {s['median_cpu']:.3f} | {s['min_cpu']:.3f} | {ratio('ratio_median_cpu')} | "
-            f"{ratio('ratio_min_cpu')} |")
+    return (
+        f"| {dtype} | {name} | {s['median_wall']:.3f} | {s['min_wall']:.3f} | {ratio('ratio_median_wall')} | "
+        f"{ratio('ratio_min_wall')} | {s['median_cpu']:.3f} | {s['min_cpu']:.3f} | {ratio('ratio_median_cpu')} | "
+        f"{ratio('ratio_min_cpu')} |"
+    )
 
 
 # CPU instructions for bfloat16 GEMMs: without them torch emulates bf16 matmuls in float32 (AVX2 only: an
@@ -172,8 +198,10 @@ def cpu_description() -> str:
     ratios hold for that CPU only."""
     info = Path("/proc/cpuinfo")
     text = info.read_text() if info.is_file() else ""
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
-                 platform.processor() or platform.machine())
+    model = next(
+        (line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+        platform.processor() or platform.machine(),
+    )
     flags = next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
     bf16 = [flag for flag in BF16_GEMM_FLAGS if flag in flags]
     return f"{model}, {platform.machine()}, bf16 GEMM instructions: {', '.join(bf16) or 'none'}"
@@ -184,8 +212,11 @@ def write_results(runs: list[dict], cfg: ModelConfig, args) -> str:
     lines = [
         f"# One-process CPU training step: meshtron vs transformers ({cpu})",
         "",
-        *(["**Smoke run (`--tiny`): checks that the script works; not a performance result.**", ""]
-          if args.tiny else []),
+        *(
+            ["**Smoke run (`--tiny`): checks that the script works; not a performance result.**", ""]
+            if args.tiny
+            else []
+        ),
         f"Model: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads / "
         f"{cfg.kv_heads} KV heads, intermediate {cfg.intermediate_size}, vocabulary {cfg.vocab_size:,}; batch "
         f"{args.batch} x {args.seq} tokens; step = forward + loss + backward + fused AdamW. {args.steps} steps per "
@@ -208,8 +239,9 @@ def write_results(runs: list[dict], cfg: ModelConfig, args) -> str:
 
 
 def _diffs(runs: list[dict]) -> str:
-    return "; ".join(f"{run['dtype']} " + ", ".join(f"{name} {d:.1e}" for name, d in run["loss_rel_diff"].items())
-                     for run in runs)
+    return "; ".join(
+        f"{run['dtype']} " + ", ".join(f"{name} {d:.1e}" for name, d in run["loss_rel_diff"].items()) for run in runs
+    )
 
 
 def parse_args(argv=None):
@@ -227,8 +259,9 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "cpu_step_vs_transformers",
-                        help="results path without suffix")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS / "cpu_step_vs_transformers", help="results path without suffix"
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         args.hidden, args.layers, args.intermediate, args.vocab, args.seq, args.steps = 64, 2, 96, 256, 32, 2

@@ -25,8 +25,13 @@ from meshtron.parallel.data import apply_data_parallel
 from meshtron.testing import run_checks
 
 QWEN2P5_7B = ModelConfig(
-    vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-    num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
 )
 DP = 8
 BYTES = {"params": 4, "grads": 4, "optimizer": 8}  # fp32 master weights, fp32 grads, AdamW m and v
@@ -74,7 +79,8 @@ def _table(total: int, rows: dict[str, int]) -> str:
     for mode, elements in rows.items():
         parts = [elements * BYTES[k] for k in BYTES]
         lines.append(
-            f"| {names[mode]} | {elements:,} | " + " | ".join(_gib(p) for p in parts)
+            f"| {names[mode]} | {elements:,} | "
+            + " | ".join(_gib(p) for p in parts)
             + f" | {_gib(sum(parts))} | {_gib(analytic[mode])} |"
         )
     saving = rows["replicate"] / rows["fsdp"]

@@ -38,20 +38,27 @@ def top_layouts(recipe: str, gpus: int) -> list[tuple[int, bool, list[str]]]:
 def main() -> None:
     out = ROOT / "benchmarks" / "results"
     # Every recipe and size's first choice before any second: a long run covers each of them early.
-    layouts = sorted(((recipe, gpus, *top) for recipe in RECIPES for gpus in GPUS for top in top_layouts(recipe, gpus)),
-                     key=lambda layout: layout[2])
+    layouts = sorted(
+        ((recipe, gpus, *top) for recipe in RECIPES for gpus in GPUS for top in top_layouts(recipe, gpus)),
+        key=lambda layout: layout[2],
+    )
     stored = out / "dry_run_plan_top.json"
     chosen = {(recipe, gpus, tuple(overrides)): (place, fits) for recipe, gpus, place, fits, overrides in layouts}
     rows = json.loads(stored.read_text()) if stored.exists() else []
     # Layouts the planner no longer ranks in its top three leave the table; the others take their current place.
-    rows = [{**r, **dict(zip(("place", "fits"), chosen[key]))} for r in rows
-            if (key := (r["recipe"], r["world_size"], tuple(r["overrides"]))) in chosen]
+    rows = [
+        {**r, **dict(zip(("place", "fits"), chosen[key]))}
+        for r in rows
+        if (key := (r["recipe"], r["world_size"], tuple(r["overrides"]))) in chosen
+    ]
     done = {(r["recipe"], r["world_size"], tuple(r["overrides"])) for r in rows}
     if "--replan" in sys.argv:
         first = {}
         for index, r in enumerate(rows):
             first.setdefault((r["recipe"], r["world_size"], tuple(r["overrides"])), index)
-        rows = replan_rows(rows, [(recipe, gpus, list(overrides)) for recipe, gpus, overrides in sorted(first, key=first.get)])
+        rows = replan_rows(
+            rows, [(recipe, gpus, list(overrides)) for recipe, gpus, overrides in sorted(first, key=first.get)]
+        )
     else:  # resumes: layouts already in the stored rows are not traced again
         for recipe, gpus, place, fits, overrides in layouts:
             if (recipe, gpus, tuple(overrides)) not in done:
@@ -62,11 +69,16 @@ def main() -> None:
 
 def write(out: Path, rows: list[dict]) -> None:
     """The json and the table of ``rows`` (rewritten after every layout: a long run leaves what it traced)."""
-    write_results(out / "dry_run_plan_top", rows, "# meshtron.plan's top three layouts against the dry run\n\n"
-                  "For each recipe and GPU count (8 per node, 80 GB), `meshtron.plan`'s first three layouts (`place`: "
-                  "their rank in its list, fitting layouts first; `fits`: whether it predicted they fit), each traced "
-                  "rank by rank with `--dry-run` on fake tensors. Columns as in `dry_run.md`. Written by "
-                  "`benchmarks/dry_run_plan_top.py` on a 2-core CPU machine.", extra=("place", "fits"))
+    write_results(
+        out / "dry_run_plan_top",
+        rows,
+        "# meshtron.plan's top three layouts against the dry run\n\n"
+        "For each recipe and GPU count (8 per node, 80 GB), `meshtron.plan`'s first three layouts (`place`: "
+        "their rank in its list, fitting layouts first; `fits`: whether it predicted they fit), each traced "
+        "rank by rank with `--dry-run` on fake tensors. Columns as in `dry_run.md`. Written by "
+        "`benchmarks/dry_run_plan_top.py` on a 2-core CPU machine.",
+        extra=("place", "fits"),
+    )
 
 
 if __name__ == "__main__":

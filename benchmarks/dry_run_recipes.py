@@ -28,15 +28,30 @@ from meshtron.config import load_config  # noqa: E402
 from meshtron.dryrun import dry_run, layout_text, tokens_per_second_per_device  # noqa: E402
 from meshtron.plan.recipes import recipe_hardware  # noqa: E402
 
-RECIPES = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b",
-           "qwen1p5_moe_a2p7b", "qwen2_57b_a14b")
+RECIPES = (
+    "qwen2p5_0p5b",
+    "qwen2p5_1p5b",
+    "qwen2p5_3b",
+    "qwen2p5_7b",
+    "qwen2p5_14b",
+    "qwen2p5_32b",
+    "qwen2p5_72b",
+    "qwen1p5_moe_a2p7b",
+    "qwen2_57b_a14b",
+)
 _7B_PP2 = ["--parallel.pp", "2", "--parallel.dp", "2", "--parallel.tp", "2", "--parallel.microbatches", "4"]
 _72B_PP4 = ["--parallel.pp", "4", "--parallel.dp", "4", "--parallel.tp", "4", "--parallel.microbatches", "4"]
 
 
 def _chunks(schedule: str, virtual: int, ac: str) -> list[str]:
-    return ["--parallel.schedule", schedule, "--parallel.virtual_stages", str(virtual),
-            "--parallel.activation_checkpointing", ac]
+    return [
+        "--parallel.schedule",
+        schedule,
+        "--parallel.virtual_stages",
+        str(virtual),
+        "--parallel.activation_checkpointing",
+        ac,
+    ]
 
 
 # (recipe, world size, overrides): pipeline layouts the recipes do not state: 1F1B, then the schedules
@@ -44,8 +59,11 @@ def _chunks(schedule: str, virtual: int, ac: str) -> list[str]:
 PIPELINES = (
     ("qwen2p5_7b", 8, _7B_PP2),
     ("qwen2p5_72b", 64, _72B_PP4),
-    *(("qwen2p5_7b", 8, _7B_PP2 + _chunks(schedule, virtual, ac))
-      for schedule, virtual in (("interleaved", 2), ("zb1p", 1), ("zbv", 2), ("dualpipev", 2)) for ac in ("none", "full")),
+    *(
+        ("qwen2p5_7b", 8, _7B_PP2 + _chunks(schedule, virtual, ac))
+        for schedule, virtual in (("interleaved", 2), ("zb1p", 1), ("zbv", 2), ("dualpipev", 2))
+        for ac in ("none", "full")
+    ),
     ("qwen2p5_72b", 64, _72B_PP4 + _chunks("interleaved", 2, "full")),
 )
 # Packed documents kept apart (one document per window: the dry run's assumption), without and with cp.
@@ -56,9 +74,26 @@ DOCUMENTS = (
 )
 # Data parallelism other than FSDP: HSDP (replicated over dp, sharded over cp) and full replicas.
 DATA_PARALLEL = tuple(
-    ("qwen2p5_0p5b", None, ["--parallel.dp", "2", "--parallel.cp", "2", "--parallel.tp", "2", "--parallel.data_parallel",
-                            mode, "--parallel.microbatches", "4", "--train.seq_len", "1024"])
-    for mode in ("hsdp", "replicate"))
+    (
+        "qwen2p5_0p5b",
+        None,
+        [
+            "--parallel.dp",
+            "2",
+            "--parallel.cp",
+            "2",
+            "--parallel.tp",
+            "2",
+            "--parallel.data_parallel",
+            mode,
+            "--parallel.microbatches",
+            "4",
+            "--train.seq_len",
+            "1024",
+        ],
+    )
+    for mode in ("hsdp", "replicate")
+)
 
 
 def measure(recipe: str, world: int | None, overrides: list[str]) -> list[dict]:
@@ -70,13 +105,29 @@ def measure(recipe: str, world: int | None, overrides: list[str]) -> list[dict]:
     seconds = time.perf_counter() - start
     print(f"{recipe} {layout_text(cfg)}: {seconds:.0f} s", flush=True)
     speed = tokens_per_second_per_device(cfg, world, traces)
-    return [{"recipe": recipe, "world_size": world, "overrides": overrides, "layout": layout_text(cfg),
-             "schedule": cfg.parallel.schedule,
-             "microbatches": cfg.parallel.microbatches, "ac": cfg.parallel.activation_checkpointing,
-             "rank": t.rank, "pp": t.coords["pp"], "traced_gib": t.traced_gib, "planned_gib": t.planned_gib,
-             "ratio": t.ratio, "tflop": t.flops / 1e12, "sent_traced_gib": sum(a for a, _ in t.comm.values()) / 2**30,
-             "sent_planned_gib": sum(b for _, b in t.comm.values()) / 2**30, "roofline_s": t.compute_seconds,
-             "tokens_per_s_per_gpu": speed, "seconds": seconds} for t in traces]
+    return [
+        {
+            "recipe": recipe,
+            "world_size": world,
+            "overrides": overrides,
+            "layout": layout_text(cfg),
+            "schedule": cfg.parallel.schedule,
+            "microbatches": cfg.parallel.microbatches,
+            "ac": cfg.parallel.activation_checkpointing,
+            "rank": t.rank,
+            "pp": t.coords["pp"],
+            "traced_gib": t.traced_gib,
+            "planned_gib": t.planned_gib,
+            "ratio": t.ratio,
+            "tflop": t.flops / 1e12,
+            "sent_traced_gib": sum(a for a, _ in t.comm.values()) / 2**30,
+            "sent_planned_gib": sum(b for _, b in t.comm.values()) / 2**30,
+            "roofline_s": t.compute_seconds,
+            "tokens_per_s_per_gpu": speed,
+            "seconds": seconds,
+        }
+        for t in traces
+    ]
 
 
 def table(rows: list[dict], extra: tuple[str, ...] = ()) -> str:
@@ -84,16 +135,24 @@ def table(rows: list[dict], extra: tuple[str, ...] = ()) -> str:
     (e.g. traced before a change that moved its figures) marks its rank with the note's sign
     (:func:`note_signs`), and the note follows the table."""
     signs = note_signs(rows)
-    lines = ["| recipe | options | ranks | layout | schedule | AC | micro-batches | " + "".join(f"{k} | " for k in extra) +
-             "rank (stage) | traced GiB | planned GiB | traced / planned "
-             "| TFLOP | sent GiB traced | sent GiB planned | roofline s | predicted tok/s/GPU | dry run s |",
-             "|---" * (17 + len(extra)) + "|"]
+    lines = [
+        "| recipe | options | ranks | layout | schedule | AC | micro-batches | "
+        + "".join(f"{k} | " for k in extra)
+        + "rank (stage) | traced GiB | planned GiB | traced / planned "
+        "| TFLOP | sent GiB traced | sent GiB planned | roofline s | predicted tok/s/GPU | dry run s |",
+        "|---" * (17 + len(extra)) + "|",
+    ]
     for r in rows:
-        lines.append(f"| {r['recipe']} | {_options(r['recipe'], r['overrides'])} | {r['world_size']} | {r['layout']} | {r['schedule']} | {r['ac']} | "
-                     f"{r['microbatches']} | " + "".join(f"{r[k]} | " for k in extra) +
-                     f"{r['rank']} ({r['pp']}){' ' + signs[r['note']] if r.get('note') else ''} | {r['traced_gib']:.2f} | {r['planned_gib']:.2f} | {r['ratio']:.3f} | "
-                     f"{r['tflop']:.0f} | {r['sent_traced_gib']:.3f} | {r['sent_planned_gib']:.3f} | "
-                     f"{r['roofline_s']:.2f} | {r['tokens_per_s_per_gpu']:,.0f} | {r['seconds']:.0f} |")
+        lines.append(
+            f"| {r['recipe']} | {_options(r['recipe'], r['overrides'])} | {r['world_size']} | {r['layout']} | "
+            f"{r['schedule']} | {r['ac']} | "
+            f"{r['microbatches']} | "
+            + "".join(f"{r[k]} | " for k in extra)
+            + f"{r['rank']} ({r['pp']}){' ' + signs[r['note']] if r.get('note') else ''} | {r['traced_gib']:.2f} | "
+            f"{r['planned_gib']:.2f} | {r['ratio']:.3f} | "
+            f"{r['tflop']:.0f} | {r['sent_traced_gib']:.3f} | {r['sent_planned_gib']:.3f} | "
+            f"{r['roofline_s']:.2f} | {r['tokens_per_s_per_gpu']:,.0f} | {r['seconds']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -119,9 +178,11 @@ def _options(recipe: str, overrides: list[str]) -> str:
     return ", ".join(changed)
 
 
-REPLANNED = ("; the traced columns (peak, TFLOP, bytes sent, roofline, wall time) are from its last full run, "
-             "the planned ones and the predicted tokens/s recomputed from them with `--replan` after a change to the "
-             "planner alone")
+REPLANNED = (
+    "; the traced columns (peak, TFLOP, bytes sent, roofline, wall time) are from its last full run, "
+    "the planned ones and the predicted tokens/s recomputed from them with `--replan` after a change to the "
+    "planner alone"
+)
 
 
 def _layouts() -> list[tuple[str, int | None, list[str]]]:
@@ -132,9 +193,9 @@ def replan_rows(rows: list[dict], layouts: list[tuple[str, int | None, list[str]
     """``rows`` (from a full run over ``layouts``, in order) with the current planner's figures: memory
     and ratio, bytes sent, and the predicted tokens/s from the stored roofline times."""
     from meshtron.dryrun import TRACE_ASSUMPTIONS
+    from meshtron.plan.communication import communication
     from meshtron.plan.memory import rank_breakdown
     from meshtron.plan.parameters import Coords
-    from meshtron.plan.communication import communication
     from meshtron.plan.speed import Hardware, predict_step_time
 
     out, rest = [], iter(rows)
@@ -143,15 +204,23 @@ def replan_rows(rows: list[dict], layouts: list[tuple[str, int | None, list[str]
         stored = [dict(next(rest)) for _ in range(cfg.parallel.pp)]  # one distinct rank per stage
         for row in stored:
             if (row["recipe"], row["layout"], row["schedule"]) != (recipe, layout_text(cfg), cfg.parallel.schedule):
-                raise SystemExit(f"the stored rows do not follow this script's layouts at {row['recipe']} "
-                                 f"{row['layout']}: run it without --replan")
+                raise SystemExit(
+                    f"the stored rows do not follow this script's layouts at {row['recipe']} "
+                    f"{row['layout']}: run it without --replan"
+                )
         step = max(predict_step_time(cfg, Hardware(), row["roofline_s"]).seconds for row in stored)
         for row in stored:
             planned = rank_breakdown(cfg, Coords(pp=row["pp"]), TRACE_ASSUMPTIONS).total / 2**30
-            out.append({**row, "overrides": overrides, "planned_gib": planned, "ratio": row["traced_gib"] / planned,
-                        "sent_planned_gib": sum(communication(cfg, row["pp"]).values()) / 2**30,
-                        "tokens_per_s_per_gpu": cfg.train.global_batch_size * cfg.train.seq_len / step
-                        / row["world_size"]})
+            out.append(
+                {
+                    **row,
+                    "overrides": overrides,
+                    "planned_gib": planned,
+                    "ratio": row["traced_gib"] / planned,
+                    "sent_planned_gib": sum(communication(cfg, row["pp"]).values()) / 2**30,
+                    "tokens_per_s_per_gpu": cfg.train.global_batch_size * cfg.train.seq_len / step / row["world_size"],
+                }
+            )
     return out
 
 
@@ -161,12 +230,16 @@ def main() -> None:
         rows = replan_rows(json.loads((out / "dry_run.json").read_text()), _layouts())
     else:
         rows = [row for recipe, world, overrides in _layouts() for row in measure(recipe, world, overrides)]
-    write_results(out / "dry_run", rows, "# meshtron.plan against the dry run\n\n"
-                  "`python -m meshtron.train --recipe R --dry-run N` traces the second training step of every distinct "
-                  "rank on fake tensors (bf16 compute, fp32 master weights and AdamW state, the recipe's shapes); "
-                  "`planned` is `meshtron.plan`'s prediction for the same rank without its reserve (CUDA context) and "
-                  "slack terms, which a tensor trace cannot see. Written by `benchmarks/dry_run_recipes.py` on a 2-core "
-                  f"CPU machine{REPLANNED if '--replan' in sys.argv else ''}.")
+    write_results(
+        out / "dry_run",
+        rows,
+        "# meshtron.plan against the dry run\n\n"
+        "`python -m meshtron.train --recipe R --dry-run N` traces the second training step of every distinct "
+        "rank on fake tensors (bf16 compute, fp32 master weights and AdamW state, the recipe's shapes); "
+        "`planned` is `meshtron.plan`'s prediction for the same rank without its reserve (CUDA context) and "
+        "slack terms, which a tensor trace cannot see. Written by `benchmarks/dry_run_recipes.py` on a 2-core "
+        f"CPU machine{REPLANNED if '--replan' in sys.argv else ''}.",
+    )
 
 
 def write_results(stem: Path, rows: list[dict], intro: str, extra: tuple[str, ...] = ()) -> None:
@@ -175,9 +248,11 @@ def write_results(stem: Path, rows: list[dict], intro: str, extra: tuple[str, ..
     worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
     within = sum(abs(r["ratio"] - 1) <= 0.05 for r in rows)
     notes = "".join(f"\n\n{sign}: {note}" for note, sign in note_signs(rows).items())
-    text = (f"{intro}\n\n{table(rows, extra)}{notes}\n\nFurthest from 1: {worst['recipe']} on {worst['world_size']} ranks, "
-            f"{worst['layout']} {worst['schedule']}, rank {worst['rank']}: {worst['ratio']:.3f}; {within} of "
-            f"{len(rows)} ranks within 5 %.\n")
+    text = (
+        f"{intro}\n\n{table(rows, extra)}{notes}\n\nFurthest from 1: {worst['recipe']} on {worst['world_size']} ranks, "
+        f"{worst['layout']} {worst['schedule']}, rank {worst['rank']}: {worst['ratio']:.3f}; {within} of "
+        f"{len(rows)} ranks within 5 %.\n"
+    )
     stem.with_suffix(".md").write_text(text)
     print(text)
 

@@ -28,11 +28,22 @@ from meshtron.hf import to_hf
 from meshtron.models.moe import MoE
 
 SHAPES = {
-    "debug_moe": dict(hidden_size=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=64, tokens=1024),
-    "qwen1.5-moe-a2.7b (1 layer)": dict(hidden_size=2048, num_experts=60, num_experts_per_tok=4,
-                                        moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
-                                        tokens=64),
+    "debug_moe": dict(
+        hidden_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        tokens=1024,
+    ),
+    "qwen1.5-moe-a2.7b (1 layer)": dict(
+        hidden_size=2048,
+        num_experts=60,
+        num_experts_per_tok=4,
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632,
+        tokens=64,
+    ),
 }
 RESULTS = Path(__file__).parent / "results"
 
@@ -64,7 +75,9 @@ class LoopExperts(nn.Module):
 
 def _config(shape: dict) -> ModelConfig:
     return ModelConfig(
-        vocab_size=256, num_hidden_layers=1, num_attention_heads=8,
+        vocab_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=8,
         **{k: v for k, v in shape.items() if k != "tokens"},
     )
 
@@ -74,9 +87,12 @@ def _hf_block(cfg: ModelConfig, ours: MoE, implementation: str) -> nn.Module:
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
     hf_cfg = Qwen2MoeConfig(
-        hidden_size=cfg.hidden_size, num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+        hidden_size=cfg.hidden_size,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
         moe_intermediate_size=cfg.moe_intermediate_size,
-        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size,
+        norm_topk_prob=cfg.norm_topk_prob,
     )
     hf_cfg._experts_implementation = implementation
     block = Qwen2MoeSparseMoeBlock(hf_cfg)
@@ -111,8 +127,12 @@ def _variants(cfg: ModelConfig) -> dict[str, nn.Module]:
     eager = _hf_block(cfg, ours, "eager").train()
     grouped = _hf_block(cfg, ours, "grouped_mm").train()
     grouped.load_state_dict(eager.state_dict(), assign=True)
-    return {"meshtron grouped_mm": ours, "meshtron per-expert loop": loop,
-            "transformers eager": eager, "transformers grouped_mm": grouped}
+    return {
+        "meshtron grouped_mm": ours,
+        "meshtron per-expert loop": loop,
+        "transformers eager": eager,
+        "transformers grouped_mm": grouped,
+    }
 
 
 def bench_blocks(repeats: int) -> list[dict]:
@@ -134,10 +154,17 @@ def bench_blocks(repeats: int) -> list[dict]:
         ref = outputs["meshtron grouped_mm"]
         for variant, seconds in best.items():
             err = _rel(outputs[variant], ref)
-            rows.append(dict(shape=name, variant=variant, tokens=shape["tokens"], seconds=seconds,
-                             tokens_per_s=shape["tokens"] / seconds, max_rel_diff=err))
-            print(f"{name:30s} {variant:28s} {shape['tokens'] / seconds:10.0f} tok/s  (rel diff {err:.1e})",
-                  flush=True)
+            rows.append(
+                dict(
+                    shape=name,
+                    variant=variant,
+                    tokens=shape["tokens"],
+                    seconds=seconds,
+                    tokens_per_s=shape["tokens"] / seconds,
+                    max_rel_diff=err,
+                )
+            )
+            print(f"{name:30s} {variant:28s} {shape['tokens'] / seconds:10.0f} tok/s  (rel diff {err:.1e})", flush=True)
         del variants
     return rows
 
@@ -168,15 +195,16 @@ def check_count_bytes(out_path: str, local_tokens: int) -> None:
         counted = torch.zeros(3, dtype=torch.float64)  # token bytes, of which to other ranks, count bytes
         original = dist.all_to_all_single
 
+        # B023: counting is installed and restored within this iteration, so it sees this iteration's names.
         def counting(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
             size = input.numel() * input.element_size()
             if input.is_floating_point():
                 row = size / max(input.shape[0], 1)
-                counted[0] += size
-                counted[1] += size - row * input_split_sizes[me]
+                counted[0] += size  # noqa: B023
+                counted[1] += size - row * input_split_sizes[me]  # noqa: B023
             else:
-                counted[2] += size
-            return original(output, input, output_split_sizes, input_split_sizes, **kwargs)
+                counted[2] += size  # noqa: B023
+            return original(output, input, output_split_sizes, input_split_sizes, **kwargs)  # noqa: B023
 
         dist.all_to_all_single = counting
         try:
@@ -188,9 +216,16 @@ def check_count_bytes(out_path: str, local_tokens: int) -> None:
         dist.all_reduce(counted, group=mesh["ep"].get_group())
         group_tokens = local_tokens * ep
         formula = group_tokens * cfg.num_experts_per_tok * cfg.hidden_size * 4
-        rows.append(dict(ep=ep, tokens_in_ep_group=group_tokens, bytes_per_all_to_all=counted[0].item() / 4,
-                         formula_bytes_per_all_to_all=formula, off_rank_fraction=(counted[1] / counted[0]).item(),
-                         count_exchange_bytes=counted[2].item()))
+        rows.append(
+            dict(
+                ep=ep,
+                tokens_in_ep_group=group_tokens,
+                bytes_per_all_to_all=counted[0].item() / 4,
+                formula_bytes_per_all_to_all=formula,
+                off_rank_fraction=(counted[1] / counted[0]).item(),
+                count_exchange_bytes=counted[2].item(),
+            )
+        )
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(rows))
 
@@ -211,8 +246,11 @@ def _recipe_bytes_table() -> list[str]:
     cfg = _config(SHAPES["qwen1.5-moe-a2.7b (1 layer)"])
     tokens, elem = 4096, 2
     per_a2a = tokens * cfg.num_experts_per_tok * cfg.hidden_size * elem
-    lines = ["| ep | MiB per all-to-all per rank | MiB per layer (fwd+bwd, 4 all-to-alls) | of which leaves the rank (uniform routing) |",
-             "|---:|---:|---:|---:|"]
+    lines = [
+        "| ep | MiB per all-to-all per rank | MiB per layer (fwd+bwd, 4 all-to-alls) | of which leaves the rank "
+        "(uniform routing) |",
+        "|---:|---:|---:|---:|",
+    ]
     for ep in (1, 2, 4, 8, 16):
         off = (ep - 1) / ep
         lines.append(f"| {ep} | {per_a2a / 2**20:.0f} | {4 * per_a2a / 2**20:.0f} | {4 * per_a2a * off / 2**20:.0f} |")
@@ -237,8 +275,10 @@ def write_results(blocks: list[dict], traffic: list[dict]) -> None:
         "|---|---:|---|---:|---:|---:|",
     ]
     for r in blocks:
-        lines.append(f"| {r['shape']} | {r['tokens']} | {r['variant']} | {r['tokens_per_s']:.0f} | "
-                     f"{1000 * r['seconds']:.1f} | {r['max_rel_diff']:.1e} |")
+        lines.append(
+            f"| {r['shape']} | {r['tokens']} | {r['variant']} | {r['tokens_per_s']:.0f} | "
+            f"{1000 * r['seconds']:.1f} | {r['max_rel_diff']:.1e} |"
+        )
     lines += [
         "",
         "Reading it: on the debug shape every variant is dominated by per-op overhead. On CPU,",
@@ -257,14 +297,21 @@ def write_results(blocks: list[dict], traffic: list[dict]) -> None:
         "Each of the four token all-to-alls (dispatch, combine, and their reverses in backward) moves",
         "tokens x top-k x hidden x 4 bytes; the per-expert count exchange is separate.",
         "",
-        "| ep | tokens in ep group | bytes per all-to-all (measured) | formula | fraction leaving the rank | count-exchange bytes |",
+        "| ep | tokens in ep group | bytes per all-to-all (measured) | formula | fraction leaving the rank | "
+        "count-exchange bytes |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for r in traffic:
-        lines.append(f"| {r['ep']} | {r['tokens_in_ep_group']} | {r['bytes_per_all_to_all']:.0f} | "
-                     f"{r['formula_bytes_per_all_to_all']} | {r['off_rank_fraction']:.3f} | {r['count_exchange_bytes']:.0f} |")
-    lines += ["", "Formula for Qwen1.5-MoE-A2.7B (bf16, 4096 tokens per rank per micro-batch, top-4, hidden 2048;",
-              "ep = 1 issues no all-to-all, the row shows what the same tokens would move):", ""]
+        lines.append(
+            f"| {r['ep']} | {r['tokens_in_ep_group']} | {r['bytes_per_all_to_all']:.0f} | "
+            f"{r['formula_bytes_per_all_to_all']} | {r['off_rank_fraction']:.3f} | {r['count_exchange_bytes']:.0f} |"
+        )
+    lines += [
+        "",
+        "Formula for Qwen1.5-MoE-A2.7B (bf16, 4096 tokens per rank per micro-batch, top-4, hidden 2048;",
+        "ep = 1 issues no all-to-all, the row shows what the same tokens would move):",
+        "",
+    ]
     lines += _recipe_bytes_table()
     (RESULTS / "expert_parallel.md").write_text("\n".join(lines) + "\n")
 

@@ -34,10 +34,29 @@ LAST = 20  # logged steps averaged for the final loss
 
 def train(recipe: str, steps: int, batch: int, out: Path) -> list[dict]:
     """One run of ``meshtron.train`` with ``[train] fp8 = recipe``; its metrics records."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "meshtron.train",
-               "--recipe", str(RECIPE), "--train.dtype", "bfloat16", "--train.fp8", recipe,
-               "--train.steps", str(steps), "--train.global_batch_size", str(batch),
-               "--train.output_dir", str(out), "--train.log_every", "1"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "1",
+        "-m",
+        "meshtron.train",
+        "--recipe",
+        str(RECIPE),
+        "--train.dtype",
+        "bfloat16",
+        "--train.fp8",
+        recipe,
+        "--train.steps",
+        str(steps),
+        "--train.global_batch_size",
+        str(batch),
+        "--train.output_dir",
+        str(out),
+        "--train.log_every",
+        "1",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     subprocess.run(command, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
     return read_records(out)

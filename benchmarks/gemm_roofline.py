@@ -18,8 +18,8 @@ the planner is asked for the H100 SXM's figures, so on another card the ratio in
 
 Run on a GPU: ``PYTHONPATH=. python benchmarks/gemm_roofline.py --out benchmarks/results/gemm_roofline``
 (writes ``.md`` and ``.json``); ``--fit benchmarks/results/gemm_roofline.json`` prints the constants
-``meshtron.plan.gemm.FIT`` holds, fitted to that run (no GPU needed). ``--tiny`` times three small GEMMs on the CPU in fp32 (a smoke test of the
-script; its ratios mean nothing, as the planner models an H100).
+``meshtron.plan.gemm.FIT`` holds, fitted to that run (no GPU needed). ``--tiny`` times three small GEMMs on the CPU in
+fp32 (a smoke test of the script; its ratios mean nothing, as the planner models an H100).
 """
 
 from __future__ import annotations
@@ -47,12 +47,28 @@ SHAPES = (
     ("qwen2.5-7b tp1", "qwen2p5_7b.toml", {"parallel.tp": 1}),
     ("qwen2.5-7b tp2", "qwen2p5_7b.toml", {"parallel.tp": 2}),
     ("qwen2.5-72b tp8", "qwen2p5_72b.toml", {"parallel.tp": 8}),
-    ("gpt-7.1b tp2", "qwen2p5_7b.toml", {"model.hidden_size": 4096, "model.num_attention_heads": 32,
-                                          "model.num_key_value_heads": 32, "model.intermediate_size": 10920,
-                                          "parallel.tp": 2}),
-    ("gpt-32b tp8", "qwen2p5_7b.toml", {"model.hidden_size": 8192, "model.num_attention_heads": 64,
-                                         "model.num_key_value_heads": 64, "model.intermediate_size": 21848,
-                                         "parallel.tp": 8}),
+    (
+        "gpt-7.1b tp2",
+        "qwen2p5_7b.toml",
+        {
+            "model.hidden_size": 4096,
+            "model.num_attention_heads": 32,
+            "model.num_key_value_heads": 32,
+            "model.intermediate_size": 10920,
+            "parallel.tp": 2,
+        },
+    ),
+    (
+        "gpt-32b tp8",
+        "qwen2p5_7b.toml",
+        {
+            "model.hidden_size": 8192,
+            "model.num_attention_heads": 64,
+            "model.num_key_value_heads": 64,
+            "model.intermediate_size": 21848,
+            "parallel.tp": 8,
+        },
+    ),
 )
 ATTENTION_SEQS = (1024, 2048, 4096, 8192)
 HEAD_DIM = 128
@@ -101,6 +117,7 @@ def operands(g: gemm.Gemm, kind: str, device: torch.device, dtype: torch.dtype) 
     """``[m, k]`` and ``[k, n]`` laid out as the training step's pass has them (cuBLAS's speed depends on the
     leading dimensions): forward ``x @ W.t()`` (W stored ``[n, k]``); input gradient ``dy @ W`` (W stored
     ``[k, n]`` here); weight gradient ``dy.t() @ x`` (dy stored ``[k, m]``: tokens first)."""
+
     def random(rows: int, cols: int) -> torch.Tensor:
         return torch.randn(rows, cols, device=device).to(dtype)
 
@@ -120,8 +137,10 @@ def time_gemm(g: gemm.Gemm, kind: str, device: torch.device, dtype: torch.dtype,
 
 def time_attention(seq: int, heads: int, device: torch.device, iters: int) -> tuple[float, float]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    q, k, v = (torch.randn(1, heads, seq, HEAD_DIM, device=device, dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+
+    q, k, v = (
+        torch.randn(1, heads, seq, HEAD_DIM, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
     grad = torch.randn_like(q)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         forward = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), iters)
@@ -129,6 +148,7 @@ def time_attention(seq: int, heads: int, device: torch.device, iters: int) -> tu
         def both():
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             torch.autograd.grad(out, (q, k, v), grad)
+
         return forward, _timed(both, iters) - forward
 
 
@@ -136,8 +156,11 @@ def gemm_rows(args, device) -> list[dict]:
     out = []
     shapes = distinct_gemms(args.seq)
     if args.tiny:
-        shapes = [("tiny", "fwd", gemm.Gemm(256, 256, 256)), ("tiny", "fwd", gemm.Gemm(512, 128, 256)),
-                  ("tiny", "wgrad", gemm.Gemm(128, 256, 512))]
+        shapes = [
+            ("tiny", "fwd", gemm.Gemm(256, 256, 256)),
+            ("tiny", "fwd", gemm.Gemm(512, 128, 256)),
+            ("tiny", "wgrad", gemm.Gemm(128, 256, 512)),
+        ]
     dtypes = [("bf16", False)] + ([("fp8", True)] if device.type == "cuda" else [])
     for name, kind, g in shapes:
         for label, fp8 in dtypes:
@@ -145,8 +168,17 @@ def gemm_rows(args, device) -> list[dict]:
                 continue
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             seconds = time_gemm(g, kind, device, dtype, fp8, args.iters)
-            out.append({"model": name, "pass": kind, "dtype": label, "m": g.m, "n": g.n, "k": g.k,
-                        "measured_tflops": g.flops / seconds / 1e12})
+            out.append(
+                {
+                    "model": name,
+                    "pass": kind,
+                    "dtype": label,
+                    "m": g.m,
+                    "n": g.n,
+                    "k": g.k,
+                    "measured_tflops": g.flops / seconds / 1e12,
+                }
+            )
     return out
 
 
@@ -159,8 +191,10 @@ def attention_rows(args, device) -> list[dict]:
     out = []
     for seq in ATTENTION_SEQS:
         seconds = dict(zip(("fwd", "bwd"), time_attention(seq, 32, device, args.iters)))
-        out += [{"seq": seq, "pass": kind, "measured_tflops": work / seconds[kind] / 1e12}
-                for kind, work in _attention_flops(seq).items()]
+        out += [
+            {"seq": seq, "pass": kind, "measured_tflops": work / seconds[kind] / 1e12}
+            for kind, work in _attention_flops(seq).items()
+        ]
     return out
 
 
@@ -171,9 +205,16 @@ def with_plan(result: dict) -> dict:
         shape = gemm.Gemm(r["m"], r["n"], r["k"], fp8=r["dtype"] == "fp8")
         r["planned_tflops"] = shape.flops / gemm.gemm_seconds(shape, hw) / 1e12
     for r in result["attention"]:
-        cfg = _config("qwen2p5_7b.toml", {"parallel.tp": 1, "model.num_attention_heads": 32,
-                                          "model.num_key_value_heads": 32, "model.hidden_size": 32 * HEAD_DIM},
-                      r["seq"])
+        cfg = _config(
+            "qwen2p5_7b.toml",
+            {
+                "parallel.tp": 1,
+                "model.num_attention_heads": 32,
+                "model.num_key_value_heads": 32,
+                "model.hidden_size": 32 * HEAD_DIM,
+            },
+            r["seq"],
+        )
         seconds = dict(zip(("fwd", "bwd"), gemm.attention_seconds(cfg, r["seq"], hw)))[r["pass"]]
         r["planned_tflops"] = _attention_flops(r["seq"])[r["pass"]] / seconds / 1e12
     for r in result["gemms"] + result["attention"]:
@@ -201,9 +242,10 @@ def fit(gemms: list[dict]) -> gemm.KernelFit:
     best = None
     for tile, split_k, k_fill in ((t, s, f) for t in TILES for s in SPLITS for f in FILLS):
         candidate = gemm.KernelFit(tile, split_k, k_fill, 1.0, {})
-        ceiling = {d: round(statistics.median_high([shape(r, candidate) for r in gemms
-                                                   if r["dtype"] == d and _aligned(r)]), 2)
-                   for d in peaks}
+        ceiling = {
+            d: round(statistics.median_high([shape(r, candidate) for r in gemms if r["dtype"] == d and _aligned(r)]), 2)
+            for d in peaks
+        }
         rest = [shape(r, candidate) / ceiling["bf16"] for r in gemms if r["dtype"] == "bf16" and not _aligned(r)]
         misaligned = round(statistics.median_high(rest), 2) if rest else 1.0
         candidate = candidate._replace(misaligned=misaligned, ceiling=ceiling)
@@ -214,23 +256,38 @@ def fit(gemms: list[dict]) -> gemm.KernelFit:
 
 
 def markdown(device_name: str, gemms: list[dict], attention: list[dict], seq: int) -> str:
-    lines = [f"# The planner's kernel rates against {device_name}", "",
-             "Written by `benchmarks/gemm_roofline.py` (its docstring says what is timed). planned: "
-             "`meshtron.plan.gemm` for an H100 SXM before `STEP_OVERHEAD`; ratio = measured / planned "
-             f"(above 1: the planner is pessimistic). GEMM rows: layer 0 at {seq} tokens a micro-batch.", "",
-             "| model | pass | dtype | m | n | k | measured TFLOP/s | planned TFLOP/s | ratio |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['model']} | {r['pass']} | {r['dtype']} | {r['m']} | {r['n']} | {r['k']} | "
-              f"{r['measured_tflops']:.3g} | {r['planned_tflops']:.0f} | {r['ratio']:.2f} |" for r in gemms]
+    lines = [
+        f"# The planner's kernel rates against {device_name}",
+        "",
+        "Written by `benchmarks/gemm_roofline.py` (its docstring says what is timed). planned: "
+        "`meshtron.plan.gemm` for an H100 SXM before `STEP_OVERHEAD`; ratio = measured / planned "
+        f"(above 1: the planner is pessimistic). GEMM rows: layer 0 at {seq} tokens a micro-batch.",
+        "",
+        "| model | pass | dtype | m | n | k | measured TFLOP/s | planned TFLOP/s | ratio |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['model']} | {r['pass']} | {r['dtype']} | {r['m']} | {r['n']} | {r['k']} | "
+        f"{r['measured_tflops']:.3g} | {r['planned_tflops']:.0f} | {r['ratio']:.2f} |"
+        for r in gemms
+    ]
     for dtype in sorted({r["dtype"] for r in gemms}):
         ratios = sorted(r["ratio"] for r in gemms if r["dtype"] == dtype)
-        lines.append(f"\n{dtype}: {len(ratios)} GEMMs, ratio min {ratios[0]:.2f}, median "
-                     f"{ratios[len(ratios) // 2]:.2f}, max {ratios[-1]:.2f}")
+        lines.append(
+            f"\n{dtype}: {len(ratios)} GEMMs, ratio min {ratios[0]:.2f}, median "
+            f"{ratios[len(ratios) // 2]:.2f}, max {ratios[-1]:.2f}"
+        )
     if attention:
-        lines += ["", "| causal flash attention, 32 heads x 128 | pass | measured TFLOP/s | planned TFLOP/s | ratio |",
-                  "|---:|---|---:|---:|---:|"]
-        lines += [f"| seq {r['seq']} | {r['pass']} | {r['measured_tflops']:.0f} | {r['planned_tflops']:.0f} | "
-                  f"{r['ratio']:.2f} |" for r in attention]
+        lines += [
+            "",
+            "| causal flash attention, 32 heads x 128 | pass | measured TFLOP/s | planned TFLOP/s | ratio |",
+            "|---:|---|---:|---:|---:|",
+        ]
+        lines += [
+            f"| seq {r['seq']} | {r['pass']} | {r['measured_tflops']:.0f} | {r['planned_tflops']:.0f} | "
+            f"{r['ratio']:.2f} |"
+            for r in attention
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -241,8 +298,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gemm_roofline"))
     parser.add_argument("--fit", metavar="JSON", help="print the model constants fitted to a stored run; time nothing")
-    parser.add_argument("--replan", metavar="JSON",
-                        help="rewrite a stored run's planned rates with today's model (and its .md); time nothing")
+    parser.add_argument(
+        "--replan",
+        metavar="JSON",
+        help="rewrite a stored run's planned rates with today's model (and its .md); time nothing",
+    )
     args = parser.parse_args(argv)
     if args.fit:
         print(fit(json.loads(Path(args.fit).read_text())["gemms"]))
@@ -252,9 +312,13 @@ def main(argv: list[str] | None = None) -> None:
         result = json.loads(Path(args.replan).read_text())
     else:
         device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-        result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "the CPU (smoke test)",
-                  "torch": torch.__version__, "seq": args.seq, "gemms": gemm_rows(args, device),
-                  "attention": attention_rows(args, device) if device.type == "cuda" else []}
+        result = {
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "the CPU (smoke test)",
+            "torch": torch.__version__,
+            "seq": args.seq,
+            "gemms": gemm_rows(args, device),
+            "attention": attention_rows(args, device) if device.type == "cuda" else [],
+        }
     result = with_plan(result)
     text = markdown(result["device"], result["gemms"], result["attention"], result.get("seq", args.seq))
     Path(args.out + ".md").write_text(text)

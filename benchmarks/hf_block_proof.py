@@ -21,10 +21,22 @@ import torch.distributed as dist
 
 RESULT = Path(__file__).parent / "results" / "hf_block_proof.md"
 CASES = {
-    "tiny (hidden 64)": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                             num_attention_heads=8, num_key_value_heads=4),
-    "Qwen2.5-7B block": dict(vocab_size=1024, hidden_size=3584, intermediate_size=18944, num_hidden_layers=1,
-                             num_attention_heads=28, num_key_value_heads=4),
+    "tiny (hidden 64)": dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
+    "Qwen2.5-7B block": dict(
+        vocab_size=1024,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=1,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+    ),
 }
 REPEATS = 3
 
@@ -65,11 +77,19 @@ def measure(out: str) -> None:
         folder = Path(out).parent / name.split()[0]
         if dist.get_rank() == 0:
             _model(config).save_pretrained(folder)
+        # B023: _fastest calls the lambdas at once, within this iteration.
         rows[name] = {
-            "parallelize": _fastest(lambda prove: _slowest_seconds(
-                lambda: parallelize_hf_model(_model(config), mesh, sp=True, prove_blocks=prove))),
-            "load": _fastest(lambda prove: _slowest_seconds(
-                lambda: load_hf_checkpoint(folder, mesh, sp=True, prove_blocks=prove)))}
+            "parallelize": _fastest(
+                lambda prove: _slowest_seconds(
+                    lambda: parallelize_hf_model(_model(config), mesh, sp=True, prove_blocks=prove)  # noqa: B023
+                )
+            ),
+            "load": _fastest(
+                lambda prove: _slowest_seconds(
+                    lambda: load_hf_checkpoint(folder, mesh, sp=True, prove_blocks=prove)  # noqa: B023
+                )
+            ),
+        }
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(rows))
 
@@ -81,17 +101,24 @@ def main() -> None:
         out = str(Path(tmp) / "rows.json")
         run_checks([measure], 2, out, timeout=1800)
         rows = json.loads(Path(out).read_text())
-    lines = ["# The block check's cost (`parallelize_hf_model(..., prove_blocks=True)`)", "",
-             "Wall seconds of `parallelize_hf_model` (on a model with weights) and of `load_hf_checkpoint` (of the "
-             "same model saved, float32) on 2 CPU gloo ranks, tp = 2 + SP; slowest rank, fastest "
-             f"of {REPEATS} (`python benchmarks/hf_block_proof.py`). The check runs the first block of each kind "
-             "whole and split on one probe row of 16 tokens per rank, forward and backward; `load_hf_checkpoint` "
-             "first reads the tensors up to that block whole into a twin of the model, and proves the twin.", "",
-             "| block | entry | with the check (s) | without (s) | the check (s) |", "|---|---|---|---|---|"]
+    lines = [
+        "# The block check's cost (`parallelize_hf_model(..., prove_blocks=True)`)",
+        "",
+        "Wall seconds of `parallelize_hf_model` (on a model with weights) and of `load_hf_checkpoint` (of the "
+        "same model saved, float32) on 2 CPU gloo ranks, tp = 2 + SP; slowest rank, fastest "
+        f"of {REPEATS} (`python benchmarks/hf_block_proof.py`). The check runs the first block of each kind "
+        "whole and split on one probe row of 16 tokens per rank, forward and backward; `load_hf_checkpoint` "
+        "first reads the tensors up to that block whole into a twin of the model, and proves the twin.",
+        "",
+        "| block | entry | with the check (s) | without (s) | the check (s) |",
+        "|---|---|---|---|---|",
+    ]
     for name, entries in rows.items():
         for entry, row in entries.items():
-            lines.append(f"| {name} | `{entry}` | {row['with']:.2f} | {row['without']:.2f} | "
-                         f"{row['with'] - row['without']:.2f} |")
+            lines.append(
+                f"| {name} | `{entry}` | {row['with']:.2f} | {row['without']:.2f} | "
+                f"{row['with'] - row['without']:.2f} |"
+            )
     RESULT.write_text("\n".join(lines) + "\n")
     print(RESULT.read_text())
 

@@ -34,10 +34,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fa
 RESULT = Path(__file__).parent / "results" / "hf_families.md"
 RANKS = 4
 # Issue 41's families (its classes, item 6's streams, sinks and shared blocks) and the two whose SP was refused.
-BATTERY = ("minimax", "granitemoe", "granitemoeshared", "jamba", "bitnet", "olmo", "codegen", "hunyuan", "falcon_h1",
-           "bamba", "gpt_neox", "lfm2", "deepseek_v4", "hy_v4", "qwen4_exp", "zamba2", "kimi_linear")
-DENSE = [("dp2 x tp2", dict(dp=2, tp=2), False), ("tp4", dict(tp=4), False), ("dp2 x tp2 + SP", dict(dp=2, tp=2), True),
-         ("tp4 + SP", dict(tp=4), True), ("dp2 x cp2", dict(dp=2, cp=2), False)]
+BATTERY = (
+    "minimax",
+    "granitemoe",
+    "granitemoeshared",
+    "jamba",
+    "bitnet",
+    "olmo",
+    "codegen",
+    "hunyuan",
+    "falcon_h1",
+    "bamba",
+    "gpt_neox",
+    "lfm2",
+    "deepseek_v4",
+    "hy_v4",
+    "qwen4_exp",
+    "zamba2",
+    "kimi_linear",
+)
+DENSE = [
+    ("dp2 x tp2", dict(dp=2, tp=2), False),
+    ("tp4", dict(tp=4), False),
+    ("dp2 x tp2 + SP", dict(dp=2, tp=2), True),
+    ("tp4 + SP", dict(tp=4), True),
+    ("dp2 x cp2", dict(dp=2, cp=2), False),
+]
 EXPERT = [("dp2 x ep2", dict(dp=2, ep=2), False), ("ep2 x tp2 + SP", dict(ep=2, tp=2), True)]
 LAYOUTS = [name for name, _, _ in DENSE + EXPERT]
 NOTES = """Notes. Before this table's fixes (same battery, same day): 94 cases, 65 ok, 23 refused, 0 WRONG, 6 crash.
@@ -59,7 +81,8 @@ transformer block sits inside the hybrid layers: the inferred plan finds no atte
 says so in one warning; FSDP alone shards it); with several hybrid layers reusing one block's weights the
 layers sharing them are one FSDP unit (before the shared-parameter fix: refused at every data-parallel
 layout). Kimi Linear's MLA, in its full-attention layers only, is split by heads in those layers (before: run
-whole, as only block 0 was asked whether its attention is MLA). HY-V4 at tp4: its `hc_head.hc_scale` gradient (-4.6e-5 at tp 2) is a
+whole, as only block 0 was asked whether its attention is MLA). HY-V4 at tp4: its `hc_head.hc_scale` gradient (-4.6e-5 \
+at tp 2) is a
 cancelling sum the vocab-parallel head's rounding moves by 5e-9 (1.1e-4 relative); it is held to the
 suite's `CANCELLING_GRADS` bound (5e-4), every block parameter and the loss agree within 1e-5. GLM5-next is
 not in the battery: transformers 5.24 has no causal-LM class for it (only the image-and-text
@@ -90,8 +113,11 @@ def _case(name: str, index: int, sizes: dict, sp: bool) -> tuple[str, str]:
         labels = labels.masked_fill(mask == 0, -100)
         mask = None
     try:
-        out = model(input_ids=_local(ids, mesh), labels=_local(labels, mesh),
-                    attention_mask=None if mask is None else _local(mask, mesh))
+        out = model(
+            input_ids=_local(ids, mesh),
+            labels=_local(labels, mesh),
+            attention_mask=None if mask is None else _local(mask, mesh),
+        )
         out.loss.backward()
     except ConfigError as err:
         return "refused", str(err).splitlines()[0]
@@ -113,7 +139,6 @@ def _case(name: str, index: int, sizes: dict, sp: bool) -> tuple[str, str]:
 
 def check_family(name: str, index: int, out: str, only: list[str]) -> None:
     import torch.distributed as dist
-
     from test_hf_parallelize import _family_model
 
     layouts = [case for case in DENSE + (EXPERT if _has_experts(_family_model(name)) else []) if case[0] in only]
@@ -151,7 +176,7 @@ def _table(results: dict) -> str:
 def _details(results: dict) -> str:
     lines = []
     for name, rows in results.items():
-        for label, (verdict, detail, seconds) in rows.items():
+        for label, (verdict, detail, _seconds) in rows.items():
             if verdict != "ok":
                 lines.append(f"- {name}, {label}: **{verdict}**: {detail}")
     return "\n".join(lines)
@@ -173,12 +198,20 @@ def main() -> None:
     counts = Counter(verdict for rows in results.values() for verdict, _, _ in rows.values())
     import transformers
 
-    text = (f"# Issue 41's family battery\n\nMeasured with `python benchmarks/hf_families.py` on {RANKS} CPU gloo ranks, "
-            f"torch {torch.__version__}, transformers {transformers.__version__}; tiny float32 models "
-            "(`FAMILIES` in tests/test_hf_parallelize.py), block check on.\n\n"
-            + _table(results) + "\n\n"
-            + f"{sum(counts.values())} cases: " + ", ".join(f"{counts[k]} {k}" for k in ("ok", "refused", "WRONG", "crash"))
-            + ". Every case not ok:\n\n" + _details(results) + "\n\n" + NOTES + "\n")
+    text = (
+        f"# Issue 41's family battery\n\nMeasured with `python benchmarks/hf_families.py` on {RANKS} CPU gloo ranks, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}; tiny float32 models "
+        "(`FAMILIES` in tests/test_hf_parallelize.py), block check on.\n\n"
+        + _table(results)
+        + "\n\n"
+        + f"{sum(counts.values())} cases: "
+        + ", ".join(f"{counts[k]} {k}" for k in ("ok", "refused", "WRONG", "crash"))
+        + ". Every case not ok:\n\n"
+        + _details(results)
+        + "\n\n"
+        + NOTES
+        + "\n"
+    )
     print(text)
     if args.families == list(BATTERY) and args.layouts == LAYOUTS:
         RESULT.write_text(text)

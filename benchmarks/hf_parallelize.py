@@ -28,15 +28,29 @@ import torch.distributed as dist
 
 RESULT = Path(__file__).parent / "results" / "hf_parallelize.md"
 BIG = dict(  # Llama-style, about 92 M parameters = 370 MB fp32
-    vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12,
-    num_key_value_heads=4, max_position_embeddings=512,
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=6,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=512,
 )
 STEP = dict(  # shared by the HF Qwen2 and the native meshtron model
-    vocab_size=8192, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-    num_key_value_heads=4, tie_word_embeddings=False,
+    vocab_size=8192,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
 )
 MOE = dict(  # Qwen2-MoE shape shared by transformers and the native model; every layer sparse
-    STEP, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=512,
+    STEP,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=512,
 )
 RANKS, DP, TP = 4, 2, 2
 # Per step-time part: mesh, transformers architecture prefix, model shape, transformers-only config.
@@ -63,7 +77,8 @@ rank holding each of its 2 chosen experts and back, and the same volume of gradi
 with balanced routing about half of the 1024 routed rows per rank cross to the other ep rank. Both models use the same
 dispatch (meshtron's all-to-all with grouped matmuls), so equal step times are expected; this single
 run's 4 ms gap (0.4 %) is not a measured difference. CPU gloo timings on the otherwise idle
-2-core machine (4 ranks on 2 cores); only the interleaved pair of one run is comparable, and GPU timings were not taken.""",
+2-core machine (4 ranks on 2 cores); only the interleaved pair of one run is comparable, and GPU timings were not \
+taken.""",
 }
 
 
@@ -195,7 +210,9 @@ def _measure_step_time(part: str, out: str) -> None:
         native_opt.zero_grad()
 
     arch = case["arch"]
-    rows = _time_alternating({f"transformers {arch} + parallelize_hf_model": hf_step, f"meshtron native {arch}": native_step})
+    rows = _time_alternating(
+        {f"transformers {arch} + parallelize_hf_model": hf_step, f"meshtron native {arch}": native_step}
+    )
     if dist.get_rank() == 0:
         Path(out, f"{part}.json").write_text(json.dumps(rows))
 
@@ -221,8 +238,10 @@ PARTS = ("memory", "step", "moe")
 
 
 def _memory_section(tmp: str, total: int) -> list[str]:
-    memory = [(s, b, f, fb) for (s, b), (f, fb) in zip(*(json.loads(Path(tmp, f"{n}.json").read_text())
-                                                       for n in ("sharded", "full")))]
+    memory = [
+        (s, b, f, fb)
+        for (s, b), (f, fb) in zip(*(json.loads(Path(tmp, f"{n}.json").read_text()) for n in ("sharded", "full")))
+    ]
     lines = [
         f"## Per-rank peak memory while loading a {total / 2**20:.0f} MiB fp32 Llama "
         f"({BIG['num_hidden_layers']} layers, hidden {BIG['hidden_size']}, vocab {BIG['vocab_size']})",
@@ -234,7 +253,9 @@ def _memory_section(tmp: str, total: int) -> list[str]:
         "bytes read (MiB) |",
         "|---|---|---|---|---|",
     ]
-    lines += [f"| {r} | {s:.0f} | {b / 2**20:.0f} | {f:.0f} | {fb / 2**20:.0f} |" for r, (s, b, f, fb) in enumerate(memory)]
+    lines += [
+        f"| {r} | {s:.0f} | {b / 2**20:.0f} | {f:.0f} | {fb / 2**20:.0f} |" for r, (s, b, f, fb) in enumerate(memory)
+    ]
     return lines + ["", f"One rank's share of the weights is {total / RANKS / 2**20:.0f} MiB.", "", MEMORY_NOTES]
 
 

@@ -62,13 +62,23 @@ def one(method: str, tokens: int, vocab: int) -> dict:
     else:
         loss = linear_cross_entropy_sum(h, w, labels, CHUNK)
     loss.backward()
-    return {"method": method, "tokens": tokens, "vocab": vocab, "peak_extra_bytes": _peak_bytes() - base,
-            "loss": float(loss)}
+    return {
+        "method": method,
+        "tokens": tokens,
+        "vocab": vocab,
+        "peak_extra_bytes": _peak_bytes() - base,
+        "loss": float(loss),
+    }
 
 
 def _run_one(method: str, tokens: int, vocab: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--one", method, str(tokens), str(vocab)],
-                         capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", method, str(tokens), str(vocab)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -78,8 +88,7 @@ def loss_part() -> list[dict]:
         logits_gib = tokens * vocab * 4 / 2**30
         before = _run_one("before", tokens, vocab) if logits_gib <= BEFORE_LIMIT_GIB / 3 else None
         after = _run_one("after", tokens, vocab)
-        rows.append({"tokens": tokens, "vocab": vocab, "logits_fp32_gib": logits_gib, "before": before,
-                     "after": after})
+        rows.append({"tokens": tokens, "vocab": vocab, "logits_fp32_gib": logits_gib, "before": before, "after": after})
         print(rows[-1], flush=True)
     return rows
 
@@ -88,11 +97,31 @@ def step_part(tree: Path, tokens: int) -> dict:
     """One rank trains 2 steps of the tiny dense model with vocab 151,936 and ``tokens`` per step."""
     seq = 4096
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "-m", "meshtron.train",
-               "--recipe", str(tree / "recipes" / "debug_dense.toml"), "--parallel.dp", "1",
-               "--model.vocab_size", "151936", "--model.max_position_embeddings", str(seq),
-               "--train.seq_len", str(seq), "--train.global_batch_size", str(tokens // seq),
-               "--train.steps", "2", "--train.output_dir", out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "1",
+            "-m",
+            "meshtron.train",
+            "--recipe",
+            str(tree / "recipes" / "debug_dense.toml"),
+            "--parallel.dp",
+            "1",
+            "--model.vocab_size",
+            "151936",
+            "--model.max_position_embeddings",
+            str(seq),
+            "--train.seq_len",
+            str(seq),
+            "--train.global_batch_size",
+            str(tokens // seq),
+            "--train.steps",
+            "2",
+            "--train.output_dir",
+            out,
+        ]
         env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="2")
         log = Path(out, "log.txt")
         with log.open("w") as sink:
@@ -104,8 +133,15 @@ def step_part(tree: Path, tokens: int) -> dict:
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         errors = [line for line in log.read_text().splitlines() if "Error" in line or line.startswith("meshtron:")]
         tail = errors[-1:] if code else []
-    return {"tree": str(tree), "tokens": tokens, "returncode": code, "peak_rss_bytes": usage.ru_maxrss * 1024,
-            "losses": [r["loss"] for r in records], "step_times": [r["step_time"] for r in records], "error": tail}
+    return {
+        "tree": str(tree),
+        "tokens": tokens,
+        "returncode": code,
+        "peak_rss_bytes": usage.ru_maxrss * 1024,
+        "losses": [r["loss"] for r in records],
+        "step_times": [r["step_time"] for r in records],
+        "error": tail,
+    }
 
 
 def _gib(n: float | None) -> str:
@@ -127,8 +163,9 @@ def write_table(loss_rows: list[dict], steps: list[dict]) -> str:
         before = r["before"]["peak_extra_bytes"] if r["before"] else None
         after = r["after"]["peak_extra_bytes"]
         ratio = f"{after / before:.3f}" if before else "before not run (does not fit)"
-        lines.append(f"| {r['tokens']} | {r['vocab']} | {r['logits_fp32_gib']:.2f} | {_gib(before)} | "
-                     f"{_gib(after)} | {ratio} |")
+        lines.append(
+            f"| {r['tokens']} | {r['vocab']} | {r['logits_fp32_gib']:.2f} | {_gib(before)} | {_gib(after)} | {ratio} |"
+        )
     if steps:
         lines += [
             "",
@@ -143,8 +180,9 @@ def write_table(loss_rows: list[dict], steps: list[dict]) -> str:
         ]
         for s in steps:
             losses = ", ".join(f"{v:.4f}" for v in s["losses"]) or " ".join(s["error"])
-            lines.append(f"| {s['label']} | {s['tokens']} | {s['returncode']} | {_gib(s['peak_rss_bytes'])} | "
-                         f"{losses} |")
+            lines.append(
+                f"| {s['label']} | {s['tokens']} | {s['returncode']} | {_gib(s['peak_rss_bytes'])} | {losses} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -43,19 +43,25 @@ import torch.distributed as dist
 from meshtron import env
 from meshtron.config import FSDP_GATHERS, Config, ModelConfig, ParallelConfig, TrainConfig, load_config
 from meshtron.mesh import build_mesh, exit_process, init_default_group
-from meshtron.watch.metrics import datasheet_peak_flops, matmul_flops, synchronize
 from meshtron.models import build_model, flops_per_token
 from meshtron.optim import build_optimizer
 from meshtron.parallel.step_runner import StepRunner
 from meshtron.plan import Assumptions, predict_memory
-from meshtron.watch.syncs import no_host_syncs
 from meshtron.train import read_scalars, training_step
+from meshtron.watch.metrics import datasheet_peak_flops, matmul_flops, synchronize
+from meshtron.watch.syncs import no_host_syncs
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 RESULTS = Path(__file__).parent / "results"
 TINY = ModelConfig(
-    vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
 )
 
 
@@ -85,8 +91,9 @@ def _peak_memory_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
-def timed(step, steps: int, warmup: int, device: torch.device, sync_check: bool,
-          profile: tuple[Path, str] | None = None) -> tuple[float, list]:
+def timed(
+    step, steps: int, warmup: int, device: torch.device, sync_check: bool, profile: tuple[Path, str] | None = None
+) -> tuple[float, list]:
     """Seconds per step over ``steps`` after ``warmup``; the step's outputs are read only afterwards.
     ``profile`` (file, label): as many further steps, untimed, run under torch.profiler (its overhead would
     distort the timed ones), whose table is appended there."""
@@ -109,6 +116,7 @@ def _profiled(step, steps: int, device: torch.device, path: Path, label: str) ->
     """``steps`` steps under torch.profiler; their kernels by device time (the busiest first) appended to
     ``path`` under ``label`` and the steps' wall time (profiled, so longer than the timed steps')."""
     from torch.profiler import ProfilerActivity
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     start = time.perf_counter()
     with torch.profiler.profile(activities=activities) as prof:
@@ -118,20 +126,35 @@ def _profiled(step, steps: int, device: torch.device, path: Path, label: str) ->
     wall = time.perf_counter() - start
     with path.open("a") as out:
         out.write(f"\n## {label}: wall {wall:.3f} s for {steps} profiled steps\n")
-        out.write(prof.key_averages().table(
-            sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
-            row_limit=25, max_name_column_width=70))
+        out.write(
+            prof.key_averages().table(
+                sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
+                row_limit=25,
+                max_name_column_width=70,
+            )
+        )
 
 
-def step_config(model_cfg: ModelConfig, dtype: str, batch: int, seq: int, compile: bool = False, fp8: str = "none",
-                **parallel) -> Config:
+def step_config(
+    model_cfg: ModelConfig, dtype: str, batch: int, seq: int, compile: bool = False, fp8: str = "none", **parallel
+) -> Config:
     """The one-rank recipe this benchmark trains (``parallel``: further ParallelConfig fields)."""
-    return Config(model=model_cfg, parallel=ParallelConfig(compile=compile, **parallel),
-                  train=TrainConfig(dtype=dtype, seq_len=seq, global_batch_size=batch, fp8=fp8))
+    return Config(
+        model=model_cfg,
+        parallel=ParallelConfig(compile=compile, **parallel),
+        train=TrainConfig(dtype=dtype, seq_len=seq, global_batch_size=batch, fp8=fp8),
+    )
 
 
-def run_meshtron(cfg: Config, batch: torch.Tensor, device: torch.device, steps: int, warmup: int,
-                 sync_check: bool = True, profile: tuple[Path, str] | None = None) -> dict:
+def run_meshtron(
+    cfg: Config,
+    batch: torch.Tensor,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    sync_check: bool = True,
+    profile: tuple[Path, str] | None = None,
+) -> dict:
     """Trains ``cfg`` on one rank (a process group must exist): seconds per step, the timed steps'
     losses, the peak allocated memory and the planner's prediction of it."""
     _reset_memory(device)
@@ -144,20 +167,32 @@ def run_meshtron(cfg: Config, batch: torch.Tensor, device: torch.device, steps: 
     optimizer = build_optimizer(runner.module, cfg.train)
     ids, labels = batch[:, :-1], batch[:, 1:]
 
+    # F821: ruff reads the del below as leaving these names undefined here; it runs after step's last call.
     def step():
         with env.fused_attention_only(device):
-            return training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
+            return training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)  # noqa: F821
 
     seconds, outputs = timed(step, steps, warmup, device, sync_check, profile)
     losses = [read_scalars(loss)[0] for loss, _ in outputs]
     del runner, optimizer, model, outputs
-    return {"seconds_per_step": seconds, "losses": losses, "last_loss": losses[-1],
-            "peak_memory_gib": _peak_memory_gib(device),
-            "predicted_memory_gib": predict_memory(cfg, ALLOCATED_ONLY).total / 2**30}
+    return {
+        "seconds_per_step": seconds,
+        "losses": losses,
+        "last_loss": losses[-1],
+        "peak_memory_gib": _peak_memory_gib(device),
+        "predicted_memory_gib": predict_memory(cfg, ALLOCATED_ONLY).total / 2**30,
+    }
 
 
-def run_transformers(model_cfg: ModelConfig, dtype: str, batch: torch.Tensor, device: torch.device, steps: int,
-                     warmup: int, profile: tuple[Path, str] | None = None) -> dict:
+def run_transformers(
+    model_cfg: ModelConfig,
+    dtype: str,
+    batch: torch.Tensor,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    profile: tuple[Path, str] | None = None,
+) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from meshtron.hf import hf_config_dict
@@ -169,13 +204,14 @@ def run_transformers(model_cfg: ModelConfig, dtype: str, batch: torch.Tensor, de
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
+    # F821: ruff reads the del below as leaving these names undefined here; it runs after step's last call.
     def step():
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)  # noqa: F821
         with autocast:
-            loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss  # it shifts the labels itself
+            loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss  # noqa: F821 - it shifts the labels itself
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # noqa: F821
+        optimizer.step()  # noqa: F821
         return loss.detach()
 
     # Its own code may sync (mask building, loss bookkeeping): not checked.
@@ -199,24 +235,52 @@ def measure(name: str, model_cfg: ModelConfig, args, device: torch.device, peaks
     tokens = args.batch * args.seq
     flops = flops_per_token(model_cfg, args.seq)
     batch = torch.randint(0, model_cfg.vocab_size, (args.batch, args.seq + 1), device=device)
+
     def profile(impl: str) -> tuple[Path, str] | None:
         return (args.profile, f"{name} {impl}") if args.profile else None
 
     fp8 = "" if args.fp8 == "none" else f" fp8 {args.fp8}"
-    runs = {f"meshtron {mode}{fp8}": lambda mode=mode: run_meshtron(
-        step_config(model_cfg, args.dtype, args.batch, args.seq, compile=mode == "compiled", fp8=args.fp8,
-                    fsdp_gather=args.fsdp_gather), batch,
-        device, args.steps, args.warmup, args.sync_check, profile(f"meshtron {mode}{fp8}")) for mode in args.modes}
-    runs["transformers"] = lambda: run_transformers(model_cfg, args.dtype, batch, device, args.steps, args.warmup,
-                                                    profile("transformers"))
+    runs = {
+        f"meshtron {mode}{fp8}": lambda mode=mode: run_meshtron(
+            step_config(
+                model_cfg,
+                args.dtype,
+                args.batch,
+                args.seq,
+                compile=mode == "compiled",
+                fp8=args.fp8,
+                fsdp_gather=args.fsdp_gather,
+            ),
+            batch,
+            device,
+            args.steps,
+            args.warmup,
+            args.sync_check,
+            profile(f"meshtron {mode}{fp8}"),
+        )
+        for mode in args.modes
+    }
+    runs["transformers"] = lambda: run_transformers(
+        model_cfg, args.dtype, batch, device, args.steps, args.warmup, profile("transformers")
+    )
     rows = []
     for impl, run in runs.items():
-        row = {"shape": name, "layers": model_cfg.num_hidden_layers, "batch": args.batch, "seq": args.seq,
-               "impl": impl, **_guarded(run)}
+        row = {
+            "shape": name,
+            "layers": model_cfg.num_hidden_layers,
+            "batch": args.batch,
+            "seq": args.seq,
+            "impl": impl,
+            **_guarded(run),
+        }
         if "error" not in row:
             row["tokens_per_s"] = tokens / row["seconds_per_step"]
-            row.update({f"mfu_{kind}": flops * row["tokens_per_s"] / peaks[kind] if peaks[kind] else None
-                        for kind in ("datasheet", "measured")})
+            row.update(
+                {
+                    f"mfu_{kind}": flops * row["tokens_per_s"] / peaks[kind] if peaks[kind] else None
+                    for kind in ("datasheet", "measured")
+                }
+            )
         print(f"{name} {impl}: {row.get('tokens_per_s', 0):,.0f} tokens/s {row.get('error', '')}", flush=True)
         rows.append(row)
     theirs = rows[-1].get("tokens_per_s")
@@ -246,22 +310,29 @@ def _table_line(r: dict) -> str:
         error = r["predicted_memory_gib"] / r["peak_memory_gib"] - 1
         planner = f"{r['predicted_memory_gib']:.1f} ({100 * error:+.1f}%)"
     mfu = lambda key: "n/a" if r.get(key) is None else f"{100 * r[key]:.1f}%"  # noqa: E731
-    return (f"| {r['shape']} | {r['batch']} x {r['seq']} | {r['impl']} | {r['tokens_per_s']:,.0f} | "
-            f"{mfu('mfu_datasheet')} | {mfu('mfu_measured')} | {_cell(r, 'peak_memory_gib', '.1f')} | {planner} | "
-            f"{_cell(r, 'speedup', '.2f')} |")
+    return (
+        f"| {r['shape']} | {r['batch']} x {r['seq']} | {r['impl']} | {r['tokens_per_s']:,.0f} | "
+        f"{mfu('mfu_datasheet')} | {mfu('mfu_measured')} | {_cell(r, 'peak_memory_gib', '.1f')} | {planner} | "
+        f"{_cell(r, 'speedup', '.2f')} |"
+    )
 
 
 def write_results(rows: list[dict], args, device: torch.device, peaks: dict, out: Path) -> str:
     label = device_name(device)
-    settings = (f"dtype {args.dtype}, fsdp_gather {args.fsdp_gather}, {args.steps} timed steps after "
-                f"{args.warmup} warm-up, host-sync check "
-                f"{'on' if args.sync_check and device.type == 'cuda' else 'off'}")
+    settings = (
+        f"dtype {args.dtype}, fsdp_gather {args.fsdp_gather}, {args.steps} timed steps after "
+        f"{args.warmup} warm-up, host-sync check "
+        f"{'on' if args.sync_check and device.type == 'cuda' else 'off'}"
+    )
     datasheet = peaks["datasheet"]
     lines = [
         f"# Single-device training throughput: meshtron vs transformers ({label})",
         "",
-        *(["**CPU smoke run (`--tiny`): checks that the script works; not a performance result.**", ""]
-          if device.type != "cuda" else []),
+        *(
+            ["**CPU smoke run (`--tiny`): checks that the script works; not a performance result.**", ""]
+            if device.type != "cuda"
+            else []
+        ),
         f"Device: {label}. MFU against the datasheet dense bf16 peak "
         f"{'(not listed for this device)' if datasheet is None else f'{datasheet / 1e12:.0f} TFLOP/s'} and against "
         f"the {peaks['measured_dtype']} matmul peak measured here, {peaks['measured'] / 1e12:.2f} TFLOP/s. {settings}. "
@@ -287,22 +358,43 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 4096; 64 with --tiny)")
     parser.add_argument("--layers-7b", type=int, default=8, help="layers kept of Qwen2.5-7B's 28")
-    parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager"],
-                        help="meshtron runs: eager and/or torch.compile per block")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["eager", "compiled"],
+        default=["eager"],
+        help="meshtron runs: eager and/or torch.compile per block",
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 2 with --tiny)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; 1 with --tiny)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--fsdp-gather", default="per_microbatch", choices=FSDP_GATHERS,
-                        help="meshtron's [parallel] fsdp_gather: per_step keeps each unit gathered from forward to "
-                             "backward (on one rank: no second cast and copy of every parameter in the backward)")
-    parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="datasheet dense bf16 peak of a card meshtron.watch.metrics does not list")
-    parser.add_argument("--no-sync-check", dest="sync_check", action="store_false",
-                        help="do not run meshtron's timed steps under torch.cuda.set_sync_debug_mode('error')")
+    parser.add_argument(
+        "--fsdp-gather",
+        default="per_microbatch",
+        choices=FSDP_GATHERS,
+        help="meshtron's [parallel] fsdp_gather: per_step keeps each unit gathered from forward to "
+        "backward (on one rank: no second cast and copy of every parameter in the backward)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="datasheet dense bf16 peak of a card meshtron.watch.metrics does not list",
+    )
+    parser.add_argument(
+        "--no-sync-check",
+        dest="sync_check",
+        action="store_false",
+        help="do not run meshtron's timed steps under torch.cuda.set_sync_debug_mode('error')",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "mfu", help="results path without suffix")
     parser.add_argument("--fp8", default="none", help="meshtron's runs with [train] fp8 set to this recipe")
-    parser.add_argument("--profile", type=Path, default=None,
-                        help="also profile the timed steps: each run's busiest kernels appended to this file")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="also profile the timed steps: each run's busiest kernels appended to this file",
+    )
     args = parser.parse_args(argv)
     defaults = {"seq": (64, 4096), "steps": (2, 10), "warmup": (1, 3)}
     for key, (tiny, full) in defaults.items():
@@ -319,8 +411,11 @@ def peaks_of(device: torch.device, args) -> dict:
     listed = args.peak_tflops * 1e12 if args.peak_tflops else None
     if listed is None and device.type == "cuda":
         listed = datasheet_peak_flops(device_name(device), torch.bfloat16)
-    return {"datasheet": listed, "measured": matmul_flops(device, dtype, n=8192 if device.type == "cuda" else 512),
-            "measured_dtype": str(dtype).removeprefix("torch.")}
+    return {
+        "datasheet": listed,
+        "measured": matmul_flops(device, dtype, n=8192 if device.type == "cuda" else 512),
+        "measured_dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 def main(argv=None) -> str:

@@ -42,13 +42,27 @@ from meshtron.plan.memory import GIB  # noqa: E402
 from meshtron.plan.parameters import Coords, _stage_params, model_parallel_shape  # noqa: E402
 from meshtron.testing import module_collectives, run_checks  # noqa: E402
 
-MODEL = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-             num_key_value_heads=4, head_dim=16, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
-             shared_expert_intermediate_size=64, router_aux_loss_coef=0.01, rope_theta=10000.0)
+MODEL = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=16,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=64,
+    router_aux_loss_coef=0.01,
+    rope_theta=10000.0,
+)
 DENSE = dict(dp=2, tp=4)
-SPLITS = [("unfolded ep 1 (experts whole on every rank)", dict(ep=1, etp=1, fold_ep=False)),
-          ("folded ep 8", dict(ep=8, etp=1, fold_ep=True)),
-          ("folded ep 4 x etp 2", dict(ep=4, etp=2, fold_ep=True))]
+SPLITS = [
+    ("unfolded ep 1 (experts whole on every rank)", dict(ep=1, etp=1, fold_ep=False)),
+    ("folded ep 8", dict(ep=8, etp=1, fold_ep=True)),
+    ("folded ep 4 x etp 2", dict(ep=4, etp=2, fold_ep=True)),
+]
 BATCH, SEQ = 8, 32
 MOE = "Transformer.layers.0.mlp"
 OUT = ROOT / "benchmarks" / "results" / "moe_folding.md"
@@ -93,8 +107,14 @@ def measure(out_path: str) -> None:
         tokens = local.numel() // mesh["tp"].size()  # SP: this rank's sequence shard at the MoE input
         total = torch.tensor([float(sum(sent)) / tokens])
         dist.all_reduce(total)
-        results.append(dict(split=name, **split, collectives=module_collectives(comm, MOE),
-                            bytes_per_token=total.item() / dist.get_world_size()))
+        results.append(
+            dict(
+                split=name,
+                **split,
+                collectives=module_collectives(comm, MOE),
+                bytes_per_token=total.item() / dist.get_world_size(),
+            )
+        )
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
 

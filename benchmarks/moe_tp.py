@@ -27,11 +27,27 @@ from meshtron.parallel.tensor import apply_tensor_parallel
 from meshtron.parallel.vocab_loss import parallel_token_loss_sum
 from meshtron.testing import module_collectives, run_checks
 
-MODEL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-             shared_expert_intermediate_size=32, router_aux_loss_coef=0.01, rope_theta=10000.0)
-LAYOUTS = [("tp2, ep1", dict(dp=2, tp=2), False), ("tp2 + SP, ep1", dict(dp=2, tp=2), True),
-           ("ep2 x tp2", dict(ep=2, tp=2), False), ("ep2 x tp2 + SP", dict(ep=2, tp=2), True)]
+MODEL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=32,
+    router_aux_loss_coef=0.01,
+    rope_theta=10000.0,
+)
+LAYOUTS = [
+    ("tp2, ep1", dict(dp=2, tp=2), False),
+    ("tp2 + SP, ep1", dict(dp=2, tp=2), True),
+    ("ep2 x tp2", dict(ep=2, tp=2), False),
+    ("ep2 x tp2 + SP", dict(ep=2, tp=2), True),
+]
 BATCH, SEQ = 4, 16  # global; each dp x ep reader gets BATCH / readers sequences
 MOE = "Transformer.layers.0.mlp"
 

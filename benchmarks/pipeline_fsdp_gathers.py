@@ -29,8 +29,14 @@ from meshtron.parallel.step_runner import build_step_runner
 from meshtron.testing import count_calls, run_checks, units_with_parameters
 
 RESULTS = Path(__file__).parent / "results"
-SMALL = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=8,
-             num_attention_heads=4, num_key_value_heads=2)
+SMALL = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 MICRO, SEQ, MB_SIZE = 4, 8, 2
 # name: (model overrides, pp, dp, cp, tp, schedule, virtual stages, data_parallel)
 LAYOUTS = {
@@ -41,16 +47,28 @@ LAYOUTS = {
     "1f1b pp2 x dp2 x cp2 hsdp": ({}, 2, 2, 2, 1, "1f1b", 1, "hsdp"),
 }
 QWEN2P5_7B = ModelConfig(
-    vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-    num_attention_heads=28, num_key_value_heads=4,
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
 )
 
 
 def _config(model: dict, pp, dp, cp, tp, schedule, virtual, mode) -> Config:
     return Config(
         model=ModelConfig(**SMALL, **model),
-        parallel=ParallelConfig(pp=pp, dp=dp, cp=cp, tp=tp, schedule=schedule, virtual_stages=virtual,
-                                microbatches=MICRO, data_parallel=mode),
+        parallel=ParallelConfig(
+            pp=pp,
+            dp=dp,
+            cp=cp,
+            tp=tp,
+            schedule=schedule,
+            virtual_stages=virtual,
+            microbatches=MICRO,
+            data_parallel=mode,
+        ),
         train=TrainConfig(global_batch_size=dp * MICRO * MB_SIZE, seq_len=SEQ),
     )
 
@@ -138,7 +156,8 @@ def _table(rows: dict) -> str:
         "",
         f"Before, the gathered parameters peaked at about two blocks: {2 * block16 / gib:.2f} GiB in bf16",
         f"({block16 / gib:.2f} GiB per block; the embedding or LM head unit alone is",
-        f"{152064 * 3584 * 2 / gib:.2f} GiB). So the extra memory is about {(max(stage16) - 2 * block16) / gib:.1f} GiB",
+        f"{152064 * 3584 * 2 / gib:.2f} GiB). So the extra memory is about {(max(stage16) - 2 * block16) / gib:.1f} "
+        "GiB",
         "per rank in bf16 (the sharded fp32 master weights, 1/dp of the stage, stay as they are), and in",
         "exchange the stage's parameters cross the data links once per step instead of about once per",
         "micro-batch.",

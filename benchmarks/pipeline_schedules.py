@@ -189,7 +189,7 @@ def _local_replay(steps, stages, inputs):
     Its excess over the nominal ``v m (f + b) / v`` divided by the ``2 v m`` actions is the
     per-action floor (waking from the sleep, Python, autograd) that no executor can avoid here.
     """
-    from meshtron.parallel.pipeline.schedules import F, Action
+    from meshtron.parallel.pipeline.schedules import Action, F
 
     def step():
         outputs = {}
@@ -220,8 +220,12 @@ def sleep_benchmark(args) -> dict:
         executor = PipelineExecutor(build_schedule(kind, pp, m, v)[rank], n, group)
 
         def ours(stages=stages, executor=executor, inputs=inputs):
-            executor.run(lambda s, x, mb: stages[s](x), inputs, lambda out, mb: out.mean(),
-                         (SLEEP_ACTIVATION, torch.float32))
+            executor.run(
+                lambda stage, x, mb: stages[stage](x),
+                inputs,
+                lambda out, mb: out.mean(),
+                (SLEEP_ACTIVATION, torch.float32),
+            )
 
         schedule = _torch_schedule(kind, stages, m, n, lambda out, target: out.mean())
         variants[("floor", kind)] = (stages, _local_replay(executor.steps, stages, inputs), v)
@@ -231,7 +235,7 @@ def sleep_benchmark(args) -> dict:
     busy = {key: [] for key in variants}
     spans = {}
     for rep in range(args.repeats + 1):
-        for key, (stages, step, v) in variants.items():
+        for key, (stages, step, _v) in variants.items():
             for mod in stages.values():
                 mod.spans = []
             took = _timed(step)
@@ -261,10 +265,20 @@ def sleep_benchmark(args) -> dict:
 
 
 ZERO_BUBBLE = ("zb1p", "zbv", "dualpipev")
-COUNTERPART = {"zb1p": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+COUNTERPART = {
+    "zb1p": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
 # The real-compute stages: a meshtron Transformer (real_benchmark, and the zbreal part at --real-seq tokens).
-REAL_MODEL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
-                  num_attention_heads=8, num_key_value_heads=2)
+REAL_MODEL = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+)
 
 
 def _torch_zero_bubble(kind: str, modules: dict[int, nn.Module], m: int, num_stages: int, loss_fn):
@@ -315,7 +329,13 @@ def _zero_bubble_stages(args, real: bool, mine: list[int], num_stages: int, v: i
     gen = torch.Generator().manual_seed(0)
     ids, labels = (torch.randint(0, cfg.vocab_size, (m, seq), generator=gen) for _ in range(2))
     tokens = labels.numel()
-    return stages, ids, labels, lambda out, lab: token_loss_sum(out, lab) / tokens, ((1, seq, cfg.hidden_size), torch.float32)
+    return (
+        stages,
+        ids,
+        labels,
+        lambda out, lab: token_loss_sum(out, lab) / tokens,
+        ((1, seq, cfg.hidden_size), torch.float32),
+    )
 
 
 def zero_bubble_benchmark(args, real: bool = False) -> dict:
@@ -341,7 +361,9 @@ def zero_bubble_benchmark(args, real: bool = False) -> dict:
         executor.record = True
 
         def ours(stages=stages, executor=executor, inputs=inputs, targets=targets, loss=loss, boundary=boundary):
-            executor.run(lambda s, x, mb: stages[s](x), inputs, lambda out, mb: loss(out, targets[mb]), boundary)
+            executor.run(
+                lambda stage, x, mb: stages[stage](x), inputs, lambda out, mb: loss(out, targets[mb]), boundary
+            )
 
         predicted[kind] = (schedule, [peak_in_flight(steps) for steps in schedule], v)
         variants[("ours", kind)] = (stages, ours, executor)
@@ -370,7 +392,9 @@ def zero_bubble_benchmark(args, real: bool = False) -> dict:
 
             took = _timed(tracked)
             # ours: the executor's action spans; torch: its compute calls (real) or the sleeps themselves
-            rows = [tuple(sp) for sp in executor.spans] if executor else list(torch_rows) if real else _spans(stages, rank)
+            rows = (
+                [tuple(sp) for sp in executor.spans] if executor else list(torch_rows) if real else _spans(stages, rank)
+            )
             work = torch.tensor(sum(r[4] - r[3] for r in rows))
             dist.all_reduce(work)
             if rep:
@@ -420,8 +444,10 @@ def _median_costs(per_rank: list[list[list[tuple]]]) -> list[float]:
     """F, B, W of one chunk in ms: the mean over all ranks' actions of a step (a first stage's B is
     empty, it has no input gradient, and its W is its whole backward), median over the steps."""
     steps = [[row for rank in per_rank for row in rank[i]] for i in range(len(per_rank[0]))]
-    return [statistics.median(statistics.mean(r[4] - r[3] for r in rows if r[1] == kind) * 1e3 for rows in steps)
-            for kind in "FBW"]
+    return [
+        statistics.median(statistics.mean(r[4] - r[3] for r in rows if r[1] == kind) * 1e3 for rows in steps)
+        for kind in "FBW"
+    ]
 
 
 def _render(entry: dict, path: Path, name: str, args) -> None:
@@ -453,8 +479,10 @@ def _zero_bubble_section(out: Path, part: str, zb: dict) -> str:
             f"meshtron Transformer ({REAL_MODEL['num_hidden_layers']} layers, hidden {REAL_MODEL['hidden_size']}, "
             f"micro-batch 1 x {args.real_seq} tokens) split into pp * v chunks"
         )
-        analytic = ("our schedule simulated with our measured F, B, W of a chunk (table below; a first stage's B "
-                    "is empty and its W its whole backward)")
+        analytic = (
+            "our schedule simulated with our measured F, B, W of a chunk (table below; a first stage's B "
+            "is empty and its W its whole backward)"
+        )
         torch_busy = "time inside its stages' compute calls (the last stage's loss is a separate call)"
     else:
         head = (
@@ -472,7 +500,8 @@ def _zero_bubble_section(out: Path, part: str, zb: dict) -> str:
         f"overhead included); torch: {torch_busy}. "
         "Peak: micro-batch activations (chunks) held at once per rank, ours measured by the executor and "
         "predicted by `peak_in_flight`; peak MiB: most bytes of activations saved for backward held at once "
-        "(distinct storages, parameters excluded; highest rank, median over steps), ours and torch's alike. Paired: median over rounds of ours' step / torch's next step "
+        "(distinct storages, parameters excluded; highest rank, median over steps), ours and torch's alike. Paired: "
+        "median over rounds of ours' step / torch's next step "
         "(steps taken back to back, so slow drifts of the machine's load cancel).",
         "",
         "| schedule | torch counterpart | v | ours step (ms) | torch step (ms) | ours / torch | ours min | torch min "
@@ -491,14 +520,22 @@ def _zero_bubble_section(out: Path, part: str, zb: dict) -> str:
         )
         for who in ("ours", "torch"):
             name = f"CPU {'real compute' if real else 'sleep stages'}, {who} {kind}"
-            _render(zb[f"{who}/{kind}"], out / f"pipeline_{part}_{who}_{kind}.png", name,
-                    argparse.Namespace(pp=args.pp, microbatches=m))
+            _render(
+                zb[f"{who}/{kind}"],
+                out / f"pipeline_{part}_{who}_{kind}.png",
+                name,
+                argparse.Namespace(pp=args.pp, microbatches=m),
+            )
     if real:
-        lines += ["", "Measured cost of one chunk's action (ms; mean over the ranks' actions of a step, median over "
-                  "steps), ours and torch's, and the largest gradient difference ours vs torch after one step on the "
-                  "same weights and micro-batches:", "",
-                  "| schedule | F ours | F torch | B ours | B torch | W ours | W torch | max abs grad diff |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Measured cost of one chunk's action (ms; mean over the ranks' actions of a step, median over "
+            "steps), ours and torch's, and the largest gradient difference ours vs torch after one step on the "
+            "same weights and micro-batches:",
+            "",
+            "| schedule | F ours | F torch | B ours | B torch | W ours | W torch | max abs grad diff |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for kind in ZERO_BUBBLE:
             ours, theirs = zb[f"ours/{kind}"], zb[f"torch/{kind}"]
             costs = [f"{a:.1f} | {b:.1f}" for a, b in zip(ours["fbw_ms"], theirs["fbw_ms"])]
@@ -544,21 +581,26 @@ def real_benchmark(args) -> dict:
     positions = torch.arange(seq).expand(mb, -1)
     variants = {}
     for kind, v in (("1f1b", 1), ("interleaved", args.virtual)):
-        cfg = Config(model=model_cfg, parallel=ParallelConfig(pp=pp, schedule=kind, virtual_stages=v, microbatches=m),
-                     train=TrainConfig(global_batch_size=m * mb, seq_len=seq))
+        cfg = Config(
+            model=model_cfg,
+            parallel=ParallelConfig(pp=pp, schedule=kind, virtual_stages=v, microbatches=m),
+            train=TrainConfig(global_batch_size=m * mb, seq_len=seq),
+        )
         with torch.device("meta"):
             meta = build_model(model_cfg)
         runner = build_step_runner(meta, mesh, cfg, torch.device("cpu"))
         runner.executor.record = True
         modules = {s: _ChunkModule(c, positions) for s, c in runner.chunks.items()}
         tokens = (labels != -100).sum()
-        schedule = _torch_schedule(kind, modules, m, pp * v, lambda out, lab: token_loss_sum(out, lab) / tokens)
+        schedule = _torch_schedule(
+            kind, modules, m, pp * v, lambda out, lab, tokens=tokens: token_loss_sum(out, lab) / tokens
+        )
         variants[("ours", kind)] = (lambda runner=runner: runner.forward_backward(ids, labels), runner, v)
         variants[("torch", kind)] = (_torch_step(schedule, modules, pp * v, ids, labels), None, v)
     times = {key: [] for key in variants}
     busy = {key: [] for key in variants}
     for rep in range(args.real_repeats + 1):
-        for key, (step, runner, v) in variants.items():
+        for key, (step, runner, _v) in variants.items():
             took = _timed(step)
             if runner is not None:
                 work = torch.tensor(sum(s.end - s.start for s in runner.executor.spans))
@@ -568,7 +610,7 @@ def real_benchmark(args) -> dict:
                 if runner is not None:
                     busy[key].append(work.item())
     result = {}
-    for key, (_, runner, v) in variants.items():
+    for key, (_, _runner, v) in variants.items():
         step = statistics.median(times[key])
         result["/".join(key)] = {
             "step_s": step,
@@ -583,8 +625,12 @@ def real_benchmark(args) -> dict:
 def _rank_main(args):
     torch.manual_seed(0)
     for part in args.parts:
-        run = {"sleep": sleep_benchmark, "real": real_benchmark, "zb": zero_bubble_benchmark,
-               "zbreal": partial(zero_bubble_benchmark, real=True)}[part]
+        run = {
+            "sleep": sleep_benchmark,
+            "real": real_benchmark,
+            "zb": zero_bubble_benchmark,
+            "zbreal": partial(zero_bubble_benchmark, real=True),
+        }[part]
         result = run(args)
         if dist.get_rank() == 0:
             result["setting"] = {k: v for k, v in vars(args).items() if k != "parts"}
@@ -707,11 +753,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--virtual", type=int, default=2)
     parser.add_argument("--f-ms", type=float, default=20.0, help="forward time of one rank's share of the model")
     parser.add_argument("--b-ms", type=float, default=40.0, help="backward time of one rank's share")
-    parser.add_argument("--w-ms", type=float, default=20.0,
-                        help="zb part: weight-gradient time of one rank's share (--b-ms is then the input-gradient "
-                             "part; the zero-bubble run in the results used --b-ms 20)")
+    parser.add_argument(
+        "--w-ms",
+        type=float,
+        default=20.0,
+        help="zb part: weight-gradient time of one rank's share (--b-ms is then the input-gradient "
+        "part; the zero-bubble run in the results used --b-ms 20)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--parts", default="sleep,real", help="comma list of sleep, real, zb, zbreal; empty: report only")
+    parser.add_argument(
+        "--parts", default="sleep,real", help="comma list of sleep, real, zb, zbreal; empty: report only"
+    )
     parser.add_argument("--real-microbatches", type=int, default=8)
     parser.add_argument("--real-repeats", type=int, default=9)
     parser.add_argument("--real-seq", type=int, default=128, help="zbreal part: tokens per micro-batch")

@@ -27,10 +27,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "plan_search_time.md"
-LLAMA_405B = {"model.vocab_size": 128256, "model.hidden_size": 16384, "model.intermediate_size": 53248,
-              "model.num_hidden_layers": 126, "model.num_attention_heads": 128, "model.num_key_value_heads": 8,
-              "model.attention_bias": "false", "model.tie_word_embeddings": "false",
-              "model.max_position_embeddings": 8192, "train.seq_len": 8192, "train.global_batch_size": 2048}
+LLAMA_405B = {
+    "model.vocab_size": 128256,
+    "model.hidden_size": 16384,
+    "model.intermediate_size": 53248,
+    "model.num_hidden_layers": 126,
+    "model.num_attention_heads": 128,
+    "model.num_key_value_heads": 8,
+    "model.attention_bias": "false",
+    "model.tie_word_embeddings": "false",
+    "model.max_position_embeddings": 8192,
+    "train.seq_len": 8192,
+    "train.global_batch_size": 2048,
+}
 GPUS_405B = (8, 64, 512, 1024, 4096, 8192, 16384)
 GPUS_RECIPES = (8, 1024, 16384)
 
@@ -45,8 +54,9 @@ def timed(cmd: list[str]) -> tuple[float, float, float, str]:
     load = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    out = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    ).stdout
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
@@ -57,11 +67,16 @@ def timed(cmd: list[str]) -> tuple[float, float, float, str]:
 def cases(only: str | None) -> list[tuple[str, str, int, dict]]:
     out = []
     if only in (None, "405b"):
-        out += [("Llama-3.1-405B shape, batch 2,048 x 8,192", "recipes/qwen2p5_7b.toml", gpus, LLAMA_405B)
-                for gpus in GPUS_405B]
+        out += [
+            ("Llama-3.1-405B shape, batch 2,048 x 8,192", "recipes/qwen2p5_7b.toml", gpus, LLAMA_405B)
+            for gpus in GPUS_405B
+        ]
     if only in (None, "recipes"):
-        out += [(path.stem, f"recipes/{path.name}", gpus, {})
-                for path in sorted((ROOT / "recipes").glob("*.toml")) for gpus in GPUS_RECIPES]
+        out += [
+            (path.stem, f"recipes/{path.name}", gpus, {})
+            for path in sorted((ROOT / "recipes").glob("*.toml"))
+            for gpus in GPUS_RECIPES
+        ]
     return out
 
 
@@ -72,12 +87,21 @@ def main(argv: list[str]) -> None:
         wall, cpu, load, first = timed(command(recipe, gpus, overrides))
         rows.append(f"| {label} | {gpus:,} | {wall:.1f} | {cpu:.1f} | {load:.1f} | {first} |")
         print(rows[-1], flush=True)
-    OUT.write_text("\n".join([
-        "# `python -m meshtron.plan`: time to answer", "",
-        "`benchmarks/plan_search_time.py`: each case is the command as typed, in its own process; CPU s is the",
-        "process's user + system time. The machine (2 cores) was shared with other jobs (the load average at",
-        "each start is given): the wall time grows with the load, the CPU time much less and stands for an",
-        "unloaded core. The target is an answer within 60 s.", "", *rows, ""]))
+    OUT.write_text(
+        "\n".join(
+            [
+                "# `python -m meshtron.plan`: time to answer",
+                "",
+                "`benchmarks/plan_search_time.py`: each case is the command as typed, in its own process; CPU s is the",
+                "process's user + system time. The machine (2 cores) was shared with other jobs (the load average at",
+                "each start is given): the wall time grows with the load, the CPU time much less and stands for an",
+                "unloaded core. The target is an answer within 60 s.",
+                "",
+                *rows,
+                "",
+            ]
+        )
+    )
 
 
 if __name__ == "__main__":

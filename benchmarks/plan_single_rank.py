@@ -32,7 +32,11 @@ OUT = ROOT / "benchmarks" / "results" / "plan_single_rank.json"
 SHAPES = {
     "Qwen2.5-0.5B (tied), seq 1024": ("qwen2p5_0p5b", None, 1024, {}),
     "Qwen2.5-1.5B (4 of 28 layers, tied), seq 1024, full checkpointing": (
-        "qwen2p5_1p5b", 4, 1024, {"activation_checkpointing": "full"}),
+        "qwen2p5_1p5b",
+        4,
+        1024,
+        {"activation_checkpointing": "full"},
+    ),
     "Qwen2.5-0.5B (6 of 24 layers), seq 1024, 2 micro-batches": ("qwen2p5_0p5b", 6, 1024, {"microbatches": 2}),
 }
 
@@ -61,8 +65,12 @@ def measure(name: str) -> int:
         model = build_model(cfg.model)
     runner = StepRunner(model, build_mesh(), cfg, torch.device("cpu"))
     optimizer = build_optimizer(runner.module, cfg.train)
-    ids = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_len + 1),
-                        generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0,
+        cfg.model.vocab_size,
+        (cfg.train.global_batch_size, cfg.train.seq_len + 1),
+        generator=torch.Generator().manual_seed(0),
+    )
     inputs, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     training_step(runner, optimizer, inputs, labels, 1.0)[0].item()  # creates the AdamW state
     from plan_whole_step import tracked_peak
@@ -76,15 +84,29 @@ def compare(measured: dict[str, int]) -> list[dict]:
     rows = []
     for name, peak in measured.items():
         b = predict_memory(shape_config(name), Assumptions(reserved_gib=0.0, fragmentation=0.0))
-        rows.append({"shape": name, "measured": peak, "predicted": b.total, "ratio": b.total / peak,
-                     "phase": b.phase, "terms": b.terms})
+        rows.append(
+            {
+                "shape": name,
+                "measured": peak,
+                "predicted": b.total,
+                "ratio": b.total / peak,
+                "phase": b.phase,
+                "terms": b.terms,
+            }
+        )
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| shape | measured GiB | predicted GiB | predicted / measured | peak moment |", "|---|---:|---:|---:|---|"]
-    lines += [f"| {r['shape']} | {r['measured'] / 2**30:.3f} | {r['predicted'] / 2**30:.3f} | {r['ratio']:.3f} | "
-              f"{r['phase']} |" for r in rows]
+    lines = [
+        "| shape | measured GiB | predicted GiB | predicted / measured | peak moment |",
+        "|---|---:|---:|---:|---|",
+    ]
+    lines += [
+        f"| {r['shape']} | {r['measured'] / 2**30:.3f} | {r['predicted'] / 2**30:.3f} | {r['ratio']:.3f} | "
+        f"{r['phase']} |"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 

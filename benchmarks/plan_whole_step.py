@@ -64,8 +64,14 @@ LAYOUTS = [
 def layout_config(recipe: str, layout: dict):
     from meshtron.config import load_config
 
-    args = ["--train.seq_len", str(SEQ), "--train.global_batch_size", str(BATCH), "--model.max_position_embeddings",
-            str(2 * SEQ)]
+    args = [
+        "--train.seq_len",
+        str(SEQ),
+        "--train.global_batch_size",
+        str(BATCH),
+        "--model.max_position_embeddings",
+        str(2 * SEQ),
+    ]
     for key, value in {"dp": 1, **layout}.items():
         args += [f"--parallel.{key}", str(value).lower()]
     return load_config(ROOT / "recipes" / f"{recipe}.toml", args)
@@ -94,12 +100,14 @@ def tracked_peak(runner, optimizer, inputs: torch.Tensor, labels: torch.Tensor) 
         loss.item()
     peak = tracker.get_tracker_snapshot("peak")
     return sum(snap["Total"] for snap in peak.values()), {
-        str(k): v for snap in peak.values() for k, v in snap.items() if k != "Total"}
+        str(k): v for snap in peak.values() for k, v in snap.items() if k != "Total"
+    }
 
 
 def measure_layouts(out_path: str, layouts: list | None = None) -> None:
     """One check on every rank: each layout's measured state, peak and step time, gathered to rank 0."""
     import torch.distributed as dist
+
     from meshtron.mesh import batch_mesh
     from meshtron.models import build_model
     from meshtron.optim import build_optimizer
@@ -167,8 +175,14 @@ def compare(rows: list[dict], tflops: float) -> list[dict]:
     from meshtron.plan.parameters import Coords, state_bytes
 
     cores = os.cpu_count() or 1
-    hw = Hardware(gpus_per_node=WORLD, memory_gib=1e9, peak_tflops=tflops * min(1.0, cores / WORLD), mfu=1.0,
-                  intra_gbps=2.0, inter_gbps=2.0)
+    hw = Hardware(
+        gpus_per_node=WORLD,
+        memory_gib=1e9,
+        peak_tflops=tflops * min(1.0, cores / WORLD),
+        mfu=1.0,
+        intra_gbps=2.0,
+        inter_gbps=2.0,
+    )
     out = []
     for row in rows:
         cfg = layout_config(row["recipe"], row["layout"])
@@ -177,25 +191,42 @@ def compare(rows: list[dict], tflops: float) -> list[dict]:
             terms = rank_breakdown(cfg, Coords(*r["coords"]), CPU_ASSUMPTIONS).terms
             state = state_bytes(cfg, Coords(*r["coords"]))  # the peak's terms hold only the gradients live then
             predicted_peak = sum(v for k, v in terms.items() if k != "other")
-            transient_terms = ("grads", "gathered", "unsharded_grads", "reduce_scatter", "activations", "loss",
-                               "ep_dispatch")
-            per_rank.append({
-                "coords": r["coords"],
-                "state_exact": all(state[k] == r[k] for k in state),
-                "state_predicted": state,
-                "state_measured": {k: r[k] for k in state},
-                "peak_predicted": predicted_peak,
-                "peak_measured": r["peak"],
-                "transient_predicted": sum(terms[k] for k in transient_terms),
-                "transient_measured": r["peak"] - r["params"] - r["optimizer"],
-                "activations_predicted": terms["activations"],
-                "peak_by_kind": r["peak_by_kind"],
-            })
+            transient_terms = (
+                "grads",
+                "gathered",
+                "unsharded_grads",
+                "reduce_scatter",
+                "activations",
+                "loss",
+                "ep_dispatch",
+            )
+            per_rank.append(
+                {
+                    "coords": r["coords"],
+                    "state_exact": all(state[k] == r[k] for k in state),
+                    "state_predicted": state,
+                    "state_measured": {k: r[k] for k in state},
+                    "peak_predicted": predicted_peak,
+                    "peak_measured": r["peak"],
+                    "transient_predicted": sum(terms[k] for k in transient_terms),
+                    "transient_measured": r["peak"] - r["params"] - r["optimizer"],
+                    "activations_predicted": terms["activations"],
+                    "peak_by_kind": r["peak_by_kind"],
+                }
+            )
         busiest = max(per_rank, key=lambda x: x["peak_measured"])
         step = predict_step_time(cfg, hw).seconds
         measured_step = max(r["seconds"] for r in row["ranks"])
-        out.append({**row, "per_rank": per_rank, "busiest": busiest, "step_predicted": step,
-                    "step_measured": measured_step, "ranks": None})
+        out.append(
+            {
+                **row,
+                "per_rank": per_rank,
+                "busiest": busiest,
+                "step_predicted": step,
+                "step_measured": measured_step,
+                "ranks": None,
+            }
+        )
     return out
 
 
@@ -208,7 +239,9 @@ def layout_name(recipe: str, layout: dict) -> str:
     extras.append(f"ac {layout.get('activation_checkpointing', 'none')}")
     extras.append(f"mb {layout.get('microbatches', 1)}")
     if layout.get("pp", 1) > 1:
-        extras.append(layout.get("schedule", "1f1b") + (f" v{layout['virtual_stages']}" if layout.get("virtual_stages") else ""))
+        extras.append(
+            layout.get("schedule", "1f1b") + (f" v{layout['virtual_stages']}" if layout.get("virtual_stages") else "")
+        )
     return f"{recipe.replace('debug_', '')}: {sizes} ({', '.join(extras)})"
 
 
@@ -216,7 +249,8 @@ def table(results: list[dict], tflops: float) -> str:
     kib = 1024
     lines = [
         "| layout | state exact (all ranks) | peak pred KiB | peak meas KiB | peak pred/meas | transient pred KiB "
-        "| transient meas KiB | transient pred/meas | worst rank peak pred/meas | step pred s | step meas s | step pred/meas |",
+        "| transient meas KiB | transient pred/meas | worst rank peak pred/meas | step pred s | step meas s | step "
+        "pred/meas |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
@@ -224,7 +258,8 @@ def table(results: list[dict], tflops: float) -> str:
         worst = max((x["peak_predicted"] / x["peak_measured"] for x in r["per_rank"]), key=lambda v: abs(v - 1))
         exact = all(x["state_exact"] for x in r["per_rank"])
         lines.append(
-            f"| {layout_name(r['recipe'], r['layout'])} | {'yes' if exact else 'NO'} | {b['peak_predicted'] / kib:,.0f} | "
+            f"| {layout_name(r['recipe'], r['layout'])} | {'yes' if exact else 'NO'} | "
+            f"{b['peak_predicted'] / kib:,.0f} | "
             f"{b['peak_measured'] / kib:,.0f} | {b['peak_predicted'] / b['peak_measured']:.2f} | "
             f"{b['transient_predicted'] / kib:,.0f} | {b['transient_measured'] / kib:,.0f} | "
             f"{b['transient_predicted'] / b['transient_measured']:.2f} | {worst:.2f} | {r['step_predicted']:.3f} | "
@@ -243,7 +278,7 @@ def main() -> None:
     rows = json.loads(raw.read_text())
     if "--rest" in sys.argv:  # measure only the layouts missing from the raw file, then merge
         rest = raw.with_suffix(".rest.json")
-        run_checks([measure_layouts], WORLD, str(rest), LAYOUTS[len(rows):], timeout=1800)
+        run_checks([measure_layouts], WORLD, str(rest), LAYOUTS[len(rows) :], timeout=1800)
         rows += json.loads(rest.read_text())
         raw.write_text(json.dumps(rows))
         rest.unlink()
@@ -252,8 +287,9 @@ def main() -> None:
     else:
         tflops = matmul_tflops()
     results = compare(rows, tflops)
-    out.write_text(json.dumps({"host_matmul_tflops_1thread": tflops, "cores": os.cpu_count(), "layouts": results},
-                              indent=1))
+    out.write_text(
+        json.dumps({"host_matmul_tflops_1thread": tflops, "cores": os.cpu_count(), "layouts": results}, indent=1)
+    )
     print(table(results, tflops))
 
 

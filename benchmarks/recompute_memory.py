@@ -33,20 +33,33 @@ sys.path.insert(0, str(ROOT))
 from meshtron.config import load_config  # noqa: E402
 from meshtron.models import build_model  # noqa: E402
 from meshtron.parallel.recompute import apply_activation_checkpointing  # noqa: E402
-from meshtron.plan.measure import MatmulFlops, kept_tensor_bytes  # noqa: E402
 from meshtron.plan.activations import layer_kept_bytes  # noqa: E402
+from meshtron.plan.measure import MatmulFlops, kept_tensor_bytes  # noqa: E402
 from meshtron.plan.speed import recompute_factor  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "recompute_memory.md"
 BATCH, SEQ = 4, 512
-MODES = [("none", "save_matmuls"), ("op", "save_matmuls"), ("op", "alternate_matmuls"), ("selective", "save_matmuls"),
-         ("full", "save_matmuls")]
+MODES = [
+    ("none", "save_matmuls"),
+    ("op", "save_matmuls"),
+    ("op", "alternate_matmuls"),
+    ("selective", "save_matmuls"),
+    ("full", "save_matmuls"),
+]
 
 
 def config(mode: str, policy: str):
-    return load_config(ROOT / "recipes" / "debug_dense.toml", [
-        "--model.hidden_size=256", "--model.intermediate_size=768", "--model.num_attention_heads=8",
-        f"--train.seq_len={SEQ}", f"--parallel.activation_checkpointing={mode}", f"--parallel.ac_policy={policy}"])
+    return load_config(
+        ROOT / "recipes" / "debug_dense.toml",
+        [
+            "--model.hidden_size=256",
+            "--model.intermediate_size=768",
+            "--model.num_attention_heads=8",
+            f"--train.seq_len={SEQ}",
+            f"--parallel.activation_checkpointing={mode}",
+            f"--parallel.ac_policy={policy}",
+        ],
+    )
 
 
 def measure(base: torch.nn.Module, mode: str, policy: str, tokens, labels) -> tuple[int, float]:
@@ -94,8 +107,9 @@ def _status_bytes(field: str) -> int:
 
 
 def _rss_in_fresh_process(mode: str, policy: str) -> int:
-    out = subprocess.run([sys.executable, __file__, "--rss", mode, policy], capture_output=True, text=True,
-                         check=True, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, __file__, "--rss", mode, policy], capture_output=True, text=True, check=True, cwd=ROOT
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -109,25 +123,35 @@ def main() -> None:
         planned = sum(layer_kept_bytes(cfg, i) for i in range(cfg.model.num_hidden_layers)) * BATCH * SEQ
         reference = reference or (kept, flops, rss)
         name = mode + (f" ({policy})" if mode == "op" else "")
-        rows.append(f"| {name} | {kept / 2**20:.2f} | {planned / 2**20:.2f} | {kept / reference[0]:.3f} | "
-                    f"{rss / 2**20:.1f} | {rss / reference[2]:.3f} | "
-                    f"{flops / 1e9:.3f} | {flops / reference[1]:.3f} | {recompute_factor(cfg):.3f} |")
+        rows.append(
+            f"| {name} | {kept / 2**20:.2f} | {planned / 2**20:.2f} | {kept / reference[0]:.3f} | "
+            f"{rss / 2**20:.1f} | {rss / reference[2]:.3f} | "
+            f"{flops / 1e9:.3f} | {flops / reference[1]:.3f} | {recompute_factor(cfg):.3f} |"
+        )
         print(rows[-1], flush=True)
-    OUT.write_text("\n".join([
-        "# Activation checkpointing: kept activations and recomputed matmuls (one process, CPU)",
-        "",
-        f"`PYTHONPATH=. python benchmarks/recompute_memory.py`: debug_dense widened to hidden 256, "
-        f"intermediate 768, 8 heads, 4 layers; batch {BATCH} x seq {SEQ}, fp32. Kept: bytes alive after the "
-        "forward for backward (whole model, loss included); planned: the layers' `layer_kept_bytes` x tokens "
-        "(layers only). Backward matmul GFLOP counted per aten matmul (recomputation included); the "
-        "planner's step factor is its forward + backward + recomputation over 3 forward units. Peak RSS "
-        "growth: each mode in a fresh process, the growth of its peak RSS (`VmHWM`, reset first) over one forward + "
-        "backward after a warm-up step (parameter gradients included).",
-        "",
-        "| mode | kept MiB | planned layers MiB | kept / none | peak RSS growth MiB | / none | backward matmul GFLOP "
-        "| / none | planned step factor |",
-        "|---|---|---|---|---|---|---|---|---|",
-        *rows, ""]))
+    OUT.write_text(
+        "\n".join(
+            [
+                "# Activation checkpointing: kept activations and recomputed matmuls (one process, CPU)",
+                "",
+                f"`PYTHONPATH=. python benchmarks/recompute_memory.py`: debug_dense widened to hidden 256, "
+                f"intermediate 768, 8 heads, 4 layers; batch {BATCH} x seq {SEQ}, fp32. Kept: bytes alive after the "
+                "forward for backward (whole model, loss included); planned: the layers' `layer_kept_bytes` x tokens "
+                "(layers only). Backward matmul GFLOP counted per aten matmul (recomputation included); the "
+                "planner's step factor is its forward + backward + recomputation over 3 forward units. Peak RSS "
+                "growth: each mode in a fresh process, the growth of its peak RSS (`VmHWM`, reset first) over one "
+                "forward + "
+                "backward after a warm-up step (parameter gradients included).",
+                "",
+                "| mode | kept MiB | planned layers MiB | kept / none | peak RSS growth MiB | / none | backward matmul "
+                "GFLOP "
+                "| / none | planned step factor |",
+                "|---|---|---|---|---|---|---|---|---|",
+                *rows,
+                "",
+            ]
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,12 @@ RESULTS = Path(__file__).parent / "results"
 
 def _config(layers: int, dp: int, tp: int) -> Config:
     model = ModelConfig(
-        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=layers,
-        num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=layers,
+        num_attention_heads=28,
+        num_key_value_heads=4,
     )
     return Config(model=model, parallel=ParallelConfig(dp=dp, tp=tp), train=TrainConfig(seed=0))
 
@@ -74,7 +78,8 @@ def _table(rows: dict) -> str:
         f"152064 x 3584 = {152064 * 3584 * 4 / 2**30:.2f} GiB in fp32. `materialize_sharded` on gloo ranks sharing the",
         "2-core development machine (one thread per rank) while other jobs ran, so wall seconds vary a",
         "lot from run to run; CPU seconds (user + system of the rank) are the comparable figure. Peak RSS",
-        "is `ru_maxrss`; all columns are the busiest rank's. `before`: every rank draws every full parameter on CPU (`torch.randn` from a",
+        "is `ru_maxrss`; all columns are the busiest rank's. `before`: every rank draws every full parameter on CPU "
+        "(`torch.randn` from a",
         "generator per parameter) and keeps its slice; `after`: every rank computes only its own slices",
         "(`meshtron/models/counter_rng.py`). The old code could not run on 8 ranks of this 23 GiB machine",
         "(each rank peaks at about twice the largest full parameter plus its shards), hence the 2-rank",
@@ -82,7 +87,8 @@ def _table(rows: dict) -> str:
         "is what initialisation adds: before, two full temporaries of the largest parameter; after, the",
         "bounded chunks of the counter-based generator (and FSDP's shard padding).",
         "",
-        "| code | layout | layers | parameters | wall s | CPU s | peak RSS before the fill (MiB) | peak RSS after (MiB) | fill's RSS cost (MiB) | the rank's shards (MiB) |",
+        "| code | layout | layers | parameters | wall s | CPU s | peak RSS before the fill (MiB) | peak RSS after "
+        "(MiB) | fill's RSS cost (MiB) | the rank's shards (MiB) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, r in rows.items():
@@ -90,8 +96,10 @@ def _table(rows: dict) -> str:
             params = count_parameters(build_model(_config(r["layers"], r["dp"], r["tp"]).model))
         cost = r["rss_peak_mib"] - r["rss_before_mib"]
         lines.append(
-            f"| {label} | dp {r['dp']} x tp {r['tp']} | {r['layers']} | {params / 1e9:.2f} B | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | "
-            f"{r['rss_before_mib']:.0f} | {r['rss_peak_mib']:.0f} | {cost:.0f} | {params * 4 / (r['dp'] * r['tp']) / 2**20:.0f} |"
+            f"| {label} | dp {r['dp']} x tp {r['tp']} | {r['layers']} | {params / 1e9:.2f} B | {r['seconds']:.1f} | "
+            f"{r['cpu_seconds']:.1f} | "
+            f"{r['rss_before_mib']:.0f} | {r['rss_peak_mib']:.0f} | {cost:.0f} | "
+            f"{params * 4 / (r['dp'] * r['tp']) / 2**20:.0f} |"
         )
     return "\n".join(lines) + "\n"
 

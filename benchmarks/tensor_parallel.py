@@ -41,8 +41,14 @@ WORLD = 8
 TPS = (2, 4, 8)
 BATCH, SEQ = 1, 256
 CFG = dict(
-    vocab_size=512, hidden_size=768, intermediate_size=2048, num_hidden_layers=1, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=48, rope_theta=10000.0,
+    vocab_size=512,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=1,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=48,
+    rope_theta=10000.0,
 )
 RESULTS = Path(__file__).parent / "results"
 # Saved bytes per rank with SP when q/k/v and gate/up saved their all-gathered (full-sequence) input:
@@ -136,8 +142,13 @@ def _measure(tp: int, sp: bool) -> dict:
     for name, _, _ in comm.records:
         ops[name] = ops.get(name, 0) + 1
     return dict(
-        tp=tp, sp=sp, wire_bytes=sum(r[2] for r in comm.records), analytic_bytes=analytic,
-        collectives=ops, saved_bytes=saved, seconds=elapsed,
+        tp=tp,
+        sp=sp,
+        wire_bytes=sum(r[2] for r in comm.records),
+        analytic_bytes=analytic,
+        collectives=ops,
+        saved_bytes=saved,
+        seconds=elapsed,
     )
 
 
@@ -217,13 +228,22 @@ def _plot(rows: list[dict], path: Path) -> None:
     for sp, marker in ((False, "o"), (True, "s")):
         sel = [r for r in rows if r["sp"] == sp and r["tp"] > 1]
         label = "SP" if sp else "no SP"
-        left.plot([r["tp"] for r in sel], [r["wire_bytes"] / mib for r in sel], marker=marker, label=f"measured, {label}")
+        left.plot(
+            [r["tp"] for r in sel], [r["wire_bytes"] / mib for r in sel], marker=marker, label=f"measured, {label}"
+        )
         sel_act = [rows[0]] + sel
         right.plot([r["tp"] for r in sel_act], [r["saved_bytes"] / mib for r in sel_act], marker=marker, label=label)
-    right.plot(list(SAVED_BEFORE_SP), [b / mib for b in SAVED_BEFORE_SP.values()], ":", marker="s",
-               label="SP, before (gathered inputs saved)")
+    right.plot(
+        list(SAVED_BEFORE_SP),
+        [b / mib for b in SAVED_BEFORE_SP.values()],
+        ":",
+        marker="s",
+        label="SP, before (gathered inputs saved)",
+    )
     analytic = [r for r in rows if r["tp"] > 1 and not r["sp"]]
-    left.plot([r["tp"] for r in analytic], [r["analytic_bytes"] / mib for r in analytic], "k--", label="Megatron analytic")
+    left.plot(
+        [r["tp"] for r in analytic], [r["analytic_bytes"] / mib for r in analytic], "k--", label="Megatron analytic"
+    )
     left.set(xlabel="tp", ylabel="MiB sent per rank per layer step", title="Communication", xticks=list(TPS))
     right.set(xlabel="tp", ylabel="MiB saved for backward per rank", title="Activation memory", xticks=[1, *TPS])
     left.legend()

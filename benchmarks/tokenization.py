@@ -46,8 +46,9 @@ def train_bpe(docs: list[str], vocab: int, path: Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(docs, trainer)
     tok.save(str(path))
 
@@ -60,9 +61,16 @@ def measure(data: Path, tokenizer: str, vocab: int, workers: int, cache: Path) -
     meta = json.loads(prepare_tokens(cfg, workers=workers, progress=sys.stderr).read_text())
     wall = time.perf_counter() - start
     # The host is shared: the 1-minute load average at the end tells how contended the cores were.
-    return {"load_avg": round(os.getloadavg()[0], 1), "tokens": meta["num_tokens"], "documents": meta["num_documents"], "workers": workers,
-            "seconds": meta["build"]["seconds"], "wall_s": round(wall, 3), "tokens_per_s": meta["build"]["tokens_per_s"],
-            "sha256": meta["sha256"]}
+    return {
+        "load_avg": round(os.getloadavg()[0], 1),
+        "tokens": meta["num_tokens"],
+        "documents": meta["num_documents"],
+        "workers": workers,
+        "seconds": meta["build"]["seconds"],
+        "wall_s": round(wall, 3),
+        "tokens_per_s": meta["build"]["tokens_per_s"],
+        "sha256": meta["sha256"],
+    }
 
 
 def main() -> None:
@@ -80,15 +88,24 @@ def main() -> None:
         chars = sum(map(len, docs)) * args.copies
         parquet_mib = round(data.stat().st_size / 2**20, 1)
         train_bpe(docs, args.vocab, tmp / "tokenizer.json")
-        for name, spec, vocab in (("bytes", "bytes", 256), (f"BPE {args.vocab}", str(tmp / "tokenizer.json"), args.vocab)):
+        for name, spec, vocab in (
+            ("bytes", "bytes", 256),
+            (f"BPE {args.vocab}", str(tmp / "tokenizer.json"), args.vocab),
+        ):
             for workers in args.workers:
                 row = {"tokenizer": name, **measure(data, spec, vocab, workers, tmp / f"cache-{name}-{workers}")}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             # Same tokens whatever the worker count.
             assert len({r["sha256"] for r in rows if r["tokenizer"] == name}) == 1
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-               "chars": chars, "documents": len(docs) * args.copies, "parquet_mib": parquet_mib}
+    machine = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "chars": chars,
+        "documents": len(docs) * args.copies,
+        "parquet_mib": parquet_mib,
+    }
     results = HERE / "results"
     (results / "tokenization.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
     lines = [
@@ -101,13 +118,19 @@ def main() -> None:
         "| tokenizer | workers | tokens | build s | wall s | tokens/s | load avg (1 min) |",
         "|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {r['tokenizer']} | {r['workers']} | {r['tokens']:,} | {r['seconds']:.2f} | {r['wall_s']:.2f} | "
-              f"{r['tokens_per_s']:,} | {r['load_avg']} |" for r in rows]
-    lines += ["", "Each worker count wrote the identical token stream (same SHA-256). The byte tokenizer always "
-              "encodes in-process (its workers = 2 row measures the same path): shipping text to a worker costs "
-              "more than encoding it. With 1 worker the BPE runs in this process on the `tokenizers` thread pool "
-              "(all cores); with N workers each is single-threaded. The load average (runnable processes "
-              "sharing the cores) says how quiet the machine was: near 0 the figures are the machine's own."]
+    lines += [
+        f"| {r['tokenizer']} | {r['workers']} | {r['tokens']:,} | {r['seconds']:.2f} | {r['wall_s']:.2f} | "
+        f"{r['tokens_per_s']:,} | {r['load_avg']} |"
+        for r in rows
+    ]
+    lines += [
+        "",
+        "Each worker count wrote the identical token stream (same SHA-256). The byte tokenizer always "
+        "encodes in-process (its workers = 2 row measures the same path): shipping text to a worker costs "
+        "more than encoding it. With 1 worker the BPE runs in this process on the `tokenizers` thread pool "
+        "(all cores); with N workers each is single-threaded. The load average (runnable processes "
+        "sharing the cores) says how quiet the machine was: near 0 the figures are the machine's own.",
+    ]
     (results / "tokenization.md").write_text("\n".join(lines) + "\n")
 
 

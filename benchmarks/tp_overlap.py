@@ -41,8 +41,14 @@ from meshtron.testing import count_calls, run_checks
 TPS = (2, 4)
 BATCH, SEQ = 1, 1024
 CFG = dict(
-    vocab_size=512, hidden_size=768, intermediate_size=2048, num_hidden_layers=1, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=48, rope_theta=10000.0,
+    vocab_size=512,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=1,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=48,
+    rope_theta=10000.0,
 )
 WARMUP, REPEATS = 2, 7
 RESULTS = Path(__file__).parent / "results"
@@ -76,16 +82,23 @@ def _measure(tp: int, overlap: bool) -> dict:
     rope = model.rotary(torch.arange(SEQ).expand(BATCH, -1), x.dtype)
     shard_bytes = x.numel() * x.element_size()
     times = []
-    for i in range(WARMUP + REPEATS):
+    for _i in range(WARMUP + REPEATS):
         dist.barrier()
         with CommDebugMode() as comm, count_calls(dist, "batch_isend_irecv") as exchanges:
             start = time.perf_counter()
             block(x, rope).backward(grad)
             times.append(time.perf_counter() - start)
-    sent = sum(op.tensor.numel() * op.tensor.element_size() for ops, *_ in exchanges for op in ops if op.op is dist.isend)
-    return dict(tp=tp, overlap=overlap, seconds=statistics.median(times[WARMUP:]),
-                sent_bytes=sent + _collective_bytes(comm, shard_bytes, tp),
-                analytic_bytes=10 * (tp - 1) * shard_bytes, sends=len(exchanges))
+    sent = sum(
+        op.tensor.numel() * op.tensor.element_size() for ops, *_ in exchanges for op in ops if op.op is dist.isend
+    )
+    return dict(
+        tp=tp,
+        overlap=overlap,
+        seconds=statistics.median(times[WARMUP:]),
+        sent_bytes=sent + _collective_bytes(comm, shard_bytes, tp),
+        analytic_bytes=10 * (tp - 1) * shard_bytes,
+        sends=len(exchanges),
+    )
 
 
 def measure(tp: int, out_dir: str) -> None:
@@ -112,9 +125,11 @@ def _markdown(rows: list[dict]) -> str:
     for tp in TPS:
         plain, over = (r for r in rows if r["tp"] == tp)
         for r in (plain, over):
-            lines.append(f"| {tp} | {'overlapped rings' if r['overlap'] else 'all-gather / reduce-scatter'} "
-                         f"| {r['sends']} | {r['sent_bytes'] / mib:.2f} | {r['analytic_bytes'] / mib:.2f} "
-                         f"| {r['seconds'] * 1e3:.1f} | {r['seconds'] / plain['seconds']:.2f} |")
+            lines.append(
+                f"| {tp} | {'overlapped rings' if r['overlap'] else 'all-gather / reduce-scatter'} "
+                f"| {r['sends']} | {r['sent_bytes'] / mib:.2f} | {r['analytic_bytes'] / mib:.2f} "
+                f"| {r['seconds'] * 1e3:.1f} | {r['seconds'] / plain['seconds']:.2f} |"
+            )
     lines += [
         "",
         "Not a GPU figure. On this CPU gloo's sends are memory copies by threads that share the two cores with "

@@ -101,8 +101,14 @@ class CheckpointWriter:
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
         self._pending: tuple[Any, Path, Path, dict[str, Any]] | None = None
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: Config,
-             train_state: dict[str, Any]) -> None:
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cfg: Config,
+        train_state: dict[str, Any],
+    ) -> None:
         """Checkpoint ``step``; ``train_state`` must be JSON-serialisable (scheduler, data)."""
         self.wait()  # one save in flight at a time
         final = step_dir(self.root, step)
@@ -111,13 +117,19 @@ class CheckpointWriter:
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
             tmp.mkdir(parents=True)
         _barrier()
-        state = {"model": get_model_state_dict(model),
-                 "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM)}
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM),
+        }
         torch.save(_rng_state(), tmp / f"rank-{_rank()}.pt")
         marker = {"step": step, "config": dataclasses.asdict(cfg), "train_state": train_state}
         if self.async_save:
-            self._pending = (dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group), tmp, final,
-                             marker)
+            self._pending = (
+                dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group),
+                tmp,
+                final,
+                marker,
+            )
         else:
             dcp.save(state, checkpoint_id=str(tmp))
             self._commit(tmp, final, marker)
@@ -155,14 +167,16 @@ def _prune(root: Path, keep: int, committed: Path) -> None:
         return
     complete = (p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MARKER).is_file())
     others = sorted(p for p in complete if p != committed)
-    for old in others[:len(others) - (keep - 1)]:
+    for old in others[: len(others) - (keep - 1)]:
         shutil.rmtree(old)
 
 
 def read_marker(path: str | Path) -> dict[str, Any]:
     marker = Path(path) / MARKER
     if not marker.is_file():
-        raise CheckpointMismatch(f"{path} has no {MARKER}: it is incomplete (a save was interrupted); use an older step.")
+        raise CheckpointMismatch(
+            f"{path} has no {MARKER}: it is incomplete (a save was interrupted); use an older step."
+        )
     return json.loads(marker.read_text())
 
 

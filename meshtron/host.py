@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from meshtron.watch.syncs import Sync, record
 from meshtron.torch_private import fake_tensor_mode_class
+from meshtron.watch.syncs import Sync, record
 
 _fake_mode = None  # the dry run's FakeTensorMode, while one runs
 _routing = "balanced"  # the dry run's assumption of how the routers spread token copies
@@ -162,7 +162,20 @@ def even_split(total: int, peers: int) -> list[int]:
     return [total // peers + (i < total % peers) for i in range(peers)]
 
 
-__all__ = ["ROUTINGS", "TORCH_WAITS", "KeptReads", "across", "completed", "declared", "document_starts", "even_split", "fake_tensors", "simulated", "simulating", "split_sizes"]
+__all__ = [
+    "ROUTINGS",
+    "TORCH_WAITS",
+    "KeptReads",
+    "across",
+    "completed",
+    "declared",
+    "document_starts",
+    "even_split",
+    "fake_tensors",
+    "simulated",
+    "simulating",
+    "split_sizes",
+]
 
 
 def completed(work) -> bool:
@@ -171,4 +184,3 @@ def completed(work) -> bool:
     schedules post in the same slot: a dry run assumes it done by the next exchange (else it would hold
     every send of the step: 0.36 GiB more at the peak of a 32 micro-batch zbv stage of Qwen2.5-7B)."""
     return simulating() or work.is_completed()
-

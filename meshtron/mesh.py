@@ -40,8 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshtron import env
 from meshtron.config import Config, ConfigError
-from meshtron.watch.report import launch_store
 from meshtron.torch_private import concatenate_meshes, flatten_mesh, unflatten_mesh
+from meshtron.watch.report import launch_store
 
 DIMS = ("pp", "dp", "cp", "ep", "tp")
 
@@ -50,6 +50,7 @@ DERIVED = {
     "dp_ep": ("dp", "ep"),
     "dp_ep_cp": ("dp", "cp", "ep"),
 }
+
 
 def check_sizes(sizes: dict[str, int], world_size: int, where: str) -> None:
     for name, size in sizes.items():
@@ -126,8 +127,9 @@ def check_expert_split(sizes: dict[str, int], split: ExpertSplit, where: str) ->
     tp = sizes["tp"]
     if not isinstance(split.etp, int) or split.etp < 1 or tp % split.etp:
         valid = ", ".join(str(v) for v in range(1, tp + 1) if tp % v == 0)
-        raise ConfigError(f"{where}etp = {split.etp} must divide tp = {tp} (each expert is split over tp ranks); "
-                          f"valid etp: {valid}.")
+        raise ConfigError(
+            f"{where}etp = {split.etp} must divide tp = {tp} (each expert is split over tp ranks); valid etp: {valid}."
+        )
     stage = sizes["dp"] * sizes["cp"] * tp
     if split.fold and stage % (split.ep * split.etp):
         valid = ", ".join(str(v) for v in range(1, stage + 1) if stage % (v * split.etp) == 0)
@@ -239,6 +241,7 @@ def expert_hsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     edp = expert_data_mesh(mesh)
     shard = expert_hsdp_shards({d: mesh[d].size() for d in DIMS}, expert_split(mesh))
     return unflatten_mesh(edp, 0, (edp.size() // shard, shard), ("edp_replicate", "edp_shard"))
+
 
 def group_names(mesh: DeviceMesh) -> dict[tuple[int, ...], str]:
     """{global ranks of a group: the mesh dimension(s) it spans} for naming collectives in reports: every

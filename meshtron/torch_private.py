@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 import torch.distributed._functional_collectives as funcol
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
@@ -30,8 +30,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 __all__ = [
     # Composable APIs public in all but module name (torchtitan and torch's own tests use them).
-    "checkpoint", "replicate", "ReplicateModule", "funcol", "pytree", "TorchDispatchMode",
-    "is_traceable_wrapper_subclass", "compute_local_shape_and_global_offset",
+    "checkpoint",
+    "replicate",
+    "ReplicateModule",
+    "funcol",
+    "pytree",
+    "TorchDispatchMode",
+    "is_traceable_wrapper_subclass",
+    "compute_local_shape_and_global_offset",
 ]
 
 # --- Device meshes -------------------------------------------------------------------------------
@@ -198,8 +204,10 @@ def selective_checkpoint_contexts(policy: Callable) -> tuple[TorchDispatchMode, 
 def style_io(style) -> tuple[Callable, Callable]:
     """A Colwise / Rowwise ParallelStyle's input and output preparation bound to its layouts, for a
     subclass that distributes its parameters its own way (a transposed weight)."""
-    return (functools.partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
-            functools.partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
+    return (
+        functools.partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        functools.partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+    )
 
 
 # --- Private ops ---------------------------------------------------------------------------------
@@ -219,8 +227,9 @@ PIN_MEMORY = aten._pin_memory.default  # Tensor.pin_memory(); the fake CUDA run 
 # The attention kernels SDPA dispatches to (their FLOP formulas count the whole square, causal or not).
 _ATTENTION_KERNEL_NAMES = ("flash_attention", "flash_attention_for_cpu", "efficient_attention", "cudnn_attention")
 ATTENTION_FORWARD_KERNELS = {getattr(aten, f"_scaled_dot_product_{kernel}") for kernel in _ATTENTION_KERNEL_NAMES}
-ATTENTION_KERNELS = ATTENTION_FORWARD_KERNELS | {getattr(aten, f"_scaled_dot_product_{kernel}_backward")
-                                                 for kernel in _ATTENTION_KERNEL_NAMES}
+ATTENTION_KERNELS = ATTENTION_FORWARD_KERNELS | {
+    getattr(aten, f"_scaled_dot_product_{kernel}_backward") for kernel in _ATTENTION_KERNEL_NAMES
+}
 
 
 def scaled_grouped_mm(*args, **kwargs) -> torch.Tensor:
@@ -317,8 +326,21 @@ def float8_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 def float8_from_parts(like: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float8 cast of ``data`` (``uint8`` bytes, as :func:`float8_parts` gives) and ``scale``, cast as ``like``."""
     if _mx_tensor(like):
-        return type(like)(data.contiguous().view(like.qdata.dtype), scale.contiguous().view(like.scale.dtype),
-                          like.elem_dtype, like.block_size, like.orig_dtype, like.kernel_preference,
-                          like.act_quant_kwargs, like.is_swizzled_scales)
-    return type(like)(data.view(like._data.dtype), scale, like._orig_dtype, like._linear_mm_config,
-                      like._gemm_input_role, like._axiswise_dim)
+        return type(like)(
+            data.contiguous().view(like.qdata.dtype),
+            scale.contiguous().view(like.scale.dtype),
+            like.elem_dtype,
+            like.block_size,
+            like.orig_dtype,
+            like.kernel_preference,
+            like.act_quant_kwargs,
+            like.is_swizzled_scales,
+        )
+    return type(like)(
+        data.view(like._data.dtype),
+        scale,
+        like._orig_dtype,
+        like._linear_mm_config,
+        like._gemm_input_role,
+        like._axiswise_dim,
+    )

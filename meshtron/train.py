@@ -28,7 +28,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshtron import env
-from meshtron.watch import collective_log
 from meshtron.checkpoint import (
     CheckpointMismatch,
     CheckpointWriter,
@@ -38,20 +37,21 @@ from meshtron.checkpoint import (
     read_marker,
 )
 from meshtron.config import Config, ConfigError, config_to_dict, infer_dp, load_config, model_differences
+from meshtron.data import SourceSpec, to_device
+from meshtron.faults import inject_fault, install_stall, slow_down
 from meshtron.hf import CheckpointError
 from meshtron.hf.runner import build_runner, export_hf, fp8_start_note, with_hf_model
 from meshtron.host import ROUTINGS
-from meshtron.torch_private import default_store
-from meshtron.data import SourceSpec, to_device
-from meshtron.faults import inject_fault, install_stall, slow_down
 from meshtron.mesh import batch_mesh, exit_process, group_names, init_default_group, recipe_mesh
-from meshtron.parallel.layout import validate_layout
-from meshtron.watch.metrics import MetricsLogger, StepProfiler, peak_flops_per_device
 from meshtron.models import flops_per_token
 from meshtron.models.moe import MoE
 from meshtron.optim import build_optimizer, lr_at, set_lr
+from meshtron.parallel.layout import validate_layout
 from meshtron.parallel.step import training_step
 from meshtron.plan.fit import check_memory
+from meshtron.torch_private import default_store
+from meshtron.watch import collective_log
+from meshtron.watch.metrics import MetricsLogger, StepProfiler, peak_flops_per_device
 from meshtron.watch.report import record_cause, report_consequence, report_once
 from meshtron.watch.watchdog import Watchdog
 
@@ -59,14 +59,28 @@ from meshtron.watch.watchdog import Watchdog
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m meshtron.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", required=True, help="TOML recipe (see recipes/)")
-    parser.add_argument("--dry-run", type=int, metavar="N", default=0,
-                        help="simulate one step of an N-rank run in this process on fake tensors (meshtron.dryrun)")
+    parser.add_argument(
+        "--dry-run",
+        type=int,
+        metavar="N",
+        default=0,
+        help="simulate one step of an N-rank run in this process on fake tensors (meshtron.dryrun)",
+    )
     parser.add_argument("--json", action="store_true", help="--dry-run: print the report as JSON")
-    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
-                        help="--dry-run: memory per device the layout must fit (default: the recipe's # Hardware line)")
-    parser.add_argument("--dry-run-routing", choices=ROUTINGS, default="balanced",
-                        help="--dry-run: MoE routing assumed; skewed sends every rank's token copies to the "
-                             "first ep rank (the traced one), the most it can receive")
+    parser.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="--dry-run: memory per device the layout must fit (default: the recipe's # Hardware line)",
+    )
+    parser.add_argument(
+        "--dry-run-routing",
+        choices=ROUTINGS,
+        default="balanced",
+        help="--dry-run: MoE routing assumed; skewed sends every rank's token copies to the "
+        "first ep rank (the traced one), the most it can receive",
+    )
     args, overrides = parser.parse_known_args(argv)
     return args, overrides
 
@@ -89,8 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         from meshtron.dryrun import main as dry_run_main
 
-        return dry_run_main(recipe, overrides, world_size=args.dry_run, as_json=args.json,
-                            gpu_memory_gib=args.gpu_memory, routing=args.dry_run_routing)
+        return dry_run_main(
+            recipe,
+            overrides,
+            world_size=args.dry_run,
+            as_json=args.json,
+            gpu_memory_gib=args.gpu_memory,
+            routing=args.dry_run_routing,
+        )
     inject_fault(int(os.environ.get("RANK", "0")), 0)
     try:
         cfg = with_hf_model(infer_dp(load_config(recipe, overrides), _world_size()))
@@ -165,8 +185,10 @@ def preflight(cfg: Config) -> None:
     from meshtron.data import check_vocab, data_sources, load_tokenizer, source_files
 
     if cfg.train.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("[train] tensorboard = true needs the tensorboard package: pip install tensorboard "
-                          "(or meshtron[tensorboard]), or set tensorboard = false.")
+        raise ConfigError(
+            "[train] tensorboard = true needs the tensorboard package: pip install tensorboard "
+            "(or meshtron[tensorboard]), or set tensorboard = false."
+        )
     for spec in data_sources(cfg.data):
         source_files(spec.path)
     if cfg.data.eval_source:
@@ -197,10 +219,12 @@ def check_same_config(cfg: Config) -> None:
         ranks.setdefault(digest, []).append(rank)
     if len(ranks) > 1:
         groups = "; ".join(f"ranks {r} have config {d}" for d, r in ranks.items())
-        raise _on_every_rank(ConfigError(
-            f"the ranks were launched with different configs ({groups}). Give every rank the same "
-            "recipe file contents and the same --section.key overrides."
-        ))
+        raise _on_every_rank(
+            ConfigError(
+                f"the ranks were launched with different configs ({groups}). Give every rank the same "
+                "recipe file contents and the same --section.key overrides."
+            )
+        )
 
 
 def _write_pid_file(cfg: Config) -> None:
@@ -230,8 +254,9 @@ class Trainer:
             print(note, flush=True)
         self.optimizer = build_optimizer(self.runner.module, cfg.train)
         self.start_step = self._restore()
-        self.logger = MetricsLogger(cfg.train.output_dir, cfg.train.steps, self.rank == 0, self.start_step,
-                                    cfg.train.tensorboard)
+        self.logger = MetricsLogger(
+            cfg.train.output_dir, cfg.train.steps, self.rank == 0, self.start_step, cfg.train.tensorboard
+        )
         self.profiler = StepProfiler(cfg.train.profile_steps, cfg.train.output_dir, self.rank)
         self.peak_flops = peak_flops_per_device(cfg.train.dtype)
         self.checkpoints = CheckpointWriter(checkpoint_root(cfg), cfg.checkpoint.keep, cfg.checkpoint.async_save)
@@ -267,8 +292,9 @@ class Trainer:
                 self._run_step(step)
                 watchdog.step_finished()  # a checkpoint save may take longer than steps: not timed
                 if self._checkpoint_due(step + 1):
-                    self.checkpoints.save(step + 1, self.runner.module, self.optimizer, self.cfg,
-                                          {"data": self.dataset.state_dict()})
+                    self.checkpoints.save(
+                        step + 1, self.runner.module, self.optimizer, self.cfg, {"data": self.dataset.state_dict()}
+                    )
         self.checkpoints.wait()
         if self.cfg.checkpoint.export_hf:
             export_hf(self.runner, self.cfg, self.cfg.checkpoint.export_hf)
@@ -276,8 +302,15 @@ class Trainer:
 
     def _watchdog(self) -> Watchdog:
         t = self.cfg.train
-        return Watchdog(default_store(), self.rank, dist.get_world_size(),
-                        t.output_dir, t.hang_timeout_s, t.collective_timeout_s, group_names(self.mesh))
+        return Watchdog(
+            default_store(),
+            self.rank,
+            dist.get_world_size(),
+            t.output_dir,
+            t.hang_timeout_s,
+            t.collective_timeout_s,
+            group_names(self.mesh),
+        )
 
     def _run_step(self, step: int) -> None:
         t = self.cfg.train
@@ -302,8 +335,12 @@ class Trainer:
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         seconds = torch.cat(every).tolist()
-        return {"slowest_rank": max(range(len(seconds)), key=seconds.__getitem__),
-                "rank_time_max": max(seconds), "rank_time_median": statistics.median(seconds)}
+        return {
+            "slowest_rank": max(range(len(seconds)), key=seconds.__getitem__),
+            "rank_time_max": max(seconds),
+            "rank_time_median": statistics.median(seconds),
+        }
+
     def _eval_due(self, step: int) -> bool:
         """Every ``eval_every`` steps and after the final step, when there is held-out data."""
         every = self.cfg.train.eval_every
@@ -338,8 +375,10 @@ class Trainer:
             return {}
         layers = {name: stats for part in gathered for name, stats in part.items()}
         order = sorted(layers, key=_layer_order)
-        return {"moe_load": {n: layers[n][0] for n in order},
-                "moe_dropped": {n: layers[n][1] for n in order if layers[n][1] is not None}}
+        return {
+            "moe_load": {n: layers[n][0] for n in order},
+            "moe_dropped": {n: layers[n][1] for n in order if layers[n][1] is not None},
+        }
 
     def _checkpoint_due(self, step: int) -> bool:
         """Every ``every`` steps, and the final step whenever checkpointing is on."""
@@ -381,8 +420,11 @@ class Trainer:
         if not finite:
             record["skipped"] = True
         if self.peak_flops:
-            record["mfu"] = flops_per_token(self.cfg.model, t.seq_len) * tokens / elapsed / (
-                self.peak_flops * dist.get_world_size()
+            record["mfu"] = (
+                flops_per_token(self.cfg.model, t.seq_len)
+                * tokens
+                / elapsed
+                / (self.peak_flops * dist.get_world_size())
             )
             record["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return record
@@ -394,9 +436,12 @@ class Trainer:
             f"first non-finite gradient: {where}" if where else "every gradient is finite (the loss is not)"
         )
         if self.cfg.train.on_nonfinite == "stop":
-            raise _on_every_rank(NonFiniteError(
-                f"{what}. Lower [train] lr, check the data, or set [train] on_nonfinite = \"skip\" to skip such steps."
-            ))
+            raise _on_every_rank(
+                NonFiniteError(
+                    f'{what}. Lower [train] lr, check the data, or set [train] on_nonfinite = "skip" to skip such '
+                    "steps."
+                )
+            )
         self.optimizer.zero_grad(set_to_none=True)  # the update itself was skipped on the device
         if self.rank == 0:
             print(f"meshtron: skipped the update of {what}", file=sys.stderr, flush=True)
@@ -464,8 +509,12 @@ def _first_nonfinite_grad(module: torch.nn.Module) -> str | None:
 
 
 def _check_hf_matches(hf_cfg, cfg: Config, folder: str) -> None:
-    details = model_differences(cfg.model, dataclasses.asdict(hf_cfg), "config.json",
-                                ignore=("router_aux_loss_coef", "initializer_range", "max_position_embeddings"))
+    details = model_differences(
+        cfg.model,
+        dataclasses.asdict(hf_cfg),
+        "config.json",
+        ignore=("router_aux_loss_coef", "initializer_range", "max_position_embeddings"),
+    )
     if details:
         raise ConfigError(f"checkpoint.init_from_hf = '{folder}' does not match [model] ({details}).")
 

@@ -45,8 +45,10 @@ def _validate_fp8(cfg: Config, source: str) -> None:
     _require_choice(source, "[train] fp8", fp8, FP8_RECIPES)
     if fp8 == "none":
         return
-    _require(importlib.util.find_spec("torchao") is not None,
-             f"{source}: [train] fp8 = '{fp8}' needs torchao: pip install 'meshtron[fp8]'.")
+    _require(
+        importlib.util.find_spec("torchao") is not None,
+        f"{source}: [train] fp8 = '{fp8}' needs torchao: pip install 'meshtron[fp8]'.",
+    )
 
 
 def _validate_data_parallel(p: ParallelConfig, source: str) -> None:
@@ -58,25 +60,36 @@ def _validate_data_parallel(p: ParallelConfig, source: str) -> None:
         f"{source}: [parallel] ac_every must be >= 1 (checkpoint every N-th block), got {p.ac_every}.",
     )
     _require_choice(source, "[parallel] ac_policy", p.ac_policy, AC_POLICIES)
-    _require(not (p.compile and p.activation_checkpointing == "op"),
-             f"{source}: [parallel] activation_checkpointing = 'op' does not compose with compile = true yet (a "
-             "compiled block's recomputation runs its whole graph again, keeping the op outputs as well); use "
-             "activation_checkpointing = 'full' or compile = false.")
+    _require(
+        not (p.compile and p.activation_checkpointing == "op"),
+        f"{source}: [parallel] activation_checkpointing = 'op' does not compose with compile = true yet (a "
+        "compiled block's recomputation runs its whole graph again, keeping the op outputs as well); use "
+        "activation_checkpointing = 'full' or compile = false.",
+    )
 
 
 def _validate_ac_parts(cfg: Config, source: str) -> None:
     p, where = cfg.parallel, f"{source}: [parallel] ac_parts"
     if p.ac_policy != "parts":
-        _require(not p.ac_parts, f"{where} = {p.ac_parts} is read with ac_policy = 'parts' only (got "
-                                 f"'{p.ac_policy}'); set ac_policy = 'parts' or ac_parts = [].")
+        _require(
+            not p.ac_parts,
+            f"{where} = {p.ac_parts} is read with ac_policy = 'parts' only (got "
+            f"'{p.ac_policy}'); set ac_policy = 'parts' or ac_parts = [].",
+        )
         return
-    _require(bool(p.ac_parts), f"{where} is empty: ac_policy = 'parts' recomputes the parts it names; name "
-                               f"some of {', '.join(AC_PARTS)} or use ac_policy = 'save_matmuls'.")
+    _require(
+        bool(p.ac_parts),
+        f"{where} is empty: ac_policy = 'parts' recomputes the parts it names; name "
+        f"some of {', '.join(AC_PARTS)} or use ac_policy = 'save_matmuls'.",
+    )
     for part in p.ac_parts:
         _require_choice(source, "[parallel] ac_parts entry", part, AC_PARTS)
     _require(len(set(p.ac_parts)) == len(p.ac_parts), f"{where} = {p.ac_parts} names a part twice.")
-    _require(not cfg.model.hf_model, f"{source}: [parallel] ac_policy = 'parts' is built for meshtron's own "
-                                     "models; [model] hf_model trains without it (ac_policy = 'save_matmuls').")
+    _require(
+        not cfg.model.hf_model,
+        f"{source}: [parallel] ac_policy = 'parts' is built for meshtron's own "
+        "models; [model] hf_model trains without it (ac_policy = 'save_matmuls').",
+    )
 
 
 def _validate_offload(cfg: Config, source: str) -> None:
@@ -84,16 +97,22 @@ def _validate_offload(cfg: Config, source: str) -> None:
     p, where = cfg.parallel, f"{source}: [parallel]"
     _require_choice(source, "[parallel] offload", p.offload, OFFLOADS)
     if p.offload != "none":
-        _require(p.data_parallel in ("fsdp", "hsdp"),
-                 f"{where} offload = '{p.offload}' keeps FSDP's parameter shards in host memory: it needs "
-                 f"data_parallel = 'fsdp' or 'hsdp', got '{p.data_parallel}'.")
-    _require(not p.offload_activations or p.activation_checkpointing != "full",
-             f"{where} offload_activations = true offloads the blocks activation checkpointing does not recompute, "
-             "and activation_checkpointing = 'full' recomputes every block: nothing would move. Use "
-             "activation_checkpointing = 'none' or 'selective', or offload_activations = false.")
-    _require(not (p.offload_activations and p.compile),
-             f"{where} offload_activations = true hooks each block's saved tensors, which compile = true would trace "
-             "into the compiled graph; set one of them false.")
+        _require(
+            p.data_parallel in ("fsdp", "hsdp"),
+            f"{where} offload = '{p.offload}' keeps FSDP's parameter shards in host memory: it needs "
+            f"data_parallel = 'fsdp' or 'hsdp', got '{p.data_parallel}'.",
+        )
+    _require(
+        not p.offload_activations or p.activation_checkpointing != "full",
+        f"{where} offload_activations = true offloads the blocks activation checkpointing does not recompute, "
+        "and activation_checkpointing = 'full' recomputes every block: nothing would move. Use "
+        "activation_checkpointing = 'none' or 'selective', or offload_activations = false.",
+    )
+    _require(
+        not (p.offload_activations and p.compile),
+        f"{where} offload_activations = true hooks each block's saved tensors, which compile = true would trace "
+        "into the compiled graph; set one of them false.",
+    )
 
 
 def _check_numbers(section: str, obj: Any, source: str) -> None:
@@ -108,8 +127,14 @@ def _check_numbers(section: str, obj: Any, source: str) -> None:
 
 def _validate_model(m: ModelConfig, source: str) -> None:
     where = f"{source}: [model]"
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "max_position_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "max_position_embeddings",
+    ):
         _require(getattr(m, key) > 0, f"{where} {key} must be positive, got {getattr(m, key)}.")
     for key in ("rope_theta", "rms_norm_eps", "initializer_range"):
         _require(getattr(m, key) > 0, f"{where} {key} must be > 0, got {getattr(m, key)}.")
@@ -151,9 +176,7 @@ def _validate_layout(cfg: Config, source: str) -> None:
     for key in ("pp", "cp", "ep", "tp", "virtual_stages"):
         _require(getattr(p, key) >= 1, f"{where} {key} must be >= 1, got {getattr(p, key)}.")
     _require_choice(source, "[parallel] schedule", p.schedule, SCHEDULES)
-    _require(
-        p.virtual_stages == 1 or p.schedule in VIRTUAL, f"{where} {needs_virtual_schedule(p.virtual_stages)}."
-    )
+    _require(p.virtual_stages == 1 or p.schedule in VIRTUAL, f"{where} {needs_virtual_schedule(p.virtual_stages)}.")
     _require(
         p.virtual_stages == 2 or p.schedule not in V_SHAPED,
         f"{where} schedule = '{p.schedule}' {needs_two_virtual_stages(p.virtual_stages)}.",
@@ -180,8 +203,9 @@ def expert_keys_without_experts(p: ParallelConfig) -> str | None:
     for key, used in (("ep", p.ep > 1), ("etp", p.etp > 1), ("fold_ep", p.fold_ep)):
         if used:
             value = str(getattr(p, key)).lower()
-            return (f"{key} = {value} needs an MoE model (num_experts > 0); "
-                    + ("use dp instead." if key == "ep" else f"remove {key}."))
+            return f"{key} = {value} needs an MoE model (num_experts > 0); " + (
+                "use dp instead." if key == "ep" else f"remove {key}."
+            )
     return None
 
 
@@ -194,10 +218,15 @@ def _validate_mixture(d: DataConfig, source: str) -> None:
     for i, entry in enumerate(d.sources):
         where = f"{source}: [data] sources[{i}]"
         for key in entry:
-            _require(key in MIXTURE_KEYS, f"{where} has unknown key '{key}'; valid keys: "
-                     f"{', '.join(MIXTURE_KEYS)}." + _closest(key, MIXTURE_KEYS))
-        _require(isinstance(entry.get("path"), str) and entry["path"] != "",
-                 f"{where} needs a path (a string), e.g. {{path = \"data/web\", weight = 0.7}}.")
+            _require(
+                key in MIXTURE_KEYS,
+                f"{where} has unknown key '{key}'; valid keys: "
+                f"{', '.join(MIXTURE_KEYS)}." + _closest(key, MIXTURE_KEYS),
+            )
+        _require(
+            isinstance(entry.get("path"), str) and entry["path"] != "",
+            f'{where} needs a path (a string), e.g. {{path = "data/web", weight = 0.7}}.',
+        )
         weight = entry.get("weight")
         _require(
             isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight) and weight > 0,

@@ -13,7 +13,13 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev")  # buil
 V_SHAPED = ("zbv", "dualpipev")  # two chunks per rank, placed down the ranks and back up
 VIRTUAL = ("interleaved",) + V_SHAPED  # the schedules that run more than one virtual stage per rank
 DTYPES = ("float32", "bfloat16")
-FP8_RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")  # torchao's names; meshtron/parallel/float8.py
+FP8_RECIPES = (
+    "none",
+    "tensorwise",
+    "rowwise",
+    "rowwise_with_gw_hp",
+    "mxfp8",
+)  # torchao's names; meshtron/parallel/float8.py
 DATA_PARALLEL_MODES = ("fsdp", "hsdp", "replicate")
 FSDP_GATHERS = ("per_microbatch", "per_step")  # how often FSDP gathers a unit under accumulation
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "op")

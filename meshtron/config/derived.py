@@ -26,7 +26,8 @@ def infer_dp(cfg: Config, world_size: int) -> Config:
         world_size % others == 0,
         f"[parallel] dp = 0 infers dp as the world size / (pp x cp x ep x tp), but the world size {world_size} is "
         f"not a multiple of pp x cp x ep x tp = {p.pp} x {p.cp} x {p.mesh_ep} x {p.tp} = {others}"
-        + (" (folded ep counts 1)" if p.fold_ep else "") + f". Launch a multiple "
+        + (" (folded ep counts 1)" if p.fold_ep else "")
+        + f". Launch a multiple "
         f"of {others} ranks, or set [parallel] dp explicitly.",
     )
     return infer_microbatches(dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=world_size // others)))

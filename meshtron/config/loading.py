@@ -28,7 +28,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     """Check ``value`` against a field's resolved type; ints are accepted where floats are expected."""
     origin = typing.get_origin(hint)
-    if origin in (list, typing.List):
+    if origin is list:  # typing.get_origin gives list for list[X] and typing.List[X] alike
         (item,) = typing.get_args(hint)
         if not isinstance(value, list):
             raise ConfigError(f"{where} must be a list of {item.__name__}, got {value!r}.")
@@ -61,8 +61,7 @@ def _section_from_dict(name: str, raw: Any, source: str) -> Any:
     for key, value in raw.items():
         if key not in fields:
             raise ConfigError(
-                f"{source}: unknown key '{key}' in [{name}].{_closest(key, fields)} "
-                f"Valid keys: {', '.join(fields)}."
+                f"{source}: unknown key '{key}' in [{name}].{_closest(key, fields)} Valid keys: {', '.join(fields)}."
             )
         values[key] = _coerce(value, hints[key], f"{source}: [{name}] {key}")
     return cls(**values)

@@ -70,13 +70,17 @@ def render() -> str:
     ]
     for section, cls in SECTION_TYPES.items():
         lines += ["", f"## `[{section}]`", "", _doc(cls), "", "| key | type | default | meaning |", "|---|---|---|---|"]
-        lines += [f"| `{key}` | {type_} | `{default}` | {meaning} |" for key, type_, default, meaning in section_rows(section)]
+        lines += [
+            f"| `{key}` | {type_} | `{default}` | {meaning} |" for key, type_, default, meaning in section_rows(section)
+        ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m meshtron.config.reference", description=__doc__.split("\n")[0])
-    parser.add_argument("--write", action="store_true", help=f"rewrite {PAGE.parent.name}/{PAGE.name} instead of printing")
+    parser.add_argument(
+        "--write", action="store_true", help=f"rewrite {PAGE.parent.name}/{PAGE.name} instead of printing"
+    )
     args = parser.parse_args(argv)
     if args.write:
         PAGE.write_text(render(), encoding="utf-8")

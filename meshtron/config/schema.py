@@ -67,8 +67,7 @@ class ModelConfig:
     mlp_only_layers: list[int] = recipe_key([], "layer indices that keep a dense MLP in an MoE model")
     router_aux_loss_coef: float = recipe_key(
         0.001,
-        "weight of the load-balancing auxiliary loss (Switch, per MoE layer, averaged over layers and "
-        "micro-batches)",
+        "weight of the load-balancing auxiliary loss (Switch, per MoE layer, averaged over layers and micro-batches)",
     )
     router_z_loss_coef: float = recipe_key(
         0.0,
@@ -103,11 +102,7 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Qwen2-MoE's rule: sparse every ``decoder_sparse_step`` layers unless listed as MLP-only."""
-        return (
-            self.is_moe
-            and layer not in self.mlp_only_layers
-            and (layer + 1) % self.decoder_sparse_step == 0
-        )
+        return self.is_moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
 
 def model_differences(ours: ModelConfig, theirs: dict[str, Any], source: str, ignore: tuple[str, ...]) -> str:
@@ -170,9 +165,7 @@ class ParallelConfig:
         "1f1b",
         "pipeline schedule: `gpipe`, `1f1b`, `interleaved`, or zero-bubble `zb1p`, `zbv`, `dualpipev`",
     )
-    virtual_stages: int = recipe_key(
-        1, "model chunks per pipeline rank (`interleaved`; `zbv` and `dualpipev` need 2)"
-    )
+    virtual_stages: int = recipe_key(1, "model chunks per pipeline rank (`interleaved`; `zbv` and `dualpipev` need 2)")
     microbatches: int = recipe_key(
         1,
         "microbatches per step on each data-parallel rank; 0: the fewest that divide the per-rank batch and "
@@ -199,7 +192,7 @@ class ParallelConfig:
     )
     ac_parts: list[str] = recipe_key(
         [],
-        "with `ac_policy = \"parts\"`: the parts of each block recomputed whole, of `core_attn` (the attention "
+        'with `ac_policy = "parts"`: the parts of each block recomputed whole, of `core_attn` (the attention '
         "kernel), `mlp` (the dense MLPs' and the shared expert's matmuls), `moe_experts` (the routed experts' "
         "grouped matmuls); norms, RoPE and SwiGLU's activation are recomputed under every `op` policy",
     )
@@ -257,7 +250,8 @@ class TrainConfig:
     fp8: str = recipe_key(
         "none",
         "FP8 GEMMs in the blocks' attention and MLP linears and routed experts (torchao, the `meshtron[fp8]` "
-        "extra): `none`, `tensorwise`, `rowwise`, `rowwise_with_gw_hp` or `mxfp8`; parameters, embedding, LM head, router "
+        "extra): `none`, `tensorwise`, `rowwise`, `rowwise_with_gw_hp` or `mxfp8`; parameters, embedding, LM head, "
+        "router "
         "and norms stay in `dtype` (see [FP8](fp8.md))",
     )
     global_batch_size: int = recipe_key(8, "sequences per step over all ranks; divisible by dp × ep × microbatches")
@@ -351,18 +345,14 @@ class DataConfig:
         "`text` (pretraining: every token is a label), `prompt_response` or `chat` (SFT: only response tokens "
         "are labels, prompt labels are -100), see [Data](data.md)",
     )
-    prompt_key: str = recipe_key("prompt", "`format = \"prompt_response\"`: the field / column holding the prompt")
-    response_key: str = recipe_key(
-        "response", "`format = \"prompt_response\"`: the field / column holding the response"
-    )
+    prompt_key: str = recipe_key("prompt", '`format = "prompt_response"`: the field / column holding the prompt')
+    response_key: str = recipe_key("response", '`format = "prompt_response"`: the field / column holding the response')
     messages_key: str = recipe_key(
         "messages",
-        "`format = \"chat\"`: the field / column holding `[{role, content}, ...]`, rendered with the "
+        '`format = "chat"`: the field / column holding `[{role, content}, ...]`, rendered with the '
         "tokenizer's chat template",
     )
-    eval_source: str = recipe_key(
-        "", "held-out data for evaluation (any kind `source` accepts); empty: no evaluation"
-    )
+    eval_source: str = recipe_key("", "held-out data for evaluation (any kind `source` accepts); empty: no evaluation")
     document_mask: bool = recipe_key(
         False,
         "mask the packed documents of a window apart: positions restart at 0 after every end-of-document token "
@@ -378,9 +368,7 @@ class CheckpointConfig:
     """Checkpoints (DCP: any layout resumes any other) and HuggingFace import and export."""
 
     dir: str = recipe_key("", "checkpoint folder; empty means `<train.output_dir>/checkpoints`")
-    every: int = recipe_key(
-        0, "steps between checkpoints; 0 disables them. When on, the final step is always saved"
-    )
+    every: int = recipe_key(0, "steps between checkpoints; 0 disables them. When on, the final step is always saved")
     keep: int = recipe_key(
         0,
         "keep only the newest N complete checkpoints (older ones are deleted after each new one is complete, "

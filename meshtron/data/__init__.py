@@ -20,7 +20,22 @@ from meshtron.data.sources import BUILTIN_PATH, DOC_SEPARATOR, DataError, Source
 from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer, check_vocab, load_tokenizer
 
 __all__ = [
-    "BUILTIN_PATH", "DOC_SEPARATOR", "ByteTokenizer", "DataError", "DeviceLoader", "HFTokenizer",
-    "PackedTokens", "SourceSpec", "TokenDataset", "check_vocab", "data_sources", "default_cache_dir",
-    "load_tokenizer", "mixture_assign", "open_tokens", "prepare_tokens", "source_files", "to_device",
+    "BUILTIN_PATH",
+    "DOC_SEPARATOR",
+    "ByteTokenizer",
+    "DataError",
+    "DeviceLoader",
+    "HFTokenizer",
+    "PackedTokens",
+    "SourceSpec",
+    "TokenDataset",
+    "check_vocab",
+    "data_sources",
+    "default_cache_dir",
+    "load_tokenizer",
+    "mixture_assign",
+    "open_tokens",
+    "prepare_tokens",
+    "source_files",
+    "to_device",
 ]

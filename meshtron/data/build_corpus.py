@@ -28,9 +28,23 @@ OUTPUT = Path(__file__).with_name("stdlib_docs.txt.gz")
 
 # Modules that act on import (open a browser, print, start a GUI) or are test suites and tools.
 _SKIP = {
-    "antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "test", "lib2to3",
-    "ensurepip", "pydoc_data", "venv", "__main__", "xxsubtype", "xxlimited", "sre_compile",
-    "sre_constants", "sre_parse",
+    "antigravity",
+    "this",
+    "idlelib",
+    "tkinter",
+    "turtle",
+    "turtledemo",
+    "test",
+    "lib2to3",
+    "ensurepip",
+    "pydoc_data",
+    "venv",
+    "__main__",
+    "xxsubtype",
+    "xxlimited",
+    "sre_compile",
+    "sre_constants",
+    "sre_parse",
 }
 
 
@@ -46,8 +60,9 @@ def _module_names() -> list[str]:
             continue
         names.add(top)
         module = _quiet_import(top)
-        for info in pkgutil.walk_packages(getattr(module, "__path__", []), prefix=top + ".",
-                                          onerror=lambda _name: None):
+        for info in pkgutil.walk_packages(
+            getattr(module, "__path__", []), prefix=top + ".", onerror=lambda _name: None
+        ):
             parts = info.name.split(".")
             if _public(info.name) and not any(p in _SKIP or p.startswith("test") for p in parts):
                 names.add(info.name)
@@ -146,5 +161,7 @@ def build(output: Path = OUTPUT) -> tuple[int, int]:
 
 if __name__ == "__main__":
     count, size = build()
-    print(f"wrote {OUTPUT}: {count} documents, {size} bytes of text, "
-          f"{OUTPUT.stat().st_size} bytes compressed (Python {sys.version.split()[0]})")
+    print(
+        f"wrote {OUTPUT}: {count} documents, {size} bytes of text, "
+        f"{OUTPUT.stat().st_size} bytes compressed (Python {sys.version.split()[0]})"
+    )

@@ -39,8 +39,8 @@ from typing import TextIO
 import torch
 
 from meshtron.config import Config
-from meshtron.data.sources import DataError, SourceSpec, data_sources, file_stamp, iter_pieces, source_files
 from meshtron.data.sft import CHAT, PROMPT_RESPONSE, ChatTemplate, example_pieces
+from meshtron.data.sources import DataError, SourceSpec, data_sources, file_stamp, iter_pieces, source_files
 from meshtron.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, check_vocab, load_tokenizer
 
 FORMAT = 1
@@ -99,7 +99,9 @@ class _Plan:
 
 def _chat_template(tokenizer: Tokenizer) -> ChatTemplate:
     if not isinstance(tokenizer, HFTokenizer):
-        raise DataError("[data] format = 'chat' needs a tokenizer.json with a chat template; the byte tokenizer has none.")
+        raise DataError(
+            "[data] format = 'chat' needs a tokenizer.json with a chat template; the byte tokenizer has none."
+        )
     return ChatTemplate(tokenizer.file)
 
 
@@ -284,7 +286,7 @@ def _build(cfg: Config, plan: _Plan, workers: int, stream: TextIO | None) -> Non
     tmp = plan.bin.with_name(f".{plan.bin.name}.{uuid.uuid4().hex}")
     tmp_mask = plan.mask.with_name(f".{plan.mask.name}.{uuid.uuid4().hex}")
     try:
-        with open(tmp, "wb") as out, (open(tmp_mask, "wb") if plan.masked else contextlib.nullcontext()) as mask_out:
+        with open(tmp, "wb") as out, open(tmp_mask, "wb") if plan.masked else contextlib.nullcontext() as mask_out:
             writer = _TokenWriter(out, mask_out, plan.tokenizer.eos_id, typecode)
             for encoded, ends, counted, files_done in _encoded(plan, typecode, workers):
                 writer.write(encoded, ends, counted)
@@ -303,8 +305,11 @@ def _build(cfg: Config, plan: _Plan, workers: int, stream: TextIO | None) -> Non
             "num_documents": writer.num_documents,
             "masked": plan.masked,
             "sha256": writer.digest.hexdigest(),
-            "build": {"workers": 1 if isinstance(plan.tokenizer, ByteTokenizer) else workers, "seconds": round(time.perf_counter() - progress.start, 3),
-                      "tokens_per_s": round(rate)},
+            "build": {
+                "workers": 1 if isinstance(plan.tokenizer, ByteTokenizer) else workers,
+                "seconds": round(time.perf_counter() - progress.start, 3),
+                "tokens_per_s": round(rate),
+            },
         }
         if writer.num_tokens == 0:
             raise DataError(f"[data] source '{plan.source}' holds no text; point it at a non-empty dataset.")
@@ -378,6 +383,7 @@ class PackedTokens:
     def counted(self, ids: torch.Tensor) -> torch.Tensor | None:
         """Which tokens of windows ``ids`` count as labels (bool, same shape); None: all of them."""
         return None if self._mask_rows is None else self._mask_rows.index_select(0, ids)
+
 
 def pack_documents(inputs: torch.Tensor, labels: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(labels, position_ids)`` of windows ``[B, S]`` whose documents are masked apart.

@@ -22,8 +22,9 @@ from meshtron.data.sources import data_sources
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m meshtron.data.prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", required=True, help="TOML recipe whose [data] to tokenize")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="tokenizing processes (default: every core)")
+    parser.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes (default: every core)"
+    )
     return parser.parse_known_args(argv)
 
 
@@ -37,9 +38,19 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             meta = json.loads(prepare_tokens(cfg, source=spec, workers=args.workers, progress=sys.stderr).read_text())
             # A cache that was already there reports the figures of the run that built it.
-            print(json.dumps({"source": spec.path, "cache": meta["key"], "tokens": meta["num_tokens"],
-                              "documents": meta["num_documents"], "seconds": round(time.perf_counter() - start, 3),
-                              "build": meta["build"]}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "source": spec.path,
+                        "cache": meta["key"],
+                        "tokens": meta["num_tokens"],
+                        "documents": meta["num_documents"],
+                        "seconds": round(time.perf_counter() - start, 3),
+                        "build": meta["build"],
+                    }
+                ),
+                flush=True,
+            )
     except ConfigError as err:
         print(f"meshtron: {err}", file=sys.stderr)
         return 2

@@ -3,8 +3,8 @@
 The sample stream is a pure function of the seed: sample ``g`` (counting from the first step) is
 window ``perm(epoch)[g % n]`` with ``epoch = g // n`` and ``perm(epoch)`` a permutation of the ``n``
 windows drawn from ``(seed, epoch)`` (with a mixture, ``g`` first picks its source and its index
-``i`` among that source's samples, see :func:`mixture_assign`, and ``i`` takes ``g``'s place). Step ``k``'s global batch is samples
-``k * global_batch_size .. (k + 1) * global_batch_size - 1``, and batch rank ``r`` of ``w`` (the
+``i`` among that source's samples, see :func:`mixture_assign`, and ``i`` takes ``g``'s place). Step ``k``'s global batch
+is samples ``k * global_batch_size .. (k + 1) * global_batch_size - 1``, and batch rank ``r`` of ``w`` (the
 dp x ep position) takes the ``r``-th contiguous slice of it. So every layout sees the same global
 batch in the same order, and resuming at step ``k`` needs nothing but ``k``.
 """
@@ -22,7 +22,6 @@ from meshtron.config import Config, ConfigError
 from meshtron.data.packing import PackedTokens, pack_documents, prepare_tokens
 from meshtron.data.sources import SourceSpec, data_sources
 from meshtron.env import local_device
-
 
 IGNORE_INDEX = -100  # the label of a token the loss does not count
 
@@ -65,7 +64,11 @@ class TokenDataset:
     """
 
     def __init__(
-        self, tokens: Sequence[PackedTokens], global_batch_size: int, seed: int, weights: Sequence[float] = (),
+        self,
+        tokens: Sequence[PackedTokens],
+        global_batch_size: int,
+        seed: int,
+        weights: Sequence[float] = (),
         document_mask: bool = False,
     ):
         if global_batch_size < 1:
@@ -98,8 +101,9 @@ class TokenDataset:
         tokens = [
             PackedTokens(prepare_tokens(cfg, cache_dir, spec, progress=progress), cfg.train.seq_len) for spec in specs
         ]
-        return cls(tokens, cfg.train.global_batch_size, cfg.train.seed, [spec.weight for spec in specs],
-                   cfg.data.document_mask)
+        return cls(
+            tokens, cfg.train.global_batch_size, cfg.train.seed, [spec.weight for spec in specs], cfg.data.document_mask
+        )
 
     @property
     def num_windows(self) -> list[int]:
@@ -189,8 +193,9 @@ class TokenDataset:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Refuse a checkpoint whose data stream this dataset would not continue."""
-        changed = [f"{k}: checkpoint {state.get(k)!r}, now {v!r}" for k, v in self.state_dict().items()
-                   if state.get(k) != v]
+        changed = [
+            f"{k}: checkpoint {state.get(k)!r}, now {v!r}" for k, v in self.state_dict().items() if state.get(k) != v
+        ]
         if changed:
             raise ConfigError(
                 "the data stream differs from the checkpoint's, so resuming would not continue it ("

@@ -30,8 +30,10 @@ PROMPT_RESPONSE, CHAT = "prompt_response", "chat"
 def example_pieces(path: Path, data, template: ChatTemplate | None) -> Iterator[tuple[str, bool, bool]]:
     """``(text, ends_document, counted)`` for each piece of each example of one file."""
     if path.name.endswith((".txt", ".txt.gz")):
-        raise DataError(f"[data] format = '{data.format}' reads records; '{path}' is plain text. "
-                        "Use .jsonl, .parquet or a save_to_disk folder.")
+        raise DataError(
+            f"[data] format = '{data.format}' reads records; '{path}' is plain text. "
+            "Use .jsonl, .parquet or a save_to_disk folder."
+        )
     if data.format == PROMPT_RESPONSE:
         keys = (data.prompt_key, data.response_key)
         for where, record in iter_records(path, keys):
@@ -100,7 +102,7 @@ class ChatTemplate:
                 f"{where}: the chat template does not render this conversation as an extension of its "
                 "prefixes, so the assistant's tokens cannot be told apart; use format = 'prompt_response'."
             )
-        pieces.append((rendered[len(done):], counted))
+        pieces.append((rendered[len(done) :], counted))
         return rendered
 
 

@@ -57,8 +57,10 @@ def data_sources(data) -> list[SourceSpec]:
     (Entries were checked by ``config.validate``; ``text_key`` defaults to ``[data] text_key``.)"""
     if not data.sources:
         return [SourceSpec(path=data.source, text_key=data.text_key)]
-    return [SourceSpec(path=e["path"], weight=float(e["weight"]), text_key=e.get("text_key", data.text_key))
-            for e in data.sources]
+    return [
+        SourceSpec(path=e["path"], weight=float(e["weight"]), text_key=e.get("text_key", data.text_key))
+        for e in data.sources
+    ]
 
 
 def source_files(source: str) -> list[Path]:

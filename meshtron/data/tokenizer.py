@@ -76,8 +76,7 @@ def _tokenizer_file(path: Path) -> Path:
             )
     elif not path.is_file():
         raise DataError(
-            f"[data] tokenizer '{path}' does not exist; use 'bytes', a tokenizer.json file or a "
-            "folder holding one."
+            f"[data] tokenizer '{path}' does not exist; use 'bytes', a tokenizer.json file or a folder holding one."
         )
     return path
 

@@ -49,20 +49,20 @@ from meshtron import env
 from meshtron.config import Config, ConfigError, infer_dp, load_config
 from meshtron.dryrun.counting import StepCounter, storage_tracker
 from meshtron.dryrun.fake_cuda import cuda_build, driver_environment, fake_cuda, fake_factories, guard, refusal
+from meshtron.dryrun.nccl_rules import NcclRules, unmatched_p2p
 from meshtron.hf.runner import build_runner, with_hf_model
 from meshtron.host import declared, fake_tensors, simulated
 from meshtron.mesh import batch_mesh, expert_hsdp_mesh, expert_meshes, group_names, recipe_mesh
-from meshtron.dryrun.nccl_rules import NcclRules, unmatched_p2p
 from meshtron.optim import build_optimizer
 from meshtron.parallel.float8 import fits_fp8
 from meshtron.parallel.step import training_step
+from meshtron.plan.communication import COMM_DIMS, communication, cp_a2a_ranks
 from meshtron.plan.memory import GIB, Assumptions, rank_breakdown
 from meshtron.plan.parameters import Coords, state_bytes
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
-from meshtron.plan.communication import COMM_DIMS, communication, cp_a2a_ranks
 from meshtron.plan.speed import Hardware, predict_step_time
-from meshtron.watch.syncs import HostSyncCounter, not_a_caller
 from meshtron.torch_private import counting_sharding_propagations, fake_store_class, mem_tracker_class
+from meshtron.watch.syncs import HostSyncCounter, not_a_caller
 
 not_a_caller(__file__)  # it waits on behalf of the code it traces or checks
 
@@ -129,8 +129,14 @@ def _local_batch(cfg: Config, mesh, device: torch.device) -> tuple[torch.Tensor,
     return ids, ids.clone()
 
 
-def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced",
-               hw: Hardware = Hardware(), per_node: int = 8) -> RankTrace:
+def trace_rank(
+    cfg: Config,
+    world_size: int,
+    rank: int,
+    routing: str = "balanced",
+    hw: Hardware = Hardware(),  # noqa: B008 - a frozen dataclass
+    per_node: int = 8,
+) -> RankTrace:
     """Build and step rank ``rank`` of a ``world_size``-rank run of ``cfg`` on fake tensors, MoE routing
     assumed ``routing`` (``meshtron.host.ROUTINGS``), its roofline on ``hw``; on CUDA
     (``env.device_type()``) on fake devices, ``per_node`` of them per node."""
@@ -147,23 +153,40 @@ def trace_rank(cfg: Config, world_size: int, rank: int, routing: str = "balanced
     plan = rank_breakdown(cfg, Coords(**coords), TRACE_ASSUMPTIONS)
     planned_host = sum(plan.host[k] for k in ("params", "grads", "optimizer"))  # what offloaded_bytes counts
     # On CPU ranks the offloaded state stays in the one memory the trace measures.
-    planned = rank_breakdown(_one_memory(cfg), Coords(**coords), TRACE_ASSUMPTIONS).total \
-        if env.device_type() == "cpu" else plan.total
+    planned = (
+        rank_breakdown(_one_memory(cfg), Coords(**coords), TRACE_ASSUMPTIONS).total
+        if env.device_type() == "cpu"
+        else plan.total
+    )
     step = predict_step_time(cfg, hw, counter.roofline_seconds).seconds
     per_site: dict[str, int] = {}
     for sync in syncs.syncs:
         site = f"{sync.op} at {sync.where.removeprefix(_ROOT)}"
         per_site[site] = per_site.get(site, 0) + 1
-    return RankTrace(rank, coords, peak / GIB, planned / GIB, counter.calls, comm, counter.flops,
-                     counter.roofline_seconds, step, time.perf_counter() - start, syncs=per_site,
-                     host_peak_gib=host_peak / GIB, p2p=counter.rules.p2p, host_gib=host / GIB,
-                     planned_host_gib=planned_host / GIB)
+    return RankTrace(
+        rank,
+        coords,
+        peak / GIB,
+        planned / GIB,
+        counter.calls,
+        comm,
+        counter.flops,
+        counter.roofline_seconds,
+        step,
+        time.perf_counter() - start,
+        syncs=per_site,
+        host_peak_gib=host_peak / GIB,
+        p2p=counter.rules.p2p,
+        host_gib=host / GIB,
+        planned_host_gib=planned_host / GIB,
+    )
 
 
 def _one_memory(cfg: Config) -> Config:
     """``cfg`` without host offload: what a rank whose host and device are one memory holds."""
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, offload="none",
-                                                                 offload_activations=False))
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, offload="none", offload_activations=False)
+    )
 
 
 def offloaded_bytes(cfg: Config, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -180,7 +203,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[tuple[int, int], StepCounter, HostSyncCounter, int]:
+def _traced_step(
+    cfg: Config, mesh, routing: str, hw: Hardware
+) -> tuple[tuple[int, int], StepCounter, HostSyncCounter, int]:
     """This rank's runner and optimizer built on fake tensors, a warm-up step, then the traced one under
     NCCL's rules: ((its peak bytes on its device, on the host apart: :func:`device_and_host_peaks`), its
     counter, its host syncs, only those :mod:`meshtron.host` declares, the bytes its host offload holds)."""
@@ -203,8 +228,10 @@ def _traced_step(cfg: Config, mesh, routing: str, hw: Hardware) -> tuple[tuple[i
             with ShapeInferences() as inferred, counter, memory, checked_syncs() as syncs:
                 training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
             if inferred.count:
-                raise RuntimeError(f"the traced step of rank {dist.get_rank()} inferred {inferred.count} DTensor output "
-                                   "shapes its warm-up did not: its peak would count their placeholders")
+                raise RuntimeError(
+                    f"the traced step of rank {dist.get_rank()} inferred {inferred.count} DTensor output "
+                    "shapes its warm-up did not: its peak would count their placeholders"
+                )
     peaks = device_and_host_peaks(memory.get_tracker_snapshot("peak"), device)
     return peaks, counter, syncs, offloaded_bytes(cfg, runner.module, optimizer)
 
@@ -242,8 +269,10 @@ def _refuse_undeclared(syncs: HostSyncCounter, failure: Exception | None = None)
         if not declared(sync):
             sites[f"{sync.op} at {sync.where}"] = sites.get(f"{sync.op} at {sync.where}", 0) + 1
     if sites:
-        raise HostSyncRefusal(f"the training step waits for the device {sum(sites.values())} times where meshtron.host "
-                              "declares no read: " + "; ".join(f"{n} x {site}" for site, n in sites.items())) from failure
+        raise HostSyncRefusal(
+            f"the training step waits for the device {sum(sites.values())} times where meshtron.host "
+            "declares no read: " + "; ".join(f"{n} x {site}" for site, n in sites.items())
+        ) from failure
 
 
 @contextlib.contextmanager
@@ -309,8 +338,13 @@ class ShapeInferences:
 
 
 # The planner's collective kinds, as the trace's are summed into them.
-_PLANNED_KIND = {"all_gather": "all_gather+reduce_scatter", "reduce_scatter": "all_gather+reduce_scatter",
-                 "all_reduce": "all_reduce", "all_to_all": "all_to_all", "send": "p2p"}
+_PLANNED_KIND = {
+    "all_gather": "all_gather+reduce_scatter",
+    "reduce_scatter": "all_gather+reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_to_all": "all_to_all",
+    "send": "p2p",
+}
 
 
 def planned_comm(cfg: Config, mesh) -> dict[tuple[str, tuple[int, ...]], float]:
@@ -334,14 +368,17 @@ def _group_of(cfg: Config, mesh, dims: tuple[str, ...]) -> tuple[int, ...]:
     elif dims in (("cp_ring",), ("cp_a2a",)):  # a2a+p2p's split of cp: groups of a consecutive ranks, rings across
         ranks, index, a = mesh["cp"].mesh.flatten().tolist(), mesh["cp"].get_local_rank(), cp_a2a_ranks(cfg)
         start = index // a * a
-        return tuple(ranks[start:start + a] if dims == ("cp_a2a",) else ranks[index % a::a])
+        return tuple(ranks[start : start + a] if dims == ("cp_a2a",) else ranks[index % a :: a])
     else:
         sub = mesh[dims] if len(dims) > 1 else mesh[dims[0]]
     return tuple(sub.mesh.flatten().tolist())
 
 
-def compare_comm(traced: dict[tuple[str, tuple[int, ...]], int], planned: dict[tuple[str, tuple[int, ...]], float],
-                 names: dict[tuple[int, ...], str]) -> dict[str, tuple[int, int]]:
+def compare_comm(
+    traced: dict[tuple[str, tuple[int, ...]], int],
+    planned: dict[tuple[str, tuple[int, ...]], float],
+    names: dict[tuple[int, ...], str],
+) -> dict[str, tuple[int, int]]:
     """{"kind/group name": (traced bytes, planned bytes)} over every group either side sends on."""
     totals: dict[tuple[str, tuple[int, ...]], list[float]] = {}
     for (kind, group), nbytes in traced.items():
@@ -350,11 +387,19 @@ def compare_comm(traced: dict[tuple[str, tuple[int, ...]], int], planned: dict[t
     for (kind, group), nbytes in planned.items():
         if len(group) > 1:
             totals.setdefault((kind, group), [0, 0])[1] += nbytes
-    return {f"{kind}/{names.get(group, list(group))}": (int(t), round(p)) for (kind, group), (t, p) in sorted(totals.items())}
+    return {
+        f"{kind}/{names.get(group, list(group))}": (int(t), round(p))
+        for (kind, group), (t, p) in sorted(totals.items())
+    }
 
 
-def dry_run(cfg: Config, world_size: int, routing: str = "balanced", hw: Hardware = Hardware(),
-            per_node: int = 8) -> list[RankTrace]:
+def dry_run(
+    cfg: Config,
+    world_size: int,
+    routing: str = "balanced",
+    hw: Hardware = Hardware(),  # noqa: B008 - a frozen dataclass
+    per_node: int = 8,
+) -> list[RankTrace]:
     """Every distinct rank of ``cfg`` (validated for ``world_size`` ranks) traced, each in a process of
     its own (a process holds one default process group, and meshes cache its sub-groups), as many at a
     time as there are CPUs; on CUDA, nodes of ``per_node`` fake devices."""
@@ -366,7 +411,9 @@ def dry_run(cfg: Config, world_size: int, routing: str = "balanced", hw: Hardwar
     # A fresh process per rank: a pool's task is a chunk of its inputs, so chunks of one (more than 8
     # pipeline stages on 2 CPUs made chunks of 2, whose second rank found the first one's groups gone).
     with rank_environment(per_node), context.Pool(workers, maxtasksperchild=1) as pool:
-        results = pool.starmap(_trace_or_error, [(cfg, world_size, rank, routing, hw, per_node) for rank in ranks], chunksize=1)
+        results = pool.starmap(
+            _trace_or_error, [(cfg, world_size, rank, routing, hw, per_node) for rank in ranks], chunksize=1
+        )
     for rank, result in zip(ranks, results):
         if isinstance(result, ConfigError):
             raise result
@@ -400,8 +447,9 @@ class DryRunError(RuntimeError):
     """A simulated rank failed; the message holds its traceback."""
 
 
-def _trace_or_error(cfg: Config, world_size: int, rank: int, routing: str, hw: Hardware,
-                    per_node: int) -> RankTrace | ConfigError | str:
+def _trace_or_error(
+    cfg: Config, world_size: int, rank: int, routing: str, hw: Hardware, per_node: int
+) -> RankTrace | ConfigError | str:
     """:func:`trace_rank` in a worker: an error comes back as a value (a ConfigError as it is, anything
     else as its traceback text), since not every exception crosses a process boundary."""
     try:
@@ -423,48 +471,80 @@ def tokens_per_second_per_device(cfg: Config, world_size: int, traces: list[Rank
     return cfg.train.global_batch_size * cfg.train.seq_len / max(t.step_seconds for t in traces) / world_size
 
 
-def report(cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool, seconds: float,
-           routing: str = "balanced") -> str:
+def report(
+    cfg: Config, world_size: int, traces: list[RankTrace], as_json: bool, seconds: float, routing: str = "balanced"
+) -> str:
     speed = tokens_per_second_per_device(cfg, world_size, traces)
     if as_json:
-        return json.dumps({
-            "world_size": world_size, "layout": layout_text(cfg), "microbatches": cfg.parallel.microbatches,
-            "routing": routing, "seconds": round(seconds, 1),
-            "tokens_per_second_per_device": round(speed, 1),
-            "ranks": [{"rank": t.rank, "coords": t.coords, "traced_gib": round(t.traced_gib, 3),
-                       "planned_gib": round(t.planned_gib, 3), "ratio": round(t.ratio, 3),
-                       "host_gib": round(t.host_gib, 3), "planned_host_gib": round(t.planned_host_gib, 3),
-                       "host_peak_gib": round(t.host_peak_gib, 4),
-                       "collectives": t.collectives, "host_syncs": t.syncs, "flops": t.flops,
-                       "compute_seconds": round(t.compute_seconds, 4), "step_seconds": round(t.step_seconds, 4),
-                       "comm_bytes": {key: {"traced": traced, "planned": planned}
-                                      for key, (traced, planned) in t.comm.items()}} for t in traces],
-        })
-    lines = [f"dry run: {world_size} ranks, {layout_text(cfg)}, {cfg.parallel.schedule}, "
-             f"{cfg.train.dtype}, seq {cfg.train.seq_len}, global batch {cfg.train.global_batch_size} in "
-             f"{cfg.parallel.microbatches} microbatches"
-             + (f", {routing} MoE routing" if cfg.model.is_moe else ""),
-             f"{'rank':>6} {'pp':>3} {'traced GiB':>11} {'planned GiB':>12} {'ratio':>6} {'TFLOP':>8} "
-             f"{'roofline s':>10} {'step s':>7}  collectives"]
+        return json.dumps(
+            {
+                "world_size": world_size,
+                "layout": layout_text(cfg),
+                "microbatches": cfg.parallel.microbatches,
+                "routing": routing,
+                "seconds": round(seconds, 1),
+                "tokens_per_second_per_device": round(speed, 1),
+                "ranks": [
+                    {
+                        "rank": t.rank,
+                        "coords": t.coords,
+                        "traced_gib": round(t.traced_gib, 3),
+                        "planned_gib": round(t.planned_gib, 3),
+                        "ratio": round(t.ratio, 3),
+                        "host_gib": round(t.host_gib, 3),
+                        "planned_host_gib": round(t.planned_host_gib, 3),
+                        "host_peak_gib": round(t.host_peak_gib, 4),
+                        "collectives": t.collectives,
+                        "host_syncs": t.syncs,
+                        "flops": t.flops,
+                        "compute_seconds": round(t.compute_seconds, 4),
+                        "step_seconds": round(t.step_seconds, 4),
+                        "comm_bytes": {
+                            key: {"traced": traced, "planned": planned} for key, (traced, planned) in t.comm.items()
+                        },
+                    }
+                    for t in traces
+                ],
+            }
+        )
+    lines = [
+        f"dry run: {world_size} ranks, {layout_text(cfg)}, {cfg.parallel.schedule}, "
+        f"{cfg.train.dtype}, seq {cfg.train.seq_len}, global batch {cfg.train.global_batch_size} in "
+        f"{cfg.parallel.microbatches} microbatches" + (f", {routing} MoE routing" if cfg.model.is_moe else ""),
+        f"{'rank':>6} {'pp':>3} {'traced GiB':>11} {'planned GiB':>12} {'ratio':>6} {'TFLOP':>8} "
+        f"{'roofline s':>10} {'step s':>7}  collectives",
+    ]
     for t in traces:
         calls = ", ".join(f"{op} {n} x" for op, n in sorted(t.collectives.items()))
-        lines.append(f"{t.rank:>6} {t.coords['pp']:>3} {t.traced_gib:>11.2f} {t.planned_gib:>12.2f} {t.ratio:>6.3f} "
-                     f"{t.flops / 1e12:>8.1f} {t.compute_seconds:>10.3f} {t.step_seconds:>7.3f}  {calls}")
-        lines += [f"{'':>11} sent {key}: {traced / GIB:.3f} GiB traced, {planned / GIB:.3f} planned"
-                  for key, (traced, planned) in t.comm.items()]
+        lines.append(
+            f"{t.rank:>6} {t.coords['pp']:>3} {t.traced_gib:>11.2f} {t.planned_gib:>12.2f} {t.ratio:>6.3f} "
+            f"{t.flops / 1e12:>8.1f} {t.compute_seconds:>10.3f} {t.step_seconds:>7.3f}  {calls}"
+        )
+        lines += [
+            f"{'':>11} sent {key}: {traced / GIB:.3f} GiB traced, {planned / GIB:.3f} planned"
+            for key, (traced, planned) in t.comm.items()
+        ]
         if t.host_gib or t.planned_host_gib:
-            lines.append(f"{'':>11} host memory (offload): {t.host_gib:.2f} GiB traced, {t.planned_host_gib:.2f} planned")
-        lines.append(f"{'':>11} host syncs per step: {sum(t.syncs.values())}"
-                     + "".join(f"; {n} x {where}" for where, n in t.syncs.items()))
+            lines.append(
+                f"{'':>11} host memory (offload): {t.host_gib:.2f} GiB traced, {t.planned_host_gib:.2f} planned"
+            )
+        lines.append(
+            f"{'':>11} host syncs per step: {sum(t.syncs.values())}"
+            + "".join(f"; {n} x {where}" for where, n in t.syncs.items())
+        )
         if t.host_peak_gib:
-            lines.append(f"{'':>11} kept on the host: {t.host_peak_gib:.3f} GiB at its peak (apart from the traced GiB)")
-    lines.append(f"predicted: {speed:,.0f} tokens/s per device (roofline compute on {_device_text()}, the planner's "
-                 f"exposed communication and bubble)")
+            lines.append(
+                f"{'':>11} kept on the host: {t.host_peak_gib:.3f} GiB at its peak (apart from the traced GiB)"
+            )
+    lines.append(
+        f"predicted: {speed:,.0f} tokens/s per device (roofline compute on {_device_text()}, the planner's "
+        f"exposed communication and bubble)"
+    )
     lines.append(f"planned: meshtron.plan's terms without the reserve and slack; {seconds:.0f} s in all")
     return "\n".join(lines)
 
 
-def _device_text(hw: Hardware = Hardware()) -> str:
+def _device_text(hw: Hardware = Hardware()) -> str:  # noqa: B008 - a frozen dataclass
     return f"{hw.peak_tflops:g} TFLOP/s, {hw.memory_tbps:g} TB/s"
 
 
@@ -474,10 +554,12 @@ def _device_text(hw: Hardware = Hardware()) -> str:
 # block compiled with fullgraph fails ("found no compiled frames"); without them, dynamo itself asks the CUDA
 # runtime for its RNG state, graph capture and device properties, and inductor's kernels would run on memory
 # that fake tensors do not have.
-COMPILE_REFUSAL = ("--dry-run cannot trace [parallel] compile = true: torch.compile skips every frame under the "
-                   "dry run's memory, collective and host-sync tracers (dispatch modes) and its kernels need real "
-                   "device memory. Add --parallel.compile false (meshtron.plan counts a compiled block's memory as "
-                   "the eager one's).")
+COMPILE_REFUSAL = (
+    "--dry-run cannot trace [parallel] compile = true: torch.compile skips every frame under the "
+    "dry run's memory, collective and host-sync tracers (dispatch modes) and its kernels need real "
+    "device memory. Add --parallel.compile false (meshtron.plan counts a compiled block's memory as "
+    "the eager one's)."
+)
 
 
 def _check_traceable(cfg: Config) -> None:
@@ -490,17 +572,21 @@ def _check_traceable(cfg: Config) -> None:
     if cfg.parallel.compile:
         raise ConfigError(COMPILE_REFUSAL)
     if cfg.model.is_moe and cfg.train.dtype != "bfloat16":
-        raise ConfigError(f"--dry-run traces MoE experts in bfloat16 only (torch's grouped_mm shape check), but [train] "
-                          f"dtype = '{cfg.train.dtype}'. Add --train.dtype bfloat16.")
+        raise ConfigError(
+            f"--dry-run traces MoE experts in bfloat16 only (torch's grouped_mm shape check), but [train] "
+            f"dtype = '{cfg.train.dtype}'. Add --train.dtype bfloat16."
+        )
     m = cfg.model
     emulated = env.device_type() != "cuda"
     fp8_experts = cfg.train.fp8 != "none" and fits_fp8((m.hidden_size, m.moe_intermediate_size), cfg.train.fp8)
     if emulated and m.is_moe and fp8_experts:
         # Float8GroupedMatmul hands grouped_mm the float8 values dequantized to float32 (it emulates the kernel).
-        raise ConfigError(f"--dry-run traces MoE experts in bfloat16 only (torch's grouped_mm shape check), but [train] "
-                          f"fp8 = '{cfg.train.fp8}' runs them through an emulated float8 GEMM on float32 operands. "
-                          "Add --train.fp8 none, trace on fake CUDA devices (MESHTRON_DEVICE=cuda, which run the float8 "
-                          "kernel), or trace an expert width FP8 leaves in bfloat16 (not a multiple of 16).")
+        raise ConfigError(
+            f"--dry-run traces MoE experts in bfloat16 only (torch's grouped_mm shape check), but [train] "
+            f"fp8 = '{cfg.train.fp8}' runs them through an emulated float8 GEMM on float32 operands. "
+            "Add --train.fp8 none, trace on fake CUDA devices (MESHTRON_DEVICE=cuda, which run the float8 "
+            "kernel), or trace an expert width FP8 leaves in bfloat16 (not a multiple of 16)."
+        )
 
 
 def _hardware(recipe: str) -> RecipeHardware:
@@ -511,8 +597,15 @@ def _hardware(recipe: str) -> RecipeHardware:
         return RecipeHardware(nodes=1, per_node=8, device="cuda", memory_gib=80.0)
 
 
-def main(recipe: str, overrides: list[str], *, world_size: int, as_json: bool, gpu_memory_gib: float | None,
-         routing: str = "balanced") -> int:
+def main(
+    recipe: str,
+    overrides: list[str],
+    *,
+    world_size: int,
+    as_json: bool,
+    gpu_memory_gib: float | None,
+    routing: str = "balanced",
+) -> int:
     """The ``--dry-run`` command: bad input gets the training launch's one-line error and exit 2 before
     anything is traced; a layout that would not fit ``gpu_memory_gib`` (default: the recipe's stated
     hardware) ends with the pre-flight refusal and exit 2 after the report."""
@@ -541,8 +634,14 @@ def main(recipe: str, overrides: list[str], *, world_size: int, as_json: bool, g
         # The stated hardware's host memory, not this machine's, for a CUDA target (a node of 8 ranks each
         # planned to keep 4 GiB of their own on the host found no layout fitting 20 GiB of this machine).
         host = hardware.hardware().host_memory_gib * GIB if hardware.device == "cuda" else None
-        check_memory(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, memory_check="error")), world_size,
-                     hardware.device, (memory * GIB, source), hardware.per_node, host)
+        check_memory(
+            dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, memory_check="error")),
+            world_size,
+            hardware.device,
+            (memory * GIB, source),
+            hardware.per_node,
+            host,
+        )
     except ConfigError as err:
         print(f"meshtron: {err}", file=sys.stderr)
         return 2

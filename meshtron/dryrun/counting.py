@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch.utils.flop_counter import flop_registry
 
 from meshtron.dryrun.nccl_rules import NcclRules
-from meshtron.watch.syncs import not_a_caller
 from meshtron.torch_private import (
     ATTENTION_KERNELS,
     FLASH_ATTENTION,
@@ -31,6 +30,7 @@ from meshtron.torch_private import (
     pytree,
     resolve_group,
 )
+from meshtron.watch.syncs import not_a_caller
 
 not_a_caller(__file__)  # it waits on behalf of the code it traces or checks
 
@@ -107,8 +107,11 @@ class StepCounter(TorchDispatchMode):
         flops = 0 if count is None else round(count(*args, **kwargs, out_val=out) * _causal_share(func, args, kwargs))
         self.flops += flops
         if func.namespace in ("aten", "fsdp") and not func.is_view and op_packet(func) not in _NO_DATA:
-            moved = sum(t.numel() * t.element_size() for t in pytree.tree_leaves((args, kwargs, out))
-                        if isinstance(t, torch.Tensor))
+            moved = sum(
+                t.numel() * t.element_size()
+                for t in pytree.tree_leaves((args, kwargs, out))
+                if isinstance(t, torch.Tensor)
+            )
             self.roofline_seconds += max(flops / self.peak_flops, moved / self.memory_bandwidth)
         return out
 
@@ -158,16 +161,29 @@ def _causal_share(func, args, kwargs) -> float:
 
 
 # Ops that allocate or reinterpret without moving data (views are skipped by their schema).
-_NO_DATA = {UNSAFE_VIEW, torch.ops.aten.empty, torch.ops.aten.empty_strided,
-            torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided, torch.ops.aten.lift_fresh}
+_NO_DATA = {
+    UNSAFE_VIEW,
+    torch.ops.aten.empty,
+    torch.ops.aten.empty_strided,
+    torch.ops.aten.new_empty,
+    torch.ops.aten.new_empty_strided,
+    torch.ops.aten.lift_fresh,
+}
 
 
 # op -> (kind, index of the argument holding what this rank contributes)
 _KINDS = {
-    "allgather_": ("all_gather", 1), "_allgather_base_": ("all_gather", 1), "all_gather_into_tensor": ("all_gather", 0),
-    "reduce_scatter_": ("reduce_scatter", 1), "_reduce_scatter_base_": ("reduce_scatter", 1),
-    "reduce_scatter_tensor": ("reduce_scatter", 0), "allreduce_": ("all_reduce", 0), "all_reduce": ("all_reduce", 0),
-    "alltoall_base_": ("all_to_all", 1), "all_to_all_single": ("all_to_all", 0), "send": ("send", 0),
+    "allgather_": ("all_gather", 1),
+    "_allgather_base_": ("all_gather", 1),
+    "all_gather_into_tensor": ("all_gather", 0),
+    "reduce_scatter_": ("reduce_scatter", 1),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "allreduce_": ("all_reduce", 0),
+    "all_reduce": ("all_reduce", 0),
+    "alltoall_base_": ("all_to_all", 1),
+    "all_to_all_single": ("all_to_all", 0),
+    "send": ("send", 0),
 }
 
 

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from meshtron.watch.syncs import not_a_caller, record
 from meshtron.torch_private import PIN_MEMORY, TorchDispatchMode
+from meshtron.watch.syncs import not_a_caller, record
 
 not_a_caller(__file__)  # it waits on behalf of the code it traces or checks
 
@@ -44,9 +44,11 @@ def cuda_build() -> bool:
 
 def refusal() -> str:
     """The one line a CPU build of torch answers a CUDA dry run with."""
-    return (f"a dry run on CUDA (MESHTRON_DEVICE=cuda) needs a CUDA build of torch, this one is {torch.__version__}: "
-            "make a separate environment with one (python3 -m venv /work/venv-cuda && /work/venv-cuda/bin/pip install "
-            "torch==2.14.1; benchmarks/cuda_dry_run.sh does it) and run the dry run with its python")
+    return (
+        f"a dry run on CUDA (MESHTRON_DEVICE=cuda) needs a CUDA build of torch, this one is {torch.__version__}: "
+        "make a separate environment with one (python3 -m venv /work/venv-cuda && /work/venv-cuda/bin/pip install "
+        "torch==2.14.1; benchmarks/cuda_dry_run.sh does it) and run the dry run with its python"
+    )
 
 
 # Where the two native parts are built, once per torch version.
@@ -180,11 +182,15 @@ def driver_environment(devices: int) -> dict[str, str]:
         headers = next(Path(torch.__file__).parent.parent.glob("nvidia/*/include/driver_types.h")).parent
         (library.parent / "crt").mkdir(exist_ok=True)
         (library.parent / "crt" / "host_defines.h").write_text(_HOST_DEFINES)
-        subprocess.run(["cc", "-shared", "-fPIC", "-I", str(library.parent), "-I", str(headers), "-o", str(library),
-                        str(source)], check=True)
+        subprocess.run(
+            ["cc", "-shared", "-fPIC", "-I", str(library.parent), "-I", str(headers), "-o", str(library), str(source)],
+            check=True,
+        )
     preload = " ".join(filter(None, [str(library), os.environ.get("LD_PRELOAD")]))
-    return {"LD_PRELOAD": preload, "LD_LIBRARY_PATH": ":".join(filter(None, [str(library.parent),
-                                                                          os.environ.get("LD_LIBRARY_PATH")]))}
+    return {
+        "LD_PRELOAD": preload,
+        "LD_LIBRARY_PATH": ":".join(filter(None, [str(library.parent), os.environ.get("LD_LIBRARY_PATH")])),
+    }
 
 
 def _set_driver_device(index: int) -> None:
@@ -207,8 +213,9 @@ def guard():
 class FakeEvent:
     """A CUDA event that is always complete: nothing runs on a fake device."""
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
-                 external: bool = False):
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, external: bool = False
+    ):
         self.enable_timing = enable_timing
 
     def record(self, stream: FakeStream | None = None) -> None:
@@ -286,7 +293,9 @@ class _Runtime:
     def set_device(self, device) -> None:
         index = self.index(device)
         if not 0 <= index < self.count:
-            raise RuntimeError(f"CUDA error: invalid device ordinal {index} (the dry run's node has {self.count} devices)")
+            raise RuntimeError(
+                f"CUDA error: invalid device ordinal {index} (the dry run's node has {self.count} devices)"
+            )
         self.current = index
 
     def set_stream(self, stream: FakeStream | None) -> FakeStream:
@@ -314,30 +323,48 @@ def _memory_statistic(device=None) -> int:
 
 
 # What torch.cuda.get_device_properties answers for each fake device: the preloaded driver's H100 (_DRIVER).
-_H100 = types.SimpleNamespace(name="NVIDIA H100 80GB HBM3 (meshtron dry run)", major=9, minor=0,
-                              total_memory=85520809984, multi_processor_count=132, warp_size=32,
-                              L2_cache_size=52428800, is_integrated=False, is_multi_gpu_board=False)
+_H100 = types.SimpleNamespace(
+    name="NVIDIA H100 80GB HBM3 (meshtron dry run)",
+    major=9,
+    minor=0,
+    total_memory=85520809984,
+    multi_processor_count=132,
+    warp_size=32,
+    L2_cache_size=52428800,
+    is_integrated=False,
+    is_multi_gpu_board=False,
+)
 
 
 def _stand_ins() -> dict[str, object]:
     """``torch.cuda`` attribute -> what answers it in a dry run."""
     return {
-        "is_available": lambda: True, "is_initialized": lambda: True, "_lazy_init": lambda: None,
-        "device_count": lambda: _runtime.count, "current_device": lambda: _runtime.current,
+        "is_available": lambda: True,
+        "is_initialized": lambda: True,
+        "_lazy_init": lambda: None,
+        "device_count": lambda: _runtime.count,
+        "current_device": lambda: _runtime.current,
         # An H100's, as the preloaded driver answers C++ (c10d's broadcast asks it from Python; torch's Triton
         # check, which transformers' import of torchao runs, asks for the properties).
         "get_device_capability": lambda device=None: (9, 0),
         "get_device_properties": lambda device=None: _H100,
-        "set_device": _runtime.set_device, "Stream": FakeStream, "Event": FakeEvent,
-        "current_stream": _runtime.current_stream, "default_stream": _runtime.default_stream,
-        "set_stream": _runtime.set_stream, "stream": _runtime.stream,
+        "set_device": _runtime.set_device,
+        "Stream": FakeStream,
+        "Event": FakeEvent,
+        "current_stream": _runtime.current_stream,
+        "default_stream": _runtime.default_stream,
+        "set_stream": _runtime.set_stream,
+        "stream": _runtime.stream,
         "synchronize": lambda device=None: record("torch.cuda.synchronize"),
-        "memory_allocated": _memory_statistic, "max_memory_allocated": _memory_statistic,
-        "memory_reserved": _memory_statistic, "max_memory_reserved": _memory_statistic,
+        "memory_allocated": _memory_statistic,
+        "max_memory_allocated": _memory_statistic,
+        "memory_reserved": _memory_statistic,
+        "max_memory_reserved": _memory_statistic,
         "reset_peak_memory_stats": lambda device=None: None,
         # Seeding: torch.manual_seed seeds every CUDA generator, of which a driverless torch has none
         # (fake tensors draw no random numbers).
-        "manual_seed": lambda seed: None, "manual_seed_all": lambda seed: None,
+        "manual_seed": lambda seed: None,
+        "manual_seed_all": lambda seed: None,
     }
 
 
@@ -392,4 +419,13 @@ def fake_factories(fake_mode) -> TorchDispatchMode:
     return _FakeFactories(fake_mode)
 
 
-__all__ = ["FakeEvent", "FakeStream", "cuda_build", "driver_environment", "fake_cuda", "fake_factories", "guard", "refusal"]
+__all__ = [
+    "FakeEvent",
+    "FakeStream",
+    "cuda_build",
+    "driver_environment",
+    "fake_cuda",
+    "fake_factories",
+    "guard",
+    "refusal",
+]

@@ -13,24 +13,45 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from meshtron.watch.syncs import call_site, not_a_caller
 from meshtron.torch_private import script_method
+from meshtron.watch.syncs import call_site, not_a_caller
 
 not_a_caller(__file__)  # it waits on behalf of the code it traces or checks
 
 # The dtypes ProcessGroupNCCL maps to an NCCL type (bool as uint8; float8 as NCCL's float8 types).
-DTYPES = {torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64,
-          torch.bfloat16, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
-          torch.float8_e5m2fnuz}
+DTYPES = {
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+}
 # Of those, what a reduction refuses: the fnuz float8 types ("Unsupported Float8 type for NCCL reduction").
 NOT_REDUCED = {torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
 # Reduce ops NCCL does not have ("Cannot use ReduceOp.BAND with NCCL"); AVG exists since NCCL 2.10.
 NOT_NCCL_OPS = {"BAND", "BOR", "BXOR"}
 
 # c10d and functional ops that reduce, and the point-to-point ones (op -> direction).
-_REDUCING = {"allreduce_", "allreduce_coalesced_", "reduce_", "reduce_scatter_", "_reduce_scatter_base_",
-             "reduce_scatter_tensor_coalesced_", "all_reduce", "all_reduce_coalesced", "reduce_scatter_tensor",
-             "reduce_scatter_tensor_coalesced"}
+_REDUCING = {
+    "allreduce_",
+    "allreduce_coalesced_",
+    "reduce_",
+    "reduce_scatter_",
+    "_reduce_scatter_base_",
+    "reduce_scatter_tensor_coalesced_",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced",
+}
 _P2P = {"send": "send", "recv_": "recv", "recv_any_source_": "recv"}
 _OP_NAMES = {int(v): name for name, v in torch.distributed.ReduceOp.RedOpType.__members__.items()}
 
@@ -54,10 +75,20 @@ class NcclRules:
         where = f"{op} over {self.names.get(ranks, list(ranks))} at {call_site()}"
         for t in tensors:
             if t.device != self.device:
-                raise NcclRefusal(f"{where}: a tensor on {t.device}, where NCCL takes the rank's own device {self.device}")
-            if t.is_complex() and op not in ("allreduce_", "all_reduce", "_allgather_base_", "allgather_",
-                                             "all_gather_into_tensor", "broadcast_"):
-                raise NcclRefusal(f"{where}: a {t.dtype} tensor, which NCCL takes only in all-reduce, all-gather and broadcast")
+                raise NcclRefusal(
+                    f"{where}: a tensor on {t.device}, where NCCL takes the rank's own device {self.device}"
+                )
+            if t.is_complex() and op not in (
+                "allreduce_",
+                "all_reduce",
+                "_allgather_base_",
+                "allgather_",
+                "all_gather_into_tensor",
+                "broadcast_",
+            ):
+                raise NcclRefusal(
+                    f"{where}: a {t.dtype} tensor, which NCCL takes only in all-reduce, all-gather and broadcast"
+                )
             if not t.is_complex() and t.dtype not in DTYPES:
                 raise NcclRefusal(f"{where}: a {t.dtype} tensor, which NCCL has no type for")
         if op in _REDUCING:
@@ -101,8 +132,10 @@ def unmatched_p2p(logs: dict[int, list[tuple[str, int, tuple[int, ...], str]]]) 
             sent = [(shape, dtype) for kind, p, shape, dtype in log if kind == "send" and p == peer]
             received = [(shape, dtype) for kind, p, shape, dtype in logs[peer] if kind == "recv" and p == rank]
             if sent != received:
-                problems.append(f"rank {rank} sends rank {peer} {len(sent)} messages {sent[:3]}..., which receives "
-                                f"{len(received)} from it {received[:3]}...")
+                problems.append(
+                    f"rank {rank} sends rank {peer} {len(sent)} messages {sent[:3]}..., which receives "
+                    f"{len(received)} from it {received[:3]}..."
+                )
     return problems
 
 

@@ -9,7 +9,15 @@ itself whole; ``loss.py`` and ``runner.py`` give the trainer its step (``[model]
 """
 
 from meshtron.hf.convert import from_hf, hf_config_dict, model_config_from_hf, to_hf
-from meshtron.hf.io import CheckpointError, check_hf_files, load_hf_model, load_hf_state_dict, read_hf_config, save_hf, weight_map
+from meshtron.hf.io import (
+    CheckpointError,
+    check_hf_files,
+    load_hf_model,
+    load_hf_state_dict,
+    read_hf_config,
+    save_hf,
+    weight_map,
+)
 from meshtron.hf.slices import load_native_sharded, load_sharded_weights
 
 __all__ = [

@@ -39,13 +39,24 @@ from meshtron.parallel.tensor import local_heads
 RING = "meshtron_ring"
 
 
-def _ring_attention(module: nn.Module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                    sliding_window=None, softcap=None, s_aux=None, **_):
+def _ring_attention(
+    module: nn.Module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    sliding_window=None,
+    softcap=None,
+    s_aux=None,
+    **_,
+):
     """transformers' attention-function signature: q [B, H, S, D], k/v [B, Hkv, S, D] -> ([B, S, H, D], None)."""
     if dropout or softcap is not None or s_aux is not None:
         raise ConfigError("context parallelism (cp > 1): attention dropout, soft-capping and sinks are not supported.")
     head_dim = query.shape[-1]
-    if scaling is not None and not math.isclose(scaling, head_dim ** -0.5):
+    if scaling is not None and not math.isclose(scaling, head_dim**-0.5):
         query = query * (scaling * math.sqrt(head_dim))  # the ring scales by 1/sqrt(head_dim)
     out = module.cp_ring(query, key, value)
     return out.transpose(1, 2).contiguous(), None
@@ -60,8 +71,12 @@ def _register() -> None:
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
     """Every module of the blocks that runs transformers' attention function, found by what its forward
     calls, not by its name; blocks without one (mamba, convolution layers) have nothing the ring serves."""
-    return [module for _, block in hf_parts(model).block_items() for module in block.modules()
-            if calls_attention_interface(module)]
+    return [
+        module
+        for _, block in hf_parts(model).block_items()
+        for module in block.modules()
+        if calls_attention_interface(module)
+    ]
 
 
 def check_hf_context_parallel(model: nn.Module) -> None:
@@ -69,12 +84,16 @@ def check_hf_context_parallel(model: nn.Module) -> None:
     cfg = model.config
     for key in ("attn_logit_softcapping", "attention_dropout"):
         if getattr(cfg, key, None):
-            raise ConfigError(f"parallelize_hf_model: cp > 1 does not support config.{key} = {getattr(cfg, key)}; "
-                              "use cp = 1 for this model.")
+            raise ConfigError(
+                f"parallelize_hf_model: cp > 1 does not support config.{key} = {getattr(cfg, key)}; "
+                "use cp = 1 for this model."
+            )
     for attn in _attention_modules(model):
         if isinstance(getattr(attn, "sinks", None), torch.Tensor):
-            raise ConfigError(f"parallelize_hf_model: cp > 1 does not support attention sinks ({type(attn).__name__}."
-                              "sinks); use cp = 1 for this model.")
+            raise ConfigError(
+                f"parallelize_hf_model: cp > 1 does not support attention sinks ({type(attn).__name__}."
+                "sinks); use cp = 1 for this model."
+            )
 
 
 def check_sliding_window(config, seq_len: int) -> None:
@@ -122,8 +141,10 @@ def _shard_inputs(mesh: DeviceMesh):
     def hook(model, args, kwargs):
         kwargs = {**dict(zip(("input_ids", "attention_mask"), args)), **kwargs}
         if kwargs.get("attention_mask") is not None:
-            raise ConfigError("parallelize_hf_model: with cp > 1 pass no attention_mask (the ring attention is causal); "
-                              "right padding needs none, give its positions the label -100.")
+            raise ConfigError(
+                "parallelize_hf_model: with cp > 1 pass no attention_mask (the ring attention is causal); "
+                "right padding needs none, give its positions the label -100."
+            )
         if kwargs.get("input_ids") is None:
             raise ConfigError("parallelize_hf_model: with cp > 1 pass input_ids (inputs_embeds are not sharded).")
         batch = {k: kwargs.pop(k) for k in ("input_ids", "position_ids") if kwargs.get(k) is not None}
@@ -140,8 +161,9 @@ def _shard_inputs(mesh: DeviceMesh):
     return hook
 
 
-def apply_hf_context_parallel(model: nn.Module, mesh: DeviceMesh, shard_inputs: bool = True, comm_type: str = "p2p",
-                              a2a_size: int = 0) -> None:
+def apply_hf_context_parallel(
+    model: nn.Module, mesh: DeviceMesh, shard_inputs: bool = True, comm_type: str = "p2p", a2a_size: int = 0
+) -> None:
     """Attention over ``mesh['cp']`` of ``comm_type`` (:func:`use_ring_attention`) and, with
     ``shard_inputs``, the input-sharding hook (in place)."""
     check_hf_context_parallel(model)

@@ -101,7 +101,9 @@ def from_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
         for proj, experts in projections.items():
             missing = sorted(set(range(cfg.num_experts)) - set(experts))
             if missing:
-                raise KeyError(f"checkpoint lacks {prefix}.{missing[0]}.{proj}.weight (and {len(missing) - 1} more experts)")
+                raise KeyError(
+                    f"checkpoint lacks {prefix}.{missing[0]}.{proj}.weight (and {len(missing) - 1} more experts)"
+                )
             out[f"{prefix}.{proj}"] = torch.stack([experts[e].t() for e in range(cfg.num_experts)])
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)

@@ -78,12 +78,14 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def _relative(path: str, prefix: str) -> str:
-    return path[len(prefix) + 1:] if prefix else path
+    return path[len(prefix) + 1 :] if prefix else path
 
 
 def _missing(model: nn.Module, what: str, why: str) -> ConfigError:
-    return ConfigError(f"parallelize_hf_model: cannot find the {what} of {type(model).__name__}: {why}. "
-                       "meshtron supports decoder-only transformers *ForCausalLM models.")
+    return ConfigError(
+        f"parallelize_hf_model: cannot find the {what} of {type(model).__name__}: {why}. "
+        "meshtron supports decoder-only transformers *ForCausalLM models."
+    )
 
 
 def _path_of(model: nn.Module, module: nn.Module | None, what: str) -> str:
@@ -102,12 +104,20 @@ def _decoder(model: nn.Module) -> nn.Module:
     if decoder is not None and decoder is not model:
         return decoder
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    holders = [child for _, child in model.named_children()
-               if embed is not None and any(m is embed for m in child.modules())
-               and any(isinstance(m, nn.ModuleList) for m in child.modules())]
+    holders = [
+        child
+        for _, child in model.named_children()
+        if embed is not None
+        and any(m is embed for m in child.modules())
+        and any(isinstance(m, nn.ModuleList) for m in child.modules())
+    ]
     if len(holders) != 1:
-        raise _missing(model, "decoder", "get_decoder() returns no separate base model, and "
-                       f"{len(holders)} direct children hold the input embeddings and a list of blocks (need one)")
+        raise _missing(
+            model,
+            "decoder",
+            "get_decoder() returns no separate base model, and "
+            f"{len(holders)} direct children hold the input embeddings and a list of blocks (need one)",
+        )
     return holders[0]
 
 
@@ -118,11 +128,18 @@ def _is_block(module: nn.Module, block_classes: set[str]) -> bool:
 
 def _blocks(model: nn.Module, decoder: nn.Module) -> tuple[str, nn.ModuleList]:
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
-    found = [(name, m) for name, m in decoder.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m) and all(_is_block(b, block_classes) for b in m)]
+    found = [
+        (name, m)
+        for name, m in decoder.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) and all(_is_block(b, block_classes) for b in m)
+    ]
     if len(found) != 1:
-        raise _missing(model, "decoder blocks", f"{len(found)} nn.ModuleLists of {sorted(block_classes) or 'no'} "
-                       "_no_split_modules classes in its decoder (need exactly one)")
+        raise _missing(
+            model,
+            "decoder blocks",
+            f"{len(found)} nn.ModuleLists of {sorted(block_classes) or 'no'} "
+            "_no_split_modules classes in its decoder (need exactly one)",
+        )
     return found[0]
 
 
@@ -160,11 +177,13 @@ def _final_norm(model: nn.Module, decoder: nn.Module, blocks_rel: str) -> tuple[
     uses = _first_uses(_forward_source(decoder))
     top = blocks_rel.split(".", 1)[0]
     if uses is not None and top in uses:
+
         def runs_after(name: str) -> bool:
             return uses.get(name, -1) > uses[top]
 
         after = [(n, m) for n, m in norms if runs_after(n)] or [
-            (n, m) for n, m in decoder.named_children() if runs_after(n) and any(True for _ in m.parameters())]
+            (n, m) for n, m in decoder.named_children() if runs_after(n) and any(True for _ in m.parameters())
+        ]
         why = f"of its {len(norms)} direct child norms, {len(after)} run after '{top}' in its forward"
     else:  # no source to read: by name, the embedding norms excluded
         after = [(n, m) for n, m in norms if "emb" not in n]
@@ -176,7 +195,9 @@ def _final_norm(model: nn.Module, decoder: nn.Module, blocks_rel: str) -> tuple[
 
 def is_rotary(module: nn.Module) -> bool:
     """A rotary embedding: RoPE frequencies (``inv_freq``), or one set per layer type (``<type>_inv_freq``)."""
-    return hasattr(module, "inv_freq") or any(name.endswith("_inv_freq") for name, _ in module.named_buffers(recurse=False))
+    return hasattr(module, "inv_freq") or any(
+        name.endswith("_inv_freq") for name, _ in module.named_buffers(recurse=False)
+    )
 
 
 def _rotary(decoder: nn.Module, blocks: nn.ModuleList) -> tuple[str, nn.Module] | None:
@@ -236,12 +257,28 @@ def hf_parts(model: nn.Module) -> HFParts:
         return f"{decoder_path}.{rel}" if decoder_path else rel
 
     return HFParts(
-        decoder=decoder, decoder_path=decoder_path, blocks=blocks, blocks_path=full(blocks_rel),
-        embed=embed, embed_path=_path_of(model, embed, "input embeddings"),
-        head=head, head_path=_path_of(model, head, "output head"),
-        norm=norm, norm_path=full(norm_rel),
-        rotary=rotary[1] if rotary else None, rotary_path=full(rotary[0]) if rotary else None,
+        decoder=decoder,
+        decoder_path=decoder_path,
+        blocks=blocks,
+        blocks_path=full(blocks_rel),
+        embed=embed,
+        embed_path=_path_of(model, embed, "input embeddings"),
+        head=head,
+        head_path=_path_of(model, head, "output head"),
+        norm=norm,
+        norm_path=full(norm_rel),
+        rotary=rotary[1] if rotary else None,
+        rotary_path=full(rotary[0]) if rotary else None,
     )
 
 
-__all__ = ["HFParts", "calls_attention_interface", "embedding_rescaling", "hf_parts", "is_norm", "is_rotary", "key_value_heads", "set_stage_parts"]
+__all__ = [
+    "HFParts",
+    "calls_attention_interface",
+    "embedding_rescaling",
+    "hf_parts",
+    "is_norm",
+    "is_rotary",
+    "key_value_heads",
+    "set_stage_parts",
+]

@@ -4,8 +4,8 @@ transformers 5 keeps each MoE's routed experts fused in one module; the config's
 marks that module ``ep_dispatch_experts`` and its weights ``grouped_gemm``, and transformers'
 ``use_experts_implementation`` describes the layout in attributes (``is_concatenated``,
 ``is_transposed``, ``has_bias``, ``has_gate``, ``has_post_expert_norm``). Three layouts are
-computed, recognised from those attributes, the weights' ranks and the activation (the module's own ``_apply_gate`` compared with ours on probe values, large
-enough to reach any clamp), never from the class name:
+computed, recognised from those attributes, the weights' ranks and the activation (the module's own ``_apply_gate``
+compared with ours on probe values, large enough to reach any clamp), never from the class name:
 
 * :class:`FusedExpertParallel` (Qwen2-MoE, Mixtral, ...): ``gate_up_proj`` [E, 2I, H] (the gate rows,
   then the up rows, of every expert) and ``down_proj`` [E, H, I], no biases, SiLU; the local weights
@@ -56,7 +56,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshtron.config import ConfigError
 from meshtron.hf.discover import hf_parts
 from meshtron.mesh import expert_meshes, expert_split
-from meshtron.models.moe import grouped_matmul, grouped_swiglu
+from meshtron.models.moe import grouped_swiglu
 from meshtron.parallel.expert import ExpertDispatch, check_expert_divisible
 from meshtron.parallel.float8 import fits_fp8, grouped_matmul_for
 from meshtron.torch_private import CONV_BASE
@@ -100,8 +100,13 @@ class FusedExpertParallel(ExpertDispatch):
     in the SwiGLU layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I], no biases."""
 
     # The attributes transformers' ``use_experts_implementation`` sets, as this class computes them.
-    LAYOUT: ClassVar[dict[str, bool]] = {"has_gate": True, "is_concatenated": True, "is_transposed": False, "has_bias": False,
-              "has_post_expert_norm": False}
+    LAYOUT: ClassVar[dict[str, bool]] = {
+        "has_gate": True,
+        "is_concatenated": True,
+        "is_transposed": False,
+        "has_bias": False,
+        "has_post_expert_norm": False,
+    }
     PARAMS = _FUSED
     DESCRIPTION = "SiLU-gated experts with gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I], no biases"
 
@@ -147,7 +152,9 @@ class TransposedExpertParallel(FusedExpertParallel):
     [E, H, 2I] (gate columns first), down_proj [E, I, H], no biases."""
 
     LAYOUT: ClassVar[dict[str, bool]] = dict(FusedExpertParallel.LAYOUT, is_transposed=True)
-    DESCRIPTION = "SiLU-gated experts with gate_up_proj [E, H, 2I] (gate columns first) and down_proj [E, I, H], no biases"
+    DESCRIPTION = (
+        "SiLU-gated experts with gate_up_proj [E, H, 2I] (gate columns first) and down_proj [E, I, H], no biases"
+    )
 
     def local_weights(self) -> tuple[torch.Tensor, ...]:
         gate, up = self.local(self.gate_up_proj).chunk(2, dim=2)
@@ -161,10 +168,14 @@ class ClampedExpertParallel(FusedExpertParallel):
     [E, in, out] blocks grouped_mm multiplies; the biases are split over ep like them, and each row
     gets its expert's bias."""
 
-    LAYOUT: ClassVar[dict[str, bool]] = dict(FusedExpertParallel.LAYOUT, is_concatenated=False, is_transposed=True, has_bias=True)
+    LAYOUT: ClassVar[dict[str, bool]] = dict(
+        FusedExpertParallel.LAYOUT, is_concatenated=False, is_transposed=True, has_bias=True
+    )
     PARAMS = _FUSED_BIASED
-    DESCRIPTION = ("clamped GLU experts (alpha, limit) with interleaved gate/up gate_up_proj [E, H, 2I], "
-                   "down_proj [E, I, H] and their biases (gpt-oss)")
+    DESCRIPTION = (
+        "clamped GLU experts (alpha, limit) with interleaved gate/up gate_up_proj [E, H, 2I], "
+        "down_proj [E, I, H] and their biases (gpt-oss)"
+    )
 
     def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, tp_mesh: DeviceMesh):
         super().__init__(experts, ep_mesh, tp_mesh)
@@ -199,15 +210,20 @@ class ScaledInputExpertParallel(TransposedExpertParallel):
     (``scale_inputs``), so only the chosen copies are computed."""
 
     SCALE_INPUTS = True
-    DESCRIPTION = ("SiLU-gated experts with gate_up_proj [E, H, 2I] (gate columns first) and down_proj [E, I, H], "
-                   "called on expert-major rows [E * T, H] (Llama 4)")
+    DESCRIPTION = (
+        "SiLU-gated experts with gate_up_proj [E, H, 2I] (gate columns first) and down_proj [E, I, H], "
+        "called on expert-major rows [E * T, H] (Llama 4)"
+    )
 
     @classmethod
     def computes(cls, experts: nn.Module) -> bool:
         """Whether ``experts``' own forward, run on small probe weights (its own may be on the meta device)
         and expert-major probe rows, computes what this class does."""
         shapes = _shapes(experts, _FUSED)
-        if any(s is None or len(s) != 3 for s in shapes.values()) or len(inspect.signature(experts.forward).parameters) != 1:
+        if (
+            any(s is None or len(s) != 3 for s in shapes.values())
+            or len(inspect.signature(experts.forward).parameters) != 1
+        ):
             return False
         hidden = shapes["gate_up_proj"][1]
         gen = torch.Generator().manual_seed(0)
@@ -230,10 +246,11 @@ def _expert_class(name: str, experts: nn.Module) -> type[FusedExpertParallel] | 
             return cls
     found = {k: getattr(experts, k, "missing") for k in FusedExpertParallel.LAYOUT}
     extra = {k: getattr(experts, k) for k in ("alpha", "limit") if hasattr(experts, k)}
-    return (f"experts '{name}' ({type(experts).__name__}) are not in a layout meshtron's expert parallelism "
-            f"computes (found {found}, {extra}, {_shapes(experts, _FUSED_BIASED)}; the activation is compared through its "
-            "_apply_gate); supported: "
-            + "; ".join(cls.DESCRIPTION for cls in _LAYOUTS))
+    return (
+        f"experts '{name}' ({type(experts).__name__}) are not in a layout meshtron's expert parallelism "
+        f"computes (found {found}, {extra}, {_shapes(experts, _FUSED_BIASED)}; the activation is compared through its "
+        "_apply_gate); supported: " + "; ".join(cls.DESCRIPTION for cls in _LAYOUTS)
+    )
 
 
 # Config keys transformers families use for the number of routed experts.
@@ -309,8 +326,13 @@ def _scales_router_inputs(block: nn.Module) -> bool:
             setattr(block, name, module)
     factor = (torch.arange(1.0, experts + 1) * scores**2).sum(1, keepdim=True)
     expected = 3 * x[0] + x[0] ** 2 * factor
-    return (isinstance(out, tuple) and len(out) == 2 and out[1] is stand_ins["router"].logits
-            and out[0].numel() == expected.numel() and torch.allclose(out[0].reshape(expected.shape), expected, atol=1e-5))
+    return (
+        isinstance(out, tuple)
+        and len(out) == 2
+        and out[1] is stand_ins["router"].logits
+        and out[0].numel() == expected.numel()
+        and torch.allclose(out[0].reshape(expected.shape), expected, atol=1e-5)
+    )
 
 
 class RouterScaledMoE(nn.Module):
@@ -351,9 +373,11 @@ def _router_scaled_class(model: nn.Module, name: str) -> type[FusedExpertParalle
         )
     if ScaledInputExpertParallel.computes(experts):
         return ScaledInputExpertParallel
-    return (f"experts '{name}' ({type(experts).__name__}) of a router-scaled MoE are not in a layout meshtron's "
-            f"expert parallelism computes (found {_shapes(experts, _FUSED)}; their forward is compared on probe "
-            f"values); supported: {ScaledInputExpertParallel.DESCRIPTION}")
+    return (
+        f"experts '{name}' ({type(experts).__name__}) of a router-scaled MoE are not in a layout meshtron's "
+        f"expert parallelism computes (found {_shapes(experts, _FUSED)}; their forward is compared on probe "
+        f"values); supported: {ScaledInputExpertParallel.DESCRIPTION}"
+    )
 
 
 def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, tuple[nn.Module, type[FusedExpertParallel]]]:
@@ -368,8 +392,10 @@ def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, tuple[nn.Module, t
     unknown = {k: s for k, s in plan.items() if s not in _EP_STYLES}
     if unknown:
         key, style = next(iter(unknown.items()))
-        raise ConfigError(f"parallelize_hf_model: ep plan style '{style}' (for '{key}') is not supported; "
-                          f"supported: {', '.join(_EP_STYLES)}.")
+        raise ConfigError(
+            f"parallelize_hf_model: ep plan style '{style}' (for '{key}') is not supported; "
+            f"supported: {', '.join(_EP_STYLES)}."
+        )
     decoder = hf_parts(model).decoder_path  # ep-plan patterns are relative to the decoder
     patterns = [_pattern(f"{decoder}.{k}") for k, s in plan.items() if s == "ep_dispatch_experts"]
     found = {n: m for n, m in model.named_modules() if any(p.match(n) for p in patterns)}
@@ -379,17 +405,24 @@ def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, tuple[nn.Module, t
     found.update(stacked)
     mismatches = {name: why for name, why in classes.items() if isinstance(why, str)}
     if mismatches and ep > 1:
-        raise ConfigError(f"parallelize_hf_model: ep = {ep}: {next(iter(mismatches.values()))}. Use ep = 1 (those "
-                          "experts then run whole, replicated over tp).")
+        raise ConfigError(
+            f"parallelize_hf_model: ep = {ep}: {next(iter(mismatches.values()))}. Use ep = 1 (those "
+            "experts then run whole, replicated over tp)."
+        )
     if mismatches:
-        warnings.warn(f"parallelize_hf_model: {len(mismatches)} experts modules stay whole on every tp rank (FSDP "
-                      f"still shards them): {next(iter(mismatches.values()))}.", stacklevel=3)
+        warnings.warn(
+            f"parallelize_hf_model: {len(mismatches)} experts modules stay whole on every tp rank (FSDP "
+            f"still shards them): {next(iter(mismatches.values()))}.",
+            stacklevel=3,
+        )
     for experts in found.values():
         check_expert_divisible(experts.num_experts, ep)
     return {name: (experts, classes[name]) for name, experts in found.items() if name not in mismatches}
 
 
-def adopt_router_scaled_blocks(model: nn.Module, modules: dict[str, tuple[nn.Module, type[FusedExpertParallel]]]) -> None:
+def adopt_router_scaled_blocks(
+    model: nn.Module, modules: dict[str, tuple[nn.Module, type[FusedExpertParallel]]]
+) -> None:
     """The blocks of ``modules``' input-scaled experts become :class:`RouterScaledMoE` in place (same
     children), before tensor parallelism hooks its styles onto them (SP gathers a MoE block's sequence)."""
     for name, (_, cls) in modules.items():
@@ -409,8 +442,10 @@ def apply_hf_expert_parallel(
     if modules and etp > 1:
         # gate_up_proj stacks gate and up rows: an etp slice takes a block of each, which no DTensor
         # placement that checkpoints can save describes.
-        raise ConfigError(f"parallelize_hf_model: etp = {etp} is not supported for transformers experts yet "
-                          "(their gate_up_proj is one stacked matrix); use etp = 1 (fold_ep works).")
+        raise ConfigError(
+            f"parallelize_hf_model: etp = {etp} is not supported for transformers experts yet "
+            "(their gate_up_proj is one stacked matrix); use etp = 1 (fold_ep works)."
+        )
     replaced = []
     experts_mesh = expert_meshes(mesh).model if modules else None
     for name, (experts, cls) in modules.items():

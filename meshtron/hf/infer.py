@@ -63,8 +63,13 @@ def _distribute_params(module: nn.Module, mesh: DeviceMesh, placements: dict[str
     for name, placement in placements.items():
         param = getattr(module, name, None)
         if param is not None:
-            module.register_parameter(name, nn.Parameter(
-                distribute_tensor(param, mesh, placement, src_data_rank=src_data_rank), requires_grad=param.requires_grad))
+            module.register_parameter(
+                name,
+                nn.Parameter(
+                    distribute_tensor(param, mesh, placement, src_data_rank=src_data_rank),
+                    requires_grad=param.requires_grad,
+                ),
+            )
 
 
 class TransposedColwise(ColwiseParallel):
@@ -116,8 +121,13 @@ def _divides(tp: int, projections: dict[str, tuple[int, int]], split_dim: dict[s
 # DeepSeek-V2's base_model_tp_plan for its MLA attention, relative to the attention module: the up
 # projections split by heads, the output projection rowwise, the down projections (and their norms)
 # replicated; q_proj replaces q_a_proj / q_b_proj when q_lora_rank is None.
-_MLA = {"q_proj": "colwise", "q_b_proj": "colwise", "kv_a_proj_with_mqa": "mla_kv_a_proj", "kv_b_proj": "colwise",
-        "o_proj": "rowwise"}
+_MLA = {
+    "q_proj": "colwise",
+    "q_b_proj": "colwise",
+    "kv_a_proj_with_mqa": "mla_kv_a_proj",
+    "kv_b_proj": "colwise",
+    "o_proj": "rowwise",
+}
 
 
 def _is_mla(attn: nn.Module) -> bool:
@@ -153,10 +163,15 @@ def _reaches(module: nn.Module, rel: str) -> bool:
     return True
 
 
-def _attention_plan(name: str, attn: nn.Module, hidden: int, heads: int, kv_heads: int,
-                    tp: int) -> tuple[dict[str, str], str | None]:
+def _attention_plan(
+    name: str, attn: nn.Module, hidden: int, heads: int, kv_heads: int, tp: int
+) -> tuple[dict[str, str], str | None]:
     if _is_mla(attn):
-        return (_mla_attention_plan(name, attn), None) if heads % tp == 0 else ({}, f"tp = {tp} does not divide its {heads} heads")
+        return (
+            (_mla_attention_plan(name, attn), None)
+            if heads % tp == 0
+            else ({}, f"tp = {tp} does not divide its {heads} heads")
+        )
     projections = _projections(attn)
     outputs = [n for n in projections if n.rsplit(".", 1)[-1] in _OUTPUT_NAMES]
     inputs = [n for n in projections if n not in outputs and projections[n][0] == hidden]
@@ -169,9 +184,13 @@ def _attention_plan(name: str, attn: nn.Module, hidden: int, heads: int, kv_head
     bad = _divides(tp, projections, split)
     if bad:
         return {}, f"tp = {tp} does not divide the features of '{bad}' {projections[bad]}"
-    by_heads = ({n.rsplit(".", 1)[-1] for n in inputs} in _SEPARATE_QKV and hasattr(attn, "num_key_value_groups")
-                and not any(hasattr(attn, a) for a in _FULL_HEAD_COUNTS)
-                and not any(True for _ in attn.parameters(recurse=False)) and tp_fits(heads, kv_heads, tp))
+    by_heads = (
+        {n.rsplit(".", 1)[-1] for n in inputs} in _SEPARATE_QKV
+        and hasattr(attn, "num_key_value_groups")
+        and not any(hasattr(attn, a) for a in _FULL_HEAD_COUNTS)
+        and not any(True for _ in attn.parameters(recurse=False))
+        and tp_fits(heads, kv_heads, tp)
+    )
     col, row = ("colwise", "rowwise") if by_heads else ("colwise_gather_output", "rowwise_split_input")
     return {**{f"{name}.{n}": col for n in inputs}, f"{name}.{out}": row}, None
 
@@ -181,7 +200,11 @@ def _mlp_plan(name: str, mlp: nn.Module, hidden: int, tp: int) -> tuple[dict[str
     outputs = [n for n, (i, o) in projections.items() if o == hidden and i != hidden]
     inputs = [n for n, (i, _) in projections.items() if i == hidden]
     if len(outputs) != 1 or not inputs or len(inputs) + 1 != len(projections):
-        return {}, f"projections {sorted(projections)} are not up/gate projections from the hidden size plus one down projection"
+        return (
+            {},
+            f"projections {sorted(projections)} are not up/gate projections from the hidden size plus one down "
+            "projection",
+        )
     (down,) = outputs
     width = projections[down][0]
     bad = _divides(tp, projections, {**{n: 1 for n in inputs}, down: 0})
@@ -194,8 +217,9 @@ def _mlp_plan(name: str, mlp: nn.Module, hidden: int, tp: int) -> tuple[dict[str
     return {}, f"its up projections' widths {[projections[n][1] for n in inputs]} do not match down's input {width}"
 
 
-def _block_plan(block: nn.Module, prefix: str, hidden: int, heads: int, kv_heads: int,
-                tp: int) -> tuple[dict[str, str], dict[str, str]]:
+def _block_plan(
+    block: nn.Module, prefix: str, hidden: int, heads: int, kv_heads: int, tp: int
+) -> tuple[dict[str, str], dict[str, str]]:
     """One block's plan entries, and for each kind (attention, MLP) it leaves unsplit, why."""
     plan, unsplit = {}, {}
     moe = any(name.rsplit(".", 1)[-1] == "experts" for name, _ in block.named_modules())
@@ -205,12 +229,16 @@ def _block_plan(block: nn.Module, prefix: str, hidden: int, heads: int, kv_heads
         child = _child(block, names)
         if child is None:
             loose = sorted(n for n in _projections(block) if "." not in n)
-            unsplit[kind] = (f"{kind}: no single submodule named like {names} holds its projections"
-                             + (f" (projections directly in the block: {loose})" if loose else ""))
+            unsplit[kind] = f"{kind}: no single submodule named like {names} holds its projections" + (
+                f" (projections directly in the block: {loose})" if loose else ""
+            )
             continue
         name, module = child
-        part, why = (_attention_plan(name, module, hidden, heads, kv_heads, tp) if kind == "attention"
-                     else _mlp_plan(name, module, hidden, tp))
+        part, why = (
+            _attention_plan(name, module, hidden, heads, kv_heads, tp)
+            if kind == "attention"
+            else _mlp_plan(name, module, hidden, tp)
+        )
         plan.update({f"{prefix}.{k}": v for k, v in part.items()})
         if why:
             unsplit[kind] = f"{kind} '{prefix}.{name}' ({type(module).__name__}): {why}"
@@ -240,7 +268,9 @@ def infer_tp_plan(model: nn.Module, parts: HFParts, tp: int, kv_heads: int) -> d
         warnings.warn(
             f"parallelize_hf_model: {type(model).__name__} has no base_model_tp_plan; the inferred plan leaves "
             f"these parts unsplit over tp (FSDP still shards them; under SP they run on the gathered sequence): "
-            f"{'; '.join(texts)}.", stacklevel=4)
+            f"{'; '.join(texts)}.",
+            stacklevel=4,
+        )
     return plan
 
 

@@ -27,7 +27,9 @@ class CheckpointError(ValueError):
 def read_hf_config(folder: str | Path) -> ModelConfig:
     path = Path(folder) / "config.json"
     if not path.is_file():
-        raise CheckpointError(f"{path} not found: pass a folder written by save_pretrained (config.json + safetensors).")
+        raise CheckpointError(
+            f"{path} not found: pass a folder written by save_pretrained (config.json + safetensors)."
+        )
     try:
         return model_config_from_hf(json.loads(path.read_text()))
     except json.JSONDecodeError as err:
@@ -118,7 +120,9 @@ def _check_keys(folder, expected: set[str], found: set[str]) -> None:
         )
 
 
-def save_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, folder: str | Path, max_shard_bytes: int = 2 << 30) -> None:
+def save_hf(
+    state: dict[str, torch.Tensor], cfg: ModelConfig, folder: str | Path, max_shard_bytes: int = 2 << 30
+) -> None:
     """Write an HF folder that ``from_pretrained`` loads; sharded with an index above ``max_shard_bytes``."""
     write_safetensors_folder(to_hf(state, cfg), hf_config_dict(cfg), folder, max_shard_bytes)
 
@@ -140,7 +144,10 @@ def write_safetensors_folder(
         if len(shards) == 1:
             save_file(shards[0], str(tmp / SINGLE_NAME), metadata={"format": "pt"})
         else:
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}, "weight_map": {}}
+            index = {
+                "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                "weight_map": {},
+            }
             for i, shard in enumerate(shards):
                 name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                 save_file(shard, str(tmp / name), metadata={"format": "pt"})

@@ -35,8 +35,8 @@ an ep plan, whose router scores scale the experts' inputs), whenever ep > 1 or t
   the dispatch and over dp by their own FSDP unit on the expert data mesh;
 * the shared expert is split over tp like a dense MLP (colwise gate/up, rowwise down, output
   all-reduced); the router (E x H) and the shared-expert gate (1 x H) run replicated over tp, on
-  identical tokens (their gradients then agree without communication; :class:`~meshtron.parallel.tp_gradient.TpGradient` decides it
-  on the first backward, as for every parameter no plan entry places);
+  identical tokens (their gradients then agree without communication; :class:`~meshtron.parallel.tp_gradient.TpGradient`
+  decides it on the first backward, as for every parameter no plan entry places);
 * the batch is split over dp x ep (ep ranks are data parallel for everything but the experts);
 * with ``output_router_logits``, ``aux_loss`` is the load-balancing loss of the global batch (router
   statistics summed over dp x ep) and ``loss`` includes ``router_aux_loss_coef`` x that, exactly as
@@ -64,8 +64,8 @@ from meshtron import env
 from meshtron.checkpoint import gather_full_state_dict
 from meshtron.config import ConfigError
 from meshtron.hf import prove
-from meshtron.hf.discover import HFParts, hf_parts, is_rotary
 from meshtron.hf.context import apply_hf_context_parallel
+from meshtron.hf.discover import HFParts, hf_parts, is_rotary
 from meshtron.hf.experts import adopt_router_scaled_blocks, apply_hf_expert_parallel, float8_experts, hf_expert_modules
 from meshtron.hf.io import weight_map, write_safetensors_folder
 from meshtron.hf.loss import global_aux_loss, hf_loss_function
@@ -75,12 +75,12 @@ from meshtron.hf.tp_plan import apply_hf_tensor_parallel, replicate_plain_params
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.models.chunked_loss import DEFAULT_CHUNK_TOKENS
 from meshtron.models.qwen2 import LMHead
-from meshtron.parallel.recompute import checkpoint_blocks
 from meshtron.parallel.compose import allocate_empty, compose
-from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.data import data_meshes, mixed_precision, offload_policy, wrap_units
+from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.offload import offload_blocks
 from meshtron.parallel.pipeline.schedules import V_SHAPED
+from meshtron.parallel.recompute import checkpoint_blocks
 
 
 def _no_cache_in_training(model, args, kwargs):
@@ -93,8 +93,15 @@ def _no_cache_in_training(model, args, kwargs):
     return None
 
 
-def _apply_dp(model: nn.Module, parts: HFParts, mesh: DeviceMesh, mode: str, dtype: str,
-              experts: list[nn.Module], offload: str = "none") -> None:
+def _apply_dp(
+    model: nn.Module,
+    parts: HFParts,
+    mesh: DeviceMesh,
+    mode: str,
+    dtype: str,
+    experts: list[nn.Module],
+    offload: str = "none",
+) -> None:
     """FSDP / replicate units (:func:`~meshtron.parallel.data.wrap_units`): ``experts`` (split over ep) on
     the expert data mesh, every layer, the untied embedding and lm_head, and the root, on the dense data
     mesh. With one dense data rank
@@ -112,9 +119,19 @@ class HFSteps:
     """:class:`~meshtron.parallel.compose.Steps` for a transformers model (the whole model, or a pipeline
     stage's), composed in :func:`~meshtron.parallel.compose.compose`'s order like meshtron's own models."""
 
-    def __init__(self, mesh: DeviceMesh, sp: bool, data_parallel: str, ac: tuple[str, int, str], dtype: str,
-                 cp_comm: tuple[str, int], pipelined: bool, references: list,
-                 offload: tuple[str, bool] = ("none", False), fp8: str = "none"):
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        sp: bool,
+        data_parallel: str,
+        ac: tuple[str, int, str],
+        dtype: str,
+        cp_comm: tuple[str, int],
+        pipelined: bool,
+        references: list,
+        offload: tuple[str, bool] = ("none", False),
+        fp8: str = "none",
+    ):
         """``ac``: the checkpointing mode, ``ac_every`` and ``ac_policy``; ``offload``: ``[parallel] offload``
         and ``offload_activations``; ``fp8``: the recipe the fused experts' grouped GEMMs run (the block
         linears are converted before, :func:`convert_float8`)."""
@@ -136,8 +153,10 @@ class HFSteps:
         dispatched = ep > 1 or self.tp_mesh.size() > 1 or self.fp8 != "none"
         self.expert_modules = hf_expert_modules(model, ep) if dispatched else {}
         if ep > 1 and not self.expert_modules:
-            raise ConfigError(f"parallelize_hf_model: ep = {ep} needs a MoE model with fused experts; "
-                              f"{type(model).__name__} has none. Use ep = 1.")
+            raise ConfigError(
+                f"parallelize_hf_model: ep = {ep} needs a MoE model with fused experts; "
+                f"{type(model).__name__} has none. Use ep = 1."
+            )
         adopt_router_scaled_blocks(model, self.expert_modules)
 
     def tensor(self, model: nn.Module) -> None:
@@ -219,10 +238,10 @@ def parallelize_hf_model(
     """Parallelize a transformers decoder-only ``*ForCausalLM`` in place over ``mesh`` (from ``build_mesh``)
     and return it.
 
-    tp shards the layers by the model's ``base_model_tp_plan``, or one inferred from its module types (plus vocab-parallel embedding/lm_head,
-    the MoE shared expert and optional SP); MoE experts are split over ep by ``base_model_ep_plan`` and
-    fed by all-to-all (:mod:`meshtron.hf.experts`); the batch is split over dp x ep, where dense
-    parameters are FSDP-sharded (``data_parallel="fsdp"``), replicated or HSDP-sharded, and experts
+    tp shards the layers by the model's ``base_model_tp_plan``, or one inferred from its module types (plus
+    vocab-parallel embedding/lm_head, the MoE shared expert and optional SP); MoE experts are split over ep by
+    ``base_model_ep_plan`` and fed by all-to-all (:mod:`meshtron.hf.experts`); the batch is split over dp x ep, where
+    dense parameters are FSDP-sharded (``data_parallel="fsdp"``), replicated or HSDP-sharded, and experts
     over dp. ``ac`` is ``none``, ``full``, ``selective`` (every ``ac_every``-th layer) or ``op`` (every
     layer keeps the op outputs ``ac_policy`` names, :mod:`meshtron.parallel.recompute`);
     ``dtype="bfloat16"`` makes the data-parallel wrapper compute in bf16 with fp32 master weights (only
@@ -233,10 +252,10 @@ def parallelize_hf_model(
     block's own router and gates, the embedding and head stay in the training dtype), converted first so that
     every split takes them as float8 linears (:func:`convert_float8`), and the fused experts' grouped GEMMs in
     float8 through meshtron's dispatch, on one rank too (:func:`meshtron.hf.experts.float8_experts`).
-    Works on meta-device models (then ``to_empty`` and :func:`meshtron.hf.load_sharded_weights`, as :func:`load_hf_checkpoint` does). Each rank of dp x ep
-    passes its own part of the batch; ``.loss`` (and ``.aux_loss``) are the global batch's and
-    ``.logits`` a vocab-sharded DTensor. The dimensions compose in :mod:`meshtron.parallel.compose`'s
-    order, as for meshtron's own models.
+    Works on meta-device models (then ``to_empty`` and :func:`meshtron.hf.load_sharded_weights`, as
+    :func:`load_hf_checkpoint` does). Each rank of dp x ep passes its own part of the batch; ``.loss`` (and
+    ``.aux_loss``) are the global batch's and ``.logits`` a vocab-sharded DTensor. The dimensions compose in
+    :mod:`meshtron.parallel.compose`'s order, as for meshtron's own models.
 
     cp > 1 (:mod:`meshtron.hf.context`): attention runs as meshtron's ring attention; each data rank
     passes whole sequences (length a multiple of 2 x cp, no ``attention_mask``) and the model keeps
@@ -265,9 +284,21 @@ def parallelize_hf_model(
     references = _block_references(model, mesh, stage, sp) if prove_blocks else []
     if pipelined:
         cut_to_stage(model, stage)
-    compose(model, HFSteps(mesh, sp, data_parallel, (ac, ac_every, ac_policy), dtype, (cp_comm_type, cp_a2a_size),
-                           pipelined=pipelined, references=references, offload=(offload, offload_activations),
-                           fp8=fp8))
+    compose(
+        model,
+        HFSteps(
+            mesh,
+            sp,
+            data_parallel,
+            (ac, ac_every, ac_policy),
+            dtype,
+            (cp_comm_type, cp_a2a_size),
+            pipelined=pipelined,
+            references=references,
+            offload=(offload, offload_activations),
+            fp8=fp8,
+        ),
+    )
     _check_still_shared(model, shared)
     if pipelined:
         run_as_stage(model)
@@ -278,8 +309,9 @@ def convert_float8(model: nn.Module, mesh: DeviceMesh, fp8: str, offload: str = 
     """The FP8-capable linears of the model's decoder blocks as ``Float8Linear`` (in place, meta or real;
     :func:`meshtron.parallel.float8.apply_float8` with the blocks :mod:`meshtron.hf.discover` finds), for the
     tp and data split ``mesh`` will give them; ``fp8`` "none" leaves the model as it is."""
-    return apply_float8(model, fp8, mesh["tp"].size(), dense_data_mesh(mesh).size(), offload != "none",
-                        hf_parts(model).block_items())
+    return apply_float8(
+        model, fp8, mesh["tp"].size(), dense_data_mesh(mesh).size(), offload != "none", hf_parts(model).block_items()
+    )
 
 
 def _block_references(model: nn.Module, mesh: DeviceMesh, stage: HFStage | None, sp: bool) -> list:
@@ -323,25 +355,35 @@ def _split_alike(a: torch.Tensor, b: torch.Tensor) -> bool:
     return not isinstance(a, DTensor) or (a.placements == b.placements and a.device_mesh == b.device_mesh)
 
 
-def _check_shared_in_one_stage(model: nn.Module, shared: list[list[tuple[str, nn.Module, str]]],
-                               stage: HFStage) -> None:
+def _check_shared_in_one_stage(
+    model: nn.Module, shared: list[list[tuple[str, nn.Module, str]]], stage: HFStage
+) -> None:
     """Weights reused by decoder layers that pp puts on different stages would be two copies, each trained
     by its stage's share of the gradient: refused on every rank alike, before any collective (a tied
     embedding and head is the pipeline's own case: it sums their gradients)."""
     parts, p = hf_parts(model), stage.parallel
     blocks = parts.blocks_path
-    stage_of = {index: pp_rank for pp_rank in range(p.pp) for layers in
-                stage_chunks(len(parts.blocks), pp_rank, p.pp, p.virtual_stages,
-                             p.schedule in V_SHAPED).values() for index in layers}
+    stage_of = {
+        index: pp_rank
+        for pp_rank in range(p.pp)
+        for layers in stage_chunks(len(parts.blocks), pp_rank, p.pp, p.virtual_stages, p.schedule in V_SHAPED).values()
+        for index in layers
+    }
     for group in shared:
-        indices = sorted({int(path.removeprefix(f"{blocks}.").split(".")[0]) for path, _, _ in group
-                          if path.startswith(f"{blocks}.")})
+        indices = sorted(
+            {
+                int(path.removeprefix(f"{blocks}.").split(".")[0])
+                for path, _, _ in group
+                if path.startswith(f"{blocks}.")
+            }
+        )
         if len({stage_of[i] for i in indices}) > 1:
             names = ", ".join(f"'{path}.{name}'" for path, _, name in group)
             raise ConfigError(
                 f"parallelize_hf_model: {names} share one Parameter, but pp = {p.pp} puts their layers "
                 f"{indices} on different pipeline stages (each stage would train its own copy). Use pp = 1, or "
-                "a pipeline split that keeps those layers in one stage.")
+                "a pipeline split that keeps those layers in one stage."
+            )
 
 
 def _check_still_shared(model: nn.Module, shared: list[list[tuple[str, nn.Module, str]]]) -> None:
@@ -353,9 +395,11 @@ def _check_still_shared(model: nn.Module, shared: list[list[tuple[str, nn.Module
         here = [(path, getattr(module, name)) for path, module, name in group if id(module) in present]
         if len({id(param) for _, param in here}) > 1:
             names = ", ".join(f"'{path}.{name}'" for (path, _, name) in group)
-            raise ConfigError(f"parallelize_hf_model: {names} share one Parameter, but parallelizing gave them "
-                              "separate copies (their gradients would be split and the copies drift apart); "
-                              "sharing weights between these modules is not supported with this layout.")
+            raise ConfigError(
+                f"parallelize_hf_model: {names} share one Parameter, but parallelizing gave them "
+                "separate copies (their gradients would be split and the copies drift apart); "
+                "sharing weights between these modules is not supported with this layout."
+            )
 
 
 def _as_meshtron_head(head: nn.Module | None) -> None:
@@ -414,9 +458,20 @@ def _check_twin(folder: str | Path, config, mesh: DeviceMesh, options: dict) -> 
     prove.check_sequence_dim(twin, parts, mesh, kw["sp"])
     if proving:
         references = prove.record_references(twin, kinds, mesh, kw["sp"])
-        compose(twin, _TwinSteps(mesh, kw["sp"], kw["data_parallel"], ("none", 1, kw["ac_policy"]), kw["dtype"],
-                                 (kw["cp_comm_type"], kw["cp_a2a_size"]), pipelined=False, references=references,
-                                 fp8=kw["fp8"]))
+        compose(
+            twin,
+            _TwinSteps(
+                mesh,
+                kw["sp"],
+                kw["data_parallel"],
+                ("none", 1, kw["ac_policy"]),
+                kw["dtype"],
+                (kw["cp_comm_type"], kw["cp_a2a_size"]),
+                pipelined=False,
+                references=references,
+                fp8=kw["fp8"],
+            ),
+        )
     return read
 
 
@@ -467,7 +522,9 @@ def load_hf_checkpoint(folder: str | Path, mesh: DeviceMesh, **options) -> tuple
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if mesh["pp"].size() > 1:
-        raise ConfigError("load_hf_checkpoint: pp > 1 is not supported yet; use from_pretrained, then parallelize_hf_model.")
+        raise ConfigError(
+            "load_hf_checkpoint: pp > 1 is not supported yet; use from_pretrained, then parallelize_hf_model."
+        )
     config = AutoConfig.from_pretrained(folder)
     if _converted_on_load(folder, config):
         return _whole_then_parallelize(folder, mesh, options)

@@ -91,8 +91,16 @@ def prune_hf_to_stage(model: nn.Module, chunks: dict[int, range], num_stages: in
     if not last:
         _replace(model, parts.norm, None)
         _replace(model, parts.head, None)
-    set_stage_parts(model, dataclasses.replace(parts, blocks=blocks, embed=parts.embed if first else None,
-                                               norm=parts.norm if last else None, head=parts.head if last else None))
+    set_stage_parts(
+        model,
+        dataclasses.replace(
+            parts,
+            blocks=blocks,
+            embed=parts.embed if first else None,
+            norm=parts.norm if last else None,
+            head=parts.head if last else None,
+        ),
+    )
 
 
 @contextlib.contextmanager
@@ -118,13 +126,20 @@ def whole_sequences() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = found
 
 
-def _masks(model: nn.Module, h: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]) -> dict[str, torch.Tensor | None]:
+def _masks(
+    model: nn.Module, h: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]
+) -> dict[str, torch.Tensor | None]:
     """The masks of ``kinds`` transformers builds for its blocks (None where sdpa's causal flag or the ring
     does it). Only shape, dtype and device of the stand-in embeddings are read: under SP ``h`` holds a slice."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    shape = dict(config=model.config, inputs_embeds=h.new_empty(*position_ids.shape, 0), attention_mask=None,
-                 past_key_values=None, position_ids=position_ids)
+    shape = dict(
+        config=model.config,
+        inputs_embeds=h.new_empty(*position_ids.shape, 0),
+        attention_mask=None,
+        past_key_values=None,
+        position_ids=position_ids,
+    )
     build = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
     with whole_sequences():
         return {kind: build[kind](**shape) for kind in kinds}
@@ -141,8 +156,9 @@ def _mask_kind(model: nn.Module, block: nn.Module, index: int) -> str:
     return getattr(block, "attention_type", default)
 
 
-def _position_embeddings(rotary: nn.Module, h: torch.Tensor, position_ids: torch.Tensor,
-                         kinds: set[str]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _position_embeddings(
+    rotary: nn.Module, h: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(cos, sin) per mask kind, as the decoder computes them: one rotary embedding for every block, or,
     where its forward takes a ``layer_type`` (Gemma 3: a local RoPE base on sliding layers), one per type."""
     if "layer_type" in inspect.signature(rotary.forward).parameters:
@@ -155,8 +171,16 @@ def _softcapped(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def _stage_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layers: range, first: bool, last: bool,
-                   labels: torch.Tensor | None = None, **_) -> torch.Tensor:
+def _stage_forward(
+    self,
+    x: torch.Tensor,
+    position_ids: torch.Tensor,
+    layers: range,
+    first: bool,
+    last: bool,
+    labels: torch.Tensor | None = None,
+    **_,
+) -> torch.Tensor:
     """One chunk of a pruned stage model: hidden states, or on the last chunk the summed token loss of
     ``labels`` (next-token targets). Extra keywords (a KV cache turned off by hooks) are not used."""
     parts = hf_parts(self)
@@ -166,8 +190,13 @@ def _stage_forward(self, x: torch.Tensor, position_ids: torch.Tensor, layers: ra
     rope = _position_embeddings(parts.rotary, h, position_ids, set(kinds.values()))
     for i in layers:
         block = parts.blocks[str(i)]
-        out = block(h, attention_mask=masks[kinds[i]], position_ids=position_ids,
-                    position_embeddings=rope[kinds[i]], use_cache=False)
+        out = block(
+            h,
+            attention_mask=masks[kinds[i]],
+            position_ids=position_ids,
+            position_embeddings=rope[kinds[i]],
+            use_cache=False,
+        )
         h = out[0] if isinstance(out, tuple) else out
     if not last:
         return h
@@ -211,17 +240,23 @@ def _check_hf_pipeline(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig) ->
     cfg, parts = model.config, hf_parts(model)
     check_pipeline_layout(p, len(parts.blocks), "parallelize_hf_model:")
     if rescale := embedding_rescaling(parts):  # read from the decoder's forward (Granite's embedding_multiplier)
-        raise ConfigError(f"parallelize_hf_model: pp > 1 does not support {type(parts.decoder).__name__}'s forward "
-                          f"rescaling the embeddings outside its embedding module ('{rescale}'); use pp = 1.")
+        raise ConfigError(
+            f"parallelize_hf_model: pp > 1 does not support {type(parts.decoder).__name__}'s forward "
+            f"rescaling the embeddings outside its embedding module ('{rescale}'); use pp = 1."
+        )
     for key, what in _REFUSED_CONFIG.items():
         if getattr(cfg, key, None):
-            raise ConfigError(f"parallelize_hf_model: pp > 1 does not support {what} (config.{key} = "
-                              f"{getattr(cfg, key)!r}); use pp = 1.")
+            raise ConfigError(
+                f"parallelize_hf_model: pp > 1 does not support {what} (config.{key} = "
+                f"{getattr(cfg, key)!r}); use pp = 1."
+            )
     if getattr(cfg, "output_router_logits", False):
         check_router_loss(model)
     if not isinstance(parts.rotary, nn.Module):
-        raise ConfigError(f"parallelize_hf_model: pp > 1 needs one rotary embedding module; "
-                          f"{type(model).__name__} has none. Use pp = 1.")
+        raise ConfigError(
+            f"parallelize_hf_model: pp > 1 needs one rotary embedding module; "
+            f"{type(model).__name__} has none. Use pp = 1."
+        )
 
 
 def _compute_dtype(model: nn.Module, mesh: DeviceMesh, dtype: str) -> str:
@@ -237,6 +272,7 @@ class HFStage:
     """What :class:`HFPipelineRunner` needs of a stage model that :func:`cut_to_stage` cut: the layout,
     ``{global stage: block range}`` of this rank's chunks, whether embedding and head share a weight,
     and the boundary tensors' (hidden size, dtype)."""
+
     parallel: ParallelConfig
     chunks: dict[int, range]
     tied: bool
@@ -246,17 +282,26 @@ class HFStage:
 _STAGE = "_meshtron_hf_stage"
 
 
-def plan_stage(model: nn.Module, mesh: DeviceMesh, schedule: str, microbatches: int, virtual_stages: int,
-               sp: bool, dtype: str) -> HFStage:
+def plan_stage(
+    model: nn.Module, mesh: DeviceMesh, schedule: str, microbatches: int, virtual_stages: int, sp: bool, dtype: str
+) -> HFStage:
     """Check the pipelined layout (before any collective) and work out this pp-rank's stage of ``model``."""
-    p = ParallelConfig(pp=mesh["pp"].size(), cp=mesh["cp"].size(), tp=mesh["tp"].size(), sp=sp,
-                       schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages)
+    p = ParallelConfig(
+        pp=mesh["pp"].size(),
+        cp=mesh["cp"].size(),
+        tp=mesh["tp"].size(),
+        sp=sp,
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual_stages=virtual_stages,
+    )
     _check_hf_pipeline(model, mesh, p)
     parts = hf_parts(model)
     tied = parts.embed.weight is parts.head.weight
     boundary = (model.config.hidden_size, _compute_dtype(model, mesh, dtype))
-    chunks = stage_chunks(len(parts.blocks), mesh["pp"].get_local_rank(), p.pp, p.virtual_stages,
-                          p.schedule in V_SHAPED)
+    chunks = stage_chunks(
+        len(parts.blocks), mesh["pp"].get_local_rank(), p.pp, p.virtual_stages, p.schedule in V_SHAPED
+    )
     return HFStage(p, chunks, tied, boundary)
 
 
@@ -292,13 +337,22 @@ class HFPipelineRunner(PipelineRunner):
     def __init__(self, model: nn.Module, mesh: DeviceMesh):
         stage = model.__dict__.get(_STAGE)
         if stage is None:
-            raise ConfigError("HFPipelineRunner: pass the stage model that parallelize_hf_model returns for a mesh "
-                              "with pp > 1.")
+            raise ConfigError(
+                "HFPipelineRunner: pass the stage model that parallelize_hf_model returns for a mesh with pp > 1."
+            )
         p = stage.parallel
         chunks = {s: HFStageChunk(model, s, r, p.pp * p.virtual_stages) for s, r in stage.chunks.items()}
         parts = hf_parts(model)
-        self._start(model, chunks, mesh, p, stage.boundary, env.local_device(),
-                    (parts.embed, parts.head) if stage.tied else None, has_moe=False)
+        self._start(
+            model,
+            chunks,
+            mesh,
+            p,
+            stage.boundary,
+            env.local_device(),
+            (parts.embed, parts.head) if stage.tied else None,
+            has_moe=False,
+        )
         if getattr(model.config, "output_router_logits", False):
             self.relay = PipelineRouterLoss(model, self.data_group, self.device)
 
@@ -320,5 +374,15 @@ class HFPipelineRunner(PipelineRunner):
         return self.relay.attach(out, logits, stage, mb, self.chunks[stage].is_last)
 
 
-__all__ = ["HFPipelineRunner", "HFStage", "HFStageChunk", "cut_to_stage", "plan_stage", "prune_hf_to_stage", "run_as_stage",
-           "stage_block", "stage_chunks", "whole_sequences"]
+__all__ = [
+    "HFPipelineRunner",
+    "HFStage",
+    "HFStageChunk",
+    "cut_to_stage",
+    "plan_stage",
+    "prune_hf_to_stage",
+    "run_as_stage",
+    "stage_block",
+    "stage_chunks",
+    "whole_sequences",
+]

@@ -98,10 +98,11 @@ def _probe_ids(model: nn.Module, mesh: DeviceMesh) -> torch.Tensor:
     """This rank's probe rows of a global batch that is the same on every rank (dp x ep ranks read different rows)."""
     readers = batch_mesh(mesh)
     gen = torch.Generator().manual_seed(20261126)
-    ids = torch.randint(0, model.config.vocab_size, (readers.size() * _PROBE_ROWS_PER_RANK, probe_length(mesh)),
-                        generator=gen)
+    ids = torch.randint(
+        0, model.config.vocab_size, (readers.size() * _PROBE_ROWS_PER_RANK, probe_length(mesh)), generator=gen
+    )
     row = readers.get_local_rank() * _PROBE_ROWS_PER_RANK
-    return ids[row:row + _PROBE_ROWS_PER_RANK]
+    return ids[row : row + _PROBE_ROWS_PER_RANK]
 
 
 def _hidden_of(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -137,6 +138,7 @@ def _capture_inputs(blocks: list[tuple[int, nn.Module]], forward: Callable[[], o
             captured[index] = (args, kwargs)
             if len(captured) == len(blocks):
                 raise _InputsCaptured
+
         return capture
 
     handles = [block.register_forward_pre_hook(hook(index), with_kwargs=True, prepend=True) for index, block in blocks]
@@ -178,8 +180,9 @@ def _model_forward(model: nn.Module, mesh: DeviceMesh) -> Callable[[], object]:
     return lambda: model(input_ids=ids, use_cache=False)
 
 
-def record_references(model: nn.Module, kinds: list[tuple[int, nn.Module]], mesh: DeviceMesh,
-                      sp: bool) -> list[_Reference]:
+def record_references(
+    model: nn.Module, kinds: list[tuple[int, nn.Module]], mesh: DeviceMesh, sp: bool
+) -> list[_Reference]:
     """Each of ``kinds`` (:func:`block_kinds`) run whole on this rank's probe rows (see the module docstring)."""
     with _eval_mode(model):
         captured = _capture_inputs(kinds, _model_forward(model, mesh))
@@ -197,21 +200,26 @@ def record_references(model: nn.Module, kinds: list[tuple[int, nn.Module]], mesh
     return references
 
 
-def _known_causes(block: nn.Module, args: tuple, kwargs: dict, hidden: torch.Tensor, mesh: DeviceMesh,
-                  sp: bool) -> list[str]:
+def _known_causes(
+    block: nn.Module, args: tuple, kwargs: dict, hidden: torch.Tensor, mesh: DeviceMesh, sp: bool
+) -> list[str]:
     """What in ``block`` this layout is known not to serve, for the block check's refusal to name when the
     split block differs: under SP a second input shaped like the residual stream (SP splits the stream
     only), under cp the token mixers the ring does not serve."""
     causes = []
     if sp and mesh["tp"].size() > 1 and (streams := _stream_twins(block, args, kwargs, hidden)):
-        causes.append(f"{type(block).__name__} takes {', '.join(streams)} beside its hidden states, of the same "
-                      f"shape {list(hidden.shape)}: under SP the stream is split along the sequence, that input is "
-                      "not. Set [parallel] sp = false for this family")
+        causes.append(
+            f"{type(block).__name__} takes {', '.join(streams)} beside its hidden states, of the same "
+            f"shape {list(hidden.shape)}: under SP the stream is split along the sequence, that input is "
+            "not. Set [parallel] sp = false for this family"
+        )
     if mesh["cp"].size() > 1 and (mixers := _unserved_mixers(block, args, kwargs, hidden)):
-        causes.append(f"{', '.join(mixers)} {'mix' if len(mixers) > 1 else 'mixes'} tokens along the sequence and "
-                      f"{'are' if len(mixers) > 1 else 'is'} not softmax attention, the only mixer cp's ring "
-                      "attention serves: under cp it would see only this rank's chunks of each sequence. Set "
-                      "[parallel] cp = 1 for this family")
+        causes.append(
+            f"{', '.join(mixers)} {'mix' if len(mixers) > 1 else 'mixes'} tokens along the sequence and "
+            f"{'are' if len(mixers) > 1 else 'is'} not softmax attention, the only mixer cp's ring "
+            "attention serves: under cp it would see only this rank's chunks of each sequence. Set "
+            "[parallel] cp = 1 for this family"
+        )
     return causes
 
 
@@ -221,8 +229,11 @@ def _stream_twins(block: nn.Module, args: tuple, kwargs: dict, hidden: torch.Ten
     names = list(inspect.signature(block.forward).parameters)
     named = [(names[i] if i < len(names) else f"argument {i}", a) for i, a in enumerate(args)][1:]
     named += [(k, v) for k, v in kwargs.items() if args or k != "hidden_states"]
-    return [f"'{name}'" for name, value in named if isinstance(value, torch.Tensor)
-            and value.is_floating_point() and value.shape == hidden.shape]
+    return [
+        f"'{name}'"
+        for name, value in named
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == hidden.shape
+    ]
 
 
 def _unserved_mixers(block: nn.Module, args: tuple, kwargs: dict, hidden: torch.Tensor) -> list[str]:
@@ -314,8 +325,9 @@ def _placements(p: torch.Tensor) -> str:
     return ", ".join(f"{name} {placement}" for name, placement in zip(p.device_mesh.mesh_dim_names, p.placements))
 
 
-def _comparisons(block: nn.Module, ref: _Reference, inputs: tuple, mesh: DeviceMesh, sp: bool, first: bool,
-                 experts: set[int]) -> list[tuple[str, float, float]]:
+def _comparisons(
+    block: nn.Module, ref: _Reference, inputs: tuple, mesh: DeviceMesh, sp: bool, first: bool, experts: set[int]
+) -> list[tuple[str, float, float]]:
     """(what, error, tolerance) of the split block against ``ref``, in one order on every rank; ``inputs``:
     the (args, kwargs) the split model's forward hands the block."""
     shard_in = sp and not first  # the first block slices its (replicated) input itself under SP
@@ -330,8 +342,10 @@ def _comparisons(block: nn.Module, ref: _Reference, inputs: tuple, mesh: DeviceM
         what = _raised(err)
         return [(what, math.inf, act_tol)] + [("output", math.inf, act_tol)] * (1 + len(named))
     expected_out, expected_hidden_grad = _held(ref.out, mesh, sp), _held(ref.hidden_grad, mesh, shard_in)
-    found = [("output", _error(out, expected_out, 0.0), act_tol),
-             ("input gradient", _error(hidden_grad, expected_hidden_grad, 0.0), act_tol)]
+    found = [
+        ("output", _error(out, expected_out, 0.0), act_tol),
+        ("input gradient", _error(hidden_grad, expected_hidden_grad, 0.0), act_tol),
+    ]
     expected = dict(zip(ref.grads, _summed(list(ref.grads.values()), batch_mesh(mesh))))
     floor = _FLOOR * max((g.abs().max().item() for g in expected.values()), default=0.0)
     actual = _gradients_summed(named, experts, mesh)
@@ -339,14 +353,21 @@ def _comparisons(block: nn.Module, ref: _Reference, inputs: tuple, mesh: DeviceM
         if p is None:
             found.append((f"gradient of '{name}' (no parameter of that name after splitting)", math.inf, grad_tol))
             continue
-        found.append((f"gradient of '{name}' ({type(block.get_submodule(name.rpartition('.')[0])).__name__}, "
-                      f"{_placements(p)})", _error(actual[name], expected[name], floor), grad_tol))
+        found.append(
+            (
+                f"gradient of '{name}' ({type(block.get_submodule(name.rpartition('.')[0])).__name__}, "
+                f"{_placements(p)})",
+                _error(actual[name], expected[name], floor),
+                grad_tol,
+            )
+        )
     block.zero_grad(set_to_none=True)
     return found
 
 
-def _gradients_summed(named: list[tuple[str, torch.Tensor | None]], experts: set[int],
-                      mesh: DeviceMesh) -> dict[str, torch.Tensor]:
+def _gradients_summed(
+    named: list[tuple[str, torch.Tensor | None]], experts: set[int], mesh: DeviceMesh
+) -> dict[str, torch.Tensor]:
     """The split block's parameter gradients made whole and summed as the data-parallel wrappers will:
     dense ones over dp x ep x cp, experts over their edp ranks."""
     whole = {name: _whole(p.grad if p.grad is not None else torch.zeros_like(p)) for name, p in named if p is not None}
@@ -357,12 +378,20 @@ def _gradients_summed(named: list[tuple[str, torch.Tensor | None]], experts: set
     return summed
 
 
-def _capture_or_refuse(model: nn.Module, blocks: dict[int, nn.Module], references: list[_Reference],
-                       forward: Callable[[], object], mesh: DeviceMesh, sp: bool) -> dict[int, tuple]:
+def _capture_or_refuse(
+    model: nn.Module,
+    blocks: dict[int, nn.Module],
+    references: list[_Reference],
+    forward: Callable[[], object],
+    mesh: DeviceMesh,
+    sp: bool,
+) -> dict[int, tuple]:
     """:func:`_capture_inputs` of the split model; a split block that raises on the way to a later kind's block
     (HY-V4's dense block 0 before its MoE block 1) is refused naming it, as a proved block that raises is."""
     entered: list[int] = []
-    handles = [block.register_forward_pre_hook(lambda *_, i=index: entered.append(i)) for index, block in blocks.items()]
+    handles = [
+        block.register_forward_pre_hook(lambda *_, i=index: entered.append(i)) for index, block in blocks.items()
+    ]
     try:
         return _capture_inputs([(ref.index, blocks[ref.index]) for ref in references], forward)
     except ConfigError:
@@ -377,8 +406,15 @@ def _capture_or_refuse(model: nn.Module, blocks: dict[int, nn.Module], reference
             handle.remove()
 
 
-def _split_inputs(model: nn.Module, blocks: dict[int, nn.Module], references: list[_Reference], mesh: DeviceMesh,
-                  sp: bool, first: int | None, run_block: Callable | None) -> dict[int, tuple]:
+def _split_inputs(
+    model: nn.Module,
+    blocks: dict[int, nn.Module],
+    references: list[_Reference],
+    mesh: DeviceMesh,
+    sp: bool,
+    first: int | None,
+    run_block: Callable | None,
+) -> dict[int, tuple]:
     """(args, kwargs) the split model hands each reference's block: from the model's own forward, or under
     pp from ``run_block(index, hidden, position_ids)`` on the hidden states as the stage holds them."""
     targets = [(ref.index, blocks[ref.index]) for ref in references]
@@ -390,12 +426,24 @@ def _split_inputs(model: nn.Module, blocks: dict[int, nn.Module], references: li
     for index, block in targets:
         ref = next(r for r in references if r.index == index)
         hidden = _held(ref.hidden, mesh, sp and index != first)
-        found.update(_capture_inputs([(index, block)], lambda: run_block(index, hidden, positions.to(hidden.device))))
+        found.update(
+            _capture_inputs(
+                [(index, block)],
+                lambda: run_block(index, hidden, positions.to(hidden.device)),  # noqa: B023 - called at once
+            )
+        )
     return found
 
 
-def prove_blocks(model: nn.Module, parts: HFParts, mesh: DeviceMesh, references: list[_Reference], sp: bool,
-                 experts: list[nn.Module], run_block: Callable | None = None) -> None:
+def prove_blocks(
+    model: nn.Module,
+    parts: HFParts,
+    mesh: DeviceMesh,
+    references: list[_Reference],
+    sp: bool,
+    experts: list[nn.Module],
+    run_block: Callable | None = None,
+) -> None:
     """Each kind's first block, split, against its reference; a :class:`ConfigError` on every rank at the
     first part whose error (the largest over its stage's ranks) exceeds its tolerance. ``run_block``: a
     pipeline stage's (:func:`meshtron.hf.pipeline.stage_block`), None for a whole model."""
@@ -406,9 +454,14 @@ def prove_blocks(model: nn.Module, parts: HFParts, mesh: DeviceMesh, references:
     expert_params = {id(p) for module in experts for p in module.parameters()}
     with _eval_mode(model):
         inputs = _split_inputs(model, blocks, references, mesh, sp, first, run_block)
-        found = [(ref.index, type(blocks[ref.index]).__name__,
-                  _comparisons(blocks[ref.index], ref, inputs[ref.index], mesh, sp, ref.index == first, expert_params))
-                 for ref in references]
+        found = [
+            (
+                ref.index,
+                type(blocks[ref.index]).__name__,
+                _comparisons(blocks[ref.index], ref, inputs[ref.index], mesh, sp, ref.index == first, expert_params),
+            )
+            for ref in references
+        ]
     failure = _first_failure(found, mesh)
     if failure is not None:
         index, cls, what, err, tolerance = failure
@@ -421,20 +474,26 @@ def _cause(references: list[_Reference], index: int) -> str | None:
     return "; ".join(next((ref.causes for ref in references if ref.index == index), [])) or None
 
 
-def _refuse(model: nn.Module, index: int, cls: str, mesh: DeviceMesh, sp: bool, what: str, how: str,
-            cause: str | None = None):
+def _refuse(
+    model: nn.Module, index: int, cls: str, mesh: DeviceMesh, sp: bool, what: str, how: str, cause: str | None = None
+):
     """The block check's ConfigError; ``cause``: what the check found splits the block wrong, when it knows."""
-    fix = (f"{cause}, or prove_blocks=False to train anyway." if cause else
-           "How this layout splits the block is wrong for this family (its tp plan or meshtron's translation of "
-           "it, SP, ep or cp); use another layout (e.g. without SP, tp = 1 or cp = 1), or prove_blocks=False to "
-           "train anyway.")
+    fix = (
+        f"{cause}, or prove_blocks=False to train anyway."
+        if cause
+        else "How this layout splits the block is wrong for this family (its tp plan or meshtron's translation of "
+        "it, SP, ep or cp); use another layout (e.g. without SP, tp = 1 or cp = 1), or prove_blocks=False to "
+        "train anyway."
+    )
     raise ConfigError(
         f"parallelize_hf_model: {type(model).__name__} block {index} ({cls}) split at {_layout_text(mesh, sp)} "
-        f"does not compute what it computes whole: its {what} {how} on a probe batch. {fix}")
+        f"does not compute what it computes whole: its {what} {how} on a probe batch. {fix}"
+    )
 
 
-def _first_failure(found: list[tuple[int, str, list[tuple[str, float, float]]]],
-                   mesh: DeviceMesh) -> tuple[int, str, str, float, float] | None:
+def _first_failure(
+    found: list[tuple[int, str, list[tuple[str, float, float]]]], mesh: DeviceMesh
+) -> tuple[int, str, str, float, float] | None:
     """The first (block index, class, what, error, tolerance) whose error, the largest over its stage's ranks,
     exceeds its tolerance, in pp stage order (NaN fails); the same on every rank (one gather)."""
     everyone: list = [None] * dist.get_world_size()
@@ -471,8 +530,11 @@ def check_sequence_dim(model: nn.Module, parts: HFParts, mesh: DeviceMesh, sp: b
     probe lengths, so no other dim of the same size can pass for one. Needs the embedding's weights (on the
     meta device nothing runs: :func:`meshtron.hf.load_hf_checkpoint` checks its twin)."""
     tp, cp, pp = mesh["tp"].size(), mesh["cp"].size(), mesh["pp"].size()
-    splits = {name: fix for name, fix, on in (("SP", "sp = false", sp and tp > 1), ("cp", "cp = 1", cp > 1),
-                                              ("pp", "pp = 1", pp > 1)) if on}
+    splits = {
+        name: fix
+        for name, fix, on in (("SP", "sp = false", sp and tp > 1), ("cp", "cp = 1", cp > 1), ("pp", "pp = 1", pp > 1))
+        if on
+    }
     if not splits or simulating() or parts.embed is None or parts.embed.weight.is_meta:
         return
     step = 2 * tp * cp  # lengths every split divides
@@ -485,7 +547,8 @@ def check_sequence_dim(model: nn.Module, parts: HFParts, mesh: DeviceMesh, sp: b
         f"parallelize_hf_model: {type(block).__name__} takes hidden states of shape {list(shape)} for one row of "
         f"{step} tokens (the sequence at dim {', '.join(map(str, seq)) or 'none'}), not [batch, sequence, hidden]; "
         f"{names} {'assume' if len(splits) > 1 else 'assumes'} that layout of the residual stream. Set "
-        f"[parallel] {' and '.join(splits.values())} (tp without SP, ep and dp do not split the stream).")
+        f"[parallel] {' and '.join(splits.values())} (tp without SP, ep and dp do not split the stream)."
+    )
 
 
 def split_layout(mesh: DeviceMesh) -> bool:
@@ -500,5 +563,12 @@ def provable(model: nn.Module, mesh: DeviceMesh) -> bool:
     return split_layout(mesh) and not any(p.is_meta for p in model.parameters())
 
 
-__all__ = ["block_kinds", "check_sequence_dim", "probe_length", "provable", "prove_blocks", "record_references",
-           "split_layout"]
+__all__ = [
+    "block_kinds",
+    "check_sequence_dim",
+    "probe_length",
+    "provable",
+    "prove_blocks",
+    "record_references",
+    "split_layout",
+]

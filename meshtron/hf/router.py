@@ -37,8 +37,9 @@ from meshtron.parallel.expert import router_stats_reducer
 from meshtron.parallel.pipeline.schedules import RECV_F, SEND_F
 
 
-def router_statistics(router_logits: Sequence[torch.Tensor], top_k: int,
-                      mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def router_statistics(
+    router_logits: Sequence[torch.Tensor], top_k: int, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(top-k counts [E], summed router probabilities [E], routed rows [1]) of ``router_logits`` (one
     [rows, E] tensor per MoE layer), pooled over the layers as transformers does; rows weighted by
     ``mask`` (the attention mask) when given. Only the probability sums carry gradient."""
@@ -77,8 +78,11 @@ def router_modules(model: nn.Module) -> list[tuple[nn.Module, int]]:
     suffix, layer, index = (getattr(spec, key, None) for key in ("class_name", "layer_name", "index"))
 
     def named(name: str, module: nn.Module) -> bool:
-        return ((target is None or isinstance(module, target)) and (not suffix or type(module).__name__.endswith(suffix))
-                and (not layer or layer in name))
+        return (
+            (target is None or isinstance(module, target))
+            and (not suffix or type(module).__name__.endswith(suffix))
+            and (not layer or layer in name)
+        )
 
     if target is None and not suffix and not layer:
         return []
@@ -123,6 +127,7 @@ class PipelineRouterLoss:
             # checkpointing's recomputation during backward (its counts were taken in forward).
             if self._logits is not None:
                 self._logits.append(out[index] if isinstance(out, (tuple, list)) else out)
+
         return record
 
     def start(self) -> None:
@@ -189,8 +194,10 @@ def check_router_loss(model: nn.Module) -> None:
     missing = [a for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef") if not hasattr(model, a)]
     if missing or not router_modules(model):
         what = f"attributes {missing}" if missing else "routers named by _can_record_outputs['router_logits']"
-        raise ConfigError(f"parallelize_hf_model: pp > 1 with config.output_router_logits needs {type(model).__name__}'s "
-                          f"{what}; it has none. Set output_router_logits = false or use pp = 1.")
+        raise ConfigError(
+            f"parallelize_hf_model: pp > 1 with config.output_router_logits needs {type(model).__name__}'s "
+            f"{what}; it has none. Set output_router_logits = false or use pp = 1."
+        )
 
 
 __all__ = ["PipelineRouterLoss", "aux_loss_share", "check_router_loss", "router_modules", "router_statistics"]

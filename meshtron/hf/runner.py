@@ -24,19 +24,19 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtron.config import Config, ConfigError, ModelConfig
-from meshtron.host import fake_tensors, simulating
 from meshtron.hf.discover import hf_parts, key_value_heads
 from meshtron.hf.experts import hf_expert_modules
 from meshtron.hf.io import save_hf, write_safetensors_folder
 from meshtron.hf.parallelize import parallelize_hf_model
 from meshtron.hf.pipeline import HFPipelineRunner, whole_sequences
+from meshtron.host import fake_tensors, simulating
 from meshtron.mesh import batch_mesh
 from meshtron.models import build_model
+from meshtron.parallel.data import MicrobatchSync
 from meshtron.parallel.float8 import fits_fp8, fp8_note, high_precision_linears, high_precision_note
 from meshtron.parallel.grad_norm import clip_grad_norm_
-from meshtron.parallel.step_runner import Runners, build_step_runner
-from meshtron.parallel.data import MicrobatchSync
 from meshtron.parallel.step import Runner, full_state_dict, global_token_count
+from meshtron.parallel.step_runner import Runners, build_step_runner
 
 
 def with_hf_model(cfg: Config) -> Config:
@@ -45,8 +45,10 @@ def with_hf_model(cfg: Config) -> Config:
     if not folder:
         return cfg
     if cfg.checkpoint.init_from_hf:
-        raise ConfigError("[checkpoint] init_from_hf cannot be combined with [model] hf_model: hf_model's folder "
-                          "already gives the weights (its safetensors); drop init_from_hf.")
+        raise ConfigError(
+            "[checkpoint] init_from_hf cannot be combined with [model] hf_model: hf_model's folder "
+            "already gives the weights (its safetensors); drop init_from_hf."
+        )
     _refuse_native_only(cfg)
     return dataclasses.replace(cfg, model=hf_model_config(folder))
 
@@ -57,22 +59,39 @@ def hf_model_config(folder: str) -> ModelConfig:
     from transformers import AutoConfig
 
     if not (Path(folder) / "config.json").is_file():
-        raise ConfigError(f"[model] hf_model = {folder!r} has no config.json; pass a folder written by "
-                          "save_pretrained (config.json, and safetensors for trained weights).")
+        raise ConfigError(
+            f"[model] hf_model = {folder!r} has no config.json; pass a folder written by "
+            "save_pretrained (config.json, and safetensors for trained weights)."
+        )
     hf = AutoConfig.from_pretrained(folder)
     hidden, experts = hf.hidden_size, getattr(hf, "num_experts", None) or 0
     intermediate = getattr(hf, "intermediate_size", None) or 4 * hidden  # GPT-2's n_inner default
-    optional = {key: getattr(hf, key) for key in ("rms_norm_eps", "decoder_sparse_step", "mlp_only_layers",
-                                                   "shared_expert_intermediate_size", "norm_topk_prob",
-                                                   "router_aux_loss_coef") if getattr(hf, key, None) is not None}
+    optional = {
+        key: getattr(hf, key)
+        for key in (
+            "rms_norm_eps",
+            "decoder_sparse_step",
+            "mlp_only_layers",
+            "shared_expert_intermediate_size",
+            "norm_topk_prob",
+            "router_aux_loss_coef",
+        )
+        if getattr(hf, key, None) is not None
+    }
     return ModelConfig(
-        hf_model=folder, vocab_size=hf.vocab_size, hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads,
-        num_key_value_heads=key_value_heads(hf), head_dim=getattr(hf, "head_dim", None) or 0,
+        hf_model=folder,
+        vocab_size=hf.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=hf.num_hidden_layers,
+        num_attention_heads=hf.num_attention_heads,
+        num_key_value_heads=key_value_heads(hf),
+        head_dim=getattr(hf, "head_dim", None) or 0,
         max_position_embeddings=getattr(hf, "max_position_embeddings", None) or ModelConfig.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         attention_bias=bool(getattr(hf, "attention_bias", False)),
-        num_experts=experts, num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) if experts else 0,
+        num_experts=experts,
+        num_experts_per_tok=getattr(hf, "num_experts_per_tok", 0) if experts else 0,
         moe_intermediate_size=(getattr(hf, "moe_intermediate_size", None) or intermediate) if experts else 0,
         **optional,
     )
@@ -85,8 +104,10 @@ def _refuse_native_only(cfg: Config) -> None:
     }
     for key, used in native_only.items():
         if used:
-            raise ConfigError(f"{key} is not supported with [model] hf_model yet (native models only); "
-                              "unset it or train a native model.")
+            raise ConfigError(
+                f"{key} is not supported with [model] hf_model yet (native models only); "
+                "unset it or train a native model."
+            )
 
 
 def _has_weights(folder: Path) -> bool:
@@ -144,8 +165,9 @@ class HFStepRunner:
     def _loss(self, ids: torch.Tensor, targets: torch.Tensor, tokens, **options) -> torch.Tensor:
         # labels only switch the loss on: targets are already next-token labels (shift_labels).
         with whole_sequences():
-            return self.module(input_ids=ids, labels=targets, shift_labels=targets, num_items_in_batch=tokens,
-                               **options).loss
+            return self.module(
+                input_ids=ids, labels=targets, shift_labels=targets, num_items_in_batch=tokens, **options
+            ).loss
 
     def forward_backward(
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
@@ -186,11 +208,23 @@ class HFStepRunner:
 def _options(cfg: Config) -> dict:
     """:func:`parallelize_hf_model`'s options from the recipe's keys."""
     p = cfg.parallel
-    return dict(sp=p.sp, data_parallel=p.data_parallel, ac=p.activation_checkpointing, ac_every=p.ac_every,
-                ac_policy=p.ac_policy, dtype=cfg.train.dtype, schedule=p.schedule, microbatches=p.microbatches,
-                virtual_stages=p.virtual_stages, cp_comm_type=p.cp_comm_type, cp_a2a_size=p.cp_a2a_size,
-                prove_blocks=p.prove_blocks, offload=p.offload, offload_activations=p.offload_activations,
-                fp8=cfg.train.fp8)
+    return dict(
+        sp=p.sp,
+        data_parallel=p.data_parallel,
+        ac=p.activation_checkpointing,
+        ac_every=p.ac_every,
+        ac_policy=p.ac_policy,
+        dtype=cfg.train.dtype,
+        schedule=p.schedule,
+        microbatches=p.microbatches,
+        virtual_stages=p.virtual_stages,
+        cp_comm_type=p.cp_comm_type,
+        cp_a2a_size=p.cp_a2a_size,
+        prove_blocks=p.prove_blocks,
+        offload=p.offload,
+        offload_activations=p.offload_activations,
+        fp8=cfg.train.fp8,
+    )
 
 
 def _step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> Runner:
@@ -242,8 +276,13 @@ def hf_fp8_note(model: nn.Module, recipe: str) -> str | None:
         if not fits_fp8((hidden, intermediate), recipe):
             names.append(f"{_block_pattern(name, parts.blocks_path)} [{hidden} -> {intermediate}]")
     note = fp8_note(recipe, list(dict.fromkeys(names)))
-    undispatched = sorted({_block_pattern(name, parts.blocks_path) for name, module in model.named_modules()
-                           if name.endswith(".experts") and name not in dispatched and _holds_weights(module)})
+    undispatched = sorted(
+        {
+            _block_pattern(name, parts.blocks_path)
+            for name, module in model.named_modules()
+            if name.endswith(".experts") and name not in dispatched and _holds_weights(module)
+        }
+    )
     if undispatched:
         kept = f"experts meshtron's dispatch does not run stay in the training dtype: {', '.join(undispatched)}"
         note = f"{note}; {kept}" if note else f"meshtron: fp8 = '{recipe}': {kept}"
@@ -277,4 +316,14 @@ def export_hf(runner: Runner, cfg: Config, folder: str) -> None:
     dist.barrier()
 
 
-__all__ = ["HF_RUNNERS", "HFStepRunner", "build_hf_model", "build_runner", "export_hf", "fp8_start_note", "hf_fp8_note", "hf_model_config", "with_hf_model"]
+__all__ = [
+    "HF_RUNNERS",
+    "HFStepRunner",
+    "build_hf_model",
+    "build_runner",
+    "export_hf",
+    "fp8_start_note",
+    "hf_fp8_note",
+    "hf_model_config",
+    "with_hf_model",
+]

@@ -76,7 +76,9 @@ class _SliceReader:
         return part
 
     def has(self, name: str) -> bool:
-        return name in self.files or (self._fused(name) is not None and f"{self._fused(name)[0]}0.down_proj.weight" in self.files)
+        return name in self.files or (
+            self._fused(name) is not None and f"{self._fused(name)[0]}0.down_proj.weight" in self.files
+        )
 
     @staticmethod
     def _fused(name: str) -> tuple[str, str] | None:
@@ -91,15 +93,21 @@ class _SliceReader:
         prefix, kind = self._fused(name)
         experts, rows, cols = index
         if kind == "down_proj":
-            parts = [self.raw(f"{prefix}{e}.down_proj.weight", (rows, cols)) for e in range(experts.start, experts.stop)]
+            parts = [
+                self.raw(f"{prefix}{e}.down_proj.weight", (rows, cols)) for e in range(experts.start, experts.stop)
+            ]
             return torch.stack(parts)
         inter = shape[1] // 2  # rows [0, I) are gate_proj's, [I, 2I) up_proj's
 
         def expert(e: int) -> torch.Tensor:
             gate = slice(min(rows.start, inter), min(rows.stop, inter))
             up = slice(max(rows.start, inter) - inter, max(rows.stop, inter) - inter)
-            return torch.cat([self.raw(f"{prefix}{e}.gate_proj.weight", (gate, cols)),
-                              self.raw(f"{prefix}{e}.up_proj.weight", (up, cols))])
+            return torch.cat(
+                [
+                    self.raw(f"{prefix}{e}.gate_proj.weight", (gate, cols)),
+                    self.raw(f"{prefix}{e}.up_proj.weight", (up, cols)),
+                ]
+            )
 
         return torch.stack([expert(e) for e in range(experts.start, experts.stop)])
 
@@ -107,8 +115,10 @@ class _SliceReader:
 def _copy_local(param: torch.Tensor, part: torch.Tensor, name: str, folder) -> None:
     local = param.to_local() if isinstance(param, DTensor) else param
     if tuple(part.shape) != tuple(local.shape):
-        raise ConfigError(f"{folder}: {name} slice {tuple(part.shape)} does not fit the local shard "
-                          f"{tuple(local.shape)}; the checkpoint has another shape than the model.")
+        raise ConfigError(
+            f"{folder}: {name} slice {tuple(part.shape)} does not fit the local shard "
+            f"{tuple(local.shape)}; the checkpoint has another shape than the model."
+        )
     local.copy_(part)
 
 
@@ -157,8 +167,9 @@ def _read_native(reader: _SliceReader, name: str, index: tuple[slice, ...], tied
     experts, rows, cols = index  # rows: the projection's input features, cols: its outputs
     hf_prefix = hf_name(prefix)
     if f"{hf_prefix}.0.{proj}.weight" in reader.files:  # per-expert [out, in]
-        return torch.stack([reader.raw(f"{hf_prefix}.{e}.{proj}.weight", (cols, rows)).t()
-                            for e in range(experts.start, experts.stop)])
+        return torch.stack(
+            [reader.raw(f"{hf_prefix}.{e}.{proj}.weight", (cols, rows)).t() for e in range(experts.start, experts.stop)]
+        )
     if proj == "down_proj":  # fused [E, H, I]
         return reader.raw(f"{hf_prefix}.down_proj", (experts, cols, rows)).transpose(1, 2)
     fused = f"{hf_prefix}.gate_up_proj"  # [E, 2I, H]: gate rows first, then up
@@ -183,7 +194,9 @@ def load_native_sharded(model: nn.Module, folder: str | Path, tied: bool) -> int
             except KeyError:
                 if name in buffers:
                     continue
-                raise ConfigError(f"{folder} has no tensor for parameter '{name}': not a checkpoint of this model.") from None
+                raise ConfigError(
+                    f"{folder} has no tensor for parameter '{name}': not a checkpoint of this model."
+                ) from None
             _copy_local(tensor, part, name, folder)
     finally:
         reader.close()

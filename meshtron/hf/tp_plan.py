@@ -28,10 +28,16 @@ from meshtron.hf.discover import HFParts, is_norm, key_value_heads
 from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_plan, is_transposed, with_mla_attention
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.tensor import check_tensor_parallel, kv_heads_split, local_heads, residual_layout
-from meshtron.parallel.tp_styles import (
-    Colwise, ReplicatedKVHeads, ReplicateParallel, Rowwise, SplitParams, VocabParallelEmbedding, owned,
-)
 from meshtron.parallel.tp_gradient import TpGradient, local_view, name_tp_gradients
+from meshtron.parallel.tp_styles import (
+    Colwise,
+    ReplicatedKVHeads,
+    ReplicateParallel,
+    Rowwise,
+    SplitParams,
+    VocabParallelEmbedding,
+    owned,
+)
 from meshtron.parallel.vocab_loss import VocabParallelHead
 
 # transformers' tp-plan styles (``transformers.distributed.tensor_parallel.ALL_PARALLEL_STYLES``, 5.23) by
@@ -57,12 +63,23 @@ _MLA_KV_A = ("mla_kv_a_proj",)
 # A module whose bare parameters have their own entries (HY-V4's ``self_attn.sinks``: "colwise", one
 # learned logit per head): the module is unchanged, its 'colwise' parameters split with its heads.
 _LOCAL_PARAMS = ("local_params",)
-_STYLES = (*_COLWISE, *_COLWISE_GATHERED, *_ROWWISE, *_ROWWISE_REPLICATED_INPUT, *_REPLICATED_PARTIAL_GRAD,
-           *_REPLICATE, *_SEQUENCE, *_MLA_KV_A, *_LOCAL_PARAMS)
+_STYLES = (
+    *_COLWISE,
+    *_COLWISE_GATHERED,
+    *_ROWWISE,
+    *_ROWWISE_REPLICATED_INPUT,
+    *_REPLICATED_PARTIAL_GRAD,
+    *_REPLICATE,
+    *_SEQUENCE,
+    *_MLA_KV_A,
+    *_LOCAL_PARAMS,
+)
 # Styles transformers defines that meshtron does not translate (outside fused experts): why.
 _REFUSED = {
-    "embedding_rowwise": "embeddings other than the input embedding are not split; meshtron splits only the input embedding",
-    "embedding_colwise": "embeddings other than the input embedding are not split; meshtron splits only the input embedding",
+    "embedding_rowwise": "embeddings other than the input embedding are not split; meshtron splits only the input "
+    "embedding",
+    "embedding_colwise": "embeddings other than the input embedding are not split; meshtron splits only the input "
+    "embedding",
     "all_reduce": "partial module outputs outside fused experts are not supported yet",
     "moe_tp_experts": "per-expert tp outside a fused 'experts' module is not supported",
     "moe_identity_expert": "identity (zero-compute) experts are not supported yet",
@@ -87,7 +104,13 @@ class _HiddenStatesInput(ParallelStyle):
     it in backward, hooks included, so the replay must not slice the slice.
     """
 
-    def __init__(self, sp: bool, layout: Placement | None = None, desired: Placement = Replicate(), local: bool = False):
+    def __init__(
+        self,
+        sp: bool,
+        layout: Placement | None = None,
+        desired: Placement = Replicate(),  # noqa: B008 - a placement is an immutable value
+        local: bool = False,
+    ):
         super().__init__()
         self.layout, self.desired, self.local = layout or residual_layout(sp), desired, local
 
@@ -183,6 +206,7 @@ class _SharedRopeKey(ParallelStyle):
 
 class _Heads(NamedTuple):
     """What the attention styles need to know of the model's heads."""
+
     kv_heads: int
     head_dim: int
     rope_dim: int  # MLA's rope key width (qk_rope_head_dim); 0 for other attention
@@ -228,8 +252,9 @@ def _moe_block(layer: nn.Module) -> str | None:
     return next((name for name, child in layer.named_children() if _exists(child, "experts")), None)
 
 
-def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index: int, heads: _Heads,
-                tp: int, sp: bool) -> dict[str, ParallelStyle]:
+def _layer_plan(
+    base_plan: dict[str, str], blocks: str, layer: nn.Module, index: int, heads: _Heads, tp: int, sp: bool
+) -> dict[str, ParallelStyle]:
     """Plan entries of decoder layer ``index``, relative to the layer, plus our input/norm styles.
 
     Entries naming a module this layer lacks are skipped (a MoE model's dense layers have no experts,
@@ -241,14 +266,18 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
     for pattern, style in base_plan.items():
         parts = pattern.split(".")
         if parts[:2] != [blocks, "*"]:
-            raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' is outside '{blocks}.*'; not supported.")
+            raise ConfigError(
+                f"parallelize_hf_model: tp plan entry '{pattern}' is outside '{blocks}.*'; not supported."
+            )
         rel = ".".join(parts[2:])
         if "experts" in parts:
             continue
         if not _exists(layer, rel):
             if _exists(layer, rel, parameter=True) and not _split_with_heads(base_plan, pattern, style):
-                raise ConfigError(f"parallelize_hf_model: tp plan entry '{pattern}' ('{style}') names a parameter, "
-                                  "not a module; only 'colwise' parameters of a 'local_params' module are supported.")
+                raise ConfigError(
+                    f"parallelize_hf_model: tp plan entry '{pattern}' ('{style}') names a parameter, "
+                    "not a module; only 'colwise' parameters of a 'local_params' module are supported."
+                )
             continue
         # Inside a MoE block (Aria's shared experts) the tokens are already gathered under SP.
         split_seq = sp and not (moe is not None and rel.startswith(f"{moe}."))
@@ -260,23 +289,35 @@ def _layer_plan(base_plan: dict[str, str], blocks: str, layer: nn.Module, index:
         if style in _COLWISE + _COLWISE_GATHERED:
             plan[parent] = _HiddenStatesInput(split_seq)
         if split_seq:
-            writes_residual[parent] = writes_residual.get(parent, False) or style in _ROWWISE + _ROWWISE_REPLICATED_INPUT
+            writes_residual[parent] = (
+                writes_residual.get(parent, False) or style in _ROWWISE + _ROWWISE_REPLICATED_INPUT
+            )
     if moe is not None and _exists(layer, f"{moe}.shared_expert.down_proj"):
         plan.update(_shared_expert_plan(f"{moe}.shared_expert"))
     if sp:
         # The block's own norms act on the (sequence-split) residual stream or on a rowwise output that
         # is then added to it (Gemma2's post-norms), so they hand back plain local tensors. Tokens are
         # the next-to-last dim: OPT flattens [B, S, H] to [B x S, H] before its MLP's norm.
-        plan.update({name: SequenceParallel(sequence_dim=-2, use_local_output=True)
-                     for name, child in layer.named_children() if is_norm(child)})
+        plan.update(
+            {
+                name: SequenceParallel(sequence_dim=-2, use_local_output=True)
+                for name, child in layer.named_children()
+                if is_norm(child)
+            }
+        )
         if moe is not None:
             # Routing needs every token: the replicated MoE block runs on the gathered sequence and
             # each rank keeps its slice of the (identical) output.
             plan[moe] = _GatheredSequence()
         # A module whose projections are all gathered (Qwen3-Next's linear attention: even its output
         # projection) returns the whole sequence on every rank: each keeps its slice, like the MoE block.
-        plan.update({parent: _GatheredSequence() for parent, rowwise in writes_residual.items()
-                     if not rowwise and isinstance(plan.get(parent), _HiddenStatesInput)})
+        plan.update(
+            {
+                parent: _GatheredSequence()
+                for parent, rowwise in writes_residual.items()
+                if not rowwise and isinstance(plan.get(parent), _HiddenStatesInput)
+            }
+        )
         plan.update({name: _GatheredSequence() for name in _left_whole(layer, plan)})
     return plan
 
@@ -304,8 +345,11 @@ def _left_whole(layer: nn.Module, plan: dict[str, ParallelStyle]) -> list[str]:
     (OPT's fc1 / fc2 on flattened tokens) is known to act per token; anything else may mix tokens, so it
     runs on the gathered sequence."""
     reached = {rel.split(".", 1)[0] for rel in plan}
-    return [name for name, child in layer.named_children() if name not in reached and not _acts_per_token(child)
-            and any(True for _ in child.parameters())]
+    return [
+        name
+        for name, child in layer.named_children()
+        if name not in reached and not _acts_per_token(child) and any(True for _ in child.parameters())
+    ]
 
 
 def _acts_per_token(module: nn.Module) -> bool:
@@ -327,8 +371,11 @@ def _base_plan(model: nn.Module, parts: HFParts) -> dict[str, str]:
     """The config's ``base_model_tp_plan``, every style checked to be translatable. An entry for the
     input embedding (transformers 5.24's ``embedding_rowwise``) is dropped: meshtron splits the input
     embedding itself, vocab-parallel, whatever the plan says of it."""
-    plan = {pattern: style for pattern, style in model.config.base_model_tp_plan.items() if pattern != parts.plan_embed
-            and not _refused_for_nothing(parts, pattern, style)}
+    plan = {
+        pattern: style
+        for pattern, style in model.config.base_model_tp_plan.items()
+        if pattern != parts.plan_embed and not _refused_for_nothing(parts, pattern, style)
+    }
     for pattern, style in plan.items():
         if "experts" in pattern.split(".") or style in _STYLES:
             continue
@@ -352,12 +399,16 @@ def _whole_outside_blocks(model: nn.Module, parts: HFParts, plan: dict[str, str]
     they are refused naming the module."""
     outside = [pattern for pattern in plan if not pattern.startswith(f"{parts.plan_blocks}.")]
     if outside and sp:
-        raise ConfigError(f"parallelize_hf_model: tp plan entries {outside} name modules outside '{parts.plan_blocks}', "
-                          "which run whole over tp on the sequence-split stream under SP; set [parallel] sp = false.")
+        raise ConfigError(
+            f"parallelize_hf_model: tp plan entries {outside} name modules outside '{parts.plan_blocks}', "
+            "which run whole over tp on the sequence-split stream under SP; set [parallel] sp = false."
+        )
     if outside:
-        warnings.warn(f"parallelize_hf_model: {type(model).__name__}'s tp plan entries {outside} are outside "
-                      f"'{parts.plan_blocks}'; those modules run whole on every tp rank (FSDP still shards them).",
-                      stacklevel=4)
+        warnings.warn(
+            f"parallelize_hf_model: {type(model).__name__}'s tp plan entries {outside} are outside "
+            f"'{parts.plan_blocks}'; those modules run whole on every tp rank (FSDP still shards them).",
+            stacklevel=4,
+        )
     return {pattern: style for pattern, style in plan.items() if pattern not in outside}
 
 
@@ -400,8 +451,9 @@ def _has_spanning_norm(module: nn.Module, width: int) -> bool:
     ``attn_sub_norm`` before ``o_proj``, ``ffn_sub_norm`` over the MLP's intermediate features), or one
     that does not say its size. A per-head norm (Qwen3's ``q_norm``) or one on a replicated input (MLA's
     ``kv_a_layernorm``) sees its features whole however the heads are split."""
-    return any(name and is_norm(child) and _norm_features(child) in (width, None)
-               for name, child in module.named_modules())
+    return any(
+        name and is_norm(child) and _norm_features(child) in (width, None) for name, child in module.named_modules()
+    )
 
 
 def _in_features(module: nn.Module) -> int:
@@ -423,19 +475,31 @@ def _gather_spanning_norms(plan: dict[str, str], parts: HFParts) -> dict[str, st
             skipped.add(parent)
         elif style == "rowwise" and parent.count(".") >= 2:
             rowwise.setdefault(parent, pattern.split(".", 2)[2])
-    spanning = {parent for parent, proj in rowwise.items() if parent not in skipped
-                and any(_exists(layer, proj) and _has_spanning_norm(layer.get_submodule(proj.rpartition(".")[0]),
-                                                                    _in_features(layer.get_submodule(proj)))
-                        for _, layer in parts.block_items())}
-    return {pattern: gathered[style] if pattern.rpartition(".")[0] in spanning and style in gathered else style
-            for pattern, style in plan.items()}
+    spanning = {
+        parent
+        for parent, proj in rowwise.items()
+        if parent not in skipped
+        and any(
+            _exists(layer, proj)
+            and _has_spanning_norm(
+                layer.get_submodule(proj.rpartition(".")[0]), _in_features(layer.get_submodule(proj))
+            )
+            for _, layer in parts.block_items()
+        )
+    }
+    return {
+        pattern: gathered[style] if pattern.rpartition(".")[0] in spanning and style in gathered else style
+        for pattern, style in plan.items()
+    }
 
 
 def _check_shape(model: nn.Module, tp: int) -> _Heads:
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, key_value_heads(cfg)
     if cfg.vocab_size % tp:
-        raise ConfigError(f"parallelize_hf_model: tp = {tp} does not divide vocab_size = {cfg.vocab_size}; pad the vocabulary.")
+        raise ConfigError(
+            f"parallelize_hf_model: tp = {tp} does not divide vocab_size = {cfg.vocab_size}; pad the vocabulary."
+        )
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return _Heads(kv_heads, head_dim, getattr(cfg, "qk_rope_head_dim", None) or 0)
 
@@ -480,8 +544,11 @@ def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMe
     if parts.embed is not None:
         # Embedding output replicated: HF computes positions and the causal mask from its length. A
         # family's own embedding class (Gemma 3 scales in its forward) keeps DTensor's rowwise split.
-        style = (VocabParallelEmbedding(Replicate()) if type(parts.embed) is nn.Embedding
-                 else Rowwise(input_layouts=Replicate(), output_layouts=Replicate()))
+        style = (
+            VocabParallelEmbedding(Replicate())
+            if type(parts.embed) is nn.Embedding
+            else Rowwise(input_layouts=Replicate(), output_layouts=Replicate())
+        )
         parallelize_module(parts.embed, tp_mesh, style)
         if sp:
             parallelize_module(blocks[0][1], tp_mesh, _HiddenStatesInput(sp, Replicate(), Shard(1), local=True))
@@ -489,8 +556,11 @@ def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMe
         if sp:
             parallelize_module(parts.norm, tp_mesh, SequenceParallel())
         # Vocab-sharded logits either way; meshtron's head also computes the fused loss (pipeline stages).
-        style = VocabParallelHead(residual_layout(sp)) if isinstance(parts.head, LMHead) else Colwise(
-            input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False)
+        style = (
+            VocabParallelHead(residual_layout(sp))
+            if isinstance(parts.head, LMHead)
+            else Colwise(input_layouts=residual_layout(sp), output_layouts=Shard(-1), use_local_output=False)
+        )
         parallelize_module(parts.head, tp_mesh, style)
     if tied:  # both now hold a Shard(0) copy of the shared weight; make them one Parameter again
         parts.head.weight = parts.embed.weight
@@ -509,8 +579,13 @@ def replicate_plain_params(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh
     skip = {id(m) for e in experts for m in e.modules()}
 
     def plain(module: nn.Module) -> list[str]:
-        return [f"{path}.{name}" if path else name for path, sub in module.named_modules() if id(sub) not in skip
-                for name, p in sub.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        return [
+            f"{path}.{name}" if path else name
+            for path, sub in module.named_modules()
+            if id(sub) not in skip
+            for name, p in sub.named_parameters(recurse=False)
+            if not isinstance(p, DTensor)
+        ]
 
     blocks = [block for _, block in parts.block_items()]
     for block in blocks:

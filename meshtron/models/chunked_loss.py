@@ -171,7 +171,13 @@ def linear_cross_entropy_sum(
     ``ignore_index`` for tokens that do not count. Returns an fp32 scalar (see the module docstring).
     """
     return _LinearCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk, vocab_start, reduce, ignore_index,
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        labels.reshape(-1),
+        chunk,
+        vocab_start,
+        reduce,
+        ignore_index,
         softcap,
     )
 
@@ -214,8 +220,9 @@ def cross_entropy_sum(
 
     Temporaries are one chunk of fp32 logits; the saved state is one fp32 value per token.
     """
-    return _CrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), chunk, vocab_start, reduce,
-                               ignore_index)
+    return _CrossEntropy.apply(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), chunk, vocab_start, reduce, ignore_index
+    )
 
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "VocabReducer", "cross_entropy_sum", "linear_cross_entropy_sum"]

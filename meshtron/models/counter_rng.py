@@ -79,7 +79,9 @@ def _strides(shape: Sequence[int]) -> list[int]:
 
 
 @torch.no_grad()
-def normal_slice_(out: torch.Tensor, key: int, full_shape: Sequence[int], offsets: Sequence[int], std: float) -> torch.Tensor:
+def normal_slice_(
+    out: torch.Tensor, key: int, full_shape: Sequence[int], offsets: Sequence[int], std: float
+) -> torch.Tensor:
     """Fill ``out``, the block of a ``full_shape`` tensor starting at ``offsets``, with N(0, std).
 
     The values equal the same block of the full tensor filled with the same ``key``, for any

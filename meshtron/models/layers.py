@@ -36,9 +36,7 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def document_causal_mask(
-    positions: torch.Tensor, query_index: torch.Tensor, key_index: torch.Tensor
-) -> torch.Tensor:
+def document_causal_mask(positions: torch.Tensor, query_index: torch.Tensor, key_index: torch.Tensor) -> torch.Tensor:
     """Visibility ``[B, Sq, Sk]`` (True: attend) of packed documents under a causal mask.
 
     ``positions`` ``[B, Sq]`` are the queries' positions inside their documents (restarting at 0

@@ -114,8 +114,15 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
 GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                   matmul: GroupedMatmul = grouped_matmul, down_matmul: GroupedMatmul | None = None):
+def grouped_swiglu(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    matmul: GroupedMatmul = grouped_matmul,
+    down_matmul: GroupedMatmul | None = None,
+):
     """SwiGLU experts on tokens already sorted by expert: ``counts[g]`` rows go to expert g. ``down_matmul``
     (default ``matmul``): the down projection's, where a split expert scales it otherwise than gate/up."""
     h = F.silu(matmul(x, gate, counts)) * matmul(x, up, counts)
@@ -305,14 +312,23 @@ class MoE(nn.Module):
         counts = count_ids(route.experts.flatten(), e)
         prob_sums = route.probs.sum(dim=0)
         z_sum = torch.logsumexp(route.logits, dim=-1).square().sum() if self.z_loss_scale else prob_sums.new_zeros(())
-        local = torch.cat([counts.double(), prob_sums.detach().double(), z_sum.detach().double().view(1),
-                           prob_sums.new_full((1,), route.probs.shape[0], dtype=torch.float64)])
+        local = torch.cat(
+            [
+                counts.double(),
+                prob_sums.detach().double(),
+                z_sum.detach().double().view(1),
+                prob_sums.new_full((1,), route.probs.shape[0], dtype=torch.float64),
+            ]
+        )
         total = self.stats_reducer(local) if self.stats_reducer is not None else local
         g_counts, g_sums, g_z, tokens = total[:e].float(), total[e : 2 * e].float(), total[2 * e], total[2 * e + 1]
         tokens = tokens.float()
         if not _Replay.active:
-            self._record(total[:e].long(), load_balancing_loss(g_counts, g_sums, tokens),
-                         (g_z.float() / tokens) if self.z_loss_scale else None)
+            self._record(
+                total[:e].long(),
+                load_balancing_loss(g_counts, g_sums, tokens),
+                (g_z.float() / tokens) if self.z_loss_scale else None,
+            )
         aux = load_balancing_loss(g_counts, prob_sums, tokens)
         return (self.aux_loss_scale * aux + self.z_loss_scale * z_sum / tokens) / self.microbatches
 

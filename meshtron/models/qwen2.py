@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config import ModelConfig
+from meshtron.models.chunked_loss import DEFAULT_CHUNK_TOKENS, linear_cross_entropy_sum
 from meshtron.models.counter_rng import normal_slice_, tensor_key
 from meshtron.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rotary, document_causal_mask
-from meshtron.models.chunked_loss import DEFAULT_CHUNK_TOKENS, linear_cross_entropy_sum
 from meshtron.models.moe import MoE
 
 
@@ -94,7 +94,9 @@ class LMHead(nn.Linear):
         super().__init__(hidden_size, vocab_size, bias=False)
         self.chunk_tokens = chunk_tokens
 
-    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, labels: torch.Tensor | None = None, softcap: float | None = None
+    ) -> torch.Tensor:
         """``softcap``: the loss of soft-capped logits (the caller's model caps them; ``h`` alone gives raw logits)."""
         if labels is None:
             return super().forward(h)
@@ -222,9 +224,7 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
     The caller divides by the global number of counted tokens, so the loss does not depend on how
     the batch is split over ranks or micro-batches.
     """
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index, reduction="sum"
-    )
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index, reduction="sum")
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -44,8 +44,11 @@ def _single_graph(block: nn.Module) -> bool:
     """Dense attention and MLP only: no communication the compiler cannot trace (``sends_p2p``: a
     module whose forward posts point-to-point transfers, as tp_overlap's rings do)."""
     attention = getattr(getattr(block, "self_attn", None), "core_attention", None)
-    return (isinstance(attention, CausalAttention) and not moe_layers(block)
-            and not any(getattr(m, "sends_p2p", False) for m in block.modules()))
+    return (
+        isinstance(attention, CausalAttention)
+        and not moe_layers(block)
+        and not any(getattr(m, "sends_p2p", False) for m in block.modules())
+    )
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> list[int]:

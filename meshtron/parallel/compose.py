@@ -3,8 +3,8 @@
 Order (a pipelined layout first cuts the model to this rank's stage: the pipeline runner, or
 ``parallelize_hf_model`` for a transformers model): the model's own settings (its loss; FP8 linears, which
 every plan after it wraps like any linear) -> tensor/sequence (tp)
--> expert (ep) -> context (cp) -> activation checkpointing (and activation offload) -> compile -> data (FSDP over dp x ep x cp).
-FSDP comes last because it wraps what the others built; checkpointing comes after tp, ep and cp, so a
+-> expert (ep) -> context (cp) -> activation checkpointing (and activation offload) -> compile -> data (FSDP over dp x
+ep x cp). FSDP comes last because it wraps what the others built; checkpointing comes after tp, ep and cp, so a
 block's recomputation replays their hooks too, and before FSDP (composable checkpoint under
 ``fully_shard`` is the combination PyTorch tests).
 
@@ -27,13 +27,13 @@ from meshtron.config import Config
 from meshtron.host import fake_tensors, simulating
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import InitialWeights
-from meshtron.parallel.recompute import apply_activation_checkpointing
 from meshtron.parallel.compile import apply_compile
 from meshtron.parallel.context import apply_context_parallel
 from meshtron.parallel.data import apply_data_parallel
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.offload import apply_activation_offload
+from meshtron.parallel.recompute import apply_activation_checkpointing
 from meshtron.parallel.tensor import apply_tensor_parallel
 from meshtron.parallel.tensor_overlap import apply_overlapped_tensor_parallel
 
@@ -86,8 +86,9 @@ class NativeSteps:
         apply_context_parallel(model, self.mesh, comm_type=self.p.cp_comm_type, a2a_size=self.p.cp_a2a_size)
 
     def checkpointing(self, model: nn.Module) -> None:
-        apply_activation_checkpointing(model, self.p.activation_checkpointing, self.p.ac_every, self.p.ac_policy,
-                                       self.p.ac_parts)
+        apply_activation_checkpointing(
+            model, self.p.activation_checkpointing, self.p.ac_every, self.p.ac_policy, self.p.ac_parts
+        )
         if self.p.offload_activations:  # the blocks checkpointing left alone
             apply_activation_offload(model)
 
@@ -96,8 +97,9 @@ class NativeSteps:
             apply_compile(model)
 
     def data(self, model: nn.Module) -> None:
-        apply_data_parallel(model, self.mesh, self.p.data_parallel, self.cfg.train.dtype, self.p.fsdp_prefetch,
-                            self.p.offload)
+        apply_data_parallel(
+            model, self.mesh, self.p.data_parallel, self.cfg.train.dtype, self.p.fsdp_prefetch, self.p.offload
+        )
 
 
 def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:

@@ -12,8 +12,8 @@ Modes (``[parallel] data_parallel``):
 - ``fsdp``: parameters, gradients and optimizer state sharded over the whole data mesh
   (ZeRO-3); parameters all-gathered per block in forward and backward, gradients reduce-scattered;
 - ``hsdp``: replicate over ``dp`` and shard inside each dp slice, i.e. dense parameters sharded
-  over ep x cp (flattened ``cp_ep``) and experts over their edp ranks inside the slice; gradients reduce-scattered inside the
-  slice then all-reduced over dp. Sharding stays inside the ep x cp ranks (usually one node)
+  over ep x cp (flattened ``cp_ep``) and experts over their edp ranks inside the slice; gradients reduce-scattered
+  inside the slice then all-reduced over dp. Sharding stays inside the ep x cp ranks (usually one node)
   while the slower dp links carry one all-reduce. With ep = cp = 1 the shard group has one rank
   and HSDP is plain replication over dp;
 - ``replicate``: full copies everywhere, gradients all-reduced (DDP-like). Built on PyTorch's
@@ -79,8 +79,8 @@ from torch.distributed.tensor import DTensor, Shard
 from meshtron.config import DATA_PARALLEL_MODES, DTYPES, OFFLOADS, ParallelConfig, not_one_of
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_hsdp_mesh, expert_split
 from meshtron.models.moe import MoE, moe_layers
-from meshtron.parallel.recompute import hooks_outside_op_record
 from meshtron.parallel.expert import ExpertDispatch
+from meshtron.parallel.recompute import hooks_outside_op_record
 from meshtron.torch_private import (
     ReplicateModule,
     concatenate_meshes,
@@ -91,6 +91,8 @@ from meshtron.torch_private import (
 )
 
 _DTYPES = {name: getattr(torch, name) for name in DTYPES}
+# FSDP2's no-offload policy: the one instance every default shares (a call in the signature would be B008).
+_NO_OFFLOAD = OffloadPolicy()
 
 
 def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
@@ -109,7 +111,9 @@ def offload_policy(offload: str, mode: str, device_type: str) -> OffloadPolicy:
     if offload == "none":
         return OffloadPolicy()
     if mode == "replicate":
-        raise ValueError("[parallel] offload = 'optimizer' needs sharded data parallelism (fsdp or hsdp), not replicate.")
+        raise ValueError(
+            "[parallel] offload = 'optimizer' needs sharded data parallelism (fsdp or hsdp), not replicate."
+        )
     return CPUOffloadPolicy(pin_memory=device_type == "cuda")
 
 
@@ -145,8 +149,11 @@ def uneven_split_dims(param: torch.Tensor) -> set[int]:
     """Dims of a DTensor ``param`` that a Shard placement splits unevenly over its mesh dimension."""
     if not isinstance(param, DTensor):
         return set()
-    return {p.dim for p, n in zip(param.placements, param.device_mesh.shape)
-            if isinstance(p, Shard) and param.shape[p.dim] % n}
+    return {
+        p.dim
+        for p, n in zip(param.placements, param.device_mesh.shape)
+        if isinstance(p, Shard) and param.shape[p.dim] % n
+    }
 
 
 def shard_placement(shards: int, prefer_even: bool = False):
@@ -160,8 +167,12 @@ def shard_placement(shards: int, prefer_even: bool = False):
 
 
 def wrap_data_parallel(
-    module: nn.Module | list[nn.Module], data_mesh: DeviceMesh, mode: str, policy: MixedPrecisionPolicy,
-    prefer_even: bool = False, offload: OffloadPolicy = OffloadPolicy(),
+    module: nn.Module | list[nn.Module],
+    data_mesh: DeviceMesh,
+    mode: str,
+    policy: MixedPrecisionPolicy,
+    prefer_even: bool = False,
+    offload: OffloadPolicy = _NO_OFFLOAD,
 ) -> FSDPModule:
     """One FSDP2 (or replicate) unit whose gradients are summed over ``data_mesh``, not averaged:
     each rank's loss is already its share of the global loss. A list of modules (FSDP only) is one unit:
@@ -170,8 +181,9 @@ def wrap_data_parallel(
         unit = replicate(module, mesh=data_mesh, mp_policy=policy)
     else:
         placement = shard_placement(data_mesh.size(data_mesh.ndim - 1), prefer_even)  # the shard dim (last for HSDP)
-        unit = fully_shard(module, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement,
-                           offload_policy=offload)
+        unit = fully_shard(
+            module, mesh=data_mesh, mp_policy=policy, shard_placement_fn=placement, offload_policy=offload
+        )
     members = unit if isinstance(unit, list) else [unit]
     if data_mesh.size() > 1:
         # On one rank the sum is the gradient itself, and the factor would cost a pass: FSDP2's one-rank
@@ -195,9 +207,15 @@ def _untied_vocab_modules(embed: nn.Module | None, head: nn.Module | None) -> li
 
 
 def wrap_units(
-    model: nn.Module, blocks: Sequence[nn.Module], experts: Sequence[nn.Module],
-    vocab: tuple[nn.Module | None, nn.Module | None], meshes: tuple[DeviceMesh, DeviceMesh], mode: str,
-    policy: MixedPrecisionPolicy, offload: OffloadPolicy = OffloadPolicy(), dense: bool = True,
+    model: nn.Module,
+    blocks: Sequence[nn.Module],
+    experts: Sequence[nn.Module],
+    vocab: tuple[nn.Module | None, nn.Module | None],
+    meshes: tuple[DeviceMesh, DeviceMesh],
+    mode: str,
+    policy: MixedPrecisionPolicy,
+    offload: OffloadPolicy = _NO_OFFLOAD,
+    dense: bool = True,
 ) -> None:
     """The data-parallel units of ``model`` (meshtron's or a transformers model, whole or a pipeline
     stage), innermost first since a unit takes the parameters no unit inside it holds: the ``experts``
@@ -239,7 +257,9 @@ def _check_experts_split(model: nn.Module, mesh: DeviceMesh) -> None:
                 "would be counted once per tp rank. Apply expert parallelism before data parallelism."
             )
         for pname, param in moe.experts.named_parameters():
-            if split.ep * split.etp > 1 and not (isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())):
+            if split.ep * split.etp > 1 and not (
+                isinstance(param, DTensor) and "ep" in (param.device_mesh.mesh_dim_names or ())
+            ):
                 raise ValueError(
                     f"ep x etp = {split.ep} x {split.etp} but expert weight '{pname}' is not split over the "
                     "experts' mesh; its gradient would miss the other expert ranks' tokens. Apply expert "
@@ -251,7 +271,9 @@ def _execution_order(model: nn.Module) -> list[list[FSDPModule]]:
     """FSDP units in forward order, one entry per step of the chain: [embedding], each block with its
     experts' units, [LM head]. A new run starts wherever the layer index does not follow on."""
     runs: list[list[list[FSDPModule]]] = []
-    separate = {id(m) for m in _untied_vocab_modules(model.embed_tokens, model.lm_head)}  # tied ones live in the root unit
+    separate = {
+        id(m) for m in _untied_vocab_modules(model.embed_tokens, model.lm_head)
+    }  # tied ones live in the root unit
     embed = model.embed_tokens if id(model.embed_tokens) in separate else None
     head = model.lm_head if id(model.lm_head) in separate else None
     last_layer = model.config.num_hidden_layers - 1
@@ -352,7 +374,11 @@ def finish_split_backward(units: Sequence[nn.Module], released: Sequence[nn.Modu
 
 
 def apply_data_parallel(
-    model: nn.Module, mesh: DeviceMesh, mode: str = "fsdp", dtype: str = "float32", prefetch: int = 1,
+    model: nn.Module,
+    mesh: DeviceMesh,
+    mode: str = "fsdp",
+    dtype: str = "float32",
+    prefetch: int = 1,
     offload: str = "none",
 ) -> nn.Module:
     """Shard or replicate ``model`` (a full model or a pipeline stage) over the data meshes, in place.

@@ -70,7 +70,6 @@ from torch.distributed.tensor import DTensor, Shard
 from meshtron.config import ConfigError
 from meshtron.host import even_split, split_sizes
 from meshtron.mesh import batch_mesh, dense_data_mesh, expert_meshes, expert_split
-from meshtron.torch_private import flatten_mesh
 from meshtron.models.moe import (
     GroupedExperts,
     SharedWork,
@@ -85,6 +84,7 @@ from meshtron.models.moe import (
     unsort,
 )
 from meshtron.parallel.context import sequence_index
+from meshtron.torch_private import flatten_mesh
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -197,8 +197,9 @@ def shard_experts(full: torch.Tensor, mesh: DeviceMesh, etp_dim: int | None = No
     local = full.detach().chunk(ep.size())[ep.get_local_rank()]
     if etp.size() > 1:
         if etp_dim is None:
-            raise ConfigError(f"[parallel] etp = {etp.size()}: these experts have no dimension to split over etp; "
-                              "use etp = 1.")
+            raise ConfigError(
+                f"[parallel] etp = {etp.size()}: these experts have no dimension to split over etp; use etp = 1."
+            )
         local = local.chunk(etp.size(), etp_dim)[etp.get_local_rank()]
     placements = [Shard(0), Shard(etp_dim if etp_dim is not None else 0)]
     return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
@@ -216,7 +217,11 @@ class ExpertDispatch(nn.Module):
     """
 
     def __init__(
-        self, num_experts: int, mesh: DeviceMesh, tp_mesh: DeviceMesh | None = None, split_tokens_over_tp: bool = True,
+        self,
+        num_experts: int,
+        mesh: DeviceMesh,
+        tp_mesh: DeviceMesh | None = None,
+        split_tokens_over_tp: bool = True,
         scale_inputs: bool = False,
     ):
         super().__init__()
@@ -506,19 +511,28 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
     """Split every MoE's routed experts over the experts' (ep, etp) mesh and make router statistics global.
 
     Works on a meta-device model (materialise afterwards with ``materialize_sharded``, which computes each rank's
-    experts from the deterministic initial weights) and on a materialised one (each rank keeps its block of the full weights, which must be
-    identical on all ranks). With tp > 1 the experts are wrapped even at ep = etp = 1 (weights then stay
-    plain tensors), so the tp ranks split the experts' tokens instead of all computing all of them.
+    experts from the deterministic initial weights) and on a materialised one (each rank keeps its block of the full
+    weights, which must be identical on all ranks). With tp > 1 the experts are wrapped even at ep = etp = 1 (weights
+    then stay plain tensors), so the tp ranks split the experts' tokens instead of all computing all of them.
     ``sequence_parallel``: whether tensor parallelism splits the MoE's tokens over tp (then they are
     not split again here). Returns ``model``.
     """
     layers = moe_layers(model)
     split = expert_split(mesh)
-    used = [f"{k} = {v}" for k, v, on in (("ep", split.ep, split.ep > 1), ("etp", split.etp, split.etp > 1),
-                                          ("fold_ep", "true", split.fold)) if on]
+    used = [
+        f"{k} = {v}"
+        for k, v, on in (
+            ("ep", split.ep, split.ep > 1),
+            ("etp", split.etp, split.etp > 1),
+            ("fold_ep", "true", split.fold),
+        )
+        if on
+    ]
     if used and not layers:
-        raise ConfigError(f"[parallel] {', '.join(used)} needs an MoE model (num_experts > 0); this model has no "
-                          "MoE layer. Use dp instead.")
+        raise ConfigError(
+            f"[parallel] {', '.join(used)} needs an MoE model (num_experts > 0); this model has no "
+            "MoE layer. Use dp instead."
+        )
     for moe in layers:
         check_expert_divisible(moe.num_experts, split.ep)
         check_expert_tp_divisible(moe.experts.gate_proj.shape[-1], split.etp)
@@ -529,7 +543,9 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, sequence_parallel:
         return model
     experts_mesh = expert_meshes(mesh).model
     for moe in layers:
-        moe.experts = ExpertParallelExperts(moe.experts, experts_mesh, tp_mesh, split_tokens_over_tp=not sequence_parallel)
+        moe.experts = ExpertParallelExperts(
+            moe.experts, experts_mesh, tp_mesh, split_tokens_over_tp=not sequence_parallel
+        )
     return model
 
 

@@ -19,7 +19,8 @@ Recipes (torchao's names, ``torchao.float8.Float8LinearConfig.from_recipe_name``
 - ``tensorwise``: one scale per tensor. Under FSDP over more than one rank the weights are all-gathered
   in float8 (half the bf16 bytes); the weight's scale is the amax over all shards (an all-reduce inside the
   gather), so it is the unsharded weight's (on one rank ``Float8Linear`` casts it in the block's forward,
-  inside a compiled block's graph: :func:`float8_all_gather`). Activation and gradient scales are the amax of the tokens a rank holds.
+  inside a compiled block's graph: :func:`float8_all_gather`). Activation and gradient scales are the amax of the tokens
+  a rank holds.
 - ``rowwise``: one scale per row of each operand (power-of-two scales); the weight-gradient GEMM
   scales along the tokens, so it depends on which tokens a rank holds.
 - ``rowwise_with_gw_hp``: per-token activation and gradient scales, per-output-row weight scales, the
@@ -94,8 +95,13 @@ def fp8_linear_names(block: nn.Module) -> list[str]:
     projections, a MoE's shared expert; not the linears of a MoE block itself (any module holding routed
     ``experts``: meshtron's ``MoE``, a transformers sparse block), its router and the shared expert's
     one-column gate: routing decisions stay in the training dtype."""
-    routing = {f"{name}.{child}".lstrip(".") for name, module in block.named_modules() if _holds_experts(module)
-               for child, linear in module.named_children() if isinstance(linear, nn.Linear)}
+    routing = {
+        f"{name}.{child}".lstrip(".")
+        for name, module in block.named_modules()
+        if _holds_experts(module)
+        for child, linear in module.named_children()
+        if isinstance(linear, nn.Linear)
+    }
     return [name for name, module in block.named_modules() if isinstance(module, nn.Linear) and name not in routing]
 
 
@@ -131,8 +137,9 @@ def _expert_dims(experts: GroupedExperts) -> tuple[int, int]:
     return tuple(experts.gate_proj.shape[1:])
 
 
-def high_precision_linears(model: nn.Module, recipe: str, blocks: Blocks | None = None,
-                           prefix: str = "layers") -> list[str]:
+def high_precision_linears(
+    model: nn.Module, recipe: str, blocks: Blocks | None = None, prefix: str = "layers"
+) -> list[str]:
     """The block linears (and routed experts) FP8 would take but whose shape ``recipe`` cannot (a dim not a
     multiple of :func:`fp8_dim_multiple`), one entry per distinct name and shape: ``layers.*.self_attn.k_proj
     [64 -> 8]``. ``blocks`` (default ``model.layers``) and ``prefix``, the path of the blocks, as
@@ -144,7 +151,7 @@ def high_precision_linears(model: nn.Module, recipe: str, blocks: Blocks | None 
     seen: dict[str, None] = {}
     for name, dims in shapes:
         if not fits_fp8(dims, recipe):
-            pattern = ".".join([prefix, "*", *name.split(".")[depth + 1:]])
+            pattern = ".".join([prefix, "*", *name.split(".")[depth + 1 :]])
             seen[f"{pattern} [{dims[0]} -> {dims[1]}]"] = None
     return list(seen)
 
@@ -154,8 +161,10 @@ def fp8_note(recipe: str, names: list[str]) -> str | None:
     training dtype, if any."""
     if recipe == "none" or not names:
         return None
-    return (f"meshtron: fp8 = '{recipe}' leaves {len(names)} block linear(s) in the training dtype "
-            f"(dims not multiples of {fp8_dim_multiple(recipe)}): {', '.join(names)}")
+    return (
+        f"meshtron: fp8 = '{recipe}' leaves {len(names)} block linear(s) in the training dtype "
+        f"(dims not multiples of {fp8_dim_multiple(recipe)}): {', '.join(names)}"
+    )
 
 
 def high_precision_note(cfg: ModelConfig, recipe: str) -> str | None:
@@ -188,8 +197,9 @@ def float8_config(recipe: str, tp: int = 1, data_ranks: int = 1, offload: bool =
     return dataclasses.replace(config, enable_fsdp_float8_all_gather=gather)
 
 
-def apply_float8(model: nn.Module, recipe: str, tp: int = 1, data_ranks: int = 1, offload: bool = False,
-                 blocks: Blocks | None = None) -> nn.Module:
+def apply_float8(
+    model: nn.Module, recipe: str, tp: int = 1, data_ranks: int = 1, offload: bool = False, blocks: Blocks | None = None
+) -> nn.Module:
     """Swap the FP8-capable block linears of ``model`` (a meshtron ``Transformer`` or a pipeline stage, or
     with ``blocks`` any model's decoder blocks, meta or real) for ``Float8Linear`` (``MXLinear`` under
     ``mxfp8``) in place, and set the routed experts' grouped GEMM (:func:`grouped_matmul_for`); ``recipe``
@@ -355,15 +365,18 @@ def _column_scales(w: Scaled, dim: int) -> torch.Tensor:
     return w.scale.squeeze(dim).expand(G, N if dim == 1 else K)
 
 
-def _scaled_rows_by_experts(a: Scaled, weights: torch.Tensor, columns: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def _scaled_rows_by_experts(
+    a: Scaled, weights: torch.Tensor, columns: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
     """``torch._scaled_grouped_mm`` of float8 rows ``a`` [T, K] (scaled per row) in groups ending at ``offs``
     and float8 ``weights`` [G, K, N] scaled per (expert, column) by ``columns`` [G, N]: bfloat16 [T, N]. The
     kernel takes the rows row-major, the weights column-major, and the reciprocal scales."""
     rows = a.scale if a.groups is None else a.scale[a.groups]
     if not (weights.stride(-2) == 1 and weights.stride(-1) > 1):
         weights = weights.transpose(1, 2).contiguous().transpose(1, 2)
-    return scaled_grouped_mm(a.data, weights, (1 / rows).reshape(-1), (1 / columns).contiguous(), offs=offs,
-                             out_dtype=torch.bfloat16)
+    return scaled_grouped_mm(
+        a.data, weights, (1 / rows).reshape(-1), (1 / columns).contiguous(), offs=offs, out_dtype=torch.bfloat16
+    )
 
 
 def _scaled_weight_gradient(x: Scaled, grad: Scaled, counts: torch.Tensor) -> torch.Tensor:
@@ -377,9 +390,14 @@ def _scaled_weight_gradient(x: Scaled, grad: Scaled, counts: torch.Tensor) -> to
     dest, ends, size = aligned_rows(counts, x.groups)
     rows, grads = placed_rows(x.data, dest, size), placed_rows(grad.data, dest, size)
     experts, k, n = counts.numel(), rows.shape[1], grads.shape[1]
-    return scaled_grouped_mm(rows.t().contiguous(), grads.t().contiguous().t(),
-                             (1 / x.scale).expand(experts, k).reshape(-1),
-                             (1 / grad.scale).expand(experts, n).reshape(-1), offs=ends, out_dtype=torch.bfloat16)
+    return scaled_grouped_mm(
+        rows.t().contiguous(),
+        grads.t().contiguous().t(),
+        (1 / x.scale).expand(experts, k).reshape(-1),
+        (1 / grad.scale).expand(experts, n).reshape(-1),
+        offs=ends,
+        out_dtype=torch.bfloat16,
+    )
 
 
 class _Float8GroupedMM(torch.autograd.Function):
@@ -451,7 +469,8 @@ class Float8Gemms:
     def _split_dims(self, operand: str) -> tuple[int, ...]:
         """Dims of ``operand`` (x [T, K], wt = weight.t() [K, N], dy [T, N]) split over tp."""
         return {("x", "in"): (1,), ("wt", "in"): (0,), ("wt", "out"): (1,), ("dy", "out"): (1,)}.get(
-            (operand, self.split), ())
+            (operand, self.split), ()
+        )
 
     def _cast(self, t: torch.Tensor, operand: str, cast, role, axis: int, split: tuple[int, ...] | None = None):
         """``t`` in float8 per ``cast`` (scaled along ``axis`` when rowwise), or as it is if the recipe keeps
@@ -462,12 +481,21 @@ class Float8Gemms:
         rowwise = cast.scaling_granularity is self.ao_config.ScalingGranularity.AXISWISE
         split = self._split_dims(operand) if split is None else split
         spans_split = bool(split) and (not rowwise or axis % 2 in split)
-        return self.convert(t, cast.target_dtype, self.mm_config, reduce_amax=spans_split, gemm_input_role=role,
-                            device_mesh=self.mesh, scaling_granularity=cast.scaling_granularity,
-                            axiswise_dim=axis if rowwise else None,
-                            round_scales_to_power_of_2=self.config.round_scales_to_power_of_2)
+        return self.convert(
+            t,
+            cast.target_dtype,
+            self.mm_config,
+            reduce_amax=spans_split,
+            gemm_input_role=role,
+            device_mesh=self.mesh,
+            scaling_granularity=cast.scaling_granularity,
+            axiswise_dim=axis if rowwise else None,
+            round_scales_to_power_of_2=self.config.round_scales_to_power_of_2,
+        )
 
-    def cast_input(self, rows: torch.Tensor, for_grad_weight: bool = False, sequence_shard: bool = False) -> torch.Tensor:
+    def cast_input(
+        self, rows: torch.Tensor, for_grad_weight: bool = False, sequence_shard: bool = False
+    ) -> torch.Tensor:
         """The [tokens, K] input ``rows`` cast for the output GEMM (or the weight-gradient one), once for all the
         GEMMs that take pieces of its rows. ``sequence_shard``: ``rows`` is this rank's 1/tp of the sequence (a
         column-parallel linear's input under SP), cast with the whole sequence's scale (the amax all-reduced over
@@ -487,10 +515,13 @@ class Float8Gemms:
 
     def output(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``x @ weight.t()``; ``weight`` in the training dtype or from :meth:`weight_for_output`."""
-        return torch.mm(self._cast(x, "x", self.config.cast_config_input, self.roles.INPUT, -1),
-                        self.weight_for_output(weight).t())
+        return torch.mm(
+            self._cast(x, "x", self.config.cast_config_input, self.roles.INPUT, -1), self.weight_for_output(weight).t()
+        )
 
-    def cast_grad_output(self, dy: torch.Tensor, for_input: bool, for_weight: bool, sequence_shard: bool = False) -> tuple:
+    def cast_grad_output(
+        self, dy: torch.Tensor, for_input: bool, for_weight: bool, sequence_shard: bool = False
+    ) -> tuple:
         """``dy`` cast for the input-gradient GEMM and for the weight-gradient GEMM (None where that GEMM
         does not run): one cast, and one amax all-reduce, where both scale it alike (one tensorwise config).
         ``sequence_shard``: ``dy`` is this rank's 1/tp of the sequence (a row-parallel linear's output gradient
@@ -499,9 +530,15 @@ class Float8Gemms:
         split = (0,) if sequence_shard else None
         to_input = self._cast(dy, "dy", c.cast_config_grad_output, role, -1, split) if for_input else None
         tensorwise = c.cast_config_grad_output.scaling_granularity is self.ao_config.ScalingGranularity.TENSORWISE
-        if to_input is not None and tensorwise and c.cast_config_grad_output == c.cast_config_grad_output_for_grad_weight:
+        if (
+            to_input is not None
+            and tensorwise
+            and c.cast_config_grad_output == c.cast_config_grad_output_for_grad_weight
+        ):
             return to_input, to_input
-        to_weight = self._cast(dy, "dy", c.cast_config_grad_output_for_grad_weight, role, 0, split) if for_weight else None
+        to_weight = (
+            self._cast(dy, "dy", c.cast_config_grad_output_for_grad_weight, role, 0, split) if for_weight else None
+        )
         return to_input, to_weight
 
     def casts_grad_output_per_row(self) -> bool:
@@ -514,13 +551,17 @@ class Float8Gemms:
 
     def grad_input(self, dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``dy @ weight``; ``weight`` in the training dtype or from :meth:`weight_for_grad_input`."""
-        return torch.mm(self._cast(dy, "dy", self.config.cast_config_grad_output, self.roles.GRAD_OUTPUT, -1),
-                        self.weight_for_grad_input(weight))
+        return torch.mm(
+            self._cast(dy, "dy", self.config.cast_config_grad_output, self.roles.GRAD_OUTPUT, -1),
+            self.weight_for_grad_input(weight),
+        )
 
     def grad_weight(self, dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         c = self.config
-        return torch.mm(self._cast(dy, "dy", c.cast_config_grad_output_for_grad_weight, self.roles.GRAD_OUTPUT, 0).t(),
-                        self._cast(x, "x", c.cast_config_input_for_grad_weight, self.roles.INPUT, 0))
+        return torch.mm(
+            self._cast(dy, "dy", c.cast_config_grad_output_for_grad_weight, self.roles.GRAD_OUTPUT, 0).t(),
+            self._cast(x, "x", c.cast_config_input_for_grad_weight, self.roles.INPUT, 0),
+        )
 
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -571,7 +612,8 @@ def split_gemms(linear: nn.Module, mesh, split: str, local_shape: tuple[int, int
         raise ConfigError(
             f"[train] fp8: a {linear.out_features} x {linear.in_features} block linear split over tp = {mesh.size()} "
             f"holds a {local_shape[0]} x {local_shape[1]} weight per rank; a{'n MX' if mx else ''} float8 "
-            f"GEMM needs both dims in multiples of {multiple}. Use a smaller tp or fp8 = 'none'.")
+            f"GEMM needs both dims in multiples of {multiple}. Use a smaller tp or fp8 = 'none'."
+        )
     return linear.gemms if mx else Float8Gemms(linear, mesh, split)
 
 

@@ -52,8 +52,9 @@ def fits_fp8(dims: tuple[int, ...], recipe: str) -> bool:
     return not any(dim % fp8_dim_multiple(recipe) for dim in dims)
 
 
-def aligned_rows(counts: torch.Tensor, groups: torch.Tensor,
-                 align: int = TOKEN_GROUP_ALIGN) -> tuple[torch.Tensor, torch.Tensor, int]:
+def aligned_rows(
+    counts: torch.Tensor, groups: torch.Tensor, align: int = TOKEN_GROUP_ALIGN
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Where each of T rows in groups of ``counts`` (``groups``: each row's) goes when every group starts at a
     multiple of ``align`` rows, zero rows between: (row destinations, the padded groups' end offsets, the
     buffer's rows), the buffer sized without reading ``counts`` (T rounded up, one alignment more per group)."""
@@ -128,8 +129,16 @@ def training_dtype_gemms() -> bool:
     return bool(_TRAINING_DTYPE_GEMMS)
 
 
-__all__ = ["FP8_DIM_MULTIPLE", "MX_BLOCK", "TOKEN_GROUP_ALIGN", "aligned_rows", "fits_fp8", "float8_split_linear",
-           "placed_rows",
-           "fp8_dim_multiple", "torchao_float8", "training_dtype", "training_dtype_gemms"]
-
-
+__all__ = [
+    "FP8_DIM_MULTIPLE",
+    "MX_BLOCK",
+    "TOKEN_GROUP_ALIGN",
+    "aligned_rows",
+    "fits_fp8",
+    "float8_split_linear",
+    "placed_rows",
+    "fp8_dim_multiple",
+    "torchao_float8",
+    "training_dtype",
+    "training_dtype_gemms",
+]

@@ -78,9 +78,7 @@ def _power_sum(pieces: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum()
 
 
-def global_grad_norm(
-    params, norm_type: float = 2.0, pp_mesh: DeviceMesh | None = None
-) -> torch.Tensor:
+def global_grad_norm(params, norm_type: float = 2.0, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
     """The p-norm of all gradients of ``params`` over every mesh dimension (same value on all ranks).
 
     ``pp_mesh``: the pipeline dimension (``mesh["pp"]``) when stages hold different parameters.
@@ -126,9 +124,7 @@ def scale_grads_(params, max_norm: float, total_norm: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(
-    params, max_norm: float, norm_type: float = 2.0, pp_mesh: DeviceMesh | None = None
-) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before."""
     params = list(params)
     total = global_grad_norm(params, norm_type, pp_mesh)

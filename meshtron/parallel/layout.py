@@ -65,8 +65,9 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     if refused:
         raise ConfigError(f"[model] {refused}")
     heads, kv_heads = local_heads(m.num_attention_heads, m.kv_heads, p.tp)
-    check_context_parallel(p.cp_comm_type, p.cp, heads, kv_heads, None, p.cp_a2a_size, None,
-                           cp_ranks_per_node(p.tp, p.mesh_ep))
+    check_context_parallel(
+        p.cp_comm_type, p.cp, heads, kv_heads, None, p.cp_a2a_size, None, cp_ranks_per_node(p.tp, p.mesh_ep)
+    )
     if p.cp > 1 and t.seq_len % (2 * p.cp):
         raise ConfigError(
             f"{unbalanced_seq_len(t.seq_len, p.cp)} Use seq_len = {round_up(t.seq_len, 2 * p.cp)} or change cp."

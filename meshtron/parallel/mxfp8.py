@@ -50,7 +50,8 @@ def _load_torchao() -> None:
         _TORCHAO.update(
             MXTensor=torchao_float8("torchao.prototype.mx_formats.mx_tensor").MXTensor,
             RCEIL=torchao_float8("torchao.prototype.mx_formats.config").ScaleCalculationMode.RCEIL,
-            KernelPreference=torchao_float8("torchao.quantization.quantize_.common.kernel_preference").KernelPreference)
+            KernelPreference=torchao_float8("torchao.quantization.quantize_.common.kernel_preference").KernelPreference,
+        )
 
 
 def runs_mx_kernel(device: torch.device) -> bool:
@@ -90,7 +91,9 @@ class MXGemms:
     def __init__(self):
         _load_torchao()
 
-    def cast_input(self, rows: torch.Tensor, for_grad_weight: bool = False, sequence_shard: bool = False) -> torch.Tensor:
+    def cast_input(
+        self, rows: torch.Tensor, for_grad_weight: bool = False, sequence_shard: bool = False
+    ) -> torch.Tensor:
         """``rows`` cast for the output GEMM: along the features, per row, so a rank's rows cast before SP's
         all-gather (or a ring's) are the gathered rows' cast, and travel as MX bytes (1 + 1/32 bytes an element).
         For the weight gradient as they are: that GEMM casts along the tokens it contracts."""
@@ -108,7 +111,9 @@ class MXGemms:
         """``x @ weight.t()``; ``x`` in the training dtype or from :meth:`cast_input`."""
         return torch.mm(x if is_mx(x) else to_mx(x), self.weight_for_output(weight).t())
 
-    def cast_grad_output(self, dy: torch.Tensor, for_input: bool, for_weight: bool, sequence_shard: bool = False) -> tuple:
+    def cast_grad_output(
+        self, dy: torch.Tensor, for_input: bool, for_weight: bool, sequence_shard: bool = False
+    ) -> tuple:
         """``dy`` as it is, for each GEMM that runs: each casts it along its own contraction dim."""
         return dy if for_input else None, dy if for_weight else None
 
@@ -150,8 +155,9 @@ def _grouped_weight_gradient(x: torch.Tensor, dy: torch.Tensor, counts: torch.Te
     tokens only: every group padded with zero rows to a multiple of :data:`MX_BLOCK` (:func:`aligned_rows`)."""
     groups = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0])
     dest, ends, size = aligned_rows(counts, groups, MX_BLOCK)
-    return F.grouped_mm(mx_values(placed_rows(x, dest, size).t()), mx_values(placed_rows(dy, dest, size).t()).t(),
-                        offs=ends)
+    return F.grouped_mm(
+        mx_values(placed_rows(x, dest, size).t()), mx_values(placed_rows(dy, dest, size).t()).t(), offs=ends
+    )
 
 
 class _MXGroupedMM(torch.autograd.Function):
@@ -190,5 +196,14 @@ class MXGroupedMatmul:
         return _MXGroupedMM.apply(x, w, counts)
 
 
-__all__ = ["MX_KERNEL_MAJOR", "MXGemms", "MXGroupedMatmul", "MXLinear", "along_tokens", "is_mx", "mx_values",
-           "runs_mx_kernel", "to_mx"]
+__all__ = [
+    "MX_KERNEL_MAJOR",
+    "MXGemms",
+    "MXGroupedMatmul",
+    "MXLinear",
+    "along_tokens",
+    "is_mx",
+    "mx_values",
+    "runs_mx_kernel",
+    "to_mx",
+]

@@ -67,8 +67,15 @@ class _HostCopy:
     """A span of one device storage's elements copied to the host, shared by every saved view inside it
     (a norm's output, its flattened view one projection saves and the one another saves: one copy)."""
 
-    def __init__(self, start: int, end: int, dtype: torch.dtype, device: torch.device, host: torch.Tensor,
-                 copied: torch.cuda.Event | None):
+    def __init__(
+        self,
+        start: int,
+        end: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        host: torch.Tensor,
+        copied: torch.cuda.Event | None,
+    ):
         self.start, self.end, self.dtype, self.device, self.host, self.copied = start, end, dtype, device, host, copied
         self.back: weakref.ref | None = None  # its copy on the device while a backward uses one of its views
 

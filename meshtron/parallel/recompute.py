@@ -47,8 +47,13 @@ from meshtron.config import AC_PARTS, AC_POLICIES, ACTIVATION_CHECKPOINTING, not
 from meshtron.host import KeptReads
 from meshtron.models.layers import MLP
 from meshtron.models.moe import replaying
-from meshtron.torch_private import (ATTENTION_FORWARD_KERNELS, GROUPED_MM, SacBypass, checkpoint,
-                                    selective_checkpoint_contexts)
+from meshtron.torch_private import (
+    ATTENTION_FORWARD_KERNELS,
+    GROUPED_MM,
+    SacBypass,
+    checkpoint,
+    selective_checkpoint_contexts,
+)
 
 aten = torch.ops.aten
 # The GEMMs of weights (linear layers, the experts' grouped GEMM). Not bmm / baddbmm: those multiply two
@@ -138,8 +143,11 @@ def recompute_contexts(mode: str, policy: str, parts: Collection[str] = ()) -> C
 
     def contexts():
         reads = KeptReads()
-        forward, recompute = (selective_checkpoint_contexts(OpPolicy(policy, parts)) if mode == "op"
-                              else (contextlib.nullcontext(), contextlib.nullcontext()))
+        forward, recompute = (
+            selective_checkpoint_contexts(OpPolicy(policy, parts))
+            if mode == "op"
+            else (contextlib.nullcontext(), contextlib.nullcontext())
+        )
         return _together(forward, reads.keeping()), _together(recompute, reads.replaying(), replaying())
 
     return contexts
@@ -153,8 +161,9 @@ def _together(*managers):
         yield
 
 
-def checkpoint_blocks(blocks: dict[int, nn.Module], mode: str, every: int, policy: str = "save_matmuls",
-                      parts: Collection[str] = ()) -> list[int]:
+def checkpoint_blocks(
+    blocks: dict[int, nn.Module], mode: str, every: int, policy: str = "save_matmuls", parts: Collection[str] = ()
+) -> list[int]:
     """Checkpoint the blocks (global index -> block) chosen by ``mode``; returns their indices."""
     chosen = checkpointed_layers(list(blocks), mode, every)
     for index in chosen:
@@ -164,8 +173,9 @@ def checkpoint_blocks(blocks: dict[int, nn.Module], mode: str, every: int, polic
     return chosen
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str = "none", every: int = 2,
-                                   policy: str = "save_matmuls", parts: Collection[str] = ()) -> list[int]:
+def apply_activation_checkpointing(
+    model: nn.Module, mode: str = "none", every: int = 2, policy: str = "save_matmuls", parts: Collection[str] = ()
+) -> list[int]:
     """Checkpoint the blocks in ``model.layers`` chosen by ``mode`` (``op``: what ``policy`` keeps);
     returns their global indices."""
     return checkpoint_blocks({int(key): block for key, block in model.layers.items()}, mode, every, policy, parts)

@@ -69,8 +69,9 @@ def pass_wants(ctx) -> tuple[bool, bool]:
     return reached(first), any(map(reached, rest))
 
 
-def save_packed_projections(ctx, shard: torch.Tensor, mesh: DeviceMesh, projections: PackedProjections,
-                            weights_and_biases: tuple) -> tuple[tuple, tuple]:
+def save_packed_projections(
+    ctx, shard: torch.Tensor, mesh: DeviceMesh, projections: PackedProjections, weights_and_biases: tuple
+) -> tuple[tuple, tuple]:
     """What the backward of packed column-parallel projections needs (the input shard, their weights and
     widths, the mesh, ``projections``), saved on ``ctx``; returns the weights and the biases."""
     count = len(projections.gemms)
@@ -151,8 +152,10 @@ class PackedProjections:
         if self.packed:
             return None
         dys = grad_packed.flatten(0, -2).split(widths, -1)
-        return [g.cast_grad_output(dy.contiguous(), for_input, for_weight) if g else (dy, dy)
-                for g, dy in zip(self.gemms, dys)]
+        return [
+            g.cast_grad_output(dy.contiguous(), for_input, for_weight) if g else (dy, dy)
+            for g, dy in zip(self.gemms, dys)
+        ]
 
     def grad_input(self, grad_packed: torch.Tensor, weights: list[torch.Tensor], dys) -> torch.Tensor:
         """The summed input gradient of the projections (this rank's columns: a partial sum over tp); ``weights``
@@ -181,8 +184,13 @@ class _SequenceParallelLinears(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, mesh: DeviceMesh, projections: PackedProjections,
-                *weights_and_biases: torch.Tensor | None):
+    def forward(
+        ctx,
+        shard: torch.Tensor,
+        mesh: DeviceMesh,
+        projections: PackedProjections,
+        *weights_and_biases: torch.Tensor | None,
+    ):
         weights, biases = save_packed_projections(ctx, shard, mesh, projections, weights_and_biases)
         full = projections.start_input_gather(shard, mesh)()
         lead = (shard.shape[0], shard.shape[1] * mesh.size(), *shard.shape[2:-1])
@@ -243,8 +251,10 @@ class SequenceParallelColwise(ParallelStyle):
             distribute_params(linear, mesh, Shard(0), self.src_data_rank)
             linear.tp_gemms = split_gemms(linear, mesh, "out", tuple(linear.weight.to_local().shape))
         else:
-            raise TypeError(f"SequenceParallelColwise splits weights like ColwiseParallel or ReplicatedKVHeads, "
-                            f"got {type(style).__name__}")
+            raise TypeError(
+                f"SequenceParallelColwise splits weights like ColwiseParallel or ReplicatedKVHeads, "
+                f"got {type(style).__name__}"
+            )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         linears = [module.get_submodule(name) for name in self.projections]

@@ -91,6 +91,7 @@ class StepRunner:
 class Runners:
     """How one kind of model becomes a step runner, each called as (model, mesh, cfg, device):
     ``step`` without a pipeline, ``pipeline`` with one."""
+
     step: Callable[..., Runner]
     pipeline: Callable[..., Runner]
 
@@ -99,8 +100,9 @@ class Runners:
 NATIVE_RUNNERS = Runners(step=StepRunner, pipeline=PipelineRunner)
 
 
-def build_step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device,
-                      runners: Runners = NATIVE_RUNNERS) -> Runner:
+def build_step_runner(
+    model: nn.Module, mesh, cfg: Config, device: torch.device, runners: Runners = NATIVE_RUNNERS
+) -> Runner:
     """The runner for this layout: pipelined when ``parallel.pp > 1``; ``runners`` are the model kind's."""
     build = runners.pipeline if cfg.parallel.pp > 1 else runners.step
     return build(model, mesh, cfg, device)

@@ -55,11 +55,11 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, SequenceParallel, parallelize_module
 
 from meshtron.config import ConfigError
+from meshtron.models.moe import MoE
 from meshtron.parallel.sp_projections import SequenceParallelColwise
 from meshtron.parallel.tp_gradient import name_tp_gradients
 from meshtron.parallel.tp_styles import Colwise, ReplicatedKVHeads, ReplicateParallel, Rowwise, VocabParallelEmbedding
 from meshtron.parallel.vocab_loss import VocabParallelHead
-from meshtron.models.moe import MoE
 
 # Error messages list valid tp values up to one 8-GPU node (or tp itself when larger).
 _SUGGEST_UP_TO = 8
@@ -105,8 +105,9 @@ def residual_layout(sp: bool) -> Placement:
     return Shard(1) if sp else Replicate()
 
 
-def _colwise_group_plan(prefix: str, projections: dict[str, ParallelStyle], sp: bool,
-                        inputs: int) -> dict[str, ParallelStyle]:
+def _colwise_group_plan(
+    prefix: str, projections: dict[str, ParallelStyle], sp: bool, inputs: int
+) -> dict[str, ParallelStyle]:
     """Column-parallel projections reading the first of the ``inputs`` inputs of module ``prefix``.
 
     Without SP one replicated DTensor feeds them all, so their input gradients add up as partial
@@ -180,17 +181,20 @@ def _default_positions_hook(tp: int):
     return hook
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool = False,
-                          restyle: Callable[[dict[str, ParallelStyle]], dict[str, ParallelStyle]] | None = None
-                          ) -> nn.Module:
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    sp: bool = False,
+    restyle: Callable[[dict[str, ParallelStyle]], dict[str, ParallelStyle]] | None = None,
+) -> nn.Module:
     """Shard ``model`` (a meshtron ``Transformer`` or a pipeline stage of one) over ``tp_mesh``.
 
     Works on meta-device models (then ``to_empty``, ``tie_weights`` and fill, e.g. with
     ``meshtron.checkpoint.fill_local_slices`` as ``materialize_sharded`` does) and on materialised
-    ones (the full weights are split; the first tp rank's copy wins). The model's logits come out as a vocab-sharded DTensor
-    (``Shard(-1)``); compute the loss with :func:`~meshtron.parallel.vocab_loss.parallel_token_loss_sum`. ``restyle`` rewrites each
-    block's plan (``meshtron.parallel.tensor_overlap.apply_overlapped_tensor_parallel`` overlaps the SP
-    collectives with their GEMMs).
+    ones (the full weights are split; the first tp rank's copy wins). The model's logits come out as a vocab-sharded
+    DTensor (``Shard(-1)``); compute the loss with :func:`~meshtron.parallel.vocab_loss.parallel_token_loss_sum`.
+    ``restyle`` rewrites each block's plan (``meshtron.parallel.tensor_overlap.apply_overlapped_tensor_parallel``
+    overlaps the SP collectives with their GEMMs).
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel expects the 1-D tp mesh (mesh['tp']), got {tp_mesh.ndim} dims")

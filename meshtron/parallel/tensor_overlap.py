@@ -34,7 +34,7 @@ float8 rows of its chunk; what travels a gathering ring is those float8 bytes wi
 from __future__ import annotations
 
 import types
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +43,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
-from meshtron.parallel.context.comm import RingExchange
 from meshtron.config import ConfigError
+from meshtron.parallel.context.comm import RingExchange
 from meshtron.parallel.float8 import Float8Gemms, is_float8_linear, scaled_per_row, split_gemms
 from meshtron.parallel.sp_projections import (
     PackedProjections,
@@ -65,7 +65,7 @@ def _ring(mesh: DeviceMesh) -> RingExchange:
 def _rows(x: torch.Tensor, chunk: int, chunks: int) -> torch.Tensor:
     """Sequence chunk ``chunk`` of ``chunks`` of a [B, S, ...] tensor (dim 1, torch.chunk layout)."""
     size = x.shape[1] // chunks
-    return x[:, chunk * size:(chunk + 1) * size]
+    return x[:, chunk * size : (chunk + 1) * size]
 
 
 def _sequence_rows(t: torch.Tensor | None, batch: int, chunk: int, chunks: int) -> torch.Tensor | None:
@@ -111,7 +111,7 @@ class RowPayload:
         pieces, start = [], 0
         for dtype, shape in self.specs:
             width = shape.numel() * dtype.itemsize
-            pieces.append(payload[:, start:start + width].contiguous().view(dtype).view(payload.shape[0], *shape))
+            pieces.append(payload[:, start : start + width].contiguous().view(dtype).view(payload.shape[0], *shape))
             start += width
         out = []
         for like, scale, per_row in self.likes:
@@ -123,8 +123,9 @@ class RowPayload:
         return out
 
 
-def ring_gather_rows(tensors: list[torch.Tensor], ring: RingExchange,
-                     use: Callable[[list[torch.Tensor], int], None]) -> None:
+def ring_gather_rows(
+    tensors: list[torch.Tensor], ring: RingExchange, use: Callable[[list[torch.Tensor], int], None]
+) -> None:
     """:func:`ring_gather` of row-aligned ``tensors`` (float8 casts included) as one :class:`RowPayload`."""
     payload = RowPayload(tensors)
     ring_gather(payload.payload, ring, lambda chunk, source: use(payload.unpack(chunk), source))
@@ -167,8 +168,13 @@ class _RingGatherLinears(torch.autograd.Function):
     ``projections``' (float8 ones on float8 chunks of operands cast whole)."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, mesh: DeviceMesh, projections: PackedProjections,
-                *weights_and_biases: torch.Tensor | None):
+    def forward(
+        ctx,
+        shard: torch.Tensor,
+        mesh: DeviceMesh,
+        projections: PackedProjections,
+        *weights_and_biases: torch.Tensor | None,
+    ):
         weights, biases = save_packed_projections(ctx, shard, mesh, projections, weights_and_biases)
         weights = projections.output_weights(weights)  # once for the ring's chunks
         blocks: list[torch.Tensor | None] = [None] * mesh.size()
@@ -212,7 +218,8 @@ class _RingGatherLinears(torch.autograd.Function):
             # This rank's columns only: a partial sum over tp, summed around the ring.
             cast = projections.grad_input_weights(weights)
             grad_shard = ring_reduce_scatter(
-                lambda dest: projections.grad_input(_rows(grad_packed, dest, tp), cast, chunk_of(dest)), ring)
+                lambda dest: projections.grad_input(_rows(grad_packed, dest, tp), cast, chunk_of(dest)), ring
+            )
         return grad_shard, None, None, *grad_weights, *grad_biases
 
 
@@ -230,7 +237,9 @@ class OverlappedColwise(SequenceParallelColwise):
             raise ConfigError(
                 f"[parallel] tp_overlap = true with [train] fp8: the ring casts the input of {list(float8)} once for "
                 f"all of them, but {[n for n, f in float8.items() if not f]} stay in the training dtype (dims the "
-                "recipe's float8 GEMM cannot take); use tp_overlap = false, or a model whose projections all take float8.")
+                "recipe's float8 GEMM cannot take); use tp_overlap = false, or a model whose projections all take "
+                "float8."
+            )
         return module
 
 
@@ -241,7 +250,9 @@ class _MatmulReduceScatter(torch.autograd.Function):
     (``linear.tp_gemms``) or None."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, weight: torch.Tensor, gemms: Float8Gemms | None) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, mesh: DeviceMesh, weight: torch.Tensor, gemms: Float8Gemms | None
+    ) -> torch.Tensor:
         ctx.mesh, ctx.gemms = mesh, gemms
         ctx.save_for_backward(x, weight)
         tp, batch = mesh.size(), x.shape[0]
@@ -251,7 +262,8 @@ class _MatmulReduceScatter(torch.autograd.Function):
         rows, cast = gemms.cast_input(x.flatten(0, -2)), gemms.weight_for_output(weight)
         return ring_reduce_scatter(
             lambda dest: gemms.output(_sequence_rows(rows, batch, dest, tp), cast).unflatten(0, (batch, -1)),
-            _ring(mesh))
+            _ring(mesh),
+        )
 
     @staticmethod
     def backward(ctx, grad_shard: torch.Tensor):
@@ -287,8 +299,11 @@ class _MatmulReduceScatter(torch.autograd.Function):
             # ring sends the training dtype, which the GEMMs cast chunk by chunk: the float8 input-gradient
             # operand and the high-precision weight-gradient one would travel twice.
             for_weight = want_params or keep is not None
-            pair = (dy, dy) if gemms is None or gemms.casts_grad_output_per_row() else gemms.cast_grad_output(
-                dy, want_input, for_weight, sequence_shard=True)
+            pair = (
+                (dy, dy)
+                if gemms is None or gemms.casts_grad_output_per_row()
+                else gemms.cast_grad_output(dy, want_input, for_weight, sequence_shard=True)
+            )
             sent = _distinct(pair)
             ring_gather_rows(sent, _ring(ctx.mesh), lambda got, source: use(_as_pair(got, sent, pair), source))
         else:

@@ -48,8 +48,10 @@ class TpGradient:
             return self.decided or Partial()
         if torch.compiler.is_compiling():  # traced once ahead of time: no data to look at
             if self.decided is None:
-                raise ConfigError(f"{self.what} '{self.name}': how its gradient combines over tp is decided on an eager "
-                                  "first step; run one step without torch.compile first.")
+                raise ConfigError(
+                    f"{self.what} '{self.name}': how its gradient combines over tp is decided on an eager "
+                    "first step; run one step without torch.compile first."
+                )
             return self.decided
         ranks = _gradient_classes(grad, mesh)
         if self.mode == "replicate":
@@ -65,7 +67,8 @@ class TpGradient:
                 f"the tp ranks computed different gradients (ranks with equal ones: {ranks}): it acts on a tp-split "
                 "activation, and its copies would drift apart after one optimizer step. Declare it partial "
                 "(ReplicateParallel(grad='partial'), plan style 'replicated_with_grad_allreduce') or leave it "
-                "unplanned (parallelize_hf_model then decides).")
+                "unplanned (parallelize_hf_model then decides)."
+            )
         self.verified = True
         return self.decided
 
@@ -84,7 +87,8 @@ class TpGradient:
                 f"{self.what} '{self.name}' (replicated over tp, no tp plan entry): cannot decide how its gradient "
                 f"combines over tp: ranks {nonzero} computed equal gradients within each group and different ones "
                 "across groups (a replicated computation on part of a tp-split activation). Give it a plan entry "
-                "or run it with tp = 1.")
+                "or run it with tp = 1."
+            )
         return self.decided
 
 

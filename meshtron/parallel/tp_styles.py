@@ -95,7 +95,8 @@ class ReplicatedKVHeads(ParallelStyle):
             raise ConfigError(
                 f"[train] fp8 with tp = {tp} > num_key_value_heads = {self.kv_heads}: the ranks that share a KV head "
                 "each hold part of its projection's output gradient, which no rank can cast with the whole tensor's "
-                f"scale. Use a tp that divides {self.kv_heads} or fp8 = 'none'.")
+                f"scale. Use a tp that divides {self.kv_heads} or fp8 = 'none'."
+            )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.split_weights(module, device_mesh)
@@ -171,7 +172,8 @@ class ReplicateParallel(ParallelStyle):
             owner.register_parameter(leaf, nn.Parameter(dist_param, requires_grad=param.requires_grad))
         module.tp_gradients = {name: TpGradient(self.grad, name) for name in names}
         module.forward = _forward_on_local_params(
-            module, names, lambda name, p: local_view(p, module.tp_gradients[name]))
+            module, names, lambda name, p: local_view(p, module.tp_gradients[name])
+        )
         return module
 
 
@@ -190,12 +192,15 @@ class SplitParams(ParallelStyle):
             owner, leaf = _owner(module, name)
             param = own_parameters(owner)[leaf]
             if param.shape[0] % device_mesh.size():
-                raise ConfigError(f"tp = {device_mesh.size()} does not divide the {param.shape[0]} heads of "
-                                  f"{type(module).__name__}.{name}; use a tp that divides them.")
+                raise ConfigError(
+                    f"tp = {device_mesh.size()} does not divide the {param.shape[0]} heads of "
+                    f"{type(module).__name__}.{name}; use a tp that divides them."
+                )
             dist_param = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             owner.register_parameter(leaf, nn.Parameter(dist_param, requires_grad=param.requires_grad))
         module.forward = _forward_on_local_params(
-            module, self.params, lambda _, p: p.to_local(grad_placements=[Shard(0)]))
+            module, self.params, lambda _, p: p.to_local(grad_placements=[Shard(0)])
+        )
         return module
 
 
@@ -295,8 +300,10 @@ class VocabParallelEmbedding(ParallelStyle):
         if not isinstance(module, nn.Embedding):
             raise TypeError(f"VocabParallelEmbedding expects nn.Embedding, got {type(module).__name__}")
         if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
-            raise ConfigError(f"tensor parallelism splits the embedding over the vocabulary; {type(module).__name__} "
-                              "with max_norm, scale_grad_by_freq or sparse gradients is not supported.")
+            raise ConfigError(
+                f"tensor parallelism splits the embedding over the vocabulary; {type(module).__name__} "
+                "with max_norm, scale_grad_by_freq or sparse gradients is not supported."
+            )
         distribute_params(module, device_mesh, Shard(0), self.src_data_rank)
         module.output_layout = self.output_layout
         module.forward = types.MethodType(_vocab_parallel_embedding_forward, module)

@@ -40,8 +40,9 @@ def _vocab_reducer(mesh: DeviceMesh):
     return reduce
 
 
-def _vocab_parallel_head_forward(self: nn.Linear, h: DTensor, labels: torch.Tensor | None = None,
-                                 softcap: float | None = None):
+def _vocab_parallel_head_forward(
+    self: nn.Linear, h: DTensor, labels: torch.Tensor | None = None, softcap: float | None = None
+):
     if labels is None:
         return F.linear(h, self.weight)  # vocab-sharded logits, Shard(-1)
     # This rank's hidden-state gradient covers only its vocabulary columns: a partial sum, reduced
@@ -103,8 +104,9 @@ def parallel_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_i
     mesh = logits.device_mesh
     local = logits.to_local()
     start = shard_start(logits.shape[-1], mesh)
-    return cross_entropy_sum(local, labels.to(local.device), vocab_start=start, reduce=_vocab_reducer(mesh),
-                             ignore_index=ignore_index)
+    return cross_entropy_sum(
+        local, labels.to(local.device), vocab_start=start, reduce=_vocab_reducer(mesh), ignore_index=ignore_index
+    )
 
 
 __all__ = ["VocabParallelHead", "parallel_token_loss_sum", "shard_start"]

@@ -14,9 +14,9 @@ from typing import NamedTuple, TypeVar
 
 from meshtron.config import Config
 from meshtron.models.chunked_loss import DEFAULT_CHUNK_TOKENS
-from meshtron.parallel.recompute import checkpoints_layer
 from meshtron.parallel.context import cp_comm
 from meshtron.parallel.fp8_base import MX_BLOCK
+from meshtron.parallel.recompute import checkpoints_layer
 from meshtron.parallel.tensor import local_kv_heads
 from meshtron.plan.parameters import (
     FP32,
@@ -44,7 +44,8 @@ def layer_activation_bytes(cfg: Config, layer: int) -> float:
     with SP); attention's rotated q, k, v, output and the o_proj input copy plus an fp32 log-sum-exp
     per head, and with document masks its mask (:func:`document_mask_bytes`); SwiGLU's gate, silu(gate),
     up and product. MoE layers: router probabilities and choices, per routed copy the expert input,
-    output (twice) and the four SwiGLU tensors (tokens split over tp), the shared expert. ``tests/test_plan.py`` compares it with the tensors autograd saves for a block.
+    output (twice) and the four SwiGLU tensors (tokens split over tp), the shared expert. ``tests/test_plan.py``
+    compares it with the tensors autograd saves for a block.
     """
     m, p = cfg.model, cfg.parallel
     c, h, tp, sp = compute_bytes(cfg), m.hidden_size, p.tp, _sp_split(cfg)
@@ -159,7 +160,9 @@ def _block_matmul_parts(cfg: Config, layer: int) -> list[tuple[tuple[float, floa
         return attention + [((inner, h), "mlp"), ((inner, h), "mlp"), ((h, inner), "mlp")]
     k, inner, shared = m.num_experts_per_tok, m.moe_intermediate_size, m.shared_expert_intermediate_size / tp
     routed = [((k * inner / tp, h), "moe_experts")] * 2 + [((k * h * p.etp / tp, inner / p.etp), "moe_experts")]
-    shared_expert = [((1, h), "router"), ((shared, h), "mlp"), ((shared, h), "mlp"), ((h, shared), "mlp")] if shared else []
+    shared_expert = (
+        [((1, h), "router"), ((shared, h), "mlp"), ((shared, h), "mlp"), ((h, shared), "mlp")] if shared else []
+    )
     return attention + [((m.num_experts, h), "router")] + routed + shared_expert
 
 
@@ -207,9 +210,10 @@ def recomputed_share(cfg: Config, layer: int) -> float:
 def op_kept_bytes(cfg: Config, layer: int) -> float:
     """Per token, the op outputs ``activation_checkpointing = "op"`` keeps for one layer
     (``parallel/recompute.py``): attention's output and fp32 log-sum-exp per head (ring attention:
-    one per ring step; none when ``ac_parts`` recomputes ``core_attn``), the tp collectives' outputs (DTensor's: per attention and MLP half, with SP the
-    gathered input [H] and the reduce-scattered output [H / tp], without SP the all-reduced output
-    [H]) and the matmul outputs the policy keeps (:func:`op_kept_matmuls`). ``tests/test_plan.py`` compares it with what a checkpointed block keeps."""
+    one per ring step; none when ``ac_parts`` recomputes ``core_attn``), the tp collectives' outputs (DTensor's: per
+    attention and MLP half, with SP the gathered input [H] and the reduce-scattered output [H / tp], without SP the
+    all-reduced output [H]) and the matmul outputs the policy keeps (:func:`op_kept_matmuls`). ``tests/test_plan.py``
+    compares it with what a checkpointed block keeps."""
     m, p = cfg.model, cfg.parallel
     c, h, tp = compute_bytes(cfg), m.hidden_size, p.tp
     heads = m.num_attention_heads / tp
@@ -310,8 +314,9 @@ class BackwardPeak(NamedTuple):
     reduce_scatter: float  # the fp32 reduce-scatter input live beside it (:func:`reduce_scatter_in_flight`)
 
 
-def _chunk_backward_peak(cfg: Config, layers: range, grads: dict[str, float],
-                         in_flight: tuple[float, float] = (0.0, 0.0)) -> BackwardPeak:
+def _chunk_backward_peak(
+    cfg: Config, layers: range, grads: dict[str, float], in_flight: tuple[float, float] = (0.0, 0.0)
+) -> BackwardPeak:
     """:func:`backward_peak` over one chunk's ``layers``, with the sharded gradient bytes ``grads`` of
     the units that reduce as the backward goes (empty: none) and the reduce-scatter input ``in_flight``
     during its first layer's backward and each later one's (pipelines reduce at their release: none)."""

@@ -71,8 +71,9 @@ def cp_a2a_ranks(cfg: Config, gpus_per_node: int = 8) -> int:
     """The cp ranks of one all-to-all group (``a2a_group_size``; 1 for p2p and allgather), with
     ``gpus_per_node`` GPUs a node."""
     m, p = cfg.model, cfg.parallel
-    return a2a_group_size(p.cp_comm_type, p.cp, p.cp_a2a_size, m.num_attention_heads // p.tp,
-                          gpus_per_node // (p.tp * p.mesh_ep))
+    return a2a_group_size(
+        p.cp_comm_type, p.cp, p.cp_a2a_size, m.num_attention_heads // p.tp, gpus_per_node // (p.tp * p.mesh_ep)
+    )
 
 
 def cp_attention_bytes(cfg: Config, gpus_per_node: int = 8) -> dict[str, tuple[float, float]]:
@@ -125,8 +126,8 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
     last tensor the backward needs); a split backward's ``B`` and ``W`` share them (``B`` the
     reduce-scatters of the input gradients, ``W`` the re-gathers); the embedding and the head add 2 each
     where they are; the gathers that carry float8 under ``[train] fp8`` at their bytes
-    (:func:`float8_sequence_gather_savings`); with ``tp_overlap`` the layers' are sends (``p2p/tp``, :func:`overlapped_rings`).
-    Without SP, all-reduces, 1 per end. The vocab-parallel loss all-reduces
+    (:func:`float8_sequence_gather_savings`); with ``tp_overlap`` the layers' are sends (``p2p/tp``,
+    :func:`overlapped_rings`). Without SP, all-reduces, 1 per end. The vocab-parallel loss all-reduces
     3 fp32 statistics per token; under SP, the gradients of the parameters whole on every tp rank are
     all-reduced; MoE layers add their router statistics, expert dispatch and etp exchanges. Not counted:
     scalars (a few bytes)."""
@@ -173,14 +174,16 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
     if p.tp > 1 and not p.sp and moe:
         # The experts take each tp rank's slice of the replicated tokens: their outputs are gathered
         # forward (again in a recomputation), the slices' input and routing-weight gradients backward.
-        out["all_gather+reduce_scatter/tp"] = ((2 * h + m.num_experts_per_tok) * moe + h * rerun) * tokens * c \
-            * _ring(p.tp) * mb
+        out["all_gather+reduce_scatter/tp"] = (
+            ((2 * h + m.num_experts_per_tok) * moe + h * rerun) * tokens * c * _ring(p.tp) * mb
+        )
     out.update(_router_stats_bytes(cfg, moe + rerun))
     if p.ep > 1:
         # Dispatch and combine forward and backward, after the routed-row counts; a checkpointed MoE
         # layer's recomputation exchanges the counts, dispatches and combines again.
-        out["all_to_all/ep"] = ((4 * moe + 2 * rerun) * rows * h * c + (moe + rerun) * m.num_experts * INT64) \
-            * _ring(p.ep) * mb
+        out["all_to_all/ep"] = (
+            ((4 * moe + 2 * rerun) * rows * h * c + (moe + rerun) * m.num_experts * INT64) * _ring(p.ep) * mb
+        )
     if p.etp > 1:
         # An expert slice's rows gathered and its outputs reduce-scattered, forward and backward (uneven:
         # all-to-alls), again in a checkpointed layer's recomputation; before each gather, the rows per
@@ -188,8 +191,11 @@ def communication(cfg: Config, stage: int | None = None) -> dict[str, float]:
         out["all_to_all/etp"] = (4 * moe + 2 * rerun) * p.etp * rows * h * c * _ring(p.etp) * mb
         out["all_gather+reduce_scatter/etp"] = (moe + rerun) * m.num_experts * INT64 * (p.etp - 1) * mb
     if p.pp > 1:  # each chunk's activations forward, gradients back, to a neighbour chunk on another rank
-        sends = sum(_peer(cfg, chunk, chunk + 1) + _peer(cfg, chunk, chunk - 1) for chunk in chunks) \
-            if stage is not None else 2 * p.virtual_stages
+        sends = (
+            sum(_peer(cfg, chunk, chunk + 1) + _peer(cfg, chunk, chunk - 1) for chunk in chunks)
+            if stage is not None
+            else 2 * p.virtual_stages
+        )
         out["p2p/pp"] = sends * tokens * h * c / (p.tp if p.sp else 1) * mb
     out.update(_data_parallel_bytes(cfg, 0 if stage is None else stage))
     out.update(_tied_embedding_bytes(cfg, 0 if stage is None else stage))
@@ -211,6 +217,7 @@ def _tied_embedding_bytes(cfg: Config, stage: int) -> dict[str, float]:
 class Transfers(NamedTuple):
     """tp transfers of one layer's activations per micro-batch: over the step, again in a checkpointed
     layer's recomputation."""
+
     step: int
     recomputed: int
 
@@ -240,8 +247,11 @@ def _tp_transfers(cfg: Config, layer: int, sp: bool) -> Transfers:
 
 
 # The column-parallel projections SP computes from one gathered input (``tensor.SequenceParallelColwise``).
-SP_COLUMN_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"),
-                    ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"))
+SP_COLUMN_GROUPS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+)
 
 
 def _token_scale_bytes(recipe: str, hidden: int) -> float:
@@ -304,8 +314,11 @@ def overlapped_rings(cfg: Config, layer: int) -> list[float]:
 
 # Per overlapped group of a layer (overlapped_rings' order): its column-parallel projections and the
 # row-parallel projection after them.
-_RING_GROUPS = ((SP_COLUMN_GROUPS[0], "self_attn.o_proj"), (SP_COLUMN_GROUPS[1], "mlp.down_proj"),
-                (SP_COLUMN_GROUPS[2], "mlp.shared_expert.down_proj"))
+_RING_GROUPS = (
+    (SP_COLUMN_GROUPS[0], "self_attn.o_proj"),
+    (SP_COLUMN_GROUPS[1], "mlp.down_proj"),
+    (SP_COLUMN_GROUPS[2], "mlp.shared_expert.down_proj"),
+)
 
 
 def overlapped_ring_bytes(cfg: Config, layer: int) -> list[float]:
@@ -352,8 +365,11 @@ def overlapped_tp_seconds(cfg: Config, hw: Hardware) -> float:
     efficiency = hw.mfu if hw.mfu is not None else gemm_efficiency(cfg, rows, hw)
     gemm_rate = hw.peak_tflops * 1e12 * efficiency * p.tp  # a chunk is 1/tp of the ring's GEMM
     layers = [i for chunk_index in _stage_chunks(cfg, None) for i in chunk_layers(cfg, chunk_index)]
-    rings = [ring for flops, nbytes in zip(by_kind(cfg, overlapped_rings, layers), by_kind(cfg, overlapped_ring_bytes, layers))
-             for ring in zip(flops, nbytes)]
+    rings = [
+        ring
+        for flops, nbytes in zip(by_kind(cfg, overlapped_rings, layers), by_kind(cfg, overlapped_ring_bytes, layers))
+        for ring in zip(flops, nbytes)
+    ]
     sends = [(flops, _seconds(cfg, "p2p/tp", rows * per_token, hw)) for flops, per_token in rings]
     return p.microbatches * sum(send + (p.tp - 1) * max(0.0, send - flops / gemm_rate) for flops, send in sends)
 
@@ -419,8 +435,9 @@ def _data_parallel_bytes(cfg: Config, stage: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for root, in_fp8 in ((False, False), (True, False), (False, True)):
         padded = functools.partial(_padded, cfg, stage, (root, in_fp8))
-        for key, nbytes in _data_parallel_group_bytes(cfg, padded, p.dp, p.cp * p.mesh_ep, "dp_ep_cp", "cp_ep",
-                                                      root, gather_bytes=FP8 if in_fp8 else None).items():
+        for key, nbytes in _data_parallel_group_bytes(
+            cfg, padded, p.dp, p.cp * p.mesh_ep, "dp_ep_cp", "cp_ep", root, gather_bytes=FP8 if in_fp8 else None
+        ).items():
             out[key] = out.get(key, 0.0) + nbytes
     experts = functools.partial(_padded, cfg, stage, "experts")
     if experts(1):
@@ -431,8 +448,16 @@ def _data_parallel_bytes(cfg: Config, stage: int) -> dict[str, float]:
     return out
 
 
-def _data_parallel_group_bytes(cfg: Config, padded: Callable[[int], int], replicas: int, shard: int, whole: str,
-                               sharded: str, root: bool = False, gather_bytes: int | None = None) -> dict[str, float]:
+def _data_parallel_group_bytes(
+    cfg: Config,
+    padded: Callable[[int], int],
+    replicas: int,
+    shard: int,
+    whole: str,
+    sharded: str,
+    root: bool = False,
+    gather_bytes: int | None = None,
+) -> dict[str, float]:
     """Bytes for parameters of ``padded(shards)`` elements as FSDP gathers them over ``shards`` ranks,
     data-parallel over ``replicas x shard`` ranks (hsdp: replicated over ``replicas``, sharded over
     ``shard``; fsdp / replicate: over all of them, keyed ``whole``); ``gather_bytes``: bytes an element
@@ -478,14 +503,27 @@ def _padded_elements(key: tuple, cfg: Config) -> int:
     for q in members:
         shape = model_parallel_shape(q, cfg, Coords())
         dim = fsdp_shard_dim(q, cfg, shape, shards)
-        total += -(-shape[dim] // shards) * shards * math.prod(shape[:dim] + shape[dim + 1:])
+        total += -(-shape[dim] // shards) * shards * math.prod(shape[:dim] + shape[dim + 1 :])
     return total
 
 
 # The mesh dimensions each key's group spans.
-COMM_DIMS = {"tp": ("tp",), "cp": ("cp",), "cp_ring": ("cp_ring",), "cp_a2a": ("cp_a2a",), "ep": ("ep",), "etp": ("etp",), "pp": ("pp",), "dp": ("dp",),
-             "dp_ep_cp": ("dp", "cp", "ep"), "dp_cp_ep_tp": ("dp", "cp", "ep", "tp"), "cp_ep": ("cp", "ep"), "edp": ("edp",),
-             "edp_shard": ("edp_shard",), "edp_replicate": ("edp_replicate",)}
+COMM_DIMS = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "cp_ring": ("cp_ring",),
+    "cp_a2a": ("cp_a2a",),
+    "ep": ("ep",),
+    "etp": ("etp",),
+    "pp": ("pp",),
+    "dp": ("dp",),
+    "dp_ep_cp": ("dp", "cp", "ep"),
+    "dp_cp_ep_tp": ("dp", "cp", "ep", "tp"),
+    "cp_ep": ("cp", "ep"),
+    "edp": ("edp",),
+    "edp_shard": ("edp_shard",),
+    "edp_replicate": ("edp_replicate",),
+}
 
 
 def _seconds(cfg: Config, key: str, nbytes: float, hw: Hardware) -> float:

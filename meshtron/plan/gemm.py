@@ -43,8 +43,8 @@ from typing import NamedTuple
 from meshtron.config import Config
 from meshtron.parallel.float8 import fits_fp8
 from meshtron.parallel.tensor import local_kv_heads
-from meshtron.plan.hardware import EMULATED_FP8_RECIPES, Hardware
 from meshtron.plan.activations import by_kind, microbatch_tokens, recomputed_share
+from meshtron.plan.hardware import EMULATED_FP8_RECIPES, Hardware
 from meshtron.plan.parameters import FP32, compute_bytes
 
 SMS = 132  # H100 / H200 SXM5 streaming multiprocessors (NVIDIA H100 Tensor Core GPU Architecture whitepaper)
@@ -71,12 +71,20 @@ FP8_BYTES = 1
 # Published rates the fitted ceilings are checked against (tests/test_plan.py), beside the H100 run they were
 # fitted to (benchmarks/results/gemm_roofline.md: one H100 80GB HBM3, torch 2.11 + cuBLAS of CUDA 13.0).
 SOURCES = {
-    "bf16": (792.1, 989.0, (6144, 17920, 2816),
-             "stas00/ml-engineering compute/accelerator/README.md, Maximum Achievable Matmul FLOPS table: "
-             "H100 SXM, torch.matmul bf16, CUDA 12.1, best of a shape search"),
-    "fp8": (1175.0, 1979.0, (8192, 8192, 8192),
-            "public report (gitea.d-robotics.cc han.zhao/test_gpu_scripts, reports_cublaslt_fp8_crosscheck_20260524.md): "
-            "torch._scaled_mm e4m3 on H100 SXM, 1,170 and 1,180 on two nodes (cuBLASLt called directly: 1,609)"),
+    "bf16": (
+        792.1,
+        989.0,
+        (6144, 17920, 2816),
+        "stas00/ml-engineering compute/accelerator/README.md, Maximum Achievable Matmul FLOPS table: "
+        "H100 SXM, torch.matmul bf16, CUDA 12.1, best of a shape search",
+    ),
+    "fp8": (
+        1175.0,
+        1979.0,
+        (8192, 8192, 8192),
+        "public report (gitea.d-robotics.cc han.zhao/test_gpu_scripts, reports_cublaslt_fp8_crosscheck_20260524.md): "
+        "torch._scaled_mm e4m3 on H100 SXM, 1,170 and 1,180 on two nodes (cuBLASLt called directly: 1,609)",
+    ),
 }
 # FlashAttention-2 on H100 80GB SXM5, head dim 128, TFLOP/s by sequence length (FlashAttention-3 paper,
 # Shah et al. 2024, arXiv 2407.08608, figures "Attention forward / backward speed, head dim 128").
@@ -165,8 +173,12 @@ def layer_gemms(cfg: Config, layer: int, rows: int) -> list[Gemm]:
     kv = local_kv_heads(m.kv_heads, tp) * d
     q = m.num_attention_heads // tp * d
     heads, kv_rows = m.num_attention_heads * d, m.kv_heads * d
-    out = [Gemm(rows, q, h, fp8=_fp8(cfg, heads, h)), Gemm(rows, kv, h, fp8=_fp8(cfg, kv_rows, h)),
-           Gemm(rows, kv, h, fp8=_fp8(cfg, kv_rows, h)), Gemm(rows, h, q, fp8=_fp8(cfg, h, heads))]
+    out = [
+        Gemm(rows, q, h, fp8=_fp8(cfg, heads, h)),
+        Gemm(rows, kv, h, fp8=_fp8(cfg, kv_rows, h)),
+        Gemm(rows, kv, h, fp8=_fp8(cfg, kv_rows, h)),
+        Gemm(rows, h, q, fp8=_fp8(cfg, h, heads)),
+    ]
     if not m.is_moe_layer(layer):
         return out + _mlp(rows, h, m.intermediate_size // tp, fp8=_fp8(cfg, m.intermediate_size, h))
     local_rows = rows // tp if p.sp else rows  # the router runs on the rank's own tokens
@@ -279,5 +291,19 @@ def gemm_efficiency(cfg: Config, rows: int, hw: Hardware) -> float:
     return sum(g.flops for g in gemms) / sum(gemm_seconds(g, hw) * (hw.peak_tflops * 1e12) for g in gemms)
 
 
-__all__ = ["FIT", "Gemm", "aligned", "KernelFit", "SOURCES", "attention_seconds", "causal_block_share", "efficiency", "gemm_efficiency",
-           "gemm_seconds", "layer_gemms", "occupancy", "shape_efficiency", "step_compute_seconds"]
+__all__ = [
+    "FIT",
+    "Gemm",
+    "aligned",
+    "KernelFit",
+    "SOURCES",
+    "attention_seconds",
+    "causal_block_share",
+    "efficiency",
+    "gemm_efficiency",
+    "gemm_seconds",
+    "layer_gemms",
+    "occupancy",
+    "shape_efficiency",
+    "step_compute_seconds",
+]

@@ -50,7 +50,9 @@ def kept_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor] 
 
     with Record():
         result = fn()
-    skip = {t.untyped_storage().data_ptr() for t in [*pytree.tree_leaves(result), *exclude] if isinstance(t, torch.Tensor)}
+    skip = {
+        t.untyped_storage().data_ptr() for t in [*pytree.tree_leaves(result), *exclude] if isinstance(t, torch.Tensor)
+    }
     gc.collect()
     alive = {ptr: size for ref, ptr, size in created if not ref.expired() and ptr not in skip}
     return sum(alive.values())

@@ -36,8 +36,8 @@ Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 
   of the backward the embedding's or root's; with pp > 1 the largest unit's at the stage's release;
 - ``activations``: saved tensors per layer and token (:func:`layer_activation_bytes`) times the layers
   a rank holds, the tokens of one micro-batch and the micro-batches in flight (pp schedules: each
-  weighed by its own stage at the rank's peak, ``held_by_stage``); activation checkpointing keeps only block inputs. In backward add one layer's
-  working set (:func:`backward_working_bytes`: its gradient temporaries and, checkpointed, its
+  weighed by its own stage at the rank's peak, ``held_by_stage``); activation checkpointing keeps only block inputs. In
+  backward add one layer's working set (:func:`backward_working_bytes`: its gradient temporaries and, checkpointed, its
   recomputed saved tensors, less the saved tensors of the layers after it, already freed);
 - ``loss``: the fused chunked LM head + cross-entropy: per in-flight micro-batch the hidden-state
   gradient [tokens, H] and the fp32 weight-gradient accumulator [V/tp, H] it saves for backward; at the
@@ -210,10 +210,11 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
     """pp = 1: ``gathered``, ``unsharded_grads`` and ``reduce_scatter`` (module docstring) in backward
     (but ``reduce_scatter``, which depends on the layer at the peak: :func:`backward_peak`), at the end
     of the forward (``phase="forward"``: only the root and LM-head units gathered, with the last
-    all-gather's output buffer (:func:`_last_gather_output`), blocks reshard after their forward, no gradient being reduced, unsharded gradients only when earlier micro-batches'
-    backward left them accumulating) or at the end of the backward (``phase="backward end"``: only the
-    embedding and root units left to reduce). Gathered per step (``fsdp_gather``), every unit stays
-    gathered through the forward and the backward. Pipelines: :func:`pipeline_moments`."""
+    all-gather's output buffer (:func:`_last_gather_output`), blocks reshard after their forward, no gradient being
+    reduced, unsharded gradients only when earlier micro-batches' backward left them accumulating) or at the end of the
+    backward (``phase="backward end"``: only the embedding and root units left to reduce). Gathered per step
+    (``fsdp_gather``), every unit stays gathered through the forward and the backward. Pipelines:
+    :func:`pipeline_moments`."""
     p = cfg.parallel
     c = compute_bytes(cfg)
     units = unit_elements(cfg, pp_rank)
@@ -225,20 +226,28 @@ def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> d
     if phase == "forward":
         unsharded = FP32 * sum(units.values()) if accumulate else 0
         # Gathered per step, the loss of a later micro-batch follows no all-gather.
-        return {"gathered": held or gathered.get("root", 0) + gathered.get("head", 0) + _last_gather_output(gathered),
-                "unsharded_grads": unsharded, "reduce_scatter": 0}
+        return {
+            "gathered": held or gathered.get("root", 0) + gathered.get("head", 0) + _last_gather_output(gathered),
+            "unsharded_grads": unsharded,
+            "reduce_scatter": 0,
+        }
     if phase == "backward end":
         # The embedding's unit and the root (final norm; a tied embedding) are reduced last, after
         # every block's gradient has been reduce-scattered and freed.
         last = max(root, units.get("embed", 0))
-        return {"gathered": gathered.get("root", 0), "unsharded_grads": (FP32 if accumulate else c) * last,
-                "reduce_scatter": FP32 * last}
+        return {
+            "gathered": gathered.get("root", 0),
+            "unsharded_grads": (FP32 if accumulate else c) * last,
+            "reduce_scatter": FP32 * last,
+        }
     # The unit in use, the blocks prefetched ahead (their all-gather outputs: a unit's output is
     # copied into its parameters and freed before the next prefetch is issued) and the root unit;
     # the unit whose gradients it computes is a layer's (the embedding's and LM head's are outside the
     # layers). The reduce-scatter input beside it depends on the layer: :func:`backward_peak`.
     block = largest_layer_unit(cfg, pp_rank) or largest
-    in_use = max((b for u, b in gathered.items() if u.startswith(("block.", "experts."))), default=max(gathered.values()))
+    in_use = max(
+        (b for u, b in gathered.items() if u.startswith(("block.", "experts."))), default=max(gathered.values())
+    )
     ahead = p.fsdp_prefetch * in_use if p.data_parallel != "replicate" else 0
     unsharded = FP32 * sum(units.values()) if accumulate else c * block
     return {"gathered": held or in_use + ahead + gathered.get("root", 0), "unsharded_grads": unsharded}
@@ -278,8 +287,12 @@ def all_phase_terms(cfg: Config, coords: Coords) -> dict[str, dict[str, float]]:
     if cfg.parallel.pp > 1:
         state = state_bytes(cfg, coords)
         moments = pipeline_moments(cfg, coords)
-        return {phase: max((_without_offloaded_state(cfg, {**state, **t}) for t in moments[phase]),
-                           key=lambda t: sum(t.values())) for phase in PHASES}
+        return {
+            phase: max(
+                (_without_offloaded_state(cfg, {**state, **t}) for t in moments[phase]), key=lambda t: sum(t.values())
+            )
+            for phase in PHASES
+        }
     return {phase: _without_offloaded_state(cfg, _unpipelined_phase_terms(cfg, coords, phase)) for phase in PHASES}
 
 

@@ -15,9 +15,9 @@ from typing import NamedTuple
 
 from meshtron.config import Config
 from meshtron.parallel.pipeline.schedules import (
+    SPLIT_BACKWARD,
     B,
     F,
-    SPLIT_BACKWARD,
     W,
     built_schedule,
     held_by_stage,
@@ -119,7 +119,9 @@ def _actions_by_rank(schedule: str, pp: int, microbatches: int, virtual: int, un
         split = {key for key in split_backwards(steps) if key[0] not in unsplit}
         actions, prior = [], {}
         for i, held in held_by_stage(steps, unsplit):
-            actions.append(HeldAction(i, steps[i].kind, steps[i].stage, (steps[i].stage, steps[i].mb) in split, held, prior))
+            actions.append(
+                HeldAction(i, steps[i].kind, steps[i].stage, (steps[i].stage, steps[i].mb) in split, held, prior)
+            )
             prior = held
         spans = _stage_spans(steps, actions, split)
         out.append((_distinct_actions(actions, spans), spans))
@@ -136,9 +138,15 @@ def _stage_spans(steps, actions: list[HeldAction], split: set[tuple[int, int]]) 
         for kind in (a.kind, "weight") if weight else (a.kind,):
             first.setdefault((kind, a.stage), a.index)
     indices = [a.index for a in actions]
-    return {stage: StageSpan(first[(F, stage)], first[("weight", stage)], first[(B, stage)],
-                             indices[bisect.bisect_right(indices, last) - 1])
-            for stage, last in last_weight_passes(steps).items()}
+    return {
+        stage: StageSpan(
+            first[(F, stage)],
+            first[("weight", stage)],
+            first[(B, stage)],
+            indices[bisect.bisect_right(indices, last) - 1],
+        )
+        for stage, last in last_weight_passes(steps).items()
+    }
 
 
 def _distinct_actions(actions: list[HeldAction], spans: dict[int, StageSpan]) -> tuple[HeldAction, ...]:
@@ -166,8 +174,9 @@ def _peak_moment(cfg: Config, pp_rank: int) -> Moment:
     return max((_moment(cfg, per_stage, *m) for m in _moments(cfg, pp_rank)), key=lambda m: m.saved + m.loss)
 
 
-def _moment(cfg: Config, per_stage: dict[int, tuple[float, float]], index: int,
-            held: dict[int, tuple[int, int]]) -> Moment:
+def _moment(
+    cfg: Config, per_stage: dict[int, tuple[float, float]], index: int, held: dict[int, tuple[int, int]]
+) -> Moment:
     """What ``held`` holds: each stage's micro-batches weighed by :func:`_stage_bytes`."""
     saved = microbatch_tokens(cfg) * sum(n * per_stage[s][0] + w * per_stage[s][1] for s, (n, w) in held.items())
     last = cfg.parallel.pp * cfg.parallel.virtual_stages - 1
@@ -224,8 +233,11 @@ def unsplit_stages(cfg: Config) -> frozenset[int]:
     those with checkpointed or compiled layers."""
     p = cfg.parallel
     ranges = chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)
-    return frozenset(s for s, r in enumerate(ranges)
-                     if runs_backward_whole(r, lambda i: layer_checkpointed(cfg, i), lambda _: p.compile))
+    return frozenset(
+        s
+        for s, r in enumerate(ranges)
+        if runs_backward_whole(r, lambda i: layer_checkpointed(cfg, i), lambda _: p.compile)
+    )
 
 
 def saved_activation_bytes(cfg: Config, pp_rank: int) -> float:
@@ -263,8 +275,9 @@ def _unit_groups(cfg: Config, coords: Coords, spans: dict[int, StageSpan]) -> li
     the LM head's by the last, the stage root's (final norm, tied embedding) by every stage of the
     rank, since its hooks run with each chunk: gathered at the first, released at the last."""
     p = cfg.parallel
-    stage_of = {i: s for s, r in enumerate(chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages))
-                for i in r}
+    stage_of = {
+        i: s for s, r in enumerate(chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)) for i in r
+    }
     special = {"embed": [0], "head": [p.pp * p.virtual_stages - 1], "root": list(spans)}
     shards, gathered = _unit_grad_bytes(cfg, coords), unit_gathered_bytes(cfg, coords.pp)
     groups: dict[StageSpan, list[float]] = {}
@@ -284,12 +297,16 @@ def _unit_groups(cfg: Config, coords: Coords, spans: dict[int, StageSpan]) -> li
 def _units_at(groups: list[_UnitGroup], index: int) -> dict[str, float]:
     """``gathered``, ``unsharded_grads`` and sharded ``grads`` during the rank's action ``index``."""
     live = [g for g in groups if g.span.gathered <= index <= g.span.released]
-    return {"gathered": sum(g.gathered for g in live),
-            "unsharded_grads": sum(g.unsharded for g in live if g.span.grads <= index),
-            "grads": sum(g.sharded for g in groups if g.span.released < index)}
+    return {
+        "gathered": sum(g.gathered for g in live),
+        "unsharded_grads": sum(g.unsharded for g in live if g.span.grads <= index),
+        "grads": sum(g.sharded for g in groups if g.span.released < index),
+    }
 
 
-def _reducing_largest(units: dict[str, float], group: _UnitGroup, restarted_weights: bool, c: float) -> dict[str, float]:
+def _reducing_largest(
+    units: dict[str, float], group: _UnitGroup, restarted_weights: bool, c: float
+) -> dict[str, float]:
     """The units while a release reduce-scatters its group's largest unit: FSDP's post-backward has
     resharded that unit and folded its fresh compute-dtype gradients (counted in ``weight_grads`` after
     a restarted ``W``) into the fp32 accumulator before it allocates the reduce-scatter input (the 57B
@@ -315,9 +332,9 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
     ``forward``: after each ``F`` (its micro-batch's tensors saved; on the last stage the loss's
     chunk buffers); ``backward``: during each ``B`` or ``W`` (the micro-batches held before it; a
     ``B`` adds its stage's working set, :func:`backward_peak`, and has freed its own final norm and
-    loss tensors; a restarted ``W`` its chunk's weight gradients); ``backward end``: each release (a stage's last weight pass, ``_release_points``),
-    with the reduce-scatter input of its largest unit, the released units still whole. FSDP units
-    follow :func:`_unit_groups`: gathered from their stage's first forward, fp32 gradients from its
+    loss tensors; a restarted ``W`` its chunk's weight gradients); ``backward end``: each release (a stage's last weight
+    pass, ``_release_points``), with the reduce-scatter input of its largest unit, the released units still whole. FSDP
+    units follow :func:`_unit_groups`: gathered from their stage's first forward, fp32 gradients from its
     first weight pass, both freed at the release, which leaves the sharded gradients."""
     p = cfg.parallel
     actions, spans = _rank_actions(cfg, coords.pp)
@@ -344,11 +361,25 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
         if a.kind == F:
             chunk = loss_chunk_bytes(cfg, coords.pp) if a.stage == last else 0.0
             copying = offload_in_flight_bytes(cfg, ranges[a.stage])  # its last offloaded block's, still on the device
-            out["forward"].append({**units, "activations": after.saved + copying, "loss": after.loss + chunk,
-                                   "reduce_scatter": 0.0, "ep_dispatch": dispatch})
+            out["forward"].append(
+                {
+                    **units,
+                    "activations": after.saved + copying,
+                    "loss": after.loss + chunk,
+                    "reduce_scatter": 0.0,
+                    "ep_dispatch": dispatch,
+                }
+            )
             if window:  # inside an offloaded block: its copies and the previous offloaded block's
-                out["forward"].append({**units, "activations": after.saved + window, "loss": prior.loss,
-                                       "reduce_scatter": 0.0, "ep_dispatch": dispatch})
+                out["forward"].append(
+                    {
+                        **units,
+                        "activations": after.saved + window,
+                        "loss": prior.loss,
+                        "reduce_scatter": 0.0,
+                        "ep_dispatch": dispatch,
+                    }
+                )
         else:
             # The first stage's split B is empty: its W runs the whole backward. A split B keeps the
             # graph for its W (the final norm's saved tensors too) and records the gradients W
@@ -364,11 +395,24 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
             if a.stage == 0 and (a.kind == W or not a.split):  # after the micro-batch's tensors are freed
                 units["unsharded_grads"] += fresh_embedding
                 held = max(held - fresh_embedding, after.saved)
-            out["backward"].append({**units, "activations": held, "loss": max(0.0, prior.loss - consumed),
-                                    "reduce_scatter": 0.0, "ep_dispatch": backward_dispatch if a.kind == B else 0.0})
+            out["backward"].append(
+                {
+                    **units,
+                    "activations": held,
+                    "loss": max(0.0, prior.loss - consumed),
+                    "reduce_scatter": 0.0,
+                    "ep_dispatch": backward_dispatch if a.kind == B else 0.0,
+                }
+            )
         for g in groups:
             if g.span.released == a.index:
-                out["backward end"].append({**_reducing_largest(units, g, a.kind == W and a.stage > 0, c),
-                                            "activations": after.saved, "loss": after.loss,
-                                            "reduce_scatter": g.largest, "ep_dispatch": 0.0})
+                out["backward end"].append(
+                    {
+                        **_reducing_largest(units, g, a.kind == W and a.stage > 0, c),
+                        "activations": after.saved,
+                        "loss": after.loss,
+                        "reduce_scatter": g.largest,
+                        "ep_dispatch": 0.0,
+                    }
+                )
     return out

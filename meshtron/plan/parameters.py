@@ -72,7 +72,11 @@ def _layer_params(m: ModelConfig, layer: int, tp: int) -> list[Param]:
     unit = f"block.{layer}"
     p = f"layers.{layer}."
     out = [Param(p + "input_layernorm.weight", (h,), unit=unit)]
-    for proj, rows, split in (("q", m.num_attention_heads * d, 0), ("k", m.kv_heads * d, kv_dim), ("v", m.kv_heads * d, kv_dim)):
+    for proj, rows, split in (
+        ("q", m.num_attention_heads * d, 0),
+        ("k", m.kv_heads * d, kv_dim),
+        ("v", m.kv_heads * d, kv_dim),
+    ):
         out.append(Param(f"{p}self_attn.{proj}_proj.weight", (rows, h), split, unit=unit))
         if m.attention_bias:
             out.append(Param(f"{p}self_attn.{proj}_proj.bias", (rows,), split, unit=unit))
@@ -208,7 +212,7 @@ def fsdp_shard_dim(param: Param, cfg: Config, shape: list[int], shards: int) -> 
     return data_shard_dim(shape, _uneven_split_dims(param, cfg), shards, prefer_even=param.expert)
 
 
-def state_bytes(cfg: Config, coords: Coords = Coords()) -> dict[str, int]:
+def state_bytes(cfg: Config, coords: Coords = Coords()) -> dict[str, int]:  # noqa: B008 - a NamedTuple
     """Exact fp32 ``params``, ``grads`` and AdamW ``optimizer`` bytes of the rank at ``coords``."""
     elements, tensors = _local_elements((layout_key(cfg), coords), cfg)
     return {
@@ -221,8 +225,19 @@ def state_bytes(cfg: Config, coords: Coords = Coords()) -> dict[str, int]:
 def layout_key(cfg: Config) -> tuple:
     """What the parameter figures depend on (the planner caches them by it)."""
     p = cfg.parallel
-    return (repr(cfg.model), p.pp, p.dp, p.cp, p.ep, p.tp, p.etp, p.fold_ep, p.virtual_stages, _v_shape(cfg),
-            p.data_parallel)
+    return (
+        repr(cfg.model),
+        p.pp,
+        p.dp,
+        p.cp,
+        p.ep,
+        p.tp,
+        p.etp,
+        p.fold_ep,
+        p.virtual_stages,
+        _v_shape(cfg),
+        p.data_parallel,
+    )
 
 
 def _v_shape(cfg: Config) -> bool:
@@ -275,7 +290,9 @@ def _unit_gathered_bytes(key: tuple, cfg: Config) -> tuple[tuple[str, float], ..
     pp_rank, c = key[-1], compute_bytes(cfg)
     params = stage_params(cfg, pp_rank)
     float8 = {q.name for q in fp8_gathered_weights(cfg, params)}
-    return _per_unit(params, lambda q: (1 if q.name in float8 else c) * math.prod(model_parallel_shape(q, cfg, Coords())))
+    return _per_unit(
+        params, lambda q: (1 if q.name in float8 else c) * math.prod(model_parallel_shape(q, cfg, Coords()))
+    )
 
 
 def compute_bytes(cfg: Config) -> int:
@@ -288,8 +305,14 @@ def fp8_weights(cfg: Config, params) -> list:
     not the routed experts, the router or the gates) whose dims are multiples of 16."""
     if cfg.train.fp8 == "none":
         return []
-    return [q for q in params if q.unit.startswith("block") and not q.expert and q.name.endswith("_proj.weight")
-            and fits_fp8(q.shape, cfg.train.fp8)]
+    return [
+        q
+        for q in params
+        if q.unit.startswith("block")
+        and not q.expert
+        and q.name.endswith("_proj.weight")
+        and fits_fp8(q.shape, cfg.train.fp8)
+    ]
 
 
 def fp8_gathered_weights(cfg: Config, params) -> list:

@@ -52,11 +52,17 @@ def recipe_hardware(path: str | Path) -> RecipeHardware:
     header = Path(path).read_text().split("\n[", 1)[0]
     found = HARDWARE_LINE.findall(header)
     if len(found) != 1:
-        raise ConfigError(f"{path}: the header needs exactly one line like "
-                          f"'# Hardware: 1 node x 8 GPUs x 80 GB' (found {len(found)}).")
+        raise ConfigError(
+            f"{path}: the header needs exactly one line like "
+            f"'# Hardware: 1 node x 8 GPUs x 80 GB' (found {len(found)})."
+        )
     nodes, per_node, kind, memory = found[0]
-    return RecipeHardware(nodes=int(nodes), per_node=int(per_node), device="cpu" if kind == "CPU ranks" else "cuda",
-                          memory_gib=float(memory))
+    return RecipeHardware(
+        nodes=int(nodes),
+        per_node=int(per_node),
+        device="cpu" if kind == "CPU ranks" else "cuda",
+        memory_gib=float(memory),
+    )
 
 
 PREDICTION = re.compile(r"meshtron\.plan predicts (?P<gib>\d+(?:\.\d+)?) GiB per GPU")
@@ -91,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m meshtron.plan.recipes RECIPE...``: refresh the stated predictions."""
     import sys
 
-    for path in (sys.argv[1:] if argv is None else argv):
+    for path in sys.argv[1:] if argv is None else argv:
         if stated_gib(path) is not None and write_prediction(path):
             print(f"{path}: meshtron.plan predicts {planned_gib(path):.1f} GiB per GPU")
     return 0

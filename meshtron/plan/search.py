@@ -14,8 +14,8 @@ once per step holding the unsharded weights and gradients (pipelines always hold
 
 Host offload (``[parallel] offload``, ``offload_activations``): when no layout fits without it, every
 layout is tried again with the optimizer state in host memory, the saved activations, or both (a layout
-fits when each rank fits its device and the node's ranks together fit its host memory, ``Hardware.host_memory_gib``); the host's copies and optimizer step make them slower,
-so they are the last resort.
+fits when each rank fits its device and the node's ranks together fit its host memory, ``Hardware.host_memory_gib``);
+the host's copies and optimizer step make them slower, so they are the last resort.
 
 What is not evaluated, because under the models it cannot win (to keep the search short; docs/planner.md
 has the times, ``benchmarks/plan_search_time.py`` measures them):
@@ -42,7 +42,7 @@ from meshtron.config import FSDP_GATHERS, Config, ConfigError
 from meshtron.parallel.layout import validate_layout
 from meshtron.plan.activations import layer_offloaded
 from meshtron.plan.memory import GIB, Assumptions, Breakdown, predict_memory
-from meshtron.plan.speed import Hardware, StepTime, recompute_factor, predict_step_time
+from meshtron.plan.speed import Hardware, StepTime, predict_step_time, recompute_factor
 
 # (activation_checkpointing, ac_policy) pairs, from the least recomputation to the most (a group is
 # ordered by the predicted recomputation, ``_by_recomputation``: with a large ac_every selective
@@ -63,8 +63,24 @@ class Plan:
 
     def layout(self) -> dict:
         p = self.cfg.parallel
-        keys = ("pp", "dp", "cp", "ep", "tp", "sp", "etp", "fold_ep", "schedule", "virtual_stages", "microbatches",
-                "activation_checkpointing", "data_parallel", "fsdp_gather", "offload", "offload_activations")
+        keys = (
+            "pp",
+            "dp",
+            "cp",
+            "ep",
+            "tp",
+            "sp",
+            "etp",
+            "fold_ep",
+            "schedule",
+            "virtual_stages",
+            "microbatches",
+            "activation_checkpointing",
+            "data_parallel",
+            "fsdp_gather",
+            "offload",
+            "offload_activations",
+        )
         layout = {k: getattr(p, k) for k in keys}
         if p.activation_checkpointing == "op":
             layout["ac_policy"] = p.ac_policy
@@ -95,7 +111,11 @@ class Plan:
         }
 
 
-def evaluate(cfg: Config, hw: Hardware, assumptions: Assumptions = Assumptions()) -> Plan:
+def evaluate(
+    cfg: Config,
+    hw: Hardware,
+    assumptions: Assumptions = Assumptions(),  # noqa: B008 - a frozen dataclass
+) -> Plan:
     memory = predict_memory(cfg, assumptions)
     return Plan(cfg, memory, predict_step_time(cfg, hw), fits(cfg, memory, hw))
 
@@ -139,9 +159,13 @@ def folded_splits(cfg: Config, stage_ranks: int, tp: int) -> list[dict]:
     """Folded (ep, etp) of a stage's ``stage_ranks`` dense ranks: etp dividing tp and the experts'
     width, ep > 1 dividing the expert count, ep x etp dividing the stage."""
     m = cfg.model
-    return [dict(ep=ep, etp=etp, fold_ep=True)
-            for etp in _divisors(tp) if m.moe_intermediate_size % etp == 0
-            for ep in _divisors(stage_ranks // etp) if ep > 1 and m.num_experts % ep == 0]
+    return [
+        dict(ep=ep, etp=etp, fold_ep=True)
+        for etp in _divisors(tp)
+        if m.moe_intermediate_size % etp == 0
+        for ep in _divisors(stage_ranks // etp)
+        if ep > 1 and m.num_experts % ep == 0
+    ]
 
 
 def pipeline_schedules(cfg: Config, pp: int) -> tuple[tuple[str, int, tuple[tuple[str, str | None], ...]], ...]:
@@ -154,14 +178,28 @@ def pipeline_schedules(cfg: Config, pp: int) -> tuple[tuple[str, int, tuple[tupl
     return PIPELINE_SCHEDULES + tuple(("interleaved", v, AC_MODES) for v in _divisors(chunks) if v > 1)
 
 
-def _variant(cfg: Config, shape: dict, micro: int, schedule: str, virtual: int,
-             ac: tuple[str, str | None] = AC_MODES[0], gather: str | None = None) -> Config:
+def _variant(
+    cfg: Config,
+    shape: dict,
+    micro: int,
+    schedule: str,
+    virtual: int,
+    ac: tuple[str, str | None] = AC_MODES[0],
+    gather: str | None = None,
+) -> Config:
     """``ac``: (activation_checkpointing, ac_policy; None keeps the recipe's)."""
     mode, policy = ac
-    parallel = dataclasses.replace(cfg.parallel, **shape, sp=shape["tp"] > 1, microbatches=micro, schedule=schedule,
-                                   virtual_stages=virtual, activation_checkpointing=mode,
-                                   ac_policy=policy or cfg.parallel.ac_policy,
-                                   fsdp_gather=gather or cfg.parallel.fsdp_gather)
+    parallel = dataclasses.replace(
+        cfg.parallel,
+        **shape,
+        sp=shape["tp"] > 1,
+        microbatches=micro,
+        schedule=schedule,
+        virtual_stages=virtual,
+        activation_checkpointing=mode,
+        ac_policy=policy or cfg.parallel.ac_policy,
+        fsdp_gather=gather or cfg.parallel.fsdp_gather,
+    )
     return dataclasses.replace(cfg, parallel=parallel)
 
 
@@ -248,7 +286,11 @@ class _ShapeSearch:
 
 
 def best_variant(
-    cfg: Config, shape: dict[str, int], world_size: int, hw: Hardware, assumptions: Assumptions = Assumptions(),
+    cfg: Config,
+    shape: dict[str, int],
+    world_size: int,
+    hw: Hardware,
+    assumptions: Assumptions = Assumptions(),  # noqa: B008 - a frozen dataclass
     schedule: str | None = None,
 ) -> Plan | None:
     """The fitting variant with the best throughput, else the smallest; None when the shape is invalid
@@ -268,14 +310,22 @@ def best_variant(
     return search.best()
 
 
-def rank_layouts(cfg: Config, world_size: int, hw: Hardware, assumptions: Assumptions = Assumptions()) -> list[Plan]:
+def rank_layouts(
+    cfg: Config,
+    world_size: int,
+    hw: Hardware,
+    assumptions: Assumptions = Assumptions(),  # noqa: B008 - a frozen dataclass
+) -> list[Plan]:
     """Valid layouts for ``world_size`` devices, fitting ones first, each group by predicted throughput;
     with host offload only when none fits without it (module docstring)."""
     shapes = mesh_shapes(cfg, world_size, hw.gpus_per_node)
     plans = [best_variant(cfg, shape, world_size, hw, assumptions) for shape in shapes]
     if not any(p is not None and p.fits for p in plans):
-        plans += [best_variant(variant, shape, world_size, hw, assumptions)
-                  for variant in offload_variants(cfg) for shape in shapes]
+        plans += [
+            best_variant(variant, shape, world_size, hw, assumptions)
+            for variant in offload_variants(cfg)
+            for shape in shapes
+        ]
     plans = [p for p in plans if p is not None]
     return sorted(plans, key=lambda p: (not p.fits, -p.time.tokens_per_second))
 
@@ -286,13 +336,19 @@ def offload_variants(cfg: Config) -> list[Config]:
     p = cfg.parallel
     optimizer = ("none", "optimizer") if p.data_parallel in ("fsdp", "hsdp") else ("none",)
     activations = (False,) if p.compile else (False, True)
-    return [dataclasses.replace(cfg, parallel=dataclasses.replace(p, offload=o, offload_activations=a))
-            for o in optimizer for a in activations
-            if (o, a) != ("none", False) and (o, a) != (p.offload, p.offload_activations)]
+    return [
+        dataclasses.replace(cfg, parallel=dataclasses.replace(p, offload=o, offload_activations=a))
+        for o in optimizer
+        for a in activations
+        if (o, a) != ("none", False) and (o, a) != (p.offload, p.offload_activations)
+    ]
 
 
 def fitting_layout(
-    cfg: Config, world_size: int, hw: Hardware, assumptions: Assumptions = Assumptions()
+    cfg: Config,
+    world_size: int,
+    hw: Hardware,
+    assumptions: Assumptions = Assumptions(),  # noqa: B008 - a frozen dataclass
 ) -> Plan | None:
     """The fastest layout predicted to fit, or None."""
     ranked = rank_layouts(cfg, world_size, hw, assumptions)

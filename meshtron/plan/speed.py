@@ -48,7 +48,14 @@ from meshtron.plan.communication import (
 from meshtron.plan.gemm import step_compute_seconds
 from meshtron.plan.hardware import EMULATED_FP8_RECIPES, Hardware
 from meshtron.plan.moments import unsplit_stages
-from meshtron.plan.parameters import FP32, _stage_layer_ranges, fp8_weights, offloads_optimizer, stage_params, state_bytes
+from meshtron.plan.parameters import (
+    FP32,
+    _stage_layer_ranges,
+    fp8_weights,
+    offloads_optimizer,
+    stage_params,
+    state_bytes,
+)
 
 
 @dataclass
@@ -65,8 +72,9 @@ class StepTime:
 
 
 @functools.lru_cache(maxsize=256)
-def pipeline_bubble(schedule: str, pp: int, microbatches: int, virtual: int, backward_cost: float,
-                    split: bool = True) -> float:
+def pipeline_bubble(
+    schedule: str, pp: int, microbatches: int, virtual: int, backward_cost: float, split: bool = True
+) -> float:
     """Idle fraction of the simulated schedule (forward cost 1 per chunk). Of ``backward_cost`` the
     weight gradients take one forward's matmuls (``W`` of a split backward) and the rest is the input
     gradient (``B``); an unsplit backward costs the sum, and without ``split`` (any stage in
@@ -92,7 +100,11 @@ def recompute_factor(cfg: Config) -> float:
     return 1 + sum(by_kind(cfg, recomputed_share, range(layers))) / layers / 3
 
 
-def predict_step_time(cfg: Config, hw: Hardware = Hardware(), compute_seconds: float | None = None) -> StepTime:
+def predict_step_time(
+    cfg: Config,
+    hw: Hardware = Hardware(),  # noqa: B008 - a frozen dataclass
+    compute_seconds: float | None = None,
+) -> StepTime:
     """``compute_seconds``: a rank's traced compute time (the dry run's roofline) instead of the
     model's (:func:`compute_time`)."""
     p, t = cfg.parallel, cfg.train
@@ -106,8 +118,9 @@ def predict_step_time(cfg: Config, hw: Hardware = Hardware(), compute_seconds: f
         exposed_by["host"] = host.link
     exposed = sum(exposed_by.values())
     # Backward costs twice a forward, plus the recomputed forward of the checkpointed share of layers.
-    bubble = pipeline_bubble(p.schedule, p.pp, p.microbatches, p.virtual_stages, 2 + 3 * (recompute - 1),
-                             split=not unsplit_stages(cfg))
+    bubble = pipeline_bubble(
+        p.schedule, p.pp, p.microbatches, p.virtual_stages, 2 + 3 * (recompute - 1), split=not unsplit_stages(cfg)
+    )
     seconds = (compute + exposed + host.optimizer + host.add) / (1 - bubble)
     return StepTime(seconds, tokens / seconds, compute, exposed, bubble, comm, exposed_by, host.optimizer, host.add)
 
@@ -178,8 +191,12 @@ def host_offload_seconds(cfg: Config, compute: float, hw: Hardware) -> HostSecon
     if offloads_optimizer(cfg):
         optimizer = state_bytes(cfg)["params"] / FP32 * ADAM_BYTES_PER_PARAM / (hw.host_memory_gbps * 1e9)
     accumulation = accumulation_seconds(cfg, hw)
-    return HostSeconds((back + blocking) / link + max(0.0, overlapped - compute), optimizer, accumulation.add,
-                       accumulation.reduce_scatter)
+    return HostSeconds(
+        (back + blocking) / link + max(0.0, overlapped - compute),
+        optimizer,
+        accumulation.add,
+        accumulation.reduce_scatter,
+    )
 
 
 # Adding a gradient shard into the one on the host reads both and writes the sum: 3 fp32 values a parameter.
@@ -222,8 +239,9 @@ def _gradient_reduce_scatter_seconds(cfg: Config, hw: Hardware) -> float:
     return seconds
 
 
-def exposed_communication(cfg: Config, comm: dict[str, float], compute: float, hw: Hardware,
-                          waited: float = 0.0) -> dict[str, float]:
+def exposed_communication(
+    cfg: Config, comm: dict[str, float], compute: float, hw: Hardware, waited: float = 0.0
+) -> dict[str, float]:
     """Seconds of ``comm`` on the critical path, by the mesh dimensions of each group (``"tp"``, ``"pp"``,
     ...): every tp, cp, ep and pp transfer, of tp_overlap's rings only what their GEMMs do not hide; of
     the data-parallel ones, overlapping compute, only their excess over ``compute``, under ``"dp"``, but for
@@ -275,7 +293,20 @@ def _is_data_parallel(key: str) -> bool:
     return key.split("/")[1] in ("dp", "dp_ep_cp", "cp_ep", "edp", "edp_shard", "edp_replicate")
 
 
-__all__ = ["ACCUMULATED", "ADAM_BYTES_PER_PARAM", "HOST_ADD_BYTES_PER_PARAM", "accumulated_reductions",
-           "accumulation_seconds", "Hardware", "StepTime", "compute_time", "exposed_communication",
-           "fp8_flops_per_token", "host_offload_seconds", "host_transfer_bytes", "matmul_seconds", "pipeline_bubble",
-           "predict_step_time"]
+__all__ = [
+    "ACCUMULATED",
+    "ADAM_BYTES_PER_PARAM",
+    "HOST_ADD_BYTES_PER_PARAM",
+    "accumulated_reductions",
+    "accumulation_seconds",
+    "Hardware",
+    "StepTime",
+    "compute_time",
+    "exposed_communication",
+    "fp8_flops_per_token",
+    "host_offload_seconds",
+    "host_transfer_bytes",
+    "matmul_seconds",
+    "pipeline_bubble",
+    "predict_step_time",
+]

@@ -36,16 +36,44 @@ LOG_SIZE = 32
 
 # c10d functions that communicate; whichever of them this torch has are wrapped (names vary by version).
 _C10D_OPS = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast",
-    "reduce", "gather", "scatter", "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
-    "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
 )
 _FUNCOL_OPS = (
-    "all_reduce", "all_gather_tensor", "all_gather_single", "all_gather_tensor_autograd",
-    "all_gather_single_autograd", "reduce_scatter_tensor", "reduce_scatter_single",
-    "reduce_scatter_tensor_autograd", "reduce_scatter_single_autograd", "all_to_all_single",
-    "all_to_all_single_autograd", "permute_tensor", "broadcast",
+    "all_reduce",
+    "all_gather_tensor",
+    "all_gather_single",
+    "all_gather_tensor_autograd",
+    "all_gather_single_autograd",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor_autograd",
+    "reduce_scatter_single_autograd",
+    "all_to_all_single",
+    "all_to_all_single_autograd",
+    "permute_tensor",
+    "broadcast",
 )
 _P2P = {"send", "recv", "isend", "irecv"}
 
@@ -65,8 +93,10 @@ class Entry:
     def line(self, now: float) -> str:
         age = f"{now - self.started:.1f} s ago"
         which = f"({self.peers})" if self.peers else f"(its #{self.group_seq})"
-        return (f"#{self.seq:<6d} {self.op:<26s} group {_ranks_text(self.group)} {which} "
-                f"{_tensors_text(self.tensors):<32s} {self.state} (issued {age})")
+        return (
+            f"#{self.seq:<6d} {self.op:<26s} group {_ranks_text(self.group)} {which} "
+            f"{_tensors_text(self.tensors):<32s} {self.state} (issued {age})"
+        )
 
 
 class CollectiveLog:
@@ -248,6 +278,7 @@ def _timed_wait_tensor(wait_tensor):
 
 
 # ---------------------------------------------------------------- what a call communicates with
+
 
 def _arguments(fn):
     """(args, kwargs, op) -> (group ranks, shapes, p2p peers) for ``fn``, its arguments read by position: a per-call

@@ -14,7 +14,6 @@ import torch
 
 from meshtron import env
 
-
 # NVIDIA's datasheets: dense (no sparsity) bf16 tensor-core peak in TFLOP/s and memory bandwidth in TB/s,
 # by a substring of torch.cuda.get_device_name; checked in order, so the more specific names come first.
 # The one table of these figures (meshtron.plan's Hardware defaults to the H100 SXM row).
@@ -72,8 +71,9 @@ def synchronize(device: torch.device) -> None:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str | Path, total_steps: int, enabled: bool, resume_step: int = 0,
-                 tensorboard: bool = False):
+    def __init__(
+        self, output_dir: str | Path, total_steps: int, enabled: bool, resume_step: int = 0, tensorboard: bool = False
+    ):
         """``resume_step``: keep the records up to that step. A run resumed after a crash repeats the
         steps since its checkpoint, whose old records are dropped so each step appears once (in the
         TensorBoard files too). ``tensorboard``: also write event files to ``<output_dir>/tensorboard``."""
@@ -167,10 +167,18 @@ def is_straggling(record: dict[str, Any]) -> bool:
 
 # TensorBoard tags of the record's numbers; the MoE entries are {layer: value or per-expert list}.
 _BOARD_TAGS = {
-    "loss": "train/loss", "eval_loss": "eval/loss", "eval_ppl": "eval/perplexity", "lr": "train/lr",
-    "grad_norm": "train/grad_norm", "aux_loss": "train/aux_loss", "tokens_per_sec": "perf/tokens_per_sec",
-    "step_time": "perf/step_time", "mfu": "perf/mfu", "memory_gib": "perf/memory_gib",
-    "rank_time_max": "perf/rank_time_max", "rank_time_median": "perf/rank_time_median",
+    "loss": "train/loss",
+    "eval_loss": "eval/loss",
+    "eval_ppl": "eval/perplexity",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "aux_loss": "train/aux_loss",
+    "tokens_per_sec": "perf/tokens_per_sec",
+    "step_time": "perf/step_time",
+    "mfu": "perf/mfu",
+    "memory_gib": "perf/memory_gib",
+    "rank_time_max": "perf/rank_time_max",
+    "rank_time_median": "perf/rank_time_median",
     "slowest_rank": "perf/slowest_rank",
 }
 

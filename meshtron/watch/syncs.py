@@ -33,8 +33,7 @@ from meshtron.torch_private import LOCAL_SCALAR_DENSE, TO_COPY, UNIQUE2, TorchDi
 aten = torch.ops.aten
 
 _READS = {LOCAL_SCALAR_DENSE, aten.equal}
-_DATA_DEPENDENT = {aten.nonzero, aten.masked_select, UNIQUE2, aten.unique_dim, aten.unique_consecutive,
-                   aten.bincount}
+_DATA_DEPENDENT = {aten.nonzero, aten.masked_select, UNIQUE2, aten.unique_dim, aten.unique_consecutive, aten.bincount}
 _MASK_INDEXED = {aten.index, aten.index_put, aten.index_put_}
 _HOST_READS = {torch.Tensor.tolist, torch.Tensor.numpy}  # no dispatched op on a CPU tensor
 
@@ -100,15 +99,15 @@ def not_a_caller(path: str) -> None:
 
 def call_site() -> str:
     """The innermost frame outside torch and :data:`_NOT_CALLERS` (``file:line in function``): where a
-sync, or a collective, was asked for. Where torch asks on its own, from a callback the autograd engine
-runs (FSDP2's end of backward), its own innermost frame outside its dispatch machinery, named from
-``torch/``."""
+    sync, or a collective, was asked for. Where torch asks on its own, from a callback the autograd engine
+    runs (FSDP2's end of backward), its own innermost frame outside its dispatch machinery, named from
+    ``torch/``."""
     stack = [frame for frame in reversed(traceback.extract_stack()) if frame.filename not in _NOT_CALLERS]
     for frame in stack:
         if "/torch/" not in frame.filename:
             return f"{frame.filename}:{frame.lineno} in {frame.name}"
     for frame in stack:
-        inside = frame.filename[frame.filename.rindex("/torch/") + 1:]
+        inside = frame.filename[frame.filename.rindex("/torch/") + 1 :]
         if not inside.startswith(("torch/_", "torch/utils/")):
             return f"{inside}:{frame.lineno} in {frame.name}"
     return "?"

@@ -49,8 +49,17 @@ def hang_limit(configured_s: float, collective_timeout_s: float, step_seconds: l
 class Watchdog:
     """This rank's watchdog thread; ``step_started`` / ``step_finished`` arm and disarm it."""
 
-    def __init__(self, store, rank: int, world_size: int, output_dir: str | Path, hang_timeout_s: float,
-                 collective_timeout_s: float, names: dict[tuple[int, ...], str], log: CollectiveLog = LOG):
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world_size: int,
+        output_dir: str | Path,
+        hang_timeout_s: float,
+        collective_timeout_s: float,
+        names: dict[tuple[int, ...], str],
+        log: CollectiveLog = LOG,
+    ):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.folder = Path(output_dir) / "hang"
         self.hang_timeout_s, self.collective_timeout_s = hang_timeout_s, collective_timeout_s
@@ -84,8 +93,10 @@ class Watchdog:
         while not self._stop.wait(min(1.0, self.limit() / 10)):
             since, limit = self._since, self.limit()
             if since is not None and time.monotonic() - since > limit:
-                self._report(f"step {self._step} has run {time.monotonic() - since:.0f} s on rank {self.rank} "
-                             f"(hang limit {limit:.0f} s)")
+                self._report(
+                    f"step {self._step} has run {time.monotonic() - since:.0f} s on rank {self.rank} "
+                    f"(hang limit {limit:.0f} s)"
+                )
             elif self._peer_saw_hang():
                 self._report(None)
 
@@ -133,9 +144,15 @@ class Watchdog:
         waiting = entries[-1] if entries and entries[-1].state == "issued" else None
         return {
             "step": self._step,
-            "waiting": None if waiting is None else {
-                "op": waiting.op, "group": list(waiting.group), "dim": self._name(waiting.group),
-                "peers": waiting.peers, "group_seq": waiting.group_seq},
+            "waiting": None
+            if waiting is None
+            else {
+                "op": waiting.op,
+                "group": list(waiting.group),
+                "dim": self._name(waiting.group),
+                "peers": waiting.peers,
+                "group_seq": waiting.group_seq,
+            },
             "counts": [[list(g), n] for g, n in counts.items()],
             "where": _innermost_frame(),
         }
@@ -146,9 +163,12 @@ class Watchdog:
     def _rank_file(self, entries: list[Entry], counts: dict[tuple[int, ...], int]) -> str:
         now = time.monotonic()
         since = "" if self._since is None else f", started {now - self._since:.1f} s ago"
-        lines = [f"meshtron hang report: rank {self.rank} of {self.world_size}, step {self._step}{since}; "
-                 f"hang limit {self.limit():.0f} s", "",
-                 f"last {len(entries)} of {self.log.issued} collectives issued (at most {LOG_SIZE}, oldest first):"]
+        lines = [
+            f"meshtron hang report: rank {self.rank} of {self.world_size}, step {self._step}{since}; "
+            f"hang limit {self.limit():.0f} s",
+            "",
+            f"last {len(entries)} of {self.log.issued} collectives issued (at most {LOG_SIZE}, oldest first):",
+        ]
         lines += [f"  {e.line(now)}  [{self._name(e.group)}]" for e in entries]
         lines += ["", "collectives issued per group:"]
         lines += [f"  {self._name(g)} {list(g)}: {n}" for g, n in counts.items()]
@@ -173,7 +193,7 @@ def _short(path: str) -> str:
     parts = Path(path).parts
     for anchor in ("meshtron", "torch", "transformers"):
         if anchor in parts:
-            return "/".join(parts[len(parts) - 1 - parts[::-1].index(anchor):])
+            return "/".join(parts[len(parts) - 1 - parts[::-1].index(anchor) :])
     return path
 
 
@@ -185,7 +205,10 @@ def hang_summary(states: dict[int, dict], world_size: int, why: str, folder: Pat
     parts = [f"meshtron: hang: {why}."]
     if behind:
         where = "; ".join(f"rank {r} at {states[r]['where']}" for r in behind)
-        parts.append(f"Behind: {_ranks_list(behind)} ({'outside any collective' if outside else 'fewer collectives issued'}: {where}).")
+        parts.append(
+            f"Behind: {_ranks_list(behind)} ({'outside any collective' if outside else 'fewer collectives issued'}: "
+            f"{where})."
+        )
     waits: dict[tuple, list[int]] = {}
     for rank, state in sorted(states.items()):
         if state["waiting"] is not None and rank not in behind:
@@ -194,8 +217,10 @@ def hang_summary(states: dict[int, dict], world_size: int, why: str, folder: Pat
     for (op, dim, group, seq, peers), ranks in waits.items():
         lag = [f"rank {r} issued {_count(states[r], group)}" for r in behind if r in group]
         which = f" ({peers})" if peers else f" (their collective #{seq} on it" + "".join(f"; {x}" for x in lag) + ")"
-        parts.append(f"{_ranks_list(ranks).capitalize()} wait{'s' if len(ranks) == 1 else ''} in {op} over "
-                     f"{dim} {list(group)}{which}.")
+        parts.append(
+            f"{_ranks_list(ranks).capitalize()} wait{'s' if len(ranks) == 1 else ''} in {op} over "
+            f"{dim} {list(group)}{which}."
+        )
     if silent:
         parts.append(f"No answer from {_ranks_list(silent)} (dead, or its Python thread cannot run).")
     first = behind[0] if behind else (silent[0] if silent else 0)

@@ -23,7 +23,6 @@ from meshtron.torch_private import (
     FLASH_ATTENTION_CPU_BACKWARD,
 )
 
-
 # --------------------------------------------------------------------------------------------
 # Block schedule: which (query chunk, key chunk) pairs are computed, and how
 # --------------------------------------------------------------------------------------------
@@ -168,9 +167,7 @@ def attention_block_backward(
         # Undefined cumulative lengths select the dense (not varlen) kernel, as the forward
         # returns them; without dropout the RNG state is never read.
         rng = torch.zeros((), dtype=torch.int64, device=q.device)
-        dq, dk, dv = FLASH_ATTENTION_BACKWARD(
-            *args, lse, None, None, sq, sk, 0.0, causal, rng, rng, scale=scale
-        )
+        dq, dk, dv = FLASH_ATTENTION_BACKWARD(*args, lse, None, None, sq, sk, 0.0, causal, rng, rng, scale=scale)
     else:
         dq, dk, dv = FLASH_ATTENTION_CPU_BACKWARD(*args, lse, 0.0, causal, scale=scale)
     fold = lambda t: t.float().reshape(b, hkv, h // hkv, sk, d).sum(2)  # noqa: E731 - GQA: sum each group
@@ -255,10 +252,10 @@ class _Blocks:
         c, t0 = self.c, time.perf_counter()
         for i, j, causal, masked in self.plan(src):
             mask = self._mask(i, self.held[src][j]) if masked else None
-            o, l = attention_block(
+            o, block_lse = attention_block(
                 _chunk(q, i, c), _chunk(kv[0], j, c), _chunk(kv[1], j, c), causal, self.scale, self.kernel, mask
             )
-            _merge(_chunk(out, i, c), _chunk(lse, i, c), o, l)
+            _merge(_chunk(out, i, c), _chunk(lse, i, c), o, block_lse)
             if self.stats is not None:
                 self.stats.score_elements += self._count(causal, mask)
         if self.stats is not None:
@@ -270,8 +267,16 @@ class _Blocks:
         for i, j, causal, masked in self.plan(src):
             mask = self._mask(i, self.held[src][j]) if masked else None
             dqi, dki, dvi = attention_block_backward(
-                _chunk(dout, i, c), _chunk(q, i, c), _chunk(kv[0], j, c), _chunk(kv[1], j, c),
-                _chunk(out, i, c), _chunk(lse, i, c), causal, self.scale, self.kernel, mask,
+                _chunk(dout, i, c),
+                _chunk(q, i, c),
+                _chunk(kv[0], j, c),
+                _chunk(kv[1], j, c),
+                _chunk(out, i, c),
+                _chunk(lse, i, c),
+                causal,
+                self.scale,
+                self.kernel,
+                mask,
             )
             _chunk(dq, i, c).add_(dqi)
             _chunk(dkv[0], j, c).add_(dki)

@@ -18,7 +18,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshtron.parallel.context.blocks import _Blocks, _empty_result
 from meshtron.parallel.context.sharding import _cp_group, chunk_ids
 
-
 # --------------------------------------------------------------------------------------------
 # Ring (p2p) and all-gather of K/V
 # --------------------------------------------------------------------------------------------

@@ -16,10 +16,10 @@ from meshtron.parallel.context.blocks import _from_documents, _kernel_name
 from meshtron.parallel.context.comm import (
     RingExchange,
     RingStats,
+    _gather_sequence,
     _GatheredAttentionFn,
     _RingAttentionFn,
     _SequenceHeadAllToAll,
-    _gather_sequence,
 )
 from meshtron.parallel.context.sharding import (
     _cp_group,
@@ -103,9 +103,7 @@ class RingAttention(nn.Module):
 
     def _attend(self, q, k, v, positions):
         if self.allgather:
-            return _GatheredAttentionFn.apply(
-                q, k, v, self.ring.group, self.held, self.kernel, self.stats, positions
-            )
+            return _GatheredAttentionFn.apply(q, k, v, self.ring.group, self.held, self.kernel, self.stats, positions)
         return _RingAttentionFn.apply(q, k, v, self.ring, self.held, self.kernel, self.stats, positions)
 
 
@@ -117,7 +115,14 @@ def cp_groups(mesh: DeviceMesh, comm_type: str = "p2p", a2a_size: int = 0, heads
     size = cp.size()
     sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
     a = check_context_parallel(
-        comm_type, size, heads, kv_heads, None, a2a_size, None, cp_ranks_per_node(sizes.get("tp", 1), sizes.get("ep", 1))
+        comm_type,
+        size,
+        heads,
+        kv_heads,
+        None,
+        a2a_size,
+        None,
+        cp_ranks_per_node(sizes.get("tp", 1), sizes.get("ep", 1)),
     )
     if a == 1:  # p2p, allgather (or an a2a+p2p group of one)
         return cp, None
@@ -155,7 +160,5 @@ def apply_context_parallel(
         raise ValueError("apply_context_parallel found no module with a 'core_attention' child to replace.")
     ring, a2a = cp_groups(mesh, comm_type, a2a_size, heads, kv_heads)
     for parent in parents:
-        parent.core_attention = RingAttention(
-            ring, balanced=balanced, kernel=kernel, a2a=a2a, allgather=kind.allgather
-        )
+        parent.core_attention = RingAttention(ring, balanced=balanced, kernel=kernel, a2a=a2a, allgather=kind.allgather)
     return model

@@ -8,17 +8,17 @@ The step runner for ``pp > 1`` is ``meshtron.parallel.pipeline.pipelined_runner.
 
 from meshtron.parallel.pipeline.executor import PipelineExecutor
 from meshtron.parallel.pipeline.schedules import (
-    B,
-    F,
     P2P,
     RECV_B,
     RECV_F,
     SEND_B,
     SEND_F,
-    W,
     Action,
+    B,
+    F,
     Schedule,
     Step,
+    W,
     build_schedule,
     dualpipev,
     gpipe,

@@ -37,8 +37,8 @@ activations live from its ``F`` to its ``W`` (``schedules.peak_in_flight`` count
 plus the recorded gradients (at most one per weight-consuming node, activation-sized); dropping
 the output and the records at ``W`` frees them all. FSDP2 accumulates and reduce-scatters in hooks
 of the backward traversal, which a ``W`` restarted inside the graph never reaches, so after it the
-executor runs what those hooks would have (:func:`meshtron.parallel.data.finish_split_backward`): the chunk's gradients move into
-FSDP's reduce-dtype accumulator (fp32 under bf16 mixed precision, so consecutive ``W`` never add
+executor runs what those hooks would have (:func:`meshtron.parallel.data.finish_split_backward`): the chunk's gradients
+move into FSDP's reduce-dtype accumulator (fp32 under bf16 mixed precision, so consecutive ``W`` never add
 micro-batches in bf16), and a releasing ``W`` reduce-scatters them. Activation checkpointing:
 each restarted pass is a graph task of its own and replays the checkpointed forward again (one
 replay per weight-consuming node); a compiled block's backward is one fused node computing input
@@ -92,14 +92,14 @@ from torch.distributed.tensor import DTensor
 from meshtron.host import completed
 from meshtron.parallel.data import finish_split_backward, hold_unsharded
 from meshtron.parallel.pipeline.schedules import (
-    B,
-    F,
     P2P,
     RECV_B,
     RECV_F,
     SEND_B,
     SEND_F,
     Action,
+    B,
+    F,
     Step,
     last_weight_passes,
     split_backwards,
@@ -300,11 +300,12 @@ class PipelineExecutor:
             self._release_units(index)
         out = self._outputs[key] if split else self._outputs.pop(key)
         grad = None if a.stage == self.num_stages - 1 else self._input((RECV_B, *key), a.stage + 1)
+        # F821: ruff reads the del below as leaving out and grad undefined in the lambdas; _timed calls them first.
         if not split:
-            self._timed(a, lambda: torch.autograd.backward(out, grad))
+            self._timed(a, lambda: torch.autograd.backward(out, grad))  # noqa: F821
         else:
             x = self._inputs.get(key)
-            self._deferred[key] = self._timed(a, lambda: _backward_input(out, grad, x))
+            self._deferred[key] = self._timed(a, lambda: _backward_input(out, grad, x))  # noqa: F821
         del out, grad
         if a.stage > 0:
             x = self._inputs.pop(key)
@@ -321,14 +322,15 @@ class PipelineExecutor:
             return
         out, deferred = self._outputs.pop(key), self._deferred.pop(key)
 
+        # F821: ruff reads the del below as leaving out and deferred undefined in compute; _timed calls it first.
         def compute() -> None:
-            if not deferred.restarts:  # a whole backward: FSDP's own hooks reduce released units
+            if not deferred.restarts:  # noqa: F821 - a whole backward: FSDP's own hooks reduce released units
                 self._release_units(index)
-                deferred.run(out)
+                deferred.run(out)  # noqa: F821
                 return
             # FSDP hooks reached inside the restarted passes (a unit's pre-backward, the root's final
             # callback) must not reduce before the last pass: release only after them.
-            deferred.run(out)
+            deferred.run(out)  # noqa: F821
             self._finish_weights(index, a.stage)
 
         self._timed(a, compute)
@@ -357,7 +359,9 @@ class PipelineExecutor:
         """Queue ``tensor`` for its send, or hand it to the target stage when that runs here."""
         if target_stage in self._local_stages:
             if tensor is None:
-                raise RuntimeError(f"stage {key[1]}: the stage input has no gradient (does the chunk's output depend on it?)")
+                raise RuntimeError(
+                    f"stage {key[1]}: the stage input has no gradient (does the chunk's output depend on it?)"
+                )
             self._local[(RECV_F if key[0] == SEND_F else RECV_B, target_stage, key[2])] = tensor
         else:
             self._outbox[key] = tensor
@@ -390,8 +394,11 @@ class PipelineExecutor:
             posted.append((kind, key, tensor, self._inbox))
             if self._relay is not None:  # right behind its boundary tensor: matched in the same order
                 relay = self._relay
-                message = (self._relay_outbox.pop(key) if kind is dist.isend
-                           else torch.empty(relay.shape, dtype=relay.dtype, device=device))
+                message = (
+                    self._relay_outbox.pop(key)
+                    if kind is dist.isend
+                    else torch.empty(relay.shape, dtype=relay.dtype, device=device)
+                )
                 ops.append(dist.P2POp(kind, message, self.peers[op.peer], group))
                 posted.append((kind, key, message, self._relay_inbox))
         self._sending = [(w, t) for w, t in self._sending if not completed(w)]
@@ -467,7 +474,9 @@ class _Deferred:
             if not edges or not leaves:
                 continue
             weights = torch.autograd.grad(
-                [e for e, _ in edges], [GradientEdge(leaf, 0) for leaf in leaves], [g for _, g in edges],
+                [e for e, _ in edges],
+                [GradientEdge(leaf, 0) for leaf in leaves],
+                [g for _, g in edges],
                 allow_unused=True,
             )
             for leaf, dw in zip(leaves, weights):

@@ -36,23 +36,24 @@ from meshtron.host import across
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import moe_layers
 from meshtron.models.moe import replaying
-from meshtron.parallel.recompute import is_checkpointed
 from meshtron.parallel.compile import is_compiled
 from meshtron.parallel.compose import materialize_sharded, parallelize
 from meshtron.parallel.grad_norm import global_grad_norm, scale_grads_
+from meshtron.parallel.pipeline.executor import PipelineExecutor
+from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule, runs_backward_whole
+from meshtron.parallel.pipeline.stage import build_chunks, check_pipeline, prune_to_stage
+from meshtron.parallel.recompute import is_checkpointed
 from meshtron.parallel.step import (
     average_router_losses_over_microbatches,
     full_state_dict,
     global_token_count,
     split_microbatches,
 )
-from meshtron.parallel.pipeline.executor import PipelineExecutor
-from meshtron.parallel.pipeline.schedules import V_SHAPED, build_schedule, runs_backward_whole
-from meshtron.parallel.pipeline.stage import build_chunks, check_pipeline, prune_to_stage
 
 
-def boundary_tensor(p: ParallelConfig, hidden_size: int, dtype: str, micro_batch: int,
-                    local_seq: int) -> tuple[tuple[int, ...], torch.dtype]:
+def boundary_tensor(
+    p: ParallelConfig, hidden_size: int, dtype: str, micro_batch: int, local_seq: int
+) -> tuple[tuple[int, ...], torch.dtype]:
     """(shape, dtype) of the hidden states between stages for ``local_seq`` tokens per sample on this rank.
 
     With sequence parallelism the residual stream between blocks is split over tp as well.
@@ -115,11 +116,28 @@ class PipelineRunner:
         materialize_sharded(module, device, cfg)
         tied = (module.embed_tokens, module.lm_head) if cfg.model.tie_word_embeddings else None
         has_moe = any(cfg.model.is_moe_layer(i) for i in range(cfg.model.num_hidden_layers))
-        self._start(module, build_chunks(module, stages, p.pp * p.virtual_stages), mesh, p,
-                    (cfg.model.hidden_size, cfg.train.dtype), device, tied, has_moe)
+        self._start(
+            module,
+            build_chunks(module, stages, p.pp * p.virtual_stages),
+            mesh,
+            p,
+            (cfg.model.hidden_size, cfg.train.dtype),
+            device,
+            tied,
+            has_moe,
+        )
 
-    def _start(self, module: nn.Module, chunks: dict, mesh, p: ParallelConfig, boundary: tuple[int, str],
-               device: torch.device, tied: tuple[nn.Module | None, nn.Module | None] | None, has_moe: bool) -> None:
+    def _start(
+        self,
+        module: nn.Module,
+        chunks: dict,
+        mesh,
+        p: ParallelConfig,
+        boundary: tuple[int, str],
+        device: torch.device,
+        tied: tuple[nn.Module | None, nn.Module | None] | None,
+        has_moe: bool,
+    ) -> None:
         """Everything but the model: ``module`` is this rank's parallelized stage model and ``chunks``
         its :class:`~meshtron.parallel.pipeline.stage.StageChunk` views (or objects with the same
         interface); ``boundary`` is (hidden size, compute dtype); ``tied``, for tied embeddings, is

@@ -70,10 +70,38 @@ from meshtron.config import (
 from meshtron.parallel.pipeline.split import chunk_rank
 
 __all__ = [
-    "B", "F", "W", "P2P", "RECV_B", "RECV_F", "SEND_B", "SEND_F", "SCHEDULES", "V_SHAPED", "VIRTUAL",
-    "SPLIT_BACKWARD", "Action", "Schedule", "Step", "build_schedule", "built_schedule", "check_schedule", "dualpipev",
-    "gpipe", "held_by_stage", "held_counts", "interleaved_1f1b", "interleaving_refused", "last_weight_passes",
-    "one_f_one_b", "peak_in_flight", "runs_backward_whole", "split_backwards", "steady_microbatches", "zb1p", "zbv",
+    "B",
+    "F",
+    "W",
+    "P2P",
+    "RECV_B",
+    "RECV_F",
+    "SEND_B",
+    "SEND_F",
+    "SCHEDULES",
+    "V_SHAPED",
+    "VIRTUAL",
+    "SPLIT_BACKWARD",
+    "Action",
+    "Schedule",
+    "Step",
+    "build_schedule",
+    "built_schedule",
+    "check_schedule",
+    "dualpipev",
+    "gpipe",
+    "held_by_stage",
+    "held_counts",
+    "interleaved_1f1b",
+    "interleaving_refused",
+    "last_weight_passes",
+    "one_f_one_b",
+    "peak_in_flight",
+    "runs_backward_whole",
+    "split_backwards",
+    "steady_microbatches",
+    "zb1p",
+    "zbv",
 ]
 
 F, B, W = "F", "B", "W"
@@ -333,8 +361,10 @@ def _dualpipev_slots(pp: int, m: int, rank: int) -> list[list[Action]]:
 
 
 # Why a V-shaped schedule needs its fewest micro-batches ({n}: ``fewest_microbatches``).
-_V_FEWEST_WHY = {"zbv": "2 * pp = {n} (zbv's warm-up fills both chunks of every rank)",
-                 "dualpipev": "the {n} stages (dualpipev needs a micro-batch per stage)"}
+_V_FEWEST_WHY = {
+    "zbv": "2 * pp = {n} (zbv's warm-up fills both chunks of every rank)",
+    "dualpipev": "the {n} stages (dualpipev needs a micro-batch per stage)",
+}
 
 
 def _check_v_shape(name: str, pp: int, m: int, v: int) -> None:
@@ -428,8 +458,9 @@ def split_backwards(steps: list[Step]) -> set[tuple[int, int]]:
 _Part = TypeVar("_Part")
 
 
-def runs_backward_whole(parts: Iterable[_Part], checkpointed: Callable[[_Part], bool],
-                        compiled: Callable[[_Part], bool]) -> bool:
+def runs_backward_whole(
+    parts: Iterable[_Part], checkpointed: Callable[[_Part], bool], compiled: Callable[[_Part], bool]
+) -> bool:
     """Whether a stage made of ``parts`` runs each backward whole at ``B`` even where its schedule splits it
     into ``B`` and ``W`` (the executor's ``unsplit``): it does when any part is checkpointed or compiled.
 

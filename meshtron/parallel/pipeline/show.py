@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterable, Sequence
 
 from meshtron.extras import MissingExtra, require
-from meshtron.parallel.pipeline.schedules import B, F, SCHEDULES, V_SHAPED, VIRTUAL, W, build_schedule, peak_in_flight
+from meshtron.parallel.pipeline.schedules import SCHEDULES, V_SHAPED, VIRTUAL, B, F, W, build_schedule, peak_in_flight
 from meshtron.parallel.pipeline.simulate import analytic_bubble, simulate, unit_cost_bubble
 
 # The schedules whose backward is split into B (input gradients) and W (weight gradients).
@@ -116,13 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, required=True, help="pipeline stages (ranks)")
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    parser.add_argument("--virtual", type=int, help="virtual stages per rank (interleaved: 2 or more, default 2; zbv and dualpipev: 2)")
+    parser.add_argument(
+        "--virtual", type=int, help="virtual stages per rank (interleaved: 2 or more, default 2; zbv and dualpipev: 2)"
+    )
     parser.add_argument("--out", default="timeline.png", help="PNG path")
     parser.add_argument("--f", type=float, default=1.0, help="forward cost of one chunk")
-    parser.add_argument("--b", type=float, help="backward cost of one chunk (input-gradient part when --w > 0; "
-                                                "default 1 when w > 0, else 2)")
-    parser.add_argument("--w", type=float, help="weight-gradient cost of one chunk (default 1 for zb1p, zbv and "
-                                                "dualpipev, else 0)")
+    parser.add_argument(
+        "--b",
+        type=float,
+        help="backward cost of one chunk (input-gradient part when --w > 0; default 1 when w > 0, else 2)",
+    )
+    parser.add_argument(
+        "--w", type=float, help="weight-gradient cost of one chunk (default 1 for zb1p, zbv and dualpipev, else 0)"
+    )
     parser.add_argument("--p2p", type=float, default=0.0, help="cost of one p2p batch")
     args = parser.parse_args(argv)
     if args.virtual is None:
@@ -131,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.virtual != 1 and args.schedule not in VIRTUAL:
         parser.error(f"--virtual {args.virtual} needs --schedule interleaved, zbv or dualpipev")
     try:
-        result, text = summary(args.schedule, args.pp, args.microbatches, args.virtual, args.f, args.b, args.p2p, args.w)
+        result, text = summary(
+            args.schedule, args.pp, args.microbatches, args.virtual, args.f, args.b, args.p2p, args.w
+        )
     except ValueError as err:
         parser.error(str(err))
     title = f"{args.schedule}: pp={args.pp}, m={args.microbatches}, v={args.virtual}, bubble {result.bubble:.1%}"

@@ -17,16 +17,16 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from meshtron.parallel.pipeline.schedules import (
-    B,
-    F,
-    W,
+    P2P,
     RECV_B,
     RECV_F,
     SEND_B,
     SEND_F,
     Action,
-    P2P,
+    B,
+    F,
     Schedule,
+    W,
     split_backwards,
 )
 

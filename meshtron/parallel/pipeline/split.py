@@ -31,8 +31,10 @@ def too_few_layers(num_layers: int, num_chunks: int) -> str | None:
     :func:`chunk_sizes` and the recipe check (``parallel/layout.py``) call it."""
     if num_layers >= num_chunks:
         return None
-    return (f"num_hidden_layers = {num_layers} is fewer than pp * virtual_stages = {num_chunks} pipeline stages; "
-            "every stage needs at least one layer: lower pp or virtual_stages, or use a deeper model.")
+    return (
+        f"num_hidden_layers = {num_layers} is fewer than pp * virtual_stages = {num_chunks} pipeline stages; "
+        "every stage needs at least one layer: lower pp or virtual_stages, or use a deeper model."
+    )
 
 
 def chunk_sizes(num_layers: int, num_chunks: int) -> list[int]:

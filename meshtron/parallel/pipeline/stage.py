@@ -60,7 +60,9 @@ class StageChunk:
         return self.model(x, position_ids, layers=self.layers, labels=labels)
 
 
-def prune_to_stage(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1, v_shape: bool = False) -> dict[int, range]:
+def prune_to_stage(
+    model: nn.Module, pp_rank: int, pp: int, virtual: int = 1, v_shape: bool = False
+) -> dict[int, range]:
     """Drop from ``model`` (in place) everything pp-rank ``pp_rank`` does not run (``v_shape``: the
     placement of ``zbv`` / ``dualpipev``, see ``split.chunk_rank``).
 
