@@ -95,12 +95,11 @@ def _has_experts(model) -> bool:
 
 def _case(name: str, index: int, sizes: dict, sp: bool) -> tuple[str, str]:
     """(verdict, detail) of one family x layout; every rank returns the same verdict for a refusal."""
-    from test_hf_parallelize import CANCELLING_GRADS, _batch, _family_model, _local
-
     from meshtron import parallelize_hf_model
     from meshtron.config import ConfigError
     from meshtron.mesh import batch_mesh
     from meshtron.testing import cached_mesh, rel_err
+    from test_hf_parallelize import CANCELLING_GRADS, _batch, _family_model, _local
 
     mesh = cached_mesh(**sizes)
     ref = _family_model(name)
@@ -139,6 +138,7 @@ def _case(name: str, index: int, sizes: dict, sp: bool) -> tuple[str, str]:
 
 def check_family(name: str, index: int, out: str, only: list[str]) -> None:
     import torch.distributed as dist
+
     from test_hf_parallelize import _family_model
 
     layouts = [case for case in DENSE + (EXPERT if _has_experts(_family_model(name)) else []) if case[0] in only]

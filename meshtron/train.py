@@ -474,10 +474,10 @@ def _start_step_clock() -> tuple[float, float]:
     """The step's start on this rank's clock and on its collective-wait clock, taken as every rank leaves
     one barrier (collective: every rank calls it). Every rank's step window then opens at the same moment,
     so each rank's own time (window less waits, see ``Trainer._stragglers``) measures one common window:
-    without it a rank that entered its step early was charged the work it did while the others had not
-    started (8 CPU ranks on 2 cores: own times 18 % over rank 0's whole step), and rank 0's step time
-    included waiting for late ranks. On CUDA the barrier waits for the device, which the previous step's
-    read of its scalars left idle: it costs one small all-reduce's latency."""
+    without it a rank that entered its step early would be charged the work it did while the others had
+    not started, and rank 0's step time would include waiting for late ranks (docs/training.md). On CUDA
+    the barrier waits for the device, which the previous step's read of its scalars left idle: it costs
+    one small all-reduce's latency."""
     dist.barrier()
     return time.perf_counter(), collective_log.LOG.waited()
 

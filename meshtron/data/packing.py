@@ -198,7 +198,7 @@ def _encoded(plan: _Plan, typecode: str, workers: int) -> Iterator[tuple[list[by
             yield _encode(plan.tokenizer, typecode, texts), *rest
         return
     # fork: a spawned worker would import torch and transformers (meshtron's package imports) before
-    # its first chunk, tens of seconds on a busy host; the workers touch neither torch nor threads.
+    # its first chunk, which costs more than the chunk; the workers touch neither torch nor threads.
     context = multiprocessing.get_context("fork")
     with context.Pool(workers, _start_worker, (*plan.tokenizer_spec, typecode)) as pool:
         pending: collections.deque = collections.deque()
@@ -355,8 +355,8 @@ class PackedTokens:
         self.seq_len = seq_len
         self.tokens = self._map(".bin", _dtype(self.meta["typecode"]))
         self.mask = self._map(".mask", torch.bool) if self.meta.get("masked") else None
-        # Overlapping rows as strided views: selecting rows copies whole runs, ~20x faster than
-        # gathering single tokens.
+        # Overlapping rows as strided views: selecting rows copies whole runs instead of gathering single
+        # tokens.
         self._rows = self.tokens.as_strided((len(self), seq_len + 1), (seq_len, 1))
         self._mask_rows = None if self.mask is None else self.mask.as_strided(self._rows.shape, self._rows.stride())
         self.sha256 = self.meta["sha256"]

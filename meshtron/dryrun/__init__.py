@@ -1,31 +1,10 @@
 """``python -m meshtron.train --recipe R --dry-run N``: one real-size training step, simulated in this process.
 
-No torchrun, no GPU, no data and no checkpoint I/O: a fake process group of world size N, the model and
-optimizer on fake tensors (shapes, dtypes and devices, no storage) at the recipe's real sizes, built and
-stepped by the same code as a real run (:class:`meshtron.train.Trainer`'s runner and
-:func:`meshtron.parallel.step.training_step`). For every distinct rank (one per pipeline stage; data and tp
-index 0 hold the largest ``torch.chunk`` shards) it runs an untraced warm-up step (the optimizer state
-appears there) and traces the second under ``MemTracker`` (peak bytes) and :class:`StepCounter`
-(collectives by op, FLOPs), and sets the peak next to :mod:`meshtron.plan`'s prediction for the
-same rank without its reserve and slack terms (the trace has no CUDA context and no allocator).
-
-With ``MESHTRON_DEVICE=cuda`` and a CUDA build of torch the ranks run on fake CUDA devices, their
-device runtime answered by :mod:`meshtron.dryrun.fake_cuda` (no GPU needed); a CPU build refuses that in one line.
-
-Host offload (``[parallel] offload = "optimizer"``): each rank also reports the bytes the offload keeps in
-host memory, counted on the traced step's own objects (every parameter's local shard, its gradient and
-the optimizer's state tensors), beside the planner's ``Breakdown.host`` of the same (offloaded saved
-activations are not traced apart: on CPU their copies land in the one memory). On CPU ranks host and device are
-one memory and FSDP's offload moves nothing, so the traced peak is compared with the plan of the same
-layout without offload; on fake CUDA devices, with the offloaded plan.
-
-Where the real step reads device values on the host, :mod:`meshtron.host` supplies the dry run's
-assumption; ``--dry-run-routing skewed`` replaces balanced MoE routing by the worst case (every
-rank's token copies sent to the first ep rank, which the traced rank is).
-
-Beside this module: ``counting.py`` what the trace counts per op (FLOPs, roofline, collectives and their
-bytes, memory), ``nccl_rules.py`` the rules NCCL holds a collective to (gloo does not), which every traced
-collective must pass, and ``fake_cuda.py`` the fake CUDA runtime.
+A fake process group of world size N, the model and optimizer on fake tensors at the recipe's real sizes,
+stepped by the training path's own code; each distinct rank's second step is traced (peak bytes, FLOPs,
+collectives and their bytes) next to :mod:`meshtron.plan`'s prediction for the same rank. Beside this module:
+``counting.py`` what the trace counts per op, ``nccl_rules.py`` the rules NCCL holds every traced collective
+to, ``fake_cuda.py`` the fake CUDA runtime. See docs/planner.md, "Dry run at real scale".
 """
 
 from __future__ import annotations
@@ -67,7 +46,7 @@ from meshtron.watch.syncs import HostSyncCounter, not_a_caller
 not_a_caller(__file__)  # it waits on behalf of the code it traces or checks
 
 # Imported now, not where they are used: each rank's process forks from a server that has imported this
-# module (dry_run, meshtron.testing), and would otherwise import them itself (~0.5 s a rank on 2 CPUs).
+# module (dry_run, meshtron.testing), and would otherwise import them itself, once per rank.
 FakeStore, _ = fake_store_class(), mem_tracker_class()
 # call sites are named relative to the repository root (this file is meshtron/dryrun/__init__.py)
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
@@ -301,9 +280,8 @@ def _warm_up(cfg: Config, runner, optimizer, ids: torch.Tensor, labels: torch.Te
     a real second step does. Without a pipeline, two micro-batches of the traced ones' size do all of
     it (the first accumulates, HSDP, replicate and ``fsdp_gather = "per_step"`` without reducing; the
     last reduces; every parameter gathered and stepped; every op at the traced shapes) at a fraction of
-    the host work: the 32B
-    recipe's 8 micro-batches take 35 s here. A pipeline's schedule is built for its micro-batch count,
-    so it runs the whole step."""
+    the host work of all the recipe's micro-batches. A pipeline's schedule is built for its micro-batch
+    count, so it runs the whole step."""
     micro = cfg.parallel.microbatches
     if cfg.parallel.pp > 1 or micro <= 2:
         training_step(runner, optimizer, ids, labels, cfg.train.max_grad_norm)
@@ -318,9 +296,9 @@ def _warm_up(cfg: Config, runner, optimizer, ids: torch.Tensor, labels: torch.Te
 
 class ShapeInferences:
     """Counts DTensor's uncached sharding propagations while entered. Each infers an op's global output
-    shape by running it on global-shape placeholders, which the memory tracker counts (a 4.6 GiB
-    phantom at the 7B recipe's peak when its warm-up ran other shapes): a traced step must find every
-    one done by its warm-up, as a real second step does. torch without the hook counts nothing."""
+    shape by running it on global-shape placeholders, which the memory tracker counts (a phantom at the
+    peak when the warm-up ran other shapes: docs/planner.md): a traced step must find every one done by
+    its warm-up, as a real second step does. torch without the hook counts nothing."""
 
     def __init__(self):
         self.count = 0
@@ -408,8 +386,8 @@ def dry_run(
     context = multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
     if sys.platform == "linux":  # each rank's process forks from a server that has imported torch once
         context.set_forkserver_preload(["torch", "torch.distributed", "meshtron.dryrun"])
-    # A fresh process per rank: a pool's task is a chunk of its inputs, so chunks of one (more than 8
-    # pipeline stages on 2 CPUs made chunks of 2, whose second rank found the first one's groups gone).
+    # A fresh process per rank, in chunks of one: a pool's task is a chunk of its inputs, and a second rank
+    # in one process finds the first one's process groups gone.
     with rank_environment(per_node), context.Pool(workers, maxtasksperchild=1) as pool:
         results = pool.starmap(
             _trace_or_error, [(cfg, world_size, rank, routing, hw, per_node) for rank in ranks], chunksize=1
@@ -631,8 +609,8 @@ def main(
         return 2
     print(report(cfg, world_size, traces, as_json, time.perf_counter() - start, routing), flush=True)
     try:
-        # The stated hardware's host memory, not this machine's, for a CUDA target (a node of 8 ranks each
-        # planned to keep 4 GiB of their own on the host found no layout fitting 20 GiB of this machine).
+        # The stated hardware's host memory, not this machine's, for a CUDA target: the machine running the
+        # dry run is not the node it plans, and its host memory would refuse layouts that fit there.
         host = hardware.hardware().host_memory_gib * GIB if hardware.device == "cuda" else None
         check_memory(
             dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, memory_check="error")),

@@ -38,10 +38,10 @@ not_a_caller(__file__)  # it waits on behalf of the code it traces or checks
 class _NoModules:
     """Stands in for MemTracker's ``ModTracker``: its per-module gradient hooks keep module inputs and
     outputs (and so their whole autograd graph) alive until those hooks fire, which a split backward
-    (B with ``inputs=``, W restarted inside the graph) never does; they pinned the zero-bubble stages'
-    activations through the step and reported 1.3-1.9 x what the step holds, and they refuse a module
-    called once per micro-batch. Without module tracking every forward and backward tensor counts as
-    ``ACT`` (only the total peak is read)."""
+    (B with ``inputs=``, W restarted inside the graph) never does, so they pin the zero-bubble stages'
+    activations through the step (docs/planner.md), and they refuse a module called once per micro-batch.
+    Without module tracking every forward and backward tensor counts as ``ACT`` (only the total peak is
+    read)."""
 
     is_bw = False
     parents: set = set()
@@ -79,12 +79,12 @@ class StepCounter(TorchDispatchMode):
 
     Everything is counted on plain tensors, at the shapes this rank computes: an op on a tensor subclass
     (a DTensor) is left to the subclass, whose ops on its local shards reach this mode in turn. Counted
-    on the DTensor, a tp rank's linears were counted at their global size (a small model's tp 8 ranks:
-    5.4 x the FLOPs they run, 2.6 x with SP) and the optimizer's FSDP-sharded state at its unsharded bytes.
+    on the DTensor, a tp rank's linears would count at their global size and the optimizer's FSDP-sharded
+    state at its unsharded bytes (docs/planner.md).
 
     torch's FlopCounterMode and CommDebugMode count the same but track modules with hooks: the
-    former's keep every activation of the step alive (3.2 x the true peak of a 7B step under
-    MemTracker), the latter's fail on a module called once per micro-batch. This mode tracks none."""
+    former's keep every activation of the step alive, the latter's fail on a module called once per
+    micro-batch. This mode tracks none."""
 
     def __init__(self, peak_flops: float, memory_bandwidth: float, rules: NcclRules | None = None):
         super().__init__()

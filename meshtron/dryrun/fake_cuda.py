@@ -1,22 +1,10 @@
 """The CUDA runtime a dry run on fake CUDA devices answers itself (``MESHTRON_DEVICE=cuda python -m
 meshtron.train --dry-run N`` with a CUDA build of torch, no GPU needed).
 
-Fake tensors on ``cuda:i`` need no driver: shapes, dtypes and devices are all they hold. What does need
-one is the runtime the step calls around them, on three levels, each answered here:
-
-* Python: FSDP2 asks for the current device, creates streams and events and makes streams wait on
-  them; meshtron sets its device; a pipeline may synchronize. Inside :func:`fake_cuda` those
-  ``torch.cuda`` functions are stand-ins (one device per local rank, streams and events that order
-  nothing, since fake kernels never run); every other one stays torch's own, so a call the dry run
-  does not stand in for fails as it would without a driver and names itself. Waits of the host for
-  the device (``synchronize``) are host syncs, recorded like any other (:func:`meshtron.watch.syncs.record`).
-* C++: autograd records each CUDA tensor's current stream and runs the backward on per-device
-  threads, through torch's device guard for CUDA, which asks the driver. Inside :func:`fake_cuda` a
-  guard of fake devices (:data:`_GUARD`, compiled once with torch's extension loader) stands in.
-* The driver: torch's accelerator detection counts devices (``cudaGetDeviceCount``) and autograd asks
-  whether a device has a context (``cuDevicePrimaryCtxGetState``) once per process, before any Python
-  can intervene: the dry run's rank processes start with a two-function library preloaded that
-  answers ``per_node`` devices and no context (:func:`driver_environment`).
+Fake tensors on ``cuda:i`` need no driver; the runtime the step calls around them does, on three levels,
+each answered here: Python's ``torch.cuda`` functions (stand-ins inside :func:`fake_cuda`), torch's C++
+device guard (:data:`_GUARD`) and the driver queries made before any Python runs (a preloaded library,
+:func:`driver_environment`). See docs/planner.md#on-fake-cuda-devices.
 """
 
 from __future__ import annotations
@@ -202,7 +190,7 @@ def _set_driver_device(index: int) -> None:
 
 @functools.cache
 def guard():
-    """The fake device guard's extension, compiled on first use (about a minute) and cached."""
+    """The fake device guard's extension, compiled on first use and cached (docs/planner.md)."""
     from torch.utils.cpp_extension import load_inline
 
     directory = CACHE / "guard"

@@ -111,7 +111,7 @@ def whole_sequences() -> Iterator[None]:
     (``masking_utils.find_packed_sequence_indices``) and decide by reading the device: one host sync per
     forward. On a dry run's fake tensors they cannot read, take the step for a traced graph and build a
     packed-sequence mask [batch, 1, seq, seq] that every attention then applies, with GQA's key/value heads
-    repeated (Qwen2.5-0.5B at 8 x 4096 tokens: 0.36 GiB per layer a real step does not hold). meshtron hands
+    repeated: memory in every layer that a real step does not hold. meshtron hands
     a transformers model whole sequences only (``with_hf_model`` refuses document masks): none is packed."""
     from transformers import masking_utils
 

@@ -1,33 +1,8 @@
 """``torch.compile`` per transformer block (``[parallel] compile = true``).
 
-Why per block: every block runs the same code, so all blocks of one kind share one compiled graph
-(a dense model compiles once, however deep) and the embedding, loss and optimizer stay eager. The
-compiler fuses the elementwise work around the matmuls (RMSNorm, RoPE, SwiGLU, residual adds and
-their backward), which is where an eager step spends its memory traffic.
-
-Order: after TP/EP/CP and activation checkpointing, before data parallelism (FSDP2), as torchtitan
-does. We compile each block's ``forward`` rather than the module (``torch.compile(block)`` or
-``block.compile()``), because:
-
-* FSDP2's all-gather/reshard and the composable activation checkpoint are module *hooks* that run
-  around ``forward``; they stay eager and outside the graph (compiling the module's call would pull
-  them in, where dynamo skips FSDP's hooks with graph breaks);
-* parameter names are unchanged (no ``_orig_mod.`` wrapper), so checkpoints, HF export and the
-  layout-independent initialisation see the same model;
-* FSDP2 swaps a block's parameters between sharded and unsharded tensors around ``forward``;
-  dynamo treats module parameters as graph inputs, so the swap costs no recompilation.
-
-Tensor parallelism's input/output redistributions are hooks of the block's *submodules*, so they
-are traced into the graph (DTensor collectives become functional collectives the compiler can
-schedule). A dense block is one graph (``fullgraph=True``: a break is an error, not a silent slow
-path). In MoE blocks the MoE layer runs eagerly and the attention half is compiled, because under
-torch 2.13 (i) ``grouped_mm``'s compile-time rule accepts bf16 only, while it runs in any dtype;
-(ii) the expert-parallel dispatch reads split sizes on the host; (iii) traced, the aux-loss
-attachment (``moe._AttachAuxLoss``, which adds the router loss's gradient in backward) gives wrong
-gradients: router weight relative error 3e-2 in one process and 0.24 on 4 ranks, exact with
-``router_aux_loss_coef = 0``. Ring attention posts P2P transfers inside an autograd function, so a
-context-parallel block compiles with graph breaks around it; so does a block under ``tp_overlap``, whose
-rings run eagerly (their GEMMs with them) between the compiled pieces.
+Each block's ``forward`` is compiled, not the module, after TP/EP/CP and activation checkpointing and before
+FSDP2, so their hooks stay eager and parameter names unchanged; a dense block is one graph, a MoE block's MoE
+layer runs eagerly. Why each of these: docs/benchmarks.md, "Compile".
 """
 
 from __future__ import annotations
@@ -59,7 +34,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[int]:
     """
     for block in model.layers.values():
         for moe in moe_layers(block):
-            moe.forward = torch.compiler.disable(moe.forward)  # see the module docstring
+            moe.forward = torch.compiler.disable(moe.forward)  # eager: docs/benchmarks.md, Compile
         block.forward = _compiled_forward(block, backend)
     return [int(key) for key in model.layers]
 

@@ -1,48 +1,8 @@
 """FP8 training (``[train] fp8``): the blocks' attention and MLP linears as torchao ``Float8Linear``, the
-routed experts' grouped GEMMs through :class:`Float8GroupedMatmul`; under ``mxfp8`` (the OCP MX format, scales
-per 32 elements: no collective on any layout) ``meshtron.parallel.mxfp8``'s ``MXLinear`` and ``MXGroupedMatmul``.
-What both share (torchao's import, the dims a recipe takes, the split linear) is ``meshtron.parallel.fp8_base``.
-
-Each GEMM of a converted linear (forward, input gradient, and for every recipe but
-``rowwise_with_gw_hp`` the weight gradient) casts its operands to float8 with scales computed on the
-fly and runs ``torch._scaled_mm``; the parameters, the optimizer state and everything outside the
-converted linears and experts stay in the training dtype, as torchtitan and Megatron-Core do: the
-embedding, the LM head, the MoE router, norms. The experts' grouped GEMM casts its operands by the same
-rules, an expert's rows taking the place of a linear's tensor, and runs ``torch._scaled_grouped_mm`` on a
-GPU of compute capability 9.x (H100, H200: :func:`runs_float8_kernel`); elsewhere (the CPU, which has no
-such kernel) it is emulated: the same float8 values, dequantized, through ``F.grouped_mm``. Under expert tensor
-parallelism (etp > 1) a scale that spans the dim etp splits (a gate/up column, a down row) is all-reduced
-(MAX) over the etp ranks, as tp does for the linears (:meth:`Float8GroupedMatmul.split_over`).
-
-Recipes (torchao's names, ``torchao.float8.Float8LinearConfig.from_recipe_name``):
-
-- ``tensorwise``: one scale per tensor. Under FSDP over more than one rank the weights are all-gathered
-  in float8 (half the bf16 bytes); the weight's scale is the amax over all shards (an all-reduce inside the
-  gather), so it is the unsharded weight's (on one rank ``Float8Linear`` casts it in the block's forward,
-  inside a compiled block's graph: :func:`float8_all_gather`). Activation and gradient scales are the amax of the tokens
-  a rank holds.
-- ``rowwise``: one scale per row of each operand (power-of-two scales); the weight-gradient GEMM
-  scales along the tokens, so it depends on which tokens a rank holds.
-- ``rowwise_with_gw_hp``: per-token activation and gradient scales, per-output-row weight scales, the
-  weight gradient in high precision: no scale spans tokens, so splitting the batch (dp) leaves every
-  scale as on one rank.
-
-A GEMM in float8 needs both of its dims to be multiples of 16 (``torch._scaled_mm``); a linear with
-another shape stays in the training dtype (:func:`high_precision_linears` names them).
-
-Applied first in :func:`meshtron.parallel.compose.compose` (the model's own settings): the tensor
-and data parallel plans then wrap the converted linears as they wrap ``nn.Linear``. gloo has no float8
-type ("Invalid scalar type" for an all-gather of float8 alone), but no FSDP unit gathers float8 alone:
-every block unit also holds its norms (and biases) in the training dtype, and FSDP2 gathers a unit
-whose inputs mix dtypes as one ``uint8`` buffer of their bytes, bit-exact on gloo and NCCL alike
-(``tests/test_float8.py`` counts those bytes).
-
-Under tensor parallelism (:class:`Float8Gemms`) each split linear runs its three GEMMs on this rank's
-pieces of the operands, every operand cast with the scale of the whole operand: where tp splits it along
-a dim its scale spans (any dim of a tensorwise scale; a rowwise scale's GEMM contraction dim) the amax is
-all-reduced (MAX) over tp before the cast, so each element becomes the float8 value it has on one rank
-and a tp layout differs from one rank only by the order of its sums. FSDP then gathers the weights in the
-training dtype: torchao's float8 gather computes the weight's scale over the FSDP shards only, not over tp.
+routed experts' grouped GEMMs through :class:`Float8GroupedMatmul` (``torch._scaled_grouped_mm`` where the
+GPU has it, :func:`runs_float8_kernel`; emulated elsewhere), and under tensor parallelism each split linear's
+GEMMs cast with the scales of the whole operands (:class:`Float8Gemms`). ``mxfp8`` is
+``meshtron.parallel.mxfp8``'s; what both share is ``meshtron.parallel.fp8_base``. See docs/fp8.md.
 """
 
 from __future__ import annotations

@@ -115,9 +115,9 @@ def scale_grads_(params, max_norm: float, total_norm: torch.Tensor) -> None:
     """
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
-    # One copy of the coefficient per device and dtype, not per gradient: host-offloaded gradients each made a
-    # copy to the host, a wait for the device (963 a step of the 72B offload recipe, found by the dry run on
-    # fake CUDA); one foreach multiply per group, as one launch.
+    # One copy of the coefficient per device and dtype, not per gradient: with host-offloaded gradients each
+    # copy to the host waits for the device, once per parameter (found by the dry run on fake CUDA); one
+    # foreach multiply per group, as one launch.
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
     for same in _by_device_and_dtype(grads):
         foreach_mul_(same, across(coef, same[0].device).to(same[0].dtype))

@@ -1,23 +1,8 @@
 """MXFP8 training (``[train] fp8 = "mxfp8"``): the OCP microscaling format, as torchao's ``MXTensor`` casts it.
 
-Every 32 consecutive elements along a GEMM's contraction dim share one power-of-two scale (E8M0, rounded up:
-torchao's RCEIL, its training default); the elements are float8_e4m3fn. All three GEMMs of a linear cast this
-way (forward along the input features, input gradient along the output features, weight gradient along the
-tokens), as torchao's ``MXFP8Linear``; the routed experts' grouped GEMMs too, each expert's tokens in blocks
-of their own (:class:`MXGroupedMatmul`).
-
-A block's scale depends on its own 32 elements only, so no scale ever needs a collective: a tp split of a
-contraction dim in multiples of 32 leaves every block whole on one rank, and a rank's cast of its piece is
-the 1-rank cast of those elements. The weight gradient's blocks run along the tokens a GEMM sees; where a
-rank's (or a ring chunk's, or a micro-batch's) token count is a multiple of 32 the blocks are the 1-rank
-run's, otherwise its tokens are zero-padded to 32 (a zero changes no scale and no sum) and the blocks hold
-other tokens than on one rank (an expert's tokens, in dispatch order, too). That changes an element's value
-only where it lies more than 2^14 below its block's largest: the scale is a power of two and e4m3 keeps its
-mantissa bits over that range.
-
-Where the kernel exists (compute capability 10, B200: torch's block-scaled ``_scaled_mm``) torchao runs it;
-elsewhere (the CPU, H100 and H200, which have no MX GEMM) the GEMMs are emulated (:func:`runs_mx_kernel`): the
-MX values, dequantized, through a GEMM in the training dtype: the same numbers, slower than bf16.
+One power-of-two scale per 32 elements along each GEMM's contraction dim, so no scale needs a collective on
+any layout: :class:`MXLinear` for the block linears, :class:`MXGroupedMatmul` for the routed experts, both
+emulated where the device has no MX GEMM (:func:`runs_mx_kernel`). See docs/fp8.md#mxfp8.
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """Activation offload (``[parallel] offload_activations``): each block's saved-for-backward tensors in
 host memory between its forward and its backward (a memory/transfer trade, not a mesh dimension).
 
-While a block's forward runs, ``torch.autograd.graph.saved_tensors_hooks`` hands every tensor autograd
-saves to :meth:`BlockOffload.pack`, which copies it to the host and keeps only the copy; in backward
-:meth:`BlockOffload.unpack` copies it back. Autograd saves views: several of one storage (a norm's output
-and the 2-D view each projection's matmul makes of it) share one host copy of the elements they read, and
-one copy back while any of them is in use (:class:`_HostCopy`). The hooks are entered by the block's
-forward pre-hook and left by its forward hook, so only that block's tensors move: the embedding, the final norm and the
-fused loss keep theirs on the device.
-
-- On CUDA the device-to-host copy runs on a side stream, after the tensor is produced, into pinned
-  memory, so it overlaps the rest of the forward. The device tensors a block's copies read stay held
-  (:class:`CopiesInFlight`) until the next offloaded block's forward ends or a backward needs a copy
-  back: then the compute stream waits for the block's last copy and lets them go. So the device holds
-  at most the block in flight and the one running (at the end of the forward, the last block's: as
-  ``meshtron.plan`` counts it), deterministically, where ``record_stream`` would free each tensor
-  whenever the allocator next found its copy done; a copy slower than the next block's compute waits
-  there, the exposed excess the planner charges. The host-to-device copy runs on the compute stream
-  when backward needs the tensor, after the side stream's copy (an event): it is exposed, as
-  ``meshtron.plan`` models it.
-- On CPU the "host copy" is a copy in the same memory: no saving, the same code path (tests).
-- Parameters and their views (leaves that require grad: FSDP's gathered weights, which it frees and
-  gathers again for backward; a linear saves its weight transposed) stay where they are; a DTensor moves
-  its local tensor and keeps its placements.
-- Blocks that activation checkpointing recomputes save only their input (on the device) and are not
-  offloaded: recomputation already frees their tensors. Apply after checkpointing, before FSDP.
-
-Copies change no value: losses and gradients are bit-identical to a run without offload.
+``saved_tensors_hooks`` hand every tensor a block's forward saves to :meth:`BlockOffload.pack`, which keeps a
+host copy (one per storage, :class:`_HostCopy`); :class:`CopiesInFlight` holds the device tensors the copies
+read until the next offloaded block's forward ends or a backward needs a copy back. Copies change no value.
+See docs/training.md#host-memory-offload.
 """
 
 from __future__ import annotations

@@ -1,37 +1,8 @@
 """Activation checkpointing of transformer blocks (a memory/compute trade, not a mesh dimension).
 
-We use PyTorch's composable ``checkpoint`` (non-reentrant, installed as forward hooks) rather than
-``checkpoint_wrapper``: it adds no ``_checkpoint_wrapped_module`` level, so parameter names, state
-dicts and checkpoints are the same with and without it. Apply it before FSDP (composable
-checkpoint and ``fully_shard`` on the same block is the combination PyTorch tests), after TP/EP/CP.
-
-Recomputation replays the block's forward in backward with the same RNG state, so a checkpointed
-run gives bit-identical losses and gradients to a plain one on the same layout.
-
-``op`` mode checkpoints every block but keeps some op outputs (torch's selective checkpointing: a
-dispatch-mode policy, ``create_selective_checkpoint_contexts``, passed as the checkpoint's
-``context_fn``), so backward recomputes only the rest. ``[parallel] ac_policy`` names the policy:
-
-* ``save_matmuls``: every weight GEMM's output (linear layers, the experts' grouped GEMM), the fused
-  attention kernels' outputs (with their log-sum-exp) and functional collectives' outputs are kept;
-  norms, RoPE, SwiGLU's activation and product, residual adds are recomputed (cheap elementwise work,
-  most of a block's saved bytes in fp32 norms), and so is attention run by a math kernel (products of
-  two activations, whose S x S scores are not worth their bytes);
-* ``alternate_matmuls`` (torchtitan's op-level policy): as ``save_matmuls`` but every second matmul
-  of a block (the 2nd, 4th, ... in its forward order) is recomputed too;
-* ``parts`` (Megatron's ``recompute_modules``, by name): as ``save_matmuls`` but the parts
-  ``[parallel] ac_parts`` names are recomputed whole: ``core_attn`` the attention kernel (its output and
-  log-sum-exp not kept), ``mlp`` the matmuls run inside an ``MLP`` (dense MLPs, the shared expert;
-  told by hooks on those modules), ``moe_experts`` the routed experts' grouped matmuls. The cheap parts
-  Megatron names (norms, the MLP's activation) are recomputed under every policy here.
-
-Functional collectives (DTensor's tp redistributions) are kept, so recomputation sends nothing over
-tp; in-place ``torch.distributed`` calls (expert dispatch, ring attention) are recomputed, as under
-``full``. The policy runs in the forward only, per block call (a fresh count of its matmuls each
-time); torch records its choice per op and invocation, and the recomputation replays that record. So
-an op must run as often in the recomputation as in the forward: FSDP's hooks do not (a unit nested in
-the block, the experts', repeats its root pre-forward there; a block's unit casts its input there only)
-and run outside the record (:func:`hooks_outside_op_record`, applied by the data-parallel module).
+PyTorch's composable ``checkpoint`` per block (parameter names unchanged), and under ``op`` torch's selective
+checkpointing with the policies ``[parallel] ac_policy`` names; FSDP's hooks run outside the policy's record
+(:func:`hooks_outside_op_record`). See docs/training.md#activation-checkpointing.
 """
 
 from __future__ import annotations

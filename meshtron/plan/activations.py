@@ -57,8 +57,8 @@ def layer_activation_bytes(cfg: Config, layer: int) -> float:
         return norms + attention + c * h / sp + 4 * c * m.intermediate_size / tp
     k = m.num_experts_per_tok
     # Per routed copy: the expert input and the down projection's output (with etp both over the etp
-    # ranks' gathered rows: the 57B-A14B at etp 2 traced 1.044-1.083 x the plan until counted), the
-    # output's unpermuted copy, SwiGLU (its columns split over etp: the same bytes).
+    # ranks' gathered rows, etp times the rank's own copies), the output's unpermuted copy, SwiGLU (its
+    # columns split over etp: the same bytes).
     routed = k * c * ((1 + 2 * p.etp) * h + 4 * m.moe_intermediate_size) / tp
     # The shared expert: SwiGLU, its output (scaled by the sigmoid gate) and the gate.
     shared = c * (4 * m.shared_expert_intermediate_size / tp + h + 1) if m.shared_expert_intermediate_size else 0
@@ -69,9 +69,8 @@ def layer_activation_bytes(cfg: Config, layer: int) -> float:
 def document_mask_bytes(cfg: Config) -> float:
     """Per token, the document mask attention saves with ``[data] document_mask`` and no cp: a row of
     the window's keys in the compute dtype (``models.qwen2.CausalAttention`` hands SDPA a ``[B, 1, S, S]``
-    boolean mask, which it turns into an additive one and keeps for backward; the dry run of Qwen2.5-0.5B
-    at sequence 2048 holds 64 MiB more per layer). Context parallelism masks only the blocks that
-    straddle a document start, one at a time (not counted)."""
+    boolean mask, which it turns into an additive one and keeps for backward: docs/planner.md). Context
+    parallelism masks only the blocks that straddle a document start, one at a time (not counted)."""
     return compute_bytes(cfg) * cfg.train.seq_len if cfg.data.document_mask and cfg.parallel.cp == 1 else 0.0
 
 
@@ -289,10 +288,10 @@ def fp8_cast_gradient_bytes(cfg: Config, layer: int) -> float:
     """Per token, what a layer's backward holds beside its saved tensors while a float8 GEMM casts its
     widest operand (:func:`fp8_operand_width`) for the weight gradient: the incoming hidden-state
     gradient and its float8 copy, that GEMM's input gradient already computed, and the cast's
-    :data:`FP8_CAST_BYTES`. The dry runs of Qwen2.5-7B (4 layers, tensorwise) peak there at dp 8 (the
-    down projection's input, [I / tp] a token, cast after its input gradient) and, at the same bytes within
-    1 %, at dp 2 x tp 4 + SP in the recomputed forward's cast of that input (beside the packed gate /
-    up output SP feeds the MLP, [2 I / tp]). Not counted: a weight's cast (at most 9 bytes an element of
+    :data:`FP8_CAST_BYTES`. That is where Qwen2.5-7B's dry runs peak (docs/fp8.md#planned): without tp at
+    the down projection's input ([I / tp] a token, cast after its input gradient), under tp + SP as high in
+    the recomputed forward's cast of that input (beside the packed gate / up output SP feeds the MLP,
+    [2 I / tp]). Not counted: a weight's cast (at most 9 bytes an element of
     one local weight; 0.14 GiB for the 7B's gate at tp 4) and the fp32 copies of the routed experts'
     emulated grouped GEMM (``Float8GroupedMatmul``), which the dry run cannot trace. Under ``mxfp8`` (emulated on
     the devices planned for) the weight gradient casts along the tokens: a transposed copy of the operand first
@@ -407,8 +406,8 @@ def offload_window_bytes(cfg: Config, layers: Iterable[int]) -> float:
 def layer_forward_transient_bytes(cfg: Config, layer: int) -> float:
     """Per token, the most a block's forward holds beside the tensors it saves: under SP a dense MLP's
     all-gathered input and the packed gate/up output its two projections are cloned from
-    (``parallel/sp_projections.py``; Qwen2.5-7B at tp 4: 3.2 GiB of 131,072 tokens, which the dry run of
-    activation offload traced above the plan until counted); otherwise its output before the tp reduction."""
+    (``parallel/sp_projections.py``; Qwen2.5-7B at tp 4: 3.2 GiB of 131,072 tokens, what activation offload
+    leaves on the device inside a block: docs/planner.md); otherwise its output before the tp reduction."""
     m, c = cfg.model, compute_bytes(cfg)
     if cfg.parallel.sp and cfg.parallel.tp > 1 and not m.is_moe_layer(layer):
         return c * (m.hidden_size + 2 * m.intermediate_size / cfg.parallel.tp)
@@ -417,6 +416,6 @@ def layer_forward_transient_bytes(cfg: Config, layer: int) -> float:
 
 def _recomputes_every_layer(cfg: Config) -> bool:
     """Full checkpointing: a MoE layer's backward re-runs its forward, whose dispatched copies are then
-    its recomputed saved tensors (in :func:`backward_peak`'s rise, not again beside it; the A2.7B dry
-    run's rise over its last layer's backward is 16.1 GiB, the layer's tensors and gradients 16.3)."""
+    its recomputed saved tensors (in :func:`backward_peak`'s rise, not again beside it: counted twice, the
+    MoE recipes' dry runs traced below the plan, docs/planner.md)."""
     return cfg.parallel.activation_checkpointing in ("full", "op")

@@ -275,7 +275,7 @@ def float8_sequence_gather_savings(cfg: Config, layer: int) -> float:
     gradients, which carries float8 too but under ``rowwise_with_gw_hp`` (its weight gradient in high
     precision) and ``mxfp8`` (cast along the gathered tokens) and gathers no scales (the rowwise ones are
     scaled along the tokens). Qwen2.5-7B, tensorwise, tp 4 + SP, checkpointed: 6 of a
-    layer's 13 gathers and reduce-scatters in float8 (the dry run: 186.375 GiB a step, 241.5 in bf16)."""
+    layer's 13 gathers and reduce-scatters in float8 (docs/fp8.md#planned has the traced bytes)."""
     p, recipe = cfg.parallel, cfg.train.fp8
     if not (p.sp and p.tp > 1) or recipe == "none":
         return 0.0

@@ -1,37 +1,8 @@
 """Compute time that follows each GEMM's shape: the planner's compute term without an assumed MFU.
 
-A rank's step runs, per micro-batch, every GEMM of its layers at its own shape after tp / ep / etp
-sharding (q, k, v, o; gate, up, down; the router, each routed expert's rows, the shared expert; the LM
-head), forward, input gradient and weight gradient; the attention kernel on the query-key blocks it
-computes; and the elementwise work between them at the memory bandwidth. Each is timed on a roofline
-whose compute roof follows the GEMM's size:
-
-    seconds = max(2 m n k / (peak x ceiling x occupancy(m, n, k) x depth(k)), bytes moved / (bandwidth x 0.9))
-
-- ``occupancy``: output tiles of ``FIT.tile`` (a partial tile padded; a dimension under a tile gets a tile
-  of its size rounded up to 16) and, with fewer tiles than the 132 SMs take (each split along k into pieces
-  of at least ``FIT.split_k``, as split-K kernels do), the idle SMs' share. Hopper's persistent / stream-K
-  kernels even out a partial last wave, so tails of larger GEMMs are not charged (it keeps the curve
-  monotone in size);
-- ``depth``: ``k / (k + FIT.k_fill)``, the main loop's prologue and epilogue per output tile;
-- a dimension not a multiple of ``ALIGN`` leaves cuBLAS's vectorized kernels: ``FIT.misaligned`` of the rate;
-- ``ceiling``: per dtype, what a full, deep, aligned GEMM reaches.
-Those five figures are fitted to every distinct layer GEMM of the shipped and published models timed on an
-H100 in the layouts the training step uses (``benchmarks/gemm_roofline.py``; measured / modelled median 1.00,
-0.64-1.65 over 41 bf16 GEMMs); the published rates in ``SOURCES`` bound the fitted ceilings.
-
-Attention (``torch.nn.functional.scaled_dot_product_attention``'s flash kernel) computes whole
-128 x 128 query-key blocks: with the causal mask the ``T (T + 1) / 2`` blocks of ``T = S / 128`` on and
-below the diagonal, ``(T + 1) / (2 T)`` of the square (``flops_per_token`` counts ``1 / 2``); with
-``[data] document_mask`` its dense mask leaves the whole square to the kernel. Forward 4 S d FLOPs per
-query and head, backward 2.5 x that (five block products to the forward's two), at the published
-FlashAttention-2 rates. The user-facing MFU keeps ``flops_per_token``'s convention (6 per weight and
-token plus the causal half of attention).
-
-Elementwise bytes per token and layer, each a fused kernel reading its inputs and writing its output
-once (an assumption; eager torch runs some of them as several ops): two RMSNorms and two residual
-adds (10 h), rotary embedding on q and k (2 (q + k)), SwiGLU's product (3 x width); the backward moves
-twice the forward; the loss reads and writes the fp32 logits three times.
+Every GEMM a rank's layers run at its own shard (forward, input gradient, weight gradient), the attention
+kernel's query-key blocks and the elementwise bytes, each on a roofline whose compute roof follows the GEMM's
+size, with the shape constants of :data:`FIT` fitted to GEMMs timed on an H100. See docs/planner.md#compute-model.
 """
 
 from __future__ import annotations
@@ -52,7 +23,7 @@ ALIGN = 8  # elements: a dimension not a multiple of this (16 bytes in bf16) lea
 
 
 class KernelFit(NamedTuple):
-    """The GEMM model's shape constants (module docstring), fitted to GEMMs timed on an H100 by
+    """The GEMM model's shape constants (docs/planner.md#compute-model), fitted to GEMMs timed on an H100 by
     ``benchmarks/gemm_roofline.py --fit`` (grid search, least mean absolute log error; the committed
     ``benchmarks/results/gemm_roofline.json`` reproduces these values, tests/test_plan.py checks that)."""
 
@@ -69,7 +40,7 @@ ATTENTION_BLOCK = 128  # FlashAttention-2's query and key block for head dim 128
 FP8_BYTES = 1
 
 # Published rates the fitted ceilings are checked against (tests/test_plan.py), beside the H100 run they were
-# fitted to (benchmarks/results/gemm_roofline.md: one H100 80GB HBM3, torch 2.11 + cuBLAS of CUDA 13.0).
+# fitted to (benchmarks/results/gemm_roofline.md).
 SOURCES = {
     "bf16": (
         792.1,
@@ -94,8 +65,8 @@ FLASH_PEAK = 989.0  # the peak those rates are measured against
 FLASH_BACKWARD_FLOPS = 2.5  # the backward's FLOPs per forward FLOP, as those figures count them
 # The step's compute over the sum of its kernels' times: what launch gaps, host work, clocks under sustained
 # power and the kernels left out (optimizer, casts) add. Fitted, not sourced: the one figure set so that the
-# median of Megatron-LM's nine published H100 rows is predicted at 1.0 (benchmarks/published_speed.py); the
-# kernel rates above alone (fitted to GEMMs timed on an H100) predict those rows 1.06-1.43 x too fast.
+# median of Megatron-LM's nine published H100 rows is predicted at 1.0 (benchmarks/published_speed.py): the
+# kernel rates above alone (fitted to GEMMs timed on an H100) predict those rows too fast (docs/planner.md).
 STEP_OVERHEAD = 1.25
 
 
@@ -143,7 +114,7 @@ def shape_efficiency(m: int, n: int, k: int, count: int = 1, fit: KernelFit = FI
 
 
 def gemm_seconds(g: Gemm, hw: Hardware, out_bytes: int = 2) -> float:
-    """One (grouped) GEMM on the size-dependent roofline (the module docstring)."""
+    """One (grouped) GEMM on the size-dependent roofline (docs/planner.md#compute-model)."""
     dtype = "fp8" if g.fp8 else "bf16"
     peak = (hw.fp8_peak_tflops if g.fp8 else hw.peak_tflops) * 1e12
     element = FP8_BYTES if g.fp8 else out_bytes
@@ -225,7 +196,7 @@ def _flash_rate(table: tuple[tuple[int, float], ...], seq: int) -> float:
 
 def attention_seconds(cfg: Config, rows: int, hw: Hardware) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's attention kernel for ``rows`` local queries, each over
-    the whole sequence's keys, the kernel's blocks (module docstring) at the published rates."""
+    the whole sequence's keys, the kernel's blocks (docs/planner.md#compute-model) at the published rates."""
     m, seq = cfg.model, cfg.train.seq_len
     share = 1.0 if cfg.data.document_mask else causal_block_share(seq)
     flops = 4.0 * rows * seq * (m.num_attention_heads // cfg.parallel.tp) * m.head_size * share
@@ -235,7 +206,7 @@ def attention_seconds(cfg: Config, rows: int, hw: Hardware) -> tuple[float, floa
 
 
 def elementwise_bytes(cfg: Config, layer: int, rows: int) -> float:
-    """Forward bytes of one layer's elementwise kernels on one rank (module docstring)."""
+    """Forward bytes of one layer's elementwise kernels on one rank (docs/planner.md#compute-model)."""
     m, p = cfg.model, cfg.parallel
     tp, h, d = p.tp, m.hidden_size, m.head_size
     norm_rows = rows // tp if p.sp else rows

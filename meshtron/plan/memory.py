@@ -1,75 +1,9 @@
 """Per-rank memory model: bytes by named term, as pure functions of a :class:`Config` and its layout.
 
-No process group, no tensors: every figure comes from the model shapes and the rules the parallel
-modules follow (see each term's function for the code it mirrors).
-
-This module composes the rank's terms at its peak; the pieces live by concern: the parameters and
-their exact fp32 state in :mod:`meshtron.plan.parameters`, one layer's activations, gradients and
-loss buffers per token in :mod:`meshtron.plan.activations`, the walk of a rank's pipeline schedule in
-:mod:`meshtron.plan.moments`.
-
-State (exact: ``tests/test_plan.py`` checks it against the DTensor local shards of a parallelized
-meta-device model):
-
-- ``params``: fp32 master parameters. tp splits q/k/v/gate/up by rows, o/down by columns, the
-  embedding and LM head by vocabulary rows (KV heads fewer than tp stay whole); ep splits routed
-  experts by expert and etp their gate/up by columns, down by rows; then FSDP shards dim 0 of the
-  local tensor over the data mesh (experts: the first dim the shard count divides, over their edp
-  ranks) with ``torch.chunk`` sizes, HSDP only over ep x cp (experts: their edp ranks in a dp
-  slice), replicate not at all;
-- ``grads``: the same elements, fp32;
-- ``optimizer``: AdamW's two fp32 moments plus one fp32 step count per parameter tensor.
-
-Transients and activations (estimates, compute dtype ``c`` = 2 bytes in bf16, 4 in fp32):
-
-- ``gathered``: unsharded compute copies. With pp = 1 FSDP holds in backward the unit in use,
-  ``fsdp_prefetch`` blocks gathered ahead (their all-gather outputs) and the root unit (final norm,
-  tied embedding), at the end of the forward the root and LM-head units; with ``fsdp_gather =
-  "per_step"`` every unit, held from the step's first forward to the last backward; with pp > 1 a
-  stage's units stay gathered from its first forward to its release (issue 15);
-- ``unsharded_grads``: the unit being reduced (pp = 1, fsdp per micro-batch); the whole stage's
-  gradients in fp32 when they accumulate unreduced (pp > 1: from the stage's first weight pass to its
-  release; or, with several micro-batches, hsdp, replicate and ``per_step``);
-- ``reduce_scatter``: the fp32 input buffer of a gradient reduction: in a layer's backward that of the
-  unit reduced before it, kept until the layer's own reduction (an untied LM head's in the first
-  layer's, the largest layer unit's in the rest; the embedding reduces after the layers), at the end
-  of the backward the embedding's or root's; with pp > 1 the largest unit's at the stage's release;
-- ``activations``: saved tensors per layer and token (:func:`layer_activation_bytes`) times the layers
-  a rank holds, the tokens of one micro-batch and the micro-batches in flight (pp schedules: each
-  weighed by its own stage at the rank's peak, ``held_by_stage``); activation checkpointing keeps only block inputs. In
-  backward add one layer's working set (:func:`backward_working_bytes`: its gradient temporaries and, checkpointed, its
-  recomputed saved tensors, less the saved tensors of the layers after it, already freed);
-- ``loss``: the fused chunked LM head + cross-entropy: per in-flight micro-batch the hidden-state
-  gradient [tokens, H] and the fp32 weight-gradient accumulator [V/tp, H] it saves for backward; at the
-  end of the forward also one chunk's fp32 logits (plus its compute-dtype copy in bf16) [chunk, V/tp]
-  and a [V/tp, H] product;
-- ``ep_dispatch``: the routed token copies being sent and received by one MoE layer's all-to-all (in
-  backward only without full checkpointing, whose recomputed copies are the layer's saved tensors);
-- ``other``: CUDA context, communicator buffers and allocator fragmentation (:class:`Assumptions`).
-
-Host offload (``[parallel] offload``, ``offload_activations``): ``Breakdown.host`` holds the
-rank's host-memory bytes by term (:func:`host_bytes`). ``offload = "optimizer"`` moves ``params``,
-``grads`` and ``optimizer`` there whole (FSDP2's CPU offload keeps the fp32 shards, their gradients
-and so AdamW's moments on the host; a unit's shard visits the device only for its all-gather, a
-transient not counted); ``offload_activations`` moves the saved tensors of every block not recomputed
-(:func:`layer_offloaded`): on the device remain, at the end of the forward, one block's tensors whose
-copy is still in flight and, in backward, the block whose tensors are copied back (counted as a
-recomputed block is). A node needs the sum of its ranks' host bytes.
-
-The peak (:func:`rank_breakdown`) is the largest of three moments, as torch's ``MemTracker`` finds
-them (8 CPU ranks: ``benchmarks/plan_whole_step.py``; one rank with real Qwen2.5 shapes:
-``benchmarks/plan_single_rank.py``): the end of the forward (all saved activations and the loss's
-chunk buffers; with pp = 1 only the root and LM-head units gathered (every unit, per step), no gradient reduction, and
-unsharded gradients only when earlier micro-batches left them accumulating), the backward of one
-layer (saved activations plus that layer's working set, the micro-batch's own loss tensors consumed,
-the gathered / unsharded-gradient / reduce-scatter buffers) and the end of the backward (every
-gradient, the last unit's reduction). ``grads`` exist whole before the last backward only when an
-earlier micro-batch reduced into them (:func:`sharded_grads_before_backward`); otherwise the backward
-counts those already reduced (:func:`backward_peak`). A pipeline rank's peak is found by walking its
-schedule (:func:`pipeline_moments`): after every forward, during every backward and weight pass and at
-every stage's release, each of its stages' units, gradients and micro-batches counted as they are
-then (the 72B dry run, pp4 x dp4 x tp4 interleaved: one chunk's fp32 gradients at the peak, not both,
-which put the old whole-step model 25 % high).
+This module composes the rank's terms at its peak (:func:`rank_breakdown`); the parameters and their exact
+fp32 state are in :mod:`meshtron.plan.parameters`, one layer's activations per token in
+:mod:`meshtron.plan.activations`, the walk of a pipeline rank's schedule in :mod:`meshtron.plan.moments`.
+What each term counts, and the three moments of the peak: docs/planner.md#memory-model.
 """
 
 from __future__ import annotations
@@ -156,7 +90,7 @@ class Breakdown:
 
 
 def host_bytes(cfg: Config, coords: Coords, assumptions: Assumptions) -> dict[str, float]:
-    """The rank's host memory by term (module docstring): the offloaded fp32 state, the offloaded saved
+    """The rank's host memory by term (docs/planner.md#memory-model): the offloaded fp32 state, the offloaded saved
     tensors and the process's own (``assumptions.host_reserved_gib``)."""
     state = state_bytes(cfg, coords) if offloads_optimizer(cfg) else dict.fromkeys(("params", "grads", "optimizer"), 0)
     return {**state, "activations": offloaded_held_bytes(cfg, coords.pp), "other": assumptions.host_reserved_gib * GIB}
@@ -193,9 +127,9 @@ def reduce_scatter_in_flight(cfg: Config, pp_rank: int) -> tuple[float, float]:
     """pp = 1: the fp32 reduce-scatter input live while the backward's first layer runs, and while each
     later one does. FSDP2 keeps a unit's input until the next unit's post-backward
     (``reduce_scatter_max_input_buffers`` = 1), so each layer runs beside the unit reduced before it: an
-    untied LM head's [V/tp, H] for the first (it reduces before the layers; Qwen2.5-7B at dp 256 x tp 4,
-    where the state is small and the backward peaks in that layer, traced 0.29 GiB above the plan until
-    counted: 0.51 GiB beside a layer's 0.22), the largest layer unit's for the rest."""
+    untied LM head's [V/tp, H] for the first (it reduces before the layers, and can be larger than a
+    layer's unit: where the state is small the backward peaks in that layer, docs/planner.md at 1,024
+    ranks), the largest layer unit's for the rest."""
     block = FP32 * largest_layer_unit(cfg, pp_rank)
     return max(block, FP32 * unit_elements(cfg, pp_rank).get("head", 0)), block
 
@@ -207,7 +141,7 @@ def activation_bytes(cfg: Config, pp_rank: int) -> float:
 
 
 def data_parallel_bytes(cfg: Config, pp_rank: int, phase: str = "backward") -> dict[str, float]:
-    """pp = 1: ``gathered``, ``unsharded_grads`` and ``reduce_scatter`` (module docstring) in backward
+    """pp = 1: ``gathered``, ``unsharded_grads`` and ``reduce_scatter`` (docs/planner.md#memory-model) in backward
     (but ``reduce_scatter``, which depends on the layer at the peak: :func:`backward_peak`), at the end
     of the forward (``phase="forward"``: only the root and LM-head units gathered, with the last
     all-gather's output buffer (:func:`_last_gather_output`), blocks reshard after their forward, no gradient being
@@ -257,7 +191,7 @@ def _last_gather_output(gathered: dict[str, float]) -> float:
     """The output buffer of the forward's last all-gather, still held at the loss: FSDP2 frees one only at
     the next all-gather's copy-in or at the root's post-forward (so that a copy-in can overlap the
     all-gather before it). The last is the LM head's, or with the head tied into the root unit the last
-    layer's unit (72B's head at tp 1: 2.32 GiB the plan missed at the loss, against the dry run)."""
+    layer's unit (at tp 1 a whole LM head, beside the loss: docs/planner.md, the 72B offload recipe)."""
     if "head" in gathered:
         return gathered["head"]
     layers = [u for u in gathered if u.startswith(("block.", "experts."))]

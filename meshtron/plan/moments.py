@@ -309,9 +309,8 @@ def _reducing_largest(
 ) -> dict[str, float]:
     """The units while a release reduce-scatters its group's largest unit: FSDP's post-backward has
     resharded that unit and folded its fresh compute-dtype gradients (counted in ``weight_grads`` after
-    a restarted ``W``) into the fp32 accumulator before it allocates the reduce-scatter input (the 57B
-    pp8 x cp4 x tp2 zbv dry run: chunk 15's experts unit frees 3.3 GiB of each before its 6.6 GiB
-    input; counting them beside it put that release 5.7 GiB above the trace)."""
+    a restarted ``W``) into the fp32 accumulator before it allocates the reduce-scatter input, so neither
+    is live beside that input (docs/planner.md: the 57B's first choice on 64 GPUs)."""
     gathered = c * group.largest / FP32
     folded = gathered if restarted_weights and group.largest_in_layers else 0.0
     return {**units, "gathered": units["gathered"] - gathered, "unsharded_grads": units["unsharded_grads"] - folded}
@@ -319,8 +318,8 @@ def _reducing_largest(
 
 def _chunk_weight_gradient_bytes(cfg: Config, pp_rank: int, ranges: list[range], stages) -> dict[int, float]:
     """Per stage, the compute-dtype weight gradients of its layers: a restarted ``W``
-    (``executor._Deferred.run``) computes them before they are added to ``.grad`` (the dry runs: 0.4 GiB
-    per 0.43 GiB layer of a Qwen2.5-7B zbv chunk, 3.9 GiB over a 72B pp8 zbv chunk's 4.5)."""
+    (``executor._Deferred.run``) computes them before they are added to ``.grad``, which the last stages'
+    dry runs traced above the plan until counted (docs/planner.md)."""
     units = unit_elements(cfg, pp_rank)
     c = compute_bytes(cfg)
     return {s: c * sum(units.get(f"{kind}.{i}", 0) for i in ranges[s] for kind in ("block", "experts")) for s in stages}
@@ -351,8 +350,8 @@ def pipeline_moments(cfg: Config, coords: Coords) -> dict[str, list[dict[str, fl
     backward_dispatch = 0.0 if _recomputes_every_layer(cfg) else dispatch
     c = compute_bytes(cfg)
     # The embedding's backward ends the first stage's (its W, or an unsplit B), once the micro-batch's saved
-    # tensors are freed: its compute-dtype gradient is live beside the fp32 accumulator FSDP folds it into
-    # (Qwen2.5-7B pp16 x tp4 zb1p, stage 0: a 0.25 GiB gradient; the trace held 0.23 GiB above the plan).
+    # tensors are freed: its compute-dtype gradient is live beside the fp32 accumulator FSDP folds it into,
+    # which shows on a first stage small enough for the embedding to matter (docs/planner.md).
     fresh_embedding = c * unit_elements(cfg, coords.pp).get("embed", 0)
     out: dict[str, list[dict[str, float]]] = {phase: [] for phase in PHASES}
     for a in actions:

@@ -280,8 +280,7 @@ def _unit_elements(key: tuple, cfg: Config) -> tuple[tuple[str, int], ...]:
 def unit_gathered_bytes(cfg: Config, pp_rank: int) -> dict[str, float]:
     """Bytes of each FSDP unit on ``pp_rank`` once all-gathered: the compute dtype's per element, 1 for the
     weights FSDP gathers in float8 (:func:`fp8_gathered_weights`), which torchao's float8 all-gather hands
-    the block as float8 tensors (the dry run of Qwen2.5-7B at dp 8, tensorwise: 0.217 GiB per gathered
-    block where bf16 holds 0.434)."""
+    the block as float8 tensors: a gathered block of such weights holds half its bf16 bytes."""
     return dict(_unit_gathered_bytes((layout_key(cfg), cfg.train.dtype, cfg.train.fp8, pp_rank), cfg))
 
 

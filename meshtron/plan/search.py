@@ -1,35 +1,9 @@
 """Layouts for N devices ranked by predicted throughput, with the memory check that marks which fit.
 
-A candidate keeps the recipe's model, batch, dtype and data-parallel mode and chooses
-pp x dp x cp x ep x tp = N (tp inside one node, SP whenever tp > 1) or, for MoE models, a dense
-pp x dp x cp x tp = N with the experts folded over it (ep x etp dividing dp x cp x tp, etp dividing
-tp), then the micro-batch count,
-activation-checkpointing mode and, when pp > 1, schedule that fit with the best predicted
-throughput (the lowest-memory choice when none fits). Schedules: 1F1B and interleaved 1F1B at every
-virtual-stage count v > 1 with pp x v dividing the layers (Megatron's rule: equal chunks), with
-every checkpointing mode; the zero-bubble ``zb1p`` and ``zbv`` without checkpointing only, since
-with it the executor runs every backward whole at ``B`` (1F1B's bubble, more held activations).
-Without a pipeline, FSDP and HSDP also try both ``fsdp_gather`` modes: gathering per micro-batch, or
-once per step holding the unsharded weights and gradients (pipelines always hold them).
-
-Host offload (``[parallel] offload``, ``offload_activations``): when no layout fits without it, every
-layout is tried again with the optimizer state in host memory, the saved activations, or both (a layout
-fits when each rank fits its device and the node's ranks together fit its host memory, ``Hardware.host_memory_gib``);
-the host's copies and optimizer step make them slower, so they are the last resort.
-
-What is not evaluated, because under the models it cannot win (to keep the search short; docs/planner.md
-has the times, ``benchmarks/plan_search_time.py`` measures them):
-
-- speed, for a variant that does not fit (memory is evaluated first);
-- a checkpointing mode once a lighter one fits at the same micro-batch count and schedule: it only
-  adds compute (and, recomputed, tp transfers) and holds fewer activations that are not needed;
-- with pp > 1, micro-batch counts below the largest each schedule runs: every other term of the step
-  is the same for any count (tp, cp, ep and pipeline traffic scale with the tokens, the gathered
-  weights are held over the step), the bubble only shrinks as the count grows, and fewer, larger
-  micro-batches hold at least as many activations. (MoE layers reduce their routers' gradients and
-  statistics once per micro-batch: a few bytes per expert, not modelled as a reason to pipeline
-  fewer.) With pp = 1 every count is tried: fewer micro-batches gather the FSDP weights fewer times
-  but hold more activations.
+A candidate keeps the recipe's model, batch, dtype and data-parallel mode and chooses the mesh (for MoE
+models a dense one with the experts folded over it), then the micro-batch count, checkpointing mode and,
+when pp > 1, schedule that fit with the best predicted throughput (the lowest-memory choice when none fits);
+host offload only when no layout fits without it. What it tries, what it leaves out and why: docs/planner.md.
 """
 
 from __future__ import annotations
@@ -214,7 +188,7 @@ def _runs(variant: Config, world_size: int) -> bool:
 
 def _variant_groups(cfg: Config, shape: dict, world_size: int, schedule: str | None) -> Iterator[list[Config]]:
     """The shape's variants in groups, each ordered by checkpointing from none to full: a group's first
-    fitting variant is its fastest (module docstring). With pp = 1 a group per micro-batch count (and
+    fitting variant is its fastest (docs/planner.md). With pp = 1 a group per micro-batch count (and
     ``fsdp_gather`` mode, unless replicated); with
     pp > 1 a group per schedule and virtual-stage count (:func:`pipeline_schedules`' order), at the
     largest micro-batch count it runs; ``schedule``: only that one's."""
@@ -317,7 +291,7 @@ def rank_layouts(
     assumptions: Assumptions = Assumptions(),  # noqa: B008 - a frozen dataclass
 ) -> list[Plan]:
     """Valid layouts for ``world_size`` devices, fitting ones first, each group by predicted throughput;
-    with host offload only when none fits without it (module docstring)."""
+    with host offload only when none fits without it (docs/planner.md)."""
     shapes = mesh_shapes(cfg, world_size, hw.gpus_per_node)
     plans = [best_variant(cfg, shape, world_size, hw, assumptions) for shape in shapes]
     if not any(p is not None and p.fits for p in plans):

@@ -1,27 +1,10 @@
-"""Step-time model: compute at an assumed MFU, communication per collective kind and mesh dimension,
-and the pipeline bubble from the schedule simulator.
+"""Step-time model: compute, communication per collective kind and mesh dimension, host offload and the
+pipeline bubble from the schedule simulator.
 
-step time = (compute + exposed communication) / (1 - bubble)
-
-- compute: each GEMM of the rank's layers at its shape, the attention kernel's blocks and the
-  elementwise bytes (:mod:`meshtron.plan.gemm`), plus the share of a checkpointed layer's forward its
-  backward recomputes (all of it; under ``op`` what the policy does not keep,
-  :func:`meshtron.plan.activations.recomputed_share`); with ``hw.mfu`` pinned, ``flops_per_token`` x the
-  step's tokens / devices / (peak x MFU), with the same recomputed share; or, given the dry run's traced
-  step, its roofline time (every op at the larger of its FLOPs over the peak and its bytes over the
-  memory bandwidth);
-- communication: bytes each rank sends per step for each (collective, mesh dimension), at the
-  intra-node bandwidth when the group fits in one node (tp is innermost, pp outermost), else the
-  inter-node one. tp, cp, ep and pp transfers sit on the critical path; FSDP / HSDP / replicate
-  traffic overlaps compute and only its excess is exposed, as does tp's with ``tp_overlap`` beyond one
-  chunk per ring (:func:`overlapped_tp_seconds`);
-- host offload (:func:`host_offload_seconds`): the copies between host and device over the host link
-  and, with ``offload = "optimizer"``, AdamW stepping the host shards at the host's memory bandwidth, and
-  each micro-batch after the first waiting for its gradients to be added on the host
-  (:func:`accumulation_seconds`);
-- bubble: idle fraction of the simulated schedule (backward twice a forward, three times with
-  recomputation; of it a split backward's ``W`` one forward, its ``B`` the rest; with activation
-  checkpointing or compiled blocks the executor runs every backward whole at ``B``).
+step time = (compute + exposed communication + host offload) / (1 - bubble), where tp, cp, ep and pp
+transfers are exposed whole and the data-parallel traffic only beyond the compute it overlaps
+(:func:`exposed_communication`), and the host offload's copies, optimizer step and gradient adds are
+:func:`host_offload_seconds`. See docs/planner.md.
 """
 
 from __future__ import annotations

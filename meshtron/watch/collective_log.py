@@ -1,21 +1,10 @@
 """The last collectives each rank issued and how long it waited in them: the hang report's evidence and
 the straggler metric's clock.
 
-meshtron's own collectives, the pipeline's p2p and FSDP's all-gathers and reduce-scatters all go
-through ``torch.distributed``'s c10d functions; DTensor's redistributes go through the functional
-collectives. One thin wrapper around each of those functions (installed once per process by
-:func:`install`) records every call: a per-rank sequence number, the op, the group's global ranks, the
-tensors' shapes and dtype, and whether the call has completed. A blocking call completes when it
-returns, an asynchronous one when its ``Work`` is waited for, a functional one at its ``wait_tensor``.
-:meth:`CollectiveLog.waited` is the wall time this process spent inside those calls and waits: a rank's
-step time less that is the time it spent on its own work, which is what tells a straggler from the ranks
-waiting for it (their wall step times are equal, every collective evens them out). It is the union of the
-intervals, not their sum: a blocking call waits inside itself (c10d calls ``Work.wait``), and other
-threads wait at the same moments; summed, a step spent mostly waiting counted its waits two or three
-times and more than the step itself.
-
-What it cannot see: collectives traced into a ``torch.compile`` graph (they run without Python), and on
-CUDA a blocking call "completes" once it is queued on the stream (the host does not wait for NCCL).
+One thin wrapper around each c10d and functional collective (installed once per process by :func:`install`)
+records every call and when it completes. :meth:`CollectiveLog.waited` is the union of the intervals this
+process spent inside them, not their sum: a rank's step time less that is its own work. See
+docs/failures.md (the hang report) and docs/training.md (stragglers).
 """
 
 from __future__ import annotations

@@ -115,9 +115,8 @@ class MetricsLogger:
 
     def straggler(self, record: dict[str, Any]) -> int | None:
         """The rank to name as a straggler: behind (:func:`is_straggling`) at this log and at the one
-        before. A rank its host deschedules, or a garbage collection, holds back once, at random
-        (8 CPU ranks under a load of 100 on 2 cores: 2 of 119 healthy steps, different ranks); a
-        straggler stays behind."""
+        before. A rank its host deschedules, or a garbage collection, holds back once, at random; a
+        straggler stays behind (docs/training.md)."""
         behind = record["slowest_rank"] if is_straggling(record) else None
         named = behind if behind is not None and behind == self.behind else None
         self.behind = behind
@@ -150,9 +149,9 @@ class MetricsLogger:
 
 STRAGGLER_SPREAD = 0.2
 # Below this a rank is not called behind, whatever the ratio: ranks share CPU cores with each other
-# and with other work, and a rank descheduled for a few time slices falls behind by that much in a
-# healthy step (8 CPU ranks of debug_dense on 2 busy cores: 0.01-0.09 s over the median). On CPU the
-# ranks' own times are small (most of a step waits in gloo), so a ratio alone flagged that noise.
+# and with other work, and a rank descheduled for a few time slices falls behind by a fraction of this in
+# a healthy step (docs/training.md). On CPU the ranks' own times are small (most of a step waits in gloo),
+# so a ratio alone would flag that noise.
 STRAGGLER_FLOOR_S = 0.25
 
 

@@ -1,15 +1,8 @@
 """Hang report: a step that never ends becomes one line naming the rank that is behind and the collective
 the others wait in, plus a file per rank, instead of a silent wait until the collective timeout.
 
-Each rank runs a watchdog thread (no collective of its own: it talks only to the job's key-value store).
-When this rank's step has run longer than the hang limit, or a peer's watchdog has said so on the store,
-it writes ``<output_dir>/hang/rank-K.txt`` (every thread's Python stack and the last collectives it
-issued, from :mod:`meshtron.watch.collective_log`) and leaves a summary of its state on the store. The first
-rank to claim the report gathers those summaries and prints one ``meshtron: hang ...`` line; then every
-rank exits with status 1, so ``torchrun --max-restarts N`` restarts the job from its last checkpoint.
-
-The limit is ``[train] hang_timeout_s``; 0 (the default) means the larger of 300 s and 10 x the median
-step so far, at most half the collective timeout, so the report comes before a collective gives up.
+Each rank runs a watchdog thread that talks only to the job's key-value store (no collective of its own),
+so it still works while every rank waits in one. See docs/failures.md.
 """
 
 from __future__ import annotations
@@ -39,7 +32,9 @@ def _state_key(rank: int) -> str:
 
 
 def hang_limit(configured_s: float, collective_timeout_s: float, step_seconds: list[float]) -> float:
-    """Seconds a step may run before it is reported as a hang (module docstring)."""
+    """Seconds a step may run before it is reported as a hang: ``[train] hang_timeout_s``, or for 0 the larger
+    of 300 s and 10 x the median step so far, at most half the collective timeout, so the report comes before
+    a collective gives up."""
     if configured_s > 0:
         return configured_s
     median = statistics.median(step_seconds) if step_seconds else 0.0
