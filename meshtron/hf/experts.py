@@ -1,42 +1,9 @@
 """transformers' fused MoE experts run by meshtron's expert parallelism (all-to-all dispatch, grouped_mm).
 
-transformers 5 keeps each MoE's routed experts fused in one module; the config's ``base_model_ep_plan``
-marks that module ``ep_dispatch_experts`` and its weights ``grouped_gemm``, and transformers'
-``use_experts_implementation`` describes the layout in attributes (``is_concatenated``,
-``is_transposed``, ``has_bias``, ``has_gate``, ``has_post_expert_norm``). Three layouts are
-computed, recognised from those attributes, the weights' ranks and the activation (the module's own ``_apply_gate``
-compared with ours on probe values, large enough to reach any clamp), never from the class name:
-
-* :class:`FusedExpertParallel` (Qwen2-MoE, Mixtral, ...): ``gate_up_proj`` [E, 2I, H] (the gate rows,
-  then the up rows, of every expert) and ``down_proj`` [E, H, I], no biases, SiLU; the local weights
-  enter grouped_mm as transposed views of the fused blocks (no copies);
-* :class:`TransposedExpertParallel` (Aria): the same SiLU experts stored as grouped_mm's [E, in, out]:
-  ``gate_up_proj`` [E, H, 2I] (gate columns first), ``down_proj`` [E, I, H];
-* :class:`ClampedExpertParallel` (gpt-oss): ``gate_up_proj`` [E, H, 2I] with gate and up columns
-  interleaved, ``down_proj`` [E, I, H], per-expert biases ``gate_up_proj_bias`` [E, 2I] and
-  ``down_proj_bias`` [E, H] added to each row by its expert, and :func:`clamped_glu` with the module's
-  ``alpha`` and ``limit``.
-
-Llama 4's experts have no ep plan: its MoE block scales every token copy by the router's score before the
-experts. :class:`ScaledInputExpertParallel` computes them (Aria's weights, the dispatch's ``scale_inputs``)
-once :class:`RouterScaledMoE` has replaced the block (:func:`adopt_router_scaled_blocks`), both recognised
-by what their forwards compute on probe values.
-
-Any other layout (no gate, a norm after the experts, another activation) is refused at ep > 1 with a
-:class:`ConfigError` naming what was found; at ep = 1 it runs as transformers' own module, whole on
-every tp rank. :func:`apply_hf_expert_parallel` replaces every recognised module by its class:
-
-* same parameter names and logical shapes, so ``state_dict``, sliced loading and HF export see the
-  model's own tensors; with ep > 1 each weight and bias is a ``Shard(0)`` DTensor over ep (rank r
-  holds experts ``r * E/ep`` to ``(r + 1) * E/ep - 1``), with ep = 1 it stays a plain tensor;
-* tokens go through :class:`meshtron.parallel.expert.ExpertDispatch`: each tp rank takes 1/tp of the
-  (tp-replicated) tokens, the all-to-all brings every token copy to the rank holding its expert, one
-  grouped_mm per projection runs the local experts (``run_experts``), and the results travel back.
-  Expert gradients (biases included) are summed over the ep group's tokens by the all-to-all backward
-  and over tp inside the dispatch.
-
-So with tp > 1 no rank repeats another's expert work even at ep = 1. Expert gradients still need
-summing over the expert data mesh (dp x cp), which the data-parallel wrapping does.
+One :class:`FusedExpertParallel` subclass per recognised layout (recognised from transformers' layout
+attributes, the weights' ranks and the activation, never the class name), and
+:func:`apply_hf_expert_parallel`, which swaps them in keeping transformers' parameter names and shapes.
+See docs/hf.md ('The fused expert classes').
 """
 
 from __future__ import annotations

@@ -1,50 +1,9 @@
 """Parallelize a HuggingFace ``*ForCausalLM`` over a meshtron mesh, and stream its weights in sharded.
 
-:func:`parallelize_hf_model` finds the model's parts by its own API (:mod:`meshtron.hf.discover`), reads
-its tensor-parallel plan (``config.base_model_tp_plan``, the same table transformers' ``tp_plan="auto"``
-uses; inferred from the module types when the config has none, :mod:`meshtron.hf.infer`) and turns each
-style into a DTensor ``ParallelStyle`` (:mod:`meshtron.hf.tp_plan`); what transformers' inference-oriented
-plan lacks for training is added:
-
-* vocab-parallel embedding and lm_head: the logits stay ``Shard(-1)`` and the model's
-  ``loss_function`` is replaced by the vocab-parallel cross-entropy of :mod:`meshtron.parallel.vocab_loss`
-  (:mod:`meshtron.hf.loss`), so ``model(input_ids=..., labels=...).loss`` never gathers the full logits;
-* the loss is the mean over the non-ignored tokens of the GLOBAL batch (all data ranks): each rank
-  back-propagates only its own share and the data-parallel wrapper sums gradients (as in the rest of
-  meshtron, see :mod:`meshtron.parallel.data`), so loss and gradients equal the unparallelized model's
-  on the concatenated batch, whatever the per-rank token counts;
-* ``sp=True``: norms and the residual stream are split along the sequence (Megatron SP);
-* KV heads replicated when tp is a multiple of ``num_key_value_heads`` (``ReplicatedKVHeads``), with
-  each attention module's ``num_key_value_groups`` set to its local ratio;
-* MLA (DeepSeek-V2/V3): the low-rank down projections and their norms replicated, the rope key's
-  gradient summed over tp (``mla_kv_a_proj``, :class:`~meshtron.hf.tp_plan._SharedRopeKey`), the up projections split by
-  heads; V3's plan, which names no attention, gets V2's entries (:func:`meshtron.hf.infer.with_mla_attention`);
-* activation checkpointing of decoder layers (training forwards then run without a KV cache) and
-  FSDP2 / replicate / HSDP over the data meshes.
-
-MoE models with fused experts (Qwen2-MoE and the others whose config has ``base_model_ep_plan``, in a
-layout :mod:`meshtron.hf.experts` computes: SiLU ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I]
-or the same transposed (Aria), or gpt-oss's interleaved, biased, clamped experts; and Llama 4's, without
-an ep plan, whose router scores scale the experts' inputs), whenever ep > 1 or tp > 1:
-
-* the experts are split ``Shard(0)`` over ep and fed by meshtron's all-to-all dispatch with grouped_mm
-  (:mod:`meshtron.hf.experts`); each tp rank dispatches 1/tp of the tokens, so no expert work is
-  repeated over tp even at ep = 1. Parameter names and logical shapes stay transformers', so
-  ``state_dict``, :func:`load_hf_checkpoint` (each rank reads its experts only) and
-  :func:`save_hf_checkpoint` work unchanged. Expert gradients are summed over the ep group's tokens by
-  the dispatch and over dp by their own FSDP unit on the expert data mesh;
-* the shared expert is split over tp like a dense MLP (colwise gate/up, rowwise down, output
-  all-reduced); the router (E x H) and the shared-expert gate (1 x H) run replicated over tp, on
-  identical tokens (their gradients then agree without communication; :class:`~meshtron.parallel.tp_gradient.TpGradient`
-  decides it on the first backward, as for every parameter no plan entry places);
-* the batch is split over dp x ep (ep ranks are data parallel for everything but the experts);
-* with ``output_router_logits``, ``aux_loss`` is the load-balancing loss of the global batch (router
-  statistics summed over dp x ep) and ``loss`` includes ``router_aux_loss_coef`` x that, exactly as
-  the unparallelized model on the concatenated batch; its gradient is each rank's share, so summed
-  gradients are exact. transformers alone would add each rank's local aux loss.
-
-:func:`load_hf_checkpoint` builds a model on the meta device, parallelizes it and reads from the
-safetensors files only the slice of every tensor that this rank holds.
+:func:`parallelize_hf_model` finds the model's parts (:mod:`meshtron.hf.discover`), turns its tp plan (the
+config's, or :mod:`meshtron.hf.infer`'s) into DTensor styles (:mod:`meshtron.hf.tp_plan`) and hands each
+dimension's step (``HFSteps``) to meshtron's composer; :func:`load_hf_checkpoint` builds the model on the meta
+device and reads only this rank's slice of every tensor. See docs/hf.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Composition of the parallelisms, in the one order both kinds of model follow.
 
-Order (a pipelined layout first cuts the model to this rank's stage: the pipeline runner, or
-``parallelize_hf_model`` for a transformers model): the model's own settings (its loss; FP8 linears, which
-every plan after it wraps like any linear) -> tensor/sequence (tp)
--> expert (ep) -> context (cp) -> activation checkpointing (and activation offload) -> compile -> data (FSDP over dp x
-ep x cp). FSDP comes last because it wraps what the others built; checkpointing comes after tp, ep and cp, so a
-block's recomputation replays their hooks too, and before FSDP (composable checkpoint under
-``fully_shard`` is the combination PyTorch tests).
-
 :func:`compose` writes that order once; each kind of model supplies its step for each dimension
-(:class:`Steps`): meshtron's own models :class:`NativeSteps` here, transformers models
-``meshtron.hf.parallelize.HFSteps`` (passed in from ``meshtron.hf``, which ``parallel`` does not import).
-A native model is parallelized on the meta device; then parameters are allocated and each rank
-computes only its own slices of the deterministic initial weights (or loads them from a checkpoint).
+(:class:`Steps`): :class:`NativeSteps` here, ``meshtron.hf.parallelize.HFSteps`` for transformers models.
+See docs/training.md#how-the-parallelisms-compose.
 """
 
 from __future__ import annotations

@@ -1,69 +1,8 @@
 """Data parallelism over the data meshes: FSDP2, HSDP or replication, with mixed precision.
 
-Which ranks hold copies (or shards) of a parameter, and reduce its gradient:
-
-- dense parameters: dp x ep x cp (``dp_ep_cp``): ep ranks see other tokens for dense layers and
-  cp ranks other positions, so all of them contribute gradient to every dense weight;
-- expert parameters (each MoE's ``experts`` module): edp (``meshtron.mesh.expert_data_mesh``), the
-  ranks holding the same expert slice: the stage's ranks over ep x etp (dp x cp x tp / etp unfolded).
-
-Modes (``[parallel] data_parallel``):
-
-- ``fsdp``: parameters, gradients and optimizer state sharded over the whole data mesh
-  (ZeRO-3); parameters all-gathered per block in forward and backward, gradients reduce-scattered;
-- ``hsdp``: replicate over ``dp`` and shard inside each dp slice, i.e. dense parameters sharded
-  over ep x cp (flattened ``cp_ep``) and experts over their edp ranks inside the slice; gradients reduce-scattered
-  inside the slice then all-reduced over dp. Sharding stays inside the ep x cp ranks (usually one node)
-  while the slower dp links carry one all-reduce. With ep = cp = 1 the shard group has one rank
-  and HSDP is plain replication over dp;
-- ``replicate``: full copies everywhere, gradients all-reduced (DDP-like). Built on PyTorch's
-  FSDP2-based ``replicate`` so it composes with TP DTensors and runs on gloo and NCCL alike.
-
-Parameters already sharded by TP (and experts by EP) are DTensors; FSDP2 adds the data dimension
-so they become 2-D DTensors (data mesh x tp / ep). FSDP units: each MoE's ``experts`` (on the
-expert data mesh), each block, the embedding and lm_head (one root unit when tied), and the root
-(final norm).
-
-Gradients are SUMMED over data ranks. The training loop divides each rank's summed token loss by
-the global token count of the step, so every rank's gradient is already its share of one global
-loss; FSDP2 would divide by the data-mesh size (an average), so we set its divide factor to 1 and
-force plain SUM collectives (a factor alone becomes NCCL's PREMUL_SUM, which gloo lacks; with SUM
-and factor 1 no scaling kernel runs at all). With HSDP this covers the reduce-scatter and the
-all-reduce. A one-rank data mesh sets no factor: FSDP2 then divides by its size, 1, which it skips,
-while its one-rank path divides every gradient by a factor that is set, even 1.
-
-Micro-batches (pp = 1, :class:`MicrobatchSync`; pipelines: ``pipeline/executor.py``). Reducing in
-every backward or once per step is equally exact (sums of sums). ``[parallel] fsdp_gather``:
-
-- ``per_microbatch`` (default): with ``fsdp`` every micro-batch's backward reduce-scatters, so no
-  unsharded gradients pile up, and every unit is all-gathered in each micro-batch's forward and again
-  in its backward (the root unit, kept from forward to backward, once); ``hsdp`` and ``replicate``
-  hold full gradients anyway and reduce on the last micro-batch only;
-- ``per_step``: every unit is gathered by the step's first forward and held, with its gradients
-  accumulating unsharded (fp32 under bf16), until the last micro-batch's backward reduce-scatters
-  and reshards it: one all-gather and one reduction per unit per step, as the pipeline executor
-  does, for the whole model's unsharded parameters (compute dtype) and fp32 gradients held through
-  the step. ``replicate`` gathers nothing: the two are the same.
-
-Prefetch (``[parallel] fsdp_prefetch``, default 1): each block explicitly all-gathers the next
-block (and its experts) when its own forward starts, and the previous one when its backward starts;
-the embedding hands over to the first block and the last block to the LM head. Without it FSDP2
-issues a block's all-gather only when that block's forward begins, which overlaps compute only as
-far as the host runs ahead of the device; a host sync inside a block (expert parallelism reads its
-split sizes) stops that, so the next all-gather would wait for it. The chain follows consecutive
-layer indices only, so a pipeline stage with several model chunks never gathers another chunk's
-block early. 0 leaves FSDP2's own (implicit) prefetching; larger values gather further ahead at the
-cost of that many more unsharded blocks in memory. ``replicate`` gathers nothing and ignores it.
-
-Host offload (``[parallel] offload = "optimizer"``, ``fsdp`` and ``hsdp``): FSDP2's ``CPUOffloadPolicy``
-keeps every unit's fp32 shard, its gradient and so the optimizer state in host memory; the shard is
-copied to the device for each all-gather and the reduce-scattered gradient copied back, and the
-optimizer steps on the host. Pinned host memory (asynchronous copies) on CUDA only; CPU ranks over gloo
-copy nothing (host and device are the same memory) but run the same code.
-
-Mixed precision (``[train] dtype``): ``bfloat16`` keeps fp32 master parameters and optimizer state,
-computes in bf16 (parameters all-gathered in bf16) and reduces gradients in fp32; ``float32`` uses
-no policy.
+Owns the FSDP units and their data meshes, the summed (not averaged) gradient reduction, what each
+micro-batch gathers and reduces (:class:`MicrobatchSync`), prefetch, the optimizer's host offload policy and
+the FSDP calls the pipeline executor needs. See docs/training.md#data-parallelism.
 """
 
 from __future__ import annotations
@@ -105,7 +44,8 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
 
 
 def offload_policy(offload: str, mode: str, device_type: str) -> OffloadPolicy:
-    """FSDP2's policy for ``[parallel] offload`` (module docstring): pinned host memory on CUDA only."""
+    """FSDP2's policy for ``[parallel] offload`` (docs/training.md#host-memory-offload): pinned host
+    memory on CUDA only."""
     if offload not in OFFLOADS:
         raise ValueError(not_one_of("[parallel] offload", offload, OFFLOADS))
     if offload == "none":
@@ -290,7 +230,7 @@ def _execution_order(model: nn.Module) -> list[list[FSDPModule]]:
 
 
 def set_prefetch(model: nn.Module, depth: int) -> None:
-    """Explicit forward/backward prefetch of the next/previous ``depth`` blocks (module docstring)."""
+    """Explicit forward/backward prefetch of the next/previous ``depth`` blocks (docs/training.md#data-parallelism)."""
     if depth < 0:
         raise ValueError(f"[parallel] fsdp_prefetch must be >= 0 (blocks gathered ahead), got {depth}.")
     if depth == 0:
@@ -336,7 +276,7 @@ def reduces_gradients(p: ParallelConfig, microbatch: int, microbatches: int) -> 
 
 
 class MicrobatchSync:
-    """What each micro-batch of a step without a pipeline gathers and reduces (module docstring): call
+    """What each micro-batch of a step without a pipeline gathers and reduces (docs/training.md#data-parallelism): call
     :meth:`forward` before the forward of micro-batch ``microbatch`` of the step's ``microbatches`` and
     :meth:`backward` before its backward."""
 
@@ -384,9 +324,9 @@ def apply_data_parallel(
     """Shard or replicate ``model`` (a full model or a pipeline stage) over the data meshes, in place.
 
     Call last, after TP/EP/CP, activation checkpointing and compilation; works on meta-device and
-    materialised models. Gradients are summed over data ranks (see the module docstring).
-    ``prefetch``: blocks all-gathered ahead of use; ``offload``: ``[parallel] offload`` (see the
-    module docstring).
+    materialised models. Gradients are summed over data ranks (docs/training.md#data-parallelism).
+    ``prefetch``: blocks all-gathered ahead of use; ``offload``: ``[parallel] offload``
+    (docs/training.md#host-memory-offload).
     """
     policy = mixed_precision(dtype)
     host = offload_policy(offload, mode, mesh.device_type)

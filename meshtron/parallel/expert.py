@@ -1,61 +1,8 @@
 """Expert parallelism (EP): routed experts split over the ``ep`` mesh dimension, tokens moved by all-to-all.
 
-Layout. Experts split each pipeline stage's ranks their own way, (edp, ep, etp)
-(``meshtron.mesh.expert_meshes``: ep is the mesh's ep dimension, or with ``fold_ep`` drawn from the
-dense ranks; etp the innermost ranks of tp). Each MoE's routed expert weights ``[E, in, out]`` become
-DTensors on the (ep, etp) mesh: ``Shard(0)`` over ep (rank r of an ep group holds experts
-``r * E/ep ... (r + 1) * E/ep - 1``) and, with etp > 1, gate/up split by columns and down by rows over
-etp (Megatron's expert tensor parallelism). Checkpoints and FSDP still see one logical
-``[E, in, out]`` tensor. Router, shared expert and everything dense stay as they are.
-
-Dispatch, per MoE call (``ExpertDispatch.dispatch``, shared by meshtron's :class:`ExpertParallelExperts` and
-the transformers experts of :mod:`meshtron.hf.moe`), after the router chose k experts per token:
-
-1. copy every token once per chosen expert and sort the copies by expert (``permute_tokens``); since
-   experts are laid out rank-major, this also groups them by destination rank;
-2. exchange the per-expert counts (one tiny all-to-all), then read the split sizes on the host:
-   the only device-to-host sync of the layer;
-3. all-to-all the token copies with uneven splits; they arrive grouped by source rank, then by
-   local expert. With etp > 1 the etp ranks of an expert slice then gather each other's received
-   rows (an uneven all-gather), since each holds a column slice of the same experts;
-4. a stable sort regroups the rows by local expert, and one ``grouped_mm`` per projection runs over
-   all of them (``run_experts``: ``grouped_swiglu`` unless a subclass computes another expert layout);
-   with etp > 1 each rank's output is its columns' partial sum, reduce-scattered back over etp;
-5. undo the regrouping, all-to-all back along the reversed splits, and combine each token's k
-   outputs with its routing weights (``unpermute_tokens``).
-
-``scale_inputs`` moves the routing weights to the other side of the experts: each token copy enters its
-expert multiplied by its weight and the k outputs are summed as they are (Llama 4's MoE computes its
-experts on ``hidden * router score``). The experts being nonlinear, the two differ.
-
-Both all-to-alls are autograd functions whose backward is the reverse all-to-all, so gradients of
-tokens and of the local experts are exact: an expert's gradient on rank r already sums the tokens
-of the whole ep group. The shared expert (``shared`` callback from the MoE) runs on the local
-tokens while the dispatch all-to-all is in flight.
-
-Composition with the other dimensions:
-
-* tensor parallelism without sequence parallelism: every rank of a TP group holds the same tokens.
-  Each tp rank dispatches only its 1/tp slice of them (so every token travels once; a token count tp
-  does not divide is padded with zero-weight rows) and the outputs are all-gathered over tp
-  afterwards. This holds at ep = 1 too (the experts are then wrapped with plain weights), so no tp
-  rank repeats another's expert work. The slice's backward all-gathers the input gradients; the
-  gather's backward keeps this rank's slice (activation gradients are replicated over tp). With
-  sequence parallelism the tp ranks hold different tokens already (the TP plan leaves each MoE block
-  its sequence shard): nothing is split, and the tp ranks count as token holders for the router
-  statistics and capacity. Either way every rank of a stage then holds different tokens, so ep and
-  etp may be drawn from any of its ranks (folding) and tokens enter the ep all-to-all directly.
-* context parallelism: cp ranks hold different tokens; dispatch stays inside ep.
-* data parallelism / FSDP: an expert slice's gradient is complete for its ep x etp group's tokens;
-  the ranks holding the same slice (edp, ``meshtron.mesh.expert_data_mesh``: dp x cp x tp / etp
-  unfolded) saw other tokens, and the data-parallel module sums the gradients there.
-* pipeline parallelism: apply after the stage split; each stage converts the MoE layers it owns.
-
-Router statistics (the aux loss's f and P, token counts, the z-loss and the aux-free bias load)
-must cover the global batch: :func:`set_global_router_stats` installs an all-reduce over every mesh
-dimension that holds different tokens (dp, cp, ep, plus tp under sequence parallelism). Likewise
-``moe_capacity_factor`` counts the global micro-batch's tokens in their global order
-(:class:`GlobalCapacityRanker`, installed by :func:`set_global_capacity`).
+Owns the experts' DTensor layout on the (ep, etp) mesh, the token dispatch (:class:`ExpertDispatch`), its
+tp slicing, and the global router statistics and capacity ranking. See
+docs/expert_parallel.md#expert-weights-and-token-dispatch and the sections after it.
 """
 
 from __future__ import annotations
@@ -206,14 +153,14 @@ def shard_experts(full: torch.Tensor, mesh: DeviceMesh, etp_dim: int | None = No
 
 
 class ExpertDispatch(nn.Module):
-    """The all-to-all token dispatch of the module docstring, for any module that holds a rank's
-    experts; subclasses own the weights and hand them to :meth:`local_weights`.
+    """The all-to-all token dispatch (docs/expert_parallel.md#expert-weights-and-token-dispatch), for any
+    module that holds a rank's experts; subclasses own the weights and hand them to :meth:`local_weights`.
 
     ``mesh``: the experts' (ep, etp) mesh (``meshtron.mesh.expert_meshes``). ``tp_mesh`` with
     ``split_tokens_over_tp``: the tokens are replicated over tp (no sequence parallelism), so each tp
     rank dispatches only 1/tp of them. With a one-rank ``mesh`` nothing is exchanged: the experts run
     on the local (tp-split) tokens. ``scale_inputs``: the routing weights scale the token copies
-    before the experts instead of their outputs after (module docstring).
+    before the experts instead of their outputs after (docs/expert_parallel.md#expert-weights-and-token-dispatch).
     """
 
     def __init__(
@@ -288,7 +235,8 @@ class ExpertDispatch(nn.Module):
         return out + side if side is not None else out
 
     def _exchange_and_run(self, sorted_x: torch.Tensor, counts: torch.Tensor, shared: SharedWork | None):
-        """Steps 2-5 of the module docstring: rows out to their experts' ranks and the outputs back."""
+        """Steps 2-5 of docs/expert_parallel.md#expert-weights-and-token-dispatch: rows out to their experts'
+        ranks and the outputs back."""
         send, recv, slice_rows, sources = self._exchange_counts(counts, sorted_x.shape[0])
         pending: list = []
         received = _AllToAll.apply(sorted_x, recv, send, self.ep_group, pending) if self.ep > 1 else sorted_x

@@ -1,47 +1,8 @@
 """Tensor and sequence parallelism (Megatron's TP/SP) as DTensor ``parallelize_module`` plans.
 
-Only the ``tp`` mesh dimension is touched. Layout per decoder block (Megatron-LM, Shoeybi et al. 2019;
-sequence parallelism from Korthikanti et al. 2022). This module holds the plan (which module gets which
-style), the rule on heads vs tp and :func:`apply_tensor_parallel`; the styles themselves are in
-``tp_styles.py`` (linears, replicated KV heads, replicated or per-head parameters, the vocab-parallel
-embedding) and ``sp_projections.py`` (SP's packed column-parallel projections).
-
-* attention: q/k/v colwise (weights and biases split by head), o_proj rowwise; MLP gate/up colwise,
-  down rowwise. The block input enters attention and the MLP once as a replicated DTensor, so the
-  input gradients of q, k and v (gate and up) add up as partial sums and are reduced once.
-* KV heads: split over tp when ``kv_heads % tp == 0``. When tp is a multiple of them (Qwen2.5-1.5B/3B
-  have 2 KV heads), k_proj/v_proj stay replicated and each rank computes only the KV head its query
-  heads read (:class:`ReplicatedKVHeads`); the replicas' weight gradients are summed over tp.
-* embedding split over the vocabulary (:class:`VocabParallelEmbedding`: local lookups, one all-reduce,
-  or reduce-scatter under SP, and a weight gradient for the local rows only), lm_head colwise
-  (:class:`~meshtron.parallel.vocab_loss.VocabParallelHead`); in training the head and the loss are
-  fused and chunked over tokens (no rank holds a micro-batch's logits); for inference logits stay
-  vocab-sharded and :func:`~meshtron.parallel.vocab_loss.parallel_token_loss_sum` computes the loss
-  from the shards (full logits are never gathered). Both live in ``parallel/vocab_loss.py``.
-  Tied embeddings share one ``Shard(0)`` parameter.
-* ``sp=True``: norms and the residual stream are split along the sequence; the all-reduce after
-  o_proj/down_proj becomes a reduce-scatter and the one before q/k/v (gate/up) an all-gather.
-  As in Megatron, q/k/v (gate/up) keep only the sequence shard of their input for backward and
-  gather it again there (:class:`SequenceParallelColwise`), so every activation a dense block saves
-  is split over tp.
-* ``[train] fp8``: a float8 linear (torchao ``Float8Linear``) keeps its placement; :class:`Colwise`,
-  :class:`Rowwise` and :class:`SequenceParallelColwise` (``sp_projections.PackedProjections``) run its GEMMs on the
-  local shards with the scales of the whole tensors (``meshtron.parallel.float8.Float8Gemms``: an amax
-  all-reduce over tp where a scale spans a split dim); under SP the packed projections' input is gathered
-  in float8. KV heads replicated over tp are refused with FP8 (no rank holds their whole output gradient).
-* MoE: the block routes the tokens its rank holds (under SP its sequence shard, never gathered);
-  the router is replicated and the shared expert follows the dense MLP plan. The routed experts and
-  the router statistics are left to :func:`meshtron.parallel.expert.apply_expert_parallel` (apply
-  it after this plan, also at ep = 1), which splits the experts' tokens over tp.
-
-Collectives per dense layer: 2 all-reduces (no SP) or 2 all-gathers + 2 reduce-scatters (SP) in
-forward, the same again in backward, as Megatron; under SP backward adds the 2 all-gathers that
-re-gather the q/k/v and gate/up inputs. Replicated KV heads add 4 small all-reduces in backward
-(k/v weight and bias gradients). With ``overlap`` (``[parallel] tp_overlap``, SP only) each of those
-SP gathers and reduce-scatters is a ring of tp - 1 point-to-point exchanges of one sequence shard
-overlapped with its GEMM (``tensor_overlap.py``): 4 rings forward, 6 backward, the same bytes, and no
-all-gather or reduce-scatter left in the block. The tests count all of these; the MoE layer's counts
-(shared expert, router, expert dispatch) are in ``benchmarks/results/moe_tp.md``.
+Owns the native plan (which module gets which style; the styles are in ``tp_styles.py`` and
+``sp_projections.py``), the rule on heads vs tp and :func:`apply_tensor_parallel`. See
+docs/training.md#tensor-and-sequence-parallelism for the layout per block and its collectives.
 """
 
 from __future__ import annotations

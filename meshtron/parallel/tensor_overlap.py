@@ -1,34 +1,9 @@
 """Sequence parallelism's collectives overlapped with their GEMMs (collective matmul): ``[parallel] tp_overlap``.
 
-Under SP every dense block gathers its sequence-sharded input before q/k/v (gate/up) and reduce-scatters
-the output of o_proj (down_proj). Here each of those becomes a ring over the tp ranks, one sequence chunk
-per step, sent and received point-to-point while the GEMM of the chunk already in hand runs (Wang et al.
-2022, "Overlap communication with dependent computation via decomposition"; Megatron's tp-comm-overlap and
-torch's async TP do the same with symmetric memory). Plain ``batch_isend_irecv`` on the tp group, so it
-runs on NCCL and gloo alike.
-
-* all-gather + matmul (:class:`OverlappedColwise`, q/k/v and gate/up packed as
-  :class:`~meshtron.parallel.sp_projections.SequenceParallelColwise` packs them): step s multiplies the shard
-  of rank r - s while the next one travels; tp - 1 exchanges of one shard each.
-* matmul + reduce-scatter (:class:`OverlappedRowwise`, o_proj and down_proj): step s computes this
-  rank's partial product of the chunk that ends on rank r - s - 1 and adds it to the running sum
-  received from rank r - 1; the sum moves on while the next partial is computed; after tp - 1
-  exchanges each rank holds its chunk summed over tp (the sum in ring order: equal to the
-  reduce-scatter up to float reassociation).
-* backward pairs them the other way round: the colwise input gradient is a matmul + reduce-scatter,
-  its weight gradient takes the input shards around the ring again (only the shard is saved, as
-  without overlap) and accumulates chunk by chunk; the rowwise input and weight gradients both come
-  from one ring of the output-gradient shards (a zero-bubble split's ``B`` runs it and keeps the
-  gathered shards for its ``W``, as the unoverlapped path keeps the gathered gradient).
-
-Bytes moved equal the unoverlapped collectives' ((tp - 1) / tp of the gathered tensor per ring); what
-no GEMM hides is the first chunk of a gather and the last of a reduce-scatter (``meshtron/plan/speed.py``).
-
-With ``[train] fp8`` every operand a ring splits into chunks is cast once, whole, before the ring (its scale
-that of the whole tensor, the amax all-reduced over tp where the scale spans a split dim, as the
-unoverlapped float8 path casts it: ``meshtron.parallel.float8.Float8Gemms``), and each chunk's GEMM takes the
-float8 rows of its chunk; what travels a gathering ring is those float8 bytes with their per-token scales
-(:class:`RowPayload`), half the bf16 bytes. Each GEMM's float8 weight is cast once per ring.
+:class:`OverlappedColwise` (all-gather + matmul) and :class:`OverlappedRowwise` (matmul + reduce-scatter) turn
+each SP collective into a ring of point-to-point sequence chunks, forward and backward; :class:`RowPayload`
+carries float8 rows under ``[train] fp8``. See docs/training.md#tensor-and-sequence-parallelism
+('Overlapped SP collectives').
 """
 
 from __future__ import annotations

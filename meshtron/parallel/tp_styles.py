@@ -1,18 +1,8 @@
 """The tp styles (``ParallelStyle`` s) that split meshtron's linears, embeddings and bare parameters over tp.
 
-Applied by the native plan (``parallel/tensor.py``) and the HF plan (``hf/tp_plan.py``), which choose
-which module gets which style; the packed column-parallel projections of SP are in
-``parallel/sp_projections.py``. Kept apart from the plans so that a style's weight split and forward
-are read in one place:
-
-* :class:`Colwise` / :class:`Rowwise`: torch's ``ColwiseParallel`` / ``RowwiseParallel``; a float8 linear
-  (``[train] fp8``) runs its GEMMs on the local shards with the whole tensors' scales.
-* :class:`ReplicatedKVHeads`: k_proj/v_proj when tp is a multiple of the KV heads (each rank computes
-  the KV head its query heads read).
-* :class:`ReplicateParallel` / :class:`SplitParams`: parameters replicated over tp, or split by head,
-  run on plain local tensors.
-* :class:`VocabParallelEmbedding`: the input embedding split over the vocabulary, with a weight
-  gradient for the local rows only.
+Applied by the native plan (``parallel/tensor.py``) and the HF plan (``hf/tp_plan.py``), which choose which
+module gets which style; kept apart from them so that a style's weight split and forward are read in one
+place. See docs/training.md#tensor-and-sequence-parallelism.
 """
 
 from __future__ import annotations

@@ -1,80 +1,8 @@
 """Run one pp-rank's schedule (``schedules.py``): compute actions and batched p2p.
 
-Every :class:`~meshtron.parallel.pipeline.schedules.P2P` step becomes one ``batch_isend_irecv``
-over the pp process group, its ops posted in list order (the order the schedule's matching relies
-on). Nothing waits at the post: a received tensor is waited for only when the compute action that
-consumes it starts, and a send only once it has completed (checked without blocking at every later
-batch; whatever is left is waited for at the end of the run). So transfers overlap the compute
-between their post and their use, and a rank never stalls on a message it does not need yet (the
-batched ``{send F, send B, recv F, recv B}`` of an interleaved slot no longer holds up the next
-forward until the gradient it needs only after that forward has arrived). Waiting less than the
-schedule's rendezvous model can only make ops complete earlier, so the simulator's
-deadlock-freedom still holds.
-
-Boundary tensors. Every activation crossing a stage boundary, and its gradient, has the same
-shape and dtype: ``[micro-batch, local sequence, hidden]`` in the compute dtype. The receiver
-therefore allocates its buffer from that one known shape instead of exchanging shapes: no extra
-messages or synchronisation, nothing to cache or invalidate when the sequence length changes
-between runs. A sender checks what it sends against it, so a mismatch is a clear error on the
-sending rank rather than corrupted data on the receiver.
-
-Memory. A stage keeps, per micro-batch in flight, the input it received (for its gradient) and
-its output (the autograd graph of the chunk); both are dropped as soon as that micro-batch's
-backward has run, and sent tensors as soon as their batch completes.
-
-Split backward (``B`` then ``W``, zero-bubble schedules). ``B`` runs autograd from the stage
-output with ``inputs=`` the stage input only and ``retain_graph``: it produces the gradient the
-previous stage waits for and leaves the weights' ``.grad`` untouched. Before it, every graph node
-on the path from the output to the input that also has an edge off that path (into a weight's
-gradient: a linear, a norm, a router) gets a pre-hook that records the gradient it receives. ``W``
-restarts autograd at those nodes with the recorded gradients and asks only for the weights below
-them, accumulating into ``.grad``; it re-runs no input-gradient work. A custom Function computing
-both kinds together (SP's linears, :mod:`meshtron.parallel.sp_projections`) asks the engine which its pass
-wants, so ``B`` computes no weight gradient (nor re-gathers SP's input) and ``W`` neither the input
-gradient nor its reduce-scatter. The first stage has no input
-gradient, so its ``B`` is empty and its ``W`` the whole backward. Memory: a micro-batch's saved
-activations live from its ``F`` to its ``W`` (``schedules.peak_in_flight`` counts exactly that)
-plus the recorded gradients (at most one per weight-consuming node, activation-sized); dropping
-the output and the records at ``W`` frees them all. FSDP2 accumulates and reduce-scatters in hooks
-of the backward traversal, which a ``W`` restarted inside the graph never reaches, so after it the
-executor runs what those hooks would have (:func:`meshtron.parallel.data.finish_split_backward`): the chunk's gradients
-move into FSDP's reduce-dtype accumulator (fp32 under bf16 mixed precision, so consecutive ``W`` never add
-micro-batches in bf16), and a releasing ``W`` reduce-scatters them. Activation checkpointing:
-each restarted pass is a graph task of its own and replays the checkpointed forward again (one
-replay per weight-consuming node); a compiled block's backward is one fused node computing input
-and weight gradients together, run in ``B`` and again in ``W``. So stages with checkpointed or
-compiled blocks (``unsplit``) run their whole backward at ``B`` (one replay, one fused backward,
-as in 1F1B) and their ``W`` only releases the units; their activations are freed at ``B``.
-
-Gradient accumulation and FSDP. Backward calls accumulate into ``.grad`` over micro-batches, as
-in the non-pipelined runner. Every FSDP2 unit of a chunk is held unsharded through the step: its
-first forward all-gathers it, and it is neither resharded after forward or backward nor
-reduced until the chunk's last backward of the run (its last ``W`` if split; a unit shared by several chunks, the stage
-root, until the last of theirs), which then reduce-scatters the accumulated gradients and frees
-the gathered parameters. So each unit is gathered once and reduced once per step, not once per
-micro-batch: with FSDP's default reshard-after-forward, the 1F1B steady state would gather the
-stage again for every backward and every forward after it. The cost is the rank's unsharded
-parameters (its 1/pp of the model, in the compute dtype) held from the first forward to the last
-backward, next to the unsharded gradients that the once-per-step reduction holds anyway;
-``benchmarks/results/pipeline_fsdp.md`` counts the gathers and gives the figures for Qwen2.5-7B.
-Outside a run (e.g. an evaluation forward) the units reshard after forward again.
-
-Relayed statistics (``run(..., relay=)``). Some model quantities of a micro-batch are known only
-once every stage has run its forward, yet a stage's backward needs them (transformers' MoE
-load-balancing loss pools router statistics over all layers, :mod:`meshtron.hf.router`). A
-:class:`Relay` puts one small tensor next to every boundary tensor: its P2P op follows the boundary
-tensor's in the same batch (same peer, same communicator), so it is matched like it and adds no
-ordering of its own to the schedule. A stage's forward sends what the relay gives after it and its
-backward what the relay gives after that; each receiver hands what came to the relay before the
-compute that consumes the boundary tensor (so a stage's backward sees what every later stage sent).
-
-Forward only (evaluation, :meth:`PipelineExecutor.forward_only`): no schedule is needed without a
-backward, only the placement, read off the training schedule's p2p ops (which rank holds each
-neighbouring stage; at the turn of a V the next stage is on this rank and gets the output handed
-over). Each rank runs its chunks in increasing stage order, every micro-batch of a chunk before
-the next chunk; sends are posted without waiting and a chunk's input is received just before it
-runs. A chunk waits only for the chunk before it, which every rank reaches first, so it cannot
-deadlock; the pairs of ranks post their messages in the same (stage, micro-batch) order.
+:class:`PipelineExecutor` owns the p2p posting and waiting, the boundary buffers, the split backward
+(``B`` / ``W``) and the FSDP units held unsharded through the step; :class:`Relay` carries a small tensor
+alongside every boundary tensor. See docs/pipeline.md#the-executor.
 """
 
 from __future__ import annotations
@@ -113,7 +41,8 @@ LossFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 class Relay(Protocol):
-    """A small tensor of ``shape`` and ``dtype`` travelling with every boundary tensor (module doc)."""
+    """A small tensor of ``shape`` and ``dtype`` travelling with every boundary tensor
+    (docs/pipeline.md#the-executor, 'Relayed statistics')."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -134,8 +63,9 @@ class PipelineExecutor:
     matched in its own posting order (``simulate.match_p2p``); the V-shaped schedules need that,
     the others also run with one group for both (the default). ``chunk_units`` maps each local
     stage to the FSDP2 units (``FSDPModule``) whose parameters it uses, held unsharded through the
-    step (module doc). ``unsplit`` stages run each backward whole at ``B`` even where the schedule
-    splits it (module doc: activation checkpointing, compiled blocks).
+    step (docs/pipeline.md#the-executor, 'Gradient accumulation and FSDP'). ``unsplit`` stages run each
+    backward whole at ``B`` even where the schedule splits it (activation checkpointing, compiled blocks:
+    docs/pipeline.md#zero-bubble-schedules).
     """
 
     def __init__(
@@ -197,7 +127,7 @@ class PipelineExecutor:
         """Run every step; returns the sum of this rank's last-stage losses (0 elsewhere), detached.
 
         ``first_inputs[mb]`` feeds stage 0; ``boundary`` is the (shape, dtype) of every tensor
-        crossing a stage boundary; ``relay`` sends a message along with each (see the module doc).
+        crossing a stage boundary; ``relay`` sends a message along with each (docs/pipeline.md#the-executor).
         """
         self._reset()
         self._relay = relay
@@ -235,7 +165,8 @@ class PipelineExecutor:
         first_inputs: Sequence[torch.Tensor],
         boundary: tuple[tuple[int, ...], torch.dtype],
     ) -> torch.Tensor:
-        """Every micro-batch through this rank's stages without gradients (module doc); returns the
+        """Every micro-batch through this rank's stages without gradients (docs/pipeline.md#the-executor,
+        'Forward only'); returns the
         sum of the last stage's outputs on its rank (0 elsewhere)."""
         shape, dtype = boundary
         device = first_inputs[0].device
@@ -294,7 +225,7 @@ class PipelineExecutor:
 
     def _backward(self, index: int, a: Action) -> None:
         """The full backward, or of a split one (a ``W`` follows) only the gradient w.r.t. the stage
-        input: what the previous stage waits for (module doc)."""
+        input: what the previous stage waits for (docs/pipeline.md#the-executor, 'Split backward')."""
         key, split = (a.stage, a.mb), (a.stage, a.mb) in self._split
         if not split:
             self._release_units(index)

@@ -1,25 +1,8 @@
 """Pipelined step runner: ``StepRunner``'s interface for ``parallel.pp > 1``.
 
-Every pp-rank prunes the meta-device model to its own chunks, hands the stage model to
-``meshtron.parallel.compose.parallelize`` (tp, ep, cp, FSDP compose inside a stage exactly as without
-a pipeline), materialises only that, and runs its schedule with :class:`PipelineExecutor`.
-
-Numerics equal the non-pipelined runner on the same global batch: the same micro-batch split,
-every micro-batch's summed token loss divided by the global token count of the step (so gradients
-accumulated over micro-batches and summed over data ranks are those of the global mean loss), and
-MoE aux losses attached to the gradients inside each stage with the same per-micro-batch scale.
-
-FSDP: every chunk's units are all-gathered once per step by their first forward and stay
-unsharded, with their gradients unreduced, until that chunk's last backward of the step (see
-``executor.py``), whatever ``data_parallel`` mode: otherwise every micro-batch would gather the
-stage's parameters again and reduce its gradients, m times per step inside the pipeline's steady
-state. The cost is the unsharded parameters and gradients of the rank's own layers (1/pp of the
-model) held through the step (``benchmarks/results/pipeline_fsdp.md``).
-
-Tied embeddings: the first stage's embedding and the last stage's LM head are two copies of the
-shared weight, equal at initialisation; after each backward both get the sum of their gradients
-(one all-reduce between the two ranks), so every optimizer step keeps them equal. The gradient
-norm counts the weight once.
+Every pp-rank builds only its own chunks, parallelizes them as without a pipeline and runs its schedule
+with :class:`PipelineExecutor`; numerics equal the non-pipelined runner's. See
+docs/pipeline.md#the-pipelined-runner.
 """
 
 from __future__ import annotations

@@ -1,51 +1,7 @@
-"""Pipeline schedules as data: per pp-rank ordered lists of compute actions and p2p batches.
+"""Pipeline schedules as data: per pp-rank ordered lists of compute actions (``F``, ``B``, ``W``) and p2p
+batches, one builder per ``[parallel] schedule``, and the counts the planner reads off them.
 
-Vocabulary. The model is cut into ``pp * v`` chunks (global *stages*, see ``split.py``); stage
-``s`` runs on pp-rank ``s % pp``. A schedule is ``list[list[Step]]``: for every pp-rank the steps
-it executes in order. A step is either
-
-* an :class:`Action` of kind ``F`` (forward of ``stage`` on microbatch ``mb``), ``B`` (its
-  backward) or ``W`` (its weight gradients), or
-* a :class:`P2P` batch: point-to-point ops (``Action`` of kind ``SEND_F``, ``RECV_F``, ``SEND_B``,
-  ``RECV_B``) that the executor posts together in one ``batch_isend_irecv`` and waits for
-  before the next step.
-
-Split backward (zero-bubble schedules). When a schedule holds a ``W`` for ``(stage, mb)``, that
-micro-batch's ``B`` computes only the gradient w.r.t. the stage input (the one the previous stage
-waits for) and ``W`` the weight gradients later; a ``B`` without a ``W`` is the full backward.
-``W`` needs no communication, so it fills time a rank would otherwise wait.
-
-Placement. Stage ``s`` runs on ``chunk_rank(s, pp, v_shape)`` (``split.py``): round robin, or for
-``zbv`` / ``dualpipev`` down the ranks and back up. Neighbouring stages on the same rank (the
-turn of the V) hand tensors over locally, without p2p ops.
-
-Tensor roles (``peer`` is the other side's rank in pp-group coordinates):
-
-* ``SEND_F(s, i)``: the output activation of ``F(s, i)``, to the rank of stage ``s + 1``;
-* ``RECV_F(s, i)``: the input activation of ``F(s, i)``, from the rank of stage ``s - 1``;
-* ``SEND_B(s, i)``: the gradient w.r.t. the input of stage ``s``, to the rank of stage ``s - 1``;
-* ``RECV_B(s, i)``: the gradient w.r.t. the output of stage ``s``, from the rank of stage ``s + 1``.
-
-So ``SEND_F(s, i)`` pairs with ``RECV_F(s + 1, i)`` and ``SEND_B(s, i)`` with ``RECV_B(s - 1, i)``.
-
-Matching and deadlock-freedom. Backends match p2p messages between a pair of ranks in posting
-order (NCCL ignores tags), so for every directed pair (src, dst) the sequence of sends on src
-must equal the sequence of receives on dst (``simulate.match_p2p`` verifies it); an executor
-must post a batch's ops in their list order. A batch is modelled as *rendezvous*: it completes
-only once every op in it has met its partner op (a send may wait until the peer posts the
-receive, as NCCL's grouped p2p can). A schedule that finishes under this model also finishes
-when sends complete without waiting for the receiver, because that can only make batches
-complete earlier. :func:`simulate` runs the model and raises on
-deadlock; the tests run every schedule through it.
-
-Batching rule. A rank's compute steps are grouped into *slots*; the batch between two slots
-holds the sends of the slot before and the receives of the slot after. GPipe and 1F1B use one
-compute step per slot (Megatron's ``send_forward_recv_backward`` and friends). The interleaved
-schedule's steady-state slot is a forward followed by a backward with no p2p in between (as in
-Megatron), so its batches carry up to two sends and two receives. This matters: with a batch
-between that forward and backward, every rank can block in ``{SEND_B to previous, RECV_F from
-previous}`` while its previous rank blocks in the same kind of batch, a cycle around the ring
-of virtual stages (the simulator finds it for pp=2, 4, 8 with v=2, and gloo hangs on it).
+See docs/pipeline.md#schedules for the vocabulary, the tensor roles, matching and the batching rule.
 """
 
 from __future__ import annotations
@@ -111,7 +67,7 @@ SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 
 @dataclass(frozen=True)
 class Action:
-    """One compute action or one p2p op (see the module doc for the tensor roles)."""
+    """One compute action or one p2p op (tensor roles: docs/pipeline.md#schedules)."""
 
     kind: str
     mb: int

@@ -1,13 +1,6 @@
 """Execute schedules on a model clock: timelines, makespan, bubble fraction, deadlock detection.
 
-Model: a rank runs its steps in order. ``F``, ``B`` and ``W`` take ``f_cost``, ``b_cost`` and
-``w_cost`` (a backward that is not split costs ``b_cost + w_cost``). A :class:`P2P` batch is
-posted when the rank reaches it and completes ``p2p_cost`` after the last of its ops' partner
-ops was posted (rendezvous: sends wait for the receive as well, the strictest behaviour of NCCL
-and gloo, see ``schedules.py``). The next ``F``, ``B`` or batch waits for that completion; a
-``W`` does not (it needs nothing from the batch), so weight gradients fill the wait, as in the
-executor. Without ``W`` steps this is the rendezvous model step for step: deadlock-freedom of
-a schedule is that of its ``F``/``B`` skeleton.
+See docs/pipeline.md#schedules ('The simulator') for the model.
 """
 
 from __future__ import annotations
@@ -113,7 +106,7 @@ def simulate(
 
     ``b_cost`` is a backward's input-gradient part and ``w_cost`` its weight-gradient part: a
     split backward's ``B`` and ``W`` cost those, a whole backward their sum (``w_cost = 0``: the
-    whole backward costs ``b_cost``). ``rendezvous`` picks the model (module doc): batches that
+    whole backward costs ``b_cost``). ``rendezvous`` picks the model (docs/pipeline.md#schedules): batches that
     complete only when all their partners are posted, or the executor's (sends never wait, a
     receive is waited for by the action that consumes it).
     """

@@ -1,15 +1,5 @@
-"""Split a decoder's layers over pipeline stages (and virtual stages for interleaving).
-
-The model is cut into ``pp * virtual`` consecutive *chunks* (global stage indices). Chunk ``c``
-runs on pp-rank ``c % pp`` as that rank's virtual stage ``c // pp`` (Megatron's interleaved
-assignment), so with ``virtual = 1`` chunk ``c`` is simply rank ``c``. The V-shaped schedules
-(``zbv``, ``dualpipev``) place two chunks per rank down and back up instead (``chunk_rank``).
-
-Balancing rule: every chunk gets ``L // n`` layers and the ``L % n`` left-over layers go to
-the interior chunks ``1 .. n-2`` first, then to chunk 0. The first chunk also runs the token
-embedding and the last one the final norm, the LM head and the loss (a vocabulary-sized
-matmul that costs about as much as a decoder layer or more), so the ends are the ones that
-get the fewer layers; the last chunk is the heavier end, so it never takes an extra layer.
+"""Split a decoder's layers over pipeline stages (and virtual stages for interleaving): which rank runs each
+chunk and how many layers each gets. See docs/pipeline.md#stages-and-placement.
 """
 
 from __future__ import annotations
@@ -38,7 +28,8 @@ def too_few_layers(num_layers: int, num_chunks: int) -> str | None:
 
 
 def chunk_sizes(num_layers: int, num_chunks: int) -> list[int]:
-    """Layers per chunk for ``num_layers`` layers over ``num_chunks`` chunks (rule in the module doc)."""
+    """Layers per chunk for ``num_layers`` layers over ``num_chunks`` chunks (the rule:
+    docs/pipeline.md#stages-and-placement)."""
     if num_chunks < 1:
         raise ValueError(f"number of pipeline chunks must be >= 1, got {num_chunks}")
     refused = too_few_layers(num_layers, num_chunks)
