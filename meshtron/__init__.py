@@ -15,4 +15,4 @@ __all__ = [
     "parallelize_hf_model",
     "save_hf_checkpoint",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

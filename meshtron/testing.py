@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -41,8 +42,16 @@ def _context():
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "meshtron",
-                                         "meshtron.dryrun", "transformers.modeling_layers"])
+        _CONTEXT.set_forkserver_preload(
+            [
+                "torch",
+                "torch.distributed",
+                "torch.distributed.tensor",
+                "meshtron",
+                "meshtron.dryrun",
+                "transformers.modeling_layers",
+            ]
+        )
     return _CONTEXT
 
 
@@ -91,19 +100,139 @@ def run_checks(
     ``args`` are passed to every check and must be picklable. Inside a check the default process
     group is initialised, so ``meshtron.build_mesh`` and ``torch.distributed`` work as under torchrun.
     """
-    try:
-        _launch(checks, world_size, args, timeout)
-    except DistributedCheckFailed as err:
+    launch_checks(checks, world_size, *args, timeout=timeout).raise_first()
+
+
+def launch_checks(
+    checks: Sequence[Callable[..., Any]],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+) -> LaunchReport:
+    """:func:`run_checks` that reports instead of raising: which checks passed on every rank and where the
+    launch ended, so each check can be its own test result."""
+    report = _launch(checks, world_size, args, timeout)
+    if report.failed == _STARTUP:
         # gloo's TCP rendezvous can drop a connection on an overloaded host before any check ran;
         # that is not what the checks test, so it gets one fresh launch.
-        if f"check '{_STARTUP}'" not in str(err):
-            raise
-        _launch(checks, world_size, args, timeout)
+        report = _launch(checks, world_size, args, timeout)
+    text = repr(args)
+    report.arguments = text if len(text) <= 300 else text[:300] + " ..."
+    return report
+
+
+@dataclass
+class LaunchReport:
+    """What one launch did: the checks that passed on every rank (with their seconds) and, if the launch
+    ended early, the check it ended in and why. Checks after that one did not run."""
+
+    world_size: int
+    names: list[str]
+    passed: dict[str, float] = field(default_factory=dict)
+    failed: str | None = None
+    message: str = ""
+    arguments: str = ""  # the launch's arguments as text (a seed among them), for replaying a failure
+    ranks_done: dict[str, int] = field(default_factory=dict, repr=False)
+
+    def credit(self, name: str, seconds: float) -> bool:
+        """Count one rank's pass of check ``name``; True once every rank has passed it."""
+        self.ranks_done[name] = self.ranks_done.get(name, 0) + 1
+        if self.ranks_done[name] < self.world_size:
+            return False
+        self.passed[name] = seconds
+        return True
+
+    def raise_for(self, name: str) -> None:
+        """Raise unless check ``name`` passed on every rank."""
+        if name in self.passed:
+            return
+        if name == self.failed:
+            raise DistributedCheckFailed(f"{self.message}\nlaunch arguments: {self.arguments}")
+        raise DistributedCheckFailed(
+            f"check '{name}' did not run: the launch of {self.world_size} ranks ended at check '{self.failed}'"
+        )
+
+    def raise_first(self) -> None:
+        if self.failed is not None:
+            raise DistributedCheckFailed(self.message)
+
+
+_LAUNCHED: dict[str, LaunchReport | BaseException] = {}
+
+
+def launch_tests(world_size: int, checks: Sequence[Callable[..., Any]], *, timeout: float = 300.0):
+    """One pytest result per check of one multi-rank launch.
+
+    Decorates the function that prepares the launch: it takes fixtures like a test and returns the checks'
+    arguments as a tuple, or yields them to keep a context open while the launch runs (a reference run beside
+    it) and to assert on what a launch that passed left behind. The result is a test parametrized by check:
+    ``-k`` and ``-m`` select checks (a check decorated with ``@pytest.mark.full`` belongs to the full tier), the
+    first selected item launches every selected check once, and each item reports its own check: passed (its
+    seconds as the ``check_seconds`` property), failed with its traceback, or not run because the launch ended
+    at an earlier one.
+    """
+    import inspect
+
+    import pytest
+
+    by_name = {c.__name__: c for c in checks}
+
+    def decorate(prepare):
+        def test(check, request, **fixtures):
+            key = request.node.nodeid.split("[")[0]
+            if key not in _LAUNCHED:
+                selected = [
+                    item.callspec.params["check"] for item in request.session.items if item.nodeid.split("[")[0] == key
+                ]
+                try:
+                    _LAUNCHED[key] = _prepared_launch(
+                        prepare, fixtures, [by_name[n] for n in selected], world_size, timeout
+                    )
+                except BaseException as err:  # the preparation failed: every check of the launch reports it
+                    _LAUNCHED[key] = err
+            outcome = _LAUNCHED[key]
+            if isinstance(outcome, BaseException):
+                raise outcome
+            outcome.raise_for(check)
+            request.node.user_properties.append(("check_seconds", round(outcome.passed[check], 1)))
+
+        own = list(inspect.signature(prepare).parameters.values())
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        test.__signature__ = inspect.Signature(
+            [inspect.Parameter("check", kind), inspect.Parameter("request", kind), *own]
+        )
+        test.__name__, test.__qualname__, test.__doc__ = prepare.__name__, prepare.__qualname__, prepare.__doc__
+        test.__module__ = prepare.__module__
+        test.pytestmark = list(getattr(prepare, "pytestmark", []))
+        params = [pytest.param(c.__name__, id=c.__name__, marks=getattr(c, "pytestmark", [])) for c in checks]
+        return pytest.mark.parametrize("check", params)(test)
+
+    return decorate
+
+
+def _prepared_launch(prepare, fixtures: dict, checks: list, world_size: int, timeout: float) -> LaunchReport:
+    import inspect
+
+    made = prepare(**fixtures)
+    if not inspect.isgenerator(made):
+        return launch_checks(checks, world_size, *(made or ()), timeout=timeout)
+    args = next(made)
+    try:
+        report = launch_checks(checks, world_size, *(args or ()), timeout=timeout)
+    except BaseException:
+        made.close()
+        raise
+    if report.failed is None:
+        next(made, None)  # the preparation's own asserts on what the launch left, and its context's exit
+    else:
+        made.close()  # the failed check is the result to read, not what its absence broke afterwards
+    return report
 
 
 @contextmanager
-def launched_beside(checks: Sequence[Callable[..., Any]], world_size: int, *args: Any,
-                    timeout: float = 300.0) -> Iterator[None]:
+def launched_beside(
+    checks: Sequence[Callable[..., Any]], world_size: int, *args: Any, timeout: float = 300.0
+) -> Iterator[None]:
     """:func:`run_checks` of ``checks`` running while the block runs (its failure raised when the block
     ends): a small launch (a 1-rank reference run) beside a large one uses the CPUs the small one alone
     leaves idle."""
@@ -113,9 +242,10 @@ def launched_beside(checks: Sequence[Callable[..., Any]], world_size: int, *args
         beside.result()
 
 
-def _launch(checks, world_size: int, args, timeout: float) -> None:
+def _launch(checks, world_size: int, args, timeout: float) -> LaunchReport:
     ctx = _context()
     results = ctx.Queue()
+    report = LaunchReport(world_size, [c.__name__ for c in checks])
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [
@@ -129,68 +259,87 @@ def _launch(checks, world_size: int, args, timeout: float) -> None:
         for p in procs:
             p.start()
         try:
-            _collect(procs, results, world_size, timeout, [c.__name__ for c in checks])
+            _collect(procs, results, timeout, report)
         finally:
             for p in procs:
                 if p.is_alive():
                     p.kill()
                 p.join(5)
+    return report
 
 
-def _collect(procs, results, world_size: int, timeout: float, names: list[str]) -> None:
+def _collect(procs, results, timeout: float, report: LaunchReport) -> None:
+    """Fill ``report`` from the ranks' messages until every rank exited or one failed, died or ran out of time."""
+    world_size = report.world_size
     last = time.monotonic()
     deadline = last + timeout
     exited: set[int] = set()
-    passed: dict[str, int] = {}
+
+    def running() -> str:  # the first check not yet passed on every rank (the last if all have: its teardown)
+        return next((n for n in report.names if n not in report.passed), report.names[-1])
+
     while len(exited) < world_size:
         try:
             kind, rank, check, tb = results.get(timeout=0.2)
         except queue.Empty:
             dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in exited]
             if dead:
-                _raise_failures(results, [], world_size, f"rank {dead[0]} died (exit code "
-                                f"{procs[dead[0]].exitcode}) without a report")
+                _end_with_failures(
+                    results,
+                    [],
+                    report,
+                    running(),
+                    f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) without a report",
+                )
+                return
             if time.monotonic() > deadline:
                 stuck = [r for r in range(world_size) if r not in exited]
-                raise DistributedCheckFailed(
-                    f"timed out after {timeout:.0f}s; ranks still running: {stuck}; checks passed on "
-                    f"all ranks so far: {[n for n in names if passed.get(n) == world_size]}"
+                report.failed = running()
+                report.message = (
+                    f"check '{report.failed}' timed out: the launch ran past {timeout:.0f}s; ranks "
+                    f"still running: {stuck}; checks passed on all ranks: {list(report.passed)}"
                 )
+                return
             continue
         if kind == "fail":
-            _raise_failures(results, [(rank, check, tb)], world_size, "")
+            _end_with_failures(results, [(rank, check, tb)], report, check, "")
+            return
         if kind == "ok":
-            passed[check] = passed.get(check, 0) + 1
-            if passed[check] == world_size:  # the suite's time, check by check (pytest -s or -rP shows it)
-                now = time.monotonic()
+            now = time.monotonic()
+            if report.credit(check, now - last):  # the suite's time, check by check (pytest -s or -rP shows it)
                 print(f"run_checks: {check} passed on {world_size} ranks in {now - last:.1f} s", flush=True)
                 last = now
         else:
             exited.add(rank)
 
 
-def _raise_failures(results, failures: list, world_size: int, fallback: str) -> None:
-    """Gather the failures that arrive within a second and report them, root cause first.
+def _end_with_failures(results, failures: list, report: LaunchReport, check: str, fallback: str) -> None:
+    """Gather the messages that arrive within a second and record the failures in ``report``, root cause first.
 
     When one rank fails, its peers fail next with broken-connection errors; the rank whose error
-    is not a communication error is the one to read.
+    is not a communication error is the one to read. A slower rank's pass of an earlier check can
+    still be on its way: it is counted.
     """
     end = time.monotonic() + 1.0
     while time.monotonic() < end:
         try:
-            kind, rank, check, tb = results.get(timeout=0.1)
+            kind, rank, failed, tb = results.get(timeout=0.1)
         except queue.Empty:
             continue
         if kind == "fail":
-            failures.append((rank, check, tb))
+            failures.append((rank, failed, tb))
+        elif kind == "ok":
+            report.credit(failed, 0.0)
     if not failures:
-        raise DistributedCheckFailed(fallback)
+        report.failed, report.message = check, f"check '{check}' failed: {fallback}"
+        return
     comm_words = ("Connection closed", "Connection reset", "Broken pipe", "Timed out", "gloo")
     failures.sort(key=lambda f: (any(w in f[2] for w in comm_words), f[0]))
-    rank, check, tb = failures[0]
+    rank, failed, tb = failures[0]
     others = ", ".join(f"rank {r} in '{c}'" for r, c, _ in failures[1:])
-    raise DistributedCheckFailed(
-        f"check '{check}' failed on rank {rank} of {world_size}"
+    report.failed = failed
+    report.message = (
+        f"check '{failed}' failed on rank {rank} of {report.world_size}"
         + (f" (also failed: {others})" if others else "")
         + f":\n{tb}"
     )
@@ -214,8 +363,13 @@ def cached_recipe_mesh(cfg):
 # Tiny transformers models for the HF tests: sizes, and name -> (config class, extra config) of the
 # dense families every HF test file uses.
 HF_TINY_SIZES = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-    head_dim=8, max_position_embeddings=64,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    head_dim=8,
+    max_position_embeddings=64,
 )
 HF_TINY_FAMILIES = {
     "llama": ("LlamaConfig", dict(num_key_value_heads=2, attention_bias=True)),
@@ -276,11 +430,11 @@ def random_model(cfg, seed: int, device=None):
 
 def fresh_seed() -> int:
     """A new seed for a test's random inputs, printed: pytest shows a failed test's output, so the failing
-    draw can be replayed by passing the printed seed instead (put it in assertion messages too)."""
+    draw can be replayed with ``MESHTRON_SEED=<seed>`` (put it in assertion messages too)."""
     import random
 
-    seed = random.randrange(1 << 30)
-    print(f"seed {seed}")
+    seed = int(os.environ.get("MESHTRON_SEED") or random.randrange(1 << 30))
+    print(f"seed {seed} (replay with MESHTRON_SEED={seed})")
     return seed
 
 
@@ -291,8 +445,9 @@ def assert_step_metrics_sound(records: list[dict], tokens_per_step: int, world_s
     ``step_time``; every rank's step opens as all leave one barrier, so the others' steps differ from it
     only by the work each does after the step's last collective (its optimizer update), hence 10 %."""
     for r in records:
-        figures = {k: r[k] for k in ("loss", "grad_norm", "tokens_per_sec", "step_time", "rank_time_max",
-                                     "rank_time_median")}
+        figures = {
+            k: r[k] for k in ("loss", "grad_norm", "tokens_per_sec", "step_time", "rank_time_max", "rank_time_median")
+        }
         assert all(math.isfinite(v) for v in figures.values()), r
         assert math.isclose(r["tokens_per_sec"] * r["step_time"], tokens_per_step, rel_tol=1e-9), r
         assert 0 <= r["rank_time_median"] <= r["rank_time_max"] <= 1.1 * r["step_time"], r
@@ -317,9 +472,15 @@ def random_moe(config: dict, seed: int, **overrides):
 
 # c10d and functional (DTensor) spellings of the same collective, counted under one name.
 _COLLECTIVE_NAMES = {
-    "_allgather_base_": "all_gather", "all_gather_into_tensor": "all_gather", "allgather_": "all_gather",
-    "allreduce_": "all_reduce", "all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter",
-    "_reduce_scatter_base_": "reduce_scatter", "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all",
+    "_allgather_base_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "allgather_": "all_gather",
+    "allreduce_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "alltoall_base_": "all_to_all",
+    "all_to_all_single": "all_to_all",
 }
 
 
@@ -380,6 +541,8 @@ def units_with_parameters(model) -> int:
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    nested = {u: {id(p) for v in u.modules() if v is not u and isinstance(v, FSDPModule) for p in v.parameters()}
-              for u in units}
+    nested = {
+        u: {id(p) for v in u.modules() if v is not u and isinstance(v, FSDPModule) for p in v.parameters()}
+        for u in units
+    }
     return sum(any(id(p) not in nested[u] for p in u.parameters()) for u in units)

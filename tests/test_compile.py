@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 
 from meshtron.checkpoint import load_full_state_dict
@@ -19,19 +20,29 @@ from meshtron.optim import build_optimizer
 from meshtron.parallel import compose
 from meshtron.parallel.compile import apply_compile
 from meshtron.parallel.step_runner import build_step_runner
-from meshtron.testing import cached_mesh, fresh_seed, random_model, rel_err, run_checks
+from meshtron.testing import cached_mesh, fresh_seed, launch_tests, random_model, rel_err
 
 CFG = ModelConfig(
-    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-    num_key_value_heads=2, rope_theta=10000.0,
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
 )
 BATCH, SEQ, STEPS = 4, 16, 2
 
 
 def _batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=gen),
-             torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=gen)) for _ in range(STEPS)]
+    return [
+        (
+            torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=gen),
+            torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=gen),
+        )
+        for _ in range(STEPS)
+    ]
 
 
 def _train_plain(model, batches) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
@@ -70,6 +81,7 @@ def _assert_steps_match(steps, ref_steps, where: str, noise: list[float]) -> Non
             assert rel_err(grad, ref_grads[name]) < bound, (where, step, name, f"one-ulp noise {noise[step]}")
 
 
+@pytest.mark.full
 def test_compiled_blocks_match_eager_over_two_steps():
     seed = fresh_seed()
     eager = random_model(CFG, seed, device="cpu")
@@ -77,20 +89,33 @@ def test_compiled_blocks_match_eager_over_two_steps():
     assert apply_compile(compiled) == [0, 1]
     assert list(compiled.state_dict()) == list(eager.state_dict())  # names unchanged (no _orig_mod)
     batches = _batches(seed)
-    _assert_steps_match(_train_plain(compiled, batches), _train_plain(eager, batches), f"seed {seed}",
-                        _ulp_noise(CFG, seed))
+    _assert_steps_match(
+        _train_plain(compiled, batches), _train_plain(eager, batches), f"seed {seed}", _ulp_noise(CFG, seed)
+    )
 
 
 MOE = ModelConfig(
-    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-    num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-    shared_expert_intermediate_size=48, rope_theta=10000.0, router_aux_loss_coef=0.01,
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    rope_theta=10000.0,
+    router_aux_loss_coef=0.01,
 )
 
 
 def _runner_steps(model_cfg: ModelConfig, layout: dict, compile_blocks: bool, seed: int):
-    cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout, compile=compile_blocks),
-                 train=TrainConfig(seed=seed, seq_len=SEQ, global_batch_size=BATCH))
+    cfg = Config(
+        model=model_cfg,
+        parallel=ParallelConfig(**layout, compile=compile_blocks),
+        train=TrainConfig(seed=seed, seq_len=SEQ, global_batch_size=BATCH),
+    )
     mesh = cached_mesh(**{k: v for k, v in layout.items() if k in ("pp", "dp", "cp", "ep", "tp")})
     with torch.device("meta"):
         model = build_model(model_cfg)
@@ -143,7 +168,16 @@ def compiled_zero_bubble_runs_unsplit(seed: int) -> None:
     assert not runner.executor._split and eager_runner.executor._split
 
 
+@pytest.mark.full
+@launch_tests(
+    4,
+    [
+        compiled_dp_tp_matches_eager,
+        compiled_tp_overlap_matches_eager,
+        compiled_moe_dp_ep_matches_eager,
+        compiled_zero_bubble_runs_unsplit,
+    ],
+    timeout=600,
+)
 def test_compiled_blocks_on_four_ranks_match_eager():
-    run_checks([compiled_dp_tp_matches_eager, compiled_tp_overlap_matches_eager, compiled_moe_dp_ep_matches_eager,
-                compiled_zero_bubble_runs_unsplit], 4,
-               fresh_seed(), timeout=600)
+    return (fresh_seed(),)

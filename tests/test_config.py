@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import copy
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -74,8 +74,16 @@ def test_every_recipe_layout_is_valid_on_its_declared_hardware(path):
 @pytest.mark.parametrize(
     "name, overrides, pattern",
     [
-        ("qwen1p5_moe_a2p7b", ["--parallel.dp=1", "--parallel.ep=8"], r"ep = 8 does not divide \[model\] num_experts = 60"),
-        ("qwen2p5_7b", ["--parallel.dp=1", "--parallel.tp=8"], r"tp = 8 does not divide .*Valid tp up to 8 for this model: 1, 2, 4\."),
+        (
+            "qwen1p5_moe_a2p7b",
+            ["--parallel.dp=1", "--parallel.ep=8"],
+            r"ep = 8 does not divide \[model\] num_experts = 60",
+        ),
+        (
+            "qwen2p5_7b",
+            ["--parallel.dp=1", "--parallel.tp=8"],
+            r"tp = 8 does not divide .*Valid tp up to 8 for this model: 1, 2, 4\.",
+        ),
         ("debug_dense", ["--parallel.dp=4"], r"world size"),
     ],
 )
@@ -110,10 +118,27 @@ def test_debug_recipes_match_the_brief():
         (["--parallel.pp=4", "--parallel.dp=2"], 8, 4),  # 1F1B: one per stage
         (["--parallel.pp=2", "--parallel.dp=2", "--train.global_batch_size=12"], 4, 2),
         # interleaved: a multiple of pp (3 divides the 6 rows but is not one)
-        (["--parallel.pp=2", "--parallel.dp=2", "--train.global_batch_size=12", "--parallel.schedule=interleaved",
-          "--parallel.virtual_stages=2"], 4, 2),
-        (["--parallel.pp=4", "--parallel.dp=1", "--train.global_batch_size=6", "--parallel.tp=2"], 8, 6),  # 4, 5 don't divide
-        (["--parallel.pp=2", "--parallel.dp=2", "--parallel.schedule=zbv", "--parallel.virtual_stages=2"], 4, 4),  # 2 x pp
+        (
+            [
+                "--parallel.pp=2",
+                "--parallel.dp=2",
+                "--train.global_batch_size=12",
+                "--parallel.schedule=interleaved",
+                "--parallel.virtual_stages=2",
+            ],
+            4,
+            2,
+        ),
+        (
+            ["--parallel.pp=4", "--parallel.dp=1", "--train.global_batch_size=6", "--parallel.tp=2"],
+            8,
+            6,
+        ),  # 4, 5 don't divide
+        (
+            ["--parallel.pp=2", "--parallel.dp=2", "--parallel.schedule=zbv", "--parallel.virtual_stages=2"],
+            4,
+            4,
+        ),  # 2 x pp
     ],
 )
 def test_microbatches_zero_takes_the_fewest_that_divide_the_batch_and_run(overrides, world, inferred):
@@ -125,14 +150,22 @@ def test_microbatches_zero_takes_the_fewest_that_divide_the_batch_and_run(overri
 
 
 def test_microbatches_zero_without_a_count_that_runs_names_the_batch():
-    with pytest.raises(ConfigError, match=re.escape(
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
             "[parallel] microbatches = 0 takes the fewest micro-batches that divide the per-rank batch "
             "global_batch_size / (dp x ep) = 3 and that schedule = '1f1b' runs on pp = 4 stages (at least 4); "
-            "none does.")):
-        load_config(RECIPES / "debug_dense.toml", ["--parallel.microbatches=0", "--parallel.pp=4",
-                                                   "--train.global_batch_size=6", "--parallel.dp=2"])
+            "none does."
+        ),
+    ):
+        load_config(
+            RECIPES / "debug_dense.toml",
+            ["--parallel.microbatches=0", "--parallel.pp=4", "--train.global_batch_size=6", "--parallel.dp=2"],
+        )
     with pytest.raises(ConfigError, match=r"global_batch_size = 6 must be a multiple of dp x ep = 4"):
-        infer_dp(load_config(RECIPES / "debug_dense.toml", ["--parallel.microbatches=0", "--train.global_batch_size=6"]), 4)
+        infer_dp(
+            load_config(RECIPES / "debug_dense.toml", ["--parallel.microbatches=0", "--train.global_batch_size=6"]), 4
+        )
     with pytest.raises(ConfigError, match=r"\[parallel\] microbatches must not be negative, got -1"):
         load_config(RECIPES / "debug_dense.toml", ["--parallel.microbatches=-1"])
 
@@ -144,7 +177,9 @@ def test_tied_embeddings_follow_published_configs():
 
 def test_unknown_key_names_file_and_closest_key(tmp_path):
     path = write(tmp_path, "[model]\nhidden_sise = 64\n", "my_recipe.toml")
-    with pytest.raises(ConfigError, match=r"my_recipe\.toml: unknown key 'hidden_sise' in \[model\]\. Did you mean 'hidden_size'"):
+    with pytest.raises(
+        ConfigError, match=r"my_recipe\.toml: unknown key 'hidden_sise' in \[model\]\. Did you mean 'hidden_size'"
+    ):
         load_config(path)
     with pytest.raises(ConfigError, match=r"'microbatch' in \[parallel\]\. Did you mean 'microbatches'"):
         load_config(write(tmp_path, "[parallel]\nmicrobatch = 4\n"))
@@ -218,15 +253,32 @@ IMPOSSIBLE = [
     ("debug_moe", "model", "decoder_sparse_step", 0, r"decoder_sparse_step must be >= 1"),
     ("debug_moe", "model", "num_experts", -8, r"num_experts must not be negative"),
     ("debug_dense", "parallel", "tp", 0, r"tp must be >= 1, got 0"),
-    ("debug_dense", "parallel", "schedule", "1F1B", r"schedule must be one of gpipe, 1f1b, interleaved.*Did you mean '1f1b'"),
+    (
+        "debug_dense",
+        "parallel",
+        "schedule",
+        "1F1B",
+        r"schedule must be one of gpipe, 1f1b, interleaved.*Did you mean '1f1b'",
+    ),
     ("debug_dense", "parallel", "schedule", "interleave", r"Did you mean 'interleaved'"),
     ("debug_dense", "parallel", "virtual_stages", 2, r"virtual_stages = 2 needs schedule = 'interleaved'"),
     ("debug_dense", "parallel", "schedule", "zbv", r"schedule = 'zbv' needs virtual_stages = 2 .*got 1"),
     ("debug_dense", "parallel", "schedule", "dualpipe", r"Did you mean 'dualpipev'"),
     ("debug_dense", "parallel", "ep", 2, r"ep = 2 needs an MoE model"),
-    ("debug_dense", "parallel", "tp_overlap", True,
-     r"\[parallel\] tp_overlap = true .* needs sp = true and tp > 1 \(got sp = false, tp = 1\)"),
-    ("debug_dense", "train", "dtype", "bf16", r"dtype must be one of float32, bfloat16, got 'bf16'.*Did you mean 'bfloat16'"),
+    (
+        "debug_dense",
+        "parallel",
+        "tp_overlap",
+        True,
+        r"\[parallel\] tp_overlap = true .* needs sp = true and tp > 1 \(got sp = false, tp = 1\)",
+    ),
+    (
+        "debug_dense",
+        "train",
+        "dtype",
+        "bf16",
+        r"dtype must be one of float32, bfloat16, got 'bf16'.*Did you mean 'bfloat16'",
+    ),
     ("debug_dense", "train", "dtype", "float16", r"dtype must be one of float32, bfloat16"),
     ("debug_dense", "train", "steps", 0, r"steps must be >= 1"),
     ("debug_dense", "train", "lr", 0.0, r"lr must be > 0"),
@@ -234,8 +286,13 @@ IMPOSSIBLE = [
     ("debug_dense", "train", "min_lr", 1.0, r"min_lr \(1\.0\) must not exceed lr"),
     ("debug_dense", "train", "beta2", 1.0, r"beta2 must be in \[0, 1\)"),
     ("debug_dense", "train", "warmup_steps", -1, r"warmup_steps must not be negative"),
-    ("debug_dense", "train", "hang_timeout_s", 600.0,
-     r"\[train\] hang_timeout_s must be >= 0 \(0: automatic\) and shorter than collective_timeout_s \(600\.0\)"),
+    (
+        "debug_dense",
+        "train",
+        "hang_timeout_s",
+        600.0,
+        r"\[train\] hang_timeout_s must be >= 0 \(0: automatic\) and shorter than collective_timeout_s \(600\.0\)",
+    ),
     ("debug_dense", "checkpoint", "every", -5, r"\[checkpoint\] every must not be negative"),
     ("debug_dense", "data", "source", "", r"\[data\] source is empty"),
     ("debug_dense", "model", "vocab_size", 100, r"tokenizer 'bytes' needs \[model\] vocab_size >= 256"),
@@ -272,8 +329,21 @@ def test_valid_layout_edits_load():
 def test_overrides_apply_on_top_of_the_recipe():
     cfg = load_config(
         RECIPES / "debug_dense.toml",
-        ["--parallel.tp", "2", "--parallel.dp=4", "--train.steps=10", "--model.mlp_only_layers", "[1,3]",
-         "--train.dtype", "bfloat16", "--parallel.sp", "true", "--train.lr", "1e-3", "--data.source=./corpus"],
+        [
+            "--parallel.tp",
+            "2",
+            "--parallel.dp=4",
+            "--train.steps=10",
+            "--model.mlp_only_layers",
+            "[1,3]",
+            "--train.dtype",
+            "bfloat16",
+            "--parallel.sp",
+            "true",
+            "--train.lr",
+            "1e-3",
+            "--data.source=./corpus",
+        ],
     )
     assert (cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.sp) == (2, 4, True)
     assert cfg.train.steps == 10 and cfg.train.dtype == "bfloat16" and cfg.train.lr == 1e-3

@@ -14,8 +14,8 @@ from meshtron import env
 from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import ModelConfig
 from meshtron.mesh import build_mesh
-from meshtron.models.qwen2 import build_model, token_loss_sum
 from meshtron.models.layers import document_causal_mask
+from meshtron.models.qwen2 import build_model, token_loss_sum
 from meshtron.parallel.context import (
     CP_COMM_TYPES,
     RingAttention,
@@ -33,7 +33,7 @@ from meshtron.parallel.context import (
     shard_sequence,
     unshard_sequence,
 )
-from meshtron.testing import cached_mesh, random_model, rel_err, run_checks
+from meshtron.testing import cached_mesh, launch_tests, random_model, rel_err
 
 # (cp, batch, heads, kv heads, head dim, chunk length): GQA with 2 and 4 query heads per kv head,
 # head dims that are not multiples of 8.
@@ -87,6 +87,7 @@ def _comm_run(mesh, comm_type, q, k, v, dout, positions):
     return [unshard_sequence(t, cp, dim=2) for t in (out.detach(), *(x.grad for x in local))]
 
 
+@pytest.mark.full
 def check_comm_types_match_full_attention():
     """Every cp_comm_type at cp 2, 4, 8, with and without document masks, against one process;
     (8 heads, 2 KV heads): at cp 4 and 8 the all-to-all types repeat KV heads (fewer than cp)."""
@@ -135,6 +136,7 @@ def check_ring_matches_full_attention():
             assert max(errs[1:]) < 1e-4, where
 
 
+@pytest.mark.full
 def check_ring_bfloat16():
     """bf16 activations (K/V travel in bf16, accumulators stay fp32) within the bf16 tolerance."""
     mesh = _cp_mesh(8)
@@ -148,6 +150,7 @@ def check_ring_bfloat16():
     assert max(errs) < 2e-2, errs
 
 
+@pytest.mark.full
 def check_per_rank_work_is_balanced():
     """Unmasked score elements each rank computes in a real run: balanced vs contiguous layout."""
     cp, h, d, c = 8, 2, 16, 8
@@ -177,6 +180,7 @@ def check_per_rank_work_is_balanced():
     assert ratios[False] > 10, ratios
 
 
+@pytest.mark.full
 def check_document_work_is_counted():
     """With documents of mixed lengths the ring computes each visible (query, key) pair once (blocks
     no query sees are skipped): the per-rank counts add up to the block-diagonal mask's."""
@@ -223,8 +227,13 @@ def check_qwen2_loss_and_grads_match():
     The training-loop contract: local token-loss sum / global token count, gradients summed over cp.
     """
     cfg = ModelConfig(
-        vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0,
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10_000.0,
     )
     model = random_model(cfg, seed=3, device="cpu")
     world = dist.get_world_size()
@@ -256,6 +265,7 @@ def check_qwen2_loss_and_grads_match():
         assert rel_err(p.grad, ref_grads[name]) < 1e-4, (where, name)
 
 
+@pytest.mark.full
 def check_composed_layouts_match_single_process():
     """The runner's composition (TP/SP + CP + FSDP), dense and MoE: loss and every gathered gradient
     equal the single-process model on the same global batch (with the same document masks). p2p on
@@ -265,15 +275,36 @@ def check_composed_layouts_match_single_process():
     from meshtron.mesh import batch_mesh
     from meshtron.parallel.step_runner import StepRunner
 
-    dense = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=8, num_key_value_heads=2, rope_theta=10_000.0)
-    moe = ModelConfig(**{**dense.__dict__, "num_experts": 4, "num_experts_per_tok": 2,
-                         "moe_intermediate_size": 24, "shared_expert_intermediate_size": 32,
-                         "router_aux_loss_coef": 0.1})
-    p2p = [(dict(cp=2, dp=4), "p2p", False), (dict(cp=4, dp=2), "p2p", False),
-           (dict(cp=2, tp=2, dp=2, sp=True), "p2p", False), (dict(cp=4, tp=2), "p2p", False)]
-    every = [case for comm in CP_COMM_TYPES for case in [
-        (dict(cp=2, tp=2, dp=2, sp=True), comm, True), (dict(cp=4, tp=2), comm, False)]]
+    dense = ModelConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        rope_theta=10_000.0,
+    )
+    moe = ModelConfig(
+        **{
+            **dense.__dict__,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "shared_expert_intermediate_size": 32,
+            "router_aux_loss_coef": 0.1,
+        }
+    )
+    p2p = [
+        (dict(cp=2, dp=4), "p2p", False),
+        (dict(cp=4, dp=2), "p2p", False),
+        (dict(cp=2, tp=2, dp=2, sp=True), "p2p", False),
+        (dict(cp=4, tp=2), "p2p", False),
+    ]
+    every = [
+        case
+        for comm in CP_COMM_TYPES
+        for case in [(dict(cp=2, tp=2, dp=2, sp=True), comm, True), (dict(cp=4, tp=2), comm, False)]
+    ]
     cases = {
         "dense": p2p + every + [(dict(cp=8), comm, True) for comm in CP_COMM_TYPES],
         "moe": p2p + [(dict(cp=4, tp=2, sp=True), comm, True) for comm in CP_COMM_TYPES],
@@ -294,16 +325,22 @@ def check_composed_layouts_match_single_process():
         start = reference.state_dict()  # the weights (a backward leaves them as they were)
         assert abs(refs[True][0] - refs[False][0]) > 1e-3 * refs[False][0]  # the masks matter
         for layout, comm, documents in cases[kind]:
-            cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout, cp_comm_type=comm),
-                         train=TrainConfig(seed=1, seq_len=16), data=DataConfig(document_mask=documents))
+            cfg = Config(
+                model=model_cfg,
+                parallel=ParallelConfig(**layout, cp_comm_type=comm),
+                train=TrainConfig(seed=1, seq_len=16),
+                data=DataConfig(document_mask=documents),
+            )
             mesh = cached_mesh(**{k: v for k, v in layout.items() if k != "sp"})
             with torch.device("meta"):
                 model = build_model(model_cfg)
             runner = StepRunner(model, mesh, cfg, torch.device("cpu"))
             load_full_state_dict(runner.module, start)
             share = batch_mesh(mesh)
-            rows = slice(share.get_local_rank() * ids.shape[0] // share.size(),
-                         (share.get_local_rank() + 1) * ids.shape[0] // share.size())
+            rows = slice(
+                share.get_local_rank() * ids.shape[0] // share.size(),
+                (share.get_local_rank() + 1) * ids.shape[0] // share.size(),
+            )
             loss = runner.forward_backward(ids[rows], labels[rows], positions[rows] if documents else None)
             ref_loss, ref_params = refs[documents]
             where = (kind, layout, comm, documents, "weights seed 1, batch seed 5")
@@ -312,21 +349,22 @@ def check_composed_layouts_match_single_process():
                 assert rel_err(p.grad.full_tensor(), ref_params[name].grad) < 1e-4, (where, name)
 
 
+@launch_tests(
+    8,
+    [
+        check_sharding_round_trips,
+        check_ring_matches_full_attention,
+        check_comm_types_match_full_attention,
+        check_ring_bfloat16,
+        check_per_rank_work_is_balanced,
+        check_document_work_is_counted,
+        check_qwen2_loss_and_grads_match,
+        check_composed_layouts_match_single_process,
+    ],
+    timeout=600,
+)
 def test_context_parallel_8_ranks():
-    run_checks(
-        [
-            check_sharding_round_trips,
-            check_ring_matches_full_attention,
-            check_comm_types_match_full_attention,
-            check_ring_bfloat16,
-            check_per_rank_work_is_balanced,
-            check_document_work_is_counted,
-            check_qwen2_loss_and_grads_match,
-            check_composed_layouts_match_single_process,
-        ],
-        8,
-        timeout=600,
-    )
+    return ()
 
 
 def test_bad_sequence_length_names_the_numbers():
@@ -342,8 +380,14 @@ def test_cp_comm_type_errors_name_the_key_and_fix():
     from meshtron.parallel.layout import validate_layout
 
     def layout(comm: str, cp: int, tp: int = 1, heads: int = 8, kv: int = 2, a2a_size: int = 0, seq: int = 64):
-        model = ModelConfig(vocab_size=64, hidden_size=8 * heads, intermediate_size=32, num_hidden_layers=2,
-                            num_attention_heads=heads, num_key_value_heads=kv)
+        model = ModelConfig(
+            vocab_size=64,
+            hidden_size=8 * heads,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+        )
         parallel = ParallelConfig(cp=cp, tp=tp, cp_comm_type=comm, cp_a2a_size=a2a_size)
         validate_layout(Config(model=model, parallel=parallel, train=TrainConfig(seq_len=seq)), cp * tp)
 

@@ -25,7 +25,9 @@ def _cuda_python_missing() -> str | None:
     """Why the CUDA dry run cannot run here, or None."""
     if not PYTHON.exists():
         return f"no CUDA environment at {VENV} (benchmarks/cuda_dry_run.sh makes one; MESHTRON_CUDA_VENV names another)"
-    probe = subprocess.run([str(PYTHON), "-c", "import torch; print(torch.version.cuda)"], capture_output=True, text=True)
+    probe = subprocess.run(
+        [str(PYTHON), "-c", "import torch; print(torch.version.cuda)"], capture_output=True, text=True
+    )
     if probe.returncode or probe.stdout.strip() in ("", "None"):
         return f"{PYTHON} has no CUDA build of torch: {probe.stdout.strip() or probe.stderr.strip()[-200:]}"
     return None
@@ -37,9 +39,14 @@ needs_cuda_python = pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING
 
 def cuda_dry_run(*args: str) -> dict:
     """The ``--json`` report of a dry run on fake CUDA devices, run by the CUDA environment's python."""
-    done = subprocess.run([str(PYTHON), "-m", "meshtron.train", "--json", *args], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "MESHTRON_DEVICE": "cuda", "PYTHONPATH": str(ROOT)},
-                          timeout=900)
+    done = subprocess.run(
+        [str(PYTHON), "-m", "meshtron.train", "--json", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MESHTRON_DEVICE": "cuda", "PYTHONPATH": str(ROOT)},
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
 
@@ -52,8 +59,11 @@ def test_a_cpu_build_refuses_a_cuda_dry_run(capsys, monkeypatch):
     monkeypatch.setenv("MESHTRON_DEVICE", "cuda")
     assert main(["--recipe", "recipes/debug_dense.toml", "--dry-run", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("meshtron: a dry run on CUDA (MESHTRON_DEVICE=cuda) needs a CUDA build of torch") and \
-        "pip install torch==" in err and err.count("\n") == 1, err
+    assert (
+        err.startswith("meshtron: a dry run on CUDA (MESHTRON_DEVICE=cuda) needs a CUDA build of torch")
+        and "pip install torch==" in err
+        and err.count("\n") == 1
+    ), err
 
 
 def test_compiled_blocks_are_refused_in_one_line(capsys):
@@ -78,8 +88,20 @@ def test_shipped_recipe_traces_on_fake_cuda():
     only the offload's declared waits: FSDP2's for each gradient's copy to the host at the end of backward,
     and three values crossing to and from the host's optimizer (meshtron.host.across: the norm's host sum,
     the clipping coefficient, the skip flag; one copy each, not one per gradient)."""
-    report = cuda_dry_run("--recipe", "recipes/qwen2p5_0p5b.toml", "--dry-run", "8", "--model.num_hidden_layers", "4",
-                          "--train.seq_len", "2048", "--parallel.offload", "optimizer", "--parallel.microbatches", "1")
+    report = cuda_dry_run(
+        "--recipe",
+        "recipes/qwen2p5_0p5b.toml",
+        "--dry-run",
+        "8",
+        "--model.num_hidden_layers",
+        "4",
+        "--train.seq_len",
+        "2048",
+        "--parallel.offload",
+        "optimizer",
+        "--parallel.microbatches",
+        "1",
+    )
     (rank,) = report["ranks"]
     assert 0.95 <= rank["ratio"] <= 1.05 and rank["host_peak_gib"] > 0, rank
     assert abs(rank["host_gib"] - rank["planned_host_gib"]) <= 0.01 * rank["planned_host_gib"], rank
@@ -95,13 +117,29 @@ def test_offload_with_two_microbatches_traces_with_its_declared_host_accumulatio
     gradient shards into those already on the host, which FSDP2 copies there blocking (issue 46), one wait per
     parameter tensor of the rank (50: 4 layers x 12 and the tied embedding and final norm), declared in
     meshtron.host.TORCH_WAITS; the other waits as with one micro-batch, nothing undeclared."""
-    report = cuda_dry_run("--recipe", "recipes/qwen2p5_0p5b.toml", "--dry-run", "8", "--model.num_hidden_layers", "4",
-                          "--train.seq_len", "2048", "--parallel.offload", "optimizer", "--parallel.microbatches", "2",
-                          "--train.global_batch_size", "16")
+    report = cuda_dry_run(
+        "--recipe",
+        "recipes/qwen2p5_0p5b.toml",
+        "--dry-run",
+        "8",
+        "--model.num_hidden_layers",
+        "4",
+        "--train.seq_len",
+        "2048",
+        "--parallel.offload",
+        "optimizer",
+        "--parallel.microbatches",
+        "2",
+        "--train.global_batch_size",
+        "16",
+    )
     (rank,) = report["ranks"]
     waits = {site.split(" at ")[1].split(":")[0]: n for site, n in rank["host_syncs"].items()}
-    assert waits == {"torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py": 50,
-                     "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py": 50, "meshtron/host.py": 3}, rank
+    assert waits == {
+        "torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py": 50,
+        "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py": 50,
+        "meshtron/host.py": 3,
+    }, rank
     assert abs(rank["host_gib"] - rank["planned_host_gib"]) <= 0.01 * rank["planned_host_gib"], rank
 
 
@@ -115,25 +153,68 @@ def test_transformers_model_traces_on_fake_cuda(tmp_path):
     import transformers
 
     folder = tmp_path / "qwen2"
-    transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2).save_pretrained(folder)
-    report = cuda_dry_run("--recipe", "recipes/debug_dense.toml", "--model.hf_model", str(folder), "--dry-run", "4",
-                          "--parallel.dp", "2", "--parallel.tp", "2", "--train.seq_len", "256")
+    transformers.Qwen2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ).save_pretrained(folder)
+    report = cuda_dry_run(
+        "--recipe",
+        "recipes/debug_dense.toml",
+        "--model.hf_model",
+        str(folder),
+        "--dry-run",
+        "4",
+        "--parallel.dp",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--train.seq_len",
+        "256",
+    )
     (rank,) = report["ranks"]
     assert rank["collectives"] and rank["host_syncs"] == {} and rank["traced_gib"] > 0, rank
-    report = cuda_dry_run("--recipe", "recipes/debug_dense.toml", "--model.hf_model", str(folder), "--dry-run", "4",
-                          "--parallel.dp", "2", "--parallel.tp", "2", "--train.seq_len", "256",
-                          "--parallel.offload", "optimizer", "--parallel.offload_activations", "true")
+    report = cuda_dry_run(
+        "--recipe",
+        "recipes/debug_dense.toml",
+        "--model.hf_model",
+        str(folder),
+        "--dry-run",
+        "4",
+        "--parallel.dp",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--train.seq_len",
+        "256",
+        "--parallel.offload",
+        "optimizer",
+        "--parallel.offload_activations",
+        "true",
+    )
     (rank,) = report["ranks"]
     waits = {site.split(" at ")[1].split(":")[0] for site in rank["host_syncs"]}
     assert waits == {"torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py", "meshtron/host.py"}, rank
     assert rank["host_peak_gib"] > 0, rank
 
+
 # What benchmarks/cuda_dry_run.sh traced on fake CUDA devices: per case, each distinct rank's peak on its GPU
 # (the host's apart, ``host_peak_gib``), at the recipe's stated layout for the shipped recipes.
 TRACED_CUDA = ROOT / "benchmarks" / "results" / "cuda_dry_run.json"
-SHIPPED = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_7b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b",
-           "qwen1p5_moe_a2p7b", "qwen2_57b_a14b")
+SHIPPED = (
+    "qwen2p5_0p5b",
+    "qwen2p5_1p5b",
+    "qwen2p5_3b",
+    "qwen2p5_7b",
+    "qwen2p5_14b",
+    "qwen2p5_32b",
+    "qwen2p5_72b",
+    "qwen1p5_moe_a2p7b",
+    "qwen2_57b_a14b",
+)
 
 
 def test_every_shipped_recipe_has_a_stored_cuda_trace():
@@ -172,9 +253,9 @@ def test_plan_holds_to_every_stored_cuda_trace(case):
     The 72B offload recipe was at 1.054 and op recompute with it at 1.082 until the plan counted the LM head's
     all-gather output FSDP2 holds through the loss. Transformers models too (Qwen2.5-0.5B's shapes at 1.544 and
     1.700 until the plan counted their head's logits and loss, and their traces stopped building a packed-sequence
-    mask a real step does not build: meshtron.hf.pipeline.whole_sequences). Not a case the dry run refuses (compile). With host offload, the host's peak within 5 % of
-    the plan's offloaded state and saved tensors (114.9 GiB of 99.4 for the 7B when a tensor several ops saved
-    was copied once per op; 98.2 since views of one storage share one copy)."""
+    mask a real step does not build: meshtron.hf.pipeline.whole_sequences). Not a case the dry run refuses (compile).
+    With host offload, the host's peak within 5 % of the plan's offloaded state and saved tensors (114.9 GiB of 99.4 for
+    the 7B when a tensor several ops saved was copied once per op; 98.2 since views of one storage share one copy)."""
     from meshtron.dryrun import TRACE_ASSUMPTIONS
     from meshtron.plan.memory import GIB, rank_breakdown
     from meshtron.plan.parameters import Coords
@@ -188,18 +269,28 @@ def test_plan_holds_to_every_stored_cuda_trace(case):
     benchmark.replan(rows)  # today's plan for each traced rank, as the table's --replan sets it
     for row in rows:
         planned = row["planned_gib"]
-        assert abs(row["traced_gib"] - planned) <= max(0.05 * planned, 2 ** -10), (case, row["rank"], row["traced_gib"], planned)
+        assert abs(row["traced_gib"] - planned) <= max(0.05 * planned, 2**-10), (
+            case,
+            row["rank"],
+            row["traced_gib"],
+            planned,
+        )
         host = rank_breakdown(cfg, Coords(**row["coords"]), TRACE_ASSUMPTIONS).host
         offloaded = sum(host[k] for k in ("params", "grads", "optimizer", "activations")) / GIB
-        assert abs(row["host_peak_gib"] - offloaded) <= 0.05 * offloaded, (case, row["rank"], row["host_peak_gib"], offloaded)
+        assert abs(row["host_peak_gib"] - offloaded) <= 0.05 * offloaded, (
+            case,
+            row["rank"],
+            row["host_peak_gib"],
+            offloaded,
+        )
 
 
 def test_stored_offload_recipe_trace_has_only_declared_waits():
-    """recipes/qwen2p5_72b_8gpu.toml at its earlier layout's 8 micro-batches as the CUDA dry run traced it (issue 46): FSDP2's
-    end-of-backward wait per parameter tensor of the rank (963: 80 layers x 12, embedding, final norm, LM head),
-    its blocking copy of each tensor's gradient shard in each of micro-batches 2-8 (7 x 963), which it adds into
-    the gradient on the host, and the three values crossing to the host's optimizer; nothing else (the dry
-    run refuses an undeclared wait). The host's offloaded state within 1 % of today's plan."""
+    """recipes/qwen2p5_72b_8gpu.toml at its earlier layout's 8 micro-batches as the CUDA dry run traced it (issue 46):
+    FSDP2's end-of-backward wait per parameter tensor of the rank (963: 80 layers x 12, embedding, final norm, LM head),
+    its blocking copy of each tensor's gradient shard in each of micro-batches 2-8 (7 x 963), which it adds into the
+    gradient on the host, and the three values crossing to the host's optimizer; nothing else (the dry run refuses an
+    undeclared wait). The host's offloaded state within 1 % of today's plan."""
     from meshtron.dryrun import TRACE_ASSUMPTIONS
     from meshtron.plan.memory import GIB, rank_breakdown
     from meshtron.plan.parameters import Coords
@@ -209,15 +300,18 @@ def test_stored_offload_recipe_trace_has_only_declared_waits():
     assert cfg.parallel.microbatches == 8 and rows and all("error" not in row for row in rows), rows
     for row in rows:
         waits = {site.split(" at ")[1].split(":")[0]: n for site, n in row["syncs"].items()}
-        assert waits == {"torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py": 963,
-                         "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py": 7 * 963,
-                         "meshtron/host.py": 3}, row["syncs"]
+        assert waits == {
+            "torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py": 963,
+            "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py": 7 * 963,
+            "meshtron/host.py": 3,
+        }, row["syncs"]
         host = rank_breakdown(cfg, Coords(**row["coords"]), TRACE_ASSUMPTIONS).host
         planned = sum(host[k] for k in ("params", "grads", "optimizer")) / GIB
         assert abs(row["host_gib"] - planned) <= 0.01 * planned, (row["host_gib"], planned)
 
 
 # What the dry run on fake CUDA found under [parallel] offload = "optimizer", checked where the CPU path sees it.
+
 
 def test_clipping_copies_its_coefficient_once_per_device_and_dtype():
     """``scale_grads_`` copied the clipping coefficient to each gradient's device and dtype, one copy per
@@ -244,12 +338,12 @@ def test_clipping_copies_its_coefficient_once_per_device_and_dtype():
 
 def test_host_sync_counting_of_copies_to_the_host_and_torch_waits():
     """A non-blocking copy to the host lands in pinned memory torch allocates: no wait until the reader
-    synchronizes (FSDP2's offloaded gradients), a blocking one waits; FSDP2's wait for them at the end of
-    backward and its blocking copy of a micro-batch's gradient shard that accumulates on the host are the torch
-waits meshtron.host declares, each named by torch's own frame and op."""
+        synchronizes (FSDP2's offloaded gradients), a blocking one waits; FSDP2's wait for them at the end of
+        backward and its blocking copy of a micro-batch's gradient shard that accumulates on the host are the torch
+    waits meshtron.host declares, each named by torch's own frame and op."""
     from meshtron.host import declared
-    from meshtron.watch.syncs import HostSyncCounter, Sync
     from meshtron.torch_private import fake_tensor_mode_class
+    from meshtron.watch.syncs import HostSyncCounter, Sync
 
     with fake_tensor_mode_class()():
         device_tensor = torch.empty(4, device="meta")  # any other device than the host's
@@ -282,4 +376,3 @@ def test_stored_offload_trace_holds_the_planned_host_bytes():
     host = rank_breakdown(cfg, Coords(**row["coords"]), TRACE_ASSUMPTIONS).host
     planned = sum(host[k] for k in ("params", "grads", "optimizer")) / GIB
     assert abs(row["host_gib"] - planned) <= 0.01 * planned, (row["host_gib"], planned)
-

@@ -23,11 +23,13 @@ from meshtron.data import (
     load_tokenizer,
     mixture_assign,
     open_tokens,
+    packing,
     prepare_tokens,
     source_files,
+    sources,
     to_device,
 )
-from meshtron.data import packing, sources
+from meshtron.testing import launch_tests
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -73,14 +75,30 @@ def write_saved_dataset(folder, shards, key="text"):
         table = pa.table({key: docs})
         with pa.ipc.new_stream(str(folder / name), table.schema) as writer:
             writer.write_table(table, max_chunksize=3)
-    (folder / "state.json").write_text(json.dumps({
-        "_data_files": [{"filename": n} for n in names], "_fingerprint": "0", "_format_columns": None,
-        "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None,
-    }))
-    (folder / "dataset_info.json").write_text(json.dumps({
-        "citation": "", "description": "", "homepage": "", "license": "",
-        "features": {key: {"dtype": "string", "_type": "Value"}},
-    }))
+    (folder / "state.json").write_text(
+        json.dumps(
+            {
+                "_data_files": [{"filename": n} for n in names],
+                "_fingerprint": "0",
+                "_format_columns": None,
+                "_format_kwargs": {},
+                "_format_type": None,
+                "_output_all_columns": False,
+                "_split": None,
+            }
+        )
+    )
+    (folder / "dataset_info.json").write_text(
+        json.dumps(
+            {
+                "citation": "",
+                "description": "",
+                "homepage": "",
+                "license": "",
+                "features": {key: {"dtype": "string", "_type": "Value"}},
+            }
+        )
+    )
     return folder
 
 
@@ -423,12 +441,18 @@ def test_mixture_weights_layouts_and_resume(tmp_path, rng):
         TokenDataset.open(cfg).load_state_dict(state)
 
 
-@pytest.mark.parametrize("entry,message", [
-    ('{path = "x", weight = 0}', r"sources\[0\] weight must be a positive number, got 0"),
-    ('{path = "x"}', r"sources\[0\] weight must be a positive number, got None"),
-    ('{weight = 1}', r"sources\[0\] needs a path"),
-    ('{path = "x", weight = 1, wieght = 2}', r"unknown key 'wieght'; valid keys: path, weight, text_key. Did you mean 'weight'"),
-])
+@pytest.mark.parametrize(
+    "entry,message",
+    [
+        ('{path = "x", weight = 0}', r"sources\[0\] weight must be a positive number, got 0"),
+        ('{path = "x"}', r"sources\[0\] weight must be a positive number, got None"),
+        ("{weight = 1}", r"sources\[0\] needs a path"),
+        (
+            '{path = "x", weight = 1, wieght = 2}',
+            r"unknown key 'wieght'; valid keys: path, weight, text_key. Did you mean 'weight'",
+        ),
+    ],
+)
 def test_mixture_config_errors(tmp_path, entry, message):
     from meshtron.config import load_config
 
@@ -660,8 +684,23 @@ def test_prepare_cli_builds_every_source_of_a_mixture(tmp_path, rng):
     tables = ", ".join("{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in e.items()) + "}" for e in cfg.data.sources)
     recipe.write_text(f"[data]\nsources = [{tables}]\ncache_dir = {json.dumps(cfg.data.cache_dir)}\n")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, "-m", "meshtron.data.prepare", "--recipe", str(recipe), "--workers", "1",
-                           "--train.seq_len", "8"], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshtron.data.prepare",
+            "--recipe",
+            str(recipe),
+            "--workers",
+            "1",
+            "--train.seq_len",
+            "8",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(line) for line in done.stdout.splitlines()]
     specs = data_sources(cfg.data)
@@ -670,8 +709,13 @@ def test_prepare_cli_builds_every_source_of_a_mixture(tmp_path, rng):
     for spec, report in zip(specs, reports):
         meta = json.loads(prepare_tokens(cfg, source=spec).read_text())  # found, not rebuilt
         assert meta["key"] == report["cache"] and meta["num_tokens"] == report["tokens"] > 0
-    bad = subprocess.run([sys.executable, "-m", "meshtron.data.prepare", "--recipe", str(recipe), "--workers", "0"],
-                         env=env, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "meshtron.data.prepare", "--recipe", str(recipe), "--workers", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and bad.stderr.strip() == "meshtron: --workers must be >= 1, got 0."
 
 
@@ -692,11 +736,10 @@ def check_ranks_share_one_cache(cfg: Config, steps: int) -> None:
         assert torch.equal(labels, dataset.batch_for_step(step, rank, world)[1])
 
 
+@launch_tests(4, [check_ranks_share_one_cache], timeout=120)
 def test_ranks_share_one_cache(tmp_path, rng):
-    from meshtron.testing import run_checks
-
     cfg = corpus_cfg(tmp_path, rng, seq_len=8, batch=8)
-    run_checks([check_ranks_share_one_cache], 4, cfg, 3, timeout=120)
+    yield cfg, 3
     assert len(list((tmp_path / "cache").glob("tokens-*.bin"))) == 1
 
 
@@ -704,8 +747,13 @@ def test_ranks_share_one_cache(tmp_path, rng):
 
 
 def sft_examples(rng, count):
-    return [(" ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 12))) + "?",
-             " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12))) + ".") for _ in range(count)]
+    return [
+        (
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 12))) + "?",
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12))) + ".",
+        )
+        for _ in range(count)
+    ]
 
 
 def test_prompt_response_labels_only_responses(tmp_path, rng):
@@ -731,7 +779,10 @@ def test_prompt_response_labels_only_responses(tmp_path, rng):
             x, y = dataset.batch_for_step(step)
             for row, window in enumerate(ids.tolist()):
                 start = window * 16 + 1
-                want = [t if m else -100 for t, m in zip(expected_tokens[start:start + 16], expected_mask[start:start + 16])]
+                want = [
+                    t if m else -100
+                    for t, m in zip(expected_tokens[start : start + 16], expected_mask[start : start + 16])
+                ]
                 assert y[row].tolist() == want
                 assert x[row].tolist() == expected_tokens[start - 1 : start + 15]
     cfg.data.format = "text"  # the same file as plain text is another cache, with every label counted
@@ -749,8 +800,10 @@ def _sft_cfg(tmp_path, source, fmt="prompt_response", **kw):
     return cfg
 
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def test_chat_template_counts_only_assistant_turns(tmp_path, rng):
@@ -760,16 +813,23 @@ def test_chat_template_counts_only_assistant_turns(tmp_path, rng):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(random_docs(rng, 50), trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        random_docs(rng, 50),
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     folder = tmp_path / "tok"
     folder.mkdir()
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
     conversations = []
     for prompt, response in sft_examples(rng, 30):
-        turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": prompt},
-                 {"role": "assistant", "content": response}]
+        turns = [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": response},
+        ]
         if rng.random() < 0.5:
             turns += [{"role": "user", "content": "more"}, {"role": "assistant", "content": response[::-1]}]
         conversations.append(turns)
@@ -782,11 +842,14 @@ def test_chat_template_counts_only_assistant_turns(tmp_path, rng):
     # The counted tokens of each conversation decode to its assistant turns, each with its end-of-turn
     # marker, then the separator; everything else decodes to the rest of the rendered conversation.
     counted = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
-    want = "".join("".join(m["content"] + "<|im_end|>\n" for m in c if m["role"] == "assistant") + "<|endoftext|>"
-                   for c in conversations)
+    want = "".join(
+        "".join(m["content"] + "<|im_end|>\n" for m in c if m["role"] == "assistant") + "<|endoftext|>"
+        for c in conversations
+    )
     assert counted == want
-    assert tok.decode([t for t, m in zip(ids, mask) if not m], skip_special_tokens=False).count("<|im_start|>assistant\n") \
-        == sum(m["role"] == "assistant" for c in conversations for m in c)
+    assert tok.decode([t for t, m in zip(ids, mask) if not m], skip_special_tokens=False).count(
+        "<|im_start|>assistant\n"
+    ) == sum(m["role"] == "assistant" for c in conversations for m in c)
     assert ids.count(eos) == len(conversations)
 
     (folder / "tokenizer_config.json").write_text("{}")
@@ -834,8 +897,12 @@ def check_sft_loss_counts_only_responses(root: str) -> None:
 
     empty_shares = 0
     for layout in SFT_LAYOUTS:
-        cfg = _recipe(root, f"{root}/unused", ["--data.source", f"{root}/sft.parquet", "--data.format",
-                                               '"prompt_response"', "--train.seq_len", "16"], layout)
+        cfg = _recipe(
+            root,
+            f"{root}/unused",
+            ["--data.source", f"{root}/sft.parquet", "--data.format", '"prompt_response"', "--train.seq_len", "16"],
+            layout,
+        )
         dataset = TokenDataset.open(cfg)
         x, y = dataset.batch_for_step(1)
         reference = build_model(cfg.model)
@@ -881,14 +948,13 @@ def check_every_source_kind_trains(root: str) -> None:
             assert len(losses) == 2 and all(0 < loss < 10 for loss in losses), (name, losses)
 
 
+@launch_tests(4, [check_sft_loss_counts_only_responses, check_every_source_kind_trains], timeout=900)
 def test_sft_loss_and_every_source_kind_on_4_ranks(tmp_path):
     # A fixed draw: step 1's global batch holds 8 response labels of 256, and 3 of the 4 dp4 shares
     # and 1 of the 2 pp2 x dp2 shares hold none (an unseeded draw sometimes had no response label at all).
     rng = random.Random(12)
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from meshtron.testing import run_checks
 
     docs = random_docs(rng, 200)
     (tmp_path / "a.txt").write_text(DOC_SEPARATOR.join(docs[:40]))
@@ -906,5 +972,5 @@ def test_sft_loss_and_every_source_kind_on_4_ranks(tmp_path):
     saved = tmp_path / "sft_saved" / "data-00000-of-00001.arrow"
     with pa.ipc.new_stream(str(saved), pa.table(table).schema) as writer:  # both columns
         writer.write_table(pa.table(table))
-    run_checks([check_sft_loss_counts_only_responses, check_every_source_kind_trains], 4, str(tmp_path), timeout=900)
+    yield (str(tmp_path),)
     assert len(list((tmp_path / "cache").glob("tokens-*.bin"))) == 5 + 2

@@ -23,35 +23,56 @@ from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
 from meshtron.mesh import batch_mesh, dense_data_mesh
 from meshtron.models import build_model, token_loss_sum
-from meshtron.parallel.recompute import apply_activation_checkpointing, checkpointed_layers
 from meshtron.parallel.context import apply_context_parallel, shard_batch
 from meshtron.parallel.data import apply_data_parallel, data_meshes
 from meshtron.parallel.expert import apply_expert_parallel
-from meshtron.parallel.offload import apply_activation_offload
 from meshtron.parallel.grad_norm import clip_grad_norm_, global_grad_norm
+from meshtron.parallel.offload import apply_activation_offload
+from meshtron.parallel.recompute import apply_activation_checkpointing, checkpointed_layers
 from meshtron.parallel.tensor import apply_tensor_parallel
 from meshtron.parallel.vocab_loss import parallel_token_loss_sum
-from meshtron.testing import cached_mesh, cached_recipe_mesh, random_model, rel_err, run_checks
+from meshtron.testing import cached_mesh, cached_recipe_mesh, launch_tests, random_model, rel_err
 from test_float8 import HAS_TORCHAO, check_fsdp_matches_one_rank_fp8
 
 FP8_CHECKS = [check_fsdp_matches_one_rank_fp8] if HAS_TORCHAO else []
 
 # 2 KV heads: tp = 4 exercises the TP plan's replicated KV heads.
 CFG = dict(
-    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-    num_key_value_heads=2, rope_theta=10000.0,
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
 )
 # Without expert parallelism ep must stay 1 for MoE (experts would see other tokens on each ep rank).
 # The aux loss needs global router statistics, which expert parallelism installs; it is off here.
 MOE = dict(
-    CFG, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-    mlp_only_layers=[1], router_aux_loss_coef=0.0,
+    CFG,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    mlp_only_layers=[1],
+    router_aux_loss_coef=0.0,
 )
 BATCH, SEQ, STEPS, MAX_NORM = 8, 16, 3, 0.5
 
 
-def _parallel(cfg, full, mesh, mode="fsdp", ac="none", dtype="float32", sp=False, ac_policy="save_matmuls",
-              offload="none", offload_activations=False, ac_parts=()):
+def _parallel(
+    cfg,
+    full,
+    mesh,
+    mode="fsdp",
+    ac="none",
+    dtype="float32",
+    sp=False,
+    ac_policy="save_matmuls",
+    offload="none",
+    offload_activations=False,
+    ac_parts=(),
+):
     """The training path: meta model -> TP -> EP -> CP -> AC (activation offload) -> data parallel (host offload)
     -> materialise -> load ``full``."""
     with torch.device("meta"):
@@ -107,7 +128,11 @@ def _train(model, local_batch, clip):
 
 
 def _run_reference(ref):
-    return _train(ref, lambda t, l: (t, l, None), lambda ps: torch.nn.utils.clip_grad_norm_(list(ps), MAX_NORM))
+    return _train(
+        ref,
+        lambda tokens, labels: (tokens, labels, None),
+        lambda ps: torch.nn.utils.clip_grad_norm_(list(ps), MAX_NORM),
+    )
 
 
 def _run_parallel(model, mesh):
@@ -169,23 +194,28 @@ def check_dp4_and_dp_tp():
 
 
 def check_dp8_and_modes():
-    _check_layouts([
-        (dict(dp=8), "fsdp"),
-        (dict(dp=2, ep=2, tp=2), "fsdp"),
-        (dict(dp=2, ep=2, tp=2), "hsdp"),
-        (dict(dp=2, ep=2, tp=2), "replicate"),
-    ])
+    _check_layouts(
+        [
+            (dict(dp=8), "fsdp"),
+            (dict(dp=2, ep=2, tp=2), "fsdp"),
+            (dict(dp=2, ep=2, tp=2), "hsdp"),
+            (dict(dp=2, ep=2, tp=2), "replicate"),
+        ]
+    )
 
 
+@pytest.mark.full
 def check_tied_dp_tp():
     _check_layouts([(dict(dp=2, tp=4), "fsdp", True)], tie_word_embeddings=True)
 
 
+@pytest.mark.full
 def check_context_parallel():
     """cp ranks hold other positions: dense weights are sharded and reduced over them too."""
     _check_layouts([(dict(dp=2, cp=2, tp=2), "fsdp"), (dict(dp=2, cp=2, ep=2), "hsdp")])
 
 
+@pytest.mark.full
 def check_moe():
     """Experts on the dp x cp mesh next to dense weights on dp x ep x cp (and tp)."""
     _check_layouts([(dict(dp=4, tp=2), "fsdp"), (dict(dp=8), "hsdp")], **MOE)
@@ -202,11 +232,18 @@ def _local(t):
 
 
 # (activation_checkpointing, ac_policy, ac_parts)
-AC_RUNS = (("none", "save_matmuls", ()), ("full", "save_matmuls", ()), ("selective", "save_matmuls", ()),
-           ("op", "save_matmuls", ()), ("op", "alternate_matmuls", ()), ("op", "parts", ("core_attn",)),
-           ("op", "parts", ("mlp", "moe_experts")))
+AC_RUNS = (
+    ("none", "save_matmuls", ()),
+    ("full", "save_matmuls", ()),
+    ("selective", "save_matmuls", ()),
+    ("op", "save_matmuls", ()),
+    ("op", "alternate_matmuls", ()),
+    ("op", "parts", ("core_attn",)),
+    ("op", "parts", ("mlp", "moe_experts")),
+)
 
 
+@pytest.mark.full
 def check_checkpointing_is_bit_identical():
     """Recomputation must not change a single bit of the loss or the (local) gradients: every mode and
     op policy, on a dense model over dp x ep x tp with SP and on a MoE one with its experts over ep."""
@@ -228,6 +265,7 @@ def check_checkpointing_is_bit_identical():
                 assert torch.equal(runs[key][1][name], grad), f"{where} changed the gradient of {name}"
 
 
+@pytest.mark.full
 def check_offload_is_bit_identical():
     """Host offload of the optimizer state (the AdamW step on the host's shards) and of the blocks' saved
     tensors, with and without selective checkpointing, change no bit of the losses, gradients, clipped norms
@@ -244,7 +282,8 @@ def check_offload_is_bit_identical():
             model = _parallel(cfg, start, mesh, ac=ac, sp=sp, offload="optimizer", offload_activations=True)
             assert all(_local(p).device.type == "cpu" for p in model.parameters())
             for step, ((loss, grads, norm), (want, want_grads, want_norm)) in enumerate(
-                    zip(_run_parallel(model, mesh), expected)):
+                zip(_run_parallel(model, mesh), expected)
+            ):
                 assert torch.equal(loss, want) and torch.equal(norm, want_norm), f"{where} step {step}: loss or norm"
                 for name, grad in want_grads.items():
                     assert torch.equal(_local(grads[name]), _local(grad)), f"{where} step {step}: gradient of {name}"
@@ -252,6 +291,7 @@ def check_offload_is_bit_identical():
                 assert torch.equal(_local(p), _local(q)), f"{where}: {name} after {STEPS} steps changed"
 
 
+@pytest.mark.full
 def check_op_checkpointing_trains_moe():
     """The trainer's step (its runner: TP, EP, FSDP with the experts' own unit inside each checkpointed block)
     of the debug MoE recipe under ``op`` gives the loss and the gradients of no checkpointing bit for bit: at
@@ -301,6 +341,7 @@ def _bf16_step(ref):
     return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
 
 
+@pytest.mark.full
 def check_bf16_smoke():
     """bf16 compute with fp32 master weights and fp32 reduction: the first step's loss and gradients equal
     the single-process bf16 run's within the measured bf16 noise."""
@@ -318,6 +359,7 @@ def check_bf16_smoke():
         assert err < BF16_GRAD_TOL, f"bf16 gradient of {name} off by {err:.2e}"
 
 
+@pytest.mark.full
 def check_norm_types():
     """1-, 2- and inf-norms over dense grads on (dp_ep_cp, tp) and expert grads on edp."""
     cfg = ModelConfig(**MOE)
@@ -332,6 +374,7 @@ def check_norm_types():
         assert rel_err(global_grad_norm(model.parameters(), p), expected) < 1e-5, f"{p}-norm"
 
 
+@pytest.mark.full
 def check_hsdp_meshes():
     mesh = cached_mesh(dp=2, cp=2, ep=2)
     dense, expert = data_meshes(mesh, "hsdp")
@@ -339,30 +382,49 @@ def check_hsdp_meshes():
     # Experts: edp = dp x cp here (ep splits them), replicated over dp and sharded over cp.
     assert expert.mesh_dim_names == ("edp_replicate", "edp_shard") and expert.shape == (2, 2)
     rank = dist.get_rank()
-    assert dist.get_process_group_ranks(expert.get_group("edp_shard")) == [rank // 4 * 4 + rank % 2, rank // 4 * 4 + rank % 2 + 2]
+    assert dist.get_process_group_ranks(expert.get_group("edp_shard")) == [
+        rank // 4 * 4 + rank % 2,
+        rank // 4 * 4 + rank % 2 + 2,
+    ]
     assert dist.get_process_group_ranks(expert.get_group("edp_replicate")) == [rank % 4, rank % 4 + 4]
     # Ranks are laid out (dp, cp, ep): the shard group is this rank's dp slice, the replica group
     # the ranks 4 apart.
-    assert sorted(dist.get_process_group_ranks(dense.get_group("cp_ep"))) == list(range(rank // 4 * 4, rank // 4 * 4 + 4))
+    assert sorted(dist.get_process_group_ranks(dense.get_group("cp_ep"))) == list(
+        range(rank // 4 * 4, rank // 4 * 4 + 4)
+    )
     assert sorted(dist.get_process_group_ranks(dense.get_group("dp"))) == [rank % 4, rank % 4 + 4]
 
 
+@launch_tests(2, [check_dp2, *FP8_CHECKS], timeout=120)
 def test_data_parallel_2_ranks():
-    run_checks([check_dp2, *FP8_CHECKS], 2, timeout=120)
+    return ()
 
 
+@launch_tests(
+    4,
+    [check_dp4_and_dp_tp, check_offload_is_bit_identical, check_op_checkpointing_trains_moe, *FP8_CHECKS],
+    timeout=180,
+)
 def test_data_parallel_4_ranks():
-    run_checks([check_dp4_and_dp_tp, check_offload_is_bit_identical, check_op_checkpointing_trains_moe, *FP8_CHECKS], 4,
-               timeout=180)
+    return ()
 
 
+@launch_tests(
+    8,
+    [
+        check_dp8_and_modes,
+        check_tied_dp_tp,
+        check_context_parallel,
+        check_moe,
+        check_checkpointing_is_bit_identical,
+        check_bf16_smoke,
+        check_norm_types,
+        check_hsdp_meshes,
+    ],
+    timeout=240,
+)
 def test_data_parallel_8_ranks():
-    run_checks(
-        [check_dp8_and_modes, check_tied_dp_tp, check_context_parallel, check_moe, check_checkpointing_is_bit_identical,
-         check_bf16_smoke, check_norm_types, check_hsdp_meshes],
-        8,
-        timeout=240,
-    )
+    return ()
 
 
 def test_selective_checkpointing_picks_every_nth_global_layer():
@@ -396,8 +458,10 @@ def test_op_checkpointing_trains_moe_models_and_the_search_tries_it():
 
     moe = Path(__file__).resolve().parent.parent / "recipes" / "debug_moe.toml"
     layout = ["--parallel.ep", "8", "--parallel.dp", "1", "--train.seq_len", "256"]
-    none, op = (evaluate(load_config(moe, layout + ["--parallel.activation_checkpointing", ac]), Hardware())
-                for ac in ("none", "op"))
+    none, op = (
+        evaluate(load_config(moe, layout + ["--parallel.activation_checkpointing", ac]), Hardware())
+        for ac in ("none", "op")
+    )
     assert op.memory.total < none.memory.total
     between = Hardware(memory_gib=(op.memory.total + none.memory.total) / 2 / GIB)
     plans = rank_layouts(load_config(moe, layout[-2:]), 8, between)
@@ -435,11 +499,15 @@ def test_op_checkpointing_is_exact_and_recomputes_what_the_planner_counts(model_
     for key, (loss, grads, _, _) in runs.items():
         assert torch.equal(loss, plain[0]) and all(torch.equal(grads[n], g) for n, g in plain[1].items()), key
     for ac, policy, parts in AC_RUNS[3:]:
-        planned = Config(model=cfg, parallel=ParallelConfig(activation_checkpointing=ac, ac_policy=policy,
-                                                            ac_parts=list(parts)))
-        again = sum(2 * out * width for layer in range(cfg.num_hidden_layers)
-                    for (out, width), rerun in zip(block_matmuls(planned, layer), op_recomputed_matmuls(planned, layer))
-                    if rerun)
+        planned = Config(
+            model=cfg, parallel=ParallelConfig(activation_checkpointing=ac, ac_policy=policy, ac_parts=list(parts))
+        )
+        again = sum(
+            2 * out * width
+            for layer in range(cfg.num_hidden_layers)
+            for (out, width), rerun in zip(block_matmuls(planned, layer), op_recomputed_matmuls(planned, layer))
+            if rerun
+        )
         assert runs[ac, policy, parts][2] - plain[2] == pytest.approx(tokens.numel() * again, rel=1e-9), (policy, parts)
         attention_calls = cfg.num_hidden_layers * ("core_attn" in parts)
         assert runs[ac, policy, parts][3] - plain[3] == attention_calls, (policy, parts)
@@ -448,14 +516,25 @@ def test_op_checkpointing_is_exact_and_recomputes_what_the_planner_counts(model_
     assert runs[AC_RUNS[-2]][2] == plain[2]  # core_attn recomputes no matmul
 
 
-@pytest.mark.parametrize("policy, parts, message", [
-    ("save_matmuls", ["mlp"], "[parallel] ac_parts = ['mlp'] is read with ac_policy = 'parts' only (got 'save_matmuls'); "
-                              "set ac_policy = 'parts' or ac_parts = []."),
-    ("parts", [], "[parallel] ac_parts is empty: ac_policy = 'parts' recomputes the parts it names; name some of "
-                  "core_attn, mlp, moe_experts or use ac_policy = 'save_matmuls'."),
-    ("parts", ["norms"], "[parallel] ac_parts entry must be one of core_attn, mlp, moe_experts, got 'norms'."),
-    ("parts", ["mlp", "mlp"], "[parallel] ac_parts = ['mlp', 'mlp'] names a part twice."),
-])
+@pytest.mark.parametrize(
+    "policy, parts, message",
+    [
+        (
+            "save_matmuls",
+            ["mlp"],
+            "[parallel] ac_parts = ['mlp'] is read with ac_policy = 'parts' only (got 'save_matmuls'); "
+            "set ac_policy = 'parts' or ac_parts = [].",
+        ),
+        (
+            "parts",
+            [],
+            "[parallel] ac_parts is empty: ac_policy = 'parts' recomputes the parts it names; name some of "
+            "core_attn, mlp, moe_experts or use ac_policy = 'save_matmuls'.",
+        ),
+        ("parts", ["norms"], "[parallel] ac_parts entry must be one of core_attn, mlp, moe_experts, got 'norms'."),
+        ("parts", ["mlp", "mlp"], "[parallel] ac_parts = ['mlp', 'mlp'] names a part twice."),
+    ],
+)
 def test_ac_parts_errors(policy, parts, message):
     cfg = Config(parallel=ParallelConfig(activation_checkpointing="op", ac_policy=policy, ac_parts=parts))
     with pytest.raises(ConfigError) as err:
@@ -471,10 +550,18 @@ def test_unknown_mode_fails_before_any_collective():
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("data_parallel", "fsdp2", "data_parallel must be one of fsdp, hsdp, replicate, got 'fsdp2'. Did you mean 'fsdp'"),
+        (
+            "data_parallel",
+            "fsdp2",
+            "data_parallel must be one of fsdp, hsdp, replicate, got 'fsdp2'. Did you mean 'fsdp'",
+        ),
         ("activation_checkpointing", "ful", "activation_checkpointing must be one of none, full, selective, op"),
         ("ac_every", 0, "ac_every must be >= 1"),
-        ("ac_policy", "every_other", "ac_policy must be one of save_matmuls, alternate_matmuls, parts, got 'every_other'"),
+        (
+            "ac_policy",
+            "every_other",
+            "ac_policy must be one of save_matmuls, alternate_matmuls, parts, got 'every_other'",
+        ),
     ],
 )
 def test_config_errors(key, value, message):

@@ -14,11 +14,18 @@ from meshtron.data.packing import pack_documents
 from meshtron.hf import from_hf
 from meshtron.models import build_model, token_loss_sum
 from meshtron.testing import rel_err
-
 from test_data import make_cfg, random_docs, write_jsonl
 
-CFG = dict(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, rope_theta=10_000.0, rms_norm_eps=1e-6)
+CFG = dict(
+    vocab_size=96,
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10_000.0,
+    rms_norm_eps=1e-6,
+)
 EOS = 0
 
 
@@ -28,8 +35,9 @@ def _packed_batch(lengths: list[list[int]], seed: int):
     gen = torch.Generator().manual_seed(seed)
     rows, docs = [], []
     for row in lengths:
-        parts = [torch.cat([torch.randint(1, CFG["vocab_size"], (n - 1,), generator=gen), torch.tensor([EOS])])
-                 for n in row]
+        parts = [
+            torch.cat([torch.randint(1, CFG["vocab_size"], (n - 1,), generator=gen), torch.tensor([EOS])]) for n in row
+        ]
         docs.append(parts)
         rows.append(torch.cat(parts + [torch.randint(1, CFG["vocab_size"], (1,), generator=gen)]))
     windows = torch.stack(rows)

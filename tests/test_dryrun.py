@@ -15,58 +15,136 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from test_readme import table_after, unquote
 
 from meshtron.train import main
-
+from test_readme import table_after, unquote
 
 ROOT = Path(__file__).resolve().parents[1]
 # The shipped recipes (those stating GPUs as their hardware) but the 7B (its own test checks the report
 # and the refusal), slowest first.
-SHIPPED = ("qwen2p5_32b", "qwen2p5_3b", "qwen2p5_72b", "qwen2p5_14b", "qwen2_57b_a14b", "qwen2p5_1p5b",
-           "qwen1p5_moe_a2p7b", "qwen2p5_0p5b")
+SHIPPED = (
+    "qwen2p5_32b",
+    "qwen2p5_3b",
+    "qwen2p5_72b",
+    "qwen2p5_14b",
+    "qwen2_57b_a14b",
+    "qwen2p5_1p5b",
+    "qwen1p5_moe_a2p7b",
+    "qwen2p5_0p5b",
+)
 # MoE layers under tp, checkpointed: routed experts on the SP shards without a shared expert, the tp
 # slices of replicated tokens without SP, experts folded over the dense ranks and split over etp.
-TP_MOE = {"sp": ("--parallel.ep", "1", "--parallel.sp", "true", "--model.shared_expert_intermediate_size", "0"),
-          "no sp": ("--parallel.ep", "1", "--parallel.sp", "false"),
-          "etp": ("--parallel.sp", "true", "--parallel.ep", "4", "--parallel.etp", "2", "--parallel.fold_ep", "true")}
+TP_MOE = {
+    "sp": ("--parallel.ep", "1", "--parallel.sp", "true", "--model.shared_expert_intermediate_size", "0"),
+    "no sp": ("--parallel.ep", "1", "--parallel.sp", "false"),
+    "etp": ("--parallel.sp", "true", "--parallel.ep", "4", "--parallel.etp", "2", "--parallel.fold_ep", "true"),
+}
 # More layouts traced with them: name -> (recipe, overrides).
 DOCUMENTS = ("--data.document_mask", "true", "--train.seq_len", "2048")
 # The data-parallel modes' layout: Qwen2.5-0.5B's shapes, 4 of its 24 layers (the plan is held per rank whatever
 # the depth; all 24 took 60-70 s a mode to trace, 4 take about 15; so for documents under cp, 44 s).
-MODES = ("--model.num_hidden_layers", "4", "--parallel.dp", "2", "--parallel.cp", "2", "--parallel.tp", "2",
-         "--parallel.microbatches", "4", "--train.seq_len", "1024")
-VARIANTS = {"0.5B documents": ("qwen2p5_0p5b", DOCUMENTS),
-            "0.5B documents cp2": ("qwen2p5_0p5b", (*DOCUMENTS, "--model.num_hidden_layers", "4", "--parallel.dp", "4",
-                                                   "--parallel.cp", "2")),
-            **{f"0.5B {mode}": ("qwen2p5_0p5b", (*MODES, "--parallel.data_parallel", mode)) for mode in ("hsdp", "replicate")},
-            "0.5B fsdp per step": ("qwen2p5_0p5b", (*MODES, "--parallel.fsdp_gather", "per_step")),
-            "0.5B offload": ("qwen2p5_0p5b", (*MODES, "--parallel.offload", "optimizer")),
-            **{f"MoE tp {name}": ("debug_moe", ("--train.dtype", "bfloat16", "--parallel.dp", "4", "--parallel.tp", "2",
-                                                "--parallel.microbatches", "2", "--parallel.activation_checkpointing",
-                                                "full", "--train.seq_len", "512", *more))
-               for name, more in TP_MOE.items()},
-            # A small dense model at every tp, with and without SP, its first layer of two checkpointed.
-            **{f"dense tp{tp}{' sp' if sp else ''}": ("debug_dense", ("--model.num_hidden_layers", "2", "--parallel.tp",
-                                                                  str(tp), "--parallel.sp", str(sp).lower(),
-                                                                  "--parallel.activation_checkpointing", "selective"))
-               for tp in (1, 2, 4, 8) for sp in (False, True) if tp > 1 or not sp},
-            # FP8 (tensorwise) on 4 layers of real shapes: Qwen2.5-7B at the recipe's dp 2 x tp 4 + SP (FP8 casts on
-            # split linears) and at dp 8 (weights all-gathered in float8); Qwen2-57B-A14B at its dp 4 x ep 8 with
-            # an expert width (2568) FP8 leaves in bf16, the experts' emulated FP8 GEMM having no bf16 shape check.
-            **{f"7B fp8 {name}": ("qwen2p5_7b", ("--model.num_hidden_layers", "4", "--train.fp8", "tensorwise", *more))
-               for name, more in (("tp4", ()),
-                                  ("dp8", ("--parallel.dp", "8", "--parallel.tp", "1", "--parallel.sp", "false")))},
-            "57B fp8": ("qwen2_57b_a14b", ("--model.num_hidden_layers", "4", "--train.fp8", "tensorwise",
-                                           "--model.moe_intermediate_size", "2568")),
-            # The same at tp 4 + SP with the blocks' collectives as overlapped rings (tp_overlap).
-            "dense tp4 sp overlap": ("debug_dense", ("--model.num_hidden_layers", "2", "--parallel.tp", "4", "--parallel.sp",
-                                                     "true", "--parallel.tp_overlap", "true",
-                                                     "--parallel.activation_checkpointing", "selective"))}
+MODES = (
+    "--model.num_hidden_layers",
+    "4",
+    "--parallel.dp",
+    "2",
+    "--parallel.cp",
+    "2",
+    "--parallel.tp",
+    "2",
+    "--parallel.microbatches",
+    "4",
+    "--train.seq_len",
+    "1024",
+)
+VARIANTS = {
+    "0.5B documents": ("qwen2p5_0p5b", DOCUMENTS),
+    "0.5B documents cp2": (
+        "qwen2p5_0p5b",
+        (*DOCUMENTS, "--model.num_hidden_layers", "4", "--parallel.dp", "4", "--parallel.cp", "2"),
+    ),
+    **{f"0.5B {mode}": ("qwen2p5_0p5b", (*MODES, "--parallel.data_parallel", mode)) for mode in ("hsdp", "replicate")},
+    "0.5B fsdp per step": ("qwen2p5_0p5b", (*MODES, "--parallel.fsdp_gather", "per_step")),
+    "0.5B offload": ("qwen2p5_0p5b", (*MODES, "--parallel.offload", "optimizer")),
+    **{
+        f"MoE tp {name}": (
+            "debug_moe",
+            (
+                "--train.dtype",
+                "bfloat16",
+                "--parallel.dp",
+                "4",
+                "--parallel.tp",
+                "2",
+                "--parallel.microbatches",
+                "2",
+                "--parallel.activation_checkpointing",
+                "full",
+                "--train.seq_len",
+                "512",
+                *more,
+            ),
+        )
+        for name, more in TP_MOE.items()
+    },
+    # A small dense model at every tp, with and without SP, its first layer of two checkpointed.
+    **{
+        f"dense tp{tp}{' sp' if sp else ''}": (
+            "debug_dense",
+            (
+                "--model.num_hidden_layers",
+                "2",
+                "--parallel.tp",
+                str(tp),
+                "--parallel.sp",
+                str(sp).lower(),
+                "--parallel.activation_checkpointing",
+                "selective",
+            ),
+        )
+        for tp in (1, 2, 4, 8)
+        for sp in (False, True)
+        if tp > 1 or not sp
+    },
+    # FP8 (tensorwise) on 4 layers of real shapes: Qwen2.5-7B at the recipe's dp 2 x tp 4 + SP (FP8 casts on
+    # split linears) and at dp 8 (weights all-gathered in float8); Qwen2-57B-A14B at its dp 4 x ep 8 with
+    # an expert width (2568) FP8 leaves in bf16, the experts' emulated FP8 GEMM having no bf16 shape check.
+    **{
+        f"7B fp8 {name}": ("qwen2p5_7b", ("--model.num_hidden_layers", "4", "--train.fp8", "tensorwise", *more))
+        for name, more in (("tp4", ()), ("dp8", ("--parallel.dp", "8", "--parallel.tp", "1", "--parallel.sp", "false")))
+    },
+    "57B fp8": (
+        "qwen2_57b_a14b",
+        ("--model.num_hidden_layers", "4", "--train.fp8", "tensorwise", "--model.moe_intermediate_size", "2568"),
+    ),
+    # The same at tp 4 + SP with the blocks' collectives as overlapped rings (tp_overlap).
+    "dense tp4 sp overlap": (
+        "debug_dense",
+        (
+            "--model.num_hidden_layers",
+            "2",
+            "--parallel.tp",
+            "4",
+            "--parallel.sp",
+            "true",
+            "--parallel.tp_overlap",
+            "true",
+            "--parallel.activation_checkpointing",
+            "selective",
+        ),
+    ),
+}
 # The dense recipes and layouts above whose FLOPs an analytic count checks: every tp with and without SP,
 # and the shipped recipes' real shapes (tp 1 and, with SP, 2, 4 and 8; no and full checkpointing).
-DENSE = ("qwen2p5_0p5b", "qwen2p5_1p5b", "qwen2p5_3b", "qwen2p5_14b", "qwen2p5_32b", "qwen2p5_72b",
-         *(name for name in VARIANTS if name.startswith("dense tp")))
+DENSE = (
+    "qwen2p5_0p5b",
+    "qwen2p5_1p5b",
+    "qwen2p5_3b",
+    "qwen2p5_14b",
+    "qwen2p5_32b",
+    "qwen2p5_72b",
+    *(name for name in VARIANTS if name.startswith("dense tp")),
+)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +221,9 @@ def analytic_flops(cfg) -> int:
     rows, layers = t.global_batch_size // p.dp, m.num_hidden_layers
     block, down = _block_matmuls(m, p.tp)
     recomputed = {"none": 0, "full": layers, "selective": len(range(0, layers, p.ac_every))}[p.activation_checkpointing]
-    weights = 3 * (layers * block + m.hidden_size * m.vocab_size // p.tp) + recomputed * (block - down * (not p.tp_overlap))
+    weights = 3 * (layers * block + m.hidden_size * m.vocab_size // p.tp) + recomputed * (
+        block - down * (not p.tp_overlap)
+    )
     pairs = rows * m.num_attention_heads // p.tp * t.seq_len * (t.seq_len + 1) // 2
     return 2 * (rows * t.seq_len * weights + pairs * m.head_size * (2 * (layers + recomputed) + 5 * layers))
 
@@ -159,11 +239,11 @@ def _check_physical_bound(cfg, report: dict) -> None:
 
 def _check_planner_band(cfg, hardware, report: dict) -> None:
     """The dry run's tokens/s per device between ``meshtron.plan``'s with its compute pinned at 40 % MFU
-    (``Hardware.mfu``: the FLOPs at 0.4 of the peak) and that over the MFU (the roofline runs every op at the peak or the memory bandwidth); the
-    rest of the step (exposed communication, bubble) is the planner's in both. Held for tp layouts of
-    real shapes (1.2-1.8 x); before the trace counted DTensor ops at their local shapes they ran at
-    0.62-0.95 x (Qwen2.5-32B at tp 8 the least). At tp 1 the 0.5B runs at 0.85 x: its loss's
-    memory-bound work over 151,936 words outweighs its 896-wide matmuls."""
+    (``Hardware.mfu``: the FLOPs at 0.4 of the peak) and that over the MFU (the roofline runs every op at the peak or
+    the memory bandwidth); the rest of the step (exposed communication, bubble) is the planner's in both. Held for tp
+    layouts of real shapes (1.2-1.8 x); before the trace counted DTensor ops at their local shapes they ran at
+    0.62-0.95 x (Qwen2.5-32B at tp 8 the least). At tp 1 the 0.5B runs at 0.85 x: its loss's memory-bound work over
+    151,936 words outweighs its 896-wide matmuls."""
     from meshtron.plan.speed import predict_step_time
 
     hw = dataclasses.replace(hardware.hardware(), mfu=0.4)
@@ -172,6 +252,7 @@ def _check_planner_band(cfg, hardware, report: dict) -> None:
     assert planned <= speed <= planned / hw.mfu, (report["layout"], speed, planned)
 
 
+@pytest.mark.full
 def test_traced_flops_match_an_analytic_count(shipped):
     """Every rank's traced FLOPs within 5 % of :func:`analytic_flops` (all are within 0.1 %), on the small
     dense model at tp 1, 2, 4 and 8 with and without SP and on the shipped dense recipes; their tokens/s
@@ -210,8 +291,17 @@ def test_dry_run_errors_before_tracing(capsys):
     code, report, err = _dry_run(capsys, "--recipe", "recipes/debug_moe.toml", "--dry-run", "8")
     assert code == 2 and report is None
     assert "--dry-run traces MoE experts in bfloat16 only" in err and "--train.dtype bfloat16" in err, err
-    code, report, err = _dry_run(capsys, "--recipe", "recipes/debug_moe.toml", "--dry-run", "8", "--train.dtype",
-                                 "bfloat16", "--train.fp8", "tensorwise")
+    code, report, err = _dry_run(
+        capsys,
+        "--recipe",
+        "recipes/debug_moe.toml",
+        "--dry-run",
+        "8",
+        "--train.dtype",
+        "bfloat16",
+        "--train.fp8",
+        "tensorwise",
+    )
     assert code == 2 and report is None and "fp8 = 'tensorwise' runs them through an emulated" in err, err
 
 
@@ -225,12 +315,18 @@ def _assert_documented_memory(recipe: str, report: dict) -> None:
     reserve and slack: the figure held to a measurement, not only to the planner that wrote it
     (tests/test_readme.py). Today 0.97-1.03; a planner that lost the AdamW state (8 bytes a parameter)
     would document 22.7 GiB for the 7B, 0.74 of its trace's 30.7."""
-    documented = {unquote(row[0]).removesuffix(".toml"): float(row[-1])
-                  for row in table_after("# Recipes", "docs/recipes.md")}
+    documented = {
+        unquote(row[0]).removesuffix(".toml"): float(row[-1]) for row in table_after("# Recipes", "docs/recipes.md")
+    }
     traced = max(rank["traced_gib"] for rank in report["ranks"])
-    assert abs(documented[recipe] / (traced * (1 + SLACK) + RESERVE_GIB) - 1) <= 0.05, (recipe, documented[recipe], traced)
+    assert abs(documented[recipe] / (traced * (1 + SLACK) + RESERVE_GIB) - 1) <= 0.05, (
+        recipe,
+        documented[recipe],
+        traced,
+    )
 
 
+@pytest.mark.full
 def test_every_shipped_recipe_matches_the_plan(shipped):
     """Every shipped recipe at its stated hardware (8 or 32 GPUs, from its header): every distinct rank within
     5 % of the plan and the bytes sent equal to it (the 57B at dp4 x ep8 was 0.935 before a checkpointed
@@ -261,10 +357,12 @@ def _check_host_syncs(cfg, rank: dict, read: str, count: int) -> None:
     """The traced step's host syncs: ``count`` reads of meshtron.host's ``read`` (the dry run refuses any
     other), the number tests/test_syncs.py counts on real CPU ranks."""
     assert sum(rank["host_syncs"].values()) == count, (rank["host_syncs"], count)
-    assert all(where.startswith("tolist at meshtron/host.py:") and where.endswith(f"in {read}")
-               for where in rank["host_syncs"]), rank["host_syncs"]
+    assert all(
+        where.startswith("tolist at meshtron/host.py:") and where.endswith(f"in {read}") for where in rank["host_syncs"]
+    ), rank["host_syncs"]
 
 
+@pytest.mark.full
 def test_document_masks_match_the_plan(shipped):
     """With ``[data] document_mask`` (one packed document per window, the dry run's stated assumption): without
     cp attention keeps a [B, 1, S, S] mask per layer, which the plan counts (0.977; 1.037 before it did);
@@ -277,6 +375,7 @@ def test_document_masks_match_the_plan(shipped):
         _check_host_syncs(cfg, rank, "document_starts", shipped[name]["microbatches"] if cfg.parallel.cp > 1 else 0)
 
 
+@pytest.mark.full
 def test_hsdp_and_replicate_match_the_plan(shipped):
     """Qwen2.5-0.5B (4 layers) on dp2 x cp2 x tp2 with 4 micro-batches, its data-parallel ranks HSDP (replicated
     over dp, sharded over cp) or replicated: within 5 % of the plan, the bytes equal. Their first micro-batches
@@ -300,13 +399,18 @@ def _gathered_once_bytes(cfg) -> float:
     here divides by the data ranks: no padding."""
     m, p = cfg.model, cfg.parallel
     kv = m.kv_heads // p.tp * m.head_size
-    layer = (2 * m.hidden_size ** 2 + 3 * m.hidden_size * m.intermediate_size) // p.tp + m.hidden_size // p.tp \
-        + 2 * (m.hidden_size * kv + kv) + 2 * m.hidden_size
+    layer = (
+        (2 * m.hidden_size**2 + 3 * m.hidden_size * m.intermediate_size) // p.tp
+        + m.hidden_size // p.tp
+        + 2 * (m.hidden_size * kv + kv)
+        + 2 * m.hidden_size
+    )
     elements = m.vocab_size * m.hidden_size // p.tp + m.num_hidden_layers * layer + m.hidden_size
     ranks = p.dp * p.cp
     return elements * ((2 if cfg.train.dtype == "bfloat16" else 4) + 4) * (ranks - 1) / ranks
 
 
+@pytest.mark.full
 def test_fsdp_gathered_once_per_step_matches_the_plan(shipped):
     """The 0.5B layout above under FSDP with ``fsdp_gather = "per_step"``: every unit held gathered and its
     gradients unsharded through the 4 micro-batches, within 5 % of the plan (traced 2.83 GiB, planned 2.81;
@@ -318,7 +422,8 @@ def test_fsdp_gathered_once_per_step_matches_the_plan(shipped):
     assert 0.95 <= rank["ratio"] <= 1.05, rank
     _check_comm(rank)
     assert rank["comm_bytes"]["all_gather+reduce_scatter/dp,cp"]["traced"] == _gathered_once_bytes(
-        _config("0.5B fsdp per step")[0])
+        _config("0.5B fsdp per step")[0]
+    )
 
 
 def _dense_parameters(m) -> int:
@@ -326,12 +431,18 @@ def _dense_parameters(m) -> int:
     head-size slice per KV head, biased), gate, up and down, two norms; the embedding (tied: no separate head)
     and the final norm. Qwen2.5-0.5B's 24 layers give 494,032,768, its published count."""
     kv = m.kv_heads * m.head_size
-    layer = 2 * m.hidden_size ** 2 + m.hidden_size + 2 * (m.hidden_size * kv + kv) \
-        + 3 * m.hidden_size * m.intermediate_size + 2 * m.hidden_size
+    layer = (
+        2 * m.hidden_size**2
+        + m.hidden_size
+        + 2 * (m.hidden_size * kv + kv)
+        + 3 * m.hidden_size * m.intermediate_size
+        + 2 * m.hidden_size
+    )
     head = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size
     return m.num_hidden_layers * layer + m.vocab_size * m.hidden_size + head + m.hidden_size
 
 
+@pytest.mark.full
 def test_offload_host_bytes_match_the_plan(shipped):
     """The 0.5B layout above with ``offload = "optimizer"``: the host bytes counted on the traced step's own
     parameter shards, gradients and AdamW state equal the planner's host state within 5 % (they agree to
@@ -346,6 +457,7 @@ def test_offload_host_bytes_match_the_plan(shipped):
     _check_comm(rank)
 
 
+@pytest.mark.full
 def test_moe_tp_traffic_matches_the_plan(shipped):
     """The tiny MoE with tp 2 and full checkpointing (:data:`TP_MOE`): the bytes sent equal the plan's. It had
     counted a dense MLP's SP gathers for routed experts, which take each rank's sequence shard as it is
@@ -356,6 +468,7 @@ def test_moe_tp_traffic_matches_the_plan(shipped):
             _check_comm(rank)
 
 
+@pytest.mark.full
 def test_fp8_steps_match_the_plan(shipped):
     """FP8 (tensorwise) traced on real shapes (:data:`VARIANTS`' "7B fp8 tp4", "7B fp8 dp8", "57B fp8"): every
     rank within 5 % of the plan, which counts the eager float8 cast (fp32 scaled copy, fp32 clamp, float8
@@ -381,6 +494,7 @@ def test_fp8_steps_match_the_plan(shipped):
     assert rank_breakdown(cfg, Coords()).terms["activations"] > rank_breakdown(bf16, Coords()).terms["activations"]
 
 
+@pytest.mark.full
 def test_tp_overlap_traffic_matches_the_plan(shipped):
     """tp_overlap traced (:data:`VARIANTS`' "dense tp4 sp overlap"): the blocks' gathers and reduce-scatters
     are sends on the tp group, 3 per ring: 10 rings per layer and 4 more in the checkpointed layer's
@@ -425,11 +539,25 @@ def test_dry_run_recipe_and_refusal(capsys):
     assert report["tokens_per_second_per_device"] == pytest.approx(64 * 4096 / rank["step_seconds"] / 8, rel=1e-3)
 
 
+@pytest.mark.full
 def test_dry_run_pipeline_stages_match_the_plan(capsys):
     """Qwen2.5-7B on pp2 x dp2 x tp2 (1F1B, 4 micro-batches): both stages within 5 % of the plan (before
     the planner stopped counting sharded gradients at a 1F1B stage's peak: 0.934 and 0.870)."""
-    code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_7b.toml", "--dry-run", "8", "--parallel.pp", "2",
-                                 "--parallel.dp", "2", "--parallel.tp", "2", "--parallel.microbatches", "4")
+    code, report, err = _dry_run(
+        capsys,
+        "--recipe",
+        "recipes/qwen2p5_7b.toml",
+        "--dry-run",
+        "8",
+        "--parallel.pp",
+        "2",
+        "--parallel.dp",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--parallel.microbatches",
+        "4",
+    )
     assert code == 0, err
     assert [r["coords"]["pp"] for r in report["ranks"]] == [0, 1]
     for rank in report["ranks"]:
@@ -437,6 +565,7 @@ def test_dry_run_pipeline_stages_match_the_plan(capsys):
         _check_comm(rank)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_dry_run_interleaved_and_zero_bubble_stages_match_the_plan(capsys, schedule):
     """Qwen2.5-7B on pp2 x dp2 x tp2, 4 micro-batches, two chunks per rank, no checkpointing (~150 GiB:
@@ -446,10 +575,29 @@ def test_dry_run_interleaved_and_zero_bubble_stages_match_the_plan(capsys, sched
     gradients counted only after a release: interleaved 0.960 and 0.928, zbv 0.930 and 0.974). Their bytes
     sent equal the plan's: zbv's B and W share one backward's tp transfers (rank 0 sent 80.80 GB over tp
     while each W repeated SP's column-parallel backward, 67.65 since)."""
-    code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_7b.toml", "--dry-run", "8", "--parallel.pp", "2",
-                                 "--parallel.dp", "2", "--parallel.tp", "2", "--parallel.microbatches", "4",
-                                 "--parallel.schedule", schedule, "--parallel.virtual_stages", "2",
-                                 "--parallel.activation_checkpointing", "none", "--gpu-memory", "200")
+    code, report, err = _dry_run(
+        capsys,
+        "--recipe",
+        "recipes/qwen2p5_7b.toml",
+        "--dry-run",
+        "8",
+        "--parallel.pp",
+        "2",
+        "--parallel.dp",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--parallel.microbatches",
+        "4",
+        "--parallel.schedule",
+        schedule,
+        "--parallel.virtual_stages",
+        "2",
+        "--parallel.activation_checkpointing",
+        "none",
+        "--gpu-memory",
+        "200",
+    )
     assert code == 0, err
     assert [r["coords"]["pp"] for r in report["ranks"]] == [0, 1]
     for rank in report["ranks"]:
@@ -457,6 +605,7 @@ def test_dry_run_interleaved_and_zero_bubble_stages_match_the_plan(capsys, sched
         _check_comm(rank)
 
 
+@pytest.mark.full
 def test_a_restarted_w_holds_its_chunks_weight_gradients(capsys):
     """Qwen2.5-0.5B on pp2 x dp4, zbv, 4 one-row micro-batches of 256 tokens, no checkpointing: rank 1 peaks in
     a restarted W, which computes its chunk's 6 layers' weight gradients in bf16 (0.167 GiB) before adding
@@ -464,10 +613,29 @@ def test_a_restarted_w_holds_its_chunks_weight_gradients(capsys):
     (0.985 with, 1.07 without)."""
     layer = 2 * (896 * 896) + 896 + 2 * (896 * 128 + 128) + 3 * 896 * 4864 + 2 * 896  # q, o, k, v, MLP, norms
     chunk_weight_gradients = 6 * layer * 2 / 2**30
-    code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_0p5b.toml", "--dry-run", "8", "--parallel.pp", "2",
-                                 "--parallel.virtual_stages", "2", "--parallel.dp", "4", "--parallel.schedule", "zbv",
-                                 "--parallel.activation_checkpointing", "none", "--parallel.microbatches", "4",
-                                 "--train.global_batch_size", "16", "--train.seq_len", "256")
+    code, report, err = _dry_run(
+        capsys,
+        "--recipe",
+        "recipes/qwen2p5_0p5b.toml",
+        "--dry-run",
+        "8",
+        "--parallel.pp",
+        "2",
+        "--parallel.virtual_stages",
+        "2",
+        "--parallel.dp",
+        "4",
+        "--parallel.schedule",
+        "zbv",
+        "--parallel.activation_checkpointing",
+        "none",
+        "--parallel.microbatches",
+        "4",
+        "--train.global_batch_size",
+        "16",
+        "--train.seq_len",
+        "256",
+    )
     assert code == 0, err
     for rank in report["ranks"]:
         assert 0.95 <= rank["ratio"] <= 1.05, rank
@@ -476,14 +644,29 @@ def test_a_restarted_w_holds_its_chunks_weight_gradients(capsys):
     assert stage["traced_gib"] - (stage["planned_gib"] - chunk_weight_gradients) > 0.05 * stage["traced_gib"], stage
 
 
+@pytest.mark.full
 def test_dry_run_72b_interleaved_stages_match_the_plan(capsys):
     """Qwen2.5-72B on 64 ranks, pp4 x dp4 x tp4, interleaved (2 chunks per rank), 4 micro-batches, full
     checkpointing: every stage within 5 % of the plan (0.754-0.787 while the planner kept both chunks'
     fp32 gradients and gathered parameters live at once, where each chunk has its own span). The recipe's
     ``microbatches = 0`` takes 4, the fewest the schedule runs (its 1 would be refused for 4 stages)."""
-    code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_72b.toml", "--dry-run", "64", "--parallel.pp", "4",
-                                 "--parallel.dp", "4", "--parallel.tp", "4",
-                                 "--parallel.schedule", "interleaved", "--parallel.virtual_stages", "2")
+    code, report, err = _dry_run(
+        capsys,
+        "--recipe",
+        "recipes/qwen2p5_72b.toml",
+        "--dry-run",
+        "64",
+        "--parallel.pp",
+        "4",
+        "--parallel.dp",
+        "4",
+        "--parallel.tp",
+        "4",
+        "--parallel.schedule",
+        "interleaved",
+        "--parallel.virtual_stages",
+        "2",
+    )
     assert code == 0, err
     assert report["microbatches"] == 4
     assert [r["coords"]["pp"] for r in report["ranks"]] == [0, 1, 2, 3]
@@ -491,6 +674,7 @@ def test_dry_run_72b_interleaved_stages_match_the_plan(capsys):
         assert 0.95 <= rank["ratio"] <= 1.05, rank
 
 
+@pytest.mark.full
 def test_dry_run_moe_recipe_ep_traffic(shipped):
     """Qwen1.5-MoE-A2.7B at its stated layout (dp2 x ep4, full AC): its checkpointed MoE layers dispatch and
     combine again in their recomputation, and the plan counts it (it said 72 GiB where the trace sends 108)."""
@@ -509,27 +693,62 @@ def test_distinct_ranks_add_ranks_whose_shards_differ():
     def ranks(recipe, *overrides):
         return distinct_ranks(load_config(f"recipes/{recipe}.toml", list(overrides)))
 
-    assert ranks("qwen2p5_72b", "--parallel.dp", "48", "--parallel.tp", "1", "--train.global_batch_size", "48") == [0, 47]
-    assert ranks("qwen2p5_72b", "--parallel.pp", "4", "--parallel.dp", "4", "--parallel.tp", "4",
-                 "--parallel.microbatches", "4") == [0, 16, 32, 48]
-    assert ranks("qwen2p5_0p5b", "--parallel.dp", "512", "--parallel.tp", "2", "--train.global_batch_size", "1024") == [0]
+    assert ranks("qwen2p5_72b", "--parallel.dp", "48", "--parallel.tp", "1", "--train.global_batch_size", "48") == [
+        0,
+        47,
+    ]
+    assert ranks(
+        "qwen2p5_72b", "--parallel.pp", "4", "--parallel.dp", "4", "--parallel.tp", "4", "--parallel.microbatches", "4"
+    ) == [0, 16, 32, 48]
+    assert ranks("qwen2p5_0p5b", "--parallel.dp", "512", "--parallel.tp", "2", "--train.global_batch_size", "1024") == [
+        0
+    ]
 
 
+@pytest.mark.full
 def test_every_rank_traces_in_a_fresh_process(capsys):
     """Ten pipeline stages of a tiny model with tp 2 on 2 CPUs: a pool's task is a chunk of ranks, and a
     rank traced in the process of the one before found that one's groups gone ("Could not resolve the
     process group") until each chunk held one rank."""
-    code, report, err = _dry_run(capsys, "--recipe", "recipes/debug_dense.toml", "--dry-run", "20", "--parallel.pp", "10",
-                                 "--parallel.dp", "1", "--parallel.tp", "2", "--model.num_hidden_layers", "10",
-                                 "--parallel.microbatches", "10", "--train.global_batch_size", "10")
+    code, report, err = _dry_run(
+        capsys,
+        "--recipe",
+        "recipes/debug_dense.toml",
+        "--dry-run",
+        "20",
+        "--parallel.pp",
+        "10",
+        "--parallel.dp",
+        "1",
+        "--parallel.tp",
+        "2",
+        "--model.num_hidden_layers",
+        "10",
+        "--parallel.microbatches",
+        "10",
+        "--train.global_batch_size",
+        "10",
+    )
     assert code == 0, err
     assert [r["rank"] for r in report["ranks"]] == list(range(0, 20, 2)), report["ranks"]
 
 
+@pytest.mark.full
 def test_dry_run_1024_ranks(capsys):
     """Qwen2.5-0.5B on 1024 ranks (dp 512 x tp 2): one distinct rank, within 5 % of the plan."""
-    code, report, err = _dry_run(capsys, "--recipe", "recipes/qwen2p5_0p5b.toml", "--dry-run", "1024",
-                                 "--parallel.dp", "512", "--parallel.tp", "2", "--train.global_batch_size", "1024")
+    code, report, err = _dry_run(
+        capsys,
+        "--recipe",
+        "recipes/qwen2p5_0p5b.toml",
+        "--dry-run",
+        "1024",
+        "--parallel.dp",
+        "512",
+        "--parallel.tp",
+        "2",
+        "--train.global_batch_size",
+        "1024",
+    )
     assert code == 0, err
     (rank,) = report["ranks"]
     assert report["world_size"] == 1024 and 0.95 <= rank["ratio"] <= 1.05, rank
@@ -558,7 +777,11 @@ def test_plan_holds_to_the_stored_1024_rank_7b_trace():
     report = json.loads(TRACED_1024.read_text())
     for rank in report["ranks"]:
         planned = rank_breakdown(cfg, Coords(**rank["coords"]), TRACE_ASSUMPTIONS).total / GIB
-        assert abs(rank["traced_gib"] - planned) <= max(0.05 * planned, 0.1), (rank["rank"], rank["traced_gib"], planned)
+        assert abs(rank["traced_gib"] - planned) <= max(0.05 * planned, 0.1), (
+            rank["rank"],
+            rank["traced_gib"],
+            planned,
+        )
     assert [r["rank"] for r in report["ranks"]] == distinct_ranks(cfg), report["ranks"]
 
 
@@ -569,9 +792,28 @@ def test_dry_run_pipeline_moe_and_hf_folder(capsys, tmp_path):
     between the pipeline's ends, and a transformers folder holding nothing but config.json."""
     import transformers
 
-    moe = ("--recipe", "recipes/debug_moe.toml", "--dry-run", "16", "--train.dtype", "bfloat16", "--parallel.pp", "2",
-           "--parallel.dp", "0", "--parallel.ep", "4", "--parallel.tp", "2", "--parallel.sp", "true",
-           "--parallel.microbatches", "4", "--train.seq_len", "2048")
+    moe = (
+        "--recipe",
+        "recipes/debug_moe.toml",
+        "--dry-run",
+        "16",
+        "--train.dtype",
+        "bfloat16",
+        "--parallel.pp",
+        "2",
+        "--parallel.dp",
+        "0",
+        "--parallel.ep",
+        "4",
+        "--parallel.tp",
+        "2",
+        "--parallel.sp",
+        "true",
+        "--parallel.microbatches",
+        "4",
+        "--train.seq_len",
+        "2048",
+    )
     code, report, err = _dry_run(capsys, *moe)
     assert code == 0, err
     assert [r["coords"]["pp"] for r in report["ranks"]] == [0, 1] and [r["rank"] for r in report["ranks"]] == [0, 8]
@@ -583,9 +825,25 @@ def test_dry_run_pipeline_moe_and_hf_folder(capsys, tmp_path):
     # A tied embedding under 1F1B: the first and last stage all-reduce its fp32 gradient shard (vocabulary 256
     # over dp 4: 64 rows of 64) once a step, which the plan left out until 2026-11-28 (0.127 GiB for the 0.5B
     # at pp 2 x dp 4).
-    code, tied, err = _dry_run(capsys, "--recipe", "recipes/debug_dense.toml", "--dry-run", "8", "--parallel.pp", "2",
-                               "--parallel.dp", "4", "--parallel.tp", "1", "--parallel.schedule", "1f1b",
-                               "--parallel.microbatches", "2", "--model.tie_word_embeddings", "true")
+    code, tied, err = _dry_run(
+        capsys,
+        "--recipe",
+        "recipes/debug_dense.toml",
+        "--dry-run",
+        "8",
+        "--parallel.pp",
+        "2",
+        "--parallel.dp",
+        "4",
+        "--parallel.tp",
+        "1",
+        "--parallel.schedule",
+        "1f1b",
+        "--parallel.microbatches",
+        "2",
+        "--model.tie_word_embeddings",
+        "true",
+    )
     assert code == 0, err
     for rank in tied["ranks"]:
         assert rank["comm_bytes"]["all_reduce/pp"]["traced"] >= 4 * 64 * 64, rank["comm_bytes"]
@@ -599,22 +857,65 @@ def test_dry_run_pipeline_moe_and_hf_folder(capsys, tmp_path):
         assert worst["comm_bytes"][key]["traced"] > even["comm_bytes"][key]["traced"], (even, worst)
         assert worst["traced_gib"] > even["traced_gib"], (even, worst)
     folder = tmp_path / "qwen3_moe"
-    transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                                num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=8,
-                                num_key_value_heads=4).save_pretrained(folder)
-    code, report, err = _dry_run(capsys, "--recipe", "recipes/debug_dense.toml", "--model.hf_model", str(folder),
-                                 "--dry-run", "8", "--parallel.dp", "2", "--parallel.ep", "2", "--parallel.tp", "2",
-                                 "--train.dtype", "bfloat16")
+    transformers.Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ).save_pretrained(folder)
+    code, report, err = _dry_run(
+        capsys,
+        "--recipe",
+        "recipes/debug_dense.toml",
+        "--model.hf_model",
+        str(folder),
+        "--dry-run",
+        "8",
+        "--parallel.dp",
+        "2",
+        "--parallel.ep",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--train.dtype",
+        "bfloat16",
+    )
     assert code == 0, err
     (rank,) = report["ranks"]
     assert rank["collectives"]["alltoall_base_"] > 0 and rank["traced_gib"] > 0, rank
     # The planner models meshtron's own blocks and FSDP units; of a transformers model, the expert dispatch.
-    _check_comm({"comm_bytes": {k: c for k, c in rank["comm_bytes"].items()
-                                if k in ("all_to_all/ep", "all_gather+reduce_scatter/tp")}})
+    _check_comm(
+        {
+            "comm_bytes": {
+                k: c for k, c in rank["comm_bytes"].items() if k in ("all_to_all/ep", "all_gather+reduce_scatter/tp")
+            }
+        }
+    )
     # The same folder through [model] hf_model with its experts folded over the dense tp 4 x dp 2 ranks.
-    code, report, err = _dry_run(capsys, "--recipe", "recipes/debug_dense.toml", "--model.hf_model", str(folder),
-                                 "--dry-run", "8", "--parallel.dp", "2", "--parallel.tp", "4", "--parallel.ep", "4",
-                                 "--parallel.fold_ep", "true", "--train.dtype", "bfloat16")
+    code, report, err = _dry_run(
+        capsys,
+        "--recipe",
+        "recipes/debug_dense.toml",
+        "--model.hf_model",
+        str(folder),
+        "--dry-run",
+        "8",
+        "--parallel.dp",
+        "2",
+        "--parallel.tp",
+        "4",
+        "--parallel.ep",
+        "4",
+        "--parallel.fold_ep",
+        "true",
+        "--train.dtype",
+        "bfloat16",
+    )
     assert code == 0, err
     assert report["layout"].endswith("(experts: ep4 x etp1, folded)"), report["layout"]
     (rank,) = report["ranks"]
@@ -640,16 +941,22 @@ def test_collectives_are_held_to_nccls_rules():
             dist.all_reduce(torch.ones(4, dtype=torch.bfloat16))
             dist.all_reduce(torch.ones(4), op=dist.ReduceOp.AVG)
             dist.all_reduce(torch.ones(4, dtype=torch.int64), op=dist.ReduceOp.MAX)
-            dist.all_gather_into_tensor(torch.empty(8, dtype=torch.float8_e4m3fn), torch.empty(4, dtype=torch.float8_e4m3fn))
+            dist.all_gather_into_tensor(
+                torch.empty(8, dtype=torch.float8_e4m3fn), torch.empty(4, dtype=torch.float8_e4m3fn)
+            )
         assert counter.calls == {"allreduce_": 3, "_allgather_base_": 1}, counter.calls
-        refused = {"on meta": lambda: dist.all_reduce(torch.ones(4, device="meta")),
-                   "torch.int16": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int16)),
-                   "ReduceOp.BAND": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BAND),
-                   "AVG of a bool": lambda: dist.all_reduce(torch.ones(4, dtype=torch.bool), op=dist.ReduceOp.AVG),
-                   "float8_e5m2fnuz": lambda: dist.all_reduce(torch.ones(4).to(torch.float8_e5m2fnuz))}
+        refused = {
+            "on meta": lambda: dist.all_reduce(torch.ones(4, device="meta")),
+            "torch.int16": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int16)),
+            "ReduceOp.BAND": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=dist.ReduceOp.BAND),
+            "AVG of a bool": lambda: dist.all_reduce(torch.ones(4, dtype=torch.bool), op=dist.ReduceOp.AVG),
+            "float8_e5m2fnuz": lambda: dist.all_reduce(torch.ones(4).to(torch.float8_e5m2fnuz)),
+        }
         for reason, call in refused.items():
-            with StepCounter(1e15, 1e12, NcclRules(torch.device("cpu"), {(0, 1): "dp"})), \
-                    pytest.raises(NcclRefusal, match=reason) as refusal:
+            with (
+                StepCounter(1e15, 1e12, NcclRules(torch.device("cpu"), {(0, 1): "dp"})),
+                pytest.raises(NcclRefusal, match=reason) as refusal,
+            ):
                 call()
             assert "allreduce_ over dp at " in str(refusal.value) and __file__ in str(refusal.value), refusal.value
     finally:

@@ -28,8 +28,7 @@ from meshtron.mesh import batch_mesh, dense_data_mesh, expert_data_mesh
 from meshtron.models import aux_loss, build_model, moe_layers, token_loss_sum, update_expert_bias
 from meshtron.models.qwen2 import InitialWeights
 from meshtron.parallel.expert import ExpertParallelExperts, apply_expert_parallel, token_mesh
-from meshtron.testing import cached_mesh, random_model, random_moe, rel_err, run_checks
-
+from meshtron.testing import cached_mesh, launch_tests, random_model, random_moe, rel_err
 from test_float8 import (
     HAS_TORCHAO,
     check_debug_recipes_match_one_rank_fp8,
@@ -38,19 +37,34 @@ from test_float8 import (
 from test_mxfp8 import check_debug_recipes_match_one_rank_mxfp8
 
 BLOCK = dict(
-    vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_experts=8,
-    num_experts_per_tok=2, moe_intermediate_size=18, shared_expert_intermediate_size=40,
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=18,
+    shared_expert_intermediate_size=40,
     router_aux_loss_coef=0.1,
 )
 MODEL = dict(
-    BLOCK, num_hidden_layers=2, num_key_value_heads=1, intermediate_size=48, mlp_only_layers=[0],
+    BLOCK,
+    num_hidden_layers=2,
+    num_key_value_heads=1,
+    intermediate_size=48,
+    mlp_only_layers=[0],
     moe_intermediate_size=20,  # transformers pads nothing: grouped_mm needs 16-byte rows
     rope_theta=10000.0,
 )
 # cp ranks hold different tokens like dp ranks; pp ranks are independent stages (here replicas).
 LAYOUTS = [
-    dict(ep=2, dp=4), dict(ep=4, dp=2), dict(ep=8), dict(ep=2, dp=2, tp=2), dict(ep=4, tp=2),
-    dict(ep=2, cp=2, dp=2), dict(pp=2, ep=4),
+    dict(ep=2, dp=4),
+    dict(ep=4, dp=2),
+    dict(ep=8),
+    dict(ep=2, dp=2, tp=2),
+    dict(ep=4, tp=2),
+    dict(ep=2, cp=2, dp=2),
+    dict(pp=2, ep=4),
 ]
 TOKENS = 48  # global tokens of the block checks: 6 per reader with 8 readers
 
@@ -114,6 +128,7 @@ def _block_parity(mesh, seed: int, skew: bool, sequence_parallel: bool = False) 
     _assert_grads(_global_grads(ep_block, mesh, holders), {n: p.grad for n, p in ref.named_parameters()})
 
 
+@pytest.mark.full
 def check_block_parity(refs: dict):
     for i, layout in enumerate(LAYOUTS):
         mesh = cached_mesh(**layout)
@@ -123,6 +138,7 @@ def check_block_parity(refs: dict):
     _block_parity(cached_mesh(ep=4, tp=2), seed=30, skew=False, sequence_parallel=True)
 
 
+@pytest.mark.full
 def check_fsdp_composes(refs: dict):
     """FSDP2 over edp (dp x cp here) on top of the ep-sharded experts (3-D DTensors (edp, ep, etp)) keeps gradients.
 
@@ -148,6 +164,7 @@ def check_fsdp_composes(refs: dict):
         assert rel_err(p.grad.full_tensor() * averaged_over, expected) < 1e-4, name
 
 
+@pytest.mark.full
 def check_dispatch_bytes(refs: dict):
     """Each all-to-all moves tokens x top-k x hidden x element size bytes over the ep group.
 
@@ -174,14 +191,20 @@ def check_dispatch_bytes(refs: dict):
     copies_bytes = local_tokens * 2 * 32 * 4
     received_bytes = sent[2][0]
     # counts exchange, dispatch, combine; backward: the combine's reverse, then the dispatch's
-    assert sent == [(8 * 8, False), (copies_bytes, True), (received_bytes, True), (copies_bytes, True),
-                    (received_bytes, True)], sent
+    assert sent == [
+        (8 * 8, False),
+        (copies_bytes, True),
+        (received_bytes, True),
+        (copies_bytes, True),
+        (received_bytes, True),
+    ], sent
     assert block.experts.last_dispatch_bytes == copies_bytes
     totals = torch.tensor([float(copies_bytes), float(received_bytes)])
     dist.all_reduce(totals, group=mesh["ep"].get_group())
     assert totals.tolist() == [4 * local_tokens * 2 * 32 * 4] * 2
 
 
+@pytest.mark.full
 def check_router_options_under_ep(refs: dict):
     """Capacity (on the global batch, in its token order), z-loss and aux-free bias with global statistics."""
     mesh = cached_mesh(ep=4, dp=2)
@@ -248,12 +271,16 @@ def _references(seed: int) -> dict:
     ce.backward()
     assert rel_err(ce + cfg.router_aux_loss_coef * aux_loss(ref), out.loss) < 1e-5
     return dict(
-        state=state, ids=ids, loss=out.loss.detach(), aux=out.aux_loss.detach(),
+        state=state,
+        ids=ids,
+        loss=out.loss.detach(),
+        aux=out.aux_loss.detach(),
         hf_grads=from_hf({n: p.grad for n, p in hf.named_parameters()}, cfg),
         ref_grads={n: p.grad for n, p in ref.named_parameters()},
     )
 
 
+@pytest.mark.full
 def check_model_parity_with_transformers(refs: dict):
     """Whole Qwen2-MoE model (one MoE layer, so transformers' pooled aux loss is the per-layer one)."""
     cfg = ModelConfig(**MODEL)
@@ -279,8 +306,9 @@ def check_model_parity_with_transformers(refs: dict):
         _assert_grads(grads, refs["ref_grads"])
 
 
-TP_MODEL = dict(MODEL, num_attention_heads=4, num_key_value_heads=2, router_z_loss_coef=0.01,
-                moe_aux_free_bias_rate=0.01)
+TP_MODEL = dict(
+    MODEL, num_attention_heads=4, num_key_value_heads=2, router_z_loss_coef=0.01, moe_aux_free_bias_rate=0.01
+)
 # Collectives of the MoE block per layer at tp2, ep1, dp4 (all_reduce includes the router statistics
 # over the token holders). No SP: forward gathers the routed outputs and all-reduces the shared
 # expert; backward gathers the token and routing-weight gradients and reduces the shared expert's
@@ -293,8 +321,10 @@ TP_MOE_COLLECTIVES = {
     # and the shared-expert gate's replicated gradients are equal on both tp ranks (TpGradient "replicate").
     False: {"forward": {"all_gather": 1, "all_reduce": 2}, "backward": {"all_gather": 2 + 2, "all_reduce": 1}},
     # Under SP the shared expert saves its input sequence-sharded and re-gathers it in backward.
-    True: {"forward": {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1},
-           "backward": {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 2}},
+    True: {
+        "forward": {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1},
+        "backward": {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 2},
+    },
 }
 
 
@@ -324,6 +354,7 @@ def _tp_reference(seed: int):
     return ref, ids, labels, loss.detach()
 
 
+@pytest.mark.full
 def check_moe_under_tp(refs: dict):
     """MoE at ep = 1 under tp 2 and 4, with and without SP: each tp rank routes and computes only its
     share of the tokens (half the rows with tp2), and loss, aux loss, expert counts and gathered
@@ -335,8 +366,13 @@ def check_moe_under_tp(refs: dict):
     from meshtron.parallel.vocab_loss import parallel_token_loss_sum
     from meshtron.testing import module_collectives
 
-    cases = [(dict(dp=4, tp=2), False), (dict(dp=4, tp=2), True), (dict(dp=2, tp=4), False), (dict(dp=2, tp=4), True),
-             (dict(dp=2, tp=4, ep=4, etp=2, fold_ep=True), True)]
+    cases = [
+        (dict(dp=4, tp=2), False),
+        (dict(dp=4, tp=2), True),
+        (dict(dp=2, tp=4), False),
+        (dict(dp=2, tp=4), True),
+        (dict(dp=2, tp=4, ep=4, etp=2, fold_ep=True), True),
+    ]
     collectives = {0: TP_MOE_COLLECTIVES[False], 1: TP_MOE_COLLECTIVES[True], 4: FOLDED_MOE_COLLECTIVES}
     for i, (sizes, sp) in enumerate(cases):
         ref, ids, labels, loss_ref = _tp_reference(40 + i)
@@ -387,6 +423,7 @@ def _step_matches(cfg, mesh, ids, labels, start: dict, loss_ref, ref_params: dic
     return runner
 
 
+@pytest.mark.full
 def check_capacity_is_global(refs: dict):
     """moe_capacity_factor counts the global micro-batch in its global token order: dp, ep, cp and
     cp x ep x tp (SP) layouts drop the same copies as the single-process model, so loss, gradients
@@ -440,7 +477,9 @@ def _folded_reference(model_cfg: ModelConfig, ids, labels, microbatches: int):
     start = {n: t.clone() for n, t in ref.state_dict().items()}  # before the expert biases move
     average_router_losses_over_microbatches(ref, microbatches)
     tokens = (labels != -100).sum()
-    loss = sum(token_loss_sum(ref(i), lab) / tokens for i, lab in zip(ids.chunk(microbatches), labels.chunk(microbatches)))
+    loss = sum(
+        token_loss_sum(ref(i), lab) / tokens for i, lab in zip(ids.chunk(microbatches), labels.chunk(microbatches))
+    )
     loss.backward()
     assert ref.layers["1"].mlp.last_dropped_fraction > 0
     update_expert_bias(ref)
@@ -492,17 +531,28 @@ def check_fp8_debug_recipes(_):
     check_debug_recipes_match_one_rank_mxfp8()
 
 
+@launch_tests(
+    8,
+    [
+        check_block_parity,
+        check_fsdp_composes,
+        check_dispatch_bytes,
+        check_router_options_under_ep,
+        check_meta_init_and_errors,
+        check_model_parity_with_transformers,
+        check_moe_under_tp,
+        check_capacity_is_global,
+        check_folded_experts,
+    ],
+    timeout=900,
+)  # a hang guard, not a speed bound
 def test_expert_parallel_8_ranks():
-    checks = [
-        check_block_parity, check_fsdp_composes, check_dispatch_bytes, check_router_options_under_ep, check_meta_init_and_errors,
-        check_model_parity_with_transformers, check_moe_under_tp, check_capacity_is_global, check_folded_experts,
-    ]
-    run_checks(checks, 8, _references(seed=11), timeout=900)  # a hang guard: 150 s alone here, 255 s in the whole suite
+    return (_references(seed=11),)
 
 
+@pytest.mark.full
 @pytest.mark.skipif(not HAS_TORCHAO, reason="[train] fp8 needs torchao (pip install -e '.[fp8]')")
+@launch_tests(8, [check_fp8_debug_recipes], timeout=900)
 def test_fp8_debug_recipes_8_ranks():
-    """Its own launch: run after the checks above in their processes it took 340 s, in fresh ones 53 s (the
-    same steps and collectives, each op slower; measured on this 2-core machine, 2026-11-28); 140 s with the
-    tp_overlap and mxfp8 layouts (2026-11-29)."""
-    run_checks([check_fp8_debug_recipes], 8, None, timeout=900)
+    """Its own launch: in the processes of the launch above each of its ops runs slower (6x, measured)."""
+    return (None,)

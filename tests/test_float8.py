@@ -28,8 +28,6 @@ from meshtron.mesh import batch_mesh
 from meshtron.models import build_model
 from meshtron.models.moe import grouped_matmul
 from meshtron.parallel.compose import parallelize
-from meshtron.testing import cached_mesh, cached_recipe_mesh, random_model, rel_err
-
 from meshtron.parallel.float8 import (
     Float8GroupedMatmul,
     apply_float8,
@@ -38,6 +36,7 @@ from meshtron.parallel.float8 import (
     high_precision_note,
     torchao_float8,
 )
+from meshtron.testing import cached_mesh, cached_recipe_mesh, random_model, rel_err
 
 # The multi-rank check joins test_data_parallel's launches only where torchao is installed (the test extra has it).
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
@@ -46,11 +45,23 @@ pytestmark = pytest.mark.skipif(not HAS_TORCHAO, reason="FP8 needs the meshtron[
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # Every block linear's dims are multiples of 16 (k/v: 2 KV heads x 8 = 16); one MoE layer, one dense.
 CFG = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-    num_key_value_heads=2, rope_theta=10000.0,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
 )
-MOE = dict(CFG, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-           mlp_only_layers=[1], router_aux_loss_coef=0.0)
+MOE = dict(
+    CFG,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    mlp_only_layers=[1],
+    router_aux_loss_coef=0.0,
+)
 BATCH, SEQ, STEPS = 8, 16, 4
 # Measured on this model over STEPS AdamW steps (max relative loss gap to the float32 run, any step):
 # tensorwise 2.3e-3, rowwise 1.9e-3, rowwise_with_gw_hp 1.9e-3; the bound leaves 4x.
@@ -111,10 +122,14 @@ def test_block_linears_convert_and_the_rest_stays():
 def test_dims_fp8_cannot_take_stay_high_precision_and_are_listed():
     # 1 KV head of 8: k_proj/v_proj give 8 features, not a multiple of 16.
     model = apply_float8(random_model(ModelConfig(**dict(CFG, num_key_value_heads=1)), seed=1), "tensorwise")
-    assert high_precision_linears(model, "tensorwise") == ["layers.*.self_attn.k_proj [64 -> 8]", "layers.*.self_attn.v_proj [64 -> 8]"]
+    assert high_precision_linears(model, "tensorwise") == [
+        "layers.*.self_attn.k_proj [64 -> 8]",
+        "layers.*.self_attn.v_proj [64 -> 8]",
+    ]
     assert high_precision_note(ModelConfig(**dict(CFG, num_key_value_heads=1)), "tensorwise") == (
         "meshtron: fp8 = 'tensorwise' leaves 2 block linear(s) in the training dtype (dims not multiples of 16): "
-        "layers.*.self_attn.k_proj [64 -> 8], layers.*.self_attn.v_proj [64 -> 8]")
+        "layers.*.self_attn.k_proj [64 -> 8], layers.*.self_attn.v_proj [64 -> 8]"
+    )
     assert high_precision_note(ModelConfig(**CFG), "tensorwise") is None
     assert type(model.layers["1"].self_attn.k_proj) is nn.Linear
     assert isinstance(model.layers["1"].self_attn.q_proj, _float8_linear())
@@ -131,22 +146,42 @@ def test_transformers_model_converts_its_block_linears_and_lists_the_rest(tmp_pa
     from meshtron.hf.runner import build_hf_model, fp8_start_note, with_hf_model
 
     # 1 KV head of 8: k_proj / v_proj give 8 features; the shared expert's 48 fits, the experts' 24 does not.
-    Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-                   num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                   shared_expert_intermediate_size=48, mlp_only_layers=[1]).save_pretrained(tmp_path)
+    Qwen2MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[1],
+    ).save_pretrained(tmp_path)
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "debug_dense.toml"
     cfg = with_hf_model(load_config(recipe, ["--model.hf_model", str(tmp_path), "--train.fp8", "rowwise"]))
     assert fp8_start_note(cfg) == (
         "meshtron: fp8 = 'rowwise' leaves 3 block linear(s) in the training dtype (dims not multiples of 16): "
         "model.layers.*.self_attn.k_proj [64 -> 8], model.layers.*.self_attn.v_proj [64 -> 8], "
-        "model.layers.*.mlp.experts [64 -> 24]")
+        "model.layers.*.mlp.experts [64 -> 24]"
+    )
     model = build_hf_model(cfg, torch.device("cpu"))
     convert_float8(model, cached_mesh(), "rowwise")
     converted = sorted(name for name, m in model.named_modules() if isinstance(m, _float8_linear()))
-    assert converted == sorted(f"model.layers.{i}.{name}" for i in range(2) for name in (
-        "self_attn.q_proj", "self_attn.o_proj",
-        *(("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj") if i == 1 else
-          ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")))), converted
+    assert converted == sorted(
+        f"model.layers.{i}.{name}"
+        for i in range(2)
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.o_proj",
+            *(
+                ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+                if i == 1
+                else ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj")
+            ),
+        )
+    ), converted
     assert type(model.model.layers[0].mlp.shared_expert_gate) is nn.Linear
 
 
@@ -163,9 +198,19 @@ def test_transformers_experts_run_float8_through_the_dispatch_on_one_rank(one_ra
     from meshtron.parallel.mxfp8 import MXGroupedMatmul
 
     # 4 KV heads of 8: k / v give 32 features, which both recipes take.
-    config = Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                            num_attention_heads=8, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
-                            moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1])
+    config = Qwen2MoeConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[1],
+    )
     torch.manual_seed(0)
     whole = AutoModelForCausalLM.from_config(config)
     model = parallelize_hf_model(copy.deepcopy(whole), cached_mesh(), fp8=recipe)
@@ -188,8 +233,11 @@ def test_block_check_runs_float8_linears_in_the_training_dtype():
     torch.manual_seed(0)
     linear = nn.Linear(64, 32)
     x = torch.randn(16, 64)
-    fp8 = apply_float8(nn.ModuleDict({"layers": nn.ModuleDict({"0": nn.ModuleDict({"proj": linear})})}),
-                       "rowwise").layers["0"].proj
+    fp8 = (
+        apply_float8(nn.ModuleDict({"layers": nn.ModuleDict({"0": nn.ModuleDict({"proj": linear})})}), "rowwise")
+        .layers["0"]
+        .proj
+    )
     assert isinstance(fp8, _float8_linear())
     with gemms_in_training_dtype():
         assert torch.equal(fp8(x), F.linear(x, linear.weight, linear.bias))
@@ -237,8 +285,11 @@ def test_expert_grouped_gemm_is_a_float8_linear_per_expert(recipe, dtype):
         input_grads.append(rows.grad if len(rows) else rows.new_zeros(0, 64))
         weight_grads.append(linear.weight.grad.t() if len(rows) else torch.zeros(64, 32, dtype=dtype))
     bound = 0.0 if recipe != "tensorwise" else 1e-6
-    errors = [rel_err(out, torch.cat(outputs)), rel_err(x.grad, torch.cat(input_grads)),
-              rel_err(w.grad, torch.stack(weight_grads))]
+    errors = [
+        rel_err(out, torch.cat(outputs)),
+        rel_err(x.grad, torch.cat(input_grads)),
+        rel_err(w.grad, torch.stack(weight_grads)),
+    ]
     assert max(errors) <= bound, f"{recipe}: output, input and weight gradients {errors}"
 
 
@@ -257,8 +308,12 @@ def _scaled_grouped_mm_on_cpu(a, b, scale_a, scale_b, offs=None, out_dtype=None,
             out[s:e] = (a[s:e] * scale_a[s:e, None]) @ (b[g] * scale_b[g][None])
         return out.to(out_dtype)
     m, n = a.shape[0], b.shape[1]  # contracted over groups of a's columns and b's rows
-    return torch.stack([(a[:, s:e] * scale_a[g * m:(g + 1) * m, None]) @ (b[s:e] * scale_b[g * n:(g + 1) * n][None])
-                        for g, (s, e) in enumerate(spans)]).to(out_dtype)
+    return torch.stack(
+        [
+            (a[:, s:e] * scale_a[g * m : (g + 1) * m, None]) @ (b[s:e] * scale_b[g * n : (g + 1) * n][None])
+            for g, (s, e) in enumerate(spans)
+        ]
+    ).to(out_dtype)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -290,8 +345,9 @@ def test_experts_float8_kernel_path_gives_the_emulated_values(recipe, monkeypatc
     (exact.float() * dy.float()).sum().backward()
     calls = []
     monkeypatch.setattr(float8, "runs_float8_kernel", lambda device: True)
-    monkeypatch.setattr(torch, "_scaled_grouped_mm", lambda *a, **k: calls.append(a[1].dim()) or
-                        _scaled_grouped_mm_on_cpu(*a, **k))
+    monkeypatch.setattr(
+        torch, "_scaled_grouped_mm", lambda *a, **k: calls.append(a[1].dim()) or _scaled_grouped_mm_on_cpu(*a, **k)
+    )
     kernel = run()
     # Forward and input gradient 2-D x 3-D; the weight gradient 2-D x 2-D but in high precision (gw_hp).
     assert calls == ([3, 3] if recipe == "rowwise_with_gw_hp" else [3, 3, 2]), calls
@@ -325,10 +381,17 @@ def _config(recipe: str, **parallel) -> Config:
     return Config(model=ModelConfig(**CFG), parallel=ParallelConfig(**parallel), train=TrainConfig(fp8=recipe))
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("fp8", "rowwize", "[train] fp8 must be one of none, tensorwise, rowwise, rowwise_with_gw_hp, mxfp8, got 'rowwize'"),
-    ("fp8", "mxfp4", "[train] fp8 must be one of"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        (
+            "fp8",
+            "rowwize",
+            "[train] fp8 must be one of none, tensorwise, rowwise, rowwise_with_gw_hp, mxfp8, got 'rowwize'",
+        ),
+        ("fp8", "mxfp4", "[train] fp8 must be one of"),
+    ],
+)
 def test_unknown_recipe_is_refused(key, value, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         validate(_config(value))
@@ -369,7 +432,10 @@ def check_experts_split_over_etp_keep_every_float8_value():
             where = f"{recipe} split {split}"
             summed = LINEAR_EXACT if recipe == "tensorwise" else LINEAR_ROWWISE_BF16  # over the slices
             assert rel_err(got, want_out) < (summed if split == "in" else LINEAR_EXACT), (where, rel_err(got, want_out))
-            assert rel_err(grad_x, want_x) < (summed if split == "out" else LINEAR_EXACT), (where, rel_err(grad_x, want_x))
+            assert rel_err(grad_x, want_x) < (summed if split == "out" else LINEAR_EXACT), (
+                where,
+                rel_err(grad_x, want_x),
+            )
             assert rel_err(mine[1].grad, ref[1].grad.chunk(size, dim)[rank]) < LINEAR_EXACT, where
 
 
@@ -392,7 +458,9 @@ def test_without_torchao_the_key_names_the_extra(monkeypatch):
     validate(_config("none"))  # the default needs nothing
 
 
-def _fsdp_losses(recipe: str, dp: int, seed: int, offload: str = "none") -> tuple[list[float], list[tuple[torch.dtype, int]], int]:
+def _fsdp_losses(
+    recipe: str, dp: int, seed: int, offload: str = "none"
+) -> tuple[list[float], list[tuple[torch.dtype, int]], int]:
     """Losses of the composed FSDP model over dp ranks (``offload``: ``[parallel] offload``); (dtype, bytes)
     of each all-gather; the elements of one block's float8 weights."""
     cfg = _config(recipe, dp=dp, offload=offload)
@@ -461,8 +529,21 @@ def _plan_7b(recipe: str, tp: int = 1):
     from meshtron.config import load_config
 
     recipe_path = Path(__file__).resolve().parent.parent / "recipes" / "qwen2p5_7b.toml"
-    return load_config(recipe_path, ["--train.fp8", recipe, "--parallel.tp", str(tp), "--parallel.sp", "false",
-                                     "--parallel.dp", str(8 // tp), "--parallel.microbatches", "1"])
+    return load_config(
+        recipe_path,
+        [
+            "--train.fp8",
+            recipe,
+            "--parallel.tp",
+            str(tp),
+            "--parallel.sp",
+            "false",
+            "--parallel.dp",
+            str(8 // tp),
+            "--parallel.microbatches",
+            "1",
+        ],
+    )
 
 
 @pytest.mark.parametrize("recipe, gemms", [("tensorwise", 3), ("rowwise", 3), ("rowwise_with_gw_hp", 2)])
@@ -527,13 +608,17 @@ def test_fp8_gather_bytes_table_is_its_counts_and_the_analytic_bytes():
 
     results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
     counts = json.loads((results / "fp8_gather_bytes.json").read_text())
-    rows = re.findall(r"^\| (dp [^|]+?) \| `(\w+)` \| ([\d.]+) \| \S+ \| ([\d.]+) \|",
-                      (results / "fp8_gather_bytes.md").read_text(), re.M)
+    rows = re.findall(
+        r"^\| (dp [^|]+?) \| `(\w+)` \| ([\d.]+) \| \S+ \| ([\d.]+) \|",
+        (results / "fp8_gather_bytes.md").read_text(),
+        re.M,
+    )
     assert [row[:2] for row in rows] == [(layout, recipe) for layout in counts for recipe in FP8_RECIPES]
     for layout, recipe, fsdp, tp in rows:
         assert (float(fsdp), float(tp)) == tuple(round(counts[layout][recipe][k] / 1024, 1) for k in ("fsdp", "tp"))
-    cfg = load_config(Path(__file__).resolve().parent.parent / "recipes" / "debug_dense.toml",
-                      ["--model.num_key_value_heads", "8"])
+    cfg = load_config(
+        Path(__file__).resolve().parent.parent / "recipes" / "debug_dense.toml", ["--model.num_key_value_heads", "8"]
+    )
     m = cfg.model
     h, layers, c = m.hidden_size, m.num_hidden_layers, 2
     kv = m.num_key_value_heads * m.head_size
@@ -580,8 +665,11 @@ LINEAR_ROWWISE_BF16 = 1e-2
 # column-parallel w | dy w, row-parallel x w | w x;
 # rowwise column-parallel - | dy w, row-parallel x w | -; rowwise_with_gw_hp as rowwise plus the
 # tensorwise weight of the input gradient in row-parallel.
-AMAX_REDUCES = {"tensorwise": {"out": (1, 2), "in": (2, 2)}, "rowwise": {"out": (0, 2), "in": (2, 0)},
-                "rowwise_with_gw_hp": {"out": (0, 2), "in": (2, 1)}}
+AMAX_REDUCES = {
+    "tensorwise": {"out": (1, 2), "in": (2, 2)},
+    "rowwise": {"out": (0, 2), "in": (2, 0)},
+    "rowwise_with_gw_hp": {"out": (0, 2), "in": (2, 1)},
+}
 
 
 def _split_linear_matches(recipe: str, tp_mesh) -> None:
@@ -612,7 +700,12 @@ def _split_linear_matches(recipe: str, tp_mesh) -> None:
             out = part(x_part)
         with count_calls(ao_utils, "all_reduce") as backward:
             (out * (probe.chunk(tp, -1)[rank] if split == "out" else probe)).sum().backward()
-        assert (len(forward), len(backward)) == AMAX_REDUCES[recipe][split], (recipe, split, len(forward), len(backward))
+        assert (len(forward), len(backward)) == AMAX_REDUCES[recipe][split], (
+            recipe,
+            split,
+            len(forward),
+            len(backward),
+        )
         want = linear(x).detach()
         want = want.chunk(tp, -1)[rank] if split == "out" else want
         grad = part.weight.grad.full_tensor() if isinstance(part.weight.grad, DTensor) else part.weight.grad
@@ -645,8 +738,12 @@ def _tp_steps(model, seed: int, steps: int = TP_STEPS) -> tuple[list[float], lis
     for tokens, labels in _batches(seed)[:steps]:
         loss = model(tokens, labels=labels) / labels.numel()
         loss.backward()
-        grads.append({n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                      for n, p in model.named_parameters()})
+        grads.append(
+            {
+                n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                for n, p in model.named_parameters()
+            }
+        )
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -671,10 +768,20 @@ def _tp_refusals(tp_mesh_of) -> None:
     from meshtron.parallel.tensor import apply_tensor_parallel
     from meshtron.parallel.tensor_overlap import apply_overlapped_tensor_parallel
 
-    cases = [(dict(TP_CFG, num_key_value_heads=2), 4, r"\[train\] fp8 with tp = 4 > num_key_value_heads = 2: the "
-              r"ranks that share a KV head each hold part of its projection's output gradient"),
-             (CFG, 2, r"\[train\] fp8: a 16 x 64 block linear split over tp = 2 holds a 8 x 64 weight per rank; a "
-              r"float8 GEMM needs both dims in multiples of 16")]
+    cases = [
+        (
+            dict(TP_CFG, num_key_value_heads=2),
+            4,
+            r"\[train\] fp8 with tp = 4 > num_key_value_heads = 2: the "
+            r"ranks that share a KV head each hold part of its projection's output gradient",
+        ),
+        (
+            CFG,
+            2,
+            r"\[train\] fp8: a 16 x 64 block linear split over tp = 2 holds a 8 x 64 weight per rank; a "
+            r"float8 GEMM needs both dims in multiples of 16",
+        ),
+    ]
     for config, tp, message in cases:
         with torch.device("meta"):
             model = apply_float8(build_model(ModelConfig(**config)), "tensorwise", tp)
@@ -684,8 +791,11 @@ def _tp_refusals(tp_mesh_of) -> None:
     # left in the training dtype) beside a float8 q_proj is refused, naming them.
     with torch.device("meta"):
         model = apply_float8(build_model(ModelConfig(**dict(CFG, num_key_value_heads=1))), "rowwise", 2)
-    with pytest.raises(ConfigError, match=r"tp_overlap = true with \[train\] fp8: the ring casts the input of "
-                       r"\['q_proj', 'k_proj', 'v_proj'\] once for all of them, but \['k_proj', 'v_proj'\] stay"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tp_overlap = true with \[train\] fp8: the ring casts the input of "
+        r"\['q_proj', 'k_proj', 'v_proj'\] once for all of them, but \['k_proj', 'v_proj'\] stay",
+    ):
         apply_overlapped_tensor_parallel(model, tp_mesh_of(2), sp=True)
 
 
@@ -694,10 +804,13 @@ def _tp_refusals(tp_mesh_of) -> None:
 # backward (for the weight gradient); those 8 float32 gathers become float8 bytes (uint8) plus, where the scale
 # is per token (rowwise forward), the float32 scales; rowwise_with_gw_hp's weight gradient keeps the
 # training dtype (float32 here). The other gathers (the head's input, DTensor's) stay as they are.
-SP_GATHERS = {"tensorwise": {torch.uint8: 8, torch.float32: -8}, "rowwise": {torch.uint8: 8, torch.float32: -4},
-              "rowwise_with_gw_hp": {torch.uint8: 4, torch.float32: 0},
-              # the forward's MX bytes and E8M0 scales (uint8 both); the weight gradient's re-gather in float32
-              "mxfp8": {torch.uint8: 8, torch.float32: -4}}
+SP_GATHERS = {
+    "tensorwise": {torch.uint8: 8, torch.float32: -8},
+    "rowwise": {torch.uint8: 8, torch.float32: -4},
+    "rowwise_with_gw_hp": {torch.uint8: 4, torch.float32: 0},
+    # the forward's MX bytes and E8M0 scales (uint8 both); the weight gradient's re-gather in float32
+    "mxfp8": {torch.uint8: 8, torch.float32: -4},
+}
 
 
 def _sp_gathers(recipe: str, tp_mesh) -> dict[torch.dtype, int]:
@@ -745,10 +858,14 @@ def _ring_gathered_bytes(recipe: str, tp_mesh) -> list[int]:
 # rowwise a float32 scale per token beside the forward's and the input gradient's float8 rows, and the weight
 # gradient's own float8 rows; rowwise_with_gw_hp the training dtype wherever the weight gradient is in high
 # precision (the output gradient's input-gradient cast is per token, so its chunks are cast as they arrive).
-RING_GATHER_BYTES = {"none": (512, 512, 512), "tensorwise": (128, 128, 128), "rowwise": (132, 132 + 128, 128),
-                     "rowwise_with_gw_hp": (132, 512, 512),
-                     # MX bytes and an E8M0 scale per 32 of the input; the rest cast by the GEMM that reads it
-                     "mxfp8": (128 + 128 // 32, 512, 512)}
+RING_GATHER_BYTES = {
+    "none": (512, 512, 512),
+    "tensorwise": (128, 128, 128),
+    "rowwise": (132, 132 + 128, 128),
+    "rowwise_with_gw_hp": (132, 512, 512),
+    # MX bytes and an E8M0 scale per 32 of the input; the rest cast by the GEMM that reads it
+    "mxfp8": (128 + 128 // 32, 512, 512),
+}
 
 
 def _expected_ring_bytes(recipe: str) -> list[int]:
@@ -774,15 +891,23 @@ def _overlap_matches_the_split(recipe: str, tp_mesh, split_losses: list[float], 
         sent = _ring_gathered_bytes(name, tp_mesh)
         assert sent == _expected_ring_bytes(name), (name, sent)
         # The planner's gathering rings (input, re-gather, output gradient of each group) send what the rings sent.
-        cfg = Config(model=ModelConfig(**TP_CFG), parallel=ParallelConfig(tp=tp_mesh.size(), sp=True, tp_overlap=True),
-                     train=TrainConfig(fp8=name, dtype="float32"))
+        cfg = Config(
+            model=ModelConfig(**TP_CFG),
+            parallel=ParallelConfig(tp=tp_mesh.size(), sp=True, tp_overlap=True),
+            train=TrainConfig(fp8=name, dtype="float32"),
+        )
         rings = [overlapped_ring_bytes(cfg, layer) for layer in range(TP_CFG["num_hidden_layers"])]
         # Per group: input gather, row reduce-scatter, input-gradient reduce-scatter, re-gather, output gradient.
-        planned = [nbytes for layer in rings for start in range(0, len(layer), 5) for nbytes in
-                   itemgetter(start, start + 3, start + 4)(layer)]
+        planned = [
+            nbytes
+            for layer in rings
+            for start in range(0, len(layer), 5)
+            for nbytes in itemgetter(start, start + 3, start + 4)(layer)
+        ]
         assert sorted(planned) == sorted(sent), (name, planned, sent)
-    losses, grads = _tp_steps(_tp_model(recipe, tp_mesh, True, random_model(ModelConfig(**TP_CFG), seed=1),
-                                        overlap=True), seed=5)
+    losses, grads = _tp_steps(
+        _tp_model(recipe, tp_mesh, True, random_model(ModelConfig(**TP_CFG), seed=1), overlap=True), seed=5
+    )
     gaps = [abs(a - b) / b for a, b in zip(losses, split_losses)]
     grad_gaps = [max(rel_err(g[n], r[n]) for n in r) for g, r in zip(grads, split_grads)]
     where = f"{recipe} tp_overlap vs split: loss gaps {gaps}, gradient gaps {grad_gaps}"
@@ -793,8 +918,9 @@ def _overlap_matches_the_split(recipe: str, tp_mesh, split_losses: list[float], 
 def _composed_dp_tp_losses(recipe: str, dp: int, tp: int) -> list[float]:
     """Losses of TP_STEPS steps of the FP8 model composed as training composes it (FSDP over dp, tp with SP),
     each dp rank on its rows of the batch; its FSDP gathers the training dtype (float8_all_gather)."""
-    cfg = Config(model=ModelConfig(**TP_CFG), parallel=ParallelConfig(dp=dp, tp=tp, sp=True),
-                 train=TrainConfig(fp8=recipe))
+    cfg = Config(
+        model=ModelConfig(**TP_CFG), parallel=ParallelConfig(dp=dp, tp=tp, sp=True), train=TrainConfig(fp8=recipe)
+    )
     with torch.device("meta"):
         model = build_model(cfg.model)
     mesh = cached_mesh(dp=dp, tp=tp)
@@ -864,14 +990,27 @@ def check_tp_matches_one_rank_fp8(tp_mesh_of):
 # recipe at pp 2 x dp 2 x tp 2 + SP with tp_overlap's float8 rings under zb1p 1.8e-5 at step 1, at most 1.1e-3.
 LAYOUT_STEPS = 8
 RECIPE_LAYOUTS = {
-    "debug_moe": [dict(dp=4, ep=2), dict(dp=4, cp=2, ep=8, fold_ep=True),
-                  # etp splits experts over tp ranks; 4 KV heads so that tp 2 leaves k/v 16 features to cast
-                  dict(dp=4, tp=2, sp=True, ep=4, etp=2, fold_ep=True, model=(("num_key_value_heads", 4),)),
-                  dict(pp=2, dp=4, ep=4, fold_ep=True, microbatches=4, schedule="zbv", virtual_stages=2)],
-    "debug_dense": [dict(pp=2, dp=4, microbatches=4),
-                    # tp_overlap's float8 rings under a zero-bubble schedule (B and W split), 4 KV heads as above
-                    dict(pp=2, dp=2, tp=2, sp=True, tp_overlap=True, microbatches=4, schedule="zb1p",
-                         model=(("num_key_value_heads", 4),))],
+    "debug_moe": [
+        dict(dp=4, ep=2),
+        dict(dp=4, cp=2, ep=8, fold_ep=True),
+        # etp splits experts over tp ranks; 4 KV heads so that tp 2 leaves k/v 16 features to cast
+        dict(dp=4, tp=2, sp=True, ep=4, etp=2, fold_ep=True, model=(("num_key_value_heads", 4),)),
+        dict(pp=2, dp=4, ep=4, fold_ep=True, microbatches=4, schedule="zbv", virtual_stages=2),
+    ],
+    "debug_dense": [
+        dict(pp=2, dp=4, microbatches=4),
+        # tp_overlap's float8 rings under a zero-bubble schedule (B and W split), 4 KV heads as above
+        dict(
+            pp=2,
+            dp=2,
+            tp=2,
+            sp=True,
+            tp_overlap=True,
+            microbatches=4,
+            schedule="zb1p",
+            model=(("num_key_value_heads", 4),),
+        ),
+    ],
 }
 # Step 1 starts every layout from the same weights, and rowwise_with_gw_hp's scales are the 1-rank ones: the
 # loss matches to float32 noise (measured <= 1.7e-7). From step 2 the weights differ by reduction order, and
@@ -954,8 +1093,9 @@ def _layout_recipe_losses(cfg: Config, start: dict) -> list[float]:
 
 
 @functools.cache
-def _one_rank_reference(name: str, recipe: str, microbatches: int, readers: int,
-                        model: tuple = ()) -> tuple[list[float], list[float]]:
+def _one_rank_reference(
+    name: str, recipe: str, microbatches: int, readers: int, model: tuple = ()
+) -> tuple[list[float], list[float]]:
     """The 1-rank FP8 losses of debug recipe ``name`` (with the [model] keys ``model``) as a layout with
     ``readers`` and ``microbatches`` steps it, and those from weights one ulp up."""
     cfg = _recipe_config(name, recipe, dict(microbatches=microbatches, model=model))
@@ -968,8 +1108,11 @@ def layout_gaps(recipe: str, name: str, layout: dict) -> tuple[list[float], list
     run from weights one ulp up; rank 0 computes the 1-rank runs and broadcasts them."""
     cfg = _recipe_config(name, recipe, layout)
     micro, readers = cfg.parallel.microbatches, batch_mesh(cached_recipe_mesh(cfg)).size()
-    one = [_one_rank_reference(name, recipe, micro, readers if micro > 1 else 1, layout.get("model", ()))
-           if dist.get_rank() == 0 else None]
+    one = [
+        _one_rank_reference(name, recipe, micro, readers if micro > 1 else 1, layout.get("model", ()))
+        if dist.get_rank() == 0
+        else None
+    ]
     dist.broadcast_object_list(one, src=0)
     reference, moved = one[0]
     got = _layout_recipe_losses(cfg, random_model(cfg.model, seed=cfg.train.seed).state_dict())
@@ -1019,8 +1162,11 @@ def _one_rank_amax_outside_compiled(recipe: str) -> tuple[int, int]:
     with profile() as prof:
         model(tokens, labels=labels).backward()
     regions = [e.time_range for e in prof.events() if "Compiled" in e.name]
-    outside = [e for e in prof.events() if e.name == "aten::max"
-               and not any(r.start <= e.time_range.start <= r.end for r in regions)]
+    outside = [
+        e
+        for e in prof.events()
+        if e.name == "aten::max" and not any(r.start <= e.time_range.start <= r.end for r in regions)
+    ]
     return len(outside), sum(counters["graph_break"].values())
 
 
@@ -1029,8 +1175,10 @@ def test_one_rank_fp8_casts_inside_the_compiled_blocks(one_rank_group, monkeypat
     runs in a converted linear, inside its block's compiled forward or backward, none in FSDP's eager hooks,
     and FP8 adds no graph break."""
     from meshtron.parallel import compile as compile_module
-    monkeypatch.setattr("meshtron.parallel.compose.apply_compile",
-                        functools.partial(compile_module.apply_compile, backend="aot_eager"))
+
+    monkeypatch.setattr(
+        "meshtron.parallel.compose.apply_compile", functools.partial(compile_module.apply_compile, backend="aot_eager")
+    )
     base, base_breaks = _one_rank_amax_outside_compiled("none")
     fp8, breaks = _one_rank_amax_outside_compiled("tensorwise")
     assert (fp8, breaks) == (base, base_breaks), (fp8, breaks, base, base_breaks)

@@ -41,8 +41,17 @@ from meshtron.mesh import batch_mesh
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.pipeline.schedules import VIRTUAL
 from meshtron.testing import (
-    HF_TINY_FAMILIES, HF_TINY_SIZES, cached_mesh, cached_recipe_mesh, count_calls, launched_beside, rel_err,
-    run_checks, units_with_parameters, whole_weight_passes,
+    HF_TINY_FAMILIES,
+    HF_TINY_SIZES,
+    cached_mesh,
+    cached_recipe_mesh,
+    count_calls,
+    launch_tests,
+    launched_beside,
+    rel_err,
+    run_checks,
+    units_with_parameters,
+    whole_weight_passes,
 )
 
 SMALL = dict(HF_TINY_SIZES, num_hidden_layers=4)
@@ -50,15 +59,19 @@ SMALL = dict(HF_TINY_SIZES, num_hidden_layers=4)
 _AUX = dict(num_key_value_heads=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
 MODELS = {
     **HF_TINY_FAMILIES,
-    "qwen2_moe": ("Qwen2MoeConfig", dict(_AUX, num_experts=4, moe_intermediate_size=32,
-                                         shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(_AUX, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+    ),
     "qwen3_moe": ("Qwen3MoeConfig", dict(_AUX, num_experts=4, moe_intermediate_size=32)),
     "mixtral": ("MixtralConfig", dict(_AUX, num_local_experts=4)),
     # Scaled embedding, tied; a sliding window shorter than the sequence; a cap low enough to bend the logits.
     "gemma2": ("Gemma2Config", dict(num_key_value_heads=4, sliding_window=8, final_logit_softcapping=2.0)),
     # Sliding and full layers on both stages, each with its own RoPE base (Gemma 3's local rotary).
-    "gemma3": ("Gemma3TextConfig", dict(num_key_value_heads=2, sliding_window=8,
-                                        layer_types=["sliding_attention", "full_attention"] * 2)),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(num_key_value_heads=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
+    ),
 }
 ROWS, SEQ = 8, 16  # the global batch
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,8 +94,9 @@ def _model(arch: str, **overrides):
 def _gpt_oss():
     from transformers import AutoModelForCausalLM, GptOssConfig
 
-    cfg = GptOssConfig(**{**SMALL, "intermediate_size": 32}, num_key_value_heads=2, num_local_experts=4,
-                       num_experts_per_tok=2)
+    cfg = GptOssConfig(
+        **{**SMALL, "intermediate_size": 32}, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2
+    )
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
 
@@ -124,8 +138,10 @@ def _global_microbatches(mesh, microbatches: int) -> list[torch.Tensor]:
     """Rows of the pipeline's global micro-batches: micro-batch j of every data rank's rows."""
     data = batch_mesh(mesh).size()
     per, size = ROWS // data, ROWS // data // microbatches
-    return [torch.cat([torch.arange(r * per + j * size, r * per + (j + 1) * size) for r in range(data)])
-            for j in range(microbatches)]
+    return [
+        torch.cat([torch.arange(r * per + j * size, r * per + (j + 1) * size) for r in range(data)])
+        for j in range(microbatches)
+    ]
 
 
 def _check_grads(module, grads: dict, where: str) -> int:
@@ -237,8 +253,11 @@ def check_errors(_tmp: str) -> None:
     pp = cached_mesh(pp=2, dp=2)
     # What a stage would skip: read from the decoder's forward, or named by the config.
     granite = AutoModelForCausalLM.from_config(GraniteConfig(**SMALL))
-    with pytest.raises(ConfigError, match=r"GraniteModel's forward rescaling the embeddings outside its embedding "
-                                          r"module \('inputs_embeds = inputs_embeds \* self.embedding_multiplier'\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"GraniteModel's forward rescaling the embeddings outside its embedding "
+        r"module \('inputs_embeds = inputs_embeds \* self.embedding_multiplier'\)",
+    ):
         parallelize_hf_model(granite, pp, microbatches=2)
     cohere = AutoModelForCausalLM.from_config(CohereConfig(**SMALL, eos_token_id=2))
     with pytest.raises(ConfigError, match=r"scaled logits \(Cohere\) \(config.logit_scale = 0.0625\); use pp = 1"):
@@ -279,13 +298,17 @@ def _check_block_proof_under_pp() -> None:
         parallelize_hf_model(_model("llama"), mesh, sp=True, microbatches=2)
     assert proved == [[0] if mesh["pp"].get_local_rank() == 0 else [2]], f"blocks proved on this stage: {proved}"
     with mock.patch.object(parallelize, "apply_hf_tensor_parallel", wrong_on_stage_1):
-        with pytest.raises(ConfigError, match=r"LlamaForCausalLM block 2 \(LlamaDecoderLayer\) split at pp 2 x tp 2 "
-                                              r"\+ SP does not compute what it computes whole: its output differs by"):
+        with pytest.raises(
+            ConfigError,
+            match=r"LlamaForCausalLM block 2 \(LlamaDecoderLayer\) split at pp 2 x tp 2 "
+            r"\+ SP does not compute what it computes whole: its output differs by",
+        ):
             parallelize_hf_model(_model("llama"), mesh, sp=True, microbatches=2)
 
 
+@launch_tests(4, [check_errors, check_context_parallel, check_pipeline], timeout=300)
 def test_hf_pp_cp_4_ranks(tmp_path):
-    run_checks([check_errors, check_context_parallel, check_pipeline], 4, str(tmp_path), timeout=300)
+    return (str(tmp_path),)
 
 
 # ---- [model] hf_model: a transformers folder trained by meshtron.train on every layout ----
@@ -294,30 +317,46 @@ RECIPE_STEPS = 4
 RECIPE_HALF = RECIPE_STEPS // 2  # evaluated after it and the last step; the resume test restarts there
 # model -> layouts, run by the launch of their world size; the 1-rank run is the reference
 RECIPE_LAYOUTS = {
-    "llama": {"pp2_cp2": dict(pp=2, cp=2), "cp2_tp2_sp": dict(cp=2, tp=2, sp="true"), "dp2_tp2": dict(dp=2, tp=2),
-              "pp2_cp2_tp2": dict(pp=2, cp=2, tp=2)},
+    "llama": {
+        "pp2_cp2": dict(pp=2, cp=2),
+        "cp2_tp2_sp": dict(cp=2, tp=2, sp="true"),
+        "dp2_tp2": dict(dp=2, tp=2),
+        "pp2_cp2_tp2": dict(pp=2, cp=2, tp=2),
+    },
     # zbv: the tied embedding and head both on rank 0, evaluated through the V (2 pp micro-batches).
     "qwen2": {"pp2_tp2_zbv": dict(pp=2, tp=2, schedule='"zbv"', virtual_stages=2, microbatches=4)},
     # MoE folders with output_router_logits: the aux loss counted once per micro-batch on every layout;
     # under pp its router statistics travel with the pipeline's boundary tensors (meshtron.hf.router).
     # dp2_ep2_tp2 gathers its FSDP units once per step (the transformers step shares MicrobatchSync).
-    "qwen2_moe": {"dp2_ep2_tp2": dict(dp=2, ep=2, tp=2, fsdp_gather='"per_step"'), "pp2_dp2_ep2": dict(pp=2, dp=2, ep=2),
-                  "pp2_ep2_tp2": dict(pp=2, ep=2, tp=2)},
+    "qwen2_moe": {
+        "dp2_ep2_tp2": dict(dp=2, ep=2, tp=2, fsdp_gather='"per_step"'),
+        "pp2_dp2_ep2": dict(pp=2, dp=2, ep=2),
+        "pp2_ep2_tp2": dict(pp=2, ep=2, tp=2),
+    },
     "qwen3_moe": {"pp2_dp2_ep2": dict(pp=2, dp=2, ep=2), "pp2_ep2_tp2_sp": dict(pp=2, ep=2, tp=2, sp="true")},
-    "mixtral": {"pp2_dp2_ep2_interleaved": dict(pp=2, dp=2, ep=2, schedule='"interleaved"', virtual_stages=2),
-                "pp2_ep2_tp2": dict(pp=2, ep=2, tp=2)},
+    "mixtral": {
+        "pp2_dp2_ep2_interleaved": dict(pp=2, dp=2, ep=2, schedule='"interleaved"', virtual_stages=2),
+        "pp2_ep2_tp2": dict(pp=2, ep=2, tp=2),
+    },
     # The first stage's scaled embedding, the last stage's soft-capped fused loss (Gemma 2), per-type RoPE (Gemma 3).
     "gemma2": {"pp2_dp2_tp2": dict(pp=2, dp=2, tp=2)},
     "gemma3": {"pp2_dp2_tp2": dict(pp=2, dp=2, tp=2)},
     # [train] fp8 = "rowwise_with_gw_hp" (FP8_MODELS): dp (FSDP), tp + SP, pp under a zero-bubble schedule with
     # cp, and pp 1F1B with dp x tp; the single-rank run from weights one float32 ulp up (qwen2_fp8_ulp)
     # measures FP8's own rounding noise.
-    "qwen2_fp8": {"dp4": dict(dp=4), "dp2_tp2_sp": dict(dp=2, tp=2, sp="true"),
-                  "pp2_cp2_zb1p": dict(pp=2, cp=2, schedule='"zb1p"'), "pp2_dp2_tp2": dict(pp=2, dp=2, tp=2)},
+    "qwen2_fp8": {
+        "dp4": dict(dp=4),
+        "dp2_tp2_sp": dict(dp=2, tp=2, sp="true"),
+        "pp2_cp2_zb1p": dict(pp=2, cp=2, schedule='"zb1p"'),
+        "pp2_dp2_tp2": dict(pp=2, dp=2, tp=2),
+    },
     # Its routed experts in float8 through meshtron's dispatch (on the single rank too): ep, ep folded over
     # dp x tp + SP, pp x dp x ep.
-    "qwen2_moe_fp8": {"dp2_ep2": dict(dp=2, ep=2), "dp2_tp2_ep4_folded_sp": dict(dp=2, tp=2, ep=4, fold_ep="true", sp="true"),
-                      "pp2_dp2_ep2": dict(pp=2, dp=2, ep=2)},
+    "qwen2_moe_fp8": {
+        "dp2_ep2": dict(dp=2, ep=2),
+        "dp2_tp2_ep4_folded_sp": dict(dp=2, tp=2, ep=4, fold_ep="true", sp="true"),
+        "pp2_dp2_ep2": dict(pp=2, dp=2, ep=2),
+    },
     "qwen2_fp8_ulp": {},
     "qwen2_moe_fp8_ulp": {},
 }
@@ -342,15 +381,19 @@ def _recipe_folders(root: Path) -> dict[str, str]:
     folders = {}
     aux = dict(output_router_logits=True, router_aux_loss_coef=0.1, num_experts_per_tok=2)
     moe = dict(aux, num_key_value_heads=2, num_experts=4, moe_intermediate_size=32)
-    for name, cls, extra in (("llama", "LlamaConfig", dict(num_key_value_heads=2)),
-                             ("qwen2", "Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True)),
-                             ("qwen2_moe", "Qwen2MoeConfig", dict(moe, shared_expert_intermediate_size=64)),
-                             ("qwen3_moe", "Qwen3MoeConfig", moe),
-                             ("mixtral", "MixtralConfig", dict(aux, num_key_value_heads=2, num_local_experts=4)),
-                             ("gemma2", "Gemma2Config", dict(num_key_value_heads=2, sliding_window=16,
-                                                             final_logit_softcapping=3.0)),
-                             ("gemma3", "Gemma3TextConfig", dict(num_key_value_heads=2, sliding_window=16,
-                                                                 layer_types=["sliding_attention", "full_attention"] * 2))):
+    for name, cls, extra in (
+        ("llama", "LlamaConfig", dict(num_key_value_heads=2)),
+        ("qwen2", "Qwen2Config", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+        ("qwen2_moe", "Qwen2MoeConfig", dict(moe, shared_expert_intermediate_size=64)),
+        ("qwen3_moe", "Qwen3MoeConfig", moe),
+        ("mixtral", "MixtralConfig", dict(aux, num_key_value_heads=2, num_local_experts=4)),
+        ("gemma2", "Gemma2Config", dict(num_key_value_heads=2, sliding_window=16, final_logit_softcapping=3.0)),
+        (
+            "gemma3",
+            "Gemma3TextConfig",
+            dict(num_key_value_heads=2, sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2),
+        ),
+    ):
         cfg = getattr(transformers, cls)(**{**SMALL, "vocab_size": 256, "max_position_embeddings": 256}, **extra)
         folders[name] = str(root / name)
         if name == "llama":
@@ -361,8 +404,14 @@ def _recipe_folders(root: Path) -> dict[str, str]:
     # FP8: 4 KV heads of 8 keep k_proj / v_proj at 16 features per rank under tp 2 (a float8 GEMM's multiple).
     fp8 = {**SMALL, "vocab_size": 256, "max_position_embeddings": 256, "num_key_value_heads": 4}
     _save_with_ulp_twin(transformers.Qwen2Config(**fp8, tie_word_embeddings=True), root, "qwen2_fp8", folders)
-    _save_with_ulp_twin(transformers.Qwen2MoeConfig(**fp8, **aux, num_experts=4, moe_intermediate_size=32,
-                                                    shared_expert_intermediate_size=64), root, "qwen2_moe_fp8", folders)
+    _save_with_ulp_twin(
+        transformers.Qwen2MoeConfig(
+            **fp8, **aux, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64
+        ),
+        root,
+        "qwen2_moe_fp8",
+        folders,
+    )
     return folders
 
 
@@ -388,8 +437,19 @@ def _train_hf(folder: str, out: Path, layout: dict, extra: list[str] = ()):
     from meshtron.train import Trainer
 
     sizes = {**dict(pp=1, dp=1, cp=1, ep=1, tp=1), **layout}
-    args = ["--model.hf_model", folder, "--train.steps", str(RECIPE_STEPS), "--parallel.microbatches", "2",
-            "--train.output_dir", str(out), "--data.cache_dir", str(out.parent.parent / "token_cache"), *EVAL]
+    args = [
+        "--model.hf_model",
+        folder,
+        "--train.steps",
+        str(RECIPE_STEPS),
+        "--parallel.microbatches",
+        "2",
+        "--train.output_dir",
+        str(out),
+        "--data.cache_dir",
+        str(out.parent.parent / "token_cache"),
+        *EVAL,
+    ]
     args += [a for key, value in sizes.items() for a in (f"--parallel.{key}", str(value))]
     cfg = with_hf_model(load_config(ROOT / "recipes" / "debug_dense.toml", args + list(extra)))
     validate_layout(cfg, torch.distributed.get_world_size())
@@ -411,8 +471,18 @@ def recipe_layouts(root: str, folders: dict) -> None:
             if _ranks(sizes) != torch.distributed.get_world_size():
                 continue
             exports = layout == "dp2_tp2"
-            extra = ["--checkpoint.every", str(RECIPE_HALF), "--checkpoint.dir", str(root / "ckpt"),
-                     "--checkpoint.export_hf", str(root / "export")] if exports else []
+            extra = (
+                [
+                    "--checkpoint.every",
+                    str(RECIPE_HALF),
+                    "--checkpoint.dir",
+                    str(root / "ckpt"),
+                    "--checkpoint.export_hf",
+                    str(root / "export"),
+                ]
+                if exports
+                else []
+            )
             extra += FP8 if name in FP8_MODELS else []
             trainer = _train_hf(folder, root / name / layout, sizes, extra)
             if exports:
@@ -446,8 +516,12 @@ def recipe_resume(root: str, folders: dict) -> None:
     if torch.distributed.get_rank() == 0:
         shutil.rmtree(root / "ckpt" / f"step-{RECIPE_STEPS:08d}")  # as if the run had stopped after RECIPE_HALF
     torch.distributed.barrier()
-    _train_hf(folders["llama"], root / "llama" / "resumed", dict(pp=2, tp=2),
-              ["--checkpoint.resume", "true", "--checkpoint.dir", str(root / "ckpt")])
+    _train_hf(
+        folders["llama"],
+        root / "llama" / "resumed",
+        dict(pp=2, tp=2),
+        ["--checkpoint.resume", "true", "--checkpoint.dir", str(root / "ckpt")],
+    )
 
 
 def recipe_gathers_once_per_step(root: str, folders: dict) -> None:
@@ -458,8 +532,11 @@ def recipe_gathers_once_per_step(root: str, folders: dict) -> None:
     from meshtron.hf.runner import build_runner, with_hf_model
 
     args = ["--model.hf_model", folders["qwen2_moe"], "--parallel.microbatches", "2"]
-    args += [a for key, value in RECIPE_LAYOUTS["qwen2_moe"]["dp2_ep2_tp2"].items()
-             for a in (f"--parallel.{key}", str(value))]
+    args += [
+        a
+        for key, value in RECIPE_LAYOUTS["qwen2_moe"]["dp2_ep2_tp2"].items()
+        for a in (f"--parallel.{key}", str(value))
+    ]
     cfg = with_hf_model(load_config(ROOT / "recipes" / "debug_dense.toml", args))
     mesh = cached_recipe_mesh(cfg)
     runner = build_runner(cfg, mesh, torch.device("cpu"))
@@ -468,8 +545,10 @@ def recipe_gathers_once_per_step(root: str, folders: dict) -> None:
     for step in range(2):
         runner.module.zero_grad(set_to_none=True)
         tp = mesh["tp"].get_group()  # MoE under tp gathers tokens over tp with the same call
-        with (count_calls(torch.distributed, "all_gather_single", skip_group=tp) as gathers,
-              count_calls(torch.distributed, "reduce_scatter_single", skip_group=tp) as reduces):
+        with (
+            count_calls(torch.distributed, "all_gather_single", skip_group=tp) as gathers,
+            count_calls(torch.distributed, "reduce_scatter_single", skip_group=tp) as reduces,
+        ):
             runner.forward_backward(ids, ids)
         assert len(gathers) == len(reduces) == units, (step, len(gathers), len(reduces), units)
 
@@ -489,6 +568,7 @@ def recipe_runs(tmp_path_factory):
     return root
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("model", [name for name in RECIPE_LAYOUTS if name not in FP8_MODELS])
 def test_hf_model_recipe_loss_curve_is_layout_invariant(recipe_runs, model):
     """Training and held-out losses of every layout follow the single-rank run's (1e-4)."""
@@ -508,16 +588,17 @@ def test_hf_model_recipe_loss_curve_is_layout_invariant(recipe_runs, model):
 # rank's to float32 reassociation on dp, ep and pp layouts (measured <= 1.7e-7). From the second step the
 # weights differ by reduction order and a float8 cast can turn that last bit into a whole float8 step: the
 # single-rank run from weights one ulp up departs as far (measured: dp4 6.8e-7, MoE dp2 x ep2 8.5e-6, pp2 x dp2 x
-# ep2 9.6e-6, against one-ulp gaps up to 3.2e-5 and 4.0e-5; bound FP8_VS_ULP_NOISE times them). cp merges the ring's attention blocks in another order than
-# transformers' attention, more than one float32 sum's reassociation, so its first step too is held to the
-# ulp-noise bound (measured 1.4e-5, max 4.8e-5). tp's row-parallel partial sums come out of torch's rowwise
-# float8 GEMM in bf16 (tests/test_float8.py, TP_LOSS: 3e-3 on meshtron's model; measured here 1.5e-4, with or
-# without pp; MoE with its experts folded over dp x tp + SP 4.4e-5).
+# ep2 9.6e-6, against one-ulp gaps up to 3.2e-5 and 4.0e-5; bound FP8_VS_ULP_NOISE times them). cp merges the ring's
+# attention blocks in another order than transformers' attention, more than one float32 sum's reassociation, so its
+# first step too is held to the ulp-noise bound (measured 1.4e-5, max 4.8e-5). tp's row-parallel partial sums come out
+# of torch's rowwise float8 GEMM in bf16 (tests/test_float8.py, TP_LOSS: 3e-3 on meshtron's model; measured here 1.5e-4,
+# with or without pp; MoE with its experts folded over dp x tp + SP 4.4e-5).
 FP8_FIRST_STEP = 1e-6
 FP8_VS_ULP_NOISE = 4.0
 FP8_TP_LOSS = 3e-3
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("model", list(FP8_TWINS))
 def test_hf_model_recipe_fp8_follows_its_single_rank_run(recipe_runs, model):
     """A transformers model in FP8 (rowwise_with_gw_hp) on dp, tp + SP, pp (zb1p with cp, 1F1B with dp x tp), and
@@ -537,6 +618,7 @@ def test_hf_model_recipe_fp8_follows_its_single_rank_run(recipe_runs, model):
         assert max(gaps) < FP8_VS_ULP_NOISE * max(noise), where
 
 
+@pytest.mark.full
 def test_hf_model_recipe_resumes_and_exports(recipe_runs):
     from transformers import AutoModelForCausalLM
 
@@ -563,20 +645,42 @@ def test_hf_model_recipe_reads_any_family_and_checks_its_layout(tmp_path):
     from meshtron.parallel.layout import validate_layout
 
     GPT2Config(n_embd=64, n_head=8, n_layer=2, vocab_size=256, n_positions=128).save_pretrained(tmp_path / "gpt2")
-    MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                  num_local_experts=4, vocab_size=256).save_pretrained(tmp_path / "mixtral")
+    MixtralConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        vocab_size=256,
+    ).save_pretrained(tmp_path / "mixtral")
 
     def recipe(folder, *overrides):
-        return with_hf_model(load_config(ROOT / "recipes" / "debug_dense.toml",
-                                         ["--model.hf_model", str(tmp_path / folder), *overrides]))
+        return with_hf_model(
+            load_config(ROOT / "recipes" / "debug_dense.toml", ["--model.hf_model", str(tmp_path / folder), *overrides])
+        )
 
     gpt2 = recipe("gpt2", "--parallel.ep", "2", "--parallel.dp", "1").model
-    assert (gpt2.hidden_size, gpt2.num_attention_heads, gpt2.kv_heads, gpt2.num_hidden_layers, gpt2.intermediate_size,
-            gpt2.max_position_embeddings, gpt2.tie_word_embeddings, gpt2.num_experts) == (64, 8, 8, 2, 256, 128, True, 0)
-    with pytest.raises(ConfigError, match=r"^\[parallel\] ep = 2 needs an MoE model \(num_experts > 0\); use dp instead"):
+    assert (
+        gpt2.hidden_size,
+        gpt2.num_attention_heads,
+        gpt2.kv_heads,
+        gpt2.num_hidden_layers,
+        gpt2.intermediate_size,
+        gpt2.max_position_embeddings,
+        gpt2.tie_word_embeddings,
+        gpt2.num_experts,
+    ) == (64, 8, 8, 2, 256, 128, True, 0)
+    with pytest.raises(
+        ConfigError, match=r"^\[parallel\] ep = 2 needs an MoE model \(num_experts > 0\); use dp instead"
+    ):
         validate_layout(recipe("gpt2", "--parallel.ep", "2", "--parallel.dp", "1"), 2)
     mixtral = recipe("mixtral", "--parallel.ep", "3", "--parallel.dp", "1")
-    assert (mixtral.model.num_experts, mixtral.model.num_experts_per_tok, mixtral.model.moe_intermediate_size) == (4, 2, 96)
+    assert (mixtral.model.num_experts, mixtral.model.num_experts_per_tok, mixtral.model.moe_intermediate_size) == (
+        4,
+        2,
+        96,
+    )
     with pytest.raises(ConfigError, match=r"ep = 3 does not divide \[model\] num_experts = 4"):
         validate_layout(mixtral, 3)
     with pytest.raises(ConfigError, match=r"hf_model = '.*nowhere' has no config.json"):

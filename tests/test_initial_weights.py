@@ -14,12 +14,24 @@ from meshtron.models import InitialWeights, build_model, materialize
 from meshtron.models.counter_rng import normal_slice_, tensor_key
 from meshtron.parallel.pipeline import prune_to_stage
 from meshtron.parallel.step_runner import materialize_sharded, parallelize
-from meshtron.testing import cached_mesh, run_checks
+from meshtron.testing import cached_mesh, launch_tests
 
-DENSE = dict(vocab_size=97, hidden_size=32, intermediate_size=44, num_hidden_layers=4,
-             num_attention_heads=8, num_key_value_heads=2)
-MOE = dict(DENSE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=12,
-           shared_expert_intermediate_size=20, mlp_only_layers=[0])
+DENSE = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=44,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+)
+MOE = dict(
+    DENSE,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=12,
+    shared_expert_intermediate_size=20,
+    mlp_only_layers=[0],
+)
 TIED = dict(DENSE, tie_word_embeddings=True)
 SEED = 5
 
@@ -32,7 +44,12 @@ def _devices():
 def test_a_slice_equals_that_slice_of_the_full_tensor(device):
     key, shape = tensor_key(3, "layers.0.mlp.experts.gate_proj"), (7, 33, 19)
     full = normal_slice_(torch.empty(shape, device=device), key, shape, (0, 0, 0), 1.0)
-    for offsets, size in [((0, 0, 0), (7, 33, 19)), ((3, 5, 11), (2, 17, 8)), ((6, 32, 18), (1, 1, 1)), ((1, 9, 0), (0, 4, 19))]:
+    for offsets, size in [
+        ((0, 0, 0), (7, 33, 19)),
+        ((3, 5, 11), (2, 17, 8)),
+        ((6, 32, 18), (1, 1, 1)),
+        ((1, 9, 0), (0, 4, 19)),
+    ]:
         block = normal_slice_(torch.empty(size, device=device), key, shape, offsets, 1.0)
         index = tuple(slice(o, o + n) for o, n in zip(offsets, size))
         assert torch.equal(block, full[index]), (offsets, size)
@@ -106,8 +123,11 @@ LAYOUTS = [
 def check_sharded_fill_equals_the_full_init():
     device = env.local_device()
     for model_cfg, pp, dp, ep, tp, mode in LAYOUTS:
-        cfg = Config(model=ModelConfig(**model_cfg), parallel=ParallelConfig(pp=pp, dp=dp, ep=ep, tp=tp, data_parallel=mode),
-                     train=TrainConfig(seed=SEED))
+        cfg = Config(
+            model=ModelConfig(**model_cfg),
+            parallel=ParallelConfig(pp=pp, dp=dp, ep=ep, tp=tp, data_parallel=mode),
+            train=TrainConfig(seed=SEED),
+        )
         mesh = cached_mesh(pp=pp, dp=dp, ep=ep, tp=tp)
         with torch.device("meta"):
             model = build_model(cfg.model)
@@ -132,5 +152,7 @@ def check_sharded_fill_equals_the_full_init():
         assert sharded and alloc.largest < max(sharded), (layout, alloc.largest, max(sharded))
 
 
+@pytest.mark.full
+@launch_tests(8, [check_sharded_fill_equals_the_full_init], timeout=300)
 def test_sharded_fill_equals_the_full_init_on_8_ranks():
-    run_checks([check_sharded_fill_equals_the_full_init], 8, timeout=300)
+    return ()

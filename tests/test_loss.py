@@ -19,7 +19,7 @@ from meshtron.config import ModelConfig
 from meshtron.models import build_model, materialize, token_loss_sum
 from meshtron.models.chunked_loss import cross_entropy_sum, linear_cross_entropy_sum
 from meshtron.parallel.tensor import apply_tensor_parallel
-from meshtron.testing import fresh_seed, random_model, rel_err, run_checks
+from meshtron.testing import fresh_seed, launch_tests, random_model, rel_err
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -128,8 +128,10 @@ def test_fused_loss_peak_is_the_planners_loss_term():
     with tracker:
         linear_cross_entropy_sum(h, w, labels, chunk).backward()
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-    cfg = Config(model=ModelConfig(vocab_size=vocab, hidden_size=hidden),
-                 train=TrainConfig(dtype="bfloat16", seq_len=n, global_batch_size=1, loss_chunk_tokens=chunk))
+    cfg = Config(
+        model=ModelConfig(vocab_size=vocab, hidden_size=hidden),
+        train=TrainConfig(dtype="bfloat16", seq_len=n, global_batch_size=1, loss_chunk_tokens=chunk),
+    )
     inputs = (n + vocab) * hidden * 2
     assert abs(peak - inputs - loss_bytes(cfg, 0)) < 0.01 * peak, (peak - inputs, loss_bytes(cfg, 0))
 
@@ -144,8 +146,14 @@ def test_no_grad_computes_no_gradients():
 
 
 def test_model_loss_equals_loss_of_logits():
-    cfg = ModelConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
+    cfg = ModelConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = materialize(build_model(cfg), "cpu", seed=3)
     model.lm_head.chunk_tokens = 5
     gen = torch.Generator().manual_seed(1)
@@ -166,8 +174,15 @@ def test_model_loss_equals_loss_of_logits():
 # ---- vocab-parallel over tp, 8 ranks --------------------------------------------------------------------
 
 DENSE = dict(
-    vocab_size=250, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=8,
-    num_key_value_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
+    vocab_size=250,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=8,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
 )
 BATCH, SEQ, CHUNK = 2, 32, 8
 
@@ -240,10 +255,13 @@ def check_fused_loss_collectives_and_memory(seed):
     # One SP gather of the input, 2 all-reduces per chunk, one reduce-scatter of the input gradient.
     assert by_name == {"all_gather_into_tensor": 1, "allreduce_": 2 * chunks, "reduce_scatter_tensor": 1}, by_name
     v_local = math.ceil(cfg.vocab_size / tp)
-    assert largest.largest <= max(CHUNK * v_local, BATCH * SEQ * cfg.hidden_size, v_local * cfg.hidden_size), largest.largest
+    assert largest.largest <= max(CHUNK * v_local, BATCH * SEQ * cfg.hidden_size, v_local * cfg.hidden_size), (
+        largest.largest
+    )
     assert largest.largest < BATCH * SEQ * v_local
 
 
+@pytest.mark.full
+@launch_tests(8, [check_fused_loss_parity, check_fused_loss_collectives_and_memory], timeout=240)
 def test_fused_loss_tensor_parallel_8_ranks():
-    seed = fresh_seed()
-    run_checks([check_fused_loss_parity, check_fused_loss_collectives_and_memory], 8, seed, timeout=240)
+    return (fresh_seed(),)

@@ -18,25 +18,40 @@ from meshtron import env
 from meshtron.config import Config, ConfigError
 from meshtron.mesh import batch_mesh, build_mesh, dense_data_mesh
 from meshtron.parallel.layout import validate_layout
-from meshtron.testing import run_checks
+from meshtron.testing import launch_tests
 
 ORDER = ("pp", "dp", "cp", "ep", "tp")
 # What each group spans, written out here rather than taken from meshtron.mesh.
 GROUPS = {
-    "pp": {"pp"}, "dp": {"dp"}, "cp": {"cp"}, "ep": {"ep"}, "tp": {"tp"},
-    "dp_ep": {"dp", "ep"}, "dp_ep_cp": {"dp", "ep", "cp"},
+    "pp": {"pp"},
+    "dp": {"dp"},
+    "cp": {"cp"},
+    "ep": {"ep"},
+    "tp": {"tp"},
+    "dp_ep": {"dp", "ep"},
+    "dp_ep_cp": {"dp", "ep", "cp"},
 }
 HELPERS = {"dp_ep": batch_mesh, "dp_ep_cp": dense_data_mesh}
 # The experts' own split of each stage's ranks (edp, ep, etp): folded, and unfolded with etp.
 EXPERT_SHAPES = [
-    dict(dp=2, tp=4, ep=8, fold_ep=True), dict(dp=2, tp=4, ep=4, etp=2, fold_ep=True),
-    dict(dp=2, cp=2, tp=2, ep=4, etp=2, fold_ep=True), dict(pp=2, tp=4, ep=4, fold_ep=True),
-    dict(dp=2, ep=2, tp=2, etp=2), dict(dp=2, ep=2, tp=2), dict(dp=4, tp=2),
+    dict(dp=2, tp=4, ep=8, fold_ep=True),
+    dict(dp=2, tp=4, ep=4, etp=2, fold_ep=True),
+    dict(dp=2, cp=2, tp=2, ep=4, etp=2, fold_ep=True),
+    dict(pp=2, tp=4, ep=4, fold_ep=True),
+    dict(dp=2, ep=2, tp=2, etp=2),
+    dict(dp=2, ep=2, tp=2),
+    dict(dp=4, tp=2),
 ]
 
 SHAPES = {
-    8: [dict(dp=8), dict(tp=8), dict(pp=2, tp=4), dict(dp=2, cp=2, tp=2), dict(pp=2, dp=2, ep=2),
-        dict(pp=2, cp=2, ep=2)],
+    8: [
+        dict(dp=8),
+        dict(tp=8),
+        dict(pp=2, tp=4),
+        dict(dp=2, cp=2, tp=2),
+        dict(pp=2, dp=2, ep=2),
+        dict(pp=2, cp=2, ep=2),
+    ],
     4: [dict(tp=2, cp=2), dict(dp=2, ep=2), dict(pp=2, dp=2)],
     2: [dict(dp=2), dict(tp=2), dict(ep=2)],
 }
@@ -146,15 +161,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [8, 4])
-def test_groups_and_errors(world):
-    experts = [check_expert_layouts] if world == 8 else []
-    run_checks([check_layouts, check_errors_before_collectives, *experts], world, SHAPES[world], timeout=120)
+@launch_tests(8, [check_layouts, check_errors_before_collectives, check_expert_layouts], timeout=120)
+def test_groups_and_errors_8_ranks():
+    return (SHAPES[8],)
 
 
-def test_groups_two_ranks_and_launcher_init():
-    run_checks([check_layouts], 2, SHAPES[2], timeout=120)
-    run_checks([check_init_from_launcher_env], 2, _free_port(), timeout=120)
+@launch_tests(4, [check_layouts, check_errors_before_collectives], timeout=120)
+def test_groups_and_errors_4_ranks():
+    return (SHAPES[4],)
+
+
+@launch_tests(2, [check_layouts], timeout=120)
+def test_groups_two_ranks():
+    return (SHAPES[2],)
+
+
+@launch_tests(2, [check_init_from_launcher_env], timeout=120)
+def test_init_from_launcher_env():
+    return (_free_port(),)
 
 
 def test_build_mesh_single_process(monkeypatch):
@@ -193,7 +217,13 @@ MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64)
         (8, _cfg(QWEN_7B, dict(tp=4, dp=2, sp=True), dict(seq_len=64))),
         (8, _cfg(dict(num_attention_heads=16, num_key_value_heads=2), dict(tp=8))),  # KV heads replicated
         (8, _cfg(MOE, dict(pp=2, dp=2, ep=2, microbatches=2), dict(global_batch_size=8))),
-        (8, _cfg(parallel=dict(pp=2, cp=2, tp=2, schedule="interleaved", virtual_stages=2, microbatches=2), train=dict(seq_len=8))),
+        (
+            8,
+            _cfg(
+                parallel=dict(pp=2, cp=2, tp=2, schedule="interleaved", virtual_stages=2, microbatches=2),
+                train=dict(seq_len=8),
+            ),
+        ),
         (2, _cfg(parallel=dict(tp=2, sp=True), train=dict(seq_len=130))),
         (1, _cfg(parallel=dict(sp=True), train=dict(seq_len=127))),  # sp without tp does nothing
         (4, _cfg(parallel=dict(dp=4, microbatches=3), train=dict(global_batch_size=24))),  # accumulation
@@ -210,30 +240,46 @@ def _message(cfg: Config, world: int) -> str:
 
 
 INVALID = [
-    (8, _cfg(parallel=dict(dp=2, tp=2)),
-     ["pp=1 x dp=2 x cp=1 x ep=1 x tp=2 = 4", "world size is 8", "launch 4 ranks"]),
-    (8, _cfg(parallel=dict(dp=8, cp=0)),
-     ["[parallel] cp must be an integer >= 1, got 0"]),
-    (8, _cfg(QWEN_7B, dict(tp=8)),
-     ["tp = 8 does not divide", "num_attention_heads = 28", "Valid tp up to 8 for this model: 1, 2, 4."]),
-    (6, _cfg(dict(num_attention_heads=12, num_key_value_heads=4), dict(tp=6)),
-     ["tp = 6 and num_key_value_heads = 4 do not divide one another", "Valid tp up to 8 for this model: 1, 2, 4."]),
-    (8, _cfg(MOE, dict(ep=4, dp=2)),
-     ["ep = 4 does not divide", "num_experts = 6", "Valid ep up to 8: 1, 2, 3, 6."]),
-    (2, _cfg(parallel=dict(pp=2, schedule="interleaved")),
-     ["needs pp >= 2 and virtual_stages >= 2", "virtual_stages = 1"]),
-    (1, _cfg(parallel=dict(schedule="interleaved", virtual_stages=2)),
-     ["got pp = 1"]),
-    (2, _cfg(dict(num_hidden_layers=3), dict(pp=2, schedule="interleaved", virtual_stages=2)),
-     ["[model] num_hidden_layers = 3", "pp * virtual_stages = 4 pipeline stages"]),
-    (8, _cfg(parallel=dict(cp=4, dp=2), train=dict(seq_len=100)),
-     ["seq_len = 100", "2 x cp = 8", "Use seq_len = 104"]),
-    (8, _cfg(dict(num_attention_heads=16, num_key_value_heads=4), dict(cp=2, tp=4, sp=True), dict(seq_len=20)),
-     ["cp x tp = 8 with sp = true", "Use seq_len = 24"]),
-    (4, _cfg(parallel=dict(dp=4), train=dict(global_batch_size=6)),
-     ["global_batch_size = 6", "dp x ep = 4", "Use global_batch_size = 8"]),
-    (8, _cfg(parallel=dict(pp=2, dp=4, microbatches=4), train=dict(global_batch_size=8)),
-     ["microbatches = 4", "8 / 4 = 2", "Valid microbatches: 1, 2."]),
+    (8, _cfg(parallel=dict(dp=2, tp=2)), ["pp=1 x dp=2 x cp=1 x ep=1 x tp=2 = 4", "world size is 8", "launch 4 ranks"]),
+    (8, _cfg(parallel=dict(dp=8, cp=0)), ["[parallel] cp must be an integer >= 1, got 0"]),
+    (
+        8,
+        _cfg(QWEN_7B, dict(tp=8)),
+        ["tp = 8 does not divide", "num_attention_heads = 28", "Valid tp up to 8 for this model: 1, 2, 4."],
+    ),
+    (
+        6,
+        _cfg(dict(num_attention_heads=12, num_key_value_heads=4), dict(tp=6)),
+        ["tp = 6 and num_key_value_heads = 4 do not divide one another", "Valid tp up to 8 for this model: 1, 2, 4."],
+    ),
+    (8, _cfg(MOE, dict(ep=4, dp=2)), ["ep = 4 does not divide", "num_experts = 6", "Valid ep up to 8: 1, 2, 3, 6."]),
+    (
+        2,
+        _cfg(parallel=dict(pp=2, schedule="interleaved")),
+        ["needs pp >= 2 and virtual_stages >= 2", "virtual_stages = 1"],
+    ),
+    (1, _cfg(parallel=dict(schedule="interleaved", virtual_stages=2)), ["got pp = 1"]),
+    (
+        2,
+        _cfg(dict(num_hidden_layers=3), dict(pp=2, schedule="interleaved", virtual_stages=2)),
+        ["[model] num_hidden_layers = 3", "pp * virtual_stages = 4 pipeline stages"],
+    ),
+    (8, _cfg(parallel=dict(cp=4, dp=2), train=dict(seq_len=100)), ["seq_len = 100", "2 x cp = 8", "Use seq_len = 104"]),
+    (
+        8,
+        _cfg(dict(num_attention_heads=16, num_key_value_heads=4), dict(cp=2, tp=4, sp=True), dict(seq_len=20)),
+        ["cp x tp = 8 with sp = true", "Use seq_len = 24"],
+    ),
+    (
+        4,
+        _cfg(parallel=dict(dp=4), train=dict(global_batch_size=6)),
+        ["global_batch_size = 6", "dp x ep = 4", "Use global_batch_size = 8"],
+    ),
+    (
+        8,
+        _cfg(parallel=dict(pp=2, dp=4, microbatches=4), train=dict(global_batch_size=8)),
+        ["microbatches = 4", "8 / 4 = 2", "Valid microbatches: 1, 2."],
+    ),
 ]
 
 
@@ -264,8 +310,13 @@ def test_exit_process_runs_atexit_handlers_and_skips_finalization(end, finalized
     """A finished job ends through ``exit_process``: gloo's worker threads may still release the last
     collective's tensors, which aborts the process if the interpreter is finalizing. sys.exit is the
     control: the same script is finalized."""
-    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT.format(end=end)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT.format(end=end)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        timeout=120,
+    )
     assert done.returncode == 3, done.stderr
     assert done.stdout.startswith("bufferedatexit ran\n")
     assert ("finalized" in done.stdout) == finalized

@@ -15,13 +15,26 @@ from meshtron import env
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.full
 def test_mfu_benchmark_tiny_run(tmp_path):
     spec = importlib.util.spec_from_file_location("mfu", ROOT / "benchmarks" / "mfu.py")
     mfu = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mfu)
     profile = tmp_path / "profile.txt"
-    text = mfu.main(["--tiny", "--modes", "eager", "compiled", "--out", str(tmp_path / "mfu"), "--profile", str(profile),
-                     "--fsdp-gather", "per_step"])
+    text = mfu.main(
+        [
+            "--tiny",
+            "--modes",
+            "eager",
+            "compiled",
+            "--out",
+            str(tmp_path / "mfu"),
+            "--profile",
+            str(profile),
+            "--fsdp-gather",
+            "per_step",
+        ]
+    )
     assert ("CPU smoke run" in text) == (env.device_type() != "cuda")
     assert "fsdp_gather per_step" in text
     rows = json.loads((tmp_path / "mfu.json").read_text())["rows"]
@@ -35,6 +48,7 @@ def test_mfu_benchmark_tiny_run(tmp_path):
     assert labels == [f"tiny (hidden 128, 2 layers) {r['impl']}" for r in rows]
 
 
+@pytest.mark.full
 def test_mfu_benchmark_tiny_fp8_run(tmp_path):
     """``benchmarks/mfu.py --tiny --fp8 tensorwise``, as docs/benchmarks.md gives it: meshtron's runs train
     with ``[train] fp8`` and are labelled so."""
@@ -62,7 +76,11 @@ def test_gemm_roofline_tiny_run(tmp_path):
     assert "| tiny | wgrad | bf16 | 128 | 256 | 512 |" in (tmp_path / "roofline.md").read_text()
     # The shapes a GPU run times: every distinct layer-0 GEMM of the listed models, forward and both gradients.
     shapes = bench.distinct_gemms(4096)
-    assert len({(g.m, g.n, g.k) for _, _, g in shapes}) == len(shapes) and {k for _, k, _ in shapes} == {"fwd", "dgrad", "wgrad"}
+    assert len({(g.m, g.n, g.k) for _, _, g in shapes}) == len(shapes) and {k for _, k, _ in shapes} == {
+        "fwd",
+        "dgrad",
+        "wgrad",
+    }
 
 
 def test_datasheet_peaks_name_the_card():

@@ -14,11 +14,20 @@ from meshtron.models import aux_loss, build_model, count_parameters, materialize
 from meshtron.testing import rel_err
 
 DENSE = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
 )
 MOE = dict(
-    DENSE, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=20,
+    DENSE,
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=20,
     shared_expert_intermediate_size=40,
 )
 
@@ -85,8 +94,13 @@ def test_moe_parity_with_transformers_including_aux_loss(norm_topk):
     # equals the per-layer Switch loss only with a single MoE layer (see meshtron/models/moe.py).
     coef = 0.1
     hf, ours, cfg = _hf_pair(
-        "moe", seed=2, num_hidden_layers=3, mlp_only_layers=[0, 2], norm_topk_prob=norm_topk,
-        router_aux_loss_coef=coef, output_router_logits=True,
+        "moe",
+        seed=2,
+        num_hidden_layers=3,
+        mlp_only_layers=[0, 2],
+        norm_topk_prob=norm_topk,
+        router_aux_loss_coef=coef,
+        output_router_logits=True,
     )
     ids = torch.randint(0, cfg.vocab_size, (2, 19))
     out = hf(input_ids=ids, labels=ids)
@@ -126,18 +140,27 @@ def test_aux_loss_gradient_matches_autograd_of_formula():
     model = materialize(build_model(cfg), "cpu", seed=4)
     ids = torch.randint(0, cfg.vocab_size, (2, 11))
     captured = []
-    hooks = [m.gate.register_forward_hook(lambda mod, inp, o: captured.append(o[0])) for m in model.modules()
-             if hasattr(m, "gate") and hasattr(m, "experts")]
+    hooks = [
+        m.gate.register_forward_hook(lambda mod, inp, o: captured.append(o[0]))
+        for m in model.modules()
+        if hasattr(m, "gate") and hasattr(m, "experts")
+    ]
     model(ids).sum().mul(0).backward()  # only the aux gradient reaches the routers
     got = [m.gate.weight.grad.clone() for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
     model.zero_grad()
     captured.clear()
     model.eval()
     model(ids)
-    expected_loss = 0.5 * torch.stack(
-        [cfg.num_experts * ((torch.zeros_like(p).scatter(1, p.topk(2, -1).indices, 1.0).mean(0)) * p.mean(0)).sum()
-         for p in captured]
-    ).mean()
+    expected_loss = (
+        0.5
+        * torch.stack(
+            [
+                cfg.num_experts
+                * ((torch.zeros_like(p).scatter(1, p.topk(2, -1).indices, 1.0).mean(0)) * p.mean(0)).sum()
+                for p in captured
+            ]
+        ).mean()
+    )
     expected_loss.backward()
     for h in hooks:
         h.remove()

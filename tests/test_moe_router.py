@@ -13,8 +13,14 @@ from meshtron.models.moe import MoE, capacity_mask, update_expert_bias
 from meshtron.testing import random_moe, rel_err
 
 BLOCK = dict(
-    vocab_size=32, hidden_size=24, num_hidden_layers=1, num_attention_heads=2, num_experts=6,
-    num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=16,
+    vocab_size=32,
+    hidden_size=24,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=20,
+    shared_expert_intermediate_size=16,
 )
 
 
@@ -104,8 +110,15 @@ def test_router_options_are_validated():
     assert config_from_dict({"model": {**base["model"], "moe_capacity_factor": 1.25}}).model.moe_capacity_factor == 1.25
 
 
-MODEL = dict(BLOCK, num_hidden_layers=2, num_key_value_heads=1, intermediate_size=32, rope_theta=10000.0,
-             moe_aux_free_bias_rate=0.01, router_aux_loss_coef=0.1)
+MODEL = dict(
+    BLOCK,
+    num_hidden_layers=2,
+    num_key_value_heads=1,
+    intermediate_size=32,
+    rope_theta=10000.0,
+    moe_aux_free_bias_rate=0.01,
+    router_aux_loss_coef=0.1,
+)
 
 
 def _model(**overrides):
@@ -202,6 +215,9 @@ def test_hf_export_refuses_a_trained_expert_bias():
     assert exported and not any("expert_bias" in k for k in exported)
     with torch.no_grad():
         model.layers["1"].mlp.gate.expert_bias[0] = 0.5
-    with pytest.raises(ConfigError, match=r"layers\.1\.mlp\.gate\.expert_bias.*moe_aux_free_bias_rate = 0\.01.*"
-                                          r"moe_aux_free_bias_rate = 0 to export"):
+    with pytest.raises(
+        ConfigError,
+        match=r"layers\.1\.mlp\.gate\.expert_bias.*moe_aux_free_bias_rate = 0\.01.*"
+        r"moe_aux_free_bias_rate = 0 to export",
+    ):
         to_hf(model.state_dict(), model.config)

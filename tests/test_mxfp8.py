@@ -9,8 +9,6 @@ tp's own check in test_tensor_parallel.py's (:func:`check_tp_matches_one_rank_mx
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,7 +18,6 @@ from torch import nn
 from meshtron.config import ConfigError, ModelConfig
 from meshtron.models.moe import grouped_matmul
 from meshtron.testing import cached_mesh, random_model, rel_err
-
 from test_float8 import (
     CFG,
     FIRST_STEP_EXACT,
@@ -54,8 +51,11 @@ SPLIT_EXACT = 1e-6
 
 def _operands(tokens: int = 64, k: int = 128, n: int = 96):
     gen = torch.Generator().manual_seed(0)
-    return (torch.randn(tokens, k, generator=gen), torch.randn(n, k, generator=gen) * 0.1,
-            torch.randn(tokens, n, generator=gen))
+    return (
+        torch.randn(tokens, k, generator=gen),
+        torch.randn(n, k, generator=gen) * 0.1,
+        torch.randn(tokens, n, generator=gen),
+    )
 
 
 def test_mx_linear_is_torchaos_mxfp8_linear():
@@ -101,7 +101,7 @@ def test_mx_gemms_split_like_tp_and_over_tokens_without_changing_a_value():
     # scale of tokens 0-31 whole, of 24-47 split. e4m3 keeps its 3 mantissa bits over 2^14 below a block's
     # largest value, so only what falls under that range differs: tokens 0-23 flush to (sub)normal zeros whole.
     x48, dy48 = x[:48].clone(), dy[:48]
-    x48[30] *= 2.0 ** 16
+    x48[30] *= 2.0**16
     split = g.grad_weight(dy48[:24], x48[:24]) + g.grad_weight(dy48[24:], x48[24:])
     small = (dy48[:24].t() @ x48[:24]).abs().max()  # what tokens 0-23 contribute
     assert (split - g.grad_weight(dy48, x48)).abs().max() / small > 1e-2
@@ -168,27 +168,38 @@ def test_mxfp8_converts_the_block_linears_whose_dims_are_multiples_of_32():
     cfg = ModelConfig(**dict(MOE, moe_intermediate_size=48))  # experts [64 -> 48]; k / v [64 -> 16]
     model = apply_float8(random_model(cfg, seed=1), "mxfp8")
     converted = sorted(n for n, m in model.named_modules() if isinstance(m, MXLinear))
-    assert converted == sorted([f"layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "o_proj")]
-                               + [f"layers.1.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")])
+    assert converted == sorted(
+        [f"layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "o_proj")]
+        + [f"layers.1.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    )
     # The shared expert's 48 is no multiple of 32 either; the rowwise recipes take it (16).
     assert high_precision_linears(model, "mxfp8") == [
-        "layers.*.self_attn.k_proj [64 -> 16]", "layers.*.self_attn.v_proj [64 -> 16]",
-        "layers.*.mlp.shared_expert.gate_proj [64 -> 48]", "layers.*.mlp.shared_expert.up_proj [64 -> 48]",
-        "layers.*.mlp.shared_expert.down_proj [48 -> 64]", "layers.*.mlp.experts [64 -> 48]"]
+        "layers.*.self_attn.k_proj [64 -> 16]",
+        "layers.*.self_attn.v_proj [64 -> 16]",
+        "layers.*.mlp.shared_expert.gate_proj [64 -> 48]",
+        "layers.*.mlp.shared_expert.up_proj [64 -> 48]",
+        "layers.*.mlp.shared_expert.down_proj [48 -> 64]",
+        "layers.*.mlp.experts [64 -> 48]",
+    ]
     assert model.layers["0"].mlp.experts.matmul is grouped_matmul
-    assert isinstance(apply_float8(random_model(ModelConfig(**MOE), seed=1), "mxfp8").layers["0"].mlp.experts.matmul,
-                      MXGroupedMatmul)
+    assert isinstance(
+        apply_float8(random_model(ModelConfig(**MOE), seed=1), "mxfp8").layers["0"].mlp.experts.matmul, MXGroupedMatmul
+    )
     linear = model.layers["1"].self_attn.q_proj
     x = torch.randn(4, 16, 64)
     with gemms_in_training_dtype():
         assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias))
 
 
-def test_a_tp_split_that_cuts_an_mx_block_is_refused(one_rank_group):
+@pytest.mark.usefixtures("one_rank_group")
+def test_a_tp_split_that_cuts_an_mx_block_is_refused():
     """A per-rank weight dim that is no multiple of 32 is refused by name before any collective."""
     linear = MXLinear.from_linear(nn.Linear(64, 32))
-    with pytest.raises(ConfigError, match=r"\[train\] fp8: a 32 x 64 block linear split over tp = 1 holds a 16 x 64 "
-                                          r"weight per rank; an MX float8 GEMM needs both dims in multiples of 32"):
+    with pytest.raises(
+        ConfigError,
+        match=r"\[train\] fp8: a 32 x 64 block linear split over tp = 1 holds a 16 x 64 "
+        r"weight per rank; an MX float8 GEMM needs both dims in multiples of 32",
+    ):
         split_gemms(linear, cached_mesh(), "out", (16, 64))
     assert isinstance(split_gemms(linear, cached_mesh(), "out", (32, 64)), MXGemms)
 
@@ -211,11 +222,32 @@ def test_one_rank_mxfp8_trains_near_float32():
 # dense dp 4 x cp 2 1.1e-2 | 3.5e-3; MoE ep 4 folded over dp 4 x tp 2 + SP, etp 2 3.5e-4 | 3.4e-4. The tp
 # layouts take 8 KV heads (k / v 32 features a rank) and MoE experts of 64 (32 a rank under etp 2).
 MX_LAYOUTS = [
-    ("debug_dense", dict(pp=2, dp=2, tp=2, sp=True, tp_overlap=True, microbatches=4, schedule="zb1p",
-                         model=(("num_key_value_heads", 8),))),
+    (
+        "debug_dense",
+        dict(
+            pp=2,
+            dp=2,
+            tp=2,
+            sp=True,
+            tp_overlap=True,
+            microbatches=4,
+            schedule="zb1p",
+            model=(("num_key_value_heads", 8),),
+        ),
+    ),
     ("debug_dense", dict(dp=4, cp=2)),
-    ("debug_moe", dict(dp=4, tp=2, sp=True, ep=4, etp=2, fold_ep=True,
-                       model=(("num_key_value_heads", 8), ("moe_intermediate_size", 64)))),
+    (
+        "debug_moe",
+        dict(
+            dp=4,
+            tp=2,
+            sp=True,
+            ep=4,
+            etp=2,
+            fold_ep=True,
+            model=(("num_key_value_heads", 8), ("moe_intermediate_size", 64)),
+        ),
+    ),
 ]
 CP_FIRST_STEP = 1e-5
 

@@ -12,12 +12,19 @@ import torch
 
 from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
 from meshtron.models import token_loss_sum
-from meshtron.parallel.recompute import apply_activation_checkpointing
 from meshtron.parallel.offload import BlockOffload, apply_activation_offload
+from meshtron.parallel.recompute import apply_activation_checkpointing
 from meshtron.testing import random_model
 
-CFG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=2, rope_theta=10000.0)
+CFG = ModelConfig(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
+)
 
 
 def _loss_and_grads(model, tokens):
@@ -70,11 +77,15 @@ def test_activation_offload_copies_every_saved_activation_and_changes_no_bit(mon
     "parallel, message",
     [
         (dict(offload="cpu"), "offload must be one of none, optimizer, got 'cpu'"),
-        (dict(offload="optimizer", data_parallel="replicate"),
-         "offload = 'optimizer' keeps FSDP's parameter shards in host memory: it needs data_parallel = 'fsdp' or "
-         "'hsdp', got 'replicate'"),
-        (dict(offload_activations=True, activation_checkpointing="full"),
-         "activation_checkpointing = 'full' recomputes every block: nothing would move"),
+        (
+            dict(offload="optimizer", data_parallel="replicate"),
+            "offload = 'optimizer' keeps FSDP's parameter shards in host memory: it needs data_parallel = 'fsdp' or "
+            "'hsdp', got 'replicate'",
+        ),
+        (
+            dict(offload_activations=True, activation_checkpointing="full"),
+            "activation_checkpointing = 'full' recomputes every block: nothing would move",
+        ),
         (dict(offload_activations=True, compile=True), "set one of them false"),
     ],
 )

@@ -27,11 +27,16 @@ from meshtron.parallel import context
 from meshtron.parallel.context import blocks
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.step_runner import StepRunner
-from meshtron.testing import fresh_seed, random_model, run_checks
+from meshtron.testing import fresh_seed, launch_tests, random_model
 
 DENSE = ModelConfig(
-    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, rope_theta=10000.0,
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
 )
 
 
@@ -42,8 +47,9 @@ class _AllGathers(TorchDispatchMode):
         super().__init__()
         self.events = events
         # FSDP copies from each parameter's local shard: its storage names the unit.
-        self.unit_of = {p.to_local().untyped_storage().data_ptr(): name
-                        for name, unit in units.items() for p in unit.parameters()}
+        self.unit_of = {
+            p.to_local().untyped_storage().data_ptr(): name for name, unit in units.items() for p in unit.parameters()
+        }
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket is torch.ops.fsdp.all_gather_copy_in:
@@ -92,7 +98,7 @@ def fsdp_prefetches_the_next_block(seed: int) -> None:
     plain_events, plain_loss, plain_grads = _prefetch_run(0, weights, ids, labels)
     blocks = [str(i) for i in range(DENSE.num_hidden_layers)]
     forward = events[: events.index(("forward", blocks[-1])) + 1]
-    backward = events[len(forward):]
+    backward = events[len(forward) :]
     for this, nxt in zip(blocks, blocks[1:]):
         assert _before(forward, ("gather", nxt), ("forward", this)), forward
         # FSDP2 alone gathers the next block only when its forward begins
@@ -121,7 +127,9 @@ def _recording(events: list, label: str):
         def call(*args, **kwargs):
             events.append(label)
             return fn(*args, **kwargs)
+
         return call
+
     return wrap
 
 
@@ -145,11 +153,14 @@ def ring_posts_before_computing(seed: int) -> None:
         def call(self, send, tag):
             events.append("post kv" if tag == context._KV_TAG else "post dkv")
             return original(self, send, tag)
+
         return call
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(_patched(context.RingExchange, "start", start))
-        stack.enter_context(_patched(context.RingExchange, "wait", lambda fn: staticmethod(_recording(events, "wait")(fn))))
+        stack.enter_context(
+            _patched(context.RingExchange, "wait", lambda fn: staticmethod(_recording(events, "wait")(fn)))
+        )
         stack.enter_context(_patched(blocks, "attention_block", _recording(events, "compute")))
         stack.enter_context(_patched(blocks, "attention_block_backward", _recording(events, "compute")))
         out = context.RingAttention(mesh["cp"])(q, k, v)
@@ -157,13 +168,21 @@ def ring_posts_before_computing(seed: int) -> None:
         out.backward(torch.randn(out.shape, generator=gen))
     expected_forward, expected_backward = _ring_expected(mesh["cp"].get_local_rank(), mesh["cp"].size())
     assert forward == expected_forward, forward
-    assert events[len(forward):] == expected_backward, events[len(forward):]
+    assert events[len(forward) :] == expected_backward, events[len(forward) :]
 
 
 MOE = ModelConfig(
-    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-    num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-    shared_expert_intermediate_size=32, rope_theta=10000.0,
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=32,
+    rope_theta=10000.0,
 )
 
 
@@ -189,16 +208,26 @@ def expert_dispatch_overlaps_shared_expert(seed: int) -> None:
             work = original(*args, async_op=async_op, **kwargs)
             events.append("post dispatch" if async_op else "blocking all-to-all")
             return _Work(work, events) if async_op else work
+
         return call
 
     gen = torch.Generator().manual_seed(seed + dist.get_rank())
     with _patched(dist, "all_to_all_single", all_to_all):
         model(torch.randint(0, MOE.vocab_size, (2, 8), generator=gen)).sum().backward()
-    assert events[:6] == ["blocking all-to-all", "post dispatch", "shared expert start", "shared expert end",
-                          "wait dispatch", "blocking all-to-all"], events  # counts, dispatch ... combine
+    assert events[:6] == [
+        "blocking all-to-all",
+        "post dispatch",
+        "shared expert start",
+        "shared expert end",
+        "wait dispatch",
+        "blocking all-to-all",
+    ], events  # counts, dispatch ... combine
 
 
+@launch_tests(
+    2,
+    [fsdp_prefetches_the_next_block, ring_posts_before_computing, expert_dispatch_overlaps_shared_expert],
+    timeout=300,
+)
 def test_overlap_mechanics():
-    seed = fresh_seed()
-    run_checks([fsdp_prefetches_the_next_block, ring_posts_before_computing, expert_dispatch_overlaps_shared_expert],
-               2, seed, timeout=300)
+    return (fresh_seed(),)

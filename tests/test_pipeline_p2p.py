@@ -13,7 +13,7 @@ from meshtron import env
 from meshtron.parallel.pipeline import P2P, RECV_B, RECV_F, SEND_B, SEND_F, build_schedule
 from meshtron.parallel.pipeline import executor as executor_module
 from meshtron.parallel.pipeline.executor import PipelineExecutor
-from meshtron.testing import run_checks
+from meshtron.testing import launch_tests
 
 PAYLOAD = 1 << 16
 _KIND_CODE = {RECV_F: 1.0, RECV_B: 2.0}
@@ -107,8 +107,12 @@ def _run_logged(steps, num_stages, group, m, events):
     executor_module.dist.batch_isend_irecv = logged
     try:
         executor = PipelineExecutor(steps, num_stages, group)
-        executor.run(lambda s, x, mb: _Logged.apply(x, weight, events, s, mb), [torch.randn(1, 4, 8) for _ in range(m)],
-                     lambda out, mb: out.sum(), ((1, 4, 8), torch.float32))
+        executor.run(
+            lambda s, x, mb: _Logged.apply(x, weight, events, s, mb),
+            [torch.randn(1, 4, 8) for _ in range(m)],
+            lambda out, mb: out.sum(),
+            ((1, 4, 8), torch.float32),
+        )
     finally:
         executor_module.dist.batch_isend_irecv = real
     return weight.grad
@@ -121,7 +125,9 @@ def check_executor_waits_for_a_receive_only_when_its_consumer_starts():
         grad = _run_logged(build_schedule(name, 4, m, v)[rank], num_stages, group, m, events)
         assert grad is not None and grad.abs() > 0
         recvs = sum(e[1] for e in events if e[0] == "post")
-        recv_waits = [i for i, e in enumerate(events) if e[0] == "wait" and i + 1 < len(events) and events[i + 1][0] in "FB"]
+        recv_waits = [
+            i for i, e in enumerate(events) if e[0] == "wait" and i + 1 < len(events) and events[i + 1][0] in "FB"
+        ]
         consumers = [e for e in events if (e[0] == "F" and e[1] > 0) or (e[0] == "B" and e[1] < num_stages - 1)]
         # every consumer starts right after waiting for its own input, and nothing else waits on a receive
         assert len(recv_waits) == len(consumers) == recvs, (name, rank, len(recv_waits), len(consumers), recvs)
@@ -136,10 +142,14 @@ def check_executor_waits_for_a_receive_only_when_its_consumer_starts():
             assert overlapped > 0, (rank, events)
 
 
+@launch_tests(
+    4,
+    [
+        check_schedules_on_four_ranks,
+        check_schedules_on_pp2_sub_meshes,
+        check_executor_waits_for_a_receive_only_when_its_consumer_starts,
+    ],
+    timeout=120,
+)
 def test_schedule_p2p_replays_without_hang_or_mismatch():
-    run_checks(
-        [check_schedules_on_four_ranks, check_schedules_on_pp2_sub_meshes,
-         check_executor_waits_for_a_receive_only_when_its_consumer_starts],
-        4,
-        timeout=120,
-    )
+    return ()

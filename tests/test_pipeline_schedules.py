@@ -9,16 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtron.parallel.pipeline import (
-    B,
-    F,
     P2P,
     RECV_B,
     RECV_F,
     SEND_B,
     SEND_F,
-    W,
     Action,
+    B,
     DeadlockError,
+    F,
+    W,
     analytic_bubble,
     build_schedule,
     chunk_layer_ranges,
@@ -299,7 +299,9 @@ def test_zero_bubble_schedules_run_every_pass_once_in_data_flow_order(case):
             if (W, s, i) in span:
                 assert span[(W, s, i)].start >= span[(B, s, i)].end
     assert len(span) == len([x for line in result.timelines for x in line])  # nothing twice
-    assert {(k, s, i) for k, s, i in span if k != W} == {(k, s, i) for k in (F, B) for s in range(last + 1) for i in range(m)}
+    assert {(k, s, i) for k, s, i in span if k != W} == {
+        (k, s, i) for k in (F, B) for s in range(last + 1) for i in range(m)
+    }
     split = {(s, i) for k, s, i in span if k == W}
     assert split == {(s, i) for s in range(last + 1) for i in range(m)} or name == "dualpipev"
     match_p2p(steps)
@@ -347,7 +349,6 @@ def test_split_backward_names_the_schedules_with_weight_passes():
         assert steps == tuple(map(tuple, build_schedule(name, 4, 8, v)))
 
 
-
 def test_a_stage_with_a_checkpointed_or_compiled_part_runs_backward_whole():
     """The rule's one owner, asked of modules by the pipelined runner and of layer indices by the planner."""
     from meshtron.parallel.pipeline.schedules import runs_backward_whole
@@ -359,6 +360,7 @@ def test_a_stage_with_a_checkpointed_or_compiled_part_runs_backward_whole():
     assert runs_backward_whole(range(4), lambda layer: layer == 3, never)
     assert runs_backward_whole(range(4), never, lambda _: True)
     assert not runs_backward_whole([], never, lambda _: True)  # nothing compiled in a stage with no parts
+
 
 def test_zb1p_passes_the_strict_rendezvous_model_too():
     for pp in (2, 4, 8):
@@ -405,8 +407,9 @@ def test_show_draws_zero_bubble_schedules_with_weight_passes(tmp_path, capsys):
     assert "microbatches >= 8" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name, v", [("1f1b", 1), ("zb1p", 1), ("interleaved", 2), ("interleaved", 3), ("zbv", 2),
-                                     ("dualpipev", 2)])
+@pytest.mark.parametrize(
+    "name, v", [("1f1b", 1), ("zb1p", 1), ("interleaved", 2), ("interleaved", 3), ("zbv", 2), ("dualpipev", 2)]
+)
 def test_past_the_steady_count_a_schedule_only_repeats_its_steady_state(name, v):
     """``steady_microbatches``: more micro-batches than 4 pp hold no state the steady count's schedule does
     not (each rank's distinct per-stage held counts, before and after each action) and idle no longer (the
@@ -414,9 +417,13 @@ def test_past_the_steady_count_a_schedule_only_repeats_its_steady_state(name, v)
     from meshtron.parallel.pipeline.schedules import held_by_stage, steady_microbatches
 
     def states(schedule):
-        return [{(tuple(sorted(before.items())), tuple(sorted(after.items())))
-                 for (_, before), (_, after) in zip([(0, {})] + list(held_by_stage(steps)), held_by_stage(steps))}
-                for steps in schedule]
+        return [
+            {
+                (tuple(sorted(before.items())), tuple(sorted(after.items())))
+                for (_, before), (_, after) in zip([(0, {})] + list(held_by_stage(steps)), held_by_stage(steps))
+            }
+            for steps in schedule
+        ]
 
     def idle(schedule, b, w):
         result = simulate(schedule, 1, b, w_cost=w, rendezvous=False)

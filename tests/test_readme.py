@@ -8,10 +8,10 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from meshtron import config
 from meshtron.config import SECTION_TYPES, checks, infer_dp, load_config
@@ -111,21 +111,36 @@ def test_ci_runs_the_readme_test_command():
 
 # The drawing commands the docs show, each run as typed with matplotlib missing: a -c shim blocks its
 # import (as on a machine without the [plot] extra) and runs the module as ``python -m`` would.
-WITHOUT_MATPLOTLIB = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
-                      "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
-DRAWING_COMMANDS = [["meshtron.parallel.pipeline.show", "--pp", "2", "--microbatches", "4"],
-                    ["meshtron.watch.plot", "runs/a", "-o", "curves.png"]]
+WITHOUT_MATPLOTLIB = (
+    "import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
+    "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
+)
+DRAWING_COMMANDS = [
+    ["meshtron.parallel.pipeline.show", "--pp", "2", "--microbatches", "4"],
+    ["meshtron.watch.plot", "runs/a", "-o", "curves.png"],
+]
 
 
 def test_drawing_commands_without_matplotlib_name_the_extra_in_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-c", WITHOUT_MATPLOTLIB, *command], cwd=tmp_path, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for command in DRAWING_COMMANDS]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WITHOUT_MATPLOTLIB, *command],
+            cwd=tmp_path,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for command in DRAWING_COMMANDS
+    ]
     for command, proc in zip(DRAWING_COMMANDS, procs):
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, (command, err[-3000:])
         assert len(err.splitlines()) == 1 and err.rstrip().endswith("needs matplotlib: pip install 'meshtron[plot]'"), (
-            command, err[-3000:])
+            command,
+            err[-3000:],
+        )
     assert not list(tmp_path.iterdir())  # nothing drawn
 
 
@@ -147,7 +162,8 @@ def _choice_keys() -> list[tuple[str, tuple[str, ...]]]:
     found = re.findall(r'_require_choice\(source, "\[(\w+)\] (\w+)", [^,]+, (\w+)\)', source)
     assert len(found) >= 9, found  # the pattern still matches the calls
     return [(f"{section}.{name}", getattr(config, const)) for section, name, const in found] + [
-        ("parallel.cp_comm_type", CP_COMM_TYPES)]
+        ("parallel.cp_comm_type", CP_COMM_TYPES)
+    ]
 
 
 @pytest.mark.parametrize("key,choices", _choice_keys())
@@ -204,8 +220,14 @@ _CITED_ROOTS = ("meshtron/", "tests/", "benchmarks/")
 def _defines(source: str, name: str) -> bool:
     """``def NAME``, ``class NAME`` or ``NAME =`` (annotated too) at any indentation of ``source``."""
     name = re.escape(name)
-    return re.search(rf"^[ \t]*(?:(?:async[ \t]+)?def[ \t]+{name}\b|class[ \t]+{name}\b|{name}[ \t]*(?::[^=\n]*)?=(?!=))",
-                     source, flags=re.M) is not None
+    return (
+        re.search(
+            rf"^[ \t]*(?:(?:async[ \t]+)?def[ \t]+{name}\b|class[ \t]+{name}\b|{name}[ \t]*(?::[^=\n]*)?=(?!=))",
+            source,
+            flags=re.M,
+        )
+        is not None
+    )
 
 
 def test_extending_page_cites_paths_and_names_that_exist():

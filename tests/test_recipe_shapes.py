@@ -119,7 +119,9 @@ def test_debug_models_match_transformers(name):
 
 def test_closed_form_follows_sparse_step_and_mlp_only_layers():
     """A mixed dense/MoE stack must be counted layer by layer, as transformers builds it."""
-    m = load_config(RECIPES / "debug_moe.toml", ["--model.decoder_sparse_step", "2", "--model.mlp_only_layers", "[3]"]).model
+    m = load_config(
+        RECIPES / "debug_moe.toml", ["--model.decoder_sparse_step", "2", "--model.mlp_only_layers", "[3]"]
+    ).model
     assert [m.is_moe_layer(i) for i in range(4)] == [False, True, False, False]
     assert expected_count(m) == hf_meta_count(m)
 
@@ -134,4 +136,6 @@ def test_recipe_headers_state_the_plan():
             continue
         stated = stated_gib(path)
         assert stated is not None, f"{path.name}: no 'meshtron.plan predicts X GiB per GPU' in its header"
-        assert stated == round(planned_gib(path), 1), f"{path.name}: header says {stated} GiB, the plan {planned_gib(path):.2f}"
+        assert stated == round(planned_gib(path), 1), (
+            f"{path.name}: header says {stated} GiB, the plan {planned_gib(path):.2f}"
+        )

@@ -63,12 +63,16 @@ def exact_resume(root: str) -> None:
     if dist.get_rank() == 0:
         shutil.copytree(full_ckpt / "step-00000002", resumed_ckpt / "step-00000002")
         # A crash during the step-4 save: shards written, marker missing; and a leftover temp folder.
-        shutil.copytree(full_ckpt / "step-00000004", resumed_ckpt / "step-00000004",
-                        ignore=shutil.ignore_patterns("meshtron.json"))
+        shutil.copytree(
+            full_ckpt / "step-00000004", resumed_ckpt / "step-00000004", ignore=shutil.ignore_patterns("meshtron.json")
+        )
         shutil.copytree(full_ckpt / "step-00000004", resumed_ckpt / ".step-00000006.tmp")
     dist.barrier()
-    trainer = _trainer(root / "resumed", DP2_TP2, ["--train.steps", "4", "--checkpoint.resume", "true",
-                                                   "--checkpoint.dir", str(resumed_ckpt)])
+    trainer = _trainer(
+        root / "resumed",
+        DP2_TP2,
+        ["--train.steps", "4", "--checkpoint.resume", "true", "--checkpoint.dir", str(resumed_ckpt)],
+    )
     assert trainer.start_step == 2
     trainer.fit()
 
@@ -82,23 +86,30 @@ def async_save_resumes_exactly(root: str) -> None:
 
     root = Path(root)
     out, resumed_ckpt = root / "async", root / "async_resumed_ckpt"
-    trainer = _trainer(out, DP2_TP2, ["--train.steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "2",
-                                      "--checkpoint.async_save", "true"])
+    trainer = _trainer(
+        out,
+        DP2_TP2,
+        ["--train.steps", "4", "--checkpoint.every", "2", "--checkpoint.keep", "2", "--checkpoint.async_save", "true"],
+    )
     trainer.fit()
     ckpt = out / "checkpoints"
     if dist.get_rank() == 0:
         assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000004"]
         shutil.copytree(ckpt / "step-00000002", resumed_ckpt / "step-00000002")
     dist.barrier()
-    trainer.checkpoints.save(6, trainer.runner.module, trainer.optimizer, trainer.cfg,
-                             {"data": trainer.dataset.state_dict()})
+    trainer.checkpoints.save(
+        6, trainer.runner.module, trainer.optimizer, trainer.cfg, {"data": trainer.dataset.state_dict()}
+    )
     if dist.get_rank() == 0:
         assert (ckpt / ".step-00000006.tmp").is_dir() and latest_checkpoint(ckpt) == ckpt / "step-00000004"
     trainer.checkpoints.wait()
     if dist.get_rank() == 0:
         assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000004", "step-00000006"]  # keep 2
-    resumed = _trainer(root / "async_resumed", DP2_TP2, ["--train.steps", "4", "--checkpoint.resume", "true",
-                                                         "--checkpoint.dir", str(resumed_ckpt)])
+    resumed = _trainer(
+        root / "async_resumed",
+        DP2_TP2,
+        ["--train.steps", "4", "--checkpoint.resume", "true", "--checkpoint.dir", str(resumed_ckpt)],
+    )
     assert resumed.start_step == 2
     resumed.fit()
 
@@ -222,11 +233,25 @@ def step_clocks_open_together(root: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("reliability")
-    run_checks([waits_counted_once, exact_resume, async_save_resumes_exactly, keep_and_final_save, different_configs_are_named, nonfinite_stops_with_the_parameter,
-                nonfinite_skips_the_update, step_clocks_open_together], 4, str(root), timeout=600)
+    run_checks(
+        [
+            waits_counted_once,
+            exact_resume,
+            async_save_resumes_exactly,
+            keep_and_final_save,
+            different_configs_are_named,
+            nonfinite_stops_with_the_parameter,
+            nonfinite_skips_the_update,
+            step_clocks_open_together,
+        ],
+        4,
+        str(root),
+        timeout=600,
+    )
     return root
 
 
+@pytest.mark.full
 def test_time_waited_in_collectives_is_counted_once(runs):
     """The waited time is the union of the waits: within the wall time on every rank (summed, the
     blocking call's inner wait and the two threads' waits counted twice), and on the ranks that
@@ -238,6 +263,7 @@ def test_time_waited_in_collectives_is_counted_once(runs):
             assert figures["waited"] >= 0.8 * 2 * LATE_S, (rank, figures)
 
 
+@pytest.mark.full
 def test_every_rank_times_one_common_step_window(runs):
     """Ranks 1-3 entered the step 0.5, 1.0 and 1.5 s late: the step times still agree (by far less than
     the lateness), and each rank's own time is within its own step."""
@@ -247,6 +273,7 @@ def test_every_rank_times_one_common_step_window(runs):
     assert all(0 <= own <= step_time for step_time, own in every), every
 
 
+@pytest.mark.full
 def test_resume_is_bit_exact_next_to_an_interrupted_save(runs):
     full, resumed = _losses(runs / "full"), _losses(runs / "resumed")
     assert len(full) == 4 and len(resumed) == 2
@@ -255,6 +282,7 @@ def test_resume_is_bit_exact_next_to_an_interrupted_save(runs):
     assert [r["grad_norm"] for r in _records(runs / "resumed")] == full_norms[2:]
 
 
+@pytest.mark.full
 def test_async_saved_checkpoint_resumes_exactly(runs):
     full = _losses(runs / "full")
     assert _losses(runs / "async") == full  # saving in the background leaves the training as it was
@@ -294,17 +322,38 @@ def test_a_commit_deletes_stale_temp_folders_and_never_prunes_itself(tmp_path):
 
 # ---------------------------------------------------------------- torchrun: crash, failure, hang
 
-def _torchrun(out: Path, nproc: int, extra: list[str], torchrun_args: list[str] = (), fault: str = "",
-              layout: dict | None = None, recipe: Path = RECIPE):
+
+def _torchrun(
+    out: Path,
+    nproc: int,
+    extra: list[str],
+    torchrun_args: list[str] = (),
+    fault: str = "",
+    layout: dict | None = None,
+    recipe: Path = RECIPE,
+):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("MESHTRON_FAULT", None)
     if fault:
         env["MESHTRON_FAULT"] = fault
     layout = layout or {"dp": nproc}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           *torchrun_args, "-m", "meshtron.train", "--recipe", str(recipe), *_args(out, layout, extra)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        *torchrun_args,
+        "-m",
+        "meshtron.train",
+        "--recipe",
+        str(recipe),
+        *_args(out, layout, extra),
+    ]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[str, str]:
@@ -325,6 +374,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.full
 def test_killed_rank_restarts_from_the_latest_checkpoint(tmp_path):
     steps = ["--train.steps", "12", "--checkpoint.every", "4"]
     reference = _torchrun(tmp_path / "uninterrupted", 2, steps)
@@ -340,8 +390,10 @@ def test_killed_rank_restarts_from_the_latest_checkpoint(tmp_path):
     resumed_at = int(out.split("meshtron: resumed from")[1].split("(step ")[1].split(")")[0])
     assert resumed_at >= 4
     steps_lost = max(logged_before_kill - resumed_at, 0)
-    print(f"killed rank 1 (pid {victim}) after step {logged_before_kill}; resumed at {resumed_at}; "
-          f"steps lost {steps_lost}")
+    print(
+        f"killed rank 1 (pid {victim}) after step {logged_before_kill}; resumed at {resumed_at}; "
+        f"steps lost {steps_lost}"
+    )
     _, ref_err = _finish(reference)
     assert reference.returncode == 0, ref_err[-3000:]
     assert [r["step"] for r in _records(crashed_out)] == list(range(1, 13))
@@ -378,6 +430,7 @@ def _finish_watching_latest(proc: subprocess.Popen, ckpt: Path) -> tuple[str, st
     return out, err, seen
 
 
+@pytest.mark.full
 def test_job_killed_during_an_async_save_resumes_from_the_last_complete_checkpoint(tmp_path):
     """SIGKILL of the whole job (launcher and ranks) while the asynchronous save of step 5 is
     written but not committed: rank 0 is held before step 6 (MESHTRON_FAULT), so it never completes
@@ -385,8 +438,18 @@ def test_job_killed_during_an_async_save_resumes_from_the_last_complete_checkpoi
     folder (it looks like a DCP checkpoint, only our marker is missing). Saves every step, keep 2."""
     from meshtron.checkpoint import MARKER, latest_checkpoint, read_marker
 
-    recipe = ["--train.steps", "8", "--checkpoint.every", "1", "--checkpoint.keep", "2",
-              "--checkpoint.async_save", "true", "--checkpoint.resume", "true"]
+    recipe = [
+        "--train.steps",
+        "8",
+        "--checkpoint.every",
+        "1",
+        "--checkpoint.keep",
+        "2",
+        "--checkpoint.async_save",
+        "true",
+        "--checkpoint.resume",
+        "true",
+    ]
     reference = _torchrun(tmp_path / "uninterrupted", 2, ["--train.steps", "8"])
     out = tmp_path / "crashed"
     ckpt = out / "checkpoints"
@@ -424,6 +487,7 @@ def test_job_killed_during_an_async_save_resumes_from_the_last_complete_checkpoi
     assert _losses(out) == _losses(tmp_path / "uninterrupted")
 
 
+@pytest.mark.full
 def test_a_failing_or_stuck_rank_ends_the_job(tmp_path):
     """A rank's own error is reported once, by that rank, and its peers' failed collectives stay quiet;
     a rank stuck inside an expert-parallel step is named in one hang report (at the automatic limit,
@@ -432,10 +496,15 @@ def test_a_failing_or_stuck_rank_ends_the_job(tmp_path):
     stopped before it gets there (the other rank finishes first and torchrun ends the job)."""
     common = ["--train.steps", "20"]
     started = time.monotonic()
-    failing = _torchrun(tmp_path / "raise", 2, common + ["--train.collective_timeout_s", "300"],
-                        fault="raise:1:3")
-    stuck = _torchrun(tmp_path / "stall", 4, common + ["--train.collective_timeout_s", "30"], fault="stall:2:3",
-                      layout={"dp": 2, "ep": 2}, recipe=MOE_RECIPE)
+    failing = _torchrun(tmp_path / "raise", 2, common + ["--train.collective_timeout_s", "300"], fault="raise:1:3")
+    stuck = _torchrun(
+        tmp_path / "stall",
+        4,
+        common + ["--train.collective_timeout_s", "30"],
+        fault="stall:2:3",
+        layout={"dp": 2, "ep": 2},
+        recipe=MOE_RECIPE,
+    )
     refused = _torchrun(tmp_path / "refused", 4, ["--parallel.tp", "3"], fault="delay:0:0")
     _, err = _finish(failing)
     assert failing.returncode != 0
@@ -475,30 +544,39 @@ def test_hang_limit_and_summary():
     assert hang_limit(0, 600, []) == 300 and hang_limit(0, 600, [40.0, 41.0, 90.0]) == 300
     assert hang_limit(0, 2000, [40.0, 41.0, 90.0]) == 410 and hang_limit(0, 30, []) == 15
     waiting = {"op": "all_reduce", "group": [0, 1], "dim": "dp", "peers": "", "group_seq": 8}
-    states = {0: {"waiting": waiting, "counts": [[[0, 1], 8]], "where": "a.py:1 in f"},
-              1: {"waiting": {**waiting, "op": "broadcast", "group_seq": 7}, "counts": [[[0, 1], 7]],
-                  "where": "b.py:2 in g"}}
+    states = {
+        0: {"waiting": waiting, "counts": [[[0, 1], 8]], "where": "a.py:1 in f"},
+        1: {"waiting": {**waiting, "op": "broadcast", "group_seq": 7}, "counts": [[[0, 1], 7]], "where": "b.py:2 in g"},
+    }
     assert hang_summary(states, 3, "step 4 has run 20 s on rank 0 (hang limit 20 s)", Path("out/hang")) == (
         "meshtron: hang: step 4 has run 20 s on rank 0 (hang limit 20 s). Behind: rank 1 (fewer collectives "
         "issued: rank 1 at b.py:2 in g). Rank 0 waits in all_reduce over dp [0, 1] (their collective #8 on it; "
         "rank 1 issued 7). No answer from rank 2 (dead, or its Python thread cannot run). Stacks and last "
-        "collectives: out/hang/rank-*.txt (start with rank-1.txt).")
+        "collectives: out/hang/rank-*.txt (start with rank-1.txt)."
+    )
 
 
+@pytest.mark.full
 def test_a_straggler_is_named_once_it_stays_behind(tmp_path):
     """Behind means over the median by 20 % and 0.25 s, at two logs in a row on the same rank."""
     from meshtron.watch.metrics import MetricsLogger
 
     logger = MetricsLogger(tmp_path, 5, enabled=False)
-    logs = [(3, 0.05, 0.03),  # 67 % over the median, but 0.02 s: a healthy CPU step
-            (3, 0.60, 0.30),  # behind once
-            (5, 1.03, 0.03), (5, 1.04, 0.03),  # behind twice: named
-            (5, 1.20, 1.10)]  # 9 % over
-    named = [logger.straggler({"slowest_rank": rank, "rank_time_max": most, "rank_time_median": median})
-             for rank, most, median in logs]
+    logs = [
+        (3, 0.05, 0.03),  # 67 % over the median, but 0.02 s: a healthy CPU step
+        (3, 0.60, 0.30),  # behind once
+        (5, 1.03, 0.03),
+        (5, 1.04, 0.03),  # behind twice: named
+        (5, 1.20, 1.10),
+    ]  # 9 % over
+    named = [
+        logger.straggler({"slowest_rank": rank, "rank_time_max": most, "rank_time_median": median})
+        for rank, most, median in logs
+    ]
     assert named == [None, None, None, 5, None]
 
 
+@pytest.mark.full
 def test_a_hang_inside_a_pipeline_step_is_reported_and_restarted(tmp_path):
     """pp 2 x dp 2: rank 2 (the last stage) stalls in a block's forward of step 5 while rank 1 works
     SLOW_FAULT_S longer than the others in every step. The hang report names rank 2 within the hang
@@ -512,8 +590,14 @@ def test_a_hang_inside_a_pipeline_step_is_reported_and_restarted(tmp_path):
     steps = ["--train.steps", "8", "--checkpoint.every", "2", "--checkpoint.resume", "true"]
     reference = _torchrun(tmp_path / "uninterrupted", 4, steps, layout=layout)
     out = tmp_path / "stalled"
-    stalled = _torchrun(out, 4, steps + ["--train.hang_timeout_s", "10"], ["--max-restarts", "1"],
-                        fault="stall:2:5,slow:1:*", layout=layout)
+    stalled = _torchrun(
+        out,
+        4,
+        steps + ["--train.hang_timeout_s", "10"],
+        ["--max-restarts", "1"],
+        fault="stall:2:5,slow:1:*",
+        layout=layout,
+    )
     _wait_for(out / "checkpoints" / "step-00000004" / "meshtron.json", stalled, timeout=240)
     stall_began = time.monotonic()
     _wait_for(out / "hang" / "rank-2.txt", stalled, timeout=60)
@@ -543,6 +627,7 @@ def test_a_hang_inside_a_pipeline_step_is_reported_and_restarted(tmp_path):
 
 
 # ---------------------------------------------------------------- bad input through the CLI
+
 
 def _write_hf(folder: Path, hidden_size: int | None = None, truncate: bool = False, weights: bool = True):
     from safetensors.torch import save_file
@@ -597,24 +682,38 @@ def test_bad_inputs_fail_once_with_exit_2_and_write_nothing(tmp_path, monkeypatc
         "wrong type": (["--train.steps", '"ten"'], "[train] steps must be an integer"),
         "impossible sizes": (["--parallel.tp", "3"], "world size is 1"),
         "unknown choice": (["--train.on_nonfinite", '"skp"'], "Did you mean 'skip'"),
-        "missing safetensors": (["--checkpoint.init_from_hf", str(tmp_path / "hf_no_weights")],
-                                "neither model.safetensors"),
-        "truncated safetensors": (["--checkpoint.init_from_hf", str(tmp_path / "hf_truncated")],
-                                  "unreadable or truncated"),
-        "HF config mismatch": (["--checkpoint.init_from_hf", str(tmp_path / "hf_other")],
-                               "hidden_size: config.json 32 vs recipe 64"),
-        "checkpoint of another shape": (["--checkpoint.resume", "true", "--checkpoint.dir", str(ckpt.parent)],
-                                        "saved for a different model"),
+        "missing safetensors": (
+            ["--checkpoint.init_from_hf", str(tmp_path / "hf_no_weights")],
+            "neither model.safetensors",
+        ),
+        "truncated safetensors": (
+            ["--checkpoint.init_from_hf", str(tmp_path / "hf_truncated")],
+            "unreadable or truncated",
+        ),
+        "HF config mismatch": (
+            ["--checkpoint.init_from_hf", str(tmp_path / "hf_other")],
+            "hidden_size: config.json 32 vs recipe 64",
+        ),
+        "checkpoint of another shape": (
+            ["--checkpoint.resume", "true", "--checkpoint.dir", str(ckpt.parent)],
+            "saved for a different model",
+        ),
         "missing dataset": (["--data.source", str(tmp_path / "nope.txt")], "does not exist"),
         "empty dataset": (["--data.source", str(tmp_path / "empty.txt")], "holds no text"),
-        "missing eval data": (["--data.eval_source", str(tmp_path / "nope.txt")],
-                              f"[data] eval_source '{tmp_path / 'nope.txt'}' does not exist"),
-        "empty eval data": (["--data.eval_source", str(tmp_path / "empty.txt")],
-                            f"[data] eval_source '{tmp_path / 'empty.txt'}' holds no text"),
+        "missing eval data": (
+            ["--data.eval_source", str(tmp_path / "nope.txt")],
+            f"[data] eval_source '{tmp_path / 'nope.txt'}' does not exist",
+        ),
+        "empty eval data": (
+            ["--data.eval_source", str(tmp_path / "empty.txt")],
+            f"[data] eval_source '{tmp_path / 'empty.txt'}' holds no text",
+        ),
         "evaluation without data": (["--train.eval_every", "5"], "eval_every = 5 needs [data] eval_source"),
         "profile window": (["--train.profile_steps", "[3, 2]"], "profile_steps must be [first, last]"),
-        "tokenizer too large": (["--data.tokenizer", str(tmp_path / "tokenizer.json")],
-                                "has 300 tokens but [model] vocab_size is 256"),
+        "tokenizer too large": (
+            ["--data.tokenizer", str(tmp_path / "tokenizer.json")],
+            "has 300 tokens but [model] vocab_size is 256",
+        ),
     }
     for name in ("WORLD_SIZE", "RANK", "MESHTRON_FAULT"):
         monkeypatch.delenv(name, raising=False)
@@ -647,6 +746,8 @@ def _cli_args(args: list[str], out: Path) -> list[str]:
 
 # ---------------------------------------------------------------- random recipe edits
 
+
+@pytest.mark.full
 def test_random_recipe_edits_fail_only_with_config_error(tmp_path_factory):
     import dataclasses
 
@@ -656,14 +757,24 @@ def test_random_recipe_edits_fail_only_with_config_error(tmp_path_factory):
     from meshtron.config import Config
     from meshtron.parallel.layout import validate_layout
 
-    keys = [(section.name, f.name) for section in dataclasses.fields(Config)
-            for f in dataclasses.fields(section.default_factory())]
-    key = st.one_of(st.sampled_from(keys), st.tuples(st.sampled_from(["train", "parallel", "modle"]),
-                                                     st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=8)))
+    keys = [
+        (section.name, f.name)
+        for section in dataclasses.fields(Config)
+        for f in dataclasses.fields(section.default_factory())
+    ]
+    key = st.one_of(
+        st.sampled_from(keys),
+        st.tuples(
+            st.sampled_from(["train", "parallel", "modle"]),
+            st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=8),
+        ),
+    )
     value = st.one_of(
-        st.integers(-3, 70), st.integers(-(2**70), 2**70), st.booleans(),
-        st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(['"fsdp"', '"interleaved"', '"x"', "[1, 2]",
-                                                                         '"skip"', "{a = 1}", "= =", ""]),
+        st.integers(-3, 70),
+        st.integers(-(2**70), 2**70),
+        st.booleans(),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.sampled_from(['"fsdp"', '"interleaved"', '"x"', "[1, 2]", '"skip"', "{a = 1}", "= =", ""]),
     )
     recipe_text = RECIPE.read_text()
     folder = tmp_path_factory.mktemp("edits")

@@ -16,14 +16,24 @@ PACKAGE = Path(__file__).resolve().parent.parent / "meshtron"
 # Lower levels never import higher ones; a package may import itself.
 LEVELS = {
     "torch_private": -2,
-    "env": -1, "extras": -1,
-    "config": 0, "watch": 0,
-    "mesh": 1, "checkpoint": 1, "data": 1, "optim": 1, "host": 1,
+    "env": -1,
+    "extras": -1,
+    "config": 0,
+    "watch": 0,
+    "mesh": 1,
+    "checkpoint": 1,
+    "data": 1,
+    "optim": 1,
+    "host": 1,
     "models": 2,
-    "parallel": 3, "faults": 3,
-    "hf": 4, "testing": 4, "plan": 4,
+    "parallel": 3,
+    "faults": 3,
+    "hf": 4,
+    "testing": 4,
+    "plan": 4,
     "dryrun": 5,
-    "train": 6, "__init__": 6,
+    "train": 6,
+    "__init__": 6,
 }
 
 
@@ -81,7 +91,7 @@ def test_no_import_cycles_between_modules():
         state[node] = 1
         for nxt in sorted(edges[node]):
             if state.get(nxt) == 1:  # on the current path
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(nxt):] + [nxt]))
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(nxt) :] + [nxt]))
             if nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = 2
@@ -128,7 +138,9 @@ def _rule_phrases(sources: dict[str, str]) -> tuple[dict[str, set[str]], int]:
     messages = {module: _messages(tree) for module, tree in trees.items()}
     helpers = {
         call.func.id if isinstance(call.func, ast.Name) else call.func.attr
-        for found in messages.values() for message in found for call in ast.walk(message)
+        for found in messages.values()
+        for message in found
+        for call in ast.walk(message)
         if isinstance(call, ast.Call) and isinstance(call.func, (ast.Name, ast.Attribute))
     }
     for module, tree in trees.items():
@@ -159,7 +171,9 @@ def test_each_rule_message_is_written_in_one_module():
     assert read > 150, f"read only {read} error messages; has the way meshtron raises changed?"
     assert phrases["must be one of"] == {"meshtron.config.choices"}, "not_one_of's words are config.choices'"
     twice = sorted(f"{part!r}: {', '.join(sorted(modules))}" for part, modules in phrases.items() if len(modules) > 1)
-    assert not twice, "a rule's words written in more than one module (call the owner's check instead):\n" + "\n".join(twice)
+    assert not twice, "a rule's words written in more than one module (call the owner's check instead):\n" + "\n".join(
+        twice
+    )
 
 
 def test_rule_phrases_find_a_rule_written_twice():
@@ -168,7 +182,7 @@ def test_rule_phrases_find_a_rule_written_twice():
     sources = {
         "a": "def f(x):\n    raise ValueError(f'[train] x = {x} must be a multiple of 2 x cp = {2 * x}.')\n",
         "b": "def g(x):\n    if x:\n        raise ConfigError(why(x) + ' Use another.')\n"
-             "def why(x):\n    return f'[train] x = {x} must be a multiple of 2 x cp = {2 * x}'\n",
+        "def why(x):\n    return f'[train] x = {x} must be a multiple of 2 x cp = {2 * x}'\n",
         "c": "def h(ok, key, x):\n    _require(ok, f'{key} must be >= 1, got {x}.')\n",
         "d": "def k(key, x):\n    raise ValueError(f'[train] {key} must be >= 1, got {x}')\n",
     }
@@ -198,8 +212,12 @@ def _own_names(trees: dict[str, ast.AST]) -> set[str]:
                 own.add(node.id)
             elif isinstance(node, ast.arg):
                 own.add(node.arg)
-            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                  and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
                 own.add(node.attr)
     return own
 
@@ -214,13 +232,23 @@ def _private_torch_uses(sources: dict[str, str]) -> list[str]:
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
                 names = [node.module] if any(map(_is_private, node.module.split("."))) else []
-                found += [f"{module}:{node.lineno} from {node.module} import {a.name}" for a in node.names
-                          if names or _is_private(a.name)]
+                found += [
+                    f"{module}:{node.lineno} from {node.module} import {a.name}"
+                    for a in node.names
+                    if names or _is_private(a.name)
+                ]
             elif isinstance(node, ast.Import):
-                found += [f"{module}:{node.lineno} import {a.name}" for a in node.names
-                          if a.name.split(".")[0] == "torch" and any(map(_is_private, a.name.split(".")))]
-            elif (isinstance(node, ast.Attribute) and _is_private(node.attr) and node.attr not in own
-                  and node.attr not in PYTHON_PRIVATE):
+                found += [
+                    f"{module}:{node.lineno} import {a.name}"
+                    for a in node.names
+                    if a.name.split(".")[0] == "torch" and any(map(_is_private, a.name.split(".")))
+                ]
+            elif (
+                isinstance(node, ast.Attribute)
+                and _is_private(node.attr)
+                and node.attr not in own
+                and node.attr not in PYTHON_PRIVATE
+            ):
                 found.append(f"{module}:{node.lineno} .{node.attr}")
     return found
 
@@ -229,7 +257,9 @@ def test_private_torch_api_only_through_the_door():
     """torch's private names are reached in meshtron/torch_private.py only, so a torch upgrade has one
     file to re-check (issue 47)."""
     found = _private_torch_uses(_package_sources())
-    assert not found, "private torch API outside meshtron/torch_private.py (add it there, with why):\n" + "\n".join(found)
+    assert not found, "private torch API outside meshtron/torch_private.py (add it there, with why):\n" + "\n".join(
+        found
+    )
 
 
 def test_private_torch_uses_are_found():
@@ -239,10 +269,39 @@ def test_private_torch_uses_are_found():
         "a": "import torch.utils._pytree as pytree\nfrom torch.distributed.tensor._utils import f\n",
         "b": "from torch._C import _will_engine_execute_node\n",
         "c": "def g(mesh):\n    return mesh._flatten('x'), torch._C._get_tracing_state()\n",
-        "d": "class A:\n    def __init__(self):\n        self._held = 1\n    def _own(self):\n        return self._held, self._own\n",
+        "d": "class A:\n    def __init__(self):\n        self._held = 1\n"
+        "    def _own(self):\n        return self._held, self._own\n",
         DOOR: "import torch.utils._pytree\nx = mesh._flatten('y')\n",
     }
     assert sorted(_private_torch_uses(sources)) == [
-        "a:1 import torch.utils._pytree", "a:2 from torch.distributed.tensor._utils import f",
-        "b:1 from torch._C import _will_engine_execute_node", "c:2 ._C", "c:2 ._flatten", "c:2 ._get_tracing_state",
+        "a:1 import torch.utils._pytree",
+        "a:2 from torch.distributed.tensor._utils import f",
+        "b:1 from torch._C import _will_engine_execute_node",
+        "c:2 ._C",
+        "c:2 ._flatten",
+        "c:2 ._get_tracing_state",
     ]
+
+
+def test_ruff_format_and_lint_are_clean():
+    """One format and one rule set (pyproject.toml's [tool.ruff]) over meshtron/, tests/ and benchmarks/."""
+    import subprocess
+    import sys
+
+    root = PACKAGE.parent
+    for command in (["format", "--check"], ["check"]):
+        run = subprocess.run([sys.executable, "-m", "ruff", *command, "."], cwd=root, capture_output=True, text=True)
+        assert "No module named ruff" not in run.stderr, "ruff comes with the test extra: pip install -e '.[test]'"
+        assert run.returncode == 0, f"ruff {' '.join(command)}:\n{run.stdout[-3000:]}{run.stderr[-2000:]}"
+
+
+def test_version_is_written_once_in_each_place():
+    """pyproject.toml's version, meshtron.__version__ and the changelog's newest entry agree."""
+    import re
+
+    import meshtron
+
+    root = PACKAGE.parent
+    project = re.search(r'^version = "([^"]+)"', (root / "pyproject.toml").read_text(), re.M).group(1)
+    newest = re.search(r"^## (\S+)", (root / "CHANGELOG.md").read_text(), re.M).group(1)
+    assert project == meshtron.__version__ == newest, (project, meshtron.__version__, newest)

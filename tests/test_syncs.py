@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from meshtron.config import load_config
-from meshtron.watch.syncs import HostSyncCounter
-from meshtron.testing import run_checks
+from meshtron.testing import launch_tests
 from meshtron.torch_private import TorchDispatchMode
+from meshtron.watch.syncs import HostSyncCounter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +55,12 @@ def test_counter_sees_every_kind_of_sync():
         torch.repeat_interleave(torch.arange(3), torch.tensor([1, 2, 3]))
         torch.unique(y)
     assert syncs.by_op() == {
-        "_local_scalar_dense": 3, "nonzero": 1, "index": 1, "tolist": 1, "repeat_interleave": 1, "_unique2": 1,
+        "_local_scalar_dense": 3,
+        "nonzero": 1,
+        "index": 1,
+        "tolist": 1,
+        "repeat_interleave": 1,
+        "_unique2": 1,
     }, syncs
     assert all(s.where.startswith(__file__) for s in syncs.syncs), syncs
 
@@ -80,8 +85,14 @@ def test_a_counter_without_methods_sees_every_read_of_a_fake_tensor():
 def _trainer(recipe: str, root: str, layout: dict, extra: list[str] = ()):
     from meshtron.train import Trainer, recipe_mesh
 
-    args = ["--train.output_dir", f"{root}/{recipe}", "--data.cache_dir", f"{root}/token_cache",
-            "--parallel.microbatches", "2"]
+    args = [
+        "--train.output_dir",
+        f"{root}/{recipe}",
+        "--data.cache_dir",
+        f"{root}/token_cache",
+        "--parallel.microbatches",
+        "2",
+    ]
     for key, value in layout.items():
         args += [f"--parallel.{key}", str(value).lower()]
     cfg = load_config(ROOT / "recipes" / f"{recipe}.toml", args + list(extra))
@@ -116,9 +127,12 @@ def dense_step_has_no_sync(root: str) -> None:
     assert "read_scalars" in read, whole
 
 
+@pytest.mark.full
 def pipelined_step_has_no_sync(root: str) -> None:
-    for layout in ({"pp": 2, "dp": 2, "ep": 1, "tp": 1, "schedule": "1f1b"},
-                   {"pp": 2, "dp": 1, "ep": 1, "tp": 2, "sp": True, "schedule": "interleaved", "virtual_stages": 2}):
+    for layout in (
+        {"pp": 2, "dp": 2, "ep": 1, "tp": 1, "schedule": "1f1b"},
+        {"pp": 2, "dp": 1, "ep": 1, "tp": 2, "sp": True, "schedule": "interleaved", "virtual_stages": 2},
+    ):
         trainer = _trainer("debug_dense", root, layout)
         trainer.train_step(0)
         inner, whole = _counted_step(trainer, 1)
@@ -127,12 +141,16 @@ def pipelined_step_has_no_sync(root: str) -> None:
         assert "read_scalars" in read, (layout, whole)
 
 
+@pytest.mark.full
 def moe_step_syncs_once_per_moe_layer(root: str) -> None:
     # Checkpointed layers too: their recomputation takes the split sizes its forward read (it read them
     # again, a second sync per layer, until meshtron.host.KeptReads).
     for checkpointing in ("none", "full"):
-        trainer = _trainer("debug_moe", root, {"dp": 2, "ep": 2, "tp": 1, "sp": False,
-                                               "activation_checkpointing": f'"{checkpointing}"'})
+        trainer = _trainer(
+            "debug_moe",
+            root,
+            {"dp": 2, "ep": 2, "tp": 1, "sp": False, "activation_checkpointing": f'"{checkpointing}"'},
+        )
         trainer.train_step(0)
         inner, _ = _counted_step(trainer, 1)
         moe_layers = sum(trainer.cfg.model.is_moe_layer(i) for i in range(trainer.cfg.model.num_hidden_layers))
@@ -141,10 +159,15 @@ def moe_step_syncs_once_per_moe_layer(root: str) -> None:
         assert all("split_sizes" in s.where for s in inner.syncs), inner
 
 
+@pytest.mark.full
 def document_masked_cp_step_syncs_once_per_microbatch(root: str) -> None:
     for comm in ("p2p", "a2a"):
-        trainer = _trainer("debug_dense", root, {"dp": 2, "cp": 2, "ep": 1, "tp": 1, "cp_comm_type": f'"{comm}"'},
-                           ["--data.document_mask", "true"])
+        trainer = _trainer(
+            "debug_dense",
+            root,
+            {"dp": 2, "cp": 2, "ep": 1, "tp": 1, "cp_comm_type": f'"{comm}"'},
+            ["--data.document_mask", "true"],
+        )
         trainer.train_step(0)
         inner, _ = _counted_step(trainer, 1)
         assert inner.count == trainer.cfg.parallel.microbatches, (comm, inner.by_op(), [s.where for s in inner.syncs])
@@ -160,8 +183,14 @@ def transformers_step_has_no_sync(root: str) -> None:
 
     folder = f"{root}/qwen2_hf"
     if dist.get_rank() == 0:
-        transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=8, num_key_value_heads=2).save_pretrained(folder)
+        transformers.Qwen2Config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+        ).save_pretrained(folder)
     dist.barrier()
     trainer = _trainer("debug_dense", root, {"dp": 2, "ep": 1, "tp": 2, "sp": True}, ["--model.hf_model", folder])
     trainer.train_step(0)
@@ -169,10 +198,19 @@ def transformers_step_has_no_sync(root: str) -> None:
     assert inner.count == 0, (inner.by_op(), [s.where for s in inner.syncs])
 
 
+@launch_tests(
+    4,
+    [
+        dense_step_has_no_sync,
+        pipelined_step_has_no_sync,
+        moe_step_syncs_once_per_moe_layer,
+        document_masked_cp_step_syncs_once_per_microbatch,
+        transformers_step_has_no_sync,
+    ],
+    timeout=300,
+)
 def test_training_step_syncs(tmp_path):
-    run_checks([dense_step_has_no_sync, pipelined_step_has_no_sync, moe_step_syncs_once_per_moe_layer,
-                document_masked_cp_step_syncs_once_per_microbatch, transformers_step_has_no_sync], 4, str(tmp_path),
-               timeout=300)
+    return (str(tmp_path),)
 
 
 class _OpCounter(TorchDispatchMode):

@@ -24,17 +24,24 @@ from meshtron.config import ConfigError, ModelConfig
 from meshtron.models import build_model, token_loss_sum
 from meshtron.parallel.recompute import apply_activation_checkpointing
 from meshtron.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
-from meshtron.parallel.tp_styles import ReplicateParallel
-from meshtron.parallel.tp_gradient import TpGradient, name_tp_gradients
-from meshtron.parallel.vocab_loss import parallel_token_loss_sum
 from meshtron.parallel.tensor_overlap import apply_overlapped_tensor_parallel
-from meshtron.testing import count_calls, fresh_seed, random_model, rel_err, run_checks
+from meshtron.parallel.tp_gradient import TpGradient, name_tp_gradients
+from meshtron.parallel.tp_styles import ReplicateParallel
+from meshtron.parallel.vocab_loss import parallel_token_loss_sum
+from meshtron.testing import count_calls, fresh_seed, launch_tests, random_model, rel_err
 from test_float8 import HAS_TORCHAO, check_tp_matches_one_rank_fp8
 from test_mxfp8 import check_tp_matches_one_rank_mxfp8
 
 DENSE = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
-    num_key_value_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=8,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
 )
 BATCH, SEQ = 2, 16
 
@@ -87,8 +94,9 @@ class _EmbeddingGradRows(TorchDispatchMode):
         return out
 
 
-def _assert_parity(tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool = False, ac: bool = False,
-                   overlap: bool = False):
+def _assert_parity(
+    tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool = False, ac: bool = False, overlap: bool = False
+):
     cfg = ModelConfig(**DENSE, tie_word_embeddings=tie)
     ref = random_model(cfg, seed)
     par = _parallel_copy(ref, _tp_mesh(tp), sp, on_meta, overlap)
@@ -111,7 +119,9 @@ def _assert_parity(tp: int, sp: bool, seed: int, on_meta: bool = True, tie: bool
         assert err < 1e-4, f"{where}: {name} gradient rel err {err:.2e}"
     if tie:
         assert par.lm_head.weight is par.embed_tokens.weight
-    return actual, {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in par.named_parameters()}
+    return actual, {
+        n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in par.named_parameters()
+    }
 
 
 def _exchanges(calls) -> list[tuple[str, ...]]:
@@ -119,6 +129,7 @@ def _exchanges(calls) -> list[tuple[str, ...]]:
     return [tuple(op.tensor.numel() for op in ops if op.op is dist.isend) for (ops, *_) in calls]
 
 
+@pytest.mark.full
 def check_tp_overlap(seed):
     """tp_overlap (SP's gathers and reduce-scatters as rings overlapped with their GEMMs): loss and
     gradients equal to SP without overlap (float reassociation) and to the 1-rank model, at tp 2 (KV heads
@@ -166,6 +177,7 @@ def _stage(model, first: bool):
     return stage
 
 
+@pytest.mark.full
 def check_pipeline_stages_and_uneven_vocab(seed):
     """Two stages pass hidden states (sequence-sharded under SP) and still get the full-sequence RoPE;
     a vocabulary that tp does not divide (250 over 4) still gives the exact loss."""
@@ -182,7 +194,9 @@ def check_pipeline_stages_and_uneven_vocab(seed):
     assert rel_err(actual, expected) < 1e-5, f"seed {seed}: loss {actual.item()} vs {expected.item()}"
     grads = {**{n: p.grad for n, p in first.named_parameters()}, **{n: p.grad for n, p in last.named_parameters()}}
     for name, p in ref.named_parameters():
-        assert rel_err(grads[name], p.grad) < 1e-4, f"seed {seed}: {name} gradient rel err {rel_err(grads[name], p.grad):.2e}"
+        assert rel_err(grads[name], p.grad) < 1e-4, (
+            f"seed {seed}: {name} gradient rel err {rel_err(grads[name], p.grad):.2e}"
+        )
 
 
 def _layer_collectives(model, tokens, labels):
@@ -217,6 +231,7 @@ def _expected_layer_collectives(sp: bool, replicated_kv: bool, phase: str) -> Co
     return want
 
 
+@pytest.mark.full
 def check_collectives_per_layer(seed):
     # (kv heads, tp): KV heads split over tp, or replicated when tp exceeds them.
     for kv, tp in ((2, 2), (8, 4), (2, 4)):
@@ -252,6 +267,7 @@ def _storages(tensors) -> set[int]:
     return {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for t in tensors}
 
 
+@pytest.mark.full
 def check_sp_saves_activations_over_tp(seed):
     """With SP every tensor a dense block saves for backward is split over tp (KV heads included
     here), the q/k/v and gate/up inputs as sequence shards: per rank ~1/tp of the unsplit block."""
@@ -276,7 +292,12 @@ class _Gemms(TorchDispatchMode):
     counted as the local one it runs; run once first: DTensor's first sharding propagation of an op
     computes it on fake tensors)."""
 
-    OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default, torch.ops.aten.bmm.default)
+    OPS = (
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.addmm_.default,
+        torch.ops.aten.bmm.default,
+    )
 
     def __enter__(self):
         self.shapes = Counter()
@@ -292,9 +313,12 @@ def _work(run) -> Counter:
     """The matrix products, collectives and point-to-point exchanges of ``run()``, counted."""
     with _Gemms() as gemms, CommDebugMode() as comm, count_calls(dist, "batch_isend_irecv") as exchanges:
         run()
-    return gemms.shapes + Counter({str(op): n for op, n in comm.get_comm_counts().items()}) + Counter(p2p=len(exchanges))
+    return (
+        gemms.shapes + Counter({str(op): n for op, n in comm.get_comm_counts().items()}) + Counter(p2p=len(exchanges))
+    )
 
 
+@pytest.mark.full
 def check_split_backward_computes_each_gradient_once(seed):
     """A zero-bubble split of a block's backward under SP (B: the input gradient; W: the weights')
     runs the GEMMs and collectives of one whole backward: SP's fused linears compute only the
@@ -322,16 +346,18 @@ def check_split_backward_computes_each_gradient_once(seed):
 
                 def run_b():
                     nonlocal deferred
-                    deferred = _backward_input(out, grad, x)
+                    deferred = _backward_input(out, grad, x)  # noqa: B023 (run_b runs at once, below)
 
                 work = _work(run_b)
                 assert deferred.restarts and all(p.grad is None for p in block.parameters()), "B touched a weight"
-                work += _work(lambda: deferred.run(out))
+                work += _work(lambda: deferred.run(out))  # noqa: B023 (_work runs it at once)
             else:
-                work = _work(lambda: out.backward(grad))
+                work = _work(lambda: out.backward(grad))  # noqa: B023 (_work runs it at once)
             grads[split] = work, x.grad, {n: p.grad for n, p in block.named_parameters()}
         (whole, x_ref, ref_grads), (split_work, x_grad, split_grads) = grads[False], grads[True]
-        assert split_work == whole, f"tp={tp} overlap={overlap}: B + W did {dict(split_work - whole)} more, {dict(whole - split_work)} less"
+        assert split_work == whole, (
+            f"tp={tp} overlap={overlap}: B + W did {dict(split_work - whole)} more, {dict(whole - split_work)} less"
+        )
         assert rel_err(x_grad, x_ref) < 1e-6
         for name, g in ref_grads.items():
             assert g is not None and rel_err(split_grads[name], g) < 1e-5, f"tp={tp}: {name}"
@@ -353,6 +379,7 @@ class _CollectiveShapes(TorchDispatchMode):
         return out
 
 
+@pytest.mark.full
 def check_loss_never_gathers_logits(seed):
     cfg = ModelConfig(**DENSE)
     model = _parallel_copy(random_model(cfg, seed), _tp_mesh(8), sp=True, on_meta=True)
@@ -403,11 +430,14 @@ def _gain_mlp(seed: int, tp_mesh=None, grad: str = "infer"):
     torch.manual_seed(seed)
     mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), _Gain(), torch.nn.Linear(32, 16))
     if tp_mesh is not None:
-        parallelize_module(mlp, tp_mesh, {"0": ColwiseParallel(), "1": ReplicateParallel(grad=grad), "2": RowwiseParallel()})
+        parallelize_module(
+            mlp, tp_mesh, {"0": ColwiseParallel(), "1": ReplicateParallel(grad=grad), "2": RowwiseParallel()}
+        )
         name_tp_gradients(mlp)
     return mlp
 
 
+@pytest.mark.full
 def check_replicated_gradients(seed):
     """A parameter on a column-split activation: declared replicated, the first backward refuses it by
     name; undeclared ("infer"), its gradient is the tp sum and equals the unparallelized one, at tp 2,
@@ -418,8 +448,11 @@ def check_replicated_gradients(seed):
     for tp in (2, 4, 8):
         tp_mesh = _tp_mesh(tp)
         declared = _gain_mlp(seed, tp_mesh, grad="replicate")
-        with pytest.raises(ConfigError, match=r"parameter '1.gain' is declared replicated over tp .* the tp ranks computed "
-                                              r"different gradients"):
+        with pytest.raises(
+            ConfigError,
+            match=r"parameter '1.gain' is declared replicated over tp .* the tp ranks computed "
+            r"different gradients",
+        ):
             declared(x).square().sum().backward()
         model = _gain_mlp(seed, tp_mesh)
         for step in range(2):
@@ -428,25 +461,38 @@ def check_replicated_gradients(seed):
                 model(x).square().sum().backward()
             assert rel_err(model[1].gain.grad, ref[1].gain.grad) < 1e-5, (tp, step)
             assert rel_err(model[0].weight.grad, ref[0].weight.grad) < 1e-5, (tp, step)
-            gathers = sum(n for op, n in comm.get_comm_counts().items() if "allgather" in str(op) or "all_gather" in str(op))
+            gathers = sum(
+                n for op, n in comm.get_comm_counts().items() if "allgather" in str(op) or "all_gather" in str(op)
+            )
             assert gathers == (1 if step == 0 else 0), (tp, step, comm.get_comm_counts())
         assert model[1].tp_gradients["gain"].decided.is_partial()
 
 
+@pytest.mark.full
 def check_fp8(seed):
     """[train] fp8 split over tp (tests/test_float8.py, tests/test_mxfp8.py): against the 1-rank FP8 model."""
     check_tp_matches_one_rank_fp8(_tp_mesh)
     check_tp_matches_one_rank_mxfp8(_tp_mesh)
 
 
+@launch_tests(
+    8,
+    [
+        check_heads_error,
+        check_replicated_gradients,
+        check_collectives_per_layer,
+        check_sp_saves_activations_over_tp,
+        check_loss_never_gathers_logits,
+        check_split_backward_computes_each_gradient_once,
+        check_pipeline_stages_and_uneven_vocab,
+        check_parity_dense,
+        check_tp_overlap,
+    ]
+    + ([check_fp8] if HAS_TORCHAO else []),
+    timeout=420,
+)
 def test_tensor_parallel_8_ranks():
-    seed = fresh_seed()
-    checks = [check_heads_error, check_replicated_gradients, check_collectives_per_layer, check_sp_saves_activations_over_tp,
-              check_loss_never_gathers_logits,
-              check_split_backward_computes_each_gradient_once,
-              check_pipeline_stages_and_uneven_vocab,
-              check_parity_dense, check_tp_overlap] + ([check_fp8] if HAS_TORCHAO else [])
-    run_checks(checks, 8, seed, timeout=420)
+    return (fresh_seed(),)
 
 
 def test_tp_gradient_decision():
@@ -458,7 +504,9 @@ def test_tp_gradient_decision():
     assert rule._infer([[0], [1], [2], [3]], 4).is_partial() and rule.decided.is_partial()
     rule = TpGradient("infer", "x.w")
     assert rule._infer([[0, 1, 2, 3]], 4).is_replicate() and rule.decided.is_replicate()
-    with pytest.raises(ConfigError, match=r"parameter 'x.w' .* cannot decide .* ranks \[\[0, 1\], \[2, 3\]\] computed equal"):
+    with pytest.raises(
+        ConfigError, match=r"parameter 'x.w' .* cannot decide .* ranks \[\[0, 1\], \[2, 3\]\] computed equal"
+    ):
         TpGradient("infer", "x.w")._infer([[0, 1], [2, 3]], 4)
     with pytest.raises(ValueError, match="replicate, partial or infer"):
         ReplicateParallel(grad="replicated")

@@ -20,8 +20,18 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
 EVAL_EVERY = 2  # also where the resume tests restart
 # Same micro-batch split everywhere: the MoE aux loss is per global micro-batch.
-COMMON = ["--train.steps", str(STEPS), "--parallel.microbatches", "2", "--train.log_every", "1",
-          "--train.eval_every", str(EVAL_EVERY), "--train.eval_steps", "2"]
+COMMON = [
+    "--train.steps",
+    str(STEPS),
+    "--parallel.microbatches",
+    "2",
+    "--train.log_every",
+    "1",
+    "--train.eval_every",
+    str(EVAL_EVERY),
+    "--train.eval_steps",
+    "2",
+]
 
 LAYOUTS = {
     "dense": {
@@ -53,8 +63,14 @@ EXTRA = {"single": ["--train.tensorboard", "true"], PROFILED: ["--train.profile_
 
 def _overrides(out: Path, layout: dict, extra: list[str] = ()) -> list[str]:
     """Every run lies two folders below the fixture's root, which holds the held-out text."""
-    args = list(COMMON) + ["--train.output_dir", str(out), "--data.cache_dir", str(out.parent / "token_cache"),
-                           "--data.eval_source", str(out.parent.parent / "heldout.txt")]
+    args = list(COMMON) + [
+        "--train.output_dir",
+        str(out),
+        "--data.cache_dir",
+        str(out.parent / "token_cache"),
+        "--data.eval_source",
+        str(out.parent.parent / "heldout.txt"),
+    ]
     for key, value in {**SINGLE, **layout}.items():
         args += [f"--parallel.{key}", str(value)]
     return args + list(extra)
@@ -83,8 +99,14 @@ def _eval_losses(out: Path) -> dict[int, float]:
 
 
 # Host offload of the optimizer state and of the saved activations (selective checkpointing: half the blocks).
-OFFLOAD = ["--parallel.offload", "optimizer", "--parallel.offload_activations", "true",
-           "--parallel.activation_checkpointing", "selective"]
+OFFLOAD = [
+    "--parallel.offload",
+    "optimizer",
+    "--parallel.offload_activations",
+    "true",
+    "--parallel.activation_checkpointing",
+    "selective",
+]
 
 
 def single_rank_references(root: str) -> None:
@@ -93,11 +115,19 @@ def single_rank_references(root: str) -> None:
         _train(f"debug_{recipe}", root / recipe / "single", SINGLE, EXTRA["single"])
     # Offloaded, saving at step 4, then resumed from that checkpoint (the later one removed).
     saved = root / "offload" / "checkpoints"
-    _train("debug_dense", root / "offload" / "uninterrupted", SINGLE,
-           OFFLOAD + ["--checkpoint.every", str(EVAL_EVERY), "--checkpoint.dir", str(saved)])
+    _train(
+        "debug_dense",
+        root / "offload" / "uninterrupted",
+        SINGLE,
+        OFFLOAD + ["--checkpoint.every", str(EVAL_EVERY), "--checkpoint.dir", str(saved)],
+    )
     shutil.rmtree(saved / f"step-{STEPS:08d}")
-    _train("debug_dense", root / "offload" / "resumed", SINGLE, OFFLOAD + ["--checkpoint.resume", "true",
-                                                                          "--checkpoint.dir", str(saved)])
+    _train(
+        "debug_dense",
+        root / "offload" / "resumed",
+        SINGLE,
+        OFFLOAD + ["--checkpoint.resume", "true", "--checkpoint.dir", str(saved)],
+    )
     # Gathered once per step: the unsharded gradients accumulate on the device, then go to the host.
     _train("debug_dense", root / "offload" / "per_step", SINGLE, OFFLOAD + ["--parallel.fsdp_gather", "per_step"])
 
@@ -112,8 +142,12 @@ def eight_rank_layouts(root: str) -> None:
     for recipe, layouts in LAYOUTS.items():
         for name, layout in layouts.items():
             saves = ["--checkpoint.every", str(EVAL_EVERY), "--checkpoint.dir", str(_saved(root, recipe))]
-            _train(f"debug_{recipe}", root / recipe / name, layout,
-                   EXTRA.get(name, []) + (saves if RESUMED[recipe] == name else []))
+            _train(
+                f"debug_{recipe}",
+                root / recipe / name,
+                layout,
+                EXTRA.get(name, []) + (saves if RESUMED[recipe] == name else []),
+            )
 
 
 def eight_rank_eval_before_training(root: str) -> None:
@@ -124,9 +158,27 @@ def eight_rank_eval_before_training(root: str) -> None:
 
     out = Path(root) / "eval_first" / "run"
     # Also the MoE statistics on TensorBoard: capacity drops, layers 0 and 2 on pp-rank 0, 1 and 3 on pp-rank 1.
-    cfg = load_config(ROOT / "recipes" / "debug_moe.toml", _overrides(out, LAYOUTS["dense"]["pp2v2_cp2_tp2"], [
-        "--data.eval_source", "builtin", "--train.eval_steps", "1", "--train.steps", "1", "--train.eval_every", "0",
-        "--train.tensorboard", "true", "--model.moe_capacity_factor", "1.0"]))
+    cfg = load_config(
+        ROOT / "recipes" / "debug_moe.toml",
+        _overrides(
+            out,
+            LAYOUTS["dense"]["pp2v2_cp2_tp2"],
+            [
+                "--data.eval_source",
+                "builtin",
+                "--train.eval_steps",
+                "1",
+                "--train.steps",
+                "1",
+                "--train.eval_every",
+                "0",
+                "--train.tensorboard",
+                "true",
+                "--model.moe_capacity_factor",
+                "1.0",
+            ],
+        ),
+    )
     validate_layout(cfg, torch.distributed.get_world_size())
     trainer = Trainer(cfg, cached_recipe_mesh(cfg))
     before = trainer.evaluate()["eval_loss"]
@@ -145,20 +197,43 @@ def eight_rank_resume(root: str) -> None:
             shutil.rmtree(_saved(root, recipe) / f"step-{STEPS:08d}")
     torch.distributed.barrier()
     for name, resumed_layout in (("split", LAYOUTS["dense"][RESUMED["dense"]]), ("reshard", dict(tp=8))):
-        _train("debug_dense", root / "resume" / name, resumed_layout,
-               ["--checkpoint.resume", "true", "--checkpoint.dir", str(saved)])
+        _train(
+            "debug_dense",
+            root / "resume" / name,
+            resumed_layout,
+            ["--checkpoint.resume", "true", "--checkpoint.dir", str(saved)],
+        )
     # MoE: experts folded and split over etp, resumed unfolded (ep a mesh dimension, experts whole).
-    _train("debug_moe", root / "resume_moe" / "reshard", dict(dp=4, ep=2),
-           ["--checkpoint.resume", "true", "--checkpoint.dir", str(_saved(root, "moe"))])
+    _train(
+        "debug_moe",
+        root / "resume_moe" / "reshard",
+        dict(dp=4, ep=2),
+        ["--checkpoint.resume", "true", "--checkpoint.dir", str(_saved(root, "moe"))],
+    )
 
 
 def eight_rank_hf_round_trip(root: str) -> None:
     """Init from an HF folder, train with a vanishing lr on a TP x PP layout, export."""
     root = Path(root)
-    _train("debug_dense", root / "hf" / "run", dict(pp=2, dp=2, tp=2),
-           ["--checkpoint.init_from_hf", str(root / "hf" / "source"), "--checkpoint.export_hf",
-            str(root / "hf" / "export"), "--train.lr", "1e-30", "--train.min_lr", "0.0",
-            "--train.weight_decay", "0.0", "--train.steps", "2"])
+    _train(
+        "debug_dense",
+        root / "hf" / "run",
+        dict(pp=2, dp=2, tp=2),
+        [
+            "--checkpoint.init_from_hf",
+            str(root / "hf" / "source"),
+            "--checkpoint.export_hf",
+            str(root / "hf" / "export"),
+            "--train.lr",
+            "1e-30",
+            "--train.min_lr",
+            "0.0",
+            "--train.weight_decay",
+            "0.0",
+            "--train.steps",
+            "2",
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -174,11 +249,16 @@ def runs(tmp_path_factory):
     hf.save_pretrained(root / "hf" / "source")
     (root / "heldout.txt").write_text((ROOT / "README.md").read_text())  # text the models never train on
     with launched_beside([single_rank_references], 1, str(root), timeout=600):
-        run_checks([eight_rank_layouts, eight_rank_eval_before_training, eight_rank_resume, eight_rank_hf_round_trip],
-                   8, str(root), timeout=1200)
+        run_checks(
+            [eight_rank_layouts, eight_rank_eval_before_training, eight_rank_resume, eight_rank_hf_round_trip],
+            8,
+            str(root),
+            timeout=1200,
+        )
     return root
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("recipe,layout", [(r, n) for r, ls in LAYOUTS.items() for n in ls])
 def test_loss_curve_is_layout_invariant(runs, recipe, layout):
     reference = _losses(runs / recipe / "single")
@@ -189,6 +269,7 @@ def test_loss_curve_is_layout_invariant(runs, recipe, layout):
     assert reference[-1] < reference[0] - 0.1, f"the debug recipe should learn in {STEPS} steps"
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("recipe,layout", [(r, n) for r, ls in LAYOUTS.items() for n in ls])
 def test_eval_loss_is_layout_invariant(runs, recipe, layout):
     reference = _eval_losses(runs / recipe / "single")
@@ -202,6 +283,7 @@ def test_eval_loss_is_layout_invariant(runs, recipe, layout):
     assert losses[STEPS] < losses[EVAL_EVERY], "held-out loss should fall while the model learns"
 
 
+@pytest.mark.full
 def test_eval_of_the_training_batch_before_any_update_is_its_training_loss(runs):
     out = runs / "eval_first" / "run"
     before = json.loads((out / "eval_before.json").read_text())
@@ -219,13 +301,19 @@ def _board(out: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("recipe", list(LAYOUTS))
 def test_tensorboard_files_hold_the_logged_metrics(runs, recipe):
     out = runs / recipe / "single"
     board, records = _board(out), _records(out)
-    for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("grad_norm", "train/grad_norm"),
-                     ("tokens_per_sec", "perf/tokens_per_sec"), ("eval_loss", "eval/loss"),
-                     ("eval_ppl", "eval/perplexity")):
+    for key, tag in (
+        ("loss", "train/loss"),
+        ("lr", "train/lr"),
+        ("grad_norm", "train/grad_norm"),
+        ("tokens_per_sec", "perf/tokens_per_sec"),
+        ("eval_loss", "eval/loss"),
+        ("eval_ppl", "eval/perplexity"),
+    ):
         expected = [(r["step"], r[key]) for r in records if key in r]
         assert [step for step, _ in board[tag]] == [step for step, _ in expected], tag
         for (_, got), (_, want) in zip(board[tag], expected):
@@ -239,6 +327,7 @@ def test_tensorboard_files_hold_the_logged_metrics(runs, recipe):
             assert abs(sum(board[t][step][1] for t in loads if "layers.0." in t) - 1) < 1e-5
 
 
+@pytest.mark.full
 def test_moe_statistics_are_gathered_from_every_pipeline_stage(runs):
     board = _board(runs / "eval_first" / "run")
     for layer in range(4):
@@ -248,6 +337,7 @@ def test_moe_statistics_are_gathered_from_every_pipeline_stage(runs):
         assert 0 < dropped < 0.5, (layer, dropped)  # capacity factor 1: some tokens of the busiest experts
 
 
+@pytest.mark.full
 def test_profiler_writes_a_trace_of_the_chosen_steps_per_rank(runs):
     traces = sorted((runs / "dense" / PROFILED / "profile").iterdir())
     assert [t.name for t in traces] == [f"rank-{r}.json" for r in range(8)]
@@ -263,6 +353,7 @@ def _tokens_per_step(recipe: str) -> int:
     return train.global_batch_size * train.seq_len
 
 
+@pytest.mark.full
 def test_step_metrics_of_every_run_are_sound(runs):
     """Every logged step of every 8-rank run: finite, consistent timing figures (no rank waited longer
     than its step)."""
@@ -271,6 +362,7 @@ def test_step_metrics_of_every_run_are_sound(runs):
             assert_step_metrics_sound(_records(runs / recipe / name), _tokens_per_step(f"debug_{recipe}"), 8)
 
 
+@pytest.mark.full
 def test_plot_draws_every_run(runs, tmp_path):
     from meshtron.watch.plot import draw, main
 
@@ -288,6 +380,7 @@ def test_plot_draws_every_run(runs, tmp_path):
     assert main([str(tmp_path / "missing")]) == 2
 
 
+@pytest.mark.full
 def test_resume_reproduces_the_uninterrupted_run(runs):
     full = _losses(runs / "dense" / RESUMED["dense"])
     assert len(full) == STEPS
@@ -304,6 +397,7 @@ def test_resume_reproduces_the_uninterrupted_run(runs):
         assert abs(a - b) / abs(b) < 1e-4, f"step {step}: MoE resume unfolded {a} vs folded uninterrupted {b}"
 
 
+@pytest.mark.full
 def test_offload_changes_no_loss_and_resumes_exactly(runs):
     """One rank with the AdamW state and the saved activations in host memory (the fused AdamW stepping the
     host shards, clipping their gradients): the same losses and gradient norms, bit for bit, as without;
@@ -316,6 +410,7 @@ def test_offload_changes_no_loss_and_resumes_exactly(runs):
         assert abs(a - b) / abs(b) < 1e-5, f"step {step}: offloaded, gathered per step {a} vs {b}"
 
 
+@pytest.mark.full
 def test_hf_init_and_export_keep_transformers_logits(runs):
     from transformers import Qwen2ForCausalLM
 
@@ -330,9 +425,23 @@ def test_hf_init_and_export_keep_transformers_logits(runs):
 
 def test_cli_trains_and_rejects_bad_recipes(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "meshtron.train",
-           "--recipe", str(ROOT / "recipes" / "debug_dense.toml"), "--parallel.dp", "2",
-           "--train.steps", "2", "--train.output_dir", str(tmp_path / "cli")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "meshtron.train",
+        "--recipe",
+        str(ROOT / "recipes" / "debug_dense.toml"),
+        "--parallel.dp",
+        "2",
+        "--train.steps",
+        "2",
+        "--train.output_dir",
+        str(tmp_path / "cli"),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 2/2" in done.stdout and "straggler" not in done.stdout  # a healthy run

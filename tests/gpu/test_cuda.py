@@ -50,10 +50,24 @@ def require_cuda(device: torch.device, what: str) -> None:
 # bf16 model parity with transformers
 # --------------------------------------------------------------------------------------------
 
-SMALL = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-6)
-SMALL_MOE = dict(SMALL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
-                 shared_expert_intermediate_size=256, router_aux_loss_coef=0.0)  # transformers adds it only with labels
+SMALL = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+)
+SMALL_MOE = dict(
+    SMALL,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=256,
+    router_aux_loss_coef=0.0,
+)  # transformers adds it only with labels
 
 
 def _pair(kind: str, device: torch.device):
@@ -84,8 +98,11 @@ def _loss_and_grads(model, ids: torch.Tensor, hf: bool, cfg: ModelConfig):
 def _routes(model, ids: torch.Tensor) -> list[torch.Tensor]:
     """Each MoE layer's chosen experts per token (sorted), from meshtron's routers."""
     chosen = []
-    hooks = [m.register_forward_hook(lambda m, args, out: chosen.append(out.experts.sort(-1).values))
-             for m in model.modules() if isinstance(m, Router)]
+    hooks = [
+        m.register_forward_hook(lambda m, args, out: chosen.append(out.experts.sort(-1).values))
+        for m in model.modules()
+        if isinstance(m, Router)
+    ]
     with torch.no_grad():
         model(ids)
     for hook in hooks:
@@ -138,14 +155,17 @@ def _experts_loop(x, counts, gate, up, down):
     """Each expert's SwiGLU on its rows, one at a time, in fp32."""
     out, start = [], 0
     for g, n in enumerate(counts.tolist()):
-        rows = x[start:start + n]
+        rows = x[start : start + n]
         out.append((F.silu(rows @ gate[g]) * (rows @ up[g])) @ down[g])
         start += n
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("counts", [[0, 37, 1, 0, 150, 5, 60, 3], [0, 0, 256, 0, 0, 0, 0, 0], [0] * 8],
-                         ids=["uneven", "one-expert", "no-tokens"])
+@pytest.mark.parametrize(
+    "counts",
+    [[0, 37, 1, 0, 150, 5, 60, 3], [0, 0, 256, 0, 0, 0, 0, 0], [0] * 8],
+    ids=["uneven", "one-expert", "no-tokens"],
+)
 def test_grouped_experts_bf16_forward_and_backward(device, counts):
     """Uneven rows per expert, empty experts and an empty batch (an EP rank that receives nothing);
     an inner size (100) that grouped_mm's alignment pads."""
@@ -153,8 +173,10 @@ def test_grouped_experts_bf16_forward_and_backward(device, counts):
     experts, hidden, inner = len(counts), 256, 100
     counts = torch.tensor(counts, device=device)
     x = torch.randn(int(counts.sum()), hidden, device=device)
-    weights = [torch.randn(experts, *shape, device=device) / shape[0] ** 0.5
-               for shape in ((hidden, inner), (hidden, inner), (inner, hidden))]
+    weights = [
+        torch.randn(experts, *shape, device=device) / shape[0] ** 0.5
+        for shape in ((hidden, inner), (hidden, inner), (inner, hidden))
+    ]
     dy = torch.randn(x.shape[0], hidden, device=device)
     leaves = [t.to(BF16).requires_grad_() for t in (x, *weights)]
     grouped_swiglu(leaves[0], counts, *leaves[1:]).backward(dy.to(BF16))
@@ -230,7 +252,8 @@ def test_ring_block_kernels_match_full_sdpa(device, kernel):
     for i in range(chunks):
         for j in range(i + 1):
             gq, gk, gv = context.attention_block_backward(
-                douts[i], qs[i], ks[j], vs[j], outs[i], lses[i], i == j, scale, kernel)
+                douts[i], qs[i], ks[j], vs[j], outs[i], lses[i], i == j, scale, kernel
+            )
             dq[i] += gq
             dk[j] += gk
             dv[j] += gv
@@ -315,8 +338,10 @@ def test_fused_loss_at_7b_vocabulary(device):
     loss.backward()
     if on_cuda(device):
         extra = torch.cuda.max_memory_allocated(device) - before
-        cfg = Config(model=ModelConfig(vocab_size=vocab, hidden_size=hidden),
-                     train=TrainConfig(dtype="bfloat16", seq_len=tokens, global_batch_size=1))
+        cfg = Config(
+            model=ModelConfig(vocab_size=vocab, hidden_size=hidden),
+            train=TrainConfig(dtype="bfloat16", seq_len=tokens, global_batch_size=1),
+        )
         predicted = loss_bytes(cfg, 0)
         assert abs(extra / predicted - 1) < 0.1, (extra / 2**30, predicted / 2**30)
     ref_h, ref_w = h.detach().requires_grad_(), w.detach().requires_grad_()
@@ -333,8 +358,12 @@ def test_fused_loss_at_7b_vocabulary(device):
 
 PLANNER_SHAPES = {
     "Qwen2.5-0.5B, seq 4096": ("qwen2p5_0p5b", None, 4096, {}),
-    "Qwen2.5-1.5B (8 layers), seq 4096, full checkpointing": ("qwen2p5_1p5b", 8, 4096,
-                                                              {"activation_checkpointing": "full"}),
+    "Qwen2.5-1.5B (8 layers), seq 4096, full checkpointing": (
+        "qwen2p5_1p5b",
+        8,
+        4096,
+        {"activation_checkpointing": "full"},
+    ),
     "Qwen2.5-7B (4 layers), seq 2048, 2 micro-batches": ("qwen2p5_7b", 4, 2048, {"microbatches": 2}),
 }
 
@@ -352,6 +381,8 @@ def test_planner_memory_within_10_percent_of_cuda_peak(device, one_rank, shape):
     batch = torch.randint(0, model.vocab_size, (batch_size, seq + 1), device=device)
     result = mfu.run_meshtron(cfg, batch, device, steps=2, warmup=1)
     error = result["predicted_memory_gib"] / result["peak_memory_gib"] - 1
-    print(f"{shape}: measured {result['peak_memory_gib']:.2f} GiB, predicted {result['predicted_memory_gib']:.2f} "
-          f"GiB ({100 * error:+.1f}%)")
+    print(
+        f"{shape}: measured {result['peak_memory_gib']:.2f} GiB, predicted {result['predicted_memory_gib']:.2f} "
+        f"GiB ({100 * error:+.1f}%)"
+    )
     assert abs(error) < 0.10, result

@@ -1,0 +1,85 @@
+"""meshtron.testing's launches as pytest results: one result per check, selected by -k and -m, the failing
+check named with its rank and arguments, the checks after it reported as not run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+CHECKS = textwrap.dedent(
+    """
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    from meshtron.testing import launch_tests
+
+
+    def check_all_reduce(value):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == dist.get_world_size()
+
+
+    def check_refused_on_rank_1(value):
+        assert dist.get_rank() != 1, f"rank 1 refuses {value}"
+
+
+    def check_after_the_failure(value):
+        dist.barrier()
+
+
+    @pytest.mark.full
+    def check_in_the_full_tier(value):
+        assert value == 7
+
+
+    @launch_tests(2, [check_all_reduce, check_refused_on_rank_1, check_after_the_failure, check_in_the_full_tier])
+    def test_launch(tmp_path):
+        (tmp_path / "prepared").write_text("once")
+        return (7,)
+    """
+)
+
+
+def _pytest(folder, *args) -> str:
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "test_checks.py", *args],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return run.stdout + run.stderr
+
+
+def _outcomes(output: str) -> list[tuple[str, str]]:
+    """(outcome, check) per line of pytest's short summary, in its order."""
+    rows = []
+    for line in output.splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0] in ("PASSED", "FAILED", "ERROR") and "[" in words[1]:
+            rows.append((words[0], words[1].split("[")[1].rstrip("]")))
+    return rows
+
+
+def test_each_check_is_its_own_result(tmp_path):
+    (tmp_path / "test_checks.py").write_text(CHECKS)
+    quick = _pytest(tmp_path, "-m", "not full")
+    assert _outcomes(quick) == [
+        ("PASSED", "check_all_reduce"),
+        ("FAILED", "check_refused_on_rank_1"),
+        ("FAILED", "check_after_the_failure"),
+    ], quick
+    assert "1 deselected" in quick, quick
+    assert "check 'check_refused_on_rank_1' failed on rank 1 of 2" in quick, quick
+    assert "AssertionError: rank 1 refuses 7" in quick and "launch arguments: (7,)" in quick, quick
+    assert (
+        "check 'check_after_the_failure' did not run: the launch of 2 ranks ended at check 'check_refused_on_rank_1'"
+    ) in quick, quick
+
+    # -k picks checks inside the launch: the launch runs those alone, the full-tier one among them.
+    picked = _pytest(tmp_path, "-k", "all_reduce or full_tier")
+    assert _outcomes(picked) == [("PASSED", "check_all_reduce"), ("PASSED", "check_in_the_full_tier")], picked
+    assert "run_checks: check_refused_on_rank_1" not in picked and "2 deselected" in picked, picked
