@@ -34,12 +34,12 @@ from meshtron.parallel.context import (
     CP_COMM_TYPES,
     RingAttention,
     a2a_group_size,
-    block_plan,
     chunk_ids,
     cp_groups,
     document_blocks,
     sequence_index,
     shard_sequence,
+    visible_blocks,
 )
 from meshtron.plan.communication import cp_attention_bytes
 from meshtron.testing import run_checks
@@ -178,7 +178,7 @@ def work_per_rank(positions: torch.Tensor, cp: int, balanced: bool) -> tuple[lis
         visible.append(int((pos + 1).sum()))  # a query at position p sees p + 1 keys
         starts = (sequence_index(seq, rank, cp, balanced) - pos).reshape(len(mine), c)
         first, last = starts.amin(1).tolist(), starts.amax(1).tolist()
-        blocks = document_blocks(block_plan(mine, tuple(range(chunks))), mine, tuple(range(chunks)), c, first, last)
+        blocks = document_blocks(visible_blocks(mine, tuple(range(chunks))), mine, tuple(range(chunks)), c, first, last)
         area.append(sum(c * (c + 1) // 2 if causal else c * c for _, _, causal, _ in blocks))
     return visible, area
 
@@ -217,7 +217,7 @@ def check_step_times(seq: int, repeats: int, out_path: str):
     from meshtron.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
     from meshtron.mesh import build_mesh
     from meshtron.models import build_model
-    from meshtron.parallel.step_runner import StepRunner
+    from meshtron.parallel.runner import NoPipelineRunner
 
     model_cfg = ModelConfig(
         vocab_size=256,
@@ -244,7 +244,7 @@ def check_step_times(seq: int, repeats: int, out_path: str):
             )
             with torch.device("meta"):
                 model = build_model(model_cfg)
-            runners[f"{comm} {documents}"] = StepRunner(model, build_mesh(cp=world), cfg, torch.device("cpu"))
+            runners[f"{comm} {documents}"] = NoPipelineRunner(model, build_mesh(cp=world), cfg, torch.device("cpu"))
     times = {name: [] for name in runners}
     for it in range(repeats + 1):  # the first round warms up; modes alternate so load drift hits all
         for name, runner in runners.items():

@@ -6,7 +6,7 @@ A step is forward, loss, backward and a fused AdamW update of a batch of ``--bat
 
 * ``meshtron model``: ``meshtron.models.Transformer`` alone, ``model(ids, positions, labels=...)``
   (the fused, chunked LM head + loss) divided by the token count;
-* ``meshtron trainer``: what ``meshtron.train`` runs on one rank (``StepRunner`` on a 1-rank mesh:
+* ``meshtron trainer``: what ``meshtron.train`` runs on one rank (``NoPipelineRunner`` on a 1-rank mesh:
   FSDP2 units, ``training_step``'s gradient clipping and on-device non-finite guard); the difference to
   the row above is the trainer's per-step overhead;
 * ``transformers``: ``Qwen2ForCausalLM`` (``attn_implementation="sdpa"``), ``model(ids, labels=ids).loss``.
@@ -43,8 +43,8 @@ from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.mesh import build_mesh, exit_process, init_default_group
 from meshtron.models import build_model
+from meshtron.parallel.runner import NoPipelineRunner
 from meshtron.parallel.step import training_step
-from meshtron.parallel.step_runner import StepRunner
 
 RESULTS = Path(__file__).parent / "results"
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}  # relative loss difference allowed at the first step
@@ -109,7 +109,7 @@ def contestants(cfg: ModelConfig, dtype: str, batch: torch.Tensor, seed: int) ->
     )
     with torch.device("meta"):
         model = build_model(cfg)
-    runner = StepRunner(model, build_mesh(), trainer_cfg, torch.device("cpu"))
+    runner = NoPipelineRunner(model, build_mesh(), trainer_cfg, torch.device("cpu"))
     load_full_state_dict(runner.module, weights)
     trainer_optimizer = adamw(runner.module.parameters())
     return {

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from meshtron.config import ModelConfig
 from meshtron.mesh import build_mesh
 from meshtron.models import build_model, count_parameters
-from meshtron.parallel.data import apply_data_parallel
+from meshtron.parallel.data_parallel import apply_data_parallel
 from meshtron.testing import run_checks
 
 QWEN2P5_7B = ModelConfig(

@@ -45,7 +45,7 @@ from meshtron.config import FSDP_GATHERS, Config, ModelConfig, ParallelConfig, T
 from meshtron.mesh import build_mesh, exit_process, init_default_group
 from meshtron.models import build_model, flops_per_token
 from meshtron.optim import build_optimizer
-from meshtron.parallel.step_runner import StepRunner
+from meshtron.parallel.runner import NoPipelineRunner
 from meshtron.plan import Assumptions, predict_memory
 from meshtron.train import read_scalars, training_step
 from meshtron.watch.metrics import datasheet_peak_flops, matmul_flops, synchronize
@@ -163,7 +163,7 @@ def run_meshtron(
     torch._dynamo.reset()
     with torch.device("meta"):
         model = build_model(cfg.model)
-    runner = StepRunner(model, build_mesh(), cfg, device)
+    runner = NoPipelineRunner(model, build_mesh(), cfg, device)
     optimizer = build_optimizer(runner.module, cfg.train)
     ids, labels = batch[:, :-1], batch[:, 1:]
 

@@ -25,7 +25,7 @@ from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.mesh import build_mesh
 from meshtron.models import build_model
 from meshtron.parallel.pipeline import prune_to_stage
-from meshtron.parallel.step_runner import build_step_runner
+from meshtron.parallel.runner import build_model_runner
 from meshtron.testing import count_calls, run_checks, units_with_parameters
 
 RESULTS = Path(__file__).parent / "results"
@@ -81,7 +81,7 @@ def measure(out: str) -> None:
         mesh = build_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
         with torch.device("meta"):
             model = build_model(cfg.model)
-        runner = build_step_runner(model, mesh, cfg, torch.device("cpu"))
+        runner = build_model_runner(model, mesh, cfg, torch.device("cpu"))
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, cfg.model.vocab_size, (MICRO * MB_SIZE, SEQ), generator=gen)
         runner.forward_backward(ids, ids)

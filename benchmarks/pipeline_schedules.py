@@ -183,7 +183,7 @@ def _torch_step(schedule, modules, num_stages, batch, target):
     return lambda: schedule.step(*args)
 
 
-def _local_replay(steps, stages, inputs):
+def _local_replay(entries, stages, inputs):
     """The rank's compute actions back to back, no p2p: what the actions alone cost on this machine.
 
     Its excess over the nominal ``v m (f + b) / v`` divided by the ``2 v m`` actions is the
@@ -193,7 +193,7 @@ def _local_replay(steps, stages, inputs):
 
     def step():
         outputs = {}
-        for a in steps:
+        for a in entries:
             if not isinstance(a, Action):
                 continue
             if a.kind == F:
@@ -228,7 +228,7 @@ def sleep_benchmark(args) -> dict:
             )
 
         schedule = _torch_schedule(kind, stages, m, n, lambda out, target: out.mean())
-        variants[("floor", kind)] = (stages, _local_replay(executor.steps, stages, inputs), v)
+        variants[("floor", kind)] = (stages, _local_replay(executor.entries, stages, inputs), v)
         variants[("ours", kind)] = (stages, ours, v)
         variants[("torch", kind)] = (stages, _torch_step(schedule, stages, n, batch, batch), v)
     times = {key: [] for key in variants}
@@ -365,7 +365,7 @@ def zero_bubble_benchmark(args, real: bool = False) -> dict:
                 lambda stage, x, mb: stages[stage](x), inputs, lambda out, mb: loss(out, targets[mb]), boundary
             )
 
-        predicted[kind] = (schedule, [peak_in_flight(steps) for steps in schedule], v)
+        predicted[kind] = (schedule, [peak_in_flight(entries) for entries in schedule], v)
         variants[("ours", kind)] = (stages, ours, executor)
         theirs = _torch_zero_bubble(kind, stages, m, n, loss)
         if real:
@@ -569,7 +569,7 @@ def real_benchmark(args) -> dict:
     from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
     from meshtron.mesh import build_mesh
     from meshtron.models import build_model, token_loss_sum
-    from meshtron.parallel.step_runner import build_step_runner
+    from meshtron.parallel.runner import build_model_runner
 
     pp, m = args.pp, args.real_microbatches
     model_cfg = ModelConfig(**REAL_MODEL)
@@ -588,7 +588,7 @@ def real_benchmark(args) -> dict:
         )
         with torch.device("meta"):
             meta = build_model(model_cfg)
-        runner = build_step_runner(meta, mesh, cfg, torch.device("cpu"))
+        runner = build_model_runner(meta, mesh, cfg, torch.device("cpu"))
         runner.executor.record = True
         modules = {s: _ChunkModule(c, positions) for s, c in runner.chunks.items()}
         tokens = (labels != -100).sum()

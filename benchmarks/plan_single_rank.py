@@ -57,13 +57,13 @@ def measure(name: str) -> int:
     from meshtron.mesh import build_mesh
     from meshtron.models import build_model
     from meshtron.optim import build_optimizer
-    from meshtron.parallel.step_runner import StepRunner
+    from meshtron.parallel.runner import NoPipelineRunner
     from meshtron.train import training_step
 
     cfg = shape_config(name)
     with torch.device("meta"):
         model = build_model(cfg.model)
-    runner = StepRunner(model, build_mesh(), cfg, torch.device("cpu"))
+    runner = NoPipelineRunner(model, build_mesh(), cfg, torch.device("cpu"))
     optimizer = build_optimizer(runner.module, cfg.train)
     ids = torch.randint(
         0,

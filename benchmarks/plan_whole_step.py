@@ -3,7 +3,7 @@ on 8 CPU ranks, across layouts covering every mesh dimension, the checkpointing 
 schedules, the three data-parallel modes and MoE with ep.
 
 For each layout every rank builds the model with the training path's own pieces
-(``build_step_runner`` + ``build_optimizer`` + ``training_step``), runs one warm-up step (which
+(``build_model_runner`` + ``build_optimizer`` + ``training_step``), runs one warm-up step (which
 creates the AdamW state), times the second step and measures the memory of the third under torch's
 ``torch.distributed._tools.mem_tracker.MemTracker`` (a ``TorchDispatchMode`` that follows every
 tensor storage's lifetime, DTensors desugared to their local tensors, FSDP2's ``resize_`` frees
@@ -111,7 +111,7 @@ def measure_layouts(out_path: str, layouts: list | None = None) -> None:
     from meshtron.mesh import batch_mesh
     from meshtron.models import build_model
     from meshtron.optim import build_optimizer
-    from meshtron.parallel.step_runner import build_step_runner
+    from meshtron.parallel.runner import build_model_runner
     from meshtron.train import recipe_mesh, training_step
 
     rows = []
@@ -122,7 +122,7 @@ def measure_layouts(out_path: str, layouts: list | None = None) -> None:
         torch.manual_seed(0)
         with torch.device("meta"):
             model = build_model(cfg.model)
-        runner = build_step_runner(model, mesh, cfg, torch.device("cpu"))
+        runner = build_model_runner(model, mesh, cfg, torch.device("cpu"))
         optimizer = build_optimizer(runner.module, cfg.train)
         readers = batch_mesh(mesh)
         local_rows = BATCH // readers.size()

@@ -58,7 +58,7 @@ from meshtron.config import load_config  # noqa: E402
 from meshtron.dryrun import dry_run, tokens_per_second_per_device  # noqa: E402
 from meshtron.models.qwen2 import flops_per_token  # noqa: E402
 from meshtron.plan.gemm import ALIGN, STEP_OVERHEAD  # noqa: E402
-from meshtron.plan.search import Plan, best_variant  # noqa: E402
+from meshtron.plan.search import LayoutPlan, best_variant  # noqa: E402
 from meshtron.plan.speed import Hardware, predict_step_time  # noqa: E402
 from meshtron.watch.metrics import datasheet  # noqa: E402
 
@@ -163,13 +163,13 @@ def megatron_config(row: tuple):
     return _model_config(hidden, swiglu_width(hidden, tp), layers, heads, heads, MEGATRON_VOCAB, MEGATRON_SEQ, batch)
 
 
-def planned(cfg, tp: int, pp: int, dp: int, schedule: str | None = None) -> Plan:
+def planned(cfg, tp: int, pp: int, dp: int, schedule: str | None = None) -> LayoutPlan:
     """The search's layout on exactly tp x pp x dp (FSDP over dp, SP with tp), optionally one schedule."""
     shape = dict(pp=pp, dp=dp, cp=1, ep=1, tp=tp, etp=1, fold_ep=False)
     return best_variant(cfg, shape, tp * pp * dp, Hardware(), schedule=schedule)
 
 
-def terms(plan: Plan) -> dict[str, float]:
+def terms(plan: LayoutPlan) -> dict[str, float]:
     """The step's seconds by term: compute, exposed tp / dp / pp (and any other group's) communication, bubble."""
     t = plan.time
     out = {"compute": t.compute}
@@ -186,7 +186,7 @@ def mfu(tokens_per_gpu: float, cfg) -> float:
     return 100 * tokens_per_gpu * flops_per_token(cfg.model, cfg.train.seq_len) / (peak * 1e12)
 
 
-def planner_row(label: str, plan: Plan, gpus: int, published: float) -> str:
+def planner_row(label: str, plan: LayoutPlan, gpus: int, published: float) -> str:
     p, t = plan.cfg.parallel, plan.time
     per_gpu = t.tokens_per_second / gpus
     parts = terms(plan)

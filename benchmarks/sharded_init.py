@@ -2,7 +2,7 @@
 
 A Qwen2.5-7B-width model (hidden 3584, intermediate 18944, vocab 152064, 28 query / 4 KV heads)
 with its layers truncated is built on the meta device, parallelized (tp, FSDP over dp) and filled
-by ``meshtron.parallel.step_runner.materialize_sharded`` on CPU ranks. Reported per rank (the busiest):
+by ``meshtron.parallel.runner.materialize_sharded`` on CPU ranks. Reported per rank (the busiest):
 the seconds of that call and the peak resident set (``ru_maxrss``) before and after it.
 
     python benchmarks/sharded_init.py --label after     # adds/overwrites that row, rewrites the table
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.mesh import build_mesh
 from meshtron.models import build_model, count_parameters
-from meshtron.parallel.step_runner import materialize_sharded, parallelize
+from meshtron.parallel.runner import materialize_sharded, parallelize
 from meshtron.testing import run_checks
 
 RESULTS = Path(__file__).parent / "results"

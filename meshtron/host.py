@@ -150,7 +150,7 @@ TORCH_WAITS = (
 )
 
 
-def across(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device``. With ``[parallel] offload = "optimizer"`` the step's values that cross between
     the device and the host's optimizer come here (its skip flag and clipping coefficient, the host's
     gradient sums for the norm's all-reduce): each such copy waits for the device. On one device: ``t``."""
@@ -166,8 +166,8 @@ __all__ = [
     "ROUTINGS",
     "TORCH_WAITS",
     "KeptReads",
-    "across",
     "completed",
+    "copy_to",
     "declared",
     "document_starts",
     "even_split",

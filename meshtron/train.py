@@ -40,7 +40,7 @@ from meshtron.config import Config, ConfigError, config_to_dict, infer_dp, load_
 from meshtron.data import SourceSpec, to_device
 from meshtron.faults import inject_fault, install_stall, slow_down
 from meshtron.hf import CheckpointError
-from meshtron.hf.runner import build_runner, export_hf, fp8_start_note, with_hf_model
+from meshtron.hf.runner import export_hf, fp8_start_note, with_hf_model
 from meshtron.host import ROUTINGS
 from meshtron.mesh import batch_mesh, exit_process, group_names, init_default_group, recipe_mesh
 from meshtron.models import flops_per_token
@@ -49,6 +49,7 @@ from meshtron.optim import build_optimizer, lr_at, set_lr
 from meshtron.parallel.layout import validate_layout
 from meshtron.parallel.step import training_step
 from meshtron.plan.fit import check_memory
+from meshtron.runner import build_runner
 from meshtron.torch_private import default_store
 from meshtron.watch import collective_log
 from meshtron.watch.metrics import MetricsLogger, StepProfiler, peak_flops_per_device

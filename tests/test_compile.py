@@ -19,7 +19,7 @@ from meshtron.models import build_model, token_loss_sum
 from meshtron.optim import build_optimizer
 from meshtron.parallel import compose
 from meshtron.parallel.compile import apply_compile
-from meshtron.parallel.step_runner import build_step_runner
+from meshtron.parallel.runner import build_model_runner
 from meshtron.testing import cached_mesh, fresh_seed, launch_tests, random_model, rel_err
 
 CFG = ModelConfig(
@@ -119,7 +119,7 @@ def _runner_steps(model_cfg: ModelConfig, layout: dict, compile_blocks: bool, se
     mesh = cached_mesh(**{k: v for k, v in layout.items() if k in ("pp", "dp", "cp", "ep", "tp")})
     with torch.device("meta"):
         model = build_model(model_cfg)
-    runner = build_step_runner(model, mesh, cfg, torch.device("cpu"))
+    runner = build_model_runner(model, mesh, cfg, torch.device("cpu"))
     load_full_state_dict(runner.module, random_model(model_cfg, seed, device="cpu").state_dict())
     optimizer = build_optimizer(runner.module, cfg.train)
     share = batch_mesh(mesh)

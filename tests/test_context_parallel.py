@@ -172,7 +172,7 @@ def check_per_rank_work_is_balanced():
         ratios[balanced] = counts.max().item() / counts.min().item()
         # The analytic count from the schedule agrees with what ran.
         chunk = seq // (2 * cp if balanced else cp)
-        expected = sum(causal_score_elements(chunk, plan) for plan in ring_schedule(rank, cp, balanced))
+        expected = sum(causal_score_elements(chunk, visible) for visible in ring_schedule(rank, cp, balanced))
         assert attn.stats.score_elements == expected
     if rank == 0:
         print(f"per-rank causal work max/min: balanced {ratios[True]:.3f}, contiguous {ratios[False]:.3f}")
@@ -273,7 +273,7 @@ def check_composed_layouts_match_single_process():
     with and without documents; 8 heads and 2 KV heads, so the all-to-all types repeat KV heads."""
     from meshtron.config import Config, DataConfig, ParallelConfig, TrainConfig
     from meshtron.mesh import batch_mesh
-    from meshtron.parallel.step_runner import StepRunner
+    from meshtron.parallel.runner import NoPipelineRunner
 
     dense = ModelConfig(
         vocab_size=96,
@@ -334,7 +334,7 @@ def check_composed_layouts_match_single_process():
             mesh = cached_mesh(**{k: v for k, v in layout.items() if k != "sp"})
             with torch.device("meta"):
                 model = build_model(model_cfg)
-            runner = StepRunner(model, mesh, cfg, torch.device("cpu"))
+            runner = NoPipelineRunner(model, mesh, cfg, torch.device("cpu"))
             load_full_state_dict(runner.module, start)
             share = batch_mesh(mesh)
             rows = slice(
@@ -411,13 +411,13 @@ def test_cp_comm_type_errors_name_the_key_and_fix():
 
 def test_document_blocks_skip_invisible_and_mask_only_boundaries():
     """Query chunk 2 (tokens 8..11, chunk length 4) whose documents start at 5 and 9."""
-    plan = [(0, 0, False), (0, 1, False), (0, 2, True)]
-    blocks = document_blocks(plan, (2,), (0, 1, 2), 4, first_start=[5], last_start=[9])
+    visible = [(0, 0, False), (0, 1, False), (0, 2, True)]
+    blocks = document_blocks(visible, (2,), (0, 1, 2), 4, first_start=[5], last_start=[9])
     # Chunk 0 (0..3) ends before 5: skipped; chunk 1 (4..7) straddles 5: masked; the diagonal
     # holds the start 9: masked, no longer plain causal.
     assert blocks == [(0, 1, False, True), (0, 2, False, True)]
-    inside = document_blocks(plan, (2,), (0, 1, 2), 4, first_start=[0], last_start=[0])
-    assert inside == [(0, j, causal, False) for _, j, causal in plan]
+    inside = document_blocks(visible, (2,), (0, 1, 2), 4, first_start=[0], last_start=[0])
+    assert inside == [(0, j, causal, False) for _, j, causal in visible]
 
 
 def test_schedule_skips_masked_blocks_and_balances():
@@ -426,10 +426,10 @@ def test_schedule_skips_masked_blocks_and_balances():
     for rank in range(cp):
         schedule = ring_schedule(rank, cp)
         assert schedule[0] == [(0, 0, True), (1, 0, False), (1, 1, True)]
-        for step, plan in enumerate(schedule[1:], start=1):
+        for step, visible in enumerate(schedule[1:], start=1):
             src = (rank - step) % cp
             # Earlier rank: all queries see its first chunk; later rank: the late query chunk sees all.
-            assert plan == ([(0, 0, False), (1, 0, False)] if src < rank else [(1, 0, False), (1, 1, False)])
+            assert visible == ([(0, 0, False), (1, 0, False)] if src < rank else [(1, 0, False), (1, 1, False)])
 
 
 @given(cp=st.integers(1, 8), chunk=st.integers(1, 4), balanced=st.booleans())
@@ -441,8 +441,8 @@ def test_layout_and_schedule_cover_the_causal_matrix_once(cp, chunk, balanced):
     # Every visible (query chunk, key chunk) pair is computed exactly once, on the query's owner.
     seen = []
     for rank in range(cp):
-        for step, plan in enumerate(ring_schedule(rank, cp, balanced)):
+        for step, visible in enumerate(ring_schedule(rank, cp, balanced)):
             mine, visiting = chunk_ids(rank, cp, balanced), chunk_ids((rank - step) % cp, cp, balanced)
-            seen += [(mine[i], visiting[j], causal) for i, j, causal in plan]
+            seen += [(mine[i], visiting[j], causal) for i, j, causal in visible]
     n = 2 * cp if balanced else cp
     assert sorted(seen) == [(a, b, a == b) for a in range(n) for b in range(a + 1)]

@@ -86,7 +86,7 @@ def test_shipped_recipe_traces_on_fake_cuda():
     within 5 % of the offloaded plan (0.986), the host's fp32 state equal to the plan's (0.365 GiB), the bytes
     sent equal to it; every collective on ``cuda:0`` as NCCL takes it (the dry run refuses any other) and
     only the offload's declared waits: FSDP2's for each gradient's copy to the host at the end of backward,
-    and three values crossing to and from the host's optimizer (meshtron.host.across: the norm's host sum,
+    and three values crossing to and from the host's optimizer (meshtron.host.copy_to: the norm's host sum,
     the clipping coefficient, the skip flag; one copy each, not one per gradient)."""
     report = cuda_dry_run(
         "--recipe",
@@ -149,7 +149,7 @@ def test_transformers_model_traces_on_fake_cuda(tmp_path):
     faked on ``cuda:0`` (built under the fake mode, its constants were copied from the host to the real device,
     which has no driver); every collective on ``cuda:0`` as NCCL takes it and no host sync. With both host
     offloads: FSDP2's pinned host shards and the blocks' saved tensors on the host, only the offload's declared
-    waits (FSDP2's for each gradient's copy to the host, meshtron.host.across)."""
+    waits (FSDP2's for each gradient's copy to the host, meshtron.host.copy_to)."""
     import transformers
 
     folder = tmp_path / "qwen2"

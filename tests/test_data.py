@@ -622,11 +622,11 @@ def build_in_thread(cfg):
 def hold_lock(cfg):
     import fcntl
 
-    plan = packing._Plan(cfg, None, None)
-    plan.bin.parent.mkdir(parents=True, exist_ok=True)
-    lock = open(plan.lock, "a")
+    cache = packing._Cache(cfg, None, None)
+    cache.bin.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(cache.lock, "a")
     fcntl.flock(lock, fcntl.LOCK_EX)
-    return plan, lock
+    return cache, lock
 
 
 def test_waiters_poll_the_lock_and_share_the_builders_outcome(tmp_path, rng, monkeypatch):
@@ -636,26 +636,26 @@ def test_waiters_poll_the_lock_and_share_the_builders_outcome(tmp_path, rng, mon
 
     monkeypatch.setattr(packing, "POLL_S", 0.02)
     cfg = corpus_cfg(tmp_path, rng, seq_len=8)
-    plan, lock = hold_lock(cfg)
+    cache, lock = hold_lock(cfg)
     thread, outcome = build_in_thread(cfg)
     time.sleep(0.3)
-    assert thread.is_alive() and not plan.meta.exists()
+    assert thread.is_alive() and not cache.meta.exists()
     lock.close()  # the "other builder" gave up without a cache: the waiter builds it itself
     thread.join(30)
-    assert outcome == {"meta": plan.meta} and plan.meta.is_file()
+    assert outcome == {"meta": cache.meta} and cache.meta.is_file()
 
     empty = make_cfg(tmp_path, tmp_path / "empty.txt")
     (tmp_path / "empty.txt").write_text("")
-    plan, lock = hold_lock(empty)
+    cache, lock = hold_lock(empty)
     thread, outcome = build_in_thread(empty)
     time.sleep(0.3)
-    plan.error.write_text("the builder's message")
+    cache.error.write_text("the builder's message")
     lock.close()
     thread.join(30)
     assert str(outcome["error"]) == "the builder's message"
     with pytest.raises(DataError, match="holds no text"):  # a stale error file: this build decides afresh
         prepare_tokens(empty)
-    assert "holds no text" in plan.error.read_text()
+    assert "holds no text" in cache.error.read_text()
 
 
 def test_parallel_workers_write_the_serial_cache(tmp_path, rng, monkeypatch):
@@ -892,7 +892,7 @@ def check_sft_loss_counts_only_responses(root: str) -> None:
     from meshtron.checkpoint import load_full_state_dict
     from meshtron.mesh import batch_mesh
     from meshtron.models import build_model
-    from meshtron.parallel.step_runner import build_step_runner
+    from meshtron.parallel.runner import build_model_runner
     from meshtron.train import recipe_mesh
 
     empty_shares = 0
@@ -915,7 +915,7 @@ def check_sft_loss_counts_only_responses(root: str) -> None:
         mesh = recipe_mesh(cfg)
         with torch.device("meta"):
             model = build_model(cfg.model)
-        runner = build_step_runner(model, mesh, cfg, torch.device("cpu"))
+        runner = build_model_runner(model, mesh, cfg, torch.device("cpu"))
         load_full_state_dict(runner.module, reference.state_dict())
         share = batch_mesh(mesh)
         xs, ys = dataset.batch_for_step(1, share.get_local_rank(), share.size(), cfg.parallel.microbatches)

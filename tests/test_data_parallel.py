@@ -24,7 +24,7 @@ from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, va
 from meshtron.mesh import batch_mesh, dense_data_mesh
 from meshtron.models import build_model, token_loss_sum
 from meshtron.parallel.context import apply_context_parallel, shard_batch
-from meshtron.parallel.data import apply_data_parallel, data_meshes
+from meshtron.parallel.data_parallel import apply_data_parallel, data_meshes
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.grad_norm import clip_grad_norm_, global_grad_norm
 from meshtron.parallel.offload import apply_activation_offload
@@ -298,7 +298,7 @@ def check_op_checkpointing_trains_moe():
     dp 2 x ep 2 in fp32 and with ep 4 folded over dp 2 x tp 2 (SP) in bf16 (FSDP casting the blocks' inputs).
     Both failed in backward while FSDP's hooks ran inside op's record of the block's ops."""
     from meshtron.config import load_config
-    from meshtron.parallel.step_runner import build_step_runner
+    from meshtron.parallel.runner import build_model_runner
 
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "debug_moe.toml"
     start = None
@@ -309,7 +309,7 @@ def check_op_checkpointing_trains_moe():
             cfg = load_config(recipe, flags + [f"--parallel.activation_checkpointing={ac}", f"--train.dtype={dtype}"])
             with torch.device("meta"):
                 model = build_model(cfg.model)
-            runner = build_step_runner(model, cached_recipe_mesh(cfg), cfg, env.local_device())
+            runner = build_model_runner(model, cached_recipe_mesh(cfg), cfg, env.local_device())
             start = start or random_model(cfg.model, seed=5).state_dict()
             load_full_state_dict(runner.module, start)
             tokens, labels = next(_batches())

@@ -931,12 +931,12 @@ def test_collectives_are_held_to_nccls_rules():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from meshtron.dryrun import StepCounter
+    from meshtron.dryrun import OpCounter
     from meshtron.dryrun.nccl_rules import NcclRefusal, NcclRules
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        counter = StepCounter(1e15, 1e12, NcclRules(torch.device("cpu"), {(0, 1): "dp"}))
+        counter = OpCounter(1e15, 1e12, NcclRules(torch.device("cpu"), {(0, 1): "dp"}))
         with counter:
             dist.all_reduce(torch.ones(4, dtype=torch.bfloat16))
             dist.all_reduce(torch.ones(4), op=dist.ReduceOp.AVG)
@@ -954,7 +954,7 @@ def test_collectives_are_held_to_nccls_rules():
         }
         for reason, call in refused.items():
             with (
-                StepCounter(1e15, 1e12, NcclRules(torch.device("cpu"), {(0, 1): "dp"})),
+                OpCounter(1e15, 1e12, NcclRules(torch.device("cpu"), {(0, 1): "dp"})),
                 pytest.raises(NcclRefusal, match=reason) as refusal,
             ):
                 call()

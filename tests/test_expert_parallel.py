@@ -409,11 +409,11 @@ def check_moe_under_tp(refs: dict):
 def _step_matches(cfg, mesh, ids, labels, start: dict, loss_ref, ref_params: dict, where: str):
     """One step of the layout's runner from the reference's ``start`` weights on this rank's rows; its loss
     and every (gathered) gradient equal the single-process ones. Returns the runner."""
-    from meshtron.parallel.step_runner import build_step_runner
+    from meshtron.parallel.runner import build_model_runner
 
     with torch.device("meta"):
         model = build_model(cfg.model)
-    runner = build_step_runner(model, mesh, cfg, torch.device("cpu"))
+    runner = build_model_runner(model, mesh, cfg, torch.device("cpu"))
     load_full_state_dict(runner.module, start)
     rows = _my_rows(mesh, ids.shape[0])
     loss = runner.forward_backward(ids[rows], labels[rows])

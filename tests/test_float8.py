@@ -1072,12 +1072,12 @@ def _one_rank_recipe_losses(cfg: Config, start: dict, readers: int, ulp: bool = 
 
 def _layout_recipe_losses(cfg: Config, start: dict) -> list[float]:
     from meshtron.optim import build_optimizer, lr_at, set_lr
-    from meshtron.parallel.step_runner import build_step_runner
+    from meshtron.parallel.runner import build_model_runner
 
     mesh = cached_recipe_mesh(cfg)
     with torch.device("meta"):
         model = build_model(cfg.model)
-    runner = build_step_runner(model, mesh, cfg, torch.device("cpu"))
+    runner = build_model_runner(model, mesh, cfg, torch.device("cpu"))
     load_full_state_dict(runner.module, start)
     ids, labels = _recipe_batch(cfg)
     readers = batch_mesh(mesh)

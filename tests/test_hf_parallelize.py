@@ -1126,12 +1126,12 @@ def _check_shared_parameter_kept() -> None:
     from unittest import mock
 
     from meshtron.hf import parallelize as hf_parallelize
-    from meshtron.parallel import data
+    from meshtron.parallel import data_parallel
 
     # Controls: not tied again after tp, or each layer its own FSDP unit: the copies are caught.
     for switched_off in (
         mock.patch.object(hf_parallelize, "_share_again", lambda *_: None),
-        mock.patch.object(data, "_sharing_groups", lambda modules: [[m] for m in modules]),
+        mock.patch.object(data_parallel, "_sharing_groups", lambda modules: [[m] for m in modules]),
     ):
         with (
             switched_off,

@@ -529,7 +529,8 @@ def recipe_gathers_once_per_step(root: str, folders: dict) -> None:
     single-rank run's): each FSDP unit all-gathered and reduce-scattered once per step of 2 micro-batches,
     the second step too (the native step's per-micro-batch counts: ``tests/test_pipeline_parallel.py``)."""
     from meshtron.config import load_config
-    from meshtron.hf.runner import build_runner, with_hf_model
+    from meshtron.hf.runner import with_hf_model
+    from meshtron.runner import build_runner
 
     args = ["--model.hf_model", folders["qwen2_moe"], "--parallel.microbatches", "2"]
     args += [

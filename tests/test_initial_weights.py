@@ -13,7 +13,7 @@ from meshtron.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.models import InitialWeights, build_model, materialize
 from meshtron.models.counter_rng import normal_slice_, tensor_key
 from meshtron.parallel.pipeline import prune_to_stage
-from meshtron.parallel.step_runner import materialize_sharded, parallelize
+from meshtron.parallel.runner import materialize_sharded, parallelize
 from meshtron.testing import cached_mesh, launch_tests
 
 DENSE = dict(

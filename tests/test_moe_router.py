@@ -190,7 +190,7 @@ def test_skipped_step_leaves_the_expert_bias():
 def test_router_loss_averaging_is_idempotent():
     """A second runner on the same model sets the same micro-batch count instead of halving again."""
     from meshtron.models import moe_layers
-    from meshtron.parallel.step_runner import average_router_losses_over_microbatches
+    from meshtron.parallel.runner import average_router_losses_over_microbatches
 
     model = _model(router_z_loss_coef=0.2)
     ids = torch.randint(0, 32, (2, 9))

@@ -26,7 +26,7 @@ from meshtron.models import build_model, materialize
 from meshtron.parallel import context
 from meshtron.parallel.context import blocks
 from meshtron.parallel.expert import apply_expert_parallel
-from meshtron.parallel.step_runner import StepRunner
+from meshtron.parallel.runner import NoPipelineRunner
 from meshtron.testing import fresh_seed, launch_tests, random_model
 
 DENSE = ModelConfig(
@@ -74,7 +74,7 @@ def _prefetch_run(prefetch: int, weights: dict, ids, labels):
     cfg = Config(model=DENSE, parallel=ParallelConfig(dp=2, fsdp_prefetch=prefetch), train=TrainConfig(seed=3))
     with torch.device("meta"):
         model = build_model(DENSE)
-    runner = StepRunner(model, build_mesh(dp=2), cfg, torch.device("cpu"))
+    runner = NoPipelineRunner(model, build_mesh(dp=2), cfg, torch.device("cpu"))
     load_full_state_dict(runner.module, weights)  # in place: the shards' storages (the units' names) stay
     blocks = dict(runner.module.layers.items())
     events: list = []

@@ -26,8 +26,8 @@ from meshtron.parallel.layout import validate_layout
 from meshtron.parallel.offload import BlockOffload
 from meshtron.parallel.pipeline import peak_in_flight, prune_to_stage
 from meshtron.parallel.pipeline.pipelined_runner import PipelineRunner
+from meshtron.parallel.runner import build_model_runner
 from meshtron.parallel.step import average_router_losses_over_microbatches, training_step
-from meshtron.parallel.step_runner import build_step_runner
 from meshtron.testing import cached_mesh, count_calls, launch_tests, rel_err, units_with_parameters, whole_weight_passes
 from test_float8 import HAS_TORCHAO
 
@@ -210,7 +210,7 @@ def check_pipeline_matches_single_process(_folder, layouts=LAYOUTS):
         cfg = _config(*layout)
         p = cfg.parallel
         mesh = cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
-        runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+        runner = build_model_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
         assert isinstance(runner, PipelineRunner)
         assert len(runner.module.layers) < cfg.model.num_hidden_layers, "a stage holds the whole model"
         ids, labels = _batch(cfg)
@@ -224,7 +224,7 @@ def check_pipeline_matches_single_process(_folder, layouts=LAYOUTS):
             loss = runner.forward_backward(ids.chunk(p.dp)[dp_rank], labels.chunk(p.dp)[dp_rank])
         assert not whole, f"{layout}: W re-ran the whole backward for {whole}"
         assert tracker.checked == p.microbatches * p.virtual_stages and len(tracker.live) == 0
-        assert runner.executor.peak_live == peak_in_flight(runner.executor.steps)
+        assert runner.executor.peak_live == peak_in_flight(runner.executor.entries)
         _check_matches_reference(runner, mesh, loss, reference, layout)
 
 
@@ -282,7 +282,7 @@ def check_fsdp_gathers_and_reduces_once_per_step(_folder):
         cfg.parallel.data_parallel = mode
         p = cfg.parallel
         mesh = cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
-        runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+        runner = build_model_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
         ids, labels = _batch(cfg)
         ref, ref_loss, _, ref_norm = _reference(cfg, ids, labels)
         dp_rank = mesh["dp"].get_local_rank()
@@ -354,7 +354,7 @@ def check_fsdp_gathers_once_per_step_without_pipeline(_folder):
             cfg.parallel.data_parallel, cfg.parallel.fsdp_gather = mode, gather
             p = cfg.parallel
             mesh = cached_mesh(dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp)
-            runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+            runner = build_model_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
             row = batch_mesh(mesh).get_local_rank()
             local = ids.chunk(dp * ep)[row], labels.chunk(dp * ep)[row]
             load_full_state_dict(runner.module, _random_model(cfg).state_dict())
@@ -374,7 +374,7 @@ def check_zero_bubble_accumulates_in_fp32_under_bf16(_folder):
         cfg = _config(DENSE, 2, 4, schedule, 6)
         cfg.train.dtype = "bfloat16"
         mesh = cached_mesh(pp=2, dp=4)
-        runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+        runner = build_model_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
         load_full_state_dict(runner.module, _random_model(cfg).state_dict())
         ids, labels = _batch(cfg)
         dp_rank = mesh["dp"].get_local_rank()
@@ -394,7 +394,7 @@ def check_zero_bubble_with_checkpointing_replays_each_block_once(_folder):
         cfg = _config(DENSE, 2, 4, schedule, 4, v)
         cfg.parallel.activation_checkpointing, cfg.parallel.ac_policy = ac, "alternate_matmuls"
         mesh = cached_mesh(pp=2, dp=4)
-        runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+        runner = build_model_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
         load_full_state_dict(runner.module, _random_model(cfg).state_dict())
         ids, labels = _batch(cfg)
         ref, ref_loss, _, _ = _reference(cfg, ids, labels)
@@ -414,7 +414,7 @@ def check_zero_bubble_with_checkpointing_replays_each_block_once(_folder):
 def check_clipping_and_export_cover_all_stages(folder):
     cfg = _config(DENSE, 4, 2, "1f1b", 4)
     mesh = build_mesh(pp=4, dp=2)
-    runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+    runner = build_model_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
     load_full_state_dict(runner.module, _random_model(cfg).state_dict())
     ids, labels = _batch(cfg)
     runner.forward_backward(ids[: len(ids) // 2], labels[: len(labels) // 2])
@@ -444,7 +444,7 @@ OFFLOAD_STEPS = 2
 def _trained(cfg: Config, mesh) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
     """(loss, gradient norm) of each of OFFLOAD_STEPS optimizer steps from the reference weights, and this
     rank's parameter shards after them."""
-    runner = build_step_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
+    runner = build_model_runner(_meta_model(cfg), mesh, cfg, torch.device("cpu"))
     offloading = [
         b
         for b in runner.module.layers.values()

@@ -45,21 +45,21 @@ def _ids(case):
     return "{}-pp{}-m{}-v{}".format(*case)
 
 
-def _computes(rank_steps):
-    return [s for s in rank_steps if isinstance(s, Action)]
+def _computes(rank_entries):
+    return [s for s in rank_entries if isinstance(s, Action)]
 
 
-def _ops(rank_steps):
-    return [op for s in rank_steps if isinstance(s, P2P) for op in s.ops]
+def _ops(rank_entries):
+    return [op for s in rank_entries if isinstance(s, P2P) for op in s.ops]
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_every_stage_runs_each_microbatch_once_forward_before_backward(case):
     name, pp, m, v = case
-    steps = build_schedule(name, pp, m, v)
+    entries = build_schedule(name, pp, m, v)
     seen = defaultdict(list)
-    for rank, rank_steps in enumerate(steps):
-        for i, a in enumerate(_computes(rank_steps)):
+    for rank, rank_entries in enumerate(entries):
+        for i, a in enumerate(_computes(rank_entries)):
             assert a.stage % pp == rank, f"stage {a.stage} scheduled on rank {rank}"
             seen[(a.stage, a.mb)].append((a.kind, i))
     assert set(seen) == {(s, i) for s in range(pp * v) for i in range(m)}
@@ -71,11 +71,11 @@ def test_every_stage_runs_each_microbatch_once_forward_before_backward(case):
 def test_tensors_are_received_before_use_and_sent_after_production(case):
     name, pp, m, v = case
     last = pp * v - 1
-    for rank, rank_steps in enumerate(build_schedule(name, pp, m, v)):
+    for rank, rank_entries in enumerate(build_schedule(name, pp, m, v)):
         done, received = set(), set()
-        for step in rank_steps:
-            if isinstance(step, P2P):
-                for op in step.ops:
+        for entry in rank_entries:
+            if isinstance(entry, P2P):
+                for op in entry.ops:
                     if op.kind in (SEND_F, SEND_B):
                         produced = F if op.kind == SEND_F else B
                         assert (produced, op.stage, op.mb) in done, f"rank {rank}: {op} before its compute"
@@ -85,20 +85,20 @@ def test_tensors_are_received_before_use_and_sent_after_production(case):
                         neighbour = op.stage - 1 if op.kind == RECV_F else op.stage + 1
                     assert op.peer == neighbour % pp, f"rank {rank}: {op} has the wrong peer"
                 continue
-            if step.kind == F and step.stage > 0:
-                assert (RECV_F, step.stage, step.mb) in received, f"rank {rank}: {step} before its input"
-            if step.kind == B and step.stage < last:
-                assert (RECV_B, step.stage, step.mb) in received, f"rank {rank}: {step} before its grad"
-            done.add((step.kind, step.stage, step.mb))
+            if entry.kind == F and entry.stage > 0:
+                assert (RECV_F, entry.stage, entry.mb) in received, f"rank {rank}: {entry} before its input"
+            if entry.kind == B and entry.stage < last:
+                assert (RECV_B, entry.stage, entry.mb) in received, f"rank {rank}: {entry} before its grad"
+            done.add((entry.kind, entry.stage, entry.mb))
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_sends_match_receives_in_posting_order(case):
     name, pp, m, v = case
-    steps = build_schedule(name, pp, m, v)
+    entries = build_schedule(name, pp, m, v)
     sent, got = defaultdict(list), defaultdict(list)
-    for rank, rank_steps in enumerate(steps):
-        for op in _ops(rank_steps):
+    for rank, rank_entries in enumerate(entries):
+        for op in _ops(rank_entries):
             if op.kind == SEND_F:
                 sent[(rank, op.peer)].append((RECV_F, op.stage + 1, op.mb))
             elif op.kind == SEND_B:
@@ -110,7 +110,7 @@ def test_sends_match_receives_in_posting_order(case):
         assert sent[channel] == got[channel], f"ranks {channel} pair different tensors"
     # every stage boundary carries one activation and one gradient per microbatch
     assert sum(len(x) for x in sent.values()) == 2 * m * (pp * v - 1)
-    match_p2p(steps)
+    match_p2p(entries)
 
 
 def _spans(result) -> dict:
@@ -194,12 +194,12 @@ def test_interleaved_needs_a_multiple_of_pp_microbatches():
 
 def test_simulator_reports_deadlock_with_stuck_steps():
     # rank 0 waits for a gradient before sending the activation that would produce it
-    steps = [
+    entries = [
         [P2P((Action(RECV_B, 0, 0, 1),)), Action(F, 0, 0), P2P((Action(SEND_F, 0, 0, 1),)), Action(B, 0, 0)],
         [P2P((Action(RECV_F, 0, 1, 0),)), Action(F, 0, 1), Action(B, 0, 1), P2P((Action(SEND_B, 0, 1, 0),))],
     ]
     with pytest.raises(DeadlockError, match=r"RECV_B\(s0,mb0\)@1.*RECV_F\(s1,mb0\)@0"):
-        simulate(steps)
+        simulate(entries)
 
 
 def test_interleaved_needs_forward_backward_slots_to_avoid_a_ring_deadlock():
@@ -213,12 +213,12 @@ def test_interleaved_needs_forward_backward_slots_to_avoid_a_ring_deadlock():
 
 
 def test_out_of_order_pairing_is_rejected():
-    steps = [
+    entries = [
         [Action(F, 0, 0), Action(F, 1, 0), P2P((Action(SEND_F, 0, 0, 1), Action(SEND_F, 1, 0, 1)))],
         [P2P((Action(RECV_F, 1, 1, 0), Action(RECV_F, 0, 1, 0))), Action(F, 1, 1), Action(F, 0, 1)],
     ]
     with pytest.raises(ValueError, match="posting order differs"):
-        match_p2p(steps)
+        match_p2p(entries)
 
 
 def test_split_balances_layers_and_spares_the_ends():
@@ -288,9 +288,9 @@ def _zb_schedule(name, pp, m):
 @pytest.mark.parametrize("case", ZB_CASES, ids=_zb_ids)
 def test_zero_bubble_schedules_run_every_pass_once_in_data_flow_order(case):
     name, pp, m = case
-    steps = _zb_schedule(name, pp, m)
+    entries = _zb_schedule(name, pp, m)
     chunks = 1 if name == "zb1p" else 2
-    result = simulate(steps, 1, 1, 0, w_cost=1, rendezvous=False)  # raises on deadlock or local disorder
+    result = simulate(entries, 1, 1, 0, w_cost=1, rendezvous=False)  # raises on deadlock or local disorder
     span = _spans(result)
     last = pp * chunks - 1
     _assert_data_flow(span, last, m)
@@ -304,9 +304,9 @@ def test_zero_bubble_schedules_run_every_pass_once_in_data_flow_order(case):
     }
     split = {(s, i) for k, s, i in span if k == W}
     assert split == {(s, i) for s in range(last + 1) for i in range(m)} or name == "dualpipev"
-    match_p2p(steps)
+    match_p2p(entries)
     if name == "zb1p":  # one communicator for both directions would do too, as for 1F1B
-        match_p2p(steps, one_channel=True)
+        match_p2p(entries, one_channel=True)
 
 
 @pytest.mark.parametrize("pp", [2, 4, 8])
@@ -339,14 +339,14 @@ def test_zero_bubble_memory_is_one_f_one_bs_peak(pp):
 
 
 def test_split_backward_names_the_schedules_with_weight_passes():
-    """The planner walks one schedule for every checkpointing mode of a schedule without ``W`` steps."""
+    """The planner walks one schedule for every checkpointing mode of a schedule without ``W`` actions."""
     from meshtron.parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, built_schedule, split_backwards
 
     for name in SCHEDULES:
         v = 1 if name in ("gpipe", "1f1b", "zb1p") else 2
-        steps = built_schedule(name, 4, 8, v)
-        assert any(split_backwards(rank) for rank in steps) == (name in SPLIT_BACKWARD), name
-        assert steps == tuple(map(tuple, build_schedule(name, 4, 8, v)))
+        entries = built_schedule(name, 4, 8, v)
+        assert any(split_backwards(rank) for rank in entries) == (name in SPLIT_BACKWARD), name
+        assert entries == tuple(map(tuple, build_schedule(name, 4, 8, v)))
 
 
 def test_a_stage_with_a_checkpointed_or_compiled_part_runs_backward_whole():
@@ -371,10 +371,10 @@ def test_zb1p_passes_the_strict_rendezvous_model_too():
 
 def test_v_shape_places_stages_down_and_back_up():
     assert split_layers(8, 2, 2, v_shape=True) == [[range(0, 2), range(6, 8)], [range(2, 4), range(4, 6)]]
-    steps = build_schedule("zbv", 2, 4, 2)
+    entries = build_schedule("zbv", 2, 4, 2)
     # the turn of the V (stages 1 and 2 on rank 1) hands over locally: no p2p between them
-    assert not [op for op in _ops(steps[1]) if op.stage in (1, 2) and op.kind in (SEND_F, RECV_B) and op.stage == 1]
-    assert {op.peer for r in range(2) for op in _ops(steps[r])} == {0, 1}
+    assert not [op for op in _ops(entries[1]) if op.stage in (1, 2) and op.kind in (SEND_F, RECV_B) and op.stage == 1]
+    assert {op.peer for r in range(2) for op in _ops(entries[r])} == {0, 1}
 
 
 @pytest.mark.parametrize(
@@ -420,9 +420,9 @@ def test_past_the_steady_count_a_schedule_only_repeats_its_steady_state(name, v)
         return [
             {
                 (tuple(sorted(before.items())), tuple(sorted(after.items())))
-                for (_, before), (_, after) in zip([(0, {})] + list(held_by_stage(steps)), held_by_stage(steps))
+                for (_, before), (_, after) in zip([(0, {})] + list(held_by_stage(entries)), held_by_stage(entries))
             }
-            for steps in schedule
+            for entries in schedule
         ]
 
     def idle(schedule, b, w):

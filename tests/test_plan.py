@@ -80,7 +80,7 @@ def state_matches_local_shards() -> None:
     from meshtron.models import build_model
     from meshtron.parallel.pipeline.schedules import V_SHAPED
     from meshtron.parallel.pipeline.stage import prune_to_stage
-    from meshtron.parallel.step_runner import parallelize
+    from meshtron.parallel.runner import parallelize
     from meshtron.train import recipe_mesh
 
     for recipe, layout in STATE_LAYOUTS:
@@ -978,7 +978,7 @@ def test_search_shortcuts_change_no_figure(monkeypatch):
 def test_fsdp_traffic_pads_the_dim_fsdp_shards():
     """What FSDP gathers of a parameter is its largest local shard (rank 0's, ``torch.chunk``) times the
     shard count, whichever dim it shards: with a vocabulary tp splits unevenly (257 at tp 2) the
-    embedding and LM head are sharded on the hidden dim (``parallel.data.data_shard_dim``), so the
+    embedding and LM head are sharded on the hidden dim (``parallel.data_parallel.data_shard_dim``), so the
     planner's padded elements are the exact local shards' (``local_numel``, held to DTensor's above),
     not the vocabulary rows padded."""
     from meshtron.plan.communication import _padded

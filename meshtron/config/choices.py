@@ -25,7 +25,7 @@ FSDP_GATHERS = ("per_microbatch", "per_step")  # how often FSDP gathers a unit u
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "op")
 AC_POLICIES = ("save_matmuls", "alternate_matmuls", "parts")
 AC_PARTS = ("core_attn", "mlp", "moe_experts")  # [parallel] ac_parts; meshtron/parallel/recompute.py
-OFFLOADS = ("none", "optimizer")  # [parallel] offload; meshtron/parallel/data.py
+OFFLOADS = ("none", "optimizer")  # [parallel] offload; meshtron/parallel/data_parallel.py
 NONFINITE_POLICIES = ("stop", "skip")
 MEMORY_CHECKS = ("error", "warn", "off")
 

@@ -62,8 +62,9 @@ def _dtype(typecode: str) -> torch.dtype:
     return next(dtype for _, code, dtype in _DTYPES if code == typecode)
 
 
-class _Plan:
-    """Everything known before reading any text: cheap enough for every rank to compute."""
+class _Cache:
+    """The token cache of a source before any text is read (its files, tokenizer, key and the paths of its
+    files): cheap enough for every rank to compute."""
 
     def __init__(self, cfg: Config, cache_dir: str | Path | None, source: SourceSpec | None):
         data = cfg.data
@@ -149,15 +150,15 @@ class _TokenWriter:
         self.num_tokens += tokens
 
 
-def _chunks(plan: _Plan) -> Iterator[tuple[list[str], list[bool], list[bool], int]]:
+def _chunks(cache: _Cache) -> Iterator[tuple[list[str], list[bool], list[bool], int]]:
     """``(texts, ends_document, counted, files_done)``: the source's pieces in batches of about
     ``_ENCODE_CHARS`` characters, each with the number of files read completely before it."""
     texts: list[str] = []
     ends: list[bool] = []
     counted: list[bool] = []
     chars = 0
-    for number, path in enumerate(plan.files):
-        for text, ends_document, counts in plan.pieces(path):
+    for number, path in enumerate(cache.files):
+        for text, ends_document, counts in cache.pieces(path):
             texts.append(text)
             ends.append(ends_document)
             counted.append(counts)
@@ -165,7 +166,7 @@ def _chunks(plan: _Plan) -> Iterator[tuple[list[str], list[bool], list[bool], in
             if chars >= _ENCODE_CHARS:
                 yield texts, ends, counted, number
                 texts, ends, counted, chars = [], [], [], 0
-    yield texts, ends, counted, len(plan.files)
+    yield texts, ends, counted, len(cache.files)
 
 
 def _encode(tokenizer: Tokenizer, typecode: str, texts: list[str]) -> list[bytes]:
@@ -187,22 +188,22 @@ def _encode_in_worker(texts: list[str]) -> list[bytes]:
     return _encode(tokenizer, typecode, texts)
 
 
-def _encoded(plan: _Plan, typecode: str, workers: int) -> Iterator[tuple[list[bytes], list[bool], list[bool], int]]:
+def _encoded(cache: _Cache, typecode: str, workers: int) -> Iterator[tuple[list[bytes], list[bool], list[bool], int]]:
     """The chunks of :func:`_chunks`, encoded in order; by ``workers`` processes when more than one.
 
     This process reads the files; at most two chunks per worker are in flight, so memory stays
     bounded however large the source is.
     """
-    if workers <= 1 or isinstance(plan.tokenizer, ByteTokenizer):  # bytes: encoding costs less than shipping text
-        for texts, *rest in _chunks(plan):
-            yield _encode(plan.tokenizer, typecode, texts), *rest
+    if workers <= 1 or isinstance(cache.tokenizer, ByteTokenizer):  # bytes: encoding costs less than shipping text
+        for texts, *rest in _chunks(cache):
+            yield _encode(cache.tokenizer, typecode, texts), *rest
         return
     # fork: a spawned worker would import torch and transformers (meshtron's package imports) before
     # its first chunk, which costs more than the chunk; the workers touch neither torch nor threads.
     context = multiprocessing.get_context("fork")
-    with context.Pool(workers, _start_worker, (*plan.tokenizer_spec, typecode)) as pool:
+    with context.Pool(workers, _start_worker, (*cache.tokenizer_spec, typecode)) as pool:
         pending: collections.deque = collections.deque()
-        for texts, *rest in _chunks(plan):
+        for texts, *rest in _chunks(cache):
             pending.append((pool.apply_async(_encode_in_worker, (texts,)), rest))
             if len(pending) >= 2 * workers:
                 result, rest = pending.popleft()
@@ -215,9 +216,9 @@ def _encoded(plan: _Plan, typecode: str, workers: int) -> Iterator[tuple[list[by
 class _Progress:
     """A progress line (bar by bytes of files read, tokens, tokens/s) to ``stream``; ``None``: silent."""
 
-    def __init__(self, stream: TextIO | None, plan: _Plan, workers: int):
-        self.stream, self.source, self.workers = stream, plan.source, workers
-        self.sizes = [path.stat().st_size for path in plan.files]
+    def __init__(self, stream: TextIO | None, cache: _Cache, workers: int):
+        self.stream, self.source, self.workers = stream, cache.source, workers
+        self.sizes = [path.stat().st_size for path in cache.files]
         self.tty = stream is not None and stream.isatty()
         self.start = self.last = time.perf_counter()
 
@@ -255,72 +256,72 @@ def prepare_tokens(
     folder that the ranks do not share gets its own build. A build that fails on bad data leaves
     its message in ``tokens-<key>.error`` and the waiting processes raise it too.
     """
-    plan = _Plan(cfg, cache_dir, source)
-    plan.bin.parent.mkdir(parents=True, exist_ok=True)
+    cache = _Cache(cfg, cache_dir, source)
+    cache.bin.parent.mkdir(parents=True, exist_ok=True)
     waited = False
-    while not plan.meta.is_file():
-        with open(plan.lock, "a") as lock:
+    while not cache.meta.is_file():
+        with open(cache.lock, "a") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 waited = True
                 time.sleep(POLL_S)
                 continue
-            if plan.meta.is_file():  # built between the check and the lock
+            if cache.meta.is_file():  # built between the check and the lock
                 break
-            if waited and plan.error.is_file():
-                raise DataError(plan.error.read_text())
-            plan.error.unlink(missing_ok=True)  # left by an earlier run; this build decides afresh
+            if waited and cache.error.is_file():
+                raise DataError(cache.error.read_text())
+            cache.error.unlink(missing_ok=True)  # left by an earlier run; this build decides afresh
             try:
-                _build(cfg, plan, workers, progress)
+                _build(cfg, cache, workers, progress)
             except DataError as err:
-                _write_atomic(plan.error, str(err))
+                _write_atomic(cache.error, str(err))
                 raise
-    _check_length(_read_meta(plan.meta), plan.source, cfg.train.seq_len)
-    return plan.meta
+    _check_length(_read_meta(cache.meta), cache.source, cfg.train.seq_len)
+    return cache.meta
 
 
-def _build(cfg: Config, plan: _Plan, workers: int, stream: TextIO | None) -> None:
-    typecode = _typecode(plan.tokenizer.vocab_size)
-    progress = _Progress(stream, plan, workers)
-    tmp = plan.bin.with_name(f".{plan.bin.name}.{uuid.uuid4().hex}")
-    tmp_mask = plan.mask.with_name(f".{plan.mask.name}.{uuid.uuid4().hex}")
+def _build(cfg: Config, cache: _Cache, workers: int, stream: TextIO | None) -> None:
+    typecode = _typecode(cache.tokenizer.vocab_size)
+    progress = _Progress(stream, cache, workers)
+    tmp = cache.bin.with_name(f".{cache.bin.name}.{uuid.uuid4().hex}")
+    tmp_mask = cache.mask.with_name(f".{cache.mask.name}.{uuid.uuid4().hex}")
     try:
-        with open(tmp, "wb") as out, open(tmp_mask, "wb") if plan.masked else contextlib.nullcontext() as mask_out:
-            writer = _TokenWriter(out, mask_out, plan.tokenizer.eos_id, typecode)
-            for encoded, ends, counted, files_done in _encoded(plan, typecode, workers):
+        with open(tmp, "wb") as out, open(tmp_mask, "wb") if cache.masked else contextlib.nullcontext() as mask_out:
+            writer = _TokenWriter(out, mask_out, cache.tokenizer.eos_id, typecode)
+            for encoded, ends, counted, files_done in _encoded(cache, typecode, workers):
                 writer.write(encoded, ends, counted)
                 progress.update(writer.num_tokens, files_done)
-        rate = progress.update(writer.num_tokens, len(plan.files), final=True)
+        rate = progress.update(writer.num_tokens, len(cache.files), final=True)
         meta = {
             "format": FORMAT,
-            "key": plan.key,
-            "source": plan.source,
-            "files": len(plan.files),
-            "tokenizer": plan.tokenizer.fingerprint,
-            "vocab_size": plan.tokenizer.vocab_size,
-            "eos_id": plan.tokenizer.eos_id,
+            "key": cache.key,
+            "source": cache.source,
+            "files": len(cache.files),
+            "tokenizer": cache.tokenizer.fingerprint,
+            "vocab_size": cache.tokenizer.vocab_size,
+            "eos_id": cache.tokenizer.eos_id,
             "typecode": typecode,
             "num_tokens": writer.num_tokens,
             "num_documents": writer.num_documents,
-            "masked": plan.masked,
+            "masked": cache.masked,
             "sha256": writer.digest.hexdigest(),
             "build": {
-                "workers": 1 if isinstance(plan.tokenizer, ByteTokenizer) else workers,
+                "workers": 1 if isinstance(cache.tokenizer, ByteTokenizer) else workers,
                 "seconds": round(time.perf_counter() - progress.start, 3),
                 "tokens_per_s": round(rate),
             },
         }
         if writer.num_tokens == 0:
-            raise DataError(f"[data] source '{plan.source}' holds no text; point it at a non-empty dataset.")
-        _check_length(meta, plan.source, cfg.train.seq_len)
-        if plan.masked:
-            os.replace(tmp_mask, plan.mask)
-        os.replace(tmp, plan.bin)
+            raise DataError(f"[data] source '{cache.source}' holds no text; point it at a non-empty dataset.")
+        _check_length(meta, cache.source, cfg.train.seq_len)
+        if cache.masked:
+            os.replace(tmp_mask, cache.mask)
+        os.replace(tmp, cache.bin)
     finally:
         tmp.unlink(missing_ok=True)
         tmp_mask.unlink(missing_ok=True)
-    _write_atomic(plan.meta, json.dumps(meta, indent=1))
+    _write_atomic(cache.meta, json.dumps(meta, indent=1))
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -401,10 +402,10 @@ def pack_documents(inputs: torch.Tensor, labels: torch.Tensor, eos_id: int) -> t
 
 def open_tokens(cfg: Config, cache_dir: str | Path | None = None, source: SourceSpec | None = None) -> PackedTokens:
     """Open the cache :func:`prepare_tokens` wrote for ``source`` (on every rank, after the barrier)."""
-    plan = _Plan(cfg, cache_dir, source)
-    if not plan.meta.is_file():
+    cache = _Cache(cfg, cache_dir, source)
+    if not cache.meta.is_file():
         raise DataError(
-            f"no token cache for [data] source '{plan.source}' at '{plan.meta}'; run prepare_tokens "
+            f"no token cache for [data] source '{cache.source}' at '{cache.meta}'; run prepare_tokens "
             "or python -m meshtron.data.prepare first."
         )
-    return PackedTokens(plan.meta, cfg.train.seq_len)
+    return PackedTokens(cache.meta, cfg.train.seq_len)

@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor
 
 from meshtron import env
 from meshtron.config import Config, ConfigError, infer_dp, load_config
-from meshtron.dryrun.counting import StepCounter, storage_tracker
+from meshtron.dryrun.counting import OpCounter, storage_tracker
 from meshtron.dryrun.fake_cuda import cuda_build, driver_environment, fake_cuda, fake_factories, guard, refusal
 from meshtron.dryrun.nccl_rules import NcclRules, unmatched_p2p
-from meshtron.hf.runner import build_runner, with_hf_model
+from meshtron.hf.runner import with_hf_model
 from meshtron.host import declared, fake_tensors, simulated
 from meshtron.mesh import batch_mesh, expert_hsdp_mesh, expert_meshes, group_names, recipe_mesh
 from meshtron.optim import build_optimizer
@@ -40,6 +40,7 @@ from meshtron.plan.memory import GIB, Assumptions, rank_breakdown
 from meshtron.plan.parameters import Coords, state_bytes
 from meshtron.plan.recipes import RecipeHardware, recipe_hardware
 from meshtron.plan.speed import Hardware, predict_step_time
+from meshtron.runner import build_runner
 from meshtron.torch_private import counting_sharding_propagations, fake_store_class, mem_tracker_class
 from meshtron.watch.syncs import HostSyncCounter, not_a_caller
 
@@ -184,7 +185,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _traced_step(
     cfg: Config, mesh, routing: str, hw: Hardware
-) -> tuple[tuple[int, int], StepCounter, HostSyncCounter, int]:
+) -> tuple[tuple[int, int], OpCounter, HostSyncCounter, int]:
     """This rank's runner and optimizer built on fake tensors, a warm-up step, then the traced one under
     NCCL's rules: ((its peak bytes on its device, on the host apart: :func:`device_and_host_peaks`), its
     counter, its host syncs, only those :mod:`meshtron.host` declares, the bytes its host offload holds)."""
@@ -200,7 +201,7 @@ def _traced_step(
                 _warm_up(cfg, runner, optimizer, ids, labels)
             memory = storage_tracker()
             memory.track_external(runner.module, optimizer, ids, labels)
-            counter = StepCounter(hw.peak_tflops * 1e12, hw.memory_tbps * 1e12, rules)
+            counter = OpCounter(hw.peak_tflops * 1e12, hw.memory_tbps * 1e12, rules)
             # The memory tracker, entered after the counter, sees each op before it: DTensor ops whole, as
             # it always has; the counter declines those and counts their local ops. The sync counter,
             # entered last, sees a host read before the fake tensors refuse it.

@@ -68,7 +68,7 @@ def storage_tracker():
     return mem_tracker(_NoModules())
 
 
-class StepCounter(TorchDispatchMode):
+class OpCounter(TorchDispatchMode):
     """FLOPs (torch's flop formulas, plus :data:`_MORE_FLOPS`), the step's roofline time, calls per
     collective op (c10d and functional) and the bytes this rank sends per (collective kind, group),
     counted as a ring sends them (:func:`sent_bytes`).

@@ -217,7 +217,7 @@ def _mlp_plan(name: str, mlp: nn.Module, hidden: int, tp: int) -> tuple[dict[str
     return {}, f"its up projections' widths {[projections[n][1] for n in inputs]} do not match down's input {width}"
 
 
-def _block_plan(
+def _block_tp_plan(
     block: nn.Module, prefix: str, hidden: int, heads: int, kv_heads: int, tp: int
 ) -> tuple[dict[str, str], dict[str, str]]:
     """One block's plan entries, and for each kind (attention, MLP) it leaves unsplit, why."""
@@ -257,7 +257,7 @@ def infer_tp_plan(model: nn.Module, parts: HFParts, tp: int, kv_heads: int) -> d
         if type(block) in seen:
             continue
         seen.add(type(block))
-        part, why = _block_plan(block, prefix, cfg.hidden_size, cfg.num_attention_heads, kv_heads, tp)
+        part, why = _block_tp_plan(block, prefix, cfg.hidden_size, cfg.num_attention_heads, kv_heads, tp)
         plan.update(part)
         for kind, text in why.items():
             unsplit.setdefault(kind, []).append(text)

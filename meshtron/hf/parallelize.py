@@ -2,8 +2,8 @@
 
 :func:`parallelize_hf_model` finds the model's parts (:mod:`meshtron.hf.discover`), turns its tp plan (the
 config's, or :mod:`meshtron.hf.infer`'s) into DTensor styles (:mod:`meshtron.hf.tp_plan`) and hands each
-dimension's step (``HFSteps``) to meshtron's composer; :func:`load_hf_checkpoint` builds the model on the meta
-device and reads only this rank's slice of every tensor. See docs/hf.md.
+dimension's parallelism (``HFParallelisms``) to meshtron's composer; :func:`load_hf_checkpoint` builds the
+model on the meta device and reads only this rank's slice of every tensor. See docs/hf.md.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.models.chunked_loss import DEFAULT_CHUNK_TOKENS
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.compose import allocate_empty, compose
-from meshtron.parallel.data import data_meshes, mixed_precision, offload_policy, wrap_units
+from meshtron.parallel.data_parallel import data_meshes, mixed_precision, offload_policy, wrap_units
 from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.offload import offload_blocks
 from meshtron.parallel.pipeline.schedules import V_SHAPED
@@ -61,7 +61,7 @@ def _apply_dp(
     experts: list[nn.Module],
     offload: str = "none",
 ) -> None:
-    """FSDP / replicate units (:func:`~meshtron.parallel.data.wrap_units`): ``experts`` (split over ep) on
+    """FSDP / replicate units (:func:`~meshtron.parallel.data_parallel.wrap_units`): ``experts`` (split over ep) on
     the expert data mesh, every layer, the untied embedding and lm_head, and the root, on the dense data
     mesh. With one dense data rank
     only the experts are wrapped (their edp ranks are tp ranks holding other tokens), in the
@@ -74,8 +74,8 @@ def _apply_dp(
     wrap_units(model, blocks, experts, (parts.embed, parts.head), meshes, mode, policy, host, dense=dense)
 
 
-class HFSteps:
-    """:class:`~meshtron.parallel.compose.Steps` for a transformers model (the whole model, or a pipeline
+class HFParallelisms:
+    """:class:`~meshtron.parallel.compose.Parallelisms` for a transformers model (the whole model, or a pipeline
     stage's), composed in :func:`~meshtron.parallel.compose.compose`'s order like meshtron's own models."""
 
     def __init__(
@@ -164,7 +164,7 @@ class HFSteps:
             _apply_dp(model, self.parts, self.mesh, self.data_parallel, self.dtype, self.experts, offload)
 
 
-class _TwinSteps(HFSteps):
+class _TwinParallelisms(HFParallelisms):
     """:func:`load_hf_checkpoint`'s twin (:func:`_check_twin`): split as the model will be and proved;
     neither checkpointed nor wrapped for data parallelism (it is dropped after the check)."""
 
@@ -245,7 +245,7 @@ def parallelize_hf_model(
         cut_to_stage(model, stage)
     compose(
         model,
-        HFSteps(
+        HFParallelisms(
             mesh,
             sp,
             data_parallel,
@@ -419,7 +419,7 @@ def _check_twin(folder: str | Path, config, mesh: DeviceMesh, options: dict) -> 
         references = prove.record_references(twin, kinds, mesh, kw["sp"])
         compose(
             twin,
-            _TwinSteps(
+            _TwinParallelisms(
                 mesh,
                 kw["sp"],
                 kw["data_parallel"],

@@ -324,7 +324,7 @@ def run_as_stage(model: nn.Module) -> None:
 
 
 class HFPipelineRunner(PipelineRunner):
-    """The pipelined step runner for a transformers causal LM (``mesh['pp'] > 1``).
+    """The pipelined runner for a transformers causal LM (``mesh['pp'] > 1``).
 
     ``model`` is the stage model ``parallelize_hf_model`` returns with pp > 1 (its schedule, micro-batches
     and virtual stages are the ones given there). ``forward_backward(input_ids, labels)`` takes this data

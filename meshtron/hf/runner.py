@@ -1,14 +1,13 @@
-"""Training a transformers model from a recipe: ``[model] hf_model = "folder"``; and :func:`build_runner`,
-the recipe's runner for either kind of model (the trainer's and the dry run's; here because ``parallel``
-cannot import ``hf``).
+"""Training a transformers model from a recipe: ``[model] hf_model = "folder"``.
 
 The folder's ``config.json`` defines the architecture (the recipe's other ``[model]`` keys are not
 used for it; :func:`with_hf_model` copies the sizes the layout checks, the memory estimate and the
 FLOP count read). Weights come from the folder's safetensors when it has any, else from the model's
 own initialisation seeded with ``[train] seed``. The runner implements the trainer's
-:class:`~meshtron.parallel.step.Runner` interface: :class:`HFStepRunner` without a pipeline, the
+:class:`~meshtron.parallel.step.Runner` interface: :class:`HFNoPipelineRunner` without a pipeline, the
 :class:`~meshtron.hf.pipeline.HFPipelineRunner` with one; both on :func:`parallelize_hf_model`'s model,
-chosen by :func:`~meshtron.parallel.step_runner.build_step_runner` from :data:`HF_RUNNERS` as for native models.
+chosen by :func:`~meshtron.parallel.runner.build_model_runner` from :data:`HF_RUNNERS` as for native models
+(:func:`meshtron.runner.build_runner` builds the recipe's model and its runner).
 Checkpoints are meshtron's (DCP, any layout); ``export_hf`` writes the model's own transformers folder.
 """
 
@@ -31,12 +30,11 @@ from meshtron.hf.parallelize import parallelize_hf_model
 from meshtron.hf.pipeline import HFPipelineRunner, whole_sequences
 from meshtron.host import fake_tensors, simulating
 from meshtron.mesh import batch_mesh
-from meshtron.models import build_model
-from meshtron.parallel.data import MicrobatchSync
+from meshtron.parallel.data_parallel import MicrobatchSync
 from meshtron.parallel.float8 import fits_fp8, fp8_note, high_precision_linears, high_precision_note
 from meshtron.parallel.grad_norm import clip_grad_norm_
+from meshtron.parallel.runner import Runners
 from meshtron.parallel.step import Runner, full_state_dict, global_token_count
-from meshtron.parallel.step_runner import Runners, build_step_runner
 
 
 def with_hf_model(cfg: Config) -> Config:
@@ -142,7 +140,7 @@ def _fake_hf_model(config, device: torch.device) -> nn.Module:
         return model.to_empty(device=device).train()
 
 
-class HFStepRunner:
+class HFNoPipelineRunner:
     """One global-batch step of a parallelized transformers model without a pipeline (pp == 1).
 
     The rank's rows are split into ``parallel.microbatches`` micro-batches whose gradients accumulate;
@@ -227,27 +225,16 @@ def _options(cfg: Config) -> dict:
     )
 
 
-def _step_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> Runner:
-    return HFStepRunner(parallelize_hf_model(model, mesh, **_options(cfg)), mesh, cfg)
+def _no_pipeline_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> Runner:
+    return HFNoPipelineRunner(parallelize_hf_model(model, mesh, **_options(cfg)), mesh, cfg)
 
 
 def _pipeline_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> Runner:
     return HFPipelineRunner(parallelize_hf_model(model, mesh, **_options(cfg)), mesh)
 
 
-# build_step_runner's choice for a transformers model (built whole by build_hf_model).
-HF_RUNNERS = Runners(step=_step_runner, pipeline=_pipeline_runner)
-
-
-def build_runner(cfg: Config, mesh, device: torch.device) -> Runner:
-    """The recipe's model as its layout's step runner (the trainer's and the dry run's): meshtron's own
-    model built on the meta device, or with ``[model] hf_model`` the folder's transformers model; either
-    way :func:`~meshtron.parallel.step_runner.build_step_runner` picks the runner."""
-    if cfg.model.hf_model:
-        return build_step_runner(build_hf_model(cfg, device), mesh, cfg, device, HF_RUNNERS)
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    return build_step_runner(model, mesh, cfg, device)
+# build_model_runner's choice for a transformers model (built whole by build_hf_model).
+HF_RUNNERS = Runners(no_pipeline=_no_pipeline_runner, pipeline=_pipeline_runner)
 
 
 def fp8_start_note(cfg: Config) -> str | None:
@@ -318,9 +305,8 @@ def export_hf(runner: Runner, cfg: Config, folder: str) -> None:
 
 __all__ = [
     "HF_RUNNERS",
-    "HFStepRunner",
+    "HFNoPipelineRunner",
     "build_hf_model",
-    "build_runner",
     "export_hf",
     "fp8_start_note",
     "hf_fp8_note",

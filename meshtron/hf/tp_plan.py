@@ -9,7 +9,7 @@ sequence), KV heads replicated when tp is a multiple of ``num_key_value_heads``
 key gradient summed over tp (:class:`_SharedRopeKey`), the MoE shared expert split like a dense MLP,
 and every parameter no entry splits replicated with its gradient decided on the first backward
 (:func:`replicate_plain_params`). :func:`apply_hf_tensor_parallel` is the entry, the tp step of
-:class:`meshtron.hf.parallelize.HFSteps` in :func:`meshtron.parallel.compose.compose`'s order.
+:class:`meshtron.hf.parallelize.HFParallelisms` in :func:`meshtron.parallel.compose.compose`'s order.
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def _moe_block(layer: nn.Module) -> str | None:
 def _layer_plan(
     base_plan: dict[str, str], blocks: str, layer: nn.Module, index: int, heads: _Heads, tp: int, sp: bool
 ) -> dict[str, ParallelStyle]:
-    """Plan entries of decoder layer ``index``, relative to the layer, plus our input/norm styles.
+    """tp plan entries of decoder layer ``index``, relative to the layer, plus our input/norm styles.
 
     Entries naming a module this layer lacks are skipped (a MoE model's dense layers have no experts,
     its sparse ones no ``mlp.gate_proj``). Fused experts are left to :mod:`meshtron.hf.experts`.

@@ -30,7 +30,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> list[int]:
     """Compile the ``forward`` of every block in ``model.layers`` (in place); returns the layer ids.
 
     ``backend``: a ``torch.compile`` backend; ``inductor`` generates Triton kernels on GPUs and C++
-    on CPUs. Call before :func:`meshtron.parallel.data.apply_data_parallel`.
+    on CPUs. Call before :func:`meshtron.parallel.data_parallel.apply_data_parallel`.
     """
     for block in model.layers.values():
         for moe in moe_layers(block):

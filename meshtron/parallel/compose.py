@@ -1,7 +1,8 @@
 """Composition of the parallelisms, in the one order both kinds of model follow.
 
-:func:`compose` writes that order once; each kind of model supplies its step for each dimension
-(:class:`Steps`): :class:`NativeSteps` here, ``meshtron.hf.parallelize.HFSteps`` for transformers models.
+:func:`compose` writes that order once; each kind of model supplies how it applies each dimension's
+parallelism (:class:`Parallelisms`): :class:`NativeParallelisms` here, ``meshtron.hf.parallelize.HFParallelisms``
+for transformers models.
 See docs/training.md#how-the-parallelisms-compose.
 """
 
@@ -19,7 +20,7 @@ from meshtron.mesh import dense_data_mesh
 from meshtron.models import InitialWeights
 from meshtron.parallel.compile import apply_compile
 from meshtron.parallel.context import apply_context_parallel
-from meshtron.parallel.data import apply_data_parallel
+from meshtron.parallel.data_parallel import apply_data_parallel
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.float8 import apply_float8
 from meshtron.parallel.offload import apply_activation_offload
@@ -28,8 +29,8 @@ from meshtron.parallel.tensor import apply_tensor_parallel
 from meshtron.parallel.tensor_overlap import apply_overlapped_tensor_parallel
 
 
-class Steps(Protocol):
-    """One kind of model's step for each dimension; each changes ``model`` in place."""
+class Parallelisms(Protocol):
+    """How one kind of model applies each dimension's parallelism; each method changes ``model`` in place."""
 
     def setup(self, model: nn.Module) -> None: ...
     def tensor(self, model: nn.Module) -> None: ...
@@ -40,20 +41,20 @@ class Steps(Protocol):
     def data(self, model: nn.Module) -> None: ...
 
 
-def compose(model: nn.Module, steps: Steps) -> nn.Module:
+def compose(model: nn.Module, parallelisms: Parallelisms) -> nn.Module:
     """Apply every parallelism except the pipeline split to ``model`` (in place), in the one order."""
-    steps.setup(model)  # the model's own settings (its loss), what the plans need found first
-    steps.tensor(model)
-    steps.expert(model)
-    steps.context(model)
-    steps.checkpointing(model)
-    steps.compile(model)
-    steps.data(model)
+    parallelisms.setup(model)  # the model's own settings (its loss), what the plans need found first
+    parallelisms.tensor(model)
+    parallelisms.expert(model)
+    parallelisms.context(model)
+    parallelisms.checkpointing(model)
+    parallelisms.compile(model)
+    parallelisms.data(model)
     return model
 
 
-class NativeSteps:
-    """:class:`Steps` for meshtron's own models, from the recipe's ``[parallel]`` keys."""
+class NativeParallelisms:
+    """:class:`Parallelisms` for meshtron's own models, from the recipe's ``[parallel]`` keys."""
 
     def __init__(self, mesh, cfg: Config):
         self.mesh, self.cfg, self.p = mesh, cfg, cfg.parallel
@@ -94,7 +95,7 @@ class NativeSteps:
 
 def parallelize(model: nn.Module, mesh, cfg: Config) -> nn.Module:
     """Apply every parallelism except the pipeline split to a native ``model`` (in place; meta or real)."""
-    return compose(model, NativeSteps(mesh, cfg))
+    return compose(model, NativeParallelisms(mesh, cfg))
 
 
 def materialize_sharded(model: nn.Module, device: torch.device, cfg: Config) -> None:

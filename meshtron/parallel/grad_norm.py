@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from meshtron import env
-from meshtron.host import across
+from meshtron.host import copy_to
 from meshtron.torch_private import foreach_mul_, foreach_norm
 
 _GroupKey = tuple[DeviceMesh | None, tuple[int, ...]]
@@ -95,7 +95,7 @@ def global_grad_norm(params, norm_type: float = 2.0, pp_mesh: DeviceMesh | None 
     device = env.local_device()
     total = torch.zeros((), device=device, dtype=torch.float32)
     for (mesh, dims), pieces in _local_pieces(grads).items():
-        part = across(_power_sum(pieces, norm_type), device)
+        part = copy_to(_power_sum(pieces, norm_type), device)
         for dim in dims:
             dist.all_reduce(part, op=op, group=mesh.get_group(dim))
         total = torch.maximum(total, part) if is_max else total + part
@@ -120,7 +120,7 @@ def scale_grads_(params, max_norm: float, total_norm: torch.Tensor) -> None:
     # foreach multiply per group, as one launch.
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
     for same in _by_device_and_dtype(grads):
-        foreach_mul_(same, across(coef, same[0].device).to(same[0].dtype))
+        foreach_mul_(same, copy_to(coef, same[0].device).to(same[0].dtype))
 
 
 @torch.no_grad()

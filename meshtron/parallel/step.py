@@ -1,7 +1,7 @@
-"""The step-runner interface the trainer drives, what both runners share, and one training step.
+"""The runner interface the trainer drives, what both runners share, and one training step.
 
 A runner owns one rank's parallelized model and runs forward and backward of a whole global-batch
-step: :class:`meshtron.parallel.step_runner.StepRunner` without a pipeline, :class:`meshtron.parallel.
+step: :class:`meshtron.parallel.runner.NoPipelineRunner` without a pipeline, :class:`meshtron.parallel.
 pipeline.pipelined_runner.PipelineRunner` with one. Both split the rank's batch into the same micro-batches,
 divide every micro-batch's summed token loss by the global token count of the step (so the loss
 and gradients are the same on every layout), and scale the MoE router losses the same way.
@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshtron.checkpoint import gather_full_state_dict
-from meshtron.host import across
+from meshtron.host import copy_to
 from meshtron.models import moe_layers
 from meshtron.models.moe import MoE
 from meshtron.parallel.context import shard_batch
@@ -69,7 +69,7 @@ def training_step(
     loss = runner.forward_backward(input_ids, labels, position_ids)
     grad_norm = runner.clip_grad_norm(max_grad_norm)
     skip = (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
-    optimizer.found_inf = across(skip, _parameter_device(optimizer))  # the host's with [parallel] offload
+    optimizer.found_inf = copy_to(skip, _parameter_device(optimizer))  # the host's with [parallel] offload
     optimizer.step()
     for moe in runner.moes:  # aux-loss-free balancing (a no-op unless configured), skipped with the update
         moe.update_expert_bias(skip=skip)

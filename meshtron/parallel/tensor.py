@@ -107,7 +107,7 @@ def _moe_plan(prefix: str, moe: MoE, sp: bool) -> dict[str, ParallelStyle]:
     return plan
 
 
-def _block_plan(block: nn.Module, kv_heads: int, head_dim: int, tp: int, sp: bool) -> dict[str, ParallelStyle]:
+def _block_tp_plan(block: nn.Module, kv_heads: int, head_dim: int, tp: int, sp: bool) -> dict[str, ParallelStyle]:
     kv_style = Colwise() if kv_heads_split(kv_heads, tp) else ReplicatedKVHeads(kv_heads, head_dim)
     projections = {"q_proj": Colwise(), "k_proj": kv_style, "v_proj": kv_style}
     plan = _colwise_group_plan("self_attn", projections, sp, inputs=2)  # (hidden states, rope)
@@ -167,7 +167,7 @@ def apply_tensor_parallel(
     if model.embed_tokens is not None:
         parallelize_module(model.embed_tokens, tp_mesh, VocabParallelEmbedding(residual_layout(sp)))
     for block in model.layers.values():
-        plan = _block_plan(block, cfg.kv_heads, cfg.head_size, tp, sp)
+        plan = _block_tp_plan(block, cfg.kv_heads, cfg.head_size, tp, sp)
         parallelize_module(block, tp_mesh, restyle(plan) if restyle else plan)
     if model.norm is not None and sp:
         parallelize_module(model.norm, tp_mesh, SequenceParallel())

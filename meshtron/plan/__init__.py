@@ -10,7 +10,7 @@ Sits above ``meshtron.parallel`` (it reads the pipeline schedules and the simula
 
 from meshtron.plan.memory import TERMS, Assumptions, Breakdown, predict_memory
 from meshtron.plan.parameters import Coords, state_bytes
-from meshtron.plan.search import Plan, evaluate, fitting_layout, rank_layouts
+from meshtron.plan.search import LayoutPlan, evaluate, fitting_layout, rank_layouts
 from meshtron.plan.speed import Hardware, StepTime, predict_step_time
 
 __all__ = [
@@ -19,7 +19,7 @@ __all__ = [
     "Breakdown",
     "Coords",
     "Hardware",
-    "Plan",
+    "LayoutPlan",
     "StepTime",
     "evaluate",
     "fitting_layout",

@@ -9,10 +9,10 @@ import json
 import sys
 
 from meshtron.config import Config, ConfigError, infer_dp, load_config
-from meshtron.parallel.data import gathers_once_per_step
+from meshtron.parallel.data_parallel import gathers_once_per_step
 from meshtron.parallel.layout import validate_layout
 from meshtron.plan.memory import GIB
-from meshtron.plan.search import Plan, evaluate, rank_layouts, ranks_per_node
+from meshtron.plan.search import LayoutPlan, evaluate, rank_layouts, ranks_per_node
 from meshtron.plan.speed import Hardware
 
 
@@ -64,7 +64,7 @@ def hardware(args: argparse.Namespace) -> Hardware:
     )
 
 
-def recipe_plan(cfg: Config, gpus: int, hw: Hardware) -> Plan | str:
+def recipe_plan(cfg: Config, gpus: int, hw: Hardware) -> LayoutPlan | str:
     """The recipe's own layout on ``gpus`` devices, or why it cannot run there."""
     try:
         cfg = infer_dp(cfg, gpus)
@@ -74,7 +74,7 @@ def recipe_plan(cfg: Config, gpus: int, hw: Hardware) -> Plan | str:
     return evaluate(cfg, hw)
 
 
-def _layout_text(plan: Plan) -> str:
+def _layout_text(plan: LayoutPlan) -> str:
     p = plan.cfg.parallel
     dims = dict(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.mesh_ep, tp=p.tp)
     sizes = " x ".join(f"{k} {v}" for k, v in dims.items() if v > 1) or "1 rank"
@@ -100,7 +100,7 @@ def _layout_text(plan: Plan) -> str:
     return f"{sizes} ({', '.join(extras)})"
 
 
-def breakdown_text(plan: Plan, hw: Hardware) -> list[str]:
+def breakdown_text(plan: LayoutPlan, hw: Hardware) -> list[str]:
     gib = plan.memory.gib()
     lines = [
         f"  {term:<16}{value:9.2f}{'  <- largest' if term == plan.memory.dominant else ''}"
@@ -136,7 +136,7 @@ def breakdown_text(plan: Plan, hw: Hardware) -> list[str]:
     return lines
 
 
-def ranking_text(plans: list[Plan]) -> list[str]:
+def ranking_text(plans: list[LayoutPlan]) -> list[str]:
     rows = [f"  {'#':>3}  {'layout':<52}{'GiB':>8}  {'fits':<5}{'step s':>8}{'tokens/s':>12}"]
     for i, plan in enumerate(plans, 1):
         rows.append(
@@ -165,13 +165,13 @@ def report(recipe: str, cfg: Config, gpus: int, hw: Hardware, as_json: bool) -> 
             {
                 "recipe": recipe,
                 "hardware": dataclasses.asdict(hw) | {"gpus": gpus},
-                "recipe_layout": own.to_json() if isinstance(own, Plan) else {"error": own},
+                "recipe_layout": own.to_json() if isinstance(own, LayoutPlan) else {"error": own},
                 "layouts": [plan.to_json() for plan in ranked],
             },
             indent=1,
         )
     lines = [header(recipe, gpus, hw), ""]
-    if isinstance(own, Plan):
+    if isinstance(own, LayoutPlan):
         lines += [f"recipe layout: {_layout_text(own)}, per-rank memory (GiB):"] + breakdown_text(own, hw)
     else:
         lines.append(f"recipe layout cannot run on {gpus} devices: {own}")

@@ -19,7 +19,7 @@ from meshtron.config import Config, ParallelConfig
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
 from meshtron.models.moe import router_stats_size
 from meshtron.parallel.context import a2a_group_size, cp_comm
-from meshtron.parallel.data import gathers_once_per_step, reduces_gradients
+from meshtron.parallel.data_parallel import gathers_once_per_step, reduces_gradients
 from meshtron.parallel.fp8_base import MX_BLOCK
 from meshtron.parallel.pipeline.schedules import V_SHAPED
 from meshtron.parallel.pipeline.split import chunk_layer_ranges, chunk_rank

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from meshtron.config import Config
-from meshtron.parallel.data import gathers_once_per_step, reduces_gradients
+from meshtron.parallel.data_parallel import gathers_once_per_step, reduces_gradients
 from meshtron.plan.activations import (
     BackwardPeak,
     _chunk_backward_peak,

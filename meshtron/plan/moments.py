@@ -66,7 +66,7 @@ def in_flight(cfg: Config, pp_rank: int) -> int:
 class Moment(NamedTuple):
     """The rank's state after one action of its schedule: what its in-flight micro-batches hold."""
 
-    index: int  # of the action in the rank's steps
+    index: int  # of the action in the rank's entries
     held: dict[int, tuple[int, int]]  # global stage -> (micro-batches held, of them split backwards waiting for W)
     saved: float  # their saved activations and recorded gradients (:func:`saved_activation_bytes`)
     loss: float  # the fused loss's saved tensors of the last stage's micro-batches (:func:`loss_held_bytes`)
@@ -115,26 +115,28 @@ class HeldAction(NamedTuple):
 def _actions_by_rank(schedule: str, pp: int, microbatches: int, virtual: int, unsplit: frozenset[int]):
     """Per rank: (its distinct :class:`HeldAction` s, :func:`_distinct_actions`, {stage: :class:`StageSpan`})."""
     out = []
-    for steps in built_schedule(schedule, pp, microbatches, virtual):
-        split = {key for key in split_backwards(steps) if key[0] not in unsplit}
+    for entries in built_schedule(schedule, pp, microbatches, virtual):
+        split = {key for key in split_backwards(entries) if key[0] not in unsplit}
         actions, prior = [], {}
-        for i, held in held_by_stage(steps, unsplit):
+        for i, held in held_by_stage(entries, unsplit):
             actions.append(
-                HeldAction(i, steps[i].kind, steps[i].stage, (steps[i].stage, steps[i].mb) in split, held, prior)
+                HeldAction(
+                    i, entries[i].kind, entries[i].stage, (entries[i].stage, entries[i].mb) in split, held, prior
+                )
             )
             prior = held
-        spans = _stage_spans(steps, actions, split)
+        spans = _stage_spans(entries, actions, split)
         out.append((_distinct_actions(actions, spans), spans))
     return tuple(out)
 
 
-def _stage_spans(steps, actions: list[HeldAction], split: set[tuple[int, int]]) -> dict[int, StageSpan]:
+def _stage_spans(entries, actions: list[HeldAction], split: set[tuple[int, int]]) -> dict[int, StageSpan]:
     """{stage: :class:`StageSpan`} of one rank. A release is at the rank's last action at or before the
     stage's last weight pass: an unsplit stage's ``W`` is no action here (its ``B`` ran the whole
     backward), and no action falls between the two."""
     first: dict[tuple[str, int], int] = {}
     for a in actions:
-        weight = a.kind == W or (a.kind == B and (a.stage, steps[a.index].mb) not in split)
+        weight = a.kind == W or (a.kind == B and (a.stage, entries[a.index].mb) not in split)
         for kind in (a.kind, "weight") if weight else (a.kind,):
             first.setdefault((kind, a.stage), a.index)
     indices = [a.index for a in actions]
@@ -145,7 +147,7 @@ def _stage_spans(steps, actions: list[HeldAction], split: set[tuple[int, int]]) 
             first[(B, stage)],
             indices[bisect.bisect_right(indices, last) - 1],
         )
-        for stage, last in last_weight_passes(steps).items()
+        for stage, last in last_weight_passes(entries).items()
     }
 
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from meshtron.config import Config, ModelConfig
 from meshtron.mesh import ExpertSplit, expert_hsdp_shards
-from meshtron.parallel.data import data_shard_dim
+from meshtron.parallel.data_parallel import data_shard_dim
 from meshtron.parallel.float8 import fits_fp8, float8_all_gather
 from meshtron.parallel.pipeline.schedules import V_SHAPED
 from meshtron.parallel.pipeline.split import chunk_rank, split_layers
@@ -158,7 +158,7 @@ def expert_coords(cfg: Config, c: Coords) -> ExpertCoords:
 
 
 def data_shards(cfg: Config, coords: Coords, expert: bool) -> tuple[int, int]:
-    """(shard count, this rank's shard index) of the data-parallel sharding (``parallel/data.py``)."""
+    """(shard count, this rank's shard index) of the data-parallel sharding (``parallel/data_parallel.py``)."""
     p, c = cfg.parallel, coords
     if p.data_parallel == "replicate":
         return 1, 0
@@ -189,7 +189,7 @@ def model_parallel_shape(param: Param, cfg: Config, coords: Coords) -> list[int]
 
 
 def _uneven_split_dims(param: Param, cfg: Config) -> set[int]:
-    """The dim tp (experts: ep, etp) splits unevenly, as ``parallel.data.uneven_split_dims`` finds it."""
+    """The dim tp (experts: ep, etp) splits unevenly, as ``parallel.data_parallel.uneven_split_dims`` finds it."""
     p = cfg.parallel
     splits = {0: p.ep} if param.expert else {}
     if param.tp_dim is not None:
@@ -208,7 +208,7 @@ def local_numel(param: Param, cfg: Config, coords: Coords) -> int:
 
 def fsdp_shard_dim(param: Param, cfg: Config, shape: list[int], shards: int) -> int:
     """The dim of ``param``'s model-parallel ``shape`` FSDP shards over ``shards`` ranks
-    (``parallel.data.data_shard_dim``: not one tp / ep left uneven; experts the first ``shards`` divides)."""
+    (``parallel.data_parallel.data_shard_dim``: not one tp / ep left uneven; experts the first ``shards`` divides)."""
     return data_shard_dim(shape, _uneven_split_dims(param, cfg), shards, prefer_even=param.expert)
 
 

@@ -28,7 +28,9 @@ PIPELINE_SCHEDULES = (("1f1b", 1, AC_MODES), ("zb1p", 1, AC_MODES[:1]), ("zbv", 
 
 
 @dataclass
-class Plan:
+class LayoutPlan:
+    """The planner's prediction for one layout: its memory per rank, its step time and whether it fits."""
+
     cfg: Config
     memory: Breakdown
     time: StepTime
@@ -89,9 +91,9 @@ def evaluate(
     cfg: Config,
     hw: Hardware,
     assumptions: Assumptions = Assumptions(),  # noqa: B008 - a frozen dataclass
-) -> Plan:
+) -> LayoutPlan:
     memory = predict_memory(cfg, assumptions)
-    return Plan(cfg, memory, predict_step_time(cfg, hw), fits(cfg, memory, hw))
+    return LayoutPlan(cfg, memory, predict_step_time(cfg, hw), fits(cfg, memory, hw))
 
 
 def ranks_per_node(cfg: Config, hw: Hardware) -> int:
@@ -232,28 +234,28 @@ class _ShapeSearch:
 
     def __init__(self, hw: Hardware, assumptions: Assumptions):
         self.hw, self.assumptions = hw, assumptions
-        self.fitting: list[Plan] = []
+        self.fitting: list[LayoutPlan] = []
         self.smallest: tuple[Config, Breakdown] | None = None
         self.evaluated = 0
 
-    def first_fitting(self, group: list[Config]) -> Plan | None:
+    def first_fitting(self, group: list[Config]) -> LayoutPlan | None:
         """The group's first variant that fits, timed; None when none does."""
         for variant in group:
             memory = predict_memory(variant, self.assumptions)
             self.evaluated += 1
             if fits(variant, memory, self.hw):
-                self.fitting.append(Plan(variant, memory, predict_step_time(variant, self.hw), True))
+                self.fitting.append(LayoutPlan(variant, memory, predict_step_time(variant, self.hw), True))
                 return self.fitting[-1]
             if self.smallest is None or memory.total < self.smallest[1].total:
                 self.smallest = (variant, memory)
         return None
 
-    def best(self) -> Plan | None:
+    def best(self) -> LayoutPlan | None:
         """The fitting variant with the best throughput, else the smallest."""
         if self.fitting:
             best = max(self.fitting, key=lambda p: p.time.tokens_per_second)
         elif self.smallest is not None:
-            best = Plan(*self.smallest, predict_step_time(self.smallest[0], self.hw), False)
+            best = LayoutPlan(*self.smallest, predict_step_time(self.smallest[0], self.hw), False)
         else:
             return None
         return dataclasses.replace(best, evaluated=self.evaluated)
@@ -266,14 +268,14 @@ def best_variant(
     hw: Hardware,
     assumptions: Assumptions = Assumptions(),  # noqa: B008 - a frozen dataclass
     schedule: str | None = None,
-) -> Plan | None:
+) -> LayoutPlan | None:
     """The fitting variant with the best throughput, else the smallest; None when the shape is invalid
     (``schedule``: with pp > 1, of that schedule only, as a published run fixed it).
     Interleaved 1F1B stops at the first virtual-stage count that does not fit or is not faster than
     the one before: each step of v cuts a smaller share of bubble ((p - 1) / (v m + p - 1)) and adds
     as much pipeline traffic and more held activations than the one before."""
     search = _ShapeSearch(hw, assumptions)
-    previous: Plan | None = None
+    previous: LayoutPlan | None = None
     for group in _variant_groups(cfg, shape, world_size, schedule):
         plan = search.first_fitting(group)
         if group[0].parallel.schedule != "interleaved":
@@ -289,7 +291,7 @@ def rank_layouts(
     world_size: int,
     hw: Hardware,
     assumptions: Assumptions = Assumptions(),  # noqa: B008 - a frozen dataclass
-) -> list[Plan]:
+) -> list[LayoutPlan]:
     """Valid layouts for ``world_size`` devices, fitting ones first, each group by predicted throughput;
     with host offload only when none fits without it (docs/planner.md)."""
     shapes = mesh_shapes(cfg, world_size, hw.gpus_per_node)
@@ -323,7 +325,7 @@ def fitting_layout(
     world_size: int,
     hw: Hardware,
     assumptions: Assumptions = Assumptions(),  # noqa: B008 - a frozen dataclass
-) -> Plan | None:
+) -> LayoutPlan | None:
     """The fastest layout predicted to fit, or None."""
     ranked = rank_layouts(cfg, world_size, hw, assumptions)
     return ranked[0] if ranked and ranked[0].fits else None

@@ -11,10 +11,10 @@ from meshtron.parallel.context.blocks import (
     _merge,
     attention_block,
     attention_block_backward,
-    block_plan,
     causal_score_elements,
     document_blocks,
     ring_schedule,
+    visible_blocks,
 )
 from meshtron.parallel.context.comm import _KV_TAG, RingExchange, RingStats, unshard_sequence
 from meshtron.parallel.context.sharding import (
@@ -41,7 +41,7 @@ __all__ = [
     "apply_context_parallel",
     "attention_block",
     "attention_block_backward",
-    "block_plan",
+    "visible_blocks",
     "a2a_group_size",
     "causal_score_elements",
     "check_context_parallel",

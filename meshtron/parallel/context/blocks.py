@@ -28,7 +28,7 @@ from meshtron.torch_private import (
 # --------------------------------------------------------------------------------------------
 
 
-def block_plan(q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...]) -> list[tuple[int, int, bool]]:
+def visible_blocks(q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...]) -> list[tuple[int, int, bool]]:
     """``(local q chunk, local kv chunk, causal)`` for every pair that is not fully masked.
 
     A key chunk earlier than the query chunk is fully visible, the same chunk is diagonal
@@ -38,39 +38,39 @@ def block_plan(q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...]) -> list[tu
 
 
 def ring_schedule(cp_rank: int, cp_size: int, balanced: bool = True) -> list[list[tuple[int, int, bool]]]:
-    """The block plan of every ring step: at step ``s`` the visiting key/value block is rank ``rank - s``'s."""
+    """The visible blocks of every ring step: at step ``s`` the visiting key/value block is rank ``rank - s``'s."""
     mine = chunk_ids(cp_rank, cp_size, balanced)
-    return [block_plan(mine, chunk_ids((cp_rank - s) % cp_size, cp_size, balanced)) for s in range(cp_size)]
+    return [visible_blocks(mine, chunk_ids((cp_rank - s) % cp_size, cp_size, balanced)) for s in range(cp_size)]
 
 
-def causal_score_elements(chunk_len: int, plan: list[tuple[int, int, bool]]) -> int:
-    """Unmasked query-key pairs computed by a plan (a diagonal chunk counts its lower triangle)."""
-    return sum(chunk_len * (chunk_len + 1) // 2 if causal else chunk_len * chunk_len for _, _, causal in plan)
+def causal_score_elements(chunk_len: int, blocks: list[tuple[int, int, bool]]) -> int:
+    """Unmasked query-key pairs computed by ``blocks`` (a diagonal chunk counts its lower triangle)."""
+    return sum(chunk_len * (chunk_len + 1) // 2 if causal else chunk_len * chunk_len for _, _, causal in blocks)
 
 
 def document_blocks(
-    plan: list[tuple[int, int, bool]],
+    blocks: list[tuple[int, int, bool]],
     q_chunks: tuple[int, ...],
     kv_chunks: tuple[int, ...],
     chunk_len: int,
     first_start: list[int],
     last_start: list[int],
 ) -> list[tuple[int, int, bool, bool]]:
-    """``(i, j, causal, masked)`` for the pairs of ``plan`` that some query can see under document masks.
+    """``(i, j, causal, masked)`` for the pairs of ``blocks`` that some query can see under document masks.
 
     ``first_start[i]`` / ``last_start[i]`` are the earliest / latest document start (global index)
     of the queries of local chunk ``i``. A key chunk that ends before ``first_start`` is invisible
     to all of them (skipped); one that begins at or after ``last_start`` and precedes the query
     chunk is visible to all of them (computed unmasked); the rest needs the explicit mask.
     """
-    blocks = []
-    for i, j, causal in plan:
+    seen = []
+    for i, j, causal in blocks:
         key_first, key_end = kv_chunks[j] * chunk_len, (kv_chunks[j] + 1) * chunk_len
         if key_end <= first_start[i]:
             continue
         masked = last_start[i] > key_first
-        blocks.append((i, j, causal and not masked, masked))
-    return blocks
+        seen.append((i, j, causal and not masked, masked))
+    return seen
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,7 +215,7 @@ class _Blocks:
     """The block engine of one attention call: this ring member's query chunks (``held[rank]``),
     the chunks every member holds, and (with documents) the queries' packed positions.
 
-    ``plan(src)`` lists the blocks to compute against member ``src``'s keys; ``forward`` /
+    ``blocks_against(src)`` lists the blocks to compute against member ``src``'s keys; ``forward`` /
     ``backward`` run them, so the ring, the gathered K/V and the all-to-all share one code path.
     """
 
@@ -230,12 +230,12 @@ class _Blocks:
                 positions, ("bounds", self.mine, self.c), lambda: _start_bounds(positions, self.mine, self.c)
             )
 
-    def plan(self, src: int) -> list[tuple[int, int, bool, bool]]:
+    def blocks_against(self, src: int) -> list[tuple[int, int, bool, bool]]:
         theirs = self.held[src]
-        plan = block_plan(self.mine, theirs)
+        visible = visible_blocks(self.mine, theirs)
         if self.positions is None:
-            return [(i, j, causal, False) for i, j, causal in plan]
-        return document_blocks(plan, self.mine, theirs, self.c, self.first_start, self.last_start)
+            return [(i, j, causal, False) for i, j, causal in visible]
+        return document_blocks(visible, self.mine, theirs, self.c, self.first_start, self.last_start)
 
     def _mask(self, i: int, kv_chunk: int) -> torch.Tensor:
         c, device = self.c, self.positions.device
@@ -250,7 +250,7 @@ class _Blocks:
 
     def forward(self, q, kv, src: int, out, lse) -> None:
         c, t0 = self.c, time.perf_counter()
-        for i, j, causal, masked in self.plan(src):
+        for i, j, causal, masked in self.blocks_against(src):
             mask = self._mask(i, self.held[src][j]) if masked else None
             o, block_lse = attention_block(
                 _chunk(q, i, c), _chunk(kv[0], j, c), _chunk(kv[1], j, c), causal, self.scale, self.kernel, mask
@@ -264,7 +264,7 @@ class _Blocks:
 
     def backward(self, dout, q, kv, src: int, out, lse, dq, dkv) -> None:
         c, t0 = self.c, time.perf_counter()
-        for i, j, causal, masked in self.plan(src):
+        for i, j, causal, masked in self.blocks_against(src):
             mask = self._mask(i, self.held[src][j]) if masked else None
             dqi, dki, dvi = attention_block_backward(
                 _chunk(dout, i, c),

@@ -2,7 +2,7 @@
 sharding a batch to match, the comm types (:data:`CP_COMM_TYPES`) and the layout rules checked before
 any collective.
 
-Kept apart from the attention itself because the rest of meshtron (the step runner, expert
+Kept apart from the attention itself because the rest of meshtron (the runner, expert
 parallelism, the layout checks of ``parallel/layout.py``, the HF adapter) needs only these answers,
 not ring attention.
 """

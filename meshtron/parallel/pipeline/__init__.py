@@ -1,7 +1,7 @@
 """Hand-written pipeline parallelism: stage split, schedules as data, a clock simulator, the executor.
 
-The step runner for ``pp > 1`` is ``meshtron.parallel.pipeline.pipelined_runner.PipelineRunner`` (built by
-``meshtron.parallel.step_runner.build_step_runner``; not imported here: it composes the other parallelisms).
+The runner for ``pp > 1`` is ``meshtron.parallel.pipeline.pipelined_runner.PipelineRunner`` (built by
+``meshtron.parallel.runner.build_model_runner``; not imported here: it composes the other parallelisms).
 
 ``torch.distributed.pipelining`` is a peer to measure against, not a dependency.
 """
@@ -15,9 +15,9 @@ from meshtron.parallel.pipeline.schedules import (
     SEND_F,
     Action,
     B,
+    Entry,
     F,
     Schedule,
-    Step,
     W,
     build_schedule,
     dualpipev,
@@ -58,7 +58,7 @@ __all__ = [
     "SimResult",
     "Span",
     "StageChunk",
-    "Step",
+    "Entry",
     "analytic_bubble",
     "build_chunks",
     "build_schedule",

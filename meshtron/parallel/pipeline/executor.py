@@ -18,7 +18,7 @@ from torch.autograd.graph import GradientEdge
 from torch.distributed.tensor import DTensor
 
 from meshtron.host import completed
-from meshtron.parallel.data import finish_split_backward, hold_unsharded
+from meshtron.parallel.data_parallel import finish_split_backward, hold_unsharded
 from meshtron.parallel.pipeline.schedules import (
     P2P,
     RECV_B,
@@ -27,8 +27,8 @@ from meshtron.parallel.pipeline.schedules import (
     SEND_F,
     Action,
     B,
+    Entry,
     F,
-    Step,
     last_weight_passes,
     split_backwards,
 )
@@ -55,7 +55,7 @@ class Relay(Protocol):
 
 
 class PipelineExecutor:
-    """Executes ``steps`` (one rank's schedule) over ``num_stages`` chunks.
+    """Executes ``entries`` (one rank's schedule) over ``num_stages`` chunks.
 
     ``group`` is the pp process group (``mesh["pp"].get_group()``); schedule peers are pp-group
     ranks and are mapped to global ranks once. ``grad_group`` (same ranks, another communicator)
@@ -70,26 +70,26 @@ class PipelineExecutor:
 
     def __init__(
         self,
-        steps: Sequence[Step],
+        entries: Sequence[Entry],
         num_stages: int,
         group,
         chunk_units: Mapping[int, Sequence[nn.Module]] | None = None,
         grad_group=None,
         unsplit: Collection[int] = (),
     ):
-        self.steps, self.num_stages, self.group = list(steps), num_stages, group
+        self.entries, self.num_stages, self.group = list(entries), num_stages, group
         self.grad_group = group if grad_group is None else grad_group
         self.rank = dist.get_rank(group)
-        self._local_stages = {step.stage for step in self.steps if isinstance(step, Action)}
-        self._split = {key for key in split_backwards(self.steps) if key[0] not in unsplit}
+        self._local_stages = {entry.stage for entry in self.entries if isinstance(entry, Action)}
+        self._split = {key for key in split_backwards(self.entries) if key[0] not in unsplit}
         self.peers = {
             op.peer: dist.get_global_rank(group, op.peer)
-            for step in self.steps
-            if isinstance(step, P2P)
-            for op in step.ops
+            for entry in self.entries
+            if isinstance(entry, P2P)
+            for op in entry.ops
         }
         self._chunk_units = dict(chunk_units or {})
-        self._units, self._release = _release_points(self.steps, self._chunk_units)
+        self._units, self._release = _release_points(self.entries, self._chunk_units)
         self.record = False
         self.spans: list[Span] = []
         self.peak_live = 0
@@ -124,7 +124,7 @@ class PipelineExecutor:
         boundary: tuple[tuple[int, ...], torch.dtype],
         relay: Relay | None = None,
     ) -> torch.Tensor:
-        """Run every step; returns the sum of this rank's last-stage losses (0 elsewhere), detached.
+        """Run every entry; returns the sum of this rank's last-stage losses (0 elsewhere), detached.
 
         ``first_inputs[mb]`` feeds stage 0; ``boundary`` is the (shape, dtype) of every tensor
         crossing a stage boundary; ``relay`` sends a message along with each (docs/pipeline.md#the-executor).
@@ -136,17 +136,17 @@ class PipelineExecutor:
             hold_unsharded(unit, True)
         total = torch.zeros((), device=first_inputs[0].device)
         try:
-            for i, step in enumerate(self.steps):
-                if isinstance(step, P2P):
-                    self._exchange(step, boundary, first_inputs[0].device)
-                elif step.kind == F:
-                    value = self._forward(step, forward, first_inputs, loss)
+            for i, entry in enumerate(self.entries):
+                if isinstance(entry, P2P):
+                    self._exchange(entry, boundary, first_inputs[0].device)
+                elif entry.kind == F:
+                    value = self._forward(entry, forward, first_inputs, loss)
                     if value is not None:
                         total += value
-                elif step.kind == B:
-                    self._backward(i, step)
+                elif entry.kind == B:
+                    self._backward(i, entry)
                 else:
-                    self._weight(i, step)
+                    self._weight(i, entry)
             for work, _ in self._sending:
                 work.wait()
         finally:
@@ -170,7 +170,7 @@ class PipelineExecutor:
         sum of the last stage's outputs on its rank (0 elsewhere)."""
         shape, dtype = boundary
         device = first_inputs[0].device
-        peer = {stage: self.peers[rank] for stage, rank in _neighbour_ranks(self.steps).items()}
+        peer = {stage: self.peers[rank] for stage, rank in _neighbour_ranks(self.entries).items()}
         total = torch.zeros((), device=device)
         sending, handed = [], {}
         for stage in sorted(self._local_stages):
@@ -306,12 +306,12 @@ class PipelineExecutor:
     def _received(self, key: tuple[str, int, int]) -> torch.Tensor:
         return _waited(*self._inbox.pop(key))
 
-    def _exchange(self, step: P2P, boundary, device: torch.device) -> None:
+    def _exchange(self, entry: P2P, boundary, device: torch.device) -> None:
         """Posts the batch (activations on ``group``, gradients on ``grad_group``: one batch per
         communicator); receives are waited for by their consumer, sends by later batches."""
         shape, dtype = boundary
         batches: dict[int, tuple[list, list]] = {}
-        for op in step.ops:
+        for op in entry.ops:
             key = (op.kind, op.stage, op.mb)
             kind = dist.isend if op.kind in (SEND_F, SEND_B) else dist.irecv
             if kind is dist.isend:
@@ -351,25 +351,25 @@ def _waited(tensor: torch.Tensor, works: list) -> torch.Tensor:
     return tensor
 
 
-def _neighbour_ranks(steps: Sequence[Step]) -> dict[int, int]:
+def _neighbour_ranks(entries: Sequence[Entry]) -> dict[int, int]:
     """The pp-rank of every stage this rank exchanges tensors with, read off the schedule's p2p ops
     (``SEND_F`` / ``RECV_B`` of stage s talk to stage s + 1, ``RECV_F`` / ``SEND_B`` to s - 1)."""
     ranks = {}
-    for step in steps:
-        if isinstance(step, P2P):
-            for op in step.ops:
+    for entry in entries:
+        if isinstance(entry, P2P):
+            for op in entry.ops:
                 ranks[op.stage + 1 if op.kind in (SEND_F, RECV_B) else op.stage - 1] = op.peer
     return ranks
 
 
-def _release_points(steps: Sequence[Step], chunk_units: Mapping[int, Sequence[nn.Module]]):
-    """(every unit once, {step index: units to release before that step}).
+def _release_points(entries: Sequence[Entry], chunk_units: Mapping[int, Sequence[nn.Module]]):
+    """(every unit once, {entry index: units to release before that entry}).
 
     A unit is released at the last weight-gradient pass (a ``W`` or an unsplit ``B``) of the last
     chunk using it: its gradients are complete only then (the stage root's hooks run with every
     chunk, so it waits for the rank's last one).
     """
-    last_weights = last_weight_passes(steps)
+    last_weights = last_weight_passes(entries)
     units, release_at = {}, {}
     for stage, chunk in chunk_units.items():
         for unit in chunk:

@@ -1,4 +1,4 @@
-"""Pipelined step runner: ``StepRunner``'s interface for ``parallel.pp > 1``.
+"""Pipelined runner: the runner interface (``meshtron.parallel.step.Runner``) for ``parallel.pp > 1``.
 
 Every pp-rank builds only its own chunks, parallelizes them as without a pipeline and runs its schedule
 with :class:`PipelineExecutor`; numerics equal the non-pipelined runner's. See
@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshtron.config import Config, ParallelConfig
-from meshtron.host import across
+from meshtron.host import copy_to
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import moe_layers
 from meshtron.models.moe import replaying
@@ -136,11 +136,11 @@ class PipelineRunner:
         average_router_losses_over_microbatches(self.module, p.microbatches)
         self._moe = {s: [m for mod in c.modules() for m in moe_layers(mod)] for s, c in self.chunks.items()}
         self.moes = [m for layers in self._moe.values() for m in layers]
-        steps = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)[pp_mesh.get_local_rank()]
+        entries = build_schedule(p.schedule, p.pp, p.microbatches, p.virtual_stages)[pp_mesh.get_local_rank()]
         units = {s: _fsdp_units(c) for s, c in self.chunks.items()}
         grads = _gradient_group(mesh) if p.schedule in V_SHAPED else None
         unsplit = [s for s, c in self.chunks.items() if _fused_backward(c)]
-        self.executor = PipelineExecutor(steps, self.num_stages, self.pp_group, units, grads, unsplit)
+        self.executor = PipelineExecutor(entries, self.num_stages, self.pp_group, units, grads, unsplit)
         self._aux: torch.Tensor | None = None
         self.relay = None  # an executor Relay for model statistics that cross stages (HF MoE aux loss)
         self._tied, self._tie_group, self._tied_copy = None, None, None
@@ -210,10 +210,10 @@ class PipelineRunner:
             grad = self._tied.grad = grad.redistribute(self._tied.device_mesh, self._tied.placements)
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         # With [parallel] offload the gradient shard is on the host: NCCL sums on the device.
-        summed = across(local, self.device)
+        summed = copy_to(local, self.device)
         dist.all_reduce(summed, group=self._tie_group)
         if summed is not local:
-            local.copy_(across(summed, local.device))
+            local.copy_(copy_to(summed, local.device))
 
     def aux_loss(self) -> torch.Tensor | None:
         """Mean of the last step's aux losses over every MoE layer of every stage and micro-batch."""

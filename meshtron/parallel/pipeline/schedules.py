@@ -40,7 +40,7 @@ __all__ = [
     "SPLIT_BACKWARD",
     "Action",
     "Schedule",
-    "Step",
+    "Entry",
     "build_schedule",
     "built_schedule",
     "check_schedule",
@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 F, B, W = "F", "B", "W"
-SPLIT_BACKWARD = ("zb1p", "zbv", "dualpipev")  # the schedules with ``W`` steps (split backwards)
+SPLIT_BACKWARD = ("zb1p", "zbv", "dualpipev")  # the schedules with ``W`` actions (split backwards)
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 
 
@@ -81,7 +81,7 @@ class Action:
 
 @dataclass(frozen=True)
 class P2P:
-    """p2p ops posted together in one batch and all waited for before the next step."""
+    """p2p ops posted together in one batch and all waited for before the next entry."""
 
     ops: tuple[Action, ...]
 
@@ -89,8 +89,8 @@ class P2P:
         return "P2P[" + " ".join(str(op) for op in self.ops) + "]"
 
 
-Step = Action | P2P
-Schedule = list[list[Step]]
+Entry = Action | P2P  # one item of a rank's schedule, run in order
+Schedule = list[list[Entry]]
 
 
 def _check_microbatches(name: str, pp: int, m: int) -> None:
@@ -150,26 +150,26 @@ def _peer_ops(a: Action, ranks: list[int], sending: bool) -> list[Action]:
     return [Action(_P2P_KINDS[(forward, sending)], a.mb, a.stage, ranks[other])]
 
 
-def _with_p2p(slots: list[list[Action]], pp: int, num_stages: int, v_shape: bool = False) -> list[Step]:
+def _with_p2p(slots: list[list[Action]], pp: int, num_stages: int, v_shape: bool = False) -> list[Entry]:
     """Interleave one rank's compute ``slots`` with p2p batches.
 
     The batch between two slots holds the sends of the slot before and the receives of the
     slot after, so neighbours meet in matching batches.
     """
     ranks = [chunk_rank(s, pp, v_shape) for s in range(num_stages)]
-    steps: list[Step] = []
+    entries: list[Entry] = []
     before: list[Action] = []
     for slot in slots:
         ops = [op for a in before for op in _peer_ops(a, ranks, True)]
         ops += [op for a in slot for op in _peer_ops(a, ranks, False)]
         if ops:
-            steps.append(P2P(tuple(ops)))
-        steps += slot
+            entries.append(P2P(tuple(ops)))
+        entries += slot
         before = slot
     tail = [op for a in before for op in _peer_ops(a, ranks, True)]
     if tail:
-        steps.append(P2P(tuple(tail)))
-    return steps
+        entries.append(P2P(tuple(tail)))
+    return entries
 
 
 def gpipe(pp: int, m: int) -> Schedule:
@@ -399,16 +399,16 @@ def steady_microbatches(name: str, pp: int, m: int) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def built_schedule(name: str, pp: int, m: int, v: int = 1) -> tuple[tuple[Step, ...], ...]:
+def built_schedule(name: str, pp: int, m: int, v: int = 1) -> tuple[tuple[Entry, ...], ...]:
     """:func:`build_schedule`, read-only and kept: the layout search checks, simulates and walks each
     schedule of a mesh shape several times (every checkpointing mode; thousands of micro-batches at
     a large batch over few data-parallel ranks), one shape after another."""
-    return tuple(tuple(steps) for steps in build_schedule(name, pp, m, v))
+    return tuple(tuple(entries) for entries in build_schedule(name, pp, m, v))
 
 
-def split_backwards(steps: list[Step]) -> set[tuple[int, int]]:
+def split_backwards(entries: list[Entry]) -> set[tuple[int, int]]:
     """(stage, mb) whose backward is split: the ``B`` computes input gradients only."""
-    return {(s.stage, s.mb) for s in steps if isinstance(s, Action) and s.kind == W}
+    return {(s.stage, s.mb) for s in entries if isinstance(s, Action) and s.kind == W}
 
 
 _Part = TypeVar("_Part")
@@ -428,47 +428,49 @@ def runs_backward_whole(
     return any(checkpointed(part) or compiled(part) for part in parts)
 
 
-def peak_in_flight(steps: list[Step]) -> int:
+def peak_in_flight(entries: list[Entry]) -> int:
     """Most forwards whose backward has not run yet on one rank: the activations it must keep.
 
     A split backward keeps them until its ``W`` (the weight gradients need the layer inputs).
 
     With virtual stages each counts one chunk's activations (a ``1/v`` share of the rank's layers).
     """
-    return max((live for live, _ in held_counts(steps)), default=0)
+    return max((live for live, _ in held_counts(entries)), default=0)
 
 
-def held_counts(steps: list[Step], unsplit: Collection[int] = ()) -> Iterator[tuple[int, int]]:
+def held_counts(entries: list[Entry], unsplit: Collection[int] = ()) -> Iterator[tuple[int, int]]:
     """After each action of one rank: (forwards whose activations are still held, of them the split
     backwards whose ``B`` ran and whose ``W`` has not, which also hold the gradients ``W`` restarts
     from). ``unsplit`` stages run the whole backward at ``B`` (the executor's ``unsplit``)."""
-    for _, held in held_by_stage(steps, unsplit):
+    for _, held in held_by_stage(entries, unsplit):
         yield sum(live for live, _ in held.values()), sum(waiting for _, waiting in held.values())
 
 
-def held_by_stage(steps: list[Step], unsplit: Collection[int] = ()) -> Iterator[tuple[int, dict[int, tuple[int, int]]]]:
-    """:func:`held_counts` per stage: after each action, (its index in ``steps``, {stage: (held,
+def held_by_stage(
+    entries: list[Entry], unsplit: Collection[int] = ()
+) -> Iterator[tuple[int, dict[int, tuple[int, int]]]]:
+    """:func:`held_counts` per stage: after each action, (its index in ``entries``, {stage: (held,
     waiting)}). A rank's chunks hold different tensors (the last stage its loss's, the first stage's
     split backward no recorded gradients), so the memory model weighs each stage's count."""
-    split = {key for key in split_backwards(steps) if key[0] not in unsplit}
+    split = {key for key in split_backwards(entries) if key[0] not in unsplit}
     live: dict[int, int] = {}
     waiting: dict[int, int] = {}
-    for index, step in enumerate(steps):
-        if isinstance(step, Action) and not (step.kind == W and (step.stage, step.mb) not in split):
-            split_b = step.kind == B and (step.stage, step.mb) in split
-            frees = step.kind == W or (step.kind == B and not split_b)
-            s = step.stage
-            live[s] = live.get(s, 0) + (1 if step.kind == F else -1 if frees else 0)
-            waiting[s] = waiting.get(s, 0) + (1 if split_b else -1 if step.kind == W else 0)
+    for index, entry in enumerate(entries):
+        if isinstance(entry, Action) and not (entry.kind == W and (entry.stage, entry.mb) not in split):
+            split_b = entry.kind == B and (entry.stage, entry.mb) in split
+            frees = entry.kind == W or (entry.kind == B and not split_b)
+            s = entry.stage
+            live[s] = live.get(s, 0) + (1 if entry.kind == F else -1 if frees else 0)
+            waiting[s] = waiting.get(s, 0) + (1 if split_b else -1 if entry.kind == W else 0)
             yield index, {t: (live[t], waiting.get(t, 0)) for t in live}
 
 
-def last_weight_passes(steps: list[Step]) -> dict[int, int]:
-    """{stage: index in ``steps`` of its last weight-gradient pass (a ``W``, or a ``B`` without one)}:
+def last_weight_passes(entries: list[Entry]) -> dict[int, int]:
+    """{stage: index in ``entries`` of its last weight-gradient pass (a ``W``, or a ``B`` without one)}:
     where the executor releases the stage's FSDP units, whose gradients are complete only then."""
-    split = split_backwards(steps)
+    split = split_backwards(entries)
     return {
-        step.stage: i
-        for i, step in enumerate(steps)
-        if isinstance(step, Action) and (step.kind == W or (step.kind == B and (step.stage, step.mb) not in split))
+        entry.stage: i
+        for i, entry in enumerate(entries)
+        if isinstance(entry, Action) and (entry.kind == W or (entry.kind == B and (entry.stage, entry.mb) not in split))
     }

@@ -78,9 +78,9 @@ def summary(schedule: str, pp: int, m: int, v: int = 1, f: float = 1, b: float =
     ``b`` is the input-gradient part of a backward and ``w`` its weight part (a whole backward
     costs ``b + w``).
     """
-    steps = build_schedule(schedule, pp, m, v)
-    result = simulate(steps, f, b, p2p, w_cost=w, rendezvous=False)
-    peaks = [peak_in_flight(rank_steps) for rank_steps in steps]
+    entries = build_schedule(schedule, pp, m, v)
+    result = simulate(entries, f, b, p2p, w_cost=w, rendezvous=False)
+    peaks = [peak_in_flight(rank_entries) for rank_entries in entries]
     if schedule in SPLIT_BACKWARD:
         analytic = f"{unit_cost_bubble(schedule, pp, m):.4f} (analytic for f = b = w)"
     else:

@@ -62,15 +62,15 @@ def match_p2p(schedules: Schedule, one_channel: bool = False) -> dict[tuple[int,
     The executor sends activations and gradients over two communicators, so each directed rank
     pair carries two independently ordered streams; ``one_channel`` checks the stricter order
     of a single communicator for both (all schedules but the V-shaped ones meet it). Ops are
-    addressed as ``(rank, step index, op index)``. Raises ``ValueError`` when the n-th send from
+    addressed as ``(rank, entry index, op index)``. Raises ``ValueError`` when the n-th send from
     one rank to another is not the counterpart of the n-th receive there, or when counts differ:
     such a schedule would pair the wrong tensors or hang.
     """
     sends, recvs = defaultdict(list), defaultdict(list)
-    for rank, steps in enumerate(schedules):
-        for i, step in enumerate(steps):
-            if isinstance(step, P2P):
-                for j, op in enumerate(step.ops):
+    for rank, entries in enumerate(schedules):
+        for i, entry in enumerate(entries):
+            if isinstance(entry, P2P):
+                for j, op in enumerate(entry.ops):
                     stream = () if one_channel else (op.kind in (SEND_F, RECV_F),)
                     if op.kind in (SEND_F, SEND_B):
                         sends[(rank, op.peer, *stream)].append((rank, i, j))
@@ -102,7 +102,7 @@ def simulate(
     w_cost: float = 0,
     rendezvous: bool = True,
 ) -> SimResult:
-    """Run all ranks' steps; raise :class:`DeadlockError` if stuck.
+    """Run all ranks' entries; raise :class:`DeadlockError` if stuck.
 
     ``b_cost`` is a backward's input-gradient part and ``w_cost`` its weight-gradient part: a
     split backward's ``B`` and ``W`` cost those, a whole backward their sum (``w_cost = 0``: the
@@ -112,7 +112,7 @@ def simulate(
     """
     partner = match_p2p(schedules)
     pp = len(schedules)
-    split = [split_backwards(steps) for steps in schedules]
+    split = [split_backwards(entries) for entries in schedules]
     clock, pos = [0.0] * pp, [0] * pp
     pending: list[list[tuple[int, int, int]]] = [[] for _ in range(pp)]
     inbox: list[dict[tuple[int, int], tuple[int, int, int]]] = [{} for _ in range(pp)]
@@ -128,54 +128,54 @@ def simulate(
         clock[rank] = max([clock[rank]] + [posted[partner[op]] + p2p_cost for op in ops])
         return True
 
-    def ready(rank: int, step) -> bool:
+    def ready(rank: int, entry) -> bool:
         if rendezvous:  # the last batch completes before the next F, B or batch (a W needs none of it)
-            if (isinstance(step, P2P) or step.kind != W) and not arrived(rank, pending[rank]):
+            if (isinstance(entry, P2P) or entry.kind != W) and not arrived(rank, pending[rank]):
                 return False
-            pending[rank] = [] if isinstance(step, P2P) or step.kind != W else pending[rank]
+            pending[rank] = [] if isinstance(entry, P2P) or entry.kind != W else pending[rank]
             return True
-        if isinstance(step, P2P) or (step.kind, step.stage, step.mb) not in inbox[rank]:
+        if isinstance(entry, P2P) or (entry.kind, entry.stage, entry.mb) not in inbox[rank]:
             return True
-        if not arrived(rank, [inbox[rank][(step.kind, step.stage, step.mb)]]):
+        if not arrived(rank, [inbox[rank][(entry.kind, entry.stage, entry.mb)]]):
             return False
-        del inbox[rank][(step.kind, step.stage, step.mb)]
+        del inbox[rank][(entry.kind, entry.stage, entry.mb)]
         return True
 
     progress = True
     while progress:
         progress = False
-        for rank, steps in enumerate(schedules):
-            while pos[rank] < len(steps):
-                i, step = pos[rank], steps[pos[rank]]
-                if not ready(rank, step):
+        for rank, entries in enumerate(schedules):
+            while pos[rank] < len(entries):
+                i, entry = pos[rank], entries[pos[rank]]
+                if not ready(rank, entry):
                     break
-                if isinstance(step, Action):
-                    _check_local_order(step, done[rank], forwarded[rank])
-                    cost = {F: f_cost, W: w_cost}.get(step.kind, b_cost)
-                    if step.kind == B and (step.stage, step.mb) not in split[rank]:
+                if isinstance(entry, Action):
+                    _check_local_order(entry, done[rank], forwarded[rank])
+                    cost = {F: f_cost, W: w_cost}.get(entry.kind, b_cost)
+                    if entry.kind == B and (entry.stage, entry.mb) not in split[rank]:
                         cost += w_cost
                     end = clock[rank] + cost
-                    timelines[rank].append(Span(rank, step.kind, step.mb, clock[rank], end, step.stage))
-                    done[rank].add((step.kind, step.stage, step.mb))
-                    if step.kind == F:
-                        forwarded[rank].add(step.stage)
+                    timelines[rank].append(Span(rank, entry.kind, entry.mb, clock[rank], end, entry.stage))
+                    done[rank].add((entry.kind, entry.stage, entry.mb))
+                    if entry.kind == F:
+                        forwarded[rank].add(entry.stage)
                     clock[rank] = end
                 else:
-                    pending[rank] = [(rank, i, j) for j in range(len(step.ops))]
-                    for j, op in enumerate(step.ops):
+                    pending[rank] = [(rank, i, j) for j in range(len(entry.ops))]
+                    for j, op in enumerate(entry.ops):
                         posted[(rank, i, j)] = clock[rank]
                         if op.kind in (RECV_F, RECV_B):
                             inbox[rank][(F if op.kind == RECV_F else B, op.stage, op.mb)] = (rank, i, j)
                 pos[rank] += 1
                 progress = True
-            if rendezvous and pos[rank] == len(steps) and pending[rank] and arrived(rank, pending[rank]):
+            if rendezvous and pos[rank] == len(entries) and pending[rank] and arrived(rank, pending[rank]):
                 pending[rank], progress = [], True
-    # A blocked rank waits on its last batch (rendezvous) or on the step it cannot start.
+    # A blocked rank waits on its last batch (rendezvous) or on the entry it cannot start.
     stuck = {r: str(schedules[r][pos[r]]) for r in range(pp) if pos[r] < len(schedules[r])}
     if rendezvous:
         stuck = {r: str(schedules[r][pending[r][0][1]]) for r in range(pp) if pending[r]}
     if stuck:
-        raise DeadlockError("pipeline schedule deadlocks; stuck steps per rank: " + repr(stuck))
+        raise DeadlockError("pipeline schedule deadlocks; stuck entries per rank: " + repr(stuck))
     makespan = max(clock)
     busy = sum(s.end - s.start for line in timelines for s in line)
     return SimResult(timelines, makespan, 1 - busy / (pp * makespan) if makespan else 0.0)

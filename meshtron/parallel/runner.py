@@ -1,4 +1,5 @@
-"""The step runner without a pipeline, and the choice of runner for a layout (both kinds of model)."""
+"""The runner without a pipeline, and the choice of a built model's runner for its layout (both kinds of
+model; the recipe's model and its runner: ``meshtron.runner.build_runner``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from meshtron.mesh import dense_data_mesh
 from meshtron.models import moe_layers
 from meshtron.models.moe import replaying
 from meshtron.parallel.compose import materialize_sharded, parallelize
-from meshtron.parallel.data import MicrobatchSync
+from meshtron.parallel.data_parallel import MicrobatchSync
 from meshtron.parallel.grad_norm import clip_grad_norm_
 from meshtron.parallel.pipeline.pipelined_runner import PipelineRunner
 from meshtron.parallel.step import (
@@ -26,7 +27,7 @@ from meshtron.parallel.step import (
 )
 
 
-class StepRunner:
+class NoPipelineRunner:
     """Forward and backward of one global-batch step on this rank (no pipeline: pp == 1).
 
     The local batch is split into ``parallel.microbatches`` micro-batches whose gradients accumulate;
@@ -89,20 +90,20 @@ class StepRunner:
 
 @dataclass(frozen=True)
 class Runners:
-    """How one kind of model becomes a step runner, each called as (model, mesh, cfg, device):
-    ``step`` without a pipeline, ``pipeline`` with one."""
+    """How one kind of model becomes a runner, each called as (model, mesh, cfg, device):
+    ``no_pipeline`` without a pipeline, ``pipeline`` with one."""
 
-    step: Callable[..., Runner]
+    no_pipeline: Callable[..., Runner]
     pipeline: Callable[..., Runner]
 
 
 # meshtron's own models; transformers models: meshtron.hf.runner.HF_RUNNERS.
-NATIVE_RUNNERS = Runners(step=StepRunner, pipeline=PipelineRunner)
+NATIVE_RUNNERS = Runners(no_pipeline=NoPipelineRunner, pipeline=PipelineRunner)
 
 
-def build_step_runner(
+def build_model_runner(
     model: nn.Module, mesh, cfg: Config, device: torch.device, runners: Runners = NATIVE_RUNNERS
 ) -> Runner:
     """The runner for this layout: pipelined when ``parallel.pp > 1``; ``runners`` are the model kind's."""
-    build = runners.pipeline if cfg.parallel.pp > 1 else runners.step
+    build = runners.pipeline if cfg.parallel.pp > 1 else runners.no_pipeline
     return build(model, mesh, cfg, device)
