@@ -1014,8 +1014,8 @@ RECIPE_LAYOUTS = {
 }
 # Step 1 starts every layout from the same weights, and rowwise_with_gw_hp's scales are the 1-rank ones: the
 # loss matches to float32 noise (measured <= 1.7e-7). From step 2 the weights differ by reduction order, and
-# the gap is FP8's own rounding noise: the 1-rank run from weights moved by one float32 ulp departs as far.
-# Measured over 8 steps, layout gap | one-ulp gap (max): debug_moe ep 2 2.5e-4 | 2.8e-4, folded ep over dp x cp
+# the gap is FP8's own rounding noise: the 1-rank runs from weights moved one float32 ulp up or down depart as
+# far. Measured over 8 steps, layout gap | one-ulp-up gap (max): debug_moe ep 2 2.5e-4 | 2.8e-4, folded ep over dp x cp
 # 6.6e-4 | 2.8e-4, pp 2 zbv folded ep 2.6e-4 | 3.2e-4; debug_dense pp 2 1F1B (zb1p the same) 6.4e-3 | 6.0e-3,
 # dp 8 5.0e-3 | 5.4e-3, dp 4 x cp 2 3.5e-3 | 5.4e-3. Without FP8 every layout stays within 4.1e-7.
 FIRST_STEP_EXACT = 1e-6
@@ -1040,8 +1040,9 @@ def _recipe_batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _one_rank_recipe_losses(cfg: Config, start: dict, readers: int, ulp: bool = False) -> list[float]:
-    """The single-process FP8 model from ``start`` (every weight one float32 ulp up where ``ulp``), stepped as
+def _one_rank_recipe_losses(cfg: Config, start: dict, readers: int, ulp: int = 0) -> list[float]:
+    """The single-process FP8 model from ``start`` (every weight one float32 ulp up where ``ulp`` is 1, down
+    where it is -1), stepped as
     the runner steps the layout: its micro-batch i holds micro-batch i of each of the ``readers`` (the router
     losses are per global micro-batch)."""
     from meshtron.models import token_loss_sum
@@ -1055,7 +1056,7 @@ def _one_rank_recipe_losses(cfg: Config, start: dict, readers: int, ulp: bool = 
     if ulp:
         with torch.no_grad():
             for p in model.parameters():
-                p.copy_(torch.nextafter(p, torch.full_like(p, torch.inf)))
+                p.copy_(torch.nextafter(p, torch.full_like(p, ulp * torch.inf)))
     micro = cfg.parallel.microbatches
     average_router_losses_over_microbatches(model, micro)
     ids, labels = (t.unflatten(0, (readers, micro, -1)) for t in _recipe_batch(cfg))
@@ -1097,15 +1098,16 @@ def _one_rank_reference(
     name: str, recipe: str, microbatches: int, readers: int, model: tuple = ()
 ) -> tuple[list[float], list[float]]:
     """The 1-rank FP8 losses of debug recipe ``name`` (with the [model] keys ``model``) as a layout with
-    ``readers`` and ``microbatches`` steps it, and those from weights one ulp up."""
+    ``readers`` and ``microbatches`` steps it, and those from weights one ulp up and one ulp down."""
     cfg = _recipe_config(name, recipe, dict(microbatches=microbatches, model=model))
     start = random_model(cfg.model, seed=cfg.train.seed).state_dict()
-    return tuple(_one_rank_recipe_losses(cfg, start, readers, ulp) for ulp in (False, True))
+    return tuple(_one_rank_recipe_losses(cfg, start, readers, ulp) for ulp in (0, 1, -1))
 
 
 def layout_gaps(recipe: str, name: str, layout: dict) -> tuple[list[float], list[float]]:
-    """Relative loss gaps per step of ``layout`` of debug recipe ``name`` to its 1-rank FP8 run, and of that
-    run from weights one ulp up; rank 0 computes the 1-rank runs and broadcasts them."""
+    """Relative loss gaps per step of ``layout`` of debug recipe ``name`` to its 1-rank FP8 run, and FP8's own
+    noise: per step the larger gap of that run from weights one ulp up or one ulp down (one perturbed run alone
+    can stay unusually close); rank 0 computes the 1-rank runs and broadcasts them."""
     cfg = _recipe_config(name, recipe, layout)
     micro, readers = cfg.parallel.microbatches, batch_mesh(cached_recipe_mesh(cfg)).size()
     one = [
@@ -1114,9 +1116,10 @@ def layout_gaps(recipe: str, name: str, layout: dict) -> tuple[list[float], list
         else None
     ]
     dist.broadcast_object_list(one, src=0)
-    reference, moved = one[0]
+    reference, up, down = one[0]
     got = _layout_recipe_losses(cfg, random_model(cfg.model, seed=cfg.train.seed).state_dict())
-    return [abs(a - b) / b for a, b in zip(got, reference)], [abs(a - b) / b for a, b in zip(moved, reference)]
+    noise = [max(abs(u - b), abs(d - b)) / b for u, d, b in zip(up, down, reference)]
+    return [abs(a - b) / b for a, b in zip(got, reference)], noise
 
 
 def check_debug_recipes_match_one_rank_fp8():
