@@ -218,8 +218,9 @@ def test_one_rank_mxfp8_trains_near_float32():
 # layout's first step is the 1-rank one to float32 noise, tp included (measured <= 8.5e-8), except under cp:
 # the ring merges attention in another order, and an MX cast rounds that difference (3.8e-6). Later steps
 # stay within FP8's own noise (the 1-rank runs from weights one ulp up and down). Measured over 8 steps, gap |
-# one-ulp-up gap (max), at #45: dense pp 2 x dp 2 x tp 2 + SP, zb1p, with and without tp_overlap (identical) 7.9e-4 | 1.2e-3;
-# dense dp 4 x cp 2 1.1e-2 | 3.5e-3; MoE ep 4 folded over dp 4 x tp 2 + SP, etp 2 3.5e-4 | 3.4e-4. The tp
+# one-ulp-up gap (max), at #45: dense pp 2 x dp 2 x tp 2 + SP, zb1p, with and without tp_overlap (identical)
+# 7.9e-4 | 1.2e-3; dense dp 4 x cp 2 1.1e-2 | 3.5e-3; MoE ep 4 folded over dp 4 x tp 2 + SP, etp 2 3.5e-4 |
+# 3.4e-4. The tp
 # layouts take 8 KV heads (k / v 32 features a rank) and MoE experts of 64 (32 a rank under etp 2).
 MX_LAYOUTS = [
     (
