@@ -214,8 +214,8 @@ def _prepared_launch(prepare, fixtures: dict, checks: list, world_size: int, tim
     import inspect
 
     made = prepare(**fixtures)
-    if not inspect.isgenerator(made):
-        return launch_checks(checks, world_size, *(made or ()), timeout=timeout)
+    if not inspect.isgenerator(made):  # returned arguments: one launch path for both forms
+        made = _yielded(made)
     args = next(made)
     try:
         report = launch_checks(checks, world_size, *(args or ()), timeout=timeout)
@@ -227,6 +227,10 @@ def _prepared_launch(prepare, fixtures: dict, checks: list, world_size: int, tim
     else:
         made.close()  # the failed check is the result to read, not what its absence broke afterwards
     return report
+
+
+def _yielded(value):
+    yield value
 
 
 @contextmanager
