@@ -17,10 +17,11 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 _CONTEXT = None
@@ -111,6 +112,8 @@ def launch_checks(
 ) -> LaunchReport:
     """:func:`run_checks` that reports instead of raising: which checks passed on every rank and where the
     launch ended, so each check can be its own test result."""
+    if not checks:  # nothing selected: no ranks to start
+        return LaunchReport(world_size, [])
     report = _launch(checks, world_size, args, timeout)
     if report.failed == _STARTUP:
         # gloo's TCP rendezvous can drop a connection on an overloaded host before any check ran;
@@ -236,14 +239,64 @@ def _yielded(value):
 @contextmanager
 def launched_beside(
     checks: Sequence[Callable[..., Any]], world_size: int, *args: Any, timeout: float = 300.0
-) -> Iterator[None]:
-    """:func:`run_checks` of ``checks`` running while the block runs (its failure raised when the block
-    ends): a small launch (a 1-rank reference run) beside a large one uses the CPUs the small one alone
-    leaves idle."""
+) -> Iterator[Future]:
+    """:func:`launch_checks` of ``checks`` running while the block runs; yields the future of its report. A
+    small launch (a 1-rank reference run) beside a large one uses the CPUs the small one alone leaves idle."""
     with ThreadPoolExecutor(1) as pool:
-        beside = pool.submit(run_checks, checks, world_size, *args, timeout=timeout)
-        yield
-        beside.result()
+        yield pool.submit(launch_checks, checks, world_size, *args, timeout=timeout)
+
+
+@dataclass
+class LaunchedRuns:
+    """What a module fixture's launches left: the folder their checks wrote into, and every check's result.
+
+    A test that reads the folder names the checks whose output it reads (:meth:`after`), so a failed check is
+    reported as that check's failure rather than as a missing file."""
+
+    root: Path
+    reports: list[LaunchReport]
+
+    def after(self, *names: str) -> Path:
+        """The root folder, once each check of ``names`` passed on every rank of its launches."""
+        for name in names:
+            self.raise_for(name)
+        return self.root
+
+    def raise_for(self, name: str) -> None:
+        launches = [r for r in self.reports if name in r.names]
+        if not launches:
+            launched = sorted({n for r in self.reports for n in r.names})
+            raise ValueError(f"no launch of this fixture ran a check named '{name}'; it ran {launched}")
+        for report in launches:
+            report.raise_for(name)
+
+    def seconds(self, name: str) -> float:
+        return sum(r.passed.get(name, 0.0) for r in self.reports)
+
+
+def checks_needed(request, checks: Sequence[Callable[..., Any]], results: str) -> list[Callable[..., Any]]:
+    """The checks a module fixture must launch for the selected tests: all of them when any test reading the
+    fixture's folder is selected, otherwise those whose own result item (``results[name]``) is selected, so
+    ``-k name`` runs one check of the launch."""
+    module = [item for item in request.session.items if item.nodeid.split("::")[0] == request.node.nodeid]
+    if any(request.fixturename in getattr(item, "fixturenames", ()) for item in module):
+        return list(checks)
+    chosen = {item.callspec.params["check"] for item in module if getattr(item, "originalname", None) == results}
+    return [c for c in checks if c.__name__ in chosen]
+
+
+def launched_check_results(fixture: str, checks: Sequence[Callable[..., Any]]):
+    """A test parametrized by check that reports each check of a module fixture's launches as its own result
+    (its seconds as the ``check_seconds`` property); assign it to a ``test_`` name in the module."""
+    import pytest
+
+    @pytest.mark.parametrize("check", [c.__name__ for c in checks])
+    def test(check, request):
+        runs = request.getfixturevalue(fixture)
+        runs.raise_for(check)
+        request.node.user_properties.append(("check_seconds", round(runs.seconds(check), 1)))
+
+    return test
 
 
 def _launch(checks, world_size: int, args, timeout: float) -> LaunchReport:

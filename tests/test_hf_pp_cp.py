@@ -43,13 +43,16 @@ from meshtron.parallel.pipeline.schedules import VIRTUAL
 from meshtron.testing import (
     HF_TINY_FAMILIES,
     HF_TINY_SIZES,
+    LaunchedRuns,
     cached_mesh,
     cached_recipe_mesh,
+    checks_needed,
     count_calls,
+    launch_checks,
     launch_tests,
     launched_beside,
+    launched_check_results,
     rel_err,
-    run_checks,
     units_with_parameters,
     whole_weight_passes,
 )
@@ -559,27 +562,43 @@ def _losses(out: Path, key: str = "loss") -> list[float]:
     return [r[key] for r in records if key in r]
 
 
+RECIPE_LAUNCHES = {
+    1: [recipe_single_rank],
+    4: [recipe_layouts, recipe_resume],
+    8: [recipe_layouts, recipe_gathers_once_per_step],
+}
+
+
 @pytest.fixture(scope="module")
-def recipe_runs(tmp_path_factory):
+def recipe_runs(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("hf_recipe")
     folders = _recipe_folders(root)
-    with launched_beside([recipe_single_rank], 1, str(root), folders, timeout=600):
-        run_checks([recipe_layouts, recipe_resume], 4, str(root), folders, timeout=900)
-    run_checks([recipe_layouts, recipe_gathers_once_per_step], 8, str(root), folders, timeout=900)
-    return root
+    one, four, eight = (checks_needed(request, c, "test_recipe_check") for c in RECIPE_LAUNCHES.values())
+    with launched_beside(one, 1, str(root), folders, timeout=600) as reference:
+        reports = [launch_checks(four, 4, str(root), folders, timeout=900)]
+    reports += [reference.result(), launch_checks(eight, 8, str(root), folders, timeout=900)]
+    return LaunchedRuns(root, reports)
+
+
+test_recipe_check = pytest.mark.full(
+    launched_check_results(
+        "recipe_runs", [recipe_single_rank, recipe_layouts, recipe_resume, recipe_gathers_once_per_step]
+    )
+)
 
 
 @pytest.mark.full
 @pytest.mark.parametrize("model", [name for name in RECIPE_LAYOUTS if name not in FP8_MODELS])
 def test_hf_model_recipe_loss_curve_is_layout_invariant(recipe_runs, model):
     """Training and held-out losses of every layout follow the single-rank run's (1e-4)."""
-    reference = _losses(recipe_runs / model / "single")
+    root = recipe_runs.after("recipe_single_rank", "recipe_layouts")
+    reference = _losses(root / model / "single")
     assert len(reference) == RECIPE_STEPS and reference[-1] < reference[0] - 0.05, reference
-    eval_reference = _losses(recipe_runs / model / "single", "eval_loss")
+    eval_reference = _losses(root / model / "single", "eval_loss")
     assert len(eval_reference) == 2, eval_reference  # after RECIPE_HALF and RECIPE_STEPS
     for layout in RECIPE_LAYOUTS[model]:
         for key, ref in (("loss", reference), ("eval_loss", eval_reference)):
-            got = _losses(recipe_runs / model / layout, key)
+            got = _losses(root / model / layout, key)
             assert len(got) == len(ref), f"{model} {layout}: {key} {got}"
             for step, (a, b) in enumerate(zip(got, ref), start=1):
                 assert abs(a - b) / abs(b) < 1e-4, f"{model} {layout} {key} #{step}: {a} vs single-rank {b}"
@@ -604,11 +623,12 @@ FP8_TP_LOSS = 3e-3
 def test_hf_model_recipe_fp8_follows_its_single_rank_run(recipe_runs, model):
     """A transformers model in FP8 (rowwise_with_gw_hp) on dp, tp + SP, pp (zb1p with cp, 1F1B with dp x tp), and
     a MoE one's experts in float8 on ep layouts: the training losses against the single-rank FP8 run."""
-    reference = _losses(recipe_runs / model / "single")
-    noise = [abs(a - b) / b for a, b in zip(_losses(recipe_runs / FP8_TWINS[model] / "single"), reference)]
+    root = recipe_runs.after("recipe_single_rank", "recipe_layouts")
+    reference = _losses(root / model / "single")
+    noise = [abs(a - b) / b for a, b in zip(_losses(root / FP8_TWINS[model] / "single"), reference)]
     assert len(reference) == RECIPE_STEPS and reference[-1] < reference[0] - 0.05, reference
     for layout, sizes in RECIPE_LAYOUTS[model].items():
-        gaps = [abs(a - b) / b for a, b in zip(_losses(recipe_runs / model / layout), reference)]
+        gaps = [abs(a - b) / b for a, b in zip(_losses(root / model / layout), reference)]
         where = f"{model} {layout}: loss gaps {gaps}, one-ulp gaps {noise}"
         print(where)
         assert len(gaps) == RECIPE_STEPS, where
@@ -621,15 +641,16 @@ def test_hf_model_recipe_fp8_follows_its_single_rank_run(recipe_runs, model):
 
 @pytest.mark.full
 def test_hf_model_recipe_resumes_and_exports(recipe_runs):
+    root = recipe_runs.after("recipe_layouts", "recipe_resume")
     from transformers import AutoModelForCausalLM
 
-    full = _losses(recipe_runs / "llama" / "dp2_tp2")
-    resumed = _losses(recipe_runs / "llama" / "resumed")
+    full = _losses(root / "llama" / "dp2_tp2")
+    resumed = _losses(root / "llama" / "resumed")
     assert len(resumed) == RECIPE_STEPS - RECIPE_HALF
     for step, (a, b) in enumerate(zip(resumed, full[RECIPE_HALF:]), start=RECIPE_HALF + 1):
         assert abs(a - b) / abs(b) < 1e-4, f"step {step}: resumed on pp2 x tp2 {a} vs uninterrupted {b}"
-    exported = AutoModelForCausalLM.from_pretrained(recipe_runs / "export")
-    source = AutoModelForCausalLM.from_pretrained(recipe_runs / "llama")
+    exported = AutoModelForCausalLM.from_pretrained(root / "export")
+    source = AutoModelForCausalLM.from_pretrained(root / "llama")
     assert type(exported) is type(source)
     # The values equal the trained model's (recipe_layouts compares them in the launch); here: it trained.
     moved = [n for n, p in exported.named_parameters() if not torch.equal(p, source.get_parameter(n))]

@@ -83,3 +83,88 @@ def test_each_check_is_its_own_result(tmp_path):
     picked = _pytest(tmp_path, "-k", "all_reduce or full_tier")
     assert _outcomes(picked) == [("PASSED", "check_all_reduce"), ("PASSED", "check_in_the_full_tier")], picked
     assert "run_checks: check_refused_on_rank_1" not in picked and "2 deselected" in picked, picked
+
+
+FIXTURE_LAUNCH = textwrap.dedent(
+    """
+    import os
+    from pathlib import Path
+
+    import pytest
+    import torch.distributed as dist
+
+    from meshtron.testing import LaunchedRuns, checks_needed, launch_checks, launched_check_results
+
+
+    def _log(name):
+        with open(os.environ["LAUNCH_LOG"], "a") as log:
+            log.write(f"{name} {dist.get_rank()}\\n")
+
+
+    def write_rank(root):
+        _log("write_rank")
+        (Path(root) / f"rank-{dist.get_rank()}").write_text("ran")
+
+
+    def refuse_on_rank_0(root):
+        _log("refuse_on_rank_0")
+        assert dist.get_rank() != 0, "rank 0 refuses"
+
+
+    CHECKS = [write_rank, refuse_on_rank_0]
+
+
+    @pytest.fixture(scope="module")
+    def runs(tmp_path_factory, request):
+        root = tmp_path_factory.mktemp("runs")
+        return LaunchedRuns(root, [launch_checks(checks_needed(request, CHECKS, "test_check"), 2, str(root))])
+
+
+    test_check = launched_check_results("runs", CHECKS)
+
+
+    def test_reads_the_ranks(runs):
+        root = runs.after("write_rank")
+        assert sorted(p.name for p in root.iterdir()) == ["rank-0", "rank-1"]
+
+
+    def test_reads_what_the_refusal_left(runs):
+        runs.after("refuse_on_rank_0")
+    """
+)
+
+
+def _summary(output: str) -> list[tuple[str, str]]:
+    """(outcome, test id) per line of pytest's short summary."""
+    rows = []
+    for line in output.splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0] in ("PASSED", "FAILED", "ERROR") and "::" in words[1]:
+            rows.append((words[0], words[1].split("::")[1]))
+    return rows
+
+
+def test_each_check_of_a_fixture_launch_is_its_own_result(tmp_path, monkeypatch):
+    (tmp_path / "test_checks.py").write_text(FIXTURE_LAUNCH)
+    log = tmp_path / "launched.log"
+    monkeypatch.setenv("LAUNCH_LOG", str(log))
+    every = _pytest(tmp_path)
+    assert sorted(_summary(every)) == [
+        ("FAILED", "test_check[refuse_on_rank_0]"),
+        ("FAILED", "test_reads_what_the_refusal_left"),
+        ("PASSED", "test_check[write_rank]"),
+        ("PASSED", "test_reads_the_ranks"),
+    ], every
+    assert every.count("check 'refuse_on_rank_0' failed on rank 0 of 2") == 2, every  # its result and its reader's
+    assert sorted(log.read_text().splitlines()) == [
+        "refuse_on_rank_0 0",
+        "refuse_on_rank_0 1",
+        "write_rank 0",
+        "write_rank 1",
+    ], every  # one launch for the four results
+
+    # -k picks one check's result: the fixture launches that check alone.
+    log.unlink()
+    picked = _pytest(tmp_path, "-k", "write_rank")
+    assert _summary(picked) == [("PASSED", "test_check[write_rank]")] and "3 deselected" in picked, picked
+    assert sorted(log.read_text().splitlines()) == ["write_rank 0", "write_rank 1"], picked

@@ -18,7 +18,13 @@ import torch
 import torch.distributed as dist
 
 from meshtron.config import ConfigError, load_config
-from meshtron.testing import assert_step_metrics_sound, run_checks
+from meshtron.testing import (
+    LaunchedRuns,
+    assert_step_metrics_sound,
+    checks_needed,
+    launch_checks,
+    launched_check_results,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "debug_dense.toml"
@@ -230,25 +236,26 @@ def step_clocks_open_together(root: str) -> None:
         (Path(root) / "clocks.json").write_text(json.dumps(every))
 
 
+FOUR_RANKS = [
+    waits_counted_once,
+    exact_resume,
+    async_save_resumes_exactly,
+    keep_and_final_save,
+    different_configs_are_named,
+    nonfinite_stops_with_the_parameter,
+    nonfinite_skips_the_update,
+    step_clocks_open_together,
+]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("reliability")
-    run_checks(
-        [
-            waits_counted_once,
-            exact_resume,
-            async_save_resumes_exactly,
-            keep_and_final_save,
-            different_configs_are_named,
-            nonfinite_stops_with_the_parameter,
-            nonfinite_skips_the_update,
-            step_clocks_open_together,
-        ],
-        4,
-        str(root),
-        timeout=600,
-    )
-    return root
+    checks = checks_needed(request, FOUR_RANKS, "test_launched_check")
+    return LaunchedRuns(root, [launch_checks(checks, 4, str(root), timeout=600)])
+
+
+test_launched_check = pytest.mark.full(launched_check_results("runs", FOUR_RANKS))
 
 
 @pytest.mark.full
@@ -256,8 +263,9 @@ def test_time_waited_in_collectives_is_counted_once(runs):
     """The waited time is the union of the waits: within the wall time on every rank (summed, the
     blocking call's inner wait and the two threads' waits counted twice), and on the ranks that
     waited for rank 0, both of its late arrivals."""
+    root = runs.after("waits_counted_once")
     for rank in range(4):
-        figures = json.loads((runs / f"waits-{rank}.json").read_text())
+        figures = json.loads((root / f"waits-{rank}.json").read_text())
         assert 0 <= figures["waited"] <= figures["wall"], (rank, figures)
         if rank:
             assert figures["waited"] >= 0.8 * 2 * LATE_S, (rank, figures)
@@ -267,7 +275,8 @@ def test_time_waited_in_collectives_is_counted_once(runs):
 def test_every_rank_times_one_common_step_window(runs):
     """Ranks 1-3 entered the step 0.5, 1.0 and 1.5 s late: the step times still agree (by far less than
     the lateness), and each rank's own time is within its own step."""
-    every = json.loads((runs / "clocks.json").read_text())
+    root = runs.after("step_clocks_open_together")
+    every = json.loads((root / "clocks.json").read_text())
     times = [step_time for step_time, _ in every]
     assert max(times) - min(times) < LATE_S, every
     assert all(0 <= own <= step_time for step_time, own in every), every
@@ -275,18 +284,20 @@ def test_every_rank_times_one_common_step_window(runs):
 
 @pytest.mark.full
 def test_resume_is_bit_exact_next_to_an_interrupted_save(runs):
-    full, resumed = _losses(runs / "full"), _losses(runs / "resumed")
+    root = runs.after("exact_resume")
+    full, resumed = _losses(root / "full"), _losses(root / "resumed")
     assert len(full) == 4 and len(resumed) == 2
     assert resumed == full[2:]  # float equality: model, optimizer, schedule, data position, RNG restored
-    full_norms = [r["grad_norm"] for r in _records(runs / "full")]
-    assert [r["grad_norm"] for r in _records(runs / "resumed")] == full_norms[2:]
+    full_norms = [r["grad_norm"] for r in _records(root / "full")]
+    assert [r["grad_norm"] for r in _records(root / "resumed")] == full_norms[2:]
 
 
 @pytest.mark.full
 def test_async_saved_checkpoint_resumes_exactly(runs):
-    full = _losses(runs / "full")
-    assert _losses(runs / "async") == full  # saving in the background leaves the training as it was
-    assert _losses(runs / "async_resumed") == full[2:]
+    root = runs.after("exact_resume", "async_save_resumes_exactly")
+    full = _losses(root / "full")
+    assert _losses(root / "async") == full  # saving in the background leaves the training as it was
+    assert _losses(root / "async_resumed") == full[2:]
 
 
 def test_checkpoint_without_marker_is_never_loaded(tmp_path):

@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from meshtron.config import load_config
-from meshtron.testing import assert_step_metrics_sound, cached_recipe_mesh, launched_beside, rel_err, run_checks
+from meshtron.testing import (
+    LaunchedRuns,
+    assert_step_metrics_sound,
+    cached_recipe_mesh,
+    checks_needed,
+    launch_checks,
+    launched_beside,
+    launched_check_results,
+    rel_err,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -236,8 +245,12 @@ def eight_rank_hf_round_trip(root: str) -> None:
     )
 
 
+BESIDE = [single_rank_references]
+EIGHT_RANKS = [eight_rank_layouts, eight_rank_eval_before_training, eight_rank_resume, eight_rank_hf_round_trip]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, request):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from meshtron.hf import hf_config_dict
@@ -248,21 +261,21 @@ def runs(tmp_path_factory):
     hf = Qwen2ForCausalLM(Qwen2Config.from_dict(hf_config_dict(cfg)))
     hf.save_pretrained(root / "hf" / "source")
     (root / "heldout.txt").write_text((ROOT / "README.md").read_text())  # text the models never train on
-    with launched_beside([single_rank_references], 1, str(root), timeout=600):
-        run_checks(
-            [eight_rank_layouts, eight_rank_eval_before_training, eight_rank_resume, eight_rank_hf_round_trip],
-            8,
-            str(root),
-            timeout=1200,
-        )
-    return root
+    beside, eight = (checks_needed(request, c, "test_launched_check") for c in (BESIDE, EIGHT_RANKS))
+    with launched_beside(beside, 1, str(root), timeout=600) as reference:
+        report = launch_checks(eight, 8, str(root), timeout=1200)
+    return LaunchedRuns(root, [reference.result(), report])
+
+
+test_launched_check = pytest.mark.full(launched_check_results("runs", BESIDE + EIGHT_RANKS))
 
 
 @pytest.mark.full
 @pytest.mark.parametrize("recipe,layout", [(r, n) for r, ls in LAYOUTS.items() for n in ls])
 def test_loss_curve_is_layout_invariant(runs, recipe, layout):
-    reference = _losses(runs / recipe / "single")
-    losses = _losses(runs / recipe / layout)
+    root = runs.after("single_rank_references", "eight_rank_layouts")
+    reference = _losses(root / recipe / "single")
+    losses = _losses(root / recipe / layout)
     assert len(losses) == len(reference) == STEPS
     for step, (a, b) in enumerate(zip(losses, reference), start=1):
         assert abs(a - b) / abs(b) < 1e-4, f"step {step}: {layout} loss {a} vs single-rank {b}"
@@ -272,20 +285,22 @@ def test_loss_curve_is_layout_invariant(runs, recipe, layout):
 @pytest.mark.full
 @pytest.mark.parametrize("recipe,layout", [(r, n) for r, ls in LAYOUTS.items() for n in ls])
 def test_eval_loss_is_layout_invariant(runs, recipe, layout):
-    reference = _eval_losses(runs / recipe / "single")
-    losses = _eval_losses(runs / recipe / layout)
+    root = runs.after("single_rank_references", "eight_rank_layouts")
+    reference = _eval_losses(root / recipe / "single")
+    losses = _eval_losses(root / recipe / layout)
     assert sorted(reference) == sorted(losses) == [EVAL_EVERY, STEPS]
     for step in reference:
         a, b = losses[step], reference[step]
         assert abs(a - b) / b < 1e-5, f"step {step}: {layout} eval loss {a} vs single-rank {b}"
-    records = {r["step"]: r for r in _records(runs / recipe / layout)}
+    records = {r["step"]: r for r in _records(root / recipe / layout)}
     assert abs(records[STEPS]["eval_ppl"] - math.exp(losses[STEPS])) < 1e-9 * records[STEPS]["eval_ppl"]
     assert losses[STEPS] < losses[EVAL_EVERY], "held-out loss should fall while the model learns"
 
 
 @pytest.mark.full
 def test_eval_of_the_training_batch_before_any_update_is_its_training_loss(runs):
-    out = runs / "eval_first" / "run"
+    root = runs.after("eight_rank_eval_before_training")
+    out = root / "eval_first" / "run"
     before = json.loads((out / "eval_before.json").read_text())
     (first,) = _records(out)
     assert abs(before - first["loss"]) < 1e-6 * first["loss"], (before, first["loss"])
@@ -304,7 +319,8 @@ def _board(out: Path) -> dict[str, list[tuple[int, float]]]:
 @pytest.mark.full
 @pytest.mark.parametrize("recipe", list(LAYOUTS))
 def test_tensorboard_files_hold_the_logged_metrics(runs, recipe):
-    out = runs / recipe / "single"
+    root = runs.after("single_rank_references")
+    out = root / recipe / "single"
     board, records = _board(out), _records(out)
     for key, tag in (
         ("loss", "train/loss"),
@@ -329,7 +345,8 @@ def test_tensorboard_files_hold_the_logged_metrics(runs, recipe):
 
 @pytest.mark.full
 def test_moe_statistics_are_gathered_from_every_pipeline_stage(runs):
-    board = _board(runs / "eval_first" / "run")
+    root = runs.after("eight_rank_eval_before_training")
+    board = _board(root / "eval_first" / "run")
     for layer in range(4):
         shares = [board[f"moe/layers.{layer}.mlp/load/expert_{e:03d}"][0][1] for e in range(8)]
         assert abs(sum(shares) - 1) < 1e-5 and max(shares) > 1 / 8, layer
@@ -339,7 +356,8 @@ def test_moe_statistics_are_gathered_from_every_pipeline_stage(runs):
 
 @pytest.mark.full
 def test_profiler_writes_a_trace_of_the_chosen_steps_per_rank(runs):
-    traces = sorted((runs / "dense" / PROFILED / "profile").iterdir())
+    root = runs.after("eight_rank_layouts")
+    traces = sorted((root / "dense" / PROFILED / "profile").iterdir())
     assert [t.name for t in traces] == [f"rank-{r}.json" for r in range(8)]
     for trace in traces:
         names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
@@ -357,16 +375,18 @@ def _tokens_per_step(recipe: str) -> int:
 def test_step_metrics_of_every_run_are_sound(runs):
     """Every logged step of every 8-rank run: finite, consistent timing figures (no rank waited longer
     than its step)."""
+    root = runs.after("single_rank_references", "eight_rank_layouts")
     for recipe, layouts in LAYOUTS.items():
         for name in layouts:
-            assert_step_metrics_sound(_records(runs / recipe / name), _tokens_per_step(f"debug_{recipe}"), 8)
+            assert_step_metrics_sound(_records(root / recipe / name), _tokens_per_step(f"debug_{recipe}"), 8)
 
 
 @pytest.mark.full
 def test_plot_draws_every_run(runs, tmp_path):
+    root = runs.after("single_rank_references", "eight_rank_layouts")
     from meshtron.watch.plot import draw, main
 
-    chosen = [runs / "dense" / "single", runs / "dense" / "tp8"]
+    chosen = [root / "dense" / "single", root / "dense" / "tp8"]
     fig = draw(chosen)
     loss_ax, eval_ax, speed_ax = fig.axes
     assert [line.get_label() for line in loss_ax.lines] == ["single", "tp8"]
@@ -382,16 +402,17 @@ def test_plot_draws_every_run(runs, tmp_path):
 
 @pytest.mark.full
 def test_resume_reproduces_the_uninterrupted_run(runs):
-    full = _losses(runs / "dense" / RESUMED["dense"])
+    root = runs.after("eight_rank_layouts", "eight_rank_resume")
+    full = _losses(root / "dense" / RESUMED["dense"])
     assert len(full) == STEPS
     for name in ("split", "reshard"):  # same layout, then resharded onto tp8
-        resumed = _losses(runs / "resume" / name)
+        resumed = _losses(root / "resume" / name)
         assert len(resumed) == STEPS - EVAL_EVERY
         for step, (a, b) in enumerate(zip(resumed, full[EVAL_EVERY:]), start=EVAL_EVERY + 1):
             assert abs(a - b) / abs(b) < 1e-4, f"step {step}: {name} resume {a} vs uninterrupted {b}"
-    assert _losses(runs / "resume" / "split") == full[EVAL_EVERY:], "same-layout resume must be bit-exact"
+    assert _losses(root / "resume" / "split") == full[EVAL_EVERY:], "same-layout resume must be bit-exact"
     # The folded ep 4 x etp 2 checkpoint resumed on dp 4 x ep 2: DCP reshards the experts.
-    full, resumed = _losses(runs / "moe" / RESUMED["moe"]), _losses(runs / "resume_moe" / "reshard")
+    full, resumed = _losses(root / "moe" / RESUMED["moe"]), _losses(root / "resume_moe" / "reshard")
     assert len(resumed) == STEPS - EVAL_EVERY
     for step, (a, b) in enumerate(zip(resumed, full[EVAL_EVERY:]), start=EVAL_EVERY + 1):
         assert abs(a - b) / abs(b) < 1e-4, f"step {step}: MoE resume unfolded {a} vs folded uninterrupted {b}"
@@ -403,23 +424,25 @@ def test_offload_changes_no_loss_and_resumes_exactly(runs):
     host shards, clipping their gradients): the same losses and gradient norms, bit for bit, as without;
     its step-4 checkpoint resumes to the same last four steps; gathered once per step (gradients accumulating
     on the device before they go to the host), the same losses within 1e-5."""
-    plain, offloaded = _records(runs / "dense" / "single"), _records(runs / "offload" / "uninterrupted")
+    root = runs.after("single_rank_references")
+    plain, offloaded = _records(root / "dense" / "single"), _records(root / "offload" / "uninterrupted")
     assert [(r["loss"], r["grad_norm"]) for r in offloaded] == [(r["loss"], r["grad_norm"]) for r in plain]
-    assert _losses(runs / "offload" / "resumed") == _losses(runs / "offload" / "uninterrupted")[EVAL_EVERY:]
-    for step, (a, b) in enumerate(zip(_losses(runs / "offload" / "per_step"), _losses(runs / "dense" / "single")), 1):
+    assert _losses(root / "offload" / "resumed") == _losses(root / "offload" / "uninterrupted")[EVAL_EVERY:]
+    for step, (a, b) in enumerate(zip(_losses(root / "offload" / "per_step"), _losses(root / "dense" / "single")), 1):
         assert abs(a - b) / abs(b) < 1e-5, f"step {step}: offloaded, gathered per step {a} vs {b}"
 
 
 @pytest.mark.full
 def test_hf_init_and_export_keep_transformers_logits(runs):
+    root = runs.after("eight_rank_hf_round_trip")
     from transformers import Qwen2ForCausalLM
 
-    source = Qwen2ForCausalLM.from_pretrained(runs / "hf" / "source").eval()
-    exported = Qwen2ForCausalLM.from_pretrained(runs / "hf" / "export").eval()
+    source = Qwen2ForCausalLM.from_pretrained(root / "hf" / "source").eval()
+    exported = Qwen2ForCausalLM.from_pretrained(root / "hf" / "export").eval()
     ids = torch.randint(0, source.config.vocab_size, (2, 32))
     with torch.no_grad():
         assert rel_err(exported(ids).logits, source(ids).logits) < 1e-5
-    first_loss = _losses(runs / "hf" / "run")[0]
+    first_loss = _losses(root / "hf" / "run")[0]
     assert abs(first_loss - 5.545) < 0.05  # random HF init on bytes: about ln(256)
 
 
