@@ -16,7 +16,7 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -437,6 +437,45 @@ HF_TINY_FAMILIES = {
     # Fused qkv_proj / gate_up_proj: 'colwise_gather_output' then 'rowwise_split_input'.
     "phi3": ("Phi3Config", dict(num_key_value_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
 }
+
+
+# The numerics contract (DESIGN.md): a float32 layout's relative error against the one-process run.
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+
+
+def assert_parity(
+    where: str,
+    loss,
+    reference_loss,
+    grads: Iterable[tuple[str, Any]] = (),
+    reference_grads: Mapping[str, Any] | None = None,
+    *,
+    loss_rtol: float = LOSS_RTOL,
+    grad_rtol: float = GRAD_RTOL,
+    looser: Mapping[str, float] | None = None,
+) -> int:
+    """A layout's loss and gradients against the reference run's, within the numerics contract.
+
+    ``grads`` are the (name, gradient) pairs this rank holds (DTensors are gathered); each is compared with
+    ``reference_grads[name]``, within ``looser[suffix]`` for a name ending in one of its suffixes. Returns how
+    many gradients were compared; ``where`` (the layout) begins every failure message."""
+    err = rel_err(_as_tensor(loss), _as_tensor(reference_loss))
+    assert err < loss_rtol, f"{where}: loss {float(loss)} vs reference {float(reference_loss)}, rel err {err:.2e}"
+    compared = 0
+    for name, grad in grads:
+        assert grad is not None, f"{where}: {name} has no gradient"
+        limit = next((v for k, v in (looser or {}).items() if name.endswith(k)), grad_rtol)
+        err = rel_err(grad, reference_grads[name])
+        assert err < limit, f"{where}: grad {name} rel err {err:.2e} (bound {limit:.0e})"
+        compared += 1
+    return compared
+
+
+def _as_tensor(value):
+    import torch
+
+    return value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
 
 
 def rel_err(actual, expected) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
 from pathlib import Path
 
@@ -350,6 +351,41 @@ def test_overrides_apply_on_top_of_the_recipe():
     assert cfg.model.mlp_only_layers == [1, 3]
     assert cfg.data.source == "./corpus"
     assert cfg.model.hidden_size == 64  # untouched keys keep the recipe's values
+
+
+@pytest.mark.parametrize(
+    "layout,name",
+    [
+        (ParallelConfig(), "single"),
+        (
+            ParallelConfig(pp=2, dp=2, tp=2, sp=True, schedule="zbv", virtual_stages=2, microbatches=4),
+            "pp2_dp2_tp2_sp_zbv_v2_mb4",
+        ),
+        (
+            ParallelConfig(
+                dp=2,
+                tp=4,
+                ep=4,
+                etp=2,
+                fold_ep=True,
+                data_parallel="hsdp",
+                activation_checkpointing="op",
+                ac_policy="parts",
+                ac_parts=["mlp"],
+            ),
+            "dp2_ep4_tp4_etp2_fold_ep_hsdp_op_parts_ac_parts_mlp",
+        ),
+        (ParallelConfig(pp=4, dp=2), "pp4_dp2_1f1b"),
+    ],
+)
+def test_a_layout_value_gives_a_recipe_that_layout(layout, name):
+    """A layout written once as a ParallelConfig: its overrides on a recipe whose dp is inferred load as exactly
+    that layout, its sizes multiply to its world size and its name shows what differs from the defaults."""
+    cfg = load_config(RECIPES / "debug_moe.toml", layout.overrides())
+    assert cfg.parallel == layout
+    assert list(layout.sizes) == ["pp", "dp", "cp", "ep", "tp"]
+    assert math.prod(layout.sizes.values()) == layout.world_size
+    assert layout.name == name
 
 
 def test_parse_overrides():

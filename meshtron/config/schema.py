@@ -239,6 +239,60 @@ class ParallelConfig:
         """ep's factor in the world size and the device mesh: 1 when folded (ep then reuses dense ranks)."""
         return 1 if self.fold_ep else self.ep
 
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The five mesh sizes in the mesh's order, ep as its factor in the world size (1 when folded)."""
+        return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.mesh_ep, "tp": self.tp}
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp * self.mesh_ep * self.tp
+
+    def options(self) -> dict[str, Any]:
+        """The keys besides the five sizes that differ from their defaults."""
+        defaults = ParallelConfig()
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in _SIZES and getattr(self, f.name) != getattr(defaults, f.name)
+        }
+
+    def overrides(self) -> list[str]:
+        """The ``--parallel.key value`` arguments that give a recipe this layout: the five sizes, then every
+        other key that differs from its default (values in TOML, as a recipe writes them)."""
+        keys = {k: getattr(self, k) for k in _SIZES} | self.options()
+        return [arg for k, v in keys.items() for arg in (f"--parallel.{k}", _toml_value(v))]
+
+    @property
+    def name(self) -> str:
+        """A short name for test ids and folders: the sizes above 1, then the options, e.g.
+        ``pp2_dp2_tp2_sp_zbv_v2_mb4`` (the schedule named whenever pp > 1)."""
+        words = [f"{k}{getattr(self, k)}" for k in _SIZES if getattr(self, k) > 1]
+        options = self.options()
+        if self.pp > 1:
+            options.setdefault("schedule", self.schedule)
+        for key, value in options.items():
+            if value is True or isinstance(value, str):
+                words.append(key if value is True else value)
+            else:
+                joined = "+".join(map(str, value)) if isinstance(value, list) else value
+                words.append(f"{_SHORT.get(key, key + '_')}{joined}")
+        return "_".join(words) or "single"
+
+
+_SIZES = ("pp", "dp", "cp", "ep", "tp")
+_SHORT = {"virtual_stages": "v", "microbatches": "mb", "etp": "etp"}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return str(value)
+
 
 @dataclass
 class TrainConfig:
