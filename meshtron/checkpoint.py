@@ -1,12 +1,9 @@
 """Distributed checkpoints (DCP) written atomically, resumable on any parallel layout.
 
-A checkpoint is a folder ``step-NNNNNNNN`` holding the DCP shards of the model and optimizer, one
-``rank-R.pt`` per rank with its RNG state, and ``meshtron.json`` (step, config, train state) written
-last by rank 0 as the completeness marker. Everything is first written to ``.step-NNNNNNNN.tmp`` and
-renamed only after every rank has finished, so a crash mid-save never touches the previous checkpoint
-and a folder without the marker is never loaded (also with asynchronous saves: see
-:class:`CheckpointWriter`). DCP stores each tensor by its global name and
-shape, so a checkpoint saved on one layout loads on another (resharding).
+A checkpoint is written to a temporary folder and renamed only after every rank finished, with rank 0's
+``meshtron.json`` last as the completeness marker, so a crash mid-save never touches the previous checkpoint
+(asynchronous saves too: :class:`CheckpointWriter`). DCP stores tensors by global name and shape, so a checkpoint
+reshards onto any layout. See docs/training.md (step 8) and docs/failures.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Failure injection for tests: ``MESHTRON_FAULT``, a comma-separated list of KIND:RANK:STEP acting on
-that rank. "raise" / "hang" before that step; "delay:RANK:0" holds the rank 5 s before its start-up
-checks (another rank finishes them first); "stall" hangs inside that step, in the forward of the
-rank's last MoE layer or else its last block; "slow:RANK:*" (or a step) adds SLOW_FAULT_S of work to
-each of its steps. Faults act in the launcher's first attempt only: a restart (torchrun
---max-restarts) runs clean.
+"""Failure injection for tests: ``MESHTRON_FAULT``, a comma-separated list of KIND:RANK:STEP acting on that rank
+(raise, hang, delay, stall, slow), in the launcher's first attempt only, so a restart runs clean.
 
 The trainer (``meshtron/train.py``) calls these hooks; without the variable they do nothing.
+See docs/failures.md, 'Fault injection'.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Values the training step reads on the host, and what a dry run assumes in their place.
 
-A dry run (``python -m meshtron.train --dry-run N``) executes the real step on fake tensors under a
-fake process group: tensors have shapes and dtypes but no values, so every place where the step
-turns device values into host numbers asks :func:`simulating` and uses the stated assumption
-instead (no initial weights to compute, MoE routing as :func:`routing` says, one packed document per
-window: :func:`document_starts`, no metrics to read, posted sends complete by the next exchange:
-:func:`completed`).
+A dry run executes the real step on fake tensors, which have no values, so every place where the step turns
+device values into host numbers asks :func:`simulating` and uses the assumption stated here instead (routing,
+document starts, completed sends, ...). See docs/planner.md, 'Dry run at real scale'.
 """
 
 from __future__ import annotations

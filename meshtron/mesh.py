@@ -1,27 +1,9 @@
 """The 5-D device mesh (pp, dp, cp, ep, tp) and its derived flattened meshes.
 
-Whether a layout fits a model and a batch is ``meshtron.parallel.layout.validate_layout``: those rules
-belong to the parallelisms, which sit above the mesh.
-
-Ranks are laid out row-major over ``(pp, dp, cp, ep, tp)``: tp is innermost so tensor-parallel
-groups are the closest devices, pp outermost so pipeline stages cross the slowest links.
-
-Derived meshes, flattened once in :func:`build_mesh` and then retrievable as ``mesh[name]``:
-
-- ``dp_ep``: the batch is split over dp x ep (ep ranks are extra data parallel for dense layers);
-- ``dp_ep_cp``: dense parameters are replicated / FSDP-sharded and their gradients reduced here;
-
-DeviceMesh only flattens dimensions in mesh order, so ``dp_ep_cp`` is built from (dp, cp, ep);
-the name lists the roles, the member set is the same either way.
-
-Experts split the same ranks their own way (:func:`expert_meshes`, Megatron's MoE parallel folding):
-within a pipeline stage, ``edp x ep x etp`` = the stage's ranks, with etp innermost. Unfolded
-(``fold_ep = False``) ep is the mesh's ep dimension and etp the innermost etp ranks of tp; edp is the
-rest (dp x cp x tp / etp). Folded, the mesh's ep dimension has size 1 and the stage's ranks, in mesh
-order (tp innermost, then cp, then dp), are reshaped into (edp, ep, etp): etp takes the innermost
-ranks, ep the next ones, so expert groups stay on the fastest links. Example: 16 ranks, dp 2 x tp 8,
-ep 8, etp 2: the experts' etp pairs are tp ranks {0, 1}, {2, 3}, ...; an ep group is every other
-rank of the whole stage (0, 2, ..., 14); edp is 1.
+Ranks are laid out row-major, tp innermost (closest devices) and pp outermost (slowest links); :func:`build_mesh`
+flattens ``dp_ep`` (the batch split) and ``dp_ep_cp`` (the dense parameters' data mesh) once, and
+:func:`expert_meshes` splits each stage's ranks into the experts' (edp, ep, etp). Layout rules live above, in
+``meshtron.parallel.layout``. See docs/training.md, 'The mesh', and docs/expert_parallel.md.
 """
 
 from __future__ import annotations
@@ -99,8 +81,8 @@ def exit_process(code: int) -> NoReturn:
     Why: a backend's worker thread may still be releasing the last collective's work, whose tensors
     hold Python objects, when the main thread has returned. Releasing them takes the GIL; a thread
     taking it during finalization is ended by ``pthread_exit``, whose unwinding through gloo's
-    ``noexcept`` work destructor calls ``std::terminate``: a finished job aborted with SIGABRT
-    ("terminate called without an active exception") in 4 of 60 two-rank runs on a loaded 2-core host.
+    ``noexcept`` work destructor calls ``std::terminate``, and a finished job aborts with SIGABRT
+    ("terminate called without an active exception"; how often: docs/failures.md).
     """
     atexit._run_exitfuncs()
     sys.stdout.flush()
@@ -197,7 +179,7 @@ def expert_split(mesh: DeviceMesh) -> ExpertSplit:
 
 
 def expert_meshes(mesh: DeviceMesh) -> ExpertMeshes:
-    """The experts' (ep, etp) and edp meshes of this rank's stage (module docstring); built once per
+    """The experts' (ep, etp) and edp meshes of this rank's stage (docs/expert_parallel.md); built once per
     mesh (collective the first time: every rank calls it)."""
     cached = getattr(mesh, "meshtron_expert_meshes", None)
     if cached is None:

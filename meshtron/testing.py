@@ -35,9 +35,9 @@ _STARTUP = "process group start-up"
 
 
 def _context():
-    # A forkserver that has already imported torch turns an 8-rank launch from ~20 s of imports
-    # into a few forks; transformers' model base classes (~1 s a rank, in every launch that builds
-    # a transformers model) likewise. A process has one forkserver, which the suite's dry runs
+    # A forkserver that has already imported torch turns an 8-rank launch's imports into a few
+    # forks; transformers' model base classes (imported in every launch that builds a transformers
+    # model) likewise (the start-up times: docs/extending.md). A process has one forkserver, which the suite's dry runs
     # (meshtron.dryrun's rank processes) share once a launch has started it: it imports what their
     # ranks need too.
     global _CONTEXT

@@ -1,15 +1,9 @@
 """Typed recipe configuration: the schema, TOML loading and ``--section.key value`` overrides, the checks.
 
 A recipe is a TOML file with the sections ``[model]``, ``[parallel]``, ``[train]``, ``[data]`` and
-``[checkpoint]``. Every problem is a :class:`ConfigError` that names the file, the key and the fix, raised
-before any process group exists. Callers import from ``meshtron.config``; each name has one owner:
-
-    schema.py    the section dataclasses and their keys (docs/reference.md is generated from them)
-    loading.py   TOML text and command-line overrides into a checked Config
-    checks.py    each value and choice, and the rules between keys that need no world size
-    choices.py   the values of the choice keys, the schedule rules and the messages shared with their modules
-    derived.py   dp = 0 and microbatches = 0, and the per-rank batch they are fitted to
-    errors.py    ConfigError and the helpers that raise it
+``[checkpoint]``; every problem is a :class:`ConfigError` naming the file, the key and the fix, raised before any
+process group exists. Callers import from ``meshtron.config``; each name has one owner module
+(docs/extending.md, 'A recipe key', lists them; docs/reference.md every key).
 """
 
 from meshtron.config.checks import expert_keys_without_experts, validate

@@ -1,9 +1,7 @@
-"""The recipe key reference, docs/reference.md, generated from the config schema itself.
+"""The recipe key reference, docs/reference.md, generated from the config schema itself, so it cannot drift.
 
-Every recipe key is a field of a section dataclass in :mod:`meshtron.config.schema`, declared with
-:func:`meshtron.config.schema.recipe_key`: its name, type and default are the field's, its one-line meaning the
-field's ``metadata["meaning"]``, and each section's introduction its class docstring. So the page cannot
-drift from the code; ``tests/test_readme.py`` fails when the committed page differs from :func:`render`.
+Each key's name, type, default and meaning are its :mod:`meshtron.config.schema` field's, each section's
+introduction its class docstring; ``tests/test_readme.py`` fails when the committed page differs from :func:`render`.
 
     python -m meshtron.config.reference            # print the page
     python -m meshtron.config.reference --write    # rewrite docs/reference.md after a schema change

@@ -1,15 +1,8 @@
 """Training data: embedded corpus or files, tokenizers, packing, layout-independent global batches.
 
-The train loop's use::
-
-    dataset = TokenDataset.open(cfg)  # every rank; one process per cache folder tokenizes, under a file lock
-    input_ids, labels = dataset.batch_for_step(step, batch_rank, batch_world)  # CPU, int64
-    input_ids, labels = to_device((input_ids, labels), device)  # pinned + non_blocking on CUDA
-
-or ``DeviceLoader(dataset, batch_rank, batch_world, start_step=step)`` to iterate on the device.
-``batch_rank`` / ``batch_world`` are the rank's position in and the size of the dp x ep group;
-the cp ranks of one batch rank get the same batch and slice the sequence themselves.
-``dataset.state_dict()`` goes into checkpoints; ``load_state_dict`` refuses other data on resume.
+The train loop opens a :class:`TokenDataset` on every rank and asks it for ``batch_for_step(step, batch_rank,
+batch_world)`` (the rank's place in dp x ep), or iterates a :class:`DeviceLoader`; its ``state_dict`` goes into
+checkpoints. See docs/data.md, 'Windows and batches'.
 """
 
 from __future__ import annotations

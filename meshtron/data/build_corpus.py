@@ -1,13 +1,8 @@
 """Build the embedded default corpus from the Python standard library's own documentation.
 
 Run once by a maintainer (``python -m meshtron.data.build_corpus``) and commit the result,
-``meshtron/data/stdlib_docs.txt.gz``. Training never runs this script: it reads the committed file,
-so every machine trains on the same bytes whatever Python version it has.
-
-One document per language reference topic (the text ``help("with")`` shows) and one per module:
-its docstring, then the signature and docstring of every public class, method and function the
-module defines. Documents are separated by the ASCII record separator
-(``\\x1e``), the same rule :mod:`meshtron.data.sources` applies to any ``.txt`` file.
+``meshtron/data/stdlib_docs.txt.gz``: training only reads the committed file, so every machine trains on the
+same bytes whatever Python version it has. See docs/data.md, 'The built-in corpus'.
 """
 
 from __future__ import annotations

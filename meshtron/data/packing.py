@@ -1,23 +1,9 @@
 """Tokenize a source once into a flat token file; every rank then memory-maps it read-only.
 
-The cache is two files in the cache folder, named by a hash of what the tokens depend on (the
-source's files with their sizes and mtimes, the text field, the tokenizer and its end-of-document
-id): ``tokens-<key>.bin``, the documents' token ids back to back, each followed by the
-end-of-document id, as uint8 / uint16 / int32 (the narrowest that holds the vocabulary, native
-byte order); and ``tokens-<key>.json``, its description, with the stream's SHA-256 that a resumed
-run checks its data against (so a moved or touched dataset still resumes). Both are written under temporary names
-and renamed into place, the JSON last, so a reader never sees half a cache. ``tokens-<key>.lock`` is
-the file lock the builder holds (``flock``: released when the builder exits, even when it dies).
-
-Packing: window ``i`` is ``tokens[i * seq_len : i * seq_len + seq_len + 1]``; its first ``seq_len``
-tokens are the inputs and its last ``seq_len`` the labels. Windows overlap by one token, so every
-token is a label exactly once and the windows' inputs, concatenated, are the token stream.
-
-Documents (``[data] document_mask = true``): a window's document starts are the tokens right after
-an end-of-document id (and its first token). :func:`pack_documents` turns a window into packed
-positions that restart at 0 at each start (transformers' packed-sequence ``position_ids``) and
-ignores the target of each document's last input token (its end-of-document id, whose next token
-opens another document), as transformers' ``DataCollatorWithFlattening`` does.
+The cache (``tokens-<key>.bin`` and its ``.json``, keyed by everything the tokens depend on) is written under
+temporary names and renamed, JSON last, so a reader never sees half of it; one builder holds the ``flock``. Windows
+of ``seq_len + 1`` tokens overlap by one, so every token is a label exactly once; :func:`pack_documents` restarts
+positions at each document. See docs/data.md, 'Pre-tokenizing' and 'Windows and batches'.
 """
 
 from __future__ import annotations

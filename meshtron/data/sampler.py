@@ -1,12 +1,8 @@
 """Global batches that do not depend on the parallel layout, and moving them to the device.
 
-The sample stream is a pure function of the seed: sample ``g`` (counting from the first step) is
-window ``perm(epoch)[g % n]`` with ``epoch = g // n`` and ``perm(epoch)`` a permutation of the ``n``
-windows drawn from ``(seed, epoch)`` (with a mixture, ``g`` first picks its source and its index
-``i`` among that source's samples, see :func:`mixture_assign`, and ``i`` takes ``g``'s place). Step ``k``'s global batch
-is samples ``k * global_batch_size .. (k + 1) * global_batch_size - 1``, and batch rank ``r`` of ``w`` (the
-dp x ep position) takes the ``r``-th contiguous slice of it. So every layout sees the same global
-batch in the same order, and resuming at step ``k`` needs nothing but ``k``.
+The sample stream is a pure function of the seed, and batch rank ``r`` takes the ``r``-th contiguous slice of
+step ``k``'s global batch, so every layout sees the same global batch in the same order and resuming at step
+``k`` needs nothing but ``k``. See docs/data.md, 'Windows and batches'.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Supervised fine-tuning examples: the pieces of each example, and whether their tokens count in the loss.
 
-``[data] format``:
-
-- ``prompt_response``: records (.jsonl / .parquet / .arrow) with a prompt field and a response field
-  (``prompt_key``, ``response_key``). The example is the prompt's tokens, then the response's, then
-  the end-of-document id; only the response's tokens and that id are labels (prompt labels are -100).
-- ``chat``: records whose ``messages_key`` field is a list of ``{role, content}`` messages, rendered
-  with the tokenizer's chat template (``chat_template`` in ``tokenizer_config.json`` or a
-  ``chat_template.jinja`` beside the ``tokenizer.json``). The text each assistant message adds to
-  the conversation counts; everything else (system, user, the assistant header the template emits
-  for ``add_generation_prompt``) does not. The template must render each conversation as an
-  extension of its prefixes, which every common template does.
-
-Each piece is tokenized on its own, so a token never straddles the prompt/response boundary.
+``[data] format``: ``prompt_response`` records (only the response and the end-of-document id are labels) or
+``chat`` messages rendered with the tokenizer's chat template (only what assistant messages add counts). Each
+piece is tokenized on its own, so a token never straddles the prompt/response boundary. See docs/data.md, 'SFT'.
 """
 
 from __future__ import annotations

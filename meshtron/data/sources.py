@@ -1,20 +1,8 @@
-"""Where training text comes from: the embedded corpus, a .txt/.jsonl/.parquet file, a folder of them,
+"""Where training text comes from: the embedded corpus, a .txt/.jsonl/.parquet/.arrow file, a folder of them,
 or a folder written by ``datasets.Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``.
 
-Document rules, the same for every source:
-
-- ``.jsonl``: one JSON object per line, the text in the field ``[data] text_key``; one document each.
-- ``.parquet`` and ``.arrow`` (Arrow IPC stream or file): one document per row, the text in the column
-  ``text_key``; a null is an empty document. Read with pyarrow one record batch at a time.
-- A ``save_to_disk`` folder: its ``state.json`` lists the ``.arrow`` shards in order; a ``DatasetDict``
-  folder (``dataset_dict.json``) stands for its ``train`` split (point at ``folder/<split>`` for another).
-- ``.txt``: the ASCII record separator ``\\x1e`` splits a file into documents; a file without it is
-  one document. The embedded corpus is such a file (gzip-compressed).
-- ``.gz`` variants of both are read transparently. Folders are searched recursively and their
-  files read in sorted path order. Empty documents are dropped.
-
-Text is streamed in pieces of about 1 MiB cut at line ends, so a huge document never has to fit
-in memory; tokenizers see each piece separately.
+Every source follows the same document rules and is streamed in pieces of about 1 MiB cut at line ends, so a
+huge document never has to fit in memory. See docs/data.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """NCCL's rules for a collective, which the dry run holds every traced collective to (CPU and CUDA paths).
 
-gloo, which every test and CPU run uses, takes what NCCL refuses: a tensor on another device than the
-rank's own (a CPU tensor in a CUDA run), dtypes NCCL has no type for, reductions it cannot do. A dry run
-executes the step's collectives on a fake process group, which takes anything: :class:`NcclRules`
-checks each one as ProcessGroupNCCL would (torch 2.14 with NCCL 2.30: ``to_nccl_data_type`` and the
-reduce-op checks of ``ProcessGroupNCCL.cpp``), and records the point-to-point messages so the dry run
-can match each send with its peer's receive (:func:`unmatched_p2p`).
+gloo and the dry run's fake process group take what NCCL refuses (a tensor on another device than the rank's,
+dtypes and reductions NCCL has none for), so :class:`NcclRules` checks each collective as ProcessGroupNCCL would
+and records the point-to-point messages for :func:`unmatched_p2p`. See docs/planner.md, 'Dry run at real scale'.
 """
 
 from __future__ import annotations

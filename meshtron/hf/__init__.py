@@ -1,11 +1,7 @@
 """HuggingFace interop, an adapter over meshtron's parallel modules (not a second stack).
 
-Checkpoints in and out: ``convert.py`` (meshtron's names and transformers'), ``io.py`` (safetensors
-folders, read per rank by ``slices.py``). Any transformers causal LM parallelized: ``parallelize.py``
-finds the model's parts (``discover.py``) and composes tp (``tp_plan.py``; ``infer.py`` infers a plan
-for a config that has none), experts (``experts.py``; ``router.py`` the load-balancing loss over ranks), cp
-(``context.py``), pp (``pipeline.py``) and FSDP; ``prove.py`` checks each kind of block, split, against
-itself whole; ``loss.py`` and ``runner.py`` give the trainer its step (``[model] hf_model``) and export.
+Checkpoints in and out (``convert.py``, ``io.py``, ``slices.py``), and any transformers causal LM parallelized by
+``parallelize.py`` with the same composition as meshtron's own models. See docs/hf.md ('Files' maps the modules).
 """
 
 from meshtron.hf.convert import from_hf, hf_config_dict, model_config_from_hf, to_hf

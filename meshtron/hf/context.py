@@ -1,26 +1,10 @@
-"""Context parallelism for transformers models: meshtron's ring attention behind transformers'
-attention interface.
+"""Context parallelism for transformers models: meshtron's ring attention behind transformers' attention interface.
 
-* The attention function :data:`RING` is registered once with ``transformers.AttentionInterface`` and
-  set as the model's attention implementation. Every block's attention module gets a
-  :class:`~meshtron.parallel.context.RingAttention` over ``mesh['cp']`` (``cp_ring``); the function
-  hands it the (local-head, local-sequence) q, k, v the model computed, after RoPE. transformers
-  builds no mask for an implementation it does not know, so nothing of size S x S is ever made.
-* Inputs are sharded with the native layout (:func:`meshtron.parallel.context.shard_batch`: chunks
-  ``i`` and ``2cp-1-i`` on cp rank ``i``), global ``position_ids`` included so that RoPE is right.
-  Called as ``model(input_ids=..., labels=...)``, a forward pre-hook shards the whole sequence the
-  caller passes; labels are shifted to next-token targets *before* sharding (a chunk's last target
-  lives on another rank) and given to the loss as ``shift_labels`` (targets passed as
-  ``shift_labels`` are sharded as they are). The pipeline shards its
-  micro-batches itself and only uses the attention.
-* The loss is already global over cp: :func:`meshtron.hf.loss.hf_loss_function` sums tokens
-  and counts over the dense data mesh (dp x ep x cp), and the data-parallel wrapper sums the
-  gradients over it.
-
-Refused with a ConfigError: padding masks (mark padding with label -100 instead: the ring is
-causal, so right padding changes no other token), attention dropout, logit soft-capping, attention
-sinks, and sliding windows shorter than the sequence (a window at least as long as the sequence
-masks nothing, so Mistral's default 4096 runs on shorter sequences).
+:data:`RING` is registered with ``transformers.AttentionInterface`` and runs a
+:class:`~meshtron.parallel.context.RingAttention` over ``mesh['cp']`` on the q, k, v the model computed; a forward
+pre-hook shards the inputs, global positions and next-token targets in the native load-balanced layout. What the
+causal ring cannot honour (padding masks, dropout, soft-capping, sinks, short sliding windows) is refused.
+See docs/hf.md, 'cp and pp for HF models'.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Name and layout conversion between meshtron and transformers' Qwen2 / Qwen2-MoE state dicts.
 
-meshtron keeps transformers' module names without the ``model.`` prefix, so most keys map by a
-prefix. The exception is the routed experts: meshtron stores each projection stacked as
-``[experts, in, out]`` (what grouped_mm multiplies), while checkpoints come in two layouts:
-
-* ``published`` (what Qwen ships and what ``save_pretrained`` writes): one ``nn.Linear`` weight
-  ``[out, in]`` per expert, ``mlp.experts.N.{gate,up,down}_proj.weight``;
-* ``fused`` (transformers 5 in memory): ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and
-  ``mlp.experts.down_proj`` ``[E, H, I]``.
-
-All conversions are transposes, concatenations and splits, so round trips are bit-exact.
-
-transformers' Qwen2-MoE router has no expert bias, so ``moe_aux_free_bias_rate``'s router bias
-cannot be exported: :func:`to_hf` drops an all-zero bias (it changes no routing) and refuses a
-trained one, which would make transformers route tokens differently.
+Keys map by the ``model.`` prefix except the routed experts, which meshtron stacks ``[experts, in, out]`` (what
+grouped_mm multiplies) and checkpoints hold per expert (``published``) or fused (transformers 5 in memory).
+Conversions are transposes, concatenations and splits, so round trips are bit-exact; a trained router bias has
+no transformers counterpart and is refused on export. See docs/hf.md, 'meshtron's own models and HF checkpoints'.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """Where a transformers causal LM keeps its parts, read from the model's own structure.
 
-transformers names the same parts differently per family (``model.layers`` / ``transformer.h`` /
-``gpt_neox.layers`` / ``model.decoder.layers``; ``lm_head`` / ``embed_out``; ``norm`` / ``ln_f`` /
-``final_layer_norm``). :func:`hf_parts` finds them through the model's API instead of assuming one
-family's names:
-
-* decoder: ``model.get_decoder()`` (the base model holding embeddings, blocks and final norm), or,
-  where that contract fails, the one direct child holding the input embeddings and the blocks;
-* blocks: the ``nn.ModuleList`` in the decoder whose elements are of a class in ``_no_split_modules``
-  (transformers' own "one decoder block" marker);
-* embed / head: ``get_input_embeddings()`` / ``get_output_embeddings()``;
-* norm: the decoder's one direct child norm that its ``forward`` runs after the blocks (read from
-  the forward's source: Bloom normalises its embeddings with a second norm before them, Lfm2 calls
-  its final norm ``embedding_norm``);
-* rotary: the decoder-level module owning ``inv_freq``, or one per layer type (Gemma 3's
-  ``sliding_attention_inv_freq``: local RoPE on sliding layers); None for learned or ALiBi positions.
-
-:func:`embedding_rescaling` reads, also from the decoder's forward, whether it rescales the
-embeddings before the blocks (Granite), which a pipeline's first stage would skip.
-
-Every path is the module's full name in ``model.named_modules()``; tp-plan patterns
-(``layers.*.self_attn.q_proj``) are relative to the decoder, so :attr:`HFParts.plan_blocks` is the
-blocks' path inside it.
+Families name the same parts differently (``model.layers`` / ``transformer.h`` / ``gpt_neox.layers``; ``norm`` /
+``ln_f``), so :func:`hf_parts` finds the decoder, blocks, embeddings, head, final norm and rotary embedding
+through the model's API and its forward's source instead of assuming one family's names.
+See docs/hf.md, 'Finding the parts'.
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
 """A tp plan for transformers models whose config has none (GPT-2, Falcon, Bloom, GPT-J, OPT, StableLM, ...).
 
-:func:`infer_tp_plan` reads the module types of each kind of decoder block and writes the plan in
-transformers' own vocabulary (``colwise``, ``rowwise``, ``colwise_gather_output``,
-``rowwise_split_input``), so it goes through the same translation as a config's plan:
-
-* attention with separate q / k / v projections in transformers' current form (the module keeps
-  ``num_key_value_groups`` but no head count, and reshapes by ``head_dim``, so it runs on whatever
-  heads it gets):
-  q, k, v ``colwise`` (split by heads), output projection ``rowwise``;
-* any other attention (fused qkv as GPT-2's ``c_attn``, GPT-NeoX-like and Falcon's
-  ``query_key_value`` with their per-family head layouts, or a module reshaping by its full
-  ``num_heads``, or one owning per-head parameters such as attention sinks): input projections
-  ``colwise_gather_output`` (weights split, output gathered, so every layout stays right) and the
-  output projection ``rowwise_split_input``;
-* MLA attention (DeepSeek-V2/V3: low-rank down projections ``q_a_proj`` / ``kv_a_proj_with_mqa``):
-  DeepSeek-V2's own plan entries; a config plan that names nothing of
-  such an attention (DeepSeek-V3's lists only its MLPs) gets them too, in each layer whose attention is
-  MLA (:func:`with_mla_attention`: Kimi Linear has it in one layer in four);
-* MLP in its own submodule: projections reading the hidden size ``colwise``, the one writing it
-  ``rowwise``; a single fused gate/up (twice the down projection's input) gathered instead;
-* norms, learned position embeddings (GPT-2's ``wpe``) and everything else stay replicated (norms
-  that are direct children of a block are sequence-parallel under SP).
-
-A part that cannot be split this way (no recognisable projections, sizes tp does not divide,
-projections directly in the block) stays whole, so FSDP alone shards it, and one warning names each
-such module and why.
-
-GPT-2's ``Conv1D`` stores its weight ``[in, out]``: :class:`TransposedColwise` /
-:class:`TransposedRowwise` split it along the other dimension.
+:func:`infer_tp_plan` reads the module types of each kind of decoder block and writes the plan in transformers'
+own style names, so it goes through the same translation as a config's plan. An attention it cannot prove
+head-local gets gathered outputs (right for every head layout); a part it cannot split stays whole, for FSDP
+alone, with one warning. See docs/hf.md, 'Models without a plan'.
 """
 
 from __future__ import annotations

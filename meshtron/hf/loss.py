@@ -1,12 +1,9 @@
 """transformers' causal-LM loss and MoE aux loss made the global batch's: thin adapters over the native pieces.
 
-transformers computes the loss through the model's ``loss_function(logits, labels, ...)`` and the aux
-loss (``output_router_logits``) from this rank's router logits. :func:`hf_loss_function` replaces the
-first with the vocab-parallel token-loss sum (:func:`meshtron.parallel.vocab_loss.parallel_token_loss_sum`)
-summed over the data ranks (:func:`meshtron.parallel.step.sum_over_ranks`); :func:`global_aux_loss`
-swaps the second for the global batch's (:func:`meshtron.hf.router.aux_loss_share`). Each rank
-back-propagates only its own share, so gradients summed over the data ranks (the data-parallel
-wrapper) are the unparallelized model's on the concatenated batch.
+:func:`hf_loss_function` replaces the model's ``loss_function`` with the vocab-parallel token-loss sum over the
+data ranks, and :func:`global_aux_loss` the aux loss with the global batch's. Each rank back-propagates only its
+own share, so gradients summed by the data-parallel wrapper are the unparallelized model's on the concatenated
+batch. See docs/hf.md, 'The loss, and MoE gradients'.
 """
 
 from __future__ import annotations

@@ -1,40 +1,10 @@
-"""Pipeline parallelism for transformers models, on meshtron's own pipeline.
+"""Pipeline parallelism for transformers models: the model-specific part, on meshtron's own pipeline.
 
-The HF path adds only what is model-specific; the rest is :mod:`meshtron.parallel.pipeline`:
-
-* the split: :func:`~meshtron.parallel.pipeline.split.chunk_layer_ranges` cuts the decoder blocks
-  into ``pp * virtual_stages`` chunks (chunk ``c`` on pp-rank ``c % pp``), and
-  :func:`prune_hf_to_stage` drops, in place, the blocks another rank runs: the blocks become an
-  ``nn.ModuleDict`` keyed by the global layer index, so parameter names stay transformers' (state
-  dicts and checkpoints are layout-free). The token embedding stays on the first stage, the final
-  norm and LM head on the last, the rotary embedding (no parameters) everywhere: HF blocks take
-  ``position_embeddings=(cos, sin)`` computed from the position ids.
-* the stage: the pruned model's ``forward`` becomes :func:`_stage_forward` (embedding on the first
-  chunk, a range of blocks with the causal or sliding-window mask transformers builds for them,
-  norm + head + summed token loss on the last), called through the model itself so that the hooks
-  on it (FSDP's root unit, activation checkpointing's) run for every chunk;
-* tp, ep (fused experts dispatched over the stage's ep ranks, :mod:`meshtron.hf.experts`), cp (ring
-  attention, :mod:`meshtron.hf.context`), activation checkpointing and FSDP/replicate over the data
-  meshes apply inside a stage exactly as without a pipeline: ``parallelize_hf_model`` works out the
-  stage (:func:`plan_stage`), cuts the model to it (:func:`cut_to_stage`; the block check records its
-  references in between, on the whole model), composes the other dimensions on the stage and returns it;
-  :class:`HFPipelineRunner` runs it;
-* schedules (1F1B, interleaved 1F1B, GPipe), the executor, micro-batching, the global token count,
-  cp sharding of the micro-batches, tied-embedding gradient sums and the gradient norm over stages
-  are :class:`~meshtron.parallel.pipeline.pipelined_runner.PipelineRunner`'s, reused as they are;
-* MoE router aux losses (``output_router_logits``): transformers pools the router statistics of all
-  layers, so they travel with the boundary tensors (:class:`~meshtron.hf.router.PipelineRouterLoss`,
-  the executor's relay) and the loss includes ``router_aux_loss_coef`` x the aux loss of every
-  micro-batch, as the causal LM's forward adds it to each.
-
-A stage runs embedding -> blocks -> norm -> head -> loss, with what the model does around its blocks
-read from the model: an embedding module that scales its output (Gemma's ``*ScaledWordEmbedding``)
-runs as it is on the first stage; the rotary embedding gives one (cos, sin) for all blocks, or one per
-layer type (Gemma 3's local RoPE on sliding layers) as the decoder calls it; ``final_logit_softcapping``
-(Gemma 2/3's causal-LM forward) is folded into the last stage's fused head + loss. Models whose
-decoder or causal-LM forward does more are refused with a ConfigError naming it (embeddings rescaled in
-the decoder's forward, Granite's and Cohere's logit scaling, bidirectional attention), as are models
-without a rotary embedding module.
+:func:`prune_hf_to_stage` keeps this rank's chunks of blocks (in an ``nn.ModuleDict`` under their global index,
+so names and checkpoints stay transformers'), the embedding on the first stage and norm, head and loss on the
+last; :func:`_stage_forward` runs a chunk through the model itself so that its hooks fire, and
+:class:`HFPipelineRunner` drives it with the native schedules and executor. A model whose forward does more around
+its blocks than a stage reproduces is refused. See docs/hf.md, 'cp and pp for HF models'.
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
-"""Each kind of decoder block proven right before training: split as the plan made it against itself whole.
+"""Each kind of decoder block proven right before training: split as the plan made it, against itself whole.
 
-A tp plan (the config's or inferred), SP, and ep's dispatch are translated by rules that can be wrong for
-a family nobody has tried; a wrong split trains with no error. So :func:`parallelize_hf_model` runs the
-first block of each kind (dense, MoE, linear attention, mamba ...: its class and its submodules' names
-and classes) twice on a small probe batch, forward and backward with the same output gradient:
-
-1. :func:`record_references`, before any split: the whole block, on the hidden states, position
-   embeddings and masks the model's own forward hands it for this rank's probe rows (the forward is
-   stopped once every kind's block has its inputs). Kept: output, input gradient, parameter gradients.
-2. :func:`prove_blocks`, after tp, SP, ep and cp and before the data-parallel wrappers: the split block on
-   the same hidden states, as this rank holds them (its cp chunks, their tp shard under SP), with the
-   position embeddings and masks the split model's forward hands it (under cp those of its chunks).
-   Parameter gradients are made whole (DTensors gathered) and summed over the ranks holding other probe
-   tokens, as the data-parallel wrappers will (dense parameters over dp x ep x cp, experts over their edp
-   ranks); the references are summed over dp x ep.
-
-Under pp the references are recorded on the whole model before it is cut to this rank's stage, for the
-first block of each kind the stage holds, and the split block gets the masks and position embeddings the
-stage's own forward builds (:func:`meshtron.hf.pipeline.stage_block`) for the hidden states as the stage
-receives them.
-
-The ranks of a stage compare the same things in the same order; every rank's errors are gathered once,
-the largest of each over its stage's ranks is taken, and all ranks raise the same :class:`ConfigError`,
-naming the stage's block, the layout and the first part that differs (of the first stage with one), or
-none does: a stage that would train on while another stops would hang in the first collective. The probe
-runs in eval mode without a KV cache (dropout would differ), and with ``[train] fp8`` its float8 linears compute
-in the training dtype: the check proves the layout's split, which FP8's casts (tested on their own) leave alone.
-
-A model on the meta device has nothing to run; :func:`meshtron.hf.load_hf_checkpoint`, which splits one and
-reads its weights after, first proves a twin built from the same config: the checkpoint's weights read
-whole up to the first block of the last kind, references recorded, split by the same options, compared as
-above (:func:`meshtron.hf.parallelize._check_twin`).
+Translated tp plans, SP and ep's dispatch can be wrong for a family nobody has tried, and a wrong split trains
+without an error. :func:`record_references` runs the first block of each kind whole on a probe batch before
+anything is split; :func:`prove_blocks` runs it split and compares output, input gradient and parameter
+gradients, and every rank raises the same :class:`ConfigError`. See docs/hf.md, 'Every split block proven
+before training'.
 """
 
 from __future__ import annotations
@@ -183,7 +157,7 @@ def _model_forward(model: nn.Module, mesh: DeviceMesh) -> Callable[[], object]:
 def record_references(
     model: nn.Module, kinds: list[tuple[int, nn.Module]], mesh: DeviceMesh, sp: bool
 ) -> list[_Reference]:
-    """Each of ``kinds`` (:func:`block_kinds`) run whole on this rank's probe rows (see the module docstring)."""
+    """Each of ``kinds`` (:func:`block_kinds`) run whole on this rank's probe rows (docs/hf.md)."""
     with _eval_mode(model):
         captured = _capture_inputs(kinds, _model_forward(model, mesh))
         references = []

@@ -1,25 +1,9 @@
 """transformers' MoE load-balancing loss (``output_router_logits``) counted over ranks and pipeline stages.
 
-transformers pools the router statistics of ALL MoE layers before multiplying them
-(``load_balancing_loss_func``): with f_e the top-k assignments of expert e and P_e its summed router
-probabilities, over every layer's rows, and R the routed rows of all layers,
-``aux = E * sum_e (f_e / R) * (P_e / R)``, and the causal LM adds ``router_aux_loss_coef * aux`` to the
-loss of each forward, i.e. once per micro-batch. Counts are not differentiable, so the gradient of the
-aux loss w.r.t. one layer's probability sums is ``coef * E * f / R^2``: it needs the counts of every
-layer, those of later pipeline stages included.
-
-* Without a pipeline (:mod:`meshtron.hf.loss`) only the data ranks split the rows:
-  :func:`router_statistics` of this rank, summed over them, give the global counts (:func:`aux_loss_share`).
-* Under pp, :class:`PipelineRouterLoss` records the router logits of each chunk's MoE layers (hooks on
-  the modules the model's own ``_can_record_outputs["router_logits"]`` names, so no family is
-  hard-coded), sums the chunk's statistics over the data ranks (one small all-reduce per chunk and
-  micro-batch, as the native MoE does per layer) and lets them travel with the pipeline's boundary
-  tensors (the executor's :class:`~meshtron.parallel.pipeline.executor.Relay`): forward, each stage
-  adds its own to what the previous stages sent, so the last stage holds the micro-batch's totals;
-  backward, the totals go back with the gradients, so each stage's backward knows them before it
-  runs. The gradient enters at the chunk's output (:class:`_AttachRouterGrad`, the native
-  ``_AttachAuxLoss``'s idea), so neither the chunk outputs nor the schedules carry the aux loss; its
-  value is added to the step's loss from the totals, on every rank.
+transformers pools the router statistics of all MoE layers before multiplying them, so one layer's aux gradient
+needs every layer's counts. Without a pipeline :func:`aux_loss_share` sums this rank's statistics over the data
+ranks; under pp :class:`PipelineRouterLoss` relays the running totals with the boundary tensors, forward and
+back. See docs/hf.md, 'cp and pp for HF models'.
 """
 
 from __future__ import annotations

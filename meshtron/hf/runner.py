@@ -1,14 +1,10 @@
 """Training a transformers model from a recipe: ``[model] hf_model = "folder"``.
 
-The folder's ``config.json`` defines the architecture (the recipe's other ``[model]`` keys are not
-used for it; :func:`with_hf_model` copies the sizes the layout checks, the memory estimate and the
-FLOP count read). Weights come from the folder's safetensors when it has any, else from the model's
-own initialisation seeded with ``[train] seed``. The runner implements the trainer's
-:class:`~meshtron.parallel.step.Runner` interface: :class:`HFNoPipelineRunner` without a pipeline, the
-:class:`~meshtron.hf.pipeline.HFPipelineRunner` with one; both on :func:`parallelize_hf_model`'s model,
-chosen by :func:`~meshtron.parallel.runner.build_model_runner` from :data:`HF_RUNNERS` as for native models
-(:func:`meshtron.runner.build_runner` builds the recipe's model and its runner).
-Checkpoints are meshtron's (DCP, any layout); ``export_hf`` writes the model's own transformers folder.
+The folder's ``config.json`` defines the architecture (:func:`with_hf_model` copies the sizes the layout checks,
+the memory estimate and the FLOP count read); its safetensors, or the model's own seeded initialisation, give
+the weights. :class:`HFNoPipelineRunner` (or :class:`~meshtron.hf.pipeline.HFPipelineRunner` under pp) is the
+trainer's :class:`~meshtron.parallel.step.Runner`, chosen from :data:`HF_RUNNERS` as for native models.
+See docs/hf.md, 'From a recipe'.
 """
 
 from __future__ import annotations

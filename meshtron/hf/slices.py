@@ -1,13 +1,9 @@
 """Reading only this rank's slice of every tensor of a safetensors HF folder into sharded parameters.
 
-Each parameter's global index range on this rank follows from its DTensor placements
-(``Shard(d)`` over every mesh dim, torch.chunk semantics, FSDP's strided sharding included), and
-``safe_open(...).get_slice(name)[rows, cols]`` reads just that range, so a rank's peak memory is
-about its share of the weights. No communication: every rank reads its own slices.
-
-Two name spaces: transformers models (:func:`load_sharded_weights`, HF names, fused MoE experts in
-memory) and meshtron's native models (:func:`load_native_sharded`, experts stacked ``[E, in, out]``);
-both read checkpoints with per-expert (``save_pretrained``) or fused expert tensors.
+Each parameter's global index range follows from its DTensor placements and ``safe_open(...).get_slice`` reads
+just that range, so a rank's peak memory is about its share of the weights and no rank communicates; both
+transformers' names (:func:`load_sharded_weights`) and meshtron's (:func:`load_native_sharded`) are served.
+See docs/hf.md, 'Reading only this rank's slices'.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """transformers' tensor-parallel plan translated into DTensor ``ParallelStyle``s, and applied.
 
-The plan is the config's ``base_model_tp_plan`` (the table transformers' ``tp_plan="auto"`` uses), or one
-inferred from the module types when the config has none (:mod:`meshtron.hf.infer`). Each style becomes
-a training style; what the inference-oriented plan lacks is added here: vocab-parallel embedding and
-lm_head (logits ``Shard(-1)``), sequence parallelism (norms and the residual stream split along the
-sequence), KV heads replicated when tp is a multiple of ``num_key_value_heads``
-(``ReplicatedKVHeads``, each attention's ``num_key_value_groups`` set to its local ratio), MLA's rope
-key gradient summed over tp (:class:`_SharedRopeKey`), the MoE shared expert split like a dense MLP,
-and every parameter no entry splits replicated with its gradient decided on the first backward
-(:func:`replicate_plain_params`). :func:`apply_hf_tensor_parallel` is the entry, the tp step of
-:class:`meshtron.hf.parallelize.HFParallelisms` in :func:`meshtron.parallel.compose.compose`'s order.
+The plan is the config's ``base_model_tp_plan`` or one inferred for a config without (:mod:`meshtron.hf.infer`).
+That plan is written for inference, so what training needs is added here: vocab-parallel embedding and head,
+SP, replicated KV heads, MLA's shared rope key, and a gradient rule for every parameter no entry splits.
+:func:`apply_hf_tensor_parallel` is the entry. See docs/hf.md (the opening and the tp-plan style table).
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """Token cross-entropy that never holds a whole micro-batch's logits in fp32.
 
-Two entry points share one per-chunk computation:
-
-* :func:`linear_cross_entropy_sum` (training): the LM head and the loss fused. Logits are computed
-  ``chunk`` tokens at a time; each chunk's loss and its gradients with respect to the hidden states
-  and the head weight are computed at once and the chunk's logits are dropped. Backward only scales
-  the stored gradients by the incoming scalar. Extra memory: O(chunk x V) for the chunk's logits plus
-  the two gradients (the size of the hidden states and of the weight) — never tokens x V. Matmul work
-  equals the unfused path's (one forward, two gradient products per chunk).
-* :func:`cross_entropy_sum` (inference and tests, given logits): the loss chunk by chunk, saving one
-  fp32 log-sum-exp per token; backward rebuilds each chunk's softmax from the saved logits.
-
-Each chunk works in one fp32 buffer of chunk x V_local values: the logits become their exponentials,
-then the logit gradient (normalised, masked and scaled in one pass), in place.
-
-Vocabulary-parallel use: ``weight`` / ``logits`` may hold only columns ``[vocab_start, vocab_start +
-V_local)`` of the vocabulary. Per-token maxima and sums must then cover every shard: the caller
-passes ``reduce(tensor, op)`` (op ``"max"`` or ``"sum"``, in place over the shards); the default does
-nothing (one shard holds the whole vocabulary). The model stays free of communication: tensor
-parallelism provides the reducer.
-
-Numerics: logits are computed in the input dtype (bf16 on GPUs) and upcast per chunk; max,
-log-sum-exp, loss and the weight gradient accumulate in fp32.
-
-Soft-capping (``softcap = c``: the loss of ``c * tanh(logits / c)``, Gemma 2/3's
-``final_logit_softcapping``) is applied per chunk in fp32; its slope ``1 - tanh²`` needs one more
-chunk-sized buffer while gradients are computed.
+:func:`linear_cross_entropy_sum` (training) fuses the LM head and the loss: logits are made ``chunk`` tokens at a
+time, each chunk's gradients computed at once and its logits dropped, so the extra memory is O(chunk x V) for
+the same matmul work; :func:`cross_entropy_sum` does the same given logits. Vocabulary-parallel callers pass a
+``reduce`` over the shards, so the model holds no communication. See docs/training.md, 'The fused LM head and loss'.
 """
 
 from __future__ import annotations
@@ -168,7 +146,7 @@ def linear_cross_entropy_sum(
     ``labels`` without materialising the logits.
 
     hidden: [..., H]; weight: [V_local, H] (vocabulary rows ``vocab_start ...``); labels: [...] with
-    ``ignore_index`` for tokens that do not count. Returns an fp32 scalar (see the module docstring).
+    ``ignore_index`` for tokens that do not count. Returns an fp32 scalar (docs/training.md#the-fused-lm-head-and-loss).
     """
     return _LinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]),

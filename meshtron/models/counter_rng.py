@@ -1,14 +1,8 @@
 """Counter-based normal random numbers: any slice of a tensor, computed on its own.
 
-Element ``i`` (its flat row-major index in the full tensor) of the tensor with key ``key`` is a
-pure function of ``(key, i)``: a splitmix64 hash of ``key + i * golden ratio`` gives 64 random
-bits, two 24-bit uniforms of which make one normal value (Box-Muller). So a rank can fill just
-its shard of a parameter, on whatever device the shard lives on, with exactly the values the
-same positions have in the full tensor, and no stream has to be drawn through from the start.
-
-Integer arithmetic is int64 with wrap-around multiplication (two's complement, as on CPU and
-CUDA); logical right shifts are arithmetic shifts with the sign bits masked off. Work is done in
-chunks of rows so the int64 temporaries stay small whatever the slice size.
+Element ``i`` of the tensor with key ``key`` is a pure function of ``(key, i)`` (a splitmix64 hash, Box-Muller),
+so a rank fills just its shard, on its own device, with exactly the values of the full tensor, and the initial
+weights do not depend on the layout. See docs/training.md, 'How the parallelisms compose'.
 """
 
 from __future__ import annotations

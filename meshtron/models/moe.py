@@ -1,28 +1,9 @@
 """Qwen2-MoE block: softmax top-k router, grouped-GEMM routed experts, gated shared expert.
 
-The load-balancing loss follows the Switch Transformer (per layer, E * sum_e f_e * P_e with f_e the
-share of top-k assignments and P_e the mean router probability), with transformers' normalisation
-(f_e = assignments_e / tokens, so sum_e f_e = top_k) so ``router_aux_loss_coef`` keeps its meaning.
-transformers pools f and P over all layers before multiplying; we keep Switch's per-layer loss and
-average it over MoE layers. That equals transformers for one MoE layer and, unlike pooling, lets a
-pipeline stage own its layers' losses. The aux loss enters training through its gradient
-(:class:`_AttachAuxLoss`), so neither the model output nor a pipeline schedule has to carry it.
-
-Optional router features (all off by default, so the model matches transformers):
-
-* ``router_z_loss_coef``: ST-MoE's z-loss, mean over tokens of logsumexp(logits)^2, weighted and
-  averaged over MoE layers like the aux loss (attached the same way).
-* ``moe_aux_free_bias_rate``: DeepSeek-V3's auxiliary-loss-free balancing. A per-expert bias is
-  added to the router probabilities for the top-k choice only (the combine weights stay unbiased);
-  after each optimizer step the train loop calls :func:`update_expert_bias`, which moves each bias by
-  ``rate * sign(mean load - load)`` using the step's (global) token counts.
-* ``moe_capacity_factor``: each expert takes at most ``ceil(factor * tokens * top_k / experts)``
-  copies of the micro-batch's tokens, first come first served in token order ((sample, position),
-  then slot); the others are dropped: their combine weight becomes zero (so they add nothing and
-  send no router gradient). Dropped copies are still computed, so capacity bounds an expert's
-  influence, not its compute. Under parallelism ``tokens`` and the order are those of the global
-  micro-batch (a ``capacity_ranker`` installed by expert parallelism supplies them), so the same
-  copies are dropped on every layout; the global micro-batch depends on the micro-batch count.
+The load-balancing loss is Switch's, per layer and averaged over layers (equal to transformers' pooled loss for
+one layer, and it lets a pipeline stage own its layers' losses); it and the optional z-loss enter through their
+gradient (:class:`_AttachAuxLoss`). The aux-free bias and the capacity factor, off by default, act on the global
+micro-batch, so every layout routes alike. See docs/expert_parallel.md, 'The MoE block and its router losses'.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Qwen2.5 decoder (dense or Qwen2-MoE) as a plain PyTorch module.
 
-No parallel code lives here. The parallel modules rely on a few structural facts:
-
-* ``layers`` is an ``nn.ModuleDict`` keyed by the global layer index, so a pipeline stage can drop
-  layers and keep the checkpoint names of the rest; ``embed_tokens``, ``norm`` and ``lm_head`` may be
-  ``None`` on stages that do not own them.
-* attention heads are inferred from tensor shapes (``view(B, S, -1, D)``), so tensor parallelism can
-  shard the projections without telling the model;
-* ``self_attn.core_attention`` is the only place that mixes positions, so context parallelism swaps
-  that one submodule;
-* MoE blocks keep routing, expert compute and shared expert in separate submodules, so expert
-  parallelism swaps the expert compute only.
+No parallel code lives here; the parallel modules rely on a few structural facts instead (layers keyed by global
+index, heads read from tensor shapes, ``core_attention`` the one place that mixes positions, the experts their
+own submodule). Keep them and most parallel code applies as it is. See docs/extending.md, 'A new native model'.
 """
 
 from __future__ import annotations

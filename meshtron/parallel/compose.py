@@ -102,8 +102,8 @@ def materialize_sharded(model: nn.Module, device: torch.device, cfg: Config) -> 
     """Allocate a parallelized meta-device model and fill it with the layout-independent initial
     weights, each rank computing only its own slices on ``device``. With ``[parallel] offload =
     "optimizer"`` the parameters are allocated on the host, where FSDP2 keeps their shards: allocated on a
-    GPU, its first forward refuses them ("FSDP parameters should be materialized on CPU", found by the dry
-    run on fake CUDA); the buffers stay on ``device``, where the step reads them."""
+    GPU, its first forward refuses them ("FSDP parameters should be materialized on CPU"); the buffers stay
+    on ``device``, where the step reads them."""
     with fake_tensors():
         allocate_empty(model, device, on_host=cfg.parallel.offload == "optimizer")
     model.tie_weights()  # to_empty replaces tied parameters one module at a time

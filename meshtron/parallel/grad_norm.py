@@ -1,17 +1,8 @@
 """Global gradient norm and clipping over gradients that live on different meshes.
 
-After TP, EP and FSDP, gradients are DTensors on several meshes at once: dense ones on
-(dp_ep_cp, tp), experts on (edp, ep, etp), norms only on the data mesh, and with pipeline parallelism
-each stage holds other parameters. ``torch.nn.utils.clip_grad_norm_`` stacks per-tensor norms,
-which DTensor refuses across meshes, so we compute the norm ourselves:
-
-1. group gradients by (mesh, the mesh dims they are sharded over);
-2. per group, add up |g|^p of the local shards and sum that over the sharded mesh dims only
-   (replicated dims hold copies, which must not be counted twice);
-3. add the groups, then sum over pipeline stages.
-
-Every rank ends with the norm of the full model's gradient, equal to the single-process norm.
-Collectives per call: one small all-reduce per (group, sharded dim of more than one rank), plus one over pp.
+``torch.nn.utils.clip_grad_norm_`` stacks per-tensor norms, which DTensor refuses across meshes, so the norm is
+summed here per (mesh, sharded dims) group over the sharded dims only (replicated dims hold copies), then over the
+groups and the pipeline stages: every rank gets the single-process norm. See docs/training.md, 'The gradient norm'.
 """
 
 from __future__ import annotations
@@ -116,8 +107,8 @@ def scale_grads_(params, max_norm: float, total_norm: torch.Tensor) -> None:
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
     # One copy of the coefficient per device and dtype, not per gradient: with host-offloaded gradients each
-    # copy to the host waits for the device, once per parameter (found by the dry run on fake CUDA); one
-    # foreach multiply per group, as one launch.
+    # copy to the host waits for the device, which per gradient would be once per parameter; one foreach
+    # multiply per group, as one launch.
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
     for same in _by_device_and_dtype(grads):
         foreach_mul_(same, copy_to(coef, same[0].device).to(same[0].dtype))

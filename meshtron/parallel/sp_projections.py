@@ -1,11 +1,9 @@
 """Sequence parallelism's column-parallel projections (Megatron-LM's SP linears, Korthikanti et al. 2022).
 
-Under SP the q/k/v (gate/up) projections of one module read a sequence-sharded input: it is all-gathered
-once for all of them, the projections run as one packed GEMM (or one per float8 projection), and only
-the shard is saved for backward, which gathers it again (:class:`SequenceParallelColwise`). Kept apart
-from the plain styles (``parallel/tp_styles.py``) because this is where SP's collectives, the float8
-gather and the zero-bubble split of a backward (:func:`pass_wants`) meet; the overlapped variant
-(``parallel/tensor_overlap.py``) reuses these pieces.
+The q/k/v (gate/up) projections of one module all-gather their sequence-sharded input once, run as one packed
+GEMM and save only the shard for backward, which gathers it again (:class:`SequenceParallelColwise`). Apart
+from the plain styles because SP's collectives, the float8 gather and the zero-bubble split of a backward
+(:func:`pass_wants`) meet here. See docs/training.md, 'Tensor and sequence parallelism'.
 """
 
 from __future__ import annotations

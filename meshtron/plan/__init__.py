@@ -1,11 +1,8 @@
 """Will it fit, and which layout is fastest? Memory and step-time models of a recipe's layout.
 
-``python -m meshtron.plan --recipe R --gpus N`` prints the recipe's layout with its per-rank memory
-breakdown and predicted step time, then every valid layout for N devices ranked by throughput.
-``meshtron.train`` uses :func:`check_memory` to refuse a layout that cannot fit before allocating.
-
-Sits above ``meshtron.parallel`` (it reads the pipeline schedules and the simulator) and below
-``meshtron.train``.
+``python -m meshtron.plan --recipe R --gpus N`` prints the recipe's layout with its per-rank memory and step time,
+then every valid layout for N devices ranked by throughput; ``meshtron.train`` refuses a layout that cannot fit
+with :func:`check_memory`. Sits above ``meshtron.parallel``, below ``meshtron.train``. See docs/planner.md.
 """
 
 from meshtron.plan.memory import TERMS, Assumptions, Breakdown, predict_memory

@@ -288,7 +288,7 @@ def fp8_cast_gradient_bytes(cfg: Config, layer: int) -> float:
     """Per token, what a layer's backward holds beside its saved tensors while a float8 GEMM casts its
     widest operand (:func:`fp8_operand_width`) for the weight gradient: the incoming hidden-state
     gradient and its float8 copy, that GEMM's input gradient already computed, and the cast's
-    :data:`FP8_CAST_BYTES`. That is where Qwen2.5-7B's dry runs peak (docs/fp8.md#planned): without tp at
+    :data:`FP8_CAST_BYTES`. That is where a layer's backward peaks under FP8 (docs/fp8.md#planned): without tp at
     the down projection's input ([I / tp] a token, cast after its input gradient), under tp + SP as high in
     the recomputed forward's cast of that input (beside the packed gate / up output SP feeds the MLP,
     [2 I / tp]). Not counted: a weight's cast (at most 9 bytes an element of

@@ -1,11 +1,8 @@
-"""Bytes each rank sends per step, by collective kind and mesh dimension, and the seconds they take:
-tp / sp transfers per layer (and their overlapped rings), cp attention by comm type, ep dispatch and
-router statistics, pp sends, the data-parallel gathers and reductions with FSDP's padding, each at the
-intra- or inter-node bandwidth its group spans.
+"""Bytes each rank sends per step, by collective kind and mesh dimension, and the seconds they take at the
+intra- or inter-node bandwidth each group spans (tp / sp, cp, ep, pp and the data-parallel collectives).
 
-Apart from :mod:`meshtron.plan.speed`, which turns them into a step time with compute, the bubble and
-host offload, because the dry run and the tests check these counts on their own (``communication``
-against the traced collectives).
+Apart from :mod:`meshtron.plan.speed`, which turns them into a step time, because the dry run and the tests
+check these counts on their own. See docs/planner.md, 'Step time'.
 """
 
 from __future__ import annotations

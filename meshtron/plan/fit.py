@@ -1,16 +1,9 @@
 """Pre-flight memory check of ``meshtron.train``: refuse a layout predicted not to fit, before anything
 is allocated or any collective runs.
 
-Available memory per rank: on CUDA the device's total memory (identical GPUs give every rank the same
-verdict); on CPU the host's available RAM (``MemAvailable``, read after this process imported torch,
-so the libraries are already accounted for) divided by the ranks on this host. Every rank decides
-on its own, before any process group exists, and rank 0 prints the refusal; on CPU the ranks read
-``MemAvailable`` moments apart, so a prediction within a few MiB of the limit could split the verdict.
-
-Host memory (``Breakdown.host``: what ``[parallel] offload`` and ``offload_activations`` keep there,
-and each process's own): on CUDA the node's ranks together need their host bytes times the local
-ranks, against ``MemAvailable``; on CPU, where host and device are one memory, each rank's offloaded
-bytes add to its device bytes.
+Each rank compares the prediction with its own budget (CUDA: the device's total memory; CPU: ``MemAvailable``
+over the host's ranks) and the node's host bytes with the host's, before any process group exists.
+See docs/planner.md, 'Pre-flight'.
 """
 
 from __future__ import annotations

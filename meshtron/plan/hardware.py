@@ -16,7 +16,7 @@ EMULATED_FP8_RECIPES = ("mxfp8",)
 
 
 # Keyword-only: CLIs build it from flags, and a field inserted later must not shift their values into
-# its neighbours (an inserted memory_tbps once took --mfu's value in meshtron.plan).
+# its neighbours.
 @dataclass(frozen=True, kw_only=True)
 class Hardware:
     """Per-device figures (defaults: an H100 SXM node with 400 Gb/s InfiniBand per GPU). ``mfu``: None

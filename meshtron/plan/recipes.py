@@ -1,15 +1,7 @@
-"""The hardware a recipe's layout is for, read from the machine-readable line in its header:
-
-    # Hardware: 4 nodes x 8 GPUs x 80 GB
-
-and the header's predicted memory ("meshtron.plan predicts 30.1 GiB per GPU"), generated from the
-planner: ``python -m meshtron.plan.recipes recipes/*.toml`` rewrites it in every recipe given, and the
-tests fail when a header disagrees with the plan.
-
-(nodes x devices per node x memory per device). ``GB`` is read as GiB, as ``--gpu-memory`` is: an
-"80 GB" H100 exposes 79.6 GiB, within the 10 % headroom the recipes keep. The tiny debug recipes
-say ``CPU ranks``; their memory is the host RAM per rank, and the planner then leaves out the CUDA
-context and communicator buffers (:data:`meshtron.plan.fit.CPU_ASSUMPTIONS`).
+"""The hardware a recipe's layout is for, read from the machine-readable line in its header
+(``# Hardware: 4 nodes x 8 GPUs x 80 GB``: nodes x devices per node x memory per device, GB read as GiB), and
+the header's predicted-memory line, which ``python -m meshtron.plan.recipes recipes/*.toml`` rewrites from the
+planner (the tests fail when a header disagrees with the plan). See docs/recipes.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """One failure report per job, whichever rank gets there first, through the launcher's store.
 
-torchrun stops every worker as soon as one exits, so "rank 0 prints" loses the message whenever another
-rank exits first (a refusal every rank reaches is printed by none). Every rank therefore competes for
-the report on the job's key-value store (torchrun's agent store, or the rendezvous store rank 0 hosts,
-reachable before any process group exists): the first to claim it prints, the others wait until it
-has printed before they exit. At runtime the rank whose own error ended the job records it there, and
-the peers whose collectives then fail stay quiet instead of burying it under "a collective failed".
-Without a store (one process, or a store that cannot be reached) each falls back to printing itself.
+torchrun stops every worker as soon as one exits, so "rank 0 prints" loses the message whenever another rank
+exits first: every rank competes for the report on the job's key-value store, and the rank whose own error ended
+the job records it so its peers' failed collectives stay quiet. See docs/failures.md, 'No hangs'.
 """
 
 from __future__ import annotations

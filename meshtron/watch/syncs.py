@@ -1,22 +1,8 @@
 """Count host syncs of a piece of work on any device, the CPU included.
 
-A GPU step is fast when the host queues kernels ahead of the device and never waits for it. The
-host waits when it
-
-* reads a value: ``.item()``, ``float(t)``, ``bool(t)`` / ``if t:`` (all ``aten._local_scalar_dense``),
-  ``torch.equal``, ``.tolist()``, ``.numpy()``;
-* runs an op whose output *size* depends on the data, which the host needs to allocate the result:
-  ``nonzero``, ``masked_select``, boolean-mask indexing, ``unique``, ``bincount``, and
-  ``repeat_interleave`` without ``output_size``;
-* copies between host and device: any copy to the host, and blocking copies to the device
-  (a copy from pageable host memory waits for the stream).
-
-``torch.cuda.set_sync_debug_mode("error")`` catches these on CUDA only. :class:`HostSyncCounter`
-records them from the dispatcher wherever the code runs, so CPU tests can assert that a training
-step has none (or exactly the ones it needs). On a CPU run every tensor is a host tensor, so a copy
-only counts when source and destination devices differ, which they never do there: host/device
-copies are left to the CUDA check (``benchmarks/mfu.py`` runs the step under it). Reads of tensors
-that live on the host on every device (e.g. CPU-side counters) count too; keep them out of the step.
+A GPU step is fast when the host never waits for the device; ``torch.cuda.set_sync_debug_mode`` catches the
+waits on CUDA only, so :class:`HostSyncCounter` records value reads, data-dependent output sizes and host/device
+copies from the dispatcher and CPU tests can assert a step has none. See docs/benchmarks.md, 'Performance on GPUs'.
 """
 
 from __future__ import annotations
@@ -153,7 +139,7 @@ def record(op: str) -> None:
 
 
 class HostSyncCounter:
-    """Context manager recording every host sync (see the module docstring) issued inside it.
+    """Context manager recording every host sync (docs/benchmarks.md lists the kinds) issued inside it.
 
     ``syncs``: the :class:`Sync` records in order; ``count``: how many. Works with DTensor, FSDP2
     and autograd (the backward's ops are recorded when ``backward()`` runs inside the block).

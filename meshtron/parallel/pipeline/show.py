@@ -1,11 +1,9 @@
 """Gantt charts of pipeline schedules, simulated or measured.
 
-``python -m meshtron.parallel.pipeline.show --pp 4 --microbatches 8 --schedule interleaved --virtual 2``
-simulates the schedule, writes a PNG (rows = ranks, x = time, forwards, backwards and weight
-gradients (``W``, zero-bubble schedules) in three colours labelled with their microbatch, idle
-time blank) and prints the costs it used, the bubble fraction next to the analytic one and the peak
-in-flight micro-batches per rank. :func:`render_timeline` draws timelines measured in a real run.
-matplotlib is optional (``pip install 'meshtron[plot]'``) and imported only when drawing.
+``python -m meshtron.parallel.pipeline.show --pp 4 --microbatches 8 --schedule interleaved --virtual 2`` simulates
+the schedule, draws it to a PNG and prints the costs it used, the bubble next to the analytic one and the peak
+in-flight micro-batches; :func:`render_timeline` draws timelines measured in a real run. matplotlib is optional
+(``pip install 'meshtron[plot]'``) and imported only when drawing. See docs/pipeline.md, 'Zero-bubble schedules'.
 """
 
 from __future__ import annotations

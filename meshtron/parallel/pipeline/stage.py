@@ -1,11 +1,8 @@
 """This rank's pipeline stage: prune the (meta-device) model to its layers, run chunks of it.
 
-A pp-rank keeps ONE ``Transformer`` whose ``layers`` hold the layers of all its virtual stages
-(keys stay the global layer indices, so state-dict names and checkpoints are layout-free), the
-token embedding only where chunk 0 runs and the final norm and LM head only where the last chunk
-runs. Pruning happens on the meta device before anything is allocated, so a rank never holds more
-than its share of a large model. A :class:`StageChunk` is a view that runs one chunk's layer range
-of that model (``Transformer.forward(..., layers=range)``); it owns no parameters.
+A pp-rank keeps one model holding all its virtual stages' layers under their global indices (layout-free
+checkpoints), pruned on the meta device before anything is allocated; a :class:`StageChunk` is a view that runs
+one chunk's layer range and owns no parameters. See docs/pipeline.md, 'Stages and placement'.
 """
 
 from __future__ import annotations
