@@ -264,6 +264,8 @@ class Trainer:
         collective_log.install()
         self.step = self.start_step
         self.own_seconds: list[float] = []  # since the last log: step time less the time waited in collectives
+        self.unread: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, grad norm) not yet read
+        self.window: tuple[float, float] | None = None  # the clocks at the start of the unread steps
         install_stall(self.runner.module, self.rank, lambda: self.step)
 
     def _restore(self) -> int:
@@ -319,9 +321,9 @@ class Trainer:
         inject_fault(self.rank, step + 1)
         with self.profiler.step(step + 1):
             record = self.train_step(step)
-            if self._eval_due(step + 1):
+            if record is not None and self._eval_due(step + 1):
                 record.update(self.evaluate())
-        if (step + 1) % t.log_every == 0 or step + 1 == t.steps or "eval_loss" in record:
+        if record is not None and self._log_due(step + 1):
             if t.tensorboard and self.runner.moes:
                 record.update(self._moe_stats())
             record.update(self._stragglers())
@@ -341,6 +343,15 @@ class Trainer:
             "rank_time_max": max(seconds),
             "rank_time_median": statistics.median(seconds),
         }
+
+    def _log_due(self, step: int) -> bool:
+        t = self.cfg.train
+        return step % t.log_every == 0 or step == t.steps or self._eval_due(step)
+
+    def _read_due(self, step: int) -> bool:
+        """The steps whose scalars the host reads: logged ones, and checkpointed ones (a run that must stop at a
+        non-finite step never saves the steps after it). The host runs ahead of the device between them."""
+        return self._log_due(step) or self._checkpoint_due(step)
 
     def _eval_due(self, step: int) -> bool:
         """Every ``eval_every`` steps and after the final step, when there is held-out data."""
@@ -386,9 +397,12 @@ class Trainer:
         every = self.cfg.checkpoint.every
         return bool(every) and (step % every == 0 or step == self.cfg.train.steps)
 
-    def train_step(self, step: int) -> dict:
+    def train_step(self, step: int) -> dict | None:
+        """Queue one step; on a step whose scalars are read (:meth:`_read_due`), read every unread step's loss and
+        gradient norm in one copy and return the step's record, else None (no host sync, no barrier)."""
         t = self.cfg.train
-        start, waited_before = _start_step_clock()
+        if self.window is None:
+            self.window = _start_step_clock()
         slow_down(self.rank, step + 1)
         lr = lr_at(step, t)
         set_lr(self.optimizer, lr)
@@ -397,28 +411,43 @@ class Trainer:
         )
         input_ids, labels, *positions = to_device(batch, self.device)
         loss, grad_norm = training_step(self.runner, self.optimizer, input_ids, labels, t.max_grad_norm, *positions)
-        # The step's one device-to-host read, after the whole step is queued: the host never waits
-        # inside it, and the step time below includes the device finishing the step.
-        loss, grad_norm, aux = read_scalars(loss, grad_norm, self.runner.aux_loss())
-        # loss and grad_norm are global values, so every rank takes the same branch.
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if not finite:
-            self._on_nonfinite(step, loss, grad_norm)
-        # Waited read before the clock stops: its interval lies inside the step's, so 0 <= waited <= elapsed.
+        self.unread.append((step + 1, loss, grad_norm))
+        if not self._read_due(step + 1):
+            return None
+        return self._read_window(lr)
+
+    def _read_window(self, lr: float) -> dict:
+        """The last step's record, from one device-to-host read of every unread step's scalars taken after the
+        whole window is queued; its times are the window's per step (the device finishing its work included)."""
+        t = self.cfg.train
+        steps = [s for s, _, _ in self.unread]
+        *values, aux = read_scalars(*(v for _, loss, norm in self.unread for v in (loss, norm)), self.runner.aux_loss())
+        self.unread.clear()
+        # Losses and gradient norms are global values, so every rank takes the same branches.
+        nonfinite = [
+            (s, loss, norm)
+            for s, loss, norm in zip(steps, values[::2], values[1::2])
+            if not (math.isfinite(loss) and math.isfinite(norm))
+        ]
+        for s, loss, norm in nonfinite:
+            self._on_nonfinite(s, loss, norm, read_at=steps[-1])
+        start, waited_before = self.window
+        self.window = None
+        # Waited read before the clock stops: its interval lies inside the window's, so 0 <= waited <= elapsed.
         waited = collective_log.LOG.waited() - waited_before
-        elapsed = time.perf_counter() - start
-        self.own_seconds.append(elapsed - waited)
+        elapsed = (time.perf_counter() - start) / len(steps)
+        self.own_seconds.append(elapsed - waited / len(steps))
         tokens = t.global_batch_size * t.seq_len
         record = {
-            "step": step + 1,
-            "loss": loss,
-            "grad_norm": grad_norm,
+            "step": steps[-1],
+            "loss": values[-2],
+            "grad_norm": values[-1],
             "lr": lr,
             "tokens_per_sec": tokens / elapsed,
             "step_time": elapsed,
             "aux_loss": aux,
         }
-        if not finite:
+        if nonfinite and nonfinite[-1][0] == steps[-1]:
             record["skipped"] = True
         if self.peak_flops:
             record["mfu"] = (
@@ -430,12 +459,18 @@ class Trainer:
             record["memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return record
 
-    def _on_nonfinite(self, step: int, loss: float, grad_norm: float) -> None:
-        """Stop with the step and the first offending parameter named, or skip the update."""
-        where = _first_nonfinite_grad(self.runner.module)
-        what = f"step {step + 1}: loss {loss}, gradient norm {grad_norm}; " + (
-            f"first non-finite gradient: {where}" if where else "every gradient is finite (the loss is not)"
-        )
+    def _on_nonfinite(self, step: int, loss: float, grad_norm: float, read_at: int) -> None:
+        """Stop with the step (1-based) and, while its gradients are still held (it is the step read at), the
+        first offending parameter named; or report the update the device skipped."""
+        if step == read_at:
+            where = _first_nonfinite_grad(self.runner.module)
+            found = f"first non-finite gradient: {where}" if where else "every gradient is finite (the loss is not)"
+        else:
+            found = (
+                f"found at the read of step {read_at}, when its gradients were gone; with [train] log_every = 1 "
+                "every step is read and the first non-finite gradient named"
+            )
+        what = f"step {step}: loss {loss}, gradient norm {grad_norm}; {found}"
         if self.cfg.train.on_nonfinite == "stop":
             raise _on_every_rank(
                 NonFiniteError(

@@ -171,6 +171,17 @@ def nonfinite_stops_with_the_parameter(root: str) -> None:
     assert "step 2:" in str(err.value) and f"first non-finite gradient: {BAD_PARAM}" in str(err.value)
 
 
+def nonfinite_between_reads_stops_at_the_next_read(root: str) -> None:
+    """With ``log_every = 3`` step 2 is not read: the stop comes at step 3's read and names step 2."""
+    from meshtron.train import NonFiniteError
+
+    trainer = _trainer(Path(root) / "nan_unread", DP2_TP2, ["--train.steps", "3", "--train.log_every", "3"])
+    _poison_gradient(trainer, at_step=2)
+    with pytest.raises(NonFiniteError) as err:
+        trainer.fit()
+    assert "step 2:" in str(err.value) and "found at the read of step 3" in str(err.value), err.value
+
+
 def nonfinite_skips_the_update(root: str) -> None:
     out = Path(root) / "nan_skip"
     trainer = _trainer(out, DP2_TP2, ["--train.steps", "3", "--train.on_nonfinite", '"skip"'])
@@ -243,6 +254,7 @@ FOUR_RANKS = [
     keep_and_final_save,
     different_configs_are_named,
     nonfinite_stops_with_the_parameter,
+    nonfinite_between_reads_stops_at_the_next_read,
     nonfinite_skips_the_update,
     step_clocks_open_together,
 ]

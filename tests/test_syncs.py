@@ -8,10 +8,10 @@ What is allowed, exactly:
   backward reuses them and adds none, a checkpointed layer's recomputation included);
 * with context parallelism over packed documents (``[data] document_mask``): one per micro-batch, the
   document-start bounds that decide which attention blocks run (every layer reuses them);
-* ``Trainer.train_step`` adds one read after the step is queued (loss, grad norm, aux loss in one
-  copy), besides the data pipeline, which works on host tensors before they are copied to the device,
-  and the barrier its step clock starts at (no tensor op: on CUDA it waits for a device the previous
-  step's read left idle).
+* ``Trainer.train_step`` adds, on a step it logs, one read after the step is queued (every unread step's
+  loss and grad norm and the aux loss in one copy), besides the data pipeline, which works on host tensors
+  before they are copied to the device; on the first step after a read, the barrier its step clock starts
+  at (no tensor op: on CUDA it waits for a device the read left idle); on the other steps nothing.
 
 On CUDA, ``benchmarks/mfu.py`` runs the step under ``torch.cuda.set_sync_debug_mode("error")``,
 which also catches host/device copies (every tensor is a host tensor on CPU).
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.config import load_config
-from meshtron.testing import launch_tests
+from meshtron.testing import count_calls, launch_tests
 from meshtron.torch_private import TorchDispatchMode
 from meshtron.watch.syncs import HostSyncCounter
 
@@ -127,6 +127,20 @@ def dense_step_has_no_sync(root: str) -> None:
     assert "read_scalars" in read, whole
 
 
+def trainer_reads_the_device_on_logged_steps_only(root: str) -> None:
+    """With ``log_every = 3``: per step (device reads outside the data pipeline, barriers, a record returned)."""
+    trainer = _trainer(
+        "debug_dense", f"{root}/every_3", {"dp": 2, "ep": 1, "tp": 2, "sp": True}, ["--train.log_every", "3"]
+    )
+    seen = []
+    for step in range(6):
+        with HostSyncCounter() as syncs, count_calls(dist, "barrier") as barriers:
+            record = trainer.train_step(step)
+        seen.append((len(_outside_data(syncs)), len(barriers), record is not None))
+    assert seen == [(0, 1, False), (0, 0, False), (1, 0, True)] * 2, seen
+    assert record["step"] == 6 and record["loss"] > 0 and record["step_time"] > 0
+
+
 @pytest.mark.full
 def pipelined_step_has_no_sync(root: str) -> None:
     for layout in (
@@ -202,6 +216,7 @@ def transformers_step_has_no_sync(root: str) -> None:
     4,
     [
         dense_step_has_no_sync,
+        trainer_reads_the_device_on_logged_steps_only,
         pipelined_step_has_no_sync,
         moe_step_syncs_once_per_moe_layer,
         document_masked_cp_step_syncs_once_per_microbatch,

@@ -317,7 +317,12 @@ class TrainConfig:
     beta1: float = recipe_key(0.9, "AdamW beta1")
     beta2: float = recipe_key(0.95, "AdamW beta2")
     max_grad_norm: float = recipe_key(1.0, "gradient clipping threshold (global norm)")
-    log_every: int = recipe_key(1, "steps between metric lines")
+    log_every: int = recipe_key(
+        1,
+        "steps between metric lines; the host reads the device's loss and gradient norm on those steps (and on "
+        "checkpoint and eval steps) only and runs ahead of the device between them, a non-finite step being "
+        "stopped at or reported at the next read ([Training](training.md#the-step-clock-and-host-reads))",
+    )
     output_dir: str = recipe_key("runs/default", "where `metrics.jsonl`, checkpoints and `pids/rank-R.pid` go")
     collective_timeout_s: float = recipe_key(
         600.0, "a collective waiting longer than this fails (a dead or stuck rank) instead of hanging"
