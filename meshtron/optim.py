@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 from meshtron.config import TrainConfig
-from meshtron.torch_private import dtensor_local
+from meshtron.torch_private import adam_init_group, dtensor_local
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -40,7 +40,7 @@ class LocalAdamW(torch.optim.AdamW):
             raise ValueError("LocalAdamW.step takes no closure: meshtron's training step runs forward and backward.")
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-            has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)
+            has_complex = adam_init_group(self, group, params, grads, exp_avgs, exp_avg_sqs, steps)
             beta1, beta2 = group["betas"]
             adam(
                 *([_local(t) for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs)),

@@ -125,6 +125,12 @@ def own_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
 CONV_BASE = nn.modules.conv._ConvNd  # every convolution class derives from it
 
 
+def adam_init_group(optimizer: torch.optim.Adam, group: dict, params, grads, exp_avgs, exp_avg_sqs, steps) -> bool:
+    """torch Adam's own per-group set-up (the lazily created state, the lists its kernels take); reused so a
+    subclass stepping other tensors keeps the state torch creates and checkpoints. Returns ``has_complex``."""
+    return optimizer._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)
+
+
 def dtensor_local(tensor) -> torch.Tensor:
     """A DTensor's local tensor itself, with no autograd edge (``to_local()`` records one; a saved-tensor
     hook must hand autograd back the very tensor it packed)."""
