@@ -10,6 +10,7 @@ sequence parallelism in one layout) makes the 2-D (data x tp) DTensors.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -31,7 +32,15 @@ from meshtron.parallel.offload import apply_activation_offload
 from meshtron.parallel.recompute import apply_activation_checkpointing, checkpointed_layers
 from meshtron.parallel.tensor import apply_tensor_parallel
 from meshtron.parallel.vocab_loss import parallel_token_loss_sum
-from meshtron.testing import cached_mesh, cached_recipe_mesh, launch_tests, random_model, rel_err
+from meshtron.testing import (
+    GRAD_RTOL,
+    assert_parity,
+    cached_mesh,
+    cached_recipe_mesh,
+    launch_tests,
+    random_model,
+    rel_err,
+)
 from test_float8 import HAS_TORCHAO, check_fsdp_matches_one_rank_fp8
 
 FP8_CHECKS = [check_fsdp_matches_one_rank_fp8] if HAS_TORCHAO else []
@@ -60,21 +69,11 @@ MOE = dict(
 BATCH, SEQ, STEPS, MAX_NORM = 8, 16, 3, 0.5
 
 
-def _parallel(
-    cfg,
-    full,
-    mesh,
-    mode="fsdp",
-    ac="none",
-    dtype="float32",
-    sp=False,
-    ac_policy="save_matmuls",
-    offload="none",
-    offload_activations=False,
-    ac_parts=(),
-):
-    """The training path: meta model -> TP -> EP -> CP -> AC (activation offload) -> data parallel (host offload)
-    -> materialise -> load ``full``."""
+def _parallel(cfg, full, layout: ParallelConfig, dtype="float32"):
+    """The training path of ``layout`` on its mesh (its sp, checkpointing, offload and data_parallel keys): meta
+    model -> TP -> EP -> CP -> AC (activation offload) -> data parallel (host offload) -> materialise -> load
+    ``full``."""
+    mesh, sp = cached_mesh(**layout.sizes), layout.sp
     with torch.device("meta"):
         model = build_model(cfg)
     if mesh["tp"].size() > 1:
@@ -82,10 +81,12 @@ def _parallel(
     if cfg.is_moe:
         apply_expert_parallel(model, mesh, sequence_parallel=sp)
     apply_context_parallel(model, mesh)
-    apply_activation_checkpointing(model, ac, every=2, policy=ac_policy, parts=ac_parts)
-    if offload_activations:
+    apply_activation_checkpointing(
+        model, layout.activation_checkpointing, every=layout.ac_every, policy=layout.ac_policy, parts=layout.ac_parts
+    )
+    if layout.offload_activations:
         apply_activation_offload(model)
-    apply_data_parallel(model, mesh, mode, dtype, offload=offload)
+    apply_data_parallel(model, mesh, layout.data_parallel, dtype, offload=layout.offload)
     model.to_empty(device=env.local_device())
     if cfg.tie_word_embeddings and model.lm_head.weight is not model.embed_tokens.weight:
         model.tie_weights()
@@ -157,89 +158,87 @@ def _run_parallel(model, mesh):
     return history
 
 
-def _assert_parity(layout, ref, ref_hist, model, hist):
-    for step, ((rl, _, rn), (pl, _, pn)) in enumerate(zip(ref_hist, hist)):
-        assert rel_err(pl, rl) < 1e-5, f"{layout} step {step}: loss {pl.item()} vs {rl.item()}"
-        assert rel_err(pn, rn) < 1e-5, f"{layout} step {step}: grad norm {pn.item()} vs {rn.item()}"
-        assert rn > MAX_NORM, "the test must exercise clipping"
-    # Gathering every gradient is the slow part on CPU: compare them on the first step; later
-    # steps are covered by the losses, the norms and the final parameters.
-    for name, grad in ref_hist[0][1].items():
-        err = rel_err(hist[0][1][name], grad)
-        assert err < 1e-4, f"{layout}: gradient of {name} off by {err:.2e}"
+def _assert_steps_match(where, ref, ref_hist, model, hist):
+    """Each step's loss and clipped gradient norm, the first step's gradients and the final parameters."""
+    for step, ((rl, ref_grads, rn), (pl, grads, pn)) in enumerate(zip(ref_hist, hist)):
+        assert rn > MAX_NORM, f"{where} step {step}: the test must exercise clipping"
+        # Gathering every gradient is the slow part on CPU: compare them on the first step; later
+        # steps are covered by the losses, the norms and the final parameters.
+        compared = [(name, grads[name]) for name in ref_grads] if step == 0 else []
+        assert_parity(f"{where} step {step}", pl, rl, compared, ref_grads)
+        assert_parity(f"{where} step {step} grad norm", pn, rn)
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         err = rel_err(p, ref_params[name])
-        assert err < 1e-4, f"{layout}: {name} after {STEPS} steps off by {err:.2e}"
+        assert err < GRAD_RTOL, f"{where}: {name} after {STEPS} steps off by {err:.2e}"
 
 
-def _check_layouts(layouts, **model):
-    """``layouts``: (mesh sizes, data_parallel mode[, sp]) triples checked against one reference."""
+def _check_layouts(layouts: list[ParallelConfig], **model):
+    """Each layout's STEPS training steps against one reference's."""
     cfg = ModelConfig(**{**CFG, **model})
     ref = random_model(cfg, seed=1)
     start = {n: t.clone() for n, t in ref.state_dict().items()}
     ref_hist = _run_reference(ref)
-    for sizes, mode, *sp in layouts:
-        mesh = cached_mesh(**sizes)
-        model = _parallel(cfg, start, mesh, mode, sp=bool(sp and sp[0]))
-        _assert_parity(f"{sizes} {mode} sp={sp}", ref, ref_hist, model, _run_parallel(model, mesh))
+    for layout in layouts:
+        model = _parallel(cfg, start, layout)
+        _assert_steps_match(layout.name, ref, ref_hist, model, _run_parallel(model, cached_mesh(**layout.sizes)))
 
 
 def check_dp2():
-    _check_layouts([(dict(dp=2), "fsdp")])
+    _check_layouts([ParallelConfig(dp=2)])
 
 
 def check_dp4_and_dp_tp():
-    _check_layouts([(dict(dp=4), "fsdp"), (dict(dp=2, tp=2), "fsdp")])
+    _check_layouts([ParallelConfig(dp=4), ParallelConfig(dp=2, tp=2)])
 
 
 def check_dp8_and_modes():
     _check_layouts(
         [
-            (dict(dp=8), "fsdp"),
-            (dict(dp=2, ep=2, tp=2), "fsdp"),
-            (dict(dp=2, ep=2, tp=2), "hsdp"),
-            (dict(dp=2, ep=2, tp=2), "replicate"),
+            ParallelConfig(dp=8),
+            ParallelConfig(dp=2, ep=2, tp=2),
+            ParallelConfig(dp=2, ep=2, tp=2, data_parallel="hsdp"),
+            ParallelConfig(dp=2, ep=2, tp=2, data_parallel="replicate"),
         ]
     )
 
 
 @pytest.mark.full
 def check_tied_dp_tp():
-    _check_layouts([(dict(dp=2, tp=4), "fsdp", True)], tie_word_embeddings=True)
+    _check_layouts([ParallelConfig(dp=2, tp=4, sp=True)], tie_word_embeddings=True)
 
 
 @pytest.mark.full
 def check_context_parallel():
     """cp ranks hold other positions: dense weights are sharded and reduced over them too."""
-    _check_layouts([(dict(dp=2, cp=2, tp=2), "fsdp"), (dict(dp=2, cp=2, ep=2), "hsdp")])
+    _check_layouts([ParallelConfig(dp=2, cp=2, tp=2), ParallelConfig(dp=2, cp=2, ep=2, data_parallel="hsdp")])
 
 
 @pytest.mark.full
 def check_moe():
     """Experts on the dp x cp mesh next to dense weights on dp x ep x cp (and tp)."""
-    _check_layouts([(dict(dp=4, tp=2), "fsdp"), (dict(dp=8), "hsdp")], **MOE)
+    _check_layouts([ParallelConfig(dp=4, tp=2), ParallelConfig(dp=8, data_parallel="hsdp")], **MOE)
     with torch.device("meta"):
         model = build_model(ModelConfig(**MOE))
     with pytest.raises(ValueError, match="expert weight 'gate_proj' is not split over the experts' mesh"):
-        apply_data_parallel(model, cached_mesh(dp=4, ep=2))
+        apply_data_parallel(model, cached_mesh(**ParallelConfig(dp=4, ep=2).sizes))
     with pytest.raises(ValueError, match="tp = 2 but the experts of 'layers.0.mlp' do not split their tokens over tp"):
-        apply_data_parallel(model, cached_mesh(dp=4, tp=2))
+        apply_data_parallel(model, cached_mesh(**ParallelConfig(dp=4, tp=2).sizes))
 
 
 def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-# (activation_checkpointing, ac_policy, ac_parts)
+# The checkpointing options (each check gives the sizes): none first, then every mode and op policy.
 AC_RUNS = (
-    ("none", "save_matmuls", ()),
-    ("full", "save_matmuls", ()),
-    ("selective", "save_matmuls", ()),
-    ("op", "save_matmuls", ()),
-    ("op", "alternate_matmuls", ()),
-    ("op", "parts", ("core_attn",)),
-    ("op", "parts", ("mlp", "moe_experts")),
+    ParallelConfig(),
+    ParallelConfig(activation_checkpointing="full"),
+    ParallelConfig(activation_checkpointing="selective"),
+    ParallelConfig(activation_checkpointing="op"),
+    ParallelConfig(activation_checkpointing="op", ac_policy="alternate_matmuls"),
+    ParallelConfig(activation_checkpointing="op", ac_policy="parts", ac_parts=["core_attn"]),
+    ParallelConfig(activation_checkpointing="op", ac_policy="parts", ac_parts=["mlp", "moe_experts"]),
 )
 
 
@@ -249,20 +248,20 @@ def check_checkpointing_is_bit_identical():
     op policy, on a dense model over dp x ep x tp with SP and on a MoE one with its experts over ep."""
     for cfg, sp in ((ModelConfig(**CFG), True), (ModelConfig(**MOE), False)):
         ref = random_model(cfg, seed=1)
-        mesh = cached_mesh(dp=2, ep=2, tp=2)
-        runs = {}
-        for ac, policy, parts in AC_RUNS:
-            model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", ac, sp=sp, ac_policy=policy, ac_parts=parts)
+        layouts = [dataclasses.replace(run, dp=2, ep=2, tp=2, sp=sp) for run in AC_RUNS]
+        runs = []
+        for layout in layouts:
+            model = _parallel(cfg, ref.state_dict(), layout)
             tokens, labels = next(_batches())
             loss = parallel_token_loss_sum(model(tokens), labels)
             loss.backward()
-            runs[ac, policy, parts] = (loss.detach(), {n: _local(p.grad).clone() for n, p in model.named_parameters()})
-        plain = runs[AC_RUNS[0]]
-        for key in AC_RUNS[1:]:
-            where = f"{key} checkpointing (moe {cfg.is_moe})"
-            assert torch.equal(runs[key][0], plain[0]), f"{where} changed the loss"
+            runs.append((loss.detach(), {n: _local(p.grad).clone() for n, p in model.named_parameters()}))
+        plain = runs[0]
+        for layout, run in zip(layouts[1:], runs[1:]):
+            where = f"{layout.name} (moe {cfg.is_moe})"
+            assert torch.equal(run[0], plain[0]), f"{where} changed the loss"
             for name, grad in plain[1].items():
-                assert torch.equal(runs[key][1][name], grad), f"{where} changed the gradient of {name}"
+                assert torch.equal(run[1][name], grad), f"{where} changed the gradient of {name}"
 
 
 @pytest.mark.full
@@ -271,15 +270,18 @@ def check_offload_is_bit_identical():
     tensors, with and without selective checkpointing, change no bit of the losses, gradients, clipped norms
     or parameters of 3 steps on the same layout: dp 2 x tp 2 with SP (2-D shards, DTensor activations) and
     the MoE at dp 2 x ep 2 (the experts' own FSDP unit on the expert data mesh, dispatch tensors saved)."""
-    for config, sizes, sp in ((CFG, dict(dp=2, tp=2), True), (MOE, dict(dp=2, ep=2), False)):
+    for config, layout in ((CFG, ParallelConfig(dp=2, tp=2, sp=True)), (MOE, ParallelConfig(dp=2, ep=2))):
         cfg = ModelConfig(**config)
         start = random_model(cfg, seed=1).state_dict()
-        mesh = cached_mesh(**sizes)
-        plain = _parallel(cfg, start, mesh, sp=sp)
+        mesh = cached_mesh(**layout.sizes)
+        plain = _parallel(cfg, start, layout)
         expected = _run_parallel(plain, mesh)
         for ac in ("none", "selective"):
-            where = f"{sizes} ac {ac}"
-            model = _parallel(cfg, start, mesh, ac=ac, sp=sp, offload="optimizer", offload_activations=True)
+            offloaded = dataclasses.replace(
+                layout, activation_checkpointing=ac, offload="optimizer", offload_activations=True
+            )
+            where = offloaded.name
+            model = _parallel(cfg, start, offloaded)
             assert all(_local(p).device.type == "cpu" for p in model.parameters())
             for step, ((loss, grads, norm), (want, want_grads, want_norm)) in enumerate(
                 zip(_run_parallel(model, mesh), expected)
@@ -302,11 +304,12 @@ def check_op_checkpointing_trains_moe():
 
     recipe = Path(__file__).resolve().parent.parent / "recipes" / "debug_moe.toml"
     start = None
-    for layout, dtype in (("dp=2 ep=2", "float32"), ("dp=2 tp=2 sp=true ep=4 fold_ep=true", "bfloat16")):
+    layouts = [ParallelConfig(dp=2, ep=2), ParallelConfig(dp=2, tp=2, sp=True, ep=4, fold_ep=True)]
+    for layout, dtype in zip(layouts, ("float32", "bfloat16")):
         runs = {}
         for ac in ("none", "op"):
-            flags = [f"--parallel.{flag}" for flag in layout.split()]
-            cfg = load_config(recipe, flags + [f"--parallel.activation_checkpointing={ac}", f"--train.dtype={dtype}"])
+            flags = dataclasses.replace(layout, activation_checkpointing=ac).overrides()
+            cfg = load_config(recipe, flags + [f"--train.dtype={dtype}"])
             with torch.device("meta"):
                 model = build_model(cfg.model)
             runner = build_model_runner(model, cached_recipe_mesh(cfg), cfg, env.local_device())
@@ -316,7 +319,7 @@ def check_op_checkpointing_trains_moe():
             rows = slice(2 * batch_mesh(runner.mesh).get_local_rank(), 2 * batch_mesh(runner.mesh).get_local_rank() + 2)
             loss = runner.forward_backward(tokens[rows], labels[rows])
             runs[ac] = loss.detach(), {n: _local(p.grad).clone() for n, p in runner.module.named_parameters()}
-        where = f"op on {layout} in {dtype}"
+        where = f"{layout.name} op in {dtype}"
         assert torch.equal(runs["op"][0], runs["none"][0]), f"{where} changed the loss"
         for name, grad in runs["none"][1].items():
             assert torch.equal(runs["op"][1][name], grad), f"{where} changed the gradient of {name}"
@@ -347,16 +350,15 @@ def check_bf16_smoke():
     the single-process bf16 run's within the measured bf16 noise."""
     cfg = ModelConfig(**CFG)
     ref = random_model(cfg, seed=1)
-    mesh = cached_mesh(dp=4, tp=2)
-    model = _parallel(cfg, ref.state_dict(), mesh, "fsdp", dtype="bfloat16")
-    assert all(_local(p).dtype == torch.float32 for p in model.parameters()), "master weights must stay fp32"
+    layout = ParallelConfig(dp=4, tp=2)
+    where = f"{layout.name} bf16"
+    model = _parallel(cfg, ref.state_dict(), layout, dtype="bfloat16")
+    assert all(_local(p).dtype == torch.float32 for p in model.parameters()), f"{where}: master weights must stay fp32"
     expected, expected_grads = _bf16_step(ref)
-    loss, grads, _ = _run_parallel(model, mesh)[0]
-    assert rel_err(loss, expected) < BF16_LOSS_TOL, f"bf16 loss {loss.item()} vs one process's {expected.item()}"
-    assert all(g.dtype == torch.float32 for g in grads.values()), "gradients must be reduced to fp32"
-    for name, want in expected_grads.items():
-        err = rel_err(grads[name], want)
-        assert err < BF16_GRAD_TOL, f"bf16 gradient of {name} off by {err:.2e}"
+    loss, grads, _ = _run_parallel(model, cached_mesh(**layout.sizes))[0]
+    assert all(g.dtype == torch.float32 for g in grads.values()), f"{where}: gradients must be reduced to fp32"
+    compared = [(name, grads[name]) for name in expected_grads]
+    assert_parity(where, loss, expected, compared, expected_grads, loss_rtol=BF16_LOSS_TOL, grad_rtol=BF16_GRAD_TOL)
 
 
 @pytest.mark.full
@@ -364,20 +366,22 @@ def check_norm_types():
     """1-, 2- and inf-norms over dense grads on (dp_ep_cp, tp) and expert grads on edp."""
     cfg = ModelConfig(**MOE)
     ref = random_model(cfg, seed=1)
-    model = _parallel(cfg, ref.state_dict(), cached_mesh(dp=4, tp=2))
+    layout = ParallelConfig(dp=4, tp=2)
+    model = _parallel(cfg, ref.state_dict(), layout)
     tokens, labels = next(_batches())
     token_loss_sum(ref(tokens), labels).backward()
     rows = slice(dist.get_rank() // 2 * 2, dist.get_rank() // 2 * 2 + 2)  # dp rank r reads rows 2r, 2r + 1
     parallel_token_loss_sum(model(tokens[rows]), labels[rows]).backward()
     for p in (1.0, 2.0, float("inf")):
         expected = torch.nn.utils.get_total_norm([q.grad for q in ref.parameters()], p)
-        assert rel_err(global_grad_norm(model.parameters(), p), expected) < 1e-5, f"{p}-norm"
+        assert_parity(f"{layout.name} {p}-norm", global_grad_norm(model.parameters(), p), expected)
 
 
 @pytest.mark.full
 def check_hsdp_meshes():
-    mesh = cached_mesh(dp=2, cp=2, ep=2)
-    dense, expert = data_meshes(mesh, "hsdp")
+    layout = ParallelConfig(dp=2, cp=2, ep=2, data_parallel="hsdp")
+    mesh = cached_mesh(**layout.sizes)
+    dense, expert = data_meshes(mesh, layout.data_parallel)
     assert dense.mesh_dim_names == ("dp", "cp_ep") and dense.shape == (2, 4)
     # Experts: edp = dp x cp here (ep splits them), replicated over dp and sharded over cp.
     assert expert.mesh_dim_names == ("edp_replicate", "edp_shard") and expert.shape == (2, 2)
@@ -457,14 +461,14 @@ def test_op_checkpointing_trains_moe_models_and_the_search_tries_it():
     from meshtron.plan.search import evaluate
 
     moe = Path(__file__).resolve().parent.parent / "recipes" / "debug_moe.toml"
-    layout = ["--parallel.ep", "8", "--parallel.dp", "1", "--train.seq_len", "256"]
+    seq_len = ["--train.seq_len", "256"]
     none, op = (
-        evaluate(load_config(moe, layout + ["--parallel.activation_checkpointing", ac]), Hardware())
+        evaluate(load_config(moe, ParallelConfig(ep=8, activation_checkpointing=ac).overrides() + seq_len), Hardware())
         for ac in ("none", "op")
     )
     assert op.memory.total < none.memory.total
     between = Hardware(memory_gib=(op.memory.total + none.memory.total) / 2 / GIB)
-    plans = rank_layouts(load_config(moe, layout[-2:]), 8, between)
+    plans = rank_layouts(load_config(moe, seq_len), 8, between)
     assert any(plan.fits and plan.cfg.parallel.activation_checkpointing == "op" for plan in plans)
 
 
@@ -491,29 +495,28 @@ def test_op_checkpointing_is_exact_and_recomputes_what_the_planner_counts(model_
     ref = random_model(cfg, seed=3)
     tokens, labels = next(_batches())
     runs = {}
-    for ac, policy, parts in AC_RUNS:
+    for run in AC_RUNS:
         model = copy.deepcopy(ref)
-        apply_activation_checkpointing(model, ac, 2, policy, parts)
-        runs[ac, policy, parts] = _matmul_flops_in_backward(model, tokens, labels)
-    plain = runs[AC_RUNS[0]]
+        apply_activation_checkpointing(model, run.activation_checkpointing, run.ac_every, run.ac_policy, run.ac_parts)
+        runs[run.name] = _matmul_flops_in_backward(model, tokens, labels)
+    assert len(runs) == len(AC_RUNS), "two runs with one name"
+    plain = runs[AC_RUNS[0].name]
     for key, (loss, grads, _, _) in runs.items():
         assert torch.equal(loss, plain[0]) and all(torch.equal(grads[n], g) for n, g in plain[1].items()), key
-    for ac, policy, parts in AC_RUNS[3:]:
-        planned = Config(
-            model=cfg, parallel=ParallelConfig(activation_checkpointing=ac, ac_policy=policy, ac_parts=list(parts))
-        )
+    for run in AC_RUNS[3:]:
+        planned = Config(model=cfg, parallel=run)
         again = sum(
             2 * out * width
             for layer in range(cfg.num_hidden_layers)
             for (out, width), rerun in zip(block_matmuls(planned, layer), op_recomputed_matmuls(planned, layer))
             if rerun
         )
-        assert runs[ac, policy, parts][2] - plain[2] == pytest.approx(tokens.numel() * again, rel=1e-9), (policy, parts)
-        attention_calls = cfg.num_hidden_layers * ("core_attn" in parts)
-        assert runs[ac, policy, parts][3] - plain[3] == attention_calls, (policy, parts)
-    saved, alternate, full = (runs[key][2] for key in (AC_RUNS[3], AC_RUNS[4], AC_RUNS[1]))
-    assert plain[2] == saved < alternate < full and plain[2] < runs[AC_RUNS[-1]][2] < full
-    assert runs[AC_RUNS[-2]][2] == plain[2]  # core_attn recomputes no matmul
+        assert runs[run.name][2] - plain[2] == pytest.approx(tokens.numel() * again, rel=1e-9), run.name
+        attention_calls = cfg.num_hidden_layers * ("core_attn" in run.ac_parts)
+        assert runs[run.name][3] - plain[3] == attention_calls, run.name
+    saved, alternate, full = (runs[r.name][2] for r in (AC_RUNS[3], AC_RUNS[4], AC_RUNS[1]))
+    assert plain[2] == saved < alternate < full and plain[2] < runs[AC_RUNS[-1].name][2] < full
+    assert runs[AC_RUNS[-2].name][2] == plain[2]  # core_attn recomputes no matmul
 
 
 @pytest.mark.parametrize(

@@ -22,13 +22,22 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshtron.checkpoint import load_full_state_dict
-from meshtron.config import ConfigError, ModelConfig
+from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.hf import from_hf
 from meshtron.mesh import batch_mesh, dense_data_mesh, expert_data_mesh
 from meshtron.models import aux_loss, build_model, moe_layers, token_loss_sum, update_expert_bias
 from meshtron.models.qwen2 import InitialWeights
 from meshtron.parallel.expert import ExpertParallelExperts, apply_expert_parallel, token_mesh
-from meshtron.testing import cached_mesh, launch_tests, random_model, random_moe, rel_err
+from meshtron.testing import (
+    GRAD_RTOL,
+    LOSS_RTOL,
+    assert_parity,
+    cached_recipe_mesh,
+    launch_tests,
+    random_model,
+    random_moe,
+    rel_err,
+)
 from test_float8 import (
     HAS_TORCHAO,
     check_debug_recipes_match_one_rank_fp8,
@@ -58,15 +67,21 @@ MODEL = dict(
 )
 # cp ranks hold different tokens like dp ranks; pp ranks are independent stages (here replicas).
 LAYOUTS = [
-    dict(ep=2, dp=4),
-    dict(ep=4, dp=2),
-    dict(ep=8),
-    dict(ep=2, dp=2, tp=2),
-    dict(ep=4, tp=2),
-    dict(ep=2, cp=2, dp=2),
-    dict(pp=2, ep=4),
+    ParallelConfig(ep=2, dp=4),
+    ParallelConfig(ep=4, dp=2),
+    ParallelConfig(ep=8),
+    ParallelConfig(ep=2, dp=2, tp=2),
+    ParallelConfig(ep=4, tp=2),
+    ParallelConfig(ep=2, cp=2, dp=2),
+    ParallelConfig(pp=2, ep=4),
 ]
+EP4_DP2 = ParallelConfig(ep=4, dp=2)  # the layout of the checks on one block's mechanics
 TOKENS = 48  # global tokens of the block checks: 6 per reader with 8 readers
+
+
+def _mesh(layout: ParallelConfig):
+    """The layout's mesh, built once per launch (folded experts need ep, etp and fold_ep beside the sizes)."""
+    return cached_recipe_mesh(Config(parallel=layout))
 
 
 def _my_rows(mesh, total: int, holders=batch_mesh) -> slice:
@@ -93,14 +108,15 @@ def _global_grads(model: torch.nn.Module, mesh, holders=dense_data_mesh) -> dict
     return out
 
 
-def _assert_grads(got: dict, expected: dict, tol: float = 1e-4) -> None:
-    for name, g in expected.items():
-        assert g.abs().max() > 0, f"{name}: reference gradient is zero"
-        err = rel_err(got[name], g)
-        assert err < tol, f"{name}: gradient rel err {err:.2e}"
+def _every(got: dict, expected: dict) -> list[tuple[str, torch.Tensor]]:
+    """(name, gradient) pairs of ``got`` for every gradient of the reference ``expected``."""
+    return [(name, got[name]) for name in expected]
 
 
-def _block_parity(mesh, seed: int, skew: bool, sequence_parallel: bool = False) -> None:
+def _block_parity(layout: ParallelConfig, seed: int, skew: bool) -> None:
+    """One MoE block split as ``layout`` says (tokens split over tp with its ``sp``) against the whole block."""
+    mesh, sequence_parallel = _mesh(layout), layout.sp
+    where = f"{layout.name} seed {seed}" + (" skewed" if skew else "")
     ref = random_moe(BLOCK, seed)
     x = torch.randn(TOKENS, 32)
     if skew:  # every token picks experts 0 and 1: all on ep rank 0 (or 0 and 1 with ep = 8)
@@ -121,21 +137,22 @@ def _block_parity(mesh, seed: int, skew: bool, sequence_parallel: bool = False) 
     x_local = x[rows].clone().requires_grad_()
     out = ep_block(x_local)
     (out * g[rows]).sum().backward()
-    assert rel_err(out, out_ref[rows]) < 1e-5
-    assert rel_err(x_local.grad, x_ref.grad[rows]) < 1e-4
-    assert rel_err(ep_block.last_aux_loss, ref.last_aux_loss) < 1e-5
-    assert torch.equal(ep_block.last_tokens_per_expert, ref.last_tokens_per_expert)
-    _assert_grads(_global_grads(ep_block, mesh, holders), {n: p.grad for n, p in ref.named_parameters()})
+    assert rel_err(out, out_ref[rows]) < LOSS_RTOL, f"{where}: output"
+    assert rel_err(x_local.grad, x_ref.grad[rows]) < GRAD_RTOL, f"{where}: input gradient"
+    assert torch.equal(ep_block.last_tokens_per_expert, ref.last_tokens_per_expert), f"{where}: tokens per expert"
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    grads = _global_grads(ep_block, mesh, holders)
+    aux, ref_aux = ep_block.last_aux_loss, ref.last_aux_loss
+    assert_parity(f"{where} (loss: the aux loss)", aux, ref_aux, _every(grads, ref_grads), ref_grads)
 
 
 @pytest.mark.full
 def check_block_parity(refs: dict):
     for i, layout in enumerate(LAYOUTS):
-        mesh = cached_mesh(**layout)
-        _block_parity(mesh, seed=10 + i, skew=False)
-        _block_parity(mesh, seed=20 + i, skew=True)
+        _block_parity(layout, seed=10 + i, skew=False)
+        _block_parity(layout, seed=20 + i, skew=True)
     # Sequence parallelism: tp ranks hold different tokens, nothing is split over tp.
-    _block_parity(cached_mesh(ep=4, tp=2), seed=30, skew=False, sequence_parallel=True)
+    _block_parity(ParallelConfig(ep=4, tp=2, sp=True), seed=30, skew=False)
 
 
 @pytest.mark.full
@@ -148,7 +165,7 @@ def check_fsdp_composes(refs: dict):
     """
     from torch.distributed.fsdp import fully_shard
 
-    mesh = cached_mesh(ep=4, dp=2)
+    mesh = _mesh(EP4_DP2)
     ref = random_moe(BLOCK, 4)
     x, g = torch.randn(TOKENS, 32), torch.randn(TOKENS, 32)
     block = apply_expert_parallel(copy.deepcopy(ref), mesh)
@@ -161,7 +178,8 @@ def check_fsdp_composes(refs: dict):
     for name, p in block.named_parameters():
         averaged_over = (expert_data_mesh if name.startswith("experts.") else dense_data_mesh)(mesh).size()
         expected = dict(ref.named_parameters())[name].grad
-        assert rel_err(p.grad.full_tensor() * averaged_over, expected) < 1e-4, name
+        err = rel_err(p.grad.full_tensor() * averaged_over, expected)
+        assert err < GRAD_RTOL, f"{EP4_DP2.name} under FSDP: grad {name} rel err {err:.2e}"
 
 
 @pytest.mark.full
@@ -171,7 +189,7 @@ def check_dispatch_bytes(refs: dict):
     Rank by rank: the dispatch sends this rank's T x k copies and the combine sends back the rows
     it received; both sum to the group's tokens x k rows.
     """
-    mesh = cached_mesh(ep=4, dp=2)
+    mesh = _mesh(EP4_DP2)
     block = random_moe(BLOCK, 3)
     apply_expert_parallel(block, mesh)
     sent: list[tuple[int, bool]] = []
@@ -207,7 +225,7 @@ def check_dispatch_bytes(refs: dict):
 @pytest.mark.full
 def check_router_options_under_ep(refs: dict):
     """Capacity (on the global batch, in its token order), z-loss and aux-free bias with global statistics."""
-    mesh = cached_mesh(ep=4, dp=2)
+    mesh, where = _mesh(EP4_DP2), EP4_DP2.name
     opts = dict(router_z_loss_coef=0.05, moe_aux_free_bias_rate=0.01, moe_capacity_factor=0.5)
     ref = random_moe(BLOCK, 5, **opts)
     x = torch.randn(TOKENS, 32)
@@ -216,19 +234,20 @@ def check_router_options_under_ep(refs: dict):
     out = ep_block(x[rows])
     out_ref = ref(x)
     global_z, global_counts = ref.last_z_loss, ref.last_tokens_per_expert
-    assert rel_err(out, out_ref[rows]) < 1e-5
+    assert rel_err(out, out_ref[rows]) < LOSS_RTOL, f"{where}: output"
     dropped = ep_block.last_dropped_fraction.clone()
     dist.all_reduce(dropped)  # equal token counts per rank: the mean of the fractions is the global one
-    assert ref.last_dropped_fraction > 0 and rel_err(dropped / dist.get_world_size(), ref.last_dropped_fraction) < 1e-6
-    assert rel_err(ep_block.last_z_loss, global_z) < 1e-5
-    assert torch.equal(ep_block.last_tokens_per_expert, global_counts)
+    assert ref.last_dropped_fraction > 0, f"{where}: the reference drops nothing"
+    assert rel_err(dropped / dist.get_world_size(), ref.last_dropped_fraction) < 1e-6, f"{where}: dropped fraction"
+    assert_parity(f"{where} z-loss", ep_block.last_z_loss, global_z)
+    assert torch.equal(ep_block.last_tokens_per_expert, global_counts), f"{where}: tokens per expert"
     update_expert_bias(ep_block)
     load = global_counts.float()
     assert torch.equal(ep_block.gate.expert_bias, 0.01 * torch.sign(load.mean() - load))
 
 
 def check_meta_init_and_errors(refs: dict):
-    mesh = cached_mesh(ep=4, dp=2)
+    mesh = _mesh(EP4_DP2)
     cfg = ModelConfig(**MODEL)
     with torch.device("meta"):
         model = build_model(cfg)
@@ -269,11 +288,13 @@ def _references(seed: int) -> dict:
     ref.load_state_dict(state)
     ce = token_loss_sum(ref(ids)[:, :-1], ids[:, 1:]) / ids[:, 1:].numel()
     ce.backward()
-    assert rel_err(ce + cfg.router_aux_loss_coef * aux_loss(ref), out.loss) < 1e-5
+    ref_loss = (ce + cfg.router_aux_loss_coef * aux_loss(ref)).detach()
+    assert_parity("one process vs transformers", ref_loss, out.loss)
     return dict(
         state=state,
         ids=ids,
         loss=out.loss.detach(),
+        ref_loss=ref_loss,
         aux=out.aux_loss.detach(),
         hf_grads=from_hf({n: p.grad for n, p in hf.named_parameters()}, cfg),
         ref_grads={n: p.grad for n, p in ref.named_parameters()},
@@ -285,8 +306,8 @@ def check_model_parity_with_transformers(refs: dict):
     """Whole Qwen2-MoE model (one MoE layer, so transformers' pooled aux loss is the per-layer one)."""
     cfg = ModelConfig(**MODEL)
     ids = refs["ids"]
-    for layout in (dict(ep=4, dp=2), dict(ep=2, dp=2, tp=2), dict(ep=8)):
-        mesh = cached_mesh(**layout)
+    for layout in (EP4_DP2, ParallelConfig(ep=2, dp=2, tp=2), ParallelConfig(ep=8)):
+        mesh = _mesh(layout)
         with torch.device("meta"):
             model = build_model(cfg)
         apply_expert_parallel(model, mesh)
@@ -299,11 +320,11 @@ def check_model_parity_with_transformers(refs: dict):
         total = ce.detach().clone()
         dist.all_reduce(total, group=dense_data_mesh(mesh).get_group())
         loss = total + cfg.router_aux_loss_coef * aux_loss(model)
-        assert rel_err(loss, refs["loss"]) < 1e-5, layout
-        assert rel_err(aux_loss(model), refs["aux"]) < 1e-5, layout
         grads = _global_grads(model, mesh)
-        _assert_grads(grads, refs["hf_grads"])
-        _assert_grads(grads, refs["ref_grads"])
+        hf_grads, ref_grads = refs["hf_grads"], refs["ref_grads"]
+        assert_parity(f"{layout.name} vs transformers", loss, refs["loss"], _every(grads, hf_grads), hf_grads)
+        assert_parity(f"{layout.name} aux loss vs transformers", aux_loss(model), refs["aux"])
+        assert_parity(f"{layout.name} vs one process", loss, refs["ref_loss"], _every(grads, ref_grads), ref_grads)
 
 
 TP_MODEL = dict(
@@ -367,16 +388,16 @@ def check_moe_under_tp(refs: dict):
     from meshtron.testing import module_collectives
 
     cases = [
-        (dict(dp=4, tp=2), False),
-        (dict(dp=4, tp=2), True),
-        (dict(dp=2, tp=4), False),
-        (dict(dp=2, tp=4), True),
-        (dict(dp=2, tp=4, ep=4, etp=2, fold_ep=True), True),
+        ParallelConfig(dp=4, tp=2),
+        ParallelConfig(dp=4, tp=2, sp=True),
+        ParallelConfig(dp=2, tp=4),
+        ParallelConfig(dp=2, tp=4, sp=True),
+        ParallelConfig(dp=2, tp=4, sp=True, ep=4, etp=2, fold_ep=True),
     ]
     collectives = {0: TP_MOE_COLLECTIVES[False], 1: TP_MOE_COLLECTIVES[True], 4: FOLDED_MOE_COLLECTIVES}
-    for i, (sizes, sp) in enumerate(cases):
+    for i, layout in enumerate(cases):
         ref, ids, labels, loss_ref = _tp_reference(40 + i)
-        mesh, tp = cached_mesh(**sizes), sizes["tp"]
+        mesh, tp, sp, where = _mesh(layout), layout.tp, layout.sp, layout.name
         with torch.device("meta"):
             model = build_model(ref.config)
         apply_tensor_parallel(model, mesh["tp"], sp)
@@ -391,14 +412,13 @@ def check_moe_under_tp(refs: dict):
             loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total, group=dense_data_mesh(mesh).get_group())
-        where = f"{sizes} sp={sp}"
-        assert rel_err(total, loss_ref) < 1e-5, where
-        assert rel_err(aux_loss(model), aux_loss(ref)) < 1e-5, where
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        assert_parity(where, total, loss_ref, _every(_global_grads(model, mesh), ref_grads), ref_grads)
+        assert_parity(f"{where} aux loss", aux_loss(model), aux_loss(ref))
         moe, moe_ref = model.layers["1"].mlp, ref.layers["1"].mlp
         assert torch.equal(moe.last_tokens_per_expert, moe_ref.last_tokens_per_expert), where
-        _assert_grads(_global_grads(model, mesh), {n: p.grad for n, p in ref.named_parameters()})
         copies = ids[rows].numel() * ref.config.num_experts_per_tok // tp  # this rank's share of the tokens
-        if "ep" in sizes:  # each copy leaves this rank once
+        if layout.ep > 1:  # each copy leaves this rank once
             assert moe.experts.last_dispatch_bytes == copies * ref.config.hidden_size * 4, where
         else:
             assert moe.experts.last_rows == copies, where
@@ -406,7 +426,7 @@ def check_moe_under_tp(refs: dict):
             assert module_collectives(comm, "Transformer.layers.1.mlp") == collectives[i], where
 
 
-def _step_matches(cfg, mesh, ids, labels, start: dict, loss_ref, ref_params: dict, where: str):
+def _step_matches(cfg, mesh, ids, labels, start: dict, loss_ref, ref_params: dict, seeds: str):
     """One step of the layout's runner from the reference's ``start`` weights on this rank's rows; its loss
     and every (gathered) gradient equal the single-process ones. Returns the runner."""
     from meshtron.parallel.runner import build_model_runner
@@ -417,9 +437,9 @@ def _step_matches(cfg, mesh, ids, labels, start: dict, loss_ref, ref_params: dic
     load_full_state_dict(runner.module, start)
     rows = _my_rows(mesh, ids.shape[0])
     loss = runner.forward_backward(ids[rows], labels[rows])
-    assert rel_err(loss, loss_ref) < 1e-5, (where, cfg.parallel)
-    for name, param in runner.module.named_parameters():
-        assert rel_err(param.grad.full_tensor(), ref_params[name].grad) < 1e-4, (where, cfg.parallel, name)
+    grads = [(name, param.grad) for name, param in runner.module.named_parameters()]
+    ref_grads = {name: param.grad for name, param in ref_params.items()}
+    assert_parity(f"{cfg.parallel.name} ({seeds})", loss, loss_ref, grads, ref_grads)
     return runner
 
 
@@ -428,8 +448,6 @@ def check_capacity_is_global(refs: dict):
     """moe_capacity_factor counts the global micro-batch in its global token order: dp, ep, cp and
     cp x ep x tp (SP) layouts drop the same copies as the single-process model, so loss, gradients
     and the number of dropped copies match it."""
-    from meshtron.config import Config, ParallelConfig, TrainConfig
-
     model_cfg = ModelConfig(**{**TP_MODEL, "moe_aux_free_bias_rate": 0.0, "moe_capacity_factor": 0.75})
     gen = torch.Generator().manual_seed(7)
     ids = torch.randint(0, model_cfg.vocab_size, (8, 16), generator=gen)
@@ -443,27 +461,33 @@ def check_capacity_is_global(refs: dict):
     dropped_ref = ref.layers["1"].mlp.last_dropped_fraction * copies
     assert dropped_ref > 0
     ref_grads = dict(ref.named_parameters())
-    for layout in (dict(dp=8), dict(ep=2, dp=4), dict(cp=2, dp=4), dict(cp=2, ep=2, tp=2, sp=True)):
-        cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout), train=TrainConfig(seed=2, seq_len=16))
-        mesh = cached_mesh(**{k: v for k, v in layout.items() if k != "sp"})
+    layouts = [
+        ParallelConfig(dp=8),
+        ParallelConfig(ep=2, dp=4),
+        ParallelConfig(cp=2, dp=4),
+        ParallelConfig(cp=2, ep=2, tp=2, sp=True),
+    ]
+    for layout in layouts:
+        cfg = Config(model=model_cfg, parallel=layout, train=TrainConfig(seed=2, seq_len=16))
+        mesh = _mesh(layout)
         runner = _step_matches(cfg, mesh, ids, labels, start, loss_ref, ref_grads, "weights seed 2, batch seed 7")
-        holders = token_mesh(mesh, layout.get("sp", False))
+        holders = token_mesh(mesh, layout.sp)
         dropped = runner.moes[0].last_dropped_fraction * copies / holders.size()  # equal copies per holder
         dist.all_reduce(dropped, group=holders.get_group())
-        assert abs(dropped - dropped_ref) < 1e-3, (layout, dropped, dropped_ref)
+        assert abs(dropped - dropped_ref) < 1e-3, f"{layout.name}: {dropped} copies dropped vs {dropped_ref}"
 
 
 # Experts folded over the dense ranks (fold_ep) and split over etp, as issue 30 names them; the last
 # two keep ep as a mesh dimension. (ep and etp are the experts' sizes, the rest the dense layout.) The
 # last overlaps SP's collectives with the dense MLP's and the shared expert's GEMMs (tp_overlap).
 FOLDED_LAYOUTS = [
-    dict(dp=2, tp=4, ep=8, fold_ep=True),
-    dict(dp=2, tp=4, sp=True, ep=4, etp=2, fold_ep=True),
-    dict(dp=2, cp=2, tp=2, ep=4, etp=2, fold_ep=True),
-    dict(pp=2, tp=4, ep=4, fold_ep=True, microbatches=2),
-    dict(pp=2, tp=4, ep=4, fold_ep=True, microbatches=4, schedule="zbv", virtual_stages=2),
-    dict(dp=2, ep=2, tp=2, etp=2),
-    dict(dp=2, ep=2, tp=2, etp=2, sp=True, data_parallel="hsdp", tp_overlap=True),
+    ParallelConfig(dp=2, tp=4, ep=8, fold_ep=True),
+    ParallelConfig(dp=2, tp=4, sp=True, ep=4, etp=2, fold_ep=True),
+    ParallelConfig(dp=2, cp=2, tp=2, ep=4, etp=2, fold_ep=True),
+    ParallelConfig(pp=2, tp=4, ep=4, fold_ep=True, microbatches=2),
+    ParallelConfig(pp=2, tp=4, ep=4, fold_ep=True, microbatches=4, schedule="zbv", virtual_stages=2),
+    ParallelConfig(dp=2, ep=2, tp=2, etp=2),
+    ParallelConfig(dp=2, ep=2, tp=2, etp=2, sp=True, data_parallel="hsdp", tp_overlap=True),
 ]
 
 
@@ -491,7 +515,6 @@ def check_folded_experts(refs: dict):
     """Folded ep and etp: loss, every gradient, the router's global counts and the aux-free bias
     after its update equal the single-process model's, with capacity dropping copies, the aux loss
     and the z-loss on (one step of the whole runner: TP, EP, CP, pipeline and FSDP/HSDP composed)."""
-    from meshtron.config import Config, ParallelConfig, TrainConfig
     from meshtron.parallel.tensor_overlap import _overlapped_rowwise_forward
 
     opts = dict(moe_capacity_factor=1.0, router_aux_loss_coef=0.1, num_hidden_layers=4, mlp_only_layers=[0])
@@ -502,24 +525,24 @@ def check_folded_experts(refs: dict):
     labels[:, -1] = -100
     references = {}
     for layout in FOLDED_LAYOUTS:
-        cfg = Config(model=model_cfg, parallel=ParallelConfig(**layout), train=TrainConfig(seed=3, seq_len=16))
-        p = cfg.parallel
-        assert p.microbatches == 1 or p.dp == 1, "the reference's micro-batches are those of one reader"
+        cfg = Config(model=model_cfg, parallel=layout, train=TrainConfig(seed=3, seq_len=16))
+        p, where = cfg.parallel, layout.name
+        assert p.microbatches == 1 or p.dp == 1, f"{where}: the reference's micro-batches are those of one reader"
         if p.microbatches not in references:
             references[p.microbatches] = _folded_reference(model_cfg, ids, labels, p.microbatches)
         start, loss_ref, ref_params, ref_bias = references[p.microbatches]
-        mesh = cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, etp=p.etp, fold_ep=p.fold_ep)
+        mesh = _mesh(layout)
         runner = _step_matches(cfg, mesh, ids, labels, start, loss_ref, ref_params, "weights seed 3, batch seed 9")
         if p.tp_overlap:
             shared = runner.module.layers["1"].mlp.shared_expert
-            assert shared.down_proj.forward.__func__ is _overlapped_rowwise_forward, layout
+            assert shared.down_proj.forward.__func__ is _overlapped_rowwise_forward, where
         update_expert_bias(runner.module)
         for name, bias in runner.module.named_buffers():
             if name in ref_bias:
-                assert torch.equal(bias, ref_bias[name]), (layout, name)
+                assert torch.equal(bias, ref_bias[name]), f"{where}: {name}"
         for moe in moe_layers(runner.module):  # experts split (ep, etp), then FSDP over their edp ranks
-            assert tuple(moe.experts.mesh.shape) == (p.ep, p.etp), layout
-            assert tuple(moe.experts.gate_proj.device_mesh.shape)[-2:] == (p.ep, p.etp), layout
+            assert tuple(moe.experts.mesh.shape) == (p.ep, p.etp), where
+            assert tuple(moe.experts.gate_proj.device_mesh.shape)[-2:] == (p.ep, p.etp), where
 
 
 def check_fp8_debug_recipes(_):

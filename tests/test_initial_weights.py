@@ -109,47 +109,46 @@ class RecordingFills:
 
 
 LAYOUTS = [
-    # (model, pp, dp, ep, tp, data_parallel)
-    (DENSE, 1, 1, 1, 8, "fsdp"),  # vocab 97 over 8: uneven shards
-    (DENSE, 1, 2, 1, 4, "fsdp"),  # FSDP Shard(0) on top of tp's Shard(0) / Shard(1)
-    (DENSE, 1, 4, 1, 2, "fsdp"),  # vocab 97 over tp 2 is uneven: FSDP shards the hidden dim instead
-    (DENSE, 1, 8, 1, 1, "fsdp"),
-    (MOE, 1, 2, 4, 1, "fsdp"),  # experts split over ep, then FSDP over dp
-    (MOE, 1, 2, 2, 2, "hsdp"),
-    (TIED, 2, 1, 1, 4, "fsdp"),  # pipeline stages x tp; the LM head copy on the last stage
+    # (model, layout)
+    (DENSE, ParallelConfig(tp=8)),  # vocab 97 over 8: uneven shards
+    (DENSE, ParallelConfig(dp=2, tp=4)),  # FSDP Shard(0) on top of tp's Shard(0) / Shard(1)
+    (DENSE, ParallelConfig(dp=4, tp=2)),  # vocab 97 over tp 2 is uneven: FSDP shards the hidden dim instead
+    (DENSE, ParallelConfig(dp=8)),
+    (MOE, ParallelConfig(dp=2, ep=4)),  # experts split over ep, then FSDP over dp
+    (MOE, ParallelConfig(dp=2, ep=2, tp=2, data_parallel="hsdp")),
+    (TIED, ParallelConfig(pp=2, tp=4)),  # pipeline stages x tp; the LM head copy on the last stage
 ]
 
 
 def check_sharded_fill_equals_the_full_init():
     device = env.local_device()
-    for model_cfg, pp, dp, ep, tp, mode in LAYOUTS:
-        cfg = Config(
-            model=ModelConfig(**model_cfg),
-            parallel=ParallelConfig(pp=pp, dp=dp, ep=ep, tp=tp, data_parallel=mode),
-            train=TrainConfig(seed=SEED),
-        )
-        mesh = cached_mesh(pp=pp, dp=dp, ep=ep, tp=tp)
+    for model_cfg, layout in LAYOUTS:
+        cfg = Config(model=ModelConfig(**model_cfg), parallel=layout, train=TrainConfig(seed=SEED))
+        mesh = cached_mesh(**layout.sizes)
         with torch.device("meta"):
             model = build_model(cfg.model)
-        if pp > 1:
-            prune_to_stage(model, mesh["pp"].get_local_rank(), pp)
+        if layout.pp > 1:
+            prune_to_stage(model, mesh["pp"].get_local_rank(), layout.pp)
         parallelize(model, mesh, cfg)
         with LargestAllocation() as alloc:
             materialize_sharded(model, device, cfg)
         full = materialize(build_model(cfg.model), "cpu", seed=SEED).state_dict()
         fills = RecordingFills(InitialWeights(cfg.model, SEED))
         fill_local_slices(model, fills)  # again, watching each parameter's fill
-        layout, sharded = (model_cfg is MOE, pp, dp, ep, tp, mode), []
+        kind = "moe" if model_cfg is MOE else "tied" if model_cfg is TIED else "dense"
+        where, sharded = f"{layout.name} {kind}", []
         for name, tensor in model.state_dict().items():
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            assert local.device.type == device.type, (name, local.device)
+            assert local.device.type == device.type, f"{where}: {name} on {local.device}"
             if local.numel() < tensor.numel():
                 sharded.append(tensor.numel())
-                assert fills.largest[name] <= local.numel(), (layout, name, fills.largest[name], local.numel())
+                assert fills.largest[name] <= local.numel(), (
+                    f"{where}: {name}'s fill made {fills.largest[name]} elements for a shard of {local.numel()}"
+                )
             value = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            assert torch.equal(value.cpu(), full[name]), (layout, name)
+            assert torch.equal(value.cpu(), full[name]), f"{where}: {name}"
         # Nothing in the whole start-up (allocation included) is as large as the largest parameter.
-        assert sharded and alloc.largest < max(sharded), (layout, alloc.largest, max(sharded))
+        assert sharded and alloc.largest < max(sharded), f"{where}: allocated {alloc.largest} vs {max(sharded)}"
 
 
 @pytest.mark.full

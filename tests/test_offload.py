@@ -74,22 +74,25 @@ def test_activation_offload_copies_every_saved_activation_and_changes_no_bit(mon
 
 
 @pytest.mark.parametrize(
-    "parallel, message",
+    "layout, message",
     [
-        (dict(offload="cpu"), "offload must be one of none, optimizer, got 'cpu'"),
-        (
-            dict(offload="optimizer", data_parallel="replicate"),
-            "offload = 'optimizer' keeps FSDP's parameter shards in host memory: it needs data_parallel = 'fsdp' or "
-            "'hsdp', got 'replicate'",
-        ),
-        (
-            dict(offload_activations=True, activation_checkpointing="full"),
-            "activation_checkpointing = 'full' recomputes every block: nothing would move",
-        ),
-        (dict(offload_activations=True, compile=True), "set one of them false"),
+        pytest.param(layout, message, id=layout.name)
+        for layout, message in [
+            (ParallelConfig(offload="cpu"), "offload must be one of none, optimizer, got 'cpu'"),
+            (
+                ParallelConfig(offload="optimizer", data_parallel="replicate"),
+                "offload = 'optimizer' keeps FSDP's parameter shards in host memory: it needs data_parallel = 'fsdp' "
+                "or 'hsdp', got 'replicate'",
+            ),
+            (
+                ParallelConfig(offload_activations=True, activation_checkpointing="full"),
+                "activation_checkpointing = 'full' recomputes every block: nothing would move",
+            ),
+            (ParallelConfig(offload_activations=True, compile=True), "set one of them false"),
+        ]
     ],
 )
-def test_offload_config_errors(parallel, message):
-    cfg = Config(parallel=ParallelConfig(**parallel))
+def test_offload_config_errors(layout, message):
+    cfg = Config(parallel=layout)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         validate(cfg)
