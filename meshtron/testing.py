@@ -402,19 +402,35 @@ def _end_with_failures(results, failures: list, report: LaunchReport, check: str
     )
 
 
-@functools.cache
 def cached_mesh(**sizes):
     """``build_mesh(**sizes)``, built once per layout per launch: every mesh brings its own process
-    groups (each with its gloo threads), and a launch that checks many models reuses a few layouts."""
+    groups (each with its gloo threads), and a launch that checks many models reuses a few layouts. Sizes
+    left out are their defaults, so ``cached_mesh(tp=2)`` and ``cached_mesh(pp=1, tp=2)`` are one mesh."""
+    import inspect
+
     from meshtron.mesh import build_mesh
 
-    return build_mesh(**sizes)
+    defaults = {k: v.default for k, v in inspect.signature(build_mesh).parameters.items()}
+    return _cached_mesh(tuple(sorted({**defaults, **sizes}.items())))
+
+
+@functools.cache
+def _cached_mesh(sizes: tuple):
+    from meshtron.mesh import build_mesh
+
+    return build_mesh(**dict(sizes))
+
+
+def layout_mesh(layout):
+    """:func:`cached_mesh` of a layout (a ``ParallelConfig``: folded experts and etp included), what
+    ``meshtron.mesh.recipe_mesh`` builds for a recipe with that ``[parallel]`` section."""
+    p = layout
+    return cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, etp=p.etp, fold_ep=p.fold_ep)
 
 
 def cached_recipe_mesh(cfg):
-    """:func:`cached_mesh` of a recipe's ``[parallel]`` sizes (what ``meshtron.mesh.recipe_mesh`` builds)."""
-    p = cfg.parallel
-    return cached_mesh(pp=p.pp, dp=p.dp, cp=p.cp, ep=p.ep, tp=p.tp, etp=p.etp, fold_ep=p.fold_ep)
+    """:func:`layout_mesh` of a recipe's ``[parallel]`` section."""
+    return layout_mesh(cfg.parallel)
 
 
 # Tiny transformers models for the HF tests: sizes, and name -> (config class, extra config) of the
@@ -455,21 +471,31 @@ def assert_parity(
     grad_rtol: float = GRAD_RTOL,
     looser: Mapping[str, float] | None = None,
 ) -> int:
-    """A layout's loss and gradients against the reference run's, within the numerics contract.
+    """A layout's loss (unless ``loss`` is None) and gradients against the reference run's, within the numerics
+    contract.
 
     ``grads`` are the (name, gradient) pairs this rank holds (DTensors are gathered); each is compared with
     ``reference_grads[name]``, within ``looser[suffix]`` for a name ending in one of its suffixes. Returns how
     many gradients were compared; ``where`` (the layout) begins every failure message."""
-    err = rel_err(_as_tensor(loss), _as_tensor(reference_loss))
-    assert err < loss_rtol, f"{where}: loss {float(loss)} vs reference {float(reference_loss)}, rel err {err:.2e}"
+    if loss is not None:
+        err = rel_err(_as_tensor(loss), _as_tensor(reference_loss))
+        assert err < loss_rtol, f"{where}: loss {_text(loss)} vs reference {_text(reference_loss)}, rel err {err:.2e}"
     compared = 0
     for name, grad in grads:
         assert grad is not None, f"{where}: {name} has no gradient"
+        assert name in reference_grads, f"{where}: the reference run has no gradient named {name}"
         limit = next((v for k, v in (looser or {}).items() if name.endswith(k)), grad_rtol)
-        err = rel_err(grad, reference_grads[name])
+        try:
+            err = rel_err(grad, reference_grads[name])
+        except AssertionError as failed:  # an all-zero reference: name the layout and the parameter
+            raise AssertionError(f"{where}: grad {name}: {failed}") from None
         assert err < limit, f"{where}: grad {name} rel err {err:.2e} (bound {limit:.0e})"
         compared += 1
     return compared
+
+
+def _text(value) -> str:
+    return str(value.tolist() if hasattr(value, "tolist") else value)
 
 
 def _as_tensor(value):

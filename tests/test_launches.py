@@ -1,11 +1,16 @@
 """meshtron.testing's launches as pytest results: one result per check, selected by -k and -m, the failing
-check named with its rank and arguments, the checks after it reported as not run."""
+check named with its rank and arguments, the checks after it reported as not run; and its parity helper."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+
+import pytest
+import torch
+
+from meshtron.testing import GRAD_RTOL, LOSS_RTOL, assert_parity
 
 CHECKS = textwrap.dedent(
     """
@@ -168,3 +173,21 @@ def test_each_check_of_a_fixture_launch_is_its_own_result(tmp_path, monkeypatch)
     picked = _pytest(tmp_path, "-k", "write_rank")
     assert _summary(picked) == [("PASSED", "test_check[write_rank]")] and "3 deselected" in picked, picked
     assert sorted(log.read_text().splitlines()) == ["write_rank 0", "write_rank 1"], picked
+
+
+def test_assert_parity_holds_the_contract_and_names_the_layout():
+    ref = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.5])}
+    near = [("w", ref["w"] * (1 + GRAD_RTOL / 4)), ("b", ref["b"])]
+    assert assert_parity("tp2", 3.0 * (1 + LOSS_RTOL / 4), 3.0, near, ref) == 2
+    assert assert_parity("tp2", None, None, near, ref, looser={}) == 2  # gradients alone
+    with pytest.raises(AssertionError, match=r"^tp2: loss 3\.0001 vs reference 3\.0, rel err 3\.3"):
+        assert_parity("tp2", 3.0001, 3.0)
+    with pytest.raises(AssertionError, match=r"^tp2: grad w rel err [45]\.\d\de-04 \(bound 1e-04\)"):
+        assert_parity("tp2", None, None, [("w", ref["w"] * (1 + 5e-4))], ref)
+    assert assert_parity("tp2", None, None, [("w", ref["w"] * (1 + 5e-4))], ref, looser={"w": 1e-3}) == 1
+    with pytest.raises(AssertionError, match="^tp2: the reference run has no gradient named v"):
+        assert_parity("tp2", None, None, [("v", ref["w"])], ref)
+    with pytest.raises(AssertionError, match="^tp2: grad z: reference is all zeros"):
+        assert_parity("tp2", None, None, [("z", torch.zeros(2))], {"z": torch.zeros(2)})
+    with pytest.raises(AssertionError, match="^tp2: w has no gradient"):
+        assert_parity("tp2", None, None, [("w", None)], ref)
