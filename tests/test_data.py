@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from meshtron.config import Config, ConfigError
+from meshtron.config import Config, ConfigError, ParallelConfig
 from meshtron.data import (
     BUILTIN_PATH,
     DOC_SEPARATOR,
@@ -29,7 +29,7 @@ from meshtron.data import (
     sources,
     to_device,
 )
-from meshtron.testing import launch_tests
+from meshtron.testing import assert_parity, launch_tests
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -869,17 +869,21 @@ def test_chat_template_counts_only_assistant_turns(tmp_path, rng):
 
 # ---------------------------------------------------------------- SFT and every source kind on 4 ranks
 
-SFT_LAYOUTS = [dict(dp=4), dict(pp=2, dp=2, microbatches=2), dict(cp=2, dp=2), dict(tp=2, dp=2, microbatches=2)]
+SFT_LAYOUTS = [
+    ParallelConfig(dp=4),
+    ParallelConfig(pp=2, dp=2, microbatches=2),
+    ParallelConfig(dp=2, cp=2),
+    ParallelConfig(dp=2, tp=2, microbatches=2),
+]
 
 
-def _recipe(root: str, out: str, extra: list[str], layout: dict):
+def _recipe(root: str, out: str, extra: list[str], layout: ParallelConfig):
     from pathlib import Path
 
     from meshtron.config import load_config
 
     args = ["--train.output_dir", out, "--data.cache_dir", f"{root}/cache", "--train.steps", "2"] + extra
-    for key, value in {**dict(pp=1, dp=1, cp=1, tp=1, microbatches=1), **layout}.items():
-        args += [f"--parallel.{key}", str(value)]
+    args += layout.overrides()
     return load_config(Path(__file__).resolve().parents[1] / "recipes" / "debug_dense.toml", args)
 
 
@@ -921,7 +925,7 @@ def check_sft_loss_counts_only_responses(root: str) -> None:
         xs, ys = dataset.batch_for_step(1, share.get_local_rank(), share.size(), cfg.parallel.microbatches)
         empty_shares += int((ys != -100).sum() == 0)
         loss = runner.forward_backward(xs, ys)
-        assert abs(loss.item() - hand.item()) / hand.item() < 1e-5, (layout, loss.item(), hand.item())
+        assert_parity(f"SFT {layout.name}", loss, hand)
     totals = [0] * dist.get_world_size()
     dist.all_gather_object(totals, empty_shares)
     assert sum(totals) > 0, "no rank's share was all prompt: the data does not test the -100 count"
@@ -940,7 +944,7 @@ def check_every_source_kind_trains(root: str) -> None:
         "sft": ["--data.source", f"{root}/sft_saved", "--data.format", '"prompt_response"', "--train.seq_len", "16"],
     }
     for name, extra in runs.items():
-        cfg = _recipe(root, f"{root}/{name}", extra, dict(tp=2, dp=2))
+        cfg = _recipe(root, f"{root}/{name}", extra, ParallelConfig(dp=2, tp=2))
         validate_layout(cfg, torch.distributed.get_world_size())
         Trainer(cfg, recipe_mesh(cfg)).fit()
         if torch.distributed.get_rank() == 0:

@@ -27,7 +27,7 @@ from meshtron.parallel import context
 from meshtron.parallel.context import blocks
 from meshtron.parallel.expert import apply_expert_parallel
 from meshtron.parallel.runner import NoPipelineRunner
-from meshtron.testing import fresh_seed, launch_tests, random_model
+from meshtron.testing import cached_mesh, fresh_seed, launch_tests, random_model
 
 DENSE = ModelConfig(
     vocab_size=96,
@@ -71,10 +71,11 @@ def _record_block_compute(blocks: dict[str, torch.nn.Module], events: list) -> N
 
 
 def _prefetch_run(prefetch: int, weights: dict, ids, labels):
-    cfg = Config(model=DENSE, parallel=ParallelConfig(dp=2, fsdp_prefetch=prefetch), train=TrainConfig(seed=3))
+    layout = ParallelConfig(dp=2, fsdp_prefetch=prefetch)
+    cfg = Config(model=DENSE, parallel=layout, train=TrainConfig(seed=3))
     with torch.device("meta"):
         model = build_model(DENSE)
-    runner = NoPipelineRunner(model, build_mesh(dp=2), cfg, torch.device("cpu"))
+    runner = NoPipelineRunner(model, cached_mesh(**layout.sizes), cfg, torch.device("cpu"))
     load_full_state_dict(runner.module, weights)  # in place: the shards' storages (the units' names) stay
     blocks = dict(runner.module.layers.items())
     events: list = []
