@@ -10,6 +10,7 @@ See docs/hf.md, 'From a recipe'.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import warnings
 from pathlib import Path
@@ -193,7 +194,13 @@ class HFNoPipelineRunner:
         return None
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_(self.module.parameters(), max_norm)
+        return clip_grad_norm_(self.parameters, max_norm)
+
+    @functools.cached_property
+    def parameters(self) -> list[nn.Parameter]:
+        """The model's parameters, listed once (FSDP2 registers the same sharded Parameters again after every
+        gather, as the optimizer holding them assumes): walking the modules each step is host work."""
+        return list(self.module.parameters())
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return full_state_dict(self.module)

@@ -7,6 +7,7 @@ groups and the pipeline stages: every rank gets the single-process norm. See doc
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -16,20 +17,23 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from meshtron import env
 from meshtron.host import copy_to
-from meshtron.torch_private import foreach_mul_, foreach_norm
+from meshtron.torch_private import dtensor_local, foreach_mul_, foreach_norm
 
 _GroupKey = tuple[DeviceMesh | None, tuple[int, ...]]
 
 
-def _sharded_dims(grad: DTensor) -> tuple[int, ...]:
+@functools.lru_cache(maxsize=1024)
+def _sharded_dims(mesh: DeviceMesh, placements: tuple) -> tuple[int, ...]:
+    """The mesh dims whose ranks hold disjoint pieces of a gradient with ``placements``; cached, as every
+    step's gradients repeat the parameters' few (mesh, placements) pairs."""
     dims = []
-    for dim, placement in enumerate(grad.placements):
+    for dim, placement in enumerate(placements):
         if isinstance(placement, Partial):
             raise ValueError(
-                f"a gradient is a Partial DTensor on {grad.device_mesh}; reduce it (e.g. redistribute to "
+                f"a gradient is a Partial DTensor on {mesh}; reduce it (e.g. redistribute to "
                 "Replicate) before taking the norm: partial sums cannot be squared locally."
             )
-        if not isinstance(placement, Replicate) and grad.device_mesh.size(dim) > 1:
+        if not isinstance(placement, Replicate) and mesh.size(dim) > 1:
             dims.append(dim)  # Shard or _StridedShard: the ranks hold disjoint pieces (one rank: all of it)
     return tuple(dims)
 
@@ -38,8 +42,9 @@ def _local_pieces(grads: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Tenso
     groups: dict[_GroupKey, list[torch.Tensor]] = {}
     for grad in grads:
         if isinstance(grad, DTensor):
-            key = (grad.device_mesh, _sharded_dims(grad))
-            grad = grad.to_local()
+            mesh = grad.device_mesh
+            key = (mesh, _sharded_dims(mesh, grad.placements))
+            grad = dtensor_local(grad)
         else:
             key = (None, ())
         groups.setdefault(key, []).append(grad)
@@ -76,16 +81,19 @@ def global_grad_norm(params, norm_type: float = 2.0, pp_mesh: DeviceMesh | None 
     Every rank of a data/model-parallel group must pass the same parameter structure (true for
     ranks of one stage), so they issue the same collectives in the same order.
     """
+    return _norm_of_pieces(_local_pieces([p.grad for p in params if p.grad is not None]), norm_type, pp_mesh)
+
+
+def _norm_of_pieces(groups: dict[_GroupKey, list[torch.Tensor]], norm_type: float, pp_mesh) -> torch.Tensor:
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type}.")
     is_max = math.isinf(norm_type)
     op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
-    grads = [p.grad for p in params if p.grad is not None]
     # The collectives' device: host-offloaded gradients ([parallel] offload) sum on the host first.
     device = env.local_device()
     total = torch.zeros((), device=device, dtype=torch.float32)
-    for (mesh, dims), pieces in _local_pieces(grads).items():
+    for (mesh, dims), pieces in groups.items():
         part = copy_to(_power_sum(pieces, norm_type), device)
         for dim in dims:
             dist.all_reduce(part, op=op, group=mesh.get_group(dim))
@@ -104,20 +112,25 @@ def scale_grads_(params, max_norm: float, total_norm: torch.Tensor) -> None:
     exactly 1), so the caller can still tell which gradient is NaN/Inf; deciding that on the device
     keeps clipping free of host syncs.
     """
+    grads = [p.grad for p in params if p.grad is not None]
+    _scale_pieces_([dtensor_local(g) if isinstance(g, DTensor) else g for g in grads], max_norm, total_norm)
+
+
+def _scale_pieces_(pieces: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     coef = torch.where(torch.isfinite(total_norm), coef, torch.ones_like(coef))
     # One copy of the coefficient per device and dtype, not per gradient: with host-offloaded gradients each
     # copy to the host waits for the device, which per gradient would be once per parameter; one foreach
     # multiply per group, as one launch.
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
-    for same in _by_device_and_dtype(grads):
+    for same in _by_device_and_dtype(pieces):
         foreach_mul_(same, copy_to(coef, same[0].device).to(same[0].dtype))
 
 
 @torch.no_grad()
 def clip_grad_norm_(params, max_norm: float, norm_type: float = 2.0, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
-    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before."""
-    params = list(params)
-    total = global_grad_norm(params, norm_type, pp_mesh)
-    scale_grads_(params, max_norm, total)
+    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before. Each
+    gradient's local tensor is taken once, for the norm and the scaling."""
+    groups = _local_pieces([p.grad for p in params if p.grad is not None])
+    total = _norm_of_pieces(groups, norm_type, pp_mesh)
+    _scale_pieces_([t for pieces in groups.values() for t in pieces], max_norm, total)
     return total

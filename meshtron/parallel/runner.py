@@ -3,6 +3,7 @@ model; the recipe's model and its runner: ``meshtron.runner.build_runner``)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -82,7 +83,13 @@ class NoPipelineRunner:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip in place; returns the global norm before clipping as a device scalar."""
-        return clip_grad_norm_(self.module.parameters(), max_norm)
+        return clip_grad_norm_(self.parameters, max_norm)
+
+    @functools.cached_property
+    def parameters(self) -> list[nn.Parameter]:
+        """The model's parameters, listed once (FSDP2 registers the same sharded Parameters again after every
+        gather, as the optimizer holding them assumes): walking the modules each step is host work."""
+        return list(self.module.parameters())
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         return full_state_dict(self.module)
