@@ -24,7 +24,7 @@ from torch import nn
 from meshtron import env
 from meshtron.checkpoint import load_full_state_dict
 from meshtron.config import FP8_RECIPES, Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig, validate
-from meshtron.mesh import batch_mesh
+from meshtron.mesh import batch_mesh, build_mesh
 from meshtron.models import build_model
 from meshtron.models.moe import grouped_matmul
 from meshtron.parallel.compose import parallelize
@@ -1162,7 +1162,7 @@ def _one_rank_amax_outside_compiled(recipe: str) -> tuple[int, int]:
         model = build_model(cfg.model)
     torch._dynamo.reset()
     counters.clear()
-    parallelize(model, cached_mesh.__wrapped__(), cfg)
+    parallelize(model, build_mesh(), cfg)
     model.to_empty(device=torch.device("cpu"))
     load_full_state_dict(model, random_model(cfg.model, seed=1).state_dict())
     tokens, labels = _batches(3)[0]
