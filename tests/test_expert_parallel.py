@@ -32,8 +32,8 @@ from meshtron.testing import (
     GRAD_RTOL,
     LOSS_RTOL,
     assert_parity,
-    cached_recipe_mesh,
     launch_tests,
+    layout_mesh,
     random_model,
     random_moe,
     rel_err,
@@ -79,11 +79,6 @@ EP4_DP2 = ParallelConfig(ep=4, dp=2)  # the layout of the checks on one block's 
 TOKENS = 48  # global tokens of the block checks: 6 per reader with 8 readers
 
 
-def _mesh(layout: ParallelConfig):
-    """The layout's mesh, built once per launch (folded experts need ep, etp and fold_ep beside the sizes)."""
-    return cached_recipe_mesh(Config(parallel=layout))
-
-
 def _my_rows(mesh, total: int, holders=batch_mesh) -> slice:
     """The rows of a global batch this rank reads: sequences split over dp x ep (``batch_mesh``), or
     tokens over dp x cp x ep (``dense_data_mesh``); tp ranks share theirs."""
@@ -115,7 +110,7 @@ def _every(got: dict, expected: dict) -> list[tuple[str, torch.Tensor]]:
 
 def _block_parity(layout: ParallelConfig, seed: int, skew: bool) -> None:
     """One MoE block split as ``layout`` says (tokens split over tp with its ``sp``) against the whole block."""
-    mesh, sequence_parallel = _mesh(layout), layout.sp
+    mesh, sequence_parallel = layout_mesh(layout), layout.sp
     where = f"{layout.name} seed {seed}" + (" skewed" if skew else "")
     ref = random_moe(BLOCK, seed)
     x = torch.randn(TOKENS, 32)
@@ -165,7 +160,7 @@ def check_fsdp_composes(refs: dict):
     """
     from torch.distributed.fsdp import fully_shard
 
-    mesh = _mesh(EP4_DP2)
+    mesh = layout_mesh(EP4_DP2)
     ref = random_moe(BLOCK, 4)
     x, g = torch.randn(TOKENS, 32), torch.randn(TOKENS, 32)
     block = apply_expert_parallel(copy.deepcopy(ref), mesh)
@@ -189,7 +184,7 @@ def check_dispatch_bytes(refs: dict):
     Rank by rank: the dispatch sends this rank's T x k copies and the combine sends back the rows
     it received; both sum to the group's tokens x k rows.
     """
-    mesh = _mesh(EP4_DP2)
+    mesh = layout_mesh(EP4_DP2)
     block = random_moe(BLOCK, 3)
     apply_expert_parallel(block, mesh)
     sent: list[tuple[int, bool]] = []
@@ -225,7 +220,7 @@ def check_dispatch_bytes(refs: dict):
 @pytest.mark.full
 def check_router_options_under_ep(refs: dict):
     """Capacity (on the global batch, in its token order), z-loss and aux-free bias with global statistics."""
-    mesh, where = _mesh(EP4_DP2), EP4_DP2.name
+    mesh, where = layout_mesh(EP4_DP2), EP4_DP2.name
     opts = dict(router_z_loss_coef=0.05, moe_aux_free_bias_rate=0.01, moe_capacity_factor=0.5)
     ref = random_moe(BLOCK, 5, **opts)
     x = torch.randn(TOKENS, 32)
@@ -247,7 +242,7 @@ def check_router_options_under_ep(refs: dict):
 
 
 def check_meta_init_and_errors(refs: dict):
-    mesh = _mesh(EP4_DP2)
+    mesh = layout_mesh(EP4_DP2)
     cfg = ModelConfig(**MODEL)
     with torch.device("meta"):
         model = build_model(cfg)
@@ -307,7 +302,7 @@ def check_model_parity_with_transformers(refs: dict):
     cfg = ModelConfig(**MODEL)
     ids = refs["ids"]
     for layout in (EP4_DP2, ParallelConfig(ep=2, dp=2, tp=2), ParallelConfig(ep=8)):
-        mesh = _mesh(layout)
+        mesh = layout_mesh(layout)
         with torch.device("meta"):
             model = build_model(cfg)
         apply_expert_parallel(model, mesh)
@@ -397,7 +392,7 @@ def check_moe_under_tp(refs: dict):
     collectives = {0: TP_MOE_COLLECTIVES[False], 1: TP_MOE_COLLECTIVES[True], 4: FOLDED_MOE_COLLECTIVES}
     for i, layout in enumerate(cases):
         ref, ids, labels, loss_ref = _tp_reference(40 + i)
-        mesh, tp, sp, where = _mesh(layout), layout.tp, layout.sp, layout.name
+        mesh, tp, sp, where = layout_mesh(layout), layout.tp, layout.sp, layout.name
         with torch.device("meta"):
             model = build_model(ref.config)
         apply_tensor_parallel(model, mesh["tp"], sp)
@@ -469,7 +464,7 @@ def check_capacity_is_global(refs: dict):
     ]
     for layout in layouts:
         cfg = Config(model=model_cfg, parallel=layout, train=TrainConfig(seed=2, seq_len=16))
-        mesh = _mesh(layout)
+        mesh = layout_mesh(layout)
         runner = _step_matches(cfg, mesh, ids, labels, start, loss_ref, ref_grads, "weights seed 2, batch seed 7")
         holders = token_mesh(mesh, layout.sp)
         dropped = runner.moes[0].last_dropped_fraction * copies / holders.size()  # equal copies per holder
@@ -531,7 +526,7 @@ def check_folded_experts(refs: dict):
         if p.microbatches not in references:
             references[p.microbatches] = _folded_reference(model_cfg, ids, labels, p.microbatches)
         start, loss_ref, ref_params, ref_bias = references[p.microbatches]
-        mesh = _mesh(layout)
+        mesh = layout_mesh(layout)
         runner = _step_matches(cfg, mesh, ids, labels, start, loss_ref, ref_params, "weights seed 3, batch seed 9")
         if p.tp_overlap:
             shared = runner.module.layers["1"].mlp.shared_expert

@@ -39,9 +39,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from meshtron import load_hf_checkpoint, parallelize_hf_model, save_hf_checkpoint
 from meshtron.config import Config, ConfigError, ParallelConfig
-from meshtron.hf import runner as hf_runner
 from meshtron.hf.discover import hf_parts
 from meshtron.hf.experts import FusedExpertParallel
+from meshtron.hf.runner import parallelize_options
 from meshtron.mesh import batch_mesh, expert_split
 from meshtron.parallel.offload import BlockOffload
 from meshtron.testing import (
@@ -50,8 +50,8 @@ from meshtron.testing import (
     HF_TINY_SIZES,
     LOSS_RTOL,
     assert_parity,
-    cached_recipe_mesh,
     launch_tests,
+    layout_mesh,
     rel_err,
 )
 
@@ -94,16 +94,6 @@ CASES = [
     ("qwen2_moe", ParallelConfig(dp=2, ep=4, tp=4, sp=True, fold_ep=True)),  # experts folded over the tp ranks
 ]
 PER_RANK, SEQ = 2, 16
-
-
-def _mesh(layout: ParallelConfig):
-    """The layout's mesh (its experts' split too), built once per launch."""
-    return cached_recipe_mesh(Config(parallel=layout))
-
-
-def _options(layout: ParallelConfig) -> dict:
-    """parallelize_hf_model's options of a layout, as the training runner passes them."""
-    return hf_runner._options(Config(parallel=layout))
 
 
 def _save_models(root: Path) -> dict[str, str]:
@@ -239,11 +229,11 @@ def _parity_and_training(folders: dict[str, str], out: str, indices) -> None:
     for index in indices:
         arch, layout = CASES[index]
         where = f"{arch} {layout.name} (weights seed {len(arch)}, batch seed {100 * index} + step)"
-        mesh = _mesh(layout)
+        mesh = layout_mesh(layout)
         readers = batch_mesh(mesh).size()
         ref = _reference(folders[arch])
         with _recorded_twin_proof() as proof:
-            model, _ = load_hf_checkpoint(folders[arch], mesh, **_options(layout))
+            model, _ = load_hf_checkpoint(folders[arch], mesh, **parallelize_options(layout))
         figures.setdefault("twin_bytes", {})[where] = _check_twin_proof(proof, ref, where)
         offloading = [
             m
@@ -342,9 +332,9 @@ def check_from_pretrained_then_parallelize(folders: dict[str, str], out: str) ->
         ("phi3", ParallelConfig(dp=2, tp=4, sp=True), SEQ),
     ]
     for arch, layout, seq in cases:
-        mesh = _mesh(layout)
+        mesh = layout_mesh(layout)
         ref = _reference(folders[arch])
-        model = parallelize_hf_model(_reference(folders[arch]), mesh, **_options(layout))
+        model = parallelize_hf_model(_reference(folders[arch]), mesh, **parallelize_options(layout))
         ids, labels, _ = (t[:, :seq] for t in _batch(batch_mesh(mesh).size(), seed=7))
         loss = model(input_ids=_local(ids, mesh), labels=_local(labels, mesh)).loss
         ref_loss = ref(input_ids=ids, labels=labels).loss
@@ -904,12 +894,12 @@ def check_families(folders: dict[str, str], out: str) -> None:
     for index, name in enumerate(FAMILIES):
         for layout in FAMILY_LAYOUTS.get(name, DENSE_LAYOUTS):
             where = f"{name} {layout.name} (weights seed {len(name)}, batch seed {index})"
-            mesh = _mesh(layout)
+            mesh = layout_mesh(layout)
             ref = _family_model(name)
             # The block check runs in every parallelization of check_parity_and_training; here, to keep the
             # launch short, on the families whose classes it was built for (all families pass it).
             proved = replace(layout, prove_blocks=name in PROVED_FAMILIES)
-            model = parallelize_hf_model(_family_model(name), mesh, **_options(proved))
+            model = parallelize_hf_model(_family_model(name), mesh, **parallelize_options(proved))
             if name in EXPERT_CLASSES:
                 _check_expert_split(model, name, mesh, where)
             if name in ("deepseek_v2", "deepseek_v3", "kimi_linear"):
@@ -931,10 +921,10 @@ def check_families(folders: dict[str, str], out: str) -> None:
 def _check_gpt_oss_round_trip(model, folder: Path, ids, mask, layout: ParallelConfig, where: str) -> None:
     """Biased experts split over ep save to a folder HF reads back, and sliced loading of that folder
     gives the same weights."""
-    mesh = _mesh(layout)
+    mesh = layout_mesh(layout)
     save_hf_checkpoint(model, folder, max_shard_bytes=30_000)
     _check_saved(model, folder, ids, mask, mesh, where)
-    loaded, _ = load_hf_checkpoint(folder, mesh, **_options(layout))
+    loaded, _ = load_hf_checkpoint(folder, mesh, **parallelize_options(layout))
     params = dict(loaded.named_parameters())
     for name, p in model.named_parameters():
         assert torch.equal(_full(p).detach(), _full(params[name]).detach()), f"{where}: loaded {name} differs"
@@ -994,7 +984,7 @@ def check_bytes_read_per_rank(folders: dict[str, str], out: str) -> None:
     over dp 2; Qwen2-MoE with its experts split over ep 4 and everything FSDP-sharded over dp x ep."""
     report = {}
     for arch, layout in [("qwen2", ParallelConfig(dp=2, tp=4)), ("qwen2_moe", ParallelConfig(dp=2, ep=4))]:
-        _, read = load_hf_checkpoint(folders[arch], _mesh(layout), **_options(layout))
+        _, read = load_hf_checkpoint(folders[arch], layout_mesh(layout), **parallelize_options(layout))
         index = json.loads((Path(folders[arch]) / "model.safetensors.index.json").read_text())
         total = index["metadata"]["total_size"]
         reads = [None] * dist.get_world_size()
@@ -1043,13 +1033,13 @@ def check_native_sliced_loading(folders: dict[str, str], out: str) -> None:
     """meshtron's own model (tp x ep x FSDP, tied embeddings, stacked experts): the sliced loader
     equals the full-state-dict path bit for bit, from either expert layout, reading a fraction."""
     from meshtron.checkpoint import load_full_state_dict
-    from meshtron.config import Config, ModelConfig
+    from meshtron.config import ModelConfig
     from meshtron.hf import load_hf_state_dict, load_native_sharded
     from meshtron.models import build_model
     from meshtron.parallel.compose import parallelize
 
     cfg = Config(model=ModelConfig(**NATIVE))
-    mesh = _mesh(ParallelConfig(dp=2, ep=2, tp=2))
+    mesh = layout_mesh(ParallelConfig(dp=2, ep=2, tp=2))
 
     def sharded_model():
         """The training runner's layout, allocated but not filled (every value must come from the loader)."""
@@ -1126,10 +1116,10 @@ def _check_shared_parameter_kept() -> None:
         return model
 
     for layout in [ParallelConfig(dp=4, tp=2, sp=True), ParallelConfig(dp=8, data_parallel="replicate")]:
-        mesh, where = _mesh(layout), f"shared down_proj {layout.name}"
+        mesh, where = layout_mesh(layout), f"shared down_proj {layout.name}"
         ref, model = shared_model(), shared_model()
         distinct = len(list(model.parameters()))
-        model = parallelize_hf_model(model, mesh, **_options(layout))
+        model = parallelize_hf_model(model, mesh, **parallelize_options(layout))
         layers = model.model.layers
         assert len(list(model.parameters())) == distinct, where
         ids, labels, mask = _batch(batch_mesh(mesh).size(), seed=3)
@@ -1162,14 +1152,14 @@ def _check_shared_parameter_kept() -> None:
                 r"mlp.down_proj.weight' share one Parameter, but parallelizing gave them separate",
             ),
         ):
-            parallelize_hf_model(shared_model(), _mesh(ParallelConfig(dp=4, tp=2)))
+            parallelize_hf_model(shared_model(), layout_mesh(ParallelConfig(dp=4, tp=2)))
     with pytest.raises(
         ConfigError,
         match=r"'model.layers.0.mlp.down_proj.weight', 'model.layers.1.mlp.down_proj.weight' "
         r"share one Parameter, but pp = 2 puts their layers \[0, 1\] on different "
         r"pipeline stages \(each stage would train its own copy\)",
     ):
-        parallelize_hf_model(shared_model(), _mesh(ParallelConfig(pp=2, dp=4)), microbatches=2)
+        parallelize_hf_model(shared_model(), layout_mesh(ParallelConfig(pp=2, dp=4)), microbatches=2)
 
 
 @pytest.mark.full
@@ -1220,10 +1210,12 @@ def check_block_proof_refuses(folders: dict[str, str], out: str) -> None:
     for switched_off, name, layout, message in controls:
         with switched_off:
             with pytest.raises(ConfigError, match=message):
-                parallelize_hf_model(_family_model(name), _mesh(layout), **_options(layout))
+                parallelize_hf_model(_family_model(name), layout_mesh(layout), **parallelize_options(layout))
     switched_off, _, layout, _ = controls[0]
     with switched_off:  # the check off: the wrong split is accepted
-        parallelize_hf_model(_family_model("minimax"), _mesh(layout), **_options(replace(layout, prove_blocks=False)))
+        parallelize_hf_model(
+            _family_model("minimax"), layout_mesh(layout), **parallelize_options(replace(layout, prove_blocks=False))
+        )
     # load_hf_checkpoint's model is split on the meta device: its check runs on a twin with the folder's weights.
     folder = Path(out) / "olmo"
     if dist.get_rank() == 0:
@@ -1232,8 +1224,8 @@ def check_block_proof_refuses(folders: dict[str, str], out: str) -> None:
     switched_off, _, layout, message = controls[2]
     with switched_off:
         with pytest.raises(ConfigError, match=message):
-            load_hf_checkpoint(folder, _mesh(layout), **_options(layout))
-        load_hf_checkpoint(folder, _mesh(layout), **_options(replace(layout, prove_blocks=False)))
+            load_hf_checkpoint(folder, layout_mesh(layout), **parallelize_options(layout))
+        load_hf_checkpoint(folder, layout_mesh(layout), **parallelize_options(replace(layout, prove_blocks=False)))
     # Not a control: cp's ring serves softmax attention only; MiniMax's lightning attention would see only
     # this rank's chunks, and the refusal names it (found by what it does: token 0 moves its later outputs).
     with pytest.raises(
@@ -1243,7 +1235,7 @@ def check_block_proof_refuses(folders: dict[str, str], out: str) -> None:
         r"sequence and is not softmax attention, the only mixer cp's ring attention serves: .* Set "
         r"\[parallel\] cp = 1 for this family",
     ):
-        parallelize_hf_model(_family_model("minimax"), _mesh(ParallelConfig(dp=4, cp=2)))
+        parallelize_hf_model(_family_model("minimax"), layout_mesh(ParallelConfig(dp=4, cp=2)))
     # Nor this: Zamba2's hybrid layers take the whole-sequence embedding output beside the SP-split stream.
     with pytest.raises(
         ConfigError,
@@ -1252,7 +1244,7 @@ def check_block_proof_refuses(folders: dict[str, str], out: str) -> None:
         r"\[1, 16, 64\]: under SP the stream is split along the sequence, that input "
         r"is not. Set \[parallel\] sp = false for this family",
     ):
-        parallelize_hf_model(_family_model("zamba2"), _mesh(ParallelConfig(dp=4, tp=2)), sp=True)
+        parallelize_hf_model(_family_model("zamba2"), layout_mesh(ParallelConfig(dp=4, tp=2)), sp=True)
 
 
 def _check_stream_refused(out: str) -> None:
@@ -1270,11 +1262,11 @@ def _check_stream_refused(out: str) -> None:
         (ParallelConfig(pp=2, dp=4), 2, "pp assumes", "pp = 1"),
     ]:
         with pytest.raises(ConfigError, match=refusal.format(n=n, what=what, fix=fix)):
-            parallelize_hf_model(_family_model("deepseek_v4"), _mesh(layout), **_options(layout))
+            parallelize_hf_model(_family_model("deepseek_v4"), layout_mesh(layout), **parallelize_options(layout))
     folder = Path(out) / "deepseek_v4"  # meshtron's writer keeps the model's names (save_pretrained converts V4's)
     save_hf_checkpoint(_family_model("deepseek_v4"), folder)
     with pytest.raises(ConfigError, match=refusal.format(n=4, what="SP assumes", fix="sp = false")):
-        load_hf_checkpoint(folder, _mesh(ParallelConfig(dp=4, tp=2)), sp=True)
+        load_hf_checkpoint(folder, layout_mesh(ParallelConfig(dp=4, tp=2)), sp=True)
     _check_converted_folder(Path(out) / "deepseek_v4_pretrained")
 
 
@@ -1286,7 +1278,7 @@ def _check_converted_folder(folder: Path) -> None:
     if dist.get_rank() == 0:
         source.save_pretrained(folder)
     dist.barrier()
-    mesh = _mesh(ParallelConfig(dp=2, tp=4))
+    mesh = layout_mesh(ParallelConfig(dp=2, tp=4))
     model, read = load_hf_checkpoint(folder, mesh)
     assert read == sum(f.stat().st_size for f in folder.glob("*.safetensors")), read
     ids, labels, mask = _batch(batch_mesh(mesh).size(), seed=0)
@@ -1300,7 +1292,7 @@ def _check_converted_folder(folder: Path) -> None:
 
 def check_errors(folders: dict[str, str], out: str) -> None:
     _check_stream_refused(out)
-    mesh = _mesh(ParallelConfig(dp=2, tp=4))
+    mesh = layout_mesh(ParallelConfig(dp=2, tp=4))
     model = _reference(folders["llama"])
     model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "local_packed_rowwise"}
     with pytest.raises(
@@ -1314,16 +1306,16 @@ def check_errors(folders: dict[str, str], out: str) -> None:
     with pytest.raises(ConfigError, match="names a parameter"):
         parallelize_hf_model(model, mesh)
     with pytest.raises(ConfigError, match="ep = 2 needs a MoE model"):
-        parallelize_hf_model(_reference(folders["llama"]), _mesh(ParallelConfig(dp=2, ep=2, tp=2)))
-    _check_unsplit_warning(_mesh(ParallelConfig(tp=8)))
+        parallelize_hf_model(_reference(folders["llama"]), layout_mesh(ParallelConfig(dp=2, ep=2, tp=2)))
+    _check_unsplit_warning(layout_mesh(ParallelConfig(tp=8)))
     _check_shared_parameter_kept()
     moe = _reference(folders["qwen2_moe"])
     moe.config.base_model_ep_plan = None
     with pytest.raises(ConfigError, match="no base_model_ep_plan entry .* is not a MoE whose router scores scale"):
-        parallelize_hf_model(moe, _mesh(ParallelConfig(dp=4, ep=2)))
+        parallelize_hf_model(moe, layout_mesh(ParallelConfig(dp=4, ep=2)))
     with pytest.raises(ConfigError, match=r"etp = 2 is not supported for transformers experts yet .*use etp = 1"):
         parallelize_hf_model(
-            _reference(folders["qwen2_moe"]), _mesh(ParallelConfig(dp=2, ep=2, tp=4, etp=2, fold_ep=True))
+            _reference(folders["qwen2_moe"]), layout_mesh(ParallelConfig(dp=2, ep=2, tp=4, etp=2, fold_ep=True))
         )
 
 

@@ -33,15 +33,16 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from meshtron import HFPipelineRunner, parallelize_hf_model
-from meshtron.config import Config, ConfigError, ParallelConfig
-from meshtron.hf import runner as hf_runner
+from meshtron.config import ConfigError, ParallelConfig
 from meshtron.hf.context import RING, next_token_labels
 from meshtron.hf.discover import hf_parts
+from meshtron.hf.runner import parallelize_options
 from meshtron.mesh import batch_mesh
 from meshtron.models.qwen2 import LMHead
 from meshtron.testing import (
     HF_TINY_FAMILIES,
     HF_TINY_SIZES,
+    LOSS_CURVE_RTOL,
     LaunchedRuns,
     assert_parity,
     cached_recipe_mesh,
@@ -51,6 +52,7 @@ from meshtron.testing import (
     launch_tests,
     launched_beside,
     launched_check_results,
+    layout_mesh,
     units_with_parameters,
     whole_weight_passes,
 )
@@ -145,16 +147,6 @@ def _global_microbatches(mesh, microbatches: int) -> list[torch.Tensor]:
     ]
 
 
-def _mesh(layout: ParallelConfig):
-    """The layout's mesh, built once per launch."""
-    return cached_recipe_mesh(Config(parallel=layout))
-
-
-def _options(layout: ParallelConfig) -> dict:
-    """parallelize_hf_model's options of a layout, as the training runner passes them."""
-    return hf_runner._options(Config(parallel=layout))
-
-
 # (model, layout)
 CP_CASES = [
     ("llama", ParallelConfig(dp=2, cp=2)),
@@ -173,8 +165,8 @@ def check_context_parallel(_tmp: str) -> None:
         where = f"cp {arch} {layout.name} (weights seed {len(arch)}, batch seed {index})"
         ids, labels = _batch(seed=index)
         ref_loss, grads = _reference(arch, ids, labels)
-        mesh = _mesh(layout)
-        model = parallelize_hf_model(_model(arch), mesh, **_options(layout))
+        mesh = layout_mesh(layout)
+        model = parallelize_hf_model(_model(arch), mesh, **parallelize_options(layout))
         assert model.config._attn_implementation == RING, where
         out = model(input_ids=_rows(ids, mesh), labels=_rows(labels, mesh))
         assert out.logits.shape[1] == SEQ // mesh["cp"].size(), where  # this rank's tokens only
@@ -222,9 +214,9 @@ def check_pipeline(_tmp: str) -> None:
     for index, (arch, layout) in enumerate(PP_CASES):
         where = f"pp {arch} {layout.name} (weights seed {len(arch)}, batch seed {10 + index})"
         ids, labels = _batch(seed=10 + index)
-        mesh = _mesh(layout)
+        mesh = layout_mesh(layout)
         ref_loss, grads = _reference(arch, ids, labels, _global_microbatches(mesh, layout.microbatches))
-        stage = parallelize_hf_model(_model(arch), mesh, **_options(layout))
+        stage = parallelize_hf_model(_model(arch), mesh, **parallelize_options(layout))
         runner = HFPipelineRunner(stage, mesh)
         assert runner.module is stage, where
         whole = whole_weight_passes(runner.executor)
@@ -241,7 +233,7 @@ def check_pipeline(_tmp: str) -> None:
 def check_errors(_tmp: str) -> None:
     from transformers import AutoModelForCausalLM, CohereConfig, GraniteConfig
 
-    mesh = _mesh(ParallelConfig(dp=2, cp=2))
+    mesh = layout_mesh(ParallelConfig(dp=2, cp=2))
     with pytest.raises(ConfigError, match=r"multiple of 2 \* cp = 4 chunks"):
         parallelize_hf_model(_model("llama"), mesh)(input_ids=torch.zeros(2, 6, dtype=torch.long))
     with pytest.raises(ConfigError, match="sliding_window = 8 is shorter than the sequence \\(16 tokens\\)"):
@@ -255,7 +247,7 @@ def check_errors(_tmp: str) -> None:
         parallelize_hf_model(model, mesh)
     with pytest.raises(ConfigError, match=r"cp > 1 does not support attention sinks \(GptOssAttention.sinks\)"):
         parallelize_hf_model(_gpt_oss(), mesh)
-    pp = _mesh(ParallelConfig(pp=2, dp=2))
+    pp = layout_mesh(ParallelConfig(pp=2, dp=2))
     # What a stage would skip: read from the decoder's forward, or named by the config.
     granite = AutoModelForCausalLM.from_config(GraniteConfig(**SMALL))
     with pytest.raises(
@@ -284,7 +276,7 @@ def _check_block_proof_under_pp() -> None:
 
     from meshtron.hf import parallelize, prove
 
-    mesh = _mesh(ParallelConfig(pp=2, tp=2))
+    mesh = layout_mesh(ParallelConfig(pp=2, tp=2))
     real = parallelize.apply_hf_tensor_parallel
 
     def wrong_on_stage_1(model, parts, tp_mesh, sp):
@@ -373,8 +365,6 @@ FP8_TWINS = {"qwen2_fp8": "qwen2_fp8_ulp", "qwen2_moe_fp8": "qwen2_moe_fp8_ulp"}
 FP8_MODELS = {*FP8_TWINS, *FP8_TWINS.values()}
 FP8 = ["--train.fp8", "rowwise_with_gw_hp"]
 EVAL = ["--data.eval_source", "builtin", "--train.eval_every", str(RECIPE_HALF), "--train.eval_steps", "1"]
-# Losses over several optimizer steps: each step's float32 differences move the weights the next one starts from.
-LOSS_CURVE_RTOL = 1e-4
 
 
 def _recipe_folders(root: Path) -> dict[str, str]:

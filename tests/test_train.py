@@ -15,6 +15,7 @@ import torch
 
 from meshtron.config import ParallelConfig, load_config
 from meshtron.testing import (
+    LOSS_CURVE_RTOL,
     LaunchedRuns,
     assert_parity,
     assert_step_metrics_sound,
@@ -69,8 +70,6 @@ PROFILED = "dp2_tp4_sp"  # traces steps 2-3 on every rank
 RESUMED = {"dense": "pp2_dp2_tp2_1f1b", "moe": "dp2_tp4_sp_fold_ep4_etp2"}
 # Extra keys of some runs (observability only: the numbers stay comparable with the others).
 EXTRA = {"single": ["--train.tensorboard", "true"], PROFILED: ["--train.profile_steps", "[2, 3]"]}
-# Losses over several optimizer steps: each step's float32 differences move the weights the next one starts from.
-LOSS_CURVE_RTOL = 1e-4
 
 
 def _overrides(out: Path, layout: ParallelConfig, extra: list[str] = ()) -> list[str]:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtron.config import Config, ConfigError, ModelConfig
+from meshtron.config import Config, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from meshtron.hf.discover import hf_parts, key_value_heads
 from meshtron.hf.experts import hf_expert_modules
 from meshtron.hf.io import save_hf, write_safetensors_folder
@@ -206,16 +206,17 @@ class HFNoPipelineRunner:
         return full_state_dict(self.module)
 
 
-def _options(cfg: Config) -> dict:
-    """:func:`parallelize_hf_model`'s options from the recipe's keys."""
-    p = cfg.parallel
+def parallelize_options(p: ParallelConfig, train: TrainConfig | None = None) -> dict:
+    """:func:`parallelize_hf_model`'s options from a layout and the ``[train]`` keys it reads (default ones if
+    not given): what the training runner passes."""
+    train = train or TrainConfig()
     return dict(
         sp=p.sp,
         data_parallel=p.data_parallel,
         ac=p.activation_checkpointing,
         ac_every=p.ac_every,
         ac_policy=p.ac_policy,
-        dtype=cfg.train.dtype,
+        dtype=train.dtype,
         schedule=p.schedule,
         microbatches=p.microbatches,
         virtual_stages=p.virtual_stages,
@@ -224,16 +225,18 @@ def _options(cfg: Config) -> dict:
         prove_blocks=p.prove_blocks,
         offload=p.offload,
         offload_activations=p.offload_activations,
-        fp8=cfg.train.fp8,
+        fp8=train.fp8,
     )
 
 
 def _no_pipeline_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> Runner:
-    return HFNoPipelineRunner(parallelize_hf_model(model, mesh, **_options(cfg)), mesh, cfg)
+    return HFNoPipelineRunner(
+        parallelize_hf_model(model, mesh, **parallelize_options(cfg.parallel, cfg.train)), mesh, cfg
+    )
 
 
 def _pipeline_runner(model: nn.Module, mesh, cfg: Config, device: torch.device) -> Runner:
-    return HFPipelineRunner(parallelize_hf_model(model, mesh, **_options(cfg)), mesh)
+    return HFPipelineRunner(parallelize_hf_model(model, mesh, **parallelize_options(cfg.parallel, cfg.train)), mesh)
 
 
 # build_model_runner's choice for a transformers model (built whole by build_hf_model).
