@@ -1,4 +1,4 @@
-"""Host cost of one training step at one rank: Python calls and CPU seconds, meshtron's trainer next to transformers.
+"""Cost of one training step at one rank, meshtron's trainer next to transformers: host calls and device work.
 
 On one GPU a small model's step waits on the host (docs/benchmarks.md, 'Performance on GPUs'), and the host's
 work is the Python it runs, which does not depend on tensor sizes: so it is measured here on tiny real tensors
@@ -13,6 +13,10 @@ Rows: meshtron's ``training_step`` as ``benchmarks/mfu.py`` runs it (``NoPipelin
 FSDP2 bf16 mixed precision, ``build_optimizer``); the same with torch's fused AdamW over the DTensor parameters
 (the optimizer before ``meshtron.optim.LocalAdamW``); transformers' ``Qwen2ForCausalLM`` as ``mfu.py`` runs it
 (bf16 autocast, fused AdamW, ``clip_grad_norm_``).
+
+A second table takes the same two steps at each shape's real size (1 x ``--seq`` tokens) on fake tensors: GEMM
+and attention FLOPs, and of the other ops that launch a kernel their count and the bytes they read and write, by
+the site that issued them (data parallelism, loss, optimizer, clipping, model, backward).
 
 Run: ``PYTHONPATH=. python benchmarks/step_cost.py`` (writes benchmarks/results/step_cost.{md,json});
 ``--tiny`` runs one 2-layer shape (a smoke test).
@@ -34,11 +38,23 @@ import torch.distributed as dist
 
 from benchmarks.mfu import shapes, step_config
 from meshtron.config import ModelConfig
+from meshtron.dryrun import FakeStore
+from meshtron.dryrun.counting import _MORE_FLOPS
+from meshtron.host import fake_tensors, simulated
 from meshtron.mesh import build_mesh, exit_process, init_default_group
 from meshtron.models import build_model
 from meshtron.optim import build_optimizer
 from meshtron.parallel.runner import NoPipelineRunner
 from meshtron.parallel.step import training_step
+from meshtron.torch_private import (
+    ATTENTION_KERNELS,
+    GROUPED_MM,
+    TorchDispatchMode,
+    fake_tensor_mode_class,
+    is_traceable_wrapper_subclass,
+    op_packet,
+    pytree,
+)
 
 RESULTS = Path(__file__).parent / "results"
 HEAD_DIM, INTERMEDIATE, VOCAB, SEQ = 8, 64, 512, 64
@@ -198,6 +214,159 @@ def measure(name: str, model_cfg: ModelConfig, args) -> list[dict]:
     return rows
 
 
+# The FLOP formulas torch's registry lacks (the CPU flash kernels, grouped GEMMs), as the dry run counts them.
+MORE_FLOPS = _MORE_FLOPS
+GEMMS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm, GROUPED_MM}
+# Ops that launch no kernel: views, allocation, metadata.
+NO_KERNEL = {
+    torch.ops.aten.empty,
+    torch.ops.aten.empty_strided,
+    torch.ops.aten.new_empty,
+    torch.ops.aten.new_empty_strided,
+    torch.ops.aten.lift_fresh,
+    torch.ops.aten.detach,
+    torch.ops.aten._unsafe_view,
+    torch.ops.aten.set_,
+}
+# The site an op is charged to: the innermost frame of the Python stack matching one of these (inner first).
+DEVICE_SITES = (
+    ("optimizer", ("torch/optim/", "meshtron/optim.py")),
+    ("clipping", ("meshtron/parallel/grad_norm.py", "torch/nn/utils/clip_grad.py")),
+    ("data parallel", ("torch/distributed/fsdp/", "meshtron/parallel/data_parallel.py")),
+    ("loss", ("meshtron/models/chunked_loss.py", "transformers/loss/", "torch/nn/functional.py:cross_entropy")),
+    ("model", ("meshtron/models/", "transformers/models/")),
+    ("backward", ("torch/autograd/",)),
+)
+
+
+class DeviceCost(TorchDispatchMode):
+    """Per op on plain tensors (a DTensor's local ops reach it in turn): GEMM FLOPs, attention FLOPs, and of
+    the other ops that launch a kernel their count and the bytes of their tensors (inputs and outputs), each
+    charged to the site that issued it (:data:`DEVICE_SITES`)."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.flop_registry = flop_registry
+        self.gemm_flops = self.attention_flops = 0
+        self.kernels: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(is_traceable_wrapper_subclass(t) for t in pytree.tree_leaves((args, kwargs))):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        packet = op_packet(func)
+        if func.namespace not in ("aten", "fsdp") or func.is_view or packet in NO_KERNEL:
+            return out
+        if packet in GEMMS or func in ATTENTION_KERNELS or packet in ATTENTION_KERNELS:
+            count = self.flop_registry.get(packet) or MORE_FLOPS.get(packet)
+            flops = 0 if count is None else count(*args, **kwargs, out_val=out)
+            if packet in GEMMS:
+                self.gemm_flops += flops
+            else:
+                self.attention_flops += flops
+            return out
+        moved = sum(
+            t.numel() * t.element_size() for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)
+        )
+        site = _site()
+        self.kernels[site] = self.kernels.get(site, 0) + 1
+        self.bytes[site] = self.bytes.get(site, 0) + moved
+        return out
+
+    def record(self) -> dict:
+        return {
+            "gemm_tflop": self.gemm_flops / 1e12,
+            "attention_tflop": self.attention_flops / 1e12,
+            "kernels": sum(self.kernels.values()),
+            "non_gemm_gb": sum(self.bytes.values()) / 1e9,
+            "kernels_by_site": dict(sorted(self.kernels.items())),
+            "non_gemm_gb_by_site": {k: v / 1e9 for k, v in sorted(self.bytes.items())},
+        }
+
+
+def _site() -> str:
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/") + ":" + frame.f_code.co_name
+        for name, parts in DEVICE_SITES:
+            if any(part in path for part in parts):
+                return name
+        frame = frame.f_back
+    return OTHER
+
+
+def meshtron_device_cost(model_cfg: ModelConfig, seq: int) -> dict:
+    """meshtron's one-rank trainer step (as mfu.py runs it) at the shape's real size on fake tensors."""
+    cfg = step_config(model_cfg, "bfloat16", 1, seq)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        with simulated():
+            with torch.device("meta"):
+                model = build_model(cfg.model)
+            runner = NoPipelineRunner(model, build_mesh(), cfg, torch.device("cpu"))
+            with fake_tensors():
+                optimizer = build_optimizer(runner.module, cfg.train)
+                ids = torch.randint(0, cfg.model.vocab_size, (1, seq))
+                training_step(runner, optimizer, ids, ids, cfg.train.max_grad_norm)  # warm-up: the state
+                with DeviceCost() as cost:
+                    training_step(runner, optimizer, ids, ids, cfg.train.max_grad_norm)
+    finally:
+        dist.destroy_process_group()
+    return cost.record()
+
+
+def transformers_device_cost(model_cfg: ModelConfig, seq: int) -> dict:
+    """transformers' step as mfu.py runs it (bf16 autocast, fused AdamW, clipping) on fake tensors."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from meshtron.hf import hf_config_dict
+
+    config = Qwen2Config.from_dict(hf_config_dict(model_cfg), attn_implementation="sdpa")
+    with fake_tensor_mode_class()(allow_non_fake_inputs=True):
+        model = Qwen2ForCausalLM(config).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        ids = torch.randint(0, model_cfg.vocab_size, (1, seq))
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+
+        step()
+        with DeviceCost() as cost:
+            step()
+    return cost.record()
+
+
+def measure_device(name: str, model_cfg: ModelConfig, seq: int) -> list[dict]:
+    """Both steps at the shape's real size, 1 x ``seq`` tokens, on fake tensors."""
+    return [
+        {"shape": name, "run": run, "seq": seq, **cost(model_cfg, seq)}
+        for run, cost in (("meshtron trainer", meshtron_device_cost), ("transformers", transformers_device_cost))
+    ]
+
+
+def device_line(row: dict, theirs: dict) -> str:
+    by = row["non_gemm_gb_by_site"]
+    sites = " | ".join(f"{by.get(site, 0.0):.2f}" for site in ("data parallel", "loss", "optimizer", "clipping"))
+    return (
+        f"| {row['shape']} | {row['run']} | {row['gemm_tflop']:.2f} | {row['attention_tflop']:.2f} | "
+        f"{row['non_gemm_gb']:.1f} | {row['non_gemm_gb'] / theirs['non_gemm_gb']:.2f} | {row['kernels']:,} | "
+        f"{row['kernels'] / theirs['kernels']:.2f} | {sites} |"
+    )
+
+
+def device_theirs(rows: list[dict]) -> dict[str, dict]:
+    return {r["shape"]: r for r in rows if r["run"] == "transformers"}
+
+
 def ratios(rows: list[dict]) -> dict[tuple[str, str], float]:
     """Each meshtron row's Python calls over transformers' for the same shape."""
     theirs = {r["shape"]: r["python_calls"]["total"] for r in rows if r["run"] == "transformers"}
@@ -214,7 +383,7 @@ def table_line(row: dict, ratio: float) -> str:
     )
 
 
-def write_results(rows: list[dict], args) -> str:
+def write_results(rows: list[dict], device_rows: list[dict], args) -> str:
     by = ratios(rows)
     lines = [
         "# Host cost of one training step at one rank: meshtron vs transformers",
@@ -230,11 +399,23 @@ def write_results(rows: list[dict], args) -> str:
         "parallel | of f + b: DTensor | host CPU ms |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
         *(table_line(r, by[r["shape"], r["run"]]) for r in rows),
+        "",
+        "## Device work of the same step at real size",
+        "",
+        f"Each shape at its real size, 1 x {args.seq:,} tokens, bf16, on fake tensors (shapes only): GEMM and "
+        "attention TFLOP, and of every other op that launches a kernel (no views or allocations) the count and "
+        "the GB of its tensors read and written, the latter also by the site that issued it (data parallel: "
+        "FSDP2's casts, copies and reductions). ratio = over transformers'.",
+        "",
+        "| shape | run | GEMM TFLOP | attention TFLOP | non-GEMM GB | ratio | kernels | ratio | GB: data parallel "
+        "| GB: loss | GB: optimizer | GB: clipping |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *(device_line(r, device_theirs(device_rows)[r["shape"]]) for r in device_rows),
     ]
     text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text)
-    record = {"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    record = {"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows, "device_rows": device_rows}
     args.out.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     return text
 
@@ -244,10 +425,11 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="one 2-layer shape: a smoke test")
     parser.add_argument("--steps", type=int, default=5, help="steps whose host CPU time is taken")
     parser.add_argument("--layers-7b", type=int, default=8, help="layers of the Qwen2.5-7B shape (as mfu.py)")
+    parser.add_argument("--seq", type=int, default=4096, help="tokens of the real-size step (as mfu.py)")
     parser.add_argument("--out", type=Path, default=RESULTS / "step_cost", help="results path without suffix")
     args = parser.parse_args(argv)
     if args.tiny:
-        args.steps = 2
+        args.steps, args.seq = 2, 128
     return args
 
 
@@ -261,7 +443,8 @@ def main(argv=None) -> str:
     finally:
         if own_group:
             dist.destroy_process_group()
-    text = write_results(rows, args)
+    device_rows = [row for name, cfg in shapes(args).items() for row in measure_device(name, cfg, args.seq)]
+    text = write_results(rows, device_rows, args)
     print(text)
     return text
 

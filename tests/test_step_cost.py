@@ -35,6 +35,22 @@ def _check_rows(bench, rows: list[dict]) -> None:
         assert theirs["data parallel"] == theirs["DTensor"] == 0, shape
 
 
+def _check_device_rows(bench, rows: list[dict], configs: dict) -> None:
+    """Sites add up to the totals; both steps' GEMM FLOPs are the analytic 6 x matmul parameters x tokens
+    (``flops_per_token`` without its attention term) and their attention FLOPs agree: the same model math."""
+    from meshtron.models import flops_per_token
+
+    for row in rows:
+        assert sum(row["kernels_by_site"].values()) == row["kernels"], row["run"]
+        assert abs(sum(row["non_gemm_gb_by_site"].values()) - row["non_gemm_gb"]) < 1e-6 * row["non_gemm_gb"]
+        analytic = flops_per_token(configs[row["shape"]], 0) * row["seq"] / 1e12
+        assert abs(row["gemm_tflop"] - analytic) <= 1e-3 * analytic, (row["shape"], row["run"], analytic)
+    theirs = bench.device_theirs(rows)
+    for row in rows:
+        assert row["attention_tflop"] == theirs[row["shape"]]["attention_tflop"] > 0, row["shape"]
+        assert "data parallel" not in theirs[row["shape"]]["kernels_by_site"], row["shape"]
+
+
 def test_step_cost_tiny_run(tmp_path):
     bench = _bench()
     text = bench.main(["--tiny", "--out", str(tmp_path / "cost")])
@@ -42,6 +58,9 @@ def test_step_cost_tiny_run(tmp_path):
     rows = json.loads((tmp_path / "cost.json").read_text())["rows"]
     assert [r["run"] for r in rows] == ["meshtron trainer", "meshtron trainer, torch fused AdamW", "transformers"]
     _check_rows(bench, rows)
+    stored = json.loads((tmp_path / "cost.json").read_text())
+    configs = bench.shapes(bench.parse_args(["--tiny"]))
+    _check_device_rows(bench, stored["device_rows"], configs)
 
 
 def test_stored_step_cost_table_is_its_json():
@@ -54,3 +73,7 @@ def test_stored_step_cost_table_is_its_json():
     ratios = bench.ratios(rows)
     for row in rows:
         assert bench.table_line(row, ratios[row["shape"], row["run"]]) in table, (row["shape"], row["run"])
+    device = stored["device_rows"]
+    _check_device_rows(bench, device, bench.shapes(bench.parse_args([])))
+    for row in device:
+        assert bench.device_line(row, bench.device_theirs(device)[row["shape"]]) in table, (row["shape"], row["run"])
