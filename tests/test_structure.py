@@ -297,12 +297,15 @@ def test_ruff_format_and_lint_are_clean():
 
 
 def test_version_is_written_once_in_each_place():
-    """pyproject.toml's version, meshtron.__version__ and the changelog's newest entry agree."""
+    """pyproject.toml's version, meshtron.__version__ and the changelog's newest released entry agree; what has
+    landed since sits above it, under "Unreleased"."""
     import re
 
     import meshtron
 
     root = PACKAGE.parent
     project = re.search(r'^version = "([^"]+)"', (root / "pyproject.toml").read_text(), re.M).group(1)
-    newest = re.search(r"^## (\S+)", (root / "CHANGELOG.md").read_text(), re.M).group(1)
+    entries = re.findall(r"^## (\S+)", (root / "CHANGELOG.md").read_text(), re.M)
+    newest = entries[1] if entries[0] == "Unreleased" else entries[0]
+    assert "Unreleased" not in entries[1:], entries
     assert project == meshtron.__version__ == newest, (project, meshtron.__version__, newest)
