@@ -28,6 +28,7 @@ from meshtron.hf.discover import HFParts, hf_parts, is_rotary
 from meshtron.hf.experts import adopt_router_scaled_blocks, apply_hf_expert_parallel, float8_experts, hf_expert_modules
 from meshtron.hf.io import weight_map, write_safetensors_folder
 from meshtron.hf.loss import global_aux_loss, hf_loss_function
+from meshtron.hf.phases import PhaseGuard
 from meshtron.hf.pipeline import HFStage, cut_to_stage, plan_stage, run_as_stage, stage_block, stage_chunks
 from meshtron.hf.slices import load_sharded_weights, missing_tensors
 from meshtron.hf.tp_plan import apply_hf_tensor_parallel, replicate_plain_params
@@ -233,35 +234,66 @@ def parallelize_hf_model(
     stage model is returned; ``HFPipelineRunner(model, mesh)`` runs its steps
     (``forward_backward(input_ids, next_token_labels)``).
     """
-    prove.check_sequence_dim(model, hf_parts(model), mesh, sp)  # also: a layout we can find the pieces of
-    convert_float8(model, mesh, fp8, offload)
-    shared = _shared_parameters(model)
+    guard = PhaseGuard(model, mesh, sp)
+    with guard("finding the decoder's parts"):
+        prove.check_sequence_dim(model, hf_parts(model), mesh, sp)  # also: a layout we can find the pieces of
+    with guard("the float8 conversion"):
+        convert_float8(model, mesh, fp8, offload)
+        shared = _shared_parameters(model)
     pipelined = mesh["pp"].size() > 1
-    stage = plan_stage(model, mesh, schedule, microbatches, virtual_stages, sp, dtype) if pipelined else None
-    if pipelined:
-        _check_shared_in_one_stage(model, shared, stage)
-    references = _block_references(model, mesh, stage, sp) if prove_blocks else []
-    if pipelined:
-        cut_to_stage(model, stage)
-    compose(
-        model,
-        HFParallelisms(
-            mesh,
-            sp,
-            data_parallel,
-            (ac, ac_every, ac_policy),
-            dtype,
-            (cp_comm_type, cp_a2a_size),
-            pipelined=pipelined,
-            references=references,
-            offload=(offload, offload_activations),
-            fp8=fp8,
-        ),
+    with guard("the pipeline split"):
+        stage = plan_stage(model, mesh, schedule, microbatches, virtual_stages, sp, dtype) if pipelined else None
+        if pipelined:
+            _check_shared_in_one_stage(model, shared, stage)
+    with guard("the unsplit blocks' reference run"):
+        references = _block_references(model, mesh, stage, sp) if prove_blocks else []
+    with guard("the pipeline split"):
+        if pipelined:
+            cut_to_stage(model, stage)
+    parallelisms = HFParallelisms(
+        mesh,
+        sp,
+        data_parallel,
+        (ac, ac_every, ac_policy),
+        dtype,
+        (cp_comm_type, cp_a2a_size),
+        pipelined=pipelined,
+        references=references,
+        offload=(offload, offload_activations),
+        fp8=fp8,
     )
-    _check_still_shared(model, shared)
-    if pipelined:
-        run_as_stage(model)
+    compose(model, GuardedParallelisms(parallelisms, guard))
+    with guard("the final checks"):
+        _check_still_shared(model, shared)
+        if pipelined:
+            run_as_stage(model)
     return model
+
+
+class GuardedParallelisms:
+    """Each parallelism of ``compose``'s order as one phase of :class:`~meshtron.hf.phases.PhaseGuard`."""
+
+    PHASES = {
+        "setup": "finding the loss and the plans",
+        "tensor": "tensor parallelism",
+        "expert": "expert parallelism",
+        "context": "context parallelism",
+        "checkpointing": "activation checkpointing",
+        "compile": "compilation",
+        "data": "the block check and data parallelism",
+    }
+
+    def __init__(self, parallelisms: HFParallelisms, guard: PhaseGuard):
+        self.parallelisms, self.guard = parallelisms, guard
+
+    def __getattr__(self, name: str):
+        method = getattr(self.parallelisms, name)
+
+        def guarded(model: nn.Module) -> None:
+            with self.guard(self.PHASES[name]):
+                method(model)
+
+        return guarded
 
 
 def convert_float8(model: nn.Module, mesh: DeviceMesh, fp8: str, offload: str = "none") -> nn.Module:
