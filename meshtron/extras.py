@@ -1,7 +1,7 @@
 """Optional dependencies: pyproject's extras, imported only by the commands that need them.
 
 A command run without its extra ends with one line naming what to install (``pip install
-'meshtron[plot]'``) and exit code 2, not an ImportError's traceback.
+'meshtron[plot]'``) and exit code 2, not an ImportError's traceback. See docs/failures.md, 'No hangs'.
 """
 
 from __future__ import annotations

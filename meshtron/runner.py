@@ -2,7 +2,7 @@
 
 Above ``meshtron.hf`` in the import order (``tests/test_structure.py: LEVELS``): a transformers model
 (``[model] hf_model``) is built by ``meshtron.hf.runner`` and run by its runners, which ``meshtron.parallel``
-cannot import.
+cannot import. See docs/extending.md, 'Imports go one way'.
 """
 
 from __future__ import annotations

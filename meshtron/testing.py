@@ -1,9 +1,10 @@
 """Run checks on N local ranks from plain pytest (gloo on CPU, NCCL with one GPU per rank).
 
-Launching ranks is the expensive part on a small machine, so one launch runs a whole list of
-check functions in order. Each check runs on every rank; a failing rank reports its traceback and
-the launch is ended at once (the others would block in their next collective), with the report
-naming the check and the rank. Every launch has a wall-clock timeout, so nothing hangs.
+Launching ranks is the expensive part on a small machine, so one launch runs a whole list of check functions
+in order. Each check runs on every rank; a failing rank reports its traceback and the launch is ended at once
+(the others would block in their next collective), with the report naming the check and the rank. Every
+launch has a wall-clock timeout, so nothing hangs. See CONTRIBUTING.md, 'Multi-rank checks', and
+docs/extending.md, 'Tests check behaviour'.
 """
 
 from __future__ import annotations

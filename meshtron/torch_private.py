@@ -1,10 +1,10 @@
 """The one door to torch's private and version-dependent API.
 
-Every name below is private in torch (a leading underscore, or a ``_``-module): any torch release may
-rename or remove it without notice. Keeping them here shows at a glance what a torch upgrade must
-re-check; tests/test_structure.py fails if any other meshtron module reaches a private torch name.
-Each entry says why no public API serves. Checked on torch 2.13.0 (CPU, the project's pin), 2.14.1
-(the CUDA wheel of the fake-CUDA dry run) and 2.11 (the lent GPU machines' image).
+Every name below is private in torch (a leading underscore, or a ``_``-module): any torch release may rename
+or remove it without notice. Keeping them here shows at a glance what a torch upgrade must re-check;
+tests/test_structure.py fails if any other meshtron module reaches a private torch name (docs/extending.md,
+'Imports go one way'). Each entry says why no public API serves. Checked on torch 2.13.0 (CPU, the project's
+pin), 2.14.1 (the CUDA wheel of the fake-CUDA dry run) and 2.11 (the lent GPU machines' image).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ One step: every rank takes its (dp x ep) share of the global batch and its cp sl
 runs forward/backward over the micro-batches (pipelined when pp > 1), and the optimizer steps. The
 loss is the sum of token losses divided by the global number of counted tokens, so gradients summed
 over ranks equal the single-process gradient of the same global batch on every layout.
+See docs/training.md, 'Training' (its numbered steps) and 'Gradients are summed over data ranks'.
 """
 
 from __future__ import annotations

@@ -309,3 +309,27 @@ def test_version_is_written_once_in_each_place():
     newest = entries[1] if entries[0] == "Unreleased" else entries[0]
     assert "Unreleased" not in entries[1:], entries
     assert project == meshtron.__version__ == newest, (project, meshtron.__version__, newest)
+
+
+MODULE_DOCSTRING_LINES = 8  # what a module is for and where the docs explain it; the explanation lives there
+
+
+def test_module_docstrings_are_a_few_lines_and_a_link():
+    """Every module docstring in meshtron/ fits in MODULE_DOCSTRING_LINES lines (quotes included), and one longer
+    than two lines names the docs page that explains the piece."""
+    import ast
+
+    long, unlinked = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        first = tree.body[0] if tree.body else None
+        if not (isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant)):
+            continue
+        rel = path.relative_to(PACKAGE.parent)
+        lines = first.end_lineno - first.lineno + 1
+        if lines > MODULE_DOCSTRING_LINES:
+            long.append(f"{rel}: {lines} lines")
+        if lines > 2 and not any(page in first.value.value for page in ("docs/", "DESIGN.md", "CONTRIBUTING.md")):
+            unlinked.append(str(rel))
+    assert not long, long
+    assert not unlinked, f"module docstrings that name no docs page: {unlinked}"

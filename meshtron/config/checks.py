@@ -2,6 +2,7 @@
 
 Each rule is one ``_require(ok, message)`` whose message names the file, the key and the fix. Fitting the
 layout to the world size, the model and the batch is :func:`meshtron.parallel.layout.validate_layout`.
+See docs/extending.md, 'A recipe key'.
 """
 
 from __future__ import annotations

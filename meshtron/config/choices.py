@@ -2,7 +2,7 @@
 
 Defined once here, below every other module: :mod:`meshtron.config.checks` checks a recipe against them,
 and the modules that implement the choices (the pipeline schedules, data parallelism, recomputation,
-FP8) import them from :mod:`meshtron.config`.
+FP8) import them from :mod:`meshtron.config`. See docs/extending.md, 'A recipe key'.
 """
 
 from __future__ import annotations

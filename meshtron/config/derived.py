@@ -2,7 +2,7 @@
 per-rank batch both are fitted to.
 
 dp needs the world size, so :func:`infer_dp` runs at launch; ``microbatches = 0`` is resolved as soon as dp
-is known (when the recipe is read, or by :func:`infer_dp`).
+is known (when the recipe is read, or by :func:`infer_dp`). See docs/extending.md, 'A recipe key'.
 """
 
 from __future__ import annotations

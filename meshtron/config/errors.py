@@ -2,7 +2,7 @@
 
 ``_require`` and ``_closest`` are package-private: the loading, the checks and the derived values use them,
 nothing outside :mod:`meshtron.config` does (tests/test_structure.py reads the messages of ``_require`` calls
-as rule messages, so the name stays).
+as rule messages, so the name stays). See docs/extending.md, 'A recipe key'.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each table and key is matched against the schema (:mod:`meshtron.config.schema`) and its value against the
 field's type; the result is then checked (:func:`meshtron.config.checks.validate`) and ``microbatches = 0``
-resolved where dp is already known (:mod:`meshtron.config.derived`).
+resolved where dp is already known (:mod:`meshtron.config.derived`). See docs/extending.md, 'A recipe key'.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """``python -m meshtron.data.prepare --recipe R [--workers N] [--section.key value ...]``.
 
-Tokenizes every source of the recipe's ``[data]`` (``source`` or each ``sources`` entry) into the
-token cache the trainer maps, with ``N`` processes (default: every core), printing a progress line
-and the throughput. A trainer started afterwards with the same recipe finds the caches and starts
-at once; run it on each node whose cache folder the others cannot see.
+Tokenizes every source of the recipe's ``[data]`` (``source`` or each ``sources`` entry) into the token cache
+the trainer maps, with ``N`` processes (default: every core), printing a progress line and the throughput. A
+trainer started afterwards with the same recipe finds the caches and starts at once; run it on each node whose
+cache folder the others cannot see. See docs/data.md, 'Pre-tokenizing'.
 """
 
 from __future__ import annotations

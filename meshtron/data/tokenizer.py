@@ -2,7 +2,7 @@
 
 Byte tokenizer convention: token id = byte value (vocab 256) and id 0, the NUL byte, is the
 end-of-document separator. Text never needs NUL, so NUL characters are dropped when encoding:
-``decode(encode(text)) == text`` for every text without NUL.
+``decode(encode(text)) == text`` for every text without NUL. See docs/reference.md, '[data]'.
 """
 
 from __future__ import annotations

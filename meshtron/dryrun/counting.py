@@ -3,6 +3,7 @@ each sends, and the live tensor bytes (:func:`storage_tracker`).
 
 :mod:`meshtron.dryrun` builds and runs the step and enters these around it; what is counted, and how, is
 here on its own (``tests/test_dryrun.py`` checks it).
+See docs/planner.md, 'Dry run at real scale: ``python -m meshtron.train --dry-run N``'.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """What both FP8 forms (``meshtron.parallel.float8``: torchao's ``Float8Linear``, ``meshtron.parallel.mxfp8``:
 MXFP8) share: torchao's import, which dims a recipe's GEMMs take, a split linear computed through a
-recipe's GEMMs, and the switch that runs every FP8 GEMM in the training dtype (the transformers block check)."""
+recipe's GEMMs, and the switch that runs every FP8 GEMM in the training dtype (the transformers block check).
+
+See docs/fp8.md, 'Recipes', 'Transformers models' and 'MXFP8'.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Every rule names the values and a fix (:class:`~meshtron.config.ConfigError`) and runs on every rank
 before any collective, so a bad layout never hangs. Each parallelism contributes its own rules
-(tensor parallelism the head split, the pipeline its schedule's).
+(tensor parallelism the head split, the pipeline its schedule's). See docs/training.md, 'The mesh'.
 """
 
 from __future__ import annotations

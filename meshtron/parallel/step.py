@@ -1,10 +1,10 @@
 """The runner interface the trainer drives, what both runners share, and one training step.
 
-A runner owns one rank's parallelized model and runs forward and backward of a whole global-batch
-step: :class:`meshtron.parallel.runner.NoPipelineRunner` without a pipeline, :class:`meshtron.parallel.
-pipeline.pipelined_runner.PipelineRunner` with one. Both split the rank's batch into the same micro-batches,
-divide every micro-batch's summed token loss by the global token count of the step (so the loss
-and gradients are the same on every layout), and scale the MoE router losses the same way.
+A runner owns one rank's parallelized model and runs forward and backward of a whole global-batch step:
+:class:`meshtron.parallel.runner.NoPipelineRunner` without a pipeline, :class:`meshtron.parallel.pipeline.
+pipelined_runner.PipelineRunner` with one. Both split the rank's batch into the same micro-batches, divide
+each micro-batch's summed token loss by the step's global token count (the same loss and gradients on every
+layout) and scale the MoE router losses alike. See docs/training.md, 'The step clock and host reads'.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ on its local view (:class:`TpGradient`: whole on every rank, a partial sum, or d
 backward from what the ranks computed), and the local view that applies it (:func:`local_view`).
 
 Used by the tp styles of ``parallel/tp_styles.py`` and by the HF path (``hf/tp_plan.py``), whose modules
-the plan does not name.
+the plan does not name. See docs/hf.md, 'Parameters no plan entry places'.
 """
 
 from __future__ import annotations

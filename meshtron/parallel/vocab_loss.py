@@ -4,6 +4,7 @@ inference and transformers models). Each rank holds ``V / tp`` vocabulary rows; 
 is per-token maxima and sums over tp, never the logits themselves.
 
 Kept apart from the tp plan of ``parallel/tensor.py``, which applies this head with the rest of the plan.
+See docs/training.md, 'The fused LM head and loss'.
 """
 
 from __future__ import annotations

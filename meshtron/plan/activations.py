@@ -3,9 +3,9 @@ keeps and recomputes, its backward's gradient temporaries and float8 casts, the 
 backward for its peak, and the fused loss's and the MoE dispatch's buffers (the ``activations``,
 ``loss`` and ``ep_dispatch`` terms of :mod:`meshtron.plan.memory`).
 
-Functions of the config and a layer, with no schedule in them, so the step-time model can read the
-same per-layer figures; :mod:`meshtron.plan.moments` weighs them by the micro-batches a rank holds.
-"""
+Functions of the config and a layer, with no schedule in them, so the step-time model can read the same
+per-layer figures; :mod:`meshtron.plan.moments` weighs them by the micro-batches a rank holds.
+See docs/planner.md, 'Memory model'."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ one-moment case.
 
 Apart from the per-layer figures because only this part walks the schedules (``parallel/pipeline/
 schedules.py``), and the walks are cached per schedule shape for the layout search.
-"""
+See docs/planner.md, 'Memory model'."""
 
 from __future__ import annotations
 

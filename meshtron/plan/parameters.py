@@ -3,8 +3,8 @@
 shard FSDP leaves this rank, and the units' sizes gathered.
 
 Apart from the activation and schedule models because these figures are exact (``tests/test_plan.py``
-checks them against a parallelized meta-device model's DTensor shards) and the step-time model reads
-them as well.
+checks them against a parallelized meta-device model's DTensor shards) and the step-time model reads them
+as well. See docs/planner.md, 'Memory model'.
 """
 
 from __future__ import annotations

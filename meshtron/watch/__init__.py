@@ -3,4 +3,4 @@
 collectives it reads (``collective_log.py``: each rank's last collectives and the straggler clock), the one
 failure report per job (``report.py``), host syncs counted on any device (``syncs.py``) and the curves of
 finished runs (``plot.py``: ``python -m meshtron.watch.plot runs/X``). Nothing here changes what a step
-computes."""
+computes. See docs/failures.md, 'Hang report' and 'No hangs', and docs/training.md, 'Training' (step 7)."""

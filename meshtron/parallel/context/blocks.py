@@ -3,6 +3,7 @@ kernels that run one block, and the engine that merges them by log-sum-exp.
 
 No collective lives here, so the schedule and the numerics can be read, tested and benchmarked
 without a process group; ``comm.py`` feeds this engine whatever key/value blocks it moved.
+See docs/context_parallel.md, 'Ring attention'.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ collective with its backward one: the ring's send/recv, the all-gather of K/V, t
 the gathers of positions and of the whole sequence.
 
 One file so that a reader (or a benchmark counting bytes) finds all of cp's communication here;
-the blocks they feed are computed by ``blocks.py``.
+the blocks they feed are computed by ``blocks.py``. See docs/context_parallel.md, 'Ring attention'.
 """
 
 from __future__ import annotations

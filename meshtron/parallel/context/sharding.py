@@ -2,9 +2,9 @@
 sharding a batch to match, the comm types (:data:`CP_COMM_TYPES`) and the layout rules checked before
 any collective.
 
-Kept apart from the attention itself because the rest of meshtron (the runner, expert
-parallelism, the layout checks of ``parallel/layout.py``, the HF adapter) needs only these answers,
-not ring attention.
+Kept apart from the attention itself because the rest of meshtron (the runner, expert parallelism, the
+layout checks of ``parallel/layout.py``, the HF adapter) needs only these answers, not ring attention.
+See docs/context_parallel.md, 'Ring attention'.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 
 Here the communication type is chosen once, at build time; the forward then only routes the
 tensors through ``comm.py``'s collectives around ``blocks.py``'s engine.
+See docs/context_parallel.md, 'Ring attention'.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ The runner for ``pp > 1`` is ``meshtron.parallel.pipeline.pipelined_runner.Pipel
 ``meshtron.parallel.runner.build_model_runner``; not imported here: it composes the other parallelisms).
 
 ``torch.distributed.pipelining`` is a peer to measure against, not a dependency.
+See docs/pipeline.md, from 'Stages and placement' to 'The pipelined runner'.
 """
 
 from meshtron.parallel.pipeline.executor import PipelineExecutor
