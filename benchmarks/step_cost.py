@@ -39,7 +39,7 @@ import torch.distributed as dist
 from benchmarks.mfu import shapes, step_config
 from meshtron.config import ModelConfig
 from meshtron.dryrun import FakeStore
-from meshtron.dryrun.counting import _MORE_FLOPS
+from meshtron.dryrun.counting import is_attention, moved_bytes, op_flops
 from meshtron.host import fake_tensors, simulated
 from meshtron.mesh import build_mesh, exit_process, init_default_group
 from meshtron.models import build_model
@@ -47,7 +47,6 @@ from meshtron.optim import build_optimizer
 from meshtron.parallel.runner import NoPipelineRunner
 from meshtron.parallel.step import training_step
 from meshtron.torch_private import (
-    ATTENTION_KERNELS,
     GROUPED_MM,
     TorchDispatchMode,
     fake_tensor_mode_class,
@@ -214,20 +213,7 @@ def measure(name: str, model_cfg: ModelConfig, args) -> list[dict]:
     return rows
 
 
-# The FLOP formulas torch's registry lacks (the CPU flash kernels, grouped GEMMs), as the dry run counts them.
-MORE_FLOPS = _MORE_FLOPS
 GEMMS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm, GROUPED_MM}
-# Ops that launch no kernel: views, allocation, metadata.
-NO_KERNEL = {
-    torch.ops.aten.empty,
-    torch.ops.aten.empty_strided,
-    torch.ops.aten.new_empty,
-    torch.ops.aten.new_empty_strided,
-    torch.ops.aten.lift_fresh,
-    torch.ops.aten.detach,
-    torch.ops.aten._unsafe_view,
-    torch.ops.aten.set_,
-}
 # The site an op is charged to: the innermost frame of the Python stack matching one of these (inner first).
 DEVICE_SITES = (
     ("optimizer", ("torch/optim/", "meshtron/optim.py")),
@@ -246,9 +232,6 @@ class DeviceCost(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        from torch.utils.flop_counter import flop_registry
-
-        self.flop_registry = flop_registry
         self.gemm_flops = self.attention_flops = 0
         self.kernels: dict[str, int] = {}
         self.bytes: dict[str, int] = {}
@@ -258,20 +241,15 @@ class DeviceCost(TorchDispatchMode):
         if any(is_traceable_wrapper_subclass(t) for t in pytree.tree_leaves((args, kwargs))):
             return NotImplemented
         out = func(*args, **kwargs)
-        packet = op_packet(func)
-        if func.namespace not in ("aten", "fsdp") or func.is_view or packet in NO_KERNEL:
+        moved = moved_bytes(func, args, kwargs, out)  # what the dry run's roofline counts, op by op
+        if moved is None:
             return out
-        if packet in GEMMS or func in ATTENTION_KERNELS or packet in ATTENTION_KERNELS:
-            count = self.flop_registry.get(packet) or MORE_FLOPS.get(packet)
-            flops = 0 if count is None else count(*args, **kwargs, out_val=out)
-            if packet in GEMMS:
-                self.gemm_flops += flops
-            else:
-                self.attention_flops += flops
+        if op_packet(func) in GEMMS:
+            self.gemm_flops += op_flops(func, args, kwargs, out)
             return out
-        moved = sum(
-            t.numel() * t.element_size() for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)
-        )
+        if is_attention(func):
+            self.attention_flops += op_flops(func, args, kwargs, out)
+            return out
         site = _site()
         self.kernels[site] = self.kernels.get(site, 0) + 1
         self.bytes[site] = self.bytes.get(site, 0) + moved

@@ -104,15 +104,10 @@ class OpCounter(TorchDispatchMode):
             if op_name(func) not in ("wait_tensor", "barrier"):
                 self._count_collective(op_name(func), args)
             return out
-        count = flop_registry.get(op_packet(func)) or _MORE_FLOPS.get(op_packet(func))
-        flops = 0 if count is None else round(count(*args, **kwargs, out_val=out) * _causal_share(func, args, kwargs))
+        flops = op_flops(func, args, kwargs, out)
         self.flops += flops
-        if func.namespace in ("aten", "fsdp") and not func.is_view and op_packet(func) not in _NO_DATA:
-            moved = sum(
-                t.numel() * t.element_size()
-                for t in pytree.tree_leaves((args, kwargs, out))
-                if isinstance(t, torch.Tensor)
-            )
+        moved = moved_bytes(func, args, kwargs, out)
+        if moved is not None:
             self.roofline_seconds += max(flops / self.peak_flops, moved / self.memory_bandwidth)
         return out
 
@@ -123,6 +118,27 @@ class OpCounter(TorchDispatchMode):
         kind, nbytes, group = sent_bytes(name, args)
         if kind is not None:
             self.sent[kind, group] = self.sent.get((kind, group), 0) + nbytes
+
+
+def op_flops(func, args, kwargs, out) -> int:
+    """One op's FLOPs on plain tensors: torch's formulas plus :data:`_MORE_FLOPS`, attention at the share of
+    its query-key pairs a causal kernel computes."""
+    count = flop_registry.get(op_packet(func)) or _MORE_FLOPS.get(op_packet(func))
+    return 0 if count is None else round(count(*args, **kwargs, out_val=out) * _causal_share(func, args, kwargs))
+
+
+def moved_bytes(func, args, kwargs, out) -> int | None:
+    """The bytes of an op's tensors, inputs and outputs, as a kernel reads and writes them; None for an op
+    that launches no kernel (a collective, a view, an allocation)."""
+    if func.namespace not in ("aten", "fsdp") or func.is_view or op_packet(func) in _NO_DATA:
+        return None
+    return sum(
+        t.numel() * t.element_size() for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)
+    )
+
+
+def is_attention(func) -> bool:
+    return op_packet(func) in _ATTENTION
 
 
 def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, *args, out_val=None, **kwargs) -> int:
