@@ -10,7 +10,6 @@ See docs/hf.md, 'From a recipe'.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import warnings
 from pathlib import Path
@@ -29,9 +28,8 @@ from meshtron.host import fake_tensors, simulating
 from meshtron.mesh import batch_mesh
 from meshtron.parallel.data_parallel import MicrobatchSync
 from meshtron.parallel.float8 import fits_fp8, fp8_note, high_precision_linears, high_precision_note
-from meshtron.parallel.grad_norm import clip_grad_norm_
 from meshtron.parallel.runner import Runners
-from meshtron.parallel.step import Runner, full_state_dict, global_token_count
+from meshtron.parallel.step import Runner, WholeModelRunner, global_token_count
 
 
 def with_hf_model(cfg: Config) -> Config:
@@ -137,7 +135,7 @@ def _fake_hf_model(config, device: torch.device) -> nn.Module:
         return model.to_empty(device=device).train()
 
 
-class HFNoPipelineRunner:
+class HFNoPipelineRunner(WholeModelRunner):
     """One global-batch step of a parallelized transformers model without a pipeline (pp == 1).
 
     The rank's rows are split into ``parallel.microbatches`` micro-batches whose gradients accumulate;
@@ -192,18 +190,6 @@ class HFNoPipelineRunner:
 
     def aux_loss(self) -> torch.Tensor | None:
         return None
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_(self.parameters, max_norm)
-
-    @functools.cached_property
-    def parameters(self) -> list[nn.Parameter]:
-        """The model's parameters, listed once (FSDP2 registers the same sharded Parameters again after every
-        gather, as the optimizer holding them assumes): walking the modules each step is host work."""
-        return list(self.module.parameters())
-
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        return full_state_dict(self.module)
 
 
 def parallelize_options(p: ParallelConfig, train: TrainConfig | None = None) -> dict:

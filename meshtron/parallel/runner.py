@@ -3,7 +3,6 @@ model; the recipe's model and its runner: ``meshtron.runner.build_runner``)."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,18 +16,17 @@ from meshtron.models import moe_layers
 from meshtron.models.moe import replaying
 from meshtron.parallel.compose import materialize_sharded, parallelize
 from meshtron.parallel.data_parallel import MicrobatchSync
-from meshtron.parallel.grad_norm import clip_grad_norm_
 from meshtron.parallel.pipeline.pipelined_runner import PipelineRunner
 from meshtron.parallel.step import (
     Runner,
+    WholeModelRunner,
     average_router_losses_over_microbatches,
-    full_state_dict,
     global_token_count,
     split_microbatches,
 )
 
 
-class NoPipelineRunner:
+class NoPipelineRunner(WholeModelRunner):
     """Forward and backward of one global-batch step on this rank (no pipeline: pp == 1).
 
     The local batch is split into ``parallel.microbatches`` micro-batches whose gradients accumulate;
@@ -80,19 +78,6 @@ class NoPipelineRunner:
 
     def aux_loss(self) -> torch.Tensor | None:
         return torch.stack(self._aux).mean() if self._aux else None
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip in place; returns the global norm before clipping as a device scalar."""
-        return clip_grad_norm_(self.parameters, max_norm)
-
-    @functools.cached_property
-    def parameters(self) -> list[nn.Parameter]:
-        """The model's parameters, listed once (FSDP2 registers the same sharded Parameters again after every
-        gather, as the optimizer holding them assumes): walking the modules each step is host work."""
-        return list(self.module.parameters())
-
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        return full_state_dict(self.module)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ layout) and scale the MoE router losses alike. See docs/training.md, 'The step c
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -21,6 +22,7 @@ from meshtron.host import copy_to
 from meshtron.models import moe_layers
 from meshtron.models.moe import MoE
 from meshtron.parallel.context import shard_batch
+from meshtron.parallel.grad_norm import clip_grad_norm_
 
 
 class Runner(Protocol):
@@ -48,6 +50,26 @@ class Runner(Protocol):
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's full CPU tensors on global rank 0, None elsewhere (collective)."""
+
+
+class WholeModelRunner:
+    """What the runners holding the whole model on their rank share (no pipeline, meshtron's model or a
+    transformers one): clipping over all its parameters and the full state dict."""
+
+    module: nn.Module
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip in place; returns the global norm before clipping as a device scalar."""
+        return clip_grad_norm_(self.parameters, max_norm)
+
+    @functools.cached_property
+    def parameters(self) -> list[nn.Parameter]:
+        """The model's parameters, listed once (FSDP2 registers the same sharded Parameters again after every
+        gather, as the optimizer holding them assumes): walking the modules each step is host work."""
+        return list(self.module.parameters())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return full_state_dict(self.module)
 
 
 def training_step(
