@@ -407,12 +407,16 @@ def cached_mesh(**sizes):
     """``build_mesh(**sizes)``, built once per layout per launch: every mesh brings its own process
     groups (each with its gloo threads), and a launch that checks many models reuses a few layouts. Sizes
     left out are their defaults, so ``cached_mesh(tp=2)`` and ``cached_mesh(pp=1, tp=2)`` are one mesh."""
+    return _cached_mesh(tuple(sorted({**_mesh_defaults(), **sizes}.items())))
+
+
+@functools.cache
+def _mesh_defaults() -> dict:
     import inspect
 
     from meshtron.mesh import build_mesh
 
-    defaults = {k: v.default for k, v in inspect.signature(build_mesh).parameters.items()}
-    return _cached_mesh(tuple(sorted({**defaults, **sizes}.items())))
+    return {k: v.default for k, v in inspect.signature(build_mesh).parameters.items()}
 
 
 @functools.cache
