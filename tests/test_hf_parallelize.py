@@ -10,10 +10,11 @@ FSDP (or replicate / HSDP) over the data meshes. In the same launch, twelve more
 plans as GPT-2's Conv1D, fused qkv, ALiBi, Mixtral's, gpt-oss's and Aria's experts) at dp2 x tp4 and dp4 x tp2 + SP (the
 MoE families over ep instead: dp2 x ep4 and dp2 x ep2 x tp2 + SP, Aria the latter; Llama 4's router-scaled experts,
 without an ep plan, at dp2 x ep4, dp2 x ep2 x tp2 ± SP and dp4 x tp2 + SP), DeepSeek-V2/V3's MLA at tp 2 and 4 with and
-without SP, and OPT's unsplit MLP warning (and its per-token MLP under SP). Issue 41's classes join the same launch:
-plans leaving parts whole under SP (MiniMax, GraniteMoe/-Shared, Jamba at dp2 x ep2 x tp2 + SP), norms over all split
-features (BitNet), in-place edits of split outputs (Olmo's clip_qkv), plans naming only the input embedding (CodeGen,
-HunYuan, FalconH1, Bamba), and a Parameter shared by two layers kept one (refused over pp stages).
+without SP, and OPT's MLP projections split directly in its blocks (tokens at dim -2 under SP). Issue 41's classes
+join the same launch: plans leaving parts whole under SP (MiniMax, GraniteMoe/-Shared, Jamba at dp2 x ep2 x tp2 +
+SP), norms over all split features (BitNet), in-place edits of split outputs (Olmo's clip_qkv), plans naming only
+the input embedding (CodeGen, HunYuan, FalconH1, Bamba), and a Parameter shared by two layers kept one (refused over
+pp stages).
 The block check (meshtron.hf.prove, on by default) runs on the parity models and issue 41's families; its
 negative controls switch each of those fixes off and see the family refused, on load_hf_checkpoint's path too
 (a twin holding the checkpoint's weights is proved; each loaded parity case records what it proved and read);
@@ -1061,10 +1062,10 @@ def check_native_sliced_loading(folders: dict[str, str], out: str) -> None:
         assert read < 0.5 * total, f"{layout}: read {read} of {total} bytes"
 
 
-def _check_unsplit_warning(mesh) -> None:
-    """OPT (no plan) keeps its MLP projections directly in the block: the inferred plan splits its
-    attention, leaves fc1 / fc2 whole with one warning saying so; under SP they act per token on the
-    sequence shard (on tokens flattened to [B x S, H], its norm too) and the loss is the unsplit model's."""
+def _check_direct_mlp(mesh) -> None:
+    """OPT (no plan) keeps its MLP projections directly in the block: the inferred plan splits them with its
+    attention, without a warning; under SP fc1 gathers and fc2 scatters the tokens at dim -2 (OPT flattens
+    them to [B x S, H] before its MLP's norm). Loss and gradients are the unsplit model's."""
     import warnings
 
     import transformers
@@ -1084,24 +1085,20 @@ def _check_unsplit_warning(mesh) -> None:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = parallelize_hf_model(opt(), mesh)
-    (warning,) = [w for w in caught if "parallelize_hf_model" in str(w.message)]
-    assert str(warning.message) == (
-        "parallelize_hf_model: OPTForCausalLM has no base_model_tp_plan; the inferred plan leaves these parts "
-        "unsplit over tp (FSDP still shards them; under SP they run on the gathered sequence): MLP: no single "
-        "submodule named like ('mlp', 'feed_forward', 'ffn') holds its projections (projections directly in the "
-        "block: ['fc1', 'fc2'])."
-    ), warning.message
-    attention = model.model.decoder.layers[0].self_attn
-    fc1 = model.model.decoder.layers[0].fc1.weight  # whole: plain, or replicated like every unsplit parameter
-    assert attention.q_proj.weight.placements == (Shard(0),)
-    assert not isinstance(fc1, DTensor) or fc1.placements == (Replicate(),), fc1
+        model = parallelize_hf_model(opt(), mesh, sp=True)
+    assert not [w for w in caught if "parallelize_hf_model" in str(w.message)], [str(w.message) for w in caught]
+    layer = model.model.decoder.layers[0]
+    assert layer.self_attn.q_proj.weight.placements == (Shard(0),)
+    assert (layer.fc1.weight.placements, layer.fc2.weight.placements) == ((Shard(0),), (Shard(1),))
     ids, labels, mask = _batch(1, seed=5)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        split = parallelize_hf_model(opt(), mesh, sp=True)(input_ids=ids, labels=labels, attention_mask=mask).loss
-    whole = opt()(input_ids=ids, labels=labels, attention_mask=mask).loss
-    assert_parity("OPT tp8_sp", split, whole)
+    split = model(input_ids=ids, labels=labels, attention_mask=mask).loss
+    ref = opt()
+    whole = ref(input_ids=ids, labels=labels, attention_mask=mask).loss
+    split.backward()
+    whole.backward()
+    grads = {name: p.grad for name, p in ref.named_parameters()}
+    held = [(name, p.grad) for name, p in model.named_parameters()]
+    assert_parity("OPT tp8_sp", split, whole, held, grads, vanishing=("k_proj.bias",))
 
 
 def _check_shared_parameter_kept() -> None:
@@ -1307,7 +1304,7 @@ def check_errors(folders: dict[str, str], out: str) -> None:
         parallelize_hf_model(model, mesh)
     with pytest.raises(ConfigError, match="ep = 2 needs a MoE model"):
         parallelize_hf_model(_reference(folders["llama"]), layout_mesh(ParallelConfig(dp=2, ep=2, tp=2)))
-    _check_unsplit_warning(layout_mesh(ParallelConfig(tp=8)))
+    _check_direct_mlp(layout_mesh(ParallelConfig(tp=8)))
     _check_shared_parameter_kept()
     moe = _reference(folders["qwen2_moe"])
     moe.config.base_model_ep_plan = None
@@ -1509,6 +1506,16 @@ DISCOVERY = {
         dict(vocab_size=128, hidden_size=64, n_layer=2, n_head=8),  # plus an embedding norm
         ("transformer", "transformer.h", "transformer.word_embeddings", "lm_head", "transformer.ln_f", None),
     ),
+    # The one norm, before and after the blocks (also its embedding norm).
+    "NanoChatConfig": (
+        dict(SMALL, num_key_value_heads=4),
+        ("model", "model.layers", "model.embed_tokens", "lm_head", "model.norm", "model.rotary_emb"),
+    ),
+    # No _no_split_modules: the one list of num_hidden_layers modules of one class.
+    "BioGptConfig": (
+        dict(SMALL, intermediate_size=96),
+        ("biogpt", "biogpt.layers", "biogpt.embed_tokens", "output_projection", "biogpt.layer_norm", None),
+    ),
     "Qwen2Config": (
         dict(SMALL, num_key_value_heads=4),
         ("model", "model.layers", "model.embed_tokens", "lm_head", "model.norm", "model.rotary_emb"),
@@ -1527,6 +1534,10 @@ DISCOVERY = {
         ("model", "model.layers", "model.embed_tokens", "lm_head", "model.norm", "model.rotary_emb"),
     ),
 }
+
+
+EMBEDDING_NORMS = {"BloomConfig": "transformer.word_embeddings_layernorm", "NanoChatConfig": "model.norm"}
+BIOGPT = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=8)
 
 
 def test_hf_parts_discovery():
@@ -1549,6 +1560,7 @@ def test_hf_parts_discovery():
             parts.rotary_path,
         )
         assert found == expected, cls
+        assert parts.embed_norm_path == EMBEDDING_NORMS.get(cls), cls
         assert parts.blocks is model.get_submodule(parts.blocks_path) and len(parts.blocks) == 2, cls
         assert parts.plan_blocks == expected[1].rsplit(".", 1)[1], cls
         model._no_split_modules = ["SomethingElse"]
@@ -1556,6 +1568,15 @@ def test_hf_parts_discovery():
             ConfigError, match=f"cannot find the decoder blocks of {type(model).__name__}: 0 nn.ModuleLists"
         ):
             hf_parts(model)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.BioGptConfig(**BIOGPT))
+    model.config.num_hidden_layers = 3
+    with pytest.raises(
+        ConfigError,
+        match=r"BioGptForCausalLM: it declares no _no_split_modules, and 0 nn.ModuleLists in its decoder hold "
+        r"config.num_hidden_layers = 3 modules of one class \(need exactly one\)",
+    ):
+        hf_parts(model)
 
 
 def test_parts_found_by_what_they_do():
@@ -1689,3 +1710,20 @@ def test_inferred_tp_plans():
     ):
         found = plan("gpt2", tp=2, n_inner=95)
     assert "h.*.mlp.c_fc" not in found
+    # OPT's and BioGPT's MLP projections are children of the block itself (no MLP module).
+    with torch.device("meta"):
+        biogpt = transformers.AutoModelForCausalLM.from_config(transformers.BioGptConfig(**BIOGPT))
+    found = infer_tp_plan(biogpt, hf_parts(biogpt), 4, kv_heads=8)
+    assert {k: v for k, v in found.items() if "self_attn" not in k} == {
+        "layers.*.fc1": "colwise",
+        "layers.*.fc2": "rowwise",
+    }
+    with torch.device("meta"):
+        biogpt = transformers.AutoModelForCausalLM.from_config(
+            transformers.BioGptConfig(**BIOGPT, intermediate_size=95)
+        )
+    with pytest.warns(
+        UserWarning,
+        match=r"MLP in 'layers.\*' \['fc1', 'fc2'\]: tp = 2 does not divide the features of 'fc1' \(64, 95\)",
+    ):
+        assert "layers.*.fc1" not in infer_tp_plan(biogpt, hf_parts(biogpt), 2, kv_heads=8)

@@ -7,7 +7,10 @@ stages) and the zero-bubble zb1p, zbv and dualpipev with dp 2 and tp 2 (+SP), an
 Llama, Qwen2 (tied embeddings), Qwen3 (q/k norms), Mistral, Phi3 (fused projections), Gemma 2 (scaled embedding,
 soft-capped logits) and Gemma 3 (per-layer-type RoPE); and MoE families with
 their aux loss (Qwen2-MoE, Qwen3-MoE, Mixtral) under pp with ep, dp or cp, against the unpipelined model run
-per global micro-batch (the aux loss is counted once per forward).
+per global micro-batch (the aux loss is counted once per forward). Parts found by structure: NanoChat's one norm
+on the embeddings and after the blocks (cp 2 x tp 2 + SP, pp 2 x tp 2 + SP under 1F1B and zbv; with weights of its
+own: parity at dp 2 x tp 2, refused under SP and pp) and BioGPT's blocks without _no_split_modules and MLP
+projections directly in its blocks (cp 2 x tp 2 + SP).
 
 ``[model] hf_model`` (meshtron.hf.runner): a 1-rank launch trains a Llama folder (with safetensors), a
 Qwen2 and Qwen2-MoE, Qwen3-MoE and Mixtral folders (config.json only: seeded init; the MoE ones with
@@ -75,7 +78,13 @@ MODELS = {
         "Gemma3TextConfig",
         dict(num_key_value_heads=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2),
     ),
+    # Parts found by structure: NanoChat's one weightless norm runs on the embeddings and after the blocks;
+    # BioGPT declares no _no_split_modules (its blocks are the one list of num_hidden_layers modules).
+    "nanochat": ("NanoChatConfig", dict(num_key_value_heads=4)),
+    "biogpt": ("BioGptConfig", dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, activation_dropout=0.0)),
 }
+# Gradients zero in exact arithmetic (assert_parity's ``vanishing``): the key biases of a family without RoPE.
+VANISHING = {"biogpt": ("k_proj.bias",)}
 ROWS, SEQ = 8, 16  # the global batch
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,6 +164,8 @@ CP_CASES = [
     ("qwen3", ParallelConfig(cp=2, tp=2, cp_comm_type="a2a", activation_checkpointing="full")),
     ("mistral", ParallelConfig(dp=2, cp=2, cp_comm_type="allgather", data_parallel="replicate")),
     ("phi3", ParallelConfig(cp=2, tp=2)),
+    ("biogpt", ParallelConfig(cp=2, tp=2, sp=True)),  # learned positions: the global ones of this rank's tokens
+    ("nanochat", ParallelConfig(cp=2, tp=2, sp=True)),  # the norm on the whole embeddings and on SP's slices
 ]
 
 
@@ -172,7 +183,9 @@ def check_context_parallel(_tmp: str) -> None:
         assert out.logits.shape[1] == SEQ // mesh["cp"].size(), where  # this rank's tokens only
         out.loss.backward()
         held = [(name, p.grad) for name, p in model.named_parameters()]
-        assert assert_parity(where, out.loss, ref_loss, held, grads), f"{where}: no parameters"
+        assert assert_parity(where, out.loss, ref_loss, held, grads, vanishing=VANISHING.get(arch, ())), (
+            f"{where}: no parameters"
+        )
 
 
 # (model, layout): 4 micro-batches per step, microbatches = 4 / (dp x ep); interleaved, zbv and dualpipev run 2
@@ -205,6 +218,9 @@ PP_CASES = [
     # What Gemma does around its blocks: scaled embedding on the first stage, soft-capped fused loss on the last.
     ("gemma2", ParallelConfig(pp=2, tp=2, sp=True, schedule="1f1b", microbatches=4)),
     ("gemma3", ParallelConfig(pp=2, dp=2, schedule="interleaved", virtual_stages=2, microbatches=2)),
+    # NanoChat's norm on the first stage's embeddings and the last stage's output; under zbv both on rank 0.
+    ("nanochat", ParallelConfig(pp=2, tp=2, sp=True, schedule="1f1b", microbatches=4)),
+    ("nanochat", ParallelConfig(pp=2, tp=2, sp=True, schedule="zbv", virtual_stages=2, microbatches=4)),
 ]
 
 
@@ -223,7 +239,9 @@ def check_pipeline(_tmp: str) -> None:
         loss = runner.forward_backward(_rows(ids, mesh), _rows(next_token_labels(labels), mesh))
         assert not whole, f"{where}: W re-ran the whole backward for {whole}"
         held = [(name, p.grad) for name, p in runner.module.named_parameters()]  # this stage's
-        assert assert_parity(where, loss, ref_loss, held, grads), f"{where}: no parameters"
+        assert assert_parity(where, loss, ref_loss, held, grads, vanishing=VANISHING.get(arch, ())), (
+            f"{where}: no parameters"
+        )
         head = hf_parts(runner.module).head
         assert head is None or isinstance(head, LMHead), f"{where}: the last stage's loss is the fused head's"
         blocks = {int(name.split(".")[2]) for name, _ in runner.module.named_parameters() if ".layers." in name}
@@ -265,7 +283,39 @@ def check_errors(_tmp: str) -> None:
         parallelize_hf_model(_model("llama"), pp, schedule="interleaved", microbatches=2, virtual_stages=4)
     with pytest.raises(ConfigError, match="pass the stage model that parallelize_hf_model returns"):
         HFPipelineRunner(_model("llama"), pp)  # a whole model, not cut to a stage
+    with pytest.raises(ConfigError, match="pp > 1 needs one rotary embedding module; BioGptForCausalLM has none"):
+        parallelize_hf_model(_model("biogpt"), pp, microbatches=2)
+    _check_norm_on_embeddings_with_weights()
     _check_block_proof_under_pp()
+
+
+def _check_norm_on_embeddings_with_weights() -> None:
+    """NanoChat's norm given weights: tp without SP keeps parity (every use whole); SP (a gradient part from
+    the slices, whole from the embeddings) and pp (a copy on the first and on the last stage) are refused."""
+
+    def weighted():
+        model = _model("nanochat")
+        model.model.norm = torch.nn.RMSNorm(SMALL["hidden_size"], eps=1e-6)
+        with torch.no_grad():
+            model.model.norm.weight.add_(torch.randn(SMALL["hidden_size"]) * 0.05)
+        return model
+
+    layout = ParallelConfig(dp=2, tp=2)
+    ids, labels = _batch(seed=99)
+    ref = weighted()
+    ref_loss = ref(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    mesh = layout_mesh(layout)
+    model = parallelize_hf_model(weighted(), mesh)
+    out = model(input_ids=_rows(ids, mesh), labels=_rows(labels, mesh))
+    out.loss.backward()
+    grads = {name: p.grad for name, p in ref.named_parameters()}
+    held = [(name, p.grad) for name, p in model.named_parameters()]
+    assert_parity(f"nanochat, weighted norm, {layout.name}", out.loss, ref_loss, held, grads)
+    with pytest.raises(ConfigError, match="SP does not support the final norm 'model.norm' also normalising"):
+        parallelize_hf_model(weighted(), mesh, sp=True)
+    with pytest.raises(ConfigError, match="pp > 1 does not support NanoChatModel's final norm 'model.norm' also"):
+        parallelize_hf_model(weighted(), layout_mesh(ParallelConfig(pp=2, dp=2)), microbatches=2)
 
 
 def _check_block_proof_under_pp() -> None:

@@ -196,3 +196,17 @@ def test_assert_parity_holds_the_contract_and_names_the_layout():
         assert_parity("tp2", None, None, [("z", torch.zeros(2))], {"z": torch.zeros(2)})
     with pytest.raises(AssertionError, match="^tp2: w has no gradient"):
         assert_parity("tp2", None, None, [("w", None)], ref)
+    # A gradient zero in exact arithmetic: rounding noise on both sides, held to GRAD_RTOL x the largest (2.0).
+    noise = {**ref, "k.bias": torch.tensor([1e-9, -3e-9])}
+    assert assert_parity("tp2", None, None, [("k.bias", torch.tensor([-2e-9, 0.0]))], noise, vanishing=["k.bias"]) == 1
+    with pytest.raises(AssertionError, match=r"^tp2: grad k.bias is 1.00e-03, not rounding noise below 1e-04 x the"):
+        assert_parity("tp2", None, None, [("k.bias", torch.tensor([1e-3, 0.0]))], noise, vanishing=["k.bias"])
+    with pytest.raises(AssertionError, match=r"^tp2: reference grad k.bias is 1.00e-03"):
+        assert_parity(
+            "tp2",
+            None,
+            None,
+            [("k.bias", torch.zeros(2))],
+            {**ref, "k.bias": torch.tensor([1e-3])},
+            vanishing=["k.bias"],
+        )

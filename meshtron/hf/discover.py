@@ -29,6 +29,8 @@ class HFParts:
     head_path: str
     norm: nn.Module | None
     norm_path: str
+    embed_norm: nn.Module | None  # the norm the decoder runs on the embeddings before the blocks, if any
+    embed_norm_path: str | None
     rotary: nn.Module | None
     rotary_path: str | None
 
@@ -110,6 +112,8 @@ def _is_block(module: nn.Module, block_classes: set[str]) -> bool:
 
 def _blocks(model: nn.Module, decoder: nn.Module) -> tuple[str, nn.ModuleList]:
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    if not block_classes:
+        return _blocks_by_structure(model, decoder)
     found = [
         (name, m)
         for name, m in decoder.named_modules()
@@ -119,8 +123,30 @@ def _blocks(model: nn.Module, decoder: nn.Module) -> tuple[str, nn.ModuleList]:
         raise _missing(
             model,
             "decoder blocks",
-            f"{len(found)} nn.ModuleLists of {sorted(block_classes) or 'no'} "
+            f"{len(found)} nn.ModuleLists of {sorted(block_classes)} "
             "_no_split_modules classes in its decoder (need exactly one)",
+        )
+    return found[0]
+
+
+def _blocks_by_structure(model: nn.Module, decoder: nn.Module) -> tuple[str, nn.ModuleList]:
+    """Where the model declares no ``_no_split_modules`` (BioGPT): the one ``nn.ModuleList`` in the decoder
+    of ``config.num_hidden_layers`` modules of one class, each with parameters."""
+    layers = getattr(model.config, "num_hidden_layers", None)
+    found = [
+        (name, m)
+        for name, m in decoder.named_modules()
+        if isinstance(m, nn.ModuleList)
+        and len(m) == layers
+        and len({type(b) for b in m}) == 1
+        and all(any(True for _ in b.parameters()) for b in m)
+    ]
+    if len(found) != 1:
+        raise _missing(
+            model,
+            "decoder blocks",
+            f"it declares no _no_split_modules, and {len(found)} nn.ModuleLists in its decoder hold "
+            f"config.num_hidden_layers = {layers} modules of one class (need exactly one)",
         )
     return found[0]
 
@@ -150,18 +176,24 @@ def _first_uses(source: str | None) -> dict[str, int] | None:
     return first
 
 
+def _calls(source: str, name: str) -> list[int]:
+    """Where ``source`` calls ``self.<name>(...)`` (character offsets)."""
+    return [m.start() for m in re.finditer(rf"self\.{name}\(", source)]
+
+
 def _final_norm(model: nn.Module, decoder: nn.Module, blocks_rel: str) -> tuple[str, nn.Module]:
-    """The decoder's direct child norm its forward runs after the blocks (Bloom also normalises its
-    embeddings before them; Lfm2 names its final norm ``embedding_norm``); where no norm runs there, the
-    one module with parameters that does (Qwen4-Exp's ``hyper_connection_mixer`` folds its
-    hyper-connection streams into the head's input)."""
+    """The decoder's direct child norm its forward calls after the blocks (Bloom also normalises its
+    embeddings before them with another norm, NanoChat with the same one; Lfm2 names its final norm
+    ``embedding_norm``); where no norm runs there, the one module with parameters that does (Qwen4-Exp's
+    ``hyper_connection_mixer`` folds its hyper-connection streams into the head's input)."""
     norms = [(name, m) for name, m in decoder.named_children() if is_norm(m)]
-    uses = _first_uses(_forward_source(decoder))
+    source = _forward_source(decoder)
+    uses = _first_uses(source)
     top = blocks_rel.split(".", 1)[0]
     if uses is not None and top in uses:
 
         def runs_after(name: str) -> bool:
-            return uses.get(name, -1) > uses[top]
+            return max(_calls(source, name), default=uses.get(name, -1)) > uses[top]
 
         after = [(n, m) for n, m in norms if runs_after(n)] or [
             (n, m) for n, m in decoder.named_children() if runs_after(n) and any(True for _ in m.parameters())
@@ -173,6 +205,22 @@ def _final_norm(model: nn.Module, decoder: nn.Module, blocks_rel: str) -> tuple[
     if len(after) != 1:
         raise _missing(model, "final norm", f"{why} ({', '.join(n for n, _ in after) or 'none'}); need exactly one")
     return after[0]
+
+
+def _embedding_norm(decoder: nn.Module, blocks_rel: str) -> tuple[str, nn.Module] | None:
+    """The decoder's direct child norm its forward calls on the embeddings before the blocks (Bloom's
+    ``word_embeddings_layernorm``; NanoChat's one ``norm``, also its final norm), or None."""
+    source = _forward_source(decoder)
+    uses = _first_uses(source)
+    top = blocks_rel.split(".", 1)[0]
+    if uses is None or top not in uses:
+        return None
+    before = [
+        (name, m)
+        for name, m in decoder.named_children()
+        if is_norm(m) and min(_calls(source, name), default=len(source)) < uses[top]
+    ]
+    return before[0] if len(before) == 1 else None
 
 
 def is_rotary(module: nn.Module) -> bool:
@@ -233,6 +281,7 @@ def hf_parts(model: nn.Module) -> HFParts:
     if not isinstance(head, nn.Linear):
         raise _missing(model, "output head", f"get_output_embeddings() returns {type(head).__name__}, not an nn.Linear")
     norm_rel, norm = _final_norm(model, decoder, blocks_rel)
+    embed_norm = _embedding_norm(decoder, blocks_rel)
     rotary = _rotary(decoder, blocks)
 
     def full(rel: str) -> str:
@@ -249,6 +298,8 @@ def hf_parts(model: nn.Module) -> HFParts:
         head_path=_path_of(model, head, "output head"),
         norm=norm,
         norm_path=full(norm_rel),
+        embed_norm=embed_norm[1] if embed_norm else None,
+        embed_norm_path=full(embed_norm[0]) if embed_norm else None,
         rotary=rotary[1] if rotary else None,
         rotary_path=full(rotary[0]) if rotary else None,
     )

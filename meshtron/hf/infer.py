@@ -171,8 +171,16 @@ def _attention_plan(
     return {**{f"{name}.{n}": col for n in inputs}, f"{name}.{out}": row}, None
 
 
-def _mlp_plan(name: str, mlp: nn.Module, hidden: int, tp: int) -> tuple[dict[str, str], str | None]:
-    projections = _projections(mlp)
+def _loose_projections(block: nn.Module) -> dict[str, tuple[int, int]]:
+    """The linear-like direct children of a block: OPT's and BioGPT's MLP (``fc1`` / ``fc2``) is not a module."""
+    return {name: f for name, m in block.named_children() if (f := _features(m)) is not None}
+
+
+def _mlp_plan(
+    name: str, projections: dict[str, tuple[int, int]], hidden: int, tp: int
+) -> tuple[dict[str, str], str | None]:
+    """Entries for an MLP's ``projections`` (relative to ``name``: the MLP module, or '' for the block)."""
+    at = f"{name}." if name else ""
     outputs = [n for n, (i, o) in projections.items() if o == hidden and i != hidden]
     inputs = [n for n, (i, _) in projections.items() if i == hidden]
     if len(outputs) != 1 or not inputs or len(inputs) + 1 != len(projections):
@@ -187,9 +195,9 @@ def _mlp_plan(name: str, mlp: nn.Module, hidden: int, tp: int) -> tuple[dict[str
     if bad:
         return {}, f"tp = {tp} does not divide the features of '{bad}' {projections[bad]}"
     if all(projections[n][1] == width for n in inputs):
-        return {**{f"{name}.{n}": "colwise" for n in inputs}, f"{name}.{down}": "rowwise"}, None
+        return {**{f"{at}{n}": "colwise" for n in inputs}, f"{at}{down}": "rowwise"}, None
     if len(inputs) == 1 and projections[inputs[0]][1] == 2 * width:  # fused gate_up, chunked after
-        return {f"{name}.{inputs[0]}": "colwise_gather_output", f"{name}.{down}": "rowwise_split_input"}, None
+        return {f"{at}{inputs[0]}": "colwise_gather_output", f"{at}{down}": "rowwise_split_input"}, None
     return {}, f"its up projections' widths {[projections[n][1] for n in inputs]} do not match down's input {width}"
 
 
@@ -203,21 +211,25 @@ def _block_tp_plan(
         if kind == "MLP" and moe:
             continue  # routed experts: meshtron.hf.experts; the router stays replicated
         child = _child(block, names)
-        if child is None:
-            loose = sorted(n for n in _projections(block) if "." not in n)
+        loose = _loose_projections(block)
+        if child is None and (kind == "attention" or not loose):
             unsplit[kind] = f"{kind}: no single submodule named like {names} holds its projections" + (
-                f" (projections directly in the block: {loose})" if loose else ""
+                f" (projections directly in the block: {sorted(loose)})" if loose else ""
             )
             continue
-        name, module = child
+        if child is None:  # the MLP's projections directly in the block
+            name, module, projections = "", block, loose
+        else:
+            (name, module), projections = child, _projections(child[1])
         part, why = (
             _attention_plan(name, module, hidden, heads, kv_heads, tp)
             if kind == "attention"
-            else _mlp_plan(name, module, hidden, tp)
+            else _mlp_plan(name, projections, hidden, tp)
         )
         plan.update({f"{prefix}.{k}": v for k, v in part.items()})
         if why:
-            unsplit[kind] = f"{kind} '{prefix}.{name}' ({type(module).__name__}): {why}"
+            where = f"'{prefix}.{name}' ({type(module).__name__})" if name else f"in '{prefix}' {sorted(loose)}"
+            unsplit[kind] = f"{kind} {where}: {why}"
     return plan, unsplit
 
 
@@ -251,8 +263,10 @@ def infer_tp_plan(model: nn.Module, parts: HFParts, tp: int, kv_heads: int) -> d
 
 
 def _kind_planned(kind: str, pattern: str) -> bool:
-    child = pattern.split(".")[2]
-    return any(k in child for k in (_ATTENTION_NAMES if kind == "attention" else _MLP_NAMES))
+    """Whether plan entry ``pattern`` splits part of a ``kind``: an attention module's, else an MLP's (its
+    module's or a projection directly in the block)."""
+    attention = any(k in pattern.split(".")[2] for k in _ATTENTION_NAMES)
+    return attention == (kind == "attention")
 
 
 __all__ = ["TransposedColwise", "TransposedRowwise", "infer_tp_plan", "is_transposed", "with_mla_attention"]

@@ -31,7 +31,7 @@ from meshtron.hf.loss import global_aux_loss, hf_loss_function
 from meshtron.hf.phases import PhaseGuard
 from meshtron.hf.pipeline import HFStage, cut_to_stage, plan_stage, run_as_stage, stage_block, stage_chunks
 from meshtron.hf.slices import load_sharded_weights, missing_tensors
-from meshtron.hf.tp_plan import apply_hf_tensor_parallel, replicate_plain_params
+from meshtron.hf.tp_plan import apply_hf_tensor_parallel, check_norm_on_embeddings, replicate_plain_params
 from meshtron.mesh import dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.models.chunked_loss import DEFAULT_CHUNK_TOKENS
 from meshtron.models.qwen2 import LMHead
@@ -237,6 +237,7 @@ def parallelize_hf_model(
     guard = PhaseGuard(model, mesh, sp)
     with guard("finding the decoder's parts"):
         prove.check_sequence_dim(model, hf_parts(model), mesh, sp)  # also: a layout we can find the pieces of
+        check_norm_on_embeddings(hf_parts(model), mesh["tp"].size(), sp)
     with guard("the float8 conversion"):
         convert_float8(model, mesh, fp8, offload)
         shared = _shared_parameters(model)

@@ -59,7 +59,8 @@ def prune_hf_to_stage(model: nn.Module, chunks: dict[int, range], num_stages: in
     if not first:
         _replace(model, parts.embed, None)
     if not last:
-        _replace(model, parts.norm, None)
+        if not (first and parts.norm is parts.embed_norm):  # NanoChat's norm also runs on the embeddings
+            _replace(model, parts.norm, None)
         _replace(model, parts.head, None)
     set_stage_parts(
         model,
@@ -67,6 +68,7 @@ def prune_hf_to_stage(model: nn.Module, chunks: dict[int, range], num_stages: in
             parts,
             blocks=blocks,
             embed=parts.embed if first else None,
+            embed_norm=parts.embed_norm if first else None,
             norm=parts.norm if last else None,
             head=parts.head if last else None,
         ),
@@ -155,6 +157,8 @@ def _stage_forward(
     ``labels`` (next-token targets). Extra keywords (a KV cache turned off by hooks) are not used."""
     parts = hf_parts(self)
     h = parts.embed(x) if first else x  # a scaled embedding (Gemma) scales in its own forward
+    if first and parts.embed_norm is not None:
+        h = parts.embed_norm(h)
     kinds = {i: _mask_kind(self, parts.blocks[str(i)], i) for i in layers}
     masks = _masks(self, h, position_ids, set(kinds.values()))
     rope = _position_embeddings(parts.rotary, h, position_ids, set(kinds.values()))
@@ -188,9 +192,9 @@ class HFStageChunk:
         parts = hf_parts(self.model)
         mods = [parts.blocks[str(i)] for i in self.layers]
         if self.is_first:
-            mods.insert(0, parts.embed)
+            mods[:0] = [parts.embed] + ([parts.embed_norm] if parts.embed_norm is not None else [])
         if self.is_last:
-            mods += [parts.norm, parts.head]
+            mods += [m for m in (parts.norm, parts.head) if m not in mods]
         return mods
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,6 +217,12 @@ def _check_hf_pipeline(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig) ->
         raise ConfigError(
             f"parallelize_hf_model: pp > 1 does not support {type(parts.decoder).__name__}'s forward "
             f"rescaling the embeddings outside its embedding module ('{rescale}'); use pp = 1."
+        )
+    shared = parts.embed_norm is parts.norm and any(True for _ in parts.norm.parameters())
+    if shared:  # a copy on the first and on the last stage, their gradients never summed
+        raise ConfigError(
+            f"parallelize_hf_model: pp > 1 does not support {type(parts.decoder).__name__}'s final norm "
+            f"'{parts.norm_path}' also normalising the embeddings with its own weights; use pp = 1."
         )
     for key, what in _REFUSED_CONFIG.items():
         if getattr(cfg, key, None):

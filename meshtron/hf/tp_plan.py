@@ -206,20 +206,27 @@ class _Heads(NamedTuple):
     rope_dim: int  # MLA's rope key width (qk_rope_head_dim); 0 for other attention
 
 
-def _style(style: str, name: str, module: nn.Module, heads: _Heads, tp: int, sp: bool) -> ParallelStyle | None:
-    """One entry of transformers' plan as a training ParallelStyle (None: the module stays unchanged)."""
+def _style(
+    style: str, name: str, module: nn.Module, heads: _Heads, tp: int, sp: bool, direct: bool = False
+) -> ParallelStyle | None:
+    """One entry of transformers' plan as a training ParallelStyle (None: the module stays unchanged).
+    A ``direct`` projection (a child of the block itself: OPT's and BioGPT's ``fc1`` / ``fc2``) reads and writes
+    the residual stream as it is, so under SP it gathers and scatters the tokens itself, at dim -2 (OPT
+    flattens [B, S, H] to [B x S, H] first); others read their parent's gathered input."""
     kv_proj = name.endswith(("k_proj", "v_proj"))
     colwise, rowwise = (TransposedColwise, TransposedRowwise) if is_transposed(module) else (Colwise, Rowwise)
+    stream = (Shard(-2) if sp else Replicate()) if direct else Replicate()
+    written = Shard(-2) if direct and sp else residual_layout(sp)
     if style in _COLWISE and kv_proj and not kv_heads_split(heads.kv_heads, tp):
         return ReplicatedKVHeads(heads.kv_heads, heads.head_dim)
     if style in _COLWISE:
-        return colwise()
+        return colwise(input_layouts=stream)
     if style in _COLWISE_GATHERED:
-        return colwise(output_layouts=Replicate())
+        return colwise(input_layouts=stream, output_layouts=Replicate())
     if style in _ROWWISE:
-        return rowwise(output_layouts=residual_layout(sp))
+        return rowwise(output_layouts=written)
     if style in _ROWWISE_REPLICATED_INPUT:
-        return rowwise(input_layouts=Replicate(), output_layouts=residual_layout(sp))
+        return rowwise(input_layouts=Replicate(), output_layouts=written)
     if style in _REPLICATED_PARTIAL_GRAD:
         return ReplicateParallel(grad="infer")
     if style in _SEQUENCE:
@@ -275,10 +282,13 @@ def _layer_plan(
             continue
         # Inside a MoE block (Aria's shared experts) the tokens are already gathered under SP.
         split_seq = sp and not (moe is not None and rel.startswith(f"{moe}."))
-        translated = _style(style, f"{blocks}.{index}.{rel}", layer.get_submodule(rel), heads, tp, split_seq)
+        direct = "." not in rel
+        translated = _style(style, f"{blocks}.{index}.{rel}", layer.get_submodule(rel), heads, tp, split_seq, direct)
         if translated is None:
             continue
         plan[rel] = translated
+        if direct:  # the block is its parent: its input stays the residual stream
+            continue
         parent = rel.rsplit(".", 1)[0]
         if style in _COLWISE + _COLWISE_GATHERED:
             plan[parent] = _HiddenStatesInput(split_seq)
@@ -487,6 +497,18 @@ def _gather_spanning_norms(plan: dict[str, str], parts: HFParts) -> dict[str, st
     }
 
 
+def check_norm_on_embeddings(parts: HFParts, tp: int, sp: bool) -> None:
+    """SP runs the final norm on sequence slices; a norm that also normalises the whole embeddings before the
+    blocks (NanoChat's) runs on both as it is when it has no weights, but with weights their gradient would
+    be partial from one use and whole from the other."""
+    norm = parts.norm
+    if sp and tp > 1 and norm is not None and norm is parts.embed_norm and any(True for _ in norm.parameters()):
+        raise ConfigError(
+            f"parallelize_hf_model: SP does not support the final norm '{parts.norm_path}' also normalising the "
+            "embeddings with its own weights; set [parallel] sp = false."
+        )
+
+
 def _check_shape(model: nn.Module, tp: int) -> _Heads:
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, key_value_heads(cfg)
@@ -547,7 +569,7 @@ def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMe
         if sp:
             parallelize_module(blocks[0][1], tp_mesh, _HiddenStatesInput(sp, Replicate(), Shard(1), local=True))
     if parts.head is not None:
-        if sp:
+        if sp and parts.norm is not parts.embed_norm:
             parallelize_module(parts.norm, tp_mesh, SequenceParallel())
         # Vocab-sharded logits either way; meshtron's head also computes the fused loss (pipeline stages).
         style = (
@@ -593,4 +615,4 @@ def replicate_plain_params(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh
     name_tp_gradients(model)
 
 
-__all__ = ["apply_hf_tensor_parallel", "replicate_plain_params"]
+__all__ = ["apply_hf_tensor_parallel", "check_norm_on_embeddings", "replicate_plain_params"]
