@@ -1646,7 +1646,7 @@ def test_inferred_tp_plans():
 
     def plan(name, tp=4, **change):
         model = meta_model(name, **change)
-        return infer_tp_plan(model, hf_parts(model), tp, kv_heads=4)
+        return infer_tp_plan(model, hf_parts(model), tp)
 
     def config_plan(name, layer=0):
         model = meta_model(name)
@@ -1713,7 +1713,7 @@ def test_inferred_tp_plans():
     # OPT's and BioGPT's MLP projections are children of the block itself (no MLP module).
     with torch.device("meta"):
         biogpt = transformers.AutoModelForCausalLM.from_config(transformers.BioGptConfig(**BIOGPT))
-    found = infer_tp_plan(biogpt, hf_parts(biogpt), 4, kv_heads=8)
+    found = infer_tp_plan(biogpt, hf_parts(biogpt), 4)
     assert {k: v for k, v in found.items() if "self_attn" not in k} == {
         "layers.*.fc1": "colwise",
         "layers.*.fc2": "rowwise",
@@ -1726,4 +1726,4 @@ def test_inferred_tp_plans():
         UserWarning,
         match=r"MLP in 'layers.\*' \['fc1', 'fc2'\]: tp = 2 does not divide the features of 'fc1' \(64, 95\)",
     ):
-        assert "layers.*.fc1" not in infer_tp_plan(biogpt, hf_parts(biogpt), 2, kv_heads=8)
+        assert "layers.*.fc1" not in infer_tp_plan(biogpt, hf_parts(biogpt), 2)

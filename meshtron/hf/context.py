@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron.config import ConfigError
-from meshtron.hf.discover import calls_attention_interface, hf_parts, key_value_heads
+from meshtron.hf.discover import calls_attention_interface, hf_parts, layer_heads
 from meshtron.parallel.context import RingAttention, cp_comm, cp_groups, shard_batch
 from meshtron.parallel.tensor import local_heads
 
@@ -91,12 +91,19 @@ def check_sliding_window(config, seq_len: int) -> None:
         )
 
 
+def _common_local_heads(model: nn.Module, tp: int) -> tuple[int, int]:
+    """The greatest (query, key/value) head counts dividing every block's local ones: the a2a groups split
+    the heads of each (per-layer configs give blocks their own counts)."""
+    counts = [local_heads(*layer_heads(model.config, i), tp) for i, _ in hf_parts(model).block_items()]
+    return math.gcd(*(q for q, _ in counts)), math.gcd(*(kv for _, kv in counts))
+
+
 def use_ring_attention(model: nn.Module, mesh: DeviceMesh, comm_type: str = "p2p", a2a_size: int = 0) -> None:
     """Make every block's attention meshtron's over ``mesh['cp']`` (in place): ``comm_type`` is
     ``[parallel] cp_comm_type`` (the ring ``p2p``, ``a2a``, ``allgather``, ``a2a+p2p``), ``a2a_size``
     the a2a+p2p group (0: the cp ranks of one node). The all-to-all types split each tp rank's heads."""
     _register()
-    heads, kv = local_heads(model.config.num_attention_heads, key_value_heads(model.config), mesh["tp"].size())
+    heads, kv = _common_local_heads(model, mesh["tp"].size())
     ring, a2a = cp_groups(mesh, comm_type, a2a_size, heads, kv)
     for attn in _attention_modules(model):
         attn.cp_ring = RingAttention(ring, a2a=a2a, allgather=cp_comm(comm_type).allgather)

@@ -267,6 +267,19 @@ def key_value_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def layer_config(config, index: int):
+    """Decoder layer ``index``'s config: transformers' per-layer view where the config holds per-layer values
+    (``per_layer_config``: Gemma 4's full-attention layers have a head_dim of their own, and reading it from
+    the global config raises), else the config itself."""
+    return config.per_layer_config[index] if getattr(config, "is_heterogeneous", False) else config
+
+
+def layer_heads(config, index: int) -> tuple[int, int]:
+    """(query heads, key/value heads) of decoder layer ``index``."""
+    own = layer_config(config, index)
+    return own.num_attention_heads, key_value_heads(own)
+
+
 def hf_parts(model: nn.Module) -> HFParts:
     """The decoder, blocks, embeddings, output head, final norm and rotary embedding of ``model``
     (meta or materialised); a :class:`ConfigError` names the part that cannot be found."""
@@ -313,5 +326,7 @@ __all__ = [
     "is_norm",
     "is_rotary",
     "key_value_heads",
+    "layer_config",
+    "layer_heads",
     "set_stage_parts",
 ]

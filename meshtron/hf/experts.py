@@ -356,7 +356,9 @@ def hf_expert_modules(model: nn.Module, ep: int) -> dict[str, tuple[nn.Module, t
     they raise :class:`ConfigError`. Experts in another layout are refused at ep > 1; at ep = 1 they are
     left out with a warning and run as transformers' own module, whole and identical on every tp rank."""
     plan = getattr(model.config, "base_model_ep_plan", None) or {}
-    unknown = {k: s for k, s in plan.items() if s not in _EP_STYLES}
+    # Entries outside the experts (Gemma 4's dense MLP 'colwise') say how transformers splits the rest under
+    # ep; meshtron splits it by the tp plan, whatever the layout.
+    unknown = {k: s for k, s in plan.items() if s not in _EP_STYLES and "experts" in k.split(".")}
     if unknown:
         key, style = next(iter(unknown.items()))
         raise ConfigError(

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from meshtron.hf.discover import HFParts
+from meshtron.hf.discover import HFParts, layer_heads
 from meshtron.parallel.tensor import tp_fits
 from meshtron.torch_private import style_io
 
@@ -233,20 +233,22 @@ def _block_tp_plan(
     return plan, unsplit
 
 
-def infer_tp_plan(model: nn.Module, parts: HFParts, tp: int, kv_heads: int) -> dict[str, str]:
+def infer_tp_plan(model: nn.Module, parts: HFParts, tp: int) -> dict[str, str]:
     """A ``base_model_tp_plan`` for ``model`` from the module types of its blocks (relative to the
-    decoder, as transformers writes plans), each kind of block read once (Bamba's attention is only in
-    some layers); warns once, naming every part left unsplit and why. Under SP an unsplit part runs on
-    the gathered sequence (:func:`meshtron.hf.tp_plan._left_whole`)."""
+    decoder, as transformers writes plans), each kind of block (its class and its own head counts) read
+    once (Bamba's attention is only in some layers); where kinds disagree on an entry, its gathered form
+    (right for every head layout) is kept. Warns once, naming every part left unsplit and why. Under SP an
+    unsplit part runs on the gathered sequence (:func:`meshtron.hf.tp_plan._left_whole`)."""
     cfg = model.config
     prefix = f"{parts.plan_blocks}.*"
     plan, unsplit, seen = {}, {}, set()
-    for _, block in parts.block_items():
-        if type(block) in seen:
+    for i, block in parts.block_items():
+        heads, kv_heads = layer_heads(cfg, i)
+        if (type(block), heads, kv_heads) in seen:
             continue
-        seen.add(type(block))
-        part, why = _block_tp_plan(block, prefix, cfg.hidden_size, cfg.num_attention_heads, kv_heads, tp)
-        plan.update(part)
+        seen.add((type(block), heads, kv_heads))
+        part, why = _block_tp_plan(block, prefix, cfg.hidden_size, heads, kv_heads, tp)
+        plan.update({k: v if plan.get(k, v) == v else _GATHERED.get(v, v) for k, v in part.items()})
         for kind, text in why.items():
             unsplit.setdefault(kind, []).append(text)
     # A kind some block splits is not reported for the blocks without it (Bamba's mamba layers).
@@ -260,6 +262,15 @@ def infer_tp_plan(model: nn.Module, parts: HFParts, tp: int, kv_heads: int) -> d
             stacklevel=4,
         )
     return plan
+
+
+# A projection's style split by heads -> the form that gathers (or splits) its whole output instead.
+_GATHERED = {
+    "colwise": "colwise_gather_output",
+    "rowwise": "rowwise_split_input",
+    "colwise_gather_output": "colwise_gather_output",
+    "rowwise_split_input": "rowwise_split_input",
+}
 
 
 def _kind_planned(kind: str, pattern: str) -> bool:

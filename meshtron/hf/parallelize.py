@@ -315,7 +315,7 @@ def _block_references(model: nn.Module, mesh: DeviceMesh, stage: HFStage | None,
     if stage is not None:
         mine = {i for layers in stage.chunks.values() for i in layers}
         blocks = [(i, block) for i, block in blocks if i in mine]
-    return prove.record_references(model, prove.block_kinds(blocks), mesh, sp)
+    return prove.record_references(model, prove.block_kinds(blocks, model.config), mesh, sp)
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
@@ -442,7 +442,7 @@ def _check_twin(folder: str | Path, config, mesh: DeviceMesh, options: dict) -> 
         twin = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     convert_float8(twin, mesh, kw["fp8"], kw["offload"])
     parts = hf_parts(twin)
-    kinds = prove.block_kinds(parts.block_items())
+    kinds = prove.block_kinds(parts.block_items(), twin.config)
     last = kinds[-1][0] if proving else -1
     later = [block for index, block in parts.block_items() if index > last]
     _materialize(twin, parts, later + ([parts.head] if parts.head is not None and not parts.tied else []))

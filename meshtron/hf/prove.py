@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from meshtron.config import ConfigError
-from meshtron.hf.discover import HFParts, calls_attention_interface
+from meshtron.hf.discover import HFParts, calls_attention_interface, layer_config
 from meshtron.host import simulating
 from meshtron.mesh import batch_mesh, dense_data_mesh, expert_data_mesh, expert_split
 from meshtron.parallel.context import shard_sequence
@@ -51,16 +51,33 @@ class _Reference:
     causes: list[str] = field(default_factory=list)  # what the layout cannot serve: :func:`_known_causes`
 
 
-def block_kinds(blocks: list[tuple[int, nn.Module]]) -> list[tuple[int, nn.Module]]:
-    """The first of ``(index, block)`` of each kind: its class and its submodules' names and classes
-    (Qwen2-MoE's dense and sparse layers share a class)."""
+def block_kinds(blocks: list[tuple[int, nn.Module]], config=None) -> list[tuple[int, nn.Module]]:
+    """The first of ``(index, block)`` of each kind: what makes two blocks split differently, their class and
+    their submodules' names and classes (Qwen2-MoE's dense and sparse layers share a class), their parameters'
+    shapes (Gemma 4's full-attention layers have a head_dim of their own) and, from ``config``, the layer's
+    attention type (sliding or full) and its own per-layer config."""
     seen, first = set(), []
     for index, block in blocks:
-        kind = (type(block), tuple((name, type(m)) for name, m in block.named_modules()))
+        kind = (
+            type(block),
+            tuple((name, type(m)) for name, m in block.named_modules()),
+            tuple((name, tuple(p.shape)) for name, p in block.named_parameters()),
+            _layer_kind(config, index),
+        )
         if kind not in seen:
             seen.add(kind)
             first.append((index, block))
     return first
+
+
+def _layer_kind(config, index: int) -> tuple:
+    """What the config says of layer ``index`` alone: its entry of ``layer_types`` and its per-layer overrides."""
+    if config is None:
+        return ()
+    types = getattr(config, "layer_types", None)
+    own = layer_config(config, index)
+    overrides = sorted((k, repr(v)) for k, v in vars(own).items() if own is not config and vars(config).get(k) != v)
+    return (types[index] if types else None, tuple(overrides))
 
 
 def probe_length(mesh: DeviceMesh) -> int:

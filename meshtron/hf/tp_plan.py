@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel, parallelize_module
 
 from meshtron.config import ConfigError
-from meshtron.hf.discover import HFParts, is_norm, key_value_heads
+from meshtron.hf.discover import HFParts, is_norm, layer_config, layer_heads
 from meshtron.hf.infer import TransposedColwise, TransposedRowwise, infer_tp_plan, is_transposed, with_mla_attention
 from meshtron.models.qwen2 import LMHead
 from meshtron.parallel.tensor import check_tensor_parallel, kv_heads_split, local_heads, residual_layout
@@ -201,6 +201,7 @@ class _SharedRopeKey(ParallelStyle):
 class _Heads(NamedTuple):
     """What the attention styles need to know of the model's heads."""
 
+    heads: int
     kv_heads: int
     head_dim: int
     rope_dim: int  # MLA's rope key width (qk_rope_head_dim); 0 for other attention
@@ -434,11 +435,22 @@ def _tp_plan(model: nn.Module, parts: HFParts, tp: int, sp: bool) -> dict[str, s
     own = _base_plan(model, parts) if getattr(model.config, "base_model_tp_plan", None) else {}
     own = _whole_outside_blocks(model, parts, own, sp)
     if not any(pattern.startswith(f"{parts.plan_blocks}.") for pattern in own):
-        plan = infer_tp_plan(model, parts, tp, key_value_heads(model.config))
+        plan = infer_tp_plan(model, parts, tp)
     else:
-        check_tensor_parallel(model.config.num_attention_heads, key_value_heads(model.config), tp)
+        _check_heads(model, parts, tp)
         plan = own
     return _gather_spanning_norms(plan, parts)
+
+
+def _check_heads(model: nn.Module, parts: HFParts, tp: int) -> None:
+    """Every block's heads split over tp, each block's counts its own (per-layer configs differ)."""
+    for i, _ in parts.block_items():
+        try:
+            check_tensor_parallel(*layer_heads(model.config, i), tp)
+        except ConfigError as refused:
+            if layer_config(model.config, i) is model.config:
+                raise
+            raise ConfigError(f"{refused} (decoder layer {i}, its per_layer_config)") from None
 
 
 def _norm_features(norm: nn.Module) -> int | None:
@@ -509,15 +521,20 @@ def check_norm_on_embeddings(parts: HFParts, tp: int, sp: bool) -> None:
         )
 
 
-def _check_shape(model: nn.Module, tp: int) -> _Heads:
-    cfg = model.config
-    heads, kv_heads = cfg.num_attention_heads, key_value_heads(cfg)
-    if cfg.vocab_size % tp:
+def _check_vocab(model: nn.Module, tp: int) -> None:
+    if model.config.vocab_size % tp:
         raise ConfigError(
-            f"parallelize_hf_model: tp = {tp} does not divide vocab_size = {cfg.vocab_size}; pad the vocabulary."
+            f"parallelize_hf_model: tp = {tp} does not divide vocab_size = {model.config.vocab_size}; pad the "
+            "vocabulary."
         )
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return _Heads(kv_heads, head_dim, getattr(cfg, "qk_rope_head_dim", None) or 0)
+
+
+def _layer_heads(model: nn.Module, index: int) -> _Heads:
+    """What the attention styles need of decoder layer ``index``'s heads, from its own config."""
+    own = layer_config(model.config, index)
+    heads, kv_heads = layer_heads(model.config, index)
+    head_dim = getattr(own, "head_dim", None) or own.hidden_size // heads
+    return _Heads(heads, kv_heads, head_dim, getattr(own, "qk_rope_head_dim", None) or 0)
 
 
 def _set_local_head_groups(layer: nn.Module, plan: dict[str, str], heads: int, kv_heads: int, tp: int) -> None:
@@ -547,15 +564,16 @@ def _own_split_outputs(layer: nn.Module, plan: dict[str, str]) -> None:
 
 def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, sp: bool) -> None:
     tp = tp_mesh.size()
-    heads = _check_shape(model, tp)
+    _check_vocab(model, tp)
     base, tied = _tp_plan(model, parts, tp, sp), parts.tied
     blocks = parts.block_items()  # a pipeline stage holds some blocks, and the embedding / head only at its ends
     for i, layer in blocks:
+        heads = _layer_heads(model, i)
         plan = with_mla_attention(base, parts.plan_blocks, layer)
         parallelize_module(layer, tp_mesh, _layer_plan(plan, parts.plan_blocks, layer, i, heads, tp, sp))
         for rel, names in _head_split_params(plan, parts.plan_blocks, layer).items():
             parallelize_module(layer.get_submodule(rel), tp_mesh, SplitParams(names))
-        _set_local_head_groups(layer, plan, model.config.num_attention_heads, heads.kv_heads, tp)
+        _set_local_head_groups(layer, plan, heads.heads, heads.kv_heads, tp)
         _own_split_outputs(layer, plan)
     if parts.embed is not None:
         # Embedding output replicated: HF computes positions and the causal mask from its length. A

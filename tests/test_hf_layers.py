@@ -1,0 +1,116 @@
+"""parallelize_hf_model on models whose layers differ from each other (issue 62): per-layer figures read from each
+layer's own config (transformers' ``per_layer_config``), never from one global value.
+
+One 2-rank launch, Gemma 4 (its full-attention layers have a head_dim of their own, and its ep plan names its dense
+MLP too): at tp 2 every layer's attention is split and the loss and gradients equal the unsplit model's, with the
+default per-layer config and with one giving the full-attention layers a single key/value head; a per-layer head
+count tp cannot split is refused naming the layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from meshtron.config import ConfigError
+from meshtron.testing import assert_parity, cached_mesh, launch_tests
+
+GEMMA4 = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=8,
+    global_head_dim=16,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    vocab_size_per_layer_input=128,
+    hidden_size_per_layer_input=8,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
+)
+# The full-attention layers with one key/value head of 16 features (the sliding ones keep 4 of 8).
+ONE_KV_HEAD = {i: {"head_dim": 16, "num_key_value_heads": 1} for i in (1, 3)}
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+SPLIT = [Shard(0), Shard(0), Shard(0), Shard(1)]
+
+
+def _gemma4(**overrides):
+    """The same random Gemma 4 on every rank (transformers' init plus noise on every parameter)."""
+    import transformers
+
+    torch.manual_seed(4)
+    config = transformers.Gemma4TextConfig(**{**GEMMA4, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.train()
+
+
+def _tp_placement(weight) -> object:
+    return (
+        dict(zip(weight.device_mesh.mesh_dim_names, weight.placements))["tp"] if isinstance(weight, DTensor) else None
+    )
+
+
+def check_per_layer_configs() -> None:
+    from meshtron import parallelize_hf_model
+
+    gen = torch.Generator().manual_seed(62)
+    ids = torch.randint(3, GEMMA4["vocab_size"], (2, 16), generator=gen)
+    mesh = cached_mesh(tp=2)
+    for name, overrides in (("default", {}), ("one kv head", {"per_layer_config": ONE_KV_HEAD})):
+        where = f"gemma4 {name} tp2"
+        ref = _gemma4(**overrides)
+        ref_loss = ref(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        model = parallelize_hf_model(_gemma4(**overrides), mesh)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad for n, p in ref.named_parameters()}
+        held = [(n, p.grad) for n, p in model.named_parameters()]
+        assert assert_parity(where, loss, ref_loss, held, grads) == len(grads), where
+        for layer in model.model.layers:  # q/k/v gathered (v_norm does not say its size), o_proj rowwise
+            attention = layer.self_attn
+            assert [_tp_placement(attention.get_submodule(p).weight) for p in PROJECTIONS] == SPLIT, where
+    # Gemma 4 reads its query heads globally, so a layer can differ in key/value heads only; 3 of them are a count
+    # the layer itself could not run (8 query heads), which the check meets first without the block check.
+    with pytest.raises(
+        ConfigError,
+        match=r"tp = 2 and num_key_value_heads = 3 do not divide one another.*\(decoder layer 1, its "
+        r"per_layer_config\)",
+    ):
+        three = _gemma4(per_layer_config={i: {"num_key_value_heads": 3, "head_dim": 16} for i in (1, 3)})
+        parallelize_hf_model(three, mesh, prove_blocks=False)
+
+
+@launch_tests(2, [check_per_layer_configs])
+def test_per_layer_configs_on_2_ranks():
+    return ()
+
+
+def test_the_block_check_proves_every_distinct_layer():
+    """A block's kind includes its parameters' shapes, its attention type and its per-layer config: of a 64-layer
+    Gemma 4 the full-attention layer 1 (its own head_dim) is proved beside the sliding layer 0, two blocks in all;
+    Gemma 3's layers share their shapes but not their attention type; Llama's are one kind."""
+    import transformers
+
+    from meshtron.hf import prove
+    from meshtron.hf.discover import hf_parts
+    from meshtron.testing import HF_TINY_SIZES
+
+    def proved(config) -> list[int]:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        return [index for index, _ in prove.block_kinds(hf_parts(model).block_items(), model.config)]
+
+    types = ["sliding_attention", "full_attention"] * 32
+    assert proved(transformers.Gemma4TextConfig(**{**GEMMA4, "num_hidden_layers": 64, "layer_types": types})) == [0, 1]
+    gemma3 = transformers.Gemma3TextConfig(**HF_TINY_SIZES, sliding_window=8, layer_types=types[:2])
+    assert proved(gemma3) == [0, 1]
+    assert proved(transformers.LlamaConfig(**{**HF_TINY_SIZES, "num_hidden_layers": 4})) == [0]
