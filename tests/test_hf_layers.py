@@ -4,7 +4,8 @@ layer's own config (transformers' ``per_layer_config``), never from one global v
 One 2-rank launch, Gemma 4 (its full-attention layers have a head_dim of their own, and its ep plan names its dense
 MLP too): at tp 2 every layer's attention is split and the loss and gradients equal the unsplit model's, with the
 default per-layer config and with one giving the full-attention layers a single key/value head; a per-layer head
-count tp cannot split is refused naming the layer.
+count tp cannot split is refused naming the layer, and pp (its blocks take a per-layer input and shared key/values
+no stage has) is refused naming them.
 """
 
 from __future__ import annotations
@@ -87,6 +88,13 @@ def check_per_layer_configs() -> None:
     ):
         three = _gemma4(per_layer_config={i: {"num_key_value_heads": 3, "head_dim": 16} for i in (1, 3)})
         parallelize_hf_model(three, mesh, prove_blocks=False)
+    # Its decoder hands each block a per-layer input and the shared key/values: no pipeline stage has them.
+    with pytest.raises(
+        ConfigError,
+        match=r"pp > 1 does not support Gemma4TextModel's forward handing its blocks 1 more positional "
+        r"argument\(s\), shared_kv_states beyond the hidden states, masks and positions",
+    ):
+        parallelize_hf_model(_gemma4(), cached_mesh(pp=2), microbatches=2)
 
 
 @launch_tests(2, [check_per_layer_configs])
@@ -114,3 +122,22 @@ def test_the_block_check_proves_every_distinct_layer():
     gemma3 = transformers.Gemma3TextConfig(**HF_TINY_SIZES, sliding_window=8, layer_types=types[:2])
     assert proved(gemma3) == [0, 1]
     assert proved(transformers.LlamaConfig(**{**HF_TINY_SIZES, "num_hidden_layers": 4})) == [0]
+
+
+def test_how_the_decoder_calls_its_blocks():
+    """block_call reads the decoder's loop over its blocks: Llama hands them the hidden states, masks and positions
+    a pipeline stage gives; Gemma 4 also a per-layer input (positional) and the shared key/values."""
+    import transformers
+
+    from meshtron.hf.discover import block_call, hf_parts
+    from meshtron.testing import HF_TINY_SIZES
+
+    with torch.device("meta"):
+        llama = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**HF_TINY_SIZES))
+        gemma4 = transformers.AutoModelForCausalLM.from_config(transformers.Gemma4TextConfig(**GEMMA4))
+    assert block_call(hf_parts(llama)) == (
+        1,
+        ["attention_mask", "position_embeddings", "position_ids", "cache", "use_cache"],
+    )
+    positional, keywords = block_call(hf_parts(gemma4))
+    assert positional == 2 and "shared_kv_states" in keywords, (positional, keywords)

@@ -8,8 +8,10 @@ See docs/hf.md, 'Finding the parts'.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
+import textwrap
 from dataclasses import dataclass
 
 from torch import nn
@@ -223,6 +225,28 @@ def _embedding_norm(decoder: nn.Module, blocks_rel: str) -> tuple[str, nn.Module
     return before[0] if len(before) == 1 else None
 
 
+def block_call(parts: HFParts) -> tuple[int, list[str]] | None:
+    """How the decoder's forward calls each block: (how many positional arguments, the keywords it names),
+    read from the loop over the blocks in its source (Gemma 4 hands its blocks a ``per_layer_input`` as a
+    second positional and ``shared_kv_states``); None when the source or the loop cannot be read."""
+    source = _forward_source(parts.decoder)
+    if source is None:
+        return None
+    top = parts.plan_blocks.split(".", 1)[0]
+    for loop in ast.walk(ast.parse(textwrap.dedent(source))):
+        if not (isinstance(loop, ast.For) and _reads_attribute(loop.iter, top)):
+            continue
+        names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+        for call in ast.walk(loop):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in names:
+                return len(call.args), [k.arg for k in call.keywords if k.arg is not None]
+    return None
+
+
+def _reads_attribute(node: ast.AST, name: str) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == name for n in ast.walk(node))
+
+
 def is_rotary(module: nn.Module) -> bool:
     """A rotary embedding: RoPE frequencies (``inv_freq``), or one set per layer type (``<type>_inv_freq``)."""
     return hasattr(module, "inv_freq") or any(
@@ -320,6 +344,7 @@ def hf_parts(model: nn.Module) -> HFParts:
 
 __all__ = [
     "HFParts",
+    "block_call",
     "calls_attention_interface",
     "embedding_rescaling",
     "hf_parts",

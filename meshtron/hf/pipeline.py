@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshtron import env
 from meshtron.config import ConfigError, ParallelConfig
-from meshtron.hf.discover import embedding_rescaling, hf_parts, set_stage_parts
+from meshtron.hf.discover import HFParts, block_call, embedding_rescaling, hf_parts, set_stage_parts
 from meshtron.hf.router import PipelineRouterLoss, check_router_loss
 from meshtron.mesh import dense_data_mesh
 from meshtron.models.qwen2 import LMHead
@@ -210,9 +210,34 @@ _REFUSED_CONFIG = {
 }
 
 
+# What a stage's forward hands each block (_stage_forward), and what it may leave out: caches, which training
+# turns off, and attention outputs, which it never asks for.
+_STAGE_BLOCK_INPUTS = {"attention_mask", "position_ids", "position_embeddings", "use_cache"}
+_UNUSED_BLOCK_INPUTS = {"cache", "past_key_values", "layer_past", "cache_position", "output_attentions"}
+
+
+def _check_block_inputs(parts: HFParts) -> None:
+    """Refuse a decoder that hands its blocks more than a stage does: state computed outside the blocks or by
+    an earlier block (Gemma 4's per-layer inputs and shared key/values, HY-V4's top-k indices) is not on
+    every stage, and a block would run without it."""
+    call = block_call(parts)
+    if call is None:
+        return
+    positional, keywords = call
+    extra = [f"{positional - 1} more positional argument(s)"] if positional > 1 else []
+    extra += [k for k in keywords if k not in _STAGE_BLOCK_INPUTS | _UNUSED_BLOCK_INPUTS]
+    if extra:
+        raise ConfigError(
+            f"parallelize_hf_model: pp > 1 does not support {type(parts.decoder).__name__}'s forward handing its "
+            f"blocks {', '.join(extra)} beyond the hidden states, masks and positions a pipeline stage gives "
+            "them (state computed outside the blocks or by an earlier block); use pp = 1."
+        )
+
+
 def _check_hf_pipeline(model: nn.Module, mesh: DeviceMesh, p: ParallelConfig) -> None:
     cfg, parts = model.config, hf_parts(model)
     check_pipeline_layout(p, len(parts.blocks), "parallelize_hf_model:")
+    _check_block_inputs(parts)
     if rescale := embedding_rescaling(parts):  # read from the decoder's forward (Granite's embedding_multiplier)
         raise ConfigError(
             f"parallelize_hf_model: pp > 1 does not support {type(parts.decoder).__name__}'s forward "
