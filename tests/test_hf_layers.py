@@ -3,9 +3,10 @@ layer's own config (transformers' ``per_layer_config``), never from one global v
 
 One 2-rank launch, Gemma 4 (its full-attention layers have a head_dim of their own, and its ep plan names its dense
 MLP too): at tp 2 every layer's attention is split and the loss and gradients equal the unsplit model's, with the
-default per-layer config and with one giving the full-attention layers a single key/value head; a per-layer head
-count tp cannot split is refused naming the layer, and pp (its blocks take a per-layer input and shared key/values
-no stage has) is refused naming them.
+default per-layer config, with one giving the full-attention layers a single key/value head, and with layers 2 and 3
+reusing the keys and values of layers 0 and 1 (the block check proves them on the states handed to them); SP is
+refused naming the per-layer input it would not split; a per-layer head count tp cannot split is refused naming the
+layer, and pp (its blocks take a per-layer input and shared key/values no stage has) is refused naming them.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ GEMMA4 = dict(
 )
 # The full-attention layers with one key/value head of 16 features (the sliding ones keep 4 of 8).
 ONE_KV_HEAD = {i: {"head_dim": 16, "num_key_value_heads": 1} for i in (1, 3)}
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-SPLIT = [Shard(0), Shard(0), Shard(0), Shard(1)]
+# Layers 2 and 3 reuse the keys and values layers 0 and 1 computed (Gemma 3n's and 4's KV sharing).
+KV_SHARED = {"num_kv_shared_layers": 2}
+SPLIT = {"q_proj": Shard(0), "k_proj": Shard(0), "v_proj": Shard(0), "o_proj": Shard(1)}
 
 
 def _gemma4(**overrides):
@@ -65,7 +67,8 @@ def check_per_layer_configs() -> None:
     gen = torch.Generator().manual_seed(62)
     ids = torch.randint(3, GEMMA4["vocab_size"], (2, 16), generator=gen)
     mesh = cached_mesh(tp=2)
-    for name, overrides in (("default", {}), ("one kv head", {"per_layer_config": ONE_KV_HEAD})):
+    cases = (("default", {}), ("one kv head", {"per_layer_config": ONE_KV_HEAD}), ("kv shared", KV_SHARED))
+    for name, overrides in cases:
         where = f"gemma4 {name} tp2"
         ref = _gemma4(**overrides)
         ref_loss = ref(input_ids=ids, labels=ids).loss
@@ -77,8 +80,8 @@ def check_per_layer_configs() -> None:
         held = [(n, p.grad) for n, p in model.named_parameters()]
         assert assert_parity(where, loss, ref_loss, held, grads) == len(grads), where
         for layer in model.model.layers:  # q/k/v gathered (v_norm does not say its size), o_proj rowwise
-            attention = layer.self_attn
-            assert [_tp_placement(attention.get_submodule(p).weight) for p in PROJECTIONS] == SPLIT, where
+            held = [(p, s) for p, s in SPLIT.items() if hasattr(layer.self_attn, p)]  # KV-sharing layers: no k, v
+            assert [_tp_placement(getattr(layer.self_attn, p).weight) for p, _ in held] == [s for _, s in held], where
     # Gemma 4 reads its query heads globally, so a layer can differ in key/value heads only; 3 of them are a count
     # the layer itself could not run (8 query heads), which the check meets first without the block check.
     with pytest.raises(
@@ -88,6 +91,13 @@ def check_per_layer_configs() -> None:
     ):
         three = _gemma4(per_layer_config={i: {"num_key_value_heads": 3, "head_dim": 16} for i in (1, 3)})
         parallelize_hf_model(three, mesh, prove_blocks=False)
+    # Under SP each block's per-layer input (the whole sequence) is refused by the block check, naming it.
+    with pytest.raises(
+        ConfigError,
+        match=r"Gemma4TextDecoderLayer takes 'per_layer_input' \[1, 16, 8\] beside its hidden states "
+        r"\[1, 16, 64\], along the same tokens: under SP the stream is split along the sequence",
+    ):
+        parallelize_hf_model(_gemma4(), mesh, sp=True)
     # Its decoder hands each block a per-layer input and the shared key/values: no pipeline stage has them.
     with pytest.raises(
         ConfigError,

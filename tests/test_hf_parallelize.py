@@ -1237,9 +1237,9 @@ def check_block_proof_refuses(folders: dict[str, str], out: str) -> None:
     with pytest.raises(
         ConfigError,
         match=r"block 1 \(Zamba2HybridLayer\) split at dp 4 x tp 2 \+ SP .* Zamba2HybridLayer "
-        r"takes 'original_hidden_states' beside its hidden states, of the same shape "
-        r"\[1, 16, 64\]: under SP the stream is split along the sequence, that input "
-        r"is not. Set \[parallel\] sp = false for this family",
+        r"takes 'original_hidden_states' \[1, 16, 64\] beside its hidden states \[1, 16, 64\], along the same "
+        r"tokens: under SP the stream is split along the sequence, that input is not. Set \[parallel\] sp = "
+        r"false for this family",
     ):
         parallelize_hf_model(_family_model("zamba2"), layout_mesh(ParallelConfig(dp=4, tp=2)), sp=True)
 

@@ -9,9 +9,10 @@ before training'.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -107,9 +108,24 @@ def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple
 
 
 def _call(module: nn.Module, args: tuple, kwargs: dict, hidden: torch.Tensor):
-    """``module`` called as it was with ``args`` / ``kwargs``, on ``hidden`` in place of their hidden states."""
-    args, kwargs = _with_hidden(args, kwargs, hidden)
+    """``module`` called as it was with ``args`` / ``kwargs``, on ``hidden`` in place of their hidden states;
+    on copies of their containers, which a block may write into."""
+    args, kwargs = _with_hidden(*_snapshot((args, kwargs)), hidden)
     return module(*args, **kwargs)
+
+
+def _snapshot(value):
+    """``value`` with its mappings, lists and tuples copied (the tensors in them shared): Gemma 4's blocks write
+    their keys and values into the ``shared_kv_states`` dict the decoder hands every block, so a block run
+    alone would otherwise leave its graph there for the next one to backward through."""
+    if isinstance(value, MutableMapping):  # a dict, or transformers' KVSharingDict (a UserDict)
+        copied = copy.copy(value)
+        for key, item in value.items():
+            copied[key] = _snapshot(item)
+        return copied
+    if isinstance(value, (list, tuple)):
+        return type(value)(_snapshot(v) for v in value)
+    return value
 
 
 def _first_output(out) -> torch.Tensor:
@@ -126,7 +142,7 @@ def _capture_inputs(blocks: list[tuple[int, nn.Module]], forward: Callable[[], o
 
     def hook(index):
         def capture(_module, args, kwargs):
-            captured[index] = (args, kwargs)
+            captured[index] = _snapshot((args, kwargs))  # as handed to this block, before later blocks write
             if len(captured) == len(blocks):
                 raise _InputsCaptured
 
@@ -200,9 +216,9 @@ def _known_causes(
     causes = []
     if sp and mesh["tp"].size() > 1 and (streams := _stream_twins(block, args, kwargs, hidden)):
         causes.append(
-            f"{type(block).__name__} takes {', '.join(streams)} beside its hidden states, of the same "
-            f"shape {list(hidden.shape)}: under SP the stream is split along the sequence, that input is "
-            "not. Set [parallel] sp = false for this family"
+            f"{type(block).__name__} takes {', '.join(streams)} beside its hidden states {list(hidden.shape)}, "
+            "along the same tokens: under SP the stream is split along the sequence, that input is not. Set "
+            "[parallel] sp = false for this family"
         )
     if mesh["cp"].size() > 1 and (mixers := _unserved_mixers(block, args, kwargs, hidden)):
         causes.append(
@@ -215,15 +231,19 @@ def _known_causes(
 
 
 def _stream_twins(block: nn.Module, args: tuple, kwargs: dict, hidden: torch.Tensor) -> list[str]:
-    """The names of ``block``'s inputs other than its hidden states (the first argument, or ``hidden_states``)
-    with their shape: Zamba2's hybrid layers also take the embedding output, ``original_hidden_states``."""
+    """``block``'s inputs other than its hidden states (the first argument, or ``hidden_states``) along the
+    same tokens, named with their shapes: Zamba2's hybrid layers also take the embedding output
+    (``original_hidden_states``), Gemma 4's a ``per_layer_input`` of its own width."""
     names = list(inspect.signature(block.forward).parameters)
     named = [(names[i] if i < len(names) else f"argument {i}", a) for i, a in enumerate(args)][1:]
     named += [(k, v) for k, v in kwargs.items() if args or k != "hidden_states"]
     return [
-        f"'{name}'"
+        f"'{name}' {list(value.shape)}"
         for name, value in named
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == hidden.shape
+        if isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and value.dim() == hidden.dim()
+        and value.shape[:-1] == hidden.shape[:-1]
     ]
 
 
