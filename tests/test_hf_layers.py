@@ -7,6 +7,10 @@ default per-layer config, with one giving the full-attention layers a single key
 reusing the keys and values of layers 0 and 1 (the block check proves them on the states handed to them); SP is
 refused naming the per-layer input it would not split; a per-layer head count tp cannot split is refused naming the
 layer, and pp (its blocks take a per-layer input and shared key/values no stage has) is refused naming them.
+
+Another 2-rank launch, Inkling: its plan's 'all_reduce' shared experts (bare 3-D weights split, output summed once)
+and its embedding class with a norm of its own (kept whole) keep the unsplit model's loss and gradients at tp 2,
+with and without SP.
 """
 
 from __future__ import annotations
@@ -151,3 +155,89 @@ def test_how_the_decoder_calls_its_blocks():
     )
     positional, keywords = block_call(hf_parts(gemma4))
     assert positional == 2 and "shared_kv_states" in keywords, (positional, keywords)
+
+
+INKLING = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=8,
+    swa_num_attention_heads=8,
+    swa_num_key_value_heads=4,
+    swa_head_dim=8,
+    sliding_window_size=8,
+    d_rel=4,
+    rel_extent=16,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    mlp_layer_types=["dense", "sparse"],
+    pad_token_id=0,
+)
+
+
+def _inkling():
+    import transformers
+
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.InklingTextConfig(**INKLING), dtype=torch.float32
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.train()
+
+
+def check_all_reduce_shared_experts() -> None:
+    """Inkling's plan splits its shared experts' bare [n, intermediate, hidden] weights ('colwise' / 'rowwise')
+    under an 'all_reduce' module: each tp rank computes a part, summed once; its embedding class normalises
+    after the lookup and stays whole. Loss and gradients equal the unsplit model's at tp 2, with and without SP."""
+    from meshtron import parallelize_hf_model
+
+    gen = torch.Generator().manual_seed(65)
+    ids = torch.randint(1, INKLING["vocab_size"], (2, 16), generator=gen)
+    ref = _inkling()
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    for sp in (False, True):
+        where = f"inkling tp2{' + SP' if sp else ''}"
+        model = parallelize_hf_model(_inkling(), cached_mesh(tp=2), sp=sp)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        held = [(n, p.grad) for n, p in model.named_parameters()]
+        assert assert_parity(where, loss, ref_loss, held, grads) == len(grads), where
+        shared = model.model.layers[1].mlp.shared_experts
+        placements = [_tp_placement(getattr(shared, p)) for p in ("gate_proj", "up_proj", "down_proj")]
+        assert placements == [Shard(1), Shard(1), Shard(2)], (where, placements)
+        assert _tp_placement(model.model.embed_tokens.weight) != Shard(0), where
+
+
+@launch_tests(2, [check_all_reduce_shared_experts])
+def test_all_reduce_modules_on_2_ranks():
+    return ()
+
+
+def test_all_reduce_modules_split_bare_parameters_only():
+    """An 'all_reduce' module's 'colwise' parameters split on their next-to-last dim, 'rowwise' ones on their last;
+    entries naming its submodules, and SP outside a MoE block (ranks holding different tokens), are refused."""
+    from torch import nn
+
+    from meshtron.hf.tp_plan import _partial_sum_splits
+
+    layer = nn.Module()
+    layer.shared = nn.Module()
+    layer.shared.up = nn.Parameter(torch.zeros(2, 32, 64))
+    layer.shared.down = nn.Parameter(torch.zeros(2, 64, 32))
+    plan = {"layers.*.shared": "all_reduce", "layers.*.shared.up": "colwise", "layers.*.shared.down": "rowwise"}
+    assert _partial_sum_splits(plan, "layers.*.shared", layer, split_seq=False) == {"up": 1, "down": 2}
+    with pytest.raises(ConfigError, match=r"SP does not support the 'all_reduce' module 'layers.<i>.shared' outside"):
+        _partial_sum_splits(plan, "layers.*.shared", layer, split_seq=True)
+    layer.shared.proj = nn.Linear(64, 64)
+    with pytest.raises(ConfigError, match=r"it has 'proj' \('colwise'\)"):
+        _partial_sum_splits({**plan, "layers.*.shared.proj": "colwise"}, "layers.*.shared", layer, split_seq=False)

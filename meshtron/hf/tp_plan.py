@@ -25,6 +25,7 @@ from meshtron.parallel.tensor import check_tensor_parallel, kv_heads_split, loca
 from meshtron.parallel.tp_gradient import TpGradient, local_view, name_tp_gradients
 from meshtron.parallel.tp_styles import (
     Colwise,
+    PartialSum,
     ReplicatedKVHeads,
     ReplicateParallel,
     Rowwise,
@@ -57,6 +58,9 @@ _MLA_KV_A = ("mla_kv_a_proj",)
 # A module whose bare parameters have their own entries (HY-V4's ``self_attn.sinks``: "colwise", one
 # learned logit per head): the module is unchanged, its 'colwise' parameters split with its heads.
 _LOCAL_PARAMS = ("local_params",)
+# A module whose bare parameters have 'colwise' / 'rowwise' entries computes a part of its output on each rank,
+# summed once over tp (Inkling's shared experts: PartialSum).
+_PARTIAL_SUM = ("all_reduce",)
 _STYLES = (
     *_COLWISE,
     *_COLWISE_GATHERED,
@@ -67,6 +71,7 @@ _STYLES = (
     *_SEQUENCE,
     *_MLA_KV_A,
     *_LOCAL_PARAMS,
+    *_PARTIAL_SUM,
 )
 # Styles transformers defines that meshtron does not translate (outside fused experts): why.
 _REFUSED = {
@@ -74,7 +79,6 @@ _REFUSED = {
     "embedding",
     "embedding_colwise": "embeddings other than the input embedding are not split; meshtron splits only the input "
     "embedding",
-    "all_reduce": "partial module outputs outside fused experts are not supported yet",
     "moe_tp_experts": "per-expert tp outside a fused 'experts' module is not supported",
     "moe_identity_expert": "identity (zero-compute) experts are not supported yet",
 }
@@ -275,14 +279,18 @@ def _layer_plan(
         if "experts" in parts:
             continue
         if not _exists(layer, rel):
-            if _exists(layer, rel, parameter=True) and not _split_with_heads(base_plan, pattern, style):
+            if _exists(layer, rel, parameter=True) and not _split_param_entry(base_plan, pattern, style):
                 raise ConfigError(
                     f"parallelize_hf_model: tp plan entry '{pattern}' ('{style}') names a parameter, "
-                    "not a module; only 'colwise' parameters of a 'local_params' module are supported."
+                    "not a module; only 'colwise' parameters of a 'local_params' module and 'colwise' / "
+                    "'rowwise' ones of an 'all_reduce' module are supported."
                 )
             continue
         # Inside a MoE block (Aria's shared experts) the tokens are already gathered under SP.
         split_seq = sp and not (moe is not None and rel.startswith(f"{moe}."))
+        if style in _PARTIAL_SUM:
+            plan[rel] = PartialSum(_partial_sum_splits(base_plan, pattern, layer, split_seq))
+            continue
         direct = "." not in rel
         translated = _style(style, f"{blocks}.{index}.{rel}", layer.get_submodule(rel), heads, tp, split_seq, direct)
         if translated is None:
@@ -330,6 +338,40 @@ def _layer_plan(
 def _split_with_heads(base_plan: dict[str, str], pattern: str, style: str) -> bool:
     """A 'colwise' entry naming a bare parameter of a 'local_params' module (HY-V4's attention sinks)."""
     return style in _COLWISE and base_plan.get(pattern.rpartition(".")[0]) in _LOCAL_PARAMS
+
+
+def _split_param_entry(base_plan: dict[str, str], pattern: str, style: str) -> bool:
+    """An entry naming a bare parameter that meshtron splits: with its heads, or in an 'all_reduce' module."""
+    in_partial_sum = style in _COLWISE + _ROWWISE and base_plan.get(pattern.rpartition(".")[0]) in _PARTIAL_SUM
+    return _split_with_heads(base_plan, pattern, style) or in_partial_sum
+
+
+def _partial_sum_splits(base_plan: dict[str, str], pattern: str, layer: nn.Module, split_seq: bool) -> dict[str, int]:
+    """An 'all_reduce' module's bare parameters -> the dim each is split on: 'colwise' its output features
+    (``[..., out, in]``: the next-to-last), 'rowwise' its input features (the last)."""
+    rel = pattern.split(".", 2)[2]
+    module = pattern.replace(".*.", ".<i>.")
+    if split_seq:
+        raise ConfigError(
+            f"parallelize_hf_model: SP does not support the 'all_reduce' module '{module}' outside a MoE block: its "
+            "parts would be summed over tp ranks holding different tokens; set [parallel] sp = false."
+        )
+    splits, children = {}, []
+    for entry, style in base_plan.items():
+        owner, _, name = entry.rpartition(".")
+        if owner != pattern:
+            continue
+        if not _exists(layer, f"{rel}.{name}", parameter=True):
+            children.append(f"'{name}' ('{style}')")
+            continue
+        param = layer.get_parameter(f"{rel}.{name}")
+        splits[name] = param.dim() - (2 if style in _COLWISE else 1)
+    if children or not splits:
+        raise ConfigError(
+            f"parallelize_hf_model: the 'all_reduce' module '{module}' is supported when its plan entries split "
+            f"its bare parameters 'colwise' / 'rowwise'; it has {', '.join(children) or 'none'}."
+        )
+    return splits
 
 
 def _head_split_params(base_plan: dict[str, str], blocks: str, layer: nn.Module) -> dict[str, list[str]]:
@@ -566,6 +608,12 @@ def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMe
     tp = tp_mesh.size()
     _check_vocab(model, tp)
     base, tied = _tp_plan(model, parts, tp, sp), parts.tied
+    whole_embed = parts.embed is not None and _embedding_kept_whole(parts.embed)
+    if whole_embed and tied:
+        raise ConfigError(
+            f"parallelize_hf_model: tp does not support {type(parts.embed).__name__} '{parts.embed_path}' (its "
+            "modules with weights of their own stay whole over tp) tied to the split output head; use tp = 1."
+        )
     blocks = parts.block_items()  # a pipeline stage holds some blocks, and the embedding / head only at its ends
     for i, layer in blocks:
         heads = _layer_heads(model, i)
@@ -575,7 +623,7 @@ def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMe
             parallelize_module(layer.get_submodule(rel), tp_mesh, SplitParams(names))
         _set_local_head_groups(layer, plan, heads.heads, heads.kv_heads, tp)
         _own_split_outputs(layer, plan)
-    if parts.embed is not None:
+    if parts.embed is not None and not whole_embed:
         # Embedding output replicated: HF computes positions and the causal mask from its length. A
         # family's own embedding class (Gemma 3 scales in its forward) keeps DTensor's rowwise split.
         style = (
@@ -584,8 +632,8 @@ def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMe
             else Rowwise(input_layouts=Replicate(), output_layouts=Replicate())
         )
         parallelize_module(parts.embed, tp_mesh, style)
-        if sp:
-            parallelize_module(blocks[0][1], tp_mesh, _HiddenStatesInput(sp, Replicate(), Shard(1), local=True))
+    if parts.embed is not None and sp:
+        parallelize_module(blocks[0][1], tp_mesh, _HiddenStatesInput(sp, Replicate(), Shard(1), local=True))
     if parts.head is not None:
         if sp and parts.norm is not parts.embed_norm:
             parallelize_module(parts.norm, tp_mesh, SequenceParallel())
@@ -598,6 +646,13 @@ def apply_hf_tensor_parallel(model: nn.Module, parts: HFParts, tp_mesh: DeviceMe
         parallelize_module(parts.head, tp_mesh, style)
     if tied:  # both now hold a Shard(0) copy of the shared weight; make them one Parameter again
         parts.head.weight = parts.embed.weight
+
+
+def _embedding_kept_whole(embed: nn.Module) -> bool:
+    """An embedding class holding modules with weights of their own (Inkling's ``embed_norm`` after the
+    lookup): a split lookup's rows are partial sums until reduced, which such a module cannot take, so the
+    embedding stays whole over tp, replicated like any part tp does not split."""
+    return any(True for child in embed.children() for _ in child.parameters())
 
 
 def replicate_plain_params(model: nn.Module, parts: HFParts, tp_mesh: DeviceMesh, experts: list[nn.Module]) -> None:

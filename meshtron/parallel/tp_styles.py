@@ -194,6 +194,49 @@ class SplitParams(ParallelStyle):
         return module
 
 
+class PartialSum(ParallelStyle):
+    """transformers' ``all_reduce`` style: a module whose bare parameters are split over tp (``splits``: name ->
+    dim) so that each rank computes a part of its output, summed once over tp (Inkling's shared experts:
+    gate / up split on their intermediate features, down on its input). It reads its inputs whole on every
+    rank, so their gradients, each rank's a part, are summed over tp; its parameters' gradients are their
+    shards' (no communication). Tokens must be the same on every tp rank (not SP's slices)."""
+
+    def __init__(self, splits: dict[str, int]):
+        super().__init__()
+        self.splits = splits
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, dim in self.splits.items():
+            owner, leaf = _owner(module, name)
+            param = own_parameters(owner)[leaf]
+            if param.shape[dim] % device_mesh.size():
+                raise ConfigError(
+                    f"tp = {device_mesh.size()} does not divide dim {dim} ({param.shape[dim]}) of "
+                    f"{type(module).__name__}.{name}; use a tp that divides it."
+                )
+            dist_param = distribute_tensor(param, device_mesh, [Shard(dim)], src_data_rank=self.src_data_rank)
+            owner.register_parameter(leaf, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+        local = _forward_on_local_params(
+            module, list(self.splits), lambda name, p: p.to_local(grad_placements=[Shard(self.splits[name])])
+        )
+
+        def forward(*args, **kwargs):
+            args = [_read_whole(a, device_mesh) for a in args]
+            kwargs = {k: _read_whole(v, device_mesh) for k, v in kwargs.items()}
+            part = local(*args, **kwargs)
+            return DTensor.from_local(part, device_mesh, [Partial()], run_check=False).full_tensor()
+
+        module.forward = forward
+        return module
+
+
+def _read_whole(value, mesh: DeviceMesh):
+    """A floating tensor every tp rank reads whole: unchanged, its gradient (a part on each rank) summed."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or not value.is_floating_point():
+        return value
+    return DTensor.from_local(value, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
 def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     """(the submodule holding parameter ``name``, its own name for it)."""
     path, _, leaf = name.rpartition(".")
@@ -302,6 +345,7 @@ class VocabParallelEmbedding(ParallelStyle):
 
 __all__ = [
     "Colwise",
+    "PartialSum",
     "ReplicateParallel",
     "ReplicatedKVHeads",
     "Rowwise",
