@@ -697,7 +697,7 @@ def test_hf_model_recipe_resumes_and_exports(recipe_runs):
 def test_hf_model_recipe_reads_any_family_and_checks_its_layout(tmp_path):
     """The folder's sizes come through transformers' config class (GPT-2's n_embd / n_head, Mixtral's
     num_local_experts); the layout is checked against them before any rank starts."""
-    from transformers import GPT2Config, MixtralConfig
+    from transformers import Gemma4TextConfig, GPT2Config, MixtralConfig
 
     from meshtron.config import load_config
     from meshtron.hf.runner import with_hf_model
@@ -746,3 +746,18 @@ def test_hf_model_recipe_reads_any_family_and_checks_its_layout(tmp_path):
         recipe("nowhere")
     with pytest.raises(ConfigError, match=r"\[data\] document_mask is not supported with \[model\] hf_model"):
         recipe("gpt2", "--data.document_mask", "true")
+    # Layers of their own shape (Gemma 4's full-attention head_dim): refused by name, not a raw AttributeError.
+    Gemma4TextConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=8,
+        global_head_dim=16,
+        vocab_size=256,
+        vocab_size_per_layer_input=256,
+        hidden_size_per_layer_input=8,
+    ).save_pretrained(tmp_path / "gemma4")
+    with pytest.raises(ConfigError, match=r"gemma4': its config gives layers their own head_dim \(per_layer_config\)"):
+        recipe("gemma4")

@@ -57,6 +57,13 @@ def hf_model_config(folder: str) -> ModelConfig:
             "save_pretrained (config.json, and safetensors for trained weights)."
         )
     hf = AutoConfig.from_pretrained(folder)
+    if getattr(hf, "is_heterogeneous", False):
+        varying = sorted(hf._heterogeneity_spec.per_layer_attributes)
+        raise ConfigError(
+            f"[model] hf_model = {folder!r}: its config gives layers their own {', '.join(varying)} "
+            "(per_layer_config), and a recipe's plan, memory and FLOP figures describe one layer shape, so "
+            "meshtron.train does not run it yet; parallelize_hf_model does (docs/hf.md, 'Layers read as they are')."
+        )
     hidden, experts = hf.hidden_size, getattr(hf, "num_experts", None) or 0
     intermediate = getattr(hf, "intermediate_size", None) or 4 * hidden  # GPT-2's n_inner default
     optional = {
