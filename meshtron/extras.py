@@ -10,7 +10,7 @@ import importlib
 from types import ModuleType
 
 # The extra of each optional top-level package (pyproject.toml's [project.optional-dependencies]).
-EXTRAS = {"matplotlib": "plot", "tensorboard": "tensorboard", "torchao": "fp8"}
+EXTRAS = {"matplotlib": "plot", "tensorboard": "tensorboard", "torchao": "fp8", "wandb": "wandb", "mlflow": "mlflow"}
 
 
 class MissingExtra(ImportError):

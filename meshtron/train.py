@@ -55,6 +55,7 @@ from meshtron.torch_private import default_store
 from meshtron.watch import collective_log
 from meshtron.watch.metrics import MetricsLogger, StepProfiler, peak_flops_per_device
 from meshtron.watch.report import record_cause, report_consequence, report_once
+from meshtron.watch.trackers import Trackers
 from meshtron.watch.watchdog import Watchdog
 
 
@@ -191,6 +192,12 @@ def preflight(cfg: Config) -> None:
             "[train] tensorboard = true needs the tensorboard package: pip install tensorboard "
             "(or meshtron[tensorboard]), or set tensorboard = false."
         )
+    for tracker, on in (("wandb", cfg.track.wandb), ("mlflow", cfg.track.mlflow)):
+        if on and importlib.util.find_spec(tracker) is None:
+            raise ConfigError(
+                f"[track] {tracker} = true needs the {tracker} package: pip install 'meshtron[{tracker}]', or set "
+                f"{tracker} = false."
+            )
     for spec in data_sources(cfg.data):
         source_files(spec.path)
     if cfg.data.eval_source:
@@ -256,8 +263,13 @@ class Trainer:
             print(note, flush=True)
         self.optimizer = build_optimizer(self.runner.module, cfg.train)
         self.start_step = self._restore()
+        trackers = (
+            Trackers(cfg.track, cfg.train.output_dir, config_to_dict(cfg), resumed=self.start_step > 0)
+            if self.rank == 0
+            else None
+        )
         self.logger = MetricsLogger(
-            cfg.train.output_dir, cfg.train.steps, self.rank == 0, self.start_step, cfg.train.tensorboard
+            cfg.train.output_dir, cfg.train.steps, self.rank == 0, self.start_step, cfg.train.tensorboard, trackers
         )
         self.profiler = StepProfiler(cfg.train.profile_steps, cfg.train.output_dir, self.rank)
         self.peak_flops = peak_flops_per_device(cfg.train.dtype)

@@ -28,6 +28,7 @@ from meshtron.config.choices import (
     SCHEDULES,
     V_SHAPED,
     VIRTUAL,
+    WANDB_MODES,
     needs_two_virtual_stages,
     needs_virtual_schedule,
     not_one_of,
@@ -259,6 +260,7 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
         "before the hang report.",
     )
     _require_choice(source, "[train] on_nonfinite", t.on_nonfinite, NONFINITE_POLICIES)
+    _require_choice(source, "[track] wandb_mode", cfg.track.wandb_mode, WANDB_MODES)
     _require_choice(source, "[train] memory_check", t.memory_check, MEMORY_CHECKS)
     _require(
         not t.profile_steps or (len(t.profile_steps) == 2 and 1 <= t.profile_steps[0] <= t.profile_steps[1] <= t.steps),

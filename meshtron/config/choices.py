@@ -27,6 +27,7 @@ AC_POLICIES = ("save_matmuls", "alternate_matmuls", "parts")
 AC_PARTS = ("core_attn", "mlp", "moe_experts")  # [parallel] ac_parts; meshtron/parallel/recompute.py
 OFFLOADS = ("none", "optimizer")  # [parallel] offload; meshtron/parallel/data_parallel.py
 NONFINITE_POLICIES = ("stop", "skip")
+WANDB_MODES = ("offline", "online")  # [track] wandb_mode
 MEMORY_CHECKS = ("error", "warn", "off")
 
 

@@ -445,8 +445,36 @@ class CheckpointConfig:
 
 
 @dataclass
+class TrackConfig:
+    """Experiment trackers beside `metrics.jsonl`: Weights & Biases and MLflow, on rank 0, each step's record
+    logged as it is written there (`meshtron/watch/trackers.py`, [Training](training.md#trackers))."""
+
+    wandb: bool = recipe_key(
+        False,
+        "log every metrics record, and the resolved recipe as the run's config, to a Weights & Biases run (needs "
+        "the `meshtron[wandb]` extra); a resumed run continues the same W&B run",
+    )
+    wandb_mode: str = recipe_key(
+        "offline",
+        "`offline`: the run is written under `<output_dir>/wandb` for `wandb sync` to upload later; `online`: "
+        "uploaded as it runs (needs `wandb login`)",
+    )
+    mlflow: bool = recipe_key(
+        False,
+        "log every metrics record, and the resolved recipe as the run's parameters, to an MLflow run (needs the "
+        "`meshtron[mlflow]` extra); a resumed run continues the same MLflow run",
+    )
+    mlflow_uri: str = recipe_key(
+        "", "MLflow tracking URI (a server, or `sqlite:///path.db`); empty: `sqlite:///<output_dir>/mlflow.db`"
+    )
+    project: str = recipe_key("meshtron", "the W&B project and the MLflow experiment")
+    run_name: str = recipe_key("", "the run's name in both; empty: the output folder's name")
+    tags: list[str] = recipe_key([], "tags of the run in both")
+
+
+@dataclass
 class Config:
-    """A recipe is a TOML file with the five sections below; keys that a recipe leaves out take the
+    """A recipe is a TOML file with the six sections below; keys that a recipe leaves out take the
     default. `[model]` keys are the HuggingFace `config.json` names, so a published config maps onto a
     recipe one to one. Unknown sections or keys, wrong types and impossible values are rejected with an
     error naming the file, the key and the fix, before any process group starts."""
@@ -456,6 +484,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    track: TrackConfig = field(default_factory=TrackConfig)
 
 
 # The recipe's sections in order: what a TOML table may be called, and the reference page's order.
@@ -465,4 +494,5 @@ SECTION_TYPES: dict[str, type] = {
     "train": TrainConfig,
     "data": DataConfig,
     "checkpoint": CheckpointConfig,
+    "track": TrackConfig,
 }

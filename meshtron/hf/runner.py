@@ -58,7 +58,14 @@ def hf_model_config(folder: str) -> ModelConfig:
         )
     hf = AutoConfig.from_pretrained(folder)
     if getattr(hf, "is_heterogeneous", False):
-        varying = sorted(hf._heterogeneity_spec.per_layer_attributes)
+        varying = sorted(
+            {
+                key
+                for layer in hf.per_layer_config
+                for key, value in vars(layer).items()
+                if key != "skip" and vars(hf).get(key) != value
+            }
+        )
         raise ConfigError(
             f"[model] hf_model = {folder!r}: its config gives layers their own {', '.join(varying)} "
             "(per_layer_config), and a recipe's plan, memory and FLOP figures describe one layer shape, so "

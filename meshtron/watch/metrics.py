@@ -8,11 +8,14 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from meshtron import env
+
+if TYPE_CHECKING:
+    from meshtron.watch.trackers import Trackers
 
 # NVIDIA's datasheets: dense (no sparsity) bf16 tensor-core peak in TFLOP/s and memory bandwidth in TB/s,
 # by a substring of torch.cuda.get_device_name; checked in order, so the more specific names come first.
@@ -72,12 +75,20 @@ def synchronize(device: torch.device) -> None:
 
 class MetricsLogger:
     def __init__(
-        self, output_dir: str | Path, total_steps: int, enabled: bool, resume_step: int = 0, tensorboard: bool = False
+        self,
+        output_dir: str | Path,
+        total_steps: int,
+        enabled: bool,
+        resume_step: int = 0,
+        tensorboard: bool = False,
+        trackers: Trackers | None = None,
     ):
         """``resume_step``: keep the records up to that step. A run resumed after a crash repeats the
         steps since its checkpoint, whose old records are dropped so each step appears once (in the
-        TensorBoard files too). ``tensorboard``: also write event files to ``<output_dir>/tensorboard``."""
+        TensorBoard files too). ``tensorboard``: also write event files to ``<output_dir>/tensorboard``;
+        ``trackers`` (:mod:`meshtron.watch.trackers`) get the same scalars."""
         self.enabled = enabled
+        self.trackers = trackers
         self.total_steps = total_steps
         self.path = Path(output_dir) / "metrics.jsonl"
         self.board = None
@@ -103,15 +114,20 @@ class MetricsLogger:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        scalars = board_scalars(record)
         if self.board is not None:
-            for tag, value in board_scalars(record).items():
+            for tag, value in scalars.items():
                 self.board.add_scalar(tag, value, record["step"])
             self.board.flush()  # a crashed run keeps what it logged
+        if self.trackers is not None:
+            self.trackers.log(scalars, record["step"])
         print(self._line(record, self.straggler(record)), flush=True)
 
     def close(self) -> None:
         if self.board is not None:
             self.board.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
     def straggler(self, record: dict[str, Any]) -> int | None:
         """The rank to name as a straggler: behind (:func:`is_straggling`) at this log and at the one
