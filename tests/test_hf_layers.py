@@ -180,6 +180,16 @@ INKLING = dict(
 )
 
 
+# Inkling's shared experts under an 'all_reduce' module, as transformers 5.24's plan splits them (5.25's
+# plan leaves them whole): set on the config so that the style is tested whatever the installed version.
+INKLING_SHARED_EXPERTS_PLAN = {
+    "layers.*.mlp.shared_experts.gate_proj": "colwise",
+    "layers.*.mlp.shared_experts.up_proj": "colwise",
+    "layers.*.mlp.shared_experts.down_proj": "rowwise",
+    "layers.*.mlp.shared_experts": "all_reduce",
+}
+
+
 def _inkling():
     import transformers
 
@@ -187,6 +197,7 @@ def _inkling():
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.InklingTextConfig(**INKLING), dtype=torch.float32
     )
+    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, **INKLING_SHARED_EXPERTS_PLAN}
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)

@@ -236,6 +236,7 @@ def parallelize_hf_model(
     """
     guard = PhaseGuard(model, mesh, sp)
     with guard("finding the decoder's parts"):
+        _without_hub_kernels(model)
         prove.check_sequence_dim(model, hf_parts(model), mesh, sp)  # also: a layout we can find the pieces of
         check_norm_on_embeddings(hf_parts(model), mesh["tp"].size(), sp)
     with guard("the float8 conversion"):
@@ -269,6 +270,24 @@ def parallelize_hf_model(
         if pipelined:
             run_as_stage(model)
     return model
+
+
+def _without_hub_kernels(model: nn.Module) -> None:
+    """The model's modules run their own torch forwards, not hub kernels: transformers 5.25 kernelizes every
+    ``from_pretrained`` model where the ``kernels`` package is installed (its dependency now; ``use_kernels``
+    defaults to on) and kernelizes again on each ``train()`` / ``eval()`` that changes the mode, which puts
+    each decorated class's forward (``use_kernel_forward_from_hub``: RMSNorm ...) back over the one a tp style
+    set on the instance (a replicated final norm run on its weights' local views), and a hub kernel takes
+    neither DTensors nor split weights. Turned off here (transformers' ``reset_kernels``) before any style
+    is applied. transformers 5.24 cannot turn them off once on (``use_kernels=True`` asked on load): refused."""
+    if not getattr(model, "use_kernels", False):
+        return
+    model.use_kernels = False  # 5.25: reset_kernels (the torch forwards back, no re-kernelizing on train())
+    if model.use_kernels:
+        raise ConfigError(
+            f"parallelize_hf_model: {type(model).__name__} runs hub kernels (from_pretrained(use_kernels=True)), "
+            "which this transformers cannot turn off; load it without use_kernels."
+        )
 
 
 class GuardedParallelisms:

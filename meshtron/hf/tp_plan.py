@@ -36,14 +36,17 @@ from meshtron.parallel.tp_styles import (
 from meshtron.parallel.vocab_loss import VocabParallelHead
 
 # transformers' tp-plan styles (``transformers.distributed.tensor_parallel.ALL_PARALLEL_STYLES``, 5.23) by
-# what they become here. Output features split over tp (the attention then runs on its local heads):
-_COLWISE = ("colwise",)
+# what they become here. Output features split over tp (the attention then runs on its local heads).
+# unit_colwise (5.25, MiniCPM5-MoE's k / v) splits whole heads and repeats them where fewer than tp: what
+# colwise k / v become here anyway (ReplicatedKVHeads when the key/value heads do not split over tp).
+_COLWISE = ("colwise", "unit_colwise")
 # Output features split, then all-gathered (the module's consumer needs every feature: a fused qkv or
 # gate_up sliced or chunked afterwards, a norm over all heads). packed_colwise's per-part split
 # (_StridedShard) then needs no permutation: a plain Shard(0) weight gathered gives the same output.
 _COLWISE_GATHERED = ("colwise_gather_output", "colwise_rep", "packed_colwise")
 # Input features split, output partial then all-reduced (reduce-scattered under SP) into the residual.
-_ROWWISE = ("rowwise",)
+# unit_rowwise (5.25) is the same split by whole heads (meshtron requires the query heads to split over tp).
+_ROWWISE = ("rowwise", "unit_rowwise")
 # Same, but the input arrives replicated (after a gathered colwise) and each rank takes its slice.
 _ROWWISE_REPLICATED_INPUT = ("rowwise_split_input", "rowwise_rep", "packed_rowwise")
 # Replicated parameters on a tp-split activation (Qwen3's per-head q_norm / k_norm): how their gradients
