@@ -1,14 +1,19 @@
-"""AdamW with linear warmup and cosine decay to ``min_lr``."""
+"""The optimizers (AdamW; Muon beside AdamW) and the learning rate: linear warmup, cosine decay to ``min_lr``.
+
+docs/optimizers.md says which parameters Muon takes and how its update stays the same on every layout.
+"""
 
 from __future__ import annotations
 
 import math
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.adam import adam
 
 from meshtron.config import TrainConfig
+from meshtron.models.qwen2 import LMHead
 from meshtron.torch_private import adam_init_group, dtensor_local
 
 
@@ -37,53 +42,195 @@ class LocalAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
-            raise ValueError("LocalAdamW.step takes no closure: meshtron's training step runs forward and backward.")
-        for group in self.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-            has_complex = adam_init_group(self, group, params, grads, exp_avgs, exp_avg_sqs, steps)
-            beta1, beta2 = group["betas"]
-            adam(
-                *([_local(t) for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs)),
-                [],
-                [_local(t) for t in steps],
-                amsgrad=False,
-                has_complex=has_complex,
-                beta1=beta1,
-                beta2=beta2,
-                lr=group["lr"],
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
-                maximize=False,
-                fused=True,
-                capturable=False,
-                differentiable=False,
-                grad_scale=None,
-                found_inf=getattr(self, "found_inf", None),
-                decoupled_weight_decay=True,
+            raise ValueError(
+                f"{type(self).__name__}.step takes no closure: meshtron's training step runs forward and backward."
             )
+        for group in self.param_groups:
+            self._step_group(group)
+
+    def _step_group(self, group: dict) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        has_complex = adam_init_group(self, group, params, grads, exp_avgs, exp_avg_sqs, steps)
+        beta1, beta2 = group["betas"]
+        adam(
+            *([_local(t) for t in tensors] for tensors in (params, grads, exp_avgs, exp_avg_sqs)),
+            [],
+            [_local(t) for t in steps],
+            amsgrad=False,
+            has_complex=has_complex,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+            fused=True,
+            capturable=False,
+            differentiable=False,
+            grad_scale=None,
+            found_inf=getattr(self, "found_inf", None),
+            decoupled_weight_decay=True,
+        )
+
+
+class MuonWithAdamW(LocalAdamW):
+    """Muon on the param groups marked ``muon``, :class:`LocalAdamW` on the others: one optimizer, so one state
+    dict, one learning-rate schedule and one ``found_inf``.
+
+    Muon's step for a weight ``W`` with gradient ``g`` and momentum ``m`` (torch SGD's form, as Moonlight's):
+    ``m <- momentum m + g``; ``u = g + momentum m`` (Nesterov) or ``m``; ``O`` = the Newton–Schulz
+    orthogonalization of each whole matrix of ``u``; ``W <- W (1 - lr wd) - lr scale O``. The momentum is a
+    DTensor placed like ``W``, so checkpoints reshard it as they do AdamW's moments.
+    """
+
+    def _step_group(self, group: dict) -> None:
+        if not group.get("muon"):
+            super()._step_group(group)
+            return
+        found_inf = getattr(self, "found_inf", None)
+        keep = None if found_inf is None else found_inf == 0
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                # A step count as AdamW keeps (torch's Adam expects one in every state it loads).
+                state["step"] = torch.zeros((), dtype=torch.float32, device=_local(param).device)
+            state["step"].add_(1 if keep is None else keep.to(torch.float32))
+            weight, grad, momentum = (_local(t) for t in (param, param.grad, state["momentum_buffer"]))
+            new_momentum = momentum * group["momentum"] + grad
+            update = grad + group["momentum"] * new_momentum if group["nesterov"] else new_momentum
+            whole = orthogonalized(update, param, group["ns_steps"], group["ns_coefficients"])
+            scale = update_scale(param.shape, group["scale"], group["fan_out_dim"])
+            new_weight = weight * (1 - group["lr"] * group["weight_decay"]) - (group["lr"] * scale) * whole
+            if keep is not None:  # a non-finite step leaves weights and momentum as they were, with no host sync
+                new_momentum = torch.where(keep, new_momentum, momentum)
+                new_weight = torch.where(keep, new_weight, weight)
+            momentum.copy_(new_momentum)
+            weight.copy_(new_weight)
+
+
+def newton_schulz(matrices: torch.Tensor, steps: int, coefficients: tuple[float, float, float]) -> torch.Tensor:
+    """The quintic Newton–Schulz iteration on the last two dims (a batch of matrices): ``X`` scaled to unit
+    Frobenius norm, then ``X <- aX + (bA + cA^2)X`` with ``A = XX^T``, which drives every singular value
+    towards 1 (near the orthogonal polar factor ``UV^T``) without an SVD. Computed on the wide side, where the
+    Gram matrix is the smaller one; in float32."""
+    a, b, c = coefficients
+    x = matrices.float()
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    if tall:
+        x = x.mT
+    return x.to(matrices.dtype)
+
+
+def orthogonalized(update: torch.Tensor, param: torch.Tensor, steps: int, coefficients) -> torch.Tensor:
+    """This rank's block of the Newton–Schulz orthogonalization of ``update`` (``param``'s local block, or the
+    whole parameter when it is a plain tensor), each matrix orthogonalized whole.
+
+    The one collective of a Muon step is here: the DTensor redistribution to :func:`whole_matrix_placements`
+    all-gathers the matrix over the mesh dims that split it (FSDP's, tp's, etp's); splits of a stack's leading
+    dim (experts over ep, or FSDP over experts) keep each matrix whole and stay. Taking the block back is a
+    local slice."""
+    if not isinstance(param, DTensor):
+        return newton_schulz(update, steps, coefficients)
+    mesh, placements = param.device_mesh, param.placements
+    blocks = DTensor.from_local(update, mesh, placements, shape=param.shape, stride=param.stride())
+    whole = blocks.redistribute(mesh, whole_matrix_placements(placements, param.ndim))
+    ortho = newton_schulz(whole.to_local(), steps, coefficients)
+    ortho = DTensor.from_local(ortho, mesh, whole.placements, shape=param.shape, stride=param.stride())
+    return ortho.redistribute(mesh, placements).to_local()
+
+
+def whole_matrix_placements(placements, ndim: int) -> tuple:
+    """``placements`` with every split of the last two dims (a matrix's rows or columns) replaced by Replicate."""
+    return tuple(p if isinstance(p, Shard) and p.dim < ndim - 2 else Replicate() for p in placements)
+
+
+def update_scale(shape: torch.Size, rule: str, fan_out_dim: int) -> float:
+    """The factor on the orthogonal update: ``adamw_rms`` gives it AdamW's update RMS (Moonlight: 0.2 times
+    the square root of the larger side, so AdamW's lr and weight decay carry over); ``spectral`` the RMS-to-RMS
+    norm of 1 for a ``fan_in -> fan_out`` map (Keller Jordan's ``sqrt(max(1, fan_out / fan_in))``)."""
+    rows, cols = shape[-2], shape[-1]
+    if rule == "adamw_rms":
+        return 0.2 * math.sqrt(max(rows, cols))
+    fan_out, fan_in = (rows, cols) if fan_out_dim == -2 else (cols, rows)
+    return math.sqrt(max(1.0, fan_out / fan_in))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return dtensor_local(tensor) if isinstance(tensor, DTensor) else tensor
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW without weight decay on norms and biases (1-D parameters), fused on every device.
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> LocalAdamW:
+    """``[train] optimizer``: AdamW without weight decay on norms and biases (1-D parameters), fused on every
+    device; or Muon on :func:`muon_matrices` beside that AdamW on the rest.
 
     The fused kernel keeps its step counts on the device (the unfused ones read them on the host
     for every parameter) and honours ``optimizer.found_inf``: the training step sets it to skip a
     non-finite update without a host sync.
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "muon":
+        return _build_muon(model, params, cfg)
+    return LocalAdamW(_adamw_groups(params, cfg, lr_ratio=1.0), lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2))
+
+
+def _adamw_groups(params: list[torch.Tensor], cfg: TrainConfig, lr_ratio: float) -> list[dict]:
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    return LocalAdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr_at(0, cfg),
-        betas=(cfg.beta1, cfg.beta2),
-    )
+    return [
+        {"params": decay, "weight_decay": cfg.weight_decay, "lr_ratio": lr_ratio},
+        {"params": no_decay, "weight_decay": 0.0, "lr_ratio": lr_ratio},
+    ]
+
+
+def _build_muon(model: nn.Module, params: list[torch.Tensor], cfg: TrainConfig) -> MuonWithAdamW:
+    linears, experts = muon_matrices(model)
+    taken = {id(p) for p in linears + experts}
+    muon = {
+        "muon": True,
+        "momentum": cfg.muon_momentum,
+        "nesterov": cfg.muon_nesterov,
+        "ns_steps": cfg.muon_ns_steps,
+        "ns_coefficients": tuple(cfg.muon_ns_coefficients),
+        "scale": cfg.muon_scale,
+        "weight_decay": cfg.weight_decay,
+        "lr_ratio": 1.0,
+    }
+    adamw_ratio = (cfg.muon_adamw_lr or cfg.lr) / cfg.lr
+    groups = [
+        {"params": linears, "fan_out_dim": -2, **muon},  # nn.Linear: [out, in]
+        {"params": experts, "fan_out_dim": -1, **muon},  # GroupedExperts: [E, in, out]
+        *_adamw_groups([p for p in params if id(p) not in taken], cfg, adamw_ratio),
+    ]
+    groups = [g for g in groups if g["params"]]  # a pipeline stage may hold no experts, or no embedding
+    optimizer = MuonWithAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+    set_lr(optimizer, lr_at(0, cfg))
+    return optimizer
+
+
+def muon_matrices(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parameters Muon takes: the blocks' ``nn.Linear`` weights (q, k, v, o, gate, up and down each on its
+    own, as the model stores them) and the routed experts' stacks (3-D ``[E, in, out]``, each expert's matrix
+    on its own). Not the LM head (an ``LMHead``), the embedding, a router (its own module) or a one-output
+    gate (orthogonalizing a row only normalizes it): those stay on AdamW, as in every anchor."""
+    linears = [
+        m.weight
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and not isinstance(m, LMHead) and m.out_features > 1 and m.weight.requires_grad
+    ]
+    experts = [p for p in model.parameters() if p.ndim == 3 and p.requires_grad]
+    return linears, experts
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Each group's lr is ``lr`` times its ``lr_ratio`` (AdamW's own peak beside Muon)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_ratio", 1.0)

@@ -78,6 +78,7 @@ def state_matches_local_shards() -> None:
     from torch.distributed.tensor import DTensor
 
     from meshtron.models import build_model
+    from meshtron.optim import muon_matrices
     from meshtron.parallel.pipeline.schedules import V_SHAPED
     from meshtron.parallel.pipeline.stage import prune_to_stage
     from meshtron.parallel.runner import parallelize
@@ -98,6 +99,11 @@ def state_matches_local_shards() -> None:
         expected = state_bytes(cfg, coords)
         assert expected["params"] == expected["grads"] == 4 * local, (recipe, layout, coords, expected, local)
         assert expected["optimizer"] == 8 * local + 4 * len(params), (recipe, layout, coords)
+        # Muon: one momentum per matrix muon_matrices takes on the model, two AdamW moments for the rest.
+        muon = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, optimizer="muon"))
+        taken = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in sum(muon_matrices(model), []))
+        assert 0 < taken < local, (recipe, layout, coords)
+        assert state_bytes(muon, coords)["optimizer"] == 8 * (local - taken) + 4 * taken + 4 * len(params)
 
 
 @pytest.mark.full

@@ -23,9 +23,9 @@ LEVELS = {
     "mesh": 1,
     "checkpoint": 1,
     "data": 1,
-    "optim": 1,
     "host": 1,
     "models": 2,
+    "optim": 3,  # Muon tells the model's matrices from its head and routers
     "parallel": 3,
     "faults": 3,
     "hf": 4,

@@ -23,8 +23,10 @@ from meshtron.config.choices import (
     FSDP_GATHERS,
     MEMORY_CHECKS,
     MIXTURE_KEYS,
+    MUON_SCALES,
     NONFINITE_POLICIES,
     OFFLOADS,
+    OPTIMIZERS,
     SCHEDULES,
     V_SHAPED,
     VIRTUAL,
@@ -114,6 +116,32 @@ def _validate_offload(cfg: Config, source: str) -> None:
         not (p.offload_activations and p.compile),
         f"{where} offload_activations = true hooks each block's saved tensors, which compile = true would trace "
         "into the compiled graph; set one of them false.",
+    )
+
+
+def _validate_optimizer(cfg: Config, source: str) -> None:
+    t = cfg.train
+    _require_choice(source, "[train] optimizer", t.optimizer, OPTIMIZERS)
+    for key in ("beta1", "beta2", "muon_momentum"):
+        _require(getattr(t, key) < 1, f"{source}: [train] {key} must be in [0, 1), got {getattr(t, key)}.")
+    if t.optimizer != "muon":
+        return
+    _require_choice(source, "[train] muon_scale", t.muon_scale, MUON_SCALES)
+    _require(t.muon_ns_steps >= 1, f"{source}: [train] muon_ns_steps must be >= 1, got {t.muon_ns_steps}.")
+    _require(
+        len(t.muon_ns_coefficients) == 3,
+        f"{source}: [train] muon_ns_coefficients must be three numbers (a, b, c), got {t.muon_ns_coefficients}.",
+    )
+    _require(
+        not cfg.model.hf_model,
+        f"{source}: [train] optimizer = 'muon' runs on meshtron's own model, which names its routers and gates; "
+        "with [model] hf_model set, use optimizer = 'adamw'.",
+    )
+    _require(
+        cfg.parallel.offload == "none",
+        f"{source}: [train] optimizer = 'muon' steps on the device that holds the parameters' mesh; "
+        f"[parallel] offload = '{cfg.parallel.offload}' keeps them in host memory: set offload = 'none' or "
+        "optimizer = 'adamw'.",
     )
 
 
@@ -268,8 +296,7 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
         f"got {t.profile_steps}; use [] for no profile.",
     )
     _require(t.min_lr <= t.lr, f"{source}: [train] min_lr ({t.min_lr}) must not exceed lr ({t.lr}).")
-    for key in ("beta1", "beta2"):
-        _require(getattr(t, key) < 1, f"{source}: [train] {key} must be in [0, 1), got {getattr(t, key)}.")
+    _validate_optimizer(cfg, source)
     _validate_layout(cfg, source)
     d = cfg.data
     _require(bool(d.source), f"{source}: [data] source is empty; use 'builtin' or a path to text.")

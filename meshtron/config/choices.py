@@ -29,6 +29,8 @@ OFFLOADS = ("none", "optimizer")  # [parallel] offload; meshtron/parallel/data_p
 NONFINITE_POLICIES = ("stop", "skip")
 WANDB_MODES = ("offline", "online")  # [track] wandb_mode
 MEMORY_CHECKS = ("error", "warn", "off")
+OPTIMIZERS = ("adamw", "muon")  # [train] optimizer; meshtron/optim.py
+MUON_SCALES = ("adamw_rms", "spectral")  # [train] muon_scale
 
 
 def not_one_of(key: str, value: Any, choices: tuple[str, ...]) -> str:

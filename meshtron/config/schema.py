@@ -313,9 +313,28 @@ class TrainConfig:
     lr: float = recipe_key(3e-4, "peak learning rate")
     min_lr: float = recipe_key(3e-5, "lowest learning rate the schedule decays to")
     warmup_steps: int = recipe_key(2, "linear warm-up steps")
-    weight_decay: float = recipe_key(0.1, "AdamW weight decay")
+    optimizer: str = recipe_key(
+        "adamw",
+        "`adamw`, or `muon`: Muon on the blocks' weight matrices (each routed expert's on its own), AdamW on "
+        "embeddings, head, norms, biases, routers and gates ([Optimizers](optimizers.md))",
+    )
+    weight_decay: float = recipe_key(0.1, "decoupled weight decay of the matrices (AdamW's and Muon's)")
     beta1: float = recipe_key(0.9, "AdamW beta1")
     beta2: float = recipe_key(0.95, "AdamW beta2")
+    muon_momentum: float = recipe_key(0.95, "Muon's momentum")
+    muon_nesterov: bool = recipe_key(True, "Muon orthogonalizes the Nesterov blend `g + momentum × m`, else `m`")
+    muon_ns_steps: int = recipe_key(5, "Newton–Schulz iterations orthogonalizing each matrix's update")
+    muon_ns_coefficients: list[float] = recipe_key(
+        [3.4445, -4.775, 2.0315], "the quintic Newton–Schulz iteration's (a, b, c): `X <- aX + (bA + cA²)X`, `A = XXᵀ`"
+    )
+    muon_scale: str = recipe_key(
+        "adamw_rms",
+        "the orthogonal update's scale: `adamw_rms` (0.2 √max(rows, cols), AdamW's update RMS, so `lr` and "
+        "`weight_decay` carry over) or `spectral` (√max(1, fan_out / fan_in))",
+    )
+    muon_adamw_lr: float = recipe_key(
+        0.0, "peak learning rate of the parameters Muon leaves to AdamW (scheduled like `lr`); 0: `lr`"
+    )
     max_grad_norm: float = recipe_key(1.0, "gradient clipping threshold (global norm)")
     log_every: int = recipe_key(
         1,

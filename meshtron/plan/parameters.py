@@ -213,13 +213,28 @@ def fsdp_shard_dim(param: Param, cfg: Config, shape: list[int], shards: int) -> 
 
 
 def state_bytes(cfg: Config, coords: Coords = Coords()) -> dict[str, int]:  # noqa: B008 - a NamedTuple
-    """Exact fp32 ``params``, ``grads`` and AdamW ``optimizer`` bytes of the rank at ``coords``."""
+    """Exact fp32 ``params``, ``grads`` and ``optimizer`` bytes of the rank at ``coords``: AdamW keeps two
+    moments and a step count per tensor; Muon one momentum and a step count per matrix it takes."""
     elements, tensors = _local_elements((layout_key(cfg), coords), cfg)
+    muon_elements = 0
+    if cfg.train.optimizer == "muon":
+        muon_elements, _ = _local_elements((layout_key(cfg), coords, "muon"), cfg, muon_param)
     return {
         "params": FP32 * elements,
         "grads": FP32 * elements,
-        "optimizer": 2 * FP32 * elements + FP32 * tensors,
+        "optimizer": 2 * FP32 * (elements - muon_elements) + FP32 * muon_elements + FP32 * tensors,
     }
+
+
+def muon_param(param: Param) -> bool:
+    """Whether Muon takes ``param`` (``meshtron.optim.muon_matrices`` on the model): the blocks' projection
+    matrices and expert stacks, not a router or a one-output gate."""
+    return (
+        param.name.startswith("layers.")
+        and len(param.shape) >= 2
+        and param.shape[-2] > 1
+        and not param.name.endswith((".mlp.gate.weight", "shared_expert_gate.weight"))
+    )
 
 
 def layout_key(cfg: Config) -> tuple:
@@ -261,9 +276,10 @@ def _stage_layer_ranges(cfg: Config, pp_rank: int) -> list[range]:
 
 
 @memo_by_key
-def _local_elements(key: tuple, cfg: Config) -> tuple[int, int]:
+def _local_elements(key: tuple, cfg: Config, keep=None) -> tuple[int, int]:
+    """(elements, tensors) of the rank at ``key[1]``'s parameters, those ``keep`` takes if given."""
     coords = key[1]
-    params = stage_params(cfg, coords.pp)
+    params = [q for q in stage_params(cfg, coords.pp) if keep is None or keep(q)]
     return sum(local_numel(q, cfg, coords) for q in params), len(params)
 
 
