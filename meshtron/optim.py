@@ -9,12 +9,12 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim.adam import adam
 
 from meshtron.config import TrainConfig
 from meshtron.models.qwen2 import LMHead
-from meshtron.torch_private import adam_init_group, dtensor_local
+from meshtron.torch_private import adam_init_group, dtensor_local, shard_dim, shard_moved_to
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -88,27 +88,24 @@ class MuonWithAdamW(LocalAdamW):
             super()._step_group(group)
             return
         found_inf = getattr(self, "found_inf", None)
-        keep = None if found_inf is None else found_inf == 0
-        for param in group["params"]:
-            if param.grad is None:
-                continue
+        keep = None if found_inf is None else found_inf == 0  # a non-finite step changes nothing, no host sync
+        mu, params, updates = group["momentum"], [p for p in group["params"] if p.grad is not None], []
+        for param in params:
             state = self.state[param]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 # A step count as AdamW keeps (torch's Adam expects one in every state it loads).
                 state["step"] = torch.zeros((), dtype=torch.float32, device=_local(param).device)
             state["step"].add_(1 if keep is None else keep.to(torch.float32))
-            weight, grad, momentum = (_local(t) for t in (param, param.grad, state["momentum_buffer"]))
-            new_momentum = momentum * group["momentum"] + grad
-            update = grad + group["momentum"] * new_momentum if group["nesterov"] else new_momentum
-            whole = orthogonalized(update, param, group["ns_steps"], group["ns_coefficients"])
+            grad, momentum = _local(param.grad), _local(state["momentum_buffer"])
+            new_momentum = momentum * mu + grad
+            momentum.copy_(new_momentum if keep is None else torch.where(keep, new_momentum, momentum))
+            updates.append(grad + mu * momentum if group["nesterov"] else momentum)
+        for param, ortho in zip(params, orthogonalized(updates, params, group["ns_steps"], group["ns_coefficients"])):
+            weight = _local(param)
             scale = update_scale(param.shape, group["scale"], group["fan_out_dim"])
-            new_weight = weight * (1 - group["lr"] * group["weight_decay"]) - (group["lr"] * scale) * whole
-            if keep is not None:  # a non-finite step leaves weights and momentum as they were, with no host sync
-                new_momentum = torch.where(keep, new_momentum, momentum)
-                new_weight = torch.where(keep, new_weight, weight)
-            momentum.copy_(new_momentum)
-            weight.copy_(new_weight)
+            new_weight = weight * (1 - group["lr"] * group["weight_decay"]) - (group["lr"] * scale) * ortho
+            weight.copy_(new_weight if keep is None else torch.where(keep, new_weight, weight))
 
 
 def newton_schulz(matrices: torch.Tensor, steps: int, coefficients: tuple[float, float, float]) -> torch.Tensor:
@@ -130,27 +127,49 @@ def newton_schulz(matrices: torch.Tensor, steps: int, coefficients: tuple[float,
     return x.to(matrices.dtype)
 
 
-def orthogonalized(update: torch.Tensor, param: torch.Tensor, steps: int, coefficients) -> torch.Tensor:
-    """This rank's block of the Newton–Schulz orthogonalization of ``update`` (``param``'s local block, or the
-    whole parameter when it is a plain tensor), each matrix orthogonalized whole.
+def orthogonalized(updates: list[torch.Tensor], params: list[torch.Tensor], steps: int, coefficients) -> list:
+    """This rank's block of the Newton–Schulz orthogonalization of each update (``params[i]``'s local block,
+    or the whole parameter when it is a plain tensor), each matrix orthogonalized whole.
 
-    The one collective of a Muon step is here: the DTensor redistribution to :func:`whole_matrix_placements`
-    all-gathers the matrix over the mesh dims that split it (FSDP's, tp's, etp's); splits of a stack's leading
-    dim (experts over ep, or FSDP over experts) keep each matrix whole and stay. Taking the block back is a
-    local slice."""
-    if not isinstance(param, DTensor):
-        return newton_schulz(update, steps, coefficients)
-    mesh, placements = param.device_mesh, param.placements
-    blocks = DTensor.from_local(update, mesh, placements, shape=param.shape, stride=param.stride())
-    whole = blocks.redistribute(mesh, whole_matrix_placements(placements, param.ndim))
-    ortho = newton_schulz(whole.to_local(), steps, coefficients)
-    ortho = DTensor.from_local(ortho, mesh, whole.placements, shape=param.shape, stride=param.stride())
-    return ortho.redistribute(mesh, placements).to_local()
+    The parameters of one shape and placement (a layer's q_proj in every block, say) go as one stack, so
+    the iteration is spread: see :func:`_orthogonalized_stack`."""
+    out: list = [None] * len(params)
+    for batch in _same_layout(params):
+        stack = torch.stack([updates[i] for i in batch])
+        for i, ortho in zip(batch, _orthogonalized_stack(stack, params[batch[0]], steps, coefficients).unbind(0)):
+            out[i] = ortho
+    return out
 
 
-def whole_matrix_placements(placements, ndim: int) -> tuple:
-    """``placements`` with every split of the last two dims (a matrix's rows or columns) replaced by Replicate."""
-    return tuple(p if isinstance(p, Shard) and p.dim < ndim - 2 else Replicate() for p in placements)
+def _same_layout(params: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``params`` grouped by global shape and placement, in first-seen order (the same on every
+    rank that shares their meshes, as the collectives need)."""
+    groups: dict = {}
+    for i, p in enumerate(params):
+        where = (p.device_mesh, p.placements) if isinstance(p, DTensor) else None
+        groups.setdefault((tuple(p.shape), p.dtype, where), []).append(i)
+    return list(groups.values())
+
+
+def _orthogonalized_stack(stack: torch.Tensor, like: torch.Tensor, steps: int, coefficients) -> torch.Tensor:
+    """The orthogonalized stack ``[P, ...]`` of local blocks of P parameters placed like ``like``.
+
+    Muon's collectives are here. The stack is redistributed so that each rank of the mesh dims that split
+    the matrices (FSDP's, tp's, etp's) or replicate them gets whole matrices of its share of the P: an
+    all-to-all over the splitting dims, a local slice over the replicating ones. Each rank iterates on its
+    share only, and the reverse redistribution (an all-to-all; an all-gather over the replicating dims) hands
+    every rank its blocks of the results. Splits of an expert stack's leading dim keep each matrix whole and
+    stay as they are."""
+    if not isinstance(like, DTensor):
+        return newton_schulz(stack, steps, coefficients)
+    mesh, matrix_dims = like.device_mesh, range(stack.ndim - 2, stack.ndim)
+    held = tuple(p if shard_dim(p) is None else shard_moved_to(p, shard_dim(p) + 1) for p in like.placements)
+    spread = tuple(p if shard_dim(p) not in (None, *matrix_dims) else Shard(0) for p in held)
+    shape = torch.Size((stack.shape[0], *like.shape))
+    stride = torch.empty(shape, device="meta").stride()
+    share = DTensor.from_local(stack, mesh, held, shape=shape, stride=stride).redistribute(mesh, spread)
+    ortho = newton_schulz(share.to_local(), steps, coefficients)
+    return DTensor.from_local(ortho, mesh, spread, shape=shape, stride=stride).redistribute(mesh, held).to_local()
 
 
 def update_scale(shape: torch.Size, rule: str, fan_out_dim: int) -> float:

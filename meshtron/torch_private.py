@@ -216,6 +216,29 @@ def style_io(style) -> tuple[Callable, Callable]:
     )
 
 
+# --- DTensor placements --------------------------------------------------------------------------
+# FSDP2 over a tp-split dim places the weight as _StridedShard, a private placement: moving such a weight's
+# placement to another tensor dim (Muon stacks a layer's matrices) must keep its split factor.
+
+
+def shard_dim(placement) -> int | None:
+    """The tensor dim ``placement`` splits (a Shard or, not its subclass, a _StridedShard), else None."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return placement.dim if isinstance(placement, (Shard, _StridedShard)) else None
+
+
+def shard_moved_to(placement, dim: int):
+    """``placement`` (a Shard or _StridedShard) on tensor dim ``dim`` instead."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(placement, _StridedShard):
+        return _StridedShard(dim, split_factor=placement.split_factor)
+    return Shard(dim)
+
+
 # --- Private ops ---------------------------------------------------------------------------------
 # The flash-attention kernels return the log-sum-exp the ring attention merges with; SDPA's public
 # entry does not. The rest are op identities the dry run and the sync counter recognise.

@@ -261,8 +261,53 @@ def check_muon_resumes_on_another_layout(root):
         _assert_matches_one_process(f"{recipe} {saved_on} -> {resumed_on}", got, second, readers)
 
 
+# Layouts whose ranks all hold the same stage: across the world every matrix is orthogonalized exactly once.
+SPREAD_LAYOUTS = [LAYOUTS[0], LAYOUTS[1], LAYOUTS[2], LAYOUTS[4], LAYOUTS[5], LAYOUTS[6]]
+
+
+def check_muon_spreads_the_iteration(_):
+    """Each matrix (each expert's on its own) is iterated on by one rank of the world, and no rank takes more
+    than its share: the ceiling of 1/4 of each stack of same-shaped matrices."""
+    import math
+
+    import torch.distributed as dist
+
+    from meshtron import optim
+
+    for recipe, layout in SPREAD_LAYOUTS:
+        cfg = _layout_config(recipe, layout)
+        counted, iterate = [0], optim.newton_schulz
+
+        def counting(matrices, *args, counted=counted, iterate=iterate):
+            counted[0] += math.prod(matrices.shape[:-2])
+            return iterate(matrices, *args)
+
+        optim.newton_schulz = counting
+        try:
+            _layout_run(cfg, range(1))
+        finally:
+            optim.newton_schulz = iterate
+        model = random_model(cfg.model, seed=0)
+        linears, experts = muon_matrices(model)
+        stacks: dict = {}
+        for p in linears + experts:
+            stacks[tuple(p.shape)] = stacks.get(tuple(p.shape), 0) + (p.shape[0] if p.ndim == 3 else 1)
+        total = torch.tensor([counted[0]])
+        dist.all_reduce(total)
+        assert total.item() == sum(stacks.values()), (recipe, layout, total.item(), stacks)
+        share = sum(math.ceil(n / dist.get_world_size()) for n in stacks.values())
+        assert 0 < counted[0] <= share, (recipe, layout, counted[0], share)
+
+
 @pytest.mark.full
-@launch_tests(4, [check_muon_matches_one_process_on_every_layout, check_muon_resumes_on_another_layout])
+@launch_tests(
+    4,
+    [
+        check_muon_matches_one_process_on_every_layout,
+        check_muon_resumes_on_another_layout,
+        check_muon_spreads_the_iteration,
+    ],
+)
 def test_muon_on_4_ranks(tmp_path):
     return (str(tmp_path),)
 
