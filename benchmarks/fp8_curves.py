@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from meshtron.config import FP8_RECIPES
-from meshtron.watch.plot import draw, read_records
+from one_rank import ROOT, train_one_rank
 
-ROOT = Path(__file__).resolve().parent.parent
+from meshtron.config import FP8_RECIPES
+from meshtron.watch.plot import draw
+
 RESULTS = ROOT / "benchmarks" / "results"
 RECIPE = ROOT / "recipes" / "debug_dense.toml"
 LAST = 20  # logged steps averaged for the final loss
@@ -34,32 +32,8 @@ LAST = 20  # logged steps averaged for the final loss
 
 def train(recipe: str, steps: int, batch: int, out: Path) -> list[dict]:
     """One run of ``meshtron.train`` with ``[train] fp8 = recipe``; its metrics records."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "1",
-        "-m",
-        "meshtron.train",
-        "--recipe",
-        str(RECIPE),
-        "--train.dtype",
-        "bfloat16",
-        "--train.fp8",
-        recipe,
-        "--train.steps",
-        str(steps),
-        "--train.global_batch_size",
-        str(batch),
-        "--train.output_dir",
-        str(out),
-        "--train.log_every",
-        "1",
-    ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    subprocess.run(command, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
-    return read_records(out)
+    overrides = ["--train.dtype", "bfloat16", "--train.fp8", recipe, "--train.steps", str(steps)]
+    return train_one_rank(RECIPE, out, *overrides, "--train.global_batch_size", str(batch), "--train.log_every", "1")
 
 
 def final_loss(records: list[dict]) -> float:

@@ -267,19 +267,24 @@ SPREAD_LAYOUTS = [LAYOUTS[0], LAYOUTS[1], LAYOUTS[2], LAYOUTS[4], LAYOUTS[5], LA
 
 def check_muon_spreads_the_iteration(_):
     """Each matrix (each expert's on its own) is iterated on by one rank of the world, and no rank takes more
-    than its share: the ceiling of 1/4 of each stack of same-shaped matrices."""
+    than its share: the ceiling of 1/4 of each stack of same-shaped matrices; the busiest rank's matrices and
+    Newton–Schulz FLOPs (counted from the shapes iterated on) are the planner's ``muon_work``."""
     import math
 
     import torch.distributed as dist
 
     from meshtron import optim
+    from meshtron.config import infer_dp
+    from meshtron.plan.muon import muon_work
 
     for recipe, layout in SPREAD_LAYOUTS:
         cfg = _layout_config(recipe, layout)
-        counted, iterate = [0], optim.newton_schulz
+        counted, iterate = [0, 0.0], optim.newton_schulz
 
         def counting(matrices, *args, counted=counted, iterate=iterate):
+            m, n = sorted(matrices.shape[-2:])
             counted[0] += math.prod(matrices.shape[:-2])
+            counted[1] += math.prod(matrices.shape[:-2]) * args[0] * (4 * m * m * n + 2 * m**3)  # args[0]: steps
             return iterate(matrices, *args)
 
         optim.newton_schulz = counting
@@ -297,6 +302,10 @@ def check_muon_spreads_the_iteration(_):
         assert total.item() == sum(stacks.values()), (recipe, layout, total.item(), stacks)
         share = sum(math.ceil(n / dist.get_world_size()) for n in stacks.values())
         assert 0 < counted[0] <= share, (recipe, layout, counted[0], share)
+        busiest = torch.tensor(counted, dtype=torch.float64)
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+        planned = muon_work(infer_dp(cfg, dist.get_world_size()))
+        assert (planned.matrices, planned.flops) == tuple(busiest.tolist()), (recipe, layout, planned, busiest)
 
 
 @pytest.mark.full
@@ -312,6 +321,16 @@ def test_muon_on_4_ranks(tmp_path):
     return (str(tmp_path),)
 
 
+def _documented_command(start: str) -> list[str]:
+    """The one command of docs/optimizers.md's Muon section that begins with ``start``, split as a shell would."""
+    import shlex
+
+    section = (ROOT / "docs" / "optimizers.md").read_text().split("## Muon", 1)[1]
+    blocks = [block.split("```", 1)[0].strip() for block in section.split("```bash")[1:]]
+    (command,) = [b for b in blocks if b.startswith(start)]
+    return shlex.split(command.replace("\\\n", " "))
+
+
 @pytest.mark.full
 def test_the_documented_command_trains_with_muon(tmp_path):
     """docs/optimizers.md's command, as typed, with its output folder under a temporary one: 10 steps logged,
@@ -319,14 +338,10 @@ def test_the_documented_command_trains_with_muon(tmp_path):
     import json
     import math
     import os
-    import shlex
     import subprocess
     import sys
 
-    page = (ROOT / "docs" / "optimizers.md").read_text()
-    block = page.split("## Muon", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    command = shlex.split(block.replace("\\\n", " ").replace("runs/muon", str(tmp_path / "muon")))
-    assert command[0] == "torchrun", command
+    command = [arg.replace("runs/muon", str(tmp_path / "muon")) for arg in _documented_command("torchrun")]
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", *command[1:]],
         cwd=ROOT,
@@ -340,3 +355,71 @@ def test_the_documented_command_trains_with_muon(tmp_path):
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 10, records
     assert abs(losses[0] - math.log(256)) < 0.1 and losses[-1] < losses[0] - 0.5, losses
+
+
+def test_the_documented_plan_command_prints_the_busiest_ranks_newton_schulz_work():
+    """docs/optimizers.md's planner command, as typed: its Muon line is the one the page quotes, and its
+    figures are the count for Qwen2.5-7B at the recipe's dp 2 x tp 4, one stage of 8 ranks: same-shaped,
+    same-placed matrices of the 28 blocks stack (q and o apart, placed column- and row-wise; k with v; gate
+    with up), each stack split by matrix over the 8 ranks, ``ns_steps (4 m²n + 2 m³)`` FLOPs a matrix."""
+    import math
+    import os
+    import subprocess
+    import sys
+
+    import tomllib
+
+    page = (ROOT / "docs" / "optimizers.md").read_text()
+    command = _documented_command("python -m meshtron.plan")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, *command[1:]], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line.strip() for line in done.stdout.splitlines() if line.strip().startswith("Muon:"))
+    assert f"`{line}`" in page.replace("\n", " ")
+
+    m = tomllib.loads((ROOT / "recipes" / "qwen2p5_7b.toml").read_text())["model"]
+    h, f, layers = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"]
+    kv = m["num_key_value_heads"] * h // m["num_attention_heads"]
+    ranks, steps = 8, 5
+
+    def flops(rows, cols):
+        small, large = sorted((rows, cols))
+        return steps * (4 * small * small * large + 2 * small**3)
+
+    stacks = [((h, h), layers), ((h, h), layers), ((kv, h), 2 * layers), ((f, h), 2 * layers), ((h, f), layers)]
+    taken = [(shape, math.ceil(count / ranks)) for shape, count in stacks]
+    matrices = sum(n for _, n in taken)
+    tflop = sum(n * flops(*shape) for shape, n in taken) / 1e12
+    assert line == (
+        f"Muon: the busiest rank orthogonalizes {matrices} matrices per step, {tflop:.2f} TFLOP of "
+        "Newton–Schulz (not in the step time above)"
+    )
+
+
+def test_muon_curves_table_is_its_runs():
+    """benchmarks/results/muon_curves.md's losses and gaps are those of the runs stored next to it, every run
+    of equal length and from the same first loss (same data and initial weights), and Muon ends below AdamW on
+    both debug recipes, as docs/optimizers.md says."""
+    import json
+    import re
+
+    results = ROOT / "benchmarks" / "results"
+    curves = json.loads((results / "muon_curves.json").read_text())
+    rows = re.findall(
+        r"^\| (\w+) \| `(\w+)` \| ([\d.]+) \| ([\d.]+) \| (\S+) \|$", (results / "muon_curves.md").read_text(), re.M
+    )
+    assert [(r[0], r[1]) for r in rows] == [(recipe, o) for recipe in curves for o in curves[recipe]]
+    assert {o for runs in curves.values() for o in runs} == {"adamw", "muon"}
+
+    def final(losses):
+        return sum(losses[-10:]) / 10
+
+    for recipe, optimizer, first, last, gap in rows:
+        losses, adamw = curves[recipe][optimizer], curves[recipe]["adamw"]
+        assert len(losses) == len(adamw) and losses[0] == adamw[0]
+        assert float(first) == pytest.approx(losses[0], abs=1e-4)
+        assert float(last) == pytest.approx(final(losses), abs=1e-4)
+        if optimizer == "muon":
+            measured = (final(losses) - final(adamw)) / final(adamw)
+            assert float(gap.rstrip("%")) / 100 == pytest.approx(measured, abs=1e-4)
+            assert measured < 0, (recipe, measured)

@@ -12,6 +12,7 @@ from meshtron.config import Config, ConfigError, infer_dp, load_config
 from meshtron.parallel.data_parallel import gathers_once_per_step
 from meshtron.parallel.layout import validate_layout
 from meshtron.plan.memory import GIB
+from meshtron.plan.muon import muon_work
 from meshtron.plan.search import LayoutPlan, evaluate, rank_layouts, ranks_per_node
 from meshtron.plan.speed import Hardware
 
@@ -133,6 +134,12 @@ def breakdown_text(plan: LayoutPlan, hw: Hardware) -> list[str]:
         )
         + f", pipeline bubble {t.bubble:.0%})"
     )
+    muon = muon_work(plan.cfg)
+    if muon.matrices:
+        lines.append(
+            f"  Muon: the busiest rank orthogonalizes {muon.matrices} matrices per step, "
+            f"{muon.flops / 1e12:.2f} TFLOP of Newton–Schulz (not in the step time above)"
+        )
     return lines
 
 
