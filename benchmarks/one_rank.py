@@ -1,4 +1,4 @@
-"""One-rank ``meshtron.train`` runs for the benchmarks that compare training settings (fp8_curves, muon_curves)."""
+"""One-rank ``meshtron.train`` runs for the benchmarks that compare training settings (fp8_curves, loss_curves)."""
 
 from __future__ import annotations
 

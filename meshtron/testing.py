@@ -703,3 +703,33 @@ def units_with_parameters(model) -> int:
         for u in units
     }
     return sum(any(id(p) not in nested[u] for p in u.parameters()) for u in units)
+
+
+def documented_command(page: Path, section: str, start: str) -> list[str]:
+    """The one command of ``page``'s ``## section`` (fenced ``bash``) that begins with ``start``, its lines
+    joined and split as a shell would: what a test runs as a user types it."""
+    import shlex
+
+    text = page.read_text().split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    blocks = [block.split("```", 1)[0].strip() for block in text.split("```bash")[1:]]
+    (command,) = [b for b in blocks if b.startswith(start)]
+    return shlex.split(command.replace("\\\n", " "))
+
+
+def run_torchrun(command: list[str], root: Path, env: Mapping[str, str] | None = None, timeout: float = 300):
+    """A ``torchrun ...`` command run from ``root`` with this interpreter (``python -m torch.distributed.run``),
+    ``root`` importable; the completed process, whose failure fails the caller with the output's tails."""
+    import subprocess
+    import sys
+
+    assert command[0] == "torchrun", command
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *command[1:]],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done

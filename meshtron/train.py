@@ -297,7 +297,15 @@ class Trainer:
             hf_cfg = read_hf_config(ckpt.init_from_hf)
             _check_hf_matches(hf_cfg, self.cfg, ckpt.init_from_hf)
             # Each rank reads only its slices of the safetensors files, never the whole model.
-            load_native_sharded(self.runner.module, ckpt.init_from_hf, hf_cfg.tie_word_embeddings)
+            mtp = self.cfg.model.mtp_layers
+            load_native_sharded(self.runner.module, ckpt.init_from_hf, hf_cfg.tie_word_embeddings, fresh_layers=mtp)
+            if mtp and self.rank == 0:
+                print(
+                    f"meshtron: init_from_hf: the {len(mtp)} multi-token prediction modules (layers "
+                    f"{mtp[0]}..{mtp[-1]}) start from the seeded initialization where the folder has no weights "
+                    "for them.",
+                    flush=True,
+                )
         return 0
 
     def fit(self) -> None:
@@ -434,7 +442,13 @@ class Trainer:
         whole window is queued; its times are the window's per step (the device finishing its work included)."""
         t = self.cfg.train
         steps = [s for s, _, _ in self.unread]
-        *values, aux = read_scalars(*(v for _, loss, norm in self.unread for v in (loss, norm)), self.runner.aux_loss())
+        mtp = self.runner.mtp_losses()
+        depths = [] if mtp is None else list(mtp.unbind())
+        *values, aux = read_scalars(
+            *(v for _, loss, norm in self.unread for v in (loss, norm)), *depths, self.runner.aux_loss()
+        )
+        if depths:  # in the same read: one device-to-host copy per window
+            values, mtp = values[: -len(depths)], values[-len(depths) :]
         self.unread.clear()
         # Losses and gradient norms are global values, so every rank takes the same branches.
         nonfinite = [
@@ -460,6 +474,8 @@ class Trainer:
             "step_time": elapsed,
             "aux_loss": aux,
         }
+        if mtp is not None:
+            record["mtp_losses"] = mtp
         if nonfinite and nonfinite[-1][0] == steps[-1]:
             record["skipped"] = True
         if self.peak_flops:

@@ -11,7 +11,14 @@ import torch
 from meshtron.config import Config, ConfigError, load_config
 from meshtron.models import token_loss_sum
 from meshtron.optim import MuonWithAdamW, build_optimizer, lr_at, muon_matrices, newton_schulz, set_lr
-from meshtron.testing import cached_recipe_mesh, launch_tests, random_model, rel_err
+from meshtron.testing import (
+    cached_recipe_mesh,
+    documented_command,
+    launch_tests,
+    random_model,
+    rel_err,
+    run_torchrun,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 COEFFICIENTS = (3.4445, -4.775, 2.0315)
@@ -322,13 +329,7 @@ def test_muon_on_4_ranks(tmp_path):
 
 
 def _documented_command(start: str) -> list[str]:
-    """The one command of docs/optimizers.md's Muon section that begins with ``start``, split as a shell would."""
-    import shlex
-
-    section = (ROOT / "docs" / "optimizers.md").read_text().split("## Muon", 1)[1]
-    blocks = [block.split("```", 1)[0].strip() for block in section.split("```bash")[1:]]
-    (command,) = [b for b in blocks if b.startswith(start)]
-    return shlex.split(command.replace("\\\n", " "))
+    return documented_command(ROOT / "docs" / "optimizers.md", "Muon", start)
 
 
 @pytest.mark.full
@@ -337,20 +338,9 @@ def test_the_documented_command_trains_with_muon(tmp_path):
     the loss falls from about ln(256) (random init on bytes)."""
     import json
     import math
-    import os
-    import subprocess
-    import sys
 
     command = [arg.replace("runs/muon", str(tmp_path / "muon")) for arg in _documented_command("torchrun")]
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", *command[1:]],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_torchrun(command, ROOT)
     records = [json.loads(line) for line in (tmp_path / "muon" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 10, records
@@ -396,30 +386,42 @@ def test_the_documented_plan_command_prints_the_busiest_ranks_newton_schulz_work
     )
 
 
-def test_muon_curves_table_is_its_runs():
-    """benchmarks/results/muon_curves.md's losses and gaps are those of the runs stored next to it, every run
-    of equal length and from the same first loss (same data and initial weights), and Muon ends below AdamW on
-    both debug recipes, as docs/optimizers.md says."""
+def test_loss_curves_table_is_its_runs():
+    """benchmarks/results/loss_curves.md's losses and gaps are those of the runs stored next to it, every run of
+    equal length and from the same first loss (same data and initial weights), the MTP runs with a module loss
+    per step, and Muon, and AdamW with one MTP module, end below AdamW on both debug recipes, the module's loss within
+    2 % of the next-token loss, as docs/optimizers.md and docs/training.md say."""
     import json
     import re
 
     results = ROOT / "benchmarks" / "results"
-    curves = json.loads((results / "muon_curves.json").read_text())
+    curves = json.loads((results / "loss_curves.json").read_text())
+    training = " ".join((ROOT / "docs" / "training.md").read_text().split())
     rows = re.findall(
-        r"^\| (\w+) \| `(\w+)` \| ([\d.]+) \| ([\d.]+) \| (\S+) \|$", (results / "muon_curves.md").read_text(), re.M
+        r"^\| (\w+) \| `([\w+]+)` \| ([\d.]+) \| ([\d.]+) \| (\S+) \| (\S+) \|$",
+        (results / "loss_curves.md").read_text(),
+        re.M,
     )
-    assert [(r[0], r[1]) for r in rows] == [(recipe, o) for recipe in curves for o in curves[recipe]]
-    assert {o for runs in curves.values() for o in runs} == {"adamw", "muon"}
+    assert [(r[0], r[1]) for r in rows] == [(recipe, v) for recipe in curves for v in curves[recipe]]
+    assert {v for runs in curves.values() for v in runs} == {"adamw", "muon", "adamw+mtp", "muon+mtp"}
 
     def final(losses):
         return sum(losses[-10:]) / 10
 
-    for recipe, optimizer, first, last, gap in rows:
-        losses, adamw = curves[recipe][optimizer], curves[recipe]["adamw"]
-        assert len(losses) == len(adamw) and losses[0] == adamw[0]
-        assert float(first) == pytest.approx(losses[0], abs=1e-4)
-        assert float(last) == pytest.approx(final(losses), abs=1e-4)
-        if optimizer == "muon":
-            measured = (final(losses) - final(adamw)) / final(adamw)
+    for recipe, variant, first, last, gap, mtp in rows:
+        losses, adamw = curves[recipe][variant], curves[recipe]["adamw"]["loss"]
+        assert len(losses["loss"]) == len(adamw) and losses["loss"][0] == pytest.approx(adamw[0], rel=1e-6)
+        assert float(first) == pytest.approx(losses["loss"][0], abs=1e-4)
+        assert float(last) == pytest.approx(final(losses["loss"]), abs=1e-4)
+        assert ("mtp" in losses) == variant.endswith("+mtp") == (mtp != "–")
+        if "mtp" in losses:
+            assert len(losses["mtp"]) == len(adamw) and float(mtp) == pytest.approx(final(losses["mtp"]), abs=1e-4)
+        if variant != "adamw":
+            measured = (final(losses["loss"]) - final(adamw)) / final(adamw)
             assert float(gap.rstrip("%")) / 100 == pytest.approx(measured, abs=1e-4)
-            assert measured < 0, (recipe, measured)
+        if variant in ("muon", "adamw+mtp"):
+            assert measured < 0, (recipe, variant, measured)
+        if variant == "adamw+mtp":
+            assert abs(final(losses["mtp"]) - final(losses["loss"])) < 0.02 * final(losses["loss"]), (recipe, variant)
+            quoted = f"{final(losses['mtp']):.3f} against {final(losses['loss']):.3f}"
+            assert quoted in training and f"{-measured:.2%}".replace("%", " %") in training, (recipe, quoted)

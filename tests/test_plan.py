@@ -60,8 +60,11 @@ STATE_LAYOUTS = [
     ("debug_moe", dict(pp=2, dp=2, tp=2, ep=2, etp=2, fold_ep=True)),
     ("debug_moe", dict(dp=2, ep=2, tp=2, etp=2)),
     ("debug_moe", dict(dp=2, cp=2, tp=2, ep=2, etp=2, fold_ep=True, data_parallel="hsdp")),
+    # Multi-token prediction modules: decoder layers after the last, with their own norms and projection.
+    ("debug_dense", dict(dp=2, tp=4, sp=True, num_nextn_predict_layers=1)),
+    ("debug_moe", dict(dp=2, ep=2, tp=2, etp=2, num_nextn_predict_layers=2)),
 ]
-MODEL_KEYS = ("vocab_size", "tie_word_embeddings")
+MODEL_KEYS = ("vocab_size", "tie_word_embeddings", "num_nextn_predict_layers")
 
 
 def _config(recipe: str, layout: dict, world_size: int = 8):

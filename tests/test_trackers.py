@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from meshtron.config import ConfigError, infer_dp, load_config
-from meshtron.testing import cached_recipe_mesh, launch_checks
+from meshtron.testing import cached_recipe_mesh, documented_command, launch_checks, run_torchrun
 from meshtron.watch.metrics import board_scalars
 from meshtron.watch.trackers import RUN_IDS
 
@@ -170,27 +170,11 @@ def test_a_tracker_not_installed_is_refused_before_any_process_group(monkeypatch
 
 def test_the_documented_command_tracks_a_run(tmp_path):
     """docs/training.md's 'Trackers' command, as typed, with its output folder under a temporary one."""
-    import os
-    import shlex
-    import subprocess
-    import sys
 
     from mlflow.tracking import MlflowClient
 
-    page = (ROOT / "docs" / "training.md").read_text()
-    block = page.split("## Trackers", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    command = shlex.split(block.replace("\\\n", " ").replace("runs/t", str(tmp_path / "t")))
-    assert command[0] == "torchrun", command
-    env = {**os.environ, "WANDB_SILENT": "true"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", *command[1:]],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    command = documented_command(ROOT / "docs" / "training.md", "Trackers", "torchrun")
+    done = run_torchrun([arg.replace("runs/t", str(tmp_path / "t")) for arg in command], ROOT, {"WANDB_SILENT": "true"})
     ids = json.loads((tmp_path / "t" / RUN_IDS).read_text())
     assert f"wandb: new run {ids['wandb']}" in done.stdout and f"mlflow: new run {ids['mlflow']}" in done.stdout
     client = MlflowClient(f"sqlite:///{tmp_path / 't' / 'mlflow.db'}")

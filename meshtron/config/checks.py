@@ -145,6 +145,32 @@ def _validate_optimizer(cfg: Config, source: str) -> None:
     )
 
 
+def _validate_mtp(cfg: Config, source: str) -> None:
+    depth = cfg.model.num_nextn_predict_layers
+    if not depth:
+        return
+    where = f"{source}: [model] num_nextn_predict_layers = {depth}"
+    _require(
+        depth < cfg.train.seq_len,
+        f"{where} predicts past the sequence ([train] seq_len = {cfg.train.seq_len}): use fewer modules.",
+    )
+    _require(
+        not cfg.model.hf_model,
+        f"{where} builds meshtron's own MTP modules; a [model] hf_model is trained on its next-token loss only: "
+        "set num_nextn_predict_layers = 0.",
+    )
+    _require(
+        cfg.train.fp8 == "none",
+        f"{where} runs in the training dtype for now; [train] fp8 = '{cfg.train.fp8}' would take the modules' "
+        "linears too: set fp8 = 'none' or num_nextn_predict_layers = 0.",
+    )
+    _require(
+        cfg.parallel.pp == 1,
+        f"{where} runs without a pipeline for now ([parallel] pp = {cfg.parallel.pp}): the modules would need "
+        "the embedding on the last stage. Use pp = 1 or num_nextn_predict_layers = 0.",
+    )
+
+
 def _check_numbers(section: str, obj: Any, source: str) -> None:
     """No recipe number may be negative, NaN or infinite (seed is the one signed field)."""
     for f in dataclasses.fields(obj):
@@ -297,6 +323,7 @@ def validate(cfg: Config, source: str = "<recipe>") -> None:
     )
     _require(t.min_lr <= t.lr, f"{source}: [train] min_lr ({t.min_lr}) must not exceed lr ({t.lr}).")
     _validate_optimizer(cfg, source)
+    _validate_mtp(cfg, source)
     _validate_layout(cfg, source)
     d = cfg.data
     _require(bool(d.source), f"{source}: [data] source is empty; use 'builtin' or a path to text.")

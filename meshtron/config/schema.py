@@ -88,6 +88,19 @@ class ModelConfig:
         "key (`meshtron/models/moe.py`)",
     )
 
+    num_nextn_predict_layers: int = recipe_key(
+        0,
+        "multi-token prediction modules (DeepSeek-V3's MTP): module k takes module k - 1's hidden states (k = 1: "
+        "the last block's) and the embedding of the token k ahead through its own decoder block and the shared "
+        "LM head to predict the token k + 1 ahead; stored as layers `num_hidden_layers + k - 1`; 0 turns it off "
+        "([Multi-token prediction](training.md#multi-token-prediction))",
+    )
+    mtp_loss_coef: float = recipe_key(
+        0.1,
+        "weight λ of the MTP losses: a step minimizes the next-token loss + λ × the mean of the modules' losses "
+        "(DeepSeek-V3: 0.3, then 0.1); not an HF key",
+    )
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
@@ -99,6 +112,11 @@ class ModelConfig:
     @property
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def mtp_layers(self) -> range:
+        """Global indices of the multi-token prediction modules, after the decoder layers."""
+        return range(self.num_hidden_layers, self.num_hidden_layers + self.num_nextn_predict_layers)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Qwen2-MoE's rule: sparse every ``decoder_sparse_step`` layers unless listed as MLP-only."""

@@ -24,6 +24,12 @@ def hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else f"model.{name}"
 
 
+def layer_of(name: str) -> int | None:
+    """The decoder layer index of a meshtron parameter name (``layers.<i>.…``), else None."""
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "layers" else None
+
+
 def _meshtron_name(name: str) -> str:
     return name.removeprefix("model.")
 

@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from meshtron.config import ModelConfig
-from meshtron.hf.convert import from_hf, hf_config_dict, model_config_from_hf, to_hf
+from meshtron.hf.convert import from_hf, hf_config_dict, layer_of, model_config_from_hf, to_hf
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -123,7 +123,16 @@ def _check_keys(folder, expected: set[str], found: set[str]) -> None:
 def save_hf(
     state: dict[str, torch.Tensor], cfg: ModelConfig, folder: str | Path, max_shard_bytes: int = 2 << 30
 ) -> None:
-    """Write an HF folder that ``from_pretrained`` loads; sharded with an index above ``max_shard_bytes``."""
+    """Write an HF folder that ``from_pretrained`` loads; sharded with an index above ``max_shard_bytes``.
+    Qwen2's checkpoints have no place for multi-token prediction modules: they are left out, said on stdout."""
+    if cfg.num_nextn_predict_layers:
+        mtp = cfg.mtp_layers
+        print(
+            f"meshtron: HF export drops the {len(mtp)} multi-token prediction modules (layers {mtp[0]}..{mtp[-1]}): "
+            "Qwen2 checkpoints have no place for them; the meshtron checkpoint keeps them.",
+            flush=True,
+        )
+        state = {name: t for name, t in state.items() if layer_of(name) not in mtp}
     write_safetensors_folder(to_hf(state, cfg), hf_config_dict(cfg), folder, max_shard_bytes)
 
 

@@ -205,6 +205,9 @@ class HFNoPipelineRunner(WholeModelRunner):
     def aux_loss(self) -> torch.Tensor | None:
         return None
 
+    def mtp_losses(self) -> torch.Tensor | None:
+        return None  # a transformers model trains on its next-token loss (meshtron.config.checks)
+
 
 def parallelize_options(p: ParallelConfig, train: TrainConfig | None = None) -> dict:
     """:func:`parallelize_hf_model`'s options from a layout and the ``[train]`` keys it reads (default ones if

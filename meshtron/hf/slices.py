@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshtron.config import ConfigError
-from meshtron.hf.convert import hf_name
+from meshtron.hf.convert import hf_name, layer_of
 from meshtron.hf.io import open_safetensors, weight_map
 from meshtron.torch_private import compute_local_shape_and_global_offset
 
@@ -174,10 +174,11 @@ def _read_native(reader: _SliceReader, name: str, index: tuple[slice, ...], tied
 
 
 @torch.no_grad()
-def load_native_sharded(model: nn.Module, folder: str | Path, tied: bool) -> int:
+def load_native_sharded(model: nn.Module, folder: str | Path, tied: bool, fresh_layers: range = range(0)) -> int:
     """Fill a (sharded, possibly pipeline-stage) meshtron model from an HF folder, reading only local slices.
 
-    Parameters the folder lacks raise; buffers it lacks (the MoE expert bias) keep their values.
+    Parameters the folder lacks raise, but for those of ``fresh_layers`` (multi-token prediction modules, which
+    Qwen2 checkpoints lack); those and buffers it lacks (the MoE expert bias) keep their values.
     Returns the tensor bytes read on this rank.
     """
     wanted = dict(model.named_parameters())
@@ -188,7 +189,7 @@ def load_native_sharded(model: nn.Module, folder: str | Path, tied: bool) -> int
             try:
                 part = _read_native(reader, name, _local_slice(tensor), tied)
             except KeyError:
-                if name in buffers:
+                if name in buffers or layer_of(name) in fresh_layers:
                     continue
                 raise ConfigError(
                     f"{folder} has no tensor for parameter '{name}': not a checkpoint of this model."

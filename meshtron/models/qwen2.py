@@ -77,6 +77,31 @@ class Block(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class MTPBlock(Block):
+    """One multi-token prediction module (DeepSeek-V3's MTP): the previous depth's hidden states and the
+    embedding of the token this depth looks ahead to, each normalized (``hnorm``, ``enorm``), joined by
+    ``eh_proj`` into one decoder block; returns the block's output (the next depth's input) and that output
+    under the module's own final ``norm`` (the shared LM head's input)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        embedded: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        documents: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
+        out = super().forward(x, rope, documents)
+        return out, self.norm(out)
+
+
 class LMHead(nn.Linear):
     """Output projection. ``forward(h)`` gives logits; ``forward(h, labels)`` gives the summed token
     cross-entropy computed ``chunk_tokens`` tokens at a time, so training never holds the logits of a
@@ -102,6 +127,10 @@ class Transformer(nn.Module):
 
     ``document_mask`` (off by default): ``position_ids`` are packed positions that restart at 0 at
     every document, and attention never crosses a document (transformers' packed-sequence rule).
+
+    With ``num_nextn_predict_layers`` the :class:`MTPBlock` modules follow the decoder layers in ``layers``
+    (keys ``num_hidden_layers + k - 1``, DeepSeek-V3's layout); given ``mtp_tokens`` and ``mtp_labels``
+    the training forward returns the summed losses ``[next-token, depth 1, ...]``.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -111,6 +140,7 @@ class Transformer(nn.Module):
         self.embed_tokens: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_size, cfg.rope_theta)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_hidden_layers)})
+        self.layers.update({str(i): MTPBlock(cfg, i) for i in cfg.mtp_layers})
         self.norm: RMSNorm | None = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head: LMHead | None = LMHead(cfg.hidden_size, cfg.vocab_size)
         self.tie_weights()
@@ -130,24 +160,37 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         layers: range | None = None,
         labels: torch.Tensor | None = None,
+        mtp_tokens: torch.Tensor | None = None,
+        mtp_labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``layers`` runs only that range of global layer indices (a pipeline chunk): the embedding
         applies when it starts at layer 0, the final norm and LM head when it ends at the last layer.
-        ``labels`` (next-token ids, -100 ignored): return the summed token loss instead of logits."""
-        first = layers is None or layers.start == 0
-        last = layers is None or layers.stop == self.config.num_hidden_layers
+        ``labels`` (next-token ids, -100 ignored): return the summed token loss instead of logits.
+        ``mtp_tokens`` / ``mtp_labels`` (``[B, S, depth]``, from :func:`meshtron.models.mtp.tokens_ahead`): the
+        MTP modules' inputs and targets; the losses come back stacked, the next-token loss first."""
+        cfg = self.config
+        layers = range(cfg.num_hidden_layers) if layers is None else layers
+        first, last = layers.start == 0, layers.stop == cfg.num_hidden_layers
         h = self.embed_tokens(tokens) if self.embed_tokens is not None and first else tokens
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
         rope = self.rotary(position_ids, h.dtype)
         documents = position_ids if self.document_mask else None
-        for key in self.layers if layers is None else map(str, layers):
+        for key in map(str, layers):
             h = self.layers[key](h, rope, documents)
-        if self.norm is not None and last:
-            h = self.norm(h)
-        if self.lm_head is None or not last:
+        if not last:
             return h
-        return self.lm_head(h, labels)
+        out = self.norm(h) if self.norm is not None else h
+        if self.lm_head is None:
+            return out
+        loss = self.lm_head(out, labels)
+        if mtp_labels is None or labels is None:
+            return loss
+        losses = [loss]
+        for k, key in enumerate(map(str, cfg.mtp_layers)):
+            h, out = self.layers[key](h, self.embed_tokens(mtp_tokens[..., k]), rope, documents)
+            losses.append(self.lm_head(out, mtp_labels[..., k]))
+        return torch.stack(losses)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -255,5 +298,6 @@ __all__ = [
     "CausalAttention",
     "MLP",
     "Block",
+    "MTPBlock",
     "LMHead",
 ]

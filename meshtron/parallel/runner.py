@@ -14,6 +14,7 @@ from meshtron.config import Config
 from meshtron.mesh import dense_data_mesh
 from meshtron.models import moe_layers
 from meshtron.models.moe import replaying
+from meshtron.models.mtp import mtp_loss_weights
 from meshtron.parallel.compose import materialize_sharded, parallelize
 from meshtron.parallel.data_parallel import MicrobatchSync
 from meshtron.parallel.pipeline.pipelined_runner import PipelineRunner
@@ -44,25 +45,40 @@ class NoPipelineRunner(WholeModelRunner):
         average_router_losses_over_microbatches(self.module, cfg.parallel.microbatches)
         self.sync = MicrobatchSync(self.module, cfg.parallel)
         self._aux: list[torch.Tensor] = []
+        self.mtp_depth = cfg.model.num_nextn_predict_layers
+        self.loss_weights = mtp_loss_weights(cfg.model, device)
+        self._mtp: torch.Tensor | None = None
 
     def forward_backward(
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The step's global loss as a device scalar (reading it is the caller's one host sync)."""
+        """The step's global loss as a device scalar (reading it is the caller's one host sync); with MTP the
+        next-token loss, while the gradients are those of the weighted sum with the modules' losses."""
         p = self.cfg.parallel
-        micro = split_microbatches(input_ids, labels, self.cp_mesh, p.microbatches, position_ids)
+        micro = split_microbatches(input_ids, labels, self.cp_mesh, p.microbatches, position_ids, self.mtp_depth)
         tokens = global_token_count(micro, self.data_group)
-        total = torch.zeros((), device=self.device)
+        if self.mtp_depth:  # a module with no target left (short SFT answers) adds nothing rather than 0 / 0
+            tokens = torch.cat([tokens[:1], tokens[1:].clamp(min=1)])
+        total = torch.zeros_like(tokens)
         self._aux = []
-        for i, (ids, lab, pos) in enumerate(micro):
+        for i, (ids, lab, pos, *ahead) in enumerate(micro):
             self.sync.forward(i, len(micro))
-            loss = self.module(ids, pos, labels=lab) / tokens
+            losses = self._losses(ids, pos, lab, ahead) / tokens
             self.sync.backward(i, len(micro))
-            loss.backward()
-            total += loss.detach()
+            (losses @ self.loss_weights if self.mtp_depth else losses).backward()
+            total += losses.detach()
             self._aux.extend(m.last_aux_loss for m in self.moes if m.last_aux_loss is not None)
         dist.all_reduce(total, group=self.data_group)
-        return total
+        if not self.mtp_depth:
+            return total
+        self._mtp = total[1:]
+        return total[0]
+
+    def _losses(self, ids: torch.Tensor, pos: torch.Tensor, lab: torch.Tensor, ahead: list) -> torch.Tensor:
+        """The micro-batch's summed token loss; with MTP targets (``ahead``) the stacked losses of every depth."""
+        if not ahead:
+            return self.module(ids, pos, labels=lab)
+        return self.module(ids, pos, labels=lab, mtp_tokens=ahead[0], mtp_labels=ahead[1])
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +94,9 @@ class NoPipelineRunner(WholeModelRunner):
 
     def aux_loss(self) -> torch.Tensor | None:
         return torch.stack(self._aux).mean() if self._aux else None
+
+    def mtp_losses(self) -> torch.Tensor | None:
+        return self._mtp
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from meshtron.checkpoint import gather_full_state_dict
 from meshtron.host import copy_to
 from meshtron.models import moe_layers
 from meshtron.models.moe import MoE
+from meshtron.models.mtp import tokens_ahead
 from meshtron.parallel.context import shard_batch
 from meshtron.parallel.grad_norm import clip_grad_norm_
 
@@ -44,6 +45,9 @@ class Runner(Protocol):
 
     def aux_loss(self) -> torch.Tensor | None:
         """The last step's MoE load-balancing loss (mean over layers and micro-batches), or None."""
+
+    def mtp_losses(self) -> torch.Tensor | None:
+        """The last step's loss of each multi-token prediction module (``[depth]``), or None without MTP."""
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip every gradient of the model in place; the global norm before clipping (device scalar)."""
@@ -104,20 +108,35 @@ def _parameter_device(optimizer: torch.optim.Optimizer) -> torch.device:
     return (param.to_local() if isinstance(param, DTensor) else param).device
 
 
-def split_microbatches(input_ids: torch.Tensor, labels: torch.Tensor, mesh, micro: int, positions=None):
+def split_microbatches(
+    input_ids: torch.Tensor, labels: torch.Tensor, mesh, micro: int, positions=None, mtp_depth: int = 0
+) -> list[tuple]:
     """[(ids, labels, position_ids)] per micro-batch: this rank's cp slice of the sequence (with its
-    global, or given packed-document, positions), split along the batch dimension."""
+    global, or given packed-document, positions), split along the batch dimension; with ``mtp_depth``
+    each also holds the MTP modules' ``[B, S, depth]`` inputs and targets (``meshtron.models.mtp``), shifted on
+    the whole sequence before the cp split."""
+    documents = positions
     if positions is None:
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    input_ids, labels, positions = shard_batch((input_ids, labels, positions), mesh)
-    return list(zip(input_ids.chunk(micro), labels.chunk(micro), positions.chunk(micro)))
+    batch = (input_ids, labels, positions)
+    if mtp_depth:
+        batch += tokens_ahead(input_ids, labels, mtp_depth, documents)
+    return list(zip(*(part.chunk(micro) for part in shard_batch(batch, mesh))))
 
 
 def global_token_count(micro: list, data_group) -> torch.Tensor:
-    """Counted tokens of the whole step over the ranks that hold different tokens (dp x ep x cp)."""
-    tokens = sum((lab != -100).sum() for _, lab, _ in micro).to(torch.float32)
-    dist.all_reduce(tokens, group=data_group)
-    return tokens
+    """Counted tokens of the whole step over the ranks that hold different tokens (dp x ep x cp); with MTP
+    targets one count per loss, ``[next-token, depth 1, ...]``."""
+    counts = torch.stack([_counted_targets(mb) for mb in micro]).sum(0).to(torch.float32)
+    dist.all_reduce(counts, group=data_group)
+    return counts[0] if counts.numel() == 1 else counts
+
+
+def _counted_targets(mb: tuple) -> torch.Tensor:
+    counted = (mb[1] != -100).sum().reshape(1)
+    if len(mb) == 3:
+        return counted
+    return torch.cat([counted, (mb[4] != -100).sum(dim=(0, 1))])
 
 
 class _SumOverRanks(torch.autograd.Function):

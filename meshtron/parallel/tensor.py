@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput,
 
 from meshtron.config import ConfigError
 from meshtron.models.moe import MoE
+from meshtron.models.qwen2 import MTPBlock
 from meshtron.parallel.sp_projections import SequenceParallelColwise
 from meshtron.parallel.tp_gradient import name_tp_gradients
 from meshtron.parallel.tp_styles import Colwise, ReplicatedKVHeads, ReplicateParallel, Rowwise, VocabParallelEmbedding
@@ -119,6 +120,20 @@ def _block_tp_plan(block: nn.Module, kv_heads: int, head_dim: int, tp: int, sp: 
         plan.update(_moe_plan("mlp", block.mlp, sp))
     else:
         plan.update(_mlp_plan("mlp", sp))
+    if isinstance(block, MTPBlock):
+        plan.update(_mtp_plan(sp))
+    return plan
+
+
+def _mtp_plan(sp: bool) -> dict[str, ParallelStyle]:
+    """An MTP module's own parts around its block: ``eh_proj`` maps the whole hidden width, so it is replicated
+    over tp and works on the tokens this rank holds (under SP its shard: partial weight gradients); the norms
+    are the block's norms' (SP: on the shard)."""
+    plan: dict[str, ParallelStyle] = {"eh_proj": ReplicateParallel(grad="partial" if sp else "replicate")}
+    if sp:  # eh_proj computes on local tensors
+        plan["enorm"] = SequenceParallel(use_local_output=True)
+        plan["hnorm"] = SequenceParallel(use_local_output=True)
+        plan["norm"] = SequenceParallel()
     return plan
 
 

@@ -280,7 +280,9 @@ def _unit_groups(cfg: Config, coords: Coords, spans: dict[int, StageSpan]) -> li
     stage_of = {
         i: s for s, r in enumerate(chunk_layer_ranges(cfg.model.num_hidden_layers, p.pp, p.virtual_stages)) for i in r
     }
-    special = {"embed": [0], "head": [p.pp * p.virtual_stages - 1], "root": list(spans)}
+    last = p.pp * p.virtual_stages - 1
+    stage_of.update({i: last for i in cfg.model.mtp_layers})  # the modules run after the head, on its stage
+    special = {"embed": [0], "head": [last], "root": list(spans)}
     shards, gathered = _unit_grad_bytes(cfg, coords), unit_gathered_bytes(cfg, coords.pp)
     groups: dict[StageSpan, list[float]] = {}
     for unit, elements in unit_elements(cfg, coords.pp).items():

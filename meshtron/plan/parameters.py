@@ -135,7 +135,16 @@ def _stage_params(key: tuple, m: ModelConfig) -> tuple[Param, ...]:
         out.append(Param("norm.weight", (m.hidden_size,)))
         if not tied_root:
             out.append(Param("lm_head.weight", vocab, 0, unit="head"))
+        for layer in m.mtp_layers:
+            out += _layer_params(m, layer, tp) + _mtp_params(m, layer)
     return tuple(out)
+
+
+def _mtp_params(m: ModelConfig, layer: int) -> list[Param]:
+    """A multi-token prediction module's own parameters beside its block's, whole on every tp rank."""
+    h, unit, p = m.hidden_size, f"block.{layer}", f"layers.{layer}."
+    norms = [Param(f"{p}{norm}.weight", (h,), unit=unit) for norm in ("enorm", "hnorm", "norm")]
+    return [*norms, Param(p + "eh_proj.weight", (h, 2 * h), unit=unit)]
 
 
 class ExpertCoords(NamedTuple):

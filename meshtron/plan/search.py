@@ -113,14 +113,15 @@ def _divisors(n: int) -> list[int]:
 
 def mesh_shapes(cfg: Config, world_size: int, gpus_per_node: int) -> list[dict]:
     """Every pp x dp x cp x ep x tp = ``world_size`` with tp inside a node and ep only for MoE models,
-    and for MoE models every folded expert split of each dense shape (:func:`folded_splits`)."""
+    and for MoE models every folded expert split of each dense shape (:func:`folded_splits`); pp = 1 only with
+    multi-token prediction, which runs without a pipeline."""
     m = cfg.model
     shapes = []
     for tp in _divisors(world_size):
         if tp > gpus_per_node:
             continue
         for pp in _divisors(world_size // tp):
-            if pp > m.num_hidden_layers:
+            if pp > m.num_hidden_layers or (pp > 1 and m.num_nextn_predict_layers):
                 continue
             for cp in _divisors(world_size // (tp * pp)):
                 for ep in _divisors(world_size // (tp * pp * cp)) if m.is_moe else [1]:

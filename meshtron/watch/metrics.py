@@ -152,6 +152,8 @@ class MetricsLogger:
         ]
         if r.get("eval_loss") is not None:
             parts.append(f"eval {r['eval_loss']:.4f} (ppl {r['eval_ppl']:.2f})")
+        if r.get("mtp_losses"):
+            parts.append("mtp " + " ".join(f"{loss:.4f}" for loss in r["mtp_losses"]))
         if r.get("aux_loss") is not None:
             parts.append(f"aux {r['aux_loss']:.4f}")
         if r.get("mfu") is not None:
@@ -199,9 +201,12 @@ _BOARD_TAGS = {
 
 
 def board_scalars(record: dict[str, Any]) -> dict[str, float]:
-    """{tag: value} of one metrics record: the scalars above, every MoE layer's share of routed tokens
+    """{tag: value} of one metrics record: the scalars above, each MTP module's loss (``train/mtp_loss_<k>``),
+    every MoE layer's share of routed tokens
     per expert (``moe/<layer>/load/expert_NNN``) and its dropped fraction (``moe/<layer>/dropped``)."""
     scalars = {tag: record[key] for key, tag in _BOARD_TAGS.items() if record.get(key) is not None}
+    for depth, loss in enumerate(record.get("mtp_losses") or (), start=1):
+        scalars[f"train/mtp_loss_{depth}"] = loss
     for layer, loads in record.get("moe_load", {}).items():
         scalars.update({f"moe/{layer}/load/expert_{e:03d}": share for e, share in enumerate(loads)})
     for layer, dropped in record.get("moe_dropped", {}).items():

@@ -219,6 +219,9 @@ class PipelineRunner:
         """Mean of the last step's aux losses over every MoE layer of every stage and micro-batch."""
         return self._aux
 
+    def mtp_losses(self) -> torch.Tensor | None:
+        return None  # multi-token prediction runs without a pipeline (meshtron.config.checks)
+
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip to the norm over all stages; a tied LM head copy is clipped but counted once (first stage)."""
