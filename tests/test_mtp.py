@@ -113,6 +113,32 @@ def test_the_modules_are_layers_after_the_decoder_and_get_gradients():
         assert param.grad is not None and param.grad.abs().max() > 0, name
 
 
+@pytest.mark.parametrize("recipe", ["debug_dense", "debug_moe"])
+def test_mfu_flops_count_each_module_as_a_block_a_projection_and_a_head_pass(recipe):
+    """MFU's FLOPs per token: each module adds 6 FLOPs per weight of its matrices (its block's, active experts
+    only, and eh_proj's, counted on the model) and of the LM head, and one more layer of causal attention."""
+    from meshtron.models import flops_per_token
+
+    plain = _mtp_config(recipe, "--parallel.ep=1", depth=0).model
+    cfg = _mtp_config(recipe, "--parallel.ep=1", depth=1).model
+    model = random_model(cfg, seed=0)
+    module = model.layers[str(cfg.num_hidden_layers)]
+    matrices = sum(p.numel() for n, p in module.named_parameters() if p.ndim == 2 and "experts" not in n)
+    # The router is counted below; the shared expert's one-output gate, as for every MoE block, not at all.
+    left_out = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")
+    matrices -= sum(p.numel() for n, p in module.named_parameters() if n.endswith(left_out))
+    if cfg.is_moe:  # the router's and the top-k experts' GEMMs: FLOPs count active weights
+        matrices += cfg.hidden_size * cfg.num_experts
+        matrices += 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts_per_tok
+    added = flops_per_token(cfg, 0) - flops_per_token(plain, 0)
+    assert added == 6 * (matrices + model.lm_head.weight.numel())
+    attention = flops_per_token(plain, 64) - flops_per_token(plain, 0)
+    assert (
+        flops_per_token(cfg, 64) - flops_per_token(cfg, 0)
+        == attention * (cfg.num_hidden_layers + 1) / cfg.num_hidden_layers
+    )
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

@@ -268,20 +268,24 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (6 * active matmul params + causal attention), for MFU reports."""
+    """Training FLOPs per token (6 * active matmul params + causal attention), for MFU reports; each multi-token
+    prediction module adds a block, its ``eh_proj`` and a pass through the shared LM head."""
     d, h, kv = cfg.head_size, cfg.num_attention_heads, cfg.kv_heads
     attn_params = cfg.hidden_size * d * (2 * h + 2 * kv)
+    depth = cfg.num_nextn_predict_layers
+    blocks = [*range(cfg.num_hidden_layers), *cfg.mtp_layers]
     per_layer = []
-    for i in range(cfg.num_hidden_layers):
+    for i in blocks:
         if cfg.is_moe_layer(i):
             mlp = 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts_per_tok
             mlp += 3 * cfg.hidden_size * cfg.shared_expert_intermediate_size + cfg.hidden_size * cfg.num_experts
         else:
             mlp = 3 * cfg.hidden_size * cfg.intermediate_size
         per_layer.append(attn_params + mlp)
-    matmul_params = sum(per_layer) + cfg.hidden_size * cfg.vocab_size
+    heads = (1 + depth) * cfg.hidden_size * cfg.vocab_size
+    matmul_params = sum(per_layer) + depth * 2 * cfg.hidden_size**2 + heads
     # Causal attention: QK^T and AV, each 2 * S * d per head per token, halved by the mask, x3 for fwd+bwd.
-    attention = 3 * 2 * 2 * h * d * seq_len / 2 * cfg.num_hidden_layers
+    attention = 3 * 2 * 2 * h * d * seq_len / 2 * len(blocks)
     return 6 * matmul_params + attention
 
 
