@@ -169,8 +169,10 @@ class Transformer(nn.Module):
         ``mtp_tokens`` / ``mtp_labels`` (``[B, S, depth]``, from :func:`meshtron.models.mtp.tokens_ahead`): the
         MTP modules' inputs and targets; the losses come back stacked, the next-token loss first."""
         cfg = self.config
-        layers = range(cfg.num_hidden_layers) if layers is None else layers
-        first, last = layers.start == 0, layers.stop == cfg.num_hidden_layers
+        first = layers is None or layers.start == 0
+        last = layers is None or layers.stop == cfg.num_hidden_layers
+        if layers is None:  # the decoder layers this model holds (all, or a pruned stage's)
+            layers = [int(key) for key in self.layers if int(key) < cfg.num_hidden_layers]
         h = self.embed_tokens(tokens) if self.embed_tokens is not None and first else tokens
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
