@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from meshtron.config import ModelConfig
-
-IGNORE = -100
+from meshtron.data.sampler import IGNORE_INDEX
 
 
 def mtp_loss_weights(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
@@ -30,12 +29,12 @@ def tokens_ahead(
     ``documents`` (packed positions restarting at 0 per document) so is every target in another document."""
     batch, seq = input_ids.shape
     inputs = input_ids.new_zeros(batch, seq, depth)
-    targets = labels.new_full((batch, seq, depth), IGNORE)
+    targets = labels.new_full((batch, seq, depth), IGNORE_INDEX)
     for k in range(1, min(depth, seq - 1) + 1):
         inputs[:, : seq - k, k - 1] = input_ids[:, k:]
         ahead = labels[:, k:]
         if documents is not None:
             same_document = documents[:, k:] == documents[:, : seq - k] + k
-            ahead = torch.where(same_document, ahead, IGNORE)
+            ahead = torch.where(same_document, ahead, IGNORE_INDEX)
         targets[:, : seq - k, k - 1] = ahead
     return inputs, targets

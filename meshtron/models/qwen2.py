@@ -171,14 +171,14 @@ class Transformer(nn.Module):
         cfg = self.config
         first = layers is None or layers.start == 0
         last = layers is None or layers.stop == cfg.num_hidden_layers
-        if layers is None:  # the decoder layers this model holds (all, or a pruned stage's)
-            layers = [int(key) for key in self.layers if int(key) < cfg.num_hidden_layers]
+        # Without ``layers``, the decoder layers this model holds (all, or a pruned stage's), not the MTP modules.
+        keys = map(str, layers) if layers is not None else (k for k in self.layers if int(k) < cfg.num_hidden_layers)
         h = self.embed_tokens(tokens) if self.embed_tokens is not None and first else tokens
         if position_ids is None:
             position_ids = torch.arange(h.shape[1], device=h.device).expand(h.shape[0], -1)
         rope = self.rotary(position_ids, h.dtype)
         documents = position_ids if self.document_mask else None
-        for key in map(str, layers):
+        for key in keys:
             h = self.layers[key](h, rope, documents)
         if not last:
             return h

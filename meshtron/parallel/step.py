@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshtron.checkpoint import gather_full_state_dict
+from meshtron.data.sampler import IGNORE_INDEX
 from meshtron.host import copy_to
 from meshtron.models import moe_layers
 from meshtron.models.moe import MoE
@@ -133,10 +134,11 @@ def global_token_count(micro: list, data_group) -> torch.Tensor:
 
 
 def _counted_targets(mb: tuple) -> torch.Tensor:
-    counted = (mb[1] != -100).sum().reshape(1)
+    """A micro-batch's counted labels, then (with MTP targets, ``mb[4]``) each depth's."""
+    counted = (mb[1] != IGNORE_INDEX).sum().reshape(1)
     if len(mb) == 3:
         return counted
-    return torch.cat([counted, (mb[4] != -100).sum(dim=(0, 1))])
+    return torch.cat([counted, (mb[4] != IGNORE_INDEX).sum(dim=(0, 1))])
 
 
 class _SumOverRanks(torch.autograd.Function):

@@ -49,17 +49,16 @@ def _stage_work(cfg: Config, pp_rank: int) -> MuonWork:
     for q in stage_params(cfg, pp_rank):
         if muon_param(q):
             stacks.setdefault((q.shape, q.tp_dim, q.expert), []).append(q)
+    coords = Coords(pp=pp_rank)
+    expert_shards, _ = data_shards(cfg, coords, expert=True)
     matrices, flops = 0, 0.0
     for (shape, _, expert), params in stacks.items():
         per_param, width = 1, stage_ranks
         if expert:  # each expert's matrix whole; ep, and FSDP over the experts, keep them where they are
-            coords = Coords(pp=pp_rank)
             local = model_parallel_shape(params[0], cfg, coords)
-            shards, _ = data_shards(cfg, coords, expert=True)
-            whole_experts = p.ep
-            per_param = local[0]
-            if fsdp_shard_dim(params[0], cfg, local, shards) == 0:
-                per_param, whole_experts = chunk_size(local[0], shards, 0), p.ep * shards
+            per_param, whole_experts = local[0], p.ep
+            if fsdp_shard_dim(params[0], cfg, local, expert_shards) == 0:
+                per_param, whole_experts = chunk_size(local[0], expert_shards, 0), p.ep * expert_shards
             width = stage_ranks // whole_experts
         taken = math.ceil(len(params) / width) * per_param
         matrices += taken
